@@ -1,0 +1,85 @@
+"""Argument checks for launchers. Every failure names the argument it is about."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from evenflow._runtime import interpreting
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
+    contiguous: bool = False,
+    last_dim_contiguous: bool = False,
+) -> torch.Tensor:
+    """Validate one tensor argument; raise TypeError/ValueError naming ``name``.
+
+    ``shape`` entries that are None are not checked. ``device`` None means "the
+    device kernels run on": CUDA on a GPU, CPU under the Triton interpreter.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if device is not None:
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, expected {device}")
+    else:
+        want_type = "cpu" if interpreting() else "cuda"
+        if t.device.type != want_type:
+            raise ValueError(
+                f"{name} is on {t.device}; evenflow kernels run on "
+                f"{'the CPU (Triton interpreter)' if want_type == 'cpu' else 'a CUDA device'} here"
+            )
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
+    if last_dim_contiguous and t.dim() > 0 and t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"{name} must have a unit stride in its last dimension (got strides {t.stride()})")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """All given tensors on one device; return it."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    dev = items[0][1].device
+    for k, v in items[1:]:
+        if v.device != dev:
+            raise ValueError(f"{k} is on {v.device} but {items[0][0]} is on {dev}")
+    return dev
+
+
+def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Validate a caller-provided output buffer."""
+    check_tensor(name, out, dtypes=[dtype], shape=list(shape), device=device)
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return out
+
+
+def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v}")
+    return v
+
+
+def check_choice(name: str, v, choices: Sequence) -> None:
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {v!r}")

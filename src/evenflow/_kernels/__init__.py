@@ -1,0 +1,1 @@
+"""Pure ``@triton.jit`` helpers shared by several operators (no torch logic)."""

@@ -1,0 +1,47 @@
+"""Triton helpers shared across operators.
+
+Both helpers exist for the Triton 3.6 CPU interpreter's defects (see
+``evenflow._runtime``); on a GPU their constexpr switch is False and they compile
+to nothing.
+"""
+import triton
+import triton.language as tl
+
+FP8_E4M3_MAX = 448.0
+
+
+@triton.jit
+def dot_operand(x, DOT_F32: tl.constexpr):
+    """Return ``x`` ready for ``tl.dot``: upcast to fp32 only when DOT_F32."""
+    if DOT_F32:
+        return x.to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def round_to_fp8e4_grid(x):
+    """Round fp32 ``x`` to the nearest e4m3fn value (ties to even), saturating at 448.
+
+    Normal e4m3 numbers carry 3 mantissa bits, so the grid step at binary exponent
+    e is 2^(e-3); below 2^-6 the subnormal step is 2^-9. The exponent is read from
+    the fp32 bits, which is exact, and the rounding uses the fp32 "add and subtract
+    1.5*2^23*step" trick, which rounds to a multiple of ``step`` with ties to even
+    while |x| < 2^22*step (here |x/step| < 16).
+    """
+    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    step = tl.exp2((e - 3).to(tl.float32))
+    magic = step * 12582912.0  # 1.5 * 2^23
+    return (x + magic) - magic
+
+
+@triton.jit
+def to_fp8e4(x, FP8_ROUND: tl.constexpr):
+    """Cast fp32 ``x`` to float8e4nv, saturating; exact rounding in the interpreter too."""
+    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    if FP8_ROUND:
+        x = round_to_fp8e4_grid(x)
+    return x.to(tl.float8e4nv)

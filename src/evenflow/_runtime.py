@@ -1,0 +1,62 @@
+"""Where evenflow's kernels run, and the few facts that depend on it.
+
+Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is *decorated*,
+so the choice between the GPU compiler and the CPU interpreter is made when
+evenflow's kernel modules are imported. ``evenflow/__init__.py`` calls
+:func:`select_backend` before importing any of them: without a CUDA device the
+interpreter is switched on, so every operator still runs (slowly) on a CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def select_backend() -> None:
+    """Turn on the Triton interpreter when no CUDA device exists (idempotent)."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_device_ok(t: torch.Tensor) -> bool:
+    """Kernels take CUDA tensors on a GPU and CPU tensors in the interpreter."""
+    return t.device.type == ("cpu" if interpreting() else "cuda")
+
+
+def num_sms(device: torch.device | str | None = None) -> int:
+    """Streaming multiprocessors of ``device``; a small fixed count when interpreting.
+
+    The interpreter runs programs one after another, so a persistent grid there
+    only needs enough programs to exercise the multi-program logic.
+    """
+    if interpreting() or not torch.cuda.is_available():
+        return 4
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+def dot_needs_fp32() -> bool:
+    """The Triton 3.6 interpreter computes ``tl.dot`` of two bf16 operands wrongly.
+
+    Kernels take this as a constexpr (``DOT_F32``) and upcast bf16 dot operands to
+    fp32 through :func:`evenflow._kernels.common.dot_operand`. On a GPU it is False
+    and the operands stay bf16 (tensor cores). ``tests/test_interpreter_workarounds.py``
+    shows that the defect exists and that the upcast removes it.
+    """
+    return interpreting()
+
+
+def fp8_cast_needs_rounding() -> bool:
+    """The Triton 3.6 interpreter's cast to float8e4nv drops a binade on carry.
+
+    Kernels take this as a constexpr (``FP8_ROUND``) and round to the e4m3 grid in
+    fp32 first (:func:`evenflow._kernels.common.to_fp8e4`), after which the cast is
+    exact. False on a GPU, where the hardware cast rounds correctly.
+    """
+    return interpreting()

@@ -1,0 +1,1 @@
+"""Adapters that put evenflow operators into serving engines. They hold no math."""

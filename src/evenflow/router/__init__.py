@@ -1,0 +1,3 @@
+"""evenflow.router: public names of this operator family (re-exported by evenflow)."""
+
+__all__: list[str] = []

@@ -1,0 +1,83 @@
+"""Helpers that evenflow's tests (and users' tests of their integrations) share.
+
+The tolerance rule
+------------------
+An evenflow kernel computes in a lower precision than its oracle. We accept its
+output when its error against a float64 reference is at most ``factor`` (2 by
+default) times the error that *PyTorch* makes doing the same math in the same
+precision, plus one unit in the last place of the output dtype at the
+reference's magnitude (so that an exact baseline, error 0, does not demand more
+than the output format can represent):
+
+    max|out - ref64| <= factor * max|torch_same_precision - ref64| + ulp(out.dtype) * max|ref64|
+
+This is FlashAttention's rule ("at most 2x PyTorch's error in the same precision")
+made explicit. It grows with the problem the way real rounding does (e.g. like
+sqrt(K) for a K-long fp32 dot product) rather than by a hand-picked ``atol``.
+Integer metadata (plans, task maps, routing indices) is compared exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["assert_within_rule", "assert_exact", "poisoned", "error_bound"]
+
+_ULP = {
+    torch.float64: 2.0**-52,
+    torch.float32: 2.0**-23,
+    torch.bfloat16: 2.0**-7,
+    torch.float16: 2.0**-10,
+    torch.float8_e4m3fn: 2.0**-3,
+}
+
+
+def _max_abs(t: torch.Tensor) -> float:
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
+def error_bound(ref64: torch.Tensor, baseline: torch.Tensor, out_dtype: torch.dtype, factor: float = 2.0) -> float:
+    """The largest error the rule allows (see module docstring)."""
+    ref64 = ref64.double()
+    base_err = _max_abs(baseline.double().cpu() - ref64.cpu())
+    return factor * base_err + _ULP[out_dtype] * _max_abs(ref64)
+
+
+def assert_within_rule(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor,
+                       factor: float = 2.0, what: str = "output") -> float:
+    """Assert ``out`` is within the tolerance rule; return the measured error.
+
+    ``ref64``: the oracle in float64. ``baseline``: the same math done by PyTorch in
+    the precision evenflow works in (e.g. bf16 inputs, fp32 accumulation).
+    NaN or Inf anywhere in ``out`` fails, whatever the bound.
+    """
+    assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}"
+    outd = out.detach().double().cpu()
+    assert torch.isfinite(outd).all(), f"{what}: non-finite values at {torch.nonzero(~torch.isfinite(outd))[:5].tolist()}"
+    err = _max_abs(outd - ref64.double().cpu())
+    bound = error_bound(ref64, baseline, out.dtype, factor)
+    assert err <= bound, f"{what}: max abs error {err:.3e} exceeds the rule's bound {bound:.3e}"
+    return err
+
+
+def assert_exact(actual: torch.Tensor, expected: torch.Tensor, what: str = "metadata") -> None:
+    """Exact equality for integer metadata, with the first mismatches shown."""
+    a, e = actual.detach().cpu(), expected.detach().cpu()
+    assert a.shape == e.shape, f"{what}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+    assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"
+    if not torch.equal(a, e):
+        bad = torch.nonzero(a != e)[:5].tolist()
+        raise AssertionError(f"{what}: {int((a != e).sum())} mismatches, first at {bad}: "
+                             f"{[a[tuple(i)].item() for i in bad]} != {[e[tuple(i)].item() for i in bad]}")
+
+
+def poisoned(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An output buffer filled with NaN (floats) or a sentinel (ints), so unwritten elements fail."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        if dtype in (torch.float8_e4m3fn,):
+            t.view(torch.uint8).fill_(0x7F)  # e4m3fn NaN
+        else:
+            t.fill_(float("nan"))
+    else:
+        t.fill_(-7777 if dtype != torch.uint8 else 0xAB)
+    return t

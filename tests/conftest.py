@@ -1,0 +1,44 @@
+"""Shared test setup.
+
+* Without CUDA, ``TRITON_INTERPRET=1`` is set *before* triton is imported (by
+  anything), so kernels run in the CPU interpreter.
+* ``device`` fixture: "cuda" when present, else "cpu".
+* ``@pytest.mark.gpu``: needs a real GPU (real shapes, CUDA graphs, timings of
+  nothing); skipped without CUDA, run on the device machine.
+* Tests seed torch per test so each is reproducible on its own.
+"""
+import os
+
+import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped on CPU-only machines")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: benchmarks/device.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    # A per-test seed derived from the test id: reproducible, yet different per case.
+    import zlib
+
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+    yield

@@ -1,0 +1,94 @@
+"""The Triton 3.6 CPU interpreter's two defects, and proof that our workarounds fix them.
+
+Each pair of tests shows the defect exists (so the workaround is needed) and that
+the workaround removes it (so it is sufficient). On a GPU the "defect" tests are
+skipped: the workaround switches are False there.
+"""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from evenflow import _runtime
+from evenflow._kernels.common import dot_operand, round_to_fp8e4_grid, to_fp8e4
+
+interp_only = pytest.mark.skipif(not _runtime.interpreting(), reason="interpreter defects only")
+
+
+@triton.jit
+def _dot_kernel(a_ptr, b_ptr, c_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, DOT_F32: tl.constexpr):
+    o_m, o_n, o_k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+    b_a = tl.load(a_ptr + o_m[:, None] * K + o_k[None, :])
+    b_b = tl.load(b_ptr + o_k[:, None] * N + o_n[None, :])
+    b_c = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), out_dtype=tl.float32)
+    tl.store(c_ptr + o_m[:, None] * N + o_n[None, :], b_c)
+
+
+def _run_dot(device, dot_f32):
+    a = torch.randn(16, 32, device=device).to(torch.bfloat16)
+    b = torch.randn(32, 16, device=device).to(torch.bfloat16)
+    c = torch.full((16, 16), float("nan"), device=device)
+    _dot_kernel[(1,)](a, b, c, 16, 16, 32, dot_f32)
+    ref = a.double() @ b.double()
+    return (c.double() - ref).abs().max().item()
+
+
+@interp_only
+def test_bf16_dot_is_wrong_without_workaround(device):
+    assert _run_dot(device, False) > 1e-1
+
+
+def test_bf16_dot_workaround_is_correct(device):
+    # bf16 operands are exact in fp32; products of two 8-bit mantissas are exact in
+    # fp32 and a 32-term sum stays within a few fp32 ulps of |c| (<~ 50 here).
+    # On a GPU the kernel runs with DOT_F32=False (real bf16 tensor-core dot).
+    assert _run_dot(device, _runtime.dot_needs_fp32()) < 1e-4
+
+
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, n, FP8_ROUND: tl.constexpr, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(x_ptr + o, mask=m)
+    tl.store(y_ptr + o, to_fp8e4(x, FP8_ROUND), mask=m)
+
+
+@triton.jit
+def _grid_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(y_ptr + o, round_to_fp8e4_grid(tl.load(x_ptr + o, mask=m)), mask=m)
+
+
+def _fp8_inputs(device):
+    # Values that carry into the next binade (1.97 -> 2, 7.8 -> 8), ties, subnormals,
+    # saturation, and a N(0, 4^2) sweep as in the defect report.
+    special = torch.tensor([1.97, 7.80, -7.80, 1.0625, 1.1875, 0.0, 2.0**-9, 3 * 2.0**-10,
+                            2.0**-7 * 1.03, 448.0, 470.0, -1000.0, 0.015625, 239.9], device=device)
+    return torch.cat([special, torch.randn(4096, device=device) * 4])
+
+
+def _fp8_cast(device, fp8_round):
+    x = _fp8_inputs(device)
+    y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=device)
+    _cast_kernel[(1,)](x, y, x.numel(), fp8_round, BLOCK=triton.next_power_of_2(x.numel()))
+    want = x.clamp(-448, 448).to(torch.float8_e4m3fn)  # torch's cast: round to nearest even
+    return y.float(), want.float()
+
+
+@interp_only
+def test_fp8_cast_is_wrong_without_workaround(device):
+    got, want = _fp8_cast(device, False)
+    assert (got != want).sum() > 10
+
+
+def test_fp8_cast_workaround_is_exact(device):
+    got, want = _fp8_cast(device, _runtime.fp8_cast_needs_rounding())
+    assert torch.equal(got, want)
+
+
+def test_round_to_fp8_grid_matches_torch(device):
+    x = _fp8_inputs(device)
+    y = torch.empty_like(x)
+    _grid_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    assert torch.equal(y, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
