@@ -1,0 +1,45 @@
+# Two commands do all setup on a fresh machine (see README):
+#   make demo   - build the environment if missing, then run `evenflow demo`
+#   make test   - build the environment if missing, then lint and run the CPU test suite
+# The environment lives in .venv. Without an NVIDIA driver it gets the CPU build of
+# torch and the Triton version whose interpreter we test against; with one, the
+# default (CUDA) torch build.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH   := "torch>=2.6" "triton>=3.3"
+else
+TORCH   := "torch==2.13.0" "triton==3.6.0" "numpy<2.4"
+endif
+# pytest workers: the interpreter is CPU-bound, one worker per core.
+JOBS    ?= $(shell $(PY) -c 'import os; print(max(1, min(4, os.cpu_count() or 1)))')
+
+.PHONY: env demo test lint gpu-test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	touch $@
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/evenflow demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+
+test: lint
+	$(BIN)/python -m pytest -q -n $(JOBS) -p no:cacheprovider tests
+
+# On a GPU machine: the GPU-only tests, then every benchmark.
+gpu-test: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

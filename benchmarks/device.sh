@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install carried wheels, run the GPU tests of the named
+# operators, then their benchmarks; copy logs, results and plots to $OUT.
+#
+#   benchmarks/device.sh [--tests-only|--bench-only] [--quick] NAME...
+#   NAME: ceilings decode router moe (tests: test_<name>*.py with -m gpu)
+#
+# Carried wheels: every folder .whl* in the repo root is installed to /tmp/site
+# (--no-deps, no registry needed) and put on PYTHONPATH.
+# Everything is written under a scratch folder and packed into $OUT/bundle.tgz at the
+# end (one file comes back, however many results and logs were written).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+FINAL_OUT=$OUT
+OUT=$(mktemp -d)
+mkdir -p "$FINAL_OUT"
+trap 'tar -C "$OUT" -czf "$FINAL_OUT/bundle.tgz" . ; echo "[device] bundle: $(tar -tzf "$FINAL_OUT/bundle.tgz" | tr "\n" " ")"' EXIT
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+tests=1 bench=1 quick=()
+names=()
+for a in "$@"; do
+  case "$a" in
+    --tests-only) bench=0 ;;
+    --bench-only) tests=0 ;;
+    --quick) quick=(--quick) ;;
+    *) names+=("$a") ;;
+  esac
+done
+shopt -s nullglob
+whls=(.whl*/*.whl)
+if [ ${#whls[@]} -gt 0 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${whls[@]}" \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "[device] wheel install failed"
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
+status=0
+for n in "${names[@]}"; do
+  if [ $tests = 1 ] && [ "$n" != ceilings ]; then
+    files=(tests/test_${n}*.py)
+    if [ ${#files[@]} -gt 0 ]; then
+      echo "== GPU tests: $n"
+      python3 -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/test_$n.log" | tail -25
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    fi
+  fi
+  if [ $bench = 1 ] && [ -f "benchmarks/$n.py" ]; then
+    echo "== benchmark: $n"
+    python3 "benchmarks/$n.py" "${quick[@]}" --out "$OUT/results" 2>&1 | tee "$OUT/bench_$n.log" | tail -60
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  fi
+done
+exit $status

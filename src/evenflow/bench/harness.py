@@ -1,0 +1,401 @@
+"""The one benchmark harness every evenflow benchmark uses (see BENCH.md in the design docs).
+
+What it guarantees:
+
+* Ceilings measured in the same run: device copy bandwidth (read + write bytes of a
+  large device-to-device copy), dense bf16 and fp8 matmul rates, and the cost of an
+  empty kernel inside a CUDA graph. Floors are computed from these, never from
+  datasheets.
+* Timings are medians. ``time_graph`` captures one call per rotated input copy in a
+  single CUDA graph and divides the replay time by the number of calls: that is how
+  serving engines run decode-step operators, and rotation keeps a case that fits in
+  L2 from being timed out of cache. ``time_eager`` cycles through the same copies
+  with L2 flushed before each timed call.
+* Every impl's output is checked (finite, close to the reference) before it is timed.
+* Results go to ``benchmarks/results/<gpu>/<name>.json`` in the fixed schema, with a
+  markdown table (printed last) and a PNG plot beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "PeerUnavailable", "header", "measure_ceilings", "time_graph", "time_eager", "floor_us",
+    "Results", "progress", "check_output", "parse_args", "gpu_slug", "results_dir",
+]
+
+
+class PeerUnavailable(Exception):
+    """A peer that cannot run here (not installed, fails to build); becomes an ``error`` row."""
+
+
+# ----------------------------------------------------------------------------- header
+
+def _git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parents[3]
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5)
+        if out.returncode == 0:
+            return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("EVENFLOW_COMMIT", "unknown")
+
+
+def header() -> dict:
+    """Machine header written into every result file."""
+    import triton
+
+    import evenflow
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu, sms = props.name, props.multi_processor_count
+    else:
+        gpu, sms = "cpu (Triton interpreter)", 0
+    return {
+        "gpu": gpu, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda or "none", "evenflow": evenflow.__version__, "commit": _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "python": sys.version.split()[0],
+    }
+
+
+def gpu_slug(name: str | None = None) -> str:
+    """'NVIDIA H200' -> 'h200'; the folder name under benchmarks/results/."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    words = [w for w in name.lower().replace("-", " ").split() if w not in ("nvidia", "tesla", "geforce")]
+    return "-".join(words[:2]) if words else "unknown"
+
+
+def results_dir(out: str | os.PathLike | None = None) -> Path:
+    """Where result files go: ``out`` if given, else ``$EVENFLOW_RESULTS``, else the repo's results/<gpu>."""
+    if out:
+        return Path(out)
+    if os.environ.get("EVENFLOW_RESULTS"):
+        return Path(os.environ["EVENFLOW_RESULTS"])
+    root = Path(__file__).resolve().parents[3]
+    base = root / "benchmarks" / "results" if (root / "benchmarks").is_dir() else Path.cwd() / "evenflow-results"
+    return base / gpu_slug()
+
+
+# ----------------------------------------------------------------------------- timing
+
+def _require_cuda(what: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{what} needs a CUDA GPU; timings on the CPU interpreter mean nothing")
+
+
+_L2_FLUSH: torch.Tensor | None = None
+
+
+def _flush_l2() -> None:
+    global _L2_FLUSH
+    if _L2_FLUSH is None:
+        l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+        _L2_FLUSH = torch.empty(max(2 * l2, 128 << 20) // 4, dtype=torch.int32, device="cuda")
+    _L2_FLUSH.zero_()
+
+
+def time_eager(fns: Sequence[Callable[[], object]] | Callable[[], object], *, reps: int = 50,
+               warmup: int = 5) -> float:
+    """Median µs of one eager call, cycling through ``fns``; L2 flushed before each call."""
+    _require_cuda("time_eager")
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+    for i in range(warmup):
+        fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        _flush_l2()
+        start[i].record()
+        fns[i % len(fns)]()
+        end[i].record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(start, end))
+    return times[len(times) // 2]
+
+
+def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, reps: int = 30,
+               min_calls: int = 8) -> float:
+    """Median µs per call of a CUDA graph that holds one call per rotated input copy.
+
+    The list is repeated until the graph holds at least ``min_calls`` calls, so the
+    graph launch itself is amortised; with several copies, consecutive calls touch
+    different memory, so a case that fits in L2 is not timed from cache.
+    """
+    _require_cuda("time_graph")
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+    calls = fns * max(1, math.ceil(min_calls / len(fns)))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up (compiles, allocator) outside the capture
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in calls:
+            f()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    del g
+    times.sort()
+    return times[len(times) // 2]
+
+
+# ----------------------------------------------------------------------------- ceilings
+
+def _median_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def _empty_launch_us() -> float:
+    import triton
+
+    @triton.jit
+    def _empty(p):
+        pass
+
+    buf = torch.empty(1, device="cuda")
+    return time_graph([lambda: _empty[(1,)](buf)], min_calls=20)
+
+
+def measure_ceilings(verbose: bool = True) -> dict:
+    """Copy bandwidth (TB/s, read+write), bf16/fp8 dense matmul rates (TFLOP/s), empty-kernel µs."""
+    _require_cuda("measure_ceilings")
+    n = 1 << 30  # 1 GiB source, 1 GiB destination: far beyond L2
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = _median_ms(lambda: dst.copy_(src))
+    src = dst = None  # release 2 GiB before the matmuls
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    bf16_ms = _median_ms(lambda: torch.mm(a, b), reps=10)
+    fp8 = float("nan")
+    try:
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.t().contiguous().to(torch.float8_e4m3fn).t()  # column-major B, as cuBLASLt fp8 wants
+        one = torch.ones((), device="cuda")
+        fp8_ms = _median_ms(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), reps=10)
+        fp8 = 2 * m**3 / fp8_ms / 1e9
+    except (RuntimeError, AttributeError) as e:  # older GPUs have no fp8 matmul
+        print(f"[ceilings] fp8 matmul unavailable: {e}", file=sys.stderr)
+    a = b = a8 = b8 = None
+    ceil = {
+        "copy_TBps": round(2 * n / copy_ms / 1e9, 3),
+        "bf16_TFLOPs": round(2 * m**3 / bf16_ms / 1e9, 1),
+        "fp8_TFLOPs": round(fp8, 1) if fp8 == fp8 else None,
+        "launch_us": round(_empty_launch_us(), 3),
+    }
+    if verbose:
+        print(f"[ceilings] {ceil}", flush=True)
+    return ceil
+
+
+def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, *, ceilings: dict,
+             rate: str = "bf16_TFLOPs") -> float:
+    """The physical floor in µs: the larger of bytes / copy bandwidth and flops / matmul rate."""
+    t_mem = bytes_moved / (ceilings["copy_TBps"] * 1e12) * 1e6
+    t_cmp = flops / (ceilings[rate] * 1e12) * 1e6 if flops else 0.0
+    return max(t_mem, t_cmp)
+
+
+# ----------------------------------------------------------------------------- checks & progress
+
+def check_output(out: torch.Tensor, ref: torch.Tensor, what: str, *, rtol: float = 2e-2,
+                 atol: float = 2e-2, min_cos: float | None = 0.999) -> dict:
+    """Raise unless ``out`` is finite and close to ``ref``; return the error figures.
+
+    A benchmark sanity check (correctness is proved by the tests): it catches a
+    broken build or a peer fed the wrong layout before a meaningless time is recorded.
+    """
+    o, r = out.detach().float(), ref.detach().float()
+    if o.shape != r.shape:
+        raise AssertionError(f"{what}: shape {tuple(o.shape)} != reference {tuple(r.shape)}")
+    if not torch.isfinite(o).all():
+        raise AssertionError(f"{what}: non-finite output")
+    err = (o - r).abs().max().item() if o.numel() else 0.0
+    scale = r.abs().max().item() if r.numel() else 0.0
+    cos = torch.nn.functional.cosine_similarity(o.flatten(), r.flatten(), dim=0).item() if o.numel() else 1.0
+    if err > atol + rtol * scale or (min_cos is not None and cos < min_cos):
+        raise AssertionError(f"{what}: max|err| {err:.3e} (ref max {scale:.3e}), cosine {cos:.6f}")
+    return {"max_abs_err": err, "cosine": cos}
+
+
+def progress(items: Iterable, desc: str) -> Iterable:
+    """Yield ``items`` printing one line per item with elapsed time (flushes, so logs stream)."""
+    items = list(items)
+    t0 = time.time()
+    for i, it in enumerate(items):
+        print(f"[{desc} {i + 1}/{len(items)} +{time.time() - t0:5.0f}s] {it}", flush=True)
+        yield it
+
+
+def parse_args(description: str, argv: Sequence[str] | None = None,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="a short sweep (a few cases)")
+    p.add_argument("--out", default=None, help="result folder (default benchmarks/results/<gpu>)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
+    if extra is not None:
+        extra(p)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- results
+
+_REQUIRED = ("case", "impl")
+
+
+class Results:
+    """Collects rows and writes ``<name>.json`` (BENCH.md schema), ``<name>.md`` and ``<name>.png``."""
+
+    def __init__(self, name: str, *, ceilings: dict | None, out: str | os.PathLike | None = None,
+                 meta: dict | None = None):
+        self.name = name
+        self.ceilings = ceilings or {}
+        self.out = results_dir(out)
+        self.meta = meta or {}
+        self.rows: list[dict] = []
+        self.header = header()
+
+    def add(self, *, case: str, impl: str, us: float, floor_us: float | None = None, **extra) -> dict:
+        if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
+            raise ValueError(f"us must be a positive time, got {us!r} for {case}/{impl}")
+        row = {"case": case, **{k: v for k, v in extra.items() if k in ("variant",)}, "impl": impl,
+               "us": round(float(us), 3)}
+        if floor_us is not None:
+            row["floor_us"] = round(float(floor_us), 3)
+            row["frac_of_floor"] = round(float(floor_us) / float(us), 4)
+        for k, v in extra.items():
+            if k != "variant":
+                row[k] = round(v, 4) if isinstance(v, float) else v
+        self.rows.append(row)
+        return row
+
+    def add_error(self, *, case: str, impl: str, error: str, **extra) -> dict:
+        row = {"case": case, **extra, "impl": impl, "error": str(error)[:500]}
+        self.rows.append(row)
+        print(f"[{self.name}] {case} {extra.get('variant', '')} {impl}: {row['error']}", flush=True)
+        return row
+
+    # -- output
+    def to_json(self) -> dict:
+        return {"header": self.header, "ceilings": self.ceilings, **({"meta": self.meta} if self.meta else {}),
+                "rows": self.rows}
+
+    def markdown(self, columns: Sequence[str] | None = None) -> str:
+        keys: list[str] = []
+        for r in self.rows:
+            for k in r:
+                if k not in keys:
+                    keys.append(k)
+        cols = list(columns) if columns else keys
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in self.rows:
+            cells = []
+            for c in cols:
+                v = r.get(c, "")
+                cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+            lines.append("| " + " | ".join(cells) + " |")
+        return "\n".join(lines)
+
+    def finish(self, *, x: str = "case", group: str | None = "variant", y: str = "us",
+               columns: Sequence[str] | None = None, plot: bool = True, logy: bool = True) -> Path:
+        self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / f"{self.name}.json"
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        md = self.markdown(columns)
+        hdr = self.header
+        (self.out / f"{self.name}.md").write_text(
+            f"# {self.name} — {hdr['gpu']}, torch {hdr['torch']}, triton {hdr['triton']}, "
+            f"commit {hdr['commit']}, {hdr['date']}\n\nceilings: {self.ceilings}\n\n{md}\n")
+        if plot:
+            try:
+                self.plot(x=x, group=group, y=y, logy=logy)
+            except ImportError as e:
+                print(f"[{self.name}] no plot: {e}", file=sys.stderr)
+        print(f"\n## {self.name} ({hdr['gpu']})\n\n{md}\n\nwritten: {path}", flush=True)
+        return path
+
+    def plot(self, *, x: str, group: str | None, y: str, logy: bool) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ok = [r for r in self.rows if y in r]
+        groups = sorted({r.get(group, "") for r in ok}) if group else [""]
+        fig, axes = plt.subplots(len(groups), 1, figsize=(max(8, 0.6 * len({r[x] for r in ok}) + 4),
+                                                          4 * len(groups)), squeeze=False)
+        for ax, gname in zip(axes[:, 0], groups):
+            rows = [r for r in ok if not group or r.get(group, "") == gname]
+            xs: list = []
+            for r in rows:
+                if r[x] not in xs:
+                    xs.append(r[x])
+            impls: list[str] = []
+            for r in rows:
+                if r["impl"] not in impls:
+                    impls.append(r["impl"])
+            w = 0.8 / max(1, len(impls) + 1)
+            for j, impl in enumerate(impls):
+                vals = {r[x]: r[y] for r in rows if r["impl"] == impl}
+                ax.bar([i + j * w for i in range(len(xs))], [vals.get(c, 0) for c in xs], w, label=impl)
+            floors = {}
+            for r in rows:
+                if "floor_us" in r:
+                    floors[r[x]] = r["floor_us"]
+            if floors and y == "us":
+                ax.bar([i + len(impls) * w for i in range(len(xs))], [floors.get(c, 0) for c in xs], w,
+                       label="floor", color="black", alpha=0.35)
+            ax.set_xticks([i + 0.4 - w / 2 for i in range(len(xs))])
+            ax.set_xticklabels([str(c) for c in xs], rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel(f"{y} (lower is better)" if y == "us" else y)
+            if logy:
+                ax.set_yscale("log")
+            ax.set_title(f"{self.name} {gname} — {self.header['gpu']}")
+            ax.legend(fontsize=7, ncol=3)
+        fig.tight_layout()
+        path = self.out / f"{self.name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path

@@ -1,0 +1,161 @@
+"""The ``evenflow`` command: ``info``, ``demo`` and ``bench <name>``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+# Operator families that provide ``<family>.demo.run_demo(ctx)``, in the order of a decode step.
+DEMO_FAMILIES = ("attention", "router", "moe")
+
+
+def _import_evenflow():
+    import evenflow  # selects GPU or interpreter before any kernel is imported
+
+    return evenflow
+
+
+def cmd_info(_args) -> int:
+    import torch
+    import triton
+
+    ev = _import_evenflow()
+    print(f"evenflow {ev.__version__}")
+    print(f"python   {sys.version.split()[0]}")
+    print(f"torch    {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
+    print(f"triton   {triton.__version__}")
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        cc = (p.major, p.minor)
+        mem = p.total_memory / 2**30
+        print(f"device   {p.name}, {p.multi_processor_count} SMs, {mem:.0f} GiB, sm_{p.major}{p.minor}")
+        fp8 = (p.major, p.minor) >= (8, 9)
+        backend = "GPU (Triton compiler)"
+    else:
+        cc, fp8 = None, True
+        backend = "CPU (Triton interpreter: correct but slow; timings mean nothing)"
+    print(f"backend  {backend}")
+    print(f"exports  {', '.join(sorted(ev.__all__)) or '(none yet)'}")
+    print("operators:")
+    rows = [
+        ("decode_attention", "bf16 KV; fp8 e4m3 KV" + ("" if fp8 else " (needs sm_89+)"), "attention"),
+        ("router_gemm / route", "bf16 x, fp32 weight (split bf16 hi/lo)", "router"),
+        ("fused_moe", "bf16; fp8 per-tensor; fp8 block-128" + ("" if fp8 else " (fp8 needs sm_89+)"), "moe"),
+    ]
+    for name, dtypes, fam in rows:
+        try:
+            importlib.import_module(f"evenflow.{fam}.demo")
+            state = "available"
+        except ImportError as e:
+            state = f"not built yet ({e.name})"
+        print(f"  {name:20s} {state:14s} {dtypes}")
+    if cc is not None and cc < (8, 0):
+        print("note: evenflow kernels need sm_80 or newer (bf16 tensor cores)")
+    return 0
+
+
+def _fmt_us(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v if len(v) < 40 else v[:37] + "..."
+    return f"{v:.1f}"
+
+
+def cmd_demo(args) -> int:
+    ev = _import_evenflow()
+    import torch
+
+    from evenflow import _runtime
+    from evenflow.bench import harness
+
+    gpu = torch.cuda.is_available() and not _runtime.interpreting()
+    ctx = SimpleNamespace(device="cuda" if gpu else "cpu", gpu=gpu, harness=harness, quick=args.quick)
+    print(f"evenflow {ev.__version__} demo — one Qwen3-30B-A3B decode step")
+    if gpu:
+        print(f"on {torch.cuda.get_device_name(0)}: each operator is checked against its PyTorch reference, "
+              "then timed as CUDA-graph replays beside its peers and the physical floor.")
+    else:
+        print("no GPU here: tiny shapes run through the Triton interpreter on the CPU and are checked against "
+              "their PyTorch references. Timings on the CPU mean nothing, so none are shown.")
+    all_rows, failures = [], 0
+    for fam in DEMO_FAMILIES:
+        try:
+            mod = importlib.import_module(f"evenflow.{fam}.demo")
+        except ImportError as e:
+            print(f"\n[{fam}] not available: {e}")
+            continue
+        t0 = time.time()
+        print(f"\n[{fam}] running ...", flush=True)
+        try:
+            rows = mod.run_demo(ctx)
+        except Exception:  # a broken operator must not hide the others' results
+            traceback.print_exc()
+            rows = [{"operator": fam, "case": "-", "check": "raised (see traceback above)", "ok": False}]
+        print(f"[{fam}] done in {time.time() - t0:.1f}s", flush=True)
+        all_rows += rows
+    print("\n| operator | case | check | ok | us | floor us | peers (us) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in all_rows:
+        failures += not r.get("ok", False)
+        peers = ", ".join(f"{k} {_fmt_us(v)}" for k, v in (r.get("peers") or {}).items()) or "-"
+        print(f"| {r.get('operator')} | {r.get('case')} | {r.get('check')} | {'yes' if r.get('ok') else 'NO'} "
+              f"| {_fmt_us(r.get('us'))} | {_fmt_us(r.get('floor_us'))} | {peers} |")
+    if not all_rows:
+        print("no operators ran")
+        return 1
+    print(f"\n{len(all_rows) - failures}/{len(all_rows)} checks passed")
+    return 1 if failures else 0
+
+
+def _benchmarks_dir() -> Path:
+    env = os.environ.get("EVENFLOW_BENCHMARKS")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        if (parent / "benchmarks").is_dir() and (parent / "pyproject.toml").is_file():
+            return parent / "benchmarks"
+    cwd = Path.cwd() / "benchmarks"
+    if cwd.is_dir():
+        return cwd
+    raise SystemExit("evenflow bench: cannot find the benchmarks/ folder; run from a source checkout "
+                     "or set EVENFLOW_BENCHMARKS")
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    bdir = _benchmarks_dir()
+    names = sorted(p.stem for p in bdir.glob("*.py") if not p.stem.startswith("_"))
+    if args.name not in names:
+        print(f"evenflow bench: unknown benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
+        return 2
+    sys.argv = [str(bdir / f"{args.name}.py"), *rest]
+    sys.path.insert(0, str(bdir))
+    runpy.run_path(str(bdir / f"{args.name}.py"), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="evenflow", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="versions, device, operators and dtypes supported here")
+    d = sub.add_parser("demo", help="run every operator on one Qwen3-30B-A3B decode step, checked and timed")
+    d.add_argument("--quick", action="store_true", help="fewer cases")
+    b = sub.add_parser("bench", help="run benchmarks/<name>.py (extra arguments are passed on)")
+    b.add_argument("name")
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        p.error(f"unrecognised arguments: {' '.join(rest)}")
+    return {"info": cmd_info, "demo": cmd_demo}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The shared foundation: argument checks, the tolerance rule, the harness's result files, the CLI."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from evenflow import _checks, testing
+from evenflow.bench import harness as H
+
+
+# ------------------------------------------------------------------ argument checks
+def test_check_tensor_names_the_argument(device):
+    t = torch.zeros(2, 3, device=device)
+    with pytest.raises(TypeError, match="seq_lens must have dtype in \\(int32\\)"):
+        _checks.check_tensor("seq_lens", t, dtypes=[torch.int32])
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        _checks.check_tensor("q", t, ndim=3)
+    with pytest.raises(ValueError, match=r"page_table must have shape \(2, 4\)"):
+        _checks.check_tensor("page_table", t, shape=[2, 4])
+    with pytest.raises(ValueError, match="x must be contiguous"):
+        _checks.check_tensor("x", t.t(), contiguous=True)
+    with pytest.raises(TypeError, match="w must be a torch.Tensor"):
+        _checks.check_tensor("w", [1, 2])
+    with pytest.raises(ValueError, match="top_k must be <= 16"):
+        _checks.check_int("top_k", 17, 1, 16)
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        _checks.check_int("top_k", True)
+    assert _checks.check_tensor("ok", t, dtypes=[torch.float32], shape=[2, None]) is t
+
+
+def test_check_tensor_rejects_the_wrong_device(device):
+    other = "meta"
+    with pytest.raises(ValueError, match="k_cache is on meta"):
+        _checks.check_tensor("k_cache", torch.empty(2, device=other))
+
+
+# ------------------------------------------------------------------ tolerance rule
+def test_rule_accepts_error_within_twice_torchs():
+    ref = torch.randn(64, dtype=torch.float64)
+    base = ref + 1e-3 * torch.randn(64, dtype=torch.float64)
+    base_err = (base - ref).abs().max().item()
+    out = (ref + 1.5 * base_err * torch.sign(torch.randn(64, dtype=torch.float64))).float()
+    err = testing.assert_within_rule(out, ref, base)
+    assert err <= 2 * base_err + 2**-23 * ref.abs().max().item()
+
+
+def test_rule_rejects_error_beyond_bound_and_nan():
+    ref = torch.randn(64, dtype=torch.float64)
+    base = ref + 1e-4
+    with pytest.raises(AssertionError, match="exceeds the rule's bound"):
+        testing.assert_within_rule((ref + 1e-3).float(), ref, base)
+    bad = ref.float().clone()
+    bad[5] = float("nan")
+    with pytest.raises(AssertionError, match="non-finite"):
+        testing.assert_within_rule(bad, ref, base)
+
+
+def test_rule_with_exact_baseline_allows_one_output_ulp():
+    ref = torch.tensor([1.0, -3.0, 0.5], dtype=torch.float64)
+    ulp_off = (ref + 2**-8).to(torch.bfloat16)  # rounds back within one bf16 ulp
+    testing.assert_within_rule(ulp_off, ref, ref)
+    with pytest.raises(AssertionError):
+        testing.assert_within_rule((ref + 0.1).to(torch.bfloat16), ref, ref)
+
+
+def test_assert_exact_reports_mismatches():
+    a = torch.tensor([1, 2, 3], dtype=torch.int32)
+    testing.assert_exact(a, a.clone())
+    with pytest.raises(AssertionError, match="1 mismatches"):
+        testing.assert_exact(a, torch.tensor([1, 2, 4], dtype=torch.int32))
+    with pytest.raises(AssertionError, match="dtype"):
+        testing.assert_exact(a, a.long())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32])
+def test_poisoned_buffers_are_never_valid_results(dtype):
+    t = testing.poisoned((3, 4), dtype, "cpu")
+    if dtype.is_floating_point:
+        assert torch.isnan(t.float()).all()
+    else:
+        assert (t == -7777).all()
+
+
+# ------------------------------------------------------------------ harness (CPU-side parts)
+def test_floor_is_the_larger_of_bytes_and_flops():
+    ceil = {"copy_TBps": 4.0, "bf16_TFLOPs": 500.0}
+    assert H.floor_us(bytes_moved=4e6, ceilings=ceil) == pytest.approx(1.0)
+    assert H.floor_us(bytes_moved=4e6, flops=1e9, ceilings=ceil) == pytest.approx(2.0)
+    assert H.floor_us(bytes_moved=4e7, flops=1e9, ceilings=ceil) == pytest.approx(10.0)
+
+
+def test_gpu_slug():
+    assert H.gpu_slug("NVIDIA H200") == "h200"
+    assert H.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb"
+
+
+def test_results_file_follows_the_schema(tmp_path):
+    res = H.Results("unit", ceilings={"copy_TBps": 4.2, "bf16_TFLOPs": 700.0}, out=tmp_path)
+    res.add(case="1x128K+31x4K", variant="bf16-kv", impl="evenflow", us=20.0, floor_us=17.0, eager_us=30.0)
+    res.add_error(case="1x128K+31x4K", variant="bf16-kv", impl="flashinfer-fa3", error="not installed")
+    with pytest.raises(ValueError, match="us must be a positive time"):
+        res.add(case="x", impl="evenflow", us=float("nan"))
+    path = res.finish()
+    d = json.loads(path.read_text())
+    for key in ("gpu", "sms", "torch", "triton", "cuda", "commit", "date"):
+        assert key in d["header"]
+    assert d["ceilings"]["copy_TBps"] == 4.2
+    ok, err = d["rows"]
+    assert ok["frac_of_floor"] == pytest.approx(17.0 / 20.0)
+    assert ok["variant"] == "bf16-kv" and ok["eager_us"] == 30.0
+    assert "us" not in err and err["error"] == "not installed"
+    assert (tmp_path / "unit.md").read_text().count("|") > 10
+    png = (tmp_path / "unit.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_check_output_catches_bad_outputs():
+    ref = torch.randn(100)
+    H.check_output(ref + 1e-4, ref, "ok")
+    with pytest.raises(AssertionError, match="non-finite"):
+        H.check_output(torch.full((100,), math.inf), ref, "inf")
+    with pytest.raises(AssertionError, match="max\\|err\\|"):
+        H.check_output(-ref, ref, "sign flipped")
+
+
+def test_timing_refuses_to_run_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("GPU present: covered by test_timing_on_gpu")
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        H.time_graph([lambda: None])
+
+
+@pytest.mark.gpu
+def test_timing_on_gpu():
+    a = torch.randn(4096, 4096, device="cuda")
+    t_graph = H.time_graph([lambda: a.mul_(1.0)])
+    t_eager = H.time_eager([lambda: a.mul_(1.0)])
+    # 128 MiB read+written at < 10 TB/s takes more than 20 us; at > 0.5 TB/s less than 600 us.
+    assert 20 < t_graph < 600 and 20 < t_eager < 2000
+    ceil = H.measure_ceilings(verbose=False)
+    assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
+
+
+# ------------------------------------------------------------------ CLI
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "evenflow.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_info_runs():
+    r = _cli("info")
+    assert r.returncode == 0, r.stderr
+    assert "triton" in r.stdout and "backend" in r.stdout
+
+
+def test_cli_bench_unknown_name_is_a_clear_error():
+    r = _cli("bench", "no-such-benchmark")
+    assert r.returncode == 2 and "unknown benchmark 'no-such-benchmark'" in r.stderr
