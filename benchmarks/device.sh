@@ -2,8 +2,9 @@
 # One call on the GPU machine: install carried wheels, run the GPU tests of the named
 # operators, then their benchmarks; copy logs, results and plots to $OUT.
 #
-#   benchmarks/device.sh [--tests-only|--bench-only] [--quick] NAME...
-#   NAME: ceilings decode router moe (tests: test_<name>*.py with -m gpu)
+#   benchmarks/device.sh [--tests-only|--bench-only] [--quick] [--gpu-marked-only] NAME...
+#   NAME: ceilings decode router moe ... (tests: every test in tests/test_<name>*.py, the small
+#   interpreter-sized ones too, so the GPU compiler sees them; --gpu-marked-only: just -m gpu)
 #
 # Carried wheels: every folder .whl* in the repo root is installed to /tmp/site
 # (--no-deps, no registry needed) and put on PYTHONPATH.
@@ -19,13 +20,14 @@ trap 'tar -C "$OUT" -czf "$FINAL_OUT/bundle.tgz" . ; echo "[device] bundle: $(ta
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
-tests=1 bench=1 quick=()
+tests=1 bench=1 quick=() marker=""
 names=()
 for a in "$@"; do
   case "$a" in
     --tests-only) bench=0 ;;
     --bench-only) tests=0 ;;
     --quick) quick=(--quick) ;;
+    --gpu-marked-only) marker="-m gpu" ;;
     *) names+=("$a") ;;
   esac
 done
@@ -43,7 +45,7 @@ for n in "${names[@]}"; do
     files=(tests/test_${n}*.py)
     if [ ${#files[@]} -gt 0 ]; then
       echo "== GPU tests: $n"
-      python3 -m pytest -q -m gpu -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/test_$n.log" | tail -25
+      python3 -m pytest -q $marker -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/test_$n.log" | tail -25
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
     fi
   fi
