@@ -1,3 +1,6 @@
-"""evenflow.router: public names of this operator family (re-exported by evenflow)."""
+"""evenflow.router: FP32-fidelity router GEMM on BF16 tensor cores and fused top-k routing."""
+from evenflow.router.dispatch import GemmConfig
+from evenflow.router.gemm import RouterWeight, router_gemm, split_weight
+from evenflow.router.topk import route, select_experts
 
-__all__: list[str] = []
+__all__ = ["RouterWeight", "router_gemm", "route", "select_experts", "split_weight", "GemmConfig"]

@@ -1,0 +1,150 @@
+"""Config choice for the router GEMM: a measured table (data) first, a heuristic otherwise.
+
+The table lives in ``configs/<gpu>.json`` (``<gpu>`` as ``evenflow.bench.harness.gpu_slug``
+names it, e.g. ``h200``) and is written by ``benchmarks/tune_router.py`` on that GPU:
+
+    {"gpu": "NVIDIA H200", "entries": [
+        {"K": 4096, "N": 192, "m_max": 16,
+         "config": {"path": "triton", "block_m": 16, "block_n": 32, "block_k": 128,
+                    "split_k": 16, "num_warps": 4, "num_stages": 4}}, ...],
+     "batch_invariant": [{"K": 4096, "N": 192, "config": {...}}]}
+
+An entry covers the M values above the previous entry's ``m_max`` (for the same K, N)
+up to its own; M beyond the last entry uses the last one. ``path`` is ``triton`` (our
+kernel), ``torch-fp32`` (cuBLAS FP32 on the source weight) or ``torch-split2`` (two
+torch bf16 products of the split) — the last two are "plain paths" kept for shapes
+where the tuner measured them faster. Batch-invariant mode uses one config per (K, N)
+for every M and never a plain path (cuBLAS picks its own kernels by M).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from evenflow._runtime import interpreting, num_sms
+
+PATHS = ("triton", "torch-fp32", "torch-split2")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration of the router GEMM (or a plain path)."""
+
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    path: str = "triton"
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise ValueError(f"config.path must be one of {PATHS}, got {self.path!r}")
+        if self.path != "triton":
+            return
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot minimum), got {v}")
+        if self.split_k < 1 or self.split_k > 256:
+            raise ValueError(f"config.split_k must be in [1, 256], got {self.split_k}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"config.num_warps must be a power of two <= 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"config.num_stages must be >= 1, got {self.num_stages}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GemmConfig:
+        return cls(**{k: d[k] for k in d if k in cls.__dataclass_fields__})
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def heuristic_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConfig:
+    """Untuned default: small M splits K until every SM reads a slice of W.
+
+    Small M is bound by reading W (2 bf16 parts of N*K); only ~cdiv(N, BLOCK_N)
+    output tiles exist, so K is split until there are about two programs per SM,
+    each keeping at least two BLOCK_K steps. Large M tiles 64/128 x 64 for tensor
+    cores and splits K only while the tile count is below the SM count.
+    """
+    sms = num_sms() if sms is None else sms
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bn, bk, warps, stages = 32, 128, 4, 4
+    else:
+        bm = 64 if m <= 256 else 128
+        bn, bk, warps, stages = 64, 64, (4 if bm == 64 else 8), 3
+    tiles = _cdiv(max(m, 1), bm) * _cdiv(n, bn)
+    k_blocks = _cdiv(k, bk)
+    split = 1
+    if tiles < sms:
+        split = max(1, min(_cdiv(2 * sms, tiles), k_blocks // 2, 64))
+    return GemmConfig(bm, bn, bk, split, warps, stages)
+
+
+def heuristic_invariant_config(n: int, k: int) -> GemmConfig:
+    """One config for every M (batch-invariant mode): fixed tiles and a fixed K split.
+
+    A split of K into 512-wide slices keeps small M spread over the GPU at a cost of
+    ``split`` fp32 partial planes of M x N at large M (deterministic, no atomics on floats).
+    """
+    bk = 128
+    split = max(1, min(_cdiv(k, 512), 16))
+    return GemmConfig(64, 64, bk, split, 4, 3)
+
+
+def _table_dir() -> Path:
+    return Path(os.environ.get("EVENFLOW_ROUTER_CONFIGS", Path(__file__).parent / "configs"))
+
+
+@lru_cache(maxsize=8)
+def load_table(gpu_name: str) -> dict:
+    """The tuned table for ``gpu_name`` ({} if none is committed for it)."""
+    from evenflow.bench.harness import gpu_slug
+
+    path = _table_dir() / f"{gpu_slug(gpu_name)}.json"
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _gpu_name(device: torch.device) -> str | None:
+    if interpreting() or device.type != "cuda":
+        return None
+    return torch.cuda.get_device_name(device)
+
+
+def _lookup(entries: list[dict], m: int, n: int, k: int) -> GemmConfig | None:
+    rows = sorted((e for e in entries if e["K"] == k and e["N"] == n), key=lambda e: e["m_max"])
+    if not rows:
+        return None
+    for e in rows:
+        if m <= e["m_max"]:
+            return GemmConfig.from_dict(e["config"])
+    return GemmConfig.from_dict(rows[-1]["config"])
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False) -> GemmConfig:
+    """The config the launcher uses: tuned table entry for (K, N, M range), else heuristic."""
+    name = _gpu_name(device)
+    table = load_table(name) if name else {}
+    if batch_invariant:
+        rows = [e for e in table.get("batch_invariant", []) if e["K"] == k and e["N"] == n]
+        cfg = GemmConfig.from_dict(rows[0]["config"]) if rows else heuristic_invariant_config(n, k)
+        if cfg.path != "triton":
+            raise ValueError("batch-invariant table entries must use the triton path")
+        return cfg
+    cfg = _lookup(table.get("entries", []), m, n, k)
+    return cfg if cfg is not None else heuristic_config(m, n, k, num_sms(device))

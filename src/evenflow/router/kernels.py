@@ -1,0 +1,154 @@
+"""Pure Triton kernels of the router: the split-weight GEMM and the scoring + top-k pass.
+
+Tensors (row-major, unit stride in the last dimension):
+
+    x        [M, K]            bf16   hidden states
+    w_hi     [N, K]            bf16   bf16(w), round to nearest even
+    w_lo     [N, K]            bf16   bf16((w - w_hi) * 256)
+    out      [M, N]            fp32   x @ w_hi^T + (x @ w_lo^T) / 256
+    part     [SPLIT_K, M, N]   fp32   per-split partial sums (split-K only)
+    count    [tiles]           int32  arrivals per output tile; zero between calls
+
+Split-K without float atomics: every program of a tile writes its partial to
+``part`` and then bumps the tile's arrival counter; the program that arrives last
+sums the SPLIT_K partials *in split order* (so the result never depends on which
+program finished first), writes ``out`` and puts the counter back to zero, so the
+workspace is ready for the next call or CUDA-graph replay without a memset.
+"""
+import triton
+import triton.language as tl
+
+from evenflow._kernels.common import dot_operand
+
+
+@triton.jit(do_not_specialize=["M"])
+def router_gemm_kernel(
+    p_x, p_whi, p_wlo, p_out, p_part, p_count,
+    M, N, K, K_SPLIT,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    i_mn = tl.program_id(0)
+    i_s = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    i_m = i_mn // num_n
+    i_n = i_mn % num_n
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+
+    # This program's K range: [k_start, k_end). K_SPLIT is a multiple of BLOCK_K.
+    k_start = i_s * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+
+    p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]
+    o_w = o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N] view of w^T
+    p_whb = p_whi + o_w
+    p_wlb = p_wlo + o_w
+
+    # Two accumulators: the low product's own rounding error is divided by 256 in
+    # the epilogue instead of landing at the magnitude of the high sum.
+    acc_hi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            b_x = tl.load(p_xb + k, mask=m_m[:, None], other=0.0)
+            b_wh = tl.load(p_whb + k, mask=m_n[None, :], other=0.0)
+            b_wl = tl.load(p_wlb + k, mask=m_n[None, :], other=0.0)
+        else:
+            m_k = (k + o_k) < k_end
+            b_x = tl.load(p_xb + k, mask=m_m[:, None] & m_k[None, :], other=0.0)
+            b_wh = tl.load(p_whb + k, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            b_wl = tl.load(p_wlb + k, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_xd = dot_operand(b_x, DOT_F32)
+        acc_hi = tl.dot(b_xd, dot_operand(b_wh, DOT_F32), acc_hi)
+        acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
+    b_out = acc_hi + acc_lo * 0.00390625  # 1/256, exact
+
+    m_out = m_m[:, None] & m_n[None, :]
+    o_out = o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(p_out + o_out, b_out, mask=m_out)
+    else:
+        o_part = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+        plane = M.to(tl.int64) * N
+        tl.store(p_part + i_s * plane + o_part, b_out, mask=m_out)
+        # All threads' partial stores happen before the (single-thread) release.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(p_count + i_mn, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):  # fixed order: deterministic
+                b_sum += tl.load(p_part + s * plane + o_part, mask=m_out, other=0.0, cache_modifier=".cg")
+            tl.store(p_out + o_out, b_sum, mask=m_out)
+            tl.store(p_count + i_mn, 0)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit(do_not_specialize=["T"])
+def route_topk_kernel(
+    p_logits, p_bias, p_ids, p_weights,
+    T, E, stride_lt, routed_scaling,
+    TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+):
+    """Scores, top-k and weights for BLOCK_T tokens; a whole expert row per register tile.
+
+    Selection key: the logit (softmax: monotone, so no new ties from rounding) or
+    sigmoid(logit) + bias (sigmoid). Order: key descending, ties to the lowest
+    expert id. NaN keys are never selected (ids stay in range) but NaN logits still
+    poison the weights, so bad input is visible.
+    """
+    i_t = tl.program_id(0)
+    o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    o_e = tl.arange(0, BLOCK_E)
+    m_t = o_t < T
+    m_e = o_e < E
+    m_te = m_t[:, None] & m_e[None, :]
+    b_l = tl.load(p_logits + o_t.to(tl.int64)[:, None] * stride_lt + o_e[None, :], mask=m_te, other=0.0)
+
+    if IS_SIGMOID:
+        b_score = _sigmoid(b_l)
+        b_key = b_score
+        if HAS_BIAS:
+            b_key = b_key + tl.load(p_bias + o_e, mask=m_e, other=0.0)[None, :]
+    else:
+        b_max = tl.max(tl.where(m_e[None, :], b_l, float("-inf")), axis=1)
+        b_exp = tl.where(m_e[None, :], tl.exp(b_l - b_max[:, None]), 0.0)
+        b_score = b_exp / tl.sum(b_exp, axis=1)[:, None]
+        b_key = b_l
+    b_key = tl.where(b_key == b_key, b_key, float("-inf"))  # NaN -> never preferred
+
+    o_j = tl.arange(0, TOP_K_P2)
+    b_free = tl.broadcast_to(m_e[None, :], (BLOCK_T, BLOCK_E))
+    b_ids = tl.zeros((BLOCK_T, TOP_K_P2), dtype=tl.int32)
+    b_ws = tl.zeros((BLOCK_T, TOP_K_P2), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        b_best = tl.max(tl.where(b_free, b_key, float("-inf")), axis=1)
+        b_hit = b_free & (b_key == b_best[:, None])
+        b_id = tl.min(tl.where(b_hit, o_e[None, :], BLOCK_E), axis=1)
+        b_sel = o_e[None, :] == b_id[:, None]
+        b_w = tl.sum(tl.where(b_sel, b_score, 0.0), axis=1)
+        b_free = b_free & ~b_sel
+        b_ids = tl.where(o_j[None, :] == j, b_id[:, None], b_ids)
+        b_ws = tl.where(o_j[None, :] == j, b_w[:, None], b_ws)
+
+    if RENORMALIZE:
+        b_total = tl.sum(b_ws, axis=1)  # columns >= TOP_K hold zeros
+        if IS_SIGMOID:
+            b_ws = b_ws / (b_total[:, None] + 1e-20)
+        else:
+            b_ws = b_ws / b_total[:, None]
+    b_ws = b_ws * routed_scaling
+    m_out = m_t[:, None] & (o_j[None, :] < TOP_K)
+    o_out = o_t.to(tl.int64)[:, None] * TOP_K + o_j[None, :]
+    tl.store(p_ids + o_out, b_ids, mask=m_out)
+    tl.store(p_weights + o_out, b_ws, mask=m_out)

@@ -1,0 +1,104 @@
+"""Expert selection: scoring + top-k over fp32 router logits, and the fused ``route``.
+
+``route`` runs the router GEMM into an fp32 buffer held by the ``RouterWeight`` and then
+one small kernel that scores, selects and weights (scores never pass through bf16).
+
+Rules (the reference in ``evenflow.reference.router`` implements the same ones):
+
+* ``scoring="softmax"`` (Qwen, Mixtral): probabilities = softmax over all E experts;
+  selection by logit (softmax is monotone, so selecting on the logit adds no ties
+  from rounding); weight = probability, divided by the sum of the k chosen if
+  ``renormalize``.
+* ``scoring="sigmoid"`` (DeepSeek-V3, Hy3): score = sigmoid(logit); selection by
+  score + ``bias`` (the bias steers the choice only); weight = score, divided by
+  (sum of the k chosen + 1e-20) if ``renormalize``.
+* Both multiply the weights by ``routed_scaling`` last.
+* Order: key descending; equal keys go to the lowest expert id first (torch.topk
+  promises no order on ties, so this rule is ours, and tested exactly).
+* NaN logits are never selected (ids stay within [0, E)); they make the weights NaN.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from evenflow._checks import check_choice, check_int, check_out, check_tensor
+from evenflow.router.gemm import RouterWeight, router_gemm
+from evenflow.router.kernels import route_topk_kernel
+
+__all__ = ["route", "select_experts", "MAX_EXPERTS", "MAX_TOP_K"]
+
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+
+
+@torch.library.custom_op("evenflow::route_topk", mutates_args=("ids", "weights"))
+def _route_topk_op(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
+                   top_k: int, is_sigmoid: bool, renormalize: bool, routed_scaling: float) -> None:
+    t, e = logits.shape
+    if t == 0:
+        return
+    block_e = max(16, triton.next_power_of_2(e))
+    block_t = max(1, min(16, 4096 // block_e))
+    route_topk_kernel[(triton.cdiv(t, block_t),)](
+        logits, bias if bias is not None else logits, ids, weights,
+        t, e, logits.stride(0), float(routed_scaling),
+        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e,
+        IS_SIGMOID=is_sigmoid, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+        num_warps=4,
+    )
+
+
+@_route_topk_op.register_fake
+def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling):
+    return None
+
+
+def _check_route_args(e: int, top_k, scoring, bias, routed_scaling, device) -> None:
+    check_choice("scoring", scoring, ("softmax", "sigmoid"))
+    if e > MAX_EXPERTS:
+        raise ValueError(f"number of experts must be <= {MAX_EXPERTS}, got {e}")
+    check_int("top_k", top_k, 1, min(MAX_TOP_K, e))
+    if bias is not None:
+        if scoring != "sigmoid":
+            raise ValueError("bias is only used with scoring='sigmoid' (selection-only expert bias)")
+        check_tensor("bias", bias, dtypes=[torch.float32], shape=[e], device=device, contiguous=True)
+    if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, (int, float)):
+        raise TypeError(f"routed_scaling must be a float, got {type(routed_scaling).__name__}")
+
+
+def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
+                   renormalize: bool = True, routed_scaling: float = 1.0,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int32 [T, top_k], weights fp32 [T, top_k]) from fp32 logits [T, E]; rules in the module doc."""
+    check_tensor("logits", logits, dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
+    t, e = logits.shape
+    if e < 1:
+        raise ValueError("logits must have at least one expert column")
+    _check_route_args(e, top_k, scoring, bias, routed_scaling, logits.device)
+    if out is None:
+        ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+        weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out must be a pair (ids, weights)")
+        ids = check_out("out[0] (ids)", out[0], (t, top_k), torch.int32, logits.device)
+        weights = check_out("out[1] (weights)", out[1], (t, top_k), torch.float32, logits.device)
+    _route_topk_op(logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize),
+                   float(routed_scaling))
+    return ids, weights
+
+
+def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
+          renormalize: bool = True, routed_scaling: float = 1.0, *, batch_invariant: bool = False,
+          round_x_to_bf16: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router GEMM (fp32 fidelity) then scoring + top-k: (ids int32 [M, top_k], weights fp32 [M, top_k])."""
+    if not isinstance(w, RouterWeight):
+        raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
+    n, _ = w.shape
+    _check_route_args(n, top_k, scoring, bias, routed_scaling, w.device)
+    m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    logits = router_gemm(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
+                         round_x_to_bf16=round_x_to_bf16)
+    return select_experts(logits, top_k, scoring, bias, renormalize, routed_scaling, out=out)

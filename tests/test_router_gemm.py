@@ -1,0 +1,275 @@
+"""Router GEMM: weight split, kernel vs fp64, split-K, batch invariance, dispatch, errors.
+
+CPU (Triton interpreter) shapes are tiny; real shapes are in test_router_gpu.py.
+Tolerance: ``evenflow.testing`` rule with baseline = PyTorch doing the same two-product
+math in fp32 (``split_logits_fp32``), plus an analytic per-element bound:
+
+    |out - x.w| <= (2^-17 + (K + 2) * 2^-24) * (|x| . |w|)
+
+2^-17 |w| is the split residual (derived in docs/perf-notes/router.md); (K + 2) u is
+the worst-case fp32 summation of K exact bf16 products (hi and lo accumulators, the
+lo one scaled by 1/256, plus the epilogue add), u = 2^-24.
+"""
+import json
+
+import pytest
+import torch
+
+import evenflow
+from evenflow.reference import router as R
+from evenflow.router import dispatch
+from evenflow.router.dispatch import GemmConfig
+from evenflow.testing import assert_within_rule, poisoned
+
+
+def _inputs(m, n, k, device, std=0.02):
+    w = torch.randn(n, k, device=device) * std
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    return x, w
+
+
+def _check_gemm(out, x, rw, w, what):
+    ref = R.router_logits_fp64(x.cpu(), w.cpu())
+    base = R.split_logits_fp32(x.cpu(), rw.w_hi.cpu(), rw.w_lo.cpu())
+    err = assert_within_rule(out, ref, base, what=what)
+    k = x.shape[1]
+    mag = x.cpu().double().abs() @ w.cpu().double().abs().t()
+    bound = (2.0**-17 + (k + 2) * 2.0**-24) * mag
+    excess = ((out.cpu().double() - ref).abs() - bound).max().item() if out.numel() else -1.0
+    assert excess <= 0, f"{what}: analytic bound exceeded by {excess:.3e}"
+    return err
+
+
+# ----------------------------------------------------------------------------- split
+
+
+def test_split_hi_is_round_to_nearest_even_and_residual_exact(device):
+    w = torch.randn(64, 96, device=device) * 0.02
+    w_hi, w_lo = evenflow.split_weight(w)
+    assert w_hi.dtype == w_lo.dtype == torch.bfloat16
+    assert torch.equal(w_hi, w.to(torch.bfloat16))  # torch's cast: RNE
+    # The residual w - w_hi is exact in fp32 (same in fp64), and *256 is exact.
+    r32 = (w - w_hi.float()) * 256
+    r64 = (w.double() - w_hi.double()) * 256
+    assert torch.equal(r32.double(), r64)
+    ref_hi, ref_lo = R.split_weight_ref(w.cpu())
+    assert torch.equal(w_hi.cpu(), ref_hi) and torch.equal(w_lo.cpu(), ref_lo)
+
+
+def test_split_ties_round_to_even():
+    # 1 + 2^-8 lies halfway between bf16 neighbours 1 and 1 + 2^-7: RNE gives 1 (even).
+    # 1 + 3*2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: RNE gives 1 + 2^-6.
+    w = torch.tensor([[1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)]], dtype=torch.float32)
+    w_hi, w_lo = evenflow.split_weight(w)
+    assert w_hi.float().tolist() == [[1.0, 1 + 2**-6, -1.0]]
+    assert (w_hi.double() + w_lo.double() / 256).tolist() == w.double().tolist()
+
+
+def test_split_residual_bound_over_all_binades():
+    # |w - (w_hi + w_lo/256)| <= 2^-17 |w| for every normal fp32 w whose residual stays
+    # normal. With 2^e <= |w| < 2^(e+1): RNE gives |r| = |w - w_hi| <= 2^(e-8) (half a
+    # bf16 ulp); if |r| = 2^(e-8) it is exact in bf16, else r lies in a binade f <= e-9
+    # and RNE of r loses <= 2^(f-8) <= 2^(e-17) <= 2^-17 |w|. (Truncation: |r| < 2^(e-7),
+    # f <= e-8, loss < 2^(f-7) <= 2^(e-15): a bound 4x worse.)
+    g = torch.Generator().manual_seed(1)
+    e = torch.randint(-100, 100, (200_000,), generator=g).double()
+    mant = 1 + torch.rand(200_000, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(200_000, generator=g) < 0.5, -1.0, 1.0).double()
+    w = (sign * mant * torch.exp2(e)).float().view(400, 500)
+    w_hi, w_lo = evenflow.split_weight(w)
+    resid = (w.double() - (w_hi.double() + w_lo.double() / 256)).abs()
+    ratio = (resid / w.double().abs()).max().item()
+    assert ratio <= 2.0**-17, ratio
+    # The bound is nearly tight (so a worse split, e.g. truncation, would fail it).
+    assert ratio > 2.0**-18, ratio
+
+
+# ----------------------------------------------------------------------------- kernel vs fp64
+
+CASES = [
+    # (M, N, K, config): N not a multiple of 16/64, K tails, M=1, several splits
+    (1, 40, 128, GemmConfig(16, 32, 32, 1, 4, 1)),
+    (1, 40, 100, GemmConfig(16, 16, 32, 4, 4, 1)),  # K tail, split-K (4 splits -> 4 programs/tile)
+    (5, 17, 64, GemmConfig(16, 16, 16, 3, 4, 1)),  # N=17: one column past a tile; split 3 of 4 blocks
+    (33, 70, 96, GemmConfig(32, 64, 32, 1, 4, 1)),  # M one past a tile, N tail
+    (20, 24, 130, GemmConfig(16, 16, 64, 2, 4, 1)),  # K tail inside the last split
+]
+
+
+@pytest.mark.parametrize("m,n,k,cfg", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}" for c in CASES])
+def test_router_gemm_matches_fp64(device, m, n, k, cfg):
+    x, w = _inputs(m, n, k, device)
+    rw = evenflow.RouterWeight(w)
+    out = poisoned((m, n), torch.float32, device)
+    res = evenflow.router_gemm(x, rw, out=out, config=cfg)
+    assert res.data_ptr() == out.data_ptr()
+    _check_gemm(out, x, rw, w, f"M{m} N{n} K{k} {cfg}")
+    if cfg.split_k > 1:  # counters back to zero: the workspace is ready for the next call
+        assert int(rw._count.abs().sum()) == 0
+        again = evenflow.router_gemm(x, rw, config=cfg)
+        assert torch.equal(again, out), "split-K result not deterministic"
+
+
+def test_router_gemm_default_dispatch_and_large_weights(device):
+    # Heuristic config, weights of very different magnitudes in one row.
+    x, w = _inputs(3, 24, 80, device)
+    w = w * torch.exp2(torch.randint(-20, 20, w.shape, device=device).float())
+    rw = evenflow.RouterWeight(w)
+    _check_gemm(evenflow.router_gemm(x, rw), x, rw, w, "default dispatch")
+
+
+def test_router_gemm_empty_batch(device):
+    rw = evenflow.RouterWeight(torch.randn(8, 32, device=device))
+    out = evenflow.router_gemm(torch.empty(0, 32, dtype=torch.bfloat16, device=device), rw)
+    assert out.shape == (0, 8) and out.dtype == torch.float32
+
+
+def test_router_gemm_strided_rows_and_fp32_x_on_request(device):
+    x, w = _inputs(4, 16, 48, device)
+    wide = torch.randn(4, 80, device=device).to(torch.bfloat16)
+    wide[:, :48] = x
+    rw = evenflow.RouterWeight(w)
+    cfg = GemmConfig(16, 16, 16, 1, 4, 1)
+    a = evenflow.router_gemm(wide[:, :48], rw, config=cfg)
+    b = evenflow.router_gemm(x, rw, config=cfg)
+    assert torch.equal(a, b)
+    xf = torch.randn(4, 48, device=device)
+    c = evenflow.router_gemm(xf, rw, round_x_to_bf16=True, config=cfg)
+    assert torch.equal(c, evenflow.router_gemm(xf.to(torch.bfloat16), rw, config=cfg))
+
+
+@pytest.mark.parametrize("path", ["torch-fp32", "torch-split2"])
+def test_plain_paths(device, path):
+    x, w = _inputs(6, 20, 64, device)
+    rw = evenflow.RouterWeight(w)
+    out = evenflow.router_gemm(x, rw, config=GemmConfig(path=path))
+    _check_gemm(out, x, rw, w, path)
+
+
+# ----------------------------------------------------------------------------- batch invariance
+
+
+def test_batch_invariant_rows_bitwise(device):
+    n, k = 24, 96
+    cfg = GemmConfig(16, 16, 32, 2, 4, 1)  # split-K too: the reduction order must not depend on M
+    x, w = _inputs(37, n, k, device)
+    rw = evenflow.RouterWeight(w)
+    full = evenflow.router_gemm(x, rw, batch_invariant=True, config=cfg)
+    for m in (1, 5, 17):
+        part = evenflow.router_gemm(x[:m], rw, batch_invariant=True, config=cfg)
+        assert torch.equal(part, full[:m]), f"rows of M={m} differ from the same rows at M=37"
+    for i in (0, 16, 36):  # a row alone == that row inside the batch, wherever it sits
+        assert torch.equal(evenflow.router_gemm(x[i:i + 1], rw, batch_invariant=True, config=cfg), full[i:i + 1])
+    other = x.clone()
+    other[1:] = torch.randn_like(other[1:].float()).to(torch.bfloat16) * 100
+    assert torch.equal(evenflow.router_gemm(other, rw, batch_invariant=True, config=cfg)[0], full[0])
+
+
+def test_batch_invariant_uses_one_config_for_all_m():
+    cfgs = {dispatch.choose_config(m, 192, 4096, torch.device("cpu"), batch_invariant=True)
+            for m in (1, 3, 64, 1000, 8192)}
+    assert len(cfgs) == 1 and next(iter(cfgs)).path == "triton"
+
+
+# ----------------------------------------------------------------------------- stale split
+
+
+def test_stale_weight_raises_then_refresh(device):
+    x, w = _inputs(2, 16, 32, device)
+    rw = evenflow.RouterWeight(w)
+    evenflow.router_gemm(x, rw)
+    w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="stale"):
+        evenflow.router_gemm(x, rw)
+    rw.refresh()
+    _check_gemm(evenflow.router_gemm(x, rw), x, rw, w, "after refresh")
+
+
+def test_stale_weight_auto_refresh(device):
+    x, w = _inputs(2, 16, 32, device)
+    rw = evenflow.RouterWeight(w, auto_refresh=True)
+    evenflow.router_gemm(x, rw)
+    w.copy_(torch.randn_like(w))
+    out = evenflow.router_gemm(x, rw)
+    _check_gemm(out, x, rw, w, "auto refresh")
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_bad_inputs_raise_clear_errors(device):
+    w = torch.randn(16, 32, device=device)
+    rw = evenflow.RouterWeight(w)
+    x = torch.randn(3, 32, device=device).to(torch.bfloat16)
+    with pytest.raises(TypeError, match="w must be"):
+        evenflow.router_gemm(x, w)
+    with pytest.raises(TypeError, match="round_x_to_bf16"):
+        evenflow.router_gemm(x.float(), rw)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        evenflow.router_gemm(x.half(), rw)
+    with pytest.raises(ValueError, match="x must have shape"):
+        evenflow.router_gemm(x[:, :31], rw)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        evenflow.router_gemm(x[0], rw)
+    with pytest.raises(ValueError, match="unit stride"):
+        evenflow.router_gemm(torch.randn(32, 3, device=device).to(torch.bfloat16).t(), rw)
+    with pytest.raises(ValueError, match="out must have shape"):
+        evenflow.router_gemm(x, rw, out=torch.empty(3, 15, device=device))
+    with pytest.raises(TypeError, match="out must have dtype"):
+        evenflow.router_gemm(x, rw, out=torch.empty(3, 16, device=device, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="w must have dtype"):
+        evenflow.RouterWeight(w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="finite"):
+        evenflow.RouterWeight(torch.full((4, 4), float("nan"), device=device))
+    with pytest.raises(ValueError, match="contiguous"):
+        evenflow.RouterWeight(torch.randn(32, 16, device=device).t())
+    with pytest.raises(ValueError, match="block_n"):
+        GemmConfig(16, 24, 32)
+    with pytest.raises(ValueError, match="path"):
+        GemmConfig(path="cutlass")
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def test_dispatch_table_lookup_by_m_range():
+    entries = [
+        {"K": 64, "N": 32, "m_max": 4, "config": GemmConfig(16, 16, 32, 2).to_dict()},
+        {"K": 64, "N": 32, "m_max": 64, "config": GemmConfig(64, 32, 32, 1).to_dict()},
+        {"K": 64, "N": 48, "m_max": 64, "config": GemmConfig(path="torch-fp32").to_dict()},
+    ]
+    lk = dispatch._lookup
+    assert lk(entries, 1, 32, 64) == GemmConfig(16, 16, 32, 2)
+    assert lk(entries, 4, 32, 64) == GemmConfig(16, 16, 32, 2)
+    assert lk(entries, 5, 32, 64) == GemmConfig(64, 32, 32, 1)
+    assert lk(entries, 5000, 32, 64) == GemmConfig(64, 32, 32, 1)  # past the last range: last entry
+    assert lk(entries, 3, 48, 64).path == "torch-fp32"
+    assert lk(entries, 3, 32, 128) is None  # untuned shape -> heuristic
+
+
+def test_heuristic_fills_the_gpu_at_small_m():
+    for n, k in ((192, 4096), (768, 6144), (384, 3072), (128, 2048)):
+        for m in (1, 16):
+            c = dispatch.heuristic_config(m, n, k, sms=132)
+            tiles = -(-m // c.block_m) * -(-n // c.block_n)
+            assert tiles * c.split_k >= 132 or c.split_k * 2 * c.block_k >= k, (n, k, m, c)
+
+
+def test_committed_tables_parse():
+    for path in sorted((dispatch._table_dir()).glob("*.json")):
+        table = json.loads(path.read_text())
+        for e in table.get("entries", []) + table.get("batch_invariant", []):
+            GemmConfig.from_dict(e["config"])  # raises on a bad entry
+            assert e["K"] >= 1 and e["N"] >= 1
+
+
+# ----------------------------------------------------------------------------- custom op
+
+
+def test_opcheck_router_gemm_op(device):
+    x, w = _inputs(3, 16, 32, device)
+    rw = evenflow.RouterWeight(w)
+    out = torch.empty(3, 16, device=device)
+    part, count = rw.workspace(3, GemmConfig(16, 16, 16, 2))
+    torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
+                          (x, rw.w_hi, rw.w_lo, out, part, count, 16, 16, 16, 2, 4, 1))
