@@ -1,0 +1,255 @@
+"""Paged decode attention: launcher (checks, allocation, config) and its custom op.
+
+Shapes: ``B`` requests, ``q_len`` new rows per request, ``Hq``/``Hkv`` heads, ``D`` head dim,
+``P`` page size.
+
+==============  ===========================  ===================================================
+argument         shape                        dtype
+==============  ===========================  ===================================================
+q                [B * q_len, Hq, D]           bf16, or fp8 e4m3 with q_scale
+q_scale          [B * q_len, Hq]              fp32 (dequant scale per token per head)
+k/v_cache        [num_pages, P, Hkv, D]       bf16 or fp8 e4m3 (NHD; any strides with a unit
+                                              last stride, so HND views ``x.transpose(1, 2)`` of
+                                              a [num_pages, Hkv, P, D] cache work)
+k/v_scale        float or fp32 tensor [1]     per-tensor dequant scale (tensor: graph-friendly,
+                                              read on the device)
+page_table       [B, max_pages]               int32, pages in any order
+seq_lens         [B]                          int32, cached tokens including the new ones
+out              [B * q_len, Hq, D]           bf16
+lse (optional)   [B * q_len, Hq]              fp32, natural log of sum(exp(score)) where score =
+                                              sm_scale * q_scale * k_scale * q.k; -inf for rows
+                                              that see no token
+==============  ===========================  ===================================================
+
+Row r of request b attends to the cached tokens [0, seq_len - q_len + r + 1) (causal
+among the new rows). Rows that see no token (length-0 requests) get zeros.
+
+What is checked where: dtypes, shapes, devices and strides raise on the host. Values
+inside device tensors (page indices, lengths) are not read by the launcher (that would
+sync); the kernels clamp them so nothing is read out of bounds, and
+:func:`validate_inputs` checks them explicitly (it syncs: use it in debug runs and tests).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from evenflow import _runtime
+from evenflow._checks import check_out, check_tensor
+from evenflow.attention import kernels as K
+from evenflow.attention.plan import TILE, DecodePlan, static_splits
+
+FP8 = torch.float8_e4m3fn
+_QDT = (torch.bfloat16, FP8)
+_KVDT = (torch.bfloat16, FP8)
+
+
+def _block_m(rows: int) -> int:
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def _num_stages(head_dim: int, kv_dtype: torch.dtype) -> int:
+    # K+V tile bytes per stage: 64 * D * 2 * elem; keep about 64 KB of stages in flight
+    tile_bytes = 2 * TILE * head_dim * kv_dtype.itemsize
+    return max(1, min(3, (64 * 1024) // tile_bytes))
+
+
+@torch.library.custom_op("evenflow::decode_attention", mutates_args=("out", "lse", "part_o", "part_lse"))
+def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+               seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
+               meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+               lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
+               v_scale: Optional[torch.Tensor], k_scale_f: float, v_scale_f: float, sm_scale: float,
+               q_len: int, splits: int, max_len: int) -> None:
+    B = seq_lens.shape[0]
+    _, Hq, D = q.shape
+    num_pages, P, Hkv, _ = k_cache.shape
+    G = Hq // Hkv
+    rows = G * q_len
+    block_m = _block_m(rows)
+    is_static = splits > 0
+    np_ = prog_start.shape[0] - 1
+    use_fp8_dot = q.dtype == FP8 and k_cache.dtype == FP8
+    has_lse = lse is not None
+    qs = q_scale if q_scale is not None else q
+    common = dict(HKV=Hkv, GROUP=G, Q_LEN=q_len, D=D, BLOCK_M=block_m, IS_STATIC=is_static, HAS_LSE=has_lse)
+    lse_t = lse if has_lse else out
+    grid = (B * Hkv * splits,) if is_static else (np_,)
+    K.decode_kernel[grid](
+        q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta,
+        out, lse_t, part_o, part_lse,
+        k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
+        sm_scale * K.LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
+        q.stride(0), q.stride(1), qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
+        PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
+        HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
+        NUM_STAGES=_num_stages(D, k_cache.dtype), num_warps=4, **common,
+    )
+    if is_static and splits == 1:
+        return
+    cgrid = (B * Hkv,) if is_static else (np_,)
+    K.combine_kernel[cgrid](
+        tiles, req_end, prog_start, meta, part_o, part_lse, out, lse_t,
+        B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
+        NP=max(np_, 1), num_warps=4, **common,
+    )
+
+
+@_decode_op.register_fake
+def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, out, lse,
+      q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len):
+    return None
+
+
+def _scale_arg(name: str, s, device) -> tuple[Optional[torch.Tensor], float]:
+    if s is None:
+        return None, 1.0
+    if isinstance(s, torch.Tensor):
+        check_tensor(name, s, dtypes=[torch.float32], device=device)
+        if s.numel() != 1:
+            raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(s.shape)}")
+        return s, 1.0
+    if isinstance(s, (int, float)) and not isinstance(s, bool):
+        if not math.isfinite(s) or s <= 0:
+            raise ValueError(f"{name} must be a finite positive number, got {s}")
+        return None, float(s)
+    raise TypeError(f"{name} must be a float or a float32 tensor of one element, got {type(s).__name__}")
+
+
+def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
+    check_tensor("q", q, dtypes=_QDT, ndim=3, last_dim_contiguous=True)
+    dev = q.device
+    check_tensor("k_cache", k_cache, dtypes=_KVDT, ndim=4, device=dev, last_dim_contiguous=True)
+    check_tensor("v_cache", v_cache, dtypes=[k_cache.dtype], shape=list(k_cache.shape), device=dev,
+                 last_dim_contiguous=True)
+    check_tensor("seq_lens", seq_lens, dtypes=[torch.int32], ndim=1, device=dev, contiguous=True)
+    B = seq_lens.shape[0]
+    check_tensor("page_table", page_table, dtypes=[torch.int32], ndim=2, device=dev, last_dim_contiguous=True)
+    if page_table.shape[0] != B:
+        raise ValueError(f"page_table must have {B} rows (one per request in seq_lens), got {page_table.shape[0]}")
+    num_pages, P, Hkv, D = k_cache.shape
+    if P not in (16, 32, 64, 128):
+        raise ValueError(f"k_cache page size (dim 1) must be one of [16, 32, 64, 128], got {P}")
+    if D not in (64, 128, 256):
+        raise ValueError(f"head_dim must be one of [64, 128, 256], got {D}")
+    if q.shape[2] != D:
+        raise ValueError(f"q head_dim {q.shape[2]} != k_cache head_dim {D}")
+    Hq = q.shape[1]
+    if Hq % Hkv != 0 or not 1 <= Hq // Hkv <= 16:
+        raise ValueError(f"q heads ({Hq}) must be a multiple 1..16 of the kv heads ({Hkv})")
+    if num_pages < 1:
+        raise ValueError("k_cache must hold at least one page")
+    if page_table.shape[1] < 1:
+        raise ValueError("page_table must have at least one column")
+    if plan is not None:
+        if not isinstance(plan, DecodePlan):
+            raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
+        if plan.num_kv_heads != Hkv:
+            raise ValueError(f"plan was built for {plan.num_kv_heads} kv heads, k_cache has {Hkv}")
+        if plan.page_size != P:
+            raise ValueError(f"plan was built for page_size {plan.page_size}, k_cache pages hold {P}")
+        if plan.batch is None:
+            raise ValueError("plan: call plan.update(seq_lens) before decode_attention")
+        if plan.batch != B:
+            raise ValueError(f"plan was last updated for batch {plan.batch}, seq_lens has {B}")
+        if plan.prog_start.device != dev:
+            raise ValueError(f"plan is on {plan.prog_start.device}, q on {dev}")
+        q_len = plan.q_len
+    else:
+        if B < 1 or q.shape[0] % B != 0 or not 1 <= q.shape[0] // B <= 4:
+            raise ValueError(f"q rows ({q.shape[0]}) must be q_len * batch with q_len in 1..4 (batch {B})")
+        q_len = q.shape[0] // B
+    if q.shape[0] != B * q_len:
+        raise ValueError(f"q must have batch * q_len = {B} * {q_len} = {B * q_len} rows, got {q.shape[0]}")
+    if q.dtype == FP8:
+        if q_scale is None:
+            raise ValueError("q_scale is required when q is fp8 (float8_e4m3fn)")
+        check_tensor("q_scale", q_scale, dtypes=[torch.float32], shape=[B * q_len, Hq], device=dev,
+                     last_dim_contiguous=True)
+    elif q_scale is not None:
+        raise ValueError("q_scale is only used with an fp8 q; q is bf16")
+    return B, q_len, Hq, D, Hkv
+
+
+def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None,
+                     k_scale=None, v_scale=None, sm_scale: float | None = None, out=None,
+                     return_lse: bool = False, lse=None):
+    """Paged decode attention over a KV cache (see the module docstring for shapes).
+
+    ``plan``: a :class:`DecodePlan` updated with these ``seq_lens`` (length-balanced
+    persistent schedule); ``None`` runs the static split-KV schedule (allocates its
+    partial buffers per call). Returns ``out`` (bf16), or ``(out, lse)`` when
+    ``return_lse`` (``lse`` may be given as a preallocated [B * q_len, Hq] fp32 buffer).
+    """
+    B, q_len, Hq, D, Hkv = _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale)
+    dev = q.device
+    ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
+    vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
+        raise TypeError(f"sm_scale must be a finite float, got {sm_scale!r}")
+    if out is None:
+        out = torch.empty(B * q_len, Hq, D, dtype=torch.bfloat16, device=dev)
+    else:
+        check_out("out", out, [B * q_len, Hq, D], torch.bfloat16, dev)
+    if return_lse:
+        if lse is None:
+            lse = torch.empty(B * q_len, Hq, dtype=torch.float32, device=dev)
+        else:
+            check_out("lse", lse, [B * q_len, Hq], torch.float32, dev)
+    else:
+        lse = None
+    P = k_cache.shape[1]
+    rows = (Hq // Hkv) * q_len
+    max_pages_len = page_table.shape[1] * P
+    if plan is not None:
+        part_o, part_lse = plan.partials(rows, D)
+        _decode_op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
+                   part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, 0,
+                   min(plan.max_seq_len, max_pages_len))
+    else:
+        splits = static_splits(B, Hkv, dev)
+        slots = B * Hkv * splits if splits > 1 else 1
+        part_o = torch.empty(slots, rows, D, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(slots, rows, dtype=torch.float32, device=dev)
+        dummy = torch.zeros(2, dtype=torch.int32, device=dev)
+        _decode_op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
+                   part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, splits,
+                   max_pages_len)
+    return (out, lse) if return_lse else out
+
+
+def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None) -> None:
+    """Debug check of the values the launcher cannot see without a host sync (it syncs).
+
+    Raises ValueError when a length is negative, beyond the page table or the plan's
+    max_seq_len, when a page index a request uses is outside [0, num_pages), or when
+    ``plan`` was not updated with these lengths.
+    """
+    B, q_len, *_ = _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale)
+    num_pages, P = k_cache.shape[0], k_cache.shape[1]
+    lens = seq_lens.cpu().long()
+    cap = page_table.shape[1] * P
+    if plan is not None:
+        cap = min(cap, plan.max_seq_len)
+    bad = torch.nonzero((lens < 0) | (lens > cap)).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} outside [0, {cap}] (page table columns * page size"
+                         f"{' and plan max_seq_len' if plan is not None else ''})")
+    pt = page_table.cpu().long()
+    used = torch.arange(pt.shape[1])[None, :] < ((lens + P - 1) // P)[:, None]
+    bad = torch.nonzero(used & ((pt < 0) | (pt >= num_pages)))
+    if bad.numel():
+        b, c = (int(x) for x in bad[0])
+        raise ValueError(f"page_table[{b}, {c}] = {int(pt[b, c])} outside [0, {num_pages}) for a page in use")
+    if plan is not None:
+        want = (lens + TILE - 1) // TILE
+        if not torch.equal(plan.tiles[:B].cpu().long(), want):
+            raise ValueError("plan was not updated with these seq_lens (call plan.update(seq_lens))")

@@ -1,0 +1,319 @@
+"""Triton kernels of paged decode attention: plan, attention, combine. No torch logic here.
+
+Data contract (all int32 unless noted; ``Hkv`` = ``HKV``, item = (request b, kv head h))
+-----------------------------------------------------------------------------------------
+items are ordered request-outer, kv-head inner: ``item = b * HKV + h``.
+
+==================  ===============  =====================================================
+plan tensor          shape            meaning
+==================  ===============  =====================================================
+``tiles``            [max_batch]      64-token tiles of every item of request b
+                                      (= ceil(clamp(seq_len, 0, max_seq_len) / 64))
+``req_end``          [max_batch]      inclusive prefix sum of HKV * tiles: global tile index
+                                      one past request b's last tile. Item (b, h) owns the
+                                      global tiles [req_end[b] - (HKV - h) * tiles[b], +tiles[b])
+``prog_start``       [NP + 1]         first item program p visits (p > 0: the item that holds
+                                      global tile p * budget; p = 0: item 0; NP: B * HKV)
+``meta``             [4]              total tiles T, budget, programs used, 1 if a length
+                                      was out of [0, max_seq_len] (it was clamped)
+==================  ===============  =====================================================
+
+Program p owns the global tile range [p * budget, min((p + 1) * budget, T)). An item cut
+by a bin edge is split: its chunk in the program where it starts goes to partial slot
+``2p + 1``; its chunks in later programs q go to slot ``2q`` (a program holds at most one
+item that began earlier and one that continues later, so slots are unique and fewer than
+2 * NP). Items that fit in one bin are finished in place (normalised output + LSE), so the
+combine kernel only touches split items.
+
+Partials: ``part_o`` fp32 [slots, ROWS, D] (already normalised and scaled by v_scale),
+``part_lse`` fp32 [slots, ROWS] in log2 units of the scaled scores. ROWS = GROUP * Q_LEN,
+row m = r * GROUP + g (query row r of the request, query head h * GROUP + g).
+
+Static split (IS_STATIC): program = item * SPLITS + c takes the c-th of SPLITS equal tile
+ranges of its item; partial slot = program; combine program = item.
+"""
+import triton
+import triton.language as tl
+
+from evenflow._kernels.common import dot_operand
+
+LOG2E: tl.constexpr = 1.4426950408889634
+LN2: tl.constexpr = 0.6931471805599453
+TILE: tl.constexpr = 64
+
+
+@triton.jit(do_not_specialize=["B", "max_len", "min_tiles"])
+def plan_kernel(
+    p_len, p_tiles, p_req_end, p_prog_start, p_meta,
+    B, max_len, min_tiles,
+    NP: tl.constexpr, HKV: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr,
+):
+    """Single program: prefix sums over requests, budget, then per-program start items."""
+    carry = tl.zeros([], dtype=tl.int32)
+    bad = tl.zeros([], dtype=tl.int32)
+    for b0 in range(0, B, BLOCK_B):
+        o_b = b0 + tl.arange(0, BLOCK_B)
+        m_b = o_b < B
+        b_len = tl.load(p_len + o_b, mask=m_b, other=0)
+        bad = tl.maximum(bad, tl.max(((b_len < 0) | (b_len > max_len)).to(tl.int32), axis=0))
+        b_len = tl.minimum(tl.maximum(b_len, 0), max_len)
+        b_tiles = (b_len + TILE - 1) // TILE
+        b_end = tl.cumsum(b_tiles * HKV, axis=0) + carry
+        tl.store(p_tiles + o_b, b_tiles, mask=m_b)
+        tl.store(p_req_end + o_b, b_end, mask=m_b)
+        carry += tl.sum(b_tiles * HKV, axis=0)
+    total = carry
+    budget = tl.maximum((total + NP - 1) // NP, min_tiles)
+    used = (total + budget - 1) // budget
+    tl.store(p_meta + 0, total)
+    tl.store(p_meta + 1, budget)
+    tl.store(p_meta + 2, used)
+    tl.store(p_meta + 3, bad)
+    # The searches below read req_end written above by other threads of this program.
+    tl.debug_barrier()
+    n_items = B * HKV
+    for p0 in range(0, NP + 1, BLOCK_P):
+        o_p = p0 + tl.arange(0, BLOCK_P)
+        x = o_p * budget
+        # first request b with req_end[b] > x (vectorised binary search over [0, B])
+        lo = tl.zeros([BLOCK_P], dtype=tl.int32)
+        hi = tl.zeros([BLOCK_P], dtype=tl.int32) + B
+        for _ in tl.static_range(SEARCH_ITERS):
+            active = lo < hi
+            mid = (lo + hi) // 2
+            v = tl.load(p_req_end + mid, mask=active & (mid < B), other=0)
+            right = v <= x
+            lo = tl.where(active & right, mid + 1, lo)
+            hi = tl.where(active & (~right), mid, hi)
+        m_found = lo < B
+        b_safe = tl.minimum(lo, B - 1)
+        n = tl.load(p_tiles + b_safe, mask=m_found, other=1)
+        e = tl.load(p_req_end + b_safe, mask=m_found, other=0)
+        h = (x - (e - HKV * n)) // tl.maximum(n, 1)
+        item = tl.where(m_found, b_safe * HKV + h, n_items)
+        item = tl.where(o_p == 0, 0, item)
+        tl.store(p_prog_start + o_p, item, mask=o_p <= NP)
+
+
+@triton.jit
+def _attend_chunk(
+    b, h, t0, t1, L, is_final, slot,
+    p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse,
+    qk_scale, v_scale, num_pages, max_pages,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_ptb, stride_ot, stride_oh, stride_lt,
+    GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_Q_SCALE: tl.constexpr, USE_FP8_DOT: tl.constexpr,
+    HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Online softmax of one item's tiles [t0, t1); finish in place or write a partial."""
+    ROWS: tl.constexpr = GROUP * Q_LEN
+    o_m = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, D)
+    m_row = o_m < ROWS
+    i_r = o_m // GROUP
+    i_tok = b * Q_LEN + i_r
+    i_head = h * GROUP + (o_m % GROUP)
+    p_qrow = p_q + i_tok.to(tl.int64) * stride_qt + i_head * stride_qh
+    b_q = tl.load(p_qrow[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
+    b_rs = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+    if HAS_Q_SCALE:
+        b_rs = b_rs * tl.load(p_qs + i_tok.to(tl.int64) * stride_qst + i_head * stride_qsh, mask=m_row, other=0.0)
+    if not USE_FP8_DOT:
+        b_q = b_q.to(tl.bfloat16)
+    # row r sees the tokens before its own position: L - Q_LEN + r + 1 of them
+    b_vis = L - Q_LEN + i_r + 1
+
+    b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
+    for t in tl.range(t0, t1, num_stages=NUM_STAGES):
+        o_n = t * TILE + tl.arange(0, TILE)
+        m_n = o_n < L
+        b_page = tl.load(p_ptrow + o_n // PAGE, mask=m_n & (o_n // PAGE < max_pages), other=0)
+        b_page = tl.minimum(tl.maximum(b_page, 0), num_pages - 1).to(tl.int64)
+        o_slot = o_n % PAGE
+        o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
+        o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
+        b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        if USE_FP8_DOT:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        else:
+            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k.to(tl.bfloat16)), DOT_F32))
+        b_s = b_s * b_rs[:, None]
+        b_s = tl.where(o_n[None, :] < b_vis[:, None], b_s, float("-inf"))
+        b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+        b_alpha = tl.exp2(b_m - b_msafe)
+        b_p = tl.exp2(b_s - b_msafe[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v.to(tl.bfloat16), DOT_F32))
+        b_acc = b_acc * b_alpha[:, None] + b_pv
+        b_m = b_mnew
+
+    m_live = b_l > 0.0
+    b_o = tl.where(m_live[:, None], b_acc * (v_scale / tl.where(m_live, b_l, 1.0))[:, None], 0.0)
+    b_lse2 = tl.where(m_live, b_m + tl.log2(tl.where(m_live, b_l, 1.0)), float("-inf"))
+    if is_final:
+        p_orow = p_out + i_tok.to(tl.int64) * stride_ot + i_head * stride_oh
+        tl.store(p_orow[:, None] + o_d[None, :], b_o.to(p_out.dtype.element_ty), mask=m_row[:, None])
+        if HAS_LSE:
+            tl.store(p_lse + i_tok.to(tl.int64) * stride_lt + i_head, b_lse2 * LN2, mask=m_row)
+    else:
+        o_prow = slot.to(tl.int64) * ROWS + o_m
+        tl.store(p_po + o_prow[:, None] * D + o_d[None, :], b_o, mask=m_row[:, None])
+        tl.store(p_plse + o_prow, b_lse2, mask=m_row)
+
+
+@triton.jit(do_not_specialize=["B", "splits", "max_len"])
+def decode_kernel(
+    p_q, p_qs, p_k, p_v, p_pt, p_len,
+    p_tiles, p_req_end, p_prog_start, p_meta,
+    p_out, p_lse, p_po, p_plse, p_ks, p_vs,
+    qk_scale_f, v_scale_f, B, splits, max_len, num_pages, max_pages,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_ptb, stride_ot, stride_oh, stride_lt,
+    HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
+    HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
+    HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
+
+    ``qk_scale_f`` = sm_scale * log2(e) * python k_scale; ``max_len`` caps every length
+    (min of the plan's max_seq_len and max_pages * PAGE) so no page-table column or tile
+    outside the plan is touched.
+    """
+    pid = tl.program_id(0)
+    qk_scale = qk_scale_f
+    if HAS_K_SCALE_PTR:
+        qk_scale = qk_scale * tl.load(p_ks)
+    v_scale = v_scale_f
+    if HAS_V_SCALE_PTR:
+        v_scale = v_scale * tl.load(p_vs)
+    if IS_STATIC:
+        item = pid // splits
+        c = pid % splits
+        b = item // HKV
+        h = item % HKV
+        if b < B:
+            L = tl.minimum(tl.maximum(tl.load(p_len + b), 0), max_len)
+            n = (L + TILE - 1) // TILE
+            per = (n + splits - 1) // splits
+            t0 = tl.minimum(c * per, n)
+            t1 = tl.minimum(t0 + per, n)
+            _attend_chunk(
+                b, h, t0, t1, L, splits == 1, pid,
+                p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse,
+                qk_scale, v_scale, num_pages, max_pages,
+                stride_qt, stride_qh, stride_qst, stride_qsh,
+                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                stride_ptb, stride_ot, stride_oh, stride_lt,
+                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES,
+            )
+    else:
+        total = tl.load(p_meta + 0)
+        budget = tl.load(p_meta + 1)
+        g0 = pid * budget
+        g1 = tl.minimum(g0 + budget, total)
+        n_items = B * HKV
+        i = tl.load(p_prog_start + pid)
+        # walk items while they start inside the bin (zero-tile items on the bin's end
+        # edge belong to it, so every empty request is finished exactly once)
+        b = tl.minimum(i, n_items - 1) // HKV
+        n = tl.load(p_tiles + b)
+        start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
+        go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+        while go:
+            h = i % HKV
+            L = tl.minimum(tl.minimum(tl.maximum(tl.load(p_len + b), 0), max_len), n * TILE)
+            t0 = tl.maximum(start, g0) - start
+            t1 = tl.minimum(start + n, g1) - start
+            is_final = (start >= g0) & (start + n <= g1)
+            slot = 2 * pid + (start >= g0).to(tl.int32)
+            _attend_chunk(
+                b, h, t0, t1, L, is_final, slot,
+                p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse,
+                qk_scale, v_scale, num_pages, max_pages,
+                stride_qt, stride_qh, stride_qst, stride_qsh,
+                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                stride_ptb, stride_ot, stride_oh, stride_lt,
+                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES,
+            )
+            i += 1
+            b = tl.minimum(i, n_items - 1) // HKV
+            n = tl.load(p_tiles + b)
+            start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
+            go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+
+
+@triton.jit(do_not_specialize=["B", "splits"])
+def combine_kernel(
+    p_tiles, p_req_end, p_prog_start, p_meta, p_po, p_plse, p_out, p_lse,
+    B, splits, stride_ot, stride_oh, stride_lt,
+    NP: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_LSE: tl.constexpr,
+):
+    """Merge the partial chunks of split items under one softmax normalisation.
+
+    Plan: program p finishes the item that starts in bin p and continues past it, if any
+    (chunks in bins p..p_last). Static: program = item, chunks = its SPLITS slots.
+    """
+    ROWS: tl.constexpr = GROUP * Q_LEN
+    pid = tl.program_id(0)
+    n_items = B * HKV
+    if IS_STATIC:
+        item = pid
+        first = pid * splits
+        n_chunks = splits
+        todo = item < n_items
+    else:
+        total = tl.load(p_meta + 0)
+        budget = tl.load(p_meta + 1)
+        g0 = pid * budget
+        g1 = tl.minimum(g0 + budget, total)
+        item = tl.load(p_prog_start + pid + 1)
+        b = tl.minimum(item, n_items - 1) // HKV
+        n = tl.load(p_tiles + b)
+        start = tl.load(p_req_end + b) - (HKV - item % HKV) * n
+        todo = (item < n_items) & (start >= g0) & (start < g1) & (start + n > g1)
+        first = 2 * pid + 1
+        n_chunks = (start + n - 1) // tl.maximum(budget, 1) - pid + 1
+    if todo:
+        b = item // HKV
+        h = item % HKV
+        o_m = tl.arange(0, BLOCK_M)
+        o_d = tl.arange(0, D)
+        m_row = o_m < ROWS
+        b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        for c in range(0, n_chunks):
+            if IS_STATIC:
+                slot = first + c
+            else:
+                slot = tl.where(c == 0, first, 2 * (pid + c))
+            o_prow = slot.to(tl.int64) * ROWS + o_m
+            b_lc = tl.load(p_plse + o_prow, mask=m_row, other=float("-inf"))
+            b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=m_row[:, None], other=0.0)
+            b_mnew = tl.maximum(b_m, b_lc)
+            b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+            b_a = tl.exp2(b_m - b_msafe)
+            b_w = tl.exp2(b_lc - b_msafe)
+            b_acc = b_acc * b_a[:, None] + b_oc * b_w[:, None]
+            b_l = b_l * b_a + b_w
+            b_m = b_mnew
+        m_live = b_l > 0.0
+        b_o = tl.where(m_live[:, None], b_acc / tl.where(m_live, b_l, 1.0)[:, None], 0.0)
+        i_tok = b * Q_LEN + o_m // GROUP
+        i_head = h * GROUP + (o_m % GROUP)
+        p_orow = p_out + i_tok.to(tl.int64) * stride_ot + i_head * stride_oh
+        tl.store(p_orow[:, None] + o_d[None, :], b_o.to(p_out.dtype.element_ty), mask=m_row[:, None])
+        if HAS_LSE:
+            b_lse = tl.where(m_live, (b_m + tl.log2(tl.where(m_live, b_l, 1.0))) * LN2, float("-inf"))
+            tl.store(p_lse + i_tok.to(tl.int64) * stride_lt + i_head, b_lse, mask=m_row)

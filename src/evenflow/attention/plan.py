@@ -1,0 +1,147 @@
+"""Decode schedules: the length-balanced plan (``DecodePlan``) and the static split-KV one.
+
+The plan's data contract (tensors, bins, partial slots) is documented at the top of
+``evenflow.attention.kernels``. In short: items (request b, kv head h) are ordered
+request-outer, so a request's kv heads sit in neighbouring bins and read the same pages
+(one NHD page row holds every head) at the same time; each item is cut into 64-token
+tiles; program p drains the global tile range [p * budget, (p + 1) * budget) with
+budget = max(ceil(total / num_programs), min_tiles).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from evenflow import _runtime
+from evenflow._checks import check_int, check_tensor
+from evenflow.attention import kernels as K
+
+TILE = 64
+MAX_BATCH = 2048
+DEFAULT_MIN_TILES = 8  # 512 tokens: HPC-Ops' minimum work per program
+DEFAULT_PROGRAMS_PER_SM = 4  # HPC-Ops runs 4 CTAs per SM on sm90; to be re-measured
+
+
+def default_num_programs(device) -> int:
+    return DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(device)
+
+
+@torch.library.custom_op("evenflow::decode_plan_update", mutates_args=("tiles", "req_end", "prog_start", "meta"))
+def _plan_update_op(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
+                    prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
+                    max_seq_len: int, min_tiles: int, max_batch: int) -> None:
+    B = seq_lens.shape[0]
+    np_ = prog_start.shape[0] - 1
+    K.plan_kernel[(1,)](
+        seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles,
+        NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
+        SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), num_warps=4,
+    )
+
+
+@_plan_update_op.register_fake
+def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch):
+    return None
+
+
+class DecodePlan:
+    """Fixed-size workspace for the length-balanced decode schedule.
+
+    ``DecodePlan(max_batch, max_seq_len, num_kv_heads, page_size=64, q_len=1, device="cuda",
+    num_programs=None, min_tiles=None)``; then ``plan.update(seq_lens)`` once per decode
+    step (one small device kernel: no host sync, no allocation, CUDA-graph capturable),
+    and pass ``plan=`` to every layer's :func:`evenflow.decode_attention`.
+
+    ``num_programs``: persistent programs of the attention kernel (default
+    ``4 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
+    (default 8 = 512 tokens), so small batches are not over-split.
+
+    Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
+    bounds) and flagged; :meth:`clamped` (host sync) or
+    :func:`evenflow.attention.validate_inputs` reports them.
+
+    Partial-output buffers (fp32, ``2 * num_programs`` slots) depend on the head count
+    and head dim; they are allocated on the first ``decode_attention`` call with a new
+    (group, head_dim) and reused after. Run one step before capturing a CUDA graph, as
+    engines do for warm-up.
+    """
+
+    def __init__(self, max_batch: int, max_seq_len: int, num_kv_heads: int, page_size: int = 64,
+                 q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None):
+        check_int("max_batch", max_batch, 1, MAX_BATCH)
+        check_int("max_seq_len", max_seq_len, 1)
+        check_int("num_kv_heads", num_kv_heads, 1, 256)
+        if page_size not in (16, 32, 64, 128):
+            raise ValueError(f"page_size must be one of [16, 32, 64, 128], got {page_size!r}")
+        check_int("q_len", q_len, 1, 4)
+        dev = torch.device(device)
+        if dev.type == "cuda" and _runtime.interpreting():
+            raise ValueError("device: kernels run on the CPU here (Triton interpreter); pass device='cpu'")
+        if dev.type == "cpu" and not _runtime.interpreting():
+            raise ValueError("device: kernels run on CUDA here; pass a CUDA device")
+        if num_programs is None:
+            num_programs = default_num_programs(dev)
+        check_int("num_programs", num_programs, 1, 1 << 16)
+        if min_tiles is None:
+            min_tiles = DEFAULT_MIN_TILES
+        check_int("min_tiles", min_tiles, 1)
+        max_tiles = max_batch * num_kv_heads * math.ceil(max_seq_len / TILE)
+        if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
+            raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
+                             f"({max_tiles} tiles)")
+        self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
+        self.page_size, self.q_len, self.device = page_size, q_len, dev
+        self.num_programs, self.min_tiles = num_programs, min_tiles
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.tiles = torch.zeros(max_batch, **i32)
+        self.req_end = torch.zeros(max_batch, **i32)
+        self.prog_start = torch.zeros(num_programs + 1, **i32)
+        self.meta = torch.zeros(4, **i32)
+        self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
+        self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, seq_lens: torch.Tensor) -> DecodePlan:
+        """Rebuild the schedule from device-side ``seq_lens`` [B] int32 (B <= max_batch)."""
+        check_tensor("seq_lens", seq_lens, dtypes=[torch.int32], ndim=1, contiguous=True)
+        if seq_lens.device != self.prog_start.device:
+            raise ValueError(f"seq_lens is on {seq_lens.device}, the plan on {self.prog_start.device}")
+        B = seq_lens.shape[0]
+        check_int("seq_lens.shape[0] (batch)", B, 1, self.max_batch)
+        _plan_update_op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
+                        self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch)
+        self.batch = B
+        return self
+
+    def partials(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rows, head_dim)
+        if key not in self._partials:
+            slots = 2 * self.num_programs
+            self._partials[key] = (
+                torch.empty(slots, rows, head_dim, dtype=torch.float32, device=self.device),
+                torch.empty(slots, rows, dtype=torch.float32, device=self.device),
+            )
+        return self._partials[key]
+
+    def clamped(self) -> bool:
+        """True if the last update saw a length outside [0, max_seq_len] (syncs with the host)."""
+        return bool(int(self.meta[3]) != 0)
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        """The plan's tensors for the last update, trimmed to its batch (for tests and debugging)."""
+        B = self.batch or 0
+        return {"tiles": self.tiles[:B], "req_end": self.req_end[:B], "prog_start": self.prog_start,
+                "meta": self.meta}
+
+    def __repr__(self) -> str:
+        return (f"DecodePlan(max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
+                f"num_kv_heads={self.num_kv_heads}, page_size={self.page_size}, q_len={self.q_len}, "
+                f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, device={self.device})")
+
+
+def static_splits(batch: int, num_kv_heads: int, device) -> int:
+    """Split count of the static schedule: enough (item, chunk) programs to fill the
+    persistent grid once, at most 64 chunks per item; chosen from the batch shape only
+    (the host does not know the lengths), as a fixed-split-count static scheduler does."""
+    items = batch * num_kv_heads
+    return max(1, min(64, -(-default_num_programs(device) // items)))

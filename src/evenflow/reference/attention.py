@@ -1,0 +1,123 @@
+"""Plain PyTorch oracles of decode attention and of its plan (deliberately simple loops)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+TILE = 64
+
+
+def dequant(x: torch.Tensor, scale) -> torch.Tensor:
+    """fp64 values of a bf16/fp8 tensor times a per-tensor (float/tensor) or broadcast scale."""
+    s = scale if scale is not None else 1.0
+    if isinstance(s, torch.Tensor):
+        s = s.double().cpu()
+    return x.double().cpu() * s
+
+
+def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None, k_scale=None, v_scale=None,
+                         sm_scale=None, q_len=None, dtype=torch.float64, p_dtype=None, out_dtype=None):
+    """Decode attention, one request at a time, gathering pages through the page table.
+
+    Computes in ``dtype`` (float64 for the oracle). With ``p_dtype`` (e.g. bf16) the
+    unnormalised probabilities are rounded to it before the product with V, and with
+    ``out_dtype`` the result is rounded to it: that is the same-precision baseline of the
+    tolerance rule (bf16 inputs, fp32 math, bf16 P and output, as the kernel does).
+    Returns (out [B*q_len, Hq, D], lse [B*q_len, Hq]) with natural-log LSE, -inf and zero
+    output for rows that see no token.
+    """
+    B = seq_lens.shape[0]
+    if q_len is None:
+        q_len = q.shape[0] // B
+    _, Hq, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    qd = q.double().cpu()
+    if q_scale is not None:
+        qd = qd * q_scale.double().cpu()[:, :, None]
+    kd, vd = dequant(k_cache, k_scale), dequant(v_cache, v_scale)
+    qd, kd, vd = qd.to(dtype), kd.to(dtype), vd.to(dtype)
+    pt, lens = page_table.cpu().long(), seq_lens.cpu().long()
+    out = torch.zeros(B * q_len, Hq, D, dtype=dtype)
+    lse = torch.full((B * q_len, Hq), float("-inf"), dtype=dtype)
+    for b in range(B):
+        L = int(lens[b])
+        if L <= 0:
+            continue
+        tok = torch.arange(L)
+        pages = pt[b, tok // P]
+        k = kd[pages, tok % P]  # [L, Hkv, D]
+        v = vd[pages, tok % P]
+        for r in range(q_len):
+            vis = L - q_len + r + 1
+            if vis <= 0:
+                continue
+            row = b * q_len + r
+            for hq in range(Hq):
+                h = hq // G
+                s = (k[:vis, h] @ qd[row, hq]) * sm_scale
+                m = s.max()
+                p = torch.exp(s - m)
+                den = p.sum()
+                if p_dtype is not None:
+                    p = p.to(p_dtype).to(dtype)
+                out[row, hq] = (p @ v[:vis, h]) / den
+                lse[row, hq] = m + torch.log(den)
+    if out_dtype is not None:
+        out = out.to(out_dtype)
+    return out, lse
+
+
+def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int):
+    """The length-balanced schedule, built the slow obvious way.
+
+    Items (b, h) request-outer; each item holds ceil(len / 64) tiles; bins of
+    ``budget = max(ceil(total / num_programs), min_tiles)`` tiles are filled in order.
+    Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
+    program a list of (item, first_tile, end_tile) chunks (empty items included where
+    the bin that reaches them lists them).
+    """
+    lens = [min(max(int(x), 0), max_seq_len) for x in seq_lens.cpu().tolist()]
+    B = len(lens)
+    tiles = [-(-L // TILE) for L in lens]
+    items = [(b, h) for b in range(B) for h in range(num_kv_heads)]
+    total = sum(tiles[b] for b, _ in items)
+    budget = max(-(-total // num_programs), min_tiles)
+    used = -(-total // budget)
+    bins: list[list[tuple[int, int, int]]] = [[] for _ in range(num_programs)]
+    p, room = 0, budget
+    for i, (b, _) in enumerate(items):
+        n, t = tiles[b], 0
+        if n == 0:
+            # an empty item on a bin edge belongs to the bin that ends there
+            bins[p - 1 if (room == budget and p > 0) else p].append((i, 0, 0))
+            continue
+        while t < n:
+            take = min(room, n - t)
+            bins[p].append((i, t, t + take))
+            t += take
+            room -= take
+            if room == 0:
+                p, room = p + 1, budget
+    req_end, acc = [], 0
+    for n in tiles:
+        acc += n * num_kv_heads
+        req_end.append(acc)
+    prog_start = []
+    for q in range(num_programs + 1):
+        if q == 0:
+            prog_start.append(0)
+            continue
+        x = q * budget
+        first = next((i for i, (b, h) in enumerate(items) if req_end[b] - (num_kv_heads - h - 1) * tiles[b] > x),
+                     len(items))
+        prog_start.append(first)
+    bad = int(any(int(x) < 0 or int(x) > max_seq_len for x in seq_lens.cpu().tolist()))
+    i32 = dict(dtype=torch.int32)
+    plan = {"tiles": torch.tensor(tiles, **i32), "req_end": torch.tensor(req_end, **i32),
+            "prog_start": torch.tensor(prog_start, **i32),
+            "meta": torch.tensor([total, budget, used, bad], **i32)}
+    return plan, bins

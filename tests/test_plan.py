@@ -1,0 +1,160 @@
+"""DecodePlan: the device-built map equals the plain PyTorch builder exactly, and has the
+properties the attention and combine kernels rely on (every tile once, budgets, slots)."""
+import pytest
+import torch
+
+import evenflow
+from evenflow.reference.attention import build_plan_ref
+from evenflow.testing import assert_exact
+
+TILE = 64
+
+
+def walk(plan_d, num_kv_heads, num_programs):
+    """Replay the attention kernel's bin walk from the plan tensors (host, plain Python)."""
+    tiles, req_end, prog_start = (plan_d[k].tolist() for k in ("tiles", "req_end", "prog_start"))
+    total, budget = plan_d["meta"][0].item(), plan_d["meta"][1].item()
+    n_items = len(tiles) * num_kv_heads
+    bins = []
+    for p in range(num_programs):
+        g0, g1 = p * budget, min(p * budget + budget, total)
+        i, chunks = prog_start[p], []
+        while i < n_items:
+            b, h = divmod(i, num_kv_heads)
+            n = tiles[b]
+            start = req_end[b] - (num_kv_heads - h) * n
+            if not (start < g1 or (start == g1 and n == 0)):
+                break
+            chunks.append((i, max(start, g0) - start, min(start + n, g1) - start))
+            i += 1
+        bins.append(chunks)
+    return bins
+
+
+def make_plan(lens, hkv, np_, min_tiles, max_seq_len=1 << 20):
+    sl = torch.tensor(lens, dtype=torch.int32)
+    plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device="cpu", num_programs=np_,
+                               min_tiles=min_tiles).update(sl)
+    return plan, sl
+
+
+CASES = {
+    # name: (lens, kv heads, programs, min_tiles) -- why
+    "skewed": ([8192, 512, 512, 100, 64, 65, 1], 2, 6, 2),        # one long request spills over bins
+    "uniform": ([256] * 8, 2, 4, 1),                               # bins cut on item edges exactly
+    "zeros_between": ([0, 130, 0, 0, 640, 0], 3, 5, 1),            # empty items on and inside bin edges
+    "all_zero": ([0, 0, 0], 2, 4, 8),                              # nothing to do: every item still finished
+    "floor_wins": ([64, 64, 128], 1, 8, 8),                        # tiny batch: min_tiles caps the split
+    "tile_edges": ([63, 64, 65, 127, 128, 129], 1, 3, 1),          # lengths one past a tile boundary
+    "one_request": ([5000], 4, 7, 1),                              # single long request across all bins
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_device_plan_equals_reference(name):
+    lens, hkv, np_, mt = CASES[name]
+    plan, sl = make_plan(lens, hkv, np_, mt)
+    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
+    got = plan.as_dict()
+    for key in ("tiles", "req_end", "prog_start", "meta"):
+        assert_exact(got[key], ref[key], what=f"{name}: {key}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_properties(name):
+    lens, hkv, np_, mt = CASES[name]
+    plan, sl = make_plan(lens, hkv, np_, mt)
+    d = plan.as_dict()
+    total, budget, used = d["meta"][:3].tolist()
+    tiles = [-(-L // TILE) for L in lens]
+    assert total == hkv * sum(tiles)
+    assert budget == max(-(-total // np_), mt)
+    assert used == -(-total // budget) and used <= np_
+    bins = walk(d, hkv, np_)
+    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
+    assert bins == ref_bins, "the kernel's walk of the device plan differs from the reference bins"
+    # every tile of every item exactly once; every item (empty ones too) finished once
+    seen = {}
+    for p, chunks in enumerate(bins):
+        assert sum(t1 - t0 for _, t0, t1 in chunks) <= budget
+        for i, t0, t1 in chunks:
+            for t in range(t0, t1):
+                key = (i, t)
+                assert key not in seen, f"tile {key} in bins {seen[key]} and {p}"
+                seen[key] = p
+    want = {(b * hkv + h, t) for b, n in enumerate(tiles) for h in range(hkv) for t in range(n)}
+    assert set(seen) == want
+    visits = [i for chunks in bins for i, t0, t1 in chunks if t0 == t1 == 0]
+    empties = [b * hkv + h for b, n in enumerate(tiles) if n == 0 for h in range(hkv)]
+    assert sorted(visits) == empties
+    # partial slots: split chunks are 2p+1 (item starts in p) or 2p; unique and < 2 * NP
+    slots = {}
+    for p, chunks in enumerate(bins):
+        for i, t0, t1 in chunks:
+            n = tiles[i // hkv]
+            if t0 == 0 and t1 == n:
+                continue  # finished in place
+            slot = 2 * p + (1 if t0 == 0 else 0)
+            assert slot not in slots and slot < 2 * np_
+            slots[slot] = i
+    # the chunk count the combine derives equals the number of bins holding the item
+    for i in set(slots.values()):
+        holders = [p for p, chunks in enumerate(bins) if any(c[0] == i for c in chunks)]
+        b, h = divmod(i, hkv)
+        start = d["req_end"][b].item() - (hkv - h) * tiles[b]
+        assert (start + tiles[b] - 1) // budget - start // budget + 1 == len(holders)
+        assert holders == list(range(holders[0], holders[-1] + 1))
+
+
+def test_plan_random_sweep():
+    """Seeded random length mixes (log-uniform, with zeros) against the reference builder."""
+    g = torch.Generator().manual_seed(1234)
+    for trial in range(12):
+        B = int(torch.randint(1, 40, (1,), generator=g))
+        hkv = int(torch.randint(1, 5, (1,), generator=g))
+        np_ = int(torch.randint(1, 20, (1,), generator=g))
+        mt = int(torch.randint(1, 10, (1,), generator=g))
+        lens = (2.0 ** (torch.rand(B, generator=g) * 14)).long()
+        lens[torch.rand(B, generator=g) < 0.15] = 0
+        plan, sl = make_plan(lens.tolist(), hkv, np_, mt)
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
+        for key in ("tiles", "req_end", "prog_start", "meta"):
+            assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
+        assert walk(plan.as_dict(), hkv, np_) == ref_bins
+
+
+def test_plan_update_reuses_workspace_and_clamps():
+    plan = evenflow.DecodePlan(4, 1000, 2, device="cpu", num_programs=3, min_tiles=1)
+    ptrs = [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]
+    plan.update(torch.tensor([100, 200], dtype=torch.int32))
+    assert not plan.clamped()
+    plan.update(torch.tensor([100, 5000, -3], dtype=torch.int32))
+    assert plan.clamped()
+    assert plan.as_dict()["tiles"].tolist() == [2, 16, 0]  # clamped to [0, max_seq_len]
+    assert ptrs == [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]
+
+
+def test_plan_bad_arguments():
+    with pytest.raises(ValueError, match="page_size"):
+        evenflow.DecodePlan(4, 100, 2, page_size=48, device="cpu")
+    with pytest.raises(ValueError, match="q_len"):
+        evenflow.DecodePlan(4, 100, 2, q_len=5, device="cpu")
+    with pytest.raises(ValueError, match="max_batch"):
+        evenflow.DecodePlan(4096, 100, 2, device="cpu")
+    with pytest.raises(TypeError, match="num_programs"):
+        evenflow.DecodePlan(4, 100, 2, device="cpu", num_programs=2.5)
+    with pytest.raises(ValueError, match="too large"):
+        evenflow.DecodePlan(2048, 1 << 30, 64, device="cpu")
+    plan = evenflow.DecodePlan(4, 100, 2, device="cpu")
+    with pytest.raises(TypeError, match="seq_lens"):
+        plan.update(torch.tensor([1, 2], dtype=torch.int64))
+    with pytest.raises(ValueError, match="batch"):
+        plan.update(torch.zeros(5, dtype=torch.int32))
+
+
+def test_plan_opcheck():
+    plan = evenflow.DecodePlan(4, 1000, 2, device="cpu", num_programs=3, min_tiles=1)
+    sl = torch.tensor([100, 0, 700], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.evenflow.decode_plan_update.default,
+                          (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4),
+                          test_utils=("test_schema", "test_faketensor"))
