@@ -1,0 +1,199 @@
+"""Scoring + top-k (``select_experts``) and the fused ``route`` against the PyTorch reference.
+
+Ids are compared exactly wherever the selection is decided by more than rounding:
+softmax selects on the logit itself (exact); sigmoid selects on sigmoid(l) + bias,
+whose fp32 value may differ in the last bit between Triton and torch, so a row whose
+k-th and (k+1)-th fp64 keys are within ``KEY_TOL`` may legitimately pick either;
+there the chosen set must still be a valid top-k within KEY_TOL. Weights follow the
+tolerance rule with baseline = the same rules computed by PyTorch in fp32.
+"""
+import pytest
+import torch
+
+import evenflow
+from evenflow.reference import router as R
+from evenflow.testing import assert_exact, assert_within_rule, poisoned
+
+KEY_TOL = 1e-6  # a few fp32 ulps of keys of size ~1
+
+
+def _keys64(logits, scoring, bias):
+    lg = logits.double().cpu()
+    if scoring == "softmax":
+        return lg
+    return torch.sigmoid(lg) + (bias.double().cpu() if bias is not None else 0.0)
+
+
+def _check_selection(ids, weights, logits, top_k, scoring, bias, renorm, scale, what):
+    ref_ids, ref_w = R.route_ref(logits.cpu(), top_k, scoring, bias.cpu() if bias is not None else None,
+                                 renorm, scale)
+    ids, weights = ids.cpu(), weights.cpu()
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert ((ids >= 0) & (ids < logits.shape[1])).all(), f"{what}: id out of range"
+    assert (ids.sort(-1).values.diff(dim=-1) != 0).all(), f"{what}: duplicate id in a row"
+    key = _keys64(logits, scoring, bias)
+    srt = key.sort(-1, descending=True).values
+    if top_k < key.shape[1]:
+        clear = (srt[:, top_k - 1] - srt[:, top_k]) > KEY_TOL
+    else:
+        clear = torch.ones(key.shape[0], dtype=torch.bool)
+    if scoring == "softmax":
+        clear[:] = True  # selection on the logit is exact: no rounding can reorder it
+    # Where the decision is clear: same ids in the same order (ties -> lowest id).
+    assert_exact(ids[clear], ref_ids[clear], f"{what}: ids")
+    # Everywhere: the chosen keys are a top-k within KEY_TOL.
+    chosen = torch.gather(key, 1, ids.long())
+    kth = srt[:, top_k - 1:top_k]
+    assert (chosen >= kth - KEY_TOL).all(), f"{what}: a chosen expert is not in the top-k"
+    # Weights: compare on the clear rows against fp64, baseline = PyTorch fp32.
+    _, base_w = R.route_ref(logits.cpu(), top_k, scoring, bias.cpu() if bias is not None else None,
+                            renorm, scale, dtype=torch.float32)
+    if clear.any():
+        assert_within_rule(weights[clear], ref_w[clear], base_w[clear], what=f"{what}: weights")
+
+
+CASES = [
+    # (T, E, top_k, scoring, has_bias, renormalize, routed_scaling)
+    (7, 8, 2, "softmax", False, True, 1.0),
+    (13, 40, 6, "softmax", False, False, 1.0),
+    (5, 128, 8, "softmax", False, True, 1.0),
+    (9, 192, 8, "sigmoid", True, True, 2.826),  # Hy3
+    (6, 256, 8, "sigmoid", True, True, 2.5),  # DeepSeek-V3 style
+    (4, 512, 16, "sigmoid", False, False, 1.0),  # the largest supported E and top_k
+    (3, 12, 12, "softmax", False, True, 1.0),  # top_k == E
+    (17, 33, 1, "sigmoid", True, False, 1.0),  # E one past a power of two, top-1
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-{c[3]}" for c in CASES])
+def test_select_experts_matches_reference(device, case):
+    t, e, k, scoring, has_bias, renorm, scale = case
+    logits = torch.randn(t, e, device=device) * 2
+    bias = torch.randn(e, device=device) * 0.1 if has_bias else None
+    ids, w = poisoned((t, k), torch.int32, device), poisoned((t, k), torch.float32, device)
+    evenflow.select_experts(logits, k, scoring, bias, renorm, scale, out=(ids, w))
+    _check_selection(ids, w, logits, k, scoring, bias, renorm, scale, str(case))
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_ties_go_to_the_lowest_expert_id(device, scoring):
+    # Integer logits from a small range: most rows hold many exactly equal keys.
+    t, e, k = 24, 48, 8
+    logits = torch.randint(-2, 3, (t, e), device=device).float()
+    bias = None
+    if scoring == "sigmoid":  # equal (logit, bias) pairs tie exactly; distinct ones differ by >> 1 ulp
+        bias = torch.randint(0, 2, (e,), device=device).float() * 0.25
+    ids, w = evenflow.select_experts(logits, k, scoring, bias)
+    ref_ids, _ = R.route_ref(logits.cpu(), k, scoring, bias.cpu() if bias is not None else None)
+    assert_exact(ids, ref_ids, f"{scoring} ties")
+    # And explicitly: an all-equal row picks experts 0..k-1 in order.
+    flat = torch.zeros(2, e, device=device)
+    ids, w = evenflow.select_experts(flat, k, scoring)
+    assert ids.cpu().tolist() == [list(range(k))] * 2
+    torch.testing.assert_close(w.cpu(), torch.full((2, k), 1.0 / k), rtol=0, atol=2e-7)
+
+
+def test_nan_logits_stay_in_range_and_show(device):
+    logits = torch.randn(3, 16, device=device)
+    logits[1, 5] = float("nan")
+    ids, w = evenflow.select_experts(logits, 4, "softmax")
+    assert ((ids >= 0) & (ids < 16)).all()
+    assert torch.isnan(w[1]).all() and torch.isfinite(w[[0, 2]]).all()
+
+
+def test_empty_batch(device):
+    ids, w = evenflow.select_experts(torch.empty(0, 8, device=device), 2)
+    assert ids.shape == (0, 2) and w.shape == (0, 2)
+    rw = evenflow.RouterWeight(torch.randn(8, 32, device=device))
+    ids, w = evenflow.route(torch.empty(0, 32, dtype=torch.bfloat16, device=device), rw, 2)
+    assert ids.shape == (0, 2)
+
+
+def test_route_is_gemm_then_select(device):
+    m, n, k = 11, 64, 96
+    w = torch.randn(n, k, device=device) * 0.02
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    rw = evenflow.RouterWeight(w)
+    bias = torch.randn(n, device=device) * 0.01
+    for scoring, b in (("softmax", None), ("sigmoid", bias)):
+        ids, wt = evenflow.route(x, rw, 8, scoring, b, True, 2.0)
+        logits = evenflow.router_gemm(x, rw)
+        ids2, wt2 = evenflow.select_experts(logits, 8, scoring, b, True, 2.0)
+        assert_exact(ids, ids2, "route ids")
+        assert torch.equal(wt, wt2)
+        # End to end against the oracle: fp64 logits -> fp64 routing. Baseline for the
+        # weights: PyTorch's fp32 two-product logits -> fp32 routing. Ids must match
+        # wherever the fp64 keys' k-th / (k+1)-th gap exceeds the logits' error (1e-5).
+        lg64 = R.router_logits_fp64(x.cpu(), w.cpu())
+        bc = b.cpu() if b is not None else None
+        ref_ids, ref_w = R.route_ref(lg64, 8, scoring, bc, True, 2.0)
+        _, base_w = R.route_ref(R.split_logits_fp32(x.cpu(), rw.w_hi.cpu(), rw.w_lo.cpu()), 8, scoring, bc,
+                                True, 2.0, dtype=torch.float32)
+        srt = _keys64(lg64, scoring, bc).sort(-1, descending=True).values
+        clear = (srt[:, 7] - srt[:, 8]) > 1e-5
+        assert clear.sum() >= m - 2, "test inputs should be mostly clear-cut"
+        assert_exact(ids.cpu()[clear], ref_ids[clear], f"route {scoring} ids vs fp64")
+        assert_within_rule(wt.cpu()[clear], ref_w[clear], base_w[clear], what=f"route {scoring} weights vs fp64")
+
+
+def test_route_topk_agreement_with_fp64_not_worse_than_pytorch_split(device):
+    # Over many tokens: experts our route picks that the fp64 oracle does not ("flips")
+    # are no more than PyTorch's fp32 two-product path makes (the same split math).
+    # The GPU test also compares with cuBLAS FP32 at real shapes.
+    m, n, k, top_k = 512, 64, 256, 8
+    w = torch.randn(n, k, device=device) * 0.02
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    rw = evenflow.RouterWeight(w)
+    ids, _ = evenflow.route(x, rw, top_k)
+    ref = R.router_logits_fp64(x.cpu(), w.cpu())
+    ref_ids = ref.topk(top_k, dim=-1).indices
+    base_ids = R.split_logits_fp32(x.cpu(), rw.w_hi.cpu(), rw.w_lo.cpu()).topk(top_k, dim=-1).indices
+
+    def flips(a):
+        return int(sum(len(set(r) - set(s)) for r, s in zip(a.tolist(), ref_ids.tolist())))
+
+    assert flips(ids.cpu()) <= flips(base_ids)
+
+
+def test_route_bad_inputs(device):
+    rw = evenflow.RouterWeight(torch.randn(16, 32, device=device))
+    x = torch.randn(2, 32, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="scoring"):
+        evenflow.route(x, rw, 2, "relu")
+    with pytest.raises(ValueError, match="top_k"):
+        evenflow.route(x, rw, 17)
+    with pytest.raises(ValueError, match="top_k"):
+        evenflow.route(x, rw, 0)
+    with pytest.raises(ValueError, match="bias"):
+        evenflow.route(x, rw, 2, "softmax", torch.zeros(16, device=device))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        evenflow.route(x, rw, 2, "sigmoid", torch.zeros(15, device=device))
+    with pytest.raises(TypeError, match="bias must have dtype"):
+        evenflow.route(x, rw, 2, "sigmoid", torch.zeros(16, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="experts"):
+        evenflow.select_experts(torch.zeros(2, 513, device=device), 2)
+    with pytest.raises(TypeError, match="logits must have dtype"):
+        evenflow.select_experts(torch.zeros(2, 8, device=device, dtype=torch.bfloat16), 2)
+    with pytest.raises(ValueError, match="out\\[0\\]"):
+        evenflow.select_experts(torch.zeros(2, 8, device=device), 2,
+                                out=(torch.empty(2, 3, dtype=torch.int32, device=device),
+                                     torch.empty(2, 2, device=device)))
+
+
+def test_batch_invariant_route(device):
+    w = torch.randn(32, 64, device=device) * 0.02
+    x = torch.randn(9, 64, device=device).to(torch.bfloat16)
+    rw = evenflow.RouterWeight(w)
+    ids, wt = evenflow.route(x, rw, 4, batch_invariant=True)
+    ids1, wt1 = evenflow.route(x[4:5], rw, 4, batch_invariant=True)
+    assert torch.equal(ids1, ids[4:5]) and torch.equal(wt1, wt[4:5])
+
+
+def test_opcheck_route_topk_op(device):
+    logits = torch.randn(5, 24, device=device)
+    bias = torch.randn(24, device=device)
+    ids = torch.empty(5, 4, dtype=torch.int32, device=device)
+    w = torch.empty(5, 4, device=device)
+    torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, bias, ids, w, 4, True, True, 2.0))
+    torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, None, ids, w, 4, False, False, 1.0))
+
