@@ -1,0 +1,398 @@
+"""Fused-MoE benchmark: evenflow vs SGLang's Triton fused MoE vs torch._grouped_mm, against the floor.
+
+    python benchmarks/moe.py [--quick] [--cases qwen3-30b-a3b,hy3-tp8] [--variants bf16,fp8-block]
+                             [--batches 1,8,128] [--budget-s 500] [--sglang-shim PATH] [--out DIR]
+
+Cases and names follow BENCH.md. Per (case, variant) the weights are built and
+quantised once and every impl is built once, then swept over batches (so Triton
+and SGLang compile once per config). For each batch: random routing from a
+softmax of random logits plus a per-expert bias (uneven loads), top-k ids and
+renormalised weights; each impl's output is checked against an fp32 reference
+(activations quantised as the format prescribes) before it is timed; then timed
+as a CUDA-graph replay (``us``) and eagerly with L2 flushed (``eager_us``).
+When the experts a call reads fit in L2, several copies (weights, x, routing) are
+rotated so a call never finds its weights in cache.
+
+Floor (BENCH.md, issue 5): max(bytes / copy bandwidth, FLOPs / matmul rate of the
+weight dtype), with bytes = weights (and scales) of the distinct local experts the
+routing hits + token rows read (tokens with at least one local pair) + output
+written + routing (ids, weights); FLOPs = 6*H*I per local (token, expert) pair.
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+FP8_MAX = 448.0
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+QUICK_BATCHES = (1, 32, 1024)
+VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
+IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
+MAX_ROTATE = 4
+
+
+@dataclass(frozen=True)
+class MoECase:
+    name: str
+    num_experts_total: int
+    num_local: int
+    top_k: int
+    hidden: int
+    inter: int
+    ep_rank: int = 0
+    skip_variants: dict = field(default_factory=dict)  # variant -> why it does not apply
+
+
+CASES = {
+    c.name: c
+    for c in (
+        MoECase("qwen3-30b-a3b", 128, 128, 8, 2048, 768),
+        # I=192 is not a multiple of 128, so 128x128 block scales do not tile it (Hy3 ships per-tensor FP8).
+        MoECase("hy3-tp8", 192, 192, 8, 4096, 192,
+                skip_variants={"fp8-block": "I=192 is not a multiple of 128 (block-128 scales need it)"}),
+        MoECase("hy3-ep8", 192, 24, 8, 4096, 1536, ep_rank=0),
+    )
+}
+
+
+# ----------------------------------------------------------------------------- inputs
+
+def expert_bias(num_experts: int, generator: torch.Generator, spread: float = 1.0) -> torch.Tensor:
+    """A fixed per-expert logit offset: some experts are popular, as in real routers."""
+    return torch.randn(num_experts, generator=generator) * spread
+
+
+def make_routing(num_tokens: int, case: MoECase, generator: torch.Generator, bias: torch.Tensor | None = None):
+    """Top-k ids (int32, global) and renormalised weights (fp32) from a softmax of random logits (CPU)."""
+    logits = torch.randn(num_tokens, case.num_experts_total, generator=generator)
+    if bias is not None:
+        logits = logits + bias
+    probs = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(probs, case.top_k, dim=-1)
+    w = w / w.sum(dim=-1, keepdim=True)
+    return ids.to(torch.int32), w.to(torch.float32)
+
+
+@dataclass
+class RoutingStats:
+    distinct_experts: int  # local experts hit at least once
+    local_pairs: int  # (token, slot) pairs routed to this rank
+    tokens_read: int  # tokens with at least one local pair
+
+
+def routing_stats(topk_ids: torch.Tensor, case: MoECase) -> RoutingStats:
+    local = topk_ids.long() - case.ep_rank * case.num_local
+    is_local = (local >= 0) & (local < case.num_local)
+    return RoutingStats(int(torch.unique(local[is_local]).numel()), int(is_local.sum()),
+                        int(is_local.any(dim=1).sum()))
+
+
+def expert_bytes(case: MoECase, variant: str) -> int:
+    """Bytes of one expert's weights plus their scales."""
+    h, i = case.hidden, case.inter
+    elems = 2 * i * h + h * i
+    if variant == "bf16":
+        return 2 * elems
+    if variant == "fp8-tensor":
+        return elems + 2 * 4
+    if variant == "fp8-block":
+        return elems + 4 * (math.ceil(2 * i / 128) * math.ceil(h / 128) + math.ceil(h / 128) * math.ceil(i / 128))
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+def floor_work(case: MoECase, variant: str, num_tokens: int, stats: RoutingStats) -> tuple[int, int]:
+    """(bytes that must move, FLOPs) of one layer call; see the module docstring."""
+    act_in = stats.tokens_read * case.hidden * 2
+    act_out = num_tokens * case.hidden * 2
+    routing = num_tokens * case.top_k * (4 + 4)
+    nbytes = stats.distinct_experts * expert_bytes(case, variant) + act_in + act_out + routing
+    flops = 6 * case.hidden * case.inter * stats.local_pairs
+    return nbytes, flops
+
+
+def rotations(bytes_per_call: float, l2_bytes: int) -> int:
+    """Input copies to cycle so that consecutive calls do not share cached weights."""
+    if bytes_per_call <= 0:
+        return MAX_ROTATE
+    return max(1, min(MAX_ROTATE, math.ceil(2 * l2_bytes / bytes_per_call)))
+
+
+def quant_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> fp8 e4m3 + per-expert dequant scale [E] (amax / 448)."""
+    s = w.float().abs().amax(dim=(1, 2)).clamp_min(1e-12) / FP8_MAX
+    return (w.float() / s[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
+
+
+def quant_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] (N, K multiples of 128) -> fp8 e4m3 + dequant scales [E, N/128, K/128]."""
+    e, n, k = w.shape
+    wb = w.float().reshape(e, n // block, block, k // block, block)
+    s = wb.abs().amax(dim=(2, 4)).clamp_min(1e-12) / FP8_MAX
+    q = (wb / s[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(e, n, k), s
+
+
+@dataclass
+class RawWeights:
+    """One rank's expert weights in the layout shared by evenflow, SGLang and the grouped-mm peer."""
+    variant: str
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    a13_scale: torch.Tensor | None = None  # [1] static activation scales (fp8-tensor)
+    a2_scale: torch.Tensor | None = None
+
+    def kwargs(self) -> dict:
+        return dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale, a13_scale=self.a13_scale,
+                    a2_scale=self.a2_scale)
+
+    def dequant(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w13, w2 = self.w13[e].float(), self.w2[e].float()
+        if self.variant == "fp8-tensor":
+            return w13 * self.w13_scale[e], w2 * self.w2_scale[e]
+        if self.variant == "fp8-block":
+            up = lambda s: s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+            return w13 * up(self.w13_scale[e]), w2 * up(self.w2_scale[e])
+        return w13, w2
+
+    def clone(self) -> RawWeights:
+        c = lambda t: None if t is None else t.clone()
+        return RawWeights(self.variant, c(self.w13), c(self.w2), c(self.w13_scale), c(self.w2_scale),
+                          c(self.a13_scale), c(self.a2_scale))
+
+
+def make_weights(case: MoECase, variant: str, device, generator: torch.Generator, std: float = 0.02) -> RawWeights:
+    """Random weights ~ N(0, std^2), quantised per expert (fp8-tensor) or per 128x128 block (fp8-block)."""
+    e, h, i = case.num_local, case.hidden, case.inter
+    w13 = torch.empty(e, 2 * i, h, dtype=torch.bfloat16, device=device)
+    w2 = torch.empty(e, h, i, dtype=torch.bfloat16, device=device)
+    for j in range(e):  # one expert at a time keeps the fp32 temporaries small
+        w13[j] = torch.randn(2 * i, h, device=device, generator=generator) * std
+        w2[j] = torch.randn(h, i, device=device, generator=generator) * std
+    if variant == "bf16":
+        return RawWeights(variant, w13, w2)
+    quant = quant_per_tensor if variant == "fp8-tensor" else quant_block
+    q13, s13 = quant(w13)
+    q2, s2 = quant(w2)
+    return RawWeights(variant, q13, q2, s13, s2)
+
+
+def _fp8_round(t: torch.Tensor) -> torch.Tensor:
+    return t.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+def quant_act(t: torch.Tensor, variant: str, static_scale: torch.Tensor | None) -> torch.Tensor:
+    """The activation quantisation the format prescribes, dequantised (fp32 in, fp32 out)."""
+    if variant == "fp8-tensor":
+        return _fp8_round(t / static_scale) * static_scale
+    if variant == "fp8-block":
+        r, c = t.shape
+        g = t.reshape(r, c // 128, 128)
+        s = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10) / FP8_MAX
+        return (_fp8_round(g / s) * s).reshape(r, c)
+    return t
+
+
+def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w: RawWeights,
+                  case: MoECase, *, quantize_activations: bool = True, act_amax: list | None = None) -> torch.Tensor:
+    """fp32 oracle: one expert at a time, dequantised weights, activations quantised as the format says.
+
+    Our own, independent of ``evenflow.reference.moe``: the benchmark checks the library, so its
+    oracle does not come from the library. ``act_amax`` collects the intermediate's amax per expert.
+    """
+    variant = w.variant if quantize_activations else "bf16"
+    t = x.shape[0]
+    y = torch.zeros(t, case.hidden, dtype=torch.float32, device=x.device)
+    local = topk_ids.long() - case.ep_rank * case.num_local
+    for e in torch.unique(local[(local >= 0) & (local < case.num_local)]).tolist():
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        w13, w2 = w.dequant(e)
+        xe = quant_act(x[tok].float(), variant, w.a13_scale)
+        gu = xe @ w13.T
+        a = torch.nn.functional.silu(gu[:, : case.inter]) * gu[:, case.inter:]
+        if act_amax is not None:
+            act_amax.append(float(a.abs().max()))
+        a = quant_act(a, variant, w.a2_scale)
+        y.index_add_(0, tok, (a @ w2.T) * topk_weights[tok, slot][:, None])
+    return y
+
+
+def calibrate_static_scales(w: RawWeights, case: MoECase, device, generator: torch.Generator,
+                            bias: torch.Tensor, tokens: int = 256, margin: float = 1.25) -> None:
+    """Static activation scales for fp8-tensor from a calibration batch (amax * margin / 448)."""
+    x = torch.randn(tokens, case.hidden, generator=generator).to(device, torch.bfloat16)
+    ids, tw = make_routing(tokens, case, generator, bias)
+    w.a13_scale = (x.float().abs().max() * margin / FP8_MAX).reshape(1).to(device)
+    amax: list = []
+    reference_moe(x, ids.to(device), tw.to(device), w, case, quantize_activations=False, act_amax=amax)
+    w.a2_scale = torch.tensor([max(amax, default=1.0) * margin / FP8_MAX], device=device)
+
+
+# ----------------------------------------------------------------------------- impls
+
+def build_impl(name: str, w: RawWeights, case: MoECase, args):
+    """A callable (x, topk_ids, topk_weights) -> bind(...) -> zero-arg fn; PeerUnavailable if it can't run."""
+    from evenflow.bench.harness import PeerUnavailable
+
+    ntot = case.num_experts_total
+    if name == "evenflow":
+        import evenflow
+
+        if not hasattr(evenflow, "MoEWeights") or not hasattr(evenflow, "fused_moe"):
+            raise PeerUnavailable("evenflow.fused_moe / MoEWeights not available in this build")
+        if w.variant == "bf16":
+            ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
+        elif w.variant == "fp8-tensor":
+            ew = evenflow.MoEWeights.fp8_per_tensor(w.w13, w.w2, w.w13_scale, w.w2_scale, w.a13_scale, w.a2_scale)
+        else:
+            ew = evenflow.MoEWeights.fp8_block(w.w13, w.w2, w.w13_scale, w.w2_scale)
+
+        def bind(x, ids, tw):
+            return lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot)
+        return bind
+    if name == "sglang-triton":
+        from evenflow.bench.peers.sglang import SGLangFusedMoE
+
+        return SGLangFusedMoE(w.variant, w.w13, w.w2, ep_rank=case.ep_rank, num_experts_total=ntot,
+                              shim=args.sglang_shim, **w.kwargs()).bind
+    if name == "torch-grouped-mm":
+        from evenflow.bench.peers.grouped_mm import GroupedMMMoE
+
+        return GroupedMMMoE(w.variant, w.w13, w.w2, ep_rank=case.ep_rank, num_experts_total=ntot,
+                            **w.kwargs()).bind
+    raise ValueError(f"unknown impl {name!r}")
+
+
+# ----------------------------------------------------------------------------- driver
+
+def _csv(kind):
+    return lambda s: [kind(v) for v in s.split(",") if v]
+
+
+def _extra_args(p):
+    p.add_argument("--cases", type=_csv(str), default=list(CASES), help="comma list of " + ",".join(CASES))
+    p.add_argument("--variants", type=_csv(str), default=list(VARIANTS), help="comma list of " + ",".join(VARIANTS))
+    p.add_argument("--batches", type=_csv(int), default=None, help="comma list of token counts")
+    p.add_argument("--impls", type=_csv(str), default=list(IMPLS), help="comma list of " + ",".join(IMPLS))
+    p.add_argument("--budget-s", type=float, default=float(os.environ.get("EVENFLOW_BENCH_BUDGET_S", 480)),
+                   help="stop timing after this many seconds; the rest become error rows (results still written)")
+    p.add_argument("--sglang-shim", default=None, help="load SGLang through load() of this file instead of ours")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def run(args) -> None:
+    from evenflow.bench import harness as H
+
+    for c in args.cases:
+        if c not in CASES:
+            raise SystemExit(f"--cases: unknown case {c!r} (choose from {', '.join(CASES)})")
+    for v in args.variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {v!r} (choose from {', '.join(VARIANTS)})")
+    batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
+    dev = "cuda"
+    ceil = H.measure_ceilings()
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
+    res = H.Results("moe", ceilings=ceil, out=args.out,
+                    meta={"floor": "max(bytes of hit experts + activations + routing / copy_TBps, "
+                                   "6*H*I*local_pairs / matmul rate of the weight dtype)",
+                          "routing": "softmax(N(0,1) logits + fixed N(0,1) per-expert bias), top-k, renormalised",
+                          "weights": "N(0, 0.02^2) bf16; fp8 quantised by amax/448 per expert or per 128x128 block"})
+    t_start = time.time()
+    combos = [(c, v) for c in args.cases for v in args.variants]
+    for case_name, variant in H.progress(combos, "moe"):
+        case = CASES[case_name]
+        series = f"{case_name}/{variant}"
+        if variant in case.skip_variants:
+            for impl in args.impls:
+                res.add_error(case=case_name, variant=variant, impl=impl, error="n/a: " + case.skip_variants[variant],
+                              series=series)
+            continue
+        if time.time() - t_start > args.budget_s:
+            for impl in args.impls:
+                res.add_error(case=case_name, variant=variant, impl=impl, series=series,
+                              error=f"skipped: time budget {args.budget_s:.0f}s spent")
+            continue
+        gen = torch.Generator(device="cpu").manual_seed(args.seed)
+        wgen = torch.Generator(device=dev).manual_seed(args.seed)
+        bias = expert_bias(case.num_experts_total, gen)
+        base = make_weights(case, variant, dev, wgen)
+        if variant == "fp8-tensor":
+            calibrate_static_scales(base, case, dev, gen, bias)
+        # Rotation copies are needed only where a call's working set fits in L2 (small batches).
+        probe_ids, _ = make_routing(1, case, gen, bias)
+        n_copies = rotations(floor_work(case, variant, 1, routing_stats(probe_ids, case))[0], l2)
+        copies = [base] + [base.clone() for _ in range(n_copies - 1)]
+        impls: dict = {}
+        for impl in args.impls:
+            try:
+                impls[impl] = [build_impl(impl, wc, case, args) for wc in copies]
+            except H.PeerUnavailable as e:
+                impls[impl] = f"unavailable: {e}"
+            except Exception as e:  # a peer that fails to build is an error row, not a crash
+                impls[impl] = _err(e)
+        for batch in batches:
+            if time.time() - t_start > args.budget_s:
+                for impl in args.impls:
+                    res.add_error(case=case_name, variant=variant, impl=impl, batch=batch, series=series,
+                                  error=f"skipped: time budget {args.budget_s:.0f}s spent")
+                continue
+            inputs = []
+            for _ in range(n_copies):
+                ids, tw = make_routing(batch, case, gen, bias)
+                x = torch.randn(batch, case.hidden, generator=gen).to(torch.bfloat16)
+                inputs.append((x.to(dev), ids.to(dev), tw.to(dev), routing_stats(ids, case)))
+            work = [floor_work(case, variant, batch, st) for *_, st in inputs]
+            nbytes = sum(b for b, _ in work) / len(work)
+            flops = sum(f for _, f in work) / len(work)
+            fl = H.floor_us(nbytes, flops, ceilings=ceil, rate="bf16_TFLOPs" if variant == "bf16" else "fp8_TFLOPs")
+            rot = min(n_copies, rotations(nbytes, l2))
+            x0, ids0, tw0, st0 = inputs[0]
+            ref = reference_moe(x0, ids0, tw0, base, case)
+            for impl in args.impls:
+                common = dict(case=case_name, variant=variant, impl=impl, batch=batch, series=series)
+                if isinstance(impls[impl], str):
+                    res.add_error(error=impls[impl], **common)
+                    continue
+                try:
+                    fns = [impls[impl][j](*inputs[j][:3]) for j in range(rot)]
+                    chk = H.check_output(fns[0](), ref, f"{series} batch {batch} {impl}")
+                    eager = H.time_eager(fns, reps=20)
+                    extra = {}
+                    try:
+                        us = H.time_graph(fns)
+                    except Exception as e:  # not capturable: report the eager time, say so
+                        us, extra = eager, {"timing": "eager only, graph capture failed: " + _err(e)}
+                    res.add(us=us, eager_us=eager, floor_us=fl, max_abs_err=chk["max_abs_err"],
+                            cosine=round(chk["cosine"], 6), distinct_experts=st0.distinct_experts,
+                            local_pairs=st0.local_pairs, rotated=rot, **extra, **common)
+                except Exception as e:
+                    res.add_error(error=_err(e), floor_us=round(fl, 3), **common)
+        del impls, copies, base
+        torch.cuda.empty_cache()
+    res.finish(x="batch", group="series", plot=not args.no_plot,
+               columns=["case", "variant", "batch", "impl", "us", "eager_us", "floor_us", "frac_of_floor",
+                        "cosine", "error"])
+
+
+def main(argv=None) -> None:
+    from evenflow.bench import harness as H
+
+    args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra_args)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/moe.py needs a CUDA GPU (timings in the CPU interpreter mean nothing)")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

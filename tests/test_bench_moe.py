@@ -1,0 +1,249 @@
+"""CPU tests of the MoE benchmark's pure-Python parts: case generation, routing statistics,
+floor arithmetic, quantisation helpers, and the torch-grouped-mm peer against the
+benchmark's fp32 oracle (torch._grouped_mm runs on the CPU; its FP8 path is GPU-only)."""
+import importlib.util
+import itertools
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evenflow.bench.harness import PeerUnavailable
+
+_SPEC = importlib.util.spec_from_file_location("bench_moe", Path(__file__).parents[1] / "benchmarks" / "moe.py")
+bm = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_moe"] = bm  # dataclasses look their module up there
+_SPEC.loader.exec_module(bm)
+
+TINY = bm.MoECase("tiny", 8, 8, 2, 32, 16)
+TINY_EP = bm.MoECase("tiny-ep", 8, 4, 2, 32, 16, ep_rank=1)
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("case", list(bm.CASES.values()), ids=list(bm.CASES))
+def test_routing_is_a_valid_top_k(case):
+    ids, w = bm.make_routing(64, case, _gen(), bm.expert_bias(case.num_experts_total, _gen(1)))
+    assert ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert ids.shape == w.shape == (64, case.top_k)
+    assert int(ids.min()) >= 0 and int(ids.max()) < case.num_experts_total
+    assert all(len(set(r)) == case.top_k for r in ids.tolist()), "an expert chosen twice for one token"
+    assert bool((w > 0).all())
+    torch.testing.assert_close(w.sum(-1), torch.ones(64), atol=1e-6, rtol=0)
+
+
+def test_routing_weights_are_renormalised_softmax_of_the_chosen_experts():
+    gen = _gen(3)
+    state = gen.get_state()
+    ids, w = bm.make_routing(5, TINY, gen)
+    gen.set_state(state)
+    probs = torch.softmax(torch.randn(5, TINY.num_experts_total, generator=gen), -1)
+    top = probs.gather(1, ids.long())
+    torch.testing.assert_close(w, top / top.sum(-1, keepdim=True))
+    assert bool((probs.gather(1, ids.long()).min(-1).values >= probs.sort(-1).values[:, -TINY.top_k]).all())
+
+
+def test_expert_bias_makes_loads_uneven():
+    case = bm.CASES["qwen3-30b-a3b"]
+    ids, _ = bm.make_routing(4096, case, _gen(), bm.expert_bias(case.num_experts_total, _gen(1)))
+    loads = torch.bincount(ids.flatten().long(), minlength=case.num_experts_total).double()
+    # Uniform routing would give max/mean ~1.3 at this size (multinomial noise); the bias makes it far larger.
+    assert float(loads.max() / loads.mean()) > 2.0
+    assert float(loads.min()) < 0.5 * float(loads.mean())
+
+
+@pytest.mark.parametrize("case", [TINY, TINY_EP, bm.CASES["hy3-ep8"]], ids=lambda c: c.name)
+def test_routing_stats_match_brute_force(case):
+    ids, _ = bm.make_routing(37, case, _gen(5))
+    lo = case.ep_rank * case.num_local
+    pairs = [(t, e) for t, row in enumerate(ids.tolist()) for e in row if lo <= e < lo + case.num_local]
+    st = bm.routing_stats(ids, case)
+    assert st.distinct_experts == len({e for _, e in pairs})
+    assert st.local_pairs == len(pairs)
+    assert st.tokens_read == len({t for t, _ in pairs})
+
+
+def test_routing_stats_edge_cases():
+    one_expert = torch.full((6, 2), 5, dtype=torch.int32)
+    one_expert[:, 1] = 6
+    assert bm.routing_stats(one_expert, TINY) == bm.RoutingStats(2, 12, 6)
+    # EP rank 1 owns experts 4..7: ids 0..3 are remote and count for nothing.
+    remote = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    assert bm.routing_stats(remote, TINY_EP) == bm.RoutingStats(0, 0, 0)
+    mixed = torch.tensor([[0, 4], [7, 3]], dtype=torch.int32)
+    assert bm.routing_stats(mixed, TINY_EP) == bm.RoutingStats(2, 2, 2)
+
+
+def test_expert_bytes_by_hand():
+    q = bm.CASES["qwen3-30b-a3b"]  # H2048 I768: 3 * 2048 * 768 = 4,718,592 weights per expert
+    assert bm.expert_bytes(q, "bf16") == 2 * 4_718_592
+    assert bm.expert_bytes(q, "fp8-tensor") == 4_718_592 + 8
+    # block scales: (1536/128)*(2048/128) + (2048/128)*(768/128) = 192 + 96 fp32
+    assert bm.expert_bytes(q, "fp8-block") == 4_718_592 + 4 * 288
+    with pytest.raises(ValueError):
+        bm.expert_bytes(q, "int4")
+
+
+def test_floor_work_by_hand():
+    case = bm.CASES["hy3-ep8"]
+    st = bm.RoutingStats(distinct_experts=3, local_pairs=5, tokens_read=4)
+    nbytes, flops = bm.floor_work(case, "bf16", 16, st)
+    per_expert = 2 * 3 * 4096 * 1536
+    assert nbytes == 3 * per_expert + 4 * 4096 * 2 + 16 * 4096 * 2 + 16 * 8 * 8
+    assert flops == 5 * 6 * 4096 * 1536
+    # The harness turns them into a floor: whichever of bandwidth and compute binds.
+    from evenflow.bench.harness import floor_us
+
+    ceil = {"copy_TBps": 4.0, "bf16_TFLOPs": 600.0, "fp8_TFLOPs": 1200.0}
+    assert math.isclose(floor_us(nbytes, flops, ceilings=ceil), nbytes / 4e12 * 1e6)
+    big = bm.RoutingStats(distinct_experts=24, local_pairs=4096, tokens_read=3000)
+    nb, fl = bm.floor_work(case, "fp8-tensor", 4096, big)
+    assert math.isclose(floor_us(nb, fl, ceilings=ceil, rate="fp8_TFLOPs"), fl / 1.2e15 * 1e6)
+
+
+def test_rotations():
+    l2 = 60 << 20
+    assert bm.rotations(200 << 20, l2) == 1
+    assert bm.rotations(50 << 20, l2) == 3
+    assert bm.rotations(1 << 20, l2) == bm.MAX_ROTATE
+    assert bm.rotations(0, l2) == bm.MAX_ROTATE
+
+
+def test_block_quant_round_trip_and_scale_layout():
+    w = torch.randn(2, 256, 384, generator=_gen()) * 0.02
+    q, s = bm.quant_block(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (2, 2, 3)
+    # each block's amax maps to 448 exactly, so |q| reaches but never passes it
+    assert float(q.float().abs().amax()) == 448.0
+    deq = q.float() * s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    rel = ((deq - w).abs() / w.abs().clamp_min(1e-6))[w.abs() > 1e-3]
+    assert float(rel.max()) <= 2.0**-4 + 1e-6  # e4m3 keeps 3 mantissa bits: half-ulp <= 2^-4 relative
+
+
+def test_per_tensor_quant_scales():
+    w = torch.randn(3, 32, 16, generator=_gen()) * 0.02
+    q, s = bm.quant_per_tensor(w)
+    assert s.shape == (3,)
+    torch.testing.assert_close(s, w.abs().amax(dim=(1, 2)) / 448.0)
+    assert float(q.float().abs().amax()) == 448.0
+
+
+def _raw_weights(case, variant, seed=0):
+    return bm.make_weights(case, variant, "cpu", _gen(seed), std=0.2)
+
+
+def _reference64(x, ids, tw, w, case):
+    """An fp64 loop over (token, slot) pairs: the oracle of the oracle."""
+    y = torch.zeros(x.shape[0], case.hidden, dtype=torch.float64)
+    for t, j in itertools.product(range(ids.shape[0]), range(ids.shape[1])):
+        e = int(ids[t, j]) - case.ep_rank * case.num_local
+        if 0 <= e < case.num_local:
+            w13, w2 = (m.double() for m in w.dequant(e))
+            gu = w13 @ x[t].double()
+            a = torch.nn.functional.silu(gu[: case.inter]) * gu[case.inter:]
+            y[t] += float(tw[t, j]) * (w2 @ a)
+    return y
+
+
+@pytest.mark.parametrize("case", [TINY, TINY_EP], ids=lambda c: c.name)
+def test_benchmark_reference_matches_fp64_pair_loop(case):
+    w = _raw_weights(case, "bf16")
+    ids, tw = bm.make_routing(7, case, _gen(2))
+    x = torch.randn(7, case.hidden, generator=_gen(4)).bfloat16()
+    ref = bm.reference_moe(x, ids, tw, w, case)
+    torch.testing.assert_close(ref.double(), _reference64(x, ids, tw, w, case), atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_tensor_reference_quantises_activations():
+    case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
+    w = _raw_weights(case, "fp8-tensor")
+    gen = _gen(6)
+    bm.calibrate_static_scales(w, case, "cpu", gen, bm.expert_bias(4, _gen(7)), tokens=16)
+    assert w.a13_scale.shape == (1,) and w.a2_scale.shape == (1,)
+    ids, tw = bm.make_routing(5, case, gen)
+    x = torch.randn(5, case.hidden, generator=gen).bfloat16()
+    q = bm.reference_moe(x, ids, tw, w, case)
+    plain = bm.reference_moe(x, ids, tw, w, case, quantize_activations=False)
+    diff = float((q - plain).abs().max())
+    assert 0 < diff < 0.2 * float(plain.abs().max())  # quantisation changes the result, but only a little
+
+
+@pytest.mark.parametrize("case", [TINY, TINY_EP], ids=lambda c: c.name)
+def test_grouped_mm_peer_bf16_matches_reference(case):
+    from evenflow.bench.peers.grouped_mm import GroupedMMMoE
+    from evenflow.testing import assert_within_rule
+
+    w = _raw_weights(case, "bf16")
+    ids, tw = bm.make_routing(9, case, _gen(8))
+    x = torch.randn(9, case.hidden, generator=_gen(9)).bfloat16()
+    peer = GroupedMMMoE("bf16", w.w13, w.w2, ep_rank=case.ep_rank, num_experts_total=case.num_experts_total)
+    y = peer.bind(x, ids, tw)()
+    assert y.dtype == torch.bfloat16 and y.shape == (9, case.hidden)
+    ref64 = _reference64(x, ids, tw, w, case)
+    # Baseline for the rule: the same math with PyTorch's bf16 products, one pair at a time.
+    base = torch.zeros_like(ref64)
+    for t, j in itertools.product(range(9), range(case.top_k)):
+        e = int(ids[t, j]) - case.ep_rank * case.num_local
+        if 0 <= e < case.num_local:
+            gu = (w.w13[e] @ x[t]).float()
+            a = (torch.nn.functional.silu(gu[: case.inter]) * gu[case.inter:]).bfloat16()
+            base[t] += float(tw[t, j]) * (w.w2[e] @ a).double()
+    assert_within_rule(y, ref64, base.bfloat16(), what=f"grouped-mm peer {case.name}")
+    if case.ep_rank:
+        local = ((ids.long() >= 4) & (ids.long() < 8)).any(1)
+        assert bool((y[~local] == 0).all()), "tokens with no local expert must give exactly 0"
+
+
+def test_group_pairs_offsets_and_order():
+    from evenflow.bench.peers.grouped_mm import group_pairs
+
+    ids = torch.tensor([[5, 1], [1, 7], [6, 4]], dtype=torch.int32)
+    order, key_sorted, offs = group_pairs(ids, ep_rank=1, num_local=4)  # local experts 4..7
+    assert offs.dtype == torch.int32
+    assert offs.tolist() == [1, 2, 3, 4]  # one pair each for experts 4, 5, 6, 7
+    assert key_sorted.tolist() == [0, 1, 2, 3, 4, 4]
+    assert order.tolist() == [5, 0, 4, 3, 1, 2]
+
+
+def test_grouped_mm_peer_block_fp8_is_an_error_row_not_a_crash():
+    from evenflow.bench.peers.grouped_mm import GroupedMMMoE
+
+    w = bm.make_weights(bm.MoECase("b", 2, 2, 1, 128, 128), "fp8-block", "cpu", _gen())
+    with pytest.raises(PeerUnavailable):
+        GroupedMMMoE("fp8-block", w.w13, w.w2, **w.kwargs())
+    with pytest.raises(ValueError, match="variant"):
+        GroupedMMMoE("int4", w.w13, w.w2)
+
+
+def test_sglang_peer_unavailable_here_and_ep_remap():
+    from evenflow.bench.peers import sglang
+
+    if not torch.cuda.is_available():
+        with pytest.raises(PeerUnavailable):
+            sglang.load()
+    ids = torch.tensor([[0, 23, 24], [47, 48, 191]], dtype=torch.int32)
+    local = sglang.local_expert_ids(ids, ep_rank=1, num_local=24)
+    assert local.tolist() == [[-1, -1, 0], [23, -1, -1]]
+    assert local.dtype == torch.int32
+
+
+def test_case_table_matches_bench_md():
+    q, tp, ep = (bm.CASES[n] for n in ("qwen3-30b-a3b", "hy3-tp8", "hy3-ep8"))
+    assert (q.num_experts_total, q.top_k, q.hidden, q.inter) == (128, 8, 2048, 768)
+    assert (tp.num_experts_total, tp.num_local, tp.hidden, tp.inter) == (192, 192, 4096, 192)
+    assert (ep.num_experts_total, ep.num_local, ep.hidden, ep.inter) == (192, 24, 4096, 1536)
+    assert "fp8-block" in tp.skip_variants and not q.skip_variants
+    assert bm.BATCHES == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+def test_cli_filters_parse():
+    from evenflow.bench import harness as H
+
+    args = H.parse_args("x", ["--quick", "--cases", "hy3-tp8", "--variants", "bf16,fp8-tensor",
+                              "--batches", "1,8"], extra=bm._extra_args)
+    assert args.quick and args.cases == ["hy3-tp8"] and args.variants == ["bf16", "fp8-tensor"]
+    assert args.batches == [1, 8]
