@@ -1,0 +1,189 @@
+"""decode_attention against a float64 PyTorch oracle, under the tolerance rule.
+
+Baseline of the rule (same precision as the kernel): PyTorch in fp32 on the same bf16/fp8
+inputs, unnormalised probabilities rounded to bf16 before the product with V (the kernel
+feeds P to a bf16 tensor-core dot), output rounded to bf16.
+"""
+import math
+
+import pytest
+import torch
+
+import evenflow
+from evenflow.reference.attention import decode_attention_ref
+from evenflow.testing import assert_within_rule, poisoned
+
+FP8 = torch.float8_e4m3fn
+
+
+def make_inputs(lens, hkv, group, d, page, q_len, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+                extra_cols=1, hnd=False):
+    B = len(lens)
+    max_pages = max(1, max(-(-L // page) for L in lens)) + extra_cols
+    num_pages = B * max_pages + 3
+    shape = (num_pages, hkv, page, d) if hnd else (num_pages, page, hkv, d)
+    k = torch.randn(shape) * 1.5
+    v = torch.randn(shape)
+    if kv_dtype == FP8:
+        k, v = (k * 30).clamp(-448, 448).to(FP8), (v * 40).clamp(-448, 448).to(FP8)
+    else:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+    if hnd:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    pt = torch.randperm(num_pages)[: B * max_pages].view(B, max_pages).to(torch.int32)  # pages in random order
+    q = torch.randn(B * q_len, hkv * group, d)
+    q_scale = None
+    if q_dtype == FP8:
+        q_scale = q.abs().amax(-1) / 448.0
+        q = (q / q_scale[..., None]).to(FP8)
+    else:
+        q = q.to(q_dtype)
+    return q, q_scale, k, v, pt, torch.tensor(lens, dtype=torch.int32)
+
+
+def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None, sm_scale=None, what=""):
+    out = poisoned(q.shape, torch.bfloat16, q.device)
+    lse = poisoned(q.shape[:2], torch.float32, q.device)
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=q_scale, k_scale=k_scale,
+                                       v_scale=v_scale, sm_scale=sm_scale, out=out, return_lse=True, lse=lse)
+    assert o.data_ptr() == out.data_ptr()
+    kw = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale, q_len=q_len)
+    ref, ref_lse = decode_attention_ref(q, k, v, pt, sl, **kw)
+    base, base_lse = decode_attention_ref(q, k, v, pt, sl, dtype=torch.float32, p_dtype=torch.bfloat16,
+                                          out_dtype=torch.bfloat16, **kw)
+    assert_within_rule(o, ref, base, what=f"{what} output")
+    dead = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse) & (lse < 0), dead), f"{what}: lse -inf exactly where no token is seen"
+    assert (o[dead] == 0).all(), f"{what}: rows that see no token must be zero"
+    assert_within_rule(lse[~dead], ref_lse[~dead], base_lse[~dead].float(), what=f"{what} lse")
+    return o
+
+
+def run(lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+        dynamic=True, num_programs=4, min_tiles=1, hnd=False, **kw):
+    q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd)
+    plan = None
+    if dynamic:
+        plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device="cpu",
+                                   num_programs=num_programs, min_tiles=min_tiles).update(sl)
+    return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
+
+
+# The first priority case: bf16, q_len 1, head_dim 128, page 64, a skewed batch split across bins.
+def test_bf16_d128_p64_skewed():
+    run([700, 64, 0, 65, 130], hkv=2, group=8, d=128, page=64, num_programs=5)
+
+
+@pytest.mark.parametrize("dynamic", [True, False], ids=["plan", "static"])
+@pytest.mark.parametrize("lens", [[200, 200, 200], [1, 64, 65, 300], [0, 0], [0, 129, 0]],
+                         ids=["uniform", "tile_edges", "all_zero", "zero_around"])
+def test_lengths(lens, dynamic):
+    run(lens, dynamic=dynamic)
+
+
+@pytest.mark.parametrize("group", [1, 2, 8, 16])
+def test_gqa_group(group):
+    run([150, 70], hkv=2 if group < 16 else 1, group=group)
+
+
+@pytest.mark.parametrize("q_len", [2, 3, 4])
+def test_q_len_causal(q_len):
+    # 65: last tile holds one token, invisible to the first rows; 2: shorter than q_len for 3 and 4
+    run([65, 130, 2, 0], q_len=q_len, group=2)
+
+
+@pytest.mark.parametrize("page", [16, 32, 128])
+def test_page_size(page):
+    run([200, 33, 129], page=page)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_head_dim(d):
+    run([100, 140], d=d, group=2)
+
+
+def test_sm_scale_and_hnd_view():
+    run([150, 90], sm_scale=0.3, hnd=True)
+
+
+def test_fp8_kv_bf16_q():
+    run([300, 64, 0, 77], kv_dtype=FP8, k_scale=1 / 30, v_scale=torch.tensor([1 / 40]))
+
+
+def test_fp8_kv_fp8_q():
+    run([300, 65, 0], kv_dtype=FP8, q_dtype=FP8, k_scale=torch.tensor([1 / 30]), v_scale=1 / 40, group=8, d=128)
+
+
+def test_fp8_kv_static_q_len2():
+    run([190, 3], kv_dtype=FP8, q_dtype=FP8, k_scale=1 / 30, v_scale=1 / 40, q_len=2, dynamic=False)
+
+
+def test_plan_and_static_agree_and_min_tiles_path():
+    """One-bin plans (min_tiles large: nothing split, combine idle) still match the oracle."""
+    run([300, 20, 90], min_tiles=64)
+
+
+def test_default_programs_and_plan_reuse():
+    lens = [500, 3, 260]
+    q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, 32, 1)
+    plan = evenflow.DecodePlan(6, 4096, 2, page_size=32, device="cpu")
+    plan.update(sl)
+    check(q, qs, k, v, pt, sl, 1, plan=plan)
+    sl2 = torch.tensor([40, 511, 0], dtype=torch.int32)  # new lengths, same buffers
+    check(q, qs, k, v, pt, sl2, 1, plan=plan.update(sl2))
+
+
+def test_validate_inputs_and_kernel_stays_in_bounds():
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1)
+    plan = evenflow.DecodePlan(2, 1000, 2, device="cpu", num_programs=2, min_tiles=1).update(sl)
+    evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=plan)
+    bad_pt = pt.clone()
+    bad_pt[0, 1] = k.shape[0] + 5
+    with pytest.raises(ValueError, match=r"page_table\[0, 1\]"):
+        evenflow.attention.validate_inputs(q, k, v, bad_pt, sl, plan=plan)
+    # the kernel clamps the bad index instead of reading past the cache: finite output
+    o = evenflow.decode_attention(q, k, v, bad_pt, sl, plan=plan)
+    assert torch.isfinite(o.float()).all()
+    long = torch.tensor([100, 64 * pt.shape[1] + 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]"):
+        evenflow.attention.validate_inputs(q, k, v, pt, long, plan=None)
+    with pytest.raises(ValueError, match="not updated"):
+        evenflow.attention.validate_inputs(q, k, v, pt, torch.tensor([100, 65], dtype=torch.int32), plan=plan)
+
+
+def test_bad_arguments():
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1)
+    plan = evenflow.DecodePlan(2, 1000, 2, device="cpu").update(sl)
+    da = evenflow.decode_attention
+    with pytest.raises(TypeError, match="q must have dtype"):
+        da(q.float(), k, v, pt, sl, plan=plan)
+    with pytest.raises(TypeError, match="page_table"):
+        da(q, k, v, pt.long(), sl, plan=plan)
+    with pytest.raises(ValueError, match="v_cache"):
+        da(q, k, v[:, :32], pt, sl, plan=plan)
+    with pytest.raises(ValueError, match="multiple"):
+        da(q[:, :3], k, v, pt, sl, plan=plan)
+    with pytest.raises(ValueError, match="q_scale is required"):
+        da(q.to(FP8), k, v, pt, sl, plan=plan)
+    with pytest.raises(ValueError, match="plan was built for 4 kv heads"):
+        da(q, k, v, pt, sl, plan=evenflow.DecodePlan(2, 1000, 4, device="cpu").update(sl))
+    with pytest.raises(ValueError, match="batch"):
+        da(q[:1], k, v, pt[:1], sl[:1], plan=plan)
+    with pytest.raises(ValueError, match="k_scale"):
+        da(q, k, v, pt, sl, plan=plan, k_scale=torch.ones(2))
+    with pytest.raises(ValueError, match="out"):
+        da(q, k, v, pt, sl, plan=plan, out=torch.empty(2, 4, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="unit stride"):
+        da(q, k.transpose(2, 3), v.transpose(2, 3), pt, sl, plan=plan)
+
+
+def test_opcheck():
+    q, qs, k, v, pt, sl = make_inputs([70, 0], 1, 2, 64, 64, 1)
+    plan = evenflow.DecodePlan(2, 1000, 1, device="cpu", num_programs=2, min_tiles=1).update(sl)
+    po, pl = plan.partials(2, 64)
+    out = torch.empty(2, 2, 64, dtype=torch.bfloat16)
+    lse = torch.empty(2, 2)
+    args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, out, lse,
+            None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
+    torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
