@@ -60,8 +60,9 @@ def _num_stages(head_dim: int, kv_dtype: torch.dtype) -> int:
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
                meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-               lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor], k_scale: Optional[torch.Tensor],
-               v_scale: Optional[torch.Tensor], k_scale_f: float, v_scale_f: float, sm_scale: float,
+               lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
+               k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
+               k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int) -> None:
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
@@ -82,7 +83,8 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         out, lse_t, part_o, part_lse,
         k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
         sm_scale * K.LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
-        q.stride(0), q.stride(1), qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
+        q.stride(0), q.stride(1),
+        qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
@@ -106,7 +108,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
     return None
 
 
-def _scale_arg(name: str, s, device) -> tuple[Optional[torch.Tensor], float]:
+def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
     if s is None:
         return None, 1.0
     if isinstance(s, torch.Tensor):
