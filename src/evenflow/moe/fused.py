@@ -1,0 +1,205 @@
+"""fused_moe: index build -> gate-up GEMM (+SiLU*mul, +FP8 requant) -> down GEMM -> top-k reduce.
+
+Launcher only: argument checks, workspace allocation, deterministic tile-size
+choice from host-known shapes (no sync), and the ``evenflow::fused_moe_``
+custom op that torch.compile and CUDA graphs see.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from evenflow._checks import check_int, check_out, check_same_device, check_tensor
+from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, interpreting
+from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
+from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
+from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index
+
+__all__ = ["fused_moe", "MoEConfig", "choose_config"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Tile sizes of one fused_moe call. ``choose_config`` picks them; tests may force one."""
+    block_m: int
+    gu_block_n: int
+    gu_block_k: int
+    down_block_n: int
+    down_block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _largest_divisor(n: int, options) -> int:
+    for b in options:
+        if n % b == 0:
+            return b
+    raise ValueError(f"no tile size in {options} divides {n}")
+
+
+def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int) -> MoEConfig:
+    """Deterministic heuristic from shapes only (see docs/perf-notes/moe.md).
+
+    BLOCK_M follows the expected rows per expert (T*k/E): 16 (tl.dot's minimum) at
+    decode, larger when experts see many tokens. N-blocks stay narrow (64) so that
+    each expert's weights are streamed by many programs at once. FP8 block mode
+    pins the gate-up N-block to 128 (one program owns a whole activation group of
+    the intermediate) and K-blocks to 128 (one weight scale per K step).
+    """
+    rows = num_tokens * top_k / max(num_local, 1)
+    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
+    fp8 = mode != 0
+    if mode == 2:
+        return MoEConfig(block_m, 128, 128, 64, 128)
+    k_opts = (128, 64, 32, 16) if fp8 else (64, 32, 16)
+    return MoEConfig(
+        block_m,
+        _largest_divisor(inter, (64, 32, 16)),
+        _largest_divisor(hidden, k_opts),
+        _largest_divisor(hidden, (64, 32, 16)),
+        _largest_divisor(inter, k_opts),
+    )
+
+
+def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
+            ep_rank, shared_output, routed_scaling, out, cfg: MoEConfig | None = None):
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    e_local, two_i, _ = w13.shape
+    i = two_i // 2
+    if t == 0:
+        return
+    dev = x.device
+    if cfg is None:
+        cfg = choose_config(t, k, e_local, h, i, mode)
+    idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m)
+    n_tiles = idx.tile_expert.numel()
+    p = t * k
+    dot_f32, fp8_round = dot_needs_fp32(), fp8_cast_needs_rounding()
+    gpu_kw = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+    dummy = topk_weights  # stands in for pointers a mode does not read
+    if mode == 2:
+        xq, xs = quant_fp8_per_token_group(x)
+        inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
+        inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
+    else:
+        xq, xs = x, dummy
+        inter = torch.empty(p, i, dtype=torch.bfloat16 if mode == 0 else torch.float8_e4m3fn, device=dev)
+        inter_s = dummy
+    ws13 = w13_scale if w13_scale is not None else dummy
+    ws2 = w2_scale if w2_scale is not None else dummy
+    as13 = a13_scale if a13_scale is not None else dummy
+    as2 = a2_scale if a2_scale is not None else dummy
+    ws13_strides = (ws13.stride(0), ws13.stride(1)) if mode == 2 else (0, 0)
+    ws2_strides = (ws2.stride(0), ws2.stride(1)) if mode == 2 else (0, 0)
+
+    moe_gate_up_kernel[(n_tiles, i // cfg.gu_block_n)](
+        xq, xs, w13, ws13, idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row,
+        inter, inter_s, as13, as2,
+        k, i, h,
+        xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
+        inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
+        MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
+        DOT_F32=dot_f32, FP8_ROUND=fp8_round, **gpu_kw,
+    )
+    pair_out = torch.empty(p, h, dtype=torch.float32, device=dev)
+    moe_down_kernel[(n_tiles, h // cfg.down_block_n)](
+        inter, inter_s, w2, ws2, idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row, topk_weights,
+        pair_out, as2,
+        k, i,
+        inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
+        pair_out.stride(0),
+        MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        DOT_F32=dot_f32, **gpu_kw,
+    )
+    block_h = min(1024, triton.next_power_of_2(h))
+    shared = shared_output if shared_output is not None else out
+    moe_reduce_kernel[(t, triton.cdiv(h, block_h))](
+        pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
+        pair_out.stride(0), shared.stride(0), out.stride(0),
+        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, num_warps=4,
+    )
+
+
+@torch.library.custom_op("evenflow::fused_moe_", mutates_args=("out",))
+def _fused_moe_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    w13: torch.Tensor, w2: torch.Tensor,
+    w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+    a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
+    weight_mode: int, ep_rank: int, shared_output: torch.Tensor | None, routed_scaling: float,
+    out: torch.Tensor,
+) -> None:
+    _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
+            ep_rank, shared_output, routed_scaling, out)
+
+
+@_fused_moe_op.register_fake
+def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
+      ep_rank, shared_output, routed_scaling, out):
+    return None
+
+
+def _ids_checkable(t: torch.Tensor) -> bool:
+    """Whether a host-side look at topk_ids is allowed (never under torch.compile or graph capture)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
+              routed_scaling=1.0, out=None, *, check_ids=True):
+    """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
+
+    x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
+    [0, num_experts_total); topk_weights [T, k] fp32; ``ew`` an :class:`MoEWeights`
+    holding this rank's E_local experts, which are global ids
+    [ep_rank*E_local, (ep_rank+1)*E_local); pairs routed to other ranks contribute
+    nothing (the caller all-reduces across EP/TP ranks). Returns y [T, H] bf16.
+
+    ``check_ids`` verifies the id range on the host when that is allowed (eager
+    mode: one sync); under CUDA-graph capture or torch.compile it is skipped and
+    out-of-range ids are dropped by the kernels, never read or written out of bounds.
+    """
+    if not isinstance(ew, MoEWeights):
+        raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
+    e_local, h = ew.num_experts, ew.hidden_size
+    check_tensor("x", x, dtypes=[torch.bfloat16], ndim=2, last_dim_contiguous=True)
+    if x.shape[1] != h:
+        raise ValueError(f"x has hidden size {x.shape[1]} but the weights have {h}")
+    t = x.shape[0]
+    check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
+    k = topk_ids.shape[1]
+    if topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids must have {t} rows (one per token of x), got {topk_ids.shape[0]}")
+    check_int("top_k (topk_ids.shape[1])", k, 1, MAX_TOP_K)
+    check_tensor("topk_weights", topk_weights, dtypes=[torch.float32], shape=[t, k], contiguous=True)
+    check_int("ep_rank", ep_rank, 0)
+    if num_experts_total is None:
+        if ep_rank != 0:
+            raise ValueError("num_experts_total is required when ep_rank > 0")
+        num_experts_total = e_local
+    check_int("num_experts_total", num_experts_total, 1, MAX_EXPERTS)
+    if (ep_rank + 1) * e_local > num_experts_total:
+        raise ValueError(f"ep_rank {ep_rank} with {e_local} local experts needs num_experts_total >= "
+                         f"{(ep_rank + 1) * e_local}, got {num_experts_total}")
+    if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, (int, float)):
+        raise TypeError(f"routed_scaling must be a float, got {type(routed_scaling).__name__}")
+    if shared_output is not None:
+        check_tensor("shared_output", shared_output, dtypes=[torch.bfloat16, torch.float32], shape=[t, h],
+                     last_dim_contiguous=True)
+    dev = check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=ew.w13,
+                            shared_output=shared_output)
+    if out is None:
+        out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
+    else:
+        check_out("out", out, (t, h), torch.bfloat16, dev)
+    if check_ids and t > 0 and _ids_checkable(topk_ids):
+        bad = (topk_ids < 0) | (topk_ids >= num_experts_total)
+        if bool(bad.any()):
+            raise ValueError(f"topk_ids must lie in [0, num_experts_total={num_experts_total}); "
+                             f"found {topk_ids[bad][:4].tolist()}")
+    _fused_moe_op(x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale,
+                  ew.a2_scale, ew.mode, ep_rank, shared_output, float(routed_scaling), out)
+    return out

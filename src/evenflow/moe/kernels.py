@@ -1,0 +1,275 @@
+"""Triton kernels of the fused MoE pipeline (pure @triton.jit, no torch logic).
+
+Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
+
+| tensor          | shape                 | dtype        | meaning                                            |
+|-----------------|-----------------------|--------------|----------------------------------------------------|
+| topk_ids        | [T, k] (flat [P])     | int32/int64  | global expert id of each pair                      |
+| counts          | [E_local]             | int32        | pairs routed to each local expert                  |
+| offsets         | [E_local + 1]         | int32        | exclusive prefix sums; offsets[E_local] = kept     |
+| sorted_pairs    | [P]                   | int32        | pair ids grouped by expert, ascending inside one;  |
+|                 |                       |              | slots >= kept hold -1                              |
+| tile_expert     | [max_tiles]           | int32        | local expert of each BLOCK_M-row tile, -1 unused   |
+| tile_row        | [max_tiles]           | int32        | first sorted row of the tile, -1 unused            |
+| inter           | [P, I]                | bf16 / fp8   | SiLU(gate)*up, row r = sorted row r (not pair id)  |
+| inter_scale     | [P, I/128]            | fp32         | fp8 block mode: per-row-per-128-group dequant scale|
+| pair_out        | [P, H]                | fp32         | topk_weight * expert output, row = pair id         |
+
+Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
+K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
+
+MODE: 0 = bf16 weights, 1 = fp8 per-tensor (static activation scales), 2 = fp8
+block-128 (dynamic per-token-group-128 activation scales, 128x128 weight blocks).
+"""
+import triton
+import triton.language as tl
+
+from evenflow._kernels.common import FP8_E4M3_MAX, dot_operand, to_fp8e4
+
+# Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
+# scale and quantises to zeros rather than dividing by zero).
+GROUP_AMAX_EPS = 1e-10
+
+
+@triton.jit
+def _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD: tl.constexpr):
+    """Local expert id of pairs o_p, or E_PAD - 1 (a bin no expert uses) when dropped."""
+    m_p = o_p < num_pairs
+    gid = tl.load(p_ids + o_p, mask=m_p, other=-1).to(tl.int32)
+    lid = gid - e_first
+    valid = m_p & (lid >= 0) & (lid < num_local)
+    return tl.where(valid, lid, E_PAD - 1), valid
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
+def moe_index_kernel(
+    p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_cursor,
+    num_pairs, e_first, num_local, max_tiles,
+    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program: histogram -> prefix sums -> stable scatter -> tile task map.
+
+    No atomics: a pair's slot is its expert's running cursor (kept in registers,
+    spilled to ``p_cursor`` so it can be gathered) plus its rank among same-expert
+    pairs earlier in its block, so the order inside an expert is ascending pair id.
+    """
+    o_e = tl.arange(0, E_PAD)
+    o_b = tl.arange(0, BLOCK_P)
+
+    # 1. histogram of local expert ids (dropped pairs land in bin E_PAD - 1)
+    b_counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK_P):
+        lid, _ = _local_ids(p_ids, start + o_b, num_pairs, e_first, num_local, E_PAD)
+        b_counts += tl.histogram(lid, E_PAD)
+    b_counts = tl.where(o_e < num_local, b_counts, 0)
+
+    # 2. exclusive prefix sums
+    b_offs = tl.cumsum(b_counts, 0) - b_counts
+    kept = tl.sum(b_counts, 0)
+    tl.store(p_counts + o_e, b_counts, mask=o_e < num_local)
+    tl.store(p_offsets + o_e, b_offs, mask=o_e < num_local)
+    tl.store(p_offsets + num_local, kept)
+
+    # 3. stable scatter of pair ids into per-expert ranges
+    b_cursor = b_offs
+    for start in range(0, num_pairs, BLOCK_P):
+        o_p = start + o_b
+        lid, valid = _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD)
+        tl.store(p_cursor + o_e, b_cursor)
+        tl.debug_barrier()
+        base = tl.load(p_cursor + lid)
+        earlier = (lid[None, :] == lid[:, None]) & (o_b[None, :] < o_b[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(p_sorted + base + rank, o_p, mask=valid)
+        tl.debug_barrier()
+        b_cursor += tl.histogram(lid, E_PAD)
+    for start in range(0, num_pairs, BLOCK_P):
+        o_p = start + o_b
+        tl.store(p_sorted + o_p, tl.full([BLOCK_P], -1, tl.int32), mask=(o_p >= kept) & (o_p < num_pairs))
+
+    # 4. task map: tile t belongs to the expert e with tile_start[e] <= t < tile_end[e]
+    b_ntiles = (b_counts + BLOCK_M - 1) // BLOCK_M
+    b_tile_end = tl.cumsum(b_ntiles, 0)
+    total_tiles = tl.sum(b_ntiles, 0)
+    b_row_base = b_offs - (b_tile_end - b_ntiles) * BLOCK_M
+    for start in range(0, max_tiles, BLOCK_T):
+        o_t = start + tl.arange(0, BLOCK_T)
+        expert = tl.sum((b_tile_end[None, :] <= o_t[:, None]).to(tl.int32), axis=1)
+        row = tl.sum(tl.where(o_e[None, :] == expert[:, None], b_row_base[None, :], 0), axis=1) + o_t * BLOCK_M
+        used = o_t < total_tiles
+        tl.store(p_tile_expert + o_t, tl.where(used, expert, -1), mask=o_t < max_tiles)
+        tl.store(p_tile_row + o_t, tl.where(used, row, -1), mask=o_t < max_tiles)
+
+
+@triton.jit
+def moe_group_quant_kernel(
+    p_x, p_q, p_s, num_groups, stride_xt, stride_qt, stride_st,
+    GROUPS: tl.constexpr, FP8_ROUND: tl.constexpr,
+):
+    """x [T, H] -> fp8 q [T, H] and fp32 scale [T, H/128] per 128-wide group of a row."""
+    i_t = tl.program_id(0).to(tl.int64)
+    i_g = tl.program_id(1)
+    o_g = i_g * GROUPS + tl.arange(0, GROUPS)
+    o_c = tl.arange(0, 128)
+    m_g = o_g < num_groups
+    b_x = tl.load(p_x + i_t * stride_xt + o_g[:, None] * 128 + o_c[None, :], mask=m_g[:, None], other=0.0)
+    b_x = b_x.to(tl.float32)
+    b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_x), axis=1), GROUP_AMAX_EPS), FP8_E4M3_MAX)
+    b_q = to_fp8e4(tl.math.div_rn(b_x, b_s[:, None]), FP8_ROUND)
+    tl.store(p_q + i_t * stride_qt + o_g[:, None] * 128 + o_c[None, :], b_q, mask=m_g[:, None])
+    tl.store(p_s + i_t * stride_st + o_g, b_s, mask=m_g)
+
+
+@triton.jit
+def _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M: tl.constexpr):
+    e = tl.load(p_tile_expert + i_tile)
+    row0 = tl.load(p_tile_row + i_tile)
+    row_end = tl.load(p_offsets + tl.maximum(e, 0) + 1)
+    o_m = row0 + tl.arange(0, BLOCK_M)
+    return e, o_m, o_m < row_end
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def moe_gate_up_kernel(
+    p_x, p_xs, p_w, p_ws, p_sorted, p_offsets, p_tile_expert, p_tile_row,
+    p_out, p_out_s, p_a_scale, p_o_scale,
+    top_k, I, K,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
+    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
+):
+    """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
+
+    One program per (tile, n-block of I); tokens are read through sorted_pairs
+    (row -> pair -> token), never gathered into a copy.
+    """
+    i_tile = tl.program_id(0)
+    i_n = tl.program_id(1)
+    e, o_m, m_m = _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M)
+    if e < 0:
+        return
+    pair = tl.load(p_sorted + o_m, mask=m_m, other=0)
+    tok = (pair // top_k).to(tl.int64)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+
+    p_a = p_x + tok[:, None] * stride_xt + o_k[None, :]
+    p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]
+    p_bu = p_bg + I * stride_wn
+    if MODE == 1:
+        a_scale = tl.load(p_a_scale)
+    if MODE == 2:
+        p_as = p_xs + tok * stride_xst
+        p_wsg = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn
+        p_wsu = p_ws + e64 * stride_wse + ((I + i_n * BLOCK_N) // 128) * stride_wsn
+
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i_k in range(0, K // BLOCK_K):
+        b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
+        b_g = tl.load(p_bg)
+        b_u = tl.load(p_bu)
+        if MODE == 0:
+            acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
+            acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
+        elif MODE == 1:
+            b_q = to_fp8e4(tl.math.div_rn(b_a.to(tl.float32), a_scale), FP8_ROUND)
+            acc_g = tl.dot(b_q, b_g, acc_g)
+            acc_u = tl.dot(b_q, b_u, acc_u)
+        else:
+            b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
+            ws_g = tl.load(p_wsg + i_k)
+            ws_u = tl.load(p_wsu + i_k)
+            acc_g += tl.dot(b_a, b_g) * (b_xs[:, None] * ws_g)
+            acc_u += tl.dot(b_a, b_u) * (b_xs[:, None] * ws_u)
+        p_a += BLOCK_K
+        p_bg += BLOCK_K
+        p_bu += BLOCK_K
+
+    if MODE == 1:
+        acc_g = acc_g * (tl.load(p_ws + e64) * a_scale)
+        acc_u = acc_u * (tl.load(p_ws + e64) * a_scale)
+    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    if MODE == 0:
+        tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
+    elif MODE == 1:
+        o_scale = tl.load(p_o_scale)
+        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, o_scale), FP8_ROUND), mask=m_m[:, None])
+    else:
+        # BLOCK_N == 128: this program owns one whole activation group of each row.
+        b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_h), axis=1), GROUP_AMAX_EPS), FP8_E4M3_MAX)
+        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, b_s[:, None]), FP8_ROUND), mask=m_m[:, None])
+        tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def moe_down_kernel(
+    p_a, p_as, p_w, p_ws, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
+    p_out, p_a_scale,
+    top_k, K,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """pair_out[pair, n-block] = topk_weight[pair] * (inter[rows] @ w2[e, n-block].T), fp32."""
+    i_tile = tl.program_id(0)
+    i_n = tl.program_id(1)
+    e, o_m, m_m = _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M)
+    if e < 0:
+        return
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    e64 = e.to(tl.int64)
+    o_m64 = o_m.to(tl.int64)
+
+    p_x = p_a + o_m64[:, None] * stride_am + o_k[None, :]
+    p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]
+    if MODE == 2:
+        p_xs = p_as + o_m64 * stride_asm
+        p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for i_k in range(0, K // BLOCK_K):
+        b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
+        b_b = tl.load(p_b)
+        if MODE == 0:
+            acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
+        elif MODE == 1:
+            acc = tl.dot(b_a, b_b, acc)
+        else:
+            b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
+            acc += tl.dot(b_a, b_b) * (b_xs[:, None] * tl.load(p_bs + i_k))
+        p_x += BLOCK_K
+        p_b += BLOCK_K
+
+    if MODE == 1:
+        acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
+    pair = tl.load(p_sorted + o_m, mask=m_m, other=0)
+    b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
+    acc = acc * b_tw[:, None]
+    tl.store(p_out + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :], acc, mask=m_m[:, None])
+
+
+@triton.jit(do_not_specialize=["top_k"])
+def moe_reduce_kernel(
+    p_pair_out, p_ids, p_shared, p_y, top_k, H, e_first, num_local, routed_scaling,
+    stride_pm, stride_sht, stride_yt,
+    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """y[t] = routed_scaling * sum_slot pair_out[t*k + slot] (local pairs only, slot order) + shared[t]."""
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, top_k):
+        p = i_t * top_k + j
+        lid = tl.load(p_ids + p).to(tl.int32) - e_first
+        mine = (lid >= 0) & (lid < num_local)
+        acc += tl.load(p_pair_out + p * stride_pm + o_h, mask=m_h & mine, other=0.0)
+    acc = acc * routed_scaling
+    if HAS_SHARED:
+        acc += tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)
+    tl.store(p_y + i_t * stride_yt + o_h, acc.to(p_y.dtype.element_ty), mask=m_h)

@@ -1,0 +1,122 @@
+"""MoE weight holder (validated and laid out once, at load time) and activation quantisation."""
+from __future__ import annotations
+
+import torch
+import triton
+
+from evenflow._checks import check_same_device, check_tensor
+from evenflow._runtime import fp8_cast_needs_rounding
+from evenflow.moe.kernels import moe_group_quant_kernel
+from evenflow.moe.routing import MAX_EXPERTS
+
+FP8 = torch.float8_e4m3fn
+FORMATS = ("bf16", "fp8_per_tensor", "fp8_block")
+MODE = {"bf16": 0, "fp8_per_tensor": 1, "fp8_block": 2}
+
+
+def _scalar_scale(name: str, s) -> torch.Tensor:
+    check_tensor(name, s, dtypes=[torch.float32])
+    if s.numel() != 1:
+        raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(s.shape)}")
+    return s.reshape(1).contiguous()
+
+
+class MoEWeights:
+    """Expert weights of one MoE layer (this rank's shard), ready for :func:`evenflow.fused_moe`.
+
+    ``w13`` [E, 2I, H]: gate rows then up rows; ``w2`` [E, H, I]. Scales are
+    dequantisation multipliers (real value = stored value * scale), as in SGLang's
+    ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`.
+    """
+
+    def __init__(self, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None):
+        self.format = fmt
+        self.w13, self.w2 = w13, w2
+        self.w13_scale, self.w2_scale = w13_scale, w2_scale
+        self.a13_scale, self.a2_scale = a13_scale, a2_scale
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.w13.shape[2]
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.w2.shape[2]
+
+    @property
+    def mode(self) -> int:
+        return MODE[self.format]
+
+    def __repr__(self) -> str:
+        return (f"MoEWeights({self.format}, experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size}, device={self.w13.device})")
+
+    @staticmethod
+    def _check_pair(w13, w2, dtype, multiple):
+        check_tensor("w13", w13, dtypes=[dtype], ndim=3)
+        check_tensor("w2", w2, dtypes=[dtype], ndim=3)
+        check_same_device(w13=w13, w2=w2)
+        e, two_i, h = w13.shape
+        if not 1 <= e <= MAX_EXPERTS:
+            raise ValueError(f"w13 holds {e} experts; evenflow supports 1..{MAX_EXPERTS}")
+        if two_i % 2:
+            raise ValueError(f"w13 must have shape [E, 2*I, H], got odd second dim {two_i}")
+        i = two_i // 2
+        if tuple(w2.shape) != (e, h, i):
+            raise ValueError(f"w2 must have shape [E, H, I] = {(e, h, i)} to match w13 {tuple(w13.shape)}, "
+                             f"got {tuple(w2.shape)}")
+        if h % multiple or i % multiple:
+            raise ValueError(f"hidden ({h}) and intermediate ({i}) sizes must be multiples of {multiple} "
+                             "for this weight format")
+        return e, h, i
+
+    @classmethod
+    def bf16(cls, w13: torch.Tensor, w2: torch.Tensor) -> MoEWeights:
+        cls._check_pair(w13, w2, torch.bfloat16, 16)
+        return cls("bf16", w13.contiguous(), w2.contiguous())
+
+    @classmethod
+    def fp8_per_tensor(cls, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale) -> MoEWeights:
+        """FP8 e4m3 weights with per-expert scales and static per-tensor activation scales (Hy3 style)."""
+        e, _, _ = cls._check_pair(w13, w2, FP8, 16)
+        check_tensor("w13_scale", w13_scale, dtypes=[torch.float32], shape=[e])
+        check_tensor("w2_scale", w2_scale, dtypes=[torch.float32], shape=[e])
+        a13 = _scalar_scale("a13_scale", a13_scale)
+        a2 = _scalar_scale("a2_scale", a2_scale)
+        check_same_device(w13=w13, w13_scale=w13_scale, w2_scale=w2_scale, a13_scale=a13, a2_scale=a2)
+        return cls("fp8_per_tensor", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(),
+                   w2_scale.contiguous(), a13, a2)
+
+    @classmethod
+    def fp8_block(cls, w13, w2, w13_scale, w2_scale) -> MoEWeights:
+        """FP8 e4m3 weights with 128x128 block scales [E, N/128, K/128] (Qwen3-FP8 / DeepSeek style)."""
+        e, h, i = cls._check_pair(w13, w2, FP8, 128)
+        check_tensor("w13_scale", w13_scale, dtypes=[torch.float32], shape=[e, 2 * i // 128, h // 128])
+        check_tensor("w2_scale", w2_scale, dtypes=[torch.float32], shape=[e, h // 128, i // 128])
+        check_same_device(w13=w13, w13_scale=w13_scale, w2_scale=w2_scale)
+        return cls("fp8_block", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(), w2_scale.contiguous())
+
+
+def quant_fp8_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] bf16 -> (fp8 e4m3 [T, H], fp32 scales [T, H/128]), one scale per 128-wide row group.
+
+    scale = max(amax, 1e-10) / 448, value = round_e4m3(x / scale) (saturating).
+    """
+    check_tensor("x", x, dtypes=[torch.bfloat16, torch.float16, torch.float32], ndim=2, last_dim_contiguous=True)
+    t, h = x.shape
+    if h % 128:
+        raise ValueError(f"x's last dimension ({h}) must be a multiple of 128 for per-token-group-128 quantisation")
+    q = torch.empty(t, h, dtype=FP8, device=x.device)
+    s = torch.empty(t, h // 128, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return q, s
+    groups = min(triton.next_power_of_2(h // 128), 16)
+    moe_group_quant_kernel[(t, triton.cdiv(h // 128, groups))](
+        x, q, s, h // 128, x.stride(0), q.stride(0), s.stride(0),
+        GROUPS=groups, FP8_ROUND=fp8_cast_needs_rounding(), num_warps=4,
+    )
+    return q, s

@@ -1,0 +1,72 @@
+"""Index build for the fused MoE: per-expert pair ranges and the per-tile task map.
+
+Everything is sized from upper bounds known on the host (``topk_ids.shape``,
+the number of local experts, ``block_m``), so building the index never syncs
+with the host and a CUDA graph can capture it. See ``kernels.py`` for the
+layout of every tensor.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from evenflow._checks import check_int, check_tensor
+from evenflow.moe.kernels import moe_index_kernel
+
+MAX_EXPERTS = 512
+MAX_TOP_K = 16
+
+
+class MoEIndex(NamedTuple):
+    counts: torch.Tensor        # [E_local] int32
+    offsets: torch.Tensor       # [E_local + 1] int32
+    sorted_pairs: torch.Tensor  # [P] int32, -1 past offsets[E_local]
+    tile_expert: torch.Tensor   # [max_tiles] int32, -1 unused
+    tile_row: torch.Tensor      # [max_tiles] int32, -1 unused
+    block_m: int
+
+
+def max_tiles(num_pairs: int, num_local: int, block_m: int) -> int:
+    """Upper bound on sum_e ceil(n_e / block_m) over experts with sum_e n_e <= num_pairs.
+
+    Each expert wastes at most block_m - 1 rows of its last tile, and every tile
+    holds at least one pair.
+    """
+    if num_pairs == 0:
+        return 0
+    return min(num_pairs, (num_pairs + num_local * (block_m - 1)) // block_m)
+
+
+def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int = 0,
+                    block_m: int = 16) -> MoEIndex:
+    """Lay out the (token, slot) pairs routed to this rank's experts by expert.
+
+    ``topk_ids`` [T, k] int32/int64 global expert ids; this rank owns experts
+    ``[ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts)``; pairs
+    routed elsewhere (or to no valid expert) are dropped.
+    """
+    check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
+    check_int("num_local_experts", num_local_experts, 1, MAX_EXPERTS)
+    check_int("ep_rank", ep_rank, 0)
+    check_int("block_m", block_m, 16, 256)
+    if block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two, got {block_m}")
+    dev = topk_ids.device
+    num_pairs = topk_ids.numel()
+    n_tiles = max_tiles(num_pairs, num_local_experts, block_m)
+    counts = torch.empty(num_local_experts, dtype=torch.int32, device=dev)
+    offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=dev)
+    sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    tile_row = torch.empty(n_tiles, dtype=torch.int32, device=dev)
+    e_pad = triton.next_power_of_2(num_local_experts + 1)  # + 1: the bin of dropped pairs
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    block_t = max(2, min(64, 8192 // e_pad))
+    moe_index_kernel[(1,)](
+        topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, cursor,
+        num_pairs, ep_rank * num_local_experts, num_local_experts, n_tiles,
+        E_PAD=e_pad, BLOCK_P=64, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4,
+    )
+    return MoEIndex(counts, offsets, sorted_pairs, tile_expert, tile_row, block_m)

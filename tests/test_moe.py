@@ -1,0 +1,196 @@
+"""fused_moe against the PyTorch oracle (CPU interpreter at tiny shapes; runs on a GPU too).
+
+Tolerance (evenflow.testing rule, factor 2): the oracle is ``moe_reference`` in
+float64 with the same activation quantisation the kernels apply; the baseline is
+the same per-expert math done by PyTorch in the precision the kernels work in:
+bf16 matmuls with a bf16 intermediate for BF16 weights, fp32 matmuls of the fp8
+values (exact fp8 products, fp32 sums, as tensor cores do) for FP8 weights;
+the baseline output is rounded to bf16 like ours.
+"""
+import pytest
+import torch
+
+import evenflow
+from evenflow.moe.fused import choose_config
+from evenflow.reference.moe import (
+    moe_reference,
+    quant_fp8_group,
+    random_moe_weights,
+    random_routing,
+)
+from evenflow.testing import assert_within_rule, poisoned
+
+FORMATS = ["bf16", "fp8_per_tensor", "fp8_block"]
+# (H, I) per format: block-128 needs multiples of 128, the others 16.
+SIZES = {"bf16": (64, 32), "fp8_per_tensor": (64, 48), "fp8_block": (256, 128)}
+
+
+def check_moe(y, x, ids, w, ew, what, **kw):
+    ref = moe_reference(x, ids, w, ew, dtype=torch.float64, **kw)
+    base_dtype = torch.bfloat16 if ew.format == "bf16" else torch.float32
+    base = moe_reference(x, ids, w, ew, dtype=base_dtype, **kw).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    return assert_within_rule(y, ref, base, what=what)
+
+
+def routing_from(ids_list, device, weights=None):
+    ids = torch.tensor(ids_list, dtype=torch.int32, device=device)
+    w = torch.rand(ids.shape, device=device) if weights is None else weights
+    return ids, w.float()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t,k,e", [(1, 1, 4), (3, 2, 8), (17, 4, 6)])
+def test_matches_reference(device, fmt, t, k, e):
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, e, h, i, device)
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = random_routing(t, k, e, device)
+    out = poisoned((t, h), torch.bfloat16, device)  # every element must be written
+    y = evenflow.fused_moe(x, ids, w, ew, out=out)
+    assert y is out
+    check_moe(y, x, ids, w, ew, f"{fmt} T={t} k={k} E={e}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_expert_parallel_drops_other_ranks(device, fmt):
+    # 4 local experts of 12 on rank 1: global ids 4..7 are ours; the rest contribute nothing.
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    t, k = 9, 3
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = random_routing(t, k, 12, device)
+    ids[0] = torch.tensor([0, 1, 2], dtype=torch.int32)   # a token with no local expert -> zeros
+    ids[1] = torch.tensor([4, 5, 7], dtype=torch.int32)   # all local
+    y = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12)
+    check_moe(y, x, ids, w, ew, f"{fmt} EP rank 1", ep_rank=1)
+    assert torch.equal(y[0].float(), torch.zeros_like(y[0].float()))
+    # the same layer split over 3 ranks sums to the unsplit layer
+    if fmt == "bf16":
+        full = random_moe_weights("bf16", 12, h, i, device)
+        parts = [evenflow.MoEWeights.bf16(full.w13[r * 4:(r + 1) * 4], full.w2[r * 4:(r + 1) * 4]) for r in range(3)]
+        ys = sum(evenflow.fused_moe(x, ids, w, p, ep_rank=r, num_experts_total=12).float()
+                 for r, p in enumerate(parts))
+        ref = moe_reference(x, ids, w, full)
+        base = moe_reference(x, ids, w, full, dtype=torch.bfloat16).to(torch.bfloat16)
+        # each shard rounds its output to bf16 once: 3 * 2^-9 * max|y| at most, inside the rule's 2^-7 * max|y| term
+        assert_within_rule(ys.bfloat16(), ref, base, what="EP shards summed")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
+def test_shared_output_and_routed_scaling(device, fmt):
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    t, k = 5, 2
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = random_routing(t, k, 4, device)
+    shared = torch.randn(t, h, device=device).bfloat16()
+    y = evenflow.fused_moe(x, ids, w, ew, shared_output=shared, routed_scaling=2.5)
+    check_moe(y, x, ids, w, ew, f"{fmt} shared+scaling", shared_output=shared, routed_scaling=2.5)
+
+
+def test_empty_batch(device):
+    ew = random_moe_weights("bf16", 4, 64, 32, device)
+    x = torch.empty(0, 64, device=device, dtype=torch.bfloat16)
+    ids = torch.empty(0, 2, device=device, dtype=torch.int32)
+    y = evenflow.fused_moe(x, ids, torch.empty(0, 2, device=device), ew)
+    assert y.shape == (0, 64) and y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor"])
+def test_all_tokens_on_one_expert(device, fmt):
+    # 40 rows on expert 2 -> three 16-row tiles, the last one partial; the other experts idle.
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    t = 40
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = routing_from([[2]] * t, device)
+    y = evenflow.fused_moe(x, ids, w, ew)
+    check_moe(y, x, ids, w, ew, f"{fmt} one expert")
+
+
+def test_large_block_m_and_idle_experts(device):
+    # T*k/E = 40 rows per busy expert -> BLOCK_M 64; experts 1,3,4,6,7 get nothing.
+    h, i = SIZES["bf16"]
+    ew = random_moe_weights("bf16", 8, h, i, device)
+    t, k = 40, 2
+    assert choose_config(t, k, 2, h, i, 0).block_m == 64
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids = torch.stack([torch.tensor([0, 5]), torch.tensor([5, 2])])[torch.randint(0, 2, (t,))]
+    ids, w = ids.to(torch.int32).to(device).contiguous(), torch.rand(t, k, device=device)
+    y = evenflow.fused_moe(x, ids, w, ew)
+    check_moe(y, x, ids, w, ew, "idle experts")
+
+
+def test_int64_ids_and_duplicate_experts(device):
+    # int64 ids (torch.topk's dtype) accepted; a token listing one expert twice counts it twice.
+    h, i = SIZES["bf16"]
+    ew = random_moe_weights("bf16", 4, h, i, device)
+    x = torch.randn(3, h, device=device).bfloat16()
+    ids = torch.tensor([[1, 1], [0, 3], [3, 3]], device=device)
+    w = torch.rand(3, 2, device=device)
+    y = evenflow.fused_moe(x, ids, w, ew)
+    check_moe(y, x, ids, w, ew, "int64 ids")
+
+
+def test_fp8_block_fidelity_vs_unquantised(device):
+    # End-to-end fidelity: fp8 weights + fp8 activations vs bf16 activations in fp32 math.
+    # On Gaussian data e4m3 activation rounding (two stages, ~2.5% rms each) alone costs
+    # cosine ~0.9990 -- the float64 oracle that quantises the activations scores the same --
+    # so the 0.9995 of real-model measurements cannot be asserted here. We assert instead
+    # that the kernel loses no fidelity beyond the format's: its 1 - cosine is within 2%
+    # (+1e-5 for bf16 output rounding) of the quantising oracle's.
+    ew = random_moe_weights("fp8_block", 4, 256, 256, device)
+    x = torch.randn(16, 256, device=device).bfloat16()
+    ids, w = random_routing(16, 2, 4, device)
+    y = evenflow.fused_moe(x, ids, w, ew)
+    exact = moe_reference(x, ids, w, ew, dtype=torch.float64, quantize_activations=False).flatten()
+    oracle = moe_reference(x, ids, w, ew, dtype=torch.float64).flatten()
+
+    def cos(a):
+        return float(torch.nn.functional.cosine_similarity(a.double().flatten(), exact, dim=0))
+    c_ours, c_fmt = cos(y), cos(oracle)
+    assert c_fmt > 0.998, f"fp8 block format itself at cosine {c_fmt:.6f}: quantisation broken?"
+    assert 1 - c_ours <= 1.02 * (1 - c_fmt) + 1e-5, f"cosine {c_ours:.6f} vs the format's {c_fmt:.6f}"
+
+
+def test_group_quant_matches_reference_exactly(device):
+    x = (torch.randn(5, 384, device=device) * torch.logspace(-3, 2, 5, device=device)[:, None]).bfloat16()
+    x[2, 128:256] = 0  # an all-zero group
+    q, s = evenflow.quant_fp8_per_token_group(x)
+    rq, rs = quant_fp8_group(x)
+    assert torch.equal(s.cpu(), rs.cpu())
+    assert torch.equal(q.view(torch.uint8).cpu(), rq.view(torch.uint8).cpu())
+
+
+def test_randomised_sweep(device):
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    for _ in range(4):
+        fmt = FORMATS[int(torch.randint(0, 3, (1,), generator=g))]
+        h, i = SIZES[fmt]
+        e = int(torch.randint(1, 9, (1,), generator=g))
+        k = int(torch.randint(1, e + 1, (1,), generator=g))
+        t = int(torch.randint(1, 20, (1,), generator=g))
+        ew = random_moe_weights(fmt, e, h, i, device)
+        x = torch.randn(t, h, device=device).bfloat16()
+        ids, w = random_routing(t, k, e, device)
+        y = evenflow.fused_moe(x, ids, w, ew)
+        check_moe(y, x, ids, w, ew, f"sweep {fmt} T={t} k={k} E={e}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_opcheck(device, fmt):
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    x = torch.randn(3, h, device=device).bfloat16()
+    ids, w = random_routing(3, 2, 4, device)
+    out = torch.empty(3, h, device=device, dtype=torch.bfloat16)
+    shared = torch.randn(3, h, device=device).bfloat16()
+    args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
+            ew.mode, 0, shared, 1.5, out)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if fmt != "bf16":
+        # torch's schema checker compares inputs before/after with arithmetic that has no
+        # fp8 kernel ("mul_cpu_reduced_float"); the bf16 case covers the schema check.
+        utils = utils[1:]
+    torch.library.opcheck(torch.ops.evenflow.fused_moe_.default, args, test_utils=utils)
