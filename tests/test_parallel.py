@@ -1,0 +1,334 @@
+"""Multi-rank layouts (evenflow.parallel): slicing exact, and split layers equal the unsplit one.
+
+Two parts:
+
+* Sharding helpers, no kernels: EP / TP / head slices are exactly the right rows,
+  and the layer math (plain float64 here) of the shards sums (MoE) or concatenates
+  (attention) to the unsplit layer's to rounding level.
+* A real 2-process run (torch.multiprocessing spawn, gloo, CPU tensors through the
+  Triton interpreter): each rank runs evenflow's operator on its shard, the MoE
+  partials are all-reduced (bf16, as serving engines do) and attention heads
+  gathered; every rank's result must equal the *unsplit* float64 oracle within the
+  tolerance rule. The baseline of the rule is PyTorch doing the same split math in
+  the same precision: bf16 matmuls with a bf16 intermediate on each rank's shard,
+  each rank's output rounded to bf16, then summed in bf16 in rank order (what a
+  bf16 all-reduce of two ranks does). Attention: fp32 math of the bf16 inputs,
+  output rounded to bf16 (splitting heads changes no head's arithmetic).
+
+The oracles here are written out in this file on purpose: independent of the
+library's own reference modules.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+from evenflow import parallel as par
+from evenflow.testing import assert_exact, assert_within_rule
+
+WORLD = 2
+# Tiny MoE: hidden and both intermediate halves multiples of 16 (fused_moe's tile floor).
+T, E, TOPK, HID, INTER = 7, 4, 2, 32, 32
+ROUTED_SCALING = 2.5
+# Tiny paged decode: 4 q / 2 kv heads -> 2 q / 1 kv per rank; lengths hit 1, 5 and 9 pages.
+ATT_LENS, HQ, HKV, HEAD_DIM, PAGE = (5, 70, 130), 4, 2, 64, 16
+
+
+# ----------------------------------------------------------------------------- inputs and oracles
+
+def moe_inputs():
+    """Deterministic tiny MoE problem (same on every rank): x, ids, weights, w13, w2, shared."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(T, HID, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * INTER, HID, generator=g) / math.sqrt(HID)).bfloat16()
+    w2 = (torch.randn(E, HID, INTER, generator=g) / math.sqrt(INTER)).bfloat16()
+    probs = torch.softmax(torch.randn(T, E, generator=g), dim=-1)
+    w, ids = probs.topk(TOPK, dim=-1)
+    ids = ids.to(torch.int32)
+    ids[0] = torch.tensor([2, 3], dtype=torch.int32)  # token 0: nothing on EP rank 0
+    ids[1] = torch.tensor([1, 0], dtype=torch.int32)  # token 1: nothing on EP rank 1
+    shared = torch.randn(T, HID, generator=g).bfloat16()
+    return x, ids.contiguous(), w.float().contiguous(), w13, w2, shared
+
+
+def moe_math(x, ids, w, w13, w2, first_expert=0, dtype=torch.float64):
+    """sum_k w * down(silu(gate) * up) over the experts held in ``w13``/``w2`` (global ids from
+    ``first_expert``), computed in ``dtype`` (bf16: intermediate rounded to bf16 too); fp64 result."""
+    i = w2.shape[2]
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(ids.long() == first_expert + e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        gu = x[tok].to(dtype) @ w13[e].to(dtype).T
+        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
+        out = h @ w2[e].to(dtype).T
+        y.index_add_(0, tok, out.double() * w[tok, slot].double()[:, None])
+    return y
+
+
+def moe_oracle():
+    x, ids, w, w13, w2, shared = moe_inputs()
+    return ROUTED_SCALING * moe_math(x, ids, w, w13, w2) + shared.double()
+
+
+def moe_split_baseline(shards):
+    """PyTorch, same split math in bf16: per-rank bf16 output, bf16 sum in rank order."""
+    x, ids, w, _, _, shared = moe_inputs()
+    total = None
+    for r, (w13_r, w2_r, first) in enumerate(shards):
+        part = ROUTED_SCALING * moe_math(x, ids, w, w13_r, w2_r, first, torch.bfloat16)
+        if r == 0:
+            part = part + shared.double()
+        part = part.to(torch.bfloat16)
+        total = part if total is None else (total + part)  # bf16 + bf16 -> bf16, one rounding
+    return total
+
+
+def attention_inputs():
+    """q [B, HQ, D], k/v caches [pages, PAGE, HKV, D] bf16 with shuffled pages, page_table, seq_lens."""
+    g = torch.Generator().manual_seed(4321)
+    n_pages = [-(-n // PAGE) for n in ATT_LENS]
+    pool = sum(n_pages) + 5
+    perm = torch.randperm(pool, generator=g).to(torch.int32)
+    table = torch.zeros(len(ATT_LENS), max(n_pages), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    k = torch.randn(pool, PAGE, HKV, HEAD_DIM, generator=g).bfloat16()
+    v = torch.randn(pool, PAGE, HKV, HEAD_DIM, generator=g).bfloat16()
+    q = torch.randn(len(ATT_LENS), HQ, HEAD_DIM, generator=g).bfloat16()
+    return q, k, v, table, torch.tensor(ATT_LENS, dtype=torch.int32)
+
+
+def attention_math(q, k, v, table, lens, dtype=torch.float64):
+    """Plain paged decode attention (softmax scale 1/sqrt(D)) in ``dtype``: [B, Hq, D]."""
+    b_, hq, d = q.shape
+    hkv = k.shape[2]
+    out = torch.zeros(b_, hq, d, dtype=dtype)
+    for b, n in enumerate(lens.tolist()):
+        pages = table[b, :-(-n // PAGE)].long()
+        kk = k[pages].reshape(-1, hkv, d)[:n].to(dtype)
+        vv = v[pages].reshape(-1, hkv, d)[:n].to(dtype)
+        qb = q[b].to(dtype).view(hkv, hq // hkv, d)
+        p = torch.softmax(torch.einsum("hgd,nhd->hgn", qb, kk) / math.sqrt(d), dim=-1)
+        out[b] = torch.einsum("hgn,nhd->hgd", p, vv).reshape(hq, d)
+    return out
+
+
+# ----------------------------------------------------------------------------- helpers, no kernels
+
+def test_split_range_and_bad_arguments():
+    assert [par.split_range(192, r, 8) for r in (0, 7)] == [(0, 24), (168, 192)]
+    with pytest.raises(ValueError, match="divisible"):
+        par.split_range(10, 0, 3)
+    with pytest.raises(ValueError, match="rank"):
+        par.split_range(8, 2, 2)
+    with pytest.raises(TypeError, match="world_size"):
+        par.split_range(8, 0, 2.0)
+    with pytest.raises(ValueError, match="w2"):
+        par.shard_moe_ep(torch.zeros(4, 8, 16), torch.zeros(4, 16, 3), 0, 2)
+    with pytest.raises(ValueError, match="odd"):
+        par.shard_moe_tp(torch.zeros(4, 7, 16), torch.zeros(4, 16, 3), 0, 1)
+    with pytest.raises(TypeError, match="w13"):
+        par.shard_moe_tp([1, 2], torch.zeros(4, 16, 4), 0, 2)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        par.head_ranges(8, 1, 0, 2)  # Hy3 has 8 kv heads: TP16 would have to replicate them
+    with pytest.raises(ValueError, match="multiple"):
+        par.head_ranges(6, 4, 0, 2)
+
+
+def test_ep_shards_are_expert_slices():
+    w13 = torch.randn(6, 8, 16)
+    w2 = torch.randn(6, 16, 4)
+    scale = torch.rand(6)
+    parts = [par.shard_moe_ep(w13, w2, r, 3, scale) for r in range(3)]
+    for r, (a, b, s) in enumerate(parts):
+        assert a.is_contiguous() and b.is_contiguous()
+        assert torch.equal(a, w13[2 * r:2 * r + 2]) and torch.equal(b, w2[2 * r:2 * r + 2])
+        assert torch.equal(s, scale[2 * r:2 * r + 2])
+    with pytest.raises(ValueError, match="per_expert"):
+        par.shard_moe_ep(w13, w2, 0, 3, torch.rand(5))
+
+
+def test_tp_shards_keep_gate_and_up_aligned():
+    e, i, h = 3, 8, 16
+    w13 = torch.arange(e * 2 * i * h, dtype=torch.float32).reshape(e, 2 * i, h)
+    w2 = torch.arange(e * h * i, dtype=torch.float32).reshape(e, h, i)
+    a, b = par.shard_moe_tp(w13, w2, 1, 4)
+    assert a.shape == (e, 4, h) and b.shape == (e, h, 2) and a.is_contiguous() and b.is_contiguous()
+    assert torch.equal(a[:, :2], w13[:, 2:4]) and torch.equal(a[:, 2:], w13[:, i + 2:i + 4])
+    assert torch.equal(b, w2[:, :, 2:4])
+    # every gate row, up row and down column lands on exactly one rank
+    gates = torch.cat([par.shard_moe_tp(w13, w2, r, 4)[0][:, :2] for r in range(4)], 1)
+    ups = torch.cat([par.shard_moe_tp(w13, w2, r, 4)[0][:, 2:] for r in range(4)], 1)
+    downs = torch.cat([par.shard_moe_tp(w13, w2, r, 4)[1] for r in range(4)], 2)
+    assert torch.equal(torch.cat([gates, ups], 1), w13) and torch.equal(downs, w2)
+
+
+def test_block_scales_tp():
+    e, i, h = 2, 256, 384
+    s13 = torch.rand(e, 2 * i // 128, h // 128)
+    s2 = torch.rand(e, h // 128, i // 128)
+    a, b = par.shard_block_scales_tp(s13, s2, i, 1, 2)
+    assert torch.equal(a, s13[:, [1, 3]]) and torch.equal(b, s2[:, :, 1:2])
+    with pytest.raises(ValueError, match="multiple of the scale block"):  # Hy3 TP8: I/8 = 192
+        par.shard_block_scales_tp(torch.rand(1, 24, 32), torch.rand(1, 32, 12), 1536, 0, 8)
+
+
+def test_split_math_sums_to_unsplit_in_fp64():
+    x, ids, w, w13, w2, _ = moe_inputs()
+    full = moe_math(x, ids, w, w13, w2)
+    ep = sum(moe_math(x, ids, w, *par.shard_moe_ep(w13, w2, r, WORLD), first_expert=r * E // WORLD)
+             for r in range(WORLD))
+    tp = sum(moe_math(x, ids, w, *par.shard_moe_tp(w13, w2, r, WORLD)) for r in range(WORLD))
+    scale = full.abs().max().item()
+    assert scale > 0.1
+    assert (ep - full).abs().max().item() <= 1e-12 * scale
+    assert (tp - full).abs().max().item() <= 1e-12 * scale
+
+
+def test_head_ranges_hy3_and_split_attention_concatenates():
+    assert par.head_ranges(64, 8, 3, 8) == ((24, 32), (3, 4))  # Hy3 TP8: 8 q / 1 kv per rank
+    q, k, v, table, lens = attention_inputs()
+    full = attention_math(q, k, v, table, lens)
+    parts = [attention_math(*par.shard_attention_heads(q, k, v, r, WORLD), table, lens) for r in range(WORLD)]
+    assert torch.equal(torch.cat(parts, dim=1), full)  # same per-head arithmetic, bit for bit
+    with pytest.raises(ValueError, match="head_dim"):
+        par.shard_attention_heads(q[..., :16], k, v, 0, WORLD)
+
+
+def test_collectives_need_a_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        pytest.fail("a test left a process group initialised")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        par.all_reduce(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        par.all_gather_heads(torch.zeros(1, 2, 3))
+    with pytest.raises(TypeError, match="t must"):
+        par.all_reduce([1.0])
+    for k in par.NO_MULTICAST_ENV:
+        monkeypatch.setenv(k, "1" if k == "NCCL_NVLS_ENABLE" else "0")
+    par.disable_multicast()
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+    assert os.environ["NVSHMEM_DISABLE_NVLS"] == "1"
+
+
+# ----------------------------------------------------------------------------- 2 processes, gloo
+
+def _rank_ep(rank):
+    import evenflow
+
+    x, ids, w, w13, w2, shared = moe_inputs()
+    a, b = par.shard_moe_ep(w13, w2, rank, WORLD)
+    y = evenflow.fused_moe(x, ids, w, evenflow.MoEWeights.bf16(a, b), ep_rank=rank, num_experts_total=E,
+                           shared_output=shared if rank == 0 else None, routed_scaling=ROUTED_SCALING)
+    return par.all_reduce(y)
+
+
+def _rank_tp(rank):
+    import evenflow
+
+    x, ids, w, w13, w2, shared = moe_inputs()
+    a, b = par.shard_moe_tp(w13, w2, rank, WORLD)
+    y = evenflow.fused_moe(x, ids, w, evenflow.MoEWeights.bf16(a, b), ep_rank=0, num_experts_total=E,
+                           shared_output=shared if rank == 0 else None, routed_scaling=ROUTED_SCALING)
+    return par.all_reduce(y)
+
+
+def _rank_attention(rank, use_plan):
+    import evenflow
+
+    q, k, v, table, lens = attention_inputs()
+    q_r, k_r, v_r = par.shard_attention_heads(q, k, v, rank, WORLD)
+    plan = None
+    if use_plan:
+        plan = evenflow.DecodePlan(len(ATT_LENS), table.shape[1] * PAGE, HKV // WORLD, page_size=PAGE,
+                                   device="cpu")
+        plan.update(lens)
+    o = evenflow.decode_attention(q_r, k_r, v_r, table, lens, plan=plan)
+    return par.all_gather_heads(o)
+
+
+CHECKS = {
+    "ep": _rank_ep,
+    "tp": _rank_tp,
+    "attention-plan": lambda r: _rank_attention(r, True),
+    "attention-static": lambda r: _rank_attention(r, False),
+}
+
+
+def _worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=180))
+    results = {}
+    try:
+        for name, fn in CHECKS.items():
+            # Failures are symmetric across ranks here (same code, same inputs), so a rank
+            # never waits in a collective that its peer skipped.
+            try:
+                results[name] = fn(rank)
+            except Exception:
+                results[name] = traceback.format_exc(limit=6)
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    d = tmp_path_factory.mktemp("ranks")
+    mp.spawn(_worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True)
+    out = [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
+    assert all(set(o) == set(CHECKS) for o in out), "a rank did not report every check"
+    return out
+
+
+def _results(two_ranks, name):
+    outs = [r[name] for r in two_ranks]
+    for rank, o in enumerate(outs):
+        if isinstance(o, str):
+            pytest.fail(f"rank {rank} failed the {name} check:\n{o}")
+    return outs
+
+
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_two_rank_moe_all_reduced_equals_unsplit(two_ranks, layout):
+    outs = _results(two_ranks, layout)
+    _, _, _, w13, w2, _ = moe_inputs()
+    if layout == "ep":
+        shards = [(*par.shard_moe_ep(w13, w2, r, WORLD), r * E // WORLD) for r in range(WORLD)]
+    else:
+        shards = [(*par.shard_moe_tp(w13, w2, r, WORLD), 0) for r in range(WORLD)]
+    ref = moe_oracle()
+    base = moe_split_baseline(shards)
+    for rank, y in enumerate(outs):
+        assert y.dtype == torch.bfloat16 and y.shape == (T, HID)
+        assert_within_rule(y, ref, base, what=f"{layout} rank {rank} all-reduced")
+    assert_exact(outs[0], outs[1], what="all-reduced output, rank 0 vs rank 1")
+
+
+@pytest.mark.parametrize("schedule", ["plan", "static"])
+def test_two_rank_attention_heads_gathered_equal_unsplit(two_ranks, schedule):
+    outs = _results(two_ranks, f"attention-{schedule}")
+    q, k, v, table, lens = attention_inputs()
+    ref = attention_math(q, k, v, table, lens)
+    base = attention_math(q, k, v, table, lens, torch.float32).to(torch.bfloat16)
+    for rank, o in enumerate(outs):
+        assert o.shape == (len(ATT_LENS), HQ, HEAD_DIM)
+        assert_within_rule(o, ref, base, what=f"attention ({schedule}) rank {rank} gathered heads")
+    assert_exact(outs[0], outs[1], what="gathered heads, rank 0 vs rank 1")
