@@ -1,0 +1,92 @@
+"""fused_moe / MoEWeights reject bad input with errors that name the argument."""
+import pytest
+import torch
+
+import evenflow
+from evenflow.reference.moe import random_moe_weights, random_routing
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.fixture
+def layer(device):
+    ew = random_moe_weights("bf16", 4, 64, 32, device)
+    x = torch.randn(3, 64, device=device).bfloat16()
+    ids, w = random_routing(3, 2, 4, device)
+    return ew, x, ids, w
+
+
+def test_weight_checks(device):
+    bf = torch.bfloat16
+    with pytest.raises(ValueError, match="513 experts"):
+        evenflow.MoEWeights.bf16(torch.zeros(513, 32, 16, dtype=bf), torch.zeros(513, 16, 16, dtype=bf))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        evenflow.MoEWeights.bf16(torch.zeros(2, 48, 40, dtype=bf), torch.zeros(2, 40, 24, dtype=bf))
+    with pytest.raises(ValueError, match="w2 must have shape"):
+        evenflow.MoEWeights.bf16(torch.zeros(2, 64, 32, dtype=bf), torch.zeros(2, 32, 16, dtype=bf))
+    with pytest.raises(TypeError, match="w13"):
+        evenflow.MoEWeights.bf16(torch.zeros(2, 64, 32), torch.zeros(2, 32, 32, dtype=bf))
+    w13, w2 = torch.zeros(2, 256, 128).to(FP8), torch.zeros(2, 128, 128).to(FP8)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        evenflow.MoEWeights.fp8_block(torch.zeros(2, 384, 128).to(FP8), torch.zeros(2, 128, 192).to(FP8),
+                                      torch.ones(2, 3, 1), torch.ones(2, 1, 2))
+    with pytest.raises(ValueError, match="w13_scale"):
+        evenflow.MoEWeights.fp8_block(w13, w2, torch.ones(2, 1, 1), torch.ones(2, 1, 1))
+    with pytest.raises(ValueError, match="a13_scale"):
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, torch.ones(2), torch.ones(2), torch.ones(2), torch.ones(1))
+    with pytest.raises(TypeError, match="w2_scale"):
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, torch.ones(2), torch.ones(2, dtype=torch.float64),
+                                           torch.ones(1), torch.ones(1))
+
+
+def test_call_checks(device, layer):
+    ew, x, ids, w = layer
+    with pytest.raises(TypeError, match="ew"):
+        evenflow.fused_moe(x, ids, w, (ew.w13, ew.w2))
+    with pytest.raises(TypeError, match="x"):
+        evenflow.fused_moe(x.float(), ids, w, ew)
+    with pytest.raises(ValueError, match="hidden size"):
+        evenflow.fused_moe(x[:, :32], ids, w, ew)
+    with pytest.raises(TypeError, match="topk_ids"):
+        evenflow.fused_moe(x, ids.float(), w, ew)
+    with pytest.raises(ValueError, match="topk_ids must have 3 rows"):
+        evenflow.fused_moe(x, ids[:2], w[:2], ew)
+    with pytest.raises(TypeError, match="topk_weights"):
+        evenflow.fused_moe(x, ids, w.bfloat16(), ew)
+    with pytest.raises(ValueError, match="topk_weights"):
+        evenflow.fused_moe(x, ids, w[:, :1], ew)
+    with pytest.raises(ValueError, match="top_k"):
+        big = torch.zeros(3, 17, dtype=torch.int32, device=device)
+        evenflow.fused_moe(x, big, torch.ones(3, 17, device=device), ew)
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        evenflow.fused_moe(x, torch.tensor([[0, 4]] * 3, dtype=torch.int32, device=device), w, ew)
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        evenflow.fused_moe(x, torch.tensor([[0, -1]] * 3, dtype=torch.int32, device=device), w, ew)
+    with pytest.raises(ValueError, match="num_experts_total is required"):
+        evenflow.fused_moe(x, ids, w, ew, ep_rank=1)
+    with pytest.raises(ValueError, match="num_experts_total >= 8"):
+        evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=6)
+    with pytest.raises(ValueError, match="num_experts_total"):
+        evenflow.fused_moe(x, ids, w, ew, num_experts_total=1024)
+    with pytest.raises(ValueError, match="shared_output"):
+        evenflow.fused_moe(x, ids, w, ew, shared_output=x[:2])
+    with pytest.raises(TypeError, match="routed_scaling"):
+        evenflow.fused_moe(x, ids, w, ew, routed_scaling="2")
+    with pytest.raises(ValueError, match="out"):
+        evenflow.fused_moe(x, ids, w, ew, out=torch.empty(3, 32, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match="x is on meta"):
+        evenflow.fused_moe(x.to("meta"), ids, w, ew)
+    with pytest.raises(ValueError, match="topk_ids must be contiguous"):
+        evenflow.fused_moe(x, ids.t().contiguous().t(), w, ew)
+
+
+def test_out_of_range_ids_are_dropped_without_check(device, layer):
+    # With the host check off (as under graph capture), bad ids read/write nothing and add nothing.
+    ew, x, ids, w = layer
+    bad = ids.clone()
+    bad[:, 1] = 1000
+    y_bad = evenflow.fused_moe(x, bad, w, ew, check_ids=False)
+    w_one = w.clone()
+    w_one[:, 1] = 0
+    y_ref = evenflow.fused_moe(x, ids, w_one, ew)
+    assert torch.equal(y_bad, y_ref)
