@@ -187,3 +187,24 @@ def test_opcheck():
             None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
     torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_batched_reference_matches_simple_reference():
+    """The GPU tests use the request-batched oracle; it must equal the simple one."""
+    q, qs, k, v, pt, sl = make_inputs([70, 0, 3, 130], 2, 3, 64, 16, 3, kv_dtype=FP8, q_dtype=FP8)
+    from evenflow.reference.attention import decode_attention_ref_batched
+
+    kw = dict(q_scale=qs, k_scale=0.5, v_scale=torch.tensor([0.25]), sm_scale=0.2, q_len=3)
+    a, al = decode_attention_ref(q, k, v, pt, sl, **kw)
+    b, bl = decode_attention_ref_batched(q, k, v, pt, sl, **kw)
+    torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bl, al, rtol=1e-12, atol=1e-12)
+
+
+def test_demo_runs_on_cpu():
+    import types
+
+    from evenflow.attention.demo import run_demo
+
+    rows = run_demo(types.SimpleNamespace(device="cpu", gpu=False, harness=None))
+    assert rows and all(r["ok"] for r in rows), rows

@@ -121,3 +121,56 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
             "prog_start": torch.tensor(prog_start, **i32),
             "meta": torch.tensor([total, budget, used, bad], **i32)}
     return plan, bins
+
+
+def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_scale=None, k_scale=None,
+                                 v_scale=None, sm_scale=None, q_len=None, dtype=torch.float64, p_dtype=None,
+                                 out_dtype=None):
+    """Same math as :func:`decode_attention_ref`, looping over requests only and staying on
+    the inputs' device (for real shapes on a GPU). Tests check it against the simple one."""
+    B = seq_lens.shape[0]
+    if q_len is None:
+        q_len = q.shape[0] // B
+    _, Hq, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    dev = q.device
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+
+    def scale(x, s):
+        x = x.to(dtype)
+        if s is None:
+            return x
+        return x * (s.to(dev, dtype) if isinstance(s, torch.Tensor) else s)
+
+    qd = q.to(dtype)
+    if q_scale is not None:
+        qd = qd * q_scale.to(dtype)[:, :, None]
+    out = torch.zeros(B * q_len, Hq, D, dtype=dtype, device=dev)
+    lse = torch.full((B * q_len, Hq), float("-inf"), dtype=dtype, device=dev)
+    lens = seq_lens.cpu().tolist()
+    for b in range(B):
+        L = int(lens[b])
+        if L <= 0:
+            continue
+        tok = torch.arange(L, device=dev)
+        pages = page_table[b].long()[tok // P]
+        k = scale(k_cache[pages, tok % P], k_scale)  # [L, Hkv, D]
+        v = scale(v_cache[pages, tok % P], v_scale)
+        rows = qd[b * q_len:(b + 1) * q_len].view(q_len, Hkv, G, D)
+        s = torch.einsum("rhgd,lhd->rhgl", rows, k) * sm_scale
+        vis = L - q_len + torch.arange(q_len, device=dev) + 1
+        s = s.masked_fill(tok[None, None, None, :] >= vis[:, None, None, None], float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+        p = torch.exp(s - m)
+        den = p.sum(-1, keepdim=True)
+        if p_dtype is not None:
+            p = p.to(p_dtype).to(dtype)
+        o = torch.einsum("rhgl,lhd->rhgd", p, v) / torch.where(den > 0, den, torch.ones_like(den))
+        out[b * q_len:(b + 1) * q_len] = o.reshape(q_len, Hq, D)
+        lse[b * q_len:(b + 1) * q_len] = torch.where(den > 0, m + torch.log(den), float("-inf")).reshape(q_len, Hq)
+    if out_dtype is not None:
+        out = out.to(out_dtype)
+    return out, lse

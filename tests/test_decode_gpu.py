@@ -1,0 +1,148 @@
+"""decode_attention at real shapes on a GPU: Hy3 heads (64 q / 8 kv, d128, page 64), mixed
+lengths up to 128K, bf16 and fp8 KV, the TP8 slice, CUDA-graph capture with changing
+lengths and page tables, torch.compile(fullgraph=True)."""
+import pytest
+import torch
+
+import evenflow
+from evenflow.reference.attention import decode_attention_ref_batched as ref_attn
+from evenflow.testing import assert_within_rule, poisoned
+
+pytestmark = pytest.mark.gpu
+FP8 = torch.float8_e4m3fn
+K = 1024
+
+
+def inputs(lens, hkv=8, hq=64, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=torch.bfloat16, spare_pages=8):
+    dev = "cuda"
+    B = len(lens)
+    max_pages = max(-(-L // page) for L in lens) + 1
+    num_pages = sum(-(-L // page) for L in lens) + spare_pages
+    k = torch.randn(num_pages, page, hkv, d, device=dev)
+    v = torch.randn(num_pages, page, hkv, d, device=dev)
+    if kv == FP8:
+        k, v = (k * 30).clamp(-448, 448).to(FP8), (v * 40).clamp(-448, 448).to(FP8)
+    else:
+        k, v = k.to(kv), v.to(kv)
+    pt = torch.zeros(B, max_pages, dtype=torch.int32, device=dev)
+    perm = torch.randperm(num_pages, device=dev).to(torch.int32)  # pages in random order
+    at = 0
+    for b, L in enumerate(lens):
+        n = -(-L // page)
+        pt[b, :n] = perm[at:at + n]
+        at += n
+    q = torch.randn(B * q_len, hq, d, device=dev)
+    qs = None
+    if qdt == FP8:
+        qs = q.abs().amax(-1) / 448.0
+        q = (q / qs[..., None]).to(FP8)
+    else:
+        q = q.to(qdt)
+    return q, qs, k, v, pt, torch.tensor(lens, dtype=torch.int32, device=dev)
+
+
+def check(o, lse, q, qs, k, v, pt, sl, q_len=1, ks=None, vs=None, what=""):
+    kw = dict(q_scale=qs, k_scale=ks, v_scale=vs, q_len=q_len)
+    ref, ref_lse = ref_attn(q, k, v, pt, sl, **kw)
+    base, _ = ref_attn(q, k, v, pt, sl, dtype=torch.float32, p_dtype=torch.bfloat16, out_dtype=torch.bfloat16, **kw)
+    assert_within_rule(o, ref, base, what=what)
+    if lse is not None:
+        live = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), live)
+        torch.testing.assert_close(lse[live].double(), ref_lse[live], rtol=0, atol=1e-4)
+
+
+CASES = {
+    "1x128K+31x4K": [128 * K] + [4 * K] * 31,
+    "1x32K+63x512": [32 * K] + [512] * 63,
+    "2x64K+30x1K": [64 * K] * 2 + [K] * 30,
+    "32x128+32x4K": [128] * 32 + [4 * K] * 32,
+    "64x512": [512] * 64,
+    "odd": [0, 1, 65, 4097, 0, 30000, 63],
+}
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8-q"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_real_shapes(case, kv):
+    lens = CASES[case]
+    kvdt = FP8 if kv.startswith("fp8") else torch.bfloat16
+    qdt = FP8 if kv == "fp8-q" else torch.bfloat16
+    q, qs, k, v, pt, sl = inputs(lens, kv=kvdt, qdt=qdt)
+    ks, vs = (torch.tensor([1 / 30], device="cuda"), 1 / 40) if kvdt == FP8 else (None, None)
+    plan = evenflow.DecodePlan(64, 128 * K, 8, device="cuda").update(sl)
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
+                                       return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} {kv}")
+    o2 = evenflow.decode_attention(q, k, v, pt, sl, plan=None, q_scale=qs, k_scale=ks, v_scale=vs)
+    check(o2, None, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} {kv} static")
+
+
+@pytest.mark.parametrize("hq,hkv,d,page,q_len", [(8, 1, 128, 64, 1), (32, 4, 128, 16, 2), (16, 4, 64, 32, 4),
+                                                 (8, 2, 256, 128, 3), (16, 1, 128, 64, 1)])
+def test_shapes(hq, hkv, d, page, q_len):
+    lens = [128 * K, 3, 0, 4 * K + 1, 700]
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, d=d, page=page, q_len=q_len)
+    plan = evenflow.DecodePlan(8, 128 * K, hkv, page_size=page, q_len=q_len, device="cuda").update(sl)
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, what=f"hq{hq} hkv{hkv} d{d} p{page} q_len{q_len}")
+
+
+def test_hnd_view():
+    lens = [5000, 70]
+    q, qs, k, v, pt, sl = inputs(lens)
+    kh, vh = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    plan = evenflow.DecodePlan(4, 8 * K, 8, device="cuda").update(sl)
+    o = evenflow.decode_attention(q, kh, vh, pt, sl, plan=plan)
+    check(o, None, q, qs, k, v, pt, sl, what="hnd")
+
+
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
+def test_cuda_graph_changing_lengths(kv):
+    """Capture plan.update + decode_attention once; replay with new lengths and page tables."""
+    B, max_len = 16, 64 * K
+    big = [64 * K] + [2 * K] * 15
+    q, qs, k, v, pt, sl = inputs(big, kv=kv, spare_pages=64)
+    ks, vs = (torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")) \
+        if kv == FP8 else (None, None)
+    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda")
+    s_sl, s_pt, s_q = sl.clone(), pt.clone(), q.clone()
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        plan.update(s_sl)
+        evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
+
+    step()  # warm-up: compiles, allocates the partial buffers
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for trial, lens in enumerate([big, [3 * K] * 16, [0] * 8 + [60 * K] + [100] * 7, [1] * 16]):
+        num_pages = k.shape[0]
+        new_sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        new_pt = torch.randint(0, num_pages, pt.shape, dtype=torch.int32, device="cuda")
+        s_sl.copy_(new_sl)
+        s_pt.copy_(new_pt)
+        s_q.copy_(torch.randn(q.shape, device="cuda").to(q.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(out, None, s_q, qs, k, v, s_pt, s_sl, ks=ks, vs=vs, what=f"graph replay {trial}")
+
+
+def test_torch_compile_fullgraph():
+    lens = [20000, 4096, 0, 513]
+    q, qs, k, v, pt, sl = inputs(lens)
+    plan = evenflow.DecodePlan(4, 32 * K, 8, device="cuda")
+    plan.update(sl)
+    evenflow.decode_attention(q, k, v, pt, sl, plan=plan)  # allocate partials outside the compiled region
+
+    @torch.compile(fullgraph=True)
+    def f(q, k, v, pt, sl):
+        plan.update(sl)
+        return evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
+
+    o = f(q, k, v, pt, sl)
+    check(o, None, q, qs, k, v, pt, sl, what="compiled")
