@@ -67,6 +67,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     moe_index_kernel[(1,)](
         topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, cursor,
         num_pairs, ep_rank * num_local_experts, num_local_experts, n_tiles,
-        E_PAD=e_pad, BLOCK_P=64, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4,
+        # 64 threads for 64 pairs per block: no replicated elements in tl.histogram
+        E_PAD=e_pad, BLOCK_P=64, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=2,
     )
     return MoEIndex(counts, offsets, sorted_pairs, tile_expert, tile_row, block_m)
