@@ -136,10 +136,16 @@ def _lookup(entries: list[dict], m: int, n: int, k: int) -> GemmConfig | None:
     return GemmConfig.from_dict(rows[-1]["config"])
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False) -> GemmConfig:
-    """The config the launcher uses: tuned table entry for (K, N, M range), else heuristic."""
+def device_facts(device: torch.device) -> tuple[dict, int]:
+    """(tuned table or {}, SM count) for ``device``; looked up once per RouterWeight."""
     name = _gpu_name(device)
-    table = load_table(name) if name else {}
+    return (load_table(name) if name else {}), num_sms(device)
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False,
+                  facts: tuple[dict, int] | None = None) -> GemmConfig:
+    """The config the launcher uses: tuned table entry for (K, N, M range), else heuristic."""
+    table, sms = facts if facts is not None else device_facts(device)
     if batch_invariant:
         rows = [e for e in table.get("batch_invariant", []) if e["K"] == k and e["N"] == n]
         cfg = GemmConfig.from_dict(rows[0]["config"]) if rows else heuristic_invariant_config(n, k)
@@ -147,4 +153,4 @@ def choose_config(m: int, n: int, k: int, device: torch.device, batch_invariant:
             raise ValueError("batch-invariant table entries must use the triton path")
         return cfg
     cfg = _lookup(table.get("entries", []), m, n, k)
-    return cfg if cfg is not None else heuristic_config(m, n, k, num_sms(device))
+    return cfg if cfg is not None else heuristic_config(m, n, k, sms)

@@ -24,7 +24,7 @@ import triton
 
 from evenflow import _runtime
 from evenflow._checks import check_int, check_out, check_tensor
-from evenflow.router.dispatch import GemmConfig, choose_config
+from evenflow.router.dispatch import GemmConfig, choose_config, device_facts
 from evenflow.router.kernels import router_gemm_kernel
 
 __all__ = ["RouterWeight", "router_gemm", "split_weight"]
@@ -44,8 +44,9 @@ class RouterWeight:
 
     ``auto_refresh``: re-split when the source changed in place, instead of raising.
     Keep one ``RouterWeight`` per stream: the split-K workspace is reused by every call.
-    Before capturing a CUDA graph, call ``reserve(max_tokens)`` (or run the largest
-    batch once) so that no workspace grows inside the capture.
+    Before capturing a CUDA graph or compiling with torch.compile, call
+    ``reserve(max_tokens)``: it allocates the workspace and resolves the dispatch for
+    every M up to ``max_tokens``, so nothing grows or is looked up inside the capture.
     """
 
     def __init__(self, w: torch.Tensor, *, auto_refresh: bool = False):
@@ -57,6 +58,8 @@ class RouterWeight:
         self._part = torch.empty(0, dtype=torch.float32, device=w.device)
         self._count = torch.zeros(0, dtype=torch.int32, device=w.device)
         self._logits = torch.empty(0, dtype=torch.float32, device=w.device)
+        self._facts = device_facts(w.device)
+        self._configs: dict[tuple[int, bool], GemmConfig] = {}
         self._split()
 
     def _split(self) -> None:
@@ -95,13 +98,20 @@ class RouterWeight:
     def reserve(self, max_tokens: int) -> None:
         """Allocate workspace for up to ``max_tokens`` rows (all configs the dispatch may pick)."""
         check_int("max_tokens", max_tokens, 1)
-        n, k = self.shape
-        cfgs = {choose_config(m, n, k, self.device, inv) for inv in (False, True)
-                for m in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, max_tokens)
-                if m <= max_tokens}
+        cfgs = {self.config(m, inv) for inv in (False, True) for m in range(1, max_tokens + 1)}
         for c in cfgs:
             self.workspace(max_tokens, c)
         self.logits_buffer(max_tokens)
+
+    def config(self, m: int, batch_invariant: bool = False) -> GemmConfig:
+        """The dispatch's choice for ``m`` rows, memoised (``reserve`` fills it for torch.compile)."""
+        key = (m, bool(batch_invariant))
+        cfg = self._configs.get(key)
+        if cfg is None:
+            n, k = self.shape
+            cfg = choose_config(m, n, k, self.device, batch_invariant, self._facts)
+            self._configs[key] = cfg
+        return cfg
 
     def workspace(self, m: int, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """(partials, counters) big enough for ``m`` rows under ``cfg``; grown, never shrunk."""
@@ -185,7 +195,7 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if m == 0:
         return out
     if config is None:
-        config = choose_config(m, n, k, x.device, batch_invariant)
+        config = w.config(m, batch_invariant)
     elif batch_invariant and config.path != "triton":
         raise ValueError("config.path must be 'triton' in batch-invariant mode")
     if config.path == "torch-fp32":

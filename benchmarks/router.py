@@ -1,0 +1,115 @@
+"""Router GEMM benchmark: evenflow vs cuBLAS FP32 / TF32 / two bf16 products / bf16 weights, vs the floor.
+
+    python benchmarks/router.py [--quick] [--cases K4096-N192,qwen3-30b-a3b] [--ms 1,16,512] [--out DIR]
+
+Cases and names follow BENCH.md. Per (case, M): fp32 weights ~ N(0, 0.02^2), bf16
+x ~ N(0, 1); each impl's output is checked against the fp64 product of the same
+inputs (``max_abs_err``, and ``topk_flips``: experts of the top-8 that differ from the
+fp64 top-8, summed over the M rows) before it is timed as a CUDA-graph replay (``us``)
+and eagerly with L2 flushed (``eager_us``). Several weight/input copies are rotated
+so a call never finds its weights in L2 (60 MB).
+
+Floor (issue 4): (weight bytes N*K*4 — fp32, or the two bf16 parts — + x bytes M*K*2
++ output bytes M*N*4) / copy bandwidth + one empty kernel's launch time in a graph,
+both measured in this run.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+import evenflow
+from evenflow.bench import harness as H
+from evenflow.bench.peers import cublas
+from evenflow.reference import router as R
+
+CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
+         "qwen3-30b-a3b": (2048, 128)}
+MS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
+IMPLS = ("evenflow", "evenflow-invariant", *cublas.PEERS)
+TOP_K = 8
+ROTATE_BYTES = 150 << 20  # > 2x L2
+
+
+def _flips(out: torch.Tensor, ref_ids: torch.Tensor) -> int:
+    ids = out.topk(TOP_K, dim=-1).indices.sort(-1).values
+    # count experts in ours not in the reference, row by row (both sorted, width 8)
+    hit = (ids.unsqueeze(-1) == ref_ids.unsqueeze(-2)).any(-1)
+    return int((~hit).sum())
+
+
+def _extra(p):
+    p.add_argument("--cases", default=None, help="comma-separated case names")
+    p.add_argument("--ms", default=None, help="comma-separated M values")
+
+
+def main() -> int:
+    args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
+    cases = args.cases.split(",") if args.cases else (QUICK["cases"] if args.quick else tuple(CASES))
+    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (QUICK["ms"] if args.quick else MS)
+    ceil = H.measure_ceilings()
+    res = H.Results("router", ceilings=ceil, out=args.out)
+    torch.manual_seed(0)
+    for case in cases:
+        k, n = CASES[case]
+        for m in H.progress(ms, f"router {case}"):
+            wbytes = n * k * 4
+            call_bytes = wbytes + m * k * 2 + m * n * 4
+            copies = max(1, min(16, math.ceil(ROTATE_BYTES / call_bytes)))
+            ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+            ref = R.router_logits_fp64(xs[0], ws[0])
+            ref_ids = ref.topk(TOP_K, dim=-1).indices.sort(-1).values
+            floor = H.floor_us(bytes_moved=call_bytes, ceilings=ceil) + ceil["launch_us"]
+            for impl in IMPLS:
+                try:
+                    if impl.startswith("evenflow"):
+                        inv = impl == "evenflow-invariant"
+                        rws = [evenflow.RouterWeight(w) for w in ws]
+                        outs = [torch.empty(m, n, device="cuda") for _ in ws]
+                        for rw in rws:  # workspace allocated before capture
+                            rw.workspace(m, rw.config(m, inv))
+                            rw.logits_buffer(m)
+                        fns = [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, o, batch_invariant=inv)
+                               for x, rw, o in zip(xs, rws, outs)]
+                        info = {"config": rws[0].config(m, inv).to_dict()}
+                    else:
+                        fns = [cublas.make(impl, x, w) for x, w in zip(xs, ws)]
+                        info = {}
+                    out = fns[0]()
+                    chk = H.check_output(out, ref, f"{case} M={m} {impl}")
+                    flips = _flips(out, ref_ids)
+                    us = H.time_graph(fns)
+                    eager = H.time_eager(fns)
+                    res.add(case=case, impl=impl, us=us, eager_us=eager, floor_us=floor, M=m, K=k, N=n,
+                            max_abs_err=float(chk["max_abs_err"]), topk_flips=flips, **info)
+                except H.PeerUnavailable as e:
+                    res.add_error(case=case, impl=impl, error=str(e), M=m)
+                except Exception as e:  # a failing impl is a result row, not a lost run
+                    res.add_error(case=case, impl=impl, error=f"{type(e).__name__}: {e}", M=m)
+            del ws, xs
+            torch.cuda.empty_cache()
+    _speedups(res)
+    res.finish(x="M", group="case", columns=("case", "M", "impl", "us", "eager_us", "floor_us", "frac_of_floor",
+                                             "max_abs_err", "topk_flips", "vs_fp32", "vs_split2", "error"),
+               plot=not args.no_plot)
+    return 0
+
+
+def _speedups(res: H.Results) -> None:
+    """Add vs_fp32 / vs_split2 (peer us / our us) to the evenflow rows, for the issue's targets."""
+    by = {(r["case"], r.get("M"), r["impl"]): r for r in res.rows if "us" in r}
+    for (case, m, impl), r in by.items():
+        if not impl.startswith("evenflow"):
+            continue
+        for peer, col in (("cublas-fp32", "vs_fp32"), ("cublas-split2", "vs_split2")):
+            p = by.get((case, m, peer))
+            if p:
+                r[col] = round(p["us"] / r["us"], 3)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Router on the GPU at real shapes: accuracy targets, top-k flips, invariance, graphs, compile.
+
+Standard inputs (BENCH.md): x bf16 ~ N(0, 1), w fp32 ~ N(0, 0.02^2).
+"""
+import pytest
+import torch
+
+import evenflow
+from evenflow.reference import router as R
+from evenflow.router.dispatch import GemmConfig
+from evenflow.testing import assert_exact, assert_within_rule
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
+          "qwen3-30b-a3b": (2048, 128)}
+MS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _inputs(m, n, k, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_max_abs_error_target_all_m(case):
+    # Issue 4 target: max |err| vs fp64 <= 1e-4 on the standard inputs, at every M,
+    # with the dispatch's configs (tuned table when present). Also within the rule
+    # against PyTorch's fp32 two-product path.
+    k, n = SHAPES[case]
+    rw = None
+    for m in MS:
+        x, w = _inputs(m, n, k, seed=m)
+        rw = evenflow.RouterWeight(w)
+        out = evenflow.router_gemm(x, rw)
+        ref = R.router_logits_fp64(x, w)
+        err = (out.double() - ref).abs().max().item()
+        assert err <= 1e-4, f"{case} M={m}: max|err| {err:.2e} > 1e-4"
+        base = R.split_logits_fp32(x, rw.w_hi, rw.w_lo)
+        assert_within_rule(out, ref, base, what=f"{case} M={m}")
+
+
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, 16, 4, 4), GemmConfig(16, 64, 256, 8, 4, 4),
+                                 GemmConfig(64, 64, 64, 1, 4, 3), GemmConfig(128, 64, 64, 2, 8, 3),
+                                 GemmConfig(128, 128, 64, 1, 8, 4), GemmConfig(32, 32, 64, 5, 4, 2)],
+                         ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.split_k}-w{c.num_warps}")
+def test_forced_configs_tails(cfg):
+    # N and K not multiples of the tiles, several M: masks compile and hold on the GPU.
+    for m, n, k in ((1, 200, 4100), (37, 130, 2048), (300, 768, 6144)):
+        x, w = _inputs(m, n, k)
+        rw = evenflow.RouterWeight(w)
+        out = torch.full((m, n), float("nan"), device="cuda")
+        evenflow.router_gemm(x, rw, out, config=cfg)
+        assert_within_rule(out, R.router_logits_fp64(x, w), R.split_logits_fp32(x, rw.w_hi, rw.w_lo),
+                           what=f"{cfg} M{m} N{n} K{k}")
+
+
+def test_split_k_deterministic_under_contention():
+    # The last-arriving program sums the partials in split order: bitwise the same every run.
+    x, w = _inputs(4, 192, 4096)
+    rw = evenflow.RouterWeight(w)
+    cfg = GemmConfig(16, 16, 128, 32, 4, 4)
+    first = evenflow.router_gemm(x, rw, config=cfg)
+    for _ in range(200):
+        assert torch.equal(evenflow.router_gemm(x, rw, config=cfg), first)
+    assert int(rw._count.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("case", ["K4096-N192", "longcat-chat"])
+def test_batch_invariance_gpu(case):
+    k, n = SHAPES[case]
+    x, w = _inputs(1024, n, k)
+    rw = evenflow.RouterWeight(w)
+    full = evenflow.router_gemm(x, rw, batch_invariant=True)
+    for m in (1, 3, 16, 100, 513):
+        assert torch.equal(evenflow.router_gemm(x[:m], rw, batch_invariant=True), full[:m]), f"M={m}"
+    for i in (0, 77, 1023):
+        assert torch.equal(evenflow.router_gemm(x[i:i + 1], rw, batch_invariant=True), full[i:i + 1]), f"row {i}"
+
+
+def _flips(ids, ref_ids):
+    a, b = ids.long().sort(-1).values, ref_ids.long().sort(-1).values
+    return int((~(a.unsqueeze(-1) == b.unsqueeze(-2)).any(-1)).sum())
+
+
+@pytest.mark.parametrize("case", ["K4096-N192", "qwen3-30b-a3b"])
+def test_topk_flips_vs_fp64_not_more_than_cublas(case):
+    # Issue 4 target: over many tokens, experts that differ from the fp64 top-8 are no
+    # more for evenflow than for cuBLAS FP32 (as engines call it) and for the same split
+    # math done by two cuBLAS bf16 products. See docs/perf-notes/router.md for the
+    # prediction on the FP32 comparison (the two-term split keeps 2^-17 |w|).
+    k, n = SHAPES[case]
+    t = 65536
+    x, w = _inputs(t, n, k, seed=7)
+    rw = evenflow.RouterWeight(w)
+    ids, _ = evenflow.route(x, rw, 8, "softmax")
+    ref_ids = R.router_logits_fp64(x, w).topk(8, dim=-1).indices
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fp32_ids = torch.mm(x.float(), w.t()).topk(8, dim=-1).indices
+    split_ids = (torch.mm(x.float(), rw.w_hi.float().t()) + torch.mm(x.float(), rw.w_lo.float().t()) / 256
+                 ).topk(8, dim=-1).indices
+    ours, fp32, split = _flips(ids, ref_ids), _flips(fp32_ids, ref_ids), _flips(split_ids, ref_ids)
+    print(f"{case}: flips over {t} tokens: evenflow {ours}, cuBLAS FP32 {fp32}, fp32 split2 {split}")
+    assert ours <= split, (ours, split)
+    assert ours <= fp32, (ours, fp32)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_real_shape(scoring):
+    k, n = SHAPES["K4096-N192"]
+    x, w = _inputs(333, n, k)
+    rw = evenflow.RouterWeight(w)
+    bias = torch.randn(n, device="cuda") * 0.01 if scoring == "sigmoid" else None
+    ids, wt = evenflow.route(x, rw, 8, scoring, bias, True, 2.826 if scoring == "sigmoid" else 1.0)
+    logits = evenflow.router_gemm(x, rw)
+    ref_ids, ref_w = R.route_ref(logits, 8, scoring, bias, True, 2.826 if scoring == "sigmoid" else 1.0)
+    key = logits.double() if scoring == "softmax" else torch.sigmoid(logits.double()) + bias.double()
+    srt = key.sort(-1, descending=True).values
+    clear = ((srt[:, 7] - srt[:, 8]) > 1e-6).cpu()
+    assert_exact(ids.cpu()[clear], ref_ids.cpu()[clear], "ids")
+    _, base_w = R.route_ref(logits, 8, scoring, bias, True, 2.826 if scoring == "sigmoid" else 1.0,
+                            dtype=torch.float32)
+    assert_within_rule(wt.cpu()[clear], ref_w.cpu()[clear], base_w.cpu()[clear], what="weights")
+
+
+def test_cuda_graph_capture_and_replay():
+    k, n = SHAPES["K4096-N192"]
+    x, w = _inputs(16, n, k)
+    rw = evenflow.RouterWeight(w)
+    rw.reserve(16)
+    out = torch.empty(16, n, device="cuda")
+    ids = torch.empty(16, 8, dtype=torch.int32, device="cuda")
+    wt = torch.empty(16, 8, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        evenflow.router_gemm(x, rw, out)
+        evenflow.route(x, rw, 8, out=(ids, wt))
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        evenflow.router_gemm(x, rw, out)
+        evenflow.route(x, rw, 8, out=(ids, wt))
+    for seed in range(3):
+        x.copy_(_inputs(16, n, k, seed=100 + seed)[0])
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, evenflow.router_gemm(x, rw))
+        ids2, wt2 = evenflow.route(x, rw, 8)
+        assert torch.equal(ids, ids2) and torch.equal(wt, wt2)
+
+
+def test_torch_compile_fullgraph():
+    k, n = SHAPES["qwen3-30b-a3b"]
+    x, w = _inputs(8, n, k)
+    rw = evenflow.RouterWeight(w)
+    rw.reserve(8)
+
+    def f(x):
+        logits = evenflow.router_gemm(x, rw)
+        ids, wt = evenflow.route(x, rw, 8)
+        return logits, ids, wt
+
+    got = torch.compile(f, fullgraph=True)(x)
+    want = f(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_opcheck_gpu():
+    x, w = _inputs(5, 192, 512)
+    rw = evenflow.RouterWeight(w)
+    cfg = GemmConfig(16, 32, 128, 4)
+    part, count = rw.workspace(5, cfg)
+    out = torch.empty(5, 192, device="cuda")
+    torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
+                          (x, rw.w_hi, rw.w_lo, out, part, count, 16, 32, 128, 4, 4, 4))
+
