@@ -1,0 +1,285 @@
+"""CPU tests of the decode benchmark's pure-Python parts and the FlashInfer adapter's layout conversion.
+
+Timings are not tested here (they run only on a GPU); these check that the cases,
+floors, inputs and peer layouts the timings rest on are right.
+"""
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from evenflow.bench.harness import PeerUnavailable, floor_us
+from evenflow.bench.peers import flashinfer as fi_peer
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("evenflow_bench_decode_script", _SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+D = _load_script()
+
+# BENCH.md's standard decode cases, spelled as the result rows must spell them.
+BENCH_CASES = ["64x512", "32x4K", "8x32K", "1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K",
+               "64x4K", "32x128+32x4K", "2x32K+30x4K", "1x64K+15x4K", "tp8:1x128K+31x4K"]
+
+
+# ----------------------------------------------------------------------------- case parsing
+
+def test_standard_case_names_match_bench_md():
+    assert D.CASES == BENCH_CASES
+    assert set(D.QUICK_CASES) <= set(D.CASES)
+    assert set(D.VARIANTS) == {"bf16-kv", "fp8-kv"}
+
+
+@pytest.mark.parametrize("name,lengths,heads", [
+    ("64x512", [512] * 64, (64, 8)),
+    ("8x32K", [32768] * 8, (64, 8)),
+    ("1x128K+31x4K", [131072] + [4096] * 31, (64, 8)),
+    ("32x128+32x4K", [128] * 32 + [4096] * 32, (64, 8)),
+    ("2x64K+30x1K", [65536] * 2 + [1024] * 30, (64, 8)),
+    ("tp8:1x128K+31x4K", [131072] + [4096] * 31, (8, 1)),
+    ("tp2:3x100+1x1k", [100] * 3 + [1024], (32, 4)),
+])
+def test_parse_case(name, lengths, heads):
+    c = D.parse_case(name)
+    assert c.name == name
+    assert list(c.lengths) == lengths
+    assert (c.num_q_heads, c.num_kv_heads) == heads
+    assert c.batch == len(lengths) and c.tokens == sum(lengths)
+    assert c.mixed == (len(set(lengths)) > 1)
+
+
+def test_every_standard_case_parses_with_the_group_of_eight():
+    for name in BENCH_CASES:
+        c = D.parse_case(name)
+        assert c.num_q_heads // c.num_kv_heads == 8 and c.num_q_heads % c.num_kv_heads == 0
+
+
+@pytest.mark.parametrize("bad", ["", "x4K", "4K", "0x512", "8x0", "8x32M", "8x32K+", "tp3:8x32K",
+                                 "tq8:8x32K", "8*32K", "-1x512"])
+def test_parse_case_rejects_malformed(bad):
+    with pytest.raises(ValueError, match="case"):
+        D.parse_case(bad)
+
+
+# ----------------------------------------------------------------------------- floor arithmetic
+
+def test_floor_bytes_by_hand():
+    # 8x32K, bf16 KV: K and V of 262144 tokens x 8 heads x 128 x 2 bytes = 1 GiB; q + o: 8 x 64 x 128 x (2 + 2).
+    c = D.parse_case("8x32K")
+    assert D.floor_bytes(c, torch.bfloat16) == (1 << 30) + 262144
+    # fp8 KV halves the KV bytes only (q and o stay bf16).
+    assert D.floor_bytes(c, torch.float8_e4m3fn) == (1 << 29) + 262144
+    # TP8 slice: 258048 tokens x 1 kv head x 128 x 2 (K, V) x 2 bytes + 32 x 8 x 128 x 4.
+    t = D.parse_case("tp8:1x128K+31x4K")
+    assert D.floor_bytes(t, torch.bfloat16) == 258048 * 128 * 4 + 32 * 8 * 128 * 4
+    # Live tokens, not pages: 100 tokens are charged as 100, not as 2 pages of 64.
+    odd = D.parse_case("1x100")
+    assert D.floor_bytes(odd, torch.bfloat16) == 100 * 8 * 128 * 4 + 64 * 128 * 4
+
+
+def test_floor_us_from_bytes():
+    c = D.parse_case("8x32K")
+    fl = floor_us(bytes_moved=D.floor_bytes(c, torch.bfloat16), ceilings={"copy_TBps": 4.0})
+    assert fl == pytest.approx(((1 << 30) + 262144) / 4.0e12 * 1e6)  # ~268.5 µs at 4 TB/s
+    assert 268 < fl < 269
+
+
+def test_rotations_for():
+    l2 = 60 << 20
+    # 64x512 bf16 = 128 MiB KV + 2 MiB q/o: 3 x 60 MiB needs two copies.
+    assert D.rotations_for(D.floor_bytes(D.parse_case("64x512"), torch.bfloat16), l2) == 2
+    # fp8 halves it: 66 MiB -> three copies.
+    assert D.rotations_for(D.floor_bytes(D.parse_case("64x512"), torch.float8_e4m3fn), l2) == 3
+    assert D.rotations_for(1 << 30, l2) == 1  # far beyond L2: one copy
+    assert D.rotations_for(1, l2) == D.MAX_ROTATIONS  # capped
+    assert D.rotations_for(5, 0) == 1
+    with pytest.raises(ValueError, match="bytes_per_copy"):
+        D.rotations_for(0, l2)
+
+
+# ----------------------------------------------------------------------------- page tables & inputs
+
+@pytest.mark.parametrize("lengths,rotations", [([100, 64, 1, 700], 3), ([131072 // 16, 4096 // 16] * 4, 2),
+                                               ([0, 65, 128], 4)])
+def test_page_tables_are_a_permutation_without_reuse(lengths, rotations):
+    g = torch.Generator().manual_seed(1)
+    tables, pool = D.make_page_tables(lengths, 64, rotations, g)
+    n_pages = [math.ceil(n / 64) for n in lengths]
+    assert tables.dtype == torch.int32
+    assert tables.shape == (rotations, len(lengths), max(1, max(n_pages)))
+    used = sum(n_pages) * rotations
+    assert pool >= used * (1 + D.POOL_SLACK) and pool <= used * (1 + D.POOL_SLACK) + 1
+    live = torch.cat([tables[r, b, :n] for r in range(rotations) for b, n in enumerate(n_pages)])
+    assert live.numel() == used
+    assert live.unique().numel() == used, "a page is used twice"
+    assert int(live.min()) >= 0 and int(live.max()) < pool
+    for r in range(rotations):  # padding past a request's pages is page 0, a valid id
+        for b, n in enumerate(n_pages):
+            assert (tables[r, b, n:] == 0).all()
+    if used > 8:  # random order: not the identity layout a contiguous allocator would give
+        assert not torch.equal(live, live.sort().values)
+
+
+def test_page_tables_deterministic_per_seed():
+    a, _ = D.make_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(7))
+    b, _ = D.make_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(7))
+    c, _ = D.make_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_page_tables_reject_bad_arguments():
+    with pytest.raises(ValueError):
+        D.make_page_tables([], 64, 1)
+    with pytest.raises(ValueError):
+        D.make_page_tables([10, -1], 64, 1)
+    with pytest.raises(ValueError):
+        D.make_page_tables([10], 0, 1)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_make_inputs_small(kv_dtype):
+    case = D.Case("t", (100, 700, 64), 16, 2)
+    inp = D.make_inputs(case, kv_dtype, "cpu", seed=3, l2_bytes=4 << 20)
+    assert inp.rotations == D.rotations_for(D.floor_bytes(case, kv_dtype), 4 << 20) > 1
+    assert inp.seq_lens.tolist() == [100, 700, 64] and inp.seq_lens.dtype == torch.int32
+    assert inp.k_cache.dtype == kv_dtype and inp.k_cache.shape[1:] == (64, 2, 128)
+    for q in inp.qs:
+        assert q.shape == (3, 16, 128) and q.dtype == torch.bfloat16 and (q != 0).float().mean() > 0.99
+    assert not torch.equal(inp.qs[0], inp.qs[1]), "rotations must carry different q"
+    for cache in (inp.k_cache, inp.v_cache):
+        f = cache.float()
+        assert torch.isfinite(f).all() and (f != 0).float().mean() > 0.95 and f.std() > 0.5
+    assert not torch.equal(inp.k_cache.float(), inp.v_cache.float())
+    if kv_dtype == torch.float8_e4m3fn:
+        for s in (inp.k_scale, inp.v_scale):
+            assert s.dtype == torch.float32 and s.numel() == 1 and 0.25 <= float(s) <= 0.75
+    else:
+        assert inp.k_scale is None and inp.v_scale is None
+    assert inp.sm_scale == pytest.approx(128 ** -0.5)
+
+
+# ----------------------------------------------------------------------------- the benchmark's reference
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_reference_decode_matches_dense_fp64_attention(kv_dtype):
+    """The benchmark's paged reference equals fp64 SDPA over each request's keys laid out densely."""
+    case = D.Case("t", (1, 63, 64, 65, 200), 8, 2)
+    inp = D.make_inputs(case, kv_dtype, "cpu", seed=5, l2_bytes=0)
+    q, pt = inp.qs[0], inp.page_tables[0]
+    ks = float(inp.k_scale) if inp.k_scale is not None else 1.0
+    vs = float(inp.v_scale) if inp.v_scale is not None else 1.0
+    out = D.reference_decode(q, inp.k_cache, inp.v_cache, pt, inp.seq_lens, sm_scale=0.3,
+                             k_scale=inp.k_scale, v_scale=inp.v_scale)
+    assert out.dtype == torch.float32 and out.shape == (5, 8, 128)
+    for b, n in enumerate(case.lengths):
+        # token t of request b lives at page pt[b, t // 64], slot t % 64
+        tok = torch.arange(n)
+        pages, slots = pt[b, tok // 64].long(), tok % 64
+        k = inp.k_cache.float()[pages, slots].double() * ks  # [n, Hkv, D]
+        v = inp.v_cache.float()[pages, slots].double() * vs
+        k, v = k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1)  # GQA: 4 q heads per kv head
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b].double()[:, None, :], k.transpose(0, 1), v.transpose(0, 1), scale=0.3)[:, 0, :]
+        assert (out[b].double() - ref).abs().max() < 1e-5
+
+
+# ----------------------------------------------------------------------------- FlashInfer layout
+
+def _brute_layout(page_table, seq_lens, page_size):
+    indptr, indices, last = [0], [], []
+    for b, n in enumerate(seq_lens.tolist()):
+        k = -(-n // page_size)
+        indices += page_table[b, :k].tolist()
+        indptr.append(indptr[-1] + k)
+        last.append(n - (k - 1) * page_size)
+    return indptr, indices, last
+
+
+@pytest.mark.parametrize("lengths,page_size", [([1, 64, 65, 700], 64), ([16, 17, 5], 16), ([128], 128)])
+def test_paged_kv_layout(lengths, page_size):
+    tables, _ = D.make_page_tables(lengths, page_size, 1, torch.Generator().manual_seed(2))
+    pt, sl = tables[0], torch.tensor(lengths, dtype=torch.int32)
+    indptr, indices, last = fi_peer.paged_kv_layout(pt, sl, page_size)
+    want = _brute_layout(pt, sl, page_size)
+    assert [t.dtype for t in (indptr, indices, last)] == [torch.int32] * 3
+    assert indptr.tolist() == want[0] and indices.tolist() == want[1] and last.tolist() == want[2]
+    assert ((last >= 1) & (last <= page_size)).all()
+
+
+def test_paged_kv_layout_rejects_bad_input():
+    pt = torch.zeros(2, 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="length 0"):
+        fi_peer.paged_kv_layout(pt, torch.tensor([5, 0], dtype=torch.int32), 64)
+    with pytest.raises(ValueError, match="pages"):
+        fi_peer.paged_kv_layout(pt, torch.tensor([5, 4 * 64], dtype=torch.int32), 64)
+    with pytest.raises(TypeError, match="page_table"):
+        fi_peer.paged_kv_layout(pt.long(), torch.tensor([5, 6], dtype=torch.int32), 64)
+    with pytest.raises(TypeError, match="seq_lens"):
+        fi_peer.paged_kv_layout(pt, torch.tensor([5, 6]), 64)
+    with pytest.raises(ValueError, match="seq_lens"):
+        fi_peer.paged_kv_layout(pt, torch.tensor([5], dtype=torch.int32), 64)
+
+
+def test_flashinfer_missing_becomes_peer_unavailable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` raise ImportError
+    with pytest.raises(PeerUnavailable, match="not importable"):
+        fi_peer.import_flashinfer()
+    assert fi_peer.version() is None
+    pt = torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(PeerUnavailable):
+        fi_peer.FlashInferDecode("flashinfer-tc", pt, torch.ones(1, dtype=torch.int32), num_q_heads=8,
+                                 num_kv_heads=1, head_dim=128, page_size=64, q_dtype=torch.bfloat16,
+                                 kv_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="impl"):
+        fi_peer.FlashInferDecode("flashinfer-nope", pt, torch.ones(1, dtype=torch.int32), num_q_heads=8,
+                                 num_kv_heads=1, head_dim=128, page_size=64, q_dtype=torch.bfloat16,
+                                 kv_dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- target summary
+
+def test_summarize_targets():
+    cases = [D.parse_case("1x128K+31x4K"), D.parse_case("64x512")]
+    rows = [
+        {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "evenflow", "us": 100.0, "frac_of_floor": 0.9,
+         "speedup_vs_best_peer": 3.0, "speedup_vs_static": 2.5},
+        {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "evenflow-static", "us": 250.0},
+        {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "flashinfer-tc", "us": 300.0},
+        {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "flashinfer-fa3", "error": "build failed"},
+        {"case": "64x512", "variant": "bf16-kv", "impl": "evenflow", "us": 50.0, "frac_of_floor": 0.7,
+         "speedup_vs_best_peer": 0.9},
+        {"case": "64x512", "variant": "bf16-kv", "impl": "flashinfer-cuda", "us": 45.0},
+    ]
+    table, targets = D.summarize(rows, cases, ["bf16-kv"])
+    got = {t["target"]: t["ok"] for t in targets}
+    assert got == {
+        "1x128K+31x4K bf16-kv: frac_of_floor >= 0.85": True,
+        "1x128K+31x4K bf16-kv: not slower than flashinfer-tc": True,
+        "1x128K+31x4K bf16-kv: >= 2.5x flashinfer-tc": True,
+        "1x128K+31x4K bf16-kv: >= 2x evenflow-static": True,
+        "64x512 bf16-kv: frac_of_floor >= 0.75": False,
+        "64x512 bf16-kv: not slower than flashinfer-cuda": False,
+    }
+    assert "| 1x128K+31x4K | bf16-kv | 100.0 | 0.90 | 250.0 | flashinfer-tc | 300.0 | 3.00 | 2.50 |" in table
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_reference_decode_agrees_with_project_oracle(kv_dtype):
+    from evenflow.reference.attention import decode_attention_ref
+
+    case = D.Case("t", (130, 1, 64), 16, 2)
+    inp = D.make_inputs(case, kv_dtype, "cpu", seed=9, l2_bytes=0)
+    args = (inp.qs[0], inp.k_cache, inp.v_cache, inp.page_tables[0], inp.seq_lens)
+    ours = D.reference_decode(*args, sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale)
+    oracle, _ = decode_attention_ref(*args, k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale)
+    assert (ours.double() - oracle).abs().max() < 1e-5
