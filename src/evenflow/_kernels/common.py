@@ -7,7 +7,7 @@ to nothing.
 import triton
 import triton.language as tl
 
-FP8_E4M3_MAX = 448.0
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
