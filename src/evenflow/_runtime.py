@@ -12,6 +12,16 @@ import os
 
 import torch
 
+# Set by ``evenflow._compile_check.emulate_gpu``: launchers then choose what they
+# would choose on a GPU with this many SMs (constexpr switches, grid sizes) while the
+# tensors stay on the CPU, so their launches can be recorded and compiled for sm_90.
+_EMULATED_SMS: int | None = None
+
+
+def emulating_gpu() -> bool:
+    """True while launches are being recorded for a GPU compile check."""
+    return _EMULATED_SMS is not None
+
 
 def select_backend() -> None:
     """Turn on the Triton interpreter when no CUDA device exists (idempotent)."""
@@ -35,6 +45,8 @@ def num_sms(device: torch.device | str | None = None) -> int:
     The interpreter runs programs one after another, so a persistent grid there
     only needs enough programs to exercise the multi-program logic.
     """
+    if _EMULATED_SMS is not None:
+        return _EMULATED_SMS
     if interpreting() or not torch.cuda.is_available():
         return 4
     dev = torch.device(device) if device is not None else torch.device("cuda")
@@ -49,7 +61,7 @@ def dot_needs_fp32() -> bool:
     and the operands stay bf16 (tensor cores). ``tests/test_interpreter_workarounds.py``
     shows that the defect exists and that the upcast removes it.
     """
-    return interpreting()
+    return interpreting() and not emulating_gpu()
 
 
 def fp8_cast_needs_rounding() -> bool:
@@ -59,4 +71,4 @@ def fp8_cast_needs_rounding() -> bool:
     fp32 first (:func:`evenflow._kernels.common.to_fp8e4`), after which the cast is
     exact. False on a GPU, where the hardware cast rounds correctly.
     """
-    return interpreting()
+    return interpreting() and not emulating_gpu()

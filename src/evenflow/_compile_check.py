@@ -1,0 +1,216 @@
+"""Compile every kernel launch for a GPU target on a machine that has no GPU.
+
+The Triton interpreter runs kernels as NumPy and cannot see GPU compile errors
+(a non-constexpr global, a block shape the MMA lowering rejects, a loop-carried
+dtype change). Triton's own compiler, though, runs without a GPU: it lowers to
+PTX and assembles a cubin with the ptxas shipped in its wheel. This module joins
+the two:
+
+1. :func:`record_launches` runs launchers *under the interpreter* but, instead of
+   executing each kernel, records what was launched: the kernel, every argument's
+   type, every constexpr's value, ``num_warps``/``num_stages``. With
+   :func:`emulate_gpu` active, launchers choose what they would choose on an H200
+   (no interpreter workarounds, 132 SMs), so real GPU shapes can be recorded with
+   CPU tensors (``torch.empty`` of a real size costs no time: nothing is executed).
+2. :func:`compile_launches` compiles each distinct launch for ``sm_90`` in a fresh
+   process with the interpreter off, and returns the failures.
+
+``tests/test_sm90_compile.py`` drives every operator's launcher through its
+configurations this way, in CI. Usage::
+
+    with emulate_gpu(), record_launches() as launches:
+        evenflow.decode_attention(...)          # CPU tensors, real shapes
+    failures = compile_launches(launches)      # [] when everything compiled
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from evenflow import _runtime
+
+__all__ = ["Launch", "record_launches", "emulate_gpu", "compile_launches"]
+
+_TORCH_TO_TRITON = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
+    torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+    torch.uint8: "u8", torch.bool: "i1",
+}
+_COMPILE_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch, reduced to what the compiler needs."""
+
+    module: str
+    name: str
+    file: str  # where to load the module from when it is not importable by name (tests)
+    signature: tuple  # ((param, type-string), ...), type "constexpr" for constexprs
+    constexprs: tuple  # ((param, value), ...)
+    options: tuple  # ((option, value), ...)
+
+    def describe(self) -> str:
+        consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
+        opts = ", ".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.module}.{self.name}[{consts}; {opts}]"
+
+
+def _is_constexpr(annotation) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return False
+    if isinstance(annotation, str):
+        return "constexpr" in annotation
+    import triton.language as tl
+
+    return annotation is tl.constexpr or getattr(annotation, "__name__", "") == "constexpr"
+
+
+def _type_of(name: str, v) -> str:
+    if isinstance(v, torch.Tensor):
+        if v.dtype not in _TORCH_TO_TRITON:
+            raise TypeError(f"argument {name}: no Triton type for {v.dtype}")
+        return "*" + _TORCH_TO_TRITON[v.dtype]
+    if isinstance(v, bool):
+        return "i1"
+    if isinstance(v, int):
+        return "i32" if -(2**31) <= v < 2**31 else "i64"
+    if isinstance(v, float):
+        return "fp32"
+    raise TypeError(f"argument {name}: cannot type {type(v).__name__} for a compile check")
+
+
+def _make_launch(fn, args, kwargs) -> Launch:
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    values = {}
+    for p, v in zip(params, args):
+        values[p.name] = v
+    options = {}
+    for k, v in kwargs.items():
+        if k in sig.parameters:
+            values[k] = v
+        elif k in _COMPILE_OPTIONS:
+            options[k] = v
+    signature, constexprs = [], []
+    for p in params:
+        if p.name not in values:
+            if p.default is inspect.Parameter.empty:
+                raise TypeError(f"{fn.__name__}: argument {p.name} was not passed")
+            values[p.name] = p.default
+        v = values[p.name]
+        if _is_constexpr(p.annotation) or v is None:
+            v = v.value if hasattr(v, "value") and not isinstance(v, torch.Tensor) else v
+            signature.append((p.name, "constexpr"))
+            constexprs.append((p.name, v))
+        else:
+            signature.append((p.name, _type_of(p.name, v)))
+    return Launch(fn.__module__, fn.__name__, fn.__code__.co_filename, tuple(signature), tuple(constexprs),
+                  tuple(sorted(options.items())))
+
+
+@contextlib.contextmanager
+def record_launches(execute: bool = False):
+    """Record every interpreted kernel launch (and run it only if ``execute``)."""
+    if not _runtime.interpreting():
+        raise RuntimeError("record_launches needs the Triton interpreter (TRITON_INTERPRET=1)")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: list[Launch] = []
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        launches.append(_make_launch(self.fn, args, kwargs))
+        if execute:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return None
+
+    InterpretedFunction.run = run
+    try:
+        yield launches
+    finally:
+        InterpretedFunction.run = original
+
+
+@contextlib.contextmanager
+def emulate_gpu(sms: int = 132):
+    """Make launchers choose as on a GPU with ``sms`` SMs (see ``evenflow._runtime``)."""
+    before = _runtime._EMULATED_SMS
+    _runtime._EMULATED_SMS = sms
+    try:
+        yield
+    finally:
+        _runtime._EMULATED_SMS = before
+
+
+def _to_json(launches) -> list[dict]:
+    seen, out = set(), []
+    for la in launches:
+        if la in seen:
+            continue
+        seen.add(la)
+        out.append({"module": la.module, "name": la.name, "file": la.file, "signature": dict(la.signature),
+                    "constexprs": dict(la.constexprs), "options": dict(la.options), "describe": la.describe()})
+    return out
+
+
+def compile_launches(launches, arch: int = 90, timeout: float = 1800.0) -> list[str]:
+    """Compile each distinct launch for ``sm_<arch>`` in a fresh process; return failure messages."""
+    todo = _to_json(launches)
+    if not todo:
+        return []
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(todo, f)
+        path = f.name
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    try:
+        r = subprocess.run([sys.executable, "-m", "evenflow._compile_check", path, str(arch)], env=env,
+                           capture_output=True, text=True, timeout=timeout)
+    finally:
+        os.unlink(path)
+    if r.returncode != 0:
+        return [f"compile worker crashed (rc {r.returncode}):\n{r.stderr[-4000:]}"]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _compile_main(path: str, arch: int) -> None:
+    import importlib
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    failures = []
+    for item in json.load(open(path)):
+        try:
+            module = importlib.import_module(item["module"])
+        except ImportError:
+            spec = importlib.util.spec_from_file_location(item["module"], item["file"])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[item["module"]] = module
+            spec.loader.exec_module(module)
+        fn = getattr(module, item["name"])
+        try:
+            src = ASTSource(fn=fn, signature=item["signature"], constexprs=item["constexprs"])
+            triton.compile(src, target=target, options=item["options"])
+        except Exception as e:  # report every failure, not just the first
+            msg = str(e).strip().splitlines()
+            failures.append(f"{item['describe']}: {type(e).__name__}: " + "\n".join(msg[-12:]))
+    print(json.dumps(failures))
+
+
+if __name__ == "__main__":
+    if _runtime.interpreting():
+        raise SystemExit("run with TRITON_INTERPRET=0")
+    _compile_main(sys.argv[1], int(sys.argv[2]))
