@@ -292,7 +292,18 @@ def two_ranks(tmp_path_factory):
     import torch.multiprocessing as mp
 
     d = tmp_path_factory.mktemp("ranks")
-    mp.spawn(_worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True)
+    # The ranks exchange CPU tensors over gloo, so their kernels must run in the
+    # interpreter even on a GPU machine (where the multi-GPU benchmark covers NCCL):
+    # spawned children take the environment as it is at spawn time.
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        mp.spawn(_worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     out = [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
     assert all(set(o) == set(CHECKS) for o in out), "a rank did not report every check"
     return out
