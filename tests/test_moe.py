@@ -7,6 +7,8 @@ bf16 matmuls with a bf16 intermediate for BF16 weights, fp32 matmuls of the fp8
 values (exact fp8 products, fp32 sums, as tensor cores do) for FP8 weights;
 the baseline output is rounded to bf16 like ours.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -114,12 +116,56 @@ def test_large_block_m_and_idle_experts(device):
     h, i = SIZES["bf16"]
     ew = random_moe_weights("bf16", 8, h, i, device)
     t, k = 40, 2
-    assert choose_config(t, k, 2, h, i, 0).block_m == 64
+    cfg = choose_config(t, k, 2, h, i, 0)  # as if only the 2 busy experts existed
+    assert cfg.block_m == 64
     x = torch.randn(t, h, device=device).bfloat16()
     ids = torch.stack([torch.tensor([0, 5]), torch.tensor([5, 2])])[torch.randint(0, 2, (t,))]
     ids, w = ids.to(torch.int32).to(device).contiguous(), torch.rand(t, k, device=device)
-    y = evenflow.fused_moe(x, ids, w, ew)
+    y = evenflow.fused_moe(x, ids, w, ew, config=cfg)
     check_moe(y, x, ids, w, ew, "idle experts")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_split_k(device, fmt):
+    # Decode configs split K: gate-up partials reduced by the last-arriving split (arrival
+    # counters zeroed by the index kernel), down partials summed by the reduce kernel.
+    # Two calls into poisoned outputs: the counters must be back at zero for the second.
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 6, h, i, device)
+    base = choose_config(5, 3, 6, h, i, ew.mode)
+    gu_bk = base.gu_block_k if fmt == "fp8_block" else min(base.gu_block_k, h // 2)
+    down_bk = base.down_block_k if fmt == "fp8_block" else 16
+    # fp8_block: I=128 is one 128-deep K step; fp8_per_tensor: I=48 is three 16-deep steps
+    down_split = 2 if i % (2 * down_bk) == 0 else 1
+    cfg = dataclasses.replace(base, gu_block_k=gu_bk, down_block_k=down_bk, gu_split_k=2, down_split_k=down_split)
+    x = torch.randn(5, h, device=device).bfloat16()
+    for _ in range(2):
+        ids, w = random_routing(5, 3, 6, device)
+        out = poisoned((5, h), torch.bfloat16, device)
+        y = evenflow.fused_moe(x, ids, w, ew, config=cfg, out=out)
+        check_moe(y, x, ids, w, ew, f"{fmt} split-K {cfg}")
+
+
+def test_config_checks(device):
+    h, i = SIZES["bf16"]
+    ew = random_moe_weights("bf16", 4, h, i, device)
+    x = torch.randn(3, h, device=device).bfloat16()
+    ids, w = random_routing(3, 2, 4, device)
+    cfg = choose_config(3, 2, 4, h, i, 0)
+    with pytest.raises(ValueError, match="gate-up tiles"):
+        evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, gu_split_k=8))
+    with pytest.raises(ValueError, match="power of two"):
+        evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, block_m=24))
+    with pytest.raises(TypeError, match="config"):
+        evenflow.fused_moe(x, ids, w, ew, config=(16, 16))
+
+
+def test_choose_config_splits_k_only_when_programs_are_few():
+    # Hy3 EP8 at batch 1: ~1 local pair, 24 gate-up n-blocks -> K split to reach 2 programs/SM.
+    c = choose_config(1, 8, 24, 4096, 1536, 0, num_experts_total=192, sms=132)
+    assert c.gu_split_k > 1 and c.down_split_k > 1
+    c = choose_config(1024, 8, 128, 2048, 768, 0, sms=132)
+    assert c.gu_split_k == 1 and c.down_split_k == 1
 
 
 def test_int64_ids_and_duplicate_experts(device):
@@ -187,7 +233,7 @@ def test_opcheck(device, fmt):
     out = torch.empty(3, h, device=device, dtype=torch.bfloat16)
     shared = torch.randn(3, h, device=device).bfloat16()
     args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
-            ew.mode, 0, shared, 1.5, out)
+            ew.mode, 0, 4, shared, 1.5, out)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if fmt != "bf16":
         # torch's schema checker compares inputs before/after with arithmetic that has no

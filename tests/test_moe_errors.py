@@ -1,4 +1,6 @@
 """fused_moe / MoEWeights reject bad input with errors that name the argument."""
+import functools
+
 import pytest
 import torch
 
@@ -18,25 +20,28 @@ def layer(device):
 
 def test_weight_checks(device):
     bf = torch.bfloat16
+    # every tensor on the test device: a device mismatch would be reported before the shape
+    zeros = functools.partial(torch.zeros, device=device)
+    ones = functools.partial(torch.ones, device=device)
     with pytest.raises(ValueError, match="513 experts"):
-        evenflow.MoEWeights.bf16(torch.zeros(513, 32, 16, dtype=bf), torch.zeros(513, 16, 16, dtype=bf))
+        evenflow.MoEWeights.bf16(zeros(513, 32, 16, dtype=bf), zeros(513, 16, 16, dtype=bf))
     with pytest.raises(ValueError, match="multiples of 16"):
-        evenflow.MoEWeights.bf16(torch.zeros(2, 48, 40, dtype=bf), torch.zeros(2, 40, 24, dtype=bf))
+        evenflow.MoEWeights.bf16(zeros(2, 48, 40, dtype=bf), zeros(2, 40, 24, dtype=bf))
     with pytest.raises(ValueError, match="w2 must have shape"):
-        evenflow.MoEWeights.bf16(torch.zeros(2, 64, 32, dtype=bf), torch.zeros(2, 32, 16, dtype=bf))
+        evenflow.MoEWeights.bf16(zeros(2, 64, 32, dtype=bf), zeros(2, 32, 16, dtype=bf))
     with pytest.raises(TypeError, match="w13"):
-        evenflow.MoEWeights.bf16(torch.zeros(2, 64, 32), torch.zeros(2, 32, 32, dtype=bf))
-    w13, w2 = torch.zeros(2, 256, 128).to(FP8), torch.zeros(2, 128, 128).to(FP8)
+        evenflow.MoEWeights.bf16(zeros(2, 64, 32), zeros(2, 32, 32, dtype=bf))
+    w13, w2 = zeros(2, 256, 128).to(FP8), zeros(2, 128, 128).to(FP8)
     with pytest.raises(ValueError, match="multiples of 128"):
-        evenflow.MoEWeights.fp8_block(torch.zeros(2, 384, 128).to(FP8), torch.zeros(2, 128, 192).to(FP8),
-                                      torch.ones(2, 3, 1), torch.ones(2, 1, 2))
+        evenflow.MoEWeights.fp8_block(zeros(2, 384, 128).to(FP8), zeros(2, 128, 192).to(FP8),
+                                      ones(2, 3, 1), ones(2, 1, 2))
     with pytest.raises(ValueError, match="w13_scale"):
-        evenflow.MoEWeights.fp8_block(w13, w2, torch.ones(2, 1, 1), torch.ones(2, 1, 1))
+        evenflow.MoEWeights.fp8_block(w13, w2, ones(2, 1, 1), ones(2, 1, 1))
     with pytest.raises(ValueError, match="a13_scale"):
-        evenflow.MoEWeights.fp8_per_tensor(w13, w2, torch.ones(2), torch.ones(2), torch.ones(2), torch.ones(1))
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, ones(2), ones(2), ones(2), ones(1))
     with pytest.raises(TypeError, match="w2_scale"):
-        evenflow.MoEWeights.fp8_per_tensor(w13, w2, torch.ones(2), torch.ones(2, dtype=torch.float64),
-                                           torch.ones(1), torch.ones(1))
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, ones(2), ones(2, dtype=torch.float64),
+                                           ones(1), ones(1))
 
 
 def test_call_checks(device, layer):

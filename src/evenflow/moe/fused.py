@@ -4,18 +4,19 @@ Launcher only: argument checks, workspace allocation, deterministic tile-size
 choice from host-known shapes (no sync), and the ``evenflow::fused_moe_``
 custom op that torch.compile and CUDA graphs see.
 """
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields, replace
 
 import torch
 import triton
 
 from evenflow._checks import check_int, check_out, check_same_device, check_tensor
-from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, interpreting
+from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, interpreting, num_sms
 from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
 from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
-from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index
+from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
 
-__all__ = ["fused_moe", "MoEConfig", "choose_config"]
+__all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,15 @@ class MoEConfig:
     down_block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    gu_split_k: int = 1
+    down_split_k: int = 1
+
+    def as_list(self) -> list[int]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    @classmethod
+    def from_list(cls, v) -> "MoEConfig":
+        return cls(*(int(x) for x in v))
 
 
 def _largest_divisor(n: int, options) -> int:
@@ -37,7 +47,17 @@ def _largest_divisor(n: int, options) -> int:
     raise ValueError(f"no tile size in {options} divides {n}")
 
 
-def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int) -> MoEConfig:
+def _split_k(k_dim: int, block_k: int, programs: int, target: int) -> int:
+    """Smallest power-of-two K split that gives ``target`` programs, keeping >= 2 K-steps and >= 256 deep."""
+    s = 1
+    while (programs * s < target and s < 16 and k_dim % (2 * s * block_k) == 0
+           and k_dim // (2 * s) >= max(2 * block_k, 256)):
+        s *= 2
+    return s
+
+
+def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
+                  num_experts_total: int | None = None, sms: int = 132) -> MoEConfig:
     """Deterministic heuristic from shapes only (see docs/perf-notes/moe.md).
 
     BLOCK_M follows the expected rows per expert (T*k/E): 16 (tl.dot's minimum) at
@@ -45,24 +65,58 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     each expert's weights are streamed by many programs at once. FP8 block mode
     pins the gate-up N-block to 128 (one program owns a whole activation group of
     the intermediate) and K-blocks to 128 (one weight scale per K step).
+
+    When the expected busy (tile, n-block) programs are fewer than 2 per SM (decode,
+    or EP ranks that see a pair or two), K is split so the weights of the few hit
+    experts are streamed by enough programs at once.
     """
-    rows = num_tokens * top_k / max(num_local, 1)
+    e_tot = num_experts_total or num_local
+    local_pairs = num_tokens * top_k * num_local / e_tot  # expected pairs routed to this rank
+    rows = local_pairs / max(num_local, 1)
     block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     fp8 = mode != 0
     if mode == 2:
-        return MoEConfig(block_m, 128, 128, 64, 128)
-    k_opts = (128, 64, 32, 16) if fp8 else (64, 32, 16)
-    return MoEConfig(
-        block_m,
-        _largest_divisor(inter, (64, 32, 16)),
-        _largest_divisor(hidden, k_opts),
-        _largest_divisor(hidden, (64, 32, 16)),
-        _largest_divisor(inter, k_opts),
+        cfg = MoEConfig(block_m, 128, 128, 64, 128)
+    else:
+        k_opts = (128, 64, 32, 16) if fp8 else (64, 32, 16)
+        cfg = MoEConfig(
+            block_m,
+            _largest_divisor(inter, (64, 32, 16)),
+            _largest_divisor(hidden, k_opts),
+            _largest_divisor(hidden, (64, 32, 16)),
+            _largest_divisor(inter, k_opts),
+        )
+    busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
+    target = 2 * sms
+    return replace(
+        cfg,
+        gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target),
+        down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target),
     )
 
 
+def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int) -> None:
+    """A forced config must tile the shapes exactly (the kernels have no K/N masks)."""
+    if not isinstance(cfg, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(cfg).__name__}")
+    for name in ("block_m", "gu_block_n", "gu_block_k", "down_block_n", "down_block_k", "gu_split_k",
+                 "down_split_k"):
+        v = getattr(cfg, name)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"config.{name} must be a power of two, got {v}")
+    if cfg.block_m < 16 or cfg.gu_block_n < 16 or cfg.gu_block_k < 16 or cfg.down_block_n < 16 \
+            or cfg.down_block_k < 16:
+        raise ValueError(f"config tiles must be >= 16 (tl.dot), got {cfg}")
+    if inter % cfg.gu_block_n or hidden % (cfg.gu_block_k * cfg.gu_split_k):
+        raise ValueError(f"config gate-up tiles do not divide I={inter}, H={hidden}: {cfg}")
+    if hidden % cfg.down_block_n or inter % (cfg.down_block_k * cfg.down_split_k):
+        raise ValueError(f"config down tiles do not divide H={hidden}, I={inter}: {cfg}")
+    if mode == 2 and (cfg.gu_block_n != 128 or cfg.gu_block_k != 128 or cfg.down_block_k != 128):
+        raise ValueError(f"fp8 block mode needs gate-up BLOCK_N/BLOCK_K and down BLOCK_K of 128, got {cfg}")
+
+
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
-            ep_rank, shared_output, routed_scaling, out, cfg: MoEConfig | None = None):
+            ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None):
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -71,9 +125,15 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         return
     dev = x.device
     if cfg is None:
-        cfg = choose_config(t, k, e_local, h, i, mode)
-    idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m)
-    n_tiles = idx.tile_expert.numel()
+        cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev))
+    n_tiles = max_tiles(t * k, e_local, cfg.block_m)
+    gu_nb = i // cfg.gu_block_n
+    if cfg.gu_split_k > 1:
+        gu_count = torch.empty(n_tiles * gu_nb, dtype=torch.int32, device=dev)
+        gu_part = torch.empty(cfg.gu_split_k, n_tiles * cfg.block_m, 2 * i, dtype=torch.float32, device=dev)
+    else:
+        gu_count = gu_part = None
+    idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m, zero=gu_count)
     p = t * k
     dot_f32, fp8_round = dot_needs_fp32(), fp8_cast_needs_rounding()
     gpu_kw = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -94,31 +154,32 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     ws13_strides = (ws13.stride(0), ws13.stride(1)) if mode == 2 else (0, 0)
     ws2_strides = (ws2.stride(0), ws2.stride(1)) if mode == 2 else (0, 0)
 
-    moe_gate_up_kernel[(n_tiles, i // cfg.gu_block_n)](
+    moe_gate_up_kernel[(n_tiles, gu_nb, cfg.gu_split_k)](
         xq, xs, w13, ws13, idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row,
         inter, inter_s, as13, as2,
+        gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
         k, i, h,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
-        DOT_F32=dot_f32, FP8_ROUND=fp8_round, **gpu_kw,
+        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, **gpu_kw,
     )
-    pair_out = torch.empty(p, h, dtype=torch.float32, device=dev)
-    moe_down_kernel[(n_tiles, h // cfg.down_block_n)](
+    pair_out = torch.empty(cfg.down_split_k, p, h, dtype=torch.float32, device=dev)
+    moe_down_kernel[(n_tiles, h // cfg.down_block_n, cfg.down_split_k)](
         inter, inter_s, w2, ws2, idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row, topk_weights,
         pair_out, as2,
         k, i,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
-        pair_out.stride(0),
+        pair_out.stride(0), pair_out.stride(1),
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        DOT_F32=dot_f32, **gpu_kw,
+        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, **gpu_kw,
     )
     block_h = min(1024, triton.next_power_of_2(h))
     shared = shared_output if shared_output is not None else out
     moe_reduce_kernel[(t, triton.cdiv(h, block_h))](
         pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
-        pair_out.stride(0), shared.stride(0), out.stride(0),
-        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, num_warps=4,
+        pair_out.stride(0), pair_out.stride(1), shared.stride(0), out.stride(0),
+        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, SPLIT_K=cfg.down_split_k, num_warps=4,
     )
 
 
@@ -128,16 +189,17 @@ def _fused_moe_op(
     w13: torch.Tensor, w2: torch.Tensor,
     w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
-    weight_mode: int, ep_rank: int, shared_output: torch.Tensor | None, routed_scaling: float,
-    out: torch.Tensor,
+    weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
+    routed_scaling: float, out: torch.Tensor, config: list[int] | None = None,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
-            ep_rank, shared_output, routed_scaling, out)
+            ep_rank, num_experts_total, shared_output, routed_scaling, out,
+            None if config is None else MoEConfig.from_list(config))
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
-      ep_rank, shared_output, routed_scaling, out):
+      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None):
     return None
 
 
@@ -149,7 +211,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 
 
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
-              routed_scaling=1.0, out=None, *, check_ids=True):
+              routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -161,6 +223,8 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     ``check_ids`` verifies the id range on the host when that is allowed (eager
     mode: one sync); under CUDA-graph capture or torch.compile it is skipped and
     out-of-range ids are dropped by the kernels, never read or written out of bounds.
+    ``config`` forces the tile sizes (tuning sweeps, tests); by default
+    :func:`choose_config` picks them from the shapes.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -200,6 +264,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         if bool(bad.any()):
             raise ValueError(f"topk_ids must lie in [0, num_experts_total={num_experts_total}); "
                              f"found {topk_ids[bad][:4].tolist()}")
+    if config is not None:
+        check_config(config, h, ew.intermediate_size, ew.mode)
     _fused_moe_op(x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale,
-                  ew.a2_scale, ew.mode, ep_rank, shared_output, float(routed_scaling), out)
+                  ew.a2_scale, ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out,
+                  None if config is None else config.as_list())
     return out

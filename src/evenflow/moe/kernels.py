@@ -13,7 +13,9 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 | tile_row        | [max_tiles]           | int32        | first sorted row of the tile, -1 unused            |
 | inter           | [P, I]                | bf16 / fp8   | SiLU(gate)*up, row r = sorted row r (not pair id)  |
 | inter_scale     | [P, I/128]            | fp32         | fp8 block mode: per-row-per-128-group dequant scale|
-| pair_out        | [P, H]                | fp32         | topk_weight * expert output, row = pair id         |
+| pair_out        | [S_down, P, H]        | fp32         | topk_weight * expert output (K-split s), row = pair|
+| gu_part         | [S_gu, tiles*BM, 2I]  | fp32         | gate-up split-K partials (S_gu > 1 only)           |
+| gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by index|
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
 K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
@@ -28,7 +30,7 @@ from evenflow._kernels.common import FP8_E4M3_MAX, dot_operand, to_fp8e4
 
 # Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
 # scale and quantises to zeros rather than dividing by zero).
-GROUP_AMAX_EPS = 1e-10
+GROUP_AMAX_EPS = tl.constexpr(1e-10)
 
 
 @triton.jit
@@ -41,10 +43,10 @@ def _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD: tl.constexpr):
     return tl.where(valid, lid, E_PAD - 1), valid
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles", "num_zero"])
 def moe_index_kernel(
-    p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_cursor,
-    num_pairs, e_first, num_local, max_tiles,
+    p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_cursor, p_zero,
+    num_pairs, e_first, num_local, max_tiles, num_zero,
     E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One program: histogram -> prefix sums -> stable scatter -> tile task map.
@@ -86,6 +88,11 @@ def moe_index_kernel(
     for start in range(0, num_pairs, BLOCK_P):
         o_p = start + o_b
         tl.store(p_sorted + o_p, tl.full([BLOCK_P], -1, tl.int32), mask=(o_p >= kept) & (o_p < num_pairs))
+
+    # 5 (first, it is independent). zero the gate-up split-K arrival counters for this call
+    for start in range(0, num_zero, BLOCK_P):
+        o_z = start + o_b
+        tl.store(p_zero + o_z, tl.zeros([BLOCK_P], dtype=tl.int32), mask=o_z < num_zero)
 
     # 4. task map: tile t belongs to the expert e with tile_start[e] <= t < tile_end[e]
     b_ntiles = (b_counts + BLOCK_M - 1) // BLOCK_M
@@ -129,22 +136,52 @@ def _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M: tl.constex
     return e, o_m, o_m < row_end
 
 
+@triton.jit
+def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
+                      stride_om, stride_osm, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants, stored."""
+    if MODE == 1:
+        deq = tl.load(p_ws + e64) * tl.load(p_a_scale)
+        acc_g = acc_g * deq
+        acc_u = acc_u * deq
+    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    if MODE == 0:
+        tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
+    elif MODE == 1:
+        o_scale = tl.load(p_o_scale)
+        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, o_scale), FP8_ROUND), mask=m_m[:, None])
+    else:
+        # BLOCK_N == 128: this program owns one whole activation group of each row.
+        b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_h), axis=1), GROUP_AMAX_EPS), FP8_E4M3_MAX)
+        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, b_s[:, None]), FP8_ROUND), mask=m_m[:, None])
+        tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
+
+
 @triton.jit(do_not_specialize=["top_k"])
 def moe_gate_up_kernel(
     p_x, p_xs, p_w, p_ws, p_sorted, p_offsets, p_tile_expert, p_tile_row,
-    p_out, p_out_s, p_a_scale, p_o_scale,
+    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
     top_k, I, K,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
-    One program per (tile, n-block of I); tokens are read through sorted_pairs
-    (row -> pair -> token), never gathered into a copy.
+    One program per (tile, n-block of I, K split); tokens are read through
+    sorted_pairs (row -> pair -> token), never gathered into a copy.
+
+    SPLIT_K > 1 (decode: too few (tile, n-block) programs to stream the weights at
+    full bandwidth): each split stores its fp32 partial sums of gate and up in
+    ``p_part`` [SPLIT_K, max_tiles * BLOCK_M, 2 * I], then bumps the arrival
+    counter of its (tile, n-block) in ``p_count`` (zeroed by the index kernel);
+    the split that arrives last sums the partials in split order (deterministic),
+    applies the activation and requantisation, and resets the counter.
     """
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
+    i_s = tl.program_id(2)
     e, o_m, m_m = _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M)
     if e < 0:
         return
@@ -153,20 +190,22 @@ def moe_gate_up_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
+    k_split = K // SPLIT_K
+    k0 = i_s * k_split
 
-    p_a = p_x + tok[:, None] * stride_xt + o_k[None, :]
-    p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]
+    p_a = p_x + tok[:, None] * stride_xt + (k0 + o_k)[None, :]
+    p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
     p_bu = p_bg + I * stride_wn
     if MODE == 1:
         a_scale = tl.load(p_a_scale)
     if MODE == 2:
-        p_as = p_xs + tok * stride_xst
-        p_wsg = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn
-        p_wsu = p_ws + e64 * stride_wse + ((I + i_n * BLOCK_N) // 128) * stride_wsn
+        p_as = p_xs + tok * stride_xst + k0 // 128
+        p_wsg = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
+        p_wsu = p_ws + e64 * stride_wse + ((I + i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i_k in range(0, K // BLOCK_K):
+    for i_k in range(0, k_split // BLOCK_K):
         b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
         b_g = tl.load(p_bg)
         b_u = tl.load(p_bu)
@@ -187,22 +226,28 @@ def moe_gate_up_kernel(
         p_bg += BLOCK_K
         p_bu += BLOCK_K
 
-    if MODE == 1:
-        acc_g = acc_g * (tl.load(p_ws + e64) * a_scale)
-        acc_u = acc_u * (tl.load(p_ws + e64) * a_scale)
-    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-
-    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    if MODE == 0:
-        tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
-    elif MODE == 1:
-        o_scale = tl.load(p_o_scale)
-        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, o_scale), FP8_ROUND), mask=m_m[:, None])
+    if SPLIT_K == 1:
+        _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
+                          stride_om, stride_osm, MODE, FP8_ROUND)
     else:
-        # BLOCK_N == 128: this program owns one whole activation group of each row.
-        b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_h), axis=1), GROUP_AMAX_EPS), FP8_E4M3_MAX)
-        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, b_s[:, None]), FP8_ROUND), mask=m_m[:, None])
-        tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
+        n_rows = tl.num_programs(0) * BLOCK_M
+        stride_ps = n_rows.to(tl.int64) * 2 * I
+        o_r = (i_tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        p_pg = p_part + o_r[:, None] * (2 * I) + o_n[None, :]
+        tl.store(p_pg + i_s * stride_ps, acc_g, mask=m_m[:, None])
+        tl.store(p_pg + i_s * stride_ps + I, acc_u, mask=m_m[:, None])
+        p_c = p_count + i_tile * tl.num_programs(1) + i_n
+        # acq_rel: our partial stores are visible to the last arrival, and its loads see everyone's.
+        arrived = tl.atomic_add(p_c, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            red_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            red_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, SPLIT_K):
+                red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
+                red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
+            _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale,
+                              p_o_scale, stride_om, stride_osm, MODE, FP8_ROUND)
+            tl.store(p_c, 0)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -210,13 +255,17 @@ def moe_down_kernel(
     p_a, p_as, p_w, p_ws, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
     p_out, p_a_scale,
     top_k, K,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """pair_out[pair, n-block] = topk_weight[pair] * (inter[rows] @ w2[e, n-block].T), fp32."""
+    """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
+
+    fp32; the reduce kernel sums the SPLIT_K slices (in order) with the top-k slots.
+    """
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
+    i_s = tl.program_id(2)
     e, o_m, m_m = _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M)
     if e < 0:
         return
@@ -224,15 +273,17 @@ def moe_down_kernel(
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     o_m64 = o_m.to(tl.int64)
+    k_split = K // SPLIT_K
+    k0 = i_s * k_split
 
-    p_x = p_a + o_m64[:, None] * stride_am + o_k[None, :]
-    p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]
+    p_x = p_a + o_m64[:, None] * stride_am + (k0 + o_k)[None, :]
+    p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
     if MODE == 2:
-        p_xs = p_as + o_m64 * stride_asm
-        p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn
+        p_xs = p_as + o_m64 * stride_asm + k0 // 128
+        p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i_k in range(0, K // BLOCK_K):
+    for i_k in range(0, k_split // BLOCK_K):
         b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
         b_b = tl.load(p_b)
         if MODE == 0:
@@ -250,16 +301,20 @@ def moe_down_kernel(
     pair = tl.load(p_sorted + o_m, mask=m_m, other=0)
     b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
     acc = acc * b_tw[:, None]
-    tl.store(p_out + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :], acc, mask=m_m[:, None])
+    p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    tl.store(p_o, acc, mask=m_m[:, None])
 
 
 @triton.jit(do_not_specialize=["top_k"])
 def moe_reduce_kernel(
     p_pair_out, p_ids, p_shared, p_y, top_k, H, e_first, num_local, routed_scaling,
-    stride_pm, stride_sht, stride_yt,
-    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_ps, stride_pm, stride_sht, stride_yt,
+    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    """y[t] = routed_scaling * sum_slot pair_out[t*k + slot] (local pairs only, slot order) + shared[t]."""
+    """y[t] = routed_scaling * sum_slot sum_split pair_out[split, t*k + slot] + shared[t].
+
+    Local pairs only; fixed order (slot, then split): deterministic.
+    """
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -268,7 +323,8 @@ def moe_reduce_kernel(
         p = i_t * top_k + j
         lid = tl.load(p_ids + p).to(tl.int32) - e_first
         mine = (lid >= 0) & (lid < num_local)
-        acc += tl.load(p_pair_out + p * stride_pm + o_h, mask=m_h & mine, other=0.0)
+        for s in range(0, SPLIT_K):
+            acc += tl.load(p_pair_out + s * stride_ps + p * stride_pm + o_h, mask=m_h & mine, other=0.0)
     acc = acc * routed_scaling
     if HAS_SHARED:
         acc += tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)

@@ -40,12 +40,14 @@ def max_tiles(num_pairs: int, num_local: int, block_m: int) -> int:
 
 
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int = 0,
-                    block_m: int = 16) -> MoEIndex:
+                    block_m: int = 16, zero: torch.Tensor | None = None) -> MoEIndex:
     """Lay out the (token, slot) pairs routed to this rank's experts by expert.
 
     ``topk_ids`` [T, k] int32/int64 global expert ids; this rank owns experts
     ``[ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts)``; pairs
-    routed elsewhere (or to no valid expert) are dropped.
+    routed elsewhere (or to no valid expert) are dropped. ``zero`` (optional, int32,
+    contiguous) is a workspace the same launch fills with zeros (the gate-up
+    split-K counters), saving a memset launch.
     """
     check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
     check_int("num_local_experts", num_local_experts, 1, MAX_EXPERTS)
@@ -54,6 +56,8 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     dev = topk_ids.device
+    if zero is not None:
+        check_tensor("zero", zero, dtypes=[torch.int32], contiguous=True, device=dev)
     num_pairs = topk_ids.numel()
     n_tiles = max_tiles(num_pairs, num_local_experts, block_m)
     counts = torch.empty(num_local_experts, dtype=torch.int32, device=dev)
@@ -66,7 +70,8 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     block_t = max(2, min(64, 8192 // e_pad))
     moe_index_kernel[(1,)](
         topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, cursor,
-        num_pairs, ep_rank * num_local_experts, num_local_experts, n_tiles,
+        zero if zero is not None else cursor,
+        num_pairs, ep_rank * num_local_experts, num_local_experts, n_tiles, 0 if zero is None else zero.numel(),
         # 64 threads for 64 pairs per block: no replicated elements in tl.histogram
         E_PAD=e_pad, BLOCK_P=64, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=2,
     )
