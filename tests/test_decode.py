@@ -17,28 +17,29 @@ FP8 = torch.float8_e4m3fn
 
 
 def make_inputs(lens, hkv, group, d, page, q_len, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
-                extra_cols=1, hnd=False):
+                extra_cols=1, hnd=False, device="cpu"):
     B = len(lens)
     max_pages = max(1, max(-(-L // page) for L in lens)) + extra_cols
     num_pages = B * max_pages + 3
     shape = (num_pages, hkv, page, d) if hnd else (num_pages, page, hkv, d)
-    k = torch.randn(shape) * 1.5
-    v = torch.randn(shape)
+    k = torch.randn(shape, device=device) * 1.5
+    v = torch.randn(shape, device=device)
     if kv_dtype == FP8:
         k, v = (k * 30).clamp(-448, 448).to(FP8), (v * 40).clamp(-448, 448).to(FP8)
     else:
         k, v = k.to(kv_dtype), v.to(kv_dtype)
     if hnd:
         k, v = k.transpose(1, 2), v.transpose(1, 2)
-    pt = torch.randperm(num_pages)[: B * max_pages].view(B, max_pages).to(torch.int32)  # pages in random order
-    q = torch.randn(B * q_len, hkv * group, d)
+    # pages in random order
+    pt = torch.randperm(num_pages, device=device)[: B * max_pages].view(B, max_pages).to(torch.int32)
+    q = torch.randn(B * q_len, hkv * group, d, device=device)
     q_scale = None
     if q_dtype == FP8:
         q_scale = q.abs().amax(-1) / 448.0
         q = (q / q_scale[..., None]).to(FP8)
     else:
         q = q.to(q_dtype)
-    return q, q_scale, k, v, pt, torch.tensor(lens, dtype=torch.int32)
+    return q, q_scale, k, v, pt, torch.tensor(lens, dtype=torch.int32, device=device)
 
 
 def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None, sm_scale=None, what=""):
@@ -59,83 +60,90 @@ def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None
     return o
 
 
-def run(lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
-        dynamic=True, num_programs=4, min_tiles=1, hnd=False, **kw):
-    q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd)
+def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
+        dynamic=True, num_programs=4, min_tiles=1, hnd=False, num_warps=None, num_stages=None, **kw):
+    q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd, device=device)
     plan = None
     if dynamic:
-        plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device="cpu",
-                                   num_programs=num_programs, min_tiles=min_tiles).update(sl)
+        plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
+                                   num_programs=num_programs, min_tiles=min_tiles, num_warps=num_warps,
+                                   num_stages=num_stages).update(sl)
     return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
 
 
 # The first priority case: bf16, q_len 1, head_dim 128, page 64, a skewed batch split across bins.
-def test_bf16_d128_p64_skewed():
-    run([700, 64, 0, 65, 130], hkv=2, group=8, d=128, page=64, num_programs=5)
+def test_bf16_d128_p64_skewed(device):
+    run(device, [700, 64, 0, 65, 130], hkv=2, group=8, d=128, page=64, num_programs=5)
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["plan", "static"])
 @pytest.mark.parametrize("lens", [[200, 200, 200], [1, 64, 65, 300], [0, 0], [0, 129, 0]],
                          ids=["uniform", "tile_edges", "all_zero", "zero_around"])
-def test_lengths(lens, dynamic):
-    run(lens, dynamic=dynamic)
+def test_lengths(lens, dynamic, device):
+    run(device, lens, dynamic=dynamic)
 
 
 @pytest.mark.parametrize("group", [1, 2, 8, 16])
-def test_gqa_group(group):
-    run([150, 70], hkv=2 if group < 16 else 1, group=group)
+def test_gqa_group(group, device):
+    run(device, [150, 70], hkv=2 if group < 16 else 1, group=group)
 
 
 @pytest.mark.parametrize("q_len", [2, 3, 4])
-def test_q_len_causal(q_len):
+def test_q_len_causal(q_len, device):
     # 65: last tile holds one token, invisible to the first rows; 2: shorter than q_len for 3 and 4
-    run([65, 130, 2, 0], q_len=q_len, group=2)
+    run(device, [65, 130, 2, 0], q_len=q_len, group=2)
 
 
 @pytest.mark.parametrize("page", [16, 32, 128])
-def test_page_size(page):
-    run([200, 33, 129], page=page)
+def test_page_size(page, device):
+    run(device, [200, 33, 129], page=page)
 
 
 @pytest.mark.parametrize("d", [128, 256])
-def test_head_dim(d):
-    run([100, 140], d=d, group=2)
+def test_head_dim(d, device):
+    run(device, [100, 140], d=d, group=2)
 
 
-def test_sm_scale_and_hnd_view():
-    run([150, 90], sm_scale=0.3, hnd=True)
+def test_sm_scale_and_hnd_view(device):
+    run(device, [150, 90], sm_scale=0.3, hnd=True)
 
 
-def test_fp8_kv_bf16_q():
-    run([300, 64, 0, 77], kv_dtype=FP8, k_scale=1 / 30, v_scale=torch.tensor([1 / 40]))
+def test_fp8_kv_bf16_q(device):
+    run(device, [300, 64, 0, 77], kv_dtype=FP8, k_scale=1 / 30, v_scale=torch.tensor([1 / 40], device=device))
 
 
-def test_fp8_kv_fp8_q():
-    run([300, 65, 0], kv_dtype=FP8, q_dtype=FP8, k_scale=torch.tensor([1 / 30]), v_scale=1 / 40, group=8, d=128)
+def test_fp8_kv_fp8_q(device):
+    run(device, [300, 65, 0], kv_dtype=FP8, q_dtype=FP8, k_scale=torch.tensor([1 / 30], device=device), v_scale=1 / 40,
+        group=8, d=128)
 
 
-def test_fp8_kv_static_q_len2():
-    run([190, 3], kv_dtype=FP8, q_dtype=FP8, k_scale=1 / 30, v_scale=1 / 40, q_len=2, dynamic=False)
+def test_fp8_kv_static_q_len2(device):
+    run(device, [190, 3], kv_dtype=FP8, q_dtype=FP8, k_scale=1 / 30, v_scale=1 / 40, q_len=2, dynamic=False)
 
 
-def test_plan_and_static_agree_and_min_tiles_path():
+def test_plan_and_static_agree_and_min_tiles_path(device):
     """One-bin plans (min_tiles large: nothing split, combine idle) still match the oracle."""
-    run([300, 20, 90], min_tiles=64)
+    run(device, [300, 20, 90], min_tiles=64)
 
 
-def test_default_programs_and_plan_reuse():
+def test_launch_overrides_keep_results(device):
+    """The sweep knobs (num_warps / num_stages on the plan) change the launch, not the result."""
+    run(device, [300, 20, 90], num_programs=3, num_warps=8, num_stages=1)
+
+
+def test_default_programs_and_plan_reuse(device):
     lens = [500, 3, 260]
-    q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, 32, 1)
-    plan = evenflow.DecodePlan(6, 4096, 2, page_size=32, device="cpu")
+    q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, 32, 1, device=device)
+    plan = evenflow.DecodePlan(6, 4096, 2, page_size=32, device=device)
     plan.update(sl)
     check(q, qs, k, v, pt, sl, 1, plan=plan)
-    sl2 = torch.tensor([40, 511, 0], dtype=torch.int32)  # new lengths, same buffers
+    sl2 = torch.tensor([40, 511, 0], dtype=torch.int32, device=device)  # new lengths, same buffers
     check(q, qs, k, v, pt, sl2, 1, plan=plan.update(sl2))
 
 
-def test_validate_inputs_and_kernel_stays_in_bounds():
-    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1)
-    plan = evenflow.DecodePlan(2, 1000, 2, device="cpu", num_programs=2, min_tiles=1).update(sl)
+def test_validate_inputs_and_kernel_stays_in_bounds(device):
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 2, device=device, num_programs=2, min_tiles=1).update(sl)
     evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=plan)
     bad_pt = pt.clone()
     bad_pt[0, 1] = k.shape[0] + 5
@@ -144,16 +152,17 @@ def test_validate_inputs_and_kernel_stays_in_bounds():
     # the kernel clamps the bad index instead of reading past the cache: finite output
     o = evenflow.decode_attention(q, k, v, bad_pt, sl, plan=plan)
     assert torch.isfinite(o.float()).all()
-    long = torch.tensor([100, 64 * pt.shape[1] + 1], dtype=torch.int32)
+    long = torch.tensor([100, 64 * pt.shape[1] + 1], dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match=r"seq_lens\[1\]"):
         evenflow.attention.validate_inputs(q, k, v, pt, long, plan=None)
     with pytest.raises(ValueError, match="not updated"):
-        evenflow.attention.validate_inputs(q, k, v, pt, torch.tensor([100, 65], dtype=torch.int32), plan=plan)
+        evenflow.attention.validate_inputs(q, k, v, pt, torch.tensor([100, 65], dtype=torch.int32, device=device),
+                                          plan=plan)
 
 
-def test_bad_arguments():
-    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1)
-    plan = evenflow.DecodePlan(2, 1000, 2, device="cpu").update(sl)
+def test_bad_arguments(device):
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 2, device=device).update(sl)
     da = evenflow.decode_attention
     with pytest.raises(TypeError, match="q must have dtype"):
         da(q.float(), k, v, pt, sl, plan=plan)
@@ -166,23 +175,23 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="q_scale is required"):
         da(q.to(FP8), k, v, pt, sl, plan=plan)
     with pytest.raises(ValueError, match="plan was built for 4 kv heads"):
-        da(q, k, v, pt, sl, plan=evenflow.DecodePlan(2, 1000, 4, device="cpu").update(sl))
+        da(q, k, v, pt, sl, plan=evenflow.DecodePlan(2, 1000, 4, device=device).update(sl))
     with pytest.raises(ValueError, match="batch"):
         da(q[:1], k, v, pt[:1], sl[:1], plan=plan)
     with pytest.raises(ValueError, match="k_scale"):
-        da(q, k, v, pt, sl, plan=plan, k_scale=torch.ones(2))
+        da(q, k, v, pt, sl, plan=plan, k_scale=torch.ones(2, device=device))
     with pytest.raises(ValueError, match="out"):
-        da(q, k, v, pt, sl, plan=plan, out=torch.empty(2, 4, 32, dtype=torch.bfloat16))
+        da(q, k, v, pt, sl, plan=plan, out=torch.empty(2, 4, 32, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="unit stride"):
         da(q, k.transpose(2, 3), v.transpose(2, 3), pt, sl, plan=plan)
 
 
-def test_opcheck():
-    q, qs, k, v, pt, sl = make_inputs([70, 0], 1, 2, 64, 64, 1)
-    plan = evenflow.DecodePlan(2, 1000, 1, device="cpu", num_programs=2, min_tiles=1).update(sl)
+def test_opcheck(device):
+    q, qs, k, v, pt, sl = make_inputs([70, 0], 1, 2, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 1, device=device, num_programs=2, min_tiles=1).update(sl)
     po, pl = plan.partials(2, 64)
-    out = torch.empty(2, 2, 64, dtype=torch.bfloat16)
-    lse = torch.empty(2, 2)
+    out = torch.empty(2, 2, 64, dtype=torch.bfloat16, device=device)
+    lse = torch.empty(2, 2, device=device)
     args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, out, lse,
             None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
     torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
@@ -201,10 +210,10 @@ def test_batched_reference_matches_simple_reference():
     torch.testing.assert_close(bl, al, rtol=1e-12, atol=1e-12)
 
 
-def test_demo_runs_on_cpu():
+def test_demo_runs_at_tiny_shapes(device):
     import types
 
     from evenflow.attention.demo import run_demo
 
-    rows = run_demo(types.SimpleNamespace(device="cpu", gpu=False, harness=None))
+    rows = run_demo(types.SimpleNamespace(device=device, gpu=False, harness=None))
     assert rows and all(r["ok"] for r in rows), rows

@@ -31,9 +31,9 @@ def walk(plan_d, num_kv_heads, num_programs):
     return bins
 
 
-def make_plan(lens, hkv, np_, min_tiles, max_seq_len=1 << 20):
-    sl = torch.tensor(lens, dtype=torch.int32)
-    plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device="cpu", num_programs=np_,
+def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20):
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
                                min_tiles=min_tiles).update(sl)
     return plan, sl
 
@@ -51,9 +51,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_device_plan_equals_reference(name):
+def test_device_plan_equals_reference(name, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(lens, hkv, np_, mt)
+    plan, sl = make_plan(device, lens, hkv, np_, mt)
     ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
     got = plan.as_dict()
     for key in ("tiles", "req_end", "prog_start", "meta"):
@@ -61,9 +61,9 @@ def test_device_plan_equals_reference(name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_plan_properties(name):
+def test_plan_properties(name, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(lens, hkv, np_, mt)
+    plan, sl = make_plan(device, lens, hkv, np_, mt)
     d = plan.as_dict()
     total, budget, used = d["meta"][:3].tolist()
     tiles = [-(-L // TILE) for L in lens]
@@ -106,7 +106,7 @@ def test_plan_properties(name):
         assert holders == list(range(holders[0], holders[-1] + 1))
 
 
-def test_plan_random_sweep():
+def test_plan_random_sweep(device):
     """Seeded random length mixes (log-uniform, with zeros) against the reference builder."""
     g = torch.Generator().manual_seed(1234)
     for trial in range(12):
@@ -116,45 +116,49 @@ def test_plan_random_sweep():
         mt = int(torch.randint(1, 10, (1,), generator=g))
         lens = (2.0 ** (torch.rand(B, generator=g) * 14)).long()
         lens[torch.rand(B, generator=g) < 0.15] = 0
-        plan, sl = make_plan(lens.tolist(), hkv, np_, mt)
+        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt)
         ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
 
 
-def test_plan_update_reuses_workspace_and_clamps():
-    plan = evenflow.DecodePlan(4, 1000, 2, device="cpu", num_programs=3, min_tiles=1)
+def test_plan_update_reuses_workspace_and_clamps(device):
+    plan = evenflow.DecodePlan(4, 1000, 2, device=device, num_programs=3, min_tiles=1)
     ptrs = [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]
-    plan.update(torch.tensor([100, 200], dtype=torch.int32))
+    plan.update(torch.tensor([100, 200], dtype=torch.int32, device=device))
     assert not plan.clamped()
-    plan.update(torch.tensor([100, 5000, -3], dtype=torch.int32))
+    plan.update(torch.tensor([100, 5000, -3], dtype=torch.int32, device=device))
     assert plan.clamped()
     assert plan.as_dict()["tiles"].tolist() == [2, 16, 0]  # clamped to [0, max_seq_len]
     assert ptrs == [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]
 
 
-def test_plan_bad_arguments():
+def test_plan_bad_arguments(device):
     with pytest.raises(ValueError, match="page_size"):
-        evenflow.DecodePlan(4, 100, 2, page_size=48, device="cpu")
+        evenflow.DecodePlan(4, 100, 2, page_size=48, device=device)
     with pytest.raises(ValueError, match="q_len"):
-        evenflow.DecodePlan(4, 100, 2, q_len=5, device="cpu")
+        evenflow.DecodePlan(4, 100, 2, q_len=5, device=device)
     with pytest.raises(ValueError, match="max_batch"):
-        evenflow.DecodePlan(4096, 100, 2, device="cpu")
+        evenflow.DecodePlan(4096, 100, 2, device=device)
     with pytest.raises(TypeError, match="num_programs"):
-        evenflow.DecodePlan(4, 100, 2, device="cpu", num_programs=2.5)
+        evenflow.DecodePlan(4, 100, 2, device=device, num_programs=2.5)
+    with pytest.raises(ValueError, match="num_warps"):
+        evenflow.DecodePlan(4, 100, 2, device=device, num_warps=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        evenflow.DecodePlan(4, 100, 2, device=device, num_stages=0)
     with pytest.raises(ValueError, match="too large"):
-        evenflow.DecodePlan(2048, 1 << 30, 64, device="cpu")
-    plan = evenflow.DecodePlan(4, 100, 2, device="cpu")
+        evenflow.DecodePlan(2048, 1 << 30, 64, device=device)
+    plan = evenflow.DecodePlan(4, 100, 2, device=device)
     with pytest.raises(TypeError, match="seq_lens"):
-        plan.update(torch.tensor([1, 2], dtype=torch.int64))
+        plan.update(torch.tensor([1, 2], dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="batch"):
-        plan.update(torch.zeros(5, dtype=torch.int32))
+        plan.update(torch.zeros(5, dtype=torch.int32, device=device))
 
 
-def test_plan_opcheck():
-    plan = evenflow.DecodePlan(4, 1000, 2, device="cpu", num_programs=3, min_tiles=1)
-    sl = torch.tensor([100, 0, 700], dtype=torch.int32)
+def test_plan_opcheck(device):
+    plan = evenflow.DecodePlan(4, 1000, 2, device=device, num_programs=3, min_tiles=1)
+    sl = torch.tensor([100, 0, 700], dtype=torch.int32, device=device)
     torch.library.opcheck(torch.ops.evenflow.decode_plan_update.default,
                           (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4),
                           test_utils=("test_schema", "test_faketensor"))

@@ -44,6 +44,7 @@ from evenflow.attention.plan import TILE, DecodePlan, static_splits
 FP8 = torch.float8_e4m3fn
 _QDT = (torch.bfloat16, FP8)
 _KVDT = (torch.bfloat16, FP8)
+_LOG2E = math.log2(math.e)
 
 
 def _block_m(rows: int) -> int:
@@ -51,9 +52,12 @@ def _block_m(rows: int) -> int:
 
 
 def _num_stages(head_dim: int, kv_dtype: torch.dtype) -> int:
-    # K+V tile bytes per stage: 64 * D * 2 * elem; keep about 64 KB of stages in flight
-    tile_bytes = 2 * TILE * head_dim * kv_dtype.itemsize
-    return max(1, min(3, (64 * 1024) // tile_bytes))
+    # The sm_90 pipeliner keeps num_stages - 1 K+V tiles in shared memory (in flight while
+    # one is computed). Aim at ~64 KB of tiles per program (2 programs per SM then keep
+    # ~128 KB in flight per SM, well past the ~40-70 KB that 4.8 TB/s x DRAM latency needs)
+    # and stay under ~110 KB of shared memory so 2 programs fit per SM.
+    tile_bytes = 2 * TILE * head_dim * kv_dtype.itemsize  # K + V of one 64-token tile
+    return 1 + max(1, min(3, (64 * 1024) // tile_bytes))
 
 
 @torch.library.custom_op("evenflow::decode_attention", mutates_args=("out", "lse", "part_o", "part_lse"))
@@ -63,7 +67,8 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
                lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
-               q_len: int, splits: int, max_len: int) -> None:
+               q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0) -> None:
+    # num_warps / num_stages: 0 = the launcher's choice (a DecodePlan may override them)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -82,7 +87,7 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta,
         out, lse_t, part_o, part_lse,
         k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
-        sm_scale * K.LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
+        sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
         q.stride(0), q.stride(1),
         qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -90,7 +95,7 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        NUM_STAGES=_num_stages(D, k_cache.dtype), num_warps=4, **common,
+        NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype), num_warps=num_warps or 4, **common,
     )
     if is_static and splits == 1:
         return
@@ -104,7 +109,7 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, out, lse,
-      q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len):
+      q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0):
     return None
 
 
@@ -214,7 +219,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         part_o, part_lse = plan.partials(rows, D)
         _decode_op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, 0,
-                   min(plan.max_seq_len, max_pages_len))
+                   min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -37,9 +37,11 @@ import triton.language as tl
 
 from evenflow._kernels.common import dot_operand
 
-LOG2E: tl.constexpr = 1.4426950408889634
-LN2: tl.constexpr = 0.6931471805599453
-TILE: tl.constexpr = 64
+# Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
+# plain or merely annotated globals; the interpreter does not).
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+TILE = tl.constexpr(64)
 
 
 @triton.jit(do_not_specialize=["B", "max_len", "min_tiles"])

@@ -20,7 +20,11 @@ from evenflow.attention import kernels as K
 TILE = 64
 MAX_BATCH = 2048
 DEFAULT_MIN_TILES = 8  # 512 tokens: HPC-Ops' minimum work per program
-DEFAULT_PROGRAMS_PER_SM = 4  # HPC-Ops runs 4 CTAs per SM on sm90; to be re-measured
+# Persistent programs per SM. Every bin must be resident at once (a second wave doubles
+# the tail): the sm_90 build of the attention kernel uses 154-193 registers/thread at
+# 4 warps, so 2 CTAs per SM is what is guaranteed to fit (see docs/perf-notes/decode.md;
+# benchmarks/sweep_decode.py measures 1-4).
+DEFAULT_PROGRAMS_PER_SM = 2
 
 
 def default_num_programs(device) -> int:
@@ -54,8 +58,10 @@ class DecodePlan:
     and pass ``plan=`` to every layer's :func:`evenflow.decode_attention`.
 
     ``num_programs``: persistent programs of the attention kernel (default
-    ``4 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
-    (default 8 = 512 tokens), so small batches are not over-split.
+    ``2 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
+    (default 8 = 512 tokens), so small batches are not over-split. ``num_warps`` /
+    ``num_stages``: launch config of the attention kernel (default: the launcher's
+    choice); these four exist so one GPU run can sweep them.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -68,7 +74,8 @@ class DecodePlan:
     """
 
     def __init__(self, max_batch: int, max_seq_len: int, num_kv_heads: int, page_size: int = 64,
-                 q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None):
+                 q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -86,6 +93,10 @@ class DecodePlan:
         if min_tiles is None:
             min_tiles = DEFAULT_MIN_TILES
         check_int("min_tiles", min_tiles, 1)
+        if num_warps is not None and num_warps not in (2, 4, 8):
+            raise ValueError(f"num_warps must be one of [2, 4, 8] or None, got {num_warps!r}")
+        if num_stages is not None:
+            check_int("num_stages", num_stages, 1, 6)
         max_tiles = max_batch * num_kv_heads * math.ceil(max_seq_len / TILE)
         if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
             raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
@@ -93,6 +104,8 @@ class DecodePlan:
         self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
         self.page_size, self.q_len, self.device = page_size, q_len, dev
         self.num_programs, self.min_tiles = num_programs, min_tiles
+        # kernel launch config of the attention kernel (None: the launcher's choice)
+        self.num_warps, self.num_stages = num_warps, num_stages
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)

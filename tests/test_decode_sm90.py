@@ -1,0 +1,68 @@
+"""Every decode-attention kernel configuration the launchers pick compiles for sm_90.
+
+The launches are recorded at real shapes with CPU tensors (nothing executes) and each
+distinct one is compiled with Triton's GPU compiler (PTX + ptxas cubin), no GPU needed.
+The interpreter cannot catch GPU compile errors (round 1: a non-constexpr global broke
+every kernel), so this runs in CI. A representative set; the exhaustive product of
+dtypes x head dims x pages x q_len x groups was compiled once by hand (perf notes).
+"""
+import pytest
+import torch
+
+import evenflow
+from evenflow import _runtime
+
+CC = pytest.importorskip("evenflow._compile_check")
+FP8 = torch.float8_e4m3fn
+K = 1024
+
+pytestmark = pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+
+
+def _call(lens, hq=64, hkv=8, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=torch.bfloat16, hnd=False,
+          static=False, **plan_kw):
+    B = len(lens)
+    mp = max(1, max(-(-n // page) for n in lens))
+    shape = (B * mp, hkv, page, d) if hnd else (B * mp, page, hkv, d)
+    k, v = torch.empty(shape, dtype=kv), torch.empty(shape, dtype=kv)
+    if hnd:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    pt = torch.zeros(B, mp, dtype=torch.int32)
+    q = torch.empty(B * q_len, hq, d, dtype=qdt)
+    qs = torch.empty(B * q_len, hq) if qdt == FP8 else None
+    sl = torch.tensor(lens, dtype=torch.int32)
+    sc = dict(k_scale=torch.ones(1), v_scale=0.5) if kv == FP8 else {}
+    plan = None
+    if not static:
+        plan = evenflow.DecodePlan(B, mp * page, hkv, page_size=page, q_len=q_len, device="cpu", **plan_kw)
+        plan.update(sl)
+    evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, return_lse=True, **sc)
+
+
+BIG = [128 * K] + [4 * K] * 31
+SCENARIOS = {
+    "bf16": dict(lens=BIG),
+    "fp8-kv": dict(lens=BIG, kv=FP8),
+    "fp8-kv-fp8-q": dict(lens=BIG, kv=FP8, qdt=FP8),
+    "tp8-slice": dict(lens=BIG, hq=8, hkv=1),
+    "static-bf16": dict(lens=BIG, static=True),
+    "static-fp8-q_len2": dict(lens=[300, 5000], kv=FP8, qdt=FP8, q_len=2, static=True),
+    "d64-p16-g1": dict(lens=[300, 5000], hq=2, hkv=2, d=64, page=16),
+    "d256-p128-g16-q4": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4),
+    "d256-fp8": dict(lens=[300, 5000], hq=8, hkv=2, d=256, page=32, kv=FP8),
+    "hnd-q3": dict(lens=[300, 5000], hq=16, hkv=2, page=64, q_len=3, hnd=True),
+    "sweep-w8-s1": dict(lens=BIG, num_warps=8, num_stages=1),
+    "sweep-fp8-w8-s3": dict(lens=BIG, kv=FP8, num_warps=8, num_stages=3),
+}
+
+
+def test_decode_kernels_compile_for_sm90():
+    launches = []
+    with CC.emulate_gpu():
+        for name, kw in SCENARIOS.items():
+            with CC.record_launches() as rec:
+                _call(**kw)
+            assert {la.name for la in rec} >= {"decode_kernel"}, name
+            launches += rec
+    failures = CC.compile_launches(launches)
+    assert not failures, "\n\n".join(failures)
