@@ -159,3 +159,10 @@ def test_cli_info_runs():
 def test_cli_bench_unknown_name_is_a_clear_error():
     r = _cli("bench", "no-such-benchmark")
     assert r.returncode == 2 and "unknown benchmark 'no-such-benchmark'" in r.stderr
+
+
+def test_results_with_only_error_rows_still_write_the_file(tmp_path):
+    res = H.Results("errors-only", ceilings={}, out=tmp_path)
+    res.add_error(case="c", impl="flashinfer-tc", error="failed to build")
+    d = json.loads(res.finish().read_text())
+    assert d["rows"][0]["error"] == "failed to build" and not (tmp_path / "errors-only.png").exists()

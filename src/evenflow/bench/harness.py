@@ -363,6 +363,8 @@ class Results:
         import matplotlib.pyplot as plt
 
         ok = [r for r in self.rows if y in r]
+        if not ok:
+            raise ImportError("nothing to plot: every row is an error row")
         groups = sorted({r.get(group, "") for r in ok}) if group else [""]
         fig, axes = plt.subplots(len(groups), 1, figsize=(max(8, 0.6 * len({r[x] for r in ok}) + 4),
                                                           4 * len(groups)), squeeze=False)
