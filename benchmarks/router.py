@@ -29,7 +29,8 @@ CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite":
          "qwen3-30b-a3b": (2048, 128)}
 MS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
-IMPLS = ("evenflow", "evenflow-invariant", *cublas.PEERS)
+# evenflow: default RouterWeight (three terms, exact fp32 weights); evenflow-2term: terms=2.
+IMPLS = ("evenflow", "evenflow-2term", "evenflow-invariant", *cublas.PEERS)
 TOP_K = 8
 ROTATE_BYTES = 150 << 20  # > 2x L2
 
@@ -68,7 +69,7 @@ def main() -> int:
                 try:
                     if impl.startswith("evenflow"):
                         inv = impl == "evenflow-invariant"
-                        rws = [evenflow.RouterWeight(w) for w in ws]
+                        rws = [evenflow.RouterWeight(w, terms=2 if impl == "evenflow-2term" else 3) for w in ws]
                         outs = [torch.empty(m, n, device="cuda") for _ in ws]
                         for rw in rws:  # workspace allocated before capture
                             rw.workspace(m, rw.config(m, inv))

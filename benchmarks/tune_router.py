@@ -1,15 +1,25 @@
 """Measure router GEMM configs on this GPU and write the dispatch table (data, not code).
 
-    python benchmarks/tune_router.py [--quick] [--cases K4096-N192,...] [--table PATH]
+    python benchmarks/tune_router.py [--quick] [--cases K4096-N192,...] [--terms 3] [--table PATH]
+    python benchmarks/tune_router.py --compile-only      # no GPU: compile every candidate for sm_90
 
-For every standard (K, N) and each M bucket (upper bounds 1, 2, 4, 8, 16, 32, 64, 128,
-256, 512, 1024, 2048, 4096, 8192; M above the last uses the last), times each candidate
-at M = the bucket's upper bound as a CUDA-graph replay with rotated weight copies,
-after checking it against the fp64 product; the plain paths (``torch-fp32``,
-``torch-split2``) compete too and win a bucket only where they are measured faster.
-Batch-invariant mode gets one config per (K, N): the candidate with the lowest
-geometric-mean time over M in (1, 16, 128, 1024, 8192). Writes ``src/evenflow/router/configs/<gpu>.json``
-(or ``--table``) and, when ``$OUT`` is set, a copy under ``$OUT/router-configs/``.
+For every standard (K, N) and each M bucket (upper bounds 1, 16, 64, 256, 1024, 4096,
+8192; M above the last uses the last), times each candidate at M = the bucket's upper
+bound as a CUDA-graph replay with rotated weight copies, after checking it against the
+fp64 product; the plain paths (``torch-fp32``, ``torch-split2``) compete too and win a
+bucket only where they are measured faster. Batch-invariant mode gets one config per
+(K, N): the lowest geometric-mean time over M in (1, 256, 8192). Entries are per term
+count (``--terms``, default 3 = RouterWeight's default). Writes
+``src/evenflow/router/configs/<gpu>.json`` (or ``--table``) and, when ``$OUT`` is set,
+a copy under ``$OUT/router-configs/``.
+
+Budget: ~30 compiled kernel variants in all (the split count is a runtime argument,
+only split/no-split is compiled; ~1 s of JIT each) and ~300 timings (~0.1 s each,
+graph capture included): ~80 s for the four shapes. The space is pruned by
+reasoning (docs/perf-notes/router.md): small M is bound by reading W and by latency, so
+only split-K and the K step vary there; large M is tensor-core bound, so only the tile
+shape and a small split vary; 128x128 tiles are out (three fp32 accumulators + the
+fresh product tile would spill at 8 warps).
 """
 from __future__ import annotations
 
@@ -20,50 +30,106 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if __name__ == "__main__" and "--compile-only" in sys.argv:
+    os.environ["TRITON_INTERPRET"] = "0"  # must precede the first evenflow/triton import
 
-import evenflow
-from evenflow.bench import harness as H
-from evenflow.reference import router as R
-from evenflow.router.dispatch import GemmConfig
+import torch  # noqa: E402
+
+import evenflow  # noqa: E402
+from evenflow.bench import harness as H  # noqa: E402
+from evenflow.reference import router as R  # noqa: E402
+from evenflow.router.dispatch import GemmConfig  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
          "qwen3-30b-a3b": (2048, 128)}
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-QUICK_BUCKETS = (1, 16, 128, 1024, 8192)
+BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
+QUICK_BUCKETS = (1, 16, 256, 4096)
+INVARIANT_MS = (1, 256, 8192)
 ROTATE_BYTES = 150 << 20
+H200_SMS = 132
 
 
-def candidates(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
+def _splits(tiles: int, k: int, bk: int, min_steps: int, sms: int, keep: int) -> list[int]:
+    """Split-K values worth trying: >= min_steps K steps per program, programs nearest 1.5 per SM
+    (1/2 to 4 per SM where the K length allows); the ``keep`` nearest, ascending."""
+    allowed = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s == 1 or s * bk * min_steps <= k]
+    good = [s for s in allowed if sms / 2 <= tiles * s <= 4 * sms] or allowed
+    good.sort(key=lambda s: abs(math.log(tiles * s / (1.5 * sms))))
+    return sorted(good[:keep])
+
+
+def candidates(m: int, n: int, k: int, sms: int, plain: bool = True) -> list[GemmConfig]:
     out = []
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         for bn in (32, 64):
-            for bk in (128, 256):
+            for bk, stages in ((128, 4), (256, 3)):  # 256 x 4 stages would pass 200 KB of smem
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
-                for split in (1, 2, 4, 8, 16, 32, 64):
-                    if split > 1 and (split * bk > k or tiles * split > 4 * sms):
-                        continue
-                    out.append(GemmConfig(bm, bn, bk, split, 4, 4))
+                for split in _splits(tiles, k, bk, 1, sms, 3):
+                    out.append(GemmConfig(bm, bn, bk, split, 4, stages))
     else:
-        for bm, bn, warps in ((64, 64, 4), (128, 64, 8), (64, 128, 4), (128, 128, 8)):
+        for bm, bn, warps, stages in ((64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 3)):
             tiles = math.ceil(m / bm) * math.ceil(n / bn)
-            for stages in (3, 4):
-                for split in (1, 2, 4, 8):
-                    if split > 1 and (tiles >= sms or split * 64 * 2 > k):
-                        continue
-                    out.append(GemmConfig(bm, bn, 64, split, warps, stages))
-    out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
+            for split in _splits(tiles, k, 64, 8, sms, 3):
+                out.append(GemmConfig(bm, bn, 64, split, warps, stages))
+    if plain:
+        out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out
 
 
 def invariant_candidates(n: int, k: int) -> list[GemmConfig]:
     out = []
-    for bm, bn, warps in ((64, 64, 4), (32, 64, 4), (64, 32, 4)):
-        for split in (1, 2, 4, 8, 16):
-            if split * 128 <= k:
-                out.append(GemmConfig(bm, bn, 128, split, warps, 3))
+    for bm, bn in ((64, 64), (32, 64)):
+        for split in (1, 4, 8, 16):
+            if split * 64 * 4 <= k:
+                out.append(GemmConfig(bm, bn, 64, split, 4, 4))
     return out
+
+
+def compile_only() -> int:
+    """Compile every (config, effective split, K tail, terms) the tuner and the heuristics can
+    launch, for sm_90, on any machine (no GPU). Fails on the first that does not compile
+    or needs more shared memory than an H100/H200 block may have."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from evenflow.router import dispatch
+    from evenflow.router.gemm import launch_shape
+    from evenflow.router.kernels import router_gemm_kernel
+
+    sig = {"p_x": "*bf16", "p_whi": "*bf16", "p_wlo": "*bf16", "p_wlo2": "*bf16", "p_out": "*fp32",
+           "p_part": "*fp32", "p_count": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
+           "NUM_SPLITS": "i32",
+           "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32"):
+        sig[c] = "constexpr"
+    combos = set()
+    for k, n in CASES.values():
+        for kk in (k, k + 4):  # K tail too (EVEN_K=False)
+            for m in sorted(set(BUCKETS) | {2, 4, 8, 32, 128, 512, 2048}):
+                cfgs = candidates(m, n, kk, H200_SMS, plain=False) + invariant_candidates(n, kk)
+                cfgs += [dispatch.heuristic_config(m, n, kk, H200_SMS), dispatch.heuristic_invariant_config(n, kk)]
+                for c in cfgs:
+                    _, split, _ = launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)
+                    for terms in (2, 3):
+                        combos.add((c.block_m, c.block_n, c.block_k, split > 1, kk % c.block_k == 0, terms,
+                                    c.num_warps, c.num_stages))
+    print(f"compiling {len(combos)} router GEMM variants for sm_90", flush=True)
+    t0 = time.time()
+    worst = 0
+    for i, (bm, bn, bk, split, even, terms, warps, stages) in enumerate(sorted(combos)):
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False)
+        ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig, constexprs=ce),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        smem = ck.metadata.shared
+        worst = max(worst, smem)
+        if smem > 232448:
+            raise SystemExit(f"{ce} warps={warps} stages={stages}: {smem} B of shared memory > 227 KB")
+        if i % 20 == 0:
+            print(f"  {i}/{len(combos)} ok (+{time.time() - t0:.0f}s)", flush=True)
+    print(f"all {len(combos)} compiled for sm_90; largest shared memory {worst} B", flush=True)
+    return 0
 
 
 def _time(cfg, xs, rws, outs, ref, inv=False) -> float | None:
@@ -75,7 +141,7 @@ def _time(cfg, xs, rws, outs, ref, inv=False) -> float | None:
         if not math.isfinite(err) or err > 1e-3:
             print(f"  reject {cfg}: max|err| {err:.2e}", flush=True)
             return None
-        return H.time_graph(fns, reps=20)
+        return H.time_graph(fns, reps=10)
     except Exception as e:  # a config that fails to compile (e.g. shared memory) is skipped, and said so
         print(f"  skip {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
         return None
@@ -83,11 +149,16 @@ def _time(cfg, xs, rws, outs, ref, inv=False) -> float | None:
 
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated case names")
+    p.add_argument("--terms", type=int, default=3, choices=(2, 3), help="RouterWeight terms to tune for")
+    p.add_argument("--compile-only", action="store_true", help="no GPU: compile every candidate for sm_90")
     p.add_argument("--table", default=None, help="output JSON (default src/evenflow/router/configs/<gpu>.json)")
 
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
+    if args.compile_only:
+        return compile_only()
+    terms = args.terms
     cases = args.cases.split(",") if args.cases else tuple(CASES)
     buckets = QUICK_BUCKETS if args.quick else BUCKETS
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -95,8 +166,9 @@ def main() -> int:
     table_path = Path(args.table) if args.table else (
         Path(evenflow.router.__file__).parent / "configs" / f"{H.gpu_slug(name)}.json")
     table = json.loads(table_path.read_text()) if table_path.is_file() else {}
-    entries = [e for e in table.get("entries", []) if (e["K"], e["N"]) not in {CASES[c] for c in cases}]
-    invariant = [e for e in table.get("batch_invariant", []) if (e["K"], e["N"]) not in {CASES[c] for c in cases}]
+    redo = {(*CASES[c], terms) for c in cases}
+    entries = [e for e in table.get("entries", []) if (e["K"], e["N"], e.get("terms", 3)) not in redo]
+    invariant = [e for e in table.get("batch_invariant", []) if (e["K"], e["N"], e.get("terms", 3)) not in redo]
     summary = []
     t0 = time.time()
     torch.manual_seed(0)
@@ -106,7 +178,7 @@ def main() -> int:
         for m in H.progress(buckets, f"tune {case}"):
             copies = max(1, min(16, math.ceil(ROTATE_BYTES / (n * k * 4 + m * k * 2))))
             ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
-            rws = [evenflow.RouterWeight(w) for w in ws]
+            rws = [evenflow.RouterWeight(w, terms=terms) for w in ws]
             xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             outs = [torch.empty(m, n, device="cuda") for _ in range(copies)]
             ref = R.router_logits_fp64(xs[0], ws[0])
@@ -115,13 +187,14 @@ def main() -> int:
                 us = _time(cfg, xs, rws, outs, ref)
                 if us is not None and (best is None or us < best[1]):
                     best = (cfg, us)
-            for cfg in inv_times if m in QUICK_BUCKETS else ():
+            for cfg in inv_times if m in INVARIANT_MS else ():
                 us = _time(cfg, xs, rws, outs, ref, inv=True)
                 inv_times[cfg].append(us if us is not None else float("inf"))
             if best is None:
                 print(f"  no working config for {case} M={m}", flush=True)
                 continue
-            entries.append({"K": k, "N": n, "m_max": m, "us": round(best[1], 3), "config": best[0].to_dict()})
+            entries.append({"K": k, "N": n, "terms": terms, "m_max": m, "us": round(best[1], 3),
+                            "config": best[0].to_dict()})
             summary.append((case, m, best[0], best[1]))
             print(f"  best M={m}: {best[0]} {best[1]:.2f} us  (+{time.time() - t0:.0f}s)", flush=True)
             del ws, rws, xs, outs
@@ -130,7 +203,7 @@ def main() -> int:
                   if ts and all(math.isfinite(t) for t in ts)]
         if scored:
             g, cfg = min(scored, key=lambda s: s[0])
-            invariant.append({"K": k, "N": n, "geomean_us": round(g, 3), "config": cfg.to_dict()})
+            invariant.append({"K": k, "N": n, "terms": terms, "geomean_us": round(g, 3), "config": cfg.to_dict()})
     table = {"gpu": name, "sms": sms, "header": H.header(), "entries": entries, "batch_invariant": invariant}
     text = json.dumps(table, indent=1) + "\n"
     table_path.parent.mkdir(parents=True, exist_ok=True)

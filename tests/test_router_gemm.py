@@ -1,7 +1,7 @@
 """Router GEMM: weight split, kernel vs fp64, split-K, batch invariance, dispatch, errors.
 
 CPU (Triton interpreter) shapes are tiny; real shapes are in test_router_gpu.py.
-Tolerance: ``evenflow.testing`` rule with baseline = PyTorch doing the same two-product
+Tolerance: ``evenflow.testing`` rule with baseline = PyTorch doing the same split (2 or 3 product)
 math in fp32 (``split_logits_fp32``), plus an analytic per-element bound:
 
     |out - x.w| <= (2^-17 + (K + 2) * 2^-24) * (|x| . |w|)
@@ -30,7 +30,7 @@ def _inputs(m, n, k, device, std=0.02):
 
 def _check_gemm(out, x, rw, w, what):
     ref = R.router_logits_fp64(x.cpu(), w.cpu())
-    base = R.split_logits_fp32(x.cpu(), rw.w_hi.cpu(), rw.w_lo.cpu())
+    base = R.split_logits_fp32(x.cpu(), *(t.cpu() for t in rw.parts))
     err = assert_within_rule(out, ref, base, what=what)
     k = x.shape[1]
     mag = x.cpu().double().abs() @ w.cpu().double().abs().t()
@@ -84,6 +84,28 @@ def test_split_residual_bound_over_all_binades():
     assert ratio > 2.0**-18, ratio
 
 
+def test_three_term_split_is_exact_for_normal_weights(device):
+    # hi + (lo + lo2/256)/256 == w for fp32 w away from the bottom of the range: after hi
+    # (RNE, 8 bits kept) the residual has <= 16 significant bits left; lo keeps 8 of them
+    # (RNE), its residual <= 8 bits fits lo2 exactly. Every step is exact in fp32.
+    g = torch.Generator().manual_seed(2)
+    e = torch.randint(-90, 100, (100_000,), generator=g).double()
+    mant = 1 + torch.rand(100_000, generator=g, dtype=torch.float64)
+    sign = torch.where(torch.rand(100_000, generator=g) < 0.5, -1.0, 1.0).double()
+    w = (sign * mant * torch.exp2(e)).float().view(200, 500).to(device)
+    w_hi, w_lo, w_lo2 = evenflow.split_weight(w, terms=3)
+    assert torch.equal(torch.stack(evenflow.split_weight(w, terms=2)), torch.stack((w_hi, w_lo)))
+    ref = R.split_weight_ref(w.cpu(), terms=3)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip((w_hi, w_lo, w_lo2), ref))
+    back = w_hi.double() + (w_lo.double() + w_lo2.double() / 256) / 256
+    assert torch.equal(back, w.double())
+    # The three-term weight holds all three parts; the two-term one does not allocate lo2.
+    rw3, rw2 = evenflow.RouterWeight(w, terms=3), evenflow.RouterWeight(w, terms=2)
+    assert len(rw3.parts) == 3 and rw2.w_lo2 is None and len(rw2.parts) == 2
+    with pytest.raises(ValueError, match="terms"):
+        evenflow.RouterWeight(w, terms=4)
+
+
 # ----------------------------------------------------------------------------- kernel vs fp64
 
 CASES = [
@@ -96,10 +118,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("terms", [3, 2])
 @pytest.mark.parametrize("m,n,k,cfg", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}" for c in CASES])
-def test_router_gemm_matches_fp64(device, m, n, k, cfg):
+def test_router_gemm_matches_fp64(device, m, n, k, cfg, terms):
     x, w = _inputs(m, n, k, device)
-    rw = evenflow.RouterWeight(w)
+    rw = evenflow.RouterWeight(w, terms=terms)
     out = poisoned((m, n), torch.float32, device)
     res = evenflow.router_gemm(x, rw, out=out, config=cfg)
     assert res.data_ptr() == out.data_ptr()
@@ -138,10 +161,11 @@ def test_router_gemm_strided_rows_and_fp32_x_on_request(device):
     assert torch.equal(c, evenflow.router_gemm(xf.to(torch.bfloat16), rw, config=cfg))
 
 
+@pytest.mark.parametrize("terms", [3, 2])
 @pytest.mark.parametrize("path", ["torch-fp32", "torch-split2"])
-def test_plain_paths(device, path):
+def test_plain_paths(device, path, terms):
     x, w = _inputs(6, 20, 64, device)
-    rw = evenflow.RouterWeight(w)
+    rw = evenflow.RouterWeight(w, terms=terms)
     out = evenflow.router_gemm(x, rw, config=GemmConfig(path=path))
     _check_gemm(out, x, rw, w, path)
 
@@ -165,10 +189,12 @@ def test_batch_invariant_rows_bitwise(device):
     assert torch.equal(evenflow.router_gemm(other, rw, batch_invariant=True, config=cfg)[0], full[0])
 
 
-def test_batch_invariant_uses_one_config_for_all_m():
-    cfgs = {dispatch.choose_config(m, 192, 4096, torch.device("cpu"), batch_invariant=True)
-            for m in (1, 3, 64, 1000, 8192)}
-    assert len(cfgs) == 1 and next(iter(cfgs)).path == "triton"
+def test_batch_invariant_uses_one_config_for_all_m(device):
+    # On a GPU this reads the committed table for that GPU when there is one.
+    for terms in (2, 3):
+        cfgs = {dispatch.choose_config(m, 192, 4096, torch.device(device), batch_invariant=True, terms=terms)
+                for m in (1, 3, 64, 1000, 8192)}
+        assert len(cfgs) == 1 and next(iter(cfgs)).path == "triton"
 
 
 # ----------------------------------------------------------------------------- stale split
@@ -238,13 +264,19 @@ def test_dispatch_table_lookup_by_m_range():
         {"K": 64, "N": 32, "m_max": 64, "config": GemmConfig(64, 32, 32, 1).to_dict()},
         {"K": 64, "N": 48, "m_max": 64, "config": GemmConfig(path="torch-fp32").to_dict()},
     ]
-    lk = dispatch._lookup
-    assert lk(entries, 1, 32, 64) == GemmConfig(16, 16, 32, 2)
-    assert lk(entries, 4, 32, 64) == GemmConfig(16, 16, 32, 2)
-    assert lk(entries, 5, 32, 64) == GemmConfig(64, 32, 32, 1)
-    assert lk(entries, 5000, 32, 64) == GemmConfig(64, 32, 32, 1)  # past the last range: last entry
-    assert lk(entries, 3, 48, 64).path == "torch-fp32"
-    assert lk(entries, 3, 32, 128) is None  # untuned shape -> heuristic
+    entries.append({"K": 64, "N": 32, "terms": 2, "m_max": 64, "config": GemmConfig(32, 32, 32, 1).to_dict()})
+
+    def lk(m, n, k, terms=3):
+        return dispatch._lookup(entries, m, n, k, terms)
+
+    assert lk(1, 32, 64) == GemmConfig(16, 16, 32, 2)
+    assert lk(4, 32, 64) == GemmConfig(16, 16, 32, 2)
+    assert lk(5, 32, 64) == GemmConfig(64, 32, 32, 1)
+    assert lk(5000, 32, 64) == GemmConfig(64, 32, 32, 1)  # past the last range: last entry
+    assert lk(3, 48, 64).path == "torch-fp32"
+    assert lk(3, 32, 128) is None  # untuned shape -> heuristic
+    assert lk(3, 32, 64, terms=2) == GemmConfig(32, 32, 32, 1)  # entries are per term count
+    assert lk(3, 48, 64, terms=2) is None
 
 
 def test_heuristic_fills_the_gpu_at_small_m():
@@ -272,4 +304,4 @@ def test_opcheck_router_gemm_op(device):
     out = torch.empty(3, 16, device=device)
     part, count = rw.workspace(3, GemmConfig(16, 16, 16, 2))
     torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
-                          (x, rw.w_hi, rw.w_lo, out, part, count, 16, 16, 16, 2, 4, 1))
+                          (x, rw.w_hi, rw.w_lo, rw.w_lo2, out, part, count, 3, 16, 16, 16, 2, 4, 1))

@@ -127,7 +127,7 @@ def test_route_is_gemm_then_select(device):
         lg64 = R.router_logits_fp64(x.cpu(), w.cpu())
         bc = b.cpu() if b is not None else None
         ref_ids, ref_w = R.route_ref(lg64, 8, scoring, bc, True, 2.0)
-        _, base_w = R.route_ref(R.split_logits_fp32(x.cpu(), rw.w_hi.cpu(), rw.w_lo.cpu()), 8, scoring, bc,
+        _, base_w = R.route_ref(R.split_logits_fp32(x.cpu(), *(t.cpu() for t in rw.parts)), 8, scoring, bc,
                                 True, 2.0, dtype=torch.float32)
         srt = _keys64(lg64, scoring, bc).sort(-1, descending=True).values
         clear = (srt[:, 7] - srt[:, 8]) > 1e-5
@@ -147,7 +147,7 @@ def test_route_topk_agreement_with_fp64_not_worse_than_pytorch_split(device):
     ids, _ = evenflow.route(x, rw, top_k)
     ref = R.router_logits_fp64(x.cpu(), w.cpu())
     ref_ids = ref.topk(top_k, dim=-1).indices
-    base_ids = R.split_logits_fp32(x.cpu(), rw.w_hi.cpu(), rw.w_lo.cpu()).topk(top_k, dim=-1).indices
+    base_ids = R.split_logits_fp32(x.cpu(), *(t.cpu() for t in rw.parts)).topk(top_k, dim=-1).indices
 
     def flips(a):
         return int(sum(len(set(r) - set(s)) for r, s in zip(a.tolist(), ref_ids.tolist())))

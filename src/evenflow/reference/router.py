@@ -7,12 +7,16 @@ from __future__ import annotations
 import torch
 
 
-def split_weight_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w_hi = bf16(w) (nearest even), w_lo = bf16((w - w_hi) * 256), computed through fp64."""
+def split_weight_ref(w: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, ...]:
+    """w_hi = bf16(w) (nearest even), w_lo = bf16((w - w_hi) * 256) [, w_lo2 = bf16(((w - w_hi) * 256
+    - w_lo) * 256)], computed through fp64."""
     w64 = w.double()
     w_hi = w.to(torch.bfloat16)
-    w_lo = ((w64 - w_hi.double()) * 256.0).to(torch.bfloat16)
-    return w_hi, w_lo
+    r = (w64 - w_hi.double()) * 256.0
+    w_lo = r.to(torch.bfloat16)
+    if terms == 2:
+        return w_hi, w_lo
+    return w_hi, w_lo, ((r - w_lo.double()) * 256.0).to(torch.bfloat16)
 
 
 def router_logits_fp64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -20,15 +24,21 @@ def router_logits_fp64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x.double() @ w.double().t()
 
 
-def split_logits_fp64(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor) -> torch.Tensor:
-    """What the split kernel approximates, exactly: x @ (w_hi + w_lo/256)^T in float64."""
-    return x.double() @ (w_hi.double() + w_lo.double() / 256.0).t()
+def split_logits_fp64(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor,
+                      w_lo2: torch.Tensor | None = None) -> torch.Tensor:
+    """What the split kernel approximates, exactly: x @ (w_hi + (w_lo + w_lo2/256)/256)^T in float64."""
+    lo = w_lo.double() if w_lo2 is None else w_lo.double() + w_lo2.double() / 256.0
+    return x.double() @ (w_hi.double() + lo / 256.0).t()
 
 
-def split_logits_fp32(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor) -> torch.Tensor:
-    """PyTorch doing the same two-product math in fp32 (the tolerance rule's baseline)."""
+def split_logits_fp32(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor,
+                      w_lo2: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch doing the same two- (or three-) product math in fp32 (the tolerance rule's baseline)."""
     xf = x.float()
-    return xf @ w_hi.float().t() + (xf @ w_lo.float().t()) / 256.0
+    lo = xf @ w_lo.float().t()
+    if w_lo2 is not None:
+        lo = lo + (xf @ w_lo2.float().t()) / 256.0
+    return xf @ w_hi.float().t() + lo / 256.0
 
 
 def route_ref(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,

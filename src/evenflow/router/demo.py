@@ -22,7 +22,7 @@ def run_demo(ctx) -> list[dict]:
     logits = evenflow.router_gemm(x, rw)
     ref = R.router_logits_fp64(x, w)
     err = float((logits.double() - ref).abs().max())
-    bound = error_bound(ref, R.split_logits_fp32(x, rw.w_hi, rw.w_lo), torch.float32)
+    bound = error_bound(ref, R.split_logits_fp32(x, *rw.parts), torch.float32)
     gemm_row = {"operator": "router_gemm", "case": case, "check": f"max|err| {err:.1e} <= bound {bound:.1e}",
                 "ok": bool(torch.isfinite(logits).all()) and err <= bound, "us": None, "floor_us": None, "peers": {}}
 
@@ -30,7 +30,7 @@ def run_demo(ctx) -> list[dict]:
     ref_ids, ref_w = R.route_ref(ref, 8, "softmax")
     same = int((ids.cpu() == ref_ids.cpu()).all(-1).sum())
     werr = float((wts.double().cpu() - ref_w.cpu()).abs().max())
-    _, base_w = R.route_ref(R.split_logits_fp32(x, rw.w_hi, rw.w_lo), 8, "softmax", dtype=torch.float32)
+    _, base_w = R.route_ref(R.split_logits_fp32(x, *rw.parts), 8, "softmax", dtype=torch.float32)
     wbound = error_bound(ref_w.cpu(), base_w.cpu(), torch.float32)
     route_row = {"operator": "route", "case": case + " top-8 softmax",
                  "check": f"ids == fp64 top-8 in {same}/{m} rows, max|w err| {werr:.1e} <= bound {wbound:.1e}",

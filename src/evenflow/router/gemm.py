@@ -5,6 +5,14 @@ The split (done once, at load time)::
     w_hi = bf16(w)                    # round to nearest even (torch's cast)
     w_lo = bf16((w - w_hi) * 256)     # w - w_hi is exact in fp32; *256 is exact
     w   ~= w_hi + w_lo / 256          # |w - (w_hi + w_lo/256)| <= 2^-17 |w|
+    w_lo2 = bf16(((w - w_hi) * 256 - w_lo) * 256)          # third term (terms=3, the default)
+    w   ~= w_hi + (w_lo + w_lo2 / 256) / 256               # <= 2^-26 |w|: all 24 bits of fp32
+
+Three terms are the default: the two-term split (2^-17) made about twice the top-k
+flips of FP32 cuBLAS in simulation (its representation error, std ~3e-6 at K=4096,
+is twice FP32's accumulation error); three terms represent every normal fp32 weight
+exactly, for 1.5x the weight bytes of fp32 (docs/perf-notes/router.md). ``terms=2`` keeps
+the faster two-product form for callers that accept 2^-17.
 
 Why round-to-nearest rather than the truncation the HPC-Ops write-up describes:
 nearest halves both rounding steps, so the two-term bound is 2^-17 |w| instead of
@@ -32,16 +40,26 @@ __all__ = ["RouterWeight", "router_gemm", "split_weight"]
 LO_SCALE = 256.0
 
 
-def split_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w_hi, w_lo) of an fp32 weight, both bf16 with w's shape (see module docstring)."""
+def split_weight(w: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, ...]:
+    """(w_hi, w_lo) or, with ``terms=3``, (w_hi, w_lo, w_lo2) of an fp32 weight; bf16, w's shape.
+
+    Every step is exact in fp32 except the bf16 roundings (see module docstring).
+    """
+    if terms not in (2, 3):
+        raise ValueError(f"terms must be 2 or 3, got {terms!r}")
     w_hi = w.to(torch.bfloat16)
-    w_lo = ((w - w_hi.float()) * LO_SCALE).to(torch.bfloat16)
-    return w_hi.contiguous(), w_lo.contiguous()
+    r = (w - w_hi.float()) * LO_SCALE
+    w_lo = r.to(torch.bfloat16)
+    if terms == 2:
+        return w_hi.contiguous(), w_lo.contiguous()
+    w_lo2 = ((r - w_lo.float()) * LO_SCALE).to(torch.bfloat16)
+    return w_hi.contiguous(), w_lo.contiguous(), w_lo2.contiguous()
 
 
 class RouterWeight:
-    """An fp32 router weight ``[N, K]`` split once into two bf16 parts, plus workspace.
+    """An fp32 router weight ``[N, K]`` split once into bf16 parts, plus workspace.
 
+    ``terms``: 3 (default, exact for normal fp32 weights) or 2 (2^-17 |w|, fewer bytes/FLOPs).
     ``auto_refresh``: re-split when the source changed in place, instead of raising.
     Keep one ``RouterWeight`` per stream: the split-K workspace is reused by every call.
     Before capturing a CUDA graph or compiling with torch.compile, call
@@ -49,8 +67,11 @@ class RouterWeight:
     every M up to ``max_tokens``, so nothing grows or is looked up inside the capture.
     """
 
-    def __init__(self, w: torch.Tensor, *, auto_refresh: bool = False):
+    def __init__(self, w: torch.Tensor, *, terms: int = 3, auto_refresh: bool = False):
         check_tensor("w", w, dtypes=[torch.float32], ndim=2, contiguous=True)
+        if terms not in (2, 3):
+            raise ValueError(f"terms must be 2 or 3, got {terms!r}")
+        self.terms = int(terms)
         if w.shape[0] < 1 or w.shape[1] < 1:
             raise ValueError(f"w must have N >= 1 and K >= 1, got shape {tuple(w.shape)}")
         self.auto_refresh = bool(auto_refresh)
@@ -66,7 +87,9 @@ class RouterWeight:
         w = self.source
         if not bool(torch.isfinite(w).all()):
             raise ValueError("w must be finite (NaN/Inf in a router weight)")
-        self.w_hi, self.w_lo = split_weight(w)
+        self.parts = split_weight(w, self.terms)
+        self.w_hi, self.w_lo = self.parts[0], self.parts[1]
+        self.w_lo2 = self.parts[2] if self.terms == 3 else None
         self._version = w._version
         self._ptr = w.data_ptr()
 
@@ -109,7 +132,7 @@ class RouterWeight:
         cfg = self._configs.get(key)
         if cfg is None:
             n, k = self.shape
-            cfg = choose_config(m, n, k, self.device, batch_invariant, self._facts)
+            cfg = choose_config(m, n, k, self.device, batch_invariant, self._facts, self.terms)
             self._configs[key] = cfg
         return cfg
 
@@ -132,34 +155,47 @@ class RouterWeight:
 
     def __repr__(self) -> str:
         n, k = self.shape
-        return f"RouterWeight(N={n}, K={k}, device={self.device}, auto_refresh={self.auto_refresh})"
+        return (f"RouterWeight(N={n}, K={k}, terms={self.terms}, device={self.device}, "
+                f"auto_refresh={self.auto_refresh})")
 
 
 # ----------------------------------------------------------------------------- custom op
 
+def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
+                 split_k: int) -> tuple[int, int, tuple[int, int]]:
+    """(K slice per program, effective number of K slices, grid) of one launch.
+
+    The effective split can be below ``split_k``: slices are whole BLOCK_K steps and no
+    program gets an empty K range (e.g. K=6144, BLOCK_K=256, split_k=16 -> 12 slices).
+    """
+    k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split = triton.cdiv(k, k_split)
+    return k_split, split, (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
+
+
 @torch.library.custom_op("evenflow::router_gemm_split", mutates_args=("out", "part", "count"))
-def _router_gemm_op(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, out: torch.Tensor,
-                    part: torch.Tensor, count: torch.Tensor, block_m: int, block_n: int, block_k: int,
-                    split_k: int, num_warps: int, num_stages: int) -> None:
+def _router_gemm_op(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
+                    out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
+                    block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int) -> None:
+    # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
     m, k = x.shape
     n = w_hi.shape[0]
     if m == 0:
         return
-    k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split = triton.cdiv(k, k_split)  # no program with an empty K range
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
+    k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
     router_gemm_kernel[grid](
-        x, w_hi, w_lo, out, part, count,
-        m, n, k, k_split,
+        x, w_hi, w_lo, w_lo2, out, part, count,
+        m, n, k, k_split, split,
         x.stride(0), w_hi.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
-        EVEN_K=(k % block_k == 0), DOT_F32=_runtime.dot_needs_fp32(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
+        EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
         num_warps=num_warps, num_stages=num_stages,
     )
 
 
 @_router_gemm_op.register_fake
-def _(x, w_hi, w_lo, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages):
+def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
+      num_stages):
     return None
 
 
@@ -205,17 +241,16 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
         _torch_split2(x, w, out)
         return out
     part, count = w.workspace(m, config)
-    _router_gemm_op(x, w.w_hi, w.w_lo, out, part, count, config.block_m, config.block_n, config.block_k,
-                    config.split_k, config.num_warps, config.num_stages)
+    _router_gemm_op(x, w.w_hi, w.w_lo, w.parts[-1], out, part, count, w.terms, config.block_m,
+                    config.block_n, config.block_k, config.split_k, config.num_warps, config.num_stages)
     return out
 
 
 def _torch_split2(x: torch.Tensor, w: RouterWeight, out: torch.Tensor) -> None:
-    """Plain path: two torch bf16 products with fp32 output (cuBLAS on a GPU)."""
+    """Plain path: one torch bf16 product per split term, fp32 output (cuBLAS on a GPU)."""
     if x.is_cuda:
-        hi = torch.mm(x, w.w_hi.t(), out_dtype=torch.float32)
-        lo = torch.mm(x, w.w_lo.t(), out_dtype=torch.float32)
+        prods = [torch.mm(x, p.t(), out_dtype=torch.float32) for p in w.parts]
     else:  # CPU has no mm(out_dtype=): widen first (products of bf16 are exact in fp32)
-        hi = torch.mm(x.float(), w.w_hi.float().t())
-        lo = torch.mm(x.float(), w.w_lo.float().t())
-    torch.add(hi, lo, alpha=1.0 / LO_SCALE, out=out)
+        prods = [torch.mm(x.float(), p.float().t()) for p in w.parts]
+    lo = prods[1] if w.terms == 2 else torch.add(prods[1], prods[2], alpha=1.0 / LO_SCALE)
+    torch.add(prods[0], lo, alpha=1.0 / LO_SCALE, out=out)

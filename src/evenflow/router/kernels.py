@@ -5,13 +5,14 @@ Tensors (row-major, unit stride in the last dimension):
     x        [M, K]            bf16   hidden states
     w_hi     [N, K]            bf16   bf16(w), round to nearest even
     w_lo     [N, K]            bf16   bf16((w - w_hi) * 256)
-    out      [M, N]            fp32   x @ w_hi^T + (x @ w_lo^T) / 256
-    part     [SPLIT_K, M, N]   fp32   per-split partial sums (split-K only)
+    w_lo2    [N, K]            bf16   bf16(((w - w_hi) * 256 - w_lo) * 256)   (read if NUM_TERMS == 3)
+    out      [M, N]            fp32   x @ w_hi^T + (x @ w_lo^T + (x @ w_lo2^T) / 256) / 256
+    part     [NUM_SPLITS, M, N] fp32  per-split partial sums (split-K only)
     count    [tiles]           int32  arrivals per output tile; zero between calls
 
 Split-K without float atomics: every program of a tile writes its partial to
 ``part`` and then bumps the tile's arrival counter; the program that arrives last
-sums the SPLIT_K partials *in split order* (so the result never depends on which
+sums the NUM_SPLITS partials *in split order* (so the result never depends on which
 program finished first), writes ``out`` and puts the counter back to zero, so the
 workspace is ready for the next call or CUDA-graph replay without a memset.
 """
@@ -21,13 +22,13 @@ import triton.language as tl
 from evenflow._kernels.common import dot_operand
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
 def router_gemm_kernel(
-    p_x, p_whi, p_wlo, p_out, p_part, p_count,
-    M, N, K, K_SPLIT,
+    p_x, p_whi, p_wlo, p_wlo2, p_out, p_part, p_count,
+    M, N, K, K_SPLIT, NUM_SPLITS,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     i_mn = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -49,29 +50,46 @@ def router_gemm_kernel(
     o_w = o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N] view of w^T
     p_whb = p_whi + o_w
     p_wlb = p_wlo + o_w
+    p_wl2b = p_wlo2 + o_w
 
-    # Two accumulators: the low product's own rounding error is divided by 256 in
-    # the epilogue instead of landing at the magnitude of the high sum.
-    acc_hi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Accumulation order (docs/perf-notes/router.md, "accuracy, round 2"): the high
+    # product starts a FRESH tensor-core accumulator every BLOCK_K step and is added to
+    # acc_hi with an ordinary round-to-nearest fp32 add. Chaining it through the MMA
+    # accumulator over all of K lets the tensor core's own accumulate rounding (not
+    # round-to-nearest on NVIDIA parts) pile up at the magnitude of the full sum; on the
+    # H200 that cost 2-3x the fp32 error at K >= 4096 without split-K. The low terms
+    # are chained: their rounding is scaled by 2^-8 / 2^-16 in the epilogue.
+    # acc_nhi holds MINUS the high sum and is updated with a subtraction: Triton's
+    # combiner rewrites `acc + dot(a, b)` into `dot(a, b, acc)` (the chained form we
+    # must avoid) but leaves `acc - dot(a, b)` alone. Negation is exact, so this is the
+    # same sum, rounded the same way.
+    acc_nhi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_lo2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            b_x = tl.load(p_xb + k, mask=m_m[:, None], other=0.0)
-            b_wh = tl.load(p_whb + k, mask=m_n[None, :], other=0.0)
-            b_wl = tl.load(p_wlb + k, mask=m_n[None, :], other=0.0)
+            m_xk = m_m[:, None]
+            m_wk = m_n[None, :]
         else:
             m_k = (k + o_k) < k_end
-            b_x = tl.load(p_xb + k, mask=m_m[:, None] & m_k[None, :], other=0.0)
-            b_wh = tl.load(p_whb + k, mask=m_k[:, None] & m_n[None, :], other=0.0)
-            b_wl = tl.load(p_wlb + k, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            m_xk = m_m[:, None] & m_k[None, :]
+            m_wk = m_k[:, None] & m_n[None, :]
+        b_x = tl.load(p_xb + k, mask=m_xk, other=0.0)
+        b_wh = tl.load(p_whb + k, mask=m_wk, other=0.0)
+        b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
         b_xd = dot_operand(b_x, DOT_F32)
-        acc_hi = tl.dot(b_xd, dot_operand(b_wh, DOT_F32), acc_hi)
+        acc_nhi = acc_nhi - tl.dot(b_xd, dot_operand(b_wh, DOT_F32))
         acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
-    b_out = acc_hi + acc_lo * 0.00390625  # 1/256, exact
+        if NUM_TERMS == 3:
+            b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
+            acc_lo2 = tl.dot(b_xd, dot_operand(b_wl2, DOT_F32), acc_lo2)
+    if NUM_TERMS == 3:
+        acc_lo = acc_lo + acc_lo2 * 0.00390625  # 1/256, exact
+    b_out = acc_lo * 0.00390625 - acc_nhi
 
     m_out = m_m[:, None] & m_n[None, :]
     o_out = o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    if SPLIT_K == 1:
+    if not HAS_SPLIT:
         tl.store(p_out + o_out, b_out, mask=m_out)
     else:
         o_part = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
@@ -80,9 +98,9 @@ def router_gemm_kernel(
         # All threads' partial stores happen before the (single-thread) release.
         tl.debug_barrier()
         arrived = tl.atomic_add(p_count + i_mn, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if arrived == NUM_SPLITS - 1:
             b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):  # fixed order: deterministic
+            for s in range(NUM_SPLITS):  # fixed order: deterministic
                 b_sum += tl.load(p_part + s * plane + o_part, mask=m_out, other=0.0, cache_modifier=".cg")
             tl.store(p_out + o_out, b_sum, mask=m_out)
             tl.store(p_count + i_mn, 0)
