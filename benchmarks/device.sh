@@ -40,19 +40,33 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'
 status=0
-for n in "${names[@]}"; do
-  if [ $tests = 1 ] && [ "$n" != ceilings ]; then
-    files=(tests/test_${n}*.py)
-    if [ ${#files[@]} -gt 0 ]; then
-      echo "== GPU tests: $n"
-      python3 -m pytest -q $marker -p no:cacheprovider "${files[@]}" 2>&1 | tee "$OUT/test_$n.log" | tail -25
-      [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    fi
-  fi
-  if [ $bench = 1 ] && [ -f "benchmarks/$n.py" ]; then
+run_tests() {  # $1 = name; every test in tests/test_<name>*.py
+  local n=$1 files=(tests/test_$1*.py)
+  [ ${#files[@]} -gt 0 ] || return 0
+  python3 -m pytest -q $marker ${PYTEST_ARGS:-} -p no:cacheprovider "${files[@]}" > "$OUT/test_$n.log" 2>&1
+}
+if [ $tests = 1 ]; then
+  # Test files run side by side: they are mostly Triton compiles (CPU-bound, 16 cores);
+  # the GPU is only lightly shared. Benchmarks run afterwards, alone.
+  pids=()
+  for n in "${names[@]}"; do
+    [ "$n" = ceilings ] && continue
+    run_tests "$n" & pids+=("$!:$n")
+  done
+  for pn in "${pids[@]}"; do
+    wait "${pn%%:*}" || status=1
+    echo "== GPU tests: ${pn#*:}: $(tail -1 "$OUT/test_${pn#*:}.log")"
+  done
+  for n in "${names[@]}"; do
+    [ -f "$OUT/test_$n.log" ] && grep -E "^(FAILED|ERROR)" "$OUT/test_$n.log" | head -15
+  done
+fi
+if [ $bench = 1 ]; then
+  for n in "${names[@]}"; do
+    [ -f "benchmarks/$n.py" ] || continue
     echo "== benchmark: $n"
-    python3 "benchmarks/$n.py" "${quick[@]}" --out "$OUT/results" 2>&1 | tee "$OUT/bench_$n.log" | tail -60
-    [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  fi
-done
+    python3 "benchmarks/$n.py" "${quick[@]}" --out "$OUT/results" > "$OUT/bench_$n.log" 2>&1 || status=1
+    tail -40 "$OUT/bench_$n.log"
+  done
+fi
 exit $status
