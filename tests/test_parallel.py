@@ -289,8 +289,14 @@ def _worker(rank, world, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
+    import numpy
     import torch.multiprocessing as mp
 
+    if tuple(int(p) for p in numpy.__version__.split(".")[:2]) >= (2, 4):
+        # The Triton 3.6 interpreter fails on loops with kernel-argument bounds under
+        # numpy >= 2.4 (a known defect); CI pins numpy<2.4 and runs this simulation.
+        # GPU machines (numpy 2.5) cover multi-rank runs with benchmarks/multigpu.py.
+        pytest.skip(f"the Triton interpreter needs numpy<2.4 (found {numpy.__version__})")
     d = tmp_path_factory.mktemp("ranks")
     # The ranks exchange CPU tensors over gloo, so their kernels must run in the
     # interpreter even on a GPU machine (where the multi-GPU benchmark covers NCCL):
