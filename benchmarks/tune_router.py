@@ -63,7 +63,8 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True) -> list[Gem
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         for bn in (32, 64):
-            for bk, stages in ((128, 4), (256, 3)):  # 256 x 4 stages would pass 200 KB of smem
+            # 256 x 4 stages would pass 200 KB of smem; 64 lets split-K reach >= 1 program/SM at small K
+            for bk, stages in ((64, 4), (128, 4), (256, 3)):
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
                 for split in _splits(tiles, k, bk, 1, sms, 3):
                     out.append(GemmConfig(bm, bn, bk, split, 4, stages))

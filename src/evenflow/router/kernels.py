@@ -43,7 +43,11 @@ def router_gemm_kernel(
     m_n = o_n < N
 
     # This program's K range: [k_start, k_end). K_SPLIT is a multiple of BLOCK_K.
-    k_start = i_s * K_SPLIT
+    # multiple_of: K_SPLIT is not specialised (do_not_specialize), so without the hint
+    # the compiler cannot prove 16-byte alignment of `p + k` and Triton's software
+    # pipeliner refuses cp.async for every load of the K loop (round-B finding: the
+    # sm_90 TTGIR had no async copies at all).
+    k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
     k_end = tl.minimum(k_start + K_SPLIT, K)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]
