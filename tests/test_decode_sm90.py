@@ -53,6 +53,10 @@ SCENARIOS = {
     "hnd-q3": dict(lens=[300, 5000], hq=16, hkv=2, page=64, q_len=3, hnd=True),
     "sweep-w8-s1": dict(lens=BIG, num_warps=8, num_stages=1),
     "sweep-fp8-w8-s3": dict(lens=BIG, kv=FP8, num_warps=8, num_stages=3),
+    "fp8-block_n128": dict(lens=BIG, kv=FP8, block_n=128),
+    "fp8-q-block_n128-tiny": dict(lens=[300, 64, 0, 77], hq=16, hkv=2, d=128, kv=FP8, qdt=FP8, block_n=128),
+    "fp8-block_n128-d64-tiny": dict(lens=[300, 64, 0, 77, 129], hq=8, hkv=2, d=64, kv=FP8, block_n=128),
+    "bf16-block_n128-p16-q2": dict(lens=[300, 5000], hq=8, hkv=2, d=64, page=16, q_len=2, block_n=128),
 }
 
 

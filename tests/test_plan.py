@@ -147,6 +147,8 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, device=device, num_warps=3)
     with pytest.raises(ValueError, match="num_stages"):
         evenflow.DecodePlan(4, 100, 2, device=device, num_stages=0)
+    with pytest.raises(ValueError, match="block_n"):
+        evenflow.DecodePlan(4, 100, 2, device=device, block_n=32)
     with pytest.raises(ValueError, match="too large"):
         evenflow.DecodePlan(2048, 1 << 30, 64, device=device)
     plan = evenflow.DecodePlan(4, 100, 2, device=device)

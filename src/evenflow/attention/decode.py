@@ -52,12 +52,20 @@ def _block_m(rows: int) -> int:
 
 
 def _num_stages(head_dim: int, kv_dtype: torch.dtype) -> int:
-    # The sm_90 pipeliner keeps num_stages - 1 K+V tiles in shared memory (in flight while
-    # one is computed). Aim at ~64 KB of tiles per program (2 programs per SM then keep
-    # ~128 KB in flight per SM, well past the ~40-70 KB that 4.8 TB/s x DRAM latency needs)
-    # and stay under ~110 KB of shared memory so 2 programs fit per SM.
-    tile_bytes = 2 * TILE * head_dim * kv_dtype.itemsize  # K + V of one 64-token tile
-    return 1 + max(1, min(3, (64 * 1024) // tile_bytes))
+    # Measured (H200 round B sweep, 3 programs/SM, 4 warps): 2 stages (one K+V tile
+    # prefetched while one is computed) beat 1 and 3 for bf16 and fp8 KV on every long
+    # case; 3 stages costs shared memory / registers that cap programs per SM.
+    del head_dim, kv_dtype
+    return 2
+
+
+def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
+    # Tokens per loop iteration (a DecodePlan's block_n overrides it). 64 is the measured
+    # default for both KV dtypes. 128 for fp8 KV (the bytes of one bf16 tile per iteration)
+    # needs ~250 registers/thread on sm_90 = 2 programs/SM, so it is a plan option that the
+    # benchmark measures against the default (perf notes), not the default.
+    del head_dim, kv_dtype
+    return TILE
 
 
 @torch.library.custom_op("evenflow::decode_attention", mutates_args=("out", "lse", "part_o", "part_lse"))
@@ -67,8 +75,9 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
                lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
-               q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0) -> None:
-    # num_warps / num_stages: 0 = the launcher's choice (a DecodePlan may override them)
+               q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
+               block_n: int = 0) -> None:
+    # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override them)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -95,7 +104,8 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype), num_warps=num_warps or 4, **common,
+        NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype), BLOCK_N=block_n or _block_n(D, k_cache.dtype),
+        num_warps=num_warps or 4, **common,
     )
     if is_static and splits == 1:
         return
@@ -109,7 +119,8 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, out, lse,
-      q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0):
+      q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
+      block_n=0):
     return None
 
 
@@ -219,7 +230,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         part_o, part_lse = plan.partials(rows, D)
         _decode_op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, 0,
-                   min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0)
+                   min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
+                   plan.block_n or 0)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -108,7 +108,7 @@ def _attend_chunk(
     stride_ptb, stride_ot, stride_oh, stride_lt,
     GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_Q_SCALE: tl.constexpr, USE_FP8_DOT: tl.constexpr,
-    HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Online softmax of one item's tiles [t0, t1); finish in place or write a partial."""
     ROWS: tl.constexpr = GROUP * Q_LEN
@@ -132,9 +132,15 @@ def _attend_chunk(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
-    for t in tl.range(t0, t1, num_stages=NUM_STAGES):
-        o_n = t * TILE + tl.arange(0, TILE)
-        m_n = o_n < L
+    # BLOCK_N tokens (one or more 64-token plan tiles) per iteration: fp8 KV takes two
+    # tiles so each iteration moves as many bytes as one bf16 tile (the loop is bound by
+    # per-iteration latency, not bytes; perf notes). A chunk ends at tile t1, so a wide
+    # step masks the tokens past it (they belong to the next program).
+    STEP: tl.constexpr = BLOCK_N // TILE
+    n_end = tl.minimum(L, t1 * TILE)
+    for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
+        o_n = t * TILE + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_end
         b_page = tl.load(p_ptrow + o_n // PAGE, mask=m_n & (o_n // PAGE < max_pages), other=0)
         b_page = tl.minimum(tl.maximum(b_page, 0), num_pages - 1).to(tl.int64)
         o_slot = o_n % PAGE
@@ -147,7 +153,7 @@ def _attend_chunk(
         else:
             b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k.to(tl.bfloat16)), DOT_F32))
         b_s = b_s * b_rs[:, None]
-        b_s = tl.where(o_n[None, :] < b_vis[:, None], b_s, float("-inf"))
+        b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
         b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
         b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
         b_alpha = tl.exp2(b_m - b_msafe)
@@ -183,7 +189,7 @@ def decode_kernel(
     HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
-    HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -216,7 +222,7 @@ def decode_kernel(
                 stride_qt, stride_qh, stride_qst, stride_qsh,
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
-                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES,
+                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N,
             )
     else:
         total = tl.load(p_meta + 0)
@@ -245,7 +251,7 @@ def decode_kernel(
                 stride_qt, stride_qh, stride_qst, stride_qsh,
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
-                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES,
+                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N,
             )
             i += 1
             b = tl.minimum(i, n_items - 1) // HKV

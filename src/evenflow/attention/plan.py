@@ -20,11 +20,10 @@ from evenflow.attention import kernels as K
 TILE = 64
 MAX_BATCH = 2048
 DEFAULT_MIN_TILES = 8  # 512 tokens: HPC-Ops' minimum work per program
-# Persistent programs per SM. Every bin must be resident at once (a second wave doubles
-# the tail): the sm_90 build of the attention kernel uses 154-193 registers/thread at
-# 4 warps, so 2 CTAs per SM is what is guaranteed to fit (see docs/perf-notes/decode.md;
-# benchmarks/sweep_decode.py measures 1-4).
-DEFAULT_PROGRAMS_PER_SM = 2
+# Persistent programs per SM. Measured on H200 (round B sweep, benchmarks/sweep_decode.py,
+# see docs/perf-notes/decode.md): 3 programs/SM at 4 warps, 2 stages is the best for both
+# bf16 and fp8 KV on 1x128K+31x4K and 8x32K (bf16 0.96-0.99 of the copy floor).
+DEFAULT_PROGRAMS_PER_SM = 3
 
 
 def default_num_programs(device) -> int:
@@ -58,10 +57,10 @@ class DecodePlan:
     and pass ``plan=`` to every layer's :func:`evenflow.decode_attention`.
 
     ``num_programs``: persistent programs of the attention kernel (default
-    ``2 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
+    ``3 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
     (default 8 = 512 tokens), so small batches are not over-split. ``num_warps`` /
-    ``num_stages``: launch config of the attention kernel (default: the launcher's
-    choice); these four exist so one GPU run can sweep them.
+    ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128): launch config
+    of the attention kernel (default: the launcher's choice); these exist so one GPU run can sweep them.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -75,7 +74,8 @@ class DecodePlan:
 
     def __init__(self, max_batch: int, max_seq_len: int, num_kv_heads: int, page_size: int = 64,
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None):
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 block_n: int | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -97,6 +97,8 @@ class DecodePlan:
             raise ValueError(f"num_warps must be one of [2, 4, 8] or None, got {num_warps!r}")
         if num_stages is not None:
             check_int("num_stages", num_stages, 1, 6)
+        if block_n is not None and block_n not in (TILE, 2 * TILE):
+            raise ValueError(f"block_n must be one of [{TILE}, {2 * TILE}] or None, got {block_n!r}")
         max_tiles = max_batch * num_kv_heads * math.ceil(max_seq_len / TILE)
         if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
             raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
@@ -105,7 +107,7 @@ class DecodePlan:
         self.page_size, self.q_len, self.device = page_size, q_len, dev
         self.num_programs, self.min_tiles = num_programs, min_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.block_n = num_warps, num_stages, block_n
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
