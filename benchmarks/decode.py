@@ -43,7 +43,10 @@ CASES = ["64x512", "32x4K", "8x32K", "1x32K+63x512", "2x64K+30x1K", "1x128K+31x4
          "64x4K", "32x128+32x4K", "2x32K+30x4K", "1x64K+15x4K", "tp8:1x128K+31x4K"]
 QUICK_CASES = ["8x32K", "1x32K+63x512", "1x128K+31x4K", "tp8:1x128K+31x4K"]
 VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
-EVENFLOW_IMPLS = ["evenflow", "evenflow-static"]
+# evenflow-n128: the dynamic plan with two 64-token tiles per loop iteration (block_n=128)
+# at 2 programs/SM (its sm_90 build needs ~250 registers/thread); a candidate for fp8 KV
+# measured beside the default (docs/perf-notes/decode.md).
+EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128"]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # Issue 3's named mixed cases where bf16 must beat the best FlashInfer by >= 2.5x.
 BF16_2P5X_CASES = {"1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K", "2x32K+30x4K"}
@@ -236,7 +239,7 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 # ----------------------------------------------------------------------------- impls
 
 def _evenflow_fns(impl: str, inp: Inputs):
-    """(fns, extra) for ``evenflow`` (dynamic plan) or ``evenflow-static`` (plan=None)."""
+    """(fns, extra) for ``evenflow`` / ``evenflow-n128`` (dynamic plan) or ``evenflow-static``."""
     try:
         import evenflow
         decode_attention = evenflow.decode_attention
@@ -247,10 +250,14 @@ def _evenflow_fns(impl: str, inp: Inputs):
     out = torch.empty(c.batch, c.num_q_heads, HEAD_DIM, dtype=torch.bfloat16, device=inp.seq_lens.device)
     extra: dict = {}
     plan = None
-    if impl == "evenflow":
+    if impl in ("evenflow", "evenflow-n128"):
         max_pages = inp.page_tables[0].shape[1]
+        knobs = {}
+        if impl == "evenflow-n128":
+            sms = torch.cuda.get_device_properties(inp.seq_lens.device).multi_processor_count
+            knobs = dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2)
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
-                          device=inp.seq_lens.device)
+                          device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)
     validate = getattr(evenflow, "validate_inputs", None)  # the launcher's debug check (syncs; set-up only)
     if validate is not None:
