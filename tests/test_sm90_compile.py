@@ -92,6 +92,24 @@ def _moe_launches():
                 ids = torch.randint(0, total, (t, top_k), dtype=torch.int32)
                 w = torch.rand(t, top_k)
                 evenflow.fused_moe(x, ids, w, ew, ep_rank=ep_rank, num_experts_total=total)
+    # The tiny shapes of tests/test_moe.py run on the GPU too (round B: fp8 K=16 dots failed there),
+    # with the split-K configs test_split_k forces.
+    import dataclasses
+
+    from evenflow.moe.fused import choose_config
+    for fmt, (h, i) in {"bf16": (64, 32), "fp8_per_tensor": (64, 64), "fp8_block": (256, 128)}.items():
+        ew = _moe_weights(fmt, 6, h, i)
+        for t, k in ((1, 1), (3, 2), (17, 4), (40, 1)):
+            x = torch.randn(t, h).bfloat16()
+            ids = torch.randint(0, 6, (t, k), dtype=torch.int32)
+            evenflow.fused_moe(x, ids, torch.rand(t, k), ew)
+        base = choose_config(5, 3, 6, h, i, ew.mode)
+        down_bk = base.down_block_k if fmt == "fp8_block" else 16 if fmt == "bf16" else 32
+        cfg = dataclasses.replace(base, gu_block_k=base.gu_block_k if fmt == "fp8_block" else
+                                  min(base.gu_block_k, h // 2), down_block_k=down_bk, gu_split_k=2,
+                                  down_split_k=2 if i % (2 * down_bk) == 0 else 1)
+        evenflow.fused_moe(torch.randn(5, h).bfloat16(), torch.randint(0, 6, (5, 3), dtype=torch.int32),
+                           torch.rand(5, 3), ew, config=cfg)
 
 
 @pytest.mark.parametrize("family", ["decode", "router", "moe"])

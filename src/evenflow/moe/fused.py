@@ -12,7 +12,7 @@ import triton
 
 from evenflow._checks import check_int, check_out, check_same_device, check_tensor
 from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, interpreting, num_sms
-from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel
+from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel, moe_tensor_quant_kernel
 from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
 from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
 
@@ -78,7 +78,8 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     if mode == 2:
         cfg = MoEConfig(block_m, 128, 128, 64, 128)
     else:
-        k_opts = (128, 64, 32, 16) if fp8 else (64, 32, 16)
+        # fp8 tl.dot on sm_90 needs K >= 32 (one fp8 wgmma K-step).
+        k_opts = (128, 64, 32) if fp8 else (64, 32, 16)
         cfg = MoEConfig(
             block_m,
             _largest_divisor(inter, (64, 32, 16)),
@@ -86,6 +87,18 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             _largest_divisor(hidden, (64, 32, 16)),
             _largest_divisor(inter, k_opts),
         )
+    if rows > 32:
+        # Prefill-sized expert groups (round B: 0.39-0.69x SGLang at T >= 512 with 64-wide N and 4
+        # warps): 128-wide N blocks halve the activation re-reads per weight byte, 8 warps give the
+        # wgmma M=64 per warpgroup pair enough rows; BLOCK_M 128 once experts see >= 128 rows.
+        cfg = replace(
+            cfg,
+            block_m=128 if rows > 128 else 64,
+            gu_block_n=128 if inter % 128 == 0 else cfg.gu_block_n,
+            down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n,
+            num_warps=8,
+        )
+        block_m = cfg.block_m
     busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
     target = 2 * sms
     return replace(
@@ -107,6 +120,8 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int) -> None:
     if cfg.block_m < 16 or cfg.gu_block_n < 16 or cfg.gu_block_k < 16 or cfg.down_block_n < 16 \
             or cfg.down_block_k < 16:
         raise ValueError(f"config tiles must be >= 16 (tl.dot), got {cfg}")
+    if mode != 0 and (cfg.gu_block_k < 32 or cfg.down_block_k < 32):
+        raise ValueError(f"fp8 configs need gu_block_k and down_block_k >= 32 (fp8 tl.dot on sm_90), got {cfg}")
     if inter % cfg.gu_block_n or hidden % (cfg.gu_block_k * cfg.gu_split_k):
         raise ValueError(f"config gate-up tiles do not divide I={inter}, H={hidden}: {cfg}")
     if hidden % cfg.down_block_n or inter % (cfg.down_block_k * cfg.down_split_k):
@@ -143,9 +158,16 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         xq, xs = quant_fp8_per_token_group(x)
         inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
         inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
+    elif mode == 1:
+        xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
+        block_q = min(1024, triton.next_power_of_2(h))
+        moe_tensor_quant_kernel[(t, triton.cdiv(h, block_q))](
+            x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, num_warps=4)
+        inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
+        inter_s = dummy
     else:
         xq, xs = x, dummy
-        inter = torch.empty(p, i, dtype=torch.bfloat16 if mode == 0 else torch.float8_e4m3fn, device=dev)
+        inter = torch.empty(p, i, dtype=torch.bfloat16, device=dev)
         inter_s = dummy
     ws13 = w13_scale if w13_scale is not None else dummy
     ws2 = w2_scale if w2_scale is not None else dummy

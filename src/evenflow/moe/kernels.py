@@ -31,6 +31,11 @@ from evenflow._kernels.common import FP8_E4M3_MAX, dot_operand, to_fp8e4
 # Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
 # scale and quantises to zeros rather than dividing by zero).
 GROUP_AMAX_EPS = tl.constexpr(1e-10)
+# fp8 x fp8 -> fp32 dots on sm_90 keep the wgmma accumulator in reduced precision
+# unless told otherwise (Triton's default there is 2**30 imprecise products); 32 = one
+# fp8 wgmma K-step, so every step's partial is promoted into a true fp32 accumulator.
+# Round B: without it fp8 results missed the tolerance rule by 1.1-3x on the H200.
+FP8_PRECISE_ACC = tl.constexpr(32)
 
 
 @triton.jit
@@ -128,6 +133,22 @@ def moe_group_quant_kernel(
 
 
 @triton.jit
+def moe_tensor_quant_kernel(p_x, p_q, p_scale, H, stride_xt, stride_qt, BLOCK_H: tl.constexpr,
+                            FP8_ROUND: tl.constexpr):
+    """x [T, H] -> fp8 q = sat_e4m3(x / scale) with one static scale (fp8 per-tensor mode).
+
+    Done once per call: quantising inside the GEMM repeated the IEEE division for every
+    n-block program (round B: fp8 per-tensor 2x slower than bf16).
+    """
+    i_t = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_x = tl.load(p_x + i_t * stride_xt + o_h, mask=m_h, other=0.0).to(tl.float32)
+    b_q = to_fp8e4(tl.math.div_rn(b_x, tl.load(p_scale)), FP8_ROUND)
+    tl.store(p_q + i_t * stride_qt + o_h, b_q, mask=m_h)
+
+
+@triton.jit
 def _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M: tl.constexpr):
     e = tl.load(p_tile_expert + i_tile)
     row0 = tl.load(p_tile_row + i_tile)
@@ -196,8 +217,6 @@ def moe_gate_up_kernel(
     p_a = p_x + tok[:, None] * stride_xt + (k0 + o_k)[None, :]
     p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
     p_bu = p_bg + I * stride_wn
-    if MODE == 1:
-        a_scale = tl.load(p_a_scale)
     if MODE == 2:
         p_as = p_xs + tok * stride_xst + k0 // 128
         p_wsg = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
@@ -212,16 +231,15 @@ def moe_gate_up_kernel(
         if MODE == 0:
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
             acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
-        elif MODE == 1:
-            b_q = to_fp8e4(tl.math.div_rn(b_a.to(tl.float32), a_scale), FP8_ROUND)
-            acc_g = tl.dot(b_q, b_g, acc_g)
-            acc_u = tl.dot(b_q, b_u, acc_u)
+        elif MODE == 1:  # x was quantised once by moe_tensor_quant_kernel
+            acc_g = tl.dot(b_a, b_g, acc_g, max_num_imprecise_acc=FP8_PRECISE_ACC)
+            acc_u = tl.dot(b_a, b_u, acc_u, max_num_imprecise_acc=FP8_PRECISE_ACC)
         else:
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
-            acc_g += tl.dot(b_a, b_g) * (b_xs[:, None] * ws_g)
-            acc_u += tl.dot(b_a, b_u) * (b_xs[:, None] * ws_u)
+            acc_g += tl.dot(b_a, b_g, max_num_imprecise_acc=FP8_PRECISE_ACC) * (b_xs[:, None] * ws_g)
+            acc_u += tl.dot(b_a, b_u, max_num_imprecise_acc=FP8_PRECISE_ACC) * (b_xs[:, None] * ws_u)
         p_a += BLOCK_K
         p_bg += BLOCK_K
         p_bu += BLOCK_K
@@ -289,10 +307,10 @@ def moe_down_kernel(
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
         elif MODE == 1:
-            acc = tl.dot(b_a, b_b, acc)
+            acc = tl.dot(b_a, b_b, acc, max_num_imprecise_acc=FP8_PRECISE_ACC)
         else:
             b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
-            acc += tl.dot(b_a, b_b) * (b_xs[:, None] * tl.load(p_bs + i_k))
+            acc += tl.dot(b_a, b_b, max_num_imprecise_acc=FP8_PRECISE_ACC) * (b_xs[:, None] * tl.load(p_bs + i_k))
         p_x += BLOCK_K
         p_b += BLOCK_K
 

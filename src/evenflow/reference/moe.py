@@ -31,7 +31,10 @@ def quant_fp8_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, to
     """Per-row-per-``group`` dynamic fp8 quantisation; returns (fp8 values [R, C], fp32 scales [R, C/group])."""
     r, c = x.shape
     xg = x.float().reshape(r, c // group, group)
-    s = xg.abs().amax(dim=-1).clamp_min(GROUP_AMAX_EPS) / FP8_MAX
+    amax = xg.abs().amax(dim=-1).clamp_min(GROUP_AMAX_EPS)
+    # Tensor / tensor: CUDA torch divides by a Python scalar as a multiply by its
+    # reciprocal (1 ulp off IEEE division), which the kernel's div_rn does not do.
+    s = amax / torch.full_like(amax, FP8_MAX)
     q = (xg / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.reshape(r, c), s
 
