@@ -359,6 +359,12 @@ def run(args) -> None:
             rot = min(n_copies, rotations(nbytes, l2))
             x0, ids0, tw0, st0 = inputs[0]
             ref = reference_moe(x0, ids0, tw0, base, case)
+            # Sanity-check knobs: an EP rank no pair reaches has an all-zero reference (cosine
+            # undefined: compare values only); static per-tensor fp8 activations lose ~4% of the
+            # largest outputs at batch 4096 in every implementation (round B: evenflow, SGLang and
+            # torch all at 5.8e-2 on a 1.23 max, cosine 0.9999), so fp8 gets rtol 5e-2.
+            chk_kw = {"min_cos": 0.999 if bool(ref.abs().max() > 0) else None,
+                      "rtol": 2e-2 if variant == "bf16" else 5e-2}
             for impl in args.impls:
                 common = dict(case=case_name, variant=variant, impl=impl, batch=batch, series=series)
                 if isinstance(impls[impl], str):
@@ -366,7 +372,7 @@ def run(args) -> None:
                     continue
                 try:
                     fns = [impls[impl][j](*inputs[j][:3]) for j in range(rot)]
-                    chk = H.check_output(fns[0](), ref, f"{series} batch {batch} {impl}")
+                    chk = H.check_output(fns[0](), ref, f"{series} batch {batch} {impl}", **chk_kw)
                     eager = H.time_eager(fns, reps=20)
                     extra = {}
                     try:

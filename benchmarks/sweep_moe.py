@@ -68,11 +68,14 @@ def main() -> None:
     args = H.parse_args(__doc__.splitlines()[0])
     ceil = H.measure_ceilings()
     res = H.Results("moe_sweep", ceilings=ceil)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device="cpu").manual_seed(0)  # routing, activations (CPU, then moved)
+    wgen = torch.Generator(device="cuda").manual_seed(0)  # weights are drawn on the GPU
     for name, variant, t in POINTS:
         case = B.CASES[name]
-        raw = B.make_weights(case, variant, "cuda", gen)
+        raw = B.make_weights(case, variant, "cuda", wgen)
         bias = B.expert_bias(case.num_experts_total, gen)
+        if variant == "fp8-tensor":
+            B.calibrate_static_scales(raw, case, "cuda", gen, bias)
         ids, tw = B.make_routing(t, case, gen, bias)
         stats = B.routing_stats(ids, case)
         nbytes, flops = B.floor_work(case, variant, t, stats)
