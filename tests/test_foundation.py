@@ -166,3 +166,9 @@ def test_results_with_only_error_rows_still_write_the_file(tmp_path):
     res.add_error(case="c", impl="flashinfer-tc", error="failed to build")
     d = json.loads(res.finish().read_text())
     assert d["rows"][0]["error"] == "failed to build" and not (tmp_path / "errors-only.png").exists()
+
+
+def test_small_extra_figures_keep_their_significant_digits(tmp_path):
+    res = H.Results("digits", ceilings={}, out=tmp_path)
+    row = res.add(case="K4096-N192", impl="evenflow", us=5.0, max_abs_err=3.25e-6, M=1)
+    assert row["max_abs_err"] == pytest.approx(3.25e-6) and row["M"] == 1

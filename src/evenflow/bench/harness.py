@@ -306,8 +306,8 @@ class Results:
             row["floor_us"] = round(float(floor_us), 3)
             row["frac_of_floor"] = round(float(floor_us) / float(us), 4)
         for k, v in extra.items():
-            if k != "variant":
-                row[k] = round(v, 4) if isinstance(v, float) else v
+            if k != "variant":  # 5 significant digits: an error of 3e-6 must not round to 0
+                row[k] = float(f"{v:.5g}") if isinstance(v, float) else v
         self.rows.append(row)
         return row
 
