@@ -31,13 +31,13 @@ import torch
 
 from evenflow.bench import harness as H
 from evenflow.bench.peers import flashinfer as fi_peer
+from evenflow.reference.attention import shuffled_page_tables
 
 PAGE_SIZE = 64
 HEAD_DIM = 128
 FULL_HEADS = (64, 8)  # (q heads, kv heads) of the unsliced model
 L2_ROTATE_FACTOR = 3  # rotate until one graph pass touches >= 3x L2
 MAX_ROTATIONS = 16
-POOL_SLACK = 0.25  # the page pool holds 25% more pages than the case uses
 
 CASES = ["64x512", "32x4K", "8x32K", "1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K",
          "64x4K", "32x128+32x4K", "2x32K+30x4K", "1x64K+15x4K", "tp8:1x128K+31x4K"]
@@ -121,35 +121,6 @@ def rotations_for(bytes_per_copy: int, l2_bytes: int, factor: int = L2_ROTATE_FA
     return max(1, min(max_rotations, math.ceil(factor * l2_bytes / bytes_per_copy)))
 
 
-def make_page_tables(lengths, page_size: int, rotations: int, generator: torch.Generator | None = None,
-                     slack: float = POOL_SLACK) -> tuple[torch.Tensor, int]:
-    """Page tables ``[rotations, B, max_pages]`` int32 drawn from one shuffled pool; returns (tables, pool_pages).
-
-    The pool holds ``ceil(used * (1 + slack))`` pages; a random permutation of all of them
-    is dealt out in order, so every live entry of every rotation is a distinct page,
-    pages are in random order, and some pages are never used. Entries past a request's
-    last page are 0 (a valid page id: a kernel that wrongly reads them reads real data
-    rather than faulting, and the output check catches it).
-    """
-    if page_size <= 0 or rotations <= 0:
-        raise ValueError(f"page_size and rotations must be positive, got {page_size}, {rotations}")
-    lengths = [int(n) for n in lengths]
-    if not lengths or min(lengths) < 0:
-        raise ValueError(f"lengths must be a non-empty list of non-negative ints, got {lengths}")
-    n_pages = [(n + page_size - 1) // page_size for n in lengths]
-    max_pages = max(1, max(n_pages))
-    used = sum(n_pages) * rotations
-    pool = max(1, math.ceil(used * (1.0 + slack)))
-    perm = torch.randperm(pool, generator=generator, dtype=torch.int64)
-    tables = torch.zeros(rotations, len(lengths), max_pages, dtype=torch.int32)
-    at = 0
-    for r in range(rotations):
-        for b, n in enumerate(n_pages):
-            tables[r, b, :n] = perm[at:at + n].to(torch.int32)
-            at += n
-    return tables, pool
-
-
 # ----------------------------------------------------------------------------- inputs & reference
 
 @dataclass
@@ -185,7 +156,7 @@ def make_inputs(case: Case, kv_dtype: torch.dtype, device, seed: int, l2_bytes: 
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
     rot = rotations_for(floor_bytes(case, kv_dtype), l2_bytes)
-    tables, pool = make_page_tables(case.lengths, PAGE_SIZE, rot, cpu_gen)
+    tables, pool = shuffled_page_tables(case.lengths, PAGE_SIZE, rot, cpu_gen)
     k = _random_cache(pool, case.num_kv_heads, kv_dtype, device, gen)
     v = _random_cache(pool, case.num_kv_heads, kv_dtype, device, gen)
     qs = [torch.randn(case.batch, case.num_q_heads, HEAD_DIM, generator=gen, device=device,

@@ -48,6 +48,8 @@ import torch
 import torch.distributed as dist
 
 from evenflow import parallel as par
+from evenflow.reference.attention import decode_attention_ref_batched, shuffled_page_tables
+from evenflow.reference.moe import moe_dense_reference
 
 par.disable_multicast()  # before anything can create an NCCL communicator
 
@@ -120,21 +122,6 @@ def make_moe_weights(shapes: dict, dev, seed: int):
         w13[j] = torch.randn(2 * i, h, generator=g, device=dev) * WEIGHT_STD
         w2[j] = torch.randn(h, i, generator=g, device=dev) * WEIGHT_STD
     return w13, w2
-
-
-def moe_math(x, ids, tw, w13, w2, first_expert: int, dtype) -> torch.Tensor:
-    """sum_k w * down(silu(gate) * up) over the experts in w13/w2 (global ids from first_expert), in
-    ``dtype`` (bf16: bf16 matmuls and intermediate, as the kernels); float64 sum of the pairs."""
-    i = w2.shape[2]
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    local = ids.long() - first_expert
-    hit = torch.unique(local[(local >= 0) & (local < w13.shape[0])]).tolist()
-    for e in hit:
-        tok, slot = torch.nonzero(local == e, as_tuple=True)
-        gu = x[tok].to(dtype) @ w13[e].to(dtype).T
-        h = torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]
-        y.index_add_(0, tok, (h @ w2[e].to(dtype).T).double() * tw[tok, slot].double()[:, None])
-    return y
 
 
 @dataclass
@@ -262,8 +249,9 @@ def run_moe(args, shapes, res, ceil, busbw, dev, rank, world, timing: bool) -> N
                 x = torch.randn(batch, shapes["hidden"], generator=gen).bfloat16()
                 inputs.append((x.to(dev), ids.to(dev), tw.to(dev)))
             x0, ids0, tw0 = inputs[0]
-            ref = moe_math(x0, ids0, tw0, w13, w2, 0, torch.float64)  # the unsplit layer
-            base = moe_math(x0, ids0, tw0, lay.w13, lay.w2, lay.first_expert, torch.bfloat16).to(torch.bfloat16)
+            ref = moe_dense_reference(x0, ids0, tw0, w13, w2, 0, torch.float64)  # the unsplit layer
+            base = moe_dense_reference(x0, ids0, tw0, lay.w13, lay.w2, lay.first_expert,
+                                       torch.bfloat16).to(torch.bfloat16)
             par.all_reduce(base)  # same split math in bf16, through the same collective
             fl = moe_floor(lay, shapes, ids0.cpu(), batch, world, ceil, busbw) if timing else None
             for impl in args.impls:
@@ -333,36 +321,18 @@ def time_layer(fns, dev, eager: bool = True) -> dict:
 
 def attention_inputs(lengths, shapes, dev, seed: int):
     """Full-head q [B, Hq, D], caches [pages, P, Hkv, D] bf16 (shuffled pages), page table, lengths."""
-    g = torch.Generator().manual_seed(seed)
     p, hq, hkv, d = shapes["page"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"]
-    n_pages = [-(-n // p) for n in lengths]
-    pool = sum(n_pages) + 8
-    perm = torch.randperm(pool, generator=g).to(torch.int32)
-    table = torch.zeros(len(lengths), max(n_pages), dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(n_pages):
-        table[b, :n] = perm[at:at + n]
-        at += n
+    tables, pool = shuffled_page_tables(lengths, p, generator=torch.Generator().manual_seed(seed))
     gd = torch.Generator(device=dev).manual_seed(seed)
     k = torch.randn(pool, p, hkv, d, generator=gd, device=dev).bfloat16()
     v = torch.randn(pool, p, hkv, d, generator=gd, device=dev).bfloat16()
     q = torch.randn(len(lengths), hq, d, generator=gd, device=dev).bfloat16()
-    return q, k, v, table.to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev)
+    return q, k, v, tables[0].to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev)
 
 
 def attention_math(q, k, v, table, lens, dtype) -> torch.Tensor:
-    """Plain paged decode attention (scale 1/sqrt(D)) in ``dtype``, one request at a time."""
-    b_, hq, d = q.shape
-    p, hkv = k.shape[1], k.shape[2]
-    out = torch.zeros(b_, hq, d, dtype=dtype, device=q.device)
-    for b, n in enumerate(lens.tolist()):
-        pages = table[b, :-(-n // p)].long()
-        kk = k[pages].reshape(-1, hkv, d)[:n].to(dtype)
-        vv = v[pages].reshape(-1, hkv, d)[:n].to(dtype)
-        qb = q[b].to(dtype).view(hkv, hq // hkv, d)
-        pr = torch.softmax(torch.einsum("hgd,nhd->hgn", qb, kk) / math.sqrt(d), dim=-1)
-        out[b] = torch.einsum("hgn,nhd->hgd", pr, vv).reshape(hq, d)
-    return out
+    """Plain paged decode attention (scale 1/sqrt(D)) in ``dtype``: the library's oracle."""
+    return decode_attention_ref_batched(q, k, v, table, lens, dtype=dtype)[0]
 
 
 def attention_bind(impl: str, q, k, v, table, lens, shapes):

@@ -13,6 +13,7 @@ import torch
 
 from evenflow.bench.harness import PeerUnavailable, floor_us
 from evenflow.bench.peers import flashinfer as fi_peer
+from evenflow.reference.attention import POOL_SLACK, shuffled_page_tables
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
 
@@ -113,12 +114,12 @@ def test_rotations_for():
                                                ([0, 65, 128], 4)])
 def test_page_tables_are_a_permutation_without_reuse(lengths, rotations):
     g = torch.Generator().manual_seed(1)
-    tables, pool = D.make_page_tables(lengths, 64, rotations, g)
+    tables, pool = shuffled_page_tables(lengths, 64, rotations, g)
     n_pages = [math.ceil(n / 64) for n in lengths]
     assert tables.dtype == torch.int32
     assert tables.shape == (rotations, len(lengths), max(1, max(n_pages)))
     used = sum(n_pages) * rotations
-    assert pool >= used * (1 + D.POOL_SLACK) and pool <= used * (1 + D.POOL_SLACK) + 1
+    assert pool >= used * (1 + POOL_SLACK) and pool <= used * (1 + POOL_SLACK) + 1
     live = torch.cat([tables[r, b, :n] for r in range(rotations) for b, n in enumerate(n_pages)])
     assert live.numel() == used
     assert live.unique().numel() == used, "a page is used twice"
@@ -131,19 +132,19 @@ def test_page_tables_are_a_permutation_without_reuse(lengths, rotations):
 
 
 def test_page_tables_deterministic_per_seed():
-    a, _ = D.make_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(7))
-    b, _ = D.make_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(7))
-    c, _ = D.make_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(8))
+    a, _ = shuffled_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(7))
+    b, _ = shuffled_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(7))
+    c, _ = shuffled_page_tables([300, 50], 64, 2, torch.Generator().manual_seed(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 def test_page_tables_reject_bad_arguments():
     with pytest.raises(ValueError):
-        D.make_page_tables([], 64, 1)
+        shuffled_page_tables([], 64, 1)
     with pytest.raises(ValueError):
-        D.make_page_tables([10, -1], 64, 1)
+        shuffled_page_tables([10, -1], 64, 1)
     with pytest.raises(ValueError):
-        D.make_page_tables([10], 0, 1)
+        shuffled_page_tables([10], 0, 1)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -207,7 +208,7 @@ def _brute_layout(page_table, seq_lens, page_size):
 
 @pytest.mark.parametrize("lengths,page_size", [([1, 64, 65, 700], 64), ([16, 17, 5], 16), ([128], 128)])
 def test_paged_kv_layout(lengths, page_size):
-    tables, _ = D.make_page_tables(lengths, page_size, 1, torch.Generator().manual_seed(2))
+    tables, _ = shuffled_page_tables(lengths, page_size, 1, torch.Generator().manual_seed(2))
     pt, sl = tables[0], torch.tensor(lengths, dtype=torch.int32)
     indptr, indices, last = fi_peer.paged_kv_layout(pt, sl, page_size)
     want = _brute_layout(pt, sl, page_size)

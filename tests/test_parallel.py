@@ -16,7 +16,7 @@ Two parts:
   output rounded to bf16 (splitting heads changes no head's arithmetic).
 
 The oracles here are written out in this file on purpose: independent of the
-library's own reference modules.
+library's own reference modules (only the shuffled page layout is shared).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from evenflow import parallel as par
+from evenflow.reference.attention import shuffled_page_tables
 from evenflow.testing import assert_exact, assert_within_rule
 
 WORLD = 2
@@ -94,18 +95,11 @@ def moe_split_baseline(shards):
 def attention_inputs():
     """q [B, HQ, D], k/v caches [pages, PAGE, HKV, D] bf16 with shuffled pages, page_table, seq_lens."""
     g = torch.Generator().manual_seed(4321)
-    n_pages = [-(-n // PAGE) for n in ATT_LENS]
-    pool = sum(n_pages) + 5
-    perm = torch.randperm(pool, generator=g).to(torch.int32)
-    table = torch.zeros(len(ATT_LENS), max(n_pages), dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(n_pages):
-        table[b, :n] = perm[at:at + n]
-        at += n
+    tables, pool = shuffled_page_tables(ATT_LENS, PAGE, generator=g)
     k = torch.randn(pool, PAGE, HKV, HEAD_DIM, generator=g).bfloat16()
     v = torch.randn(pool, PAGE, HKV, HEAD_DIM, generator=g).bfloat16()
     q = torch.randn(len(ATT_LENS), HQ, HEAD_DIM, generator=g).bfloat16()
-    return q, k, v, table, torch.tensor(ATT_LENS, dtype=torch.int32)
+    return q, k, v, tables[0], torch.tensor(ATT_LENS, dtype=torch.int32)
 
 
 def attention_math(q, k, v, table, lens, dtype=torch.float64):

@@ -6,6 +6,37 @@ import math
 import torch
 
 TILE = 64
+POOL_SLACK = 0.25  # shuffled page pools hold 25% more pages than the requests use
+
+
+def shuffled_page_tables(lengths, page_size: int, rotations: int = 1, generator: torch.Generator | None = None,
+                         slack: float = POOL_SLACK) -> tuple[torch.Tensor, int]:
+    """Page tables ``[rotations, B, max_pages]`` int32 drawn from one shuffled pool; returns (tables, pool_pages).
+
+    The pool holds ``ceil(used * (1 + slack))`` pages; a random permutation of all of them
+    is dealt out in order, so every live entry of every rotation is a distinct page,
+    pages are in random order, and some pages are never used. Entries past a request's
+    last page are 0 (a valid page id: a kernel that wrongly reads them reads real data
+    rather than faulting, and the output check catches it). Tests, demos and benchmarks
+    all lay out their caches this way.
+    """
+    if page_size <= 0 or rotations <= 0:
+        raise ValueError(f"page_size and rotations must be positive, got {page_size}, {rotations}")
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) < 0:
+        raise ValueError(f"lengths must be a non-empty list of non-negative ints, got {lengths}")
+    n_pages = [(n + page_size - 1) // page_size for n in lengths]
+    max_pages = max(1, max(n_pages))
+    used = sum(n_pages) * rotations
+    pool = max(1, math.ceil(used * (1.0 + slack)))
+    perm = torch.randperm(pool, generator=generator, dtype=torch.int64)
+    tables = torch.zeros(rotations, len(lengths), max_pages, dtype=torch.int32)
+    at = 0
+    for r in range(rotations):
+        for b, n in enumerate(n_pages):
+            tables[r, b, :n] = perm[at:at + n].to(torch.int32)
+            at += n
+    return tables, pool
 
 
 def dequant(x: torch.Tensor, scale) -> torch.Tensor:

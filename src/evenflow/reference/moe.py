@@ -56,34 +56,53 @@ def dequant_weights(ew) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
+def _expert_sum(x, local_ids, topk_weights, w13, w2, dtype, quant_in=None, quant_mid=None) -> torch.Tensor:
+    """float64 sum over pairs of w * down_e(silu(gate_e(x)) * up_e(x)) for the experts in ``w13``/``w2``;
+    ``local_ids`` index those experts (anything outside [0, E) belongs to another rank).
+    ``quant_in``/``quant_mid`` model the kernels' activation quantisation (fp32 -> fp32)."""
+    i_size = w2.shape[2]
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = x[tok].float()
+        if quant_in is not None:
+            xe = quant_in(xe)
+        gu = xe.to(dtype) @ w13[e].to(dtype).T
+        h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
+        if quant_mid is not None:
+            h = quant_mid(h.float()).to(dtype)
+        out = (h @ w2[e].to(dtype).T).double()
+        y.index_add_(0, tok, out * topk_weights[tok, slot].double()[:, None])
+    return y
+
+
+def moe_dense_reference(x, topk_ids, topk_weights, w13, w2, first_expert: int = 0,
+                        dtype=torch.float64) -> torch.Tensor:
+    """The routed sum over plain (unquantised) expert weights ``w13`` [E, 2I, H], ``w2`` [E, H, I]
+    whose global ids start at ``first_expert``, computed in ``dtype`` (bf16: the intermediate
+    rounds to bf16 too, as in the kernels); float64 result, before any scaling.
+
+    For tensor-parallel shards (w13/w2 sliced along I) and expert-parallel shards alike.
+    """
+    return _expert_sum(x, topk_ids.long() - first_expert, topk_weights, w13, w2, dtype)
+
+
 def moe_reference(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None,
                   shared_output=None, routed_scaling=1.0, dtype=torch.float64,
                   quantize_activations=True) -> torch.Tensor:
     """The MoE layer of this rank, returned in ``dtype`` (not rounded to bf16)."""
     w13, w2 = dequant_weights(ew)
-    e_local, i_size = w13.shape[0], w2.shape[2]
-    t, k = topk_ids.shape
     fmt = ew.format if quantize_activations else "bf16"
-    dev = x.device
-    y = torch.zeros(t, x.shape[1], dtype=torch.float64, device=dev)
-    ids = topk_ids.long() - ep_rank * e_local
-    for e in range(e_local):
-        tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        xe = x[tok].float()
-        if fmt == "fp8_per_tensor":
-            xe = quant_fp8_static(xe, ew.a13_scale)
-        elif fmt == "fp8_block":
-            xe = dequant_group(*quant_fp8_group(xe))
-        gu = xe.to(dtype) @ w13[e].to(dtype).T
-        h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
-        if fmt == "fp8_per_tensor":
-            h = quant_fp8_static(h.float(), ew.a2_scale).to(dtype)
-        elif fmt == "fp8_block":
-            h = dequant_group(*quant_fp8_group(h.float())).to(dtype)
-        out = (h @ w2[e].to(dtype).T).double()
-        y.index_add_(0, tok, out * topk_weights[tok, slot].double()[:, None])
+    quant_in = quant_mid = None
+    if fmt == "fp8_per_tensor":
+        quant_in = lambda a: quant_fp8_static(a, ew.a13_scale)
+        quant_mid = lambda a: quant_fp8_static(a, ew.a2_scale)
+    elif fmt == "fp8_block":
+        quant_in = quant_mid = lambda a: dequant_group(*quant_fp8_group(a))
+    y = _expert_sum(x, topk_ids.long() - ep_rank * w13.shape[0], topk_weights, w13, w2, dtype,
+                    quant_in, quant_mid)
     y = y * routed_scaling
     if shared_output is not None:
         y = y + shared_output.double()
