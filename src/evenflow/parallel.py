@@ -36,6 +36,8 @@ import os
 
 import torch
 
+from evenflow.moe.quant import moe_weight_dims
+
 __all__ = [
     "NO_MULTICAST_ENV", "disable_multicast", "split_range", "shard_moe_ep", "shard_moe_tp",
     "shard_block_scales_tp", "head_ranges", "shard_attention_heads", "all_reduce", "all_gather_heads",
@@ -78,24 +80,6 @@ def split_range(size: int, rank: int, world_size: int, what: str = "size") -> tu
     return rank * part, (rank + 1) * part
 
 
-def _check_moe_pair(w13, w2) -> tuple[int, int, int]:
-    for name, t in (("w13", w13), ("w2", w2)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
-    e, two_i, h = w13.shape
-    if two_i % 2:
-        raise ValueError(f"w13 must have shape [E, 2*I, H], got odd second dim {two_i}")
-    i = two_i // 2
-    if tuple(w2.shape) != (e, h, i):
-        raise ValueError(f"w2 must have shape [E, H, I] = {(e, h, i)} to match w13 {tuple(w13.shape)}, "
-                         f"got {tuple(w2.shape)}")
-    if w13.device != w2.device:
-        raise ValueError(f"w2 is on {w2.device} but w13 is on {w13.device}")
-    return e, h, i
-
-
 def shard_moe_ep(w13: torch.Tensor, w2: torch.Tensor, ep_rank: int, ep_size: int,
                  *per_expert: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Expert-parallel shard: experts ``[ep_rank*E/ep_size, (ep_rank+1)*E/ep_size)``, contiguous copies.
@@ -103,7 +87,7 @@ def shard_moe_ep(w13: torch.Tensor, w2: torch.Tensor, ep_rank: int, ep_size: int
     ``per_expert``: further tensors whose first dim is the expert (per-expert or block
     scales); they are sliced the same way. Returns ``(w13_r, w2_r, *per_expert_r)``.
     """
-    e, _, _ = _check_moe_pair(w13, w2)
+    e, _, _ = moe_weight_dims(w13, w2)
     lo, hi = split_range(e, ep_rank, ep_size, "number of experts (w13.shape[0])")
     out = [w13[lo:hi].contiguous(), w2[lo:hi].contiguous()]
     for j, t in enumerate(per_expert):
@@ -122,7 +106,7 @@ def shard_moe_tp(w13: torch.Tensor, w2: torch.Tensor, tp_rank: int,
     (stacked gate-then-up again, the layout fused_moe reads) and the same columns of w2.
     Per-expert and per-tensor fp8 scales apply to every slice unchanged.
     """
-    _, _, i = _check_moe_pair(w13, w2)
+    _, _, i = moe_weight_dims(w13, w2)
     lo, hi = split_range(i, tp_rank, tp_size, "intermediate size (w2.shape[2])")
     w13_r = torch.cat([w13[:, lo:hi], w13[:, i + lo:i + hi]], dim=1).contiguous()
     return w13_r, w2[:, :, lo:hi].contiguous()

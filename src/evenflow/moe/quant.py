@@ -21,6 +21,28 @@ def _scalar_scale(name: str, s) -> torch.Tensor:
     return s.reshape(1).contiguous()
 
 
+def moe_weight_dims(w13, w2) -> tuple[int, int, int]:
+    """(E, H, I) of gate-up weights ``w13`` [E, 2I, H] and down weights ``w2`` [E, H, I], any dtype.
+
+    Checks only what relates the two (types, ranks, matching shapes, one device); the
+    launchers and the sharding helpers of ``evenflow.parallel`` add their own rules.
+    """
+    for name, t in (("w13", w13), ("w2", w2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
+    e, two_i, h = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13 must have shape [E, 2*I, H], got odd second dim {two_i}")
+    i = two_i // 2
+    if tuple(w2.shape) != (e, h, i):
+        raise ValueError(f"w2 must have shape [E, H, I] = {(e, h, i)} to match w13 {tuple(w13.shape)}, "
+                         f"got {tuple(w2.shape)}")
+    check_same_device(w13=w13, w2=w2)
+    return e, h, i
+
+
 class MoEWeights:
     """Expert weights of one MoE layer (this rank's shard), ready for :func:`evenflow.fused_moe`.
 
@@ -59,16 +81,9 @@ class MoEWeights:
     def _check_pair(w13, w2, dtype, multiple):
         check_tensor("w13", w13, dtypes=[dtype], ndim=3)
         check_tensor("w2", w2, dtypes=[dtype], ndim=3)
-        check_same_device(w13=w13, w2=w2)
-        e, two_i, h = w13.shape
+        e, h, i = moe_weight_dims(w13, w2)
         if not 1 <= e <= MAX_EXPERTS:
             raise ValueError(f"w13 holds {e} experts; evenflow supports 1..{MAX_EXPERTS}")
-        if two_i % 2:
-            raise ValueError(f"w13 must have shape [E, 2*I, H], got odd second dim {two_i}")
-        i = two_i // 2
-        if tuple(w2.shape) != (e, h, i):
-            raise ValueError(f"w2 must have shape [E, H, I] = {(e, h, i)} to match w13 {tuple(w13.shape)}, "
-                             f"got {tuple(w2.shape)}")
         if h % multiple or i % multiple:
             raise ValueError(f"hidden ({h}) and intermediate ({i}) sizes must be multiples of {multiple} "
                              "for this weight format")
