@@ -172,3 +172,8 @@ def test_small_extra_figures_keep_their_significant_digits(tmp_path):
     res = H.Results("digits", ceilings={}, out=tmp_path)
     row = res.add(case="K4096-N192", impl="evenflow", us=5.0, max_abs_err=3.25e-6, M=1)
     assert row["max_abs_err"] == pytest.approx(3.25e-6) and row["M"] == 1
+
+
+def test_header_identifies_the_source_without_git(tmp_path):
+    d1, d2 = H.source_digest(), H.header()["source_sha1"]
+    assert d1 == d2 and len(d1) == 12 and int(d1, 16) >= 0

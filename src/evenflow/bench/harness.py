@@ -56,6 +56,26 @@ def _git_commit() -> str:
     return os.environ.get("EVENFLOW_COMMIT", "unknown")
 
 
+def source_digest() -> str:
+    """sha1 (12 hex) of evenflow's Python sources and the benchmark scripts, paths included.
+
+    Identifies the code a result came from where git is absent (a copied tree on a GPU
+    machine). To match a result to a commit, check the commit out and call this.
+    """
+    import hashlib
+
+    pkg = Path(__file__).resolve().parents[1]
+    roots = [pkg] + ([pkg.parents[1] / "benchmarks"] if (pkg.parents[1] / "benchmarks").is_dir() else [])
+    h = hashlib.sha1()
+    for root in roots:
+        for f in sorted(root.rglob("*.py")):
+            if "__pycache__" in f.parts:
+                continue
+            h.update(f"{root.name}/{f.relative_to(root).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def header() -> dict:
     """Machine header written into every result file."""
     import triton
@@ -70,6 +90,7 @@ def header() -> dict:
     return {
         "gpu": gpu, "sms": sms, "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda or "none", "evenflow": evenflow.__version__, "commit": _git_commit(),
+        "source_sha1": source_digest(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "python": sys.version.split()[0],
     }
