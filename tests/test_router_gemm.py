@@ -133,6 +133,28 @@ def test_router_gemm_matches_fp64(device, m, n, k, cfg, terms):
         assert torch.equal(again, out), "split-K result not deterministic"
 
 
+@pytest.mark.parametrize("splits", [8, 11, 19])
+def test_split_k_reduction_in_chunks_is_the_in_order_sum(device, splits):
+    # The last program sums the partials RED_CHUNK (8 for this tile) at a time: one full
+    # chunk, a chunk and a partial one, two and a partial one. The output must be bitwise
+    # the fp32 sum of the split partials taken one at a time in split order (what the
+    # unchunked loop computed), for every tile; and within the rule against fp64.
+    m, n, k = 3, 40, 16 * splits
+    cfg = GemmConfig(16, 32, 16, splits, 4, 1)
+    assert cfg.red_chunk() == 8
+    x, w = _inputs(m, n, k, device)
+    rw = evenflow.RouterWeight(w)
+    out = poisoned((m, n), torch.float32, device)
+    evenflow.router_gemm(x, rw, out=out, config=cfg)
+    _check_gemm(out, x, rw, w, f"split {splits}")
+    part = rw._part[: splits * m * n].view(splits, m, n).cpu()
+    want = torch.zeros(m, n)
+    for s in range(splits):
+        want = want + part[s]
+    assert torch.equal(out.cpu(), want)
+    assert int(rw._count.abs().sum()) == 0
+
+
 def test_router_gemm_default_dispatch_and_large_weights(device):
     # Heuristic config, weights of very different magnitudes in one row.
     x, w = _inputs(3, 24, 80, device)

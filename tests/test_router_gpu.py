@@ -46,7 +46,8 @@ def test_max_abs_error_target_all_m(case, terms):
 
 @pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, 16, 4, 4), GemmConfig(16, 64, 256, 8, 4, 4),
                                  GemmConfig(64, 64, 64, 1, 4, 3), GemmConfig(128, 64, 64, 2, 8, 3),
-                                 GemmConfig(128, 128, 64, 1, 8, 4), GemmConfig(32, 32, 64, 5, 4, 2)],
+                                 GemmConfig(128, 128, 64, 1, 8, 4), GemmConfig(32, 32, 64, 5, 4, 2),
+                                 GemmConfig(16, 32, 64, 32, 4, 6)],  # small-M kind: wide split, deep pipeline
                          ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.split_k}-w{c.num_warps}")
 @pytest.mark.parametrize("terms", [3, 2])
 def test_forced_configs_tails(cfg, terms):

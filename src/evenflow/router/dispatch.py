@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -29,6 +29,10 @@ import torch
 from evenflow._runtime import interpreting, num_sms
 
 PATHS = ("triton", "torch-fp32", "torch-split2")
+# Shared memory one block may use on sm_90 (H100/H200: 227 KB opt-in). The kernels are
+# tuned and compile-checked for sm_90; other GPUs with less are capped by their own value
+# (``smem_limit``).
+SMEM_LIMIT = 232448
 
 
 @dataclass(frozen=True)
@@ -59,12 +63,58 @@ class GemmConfig:
         if self.num_stages < 1:
             raise ValueError(f"config.num_stages must be >= 1, got {self.num_stages}")
 
+    def stage_bytes(self, terms: int) -> int:
+        """Shared memory of one pipeline stage: the x tile and ``terms`` weight tiles, bf16."""
+        return (self.block_m * self.block_k + terms * self.block_n * self.block_k) * 2
+
+    def smem_bytes(self, terms: int, num_stages: int | None = None) -> int:
+        """Shared memory the kernel needs at ``num_stages`` (default: this config's), an upper bound.
+
+        Measured on the sm_90 compile with a real launch's divisibility hints (perf notes,
+        round 4): the wgmma tiles (BLOCK_M >= 64) take num_stages x stage_bytes, the mma.sync
+        tiles (num_stages - 1) x stage_bytes; the epilogue's scratch reuses the same space.
+        The estimate is num_stages x stage_bytes for both (1 stage: one set of tiles).
+        """
+        stages = self.num_stages if num_stages is None else num_stages
+        return max(1, stages) * self.stage_bytes(terms)
+
+    def fit_smem(self, terms: int, limit: int = SMEM_LIMIT) -> GemmConfig:
+        """This config with ``num_stages`` lowered until its shared memory fits ``limit`` bytes.
+
+        Raises ValueError when even one stage does not fit (the tile itself is too big).
+        Plain paths are returned unchanged.
+        """
+        if self.path != "triton":
+            return self
+        if self.smem_bytes(terms, 1) > limit:
+            raise ValueError(
+                f"config {self.block_m}x{self.block_n}x{self.block_k} with {terms} weight terms needs "
+                f"{self.smem_bytes(terms, 1)} B of shared memory for one stage, more than {limit} B")
+        stages = min(self.num_stages, limit // self.stage_bytes(terms))
+        return self if stages == self.num_stages else replace(self, num_stages=stages)
+
+    def red_chunk(self) -> int:
+        """Split-K partials the last program loads per round trip: 8 for small tiles, fewer for
+        large ones (each partial in flight holds BLOCK_M x BLOCK_N fp32 in registers; <= 64
+        registers per thread at 4 warps)."""
+        return max(1, min(8, 8192 // (self.block_m * self.block_n)))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
         return cls(**{k: d[k] for k in d if k in cls.__dataclass_fields__})
+
+
+@lru_cache(maxsize=16)
+def smem_limit(device: torch.device) -> int:
+    """Shared memory per block the device allows (sm_90's 227 KB off a GPU or when unknown)."""
+    if device.type == "cuda" and not interpreting():
+        v = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+        if v:
+            return int(v)
+    return SMEM_LIMIT
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -32,7 +32,7 @@ import triton
 
 from evenflow import _runtime
 from evenflow._checks import check_int, check_out, check_tensor
-from evenflow.router.dispatch import GemmConfig, choose_config, device_facts
+from evenflow.router.dispatch import GemmConfig, choose_config, device_facts, smem_limit
 from evenflow.router.kernels import router_gemm_kernel
 
 __all__ = ["RouterWeight", "router_gemm", "split_weight"]
@@ -80,6 +80,7 @@ class RouterWeight:
         self._count = torch.zeros(0, dtype=torch.int32, device=w.device)
         self._logits = torch.empty(0, dtype=torch.float32, device=w.device)
         self._facts = device_facts(w.device)
+        self._smem = smem_limit(w.device)
         self._configs: dict[tuple[int, bool], GemmConfig] = {}
         self._split()
 
@@ -133,6 +134,7 @@ class RouterWeight:
         if cfg is None:
             n, k = self.shape
             cfg = choose_config(m, n, k, self.device, batch_invariant, self._facts, self.terms)
+            cfg = cfg.fit_smem(self.terms, self._smem)
             self._configs[key] = cfg
         return cfg
 
@@ -189,6 +191,7 @@ def _router_gemm_op(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_l
         x.stride(0), w_hi.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
+        RED_CHUNK=GemmConfig(block_m, block_n, block_k).red_chunk(),
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -240,6 +243,9 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if config.path == "torch-split2":
         _torch_split2(x, w, out)
         return out
+    # Forced configs too: num_stages capped so the pipeline fits in shared memory (a
+    # deeper one fails to launch on the GPU; the interpreter would not notice).
+    config = config.fit_smem(w.terms, w._smem)
     part, count = w.workspace(m, config)
     _router_gemm_op(x, w.w_hi, w.w_lo, w.parts[-1], out, part, count, w.terms, config.block_m,
                     config.block_n, config.block_k, config.split_k, config.num_warps, config.num_stages)

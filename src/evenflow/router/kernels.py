@@ -29,6 +29,7 @@ def router_gemm_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
+    RED_CHUNK: tl.constexpr,
 ):
     i_mn = tl.program_id(0)
     i_s = tl.program_id(1)
@@ -103,9 +104,17 @@ def router_gemm_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(p_count + i_mn, 1, sem="acq_rel")
         if arrived == NUM_SPLITS - 1:
+            # Sum in split order (deterministic), RED_CHUNK partials per round trip: the
+            # statically unrolled loads of a chunk are independent, so they are in flight
+            # together. (Round 3 loaded one partial per dependent L2 round trip: 16-24 of
+            # them were most of the small-M time; docs/perf-notes/router.md, round 4.)
+            # A masked-off split adds +0.0: the sum is bitwise that of the plain loop.
             b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(NUM_SPLITS):  # fixed order: deterministic
-                b_sum += tl.load(p_part + s * plane + o_part, mask=m_out, other=0.0, cache_modifier=".cg")
+            for s0 in range(0, NUM_SPLITS, RED_CHUNK):
+                for j in tl.static_range(RED_CHUNK):
+                    m_s = m_out & (s0 + j < NUM_SPLITS)
+                    b_sum += tl.load(p_part + (s0 + j) * plane + o_part, mask=m_s, other=0.0,
+                                     cache_modifier=".cg")
             tl.store(p_out + o_out, b_sum, mask=m_out)
             tl.store(p_count + i_mn, 0)
 

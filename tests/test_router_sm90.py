@@ -1,0 +1,98 @@
+"""Router GEMM on sm_90 without a GPU: shared memory of forced and small-M configs.
+
+A config's pipeline depth is capped by the shared memory it needs (GemmConfig.fit_smem):
+round-3 forced configs (128x128x64 at 4 stages, 16x64x256 at 4 stages) needed 262 KB and
+319 KB with the pipelined K loop, past sm_90's 227 KB, and failed to launch on the H200.
+Launches are recorded through the interpreter at real shapes (nothing executes) and
+compiled for sm_90 with the divisibility hints a real launch gets (without them Triton
+does not pipeline and the shared memory read back would be that of a plain loop).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import evenflow
+from evenflow import _runtime
+from evenflow.router.dispatch import SMEM_LIMIT, GemmConfig
+
+CC = pytest.importorskip("evenflow._compile_check")
+
+FORCED = [GemmConfig(128, 128, 64, 1, 8, 4), GemmConfig(16, 64, 256, 8, 4, 4)]
+
+
+def test_fit_smem_caps_stages_to_the_limit():
+    big, wide = FORCED
+    assert big.stage_bytes(3) == (128 * 64 + 3 * 128 * 64) * 2 == 65536
+    assert big.fit_smem(3).num_stages == 3 and big.fit_smem(3).smem_bytes(3) <= SMEM_LIMIT
+    assert wide.fit_smem(3).num_stages == 2  # 106496 B a stage
+    assert wide.fit_smem(2).num_stages == 3  # 73728 B a stage
+    for c in (big, wide):
+        for terms in (2, 3):
+            f = c.fit_smem(terms)
+            assert f.smem_bytes(terms) <= SMEM_LIMIT < f.smem_bytes(terms, f.num_stages + 1) or f == c
+            assert (f.block_m, f.block_n, f.block_k, f.split_k, f.num_warps) == \
+                (c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps)
+    small = GemmConfig(16, 32, 128, 16, 4, 4)
+    assert small.fit_smem(3) is small  # fits: unchanged
+    assert GemmConfig(path="torch-fp32").fit_smem(3) == GemmConfig(path="torch-fp32")
+    assert GemmConfig(16, 32, 128, 16, 4, 8).fit_smem(3, limit=100_000).num_stages == 3
+    with pytest.raises(ValueError, match="shared memory"):
+        GemmConfig(128, 128, 256, 1, 8, 2).fit_smem(3)  # 256 KB for one stage
+
+
+def test_red_chunk_bounds_registers():
+    assert GemmConfig(16, 32, 128).red_chunk() == 8
+    assert GemmConfig(64, 64, 64).red_chunk() == 2
+    assert GemmConfig(128, 128, 64).red_chunk() == 1
+
+
+_WORKER = r"""
+import json, sys, importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+DIV = ("p_x", "p_whi", "p_wlo", "p_wlo2", "p_out", "p_part", "p_count", "N", "K", "stride_xm", "stride_wn",
+       "stride_om")
+out = []
+for item in json.load(open(sys.argv[1])):
+    fn = getattr(importlib.import_module(item["module"]), item["name"])
+    names = list(item["signature"])
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in DIV}
+    ck = triton.compile(ASTSource(fn=fn, signature=item["signature"], constexprs=item["constexprs"], attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32), options=item["options"])
+    out.append([item["describe"], ck.metadata.shared])
+print(json.dumps(out))
+"""
+
+
+def _compile_shared(launches, tmp_path):
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(CC._to_json(launches)))
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", _WORKER, str(path)], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_forced_and_small_m_configs_fit_sm90_shared_memory(tmp_path):
+    small = [GemmConfig(16, 32, 64, 32, 4, 6), GemmConfig(16, 64, 128, 12, 4, 4)]  # tuner's small-M kind
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        for terms in (3, 2):
+            rw = evenflow.RouterWeight(torch.randn(768, 6144) * 0.02, terms=terms)
+            for cfg in FORCED + small:
+                evenflow.router_gemm(torch.empty(16, 6144, dtype=torch.bfloat16), rw, config=cfg)
+    ce = [(dict(la.constexprs), dict(la.options)["num_stages"]) for la in launches]
+    stages = {(c["BLOCK_M"], c["BLOCK_K"], c["NUM_TERMS"]): s for c, s in ce}
+    # the two forced configs were capped (three / two weight terms)
+    assert stages[128, 64, 3] == 3 and stages[128, 64, 2] == 4 and stages[16, 256, 3] == 2, stages
+    assert stages[16, 256, 2] == 3 and stages[16, 64, 3] == 6, stages
+    assert not CC.compile_launches(launches)
+    for describe, shared in _compile_shared(launches, tmp_path):
+        assert shared <= SMEM_LIMIT, f"{describe}: {shared} B of shared memory"
+        assert shared > 0, describe
