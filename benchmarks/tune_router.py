@@ -1,6 +1,6 @@
 """Measure router GEMM configs on this GPU and write the dispatch table (data, not code).
 
-    python benchmarks/tune_router.py [--quick] [--cases K4096-N192,...] [--terms 3] [--table PATH]
+    python benchmarks/tune_router.py [--quick] [--budget-s 200] [--cases K4096-N192,...] [--terms 3] [--table PATH]
     python benchmarks/tune_router.py --compile-only      # no GPU: compile every candidate for sm_90
 
 For every standard (K, N) and each M bucket (upper bounds 1, 16, 64, 256, 1024, 4096,
@@ -13,10 +13,14 @@ count (``--terms``, default 3 = RouterWeight's default). Writes
 ``src/evenflow/router/configs/<gpu>.json`` (or ``--table``) and, when ``$OUT`` is set,
 a copy under ``$OUT/router-configs/``.
 
-Budget: ~30 compiled kernel variants in all (the split count is a runtime argument,
-only split/no-split is compiled; ~1 s of JIT each) and ~300 timings (~0.1 s each,
-graph capture included): ~80 s for the four shapes. The space is pruned by
-reasoning (docs/perf-notes/router.md): small M is bound by reading W and by latency, so
+Budget: ~40 compiled kernel variants in all (the split count is a runtime argument,
+only split/no-split is compiled; ~1 s of JIT each) and ~400 timings (~0.1 s each,
+graph capture included): ~100 s for the four shapes. ``--budget-s`` bounds the run: each
+remaining bucket gets an equal share of the time left (compiling its candidates first
+does not count against the share) and stops timing candidates (best-first order, at
+least one, the plain paths always) when its share is spent. Every candidate's
+``num_stages`` is capped by shared memory (``GemmConfig.fit_smem``) before it is timed.
+The space is pruned by reasoning (docs/perf-notes/router.md): small M is bound by reading W and by latency, so
 only split-K and the K step vary there; large M is tensor-core bound, so only the tile
 shape and a small split vary; 128x128 tiles are out (three fp32 accumulators + the
 fresh product tile would spill at 8 warps).
@@ -50,30 +54,46 @@ ROTATE_BYTES = 150 << 20
 H200_SMS = 132
 
 
-def _splits(tiles: int, k: int, bk: int, min_steps: int, sms: int, keep: int) -> list[int]:
-    """Split-K values worth trying: >= min_steps K steps per program, programs nearest 1.5 per SM
-    (1/2 to 4 per SM where the K length allows); the ``keep`` nearest, ascending."""
+def _splits(tiles: int, k: int, bk: int, min_steps: int, sms: int, keep: int, per_sm: float = 1.5) -> list[int]:
+    """Split-K values worth trying: >= min_steps K steps per program, programs nearest ``per_sm``
+    per SM (1/2 to 4 per SM where the K length allows); the ``keep`` nearest, ascending."""
     allowed = [s for s in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if s == 1 or s * bk * min_steps <= k]
     good = [s for s in allowed if sms / 2 <= tiles * s <= 4 * sms] or allowed
-    good.sort(key=lambda s: abs(math.log(tiles * s / (1.5 * sms))))
+    good.sort(key=lambda s: abs(math.log(tiles * s / (per_sm * sms))))
     return sorted(good[:keep])
 
 
-def candidates(m: int, n: int, k: int, sms: int, plain: bool = True) -> list[GemmConfig]:
+def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int = 3) -> list[GemmConfig]:
+    """Configs to time for ``m`` rows, most promising first (the budget may cut the tail),
+    each with num_stages capped by shared memory for ``terms`` weight terms."""
     out = []
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        for bn in (32, 64):
-            # 256 x 4 stages would pass 200 KB of smem; 64 lets split-K reach >= 1 program/SM at small K
-            for bk, stages in ((64, 4), (128, 4), (256, 3)):
+        # Small M streams W once: many programs (split-K, 1-4 per SM; the reduction now loads
+        # 8 partials per round trip, so wide splits pay) and a pipeline as deep as shared
+        # memory allows, so a program's whole K slice is in flight at once.
+        for bk, stages in ((128, 4), (64, 6), (256, 3)):
+            for bn in (32, 64):
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
-                for split in _splits(tiles, k, bk, 1, sms, 3):
+                for split in _splits(tiles, k, bk, 1, sms, 4, per_sm=2.0):
                     out.append(GemmConfig(bm, bn, bk, split, 4, stages))
     else:
         for bm, bn, warps, stages in ((64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 3)):
             tiles = math.ceil(m / bm) * math.ceil(n / bn)
             for split in _splits(tiles, k, 64, 8, sms, 3):
                 out.append(GemmConfig(bm, bn, 64, split, warps, stages))
+    from evenflow.router.gemm import launch_shape
+
+    seen, kept = set(), []
+    for c in (c.fit_smem(terms) for c in out):
+        # Two split counts that give the same K slice launch the same programs (e.g. K=4096,
+        # BLOCK_K=128: split 16 and 24 both make 256-wide slices); capping can also merge two.
+        key = (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
+               launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0])
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    out = kept
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out
@@ -85,7 +105,7 @@ def invariant_candidates(n: int, k: int) -> list[GemmConfig]:
         for split in (1, 4, 8, 16):
             if split * 64 * 4 <= k:
                 out.append(GemmConfig(bm, bn, 64, split, 4, 4))
-    return out
+    return out  # 4 stages x (64x64 + 3 x 64x64) x 2 B = 128 KB at most: fits
 
 
 def compile_only() -> int:
@@ -104,30 +124,42 @@ def compile_only() -> int:
            "p_part": "*fp32", "p_count": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
            "NUM_SPLITS": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
-    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32"):
+    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32", "RED_CHUNK"):
         sig[c] = "constexpr"
+    # The divisibility hints a real launch gets (16-byte aligned pointers, N/K/strides multiples
+    # of 16 at the BENCH shapes): without them the pipeliner makes no async copies and the
+    # shared memory measured here would be that of an unpipelined loop.
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in
+             ("p_x", "p_whi", "p_wlo", "p_wlo2", "p_out", "p_part", "p_count", "N", "K", "stride_xm",
+              "stride_wn", "stride_om")}
     combos = set()
     for k, n in CASES.values():
         for kk in (k, k + 4):  # K tail too (EVEN_K=False)
             for m in sorted(set(BUCKETS) | {2, 4, 8, 32, 128, 512, 2048}):
-                cfgs = candidates(m, n, kk, H200_SMS, plain=False) + invariant_candidates(n, kk)
-                cfgs += [dispatch.heuristic_config(m, n, kk, H200_SMS), dispatch.heuristic_invariant_config(n, kk)]
-                for c in cfgs:
-                    _, split, _ = launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)
-                    for terms in (2, 3):
+                for terms in (2, 3):
+                    cfgs = candidates(m, n, kk, H200_SMS, plain=False, terms=terms) + invariant_candidates(n, kk)
+                    cfgs += [dispatch.heuristic_config(m, n, kk, H200_SMS),
+                             dispatch.heuristic_invariant_config(n, kk)]
+                    for c in cfgs:
+                        c = c.fit_smem(terms)
+                        _, split, _ = launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)
                         combos.add((c.block_m, c.block_n, c.block_k, split > 1, kk % c.block_k == 0, terms,
                                     c.num_warps, c.num_stages))
     print(f"compiling {len(combos)} router GEMM variants for sm_90", flush=True)
     t0 = time.time()
     worst = 0
     for i, (bm, bn, bk, split, even, terms, warps, stages) in enumerate(sorted(combos)):
-        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False)
-        ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig, constexprs=ce),
+        cfg = GemmConfig(bm, bn, bk, 1, warps, stages)
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False,
+                  RED_CHUNK=cfg.red_chunk())
+        ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig, constexprs=ce, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         smem = ck.metadata.shared
         worst = max(worst, smem)
-        if smem > 232448:
-            raise SystemExit(f"{ce} warps={warps} stages={stages}: {smem} B of shared memory > 227 KB")
+        if smem > dispatch.SMEM_LIMIT or smem > cfg.smem_bytes(terms):
+            raise SystemExit(f"{ce} warps={warps} stages={stages}: {smem} B of shared memory "
+                             f"(limit {dispatch.SMEM_LIMIT}, estimate {cfg.smem_bytes(terms)})")
         if i % 20 == 0:
             print(f"  {i}/{len(combos)} ok (+{time.time() - t0:.0f}s)", flush=True)
     print(f"all {len(combos)} compiled for sm_90; largest shared memory {worst} B", flush=True)
@@ -160,6 +192,8 @@ def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated case names")
     p.add_argument("--terms", type=int, default=3, choices=(2, 3), help="RouterWeight terms to tune for")
     p.add_argument("--compile-only", action="store_true", help="no GPU: compile every candidate for sm_90")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="wall-clock budget of the timing run (seconds); buckets share what is left")
     p.add_argument("--table", default=None, help="output JSON (default src/evenflow/router/configs/<gpu>.json)")
 
 
@@ -181,10 +215,13 @@ def main() -> int:
     summary = []
     t0 = time.time()
     torch.manual_seed(0)
+    todo = len(cases) * len(buckets)
     for case in cases:
         k, n = CASES[case]
         inv_times: dict[GemmConfig, list[float]] = {c: [] for c in invariant_candidates(n, k)}
         for m in H.progress(buckets, f"tune {case}"):
+            share = max(1.0, (args.budget_s - (time.time() - t0)) / todo)
+            todo -= 1
             copies = max(1, min(16, math.ceil(ROTATE_BYTES / (n * k * 4 + m * k * 2))))
             ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
             rws = [evenflow.RouterWeight(w, terms=terms) for w in ws]
@@ -193,13 +230,33 @@ def main() -> int:
             ref = R.router_logits_fp64(xs[0], ws[0])
             bound = error_bound(ref, R.split_logits_fp32(xs[0], *rws[0].parts), torch.float32)
             best = None
-            for cfg in candidates(m, n, k, sms):
+            cands = candidates(m, n, k, sms, terms=terms)
+            # JIT first (once per compiled variant, cached after), so a bucket's share of the
+            # budget is spent on timings, not on compiling the candidates that come last.
+            for cfg in cands:
+                if cfg.path == "triton":
+                    try:
+                        evenflow.router_gemm(xs[0], rws[0], outs[0], config=cfg)
+                    except Exception:  # reported by _time below
+                        pass
+            torch.cuda.synchronize()
+            t_bucket = time.time()
+            skipped = 0
+            for cfg in cands:
+                # Over this bucket's share: no more kernel configs (best-first order, so the
+                # likely winners were timed); the plain paths (last) are always timed.
+                if cfg.path == "triton" and best is not None and time.time() - t_bucket > share:
+                    skipped += 1
+                    continue
                 us = _time(cfg, xs, rws, outs, ref, bound)
                 if us is not None and (best is None or us < best[1]):
                     best = (cfg, us)
             for cfg in inv_times if m in INVARIANT_MS else ():
                 us = _time(cfg, xs, rws, outs, ref, bound, inv=True)
                 inv_times[cfg].append(us if us is not None else float("inf"))
+            if skipped:
+                print(f"  {case} M={m}: budget share {share:.0f}s spent, {skipped}/{len(cands)} candidates "
+                      "not timed", flush=True)
             if best is None:
                 print(f"  no working config for {case} M={m}", flush=True)
                 continue
