@@ -1,9 +1,10 @@
-"""Sweep the decode-attention launch knobs on three cases, bf16 and fp8 KV (about 90 s of GPU).
+"""Sweep the decode-attention launch knobs on five cases, bf16 and fp8 KV (about 2-3 min of GPU).
 
 Knobs (all on :class:`evenflow.DecodePlan`): persistent programs per SM, ``num_warps``,
-``num_stages`` (software pipelining depth of the K/V page loads), and ``min_tiles``
-(minimum work per program, 64-token tiles). Cases: ``1x128K+31x4K`` (skewed, big),
-``64x512`` (many short requests), ``8x32K`` (uniform, big); inputs, page tables and the
+``num_stages`` (software pipelining depth of the K/V page loads), ``min_tiles``
+(minimum work per program, 64-token tiles) and ``max_registers`` (per-thread cap; 0 =
+none). Cases: ``1x128K+31x4K`` (skewed, big), ``64x512`` (many short requests),
+``8x32K`` (uniform, big), the TP8 head slice and ``1x32K+63x512``; inputs, page tables and the
 floor are the ones of ``benchmarks/decode.py`` (shuffled page pool, L2 rotation).
 
 Every configuration's output is checked against the fp32 reference before it is
@@ -11,8 +12,8 @@ timed (CUDA-graph replay, ``plan.update`` outside the timed graph as in decode.p
 Prints one table per (case, KV dtype) sorted by time, and writes
 ``benchmarks/results/<gpu>/sweep_decode.{json,md}``.
 
-    python benchmarks/sweep_decode.py            # full grid (~90 s)
-    python benchmarks/sweep_decode.py --quick    # programs/SM x warps only
+    python benchmarks/sweep_decode.py            # full grid
+    python benchmarks/sweep_decode.py --quick    # stages x register cap only
 """
 from __future__ import annotations
 
@@ -31,26 +32,24 @@ from evenflow import _runtime  # noqa: E402
 from evenflow.attention.plan import DEFAULT_MIN_TILES  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 
-CASES = ["1x128K+31x4K", "64x512", "8x32K"]
-PROGRAMS_PER_SM = [1, 2, 3, 4]
-WARPS = [4, 8]
-STAGES = [1, 2, 3]
-MIN_TILES = [2, 8, 32]
+CASES = ["1x128K+31x4K", "64x512", "8x32K", "tp8:1x128K+31x4K", "1x32K+63x512"]
+AUTO = None  # the launcher's choice (stages by KV dtype, register cap that fits the programs/SM)
 
 
 def configs(quick: bool) -> list[dict]:
-    stages = [None] if quick else STAGES
-    out = [dict(pps=p, num_warps=w, num_stages=s, min_tiles=DEFAULT_MIN_TILES)
-           for p, w, s in itertools.product(PROGRAMS_PER_SM, WARPS, stages)]
+    """Round E grid: pipelining depth x register cap x programs/SM (perf notes, decode.md)."""
+    def c(pps=3, w=AUTO, s=AUTO, mt=DEFAULT_MIN_TILES, regs=AUTO):
+        return dict(pps=pps, num_warps=w, num_stages=s, min_tiles=mt, max_registers=regs)
+    out = [c(), c(s=2, regs=0), c(s=2), c(s=3), c(s=4), c(pps=2, s=3, regs=0), c(pps=2, s=4, regs=0)]
     if not quick:
-        out += [dict(pps=2, num_warps=None, num_stages=None, min_tiles=m) for m in MIN_TILES
-                if m != DEFAULT_MIN_TILES]
+        out += [c(s=3, regs=0), c(pps=4, s=2), c(mt=2), c(mt=32), c(w=8, pps=2)]
     return out
 
 
 def label(c: dict) -> str:
+    regs = "auto" if c["max_registers"] is None else c["max_registers"]
     return (f"pps={c['pps']} w={c['num_warps'] or 'auto'} s={c['num_stages'] or 'auto'} "
-            f"mt={c['min_tiles']}")
+            f"mt={c['min_tiles']} regs={regs}")
 
 
 def main(argv=None) -> None:
@@ -80,7 +79,8 @@ def main(argv=None) -> None:
                 if c is not None:
                     plan = evenflow.DecodePlan(case.batch, max_len, case.num_kv_heads, page_size=D.PAGE_SIZE,
                                                device=device, num_programs=c["pps"] * sms, min_tiles=c["min_tiles"],
-                                               num_warps=c["num_warps"], num_stages=c["num_stages"])
+                                               num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                               max_registers=c["max_registers"])
                     plan.update(inp.seq_lens)
 
                 def bind(r, plan=plan, inp=inp):

@@ -51,12 +51,32 @@ def _block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def _num_stages(head_dim: int, kv_dtype: torch.dtype) -> int:
-    # Measured (H200 round B sweep, 3 programs/SM, 4 warps): 2 stages (one K+V tile
-    # prefetched while one is computed) beat 1 and 3 for bf16 and fp8 KV on every long
-    # case; 3 stages costs shared memory / registers that cap programs per SM.
-    del head_dim, kv_dtype
-    return 2
+def _num_stages(head_dim: int, kv_dtype: torch.dtype, block_n: int) -> int:
+    # Software-pipelining depth of the K/V tile copies. Triton's pipeliner gives a load
+    # (depth - 1 - 1) extra buffers here: the page-id load takes one stage of the
+    # schedule, so 2 stages means one K/V buffer, refilled only after the tile has been
+    # consumed (each tile's memory latency exposed), 3 stages double-buffers (one tile in
+    # flight while one is computed) and 4 triple-buffers. Shared memory per program:
+    # buffers x 2 x 64 x D x bytes; 3 programs/SM must fit in 227 KB, so bf16 d128 takes 3
+    # stages (2 buffers, 70 KB), fp8 d128 4 (3 buffers, 54 KB: half the bytes per tile,
+    # so one more tile in flight for the same bytes), d256 and 128-token steps one less.
+    # Measured: docs/perf-notes/decode.md, round E.
+    stages = 4 if kv_dtype == FP8 else 3
+    return stages - 1 if head_dim > 128 or block_n > TILE else stages
+
+
+def _max_regs(block_m: int, head_dim: int, block_n: int, num_warps: int, programs: int,
+              device: torch.device) -> int:
+    # Register cap (ptxas maxnreg) so the plan's programs per SM are all resident: 3
+    # programs of 4 warps need <= 170 registers/thread (64 K per SM). Uncapped, ptxas
+    # takes 197 (bf16, 3 stages) to 224 (fp8) and only 2 programs fit. The 16-row tile
+    # (GQA group <= 16, one query row) fits 168 with no or a few bytes of spill (sm_90
+    # compile, perf notes); larger row tiles, head dim 256 and 128-token steps would spill
+    # 136-244 bytes under it, so they keep the compiler's choice.
+    if block_m > 16 or head_dim > 128 or block_n > TILE:
+        return 0
+    per_sm = -(-programs // _runtime.num_sms(device))
+    return min(255, 65536 // (per_sm * 32 * num_warps)) // 8 * 8
 
 
 def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
@@ -68,6 +88,16 @@ def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
     return TILE
 
 
+def _combine_blocks(block_m: int, head_dim: int) -> tuple[int, int]:
+    # Combine: chunks merged per step x head-dim columns per program. 8 chunks of
+    # [BLOCK_M, 32] fp32 (16 rows: 4096 values, 32 registers/thread at 4 warps) keep 8
+    # independent loads in flight per step; the head dim split over a second grid axis
+    # multiplies the programs working on one long item by D / 32.
+    block_d = min(head_dim, 32)
+    block_c = max(2, min(8, 4096 // (block_m * block_d)))
+    return block_c, block_d
+
+
 @torch.library.custom_op("evenflow::decode_attention", mutates_args=("out", "lse", "part_o", "part_lse"))
 def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
@@ -76,8 +106,9 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
-               block_n: int = 0) -> None:
-    # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override them)
+               block_n: int = 0, max_regs: int = 0) -> None:
+    # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
+    # them); max_regs: register cap per thread, 0 = none
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -85,6 +116,7 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
     rows = G * q_len
     block_m = _block_m(rows)
     is_static = splits > 0
+    block_n = block_n or _block_n(D, k_cache.dtype)
     np_ = prog_start.shape[0] - 1
     use_fp8_dot = q.dtype == FP8 and k_cache.dtype == FP8
     has_lse = lse is not None
@@ -104,23 +136,24 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype), BLOCK_N=block_n or _block_n(D, k_cache.dtype),
-        num_warps=num_warps or 4, **common,
+        NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
+        num_warps=num_warps or 4, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
     )
     if is_static and splits == 1:
         return
-    cgrid = (B * Hkv,) if is_static else (np_,)
+    block_c, block_d = _combine_blocks(block_m, D)
+    cgrid = (B * Hkv if is_static else np_, D // block_d)
     K.combine_kernel[cgrid](
         tiles, req_end, prog_start, meta, part_o, part_lse, out, lse_t,
         B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-        NP=max(np_, 1), num_warps=4, **common,
+        NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=4, **common,
     )
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0):
+      block_n=0, max_regs=0):
     return None
 
 
@@ -231,7 +264,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         _decode_op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
-                   plan.block_n or 0)
+                   plan.block_n or 0, _plan_max_regs(plan, rows, D, dev))
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1
@@ -242,6 +275,14 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, splits,
                    max_pages_len)
     return (out, lse) if return_lse else out
+
+
+def _plan_max_regs(plan: DecodePlan, rows: int, head_dim: int, device: torch.device) -> int:
+    if plan.max_registers is not None:
+        return plan.max_registers
+    if _runtime.interpreting() and not _runtime.emulating_gpu():
+        return 0  # the interpreter has no registers (an sm_90 compile check still sees the cap)
+    return _max_regs(_block_m(rows), head_dim, plan.block_n or TILE, plan.num_warps or 4, plan.num_programs, device)
 
 
 def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None) -> None:

@@ -138,11 +138,14 @@ def _attend_chunk(
     # step masks the tokens past it (they belong to the next program).
     STEP: tl.constexpr = BLOCK_N // TILE
     n_end = tl.minimum(L, t1 * TILE)
+    o_nx = t0 * TILE + tl.arange(0, BLOCK_N)
+    b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
     for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
         o_n = t * TILE + tl.arange(0, BLOCK_N)
         m_n = o_n < n_end
-        b_page = tl.load(p_ptrow + o_n // PAGE, mask=m_n & (o_n // PAGE < max_pages), other=0)
-        b_page = tl.minimum(tl.maximum(b_page, 0), num_pages - 1).to(tl.int64)
+        b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
+        o_nx = o_n + BLOCK_N
+        b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
         o_slot = o_n % PAGE
         o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
         o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
@@ -266,14 +269,20 @@ def combine_kernel(
     B, splits, stride_ot, stride_oh, stride_lt,
     NP: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_LSE: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Merge the partial chunks of split items under one softmax normalisation.
 
-    Plan: program p finishes the item that starts in bin p and continues past it, if any
-    (chunks in bins p..p_last). Static: program = item, chunks = its SPLITS slots.
+    Plan: program (p, d) finishes columns [d * BLOCK_D, +BLOCK_D) of the item that starts
+    in bin p and continues past it, if any (chunks in bins p..p_last). Static: program
+    (item, d), chunks = its SPLITS slots. Chunks are merged BLOCK_C at a time (one block
+    max, then one rescale of the running sum), so a long item's loads are all in flight
+    together rather than one chunk per dependent step: an item of one kv head spread over
+    hundreds of programs (the TP8 slice) has hundreds of chunks.
     """
     ROWS: tl.constexpr = GROUP * Q_LEN
     pid = tl.program_id(0)
+    pid_d = tl.program_id(1)
     n_items = B * HKV
     if IS_STATIC:
         item = pid
@@ -295,26 +304,30 @@ def combine_kernel(
     if todo:
         b = item // HKV
         h = item % HKV
+        o_c = tl.arange(0, BLOCK_C)
         o_m = tl.arange(0, BLOCK_M)
-        o_d = tl.arange(0, D)
+        o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         m_row = o_m < ROWS
         b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        for c in range(0, n_chunks):
+        b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for c0 in range(0, n_chunks, BLOCK_C):
+            c = c0 + o_c
+            m_c = c < n_chunks
             if IS_STATIC:
                 slot = first + c
             else:
                 slot = tl.where(c == 0, first, 2 * (pid + c))
-            o_prow = slot.to(tl.int64) * ROWS + o_m
-            b_lc = tl.load(p_plse + o_prow, mask=m_row, other=float("-inf"))
-            b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=m_row[:, None], other=0.0)
-            b_mnew = tl.maximum(b_m, b_lc)
+            o_prow = slot.to(tl.int64)[:, None] * ROWS + o_m[None, :]
+            m_cm = m_c[:, None] & m_row[None, :]
+            b_lc = tl.load(p_plse + o_prow, mask=m_cm, other=float("-inf"))
+            b_oc = tl.load(p_po + o_prow[:, :, None] * D + o_d[None, None, :], mask=m_cm[:, :, None], other=0.0)
+            b_mnew = tl.maximum(b_m, tl.max(b_lc, axis=0))
             b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
             b_a = tl.exp2(b_m - b_msafe)
-            b_w = tl.exp2(b_lc - b_msafe)
-            b_acc = b_acc * b_a[:, None] + b_oc * b_w[:, None]
-            b_l = b_l * b_a + b_w
+            b_w = tl.exp2(b_lc - b_msafe[None, :])
+            b_acc = b_acc * b_a[:, None] + tl.sum(b_oc * b_w[:, :, None], axis=0)
+            b_l = b_l * b_a + tl.sum(b_w, axis=0)
             b_m = b_mnew
         m_live = b_l > 0.0
         b_o = tl.where(m_live[:, None], b_acc / tl.where(m_live, b_l, 1.0)[:, None], 0.0)
@@ -323,5 +336,6 @@ def combine_kernel(
         p_orow = p_out + i_tok.to(tl.int64) * stride_ot + i_head * stride_oh
         tl.store(p_orow[:, None] + o_d[None, :], b_o.to(p_out.dtype.element_ty), mask=m_row[:, None])
         if HAS_LSE:
-            b_lse = tl.where(m_live, (b_m + tl.log2(tl.where(m_live, b_l, 1.0))) * LN2, float("-inf"))
-            tl.store(p_lse + i_tok.to(tl.int64) * stride_lt + i_head, b_lse, mask=m_row)
+            if pid_d == 0:
+                b_lse = tl.where(m_live, (b_m + tl.log2(tl.where(m_live, b_l, 1.0))) * LN2, float("-inf"))
+                tl.store(p_lse + i_tok.to(tl.int64) * stride_lt + i_head, b_lse, mask=m_row)

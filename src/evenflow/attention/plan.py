@@ -59,8 +59,10 @@ class DecodePlan:
     ``num_programs``: persistent programs of the attention kernel (default
     ``3 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
     (default 8 = 512 tokens), so small batches are not over-split. ``num_warps`` /
-    ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128): launch config
-    of the attention kernel (default: the launcher's choice); these exist so one GPU run can sweep them.
+    ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
+    (per-thread register cap, 0 = none): launch config of the attention kernel (default:
+    the launcher's choice, which caps registers so ``num_programs / SMs`` programs fit on
+    each SM); these exist so one GPU run can sweep them.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -75,7 +77,7 @@ class DecodePlan:
     def __init__(self, max_batch: int, max_seq_len: int, num_kv_heads: int, page_size: int = 64,
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 block_n: int | None = None):
+                 block_n: int | None = None, max_registers: int | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -99,6 +101,8 @@ class DecodePlan:
             check_int("num_stages", num_stages, 1, 6)
         if block_n is not None and block_n not in (TILE, 2 * TILE):
             raise ValueError(f"block_n must be one of [{TILE}, {2 * TILE}] or None, got {block_n!r}")
+        if max_registers is not None and max_registers != 0:
+            check_int("max_registers", max_registers, 24, 255)
         max_tiles = max_batch * num_kv_heads * math.ceil(max_seq_len / TILE)
         if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
             raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
@@ -108,6 +112,7 @@ class DecodePlan:
         self.num_programs, self.min_tiles = num_programs, min_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
         self.num_warps, self.num_stages, self.block_n = num_warps, num_stages, block_n
+        self.max_registers = max_registers
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
