@@ -3,45 +3,50 @@
 One process per GPU (NCCL); on a CPU-only machine the same code runs over gloo at
 tiny shapes through the Triton interpreter (checks only, nothing is timed):
 
-    torchrun --nproc-per-node 8 benchmarks/multigpu.py --out benchmarks/results/h200-x8 [--quick]
+    torchrun --nproc-per-node 2 benchmarks/multigpu.py --out benchmarks/results/h200-x2 [--quick]
     torchrun --nproc-per-node 2 benchmarks/multigpu.py --tiny        # CPU smoke run (gloo)
 
-Layers (Hy3, ../reference shapes; BF16 weights):
+Layers (Hy3 shapes of the HPC-Ops reference; any world size that divides them):
 
-* ``hy3-moe-tp`` — E192 top-8, H4096, I1536 split over the ranks (TP8: I/8 = 192 per rank),
-  every rank holds every expert's slice; y = all_reduce(fused_moe(shard)).
-* ``hy3-moe-ep`` — the same layer, experts split (EP8: 24 local experts of full I), global
-  ids, ``ep_rank``; y = all_reduce(fused_moe(local experts)).
-* ``tp8:<case>`` attention — decode attention of the TP head slice (64/8 heads over 8
-  ranks: 8 q / 1 kv per rank), heads gathered only for the check (the o-projection that
-  follows in a model owns the all-reduce).
+* ``hy3-moe-tp<n>-<format>`` — E192 top-8, H4096, I1536 with I split over the ranks (TP2:
+  768 per rank, TP8: 192); y = all_reduce(fused_moe(shard)).
+* ``hy3-moe-ep<n>-<format>`` — the same layer, experts split (EP2: 96 local experts of full
+  I), global ids, ``ep_rank``; y = all_reduce(fused_moe(local experts)).
+* ``hy3-moe-unsplit-<format>`` — the whole layer on rank 0's GPU alone (ranks=1), for the scaling.
+  Formats: bf16, fp8_per_tensor (Hy3's shipped format), fp8_block.
+* ``tp<n>:<case>`` attention — heads split over all ranks (64/8 heads: 32 q / 4 kv per rank on
+  2 ranks), heads gathered for the check (the o-projection that follows owns the all-reduce);
+  ``tp8-slice:<case>`` — with fewer ranks than kv heads, rank r runs slice r of the 8-way split
+  (Hy3 TP8: 8 q / 1 kv); ``unsplit:<case>`` — all heads on rank 0 alone. bf16 and fp8 KV.
 
-Per layer and batch: each rank's all-reduced (gathered) output is checked against
-the unsplit float64 layer with the tolerance rule (``evenflow.testing``; baseline =
-PyTorch doing the same split math in bf16 / fp32, all-reduced by the same collective);
-any rank failing makes the row an error row. Then per-layer latency as a CUDA-graph
-replay (``us``: the max over ranks of each rank's median; ``us_min_rank`` beside it)
-and eagerly (``eager_us``). For MoE rows, ``compute_us`` (fused MoE alone) and
-``allreduce_us`` (the all-reduce of [batch, H] bf16 alone) are measured too.
+Phase 1 checks every evenflow layer against the unsplit float64 layer with the tolerance rule
+(``evenflow.testing``; baseline = PyTorch doing the same split math in the working precision,
+all-reduced by the same collective); phase 2 checks each impl again and times it: CUDA-graph
+replay (``us``: the max over ranks of each rank's median; ``us_min_rank`` beside it) and eager
+(``eager_us``); for MoE rows also ``compute_us`` (fused MoE alone) and ``allreduce_us``. A
+PASS/FAIL table of every check ends the run; exit status 1 if any check failed.
 
-Floors: MoE = per-rank max(bytes of the hit expert shards + activations / copy
-bandwidth, FLOPs / bf16 rate) + all-reduce bytes (2 (n-1)/n * T*H*2 per rank) / the
-measured NCCL bus bandwidth; attention = KV bytes of the live tokens of the head slice
-+ q + o / copy bandwidth. Peers: SGLang's Triton fused MoE (``evenflow.bench.peers.sglang``)
-with the same all-reduce; FlashInfer decode (``evenflow.bench.peers.flashinfer``) on
-the same slice. A peer that cannot run becomes an ``error`` row.
+Floors: MoE = per-rank max(bytes of the hit expert shards + activations / copy bandwidth,
+FLOPs / bf16 or fp8 rate) + all-reduce bytes (2 (n-1)/n * T*H*2 per rank) / the measured NCCL
+bus bandwidth; attention = live KV of the rank's heads + q + o / copy bandwidth. Peers: SGLang's
+Triton fused MoE (``evenflow.bench.peers.sglang``) with the same all-reduce; FlashInfer decode
+(``evenflow.bench.peers.flashinfer``) on the same slice. A peer that cannot run is an error row.
+
+Never hangs: collectives time out (``--nccl-timeout-s``), an exception on any rank prints its
+traceback and leaves the process at once (rank 0 writing what it has), and a watchdog ends every
+rank at ``--hard-limit-s``. ``--budget-s`` turns rows not yet started into error rows.
 
 NVLink multicast stays off: the environment of ``evenflow.parallel.NO_MULTICAST_ENV`` is
 set before the process group exists, and no multicast API is called.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,14 +54,15 @@ import torch.distributed as dist
 
 from evenflow import parallel as par
 from evenflow.reference.attention import decode_attention_ref_batched, shuffled_page_tables
-from evenflow.reference.moe import moe_dense_reference
 
 par.disable_multicast()  # before anything can create an NCCL communicator
 
 HY3 = dict(experts=192, top_k=8, hidden=4096, inter=1536, q_heads=64, kv_heads=8, head_dim=128, page=64)
-TINY = dict(experts=8, top_k=2, hidden=64, inter=64, q_heads=4, kv_heads=2, head_dim=64, page=16)
-BATCHES = (1, 4, 16, 64, 256, 512, 1024, 4096)
-QUICK_BATCHES = (4, 64, 512)
+# Tiny: fp8 block scales need H and I/world in whole 128-blocks (I 256 splits 2 ways).
+TINY = dict(experts=4, top_k=2, hidden=128, inter=256, q_heads=8, kv_heads=4, head_dim=64, page=16)
+BATCHES = (1, 16, 128, 1024)
+QUICK_BATCHES = (1, 32, 512)
+FORMATS = ("bf16", "fp8_per_tensor", "fp8_block")
 ATT_CASES = {"1x128K+31x4K": (1 << 17,) + (4096,) * 31, "64x4K": (4096,) * 64,
              "1x32K+63x512": (1 << 15,) + (512,) * 63, "2x64K+30x1K": (1 << 16,) * 2 + (1024,) * 30}
 QUICK_ATT = ("1x128K+31x4K", "1x32K+63x512")
@@ -105,6 +111,10 @@ def reduce_time(us: float, dev, op) -> float:
 
 # ----------------------------------------------------------------------------- MoE
 
+SGL_VARIANT = {"bf16": "bf16", "fp8_per_tensor": "fp8-tensor", "fp8_block": "fp8-block"}
+FP8_MAX = 448.0
+
+
 def make_routing(tokens: int, shapes: dict, gen: torch.Generator, bias: torch.Tensor):
     """Global top-k ids (int32) and renormalised fp32 weights from softmax(N(0,1) + per-expert bias); CPU."""
     probs = torch.softmax(torch.randn(tokens, shapes["experts"], generator=gen) + bias, dim=-1)
@@ -124,69 +134,123 @@ def make_moe_weights(shapes: dict, dev, seed: int):
     return w13, w2
 
 
-@dataclass
-class MoELayout:
-    name: str  # "tp" | "ep"
-    w13: torch.Tensor  # this rank's shard
-    w2: torch.Tensor
-    ep_rank: int
-    first_expert: int
+def quant_expert_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> fp8 e4m3 + per-expert dequant scale [E] (amax / 448), one expert at a time."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for j in range(w.shape[0]):
+        wf = w[j].float()
+        s[j] = wf.abs().amax().clamp_min(1e-12) / FP8_MAX
+        q[j] = (wf / s[j]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s
 
 
-def moe_layout(kind: str, w13, w2, rank: int, world: int) -> MoELayout:
-    if kind == "tp":
-        a, b = par.shard_moe_tp(w13, w2, rank, world)
-        return MoELayout("tp", a, b, 0, 0)
-    a, b = par.shard_moe_ep(w13, w2, rank, world)
-    return MoELayout("ep", a, b, rank, rank * a.shape[0])
+def quant_expert_block(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> fp8 e4m3 + 128x128 block dequant scales [E, N/128, K/128], one expert at a time."""
+    e, n, k = w.shape
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(e, n // block, k // block, dtype=torch.float32, device=w.device)
+    for j in range(e):
+        wb = w[j].float().reshape(n // block, block, k // block, block)
+        s[j] = wb.abs().amax(dim=(1, 3)).clamp_min(1e-12) / FP8_MAX
+        q[j] = (wb / s[j][:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).reshape(n, k)
+    return q, s
 
 
-def moe_bind(impl: str, lay: MoELayout, shapes: dict, world: int):
-    """(x, ids, tw, out) -> (layer fn, compute-only fn); PeerUnavailable when the impl cannot run."""
+def make_format(fmt: str, w13, w2, shapes: dict, dev, gen: torch.Generator):
+    """The whole layer as ``evenflow.MoEWeights`` of ``fmt`` (identical on every rank)."""
+    from evenflow.moe.quant import MoEWeights
+
+    if fmt == "bf16":
+        return MoEWeights.bf16(w13, w2)
+    if fmt == "fp8_block":
+        (q13, s13), (q2, s2) = quant_expert_block(w13), quant_expert_block(w2)
+        return MoEWeights.fp8_block(q13, q2, s13, s2)
+    (q13, s13), (q2, s2) = quant_expert_tensor(w13), quant_expert_tensor(w2)
+    # Static activation scales from a calibration batch (amax * 1.25 / 448), as a deployment ships them.
+    x = torch.randn(256, shapes["hidden"], generator=gen).to(dev, torch.bfloat16).float()
+    i = shapes["inter"]
+    amax = 0.0
+    for e in range(min(8, shapes["experts"])):
+        gu = x @ (q13[e].float() * s13[e]).T
+        amax = max(amax, float((torch.nn.functional.silu(gu[:, :i]) * gu[:, i:]).abs().max()))
+    a13 = (x.abs().max() * 1.25 / FP8_MAX).reshape(1).float()
+    a2 = torch.tensor([amax * 1.25 / FP8_MAX], dtype=torch.float32, device=dev)
+    return MoEWeights.fp8_per_tensor(q13, q2, s13, s2, a13, a2)
+
+
+def clone_weights(ew):
+    from evenflow.moe.quant import MoEWeights
+
+    c = lambda t: None if t is None else t.clone()  # noqa: E731
+    return MoEWeights(ew.format, c(ew.w13), c(ew.w2), c(ew.w13_scale), c(ew.w2_scale), c(ew.a13_scale),
+                      c(ew.a2_scale))
+
+
+def moe_bind(impl: str, ew, ep_rank: int, num_total: int, split: bool):
+    """bind(x, ids, tw, out) -> (layer fn, compute-only fn); PeerUnavailable when the impl cannot run.
+
+    ``split``: the layer ends with the all-reduce of the partial outputs (not for the unsplit layer).
+    """
     from evenflow.bench.harness import PeerUnavailable
 
-    ntot = shapes["experts"]
+    finish = par.all_reduce if split else (lambda y: y)
     if impl == "evenflow":
         import evenflow
 
-        ew = evenflow.MoEWeights.bf16(lay.w13, lay.w2)
-
         def bind(x, ids, tw, out):
-            compute = lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=lay.ep_rank,  # noqa: E731
-                                                 num_experts_total=ntot, out=out)
-            return (lambda: par.all_reduce(compute())), compute
+            compute = lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=ep_rank,  # noqa: E731
+                                                 num_experts_total=num_total, out=out)
+            return (lambda: finish(compute())), compute
         return bind
     if impl == "sglang-triton":
         from evenflow.bench.peers.sglang import SGLangFusedMoE
 
         if not torch.cuda.is_available():
             raise PeerUnavailable("sglang-triton needs a CUDA GPU")
-        peer = SGLangFusedMoE("bf16", lay.w13, lay.w2, ep_rank=lay.ep_rank,
-                              num_experts_total=ntot if lay.name == "ep" else None)
+        peer = SGLangFusedMoE(SGL_VARIANT[ew.format], ew.w13, ew.w2, w13_scale=ew.w13_scale, w2_scale=ew.w2_scale,
+                              a13_scale=ew.a13_scale, a2_scale=ew.a2_scale, ep_rank=ep_rank,
+                              num_experts_total=num_total if ew.num_experts != num_total else None)
 
         def bind(x, ids, tw, out):
             compute = peer.bind(x, ids, tw)
-            return (lambda: par.all_reduce(compute())), compute
+            return (lambda: finish(compute())), compute
         return bind
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def moe_floor(lay: MoELayout, shapes: dict, ids: torch.Tensor, tokens: int, world: int, ceil: dict,
-              busbw_GBps: float) -> float:
-    """Per-rank weight-read/FLOP floor of the slowest rank plus the all-reduce byte floor, µs."""
+def expert_shard_bytes(ew) -> int:
+    """Bytes of one expert of this (shard of the) layer, scales included."""
+    n = ew.w13[0].numel() * ew.w13.element_size() + ew.w2[0].numel() * ew.w2.element_size()
+    if ew.w13_scale is not None and ew.w13_scale.dim() == 3:
+        n += (ew.w13_scale[0].numel() + ew.w2_scale[0].numel()) * 4
+    return n
+
+
+def moe_floor(kind: str, ew, shapes: dict, ids: torch.Tensor, tokens: int, world: int, ceil: dict,
+              busbw_GBps: float | None) -> float:
+    """Per-rank weight-read/FLOP floor of the slowest rank plus the all-reduce byte floor, µs.
+
+    ``kind`` "unsplit": one GPU, the whole layer, no all-reduce. FLOPs at the bf16 rate for
+    bf16 weights, at the fp8 rate otherwise.
+    """
     from evenflow.bench import harness as H
 
     h = shapes["hidden"]
-    i_r = lay.w2.shape[2]
-    e_r = lay.w13.shape[0]
+    i_r, e_r = ew.intermediate_size, ew.num_experts
+    ebytes = expert_shard_bytes(ew)
+    rate = "bf16_TFLOPs" if ew.format == "bf16" else "fp8_TFLOPs"
+    act = 2 if ew.format == "bf16" else 1
     worst = 0.0
-    for r in range(world):  # the layer ends when the most loaded rank ends
-        first = r * e_r if lay.name == "ep" else 0
+    for r in range(world if kind != "unsplit" else 1):  # the layer ends when the most loaded rank ends
+        first = r * e_r if kind == "ep" else 0
         local = ids.long() - first
         m = (local >= 0) & (local < e_r)
         distinct, pairs = int(torch.unique(local[m]).numel()), int(m.sum())
-        nbytes = distinct * 3 * h * i_r * 2 + int(m.any(1).sum()) * h * 2 + tokens * h * 2 + ids.numel() * 8
-        worst = max(worst, H.floor_us(nbytes, 6 * h * i_r * pairs, ceilings=ceil, rate="bf16_TFLOPs"))
+        nbytes = distinct * ebytes + int(m.any(1).sum()) * h * act + tokens * h * 2 + ids.numel() * 8
+        worst = max(worst, H.floor_us(nbytes, 6 * h * i_r * pairs, ceilings=ceil, rate=rate))
+    if kind == "unsplit" or not busbw_GBps:
+        return worst
     ar_bytes = 2 * (world - 1) / world * tokens * h * 2
     return worst + ar_bytes / (busbw_GBps * 1e3)
 
@@ -208,108 +272,195 @@ def measure_busbw(dev, world: int, nbytes: int = 256 << 20) -> float:
         times.append(a.elapsed_time(b) * 1e-3)
     times.sort()
     busbw = 2 * (world - 1) / world * nbytes / times[len(times) // 2] / 1e9
+    del t
     return reduce_time(busbw, dev, dist.ReduceOp.MIN)
 
 
-def run_moe(args, shapes, res, ceil, busbw, dev, rank, world, timing: bool) -> None:
+def n_rotations(ew, kind: str, shapes: dict, l2: int) -> int:
+    """Weight copies so a small batch's working set is not timed out of L2 (same count on every rank)."""
+    if not l2:
+        return 1
+    hit = min(ew.num_experts, shapes["top_k"]) if kind != "ep" else 1
+    return max(1, min(MAX_ROTATE, math.ceil(2 * l2 / (hit * expert_shard_bytes(ew)))))
+
+
+def build_binders(impls, layers: dict, num_total: int, split: bool) -> dict:
+    """{impl: [bind per rotated copy]} or {impl: error string}; local (no collective)."""
+    from evenflow.bench.harness import PeerUnavailable
+
+    out: dict = {}
+    for impl in impls:
+        try:
+            out[impl] = [moe_bind(impl, ew, layers["ep_rank"], num_total, split) for ew in layers["copies"]]
+        except PeerUnavailable as e:
+            out[impl] = f"unavailable: {e}"
+        except Exception as e:
+            out[impl] = _err(e)
+    return out
+
+
+def rule(out, ref, base, what: str) -> tuple[str, float, float]:
+    """("" or the failure, max |err|, the rule's bound) of the tolerance rule (evenflow.testing)."""
+    from evenflow.testing import assert_within_rule, error_bound
+
+    bound = error_bound(ref, base, out.dtype)
+    try:
+        err = assert_within_rule(out, ref, base, what=what)
+        return "", err, bound
+    except AssertionError as e:
+        return _err(e), float("nan"), bound
+
+
+def run_moe(args, shapes, res, checks, ceil, busbw, dev, rank, world, timing: bool) -> None:
     from evenflow.bench import harness as H
-    from evenflow.testing import assert_within_rule
+    from evenflow.reference.moe import moe_reference
 
     log(f"[multigpu] building full MoE weights {shapes} on every rank")
     w13, w2 = make_moe_weights(shapes, dev, args.seed)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size if timing else 0
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size if timing else 0
     gen = torch.Generator().manual_seed(args.seed + 1)
     bias = torch.randn(shapes["experts"], generator=gen)
-    layouts = [k for k in ("tp", "ep") if k in args.layouts]
-    for kind in layouts:
-        lay = moe_layout(kind, w13, w2, rank, world)
-        case = f"hy3-moe-{kind}{world}" if not args.tiny else f"tiny-moe-{kind}{world}"
-        # Weight copies so a small batch's working set is not timed out of L2 (same count on every rank).
-        shard_bytes = 3 * shapes["hidden"] * lay.w2.shape[2] * 2  # one expert's shard
-        hit_per_rank = min(lay.w13.shape[0], shapes["top_k"]) if kind == "tp" else 1
-        n_copies = max(1, min(MAX_ROTATE, math.ceil(2 * l2 / (hit_per_rank * shard_bytes)))) if timing else 1
-        copies = [lay] + [MoELayout(lay.name, lay.w13.clone(), lay.w2.clone(), lay.ep_rank, lay.first_expert)
-                          for _ in range(n_copies - 1)]
-        binders: dict = {}
-        for impl in args.impls:
+    ntot = shapes["experts"]
+    prefix = "tiny" if args.tiny else "hy3"
+    for fmt in args.formats:
+        full = make_format(fmt, w13, w2, shapes, dev, gen)
+        layouts: dict = {}
+        for kind in args.layouts:
             try:
-                binders[impl] = [moe_bind(impl, c, shapes, world) for c in copies]
-                err = None
-            except H.PeerUnavailable as e:
-                err = f"unavailable: {e}"
-            except Exception as e:
-                err = _err(e)
-            err = agree(err is None, err or "", dev)
-            if err is not None:
-                binders[impl] = err
-        for batch in H.progress(args.batches, f"moe-{kind}") if rank == 0 else args.batches:
+                ew, ep_rank = par.shard_moe_weights(full, kind, rank, world)
+                msg = ""
+            except Exception as e:  # e.g. fp8 block scales with I/world not whole 128-blocks
+                ew, ep_rank, msg = None, 0, _err(e)
+            bad = agree(not msg, msg, dev)
+            if bad is not None:
+                layouts[kind] = bad
+                continue
+            n_copies = n_rotations(ew, kind, shapes, l2)
+            lay = {"ep_rank": ep_rank, "shard": ew, "copies": [ew] + [clone_weights(ew) for _ in range(n_copies - 1)]}
+            lay["binders"] = build_binders(args.impls, lay, ntot, split=True)
+            for impl, b in lay["binders"].items():  # every rank must agree before any collective
+                bad = agree(not isinstance(b, str), b if isinstance(b, str) else "", dev)
+                if bad is not None:
+                    lay["binders"][impl] = bad
+            layouts[kind] = lay
+        single = None  # the unsplit layer on one GPU (rank 0), for the scaling
+        if timing and args.single_gpu and rank == 0:
+            n_copies = n_rotations(full, "unsplit", shapes, l2)
+            single = {"ep_rank": 0, "shard": full,
+                      "copies": [full] + [clone_weights(full) for _ in range(n_copies - 1)]}
+            single["binders"] = build_binders(["evenflow"], single, ntot, split=False)
+        n_inputs = max([len(v["copies"]) for v in layouts.values() if isinstance(v, dict)] +
+                       [len(single["copies"]) if single else 1])
+        for batch in H.progress(args.batches, f"moe-{fmt}") if rank == 0 else args.batches:
             inputs = []
-            for _ in range(n_copies):
+            for _ in range(n_inputs):
                 ids, tw = make_routing(batch, shapes, gen, bias)
                 x = torch.randn(batch, shapes["hidden"], generator=gen).bfloat16()
                 inputs.append((x.to(dev), ids.to(dev), tw.to(dev)))
             x0, ids0, tw0 = inputs[0]
-            ref = moe_dense_reference(x0, ids0, tw0, w13, w2, 0, torch.float64)  # the unsplit layer
-            base = moe_dense_reference(x0, ids0, tw0, lay.w13, lay.w2, lay.first_expert,
-                                       torch.bfloat16).to(torch.bfloat16)
-            par.all_reduce(base)  # same split math in bf16, through the same collective
-            fl = moe_floor(lay, shapes, ids0.cpu(), batch, world, ceil, busbw) if timing else None
-            for impl in args.impls:
-                row = dict(case=case, variant="bf16", impl=impl, batch=batch, layout=kind, ranks=world)
-                if over_budget(args, dev):
+            ref = moe_reference(x0, ids0, tw0, full, dtype=torch.float64)  # the unsplit layer
+            base_dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+            for kind in args.layouts:
+                lay = layouts[kind]
+                case = f"{prefix}-moe-{kind}{world}-{fmt}"
+                row = dict(case=case, variant=fmt, batch=batch, layout=kind, ranks=world)
+                if isinstance(lay, str):
                     if rank == 0:
-                        res.add_error(error=f"skipped: time budget {args.budget_s:.0f}s spent", **row)
+                        for impl in args.impls:
+                            res.add_error(error=lay, impl=impl, **row)
+                            checks.add(row, impl, lay)
                     continue
-                if isinstance(binders[impl], str):
-                    if rank == 0:
-                        res.add_error(error=binders[impl], **row)
-                    continue
-                outs = [torch.empty(batch, shapes["hidden"], dtype=torch.bfloat16, device=dev)
-                        for _ in range(n_copies)]
-                fns = [binders[impl][j](*inputs[j], outs[j]) for j in range(n_copies)]
-                err, msg = None, ""
-                try:
-                    y = fns[0][0]()
-                    err = assert_within_rule(y, ref, base, what=f"{case} {impl} batch {batch} rank {rank}")
-                except Exception as e:
-                    msg = _err(e)
-                bad = agree(not msg, msg, dev)
-                errs = [None] * world
-                dist.all_gather_object(errs, err)
-                if bad is not None:
-                    if rank == 0:
-                        res.add_error(error=bad, **row)
-                    continue
-                log(f"  {case} {impl} batch {batch}: every rank within the rule (max err {max(errs):.2e})")
-                if not timing:
-                    if rank == 0:
-                        res.add_check(max_abs_err=max(errs), **row)
-                    continue
-                try:
-                    timed = time_layer([f for f, _ in fns], dev)
-                    compute = time_layer([c for _, c in fns], dev, eager=False)
-                    ar = time_layer([(lambda o=o: par.all_reduce(o)) for o in outs], dev, eager=False)
-                    msg = ""
-                except Exception as e:
-                    msg = _err(e)
-                bad = agree(not msg, msg, dev)
+                ew = lay["shard"]
+                # PyTorch doing the same split math in the working precision, through the same collective.
+                base = moe_reference(x0, ids0, tw0, ew, ep_rank=lay["ep_rank"], num_experts_total=ntot,
+                                     dtype=base_dtype).to(torch.bfloat16)
+                par.all_reduce(base)
+                fl = moe_floor(kind, ew, shapes, ids0.cpu(), batch, world, ceil, busbw) if timing else None
+                for impl in args.impls:
+                    time_moe_row(args, res, checks, dict(row, impl=impl), lay["binders"][impl], inputs, ref, base,
+                                 fl, dev, rank, world, timing, split=True)
+            if single is not None or (timing and args.single_gpu):
+                # Rank 0 alone runs the unsplit layer; the other ranks wait at the barrier.
                 if rank == 0:
-                    if bad is not None:
-                        res.add_error(error=bad, **row)
-                    else:
-                        res.add(us=timed["us"], eager_us=timed["eager_us"], floor_us=fl,
-                                us_min_rank=timed["us_min"], compute_us=compute["us"], allreduce_us=ar["us"],
-                                max_abs_err=max(errs), rotated=n_copies, **row)
-        del copies, binders
+                    row = dict(case=f"{prefix}-moe-unsplit-{fmt}", variant=fmt, batch=batch, layout="unsplit",
+                               ranks=1, impl="evenflow")
+                    base = moe_reference(x0, ids0, tw0, full, dtype=base_dtype).to(torch.bfloat16)
+                    fl = moe_floor("unsplit", full, shapes, ids0.cpu(), batch, 1, ceil, None)
+                    time_moe_row(args, res, checks, row, single["binders"]["evenflow"], inputs, ref, base, fl,
+                                 dev, rank, world, timing, split=False)
+                dist.barrier()
+        del layouts, single, full
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
     del w13, w2
 
 
-def time_layer(fns, dev, eager: bool = True) -> dict:
-    """Graph-replay (and eager) median µs on every rank; max and min over ranks."""
+def time_moe_row(args, res, checks, row, binder, inputs, ref, base, fl, dev, rank, world, timing, split) -> None:
+    """Check then time one MoE row; ``split``: every rank takes part (collectives), else rank 0 alone."""
+    ag = (lambda ok, m: agree(ok, m, dev)) if split else (lambda ok, m: None if ok else m)
+    if (over_budget(args, dev) if split else time.time() - args.t0 > args.budget_s):
+        if rank == 0:
+            res.add_error(error=f"skipped: time budget {args.budget_s:.0f}s spent", **row)
+            checks.add(row, row["impl"], "skipped: time budget spent")
+        return
+    if isinstance(binder, str):
+        if rank == 0:
+            res.add_error(error=binder, **row)
+            checks.add(row, row["impl"], binder)
+        return
+    n = len(binder)
+    batch, hidden = inputs[0][0].shape
+    outs = [torch.empty(batch, hidden, dtype=torch.bfloat16, device=dev) for _ in range(n)]
+    msg, err, bound = "", float("nan"), float("nan")
+    try:
+        fns = [binder[j](*inputs[j], outs[j]) for j in range(n)]
+        y = fns[0][0]()
+        msg, err, bound = rule(y, ref, base, f"{row['case']} {row['impl']} batch {batch} rank {rank}")
+    except Exception as e:
+        msg = _err(e)
+    bad = ag(not msg, msg)
+    if split:
+        errs = [None] * world
+        dist.all_gather_object(errs, (err, bound))
+    else:
+        errs = [(err, bound)]
+    if bad is not None:
+        if rank == 0:
+            res.add_error(error=bad, **row)
+            checks.add(row, row["impl"], bad)
+        return
+    err, bound = max(e for e, _ in errs), min(b for _, b in errs)
+    if rank == 0:
+        checks.add(row, row["impl"], "", err, bound)
+    if not timing:
+        return
+    msg = ""
+    try:
+        timed = time_layer([f for f, _ in fns], dev, collective=split)
+        if split:
+            compute = time_layer([c for _, c in fns], dev, eager=False)
+            ar = time_layer([(lambda o=o: par.all_reduce(o)) for o in outs], dev, eager=False)
+    except Exception as e:
+        msg = _err(e)
+    bad = ag(not msg, msg)
+    if rank == 0:
+        if bad is not None:
+            res.add_error(error=bad, **row)
+        else:
+            extra = dict(compute_us=compute["us"], allreduce_us=ar["us"], us_min_rank=timed["us_min"]) if split else {}
+            res.add(us=timed["us"], eager_us=timed["eager_us"], floor_us=fl, max_abs_err=err, bound=bound,
+                    rotated=n, x=f"{row['layout']} b{batch}", plot=f"moe {row['variant']}", **extra, **row)
+
+
+def time_layer(fns, dev, eager: bool = True, collective: bool = True) -> dict:
+    """Graph-replay (and eager) median µs; with ``collective``, on every rank, max and min over ranks."""
     from evenflow.bench import harness as H
 
-    dist.barrier()
+    if collective:
+        dist.barrier()
     us = H.time_graph(fns)
+    if not collective:
+        return {"us": us, "us_min": us, "eager_us": H.time_eager(fns, reps=20) if eager else None}
     out = {"us": reduce_time(us, dev, dist.ReduceOp.MAX), "us_min": reduce_time(us, dev, dist.ReduceOp.MIN)}
     if eager:
         dist.barrier()
@@ -319,25 +470,38 @@ def time_layer(fns, dev, eager: bool = True) -> dict:
 
 # ----------------------------------------------------------------------------- attention (TP heads)
 
-def attention_inputs(lengths, shapes, dev, seed: int):
-    """Full-head q [B, Hq, D], caches [pages, P, Hkv, D] bf16 (shuffled pages), page table, lengths."""
+def attention_inputs(lengths, shapes, dev, seed: int, kv: str):
+    """Full-head q [B, Hq, D] bf16, caches [pages, P, Hkv, D] (shuffled pages; bf16, or fp8 e4m3 with
+    per-tensor scales amax/448), page table, lengths, (k_scale, v_scale) floats or None."""
     p, hq, hkv, d = shapes["page"], shapes["q_heads"], shapes["kv_heads"], shapes["head_dim"]
     tables, pool = shuffled_page_tables(lengths, p, generator=torch.Generator().manual_seed(seed))
     gd = torch.Generator(device=dev).manual_seed(seed)
     k = torch.randn(pool, p, hkv, d, generator=gd, device=dev).bfloat16()
     v = torch.randn(pool, p, hkv, d, generator=gd, device=dev).bfloat16()
     q = torch.randn(len(lengths), hq, d, generator=gd, device=dev).bfloat16()
-    return q, k, v, tables[0].to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev)
+    scales = (None, None)
+    if kv == "fp8":
+        ks, vs = (float(t.float().abs().max()) / FP8_MAX for t in (k, v))
+        k = (k.float() / ks).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        v = (v.float() / vs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        scales = (ks, vs)
+    return q, k, v, tables[0].to(dev), torch.tensor(lengths, dtype=torch.int32, device=dev), scales
 
 
-def attention_math(q, k, v, table, lens, dtype) -> torch.Tensor:
-    """Plain paged decode attention (scale 1/sqrt(D)) in ``dtype``: the library's oracle."""
-    return decode_attention_ref_batched(q, k, v, table, lens, dtype=dtype)[0]
+def attention_ref(q, k, v, table, lens, scales):
+    """(fp64 oracle, baseline): the baseline is PyTorch in fp32 with probabilities rounded to bf16
+    and a bf16 output, as the decode GPU tests use."""
+    ks, vs = scales
+    ref = decode_attention_ref_batched(q, k, v, table, lens, k_scale=ks, v_scale=vs, dtype=torch.float64)[0]
+    base = decode_attention_ref_batched(q, k, v, table, lens, k_scale=ks, v_scale=vs, dtype=torch.float32,
+                                        p_dtype=torch.bfloat16, out_dtype=torch.bfloat16)[0]
+    return ref, base
 
 
-def attention_bind(impl: str, q, k, v, table, lens, shapes):
+def attention_bind(impl: str, q, k, v, table, lens, shapes, scales):
     from evenflow.bench.harness import PeerUnavailable
 
+    ks, vs = scales
     if impl == "evenflow":
         import evenflow
 
@@ -345,7 +509,7 @@ def attention_bind(impl: str, q, k, v, table, lens, shapes):
                                    page_size=shapes["page"], device=q.device)
         plan.update(lens)
         out = torch.empty_like(q)
-        return lambda: evenflow.decode_attention(q, k, v, table, lens, plan=plan, out=out)
+        return lambda: evenflow.decode_attention(q, k, v, table, lens, plan=plan, k_scale=ks, v_scale=vs, out=out)
     if impl.startswith("flashinfer"):
         from evenflow.bench.peers import flashinfer as fi
 
@@ -354,98 +518,154 @@ def attention_bind(impl: str, q, k, v, table, lens, shapes):
         wrapper = fi.FlashInferDecode(impl, table, lens, num_q_heads=q.shape[1], num_kv_heads=k.shape[2],
                                       head_dim=q.shape[2], page_size=shapes["page"], q_dtype=q.dtype,
                                       kv_dtype=k.dtype, sm_scale=1.0 / math.sqrt(q.shape[2]))
-        return wrapper.runner(q, k, v)
+        return wrapper.runner(q, k, v, k_scale=ks, v_scale=vs)
     raise ValueError(f"unknown impl {impl!r}")
 
 
-def run_attention(args, shapes, res, ceil, dev, rank, world, timing: bool) -> None:
+def attention_layouts(world: int, shapes: dict) -> list[tuple[str, int]]:
+    """(name, ways) of the head splits run: the split over all ranks, and (when the world has fewer
+    ranks than kv heads) the one-kv-head slice, rank r running slice r of a kv_heads-way split
+    (Hy3: the TP8 slice, 8 q / 1 kv heads)."""
+    hkv = shapes["kv_heads"]
+    out = [(f"tp{world}", world)]
+    if world < hkv and hkv % world == 0:
+        out.append((f"tp{hkv}-slice", hkv))
+    return out
+
+
+def run_attention(args, shapes, res, checks, ceil, dev, rank, world, timing: bool) -> None:
     from evenflow.bench import harness as H
-    from evenflow.testing import assert_within_rule
 
     cases = TINY_ATT if args.tiny else {c: ATT_CASES[c] for c in args.att_cases}
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size if timing else 0
-    for name, lengths in (H.progress(cases.items(), "attention") if rank == 0 else cases.items()):
-        case = f"tp{world}:{name}"
-        q, k, v, table, lens = attention_inputs(lengths, shapes, dev, args.seed + 7)
-        ref = attention_math(q, k, v, table, lens, torch.float64)
-        base = attention_math(q, k, v, table, lens, torch.float32).to(torch.bfloat16)
-        q_r, k_r, v_r = par.shard_attention_heads(q, k, v, rank, world)
-        del k, v
-        hq_r, hkv_r, d = q_r.shape[1], k_r.shape[2], q_r.shape[2]
-        nbytes = 2 * sum(lengths) * hkv_r * d * 2 + len(lengths) * hq_r * d * 4
-        n_copies = max(1, min(MAX_ROTATE, math.ceil(3 * l2 / nbytes))) if timing else 1
-        rot = [(q_r, k_r, v_r)] + [(q_r.clone(), k_r.clone(), v_r.clone()) for _ in range(n_copies - 1)]
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size if timing else 0
+    for kv in args.kv:
+        for name, lengths in (H.progress(cases.items(), f"attention-{kv}") if rank == 0 else cases.items()):
+            q, k, v, table, lens, scales = attention_inputs(lengths, shapes, dev, args.seed + 7, kv)
+            ref, base = attention_ref(q, k, v, table, lens, scales)
+            for split, ways in attention_layouts(world, shapes):
+                q_r, k_r, v_r = par.shard_attention_heads(q, k, v, rank, ways)
+                (qlo, qhi), _ = par.head_ranges(q.shape[1], k.shape[2], rank, ways)
+                gather = ways == world  # the whole layer: heads of every rank gathered and checked
+                row_ref, row_base = (ref, base) if gather else (ref[:, qlo:qhi], base[:, qlo:qhi])
+                run_attention_row(args, res, checks, dict(case=f"{split}:{name}", variant=f"{kv}-kv", ranks=world,
+                                  batch=len(lengths), heads=f"{qhi - qlo}q/{k_r.shape[2]}kv"),
+                                  (q_r, k_r, v_r), table, lens, scales, row_ref, row_base, gather, shapes, ceil,
+                                  l2, dev, rank, world, timing, collective=True)
+                del q_r, k_r, v_r
+            if timing and args.single_gpu:  # the unsplit layer on one GPU (rank 0), for the scaling
+                if rank == 0:
+                    run_attention_row(args, res, checks, dict(case=f"unsplit:{name}", variant=f"{kv}-kv", ranks=1,
+                                      batch=len(lengths), heads=f"{q.shape[1]}q/{k.shape[2]}kv"),
+                                      (q, k, v), table, lens, scales, ref, base, False, shapes, ceil, l2, dev,
+                                      rank, world, timing, collective=False, impls=["evenflow"])
+                dist.barrier()
+            del q, k, v, ref, base
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+def run_attention_row(args, res, checks, row, qkv, table, lens, scales, ref, base, gather, shapes, ceil, l2, dev,
+                      rank, world, timing, collective, impls=None) -> None:
+    from evenflow.bench import harness as H
+
+    ag = (lambda ok, m: agree(ok, m, dev)) if collective else (lambda ok, m: None if ok else m)
+    q_r, k_r, v_r = qkv
+    hq_r, hkv_r, d = q_r.shape[1], k_r.shape[2], q_r.shape[2]
+    lengths = lens.tolist()
+    nbytes = 2 * sum(lengths) * hkv_r * d * k_r.element_size() + len(lengths) * hq_r * d * 4
+    n_copies = max(1, min(MAX_ROTATE, math.ceil(3 * l2 / nbytes))) if timing else 1
+    rot = [qkv] + [tuple(t.clone() for t in qkv) for _ in range(n_copies - 1)]
+    if impls is None:
         impls = ["evenflow"] + ([i for i in args.att_peers if i] if timing else [])
-        for impl in impls:
-            row = dict(case=case, variant="bf16-kv", impl=impl, ranks=world, heads=f"{hq_r}q/{hkv_r}kv")
-            if over_budget(args, dev):
-                if rank == 0:
-                    res.add_error(error=f"skipped: time budget {args.budget_s:.0f}s spent", **row)
-                continue
-            fns, msg, err = [], "", None
-            try:
-                fns = [attention_bind(impl, a, b, c, table, lens, shapes) for a, b, c in rot]
-                o = par.all_gather_heads(fns[0]().view(len(lengths), hq_r, d))
-            except H.PeerUnavailable as e:
-                msg, o = f"unavailable: {e}", None
-            except Exception as e:
-                msg, o = _err(e), None
-            bad = agree(not msg, msg, dev)
-            if bad is None:
-                try:
-                    err = assert_within_rule(o, ref, base, what=f"{case} {impl} rank {rank} gathered heads")
-                except AssertionError as e:
-                    msg = _err(e)
-                bad = agree(not msg, msg, dev)
-            if bad is not None:
-                if rank == 0:
-                    res.add_error(error=bad, **row)
-                continue
-            errs = [None] * world
-            dist.all_gather_object(errs, err)
-            log(f"  {case} {impl}: every rank within the rule (max err {max(errs):.2e})")
-            if not timing:
-                if rank == 0:
-                    res.add_check(max_abs_err=max(errs), **row)
-                continue
-            try:
-                timed = time_layer(fns, dev)
-                msg = ""
-            except Exception as e:
-                timed, msg = None, _err(e)
-            bad = agree(not msg, msg, dev)
+    for impl in impls:
+        row_i = dict(row, impl=impl)
+        late = over_budget(args, dev) if collective else time.time() - args.t0 > args.budget_s
+        if late:
             if rank == 0:
-                if bad is not None:
-                    res.add_error(error=bad, **row)
-                else:
-                    res.add(us=timed["us"], eager_us=timed["eager_us"], us_min_rank=timed["us_min"],
-                            floor_us=H.floor_us(nbytes, ceilings=ceil), max_abs_err=max(errs),
-                            rotated=n_copies, **row)
-        del rot, q_r, k_r, v_r
+                res.add_error(error=f"skipped: time budget {args.budget_s:.0f}s spent", **row_i)
+                checks.add(row_i, impl, "skipped: time budget spent")
+            continue
+        fns, msg, err, bound = [], "", float("nan"), float("nan")
+        try:
+            fns = [attention_bind(impl, a, b, c, table, lens, shapes, scales) for a, b, c in rot]
+            o = fns[0]().view(len(lengths), hq_r, d)
+            if gather:
+                o = par.all_gather_heads(o)
+            msg, err, bound = rule(o, ref, base, f"{row['case']} {impl} rank {rank}")
+        except H.PeerUnavailable as e:
+            msg = f"unavailable: {e}"
+        except Exception as e:
+            msg = _err(e)
+        bad = ag(not msg, msg)
+        if collective:
+            errs = [None] * world
+            dist.all_gather_object(errs, (err, bound))
+        else:
+            errs = [(err, bound)]
+        if bad is not None:
+            if rank == 0:
+                res.add_error(error=bad, **row_i)
+                checks.add(row_i, impl, bad)
+            continue
+        err, bound = max(e for e, _ in errs), min(b for _, b in errs)
+        if rank == 0:
+            checks.add(row_i, impl, "", err, bound)
+        if not timing:
+            continue
+        try:
+            timed, msg = time_layer(fns, dev, collective=collective), ""
+        except Exception as e:
+            timed, msg = None, _err(e)
+        bad = ag(not msg, msg)
+        if rank == 0:
+            if bad is not None:
+                res.add_error(error=bad, **row_i)
+            else:
+                res.add(us=timed["us"], eager_us=timed["eager_us"], us_min_rank=timed["us_min"],
+                        floor_us=H.floor_us(nbytes, ceilings=ceil), max_abs_err=err, bound=bound,
+                        rotated=n_copies, x=row["case"], plot=f"attention {row['variant']}", **row_i)
+    del rot
 
 
 # ----------------------------------------------------------------------------- driver
 
-class CheckLog:
-    """Rank 0's record of a run without timing (CPU / --tiny): checks only, failures fail the run."""
+class Checks:
+    """Rank 0's record of every correctness check: a PASS/FAIL table at the end of the run."""
 
     def __init__(self):
         self.rows: list[dict] = []
 
-    def add_check(self, **row) -> None:
-        self.rows.append(row)
+    def add(self, row: dict, impl: str, error: str, err: float = float("nan"), bound: float = float("nan")) -> None:
+        self.rows.append(dict(case=row["case"], variant=row["variant"], impl=impl, batch=row.get("batch", ""),
+                              ranks=row["ranks"], error=error, err=err, bound=bound))
 
-    def add_error(self, *, error: str, **row) -> None:
-        self.rows.append(dict(row, error=error))
-        print(f"  FAILED {row}: {error}", flush=True)
+    def failed(self) -> list[dict]:
+        """Rows that ran and failed (a peer that is unavailable or a budget skip is not a failure)."""
+        return [r for r in self.rows if r["error"] and not r["error"].startswith(("skipped", "unavailable"))
+                and "unavailable:" not in r["error"]]
 
-    def report(self, world: int) -> int:
-        bad = [r for r in self.rows if "error" in r]
+    def table(self) -> str:
+        lines = ["| result | case | variant | impl | batch | ranks | max abs err | bound | note |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        bad = self.failed()
         for r in self.rows:
-            print(f"  {'FAILED' if 'error' in r else 'ok'} {r}")
-        print(f"[multigpu] {len(self.rows) - len(bad)} of {len(self.rows)} checks passed on {world} ranks "
-              "(nothing timed without CUDA)", flush=True)
-        return 1 if bad or not self.rows else 0
+            res = "PASS" if not r["error"] else "FAIL" if any(r is b for b in bad) else "n/a"
+            lines.append(f"| {res} | {r['case']} | {r['variant']} | {r['impl']} | {r['batch']} | {r['ranks']} | "
+                         f"{r['err']:.2e} | {r['bound']:.2e} | {r['error'][:160]} |")
+        n_pass = sum(1 for r in self.rows if not r["error"])
+        lines.append(f"\n{n_pass} PASS, {len(bad)} FAIL, {len(self.rows) - n_pass - len(bad)} not run "
+                     "(peer unavailable or time budget) of " + str(len(self.rows)) + " checks")
+        return "\n".join(lines)
+
+
+class NoResults:
+    """Stands in for harness.Results where nothing is timed (CPU / --tiny) and on ranks other than 0."""
+
+    def add(self, **row) -> None:
+        pass
+
+    def add_error(self, **row) -> None:
+        pass
 
 
 def _csv(kind):
@@ -455,18 +675,61 @@ def _csv(kind):
 def _extra_args(p):
     p.add_argument("--tiny", action="store_true", help="tiny shapes, checks only (automatic without CUDA)")
     p.add_argument("--layouts", type=_csv(str), default=["tp", "ep"], help="MoE layouts: tp,ep (empty: none)")
+    p.add_argument("--formats", type=_csv(str), default=list(FORMATS), help="MoE weight formats: " + ",".join(FORMATS))
     p.add_argument("--batches", type=_csv(int), default=None, help="comma list of token counts")
     p.add_argument("--impls", type=_csv(str), default=["evenflow", "sglang-triton"], help="MoE impls")
     p.add_argument("--att-cases", type=_csv(str), default=None, help="comma list of " + ",".join(ATT_CASES))
+    p.add_argument("--kv", type=_csv(str), default=["bf16", "fp8"], help="attention KV formats: bf16,fp8")
     p.add_argument("--att-peers", type=_csv(str), default=["flashinfer-cuda", "flashinfer-tc"],
                    help="attention peers (flashinfer-cuda, flashinfer-tc, flashinfer-fa3; empty: none)")
     p.add_argument("--no-attention", action="store_true")
+    p.add_argument("--no-single-gpu", dest="single_gpu", action="store_false",
+                   help="skip timing the unsplit layer on one GPU (rank 0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=float(os.environ.get("EVENFLOW_BENCH_BUDGET_S", 480)),
-                   help="stop timing after this many seconds; the rest become error rows (results still written)")
+    p.add_argument("--budget-s", type=float, default=float(os.environ.get("EVENFLOW_BENCH_BUDGET_S", 200)),
+                   help="start no new check/timing after this many seconds; the rest become error rows "
+                        "(results still written)")
+    p.add_argument("--hard-limit-s", type=float, default=None,
+                   help="watchdog: every rank exits (rank 0 writing what it has) after this many seconds "
+                        "(default budget + 70)")
+    p.add_argument("--nccl-timeout-s", type=float, default=180.0,
+                   help="timeout of every collective: a rank left waiting for a failed peer errors out")
+
+
+def validate_args(args) -> None:
+    for name, vals, allowed in (("--formats", args.formats, FORMATS), ("--layouts", args.layouts, ("tp", "ep")),
+                                ("--kv", args.kv, ("bf16", "fp8")), ("--att-cases", args.att_cases, ATT_CASES),
+                                ("--impls", args.impls, ("evenflow", "sglang-triton"))):
+        for v in vals:
+            if v not in allowed:
+                raise SystemExit(f"{name}: unknown value {v!r} (choose from {', '.join(allowed)})")
+    if args.budget_s <= 0:
+        raise SystemExit(f"--budget-s must be positive, got {args.budget_s}")
+
+
+def start_watchdog(limit_s: float, state: dict) -> None:
+    """Exit the process after ``limit_s`` whatever it is doing (a hung compile or collective):
+    rank 0 first writes the results it has. torchrun then ends the other ranks."""
+    import threading
+
+    def fire():
+        print(f"[multigpu] rank {state['rank']}: hard limit {limit_s:.0f}s reached, exiting", flush=True)
+        try:
+            if state.get("finish"):
+                state["finish"]()
+        except Exception:
+            traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(3)
+
+    t = threading.Timer(limit_s, fire)
+    t.daemon = True
+    t.start()
 
 
 def main(argv=None) -> int:
+    import datetime
+
     from evenflow.bench import harness as H
 
     args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra_args)
@@ -476,53 +739,93 @@ def main(argv=None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     cuda = torch.cuda.is_available()
+    args.tiny = args.tiny or not cuda
+    timing = cuda and not args.tiny
+    if not timing:  # peers need a GPU; a check-only run proves our code paths
+        args.impls = [i for i in args.impls if i == "evenflow"]
+    args.att_cases = args.att_cases or list(QUICK_ATT if args.quick else ATT_CASES)
+    validate_args(args)
+    shapes = TINY if args.tiny else HY3
+    args.batches = args.batches or ((3, 9) if args.tiny else QUICK_BATCHES if args.quick else BATCHES)
+    state = {"rank": rank}
+    start_watchdog(args.hard_limit_s or args.budget_s + 70, state)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # a timed-out collective tears down, not hangs
+    timeout = datetime.timedelta(seconds=args.nccl_timeout_s)
     if cuda:
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=dev)
+        dist.init_process_group("nccl", device_id=dev, timeout=timeout)
     else:
         dev = torch.device("cpu")
-        dist.init_process_group("gloo")
-    timing = cuda and not args.tiny
-    args.tiny = args.tiny or not cuda
-    if not timing:  # peers need a GPU; a check-only run proves our code paths
-        args.impls = [i for i in args.impls if i == "evenflow"]
-    shapes = TINY if args.tiny else HY3
-    args.batches = args.batches or ((3, 9) if args.tiny else QUICK_BATCHES if args.quick else BATCHES)
-    args.att_cases = args.att_cases or list(QUICK_ATT if args.quick else ATT_CASES)
-    for c in args.att_cases:
-        if c not in ATT_CASES:
-            sys.exit(f"--att-cases: unknown case {c!r} (choose from {', '.join(ATT_CASES)})")
+        dist.init_process_group("gloo", timeout=timeout)
     log(f"[multigpu] {world} ranks, backend {dist.get_backend()}, timing {timing}, "
-        f"multicast env {par.NO_MULTICAST_ENV}")
-    status = 0
+        f"multicast env {par.NO_MULTICAST_ENV}, budget {args.budget_s:.0f}s")
+    checks, timed_checks = Checks(), Checks()
     try:
+        res = NoResults()
+        ceil: dict = {}
         if timing:
             ceil = H.measure_ceilings(verbose=rank == 0)
             ceil["nccl_busbw_GBps"] = round(measure_busbw(dev, world), 1)
             log(f"[multigpu] NCCL all-reduce bus bandwidth {ceil['nccl_busbw_GBps']} GB/s")
-            out = args.out or Path(__file__).resolve().parent / "results" / f"{H.gpu_slug()}-x{world}"
-            res = H.Results("multigpu", ceilings=ceil, out=out, meta={
-                "ranks": world, "shapes": shapes, "multicast_env": par.NO_MULTICAST_ENV,
-                "us": "max over ranks of each rank's CUDA-graph replay median (layer incl. all-reduce)",
-                "floor": "MoE: slowest rank's max(bytes/copy, flops/bf16) + 2(n-1)/n*T*H*2 B / NCCL busbw; "
-                         "attention: live KV of the head slice + q + o / copy"}) if rank == 0 else None
-        else:
-            ceil, res = {}, CheckLog()
-        if args.layouts:
-            run_moe(args, shapes, res, ceil, ceil.get("nccl_busbw_GBps"), dev, rank, world, timing)
-        if not args.no_attention:
-            run_attention(args, shapes, res, ceil, dev, rank, world, timing)
+            if rank == 0:
+                out = args.out or Path(__file__).resolve().parent / "results" / f"{H.gpu_slug()}-x{world}"
+                res = H.Results("multigpu", ceilings=ceil, out=out, meta={
+                    "kind": f"{H.gpu_slug()}-x{world}", "ranks": world, "shapes": shapes,
+                    "multicast_env": par.NO_MULTICAST_ENV, "budget_s": args.budget_s,
+                    "us": "max over ranks of each rank's CUDA-graph replay median (layer incl. all-reduce); "
+                          "ranks=1 rows: the unsplit layer on rank 0's GPU alone",
+                    "floor": "MoE: slowest rank's max(bytes/copy, flops/(bf16|fp8) rate) + 2(n-1)/n*T*H*2 B / "
+                             "NCCL busbw; attention: live KV of the rank's heads + q + o / copy"})
+
+                def finish():
+                    # one panel per format ("plot"), bars per layout and batch / attention case ("x")
+                    res.finish(x="x", group="plot", plot=not args.no_plot,
+                               columns=["case", "impl", "batch", "ranks", "us", "eager_us", "compute_us",
+                                        "allreduce_us", "floor_us", "frac_of_floor", "max_abs_err", "bound",
+                                        "error"])
+                state["finish"] = finish
+        # Phase 1 checks every evenflow layer (and compiles its kernels), so a spent time budget
+        # can only cut timing rows, never a correctness check; phase 2 checks each impl again
+        # on its own inputs right before timing it (peers and the unsplit one-GPU layer included).
+        phases = [("check", False, checks)] + ([("time", True, timed_checks)] if timing else [])
+        for phase, timed, ck in phases:
+            a = copy.copy(args)
+            if not timed:
+                a.impls, a.single_gpu = ["evenflow"], False
+            log(f"[multigpu] phase {phase} (+{time.time() - args.t0:.0f}s)")
+            if args.layouts and args.formats:
+                run_moe(a, shapes, res if timed else NoResults(), ck, ceil, ceil.get("nccl_busbw_GBps"), dev,
+                        rank, world, timed)
+            if not args.no_attention and args.kv:
+                run_attention(a, shapes, res if timed else NoResults(), ck, ceil, dev, rank, world, timed)
+        status = 0
         if rank == 0:
+            state.pop("finish", None)
             if timing:
-                res.finish(x="batch", group="case", plot=not args.no_plot,
-                           columns=["case", "impl", "batch", "us", "eager_us", "compute_us", "allreduce_us",
-                                    "floor_us", "frac_of_floor", "max_abs_err", "error"])
-            else:
-                status = res.report(world)
-    except Exception:
+                finish()
+                print("\n[multigpu] checks right before timing (every impl, unsplit one-GPU layer included):")
+                print(timed_checks.table(), flush=True)
+            print("\n[multigpu] evenflow split layers vs the unsplit single-GPU reference (tolerance rule):",
+                  flush=True)
+            print(checks.table(), flush=True)
+            status = 1 if checks.failed() or timed_checks.failed() or not checks.rows else 0
+            print(f"[multigpu] {'FAIL' if status else 'PASS'} after {time.time() - args.t0:.0f}s", flush=True)
+        dist.barrier()
+    except BaseException:
+        # Never wait on peers after a failure: print, write what rank 0 has, and leave at once
+        # (torchrun ends the other ranks; their collectives time out otherwise).
         traceback.print_exc()
-        status = 1
+        if rank == 0:
+            print(timed_checks.table() + "\n" + checks.table(), flush=True)
+            try:
+                if state.get("finish"):
+                    state["finish"]()
+            except Exception:
+                traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     dist.destroy_process_group()
     return status
 

@@ -189,6 +189,78 @@ def test_split_math_sums_to_unsplit_in_fp64():
     assert (tp - full).abs().max().item() <= 1e-12 * scale
 
 
+def _fp8_layer(fmt):
+    """Tiny whole-layer MoEWeights of ``fmt`` (E 4, H 128, I 256: whole 128-blocks per TP-2 rank)."""
+    from evenflow.moe.quant import MoEWeights
+
+    g = torch.Generator().manual_seed(99)
+    e, h, i = 4, 128, 256
+    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.05
+    w2 = torch.randn(e, h, i, generator=g) * 0.05
+    if fmt == "bf16":
+        return MoEWeights.bf16(w13.bfloat16(), w2.bfloat16())
+    if fmt == "fp8_per_tensor":
+        s13, s2 = (w.abs().amax(dim=(1, 2)) / 448 for w in (w13, w2))
+        q13 = (w13 / s13[:, None, None]).to(torch.float8_e4m3fn)
+        q2 = (w2 / s2[:, None, None]).to(torch.float8_e4m3fn)
+        return MoEWeights.fp8_per_tensor(q13, q2, s13, s2, torch.tensor([0.02]), torch.tensor([0.004]))
+
+    def block(w):
+        n, k = w.shape[1] // 128, w.shape[2] // 128
+        s = w.reshape(e, n, 128, k, 128).abs().amax(dim=(2, 4)) / 448
+        q = w / s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        return q.to(torch.float8_e4m3fn), s
+    (q13, s13), (q2, s2) = block(w13), block(w2)
+    return MoEWeights.fp8_block(q13, q2, s13, s2)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor", "fp8_block"])
+@pytest.mark.parametrize("layout", ["ep", "tp"])
+def test_shard_moe_weights_reassemble_and_sum_to_unsplit(fmt, layout):
+    from evenflow.reference.moe import dequant_weights, moe_reference
+
+    full = _fp8_layer(fmt)
+    shards = [par.shard_moe_weights(full, layout, r, WORLD) for r in range(WORLD)]
+    for r, (ew, ep_rank) in enumerate(shards):
+        assert ew.format == fmt and ep_rank == (r if layout == "ep" else 0)
+        assert ew.w13.dtype == full.w13.dtype and ew.w13.is_contiguous() and ew.w2.is_contiguous()
+        if fmt == "fp8_per_tensor":
+            assert torch.equal(ew.a13_scale, full.a13_scale) and torch.equal(ew.a2_scale, full.a2_scale)
+    # dequantised shards are exact slices of the dequantised layer
+    d13, d2 = dequant_weights(full)
+    parts = [dequant_weights(ew) for ew, _ in shards]
+    if layout == "ep":
+        assert torch.equal(torch.cat([a for a, _ in parts]), d13) and torch.equal(torch.cat([b for _, b in parts]), d2)
+    else:
+        i_r = full.intermediate_size // WORLD
+        assert torch.equal(torch.cat([a[:, :i_r] for a, _ in parts], 1), d13[:, :full.intermediate_size])
+        assert torch.equal(torch.cat([a[:, i_r:] for a, _ in parts], 1), d13[:, full.intermediate_size:])
+        assert torch.equal(torch.cat([b for _, b in parts], 2), d2)
+    # with the format's activation quantisation, the shards' layers sum to the unsplit one (fp64)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 128, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]).to(torch.int32)
+    w = torch.rand(5, 2, generator=g)
+    ref = moe_reference(x, ids, w, full)
+    split = sum(moe_reference(x, ids, w, ew, ep_rank=er, num_experts_total=4) for ew, er in shards)
+    assert ref.abs().max().item() > 1e-3
+    assert (split - ref).abs().max().item() <= 1e-12 * ref.abs().max().item()
+
+
+def test_shard_moe_weights_bad_arguments():
+    full = _fp8_layer("fp8_block")
+    with pytest.raises(TypeError, match="ew"):
+        par.shard_moe_weights(full.w13, "ep", 0, 2)
+    with pytest.raises(ValueError, match="layout"):
+        par.shard_moe_weights(full, "dp", 0, 2)
+    with pytest.raises(ValueError, match="rank"):
+        par.shard_moe_weights(full, "ep", 2, 2)
+    with pytest.raises(ValueError, match="multiple of the scale block"):  # I/4 = 64: half a block per rank
+        par.shard_moe_weights(full, "tp", 0, 4)
+    with pytest.raises(ValueError, match="divisible"):
+        par.shard_moe_weights(full, "ep", 0, 3)
+
+
 def test_head_ranges_hy3_and_split_attention_concatenates():
     assert par.head_ranges(64, 8, 3, 8) == ((24, 32), (3, 4))  # Hy3 TP8: 8 q / 1 kv per rank
     q, k, v, table, lens = attention_inputs()

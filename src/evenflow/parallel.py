@@ -36,11 +36,12 @@ import os
 
 import torch
 
-from evenflow.moe.quant import moe_weight_dims
+from evenflow.moe.quant import MoEWeights, moe_weight_dims
 
 __all__ = [
     "NO_MULTICAST_ENV", "disable_multicast", "split_range", "shard_moe_ep", "shard_moe_tp",
-    "shard_block_scales_tp", "head_ranges", "shard_attention_heads", "all_reduce", "all_gather_heads",
+    "shard_block_scales_tp", "shard_moe_weights", "head_ranges", "shard_attention_heads", "all_reduce",
+    "all_gather_heads",
 ]
 
 NO_MULTICAST_ENV = {
@@ -131,6 +132,41 @@ def shard_block_scales_tp(w13_scale: torch.Tensor, w2_scale: torch.Tensor, inter
     bl, bh, nb = lo // block, hi // block, i // block
     s13 = torch.cat([w13_scale[:, bl:bh], w13_scale[:, nb + bl:nb + bh]], dim=1).contiguous()
     return s13, w2_scale[:, :, bl:bh].contiguous()
+
+
+def shard_moe_weights(ew: MoEWeights, layout: str, rank: int, world_size: int) -> tuple[MoEWeights, int]:
+    """This rank's shard of a whole layer's :class:`~evenflow.MoEWeights`, any format: ``(shard, ep_rank)``.
+
+    ``layout`` "ep": whole experts, per-expert / block scales sliced with them,
+    ``ep_rank=rank`` (pass it and ``num_experts_total`` to ``fused_moe``). "tp": every
+    expert's intermediate slice; per-expert and static activation scales are shared
+    unchanged, 128x128 block scales are sliced (the slice must be whole blocks), ``ep_rank=0``.
+    Activation quantisation gives the same values on every rank as in the unsplit layer
+    (static scales; per-token groups of 128 along H, or along whole blocks of I), so the
+    shards' outputs sum to the unsplit layer's up to summation order.
+    """
+    if not isinstance(ew, MoEWeights):
+        raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
+    if layout not in ("ep", "tp"):
+        raise ValueError(f"layout must be 'ep' or 'tp', got {layout!r}")
+    _check_rank(rank, world_size)
+    fmt = ew.format
+    if layout == "ep":
+        scales = () if fmt == "bf16" else (ew.w13_scale, ew.w2_scale)
+        w13, w2, *s = shard_moe_ep(ew.w13, ew.w2, rank, world_size, *scales)
+        s13, s2 = s if s else (None, None)
+        ep_rank = rank
+    else:
+        w13, w2 = shard_moe_tp(ew.w13, ew.w2, rank, world_size)
+        s13, s2 = ew.w13_scale, ew.w2_scale
+        if fmt == "fp8_block":
+            s13, s2 = shard_block_scales_tp(s13, s2, ew.intermediate_size, rank, world_size)
+        ep_rank = 0
+    if fmt == "bf16":
+        return MoEWeights.bf16(w13, w2), ep_rank
+    if fmt == "fp8_per_tensor":
+        return MoEWeights.fp8_per_tensor(w13, w2, s13, s2, ew.a13_scale, ew.a2_scale), ep_rank
+    return MoEWeights.fp8_block(w13, w2, s13, s2), ep_rank
 
 
 def head_ranges(num_q_heads: int, num_kv_heads: int, tp_rank: int,
