@@ -1,12 +1,20 @@
-"""Sweep fused_moe tile configs on a few points (one GPU run, ~90 s): which config wins where.
+"""Sweep fused_moe tile configs on a few points (one GPU run): which config wins where.
 
-    python benchmarks/sweep_moe.py [--quick] [--out DIR]
+    python benchmarks/sweep_moe.py [--quick] [--out DIR] [--index-only] [--only hy3-tp8/fp8,fp8-block/1]
+
+Most of the time is Triton compiling each config (a few s per config); ``--quick`` keeps 6
+configs per point, ``--only`` selects points by substring of ``case/variant/batch``.
 
 Points: Qwen3 bf16 batch 1 (weight streaming, split-K), Hy3 EP8 bf16 batch 32,
-Qwen3 bf16 batch 1024 (large tiles), Qwen3 fp8-block batch 1. Each config is
-checked against the fp32 reference, then graph-timed with rotated weight copies;
-``default`` is what ``choose_config`` picks. The index build is timed alone too.
-Results: <out>/moe_sweep.json (+ md table); use them to retune ``choose_config``.
+Qwen3 bf16 batch 1024 (large tiles), the FP8 batch-1 split-K points (Hy3 TP8
+fp8 per-tensor, Hy3 EP8 / Qwen3 fp8-block), Qwen3 fp8-block batch 2, fp8 at batch 512
+(Hy3 TP8 per-tensor, Qwen3 block: 64-row wgmma tiles vs 32-row mma.sync). Each config
+is checked against the fp32 reference, then graph-timed with rotated weight copies;
+``default`` is what ``choose_config`` picks. The index build is timed alone too,
+one-program (``index-1prog``) against the three-launch build (``index-multi``),
+at every point and at batch 512 / 1024 / 4096 / 8192 (``--index-only``: just those).
+Results: <out>/moe_sweep.json (+ md table); use them to retune ``choose_config``
+and ``evenflow.moe.routing.MULTI_PROGRAM_PAIRS``.
 """
 from __future__ import annotations
 
@@ -20,7 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe as B  # noqa: E402  (benchmarks/moe.py: cases, weights, routing, floor)
 
 POINTS = [("qwen3-30b-a3b", "bf16", 1), ("hy3-ep8", "bf16", 32), ("qwen3-30b-a3b", "bf16", 1024),
-          ("qwen3-30b-a3b", "fp8-block", 1)]
+          ("hy3-tp8", "fp8-tensor", 1), ("hy3-ep8", "fp8-block", 1), ("qwen3-30b-a3b", "fp8-block", 1),
+          ("qwen3-30b-a3b", "fp8-block", 2), ("hy3-tp8", "fp8-tensor", 512), ("qwen3-30b-a3b", "fp8-block", 512)]
+INDEX_POINTS = [("qwen3-30b-a3b", t) for t in (512, 1024, 4096, 8192)] + [("hy3-ep8", 4096)]
 
 
 def configs(case: B.MoECase, variant: str, t: int, quick: bool = False):
@@ -65,12 +75,30 @@ def main() -> None:
     from evenflow.bench import harness as H
     from evenflow.moe.routing import build_moe_index
 
-    args = H.parse_args(__doc__.splitlines()[0])
+    def extra(p):
+        p.add_argument("--index-only", action="store_true", help="time only the index builds")
+        p.add_argument("--only", default="", help="comma-separated substrings: sweep only matching points")
+
+    args = H.parse_args(__doc__.splitlines()[0], extra=extra)
+    index_only = args.index_only
+    wanted = [w for w in args.only.split(",") if w]
+    points = [pt for pt in POINTS if not wanted or any(w in "/".join(map(str, pt)) for w in wanted)]
     ceil = H.measure_ceilings()
     res = H.Results("moe_sweep", ceilings=ceil)
     gen = torch.Generator(device="cpu").manual_seed(0)  # routing, activations (CPU, then moved)
     wgen = torch.Generator(device="cuda").manual_seed(0)  # weights are drawn on the GPU
-    for name, variant, t in POINTS:
+
+    def time_index(pt, case, ids, block_m):
+        for label, multi in (("index-1prog", False), ("index-multi", True)):
+            us = H.time_graph([lambda m=multi: build_moe_index(ids, case.num_local, case.ep_rank, block_m,
+                                                               multi_program=m)])
+            res.add(case=pt, variant=label, impl="evenflow", us=us, floor_us=None)
+
+    for name, t in H.progress(INDEX_POINTS, "index build"):
+        case = B.CASES[name]
+        ids, _ = B.make_routing(t, case, gen, B.expert_bias(case.num_experts_total, gen))
+        time_index(f"{name}/index/T{t}", case, ids.cuda(), 64)
+    for name, variant, t in ([] if index_only else points):
         case = B.CASES[name]
         raw = B.make_weights(case, variant, "cuda", wgen)
         bias = B.expert_bias(case.num_experts_total, gen)
@@ -96,8 +124,7 @@ def main() -> None:
         ids, tw = ids.cuda(), tw.cuda()
         ref = B.reference_moe(x, ids, tw, raw, case)
         pt = f"{name}/{variant}/T{t}"
-        idx_us = H.time_graph(lambda: build_moe_index(ids, case.num_local, case.ep_rank, 16))
-        res.add(case=pt, variant="index-build", impl="evenflow", us=idx_us, floor_us=None)
+        time_index(pt, case, ids, 16)
         for label, cfg in H.progress(configs(case, variant, t, args.quick), pt):
             fns = [lambda ew=ew, c=cfg: evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank,
                                                            num_experts_total=case.num_experts_total, config=c)

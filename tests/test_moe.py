@@ -169,6 +169,32 @@ def test_choose_config_splits_k_only_when_programs_are_few():
     assert c.gu_split_k == 1 and c.down_split_k == 1
 
 
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_choose_config_split_keeps_long_k_slices(mode):
+    # Every split keeps >= 2 K-steps and >= 512 bytes of each weight row (fp8: 512 deep, not the
+    # 256-deep 16-way split that left two K-steps per program), at every decode shape of the bench.
+    elem = 2 if mode == 0 else 1
+    for t, e_loc, e_tot, h, i in ((1, 192, 192, 4096, 192), (2, 192, 192, 4096, 192), (1, 24, 192, 4096, 1536),
+                                  (1, 128, 128, 2048, 768), (4, 128, 128, 2048, 768)):
+        if mode == 2 and i % 128:
+            continue  # not an fp8-block shape (Hy3 TP8's I=192)
+        c = choose_config(t, 8, e_loc, h, i, mode, num_experts_total=e_tot, sms=132)
+        for k_dim, bk, s in ((h, c.gu_block_k, c.gu_split_k), (i, c.down_block_k, c.down_split_k)):
+            assert k_dim % (s * bk) == 0
+            if s > 1:
+                assert k_dim // s >= 2 * bk and (k_dim // s) * elem >= 512, (t, h, i, c)
+    # Hy3 TP8 fp8 per-tensor at batch 1: 24 gate-up n-block programs, split 8 (was 16)
+    assert choose_config(1, 8, 192, 4096, 192, 1, sms=132).gu_split_k == 8
+
+
+def test_choose_config_fp8_uses_wgmma_rows_above_16():
+    # 16 < rows per expert <= 32 (Qwen3 T=512): fp8 takes 64-row tiles (wgmma), bf16 keeps 32 (mma.sync).
+    assert choose_config(512, 8, 128, 2048, 768, 1).block_m == 64
+    assert choose_config(512, 8, 128, 2048, 768, 2).block_m == 64
+    assert choose_config(512, 8, 128, 2048, 768, 0).block_m == 32
+    assert choose_config(256, 8, 128, 2048, 768, 1).block_m == 16
+
+
 def test_int64_ids_and_duplicate_experts(device):
     # int64 ids (torch.topk's dtype) accepted; a token listing one expert twice counts it twice.
     h, i = SIZES["bf16"]

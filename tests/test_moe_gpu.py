@@ -74,11 +74,12 @@ def test_real_shapes(shape, fmt, t):
 
 
 @pytest.mark.parametrize("t,k,e,ep,bm", [(1024, 8, 128, 0, 64), (4096, 8, 128, 0, 64), (512, 16, 512, 0, 16),
-                                         (1024, 8, 24, 3, 32), (7, 8, 128, 0, 16)])
-def test_index_real_sizes(t, k, e, ep, bm):
+                                         (1024, 8, 24, 3, 32), (7, 8, 128, 0, 16), (16384, 8, 128, 0, 128)])
+@pytest.mark.parametrize("multi_program", [None, False, True])
+def test_index_real_sizes(t, k, e, ep, bm, multi_program):
     ranks = 8 if ep else 1
     ids = torch.randint(0, e * ranks, (t, k), dtype=torch.int32, device="cuda")
-    idx = build_moe_index(ids, e, ep, bm)
+    idx = build_moe_index(ids, e, ep, bm, multi_program=multi_program)
     ref = moe_index_reference(ids, e, ep, bm, max_tiles(t * k, e, bm))
     for got, want, name in zip(idx[:5], ref, ("counts", "offsets", "sorted_pairs", "tile_expert", "tile_row")):
         assert_exact(got, want, name)

@@ -7,8 +7,8 @@ from evenflow.reference.moe import moe_index_reference
 from evenflow.testing import assert_exact
 
 
-def check_index(ids, e_local, ep_rank, block_m):
-    idx = build_moe_index(ids, e_local, ep_rank, block_m)
+def check_index(ids, e_local, ep_rank, block_m, multi_program=None):
+    idx = build_moe_index(ids, e_local, ep_rank, block_m, multi_program=multi_program)
     n_tiles = max_tiles(ids.numel(), e_local, block_m)
     ref = moe_index_reference(ids, e_local, ep_rank, block_m, n_tiles)
     for got, want, name in zip(idx[:5], ref, ("counts", "offsets", "sorted_pairs", "tile_expert", "tile_row")):
@@ -46,15 +46,38 @@ def check_index(ids, e_local, ep_rank, block_m):
     (50, 2, 3, 64),
     (4, 16, 512, 16),   # E = 512 (histogram of 1024 bins), top-k 16
 ])
-def test_index_matches_reference(device, t, k, e, block_m):
+@pytest.mark.parametrize("multi_program", [False, True])
+def test_index_matches_reference(device, t, k, e, block_m, multi_program):
     ids = torch.randint(0, e, (t, k), dtype=torch.int32, device=device)
-    check_index(ids, e, 0, block_m)
+    check_index(ids, e, 0, block_m, multi_program)
 
 
-def test_index_expert_parallel(device):
+@pytest.mark.parametrize("multi_program", [False, True])
+def test_index_expert_parallel(device, multi_program):
     # 6 local experts of 24 on rank 2: ids 12..17 kept, the others dropped.
     ids = torch.randint(0, 24, (40, 4), dtype=torch.int32, device=device)
-    check_index(ids, 6, 2, 16)
+    check_index(ids, 6, 2, 16, multi_program)
+
+
+def test_index_multi_program_many_chunks(device):
+    # 700 pairs: 3 chunks of 256 (the last one partial), skewed routing so experts span chunks,
+    # EP rank 1 (half the pairs dropped); the default size rule and both builds agree.
+    g = torch.Generator().manual_seed(11)
+    ids = torch.multinomial(torch.linspace(1, 6, 20), 700 // 5 * 5, replacement=True, generator=g)
+    ids = ids.view(140, 5).to(torch.int32).to(device)
+    for multi in (False, True):
+        check_index(ids, 10, 1, 32, multi)
+    a = build_moe_index(ids, 10, 1, 32, multi_program=False)
+    b = build_moe_index(ids, 10, 1, 32, multi_program=True)
+    for x, y, name in zip(a[:5], b[:5], ("counts", "offsets", "sorted_pairs", "tile_expert", "tile_row")):
+        assert_exact(x, y, name)
+
+
+def test_index_multi_program_zeroes_workspace(device):
+    zero = torch.full((37,), 5, dtype=torch.int32, device=device)
+    build_moe_index(torch.randint(0, 8, (30, 3), dtype=torch.int32, device=device), 8, 0, 16, zero=zero,
+                    multi_program=True)
+    assert_exact(zero, torch.zeros_like(zero), "zeroed workspace")
 
 
 def test_index_all_on_one_expert_and_none_local(device):

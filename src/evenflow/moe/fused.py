@@ -11,7 +11,7 @@ import torch
 import triton
 
 from evenflow._checks import check_int, check_out, check_same_device, check_tensor
-from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, interpreting, num_sms
+from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, num_sms
 from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel, moe_tensor_quant_kernel
 from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
 from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
@@ -47,11 +47,14 @@ def _largest_divisor(n: int, options) -> int:
     raise ValueError(f"no tile size in {options} divides {n}")
 
 
-def _split_k(k_dim: int, block_k: int, programs: int, target: int) -> int:
-    """Smallest power-of-two K split that gives ``target`` programs, keeping >= 2 K-steps and >= 256 deep."""
+def _split_k(k_dim: int, block_k: int, programs: int, target: int, elem_bytes: int = 2) -> int:
+    """Smallest power-of-two K split that gives ``target`` programs, keeping each split >= 2 K-steps and
+    >= 512 bytes of every weight row deep (bf16: 256 deep, as measured in round B; fp8: 512 deep = 4 steps
+    of 128, where the 256-deep 16-way split left each program two steps and a pipeline that never fills)."""
+    min_depth = max(2 * block_k, 512 // elem_bytes)
     s = 1
     while (programs * s < target and s < 16 and k_dim % (2 * s * block_k) == 0
-           and k_dim // (2 * s) >= max(2 * block_k, 256)):
+           and k_dim // (2 * s) >= min_depth):
         s *= 2
     return s
 
@@ -73,8 +76,11 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     e_tot = num_experts_total or num_local
     local_pairs = num_tokens * top_k * num_local / e_tot  # expected pairs routed to this rank
     rows = local_pairs / max(num_local, 1)
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
     fp8 = mode != 0
+    # BLOCK_M < 64 compiles to mma.sync on sm_90 (wgmma needs 64 rows per warpgroup), where fp8
+    # operands are upcast to f16 in registers: at 16 < rows <= 32 (Qwen3 / Hy3 TP8 at T = 512) that
+    # made fp8 compute-bound above its byte floor. fp8 goes straight to 64-row wgmma tiles there.
+    block_m = 16 if rows <= 16 else 64 if fp8 or rows > 32 else 32
     if mode == 2:
         cfg = MoEConfig(block_m, 128, 128, 64, 128)
     else:
@@ -101,10 +107,11 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         block_m = cfg.block_m
     busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
     target = 2 * sms
+    eb = 1 if fp8 else 2
     return replace(
         cfg,
-        gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target),
-        down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target),
+        gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target, eb),
+        down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target, eb),
     )
 
 
@@ -151,7 +158,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m, zero=gu_count)
     p = t * k
     dot_f32, fp8_round = dot_needs_fp32(), fp8_cast_needs_rounding()
-    gpu_kw = {} if interpreting() else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    # Passed under the interpreter too (it ignores them), so the sm_90 compile check records them.
+    gpu_kw = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:

@@ -48,13 +48,10 @@ def _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD: tl.constexpr):
     return tl.where(valid, lid, E_PAD - 1), valid
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_tiles", "num_zero"])
-def moe_index_kernel(
-    p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_cursor, p_zero,
-    num_pairs, e_first, num_local, max_tiles, num_zero,
-    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """One program: histogram -> prefix sums -> stable scatter -> tile task map.
+@triton.jit
+def _scatter_block(p_ids, p_sorted, p_cursor, b_cursor, start, num_pairs, e_first, num_local,
+                   E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Scatter the pair ids of one block to their expert cursor + rank; returns the advanced cursors.
 
     No atomics: a pair's slot is its expert's running cursor (kept in registers,
     spilled to ``p_cursor`` so it can be gathered) plus its rank among same-expert
@@ -62,44 +59,42 @@ def moe_index_kernel(
     """
     o_e = tl.arange(0, E_PAD)
     o_b = tl.arange(0, BLOCK_P)
+    o_p = start + o_b
+    lid, valid = _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD)
+    tl.store(p_cursor + o_e, b_cursor)
+    tl.debug_barrier()
+    base = tl.load(p_cursor + lid)
+    earlier = (lid[None, :] == lid[:, None]) & (o_b[None, :] < o_b[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    tl.store(p_sorted + base + rank, o_p, mask=valid)
+    tl.debug_barrier()
+    return b_cursor + tl.histogram(lid, E_PAD)
 
-    # 1. histogram of local expert ids (dropped pairs land in bin E_PAD - 1)
-    b_counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK_P):
-        lid, _ = _local_ids(p_ids, start + o_b, num_pairs, e_first, num_local, E_PAD)
-        b_counts += tl.histogram(lid, E_PAD)
+
+@triton.jit
+def _fill_unused(p_sorted, start, end, kept, num_pairs, BLOCK_P: tl.constexpr):
+    """sorted_pairs[p] = -1 for kept <= p < num_pairs, over pairs [start, end)."""
+    for s in range(start, end, BLOCK_P):
+        o_p = s + tl.arange(0, BLOCK_P)
+        tl.store(p_sorted + o_p, tl.full([BLOCK_P], -1, tl.int32), mask=(o_p >= kept) & (o_p < num_pairs) & (o_p < end))
+
+
+@triton.jit
+def _counts_and_task_map(b_counts, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero, num_local, max_tiles,
+                         num_zero, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store counts and offsets, zero the split-K counters, write the tile task map; returns the offsets."""
+    o_e = tl.arange(0, E_PAD)
     b_counts = tl.where(o_e < num_local, b_counts, 0)
-
-    # 2. exclusive prefix sums
     b_offs = tl.cumsum(b_counts, 0) - b_counts
     kept = tl.sum(b_counts, 0)
     tl.store(p_counts + o_e, b_counts, mask=o_e < num_local)
     tl.store(p_offsets + o_e, b_offs, mask=o_e < num_local)
     tl.store(p_offsets + num_local, kept)
-
-    # 3. stable scatter of pair ids into per-expert ranges
-    b_cursor = b_offs
-    for start in range(0, num_pairs, BLOCK_P):
-        o_p = start + o_b
-        lid, valid = _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD)
-        tl.store(p_cursor + o_e, b_cursor)
-        tl.debug_barrier()
-        base = tl.load(p_cursor + lid)
-        earlier = (lid[None, :] == lid[:, None]) & (o_b[None, :] < o_b[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(p_sorted + base + rank, o_p, mask=valid)
-        tl.debug_barrier()
-        b_cursor += tl.histogram(lid, E_PAD)
-    for start in range(0, num_pairs, BLOCK_P):
-        o_p = start + o_b
-        tl.store(p_sorted + o_p, tl.full([BLOCK_P], -1, tl.int32), mask=(o_p >= kept) & (o_p < num_pairs))
-
-    # 5 (first, it is independent). zero the gate-up split-K arrival counters for this call
-    for start in range(0, num_zero, BLOCK_P):
-        o_z = start + o_b
-        tl.store(p_zero + o_z, tl.zeros([BLOCK_P], dtype=tl.int32), mask=o_z < num_zero)
-
-    # 4. task map: tile t belongs to the expert e with tile_start[e] <= t < tile_end[e]
+    # zero the gate-up split-K arrival counters for this call (saves a memset launch)
+    for start in range(0, num_zero, 1024):
+        o_z = start + tl.arange(0, 1024)
+        tl.store(p_zero + o_z, tl.zeros([1024], dtype=tl.int32), mask=o_z < num_zero)
+    # tile t belongs to the expert e with tile_start[e] <= t < tile_end[e]
     b_ntiles = (b_counts + BLOCK_M - 1) // BLOCK_M
     b_tile_end = tl.cumsum(b_ntiles, 0)
     total_tiles = tl.sum(b_ntiles, 0)
@@ -111,6 +106,83 @@ def moe_index_kernel(
         used = o_t < total_tiles
         tl.store(p_tile_expert + o_t, tl.where(used, expert, -1), mask=o_t < max_tiles)
         tl.store(p_tile_row + o_t, tl.where(used, row, -1), mask=o_t < max_tiles)
+    return b_offs, kept
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles", "num_zero"])
+def moe_index_kernel(
+    p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_cursor, p_zero,
+    num_pairs, e_first, num_local, max_tiles, num_zero,
+    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program (small batches: one launch): histogram -> prefix sums -> task map -> stable scatter."""
+    b_counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK_P):
+        lid, _ = _local_ids(p_ids, start + tl.arange(0, BLOCK_P), num_pairs, e_first, num_local, E_PAD)
+        b_counts += tl.histogram(lid, E_PAD)
+    b_cursor, kept = _counts_and_task_map(b_counts, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero,
+                                          num_local, max_tiles, num_zero, E_PAD, BLOCK_T, BLOCK_M)
+    for start in range(0, num_pairs, BLOCK_P):
+        b_cursor = _scatter_block(p_ids, p_sorted, p_cursor, b_cursor, start, num_pairs, e_first, num_local,
+                                  E_PAD, BLOCK_P)
+    _fill_unused(p_sorted, 0, num_pairs, kept, num_pairs, BLOCK_P)
+
+
+# Large batches (thousands of pairs): the one program above walks every 64-pair block in
+# sequence (two barriers and a global round trip each). Three launches instead:
+# per-chunk histograms (one program per CHUNK pairs) -> one program scans them over the
+# chunks (each chunk's starting cursor per expert) and writes counts/offsets/task map ->
+# one program per chunk scatters. Same layout, same order, no atomics.
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_index_hist_kernel(p_ids, p_hist, num_pairs, e_first, num_local,
+                          E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
+    """hist[c, e] = pairs of chunk c routed to local expert e (bin E_PAD - 1: dropped pairs)."""
+    i_c = tl.program_id(0)
+    b_counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for j in tl.static_range(0, CHUNK, BLOCK_P):
+        lid, _ = _local_ids(p_ids, i_c * CHUNK + j + tl.arange(0, BLOCK_P), num_pairs, e_first, num_local, E_PAD)
+        b_counts += tl.histogram(lid, E_PAD)
+    tl.store(p_hist + i_c.to(tl.int64) * E_PAD + tl.arange(0, E_PAD), b_counts)
+
+
+@triton.jit(do_not_specialize=["num_chunks", "max_tiles", "num_zero"])
+def moe_index_scan_kernel(
+    p_hist, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero,
+    num_chunks, num_local, max_tiles, num_zero,
+    E_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """One program: totals over chunks -> counts/offsets/task map; hist[c] := cursor of chunk c (in place)."""
+    o_e = tl.arange(0, E_PAD)
+    o_c = tl.arange(0, BLOCK_C)
+    b_tot = tl.zeros([E_PAD], dtype=tl.int32)
+    for start in range(0, num_chunks, BLOCK_C):
+        m_c = (start + o_c) < num_chunks
+        b_h = tl.load(p_hist + (start + o_c).to(tl.int64)[:, None] * E_PAD + o_e[None, :], mask=m_c[:, None],
+                      other=0)
+        b_tot += tl.sum(b_h, axis=0)
+    b_run, kept = _counts_and_task_map(b_tot, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero, num_local,
+                                       max_tiles, num_zero, E_PAD, BLOCK_T, BLOCK_M)
+    for start in range(0, num_chunks, BLOCK_C):
+        m_c = (start + o_c) < num_chunks
+        p_h = p_hist + (start + o_c).to(tl.int64)[:, None] * E_PAD + o_e[None, :]
+        b_h = tl.load(p_h, mask=m_c[:, None], other=0)
+        tl.store(p_h, tl.cumsum(b_h, axis=0) - b_h + b_run[None, :], mask=m_c[:, None])
+        b_run += tl.sum(b_h, axis=0)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_index_scatter_kernel(p_ids, p_hist, p_offsets, p_sorted, num_pairs, e_first, num_local,
+                             E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Chunk c scatters its pairs from the cursors the scan left in hist[c] (its row is its scratch)."""
+    i_c = tl.program_id(0)
+    p_cursor = p_hist + i_c.to(tl.int64) * E_PAD
+    b_cursor = tl.load(p_cursor + tl.arange(0, E_PAD))
+    tl.debug_barrier()
+    for j in tl.static_range(0, CHUNK, BLOCK_P):
+        b_cursor = _scatter_block(p_ids, p_sorted, p_cursor, b_cursor, i_c * CHUNK + j, num_pairs, e_first,
+                                  num_local, E_PAD, BLOCK_P)
+    kept = tl.load(p_offsets + num_local)
+    _fill_unused(p_sorted, i_c * CHUNK, i_c * CHUNK + CHUNK, kept, num_pairs, BLOCK_P)
 
 
 @triton.jit
@@ -212,7 +284,10 @@ def moe_gate_up_kernel(
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     k_split = K // SPLIT_K
-    k0 = i_s * k_split
+    # The launcher guarantees K % (SPLIT_K * BLOCK_K) == 0; without telling the compiler,
+    # K // SPLIT_K loses K's 16-divisibility and every fp8 load of the K loop became a
+    # byte load that the pipeliner refuses (sm_90 TTGIR: no async copies at SPLIT_K >= 8).
+    k0 = tl.multiple_of(i_s * k_split, BLOCK_K)
 
     p_a = p_x + tok[:, None] * stride_xt + (k0 + o_k)[None, :]
     p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
@@ -292,7 +367,10 @@ def moe_down_kernel(
     e64 = e.to(tl.int64)
     o_m64 = o_m.to(tl.int64)
     k_split = K // SPLIT_K
-    k0 = i_s * k_split
+    # The launcher guarantees K % (SPLIT_K * BLOCK_K) == 0; without telling the compiler,
+    # K // SPLIT_K loses K's 16-divisibility and every fp8 load of the K loop became a
+    # byte load that the pipeliner refuses (sm_90 TTGIR: no async copies at SPLIT_K >= 8).
+    k0 = tl.multiple_of(i_s * k_split, BLOCK_K)
 
     p_x = p_a + o_m64[:, None] * stride_am + (k0 + o_k)[None, :]
     p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]

@@ -13,10 +13,19 @@ import torch
 import triton
 
 from evenflow._checks import check_int, check_tensor
-from evenflow.moe.kernels import moe_index_kernel
+from evenflow.moe.kernels import (
+    moe_index_hist_kernel,
+    moe_index_kernel,
+    moe_index_scan_kernel,
+    moe_index_scatter_kernel,
+)
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
+# Above this many pairs the index is built by three launches (per-chunk histograms, one scan,
+# per-chunk scatter) instead of one program walking every 64-pair block in turn.
+MULTI_PROGRAM_PAIRS = 1024
+_CHUNK = 256  # pairs per program of the multi-program build (4 blocks of 64)
 
 
 class MoEIndex(NamedTuple):
@@ -40,14 +49,17 @@ def max_tiles(num_pairs: int, num_local: int, block_m: int) -> int:
 
 
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int = 0,
-                    block_m: int = 16, zero: torch.Tensor | None = None) -> MoEIndex:
+                    block_m: int = 16, zero: torch.Tensor | None = None,
+                    multi_program: bool | None = None) -> MoEIndex:
     """Lay out the (token, slot) pairs routed to this rank's experts by expert.
 
     ``topk_ids`` [T, k] int32/int64 global expert ids; this rank owns experts
     ``[ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts)``; pairs
     routed elsewhere (or to no valid expert) are dropped. ``zero`` (optional, int32,
     contiguous) is a workspace the same launch fills with zeros (the gate-up
-    split-K counters), saving a memset launch.
+    split-K counters), saving a memset launch. ``multi_program`` forces the one-program
+    (False) or the three-launch (True) build; by default the size decides
+    (``MULTI_PROGRAM_PAIRS``). Both give identical results.
     """
     check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
     check_int("num_local_experts", num_local_experts, 1, MAX_EXPERTS)
@@ -66,13 +78,31 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     e_pad = triton.next_power_of_2(num_local_experts + 1)  # + 1: the bin of dropped pairs
-    cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
     block_t = max(2, min(64, 8192 // e_pad))
-    moe_index_kernel[(1,)](
-        topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, cursor,
-        zero if zero is not None else cursor,
-        num_pairs, ep_rank * num_local_experts, num_local_experts, n_tiles, 0 if zero is None else zero.numel(),
-        # 64 threads for 64 pairs per block: no replicated elements in tl.histogram
-        E_PAD=e_pad, BLOCK_P=64, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=2,
-    )
+    zero_buf = zero if zero is not None else counts
+    num_zero = 0 if zero is None else zero.numel()
+    e_first = ep_rank * num_local_experts
+    if multi_program is None:
+        multi_program = num_pairs > MULTI_PROGRAM_PAIRS
+    if not multi_program:
+        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+        moe_index_kernel[(1,)](
+            topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, cursor, zero_buf,
+            num_pairs, e_first, num_local_experts, n_tiles, num_zero,
+            # 64 threads for 64 pairs per block: no replicated elements in tl.histogram
+            E_PAD=e_pad, BLOCK_P=64, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=2,
+        )
+    elif num_pairs > 0:
+        chunks = triton.cdiv(num_pairs, _CHUNK)
+        hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)  # becomes each chunk's cursors
+        moe_index_hist_kernel[(chunks,)](topk_ids, hist, num_pairs, e_first, num_local_experts,
+                                         E_PAD=e_pad, BLOCK_P=64, CHUNK=_CHUNK, num_warps=2)
+        moe_index_scan_kernel[(1,)](
+            hist, counts, offsets, tile_expert, tile_row, zero_buf, chunks, num_local_experts, n_tiles, num_zero,
+            E_PAD=e_pad, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4,
+        )
+        moe_index_scatter_kernel[(chunks,)](topk_ids, hist, offsets, sorted_pairs, num_pairs, e_first,
+                                            num_local_experts, E_PAD=e_pad, BLOCK_P=64, CHUNK=_CHUNK, num_warps=2)
+    else:
+        return build_moe_index(topk_ids, num_local_experts, ep_rank, block_m, zero, multi_program=False)
     return MoEIndex(counts, offsets, sorted_pairs, tile_expert, tile_row, block_m)
