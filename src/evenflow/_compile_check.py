@@ -45,6 +45,9 @@ _TORCH_TO_TRITON = {
     torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
     torch.uint8: "u8", torch.bool: "i1",
 }
+# Largest dynamic shared memory of one block (cudaDevAttrMaxSharedMemoryPerBlockOptin):
+# the compiler accepts more and the launch then fails with "out of resource".
+SHARED_LIMIT = {90: 232448, 100: 232448}
 _COMPILE_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "launch_pdl")
 
 
@@ -58,6 +61,7 @@ class Launch:
     signature: tuple  # ((param, type-string), ...), type "constexpr" for constexprs
     constexprs: tuple  # ((param, value), ...)
     options: tuple  # ((option, value), ...)
+    aligned: tuple = ()  # params a GPU launch would specialise as divisible by 16
 
     def describe(self) -> str:
         consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
@@ -101,7 +105,7 @@ def _make_launch(fn, args, kwargs) -> Launch:
             values[k] = v
         elif k in _COMPILE_OPTIONS:
             options[k] = v
-    signature, constexprs = [], []
+    signature, constexprs, aligned = [], [], []
     for p in params:
         if p.name not in values:
             if p.default is inspect.Parameter.empty:
@@ -114,8 +118,19 @@ def _make_launch(fn, args, kwargs) -> Launch:
             constexprs.append((p.name, v))
         else:
             signature.append((p.name, _type_of(p.name, v)))
+            if _divisible_by_16(v):
+                aligned.append(p.name)
     return Launch(fn.__module__, fn.__name__, fn.__code__.co_filename, tuple(signature), tuple(constexprs),
-                  tuple(sorted(options.items())))
+                  tuple(sorted(options.items())), tuple(aligned))
+
+
+def _divisible_by_16(v) -> bool:
+    # What Triton's JIT specialises on a GPU (tt.divisibility = 16): 16-byte aligned
+    # pointers and integers that are multiples of 16. Compiling without it gives other
+    # code (no vectorised or pipelined copies, other shared memory and register counts).
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr() % 16 == 0
+    return isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
 
 
 @contextlib.contextmanager
@@ -159,7 +174,8 @@ def _to_json(launches) -> list[dict]:
             continue
         seen.add(la)
         out.append({"module": la.module, "name": la.name, "file": la.file, "signature": dict(la.signature),
-                    "constexprs": dict(la.constexprs), "options": dict(la.options), "describe": la.describe()})
+                    "constexprs": dict(la.constexprs), "options": dict(la.options), "aligned": list(la.aligned),
+                    "describe": la.describe()})
     return out
 
 
@@ -202,8 +218,16 @@ def _compile_main(path: str, arch: int) -> None:
             spec.loader.exec_module(module)
         fn = getattr(module, item["name"])
         try:
-            src = ASTSource(fn=fn, signature=item["signature"], constexprs=item["constexprs"])
-            triton.compile(src, target=target, options=item["options"])
+            # the JIT skips the alignment specialisation on do_not_specialize parameters
+            plain = {p.name for p in getattr(fn, "params", []) if p.do_not_specialize}
+            names = list(item["signature"])
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                     if n in item.get("aligned", ()) and n not in plain}
+            src = ASTSource(fn=fn, signature=item["signature"], constexprs=item["constexprs"], attrs=attrs)
+            compiled = triton.compile(src, target=target, options=item["options"])
+            if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
+                failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "
+                                f"sm_{arch} gives a block at most {SHARED_LIMIT.get(arch, SHARED_LIMIT[90])} B")
         except Exception as e:  # report every failure, not just the first
             msg = str(e).strip().splitlines()
             failures.append(f"{item['describe']}: {type(e).__name__}: " + "\n".join(msg[-12:]))
