@@ -194,7 +194,11 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, **gpu_kw,
     )
-    pair_out = torch.empty(cfg.down_split_k, p, h, dtype=torch.float32, device=dev)
+    # bf16 weights: the per-pair products are stored in bf16 (the bf16 baseline rounds each expert's
+    # output to bf16 too); at T=4096 Qwen3 an fp32 buffer is 268 MB written and read again, ~45% of
+    # the weight bytes. fp8 modes and K-split partial sums stay fp32.
+    pair_dtype = torch.bfloat16 if mode == 0 and cfg.down_split_k == 1 else torch.float32
+    pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
     moe_down_kernel[(n_tiles, h // cfg.down_block_n, cfg.down_split_k)](
         inter, inter_s, w2, ws2, idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row, topk_weights,
         pair_out, as2,

@@ -14,6 +14,8 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 | inter           | [P, I]                | bf16 / fp8   | SiLU(gate)*up, row r = sorted row r (not pair id)  |
 | inter_scale     | [P, I/128]            | fp32         | fp8 block mode: per-row-per-128-group dequant scale|
 | pair_out        | [S_down, P, H]        | fp32         | topk_weight * expert output (K-split s), row = pair|
+|                 |                       | (bf16: bf16  | weight mode without a down K split: half the bytes |
+|                 |                       |  weights, S=1)| of the largest activation buffer at large batch)   |
 | gu_part         | [S_gu, tiles*BM, 2I]  | fp32         | gate-up split-K partials (S_gu > 1 only)           |
 | gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by index|
 
@@ -398,7 +400,7 @@ def moe_down_kernel(
     b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
     acc = acc * b_tw[:, None]
     p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    tl.store(p_o, acc, mask=m_m[:, None])
+    tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -420,7 +422,8 @@ def moe_reduce_kernel(
         lid = tl.load(p_ids + p).to(tl.int32) - e_first
         mine = (lid >= 0) & (lid < num_local)
         for s in range(0, SPLIT_K):
-            acc += tl.load(p_pair_out + s * stride_ps + p * stride_pm + o_h, mask=m_h & mine, other=0.0)
+            acc += tl.load(p_pair_out + s * stride_ps + p * stride_pm + o_h, mask=m_h & mine,
+                           other=0.0).to(tl.float32)
     acc = acc * routed_scaling
     if HAS_SHARED:
         acc += tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)
