@@ -3,7 +3,8 @@
 Knobs (all on :class:`evenflow.DecodePlan`): persistent programs per SM, ``num_warps``,
 ``num_stages`` (software pipelining depth of the K/V page loads), ``min_tiles``
 (minimum work per program, 64-token tiles) and ``max_registers`` (per-thread cap; 0 =
-none). Cases: ``1x128K+31x4K`` (skewed, big), ``64x512`` (many short requests),
+none), ``align_items`` (budget rounded to whole short items). Cases: ``1x128K+31x4K``
+(skewed, big), ``64x512`` (many short requests),
 ``8x32K`` (uniform, big), the TP8 head slice and ``1x32K+63x512``; inputs, page tables and the
 floor are the ones of ``benchmarks/decode.py`` (shuffled page pool, L2 rotation).
 
@@ -37,19 +38,19 @@ AUTO = None  # the launcher's choice (stages by KV dtype, register cap that fits
 
 
 def configs(quick: bool) -> list[dict]:
-    """Round E grid: pipelining depth x register cap x programs/SM (perf notes, decode.md)."""
-    def c(pps=3, w=AUTO, s=AUTO, mt=DEFAULT_MIN_TILES, regs=AUTO):
-        return dict(pps=pps, num_warps=w, num_stages=s, min_tiles=mt, max_registers=regs)
-    out = [c(), c(s=2, regs=0), c(s=2), c(s=3), c(s=4), c(pps=2, s=3, regs=0), c(pps=2, s=4, regs=0)]
+    """Round E grid: pipelining depth x register cap x programs/SM x item alignment (perf notes, decode.md)."""
+    def c(pps=3, w=AUTO, s=AUTO, mt=DEFAULT_MIN_TILES, regs=AUTO, align=True):
+        return dict(pps=pps, num_warps=w, num_stages=s, min_tiles=mt, max_registers=regs, align_items=align)
+    out = [c(), c(align=False), c(pps=2), c(pps=2, regs=0), c(pps=4), c(s=2), c(s=3), c(s=4)]
     if not quick:
-        out += [c(s=3, regs=0), c(pps=4, s=2), c(mt=2), c(mt=32), c(w=8, pps=2)]
+        out += [c(mt=2), c(mt=32), c(pps=2, align=False), c(pps=4, align=False), c(s=2, regs=0, align=False)]
     return out
 
 
 def label(c: dict) -> str:
     regs = "auto" if c["max_registers"] is None else c["max_registers"]
     return (f"pps={c['pps']} w={c['num_warps'] or 'auto'} s={c['num_stages'] or 'auto'} "
-            f"mt={c['min_tiles']} regs={regs}")
+            f"mt={c['min_tiles']} regs={regs}{'' if c['align_items'] else ' no-align'}")
 
 
 def main(argv=None) -> None:
@@ -80,7 +81,7 @@ def main(argv=None) -> None:
                     plan = evenflow.DecodePlan(case.batch, max_len, case.num_kv_heads, page_size=D.PAGE_SIZE,
                                                device=device, num_programs=c["pps"] * sms, min_tiles=c["min_tiles"],
                                                num_warps=c["num_warps"], num_stages=c["num_stages"],
-                                               max_registers=c["max_registers"])
+                                               max_registers=c["max_registers"], align_items=c["align_items"])
                     plan.update(inp.seq_lens)
 
                 def bind(r, plan=plan, inp=inp):

@@ -123,6 +123,18 @@ def test_fp8_kv_bf16_q(device):
     run(device, [300, 64, 0, 77], kv_dtype=FP8, k_scale=1 / 30, v_scale=torch.tensor([1 / 40], device=device))
 
 
+@pytest.mark.parametrize("magnitude", [2.0**17, 2.0**-10], ids=["beyond_f16_max", "small"])
+def test_fp8_kv_bf16_q_any_magnitude(magnitude, device):
+    # With fp8 KV the kernel's MMAs run in f16; bf16 q reaches f16 through a power-of-two
+    # row scale. |q| of 2^17 * N(0, 1) overflows f16 (max 65504) without it.
+    q, qs, k, v, pt, sl = make_inputs([300, 70], 2, 4, 64, 64, 1, FP8, device=device)
+    q = (q.float() * magnitude).to(torch.bfloat16)
+    plan = evenflow.DecodePlan(2, 1 << 12, 2, device=device, num_programs=3, min_tiles=1).update(sl)
+    o = check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=1 / 30, v_scale=1 / 40, sm_scale=0.125 / magnitude,
+              what=f"|q| ~ {magnitude}")
+    assert torch.isfinite(o).all()
+
+
 def test_fp8_kv_fp8_q(device):
     run(device, [300, 65, 0], kv_dtype=FP8, q_dtype=FP8, k_scale=torch.tensor([1 / 30], device=device), v_scale=1 / 40,
         group=8, d=128)

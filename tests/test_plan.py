@@ -31,10 +31,10 @@ def walk(plan_d, num_kv_heads, num_programs):
     return bins
 
 
-def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20):
+def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
-                               min_tiles=min_tiles).update(sl)
+                               min_tiles=min_tiles, align_items=align).update(sl)
     return plan, sl
 
 
@@ -47,31 +47,45 @@ CASES = {
     "floor_wins": ([64, 64, 128], 1, 8, 8),                        # tiny batch: min_tiles caps the split
     "tile_edges": ([63, 64, 65, 127, 128, 129], 1, 3, 1),          # lengths one past a tile boundary
     "one_request": ([5000], 4, 7, 1),                              # single long request across all bins
+    "short_items": ([130] * 6 + [1000], 2, 10, 1),                  # 3-tile items: budget 7 -> 9 when aligned
 }
 
 
+def expected_budget(lens, hkv, np_, mt, align):
+    # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
+    # shortest items when that item fits and the rounding adds at most half
+    tiles = [-(-L // TILE) for L in lens]
+    b0 = max(-(-hkv * sum(tiles) // np_), mt)
+    q = min([n for n in tiles if n > 0], default=0)
+    if align and 0 < q <= b0 and 2 * (-(-b0 // q) * q) <= 3 * b0:
+        return -(-b0 // q) * q
+    return b0
+
+
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_device_plan_equals_reference(name, device):
+def test_device_plan_equals_reference(name, align, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt)
-    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align)
+    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align)
     got = plan.as_dict()
     for key in ("tiles", "req_end", "prog_start", "meta"):
         assert_exact(got[key], ref[key], what=f"{name}: {key}")
 
 
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_plan_properties(name, device):
+def test_plan_properties(name, align, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align)
     d = plan.as_dict()
     total, budget, used = d["meta"][:3].tolist()
     tiles = [-(-L // TILE) for L in lens]
     assert total == hkv * sum(tiles)
-    assert budget == max(-(-total // np_), mt)
+    assert budget == expected_budget(lens, hkv, np_, mt, align)
     assert used == -(-total // budget) and used <= np_
     bins = walk(d, hkv, np_)
-    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
+    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align)
     assert bins == ref_bins, "the kernel's walk of the device plan differs from the reference bins"
     # every tile of every item exactly once; every item (empty ones too) finished once
     seen = {}
@@ -106,6 +120,18 @@ def test_plan_properties(name, device):
         assert holders == list(range(holders[0], holders[-1] + 1))
 
 
+def test_align_items_keeps_short_items_whole(device):
+    lens, hkv, np_, mt = CASES["short_items"]
+    budgets, cut = {}, {}
+    for align in (True, False):
+        plan, _ = make_plan(device, lens, hkv, np_, mt, align=align)
+        budgets[align] = plan.as_dict()["meta"][1].item()
+        bins = walk(plan.as_dict(), hkv, np_)
+        cut[align] = sum(1 for chunks in bins for i, t0, t1 in chunks if i < 12 and (t0, t1) != (0, 3))
+    assert (budgets[True], budgets[False]) == (9, 7)
+    assert cut[True] == 0 < cut[False], "aligned bins hold the 3-tile items whole"
+
+
 def test_plan_random_sweep(device):
     """Seeded random length mixes (log-uniform, with zeros) against the reference builder."""
     g = torch.Generator().manual_seed(1234)
@@ -116,8 +142,9 @@ def test_plan_random_sweep(device):
         mt = int(torch.randint(1, 10, (1,), generator=g))
         lens = (2.0 ** (torch.rand(B, generator=g) * 14)).long()
         lens[torch.rand(B, generator=g) < 0.15] = 0
-        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt)
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len)
+        align = trial % 2 == 0
+        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align)
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins

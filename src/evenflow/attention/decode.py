@@ -89,12 +89,13 @@ def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
 
 
 def _combine_blocks(block_m: int, head_dim: int) -> tuple[int, int]:
-    # Combine: chunks merged per step x head-dim columns per program. 8 chunks of
-    # [BLOCK_M, 32] fp32 (16 rows: 4096 values, 32 registers/thread at 4 warps) keep 8
-    # independent loads in flight per step; the head dim split over a second grid axis
-    # multiplies the programs working on one long item by D / 32.
-    block_d = min(head_dim, 32)
-    block_c = max(2, min(8, 4096 // (block_m * block_d)))
+    # Combine: chunks merged per step x head-dim columns per program. One long item (the
+    # TP8 slice: ~190 chunks of one kv head) is latency-bound in the combine: each step
+    # is a dependent round trip. 32 chunks of [16 rows, 16 columns] fp32 per step (8192
+    # values, 64 registers/thread at 4 warps) keep 32 loads in flight, and the head dim
+    # split over a second grid axis puts D / 16 programs on the item.
+    block_d = min(head_dim, 16)
+    block_c = max(2, min(32, 8192 // (block_m * block_d)))
     return block_c, block_d
 
 
@@ -136,6 +137,7 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
+        KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
         num_warps=num_warps or 4, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
     )

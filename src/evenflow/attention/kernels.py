@@ -49,11 +49,12 @@ def plan_kernel(
     p_len, p_tiles, p_req_end, p_prog_start, p_meta,
     B, max_len, min_tiles,
     NP: tl.constexpr, HKV: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Single program: prefix sums over requests, budget, then per-program start items."""
     carry = tl.zeros([], dtype=tl.int32)
     bad = tl.zeros([], dtype=tl.int32)
+    shortest = tl.zeros([], dtype=tl.int32) + 2147483647
     for b0 in range(0, B, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
         m_b = o_b < B
@@ -65,8 +66,14 @@ def plan_kernel(
         tl.store(p_tiles + o_b, b_tiles, mask=m_b)
         tl.store(p_req_end + o_b, b_end, mask=m_b)
         carry += tl.sum(b_tiles * HKV, axis=0)
+        shortest = tl.minimum(shortest, tl.min(tl.where(b_tiles > 0, b_tiles, 2147483647), axis=0))
     total = carry
     budget = tl.maximum((total + NP - 1) // NP, min_tiles)
+    if ALIGN:
+        # whole short items per bin: round the budget up to a multiple of the shortest
+        # non-empty item when that adds at most half (see DecodePlan)
+        aligned = (budget + shortest - 1) // shortest * shortest
+        budget = tl.where((shortest <= budget) & (2 * aligned <= 3 * budget), aligned, budget)
     used = (total + budget - 1) // budget
     tl.store(p_meta + 0, total)
     tl.store(p_meta + 1, budget)
@@ -109,6 +116,7 @@ def _attend_chunk(
     GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_Q_SCALE: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of one item's tiles [t0, t1); finish in place or write a partial."""
     ROWS: tl.constexpr = GROUP * Q_LEN
@@ -123,7 +131,21 @@ def _attend_chunk(
     b_rs = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
     if HAS_Q_SCALE:
         b_rs = b_rs * tl.load(p_qs + i_tok.to(tl.int64) * stride_qst + i_head * stride_qsh, mask=m_row, other=0.0)
-    if not USE_FP8_DOT:
+    # MMA operand type. bf16 KV: bf16. fp8 KV: f16, since e4m3 -> f16 is one exact
+    # conversion per pair of values on sm_90 where e4m3 -> bf16 takes several, and the
+    # fp8 loop is bound by instruction issue, not bytes (perf notes, round E). bf16 q
+    # goes to f16 exactly after a power-of-two row scale that puts the row's max |q| in
+    # (2^13, 2^14] (undone in the score scale): no overflow, no subnormals for values
+    # within 2^-24 of the row max; P in [0, 1] keeps 3 more bits in f16 than in bf16.
+    if KV_FP8:
+        if not USE_FP8_DOT:
+            b_qf = b_q.to(tl.float32)
+            b_qmax = tl.max(tl.abs(b_qf), axis=1)
+            b_e = tl.where(b_qmax > 0.0, tl.ceil(tl.log2(tl.where(b_qmax > 0.0, b_qmax, 1.0))) - 14.0, 0.0)
+            b_e = tl.minimum(tl.maximum(b_e, -100.0), 114.0)
+            b_q = (b_qf * tl.exp2(-b_e)[:, None]).to(tl.float16)
+            b_rs = b_rs * tl.exp2(b_e)
+    else:
         b_q = b_q.to(tl.bfloat16)
     # row r sees the tokens before its own position: L - Q_LEN + r + 1 of them
     b_vis = L - Q_LEN + i_r + 1
@@ -132,29 +154,48 @@ def _attend_chunk(
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
-    # BLOCK_N tokens (one or more 64-token plan tiles) per iteration: fp8 KV takes two
-    # tiles so each iteration moves as many bytes as one bf16 tile (the loop is bound by
-    # per-iteration latency, not bytes; perf notes). A chunk ends at tile t1, so a wide
-    # step masks the tokens past it (they belong to the next program).
+    # BLOCK_N tokens (one or more 64-token plan tiles) per iteration. A chunk ends at tile
+    # t1, so a wide step masks the tokens past it (they belong to the next program).
+    # Page ids are loaded one step ahead (b_pagex), so the K/V copies of a step never wait
+    # on a load of the same step and Triton's pipeliner can multi-buffer them.
+    # PAGE >= BLOCK_N: a step lies in one page (steps start at multiples of 64), so one
+    # scalar page id and a contiguous [BLOCK_N, D] block; else one page id per token.
     STEP: tl.constexpr = BLOCK_N // TILE
+    SCALAR_PAGE: tl.constexpr = PAGE >= BLOCK_N
+    o_tok = tl.arange(0, BLOCK_N)
     n_end = tl.minimum(L, t1 * TILE)
-    o_nx = t0 * TILE + tl.arange(0, BLOCK_N)
-    b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
+    if SCALAR_PAGE:
+        b_pagex = tl.load(p_ptrow + (t0 * TILE) // PAGE, mask=(t0 * TILE < n_end) & ((t0 * TILE) // PAGE < max_pages),
+                          other=0)
+    else:
+        o_nx = t0 * TILE + o_tok
+        b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
     for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
-        o_n = t * TILE + tl.arange(0, BLOCK_N)
+        o_n = t * TILE + o_tok
         m_n = o_n < n_end
         b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
-        o_nx = o_n + BLOCK_N
-        b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
-        o_slot = o_n % PAGE
-        o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
-        o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
-        b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        if SCALAR_PAGE:
+            n_x = (t + STEP) * TILE
+            b_pagex = tl.load(p_ptrow + n_x // PAGE, mask=(n_x < n_end) & (n_x // PAGE < max_pages), other=0)
+            o_slot = (t * TILE) % PAGE + o_tok
+            p_kb = p_k + (b_page * stride_kp + h * stride_kh)
+            p_vb = p_v + (b_page * stride_vp + h * stride_vh)
+            b_k = tl.load(p_kb + (o_slot * stride_kt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(p_vb + (o_slot * stride_vt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        else:
+            o_nx = o_n + BLOCK_N
+            b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
+            o_slot = o_n % PAGE
+            o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
+            o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
+            b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
         if USE_FP8_DOT:
             b_s = tl.dot(b_q, tl.trans(b_k))
+        elif KV_FP8:
+            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k.to(tl.float16)), DOT_F32))
         else:
-            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k.to(tl.bfloat16)), DOT_F32))
+            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k), DOT_F32))
         b_s = b_s * b_rs[:, None]
         b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
         b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
@@ -162,7 +203,10 @@ def _attend_chunk(
         b_alpha = tl.exp2(b_m - b_msafe)
         b_p = tl.exp2(b_s - b_msafe[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v.to(tl.bfloat16), DOT_F32))
+        if KV_FP8:
+            b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_v.to(tl.float16), DOT_F32))
+        else:
+            b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
         b_acc = b_acc * b_alpha[:, None] + b_pv
         b_m = b_mnew
 
@@ -193,6 +237,7 @@ def decode_kernel(
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -225,7 +270,7 @@ def decode_kernel(
                 stride_qt, stride_qh, stride_qst, stride_qsh,
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
-                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N,
+                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
             )
     else:
         total = tl.load(p_meta + 0)
@@ -254,7 +299,7 @@ def decode_kernel(
                 stride_qt, stride_qh, stride_qst, stride_qsh,
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
-                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N,
+                GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
             )
             i += 1
             b = tl.minimum(i, n_items - 1) // HKV

@@ -33,18 +33,18 @@ def default_num_programs(device) -> int:
 @torch.library.custom_op("evenflow::decode_plan_update", mutates_args=("tiles", "req_end", "prog_start", "meta"))
 def _plan_update_op(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
-                    max_seq_len: int, min_tiles: int, max_batch: int) -> None:
+                    max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool = True) -> None:
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
     K.plan_kernel[(1,)](
         seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles,
         NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
-        SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), num_warps=4,
+        SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items, num_warps=4,
     )
 
 
 @_plan_update_op.register_fake
-def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch):
+def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items=True):
     return None
 
 
@@ -58,7 +58,12 @@ class DecodePlan:
 
     ``num_programs``: persistent programs of the attention kernel (default
     ``3 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
-    (default 8 = 512 tokens), so small batches are not over-split. ``num_warps`` /
+    (default 8 = 512 tokens), so small batches are not over-split. The budget per program
+    is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
+    it is then rounded up to a multiple of the shortest non-empty item's tiles when that
+    item fits in a bin and the rounding adds at most half, so bins hold whole short items
+    instead of cutting them (a cut costs a partial write and a combine merge: 64x512 took
+    56 us with budget 11 and 44 us with 16, round E sweep). ``num_warps`` /
     ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
     (per-thread register cap, 0 = none): launch config of the attention kernel (default:
     the launcher's choice, which caps registers so ``num_programs / SMs`` programs fit on
@@ -77,7 +82,7 @@ class DecodePlan:
     def __init__(self, max_batch: int, max_seq_len: int, num_kv_heads: int, page_size: int = 64,
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 block_n: int | None = None, max_registers: int | None = None):
+                 block_n: int | None = None, max_registers: int | None = None, align_items: bool = True):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -113,6 +118,9 @@ class DecodePlan:
         # kernel launch config of the attention kernel (None: the launcher's choice)
         self.num_warps, self.num_stages, self.block_n = num_warps, num_stages, block_n
         self.max_registers = max_registers
+        if not isinstance(align_items, bool):
+            raise TypeError(f"align_items must be a bool, got {align_items!r}")
+        self.align_items = align_items
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
@@ -129,7 +137,7 @@ class DecodePlan:
         B = seq_lens.shape[0]
         check_int("seq_lens.shape[0] (batch)", B, 1, self.max_batch)
         _plan_update_op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
-                        self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch)
+                        self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items)
         self.batch = B
         return self
 

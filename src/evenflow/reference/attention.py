@@ -102,11 +102,14 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
     return out, lse
 
 
-def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int):
+def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
+                   align_items: bool = True):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles; bins of
-    ``budget = max(ceil(total / num_programs), min_tiles)`` tiles are filled in order.
+    ``budget = max(ceil(total / num_programs), min_tiles)`` tiles are filled in order;
+    with ``align_items`` the budget is first rounded up to a multiple of the shortest
+    non-empty item's tiles, when that item fits in it and the rounding adds at most half.
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
@@ -117,6 +120,11 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     items = [(b, h) for b in range(B) for h in range(num_kv_heads)]
     total = sum(tiles[b] for b, _ in items)
     budget = max(-(-total // num_programs), min_tiles)
+    nonzero = [n for n in tiles if n > 0]
+    if align_items and nonzero and min(nonzero) <= budget:
+        aligned = -(-budget // min(nonzero)) * min(nonzero)
+        if 2 * aligned <= 3 * budget:
+            budget = aligned
     used = -(-total // budget)
     bins: list[list[tuple[int, int, int]]] = [[] for _ in range(num_programs)]
     p, room = 0, budget
