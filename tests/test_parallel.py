@@ -189,21 +189,23 @@ def test_split_math_sums_to_unsplit_in_fp64():
     assert (tp - full).abs().max().item() <= 1e-12 * scale
 
 
-def _fp8_layer(fmt):
-    """Tiny whole-layer MoEWeights of ``fmt`` (E 4, H 128, I 256: whole 128-blocks per TP-2 rank)."""
+def _fp8_layer(fmt, device):
+    """Tiny whole-layer MoEWeights of ``fmt`` (E 4, H 128, I 256: whole 128-blocks per TP-2 rank),
+    on the device the kernels run on (MoEWeights checks it)."""
     from evenflow.moe.quant import MoEWeights
 
     g = torch.Generator().manual_seed(99)
     e, h, i = 4, 128, 256
-    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.05
-    w2 = torch.randn(e, h, i, generator=g) * 0.05
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.05).to(device)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.05).to(device)
     if fmt == "bf16":
         return MoEWeights.bf16(w13.bfloat16(), w2.bfloat16())
     if fmt == "fp8_per_tensor":
         s13, s2 = (w.abs().amax(dim=(1, 2)) / 448 for w in (w13, w2))
         q13 = (w13 / s13[:, None, None]).to(torch.float8_e4m3fn)
         q2 = (w2 / s2[:, None, None]).to(torch.float8_e4m3fn)
-        return MoEWeights.fp8_per_tensor(q13, q2, s13, s2, torch.tensor([0.02]), torch.tensor([0.004]))
+        return MoEWeights.fp8_per_tensor(q13, q2, s13, s2, torch.tensor([0.02], device=device),
+                                          torch.tensor([0.004], device=device))
 
     def block(w):
         n, k = w.shape[1] // 128, w.shape[2] // 128
@@ -216,10 +218,10 @@ def _fp8_layer(fmt):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor", "fp8_block"])
 @pytest.mark.parametrize("layout", ["ep", "tp"])
-def test_shard_moe_weights_reassemble_and_sum_to_unsplit(fmt, layout):
+def test_shard_moe_weights_reassemble_and_sum_to_unsplit(fmt, layout, device):
     from evenflow.reference.moe import dequant_weights, moe_reference
 
-    full = _fp8_layer(fmt)
+    full = _fp8_layer(fmt, device)
     shards = [par.shard_moe_weights(full, layout, r, WORLD) for r in range(WORLD)]
     for r, (ew, ep_rank) in enumerate(shards):
         assert ew.format == fmt and ep_rank == (r if layout == "ep" else 0)
@@ -238,17 +240,17 @@ def test_shard_moe_weights_reassemble_and_sum_to_unsplit(fmt, layout):
         assert torch.equal(torch.cat([b for _, b in parts], 2), d2)
     # with the format's activation quantisation, the shards' layers sum to the unsplit one (fp64)
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(5, 128, generator=g).bfloat16()
-    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]).to(torch.int32)
-    w = torch.rand(5, 2, generator=g)
+    x = torch.randn(5, 128, generator=g).bfloat16().to(device)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)]).to(torch.int32).to(device)
+    w = torch.rand(5, 2, generator=g).to(device)
     ref = moe_reference(x, ids, w, full)
     split = sum(moe_reference(x, ids, w, ew, ep_rank=er, num_experts_total=4) for ew, er in shards)
     assert ref.abs().max().item() > 1e-3
     assert (split - ref).abs().max().item() <= 1e-12 * ref.abs().max().item()
 
 
-def test_shard_moe_weights_bad_arguments():
-    full = _fp8_layer("fp8_block")
+def test_shard_moe_weights_bad_arguments(device):
+    full = _fp8_layer("fp8_block", device)
     with pytest.raises(TypeError, match="ew"):
         par.shard_moe_weights(full.w13, "ep", 0, 2)
     with pytest.raises(ValueError, match="layout"):
