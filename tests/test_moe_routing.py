@@ -80,6 +80,18 @@ def test_index_multi_program_zeroes_workspace(device):
     assert_exact(zero, torch.zeros_like(zero), "zeroed workspace")
 
 
+def test_index_multi_program_shares(device):
+    # 2 chunks share a task map of 300 tiles (64 per step, so each program loops), E = 128 one-hot
+    # tiles, a split-K counter workspace of 3000 (> 1024 per program, strided over the 2 programs)
+    # and a rank where every pair is dropped.
+    ids = torch.randint(0, 128, (60, 5), dtype=torch.int32, device=device)
+    check_index(ids, 128, 0, 16, True)
+    zero = torch.full((3000,), 7, dtype=torch.int32, device=device)
+    build_moe_index(ids, 128, 0, 16, zero=zero, multi_program=True)
+    assert_exact(zero, torch.zeros_like(zero), "zeroed workspace")
+    check_index(ids, 64, 3, 16, True)  # ids < 128 never reach experts 192..255
+
+
 def test_index_all_on_one_expert_and_none_local(device):
     check_index(torch.full((70, 1), 3, dtype=torch.int32, device=device), 4, 0, 16)
     check_index(torch.full((5, 2), 9, dtype=torch.int32, device=device), 4, 0, 16)  # nothing local

@@ -41,36 +41,42 @@ FP8_PRECISE_ACC = tl.constexpr(32)
 
 
 @triton.jit
-def _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD: tl.constexpr):
-    """Local expert id of pairs o_p, or E_PAD - 1 (a bin no expert uses) when dropped."""
+def _local_ids(p_ids, o_p, num_pairs, e_first, num_local):
+    """Local expert id of pairs o_p (0 where dropped) and whether the pair is kept on this rank."""
     m_p = o_p < num_pairs
     gid = tl.load(p_ids + o_p, mask=m_p, other=-1).to(tl.int32)
     lid = gid - e_first
     valid = m_p & (lid >= 0) & (lid < num_local)
-    return tl.where(valid, lid, E_PAD - 1), valid
+    return tl.where(valid, lid, 0), valid
 
 
 @triton.jit
-def _scatter_block(p_ids, p_sorted, p_cursor, b_cursor, start, num_pairs, e_first, num_local,
+def _block_counts(p_ids, start, num_pairs, e_first, num_local, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Pairs of block [start, start + BLOCK_P) per local expert (one-hot column sums; dropped pairs count nowhere)."""
+    lid, valid = _local_ids(p_ids, start + tl.arange(0, BLOCK_P), num_pairs, e_first, num_local)
+    hit = (tl.arange(0, E_PAD)[None, :] == lid[:, None]) & valid[:, None]
+    return tl.sum(hit.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _scatter_block(p_ids, p_sorted, b_cursor, start, num_pairs, e_first, num_local,
                    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
     """Scatter the pair ids of one block to their expert cursor + rank; returns the advanced cursors.
 
-    No atomics: a pair's slot is its expert's running cursor (kept in registers,
-    spilled to ``p_cursor`` so it can be gathered) plus its rank among same-expert
-    pairs earlier in its block, so the order inside an expert is ascending pair id.
+    Registers only (no atomics, no global round trip): a pair's slot is its expert's
+    cursor (selected from ``b_cursor`` by a one-hot sum) plus its rank among kept
+    same-expert pairs earlier in the block, so the order inside an expert is
+    ascending pair id.
     """
-    o_e = tl.arange(0, E_PAD)
     o_b = tl.arange(0, BLOCK_P)
     o_p = start + o_b
-    lid, valid = _local_ids(p_ids, o_p, num_pairs, e_first, num_local, E_PAD)
-    tl.store(p_cursor + o_e, b_cursor)
-    tl.debug_barrier()
-    base = tl.load(p_cursor + lid)
-    earlier = (lid[None, :] == lid[:, None]) & (o_b[None, :] < o_b[:, None])
+    lid, valid = _local_ids(p_ids, o_p, num_pairs, e_first, num_local)
+    hit = (tl.arange(0, E_PAD)[None, :] == lid[:, None]) & valid[:, None]
+    base = tl.sum(tl.where(hit, b_cursor[None, :], 0), axis=1)
+    earlier = (lid[None, :] == lid[:, None]) & (o_b[None, :] < o_b[:, None]) & valid[None, :]
     rank = tl.sum(earlier.to(tl.int32), axis=1)
     tl.store(p_sorted + base + rank, o_p, mask=valid)
-    tl.debug_barrier()
-    return b_cursor + tl.histogram(lid, E_PAD)
+    return b_cursor + tl.sum(hit.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -82,109 +88,105 @@ def _fill_unused(p_sorted, start, end, kept, num_pairs, BLOCK_P: tl.constexpr):
 
 
 @triton.jit
-def _counts_and_task_map(b_counts, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero, num_local, max_tiles,
-                         num_zero, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Store counts and offsets, zero the split-K counters, write the tile task map; returns the offsets."""
-    o_e = tl.arange(0, E_PAD)
-    b_counts = tl.where(o_e < num_local, b_counts, 0)
-    b_offs = tl.cumsum(b_counts, 0) - b_counts
-    kept = tl.sum(b_counts, 0)
-    tl.store(p_counts + o_e, b_counts, mask=o_e < num_local)
-    tl.store(p_offsets + o_e, b_offs, mask=o_e < num_local)
-    tl.store(p_offsets + num_local, kept)
-    # zero the gate-up split-K arrival counters for this call (saves a memset launch)
-    for start in range(0, num_zero, 1024):
+def _zero_share(p_zero, first, step, num_zero):
+    """Zero p_zero[first + j*step : + 1024] for all j (one program's share of the split-K counters)."""
+    for start in range(first, num_zero, step):
         o_z = start + tl.arange(0, 1024)
         tl.store(p_zero + o_z, tl.zeros([1024], dtype=tl.int32), mask=o_z < num_zero)
-    # tile t belongs to the expert e with tile_start[e] <= t < tile_end[e]
+
+
+@triton.jit
+def _task_map_share(b_counts, p_tile_expert, p_tile_row, first, step, max_tiles,
+                    E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Tiles [first + j*step, + BLOCK_T) of the task map: tile t belongs to the expert e with
+    tile_start[e] <= t < tile_end[e]; unused tiles get -1."""
+    o_e = tl.arange(0, E_PAD)
+    b_offs = tl.cumsum(b_counts, 0) - b_counts
     b_ntiles = (b_counts + BLOCK_M - 1) // BLOCK_M
     b_tile_end = tl.cumsum(b_ntiles, 0)
     total_tiles = tl.sum(b_ntiles, 0)
     b_row_base = b_offs - (b_tile_end - b_ntiles) * BLOCK_M
-    for start in range(0, max_tiles, BLOCK_T):
+    for start in range(first, max_tiles, step):
         o_t = start + tl.arange(0, BLOCK_T)
         expert = tl.sum((b_tile_end[None, :] <= o_t[:, None]).to(tl.int32), axis=1)
         row = tl.sum(tl.where(o_e[None, :] == expert[:, None], b_row_base[None, :], 0), axis=1) + o_t * BLOCK_M
         used = o_t < total_tiles
         tl.store(p_tile_expert + o_t, tl.where(used, expert, -1), mask=o_t < max_tiles)
         tl.store(p_tile_row + o_t, tl.where(used, row, -1), mask=o_t < max_tiles)
-    return b_offs, kept
+
+
+@triton.jit
+def _store_counts(b_counts, p_counts, p_offsets, num_local, E_PAD: tl.constexpr):
+    o_e = tl.arange(0, E_PAD)
+    b_offs = tl.cumsum(b_counts, 0) - b_counts
+    tl.store(p_counts + o_e, b_counts, mask=o_e < num_local)
+    tl.store(p_offsets + o_e, b_offs, mask=o_e < num_local)
+    tl.store(p_offsets + num_local, tl.sum(b_counts, 0))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles", "num_zero"])
 def moe_index_kernel(
-    p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_cursor, p_zero,
+    p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_zero,
     num_pairs, e_first, num_local, max_tiles, num_zero,
     E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """One program (small batches: one launch): histogram -> prefix sums -> task map -> stable scatter."""
+    """One program (small batches: one launch): counts -> prefix sums -> task map -> stable scatter."""
     b_counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, num_pairs, BLOCK_P):
-        lid, _ = _local_ids(p_ids, start + tl.arange(0, BLOCK_P), num_pairs, e_first, num_local, E_PAD)
-        b_counts += tl.histogram(lid, E_PAD)
-    b_cursor, kept = _counts_and_task_map(b_counts, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero,
-                                          num_local, max_tiles, num_zero, E_PAD, BLOCK_T, BLOCK_M)
+        b_counts += _block_counts(p_ids, start, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
+    _store_counts(b_counts, p_counts, p_offsets, num_local, E_PAD)
+    _zero_share(p_zero, 0, 1024, num_zero)
+    _task_map_share(b_counts, p_tile_expert, p_tile_row, 0, BLOCK_T, max_tiles, E_PAD, BLOCK_T, BLOCK_M)
+    b_cursor = tl.cumsum(b_counts, 0) - b_counts
     for start in range(0, num_pairs, BLOCK_P):
-        b_cursor = _scatter_block(p_ids, p_sorted, p_cursor, b_cursor, start, num_pairs, e_first, num_local,
-                                  E_PAD, BLOCK_P)
-    _fill_unused(p_sorted, 0, num_pairs, kept, num_pairs, BLOCK_P)
+        b_cursor = _scatter_block(p_ids, p_sorted, b_cursor, start, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
+    _fill_unused(p_sorted, 0, num_pairs, tl.sum(b_counts, 0), num_pairs, BLOCK_P)
 
 
-# Large batches (thousands of pairs): the one program above walks every 64-pair block in
-# sequence (two barriers and a global round trip each). Three launches instead:
-# per-chunk histograms (one program per CHUNK pairs) -> one program scans them over the
-# chunks (each chunk's starting cursor per expert) and writes counts/offsets/task map ->
-# one program per chunk scatters. Same layout, same order, no atomics.
-@triton.jit(do_not_specialize=["num_pairs"])
-def moe_index_hist_kernel(p_ids, p_hist, num_pairs, e_first, num_local,
+# Larger batches: two launches, each one program per CHUNK pairs, no serial walk over the
+# whole batch anywhere. (1) per-chunk expert counts -> hist[c]; (2) each chunk sums hist
+# over all chunks (totals -> offsets) and over the chunks before it (its cursors), scatters
+# its own pairs, and writes its share of the task map. Same layout and order as above.
+@triton.jit(do_not_specialize=["num_pairs", "num_zero"])
+def moe_index_hist_kernel(p_ids, p_hist, p_zero, num_pairs, e_first, num_local, num_zero,
                           E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
-    """hist[c, e] = pairs of chunk c routed to local expert e (bin E_PAD - 1: dropped pairs)."""
+    """hist[c, e] = pairs of chunk c routed to local expert e; zeroes this program's share of p_zero."""
     i_c = tl.program_id(0)
     b_counts = tl.zeros([E_PAD], dtype=tl.int32)
     for j in tl.static_range(0, CHUNK, BLOCK_P):
-        lid, _ = _local_ids(p_ids, i_c * CHUNK + j + tl.arange(0, BLOCK_P), num_pairs, e_first, num_local, E_PAD)
-        b_counts += tl.histogram(lid, E_PAD)
+        b_counts += _block_counts(p_ids, i_c * CHUNK + j, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
     tl.store(p_hist + i_c.to(tl.int64) * E_PAD + tl.arange(0, E_PAD), b_counts)
+    _zero_share(p_zero, i_c * 1024, tl.num_programs(0) * 1024, num_zero)
 
 
-@triton.jit(do_not_specialize=["num_chunks", "max_tiles", "num_zero"])
-def moe_index_scan_kernel(
-    p_hist, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero,
-    num_chunks, num_local, max_tiles, num_zero,
-    E_PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_tiles"])
+def moe_index_place_kernel(
+    p_ids, p_hist, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row,
+    num_pairs, num_chunks, e_first, num_local, max_tiles,
+    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """One program: totals over chunks -> counts/offsets/task map; hist[c] := cursor of chunk c (in place)."""
+    """Chunk c: totals and earlier-chunk sums of hist -> its cursors; scatter; its share of the task map."""
+    i_c = tl.program_id(0)
     o_e = tl.arange(0, E_PAD)
     o_c = tl.arange(0, BLOCK_C)
-    b_tot = tl.zeros([E_PAD], dtype=tl.int32)
+    b_total = tl.zeros([E_PAD], dtype=tl.int32)
+    b_before = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, num_chunks, BLOCK_C):
-        m_c = (start + o_c) < num_chunks
-        b_h = tl.load(p_hist + (start + o_c).to(tl.int64)[:, None] * E_PAD + o_e[None, :], mask=m_c[:, None],
+        c = start + o_c
+        b_h = tl.load(p_hist + c.to(tl.int64)[:, None] * E_PAD + o_e[None, :], mask=(c < num_chunks)[:, None],
                       other=0)
-        b_tot += tl.sum(b_h, axis=0)
-    b_run, kept = _counts_and_task_map(b_tot, p_counts, p_offsets, p_tile_expert, p_tile_row, p_zero, num_local,
-                                       max_tiles, num_zero, E_PAD, BLOCK_T, BLOCK_M)
-    for start in range(0, num_chunks, BLOCK_C):
-        m_c = (start + o_c) < num_chunks
-        p_h = p_hist + (start + o_c).to(tl.int64)[:, None] * E_PAD + o_e[None, :]
-        b_h = tl.load(p_h, mask=m_c[:, None], other=0)
-        tl.store(p_h, tl.cumsum(b_h, axis=0) - b_h + b_run[None, :], mask=m_c[:, None])
-        b_run += tl.sum(b_h, axis=0)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def moe_index_scatter_kernel(p_ids, p_hist, p_offsets, p_sorted, num_pairs, e_first, num_local,
-                             E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
-    """Chunk c scatters its pairs from the cursors the scan left in hist[c] (its row is its scratch)."""
-    i_c = tl.program_id(0)
-    p_cursor = p_hist + i_c.to(tl.int64) * E_PAD
-    b_cursor = tl.load(p_cursor + tl.arange(0, E_PAD))
-    tl.debug_barrier()
+        b_total += tl.sum(b_h, axis=0)
+        b_before += tl.sum(tl.where((c < i_c)[:, None], b_h, 0), axis=0)
+    if i_c == 0:
+        _store_counts(b_total, p_counts, p_offsets, num_local, E_PAD)
+    _task_map_share(b_total, p_tile_expert, p_tile_row, i_c * BLOCK_T, num_chunks * BLOCK_T, max_tiles,
+                    E_PAD, BLOCK_T, BLOCK_M)
+    b_cursor = tl.cumsum(b_total, 0) - b_total + b_before
     for j in tl.static_range(0, CHUNK, BLOCK_P):
-        b_cursor = _scatter_block(p_ids, p_sorted, p_cursor, b_cursor, i_c * CHUNK + j, num_pairs, e_first,
-                                  num_local, E_PAD, BLOCK_P)
-    kept = tl.load(p_offsets + num_local)
-    _fill_unused(p_sorted, i_c * CHUNK, i_c * CHUNK + CHUNK, kept, num_pairs, BLOCK_P)
+        b_cursor = _scatter_block(p_ids, p_sorted, b_cursor, i_c * CHUNK + j, num_pairs, e_first, num_local,
+                                  E_PAD, BLOCK_P)
+    _fill_unused(p_sorted, i_c * CHUNK, i_c * CHUNK + CHUNK, tl.sum(b_total, 0), num_pairs, BLOCK_P)
 
 
 @triton.jit

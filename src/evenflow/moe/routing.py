@@ -13,19 +13,15 @@ import torch
 import triton
 
 from evenflow._checks import check_int, check_tensor
-from evenflow.moe.kernels import (
-    moe_index_hist_kernel,
-    moe_index_kernel,
-    moe_index_scan_kernel,
-    moe_index_scatter_kernel,
-)
+from evenflow.moe.kernels import moe_index_hist_kernel, moe_index_kernel, moe_index_place_kernel
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
-# Above this many pairs the index is built by three launches (per-chunk histograms, one scan,
-# per-chunk scatter) instead of one program walking every 64-pair block in turn.
-MULTI_PROGRAM_PAIRS = 1024
-_CHUNK = 256  # pairs per program of the multi-program build (4 blocks of 64)
+# Above this many pairs the index is built by two launches of one program per _CHUNK pairs
+# (per-chunk counts; per-chunk prefix + scatter + task-map share) instead of one program
+# walking every block in turn (docs/perf-notes/moe.md, round 5).
+MULTI_PROGRAM_PAIRS = 256
+_CHUNK = 256
 
 
 class MoEIndex(NamedTuple):
@@ -58,7 +54,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     routed elsewhere (or to no valid expert) are dropped. ``zero`` (optional, int32,
     contiguous) is a workspace the same launch fills with zeros (the gate-up
     split-K counters), saving a memset launch. ``multi_program`` forces the one-program
-    (False) or the three-launch (True) build; by default the size decides
+    (False) or the two-launch (True) build; by default the size decides
     (``MULTI_PROGRAM_PAIRS``). Both give identical results.
     """
     check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
@@ -77,32 +73,29 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=dev)
-    e_pad = triton.next_power_of_2(num_local_experts + 1)  # + 1: the bin of dropped pairs
-    block_t = max(2, min(64, 8192 // e_pad))
+    e_pad = max(16, triton.next_power_of_2(num_local_experts))
+    block_p = max(16, min(64, 8192 // e_pad))  # [BLOCK_P, E_PAD] one-hot tiles of <= 8K elements
+    block_t = max(16, min(64, 8192 // e_pad))
     zero_buf = zero if zero is not None else counts
     num_zero = 0 if zero is None else zero.numel()
     e_first = ep_rank * num_local_experts
     if multi_program is None:
         multi_program = num_pairs > MULTI_PROGRAM_PAIRS
-    if not multi_program:
-        cursor = torch.empty(e_pad, dtype=torch.int32, device=dev)
+    if not multi_program or num_pairs == 0:
         moe_index_kernel[(1,)](
-            topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, cursor, zero_buf,
+            topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, zero_buf,
             num_pairs, e_first, num_local_experts, n_tiles, num_zero,
-            # 64 threads for 64 pairs per block: no replicated elements in tl.histogram
-            E_PAD=e_pad, BLOCK_P=64, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=2,
+            E_PAD=e_pad, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4,
         )
-    elif num_pairs > 0:
-        chunks = triton.cdiv(num_pairs, _CHUNK)
-        hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)  # becomes each chunk's cursors
-        moe_index_hist_kernel[(chunks,)](topk_ids, hist, num_pairs, e_first, num_local_experts,
-                                         E_PAD=e_pad, BLOCK_P=64, CHUNK=_CHUNK, num_warps=2)
-        moe_index_scan_kernel[(1,)](
-            hist, counts, offsets, tile_expert, tile_row, zero_buf, chunks, num_local_experts, n_tiles, num_zero,
-            E_PAD=e_pad, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4,
-        )
-        moe_index_scatter_kernel[(chunks,)](topk_ids, hist, offsets, sorted_pairs, num_pairs, e_first,
-                                            num_local_experts, E_PAD=e_pad, BLOCK_P=64, CHUNK=_CHUNK, num_warps=2)
     else:
-        return build_moe_index(topk_ids, num_local_experts, ep_rank, block_m, zero, multi_program=False)
+        chunks = triton.cdiv(num_pairs, _CHUNK)
+        hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
+        moe_index_hist_kernel[(chunks,)](topk_ids, hist, zero_buf, num_pairs, e_first, num_local_experts, num_zero,
+                                         E_PAD=e_pad, BLOCK_P=block_p, CHUNK=_CHUNK, num_warps=4)
+        moe_index_place_kernel[(chunks,)](
+            topk_ids, hist, counts, offsets, sorted_pairs, tile_expert, tile_row,
+            num_pairs, chunks, e_first, num_local_experts, n_tiles,
+            E_PAD=e_pad, BLOCK_P=block_p, CHUNK=_CHUNK, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=block_t,
+            BLOCK_M=block_m, num_warps=4,
+        )
     return MoEIndex(counts, offsets, sorted_pairs, tile_expert, tile_row, block_m)
