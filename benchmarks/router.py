@@ -24,13 +24,16 @@ import evenflow
 from evenflow.bench import harness as H
 from evenflow.bench.peers import cublas
 from evenflow.reference import router as R
+from tune_router import simt_candidates  # benchmarks/ is the script's directory
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
          "qwen3-30b-a3b": (2048, 128)}
 MS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
-# evenflow: default RouterWeight (three terms, exact fp32 weights); evenflow-2term: terms=2.
-IMPLS = ("evenflow", "evenflow-2term", "evenflow-invariant", *cublas.PEERS)
+# evenflow: default RouterWeight (three terms, exact fp32 weights); evenflow-2term: terms=2;
+# evenflow-fp32simt (M <= 64): the CUDA-core path on the fp32 weight, forced (the table's
+# config when the table picked it, else the tuner's first candidate).
+IMPLS = ("evenflow", "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt", *cublas.PEERS)
 TOP_K = 8
 ROTATE_BYTES = 150 << 20  # > 2x L2
 
@@ -67,6 +70,8 @@ def main() -> int:
             floor = H.floor_us(bytes_moved=call_bytes, ceilings=ceil) + ceil["launch_us"]
             for impl in IMPLS:
                 try:
+                    if impl == "evenflow-fp32simt" and m > 64:
+                        continue
                     if impl.startswith("evenflow"):
                         inv = impl == "evenflow-invariant"
                         rws = [evenflow.RouterWeight(w, terms=2 if impl == "evenflow-2term" else 3) for w in ws]
@@ -74,9 +79,13 @@ def main() -> int:
                         for rw in rws:  # workspace allocated before capture
                             rw.workspace(m, rw.config(m, inv))
                             rw.logits_buffer(m)
-                        fns = [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, o, batch_invariant=inv)
+                        cfg = rws[0].config(m, inv)
+                        if impl == "evenflow-fp32simt" and cfg.path != "fp32-simt":
+                            cfg = simt_candidates(m)[0]
+                        fns = [lambda x=x, rw=rw, o=o, c=cfg: evenflow.router_gemm(x, rw, o, batch_invariant=inv,
+                                                                                     config=c)
                                for x, rw, o in zip(xs, rws, outs)]
-                        info = {"config": rws[0].config(m, inv).to_dict()}
+                        info = {"config": cfg.to_dict()}
                     else:
                         fns = [cublas.make(impl, x, w) for x, w in zip(xs, ws)]
                         info = {}

@@ -3,10 +3,11 @@
     python benchmarks/tune_router.py [--quick] [--budget-s 200] [--cases K4096-N192,...] [--terms 3] [--table PATH]
     python benchmarks/tune_router.py --compile-only      # no GPU: compile every candidate for sm_90
 
-For every standard (K, N) and each M bucket (upper bounds 1, 16, 64, 256, 1024, 4096,
-8192; M above the last uses the last), times each candidate at M = the bucket's upper
+For every standard (K, N) and each M bucket (upper bounds 1, 4, 16, 64, 128, 256, 512,
+1024, 2048, 4096, 8192; M above the last uses the last), times each candidate at M = the bucket's upper
 bound as a CUDA-graph replay with rotated weight copies, after checking it against the
-fp64 product; the plain paths (``torch-fp32``, ``torch-split2``) compete too and win a
+fp64 product; our CUDA-core ``fp32-simt`` kernel (M <= 64) and the plain paths
+(``torch-fp32``, ``torch-split2``) compete too and win a
 bucket only where they are measured faster and pass the tests' tolerance rule. Batch-invariant mode gets one config per
 (K, N): the lowest geometric-mean time over M in (1, 256, 8192). Entries are per term
 count (``--terms``, default 3 = RouterWeight's default). Writes
@@ -47,7 +48,7 @@ from evenflow.testing import error_bound  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
          "qwen3-30b-a3b": (2048, 128)}
-BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
+BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK_BUCKETS = (1, 16, 256, 4096)
 INVARIANT_MS = (1, 256, 8192)
 ROTATE_BYTES = 150 << 20
@@ -93,10 +94,28 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
         if key not in seen:
             seen.add(key)
             kept.append(c)
-    out = kept
+    out = kept + simt_candidates(m)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out
+
+
+def simt_candidates(m: int) -> list[GemmConfig]:
+    """fp32-simt configs for small M (always timed, like the plain paths): one program per
+    BLOCK_N weight rows streams its whole K. The product tile BLOCK_M x BLOCK_N x BLOCK_K is
+    kept at <= 64 fp32 registers a thread (plus the prefetched next block)."""
+    if m > 64:
+        return []
+    bm = min(16, 1 << max(0, m - 1).bit_length())
+    # Few K steps matter most: each is one dependent DRAM round trip of a program (the next
+    # block is prefetched one step ahead), so BLOCK_K is as wide as registers allow.
+    if bm == 1:
+        shapes = ((1, 1024, 4), (1, 2048, 8), (2, 1024, 8), (1, 512, 4))
+    elif bm <= 4:
+        shapes = ((1, 1024, 8), (1, 2048, 8), (2, 512, 8))
+    else:
+        shapes = ((1, 512, 8), (1, 1024, 8), (2, 256, 8))
+    return [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bn, bk, warps in shapes]
 
 
 def invariant_candidates(n: int, k: int) -> list[GemmConfig]:
@@ -118,7 +137,7 @@ def compile_only() -> int:
 
     from evenflow.router import dispatch
     from evenflow.router.gemm import launch_shape
-    from evenflow.router.kernels import router_gemm_kernel
+    from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_kernel
 
     sig = {"p_x": "*bf16", "p_whi": "*bf16", "p_wlo": "*bf16", "p_wlo2": "*bf16", "p_out": "*fp32",
            "p_part": "*fp32", "p_count": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
@@ -133,7 +152,7 @@ def compile_only() -> int:
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in
              ("p_x", "p_whi", "p_wlo", "p_wlo2", "p_out", "p_part", "p_count", "N", "K", "stride_xm",
               "stride_wn", "stride_om")}
-    combos = set()
+    combos, simt = set(), set()
     for k, n in CASES.values():
         for kk in (k, k + 4):  # K tail too (EVEN_K=False)
             for m in sorted(set(BUCKETS) | {2, 4, 8, 32, 128, 512, 2048}):
@@ -141,7 +160,11 @@ def compile_only() -> int:
                     cfgs = candidates(m, n, kk, H200_SMS, plain=False, terms=terms) + invariant_candidates(n, kk)
                     cfgs += [dispatch.heuristic_config(m, n, kk, H200_SMS),
                              dispatch.heuristic_invariant_config(n, kk)]
+                    simt |= {(c.block_m, c.block_n, c.block_k, kk % c.block_k == 0, c.num_warps, c.num_stages)
+                             for c in cfgs if c.path == "fp32-simt"}
                     for c in cfgs:
+                        if c.path != "triton":
+                            continue
                         c = c.fit_smem(terms)
                         _, split, _ = launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)
                         combos.add((c.block_m, c.block_n, c.block_k, split > 1, kk % c.block_k == 0, terms,
@@ -162,7 +185,18 @@ def compile_only() -> int:
                              f"(limit {dispatch.SMEM_LIMIT}, estimate {cfg.smem_bytes(terms)})")
         if i % 20 == 0:
             print(f"  {i}/{len(combos)} ok (+{time.time() - t0:.0f}s)", flush=True)
-    print(f"all {len(combos)} compiled for sm_90; largest shared memory {worst} B", flush=True)
+    sig32 = {"p_x": "*bf16", "p_w": "*fp32", "p_out": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+    names = list(sig32)
+    attrs32 = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a not in ("M",)}
+    for bm, bn, bk, even, warps, stages in sorted(simt):
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even)
+        ck = triton.compile(ASTSource(fn=router_gemm_fp32_kernel, signature=sig32, constexprs=ce, attrs=attrs32),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        if ck.metadata.shared > dispatch.SMEM_LIMIT:
+            raise SystemExit(f"fp32-simt {ce}: {ck.metadata.shared} B of shared memory")
+    print(f"all {len(combos)} split + {len(simt)} fp32-simt variants compiled for sm_90; largest shared "
+          f"memory {worst} B", flush=True)
     return 0
 
 
@@ -234,7 +268,7 @@ def main() -> int:
             # JIT first (once per compiled variant, cached after), so a bucket's share of the
             # budget is spent on timings, not on compiling the candidates that come last.
             for cfg in cands:
-                if cfg.path == "triton":
+                if cfg.path in ("triton", "fp32-simt"):
                     try:
                         evenflow.router_gemm(xs[0], rws[0], outs[0], config=cfg)
                     except Exception:  # reported by _time below

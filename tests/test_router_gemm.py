@@ -327,3 +327,89 @@ def test_opcheck_router_gemm_op(device):
     part, count = rw.workspace(3, GemmConfig(16, 16, 16, 2))
     torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
                           (x, rw.w_hi, rw.w_lo, rw.w_lo2, out, part, count, 3, 16, 16, 16, 2, 4, 1))
+
+
+# ----------------------------------------------------------------------------- fp32-simt (CUDA-core path)
+# Reads the original fp32 weight; every product bf16 x fp32 is exact in fp64 and rounded once
+# in fp32, then summed in fp32: the same math as PyTorch's fp32 GEMM, so the baseline of the
+# rule is x.float() @ w.T in fp32 (no split involved), and the analytic bound is K u |x|.|w|.
+
+SIMT = [GemmConfig(1, 1, 64, 1, 4, 1, "fp32-simt"), GemmConfig(4, 2, 32, 1, 2, 1, "fp32-simt"),
+        GemmConfig(16, 4, 128, 1, 4, 2, "fp32-simt")]
+
+
+def _check_fp32(out, x, w, what):
+    ref = R.router_logits_fp64(x.cpu(), w.cpu())
+    base = x.cpu().float() @ w.cpu().t()
+    err = assert_within_rule(out, ref, base, what=what)
+    mag = x.cpu().double().abs() @ w.cpu().double().abs().t()
+    excess = ((out.cpu().double() - ref).abs() - x.shape[1] * 2.0**-24 * mag).max().item()
+    assert excess <= 0, f"{what}: analytic bound exceeded by {excess:.3e}"
+    return err
+
+
+@pytest.mark.parametrize("cfg", SIMT, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}")
+@pytest.mark.parametrize("m,n,k", [(1, 7, 96), (5, 24, 200), (16, 9, 256)])
+def test_fp32_simt_matches_fp64(device, m, n, k, cfg):
+    x, w = _inputs(m, n, k, device)
+    rw = evenflow.RouterWeight(w)
+    out = poisoned((m, n), torch.float32, device)
+    assert evenflow.router_gemm(x, rw, out, config=cfg) is out
+    _check_fp32(out, x, w, f"fp32-simt {cfg} M={m} N={n} K={k}")
+    # deterministic: no split, no atomics -> bitwise the same on a second call
+    assert torch.equal(out, evenflow.router_gemm(x, rw, config=cfg))
+
+
+def test_fp32_simt_strided_x_and_large_values(device):
+    # x rows with a stride (a view into a wider buffer), weights/activations far from 1
+    k, n = 80, 12
+    xb = (torch.randn(6, k + 16, device=device) * 300).to(torch.bfloat16)
+    x = xb[:, :k]
+    w = torch.randn(n, k, device=device) * 1e3
+    rw = evenflow.RouterWeight(w)
+    out = evenflow.router_gemm(x, rw, config=SIMT[1])
+    _check_fp32(out, x, w, "fp32-simt strided")
+
+
+def test_fp32_simt_reads_the_source_and_tracks_staleness(device):
+    x, w = _inputs(3, 8, 64, device)
+    rw = evenflow.RouterWeight(w)
+    w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="stale"):
+        evenflow.router_gemm(x, rw, config=SIMT[0])
+    rw.refresh()
+    _check_fp32(evenflow.router_gemm(x, rw, config=SIMT[0]), x, w, "after refresh")
+
+
+def test_fp32_simt_config_validation():
+    with pytest.raises(ValueError, match="split_k"):
+        GemmConfig(1, 1, 64, 2, 4, 1, "fp32-simt")
+    with pytest.raises(ValueError, match="block_n"):
+        GemmConfig(1, 3, 64, 1, 4, 1, "fp32-simt")
+    with pytest.raises(ValueError, match="block_k"):
+        GemmConfig(1, 1, 8, 1, 4, 1, "fp32-simt")
+    with pytest.raises(ValueError, match="batch-invariant"):
+        x, w = _inputs(2, 8, 32, "cpu")
+        evenflow.router_gemm(x, evenflow.RouterWeight(w), batch_invariant=True, config=SIMT[0])
+
+
+def test_fp32_simt_from_the_dispatch_table_and_route(device, monkeypatch):
+    # The table is data: an entry with path fp32-simt is taken by router_gemm and by route().
+    e, k = 16, 64
+    x, w = _inputs(5, e, k, device)
+    monkeypatch.setattr("evenflow.router.gemm.choose_config", lambda *a, **kw: SIMT[1])
+    rw = evenflow.RouterWeight(w)
+    assert rw.config(5) == SIMT[1]
+    _check_fp32(evenflow.router_gemm(x, rw), x, w, "dispatched fp32-simt")
+    ids, weights = evenflow.route(x, rw, top_k=4)
+    ref_ids, _ = R.route_ref(R.router_logits_fp64(x.cpu(), w.cpu()), 4)
+    logits = evenflow.router_gemm(x, rw)
+    ids2, weights2 = evenflow.select_experts(logits, 4)
+    assert torch.equal(ids, ids2) and torch.equal(weights, weights2)
+    assert torch.equal(ids.cpu().long(), ref_ids.cpu().long())
+
+
+def test_opcheck_router_gemm_fp32_op(device):
+    x, w = _inputs(3, 16, 32, device)
+    out = torch.empty(3, 16, device=device)
+    torch.library.opcheck(torch.ops.evenflow.router_gemm_fp32.default, (x, w, out, 4, 2, 16, 4, 1))

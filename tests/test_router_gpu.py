@@ -61,6 +61,34 @@ def test_forced_configs_tails(cfg, terms):
                            what=f"{cfg} M{m} N{n} K{k}")
 
 
+def _simt_configs():
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tune_router.py"
+    spec = importlib.util.spec_from_file_location("tune_router", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return sorted({c for m in (1, 4, 16, 64) for c in mod.simt_candidates(m)}, key=str)
+
+
+@pytest.mark.parametrize("cfg", _simt_configs(), ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-w{c.num_warps}")
+def test_fp32_simt_real_shapes_and_tails(cfg):
+    # Every fp32-simt config the tuner may pick, on every standard shape plus K/N tails and
+    # M beyond BLOCK_M (several row tiles): within the rule against PyTorch's own fp32 GEMM
+    # (the same math: exact products, fp32 sums), the 1e-4, and deterministic.
+    shapes = [(k, n) for k, n in SHAPES.values()] + [(4100, 200)]
+    for k, n in shapes:
+        for m in (1, 3, 16, 37):
+            x, w = _inputs(m, n, k, seed=m)
+            rw = evenflow.RouterWeight(w)
+            out = torch.full((m, n), float("nan"), device="cuda")
+            evenflow.router_gemm(x, rw, out, config=cfg)
+            ref = R.router_logits_fp64(x, w)
+            assert (out.double() - ref).abs().max().item() <= 1e-4
+            assert_within_rule(out, ref, x.float() @ w.t(), what=f"{cfg} M{m} N{n} K{k}")
+            assert torch.equal(out, evenflow.router_gemm(x, rw, config=cfg))
+
+
 def test_split_k_deterministic_under_contention():
     # The last-arriving program sums the partials in split order: bitwise the same every run.
     x, w = _inputs(4, 192, 4096)

@@ -96,3 +96,18 @@ def test_forced_and_small_m_configs_fit_sm90_shared_memory(tmp_path):
     for describe, shared in _compile_shared(launches, tmp_path):
         assert shared <= SMEM_LIMIT, f"{describe}: {shared} B of shared memory"
         assert shared > 0, describe
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_fp32_simt_configs_compile_for_sm90():
+    # The CUDA-core small-M path at real shapes (K tails too), every block shape the tuner offers.
+    cfgs = {GemmConfig(bm, bn, bk, 1, wp, 1, "fp32-simt")
+            for bm in (1, 4, 16) for bn, bk, wp in ((1, 512, 4), (1, 1024, 8), (1, 2048, 8), (2, 1024, 8),
+                                                     (2, 256, 8), (2, 512, 8))}
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        for n, k in ((192, 4096), (768, 6144), (200, 4100)):
+            rw = evenflow.RouterWeight(torch.randn(n, k) * 0.02)
+            for cfg in cfgs:
+                evenflow.router_gemm(torch.empty(cfg.block_m, k, dtype=torch.bfloat16), rw, config=cfg)
+    assert {la.name for la in launches} == {"router_gemm_fp32_kernel"}
+    assert not CC.compile_launches(launches)

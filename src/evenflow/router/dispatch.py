@@ -11,8 +11,9 @@ names it, e.g. ``h200``) and is written by ``benchmarks/tune_router.py`` on that
 
 An entry covers the M values above the previous entry's ``m_max`` (for the same K, N)
 up to its own; M beyond the last entry uses the last one. ``path`` is ``triton`` (our
-kernel), ``torch-fp32`` (cuBLAS FP32 on the source weight) or ``torch-split2`` (two
-torch bf16 products of the split, one per term) — the last two are "plain paths" kept for shapes
+split-weight kernel), ``fp32-simt`` (our CUDA-core kernel on the original fp32 weight, for
+small M), ``torch-fp32`` (cuBLAS FP32 on the source weight) or ``torch-split2`` (two or
+three torch bf16 products of the split, one per term) — the last two are "plain paths" kept for shapes
 where the tuner measured them faster. Batch-invariant mode uses one config per (K, N)
 for every M and never a plain path (cuBLAS picks its own kernels by M).
 """
@@ -28,7 +29,7 @@ import torch
 
 from evenflow._runtime import interpreting, num_sms
 
-PATHS = ("triton", "torch-fp32", "torch-split2")
+PATHS = ("triton", "fp32-simt", "torch-fp32", "torch-split2")
 # Shared memory one block may use on sm_90 (H100/H200: 227 KB opt-in). The kernels are
 # tuned and compile-checked for sm_90; other GPUs with less are capped by their own value
 # (``smem_limit``).
@@ -50,6 +51,17 @@ class GemmConfig:
     def __post_init__(self):
         if self.path not in PATHS:
             raise ValueError(f"config.path must be one of {PATHS}, got {self.path!r}")
+        if self.path == "fp32-simt":
+            # CUDA-core kernel on the fp32 weight: any power-of-two row/column tile, no split-K.
+            for name, lo in (("block_m", 1), ("block_n", 1), ("block_k", 16)):
+                v = getattr(self, name)
+                if v < lo or v & (v - 1):
+                    raise ValueError(f"config.{name} must be a power of two >= {lo} for fp32-simt, got {v}")
+            if self.split_k != 1:
+                raise ValueError(f"config.split_k must be 1 for fp32-simt, got {self.split_k}")
+            if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+                raise ValueError(f"bad num_warps/num_stages for fp32-simt: {self.num_warps}/{self.num_stages}")
+            return
         if self.path != "triton":
             return
         for name in ("block_m", "block_n", "block_k"):

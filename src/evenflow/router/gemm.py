@@ -33,7 +33,7 @@ import triton
 from evenflow import _runtime
 from evenflow._checks import check_int, check_out, check_tensor
 from evenflow.router.dispatch import GemmConfig, choose_config, device_facts, smem_limit
-from evenflow.router.kernels import router_gemm_kernel
+from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_kernel
 
 __all__ = ["RouterWeight", "router_gemm", "split_weight"]
 
@@ -175,10 +175,9 @@ def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
     return k_split, split, (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
 
 
-@torch.library.custom_op("evenflow::router_gemm_split", mutates_args=("out", "part", "count"))
-def _router_gemm_op(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
-                    out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
-                    block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int) -> None:
+def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
+                  out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
+                  block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int) -> None:
     # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
     m, k = x.shape
     n = w_hi.shape[0]
@@ -196,9 +195,36 @@ def _router_gemm_op(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_l
     )
 
 
+def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int,
+                 block_k: int, num_warps: int, num_stages: int) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    if m == 0:
+        return
+    router_gemm_fp32_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+# The custom ops wrap the launchers for torch.compile / opcheck. Eager calls go to the
+# launchers directly: torch.library's dispatch costs tens of microseconds per call on
+# the host, more than the kernel itself at small M (perf notes, round 5).
+_router_gemm_op = torch.library.custom_op("evenflow::router_gemm_split", _launch_split,
+                                          mutates_args=("out", "part", "count"))
+_router_gemm_fp32_op = torch.library.custom_op("evenflow::router_gemm_fp32", _launch_fp32,
+                                               mutates_args=("out",))
+
+
 @_router_gemm_op.register_fake
 def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
       num_stages):
+    return None
+
+
+@_router_gemm_fp32_op.register_fake
+def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages):
     return None
 
 
@@ -234,21 +260,28 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if m == 0:
         return out
     if config is None:
-        config = w.config(m, batch_invariant)
-    elif batch_invariant and config.path != "triton":
-        raise ValueError("config.path must be 'triton' in batch-invariant mode")
+        config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
+    else:
+        if batch_invariant and config.path != "triton":
+            raise ValueError("config.path must be 'triton' in batch-invariant mode")
+        # Forced configs: num_stages capped so the pipeline fits in shared memory (a
+        # deeper one fails to launch on the GPU; the interpreter would not notice).
+        config = config.fit_smem(w.terms, w._smem)
+    eager = not torch.compiler.is_compiling()
+    if config.path == "fp32-simt":
+        (_launch_fp32 if eager else _router_gemm_fp32_op)(
+            x, w.source, out, config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
+        return out
     if config.path == "torch-fp32":
         torch.mm(x.float(), w.source.t(), out=out)
         return out
     if config.path == "torch-split2":
         _torch_split2(x, w, out)
         return out
-    # Forced configs too: num_stages capped so the pipeline fits in shared memory (a
-    # deeper one fails to launch on the GPU; the interpreter would not notice).
-    config = config.fit_smem(w.terms, w._smem)
     part, count = w.workspace(m, config)
-    _router_gemm_op(x, w.w_hi, w.w_lo, w.parts[-1], out, part, count, w.terms, config.block_m,
-                    config.block_n, config.block_k, config.split_k, config.num_warps, config.num_stages)
+    (_launch_split if eager else _router_gemm_op)(
+        x, w.w_hi, w.w_lo, w.parts[-1], out, part, count, w.terms, config.block_m, config.block_n,
+        config.block_k, config.split_k, config.num_warps, config.num_stages)
     return out
 
 

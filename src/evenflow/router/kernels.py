@@ -119,6 +119,53 @@ def router_gemm_kernel(
             tl.store(p_count + i_mn, 0)
 
 
+@triton.jit(do_not_specialize=["M"])
+def router_gemm_fp32_kernel(
+    p_x, p_w, p_out,
+    M, N, K,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight ``w [N, K]``.
+
+    One program owns BLOCK_N weight rows (output columns) and BLOCK_M rows of x, and
+    streams its whole K: no split-K, no workspace, no atomics (deterministic). Each K
+    block's products are exact-rounded fp32 (bf16 x widened exactly) summed by a fixed
+    tree, then added to the running fp32 sum: error like an fp32 GEMM. The next K
+    block is loaded before the current one is reduced (register double buffering), so
+    one block's loads are always in flight without relying on the software pipeliner.
+    """
+    i_n = tl.program_id(0)
+    i_m = tl.program_id(1)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
+    p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
+
+    if EVEN_K:
+        b_x = tl.load(p_xb, mask=m_m[:, None], other=0.0)
+        b_w = tl.load(p_wb, mask=m_n[:, None], other=0.0)
+    else:
+        m_k = o_k < K
+        b_x = tl.load(p_xb, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_wb, mask=m_n[:, None] & m_k[None, :], other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        # Prefetch block k (masked off past K: the last iteration loads nothing).
+        m_kn = (k + o_k) < K
+        b_xn = tl.load(p_xb + k, mask=m_m[:, None] & m_kn[None, :], other=0.0)
+        b_wn = tl.load(p_wb + k, mask=m_n[:, None] & m_kn[None, :], other=0.0)
+        b_prod = b_x.to(tl.float32)[:, None, :] * b_w[None, :, :]          # [BLOCK_M, BLOCK_N, BLOCK_K]
+        acc += tl.sum(b_prod, axis=2)
+        b_x = b_xn
+        b_w = b_wn
+    m_out = m_m[:, None] & m_n[None, :]
+    tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :], acc, mask=m_out)
+
+
 @triton.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
