@@ -299,10 +299,23 @@ def build_binders(impls, layers: dict, num_total: int, split: bool) -> dict:
     return out
 
 
-def rule(out, ref, base, what: str) -> tuple[str, float, float]:
-    """("" or the failure, max |err|, the rule's bound) of the tolerance rule (evenflow.testing)."""
+def rule(out, ref, base, what: str, impl: str = "evenflow") -> tuple[str, float, float]:
+    """("" or the failure, max |err|, the bound) of an output check.
+
+    evenflow is held to the tolerance rule (evenflow.testing). A peer gets the benchmark
+    sanity check of the single-GPU benchmarks (finite, close, cosine; evenflow.bench.harness
+    .check_output): peers quantise activations their own way (SGLang's fp8 paths differ from
+    the reference's), so the rule we hold our kernels to is not theirs; its bound is NaN.
+    """
+    from evenflow.bench import harness as H
     from evenflow.testing import assert_within_rule, error_bound
 
+    if not impl.startswith("evenflow"):
+        try:
+            chk = H.check_output(out, ref, what, rtol=5e-2, min_cos=0.999)  # as benchmarks/moe.py for fp8
+            return "", chk["max_abs_err"], float("nan")
+        except AssertionError as e:
+            return _err(e), float("nan"), float("nan")
     bound = error_bound(ref, base, out.dtype)
     try:
         err = assert_within_rule(out, ref, base, what=what)
@@ -415,7 +428,7 @@ def time_moe_row(args, res, checks, row, binder, inputs, ref, base, fl, dev, ran
     try:
         fns = [binder[j](*inputs[j], outs[j]) for j in range(n)]
         y = fns[0][0]()
-        msg, err, bound = rule(y, ref, base, f"{row['case']} {row['impl']} batch {batch} rank {rank}")
+        msg, err, bound = rule(y, ref, base, f"{row['case']} {row['impl']} batch {batch} rank {rank}", row["impl"])
     except Exception as e:
         msg = _err(e)
     bad = ag(not msg, msg)
@@ -591,7 +604,7 @@ def run_attention_row(args, res, checks, row, qkv, table, lens, scales, ref, bas
             o = fns[0]().view(len(lengths), hq_r, d)
             if gather:
                 o = par.all_gather_heads(o)
-            msg, err, bound = rule(o, ref, base, f"{row['case']} {impl} rank {rank}")
+            msg, err, bound = rule(o, ref, base, f"{row['case']} {impl} rank {rank}", impl)
         except H.PeerUnavailable as e:
             msg = f"unavailable: {e}"
         except Exception as e:
