@@ -11,7 +11,7 @@ fp8 per-tensor, Hy3 EP8 / Qwen3 fp8-block), Qwen3 fp8-block batch 2, fp8 at batc
 (Hy3 TP8 per-tensor, Qwen3 block: 64-row wgmma tiles vs 32-row mma.sync). Each config
 is checked against the fp32 reference, then graph-timed with rotated weight copies;
 ``default`` is what ``choose_config`` picks. The index build is timed alone too,
-one-program (``index-1prog``) against the three-launch build (``index-multi``),
+one-program (``index-1prog``) against the two-launch build (``index-multi``),
 at every point and at batch 512 / 1024 / 4096 / 8192 (``--index-only``: just those).
 Results: <out>/moe_sweep.json (+ md table); use them to retune ``choose_config``
 and ``evenflow.moe.routing.MULTI_PROGRAM_PAIRS``.

@@ -4,7 +4,11 @@ Launcher only: argument checks, workspace allocation, deterministic tile-size
 choice from host-known shapes (no sync), and the ``evenflow::fused_moe_``
 custom op that torch.compile and CUDA graphs see.
 """
+import functools
+import json
 import math
+import os
+import warnings
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -16,7 +20,11 @@ from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce
 from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
 from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
 
-__all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config"]
+__all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config", "tuned_config"]
+
+# Tuned tile configs (written by benchmarks/tune_moe.py), read as data; one file per GPU kind.
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+_CONFIG_FILES = {"H200": "h200.json"}
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,17 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             num_warps=8,
         )
         block_m = cfg.block_m
+    if fp8 and rows > 16:
+        # sm_90 compile (ptxas -v, round 5): fp8 dots with max_num_imprecise_acc keep a second
+        # accumulator per dot, so gate + up tiles of 64x128 on 4 warps or 128x128 on 8 warps need
+        # > 255 registers: the block-mode gate-up spilled 1.5 KB per thread at T = 512 (0.14 of
+        # floor) and T = 4096 (0.10), per-tensor 368 B at T = 4096. Both fit on 8 warps with
+        # 64-row tiles (block mode, which needs a 128-wide gate-up N block) or 64-wide N blocks.
+        if mode == 2:
+            cfg = replace(cfg, block_m=64, down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n, num_warps=8)
+        elif cfg.block_m > 64:
+            cfg = replace(cfg, gu_block_n=_largest_divisor(inter, (64, 32, 16)))
+        block_m = cfg.block_m
     busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
     target = 2 * sms
     eb = 1 if fp8 else 2
@@ -113,6 +132,61 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target, eb),
         down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target, eb),
     )
+
+
+def tuned_key(num_local: int, num_experts_total: int, top_k: int, hidden: int, inter: int, mode: int) -> str:
+    return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}"
+
+
+@functools.lru_cache(maxsize=8)
+def _load_tuned(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    table = {}
+    for key, buckets in data.get("configs", {}).items():
+        table[key] = sorted((int(t), MoEConfig.from_list(c)) for t, c in buckets.items())
+    return table
+
+
+@functools.lru_cache(maxsize=16)
+def _gpu_kind_of(index: int) -> str | None:
+    name = torch.cuda.get_device_name(index)
+    return next((k for k in _CONFIG_FILES if k in name), None)
+
+
+def _gpu_kind(device) -> str | None:
+    if not (isinstance(device, torch.device) and device.type == "cuda"):
+        return None
+    return _gpu_kind_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
+                 num_experts_total: int, device, path: str | None = None) -> MoEConfig | None:
+    """The tuned config for this shape at the largest tuned batch bucket <= num_tokens, or None
+    (no file for this GPU, shape not tuned, or num_tokens below every bucket). An entry that no
+    longer passes ``check_config`` is ignored with a warning (the heuristic takes over)."""
+    if path is None:
+        kind = _gpu_kind(device)
+        if kind is None:
+            return None
+        path = os.path.join(CONFIG_DIR, _CONFIG_FILES[kind])
+    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode))
+    if not rows:
+        return None
+    best = None
+    for t, cfg in rows:
+        if t <= num_tokens:
+            best = cfg
+    if best is None:
+        return None
+    try:
+        check_config(best, hidden, inter, mode)
+    except (TypeError, ValueError) as e:
+        warnings.warn(f"ignoring tuned MoE config from {path}: {e}", stacklevel=3)
+        return None
+    return best
 
 
 def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int) -> None:
@@ -146,6 +220,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     if t == 0:
         return
     dev = x.device
+    if cfg is None:
+        cfg = tuned_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, device=dev)
     if cfg is None:
         cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev))
     n_tiles = max_tiles(t * k, e_local, cfg.block_m)
