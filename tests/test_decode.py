@@ -251,3 +251,27 @@ def test_demo_runs_at_tiny_shapes(device):
 
     rows = run_demo(types.SimpleNamespace(device=device, gpu=False, harness=None))
     assert rows and all(r["ok"] for r in rows), rows
+
+
+def test_compiled_calls_go_through_the_custom_ops(device):
+    """Eager calls launch directly (torch.library dispatch costs tens of us on the host);
+    under torch.compile the plan update and the attention must still be custom ops in the
+    graph, with the same result as eager."""
+    q, qs, k, v, pt, sl = make_inputs([300, 70, 0], 2, 4, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(3, 1 << 12, 2, device=device, num_programs=4, min_tiles=1)
+    eager = evenflow.decode_attention(q, k, v, pt, sl, plan=plan.update(sl))
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(q, sl):
+        plan.update(sl)
+        return evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
+
+    got = step(q, sl)
+    assert any("evenflow.decode_plan_update" in t for t in seen), seen
+    assert any("evenflow.decode_attention" in t for t in seen), seen
+    assert torch.equal(got, eager)

@@ -99,8 +99,7 @@ def _combine_blocks(block_m: int, head_dim: int) -> tuple[int, int]:
     return block_c, block_d
 
 
-@torch.library.custom_op("evenflow::decode_attention", mutates_args=("out", "lse", "part_o", "part_lse"))
-def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
                meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
                lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
@@ -150,6 +149,12 @@ def _decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=4, **common,
     )
+
+
+# Registered as a custom op (fake below) for torch.compile; eager calls launch directly,
+# since torch.library's dispatch costs tens of us per call on the host (router notes).
+_decode_op = torch.library.custom_op("evenflow::decode_attention",
+                                     mutates_args=("out", "lse", "part_o", "part_lse"))(_decode_launch)
 
 
 @_decode_op.register_fake
@@ -261,9 +266,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     P = k_cache.shape[1]
     rows = (Hq // Hkv) * q_len
     max_pages_len = page_table.shape[1] * P
+    op = _decode_op if torch.compiler.is_compiling() else _decode_launch
     if plan is not None:
         part_o, part_lse = plan.partials(rows, D)
-        _decode_op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
+        op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev))
@@ -273,7 +279,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         part_o = torch.empty(slots, rows, D, dtype=torch.float32, device=dev)
         part_lse = torch.empty(slots, rows, dtype=torch.float32, device=dev)
         dummy = torch.zeros(2, dtype=torch.int32, device=dev)
-        _decode_op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
+        op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, splits,
                    max_pages_len)
     return (out, lse) if return_lse else out

@@ -30,8 +30,7 @@ def default_num_programs(device) -> int:
     return DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(device)
 
 
-@torch.library.custom_op("evenflow::decode_plan_update", mutates_args=("tiles", "req_end", "prog_start", "meta"))
-def _plan_update_op(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
+def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
                     max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool = True) -> None:
     B = seq_lens.shape[0]
@@ -41,6 +40,11 @@ def _plan_update_op(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.
         NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
         SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items, num_warps=4,
     )
+
+
+# custom op for torch.compile; eager calls launch directly (see attention/decode.py)
+_plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
+                                          mutates_args=("tiles", "req_end", "prog_start", "meta"))(_plan_update_launch)
 
 
 @_plan_update_op.register_fake
@@ -136,8 +140,9 @@ class DecodePlan:
             raise ValueError(f"seq_lens is on {seq_lens.device}, the plan on {self.prog_start.device}")
         B = seq_lens.shape[0]
         check_int("seq_lens.shape[0] (batch)", B, 1, self.max_batch)
-        _plan_update_op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
-                        self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items)
+        op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
+        op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
+           self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items)
         self.batch = B
         return self
 
