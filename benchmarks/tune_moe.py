@@ -15,12 +15,15 @@ Writes ``src/evenflow/moe/configs/<gpu>.json`` (or ``--table``); when ``$OUT`` i
 copy under ``$OUT/moe-configs/``. ``fused_moe`` reads the file as data (``tuned_config``) and
 falls back to ``choose_config`` for shapes and batches it does not hold.
 
-Budget: Triton compiles each distinct config once (~2-4 s for the gate-up + down pair); a
-timing is ~0.1-0.3 s. ``--budget-s`` bounds the whole run: each remaining (format, bucket) gets
-an equal share of the time left and stops timing candidates (most promising first, the default
-always) when its share is spent. The candidates come from the round-5 notes
-(docs/perf-notes/moe.md): at decode only the K splits, the N width and the pipeline depth vary
-(weight streaming); above 16 rows per expert the tile shape and warps vary.
+Budget: Triton compiles each distinct config once (~1-3 s for the gate-up + down pair; ~120
+distinct configs for Qwen3's three formats): ``--workers`` processes compile them all first into
+Triton's disk cache (~1 min on 8), then the timing pass (~0.1-0.5 s a candidate) runs in what is
+left of ``--budget-s`` (the whole run, compiles included): each remaining (format, bucket)
+gets an equal share of the time left and stops timing candidates (most promising first, the
+default always) when its share is spent.
+The candidates come from the round-5 notes (docs/perf-notes/moe.md): at decode only the K
+splits, the N width and the pipeline depth vary (weight streaming); above 16 rows per expert the
+tile shape and warps vary.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
             out.append((f"bm{bm}-gn{gn}-dn{dn}-w{nw}-st{st}",
                         r(d, block_m=bm, gu_block_n=gn, down_block_n=dn, num_warps=nw, num_stages=st,
                           gu_split_k=1, down_split_k=1)))
-        if mode == 0 and d.block_m <= 64:  # 128-deep bf16 K tiles at 128 rows exceed 227 KB of smem
+        if mode == 0 and d.block_m <= 32:  # 128-deep bf16 K tiles at >= 64x128 exceed 227 KB of smem (sm_90)
             out.append(("gk128", r(d, gu_block_k=128, down_block_k=128, num_stages=3)))
     seen, valid = set(), []
     for label, c in out:
@@ -87,11 +90,49 @@ def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
     return valid
 
 
+def _precompile_worker(jobs) -> int:
+    """Compile (fmt, hidden, inter, config) launches into Triton's on-disk cache: a small expert count and
+    batch, but the same constexprs and argument alignments as the tuner's real launches."""
+    import evenflow
+    from evenflow.moe.fused import MoEConfig
+    from evenflow.reference.moe import random_moe_weights, random_routing
+
+    done, ews = 0, {}
+    for fmt, h, i, cfg in jobs:
+        if (fmt, h, i) not in ews:
+            ews[(fmt, h, i)] = random_moe_weights(fmt, 8, h, i, "cuda")
+        x = torch.randn(16, h, device="cuda").bfloat16()
+        ids, tw = random_routing(16, 8, 8, "cuda")
+        try:
+            evenflow.fused_moe(x, ids, tw, ews[(fmt, h, i)], config=MoEConfig.from_list(cfg))
+            done += 1
+        except Exception:  # noqa: BLE001  (the timing pass reports it)
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(jobs, workers: int) -> None:
+    """Compile every candidate in parallel processes first, so the budget goes to timing."""
+    import concurrent.futures
+    import multiprocessing
+
+    if workers <= 1 or len(jobs) < 2:
+        return
+    chunks = [jobs[w::workers] for w in range(workers)]
+    t0 = time.time()
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
+        n = sum(ex.map(_precompile_worker, chunks))
+    print(f"precompiled {n}/{len(jobs)} candidates in {time.time() - t0:.0f}s on {workers} processes", flush=True)
+
+
 def _extra(p):
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget (seconds); (format, bucket) points share what is left")
     p.add_argument("--cases", default="qwen3-30b-a3b", help="comma-separated case names of benchmarks/moe.py")
     p.add_argument("--formats", default="bf16,fp8-tensor,fp8-block")
+    p.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 2) // 2),
+                   help="processes compiling the candidates before the timing pass (1: compile as timed)")
     p.add_argument("--table", default=None, help="output JSON (default src/evenflow/moe/configs/<gpu>.json)")
 
 
@@ -112,7 +153,18 @@ def main() -> int:
     table.update({"device": name, "torch": torch.__version__, "generated_by": "benchmarks/tune_moe.py",
                   "rule": "fastest config passing evenflow.testing.assert_within_rule; default wins ties"})
     configs, timings = table.setdefault("configs", {}), table.setdefault("timings", {})
-    points = [(c, f, t) for c in args.cases.split(",") for f in args.formats.split(",") for t in buckets]
+    points = [(c, f, t) for c in args.cases.split(",") for f in args.formats.split(",") for t in buckets
+              if f not in B.CASES[c].skip_variants]
+    jobs, seen = [], set()
+    for case_name, variant, t in points:
+        case = B.CASES[case_name]
+        fmt, mode = FORMATS[variant]
+        for _, cfg in candidates(case, mode, t):
+            job = (fmt, case.hidden, case.inter, cfg.as_list())
+            if str(job) not in seen:
+                seen.add(str(job))
+                jobs.append(job)
+    precompile(jobs, args.workers)  # counts against --budget-s too
     done = 0
     weights_cache: dict = {}
     for case_name, variant, t in points:
