@@ -381,7 +381,7 @@ def test_fp32_simt_reads_the_source_and_tracks_staleness(device):
     _check_fp32(evenflow.router_gemm(x, rw, config=SIMT[0]), x, w, "after refresh")
 
 
-def test_fp32_simt_config_validation():
+def test_fp32_simt_config_validation(device):
     with pytest.raises(ValueError, match="split_k"):
         GemmConfig(1, 1, 64, 2, 4, 1, "fp32-simt")
     with pytest.raises(ValueError, match="block_n"):
@@ -389,7 +389,7 @@ def test_fp32_simt_config_validation():
     with pytest.raises(ValueError, match="block_k"):
         GemmConfig(1, 1, 8, 1, 4, 1, "fp32-simt")
     with pytest.raises(ValueError, match="batch-invariant"):
-        x, w = _inputs(2, 8, 32, "cpu")
+        x, w = _inputs(2, 8, 32, device)
         evenflow.router_gemm(x, evenflow.RouterWeight(w), batch_invariant=True, config=SIMT[0])
 
 

@@ -57,7 +57,7 @@ def _num_stages(head_dim: int, kv_dtype: torch.dtype, block_n: int) -> int:
     # schedule, so 2 stages means one K/V buffer, refilled only after the tile has been
     # consumed (each tile's memory latency exposed), 3 stages double-buffers (one tile in
     # flight while one is computed) and 4 triple-buffers. Shared memory per program:
-    # buffers x 2 x 64 x D x bytes; 3 programs/SM must fit in 227 KB, so bf16 d128 takes 3
+    # buffers x 2 x 64 x D x bytes; up to 3 programs/SM must fit in 227 KB, so bf16 d128 takes 3
     # stages (2 buffers, 70 KB), fp8 d128 4 (3 buffers, 54 KB: half the bytes per tile,
     # so one more tile in flight for the same bytes), d256 and 128-token steps one less.
     # Measured: docs/perf-notes/decode.md, round E.

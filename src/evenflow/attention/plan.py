@@ -20,10 +20,11 @@ from evenflow.attention import kernels as K
 TILE = 64
 MAX_BATCH = 2048
 DEFAULT_MIN_TILES = 8  # 512 tokens: HPC-Ops' minimum work per program
-# Persistent programs per SM. Measured on H200 (round B sweep, benchmarks/sweep_decode.py,
-# see docs/perf-notes/decode.md): 3 programs/SM at 4 warps, 2 stages is the best for both
-# bf16 and fp8 KV on 1x128K+31x4K and 8x32K (bf16 0.96-0.99 of the copy floor).
-DEFAULT_PROGRAMS_PER_SM = 3
+# Persistent programs per SM. Measured on H200 (round E: the E1 sweep and the E2 benchmark's
+# evenflow-pps2 rows, docs/perf-notes/decode.md): with double-buffered K/V (3 stages) 2
+# programs/SM beat 3 on all 11 bf16 cases (by 0.01-0.16 of the floor) and on 6 of 11 fp8
+# cases; fewer, longer bins also mean fewer chunks to combine (the TP8 slice).
+DEFAULT_PROGRAMS_PER_SM = 2
 
 
 def default_num_programs(device) -> int:
@@ -61,7 +62,7 @@ class DecodePlan:
     and pass ``plan=`` to every layer's :func:`evenflow.decode_attention`.
 
     ``num_programs``: persistent programs of the attention kernel (default
-    ``3 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
+    ``2 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
     (default 8 = 512 tokens), so small batches are not over-split. The budget per program
     is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
     it is then rounded up to a multiple of the shortest non-empty item's tiles when that
