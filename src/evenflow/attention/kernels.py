@@ -357,22 +357,38 @@ def combine_kernel(
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
         b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for c0 in range(0, n_chunks, BLOCK_C):
+            # BLOCK_C chunks per step: one [BLOCK_C, BLOCK_M] load of their LSEs gives the
+            # step's max and every chunk's weights; the chunks' [BLOCK_M, BLOCK_D] outputs are
+            # then loaded (unrolled, no dependence between them, so all in flight) and summed
+            # in chunk order by each thread. Deterministic: the only cross-thread reductions
+            # are a max and the pick of one weight row (adding zeros), both exact. (A 3-D
+            # tile summed over its chunk axis let replicated threads round differently and
+            # race on the store: compute-sanitizer racecheck, round E.)
             c = c0 + o_c
-            m_c = c < n_chunks
             if IS_STATIC:
-                slot = first + c
+                slots = first + c
             else:
-                slot = tl.where(c == 0, first, 2 * (pid + c))
-            o_prow = slot.to(tl.int64)[:, None] * ROWS + o_m[None, :]
-            m_cm = m_c[:, None] & m_row[None, :]
-            b_lc = tl.load(p_plse + o_prow, mask=m_cm, other=float("-inf"))
-            b_oc = tl.load(p_po + o_prow[:, :, None] * D + o_d[None, None, :], mask=m_cm[:, :, None], other=0.0)
-            b_mnew = tl.maximum(b_m, tl.max(b_lc, axis=0))
+                slots = tl.where(c == 0, first, 2 * (pid + c))
+            b_lcs = tl.load(p_plse + slots.to(tl.int64)[:, None] * ROWS + o_m[None, :],
+                            mask=(c < n_chunks)[:, None] & m_row[None, :], other=float("-inf"))
+            b_mnew = tl.maximum(b_m, tl.max(b_lcs, axis=0))
             b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
             b_a = tl.exp2(b_m - b_msafe)
-            b_w = tl.exp2(b_lc - b_msafe[None, :])
-            b_acc = b_acc * b_a[:, None] + tl.sum(b_oc * b_w[:, :, None], axis=0)
-            b_l = b_l * b_a + tl.sum(b_w, axis=0)
+            b_ws = tl.exp2(b_lcs - b_msafe[None, :])
+            b_acc = b_acc * b_a[:, None]
+            b_l = b_l * b_a
+            for j in tl.static_range(BLOCK_C):
+                cj = c0 + j
+                if IS_STATIC:
+                    slot = first + cj
+                else:
+                    slot = tl.where(cj == 0, first, 2 * (pid + cj))
+                o_prow = slot.to(tl.int64) * ROWS + o_m
+                b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=(m_row & (cj < n_chunks))[:, None],
+                               other=0.0)
+                b_w = tl.sum(tl.where(o_c[:, None] == j, b_ws, 0.0), axis=0)
+                b_acc += b_oc * b_w[:, None]
+                b_l += b_w
             b_m = b_mnew
         m_live = b_l > 0.0
         b_o = tl.where(m_live[:, None], b_acc / tl.where(m_live, b_l, 1.0)[:, None], 0.0)
