@@ -324,6 +324,29 @@ def rule(out, ref, base, what: str, impl: str = "evenflow") -> tuple[str, float,
         return _err(e), float("nan"), bound
 
 
+def record_check(msg, err, bound, row, impl, collective, world, rank, res, checks, dev) -> bool:
+    """Agree on one check across ranks and record it on rank 0; True if it passed everywhere.
+
+    ``msg`` is this rank's failure ("" if none). With ``collective`` every rank holds a
+    share of the output, so the worst error and the tightest bound over ranks are kept.
+    """
+    bad = agree(not msg, msg, dev) if collective else (msg or None)
+    if collective:
+        errs = [None] * world
+        dist.all_gather_object(errs, (err, bound))
+    else:
+        errs = [(err, bound)]
+    if bad is not None:
+        if rank == 0:
+            res.add_error(error=bad, **row)
+            checks.add(row, impl, bad)
+        return False
+    err, bound = max(e for e, _ in errs), min(b for _, b in errs)
+    if rank == 0:
+        checks.add(row, impl, "", err, bound)
+    return True
+
+
 def run_moe(args, shapes, res, checks, ceil, busbw, dev, rank, world, timing: bool) -> None:
     from evenflow.bench import harness as H
     from evenflow.reference.moe import moe_reference
@@ -431,21 +454,7 @@ def time_moe_row(args, res, checks, row, binder, inputs, ref, base, fl, dev, ran
         msg, err, bound = rule(y, ref, base, f"{row['case']} {row['impl']} batch {batch} rank {rank}", row["impl"])
     except Exception as e:
         msg = _err(e)
-    bad = ag(not msg, msg)
-    if split:
-        errs = [None] * world
-        dist.all_gather_object(errs, (err, bound))
-    else:
-        errs = [(err, bound)]
-    if bad is not None:
-        if rank == 0:
-            res.add_error(error=bad, **row)
-            checks.add(row, row["impl"], bad)
-        return
-    err, bound = max(e for e, _ in errs), min(b for _, b in errs)
-    if rank == 0:
-        checks.add(row, row["impl"], "", err, bound)
-    if not timing:
+    if not record_check(msg, err, bound, row, row["impl"], split, world, rank, res, checks, dev) or not timing:
         return
     msg = ""
     try:
@@ -609,21 +618,7 @@ def run_attention_row(args, res, checks, row, qkv, table, lens, scales, ref, bas
             msg = f"unavailable: {e}"
         except Exception as e:
             msg = _err(e)
-        bad = ag(not msg, msg)
-        if collective:
-            errs = [None] * world
-            dist.all_gather_object(errs, (err, bound))
-        else:
-            errs = [(err, bound)]
-        if bad is not None:
-            if rank == 0:
-                res.add_error(error=bad, **row_i)
-                checks.add(row_i, impl, bad)
-            continue
-        err, bound = max(e for e, _ in errs), min(b for _, b in errs)
-        if rank == 0:
-            checks.add(row_i, impl, "", err, bound)
-        if not timing:
+        if not record_check(msg, err, bound, row_i, impl, collective, world, rank, res, checks, dev) or not timing:
             continue
         try:
             timed, msg = time_layer(fns, dev, collective=collective), ""
@@ -720,6 +715,18 @@ def validate_args(args) -> None:
         raise SystemExit(f"--budget-s must be positive, got {args.budget_s}")
 
 
+def finish_and_exit(state: dict, code: int) -> None:
+    """Write what rank 0 has (``state["finish"]``, if set) and leave at once, never waiting on peers."""
+    try:
+        if state.get("finish"):
+            state["finish"]()
+    except Exception:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def start_watchdog(limit_s: float, state: dict) -> None:
     """Exit the process after ``limit_s`` whatever it is doing (a hung compile or collective):
     rank 0 first writes the results it has. torchrun then ends the other ranks."""
@@ -727,13 +734,7 @@ def start_watchdog(limit_s: float, state: dict) -> None:
 
     def fire():
         print(f"[multigpu] rank {state['rank']}: hard limit {limit_s:.0f}s reached, exiting", flush=True)
-        try:
-            if state.get("finish"):
-                state["finish"]()
-        except Exception:
-            traceback.print_exc()
-        sys.stdout.flush()
-        os._exit(3)
+        finish_and_exit(state, 3)
 
     t = threading.Timer(limit_s, fire)
     t.daemon = True
@@ -831,14 +832,7 @@ def main(argv=None) -> int:
         traceback.print_exc()
         if rank == 0:
             print(timed_checks.table() + "\n" + checks.table(), flush=True)
-            try:
-                if state.get("finish"):
-                    state["finish"]()
-            except Exception:
-                traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        finish_and_exit(state if rank == 0 else {}, 1)
     dist.destroy_process_group()
     return status
 
