@@ -6,7 +6,7 @@
 #   NAME: ceilings decode router moe ... (tests: every test in tests/test_<name>*.py, the small
 #   interpreter-sized ones too, so the GPU compiler sees them; --gpu-marked-only: just -m gpu)
 #
-# Carried wheels: every folder .whl* in the repo root is installed to /tmp/site
+# Carried wheels: every folder .whl* in the repo root is installed to a temporary folder
 # (--no-deps, no registry needed) and put on PYTHONPATH.
 # Everything is written under a scratch folder and packed into $OUT/bundle.tgz at the
 # end (one file comes back, however many results and logs were written).
@@ -33,9 +33,10 @@ for a in "$@"; do
 done
 shopt -s nullglob
 whls=(.whl*/*.whl)
+SITE=$(mktemp -d)
 if [ ${#whls[@]} -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${whls[@]}" \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/site" || echo "[device] wheel install failed"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${whls[@]}" \
+    && export PYTHONPATH="$PYTHONPATH:$SITE" || echo "[device] wheel install failed"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(0))'

@@ -4,7 +4,7 @@
   anything), so kernels run in the CPU interpreter.
 * ``device`` fixture: "cuda" when present, else "cpu".
 * ``@pytest.mark.gpu``: needs a real GPU (real shapes, CUDA graphs, timings of
-  nothing); skipped without CUDA, run on the device machine.
+  nothing); skipped without CUDA, run on a GPU machine.
 * Tests seed torch per test so each is reproducible on its own.
 """
 import os

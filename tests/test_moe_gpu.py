@@ -1,6 +1,6 @@
 """fused_moe at real model shapes on a GPU: accuracy, index build, CUDA graphs, torch.compile, opcheck.
 
-Run on the device machine: python -m pytest -q -m gpu tests/test_moe_gpu.py
+Run on a GPU machine: python -m pytest -q -m gpu tests/test_moe_gpu.py
 Tolerance: the rule of evenflow.testing, as in tests/test_moe.py (same oracle, same baselines).
 """
 import functools

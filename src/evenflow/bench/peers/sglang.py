@@ -2,7 +2,7 @@
 
 Why an adapter: SGLang's fused-MoE module expects to live inside a running
 server. Three things stand between it and a plain call (found on the device
-machine, see BENCH.md "Putting SGLang's Triton fused MoE on the device machine"):
+machine; BENCH.md has a section on running SGLang's Triton fused MoE on a GPU machine):
 
 1. It imports two helpers from ``sgl_kernel`` (a large CUDA wheel we do not carry):
    ``moe_sum_reduce`` and ``moe_align_block_size``. When ``sgl_kernel`` is absent we
