@@ -376,7 +376,10 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
                              f"found {topk_ids[bad][:4].tolist()}")
     if config is not None:
         check_config(config, h, ew.intermediate_size, ew.mode)
-    _fused_moe_op(x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale,
-                  ew.a2_scale, ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out,
-                  None if config is None else config.as_list())
+    args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
+            ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
+    if torch.compiler.is_compiling():
+        _fused_moe_op(*args, None if config is None else config.as_list())
+    else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
+        _launch(*args, config)
     return out
