@@ -70,3 +70,23 @@ def test_decode_kernels_compile_for_sm90():
             launches += rec
     failures = CC.compile_launches(launches)
     assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice"])
+def test_default_programs_are_resident_on_sm90(name):
+    """The persistent grid is sized as DEFAULT_PROGRAMS_PER_SM programs per SM, and the plan
+    assumes they all run at once: registers, shared memory (plus the 1 KB the hardware
+    reserves per block) and spills of the default build must allow that on an H100/H200 SM
+    (64 K registers, 228 KB shared memory). Round E1 measured what breaking it costs: fp8 at
+    224 registers fitted 2 programs where 3 were planned."""
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM as PPS
+
+    with CC.emulate_gpu(), CC.record_launches() as rec:
+        _call(**SCENARIOS[name])
+    stats = CC.compile_stats([la for la in rec if la.name == "decode_kernel"])
+    assert stats and all("error" not in s for s in stats), stats
+    for s in stats:
+        threads = 32 * s["num_warps"]
+        assert s["regs"] * threads * PPS <= 65536, s
+        assert (s["shared"] + 1024) * PPS <= 233472, s
+        assert s["spill_bytes"] <= 32, s

@@ -37,7 +37,7 @@ import torch
 
 from evenflow import _runtime
 
-__all__ = ["Launch", "record_launches", "emulate_gpu", "compile_launches"]
+__all__ = ["Launch", "record_launches", "emulate_gpu", "compile_launches", "compile_stats"]
 
 _TORCH_TO_TRITON = {
     torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
@@ -179,8 +179,7 @@ def _to_json(launches) -> list[dict]:
     return out
 
 
-def compile_launches(launches, arch: int = 90, timeout: float = 1800.0) -> list[str]:
-    """Compile each distinct launch for ``sm_<arch>`` in a fresh process; return failure messages."""
+def _run_worker(launches, arch: int, timeout: float, stats: bool):
     todo = _to_json(launches)
     if not todo:
         return []
@@ -188,17 +187,53 @@ def compile_launches(launches, arch: int = 90, timeout: float = 1800.0) -> list[
         json.dump(todo, f)
         path = f.name
     env = {**os.environ, "TRITON_INTERPRET": "0"}
+    cmd = [sys.executable, "-m", "evenflow._compile_check", path, str(arch)] + (["--stats"] if stats else [])
     try:
-        r = subprocess.run([sys.executable, "-m", "evenflow._compile_check", path, str(arch)], env=env,
-                           capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     finally:
         os.unlink(path)
     if r.returncode != 0:
-        return [f"compile worker crashed (rc {r.returncode}):\n{r.stderr[-4000:]}"]
+        raise RuntimeError(f"compile worker crashed (rc {r.returncode}):\n{r.stderr[-4000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _compile_main(path: str, arch: int) -> None:
+def compile_launches(launches, arch: int = 90, timeout: float = 1800.0) -> list[str]:
+    """Compile each distinct launch for ``sm_<arch>`` in a fresh process; return failure messages."""
+    try:
+        return _run_worker(launches, arch, timeout, stats=False)
+    except RuntimeError as e:
+        return [str(e)]
+
+
+def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dict]:
+    """Compile each distinct launch and report what residency depends on.
+
+    One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
+    ``spill_bytes`` (stores), ``shared`` (bytes per program) and ``num_warps``; or
+    ``error`` when the launch does not compile.
+    """
+    return _run_worker(launches, arch, timeout, stats=True)
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) that the bundled ptxas reports for ``ptx``."""
+    import re
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", src, "-o", os.path.join(d, "k.o")],
+                           capture_output=True, text=True)
+    regs = re.findall(r"Used (\d+) registers", r.stderr)
+    spill = re.findall(r"(\d+) bytes spill stores", r.stderr)
+    return (int(regs[-1]) if regs else -1), (int(spill[-1]) if spill else 0)
+
+
+def _compile_main(path: str, arch: int, stats: bool = False) -> None:
     import importlib
     import importlib.util
 
@@ -225,16 +260,22 @@ def _compile_main(path: str, arch: int) -> None:
                      if n in item.get("aligned", ()) and n not in plain}
             src = ASTSource(fn=fn, signature=item["signature"], constexprs=item["constexprs"], attrs=attrs)
             compiled = triton.compile(src, target=target, options=item["options"])
+            if stats:
+                regs, spill = _ptxas_usage(compiled.asm["ptx"], arch)
+                failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
+                                 "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps})
+                continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "
                                 f"sm_{arch} gives a block at most {SHARED_LIMIT.get(arch, SHARED_LIMIT[90])} B")
         except Exception as e:  # report every failure, not just the first
             msg = str(e).strip().splitlines()
-            failures.append(f"{item['describe']}: {type(e).__name__}: " + "\n".join(msg[-12:]))
+            text = f"{item['describe']}: {type(e).__name__}: " + "\n".join(msg[-12:])
+            failures.append({"describe": item["describe"], "error": text} if stats else text)
     print(json.dumps(failures))
 
 
 if __name__ == "__main__":
     if _runtime.interpreting():
         raise SystemExit("run with TRITON_INTERPRET=0")
-    _compile_main(sys.argv[1], int(sys.argv[2]))
+    _compile_main(sys.argv[1], int(sys.argv[2]), stats="--stats" in sys.argv[3:])
