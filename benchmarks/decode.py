@@ -46,9 +46,9 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # evenflow-n128: the dynamic plan with two 64-token tiles per loop iteration (block_n=128)
 # at 2 programs/SM (its sm_90 build needs ~250 registers/thread); a candidate for fp8 KV
 # measured beside the default (docs/perf-notes/decode.md).
-# evenflow-pps2: the default plan at 2 persistent programs/SM (longer bins, fewer chunks;
-# the round E1 sweep had it ahead on the TP8 slice), measured beside the default.
-EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps2"]
+# evenflow-pps3: the plan at 3 persistent programs/SM (the default until round E2, whose
+# evenflow-pps2 rows made 2 the default), measured beside the default.
+EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3"]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # Issue 3's named mixed cases where bf16 must beat the best FlashInfer by >= 2.5x.
 BF16_2P5X_CASES = {"1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K", "2x32K+30x4K"}
@@ -212,7 +212,7 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 # ----------------------------------------------------------------------------- impls
 
 def _evenflow_fns(impl: str, inp: Inputs):
-    """(fns, extra) for ``evenflow`` / ``-n128`` / ``-pps2`` (dynamic plan) or ``evenflow-static``."""
+    """(fns, extra) for ``evenflow`` / ``-n128`` / ``-pps3`` (dynamic plan) or ``evenflow-static``."""
     try:
         import evenflow
         decode_attention = evenflow.decode_attention
@@ -229,8 +229,8 @@ def _evenflow_fns(impl: str, inp: Inputs):
         sms = torch.cuda.get_device_properties(inp.seq_lens.device).multi_processor_count
         if impl == "evenflow-n128":
             knobs = dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2)
-        elif impl == "evenflow-pps2":
-            knobs = dict(num_programs=2 * sms)
+        elif impl == "evenflow-pps3":
+            knobs = dict(num_programs=3 * sms)
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)
