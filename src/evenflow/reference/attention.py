@@ -47,6 +47,16 @@ def dequant(x: torch.Tensor, scale) -> torch.Tensor:
     return x.double().cpu() * s
 
 
+def _dims(q, k_cache, seq_lens, q_len):
+    """(B, q_len, Hq, D, page size, Hkv, group) of a decode call (q_len inferred when None)."""
+    B = seq_lens.shape[0]
+    if q_len is None:
+        q_len = q.shape[0] // B
+    _, Hq, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    return B, q_len, Hq, D, P, Hkv, Hq // Hkv
+
+
 def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None, k_scale=None, v_scale=None,
                          sm_scale=None, q_len=None, dtype=torch.float64, p_dtype=None, out_dtype=None):
     """Decode attention, one request at a time, gathering pages through the page table.
@@ -58,12 +68,7 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
     Returns (out [B*q_len, Hq, D], lse [B*q_len, Hq]) with natural-log LSE, -inf and zero
     output for rows that see no token.
     """
-    B = seq_lens.shape[0]
-    if q_len is None:
-        q_len = q.shape[0] // B
-    _, Hq, D = q.shape
-    P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
+    B, q_len, Hq, D, P, Hkv, G = _dims(q, k_cache, seq_lens, q_len)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     qd = q.double().cpu()
@@ -167,12 +172,7 @@ def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_sc
                                  out_dtype=None):
     """Same math as :func:`decode_attention_ref`, looping over requests only and staying on
     the inputs' device (for real shapes on a GPU). Tests check it against the simple one."""
-    B = seq_lens.shape[0]
-    if q_len is None:
-        q_len = q.shape[0] // B
-    _, Hq, D = q.shape
-    P, Hkv = k_cache.shape[1], k_cache.shape[2]
-    G = Hq // Hkv
+    B, q_len, Hq, D, P, Hkv, G = _dims(q, k_cache, seq_lens, q_len)
     dev = q.device
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
