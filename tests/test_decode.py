@@ -81,10 +81,10 @@ def test_bf16_d128_p64_skewed(device):
 
 @pytest.mark.parametrize("group,q_len", [(8, 1), (16, 4)], ids=["g8", "g16-q4"])
 def test_item_spread_over_many_bins(group, q_len, device):
-    # One kv head, one or two tiles per bin: the long item is cut into
-    # ~20 chunks, more than the combine merges per step (8 at 16 rows, 2 at 64), with the
-    # head dim split over combine programs (TP8-slice-like: one kv head, a long request).
-    run(device, [64 * 40 + 17, 100, 0], hkv=1, group=group, d=128, q_len=q_len, num_programs=24)
+    # One kv head, one tile per bin: the long item is cut into 62 chunks, more than the
+    # combine merges per step (32 at 16 rows, 8 at 64), with the head dim split over
+    # combine programs (TP8-slice-like: one kv head, a long request).
+    run(device, [64 * 60 + 17, 100, 0], hkv=1, group=group, d=128, q_len=q_len, num_programs=70)
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["plan", "static"])

@@ -209,8 +209,9 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
     """Compile each distinct launch and report what residency depends on.
 
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
-    ``spill_bytes`` (stores), ``shared`` (bytes per program) and ``num_warps``; or
-    ``error`` when the launch does not compile.
+    ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps`` and ``loops``
+    (SASS instruction counts per loop trip, :func:`sass_loops`); or ``error`` when the
+    launch does not compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
 
@@ -231,6 +232,38 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     regs = re.findall(r"Used (\d+) registers", r.stderr)
     spill = re.findall(r"(\d+) bytes spill stores", r.stderr)
     return (int(regs[-1]) if regs else -1), (int(spill[-1]) if spill else 0)
+
+
+def sass_loops(cubin: bytes) -> list[dict]:
+    """The loops of a cubin's SASS: one dict per backward branch, largest first.
+
+    ``instructions``: SASS instructions from the branch target to the branch (one trip of the
+    loop body, the branch included); ``ops``: how many of them each opcode is (``LDS.U8``,
+    ``HMMA.16816.F32``, ...). This is what an issue-bound loop's speed depends on.
+    """
+    import collections
+    import re
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.cubin")
+        with open(src, "wb") as f:
+            f.write(cubin)
+        text = subprocess.run([tool, "-sass", src], capture_output=True, text=True, check=True).stdout
+    insts = []  # (address, opcode, branch target or None)
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if m:
+            tgt = re.search(r"0x([0-9a-f]+)", m.group(3)) if m.group(2).startswith("BRA") else None
+            insts.append((int(m.group(1), 16), m.group(2), int(tgt.group(1), 16) if tgt else None))
+    loops = []
+    for addr, _, tgt in insts:
+        if tgt is not None and tgt < addr:
+            body = [op for a, op, _ in insts if tgt <= a <= addr]
+            loops.append({"instructions": len(body), "ops": dict(collections.Counter(body).most_common())})
+    return sorted(loops, key=lambda x: -x["instructions"])
 
 
 def _compile_main(path: str, arch: int, stats: bool = False) -> None:
@@ -263,7 +296,8 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
             if stats:
                 regs, spill = _ptxas_usage(compiled.asm["ptx"], arch)
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
-                                 "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps})
+                                 "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
+                                 "loops": sass_loops(compiled.asm["cubin"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

@@ -308,6 +308,17 @@ def decode_kernel(
             go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
 
 
+@triton.jit
+def _combine_slot(first, pid, c, IS_STATIC: tl.constexpr):
+    # Partial slot of chunk c of the item being combined. Static: the item's SPLITS
+    # consecutive slots. Plan: the item's first chunk is in its starting bin's tail slot
+    # (2 * pid + 1), its later chunks at the head slot of each following bin.
+    if IS_STATIC:
+        return first + c
+    else:
+        return tl.where(c == 0, first, 2 * (pid + c))
+
+
 @triton.jit(do_not_specialize=["B", "splits"])
 def combine_kernel(
     p_tiles, p_req_end, p_prog_start, p_meta, p_po, p_plse, p_out, p_lse,
@@ -349,44 +360,39 @@ def combine_kernel(
     if todo:
         b = item // HKV
         h = item % HKV
-        o_c = tl.arange(0, BLOCK_C)
         o_m = tl.arange(0, BLOCK_M)
         o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         m_row = o_m < ROWS
+        # Purely elementwise: each thread merges its own outputs in chunk order, and the row
+        # statistics are [BLOCK_M] vectors read by small loads (fewer values than threads,
+        # so the compiler gives them the accumulator's row layout instead of converting
+        # through shared memory). No cross-thread reduction, so deterministic and racecheck
+        # clean. (The previous combine picked each chunk's weight row out of a
+        # [BLOCK_C, BLOCK_M] tile with a cross-warp sum: a shared-memory round trip and a
+        # barrier per chunk, ~130 of them per item on the TP8 slice.)
         b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
         b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for c0 in range(0, n_chunks, BLOCK_C):
-            # BLOCK_C chunks per step: one [BLOCK_C, BLOCK_M] load of their LSEs gives the
-            # step's max and every chunk's weights; the chunks' [BLOCK_M, BLOCK_D] outputs are
-            # then loaded (unrolled, no dependence between them, so all in flight) and summed
-            # in chunk order by each thread. Deterministic: the only cross-thread reductions
-            # are a max and the pick of one weight row (adding zeros), both exact. (A 3-D
-            # tile summed over its chunk axis let replicated threads round differently and
-            # race on the store: compute-sanitizer racecheck, round E.)
-            c = c0 + o_c
-            if IS_STATIC:
-                slots = first + c
-            else:
-                slots = tl.where(c == 0, first, 2 * (pid + c))
-            b_lcs = tl.load(p_plse + slots.to(tl.int64)[:, None] * ROWS + o_m[None, :],
-                            mask=(c < n_chunks)[:, None] & m_row[None, :], other=float("-inf"))
-            b_mnew = tl.maximum(b_m, tl.max(b_lcs, axis=0))
+            # BLOCK_C chunks per step, unrolled with no dependence between their loads, so
+            # they are all in flight together: one pass for the step's max, one that adds
+            # each chunk's output under its weight.
+            b_mnew = b_m
+            for j in tl.static_range(BLOCK_C):
+                slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
+                b_lj = tl.load(p_plse + slot.to(tl.int64) * ROWS + o_m, mask=m_row & (c0 + j < n_chunks),
+                               other=float("-inf"))
+                b_mnew = tl.maximum(b_mnew, b_lj)
             b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
             b_a = tl.exp2(b_m - b_msafe)
-            b_ws = tl.exp2(b_lcs - b_msafe[None, :])
             b_acc = b_acc * b_a[:, None]
             b_l = b_l * b_a
             for j in tl.static_range(BLOCK_C):
-                cj = c0 + j
-                if IS_STATIC:
-                    slot = first + cj
-                else:
-                    slot = tl.where(cj == 0, first, 2 * (pid + cj))
+                slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
+                live = m_row & (c0 + j < n_chunks)
                 o_prow = slot.to(tl.int64) * ROWS + o_m
-                b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=(m_row & (cj < n_chunks))[:, None],
-                               other=0.0)
-                b_w = tl.sum(tl.where(o_c[:, None] == j, b_ws, 0.0), axis=0)
+                b_w = tl.exp2(tl.load(p_plse + o_prow, mask=live, other=float("-inf")) - b_msafe)
+                b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=live[:, None], other=0.0)
                 b_acc += b_oc * b_w[:, None]
                 b_l += b_w
             b_m = b_mnew
