@@ -45,3 +45,23 @@ def to_fp8e4(x, FP8_ROUND: tl.constexpr):
     if FP8_ROUND:
         x = round_to_fp8e4_grid(x)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def e4m3_to_f16_in_registers(x, INTERPRET: tl.constexpr):
+    """e4m3 ``x`` -> f16, converted where ``x`` lives (exact: every e4m3 value is an f16).
+
+    A plain ``x.to(tl.float16)`` feeding ``tl.dot`` lets the compiler keep the tile in
+    shared memory as bytes and convert after loading it in the MMA operand layout; for an
+    operand read transposed (V in P @ V) sm_90 has no 8-bit ldmatrix, so that load is one
+    byte-wide LDS per value. Converting here (inline PTX, 4 values per call, opaque to the
+    compiler) makes the tile f16 first, so the operand load is an ldmatrix transpose of
+    16-bit values. The interpreter runs no PTX: there it is the plain cast.
+    """
+    if INTERPRET:
+        return x.to(tl.float16)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)

@@ -35,7 +35,7 @@ ranges of its item; partial slot = program; combine program = item.
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import dot_operand
+from evenflow._kernels.common import dot_operand, e4m3_to_f16_in_registers
 
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).
@@ -204,7 +204,8 @@ def _attend_chunk(
         b_p = tl.exp2(b_s - b_msafe[:, None])
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
         if KV_FP8:
-            b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_v.to(tl.float16), DOT_F32))
+            b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
+            b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
         else:
             b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
         b_acc = b_acc * b_alpha[:, None] + b_pv
