@@ -48,7 +48,9 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # measured beside the default (docs/perf-notes/decode.md).
 # evenflow-pps3: the plan at 3 persistent programs/SM (the default until round E2, whose
 # evenflow-pps2 rows made 2 the default), measured beside the default.
-EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3"]
+# evenflow-nopdl: the default without programmatic dependent launch (round F), so the
+# launch gap it hides between the attention and combine kernels is measured.
+EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl"]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # Issue 3's named mixed cases where bf16 must beat the best FlashInfer by >= 2.5x.
 BF16_2P5X_CASES = {"1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K", "2x32K+30x4K"}
@@ -212,7 +214,7 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 # ----------------------------------------------------------------------------- impls
 
 def _evenflow_fns(impl: str, inp: Inputs):
-    """(fns, extra) for ``evenflow`` / ``-n128`` / ``-pps3`` (dynamic plan) or ``evenflow-static``."""
+    """(fns, extra) for ``evenflow`` / ``-n128`` / ``-pps3`` / ``-nopdl`` (dynamic plan) or ``evenflow-static``."""
     try:
         import evenflow
         decode_attention = evenflow.decode_attention
@@ -231,6 +233,8 @@ def _evenflow_fns(impl: str, inp: Inputs):
             knobs = dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2)
         elif impl == "evenflow-pps3":
             knobs = dict(num_programs=3 * sms)
+        elif impl == "evenflow-nopdl":  # the launch gap between the two kernels, measured
+            knobs = dict(pdl=False)
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)

@@ -218,6 +218,8 @@ def test_bad_arguments(device):
         da(q, k, v, pt, sl, plan=plan, out=torch.empty(2, 4, 32, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="unit stride"):
         da(q, k.transpose(2, 3), v.transpose(2, 3), pt, sl, plan=plan)
+    with pytest.raises(TypeError, match="pdl"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, pdl=1)
 
 
 def test_opcheck(device):

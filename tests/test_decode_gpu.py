@@ -146,3 +146,37 @@ def test_torch_compile_fullgraph():
 
     o = f(q, k, v, pt, sl)
     check(o, None, q, qs, k, v, pt, sl, what="compiled")
+
+
+def test_pdl_matches_plain_launches_in_a_graph():
+    """Programmatic dependent launch (the default on sm_90) changes when the attention and
+    combine kernels start, not what they compute: inside one captured graph, where the
+    kernel right before them rewrites q and the plan is rebuilt for new lengths, PDL and
+    plain launches give bitwise-equal outputs on every replay, and both follow the
+    reference. One kv head and a long request: many chunks per item in the combine."""
+    lens0 = [32 * K] + [K] * 15
+    q, qs, k, v, pt, sl = inputs(lens0, hkv=1, hq=8, spare_pages=64)
+    plans = {p: evenflow.DecodePlan(16, 40 * K, 1, device="cuda", pdl=p) for p in (True, False)}
+    outs = {p: torch.empty(q.shape, dtype=torch.bfloat16, device="cuda") for p in plans}
+    s_sl, q_src, q_live = sl.clone(), q.clone(), torch.empty_like(q)
+
+    def step():
+        for p, plan in plans.items():
+            q_live.copy_(q_src)  # the kernel just before the attention writes its input
+            plan.update(s_sl)
+            evenflow.decode_attention(q_live, k, v, pt, s_sl, plan=plan, out=outs[p])
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for trial, lens in enumerate([lens0, [32 * K + 50] + [300] * 15, [0] * 15 + [20 * K]]):
+        s_sl.copy_(torch.tensor(lens, dtype=torch.int32, device="cuda"))
+        q_src.copy_(torch.randn(q.shape, device="cuda").to(q.dtype))
+        for o in outs.values():
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(outs[True], outs[False]), f"replay {trial}: PDL and plain launches differ"
+        check(outs[True], None, q_src, qs, k, v, pt, s_sl, what=f"PDL graph replay {trial}")

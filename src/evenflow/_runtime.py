@@ -72,3 +72,18 @@ def fp8_cast_needs_rounding() -> bool:
     exact. False on a GPU, where the hardware cast rounds correctly.
     """
     return interpreting() and not emulating_gpu()
+
+
+def pdl_supported(device=None) -> bool:
+    """Whether kernels may use programmatic dependent launch (sm_90 and later, compiled code).
+
+    With it, a kernel launched right after another starts its prologue while the first one
+    finishes, and waits (``griddepcontrol.wait``) before touching memory; this hides the
+    launch gap between two kernels of one operator. The interpreter runs no PTX.
+    """
+    if emulating_gpu():
+        return True
+    if interpreting() or not torch.cuda.is_available():
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    return torch.cuda.get_device_capability(dev) >= (9, 0)

@@ -106,9 +106,9 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
-               block_n: int = 0, max_regs: int = 0) -> None:
+               block_n: int = 0, max_regs: int = 0, pdl: bool = False) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
-    # them); max_regs: register cap per thread, 0 = none
+    # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -136,9 +136,10 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        KV_FP8=k_cache.dtype == FP8,
+        KV_FP8=k_cache.dtype == FP8, PDL=pdl,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
         num_warps=num_warps or 4, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
+        **({"launch_pdl": True} if pdl else {}),
     )
     if is_static and splits == 1:
         return
@@ -147,7 +148,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     K.combine_kernel[cgrid](
         tiles, req_end, prog_start, meta, part_o, part_lse, out, lse_t,
         B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-        NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=4, **common,
+        NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, PDL=pdl, num_warps=4, **common,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -160,7 +162,7 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0):
+      block_n=0, max_regs=0, pdl=False):
     return None
 
 
@@ -272,7 +274,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
-                   plan.block_n or 0, _plan_max_regs(plan, rows, D, dev))
+                   plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
+                   _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1
@@ -281,7 +284,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         dummy = torch.zeros(2, dtype=torch.int32, device=dev)
         op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
                    part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, splits,
-                   max_pages_len)
+                   max_pages_len, pdl=_runtime.pdl_supported(dev))
     return (out, lse) if return_lse else out
 
 

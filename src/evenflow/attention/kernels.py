@@ -34,6 +34,7 @@ ranges of its item; partial slot = program; combine program = item.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from evenflow._kernels.common import dot_operand, e4m3_to_f16_in_registers
 
@@ -238,7 +239,7 @@ def decode_kernel(
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -247,6 +248,12 @@ def decode_kernel(
     outside the plan is touched.
     """
     pid = tl.program_id(0)
+    if PDL:
+        # Programmatic dependent launch: wait for the kernels before this one (the plan
+        # update, the engine's KV write) before any load, then let the combine kernel be
+        # launched now; it waits in turn for this grid to finish (its own gdc_wait).
+        gdc_wait()
+        gdc_launch_dependents()
     qk_scale = qk_scale_f
     if HAS_K_SCALE_PTR:
         qk_scale = qk_scale * tl.load(p_ks)
@@ -326,7 +333,7 @@ def combine_kernel(
     B, splits, stride_ot, stride_oh, stride_lt,
     NP: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_LSE: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merge the partial chunks of split items under one softmax normalisation.
 
@@ -340,6 +347,8 @@ def combine_kernel(
     ROWS: tl.constexpr = GROUP * Q_LEN
     pid = tl.program_id(0)
     pid_d = tl.program_id(1)
+    if PDL:
+        gdc_wait()  # launched while the attention kernel runs: wait for its partials
     n_items = B * HKV
     if IS_STATIC:
         item = pid

@@ -72,7 +72,10 @@ class DecodePlan:
     ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
     (per-thread register cap, 0 = none): launch config of the attention kernel (default:
     the launcher's choice, which caps registers so ``num_programs / SMs`` programs fit on
-    each SM); these exist so one GPU run can sweep them.
+    each SM); these exist so one GPU run can sweep them. ``pdl``: launch the attention
+    and combine kernels with programmatic dependent launch (each starts while the kernel
+    before it drains, then waits for it before reading memory); default: on where the GPU
+    supports it (sm_90+), ``False`` to compare.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -87,7 +90,8 @@ class DecodePlan:
     def __init__(self, max_batch: int, max_seq_len: int, num_kv_heads: int, page_size: int = 64,
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 block_n: int | None = None, max_registers: int | None = None, align_items: bool = True):
+                 block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
+                 pdl: bool | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -126,6 +130,9 @@ class DecodePlan:
         if not isinstance(align_items, bool):
             raise TypeError(f"align_items must be a bool, got {align_items!r}")
         self.align_items = align_items
+        if pdl is not None and not isinstance(pdl, bool):
+            raise TypeError(f"pdl must be a bool or None, got {pdl!r}")
+        self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
