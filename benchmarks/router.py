@@ -24,6 +24,7 @@ import evenflow
 from evenflow.bench import harness as H
 from evenflow.bench.peers import cublas
 from evenflow.reference import router as R
+from evenflow.router.dispatch import heuristic_splitk_config
 from tune_router import simt_candidates  # benchmarks/ is the script's directory
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
@@ -32,8 +33,11 @@ MS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
 # evenflow: default RouterWeight (three terms, exact fp32 weights); evenflow-2term: terms=2;
 # evenflow-fp32simt (M <= 64): the CUDA-core path on the fp32 weight, forced (the table's
-# config when the table picked it, else the tuner's first candidate).
-IMPLS = ("evenflow", "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt", *cublas.PEERS)
+# config when the table picked it, else the tuner's first candidate); evenflow-fp32splitk
+# (M <= 16): the single-launch split-K CUDA-core path, forced the same way (table's config,
+# else the untuned heuristic's).
+IMPLS = ("evenflow", "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt", "evenflow-fp32splitk",
+         *cublas.PEERS)
 TOP_K = 8
 ROTATE_BYTES = 150 << 20  # > 2x L2
 
@@ -70,7 +74,7 @@ def main() -> int:
             floor = H.floor_us(bytes_moved=call_bytes, ceilings=ceil) + ceil["launch_us"]
             for impl in IMPLS:
                 try:
-                    if impl == "evenflow-fp32simt" and m > 64:
+                    if (impl == "evenflow-fp32simt" and m > 64) or (impl == "evenflow-fp32splitk" and m > 16):
                         continue
                     if impl.startswith("evenflow"):
                         inv = impl == "evenflow-invariant"
@@ -82,6 +86,9 @@ def main() -> int:
                         cfg = rws[0].config(m, inv)
                         if impl == "evenflow-fp32simt" and cfg.path != "fp32-simt":
                             cfg = simt_candidates(m)[0]
+                        if impl == "evenflow-fp32splitk" and cfg.path != "fp32-splitk":
+                            cfg = heuristic_splitk_config(m, n, k, torch.cuda.get_device_properties(0)
+                                                          .multi_processor_count)
                         fns = [lambda x=x, rw=rw, o=o, c=cfg: evenflow.router_gemm(x, rw, o, batch_invariant=inv,
                                                                                      config=c)
                                for x, rw, o in zip(xs, rws, outs)]

@@ -1,15 +1,19 @@
 """Measure router GEMM configs on this GPU and write the dispatch table (data, not code).
 
     python benchmarks/tune_router.py [--quick] [--budget-s 200] [--cases K4096-N192,...] [--terms 3] [--table PATH]
+                                     [--buckets 1,4,16]
     python benchmarks/tune_router.py --compile-only      # no GPU: compile every candidate for sm_90
 
 For every standard (K, N) and each M bucket (upper bounds 1, 4, 16, 64, 128, 256, 512,
 1024, 2048, 4096, 8192; M above the last uses the last), times each candidate at M = the bucket's upper
 bound as a CUDA-graph replay with rotated weight copies, after checking it against the
-fp64 product; our CUDA-core ``fp32-simt`` kernel (M <= 64) and the plain paths
-(``torch-fp32``, ``torch-split2``) compete too and win a
-bucket only where they are measured faster and pass the tests' tolerance rule. Batch-invariant mode gets one config per
-(K, N): the lowest geometric-mean time over M in (1, 256, 8192). Entries are per term
+fp64 product; our CUDA-core kernels (``fp32-splitk`` at M <= 16, timed first there;
+``fp32-simt`` at M <= 64) and the plain paths (``torch-fp32``, ``torch-split2``) compete
+too and win a bucket only where they are measured faster and pass the tests' tolerance rule.
+``--buckets`` re-tunes only the listed M buckets and keeps the table's other entries
+(and its batch-invariant entries unless every M of the invariant score is tuned).
+Batch-invariant mode gets one config per (K, N): the lowest geometric-mean time over M in
+(1, 256, 8192). Entries are per term
 count (``--terms``, default 3 = RouterWeight's default). Writes
 ``src/evenflow/router/configs/<gpu>.json`` (or ``--table``) and, when ``$OUT`` is set,
 a copy under ``$OUT/router-configs/``.
@@ -19,7 +23,8 @@ only split/no-split is compiled; ~1 s of JIT each) and ~400 timings (~0.1 s each
 graph capture included): ~100 s for the four shapes. ``--budget-s`` bounds the run: each
 remaining bucket gets an equal share of the time left (compiling its candidates first
 does not count against the share) and stops timing candidates (best-first order, at
-least one, the plain paths always) when its share is spent. Every candidate's
+least one; the table's current pick for the bucket, fp32-simt and the plain paths always)
+when its share is spent. Every candidate's
 ``num_stages`` is capped by shared memory (``GemmConfig.fit_smem``) before it is timed.
 The space is pruned by reasoning (docs/perf-notes/router.md): small M is bound by reading W and by latency, so
 only split-K and the K step vary there; large M is tensor-core bound, so only the tile
@@ -94,7 +99,7 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
         if key not in seen:
             seen.add(key)
             kept.append(c)
-    out = kept + simt_candidates(m)
+    out = splitk_candidates(m, n, k, sms, terms) + kept + simt_candidates(m)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out
@@ -118,6 +123,43 @@ def simt_candidates(m: int) -> list[GemmConfig]:
     return [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bn, bk, warps in shapes]
 
 
+def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[GemmConfig]:
+    """fp32-splitk configs for M <= 16, the heuristic's first: register blocks of 32-128 fp32
+    accumulators a thread, each at about 1.5 and 3 programs per SM (K blocks grouped into
+    whole-step slices), pipelines 3 deep (<= 2 steps, all loads issued up front) or 5.
+    Same effective K slice and tile = same launch: kept once."""
+    if m > 16:
+        return []
+    from evenflow.router.dispatch import heuristic_splitk_config
+    from evenflow.router.gemm import launch_shape
+
+    bm = min(16, 1 << max(0, m - 1).bit_length())
+    # (BLOCK_N, BLOCK_K, warps): 32-128 accumulators a thread; more of them raise the FFMA share
+    # of the K loop (sm_90 SASS: 30% at 32, 48% at 64, 64% at 128), which counts from M = 16.
+    if bm <= 2:
+        shapes = ((4, 256, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4), (16, 128, 4))
+    elif bm <= 4:
+        shapes = ((8, 128, 4), (16, 128, 4), (4, 256, 4), (16, 64, 4), (8, 256, 4))
+    else:
+        shapes = ((16, 64, 4), (8, 128, 4), (16, 128, 8), (8, 64, 4), (4, 128, 4))
+    out = [heuristic_splitk_config(m, n, k, sms)]
+    for bn, bk, warps in shapes:
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        k_blocks = math.ceil(k / bk)
+        for per_sm in (1.5, 3.0):
+            steps = max(1, int(tiles * k_blocks // (per_sm * sms)))
+            split = min(256, math.ceil(k_blocks / steps))
+            out.append(GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
+    seen, kept = set(), []
+    for c in (c.fit_smem(terms) for c in out):
+        key = (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
+               launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0])
+        if key not in seen:
+            seen.add(key)
+            kept.append(c)
+    return kept
+
+
 def invariant_candidates(n: int, k: int) -> list[GemmConfig]:
     out = []
     for bm, bn in ((64, 64), (32, 64)):
@@ -137,7 +179,7 @@ def compile_only() -> int:
 
     from evenflow.router import dispatch
     from evenflow.router.gemm import launch_shape
-    from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_kernel
+    from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_fp32_splitk_kernel, router_gemm_kernel
 
     sig = {"p_x": "*bf16", "p_whi": "*bf16", "p_wlo": "*bf16", "p_wlo2": "*bf16", "p_out": "*fp32",
            "p_part": "*fp32", "p_count": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
@@ -152,7 +194,7 @@ def compile_only() -> int:
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in
              ("p_x", "p_whi", "p_wlo", "p_wlo2", "p_out", "p_part", "p_count", "N", "K", "stride_xm",
               "stride_wn", "stride_om")}
-    combos, simt = set(), set()
+    combos, simt, splitk = set(), set(), set()
     for k, n in CASES.values():
         for kk in (k, k + 4):  # K tail too (EVEN_K=False)
             for m in sorted(set(BUCKETS) | {2, 4, 8, 32, 128, 512, 2048}):
@@ -162,6 +204,10 @@ def compile_only() -> int:
                              dispatch.heuristic_invariant_config(n, kk)]
                     simt |= {(c.block_m, c.block_n, c.block_k, kk % c.block_k == 0, c.num_warps, c.num_stages)
                              for c in cfgs if c.path == "fp32-simt"}
+                    splitk |= {(c.block_m, c.block_n, c.block_k,
+                                launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)[1] > 1,
+                                kk % c.block_k == 0, c.num_warps, c.num_stages)
+                               for c in cfgs if c.path == "fp32-splitk"}
                     for c in cfgs:
                         if c.path != "triton":
                             continue
@@ -195,8 +241,25 @@ def compile_only() -> int:
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         if ck.metadata.shared > dispatch.SMEM_LIMIT:
             raise SystemExit(f"fp32-simt {ce}: {ck.metadata.shared} B of shared memory")
-    print(f"all {len(combos)} split + {len(simt)} fp32-simt variants compiled for sm_90; largest shared "
-          f"memory {worst} B", flush=True)
+    sigk = {"p_x": "*bf16", "p_w": "*fp32", "p_out": "*fp32", "p_part": "*fp32", "p_count": "*i32", "M": "i32",
+            "N": "i32", "K": "i32", "K_SPLIT": "i32", "NUM_SPLITS": "i32", "stride_xm": "i32", "stride_wn": "i32",
+            "stride_om": "i32"}
+    names = list(sigk)
+    attrsk = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+              if a not in ("M", "K_SPLIT", "NUM_SPLITS")}
+    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "RED_CHUNK", "NUM_STAGES"):
+        sigk[c] = "constexpr"
+    for bm, bn, bk, split, even, warps, stages in sorted(splitk):
+        cfg = GemmConfig(bm, bn, bk, 2, warps, stages, "fp32-splitk")
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, RED_CHUNK=cfg.red_chunk(),
+                  NUM_STAGES=stages)
+        ck = triton.compile(ASTSource(fn=router_gemm_fp32_splitk_kernel, signature=sigk, constexprs=ce,
+                                      attrs=attrsk),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+        if ck.metadata.shared > dispatch.SMEM_LIMIT:
+            raise SystemExit(f"fp32-splitk {ce}: {ck.metadata.shared} B of shared memory")
+    print(f"all {len(combos)} split + {len(simt)} fp32-simt + {len(splitk)} fp32-splitk variants compiled for "
+          f"sm_90; largest shared memory {worst} B", flush=True)
     return 0
 
 
@@ -222,13 +285,30 @@ def _time(cfg, xs, rws, outs, ref, bound, inv=False) -> float | None:
         return None
 
 
+def kept_entries(table: dict, redo: set, buckets: tuple | None, tune_invariant: bool) -> tuple[list, list]:
+    """(entries, batch-invariant entries) of ``table`` that a run re-tuning the (K, N, terms) in
+    ``redo`` keeps: other shapes and term counts, and with ``buckets`` (``--buckets``) the
+    other M buckets of the re-tuned shapes; invariant entries unless ``tune_invariant``."""
+    def key(e):
+        return e["K"], e["N"], e.get("terms", 3)
+
+    entries = [e for e in table.get("entries", [])
+               if key(e) not in redo or (buckets is not None and e["m_max"] not in buckets)]
+    invariant = [e for e in table.get("batch_invariant", []) if key(e) not in redo or not tune_invariant]
+    return entries, invariant
+
+
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated case names")
     p.add_argument("--terms", type=int, default=3, choices=(2, 3), help="RouterWeight terms to tune for")
     p.add_argument("--compile-only", action="store_true", help="no GPU: compile every candidate for sm_90")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget of the timing run (seconds); buckets share what is left")
-    p.add_argument("--table", default=None, help="output JSON (default src/evenflow/router/configs/<gpu>.json)")
+    p.add_argument("--table", default=None, help="table JSON, read first when it exists and rewritten "
+                   "(default src/evenflow/router/configs/<gpu>.json)")
+    p.add_argument("--buckets", default=None,
+                   help=f"comma-separated M buckets to re-tune (of {','.join(map(str, BUCKETS))}); the table's "
+                        "other entries are kept")
 
 
 def main() -> int:
@@ -238,14 +318,20 @@ def main() -> int:
     terms = args.terms
     cases = args.cases.split(",") if args.cases else tuple(CASES)
     buckets = QUICK_BUCKETS if args.quick else BUCKETS
+    if args.buckets:
+        buckets = tuple(sorted({int(v) for v in args.buckets.split(",")}))
+        bad = [b for b in buckets if b not in BUCKETS]
+        if bad:
+            raise SystemExit(f"--buckets: {bad} are not M buckets (choose from {BUCKETS})")
+    # The batch-invariant score is a geomean over INVARIANT_MS: re-scored only when all are timed.
+    tune_invariant = not args.buckets or all(m in buckets for m in INVARIANT_MS)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     name = torch.cuda.get_device_name(0)
     table_path = Path(args.table) if args.table else (
         Path(evenflow.router.__file__).parent / "configs" / f"{H.gpu_slug(name)}.json")
     table = json.loads(table_path.read_text()) if table_path.is_file() else {}
     redo = {(*CASES[c], terms) for c in cases}
-    entries = [e for e in table.get("entries", []) if (e["K"], e["N"], e.get("terms", 3)) not in redo]
-    invariant = [e for e in table.get("batch_invariant", []) if (e["K"], e["N"], e.get("terms", 3)) not in redo]
+    entries, invariant = kept_entries(table, redo, buckets if args.buckets else None, tune_invariant)
     summary = []
     t0 = time.time()
     torch.manual_seed(0)
@@ -265,10 +351,17 @@ def main() -> int:
             bound = error_bound(ref, R.split_logits_fp32(xs[0], *rws[0].parts), torch.float32)
             best = None
             cands = candidates(m, n, k, sms, terms=terms)
+            # The table's current pick for this bucket is always re-timed (first), so a short
+            # budget can only replace it by something measured faster in this run.
+            old = [GemmConfig.from_dict(e["config"]).fit_smem(terms) for e in table.get("entries", [])
+                   if (e["K"], e["N"], e.get("terms", 3), e["m_max"]) == (k, n, terms, m)]
+            incumbent = old[0] if old else None
+            if incumbent is not None:
+                cands = [incumbent] + [c for c in cands if c != incumbent]
             # JIT first (once per compiled variant, cached after), so a bucket's share of the
             # budget is spent on timings, not on compiling the candidates that come last.
             for cfg in cands:
-                if cfg.path in ("triton", "fp32-simt"):
+                if cfg.path in ("triton", "fp32-simt", "fp32-splitk"):
                     try:
                         evenflow.router_gemm(xs[0], rws[0], outs[0], config=cfg)
                     except Exception:  # reported by _time below
@@ -279,20 +372,25 @@ def main() -> int:
             for cfg in cands:
                 # Over this bucket's share: no more kernel configs (best-first order, so the
                 # likely winners were timed); the plain paths (last) are always timed.
-                if cfg.path == "triton" and best is not None and time.time() - t_bucket > share:
+                if (cfg.path in ("triton", "fp32-splitk") and cfg != incumbent and best is not None
+                        and time.time() - t_bucket > share):
                     skipped += 1
                     continue
                 us = _time(cfg, xs, rws, outs, ref, bound)
                 if us is not None and (best is None or us < best[1]):
                     best = (cfg, us)
-            for cfg in inv_times if m in INVARIANT_MS else ():
+            for cfg in inv_times if tune_invariant and m in INVARIANT_MS else ():
                 us = _time(cfg, xs, rws, outs, ref, bound, inv=True)
                 inv_times[cfg].append(us if us is not None else float("inf"))
             if skipped:
                 print(f"  {case} M={m}: budget share {share:.0f}s spent, {skipped}/{len(cands)} candidates "
                       "not timed", flush=True)
             if best is None:
-                print(f"  no working config for {case} M={m}", flush=True)
+                old = [e for e in table.get("entries", []) if (e["K"], e["N"], e.get("terms", 3), e["m_max"])
+                       == (k, n, terms, m)]
+                entries += old  # keep the previous measurement rather than leave a hole
+                print(f"  no working config for {case} M={m}" + (" (previous entry kept)" if old else ""),
+                      flush=True)
                 continue
             entries.append({"K": k, "N": n, "terms": terms, "m_max": m, "us": round(best[1], 3),
                             "config": best[0].to_dict()})
@@ -305,6 +403,8 @@ def main() -> int:
         if scored:
             g, cfg = min(scored, key=lambda s: s[0])
             invariant.append({"K": k, "N": n, "terms": terms, "geomean_us": round(g, 3), "config": cfg.to_dict()})
+    entries.sort(key=lambda e: (list(CASES.values()).index((e["K"], e["N"])) if (e["K"], e["N"]) in CASES.values()
+                                else len(CASES), e["K"], e["N"], e.get("terms", 3), e["m_max"]))
     table = {"gpu": name, "sms": sms, "header": H.header(), "entries": entries, "batch_invariant": invariant}
     text = json.dumps(table, indent=1) + "\n"
     table_path.parent.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,14 @@ names it, e.g. ``h200``) and is written by ``benchmarks/tune_router.py`` on that
 An entry covers the M values above the previous entry's ``m_max`` (for the same K, N)
 up to its own; M beyond the last entry uses the last one. ``path`` is ``triton`` (our
 split-weight kernel), ``fp32-simt`` (our CUDA-core kernel on the original fp32 weight, for
-small M), ``torch-fp32`` (cuBLAS FP32 on the source weight) or ``torch-split2`` (two or
-three torch bf16 products of the split, one per term) — the last two are "plain paths" kept for shapes
-where the tuner measured them faster. Batch-invariant mode uses one config per (K, N)
-for every M and never a plain path (cuBLAS picks its own kernels by M).
+small M, one program per column tile streams all of K), ``fp32-splitk`` (the same math with K
+split over the GPU and the partials summed in split order inside the same launch; the
+untuned default for M <= 16), ``torch-fp32`` (cuBLAS FP32 on the source weight) or
+``torch-split2`` (two or three torch bf16 products of the split, one per term) — the last
+two are "plain paths" kept for shapes where the tuner measured them faster.
+Batch-invariant mode uses one config per (K, N) for every M and never a plain path
+(cuBLAS picks its own kernels by M); ``triton`` and ``fp32-splitk`` qualify (with a fixed
+config, a row's arithmetic depends neither on M nor on the other rows).
 """
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ import torch
 
 from evenflow._runtime import interpreting, num_sms
 
-PATHS = ("triton", "fp32-simt", "torch-fp32", "torch-split2")
+PATHS = ("triton", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
+# Paths whose one fixed config gives bitwise batch-invariant rows (see the module docstring).
+INVARIANT_PATHS = ("triton", "fp32-splitk")
 # Shared memory one block may use on sm_90 (H100/H200: 227 KB opt-in). The kernels are
 # tuned and compile-checked for sm_90; other GPUs with less are capped by their own value
 # (``smem_limit``).
@@ -62,6 +68,26 @@ class GemmConfig:
             if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
                 raise ValueError(f"bad num_warps/num_stages for fp32-simt: {self.num_warps}/{self.num_stages}")
             return
+        if self.path == "fp32-splitk":
+            # CUDA-core kernel on the fp32 weight, split-K reduced in the same launch. The
+            # register block BLOCK_M x BLOCK_N x BLOCK_K holds one fp32 accumulator per
+            # element: more than 128 of them per thread would spill.
+            for name, lo in (("block_m", 1), ("block_n", 1), ("block_k", 16)):
+                v = getattr(self, name)
+                if v < lo or v & (v - 1):
+                    raise ValueError(f"config.{name} must be a power of two >= {lo} for fp32-splitk, got {v}")
+            if self.split_k < 1 or self.split_k > 256:
+                raise ValueError(f"config.split_k must be in [1, 256], got {self.split_k}")
+            if self.num_warps not in (1, 2, 4, 8, 16):
+                raise ValueError(f"config.num_warps must be a power of two <= 16, got {self.num_warps}")
+            if self.num_stages < 1:
+                raise ValueError(f"config.num_stages must be >= 1, got {self.num_stages}")
+            per_thread = self.block_m * self.block_n * self.block_k // (32 * self.num_warps)
+            if per_thread > 128:
+                raise ValueError(
+                    f"fp32-splitk register block {self.block_m}x{self.block_n}x{self.block_k} at "
+                    f"{self.num_warps} warps is {per_thread} fp32 accumulators a thread (at most 128)")
+            return
         if self.path != "triton":
             return
         for name in ("block_m", "block_n", "block_k"):
@@ -76,7 +102,10 @@ class GemmConfig:
             raise ValueError(f"config.num_stages must be >= 1, got {self.num_stages}")
 
     def stage_bytes(self, terms: int) -> int:
-        """Shared memory of one pipeline stage: the x tile and ``terms`` weight tiles, bf16."""
+        """Shared memory of one pipeline stage: the x tile and ``terms`` weight tiles, bf16
+        (fp32-splitk: the x tile, bf16, and one fp32 weight tile)."""
+        if self.path == "fp32-splitk":
+            return self.block_m * self.block_k * 2 + self.block_n * self.block_k * 4
         return (self.block_m * self.block_k + terms * self.block_n * self.block_k) * 2
 
     def smem_bytes(self, terms: int, num_stages: int | None = None) -> int:
@@ -94,9 +123,9 @@ class GemmConfig:
         """This config with ``num_stages`` lowered until its shared memory fits ``limit`` bytes.
 
         Raises ValueError when even one stage does not fit (the tile itself is too big).
-        Plain paths are returned unchanged.
+        Plain paths and fp32-simt are returned unchanged.
         """
-        if self.path != "triton":
+        if self.path not in ("triton", "fp32-splitk"):
             return self
         if self.smem_bytes(terms, 1) > limit:
             raise ValueError(
@@ -109,7 +138,22 @@ class GemmConfig:
         """Split-K partials the last program loads per round trip: 8 for small tiles, fewer for
         large ones (each partial in flight holds BLOCK_M x BLOCK_N fp32 in registers; <= 64
         registers per thread at 4 warps)."""
+        if self.path == "fp32-splitk":
+            return splitk_red_chunk(self.block_m, self.block_n, self.num_warps)
         return max(1, min(8, 8192 // (self.block_m * self.block_n)))
+
+    def workspace_sizes(self, m: int, n: int, k: int) -> tuple[int, int]:
+        """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K."""
+        if self.path not in ("triton", "fp32-splitk"):
+            return 0, 0
+        k_split = _cdiv(_cdiv(k, self.split_k), self.block_k) * self.block_k
+        split = _cdiv(k, k_split)
+        if split <= 1:
+            return 0, 0
+        tiles = _cdiv(m, self.block_m) * _cdiv(n, self.block_n)
+        if self.path == "fp32-splitk":  # tile-major, padded to whole tiles
+            return tiles * split * self.block_m * self.block_n, tiles
+        return split * m * n, tiles
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +161,15 @@ class GemmConfig:
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
         return cls(**{k: d[k] for k in d if k in cls.__dataclass_fields__})
+
+
+def splitk_red_chunk(block_m: int, block_n: int, num_warps: int) -> int:
+    """fp32-splitk partials loaded per round trip by the last program: its tiles are small
+    (BLOCK_M x BLOCK_N <= 2x the thread count: 1-2 registers a partial), so up to 32, and one
+    L2 round trip covers the usual 5-32 splits; at most 64 registers a thread in flight (the
+    K loop's accumulators are dead by then)."""
+    regs = max(1, block_m * block_n // (32 * num_warps))
+    return max(1, min(32, 64 // regs))
 
 
 @lru_cache(maxsize=16)
@@ -136,6 +189,10 @@ def _cdiv(a: int, b: int) -> int:
 def heuristic_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConfig:
     """Untuned default: small M splits K until every SM reads a slice of W.
 
+    M <= 16: ``fp32-splitk`` (``heuristic_splitk_config``): 4 bytes a weight instead of the
+    three-term split's 6, at full fp32 fidelity; tensor cores buy nothing at these M.
+    M = 17-64 and beyond: the split-weight tensor-core kernel, as follows.
+
     Small M is bound by reading W (2-3 bf16 parts of N*K); only ~cdiv(N, BLOCK_N)
     output tiles exist, so K is split until there are about two programs per SM,
     each keeping at least two BLOCK_K steps. Larger M tiles 64 x 64 (128 x 64 from
@@ -144,6 +201,8 @@ def heuristic_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConf
     against 23.0 us for 128x64x64/split-22 at M=512 (K=4096, N=192).
     """
     sms = num_sms() if sms is None else sms
+    if m <= 16:
+        return heuristic_splitk_config(m, n, k, sms)
     if m <= 64:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
         bn, bk, warps, stages = 32, 128, 4, 4
@@ -158,6 +217,36 @@ def heuristic_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConf
     if tiles < sms:
         split = max(1, min(_cdiv(2 * sms, tiles), k_blocks // min_steps, 64))
     return GemmConfig(bm, bn, bk, split, warps, stages)
+
+
+def heuristic_splitk_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConfig:
+    """Untuned fp32-splitk config: about 1.5-3 programs per SM, each reading whole K steps.
+
+    Register block BLOCK_M x BLOCK_N x BLOCK_K at 4 warps: 32 fp32 accumulators a thread at
+    M <= 2, 64 at M <= 4, 128 from M = 8. Every thread holds all BLOCK_M rows of its k-lanes,
+    so each x value it reads from shared memory (and widens) feeds BLOCK_N/(warps along N)
+    FMAs: the sm_90 SASS of the K loop is 30% FFMA at 32 accumulators, 48% at 64 and 64% at
+    128 (166 registers, no spill), which matters from M = 16 (CUDA-core time ~ the byte time
+    at LongCat-Chat). BLOCK_N <= 16; every column tile reads all of x (M x K bf16, from L2),
+    i.e. M / (2 BLOCK_N) of the weight's bytes. BLOCK_N halves until (column tiles x K blocks)
+    reaches 1.5 programs per SM, then K blocks are grouped so the programs number about
+    1.5-3 per SM (with <= 2 steps each, all loads are issued in the pipeline prologue).
+    Small M is bound by reading W and by the latency chain (docs/perf-notes/router.md, round F).
+    """
+    sms = num_sms() if sms is None else sms
+    bm = min(16, 1 << max(0, m - 1).bit_length())
+    bk = 256 if bm <= 2 else (128 if bm <= 4 else 64)
+    acc = 32 if bm <= 2 else (64 if bm <= 4 else 128)
+    warps = 4
+    bn = max(1, min(16, acc * 32 * warps // (bm * bk)))
+    m_tiles, k_blocks = _cdiv(max(m, 1), bm), _cdiv(k, bk)
+    want = max(1, (3 * sms) // 2)
+    while bn > 1 and m_tiles * _cdiv(n, bn) * k_blocks < want:
+        bn //= 2
+    tiles = m_tiles * _cdiv(n, bn)
+    steps = max(1, (tiles * k_blocks) // want)
+    split = max(1, min(_cdiv(k_blocks, steps), 256))
+    return GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk")
 
 
 def heuristic_invariant_config(n: int, k: int) -> GemmConfig:
@@ -216,8 +305,8 @@ def choose_config(m: int, n: int, k: int, device: torch.device, batch_invariant:
         rows = [e for e in table.get("batch_invariant", [])
                 if e["K"] == k and e["N"] == n and e.get("terms", 3) == terms]
         cfg = GemmConfig.from_dict(rows[0]["config"]) if rows else heuristic_invariant_config(n, k)
-        if cfg.path != "triton":
-            raise ValueError("batch-invariant table entries must use the triton path")
+        if cfg.path not in INVARIANT_PATHS:
+            raise ValueError(f"batch-invariant table entries must use a path in {INVARIANT_PATHS}, got {cfg.path!r}")
         return cfg
     cfg = _lookup(table.get("entries", []), m, n, k, terms)
     return cfg if cfg is not None else heuristic_config(m, n, k, sms)

@@ -32,8 +32,15 @@ import triton
 
 from evenflow import _runtime
 from evenflow._checks import check_int, check_out, check_tensor
-from evenflow.router.dispatch import GemmConfig, choose_config, device_facts, smem_limit
-from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_kernel
+from evenflow.router.dispatch import (
+    INVARIANT_PATHS,
+    GemmConfig,
+    choose_config,
+    device_facts,
+    smem_limit,
+    splitk_red_chunk,
+)
+from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_fp32_splitk_kernel, router_gemm_kernel
 
 __all__ = ["RouterWeight", "router_gemm", "split_weight"]
 
@@ -122,9 +129,11 @@ class RouterWeight:
     def reserve(self, max_tokens: int) -> None:
         """Allocate workspace for up to ``max_tokens`` rows (all configs the dispatch may pick)."""
         check_int("max_tokens", max_tokens, 1)
-        cfgs = {self.config(m, inv) for inv in (False, True) for m in range(1, max_tokens + 1)}
-        for c in cfgs:
-            self.workspace(max_tokens, c)
+        # Each config is sized for the largest M that dispatches to it (a small-M split-K
+        # config sized at max_tokens rows would hold ~100 MB of partials for nothing).
+        largest = {self.config(m, inv): m for inv in (False, True) for m in range(1, max_tokens + 1)}
+        for c, m in largest.items():
+            self.workspace(m, c)
         self.logits_buffer(max_tokens)
 
     def config(self, m: int, batch_invariant: bool = False) -> GemmConfig:
@@ -139,10 +148,14 @@ class RouterWeight:
         return cfg
 
     def workspace(self, m: int, cfg: GemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """(partials, counters) big enough for ``m`` rows under ``cfg``; grown, never shrunk."""
-        n, _ = self.shape
-        need_part = cfg.split_k * m * n if cfg.split_k > 1 else 0
-        need_count = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) if cfg.split_k > 1 else 0
+        """(partials, counters) big enough for ``m`` rows under ``cfg``; grown, never shrunk.
+
+        One pair serves every split-K path and every M: a launch writes the partials it
+        reads back and leaves the counters it used at zero. (Growing replaces the tensors:
+        a CUDA graph captured before would keep the old addresses; ``reserve`` first.)
+        """
+        n, k = self.shape
+        need_part, need_count = cfg.workspace_sizes(m, n, k)
         if self._part.numel() < need_part:
             self._part = torch.empty(need_part, dtype=torch.float32, device=self.device)
         if self._count.numel() < need_count:
@@ -195,6 +208,28 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
     )
 
 
+def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, part: torch.Tensor,
+                        count: torch.Tensor, block_m: int, block_n: int, block_k: int, split_k: int,
+                        num_warps: int, num_stages: int) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    if m == 0:
+        return
+    k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
+    if split > 1 and (part.numel() < grid[0] * split * block_m * block_n or count.numel() < grid[0]):
+        # never index past the workspace (a caller passing its own, e.g. through the custom op)
+        raise ValueError(f"split-K workspace too small: {part.numel()} partials / {count.numel()} counters for "
+                         f"{grid[0] * split * block_m * block_n} / {grid[0]} (size it with RouterWeight.workspace)")
+    router_gemm_fp32_splitk_kernel[grid](
+        x, w, out, part, count,
+        m, n, k, k_split, split,
+        x.stride(0), w.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1, EVEN_K=(k % block_k == 0),
+        RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
 def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int,
                  block_k: int, num_warps: int, num_stages: int) -> None:
     m, k = x.shape
@@ -215,6 +250,8 @@ _router_gemm_op = torch.library.custom_op("evenflow::router_gemm_split", _launch
                                           mutates_args=("out", "part", "count"))
 _router_gemm_fp32_op = torch.library.custom_op("evenflow::router_gemm_fp32", _launch_fp32,
                                                mutates_args=("out",))
+_router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp32_splitk", _launch_fp32_splitk,
+                                                      mutates_args=("out", "part", "count"))
 
 
 @_router_gemm_op.register_fake
@@ -225,6 +262,11 @@ def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block
 
 @_router_gemm_fp32_op.register_fake
 def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages):
+    return None
+
+
+@_router_gemm_fp32_splitk_op.register_fake
+def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages):
     return None
 
 
@@ -244,7 +286,8 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     """fp32 ``x @ w^T`` from bf16 ``x [M, K]`` and a split fp32 weight ``w [N, K]``: fp32 ``[M, N]``.
 
     ``batch_invariant``: row i is bitwise the same whatever M is and whatever the other
-    rows hold (one fixed config, fixed K split, no float atomics).
+    rows hold (one fixed config, fixed K split, no float atomics; paths ``triton`` and
+    ``fp32-splitk``).
     ``config``: force a launch configuration (tests, tuning); otherwise the dispatch table.
     """
     if not isinstance(w, RouterWeight):
@@ -262,8 +305,9 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if config is None:
         config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
     else:
-        if batch_invariant and config.path != "triton":
-            raise ValueError("config.path must be 'triton' in batch-invariant mode")
+        if batch_invariant and config.path not in INVARIANT_PATHS:
+            raise ValueError(f"config.path must be one of {INVARIANT_PATHS} in batch-invariant mode, "
+                             f"got {config.path!r}")
         # Forced configs: num_stages capped so the pipeline fits in shared memory (a
         # deeper one fails to launch on the GPU; the interpreter would not notice).
         config = config.fit_smem(w.terms, w._smem)
@@ -271,6 +315,12 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if config.path == "fp32-simt":
         (_launch_fp32 if eager else _router_gemm_fp32_op)(
             x, w.source, out, config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
+        return out
+    if config.path == "fp32-splitk":
+        part, count = w.workspace(m, config)
+        (_launch_fp32_splitk if eager else _router_gemm_fp32_splitk_op)(
+            x, w.source, out, part, count, config.block_m, config.block_n, config.block_k, config.split_k,
+            config.num_warps, config.num_stages)
         return out
     if config.path == "torch-fp32":
         torch.mm(x.float(), w.source.t(), out=out)

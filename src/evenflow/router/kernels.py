@@ -15,6 +15,8 @@ Split-K without float atomics: every program of a tile writes its partial to
 sums the NUM_SPLITS partials *in split order* (so the result never depends on which
 program finished first), writes ``out`` and puts the counter back to zero, so the
 workspace is ready for the next call or CUDA-graph replay without a memset.
+``router_gemm_fp32_splitk_kernel`` does the same for small M on CUDA cores from the
+fp32 weight itself (4 bytes a weight, no split of w; docs/perf-notes/router.md, round F).
 """
 import triton
 import triton.language as tl
@@ -164,6 +166,88 @@ def router_gemm_fp32_kernel(
         b_w = b_wn
     m_out = m_m[:, None] & m_n[None, :]
     tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :], acc, mask=m_out)
+
+
+@triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
+def router_gemm_fp32_splitk_kernel(
+    p_x, p_w, p_out, p_part, p_count,
+    M, N, K, K_SPLIT, NUM_SPLITS,
+    stride_xm, stride_wn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, RED_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight, K split over the GPU, one launch.
+
+    Grid: (row tiles x column tiles, NUM_SPLITS). Program (i_mn, i_s) owns the output tile
+    i_mn (BLOCK_M rows of x, BLOCK_N rows of w) and the K slice [i_s K_SPLIT, (i_s+1) K_SPLIT).
+
+        part   [tiles, NUM_SPLITS, BLOCK_M, BLOCK_N] fp32   tile-major, padded: no masks
+        count  [tiles]                              int32  arrivals; zero between calls
+
+    Per slice: every (m, n, k-lane) of a BLOCK_M x BLOCK_N x BLOCK_K register block keeps
+    its own fp32 FMA chain over the slice's K steps (bf16 x widened exactly, the fp32
+    weight as stored: one rounding per step), then one fixed tree sum over the k-lanes.
+    The loads are software-pipelined (``tl.range(num_stages=...)``: cp.async into shared
+    memory; a plain ``range`` is not pipelined for loads that feed no dot).
+    With HAS_SPLIT, the slice's partial goes to ``part``; the tile's counter is bumped
+    (acq_rel, after a CTA barrier so every thread's partial store is ordered before the
+    release); the program that arrives last sums the NUM_SPLITS partials in split order
+    (the result never depends on arrival order), stores the tile and puts the counter
+    back to 0, so the next call or CUDA-graph replay starts clean without a memset.
+    """
+    i_mn = tl.program_id(0)
+    i_s = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    i_m = i_mn // num_n
+    i_n = i_mn % num_n
+
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    m_m = o_m < M
+    m_n = o_n < N
+    # K_SPLIT is a multiple of BLOCK_K (launch_shape); the hint keeps `p + k` provably
+    # 16-byte aligned, which cp.async needs (same finding as the tensor-core kernel).
+    k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+
+    p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
+    p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            m_xk = m_m[:, None]
+            m_wk = m_n[:, None]
+        else:
+            m_k = (k + o_k) < k_end
+            m_xk = m_m[:, None] & m_k[None, :]
+            m_wk = m_n[:, None] & m_k[None, :]
+        b_x = tl.load(p_xb + k, mask=m_xk, other=0.0).to(tl.float32)
+        b_w = tl.load(p_wb + k, mask=m_wk, other=0.0)
+        acc = tl.fma(b_x[:, None, :], b_w[None, :, :], acc)
+    b_out = tl.sum(acc, axis=2)                                          # [BLOCK_M, BLOCK_N]
+
+    m_out = m_m[:, None] & m_n[None, :]
+    p_outb = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    if not HAS_SPLIT:
+        tl.store(p_outb, b_out, mask=m_out)
+    else:
+        TILE: tl.constexpr = BLOCK_M * BLOCK_N
+        o_loc = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        p_tile = p_part + i_mn.to(tl.int64) * NUM_SPLITS * TILE + o_loc
+        tl.store(p_tile + i_s * TILE, b_out)  # padded rows/columns hold 0 (masked loads)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(p_count + i_mn, 1, sem="acq_rel")
+        if arrived == NUM_SPLITS - 1:
+            # Split order, RED_CHUNK independent loads per L2 round trip (statically
+            # unrolled, issued together); masked-off splits add +0.0.
+            b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s0 in range(0, NUM_SPLITS, RED_CHUNK):
+                for j in tl.static_range(RED_CHUNK):
+                    b_sum += tl.load(p_tile + (s0 + j) * TILE, mask=s0 + j < NUM_SPLITS, other=0.0,
+                                     cache_modifier=".cg")
+            tl.store(p_outb, b_sum, mask=m_out)
+            tl.store(p_count + i_mn, 0)
 
 
 @triton.jit
