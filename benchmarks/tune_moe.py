@@ -1,29 +1,41 @@
 """Measure fused_moe tile configs on this GPU and write the per-shape config table (data, not code).
 
-    python benchmarks/tune_moe.py [--quick] [--budget-s 200] [--cases qwen3-30b-a3b,hy3-ep8]
-                                  [--formats bf16,fp8-tensor,fp8-block] [--table PATH]
+    python benchmarks/tune_moe.py [--budget-s 200] [--cases qwen3-30b-a3b,hy3-tp8,hy3-ep8]
+                                  [--formats bf16,fp8-tensor,fp8-block] [--buckets 1,8,32,...] [--quick]
+                                  [--max-candidates N] [--seed 0] [--table PATH] [--precompile-only]
 
-For each case (default: Qwen3-30B-A3B), weight format and batch bucket (1, 2, 4, ..., 1024, 4096;
-a call uses the largest bucket <= its batch, and the heuristic below the first), times candidate
-``MoEConfig``s at T = the bucket as CUDA-graph replays with rotated weight copies. A candidate
-counts only if its output passes the tests' tolerance rule (``evenflow.testing.assert_within_rule``
-against the fp64 oracle, with PyTorch's own bf16/fp32 run as the baseline, as in
-tests/test_moe_gpu.py). ``choose_config``'s pick (``default``) is always timed first and wins
-ties: a bucket's entry is the fastest passing candidate.
+Points: every case x weight format x batch bucket (default 1, 2, 4, ..., 1024, 4096; formats a
+case does not have, e.g. Hy3 TP8 fp8-block, are left out). A call uses the entry of the largest
+bucket <= its batch; below the first bucket, or where the entry is null, ``choose_config``
+decides.
 
-Writes ``src/evenflow/moe/configs/<gpu>.json`` (or ``--table``); when ``$OUT`` is set, also a
-copy under ``$OUT/moe-configs/``. ``fused_moe`` reads the file as data (``tuned_config``) and
-falls back to ``choose_config`` for shapes and batches it does not hold.
+Workload = the benchmark's (benchmarks/moe.py, imported, not copied): routing from
+``make_routing`` with the per-expert bias ``expert_bias`` draws first from a CPU generator seeded
+``--seed`` (so the same experts are popular as in the benchmark run with that seed); each
+point draws its rotated inputs (routing, then x, per copy, as the benchmark does) from its own
+generator seeded from (seed, batch), so a point's inputs do not depend on which other points
+ran. Weights and inputs are rotated through as many copies as the benchmark rotates (``B.rotations``)
+and timed as one CUDA graph (``harness.time_graph``), as the benchmark times.
 
-Budget: Triton compiles each distinct config once (~1-3 s for the gate-up + down pair; ~120
-distinct configs for Qwen3's three formats): ``--workers`` processes compile them all first into
-Triton's disk cache (~1 min on 8), then the timing pass (~0.1-0.5 s a candidate) runs in what is
-left of ``--budget-s`` (the whole run, compiles included): each remaining (format, bucket)
-gets an equal share of the time left and stops timing candidates (most promising first, the
-default always) when its share is spent.
-The candidates come from the round-5 notes (docs/perf-notes/moe.md): at decode only the K
-splits, the N width and the pipeline depth vary (weight streaming); above 16 rows per expert the
-tile shape and warps vary.
+A candidate counts only if its output passes the tests' tolerance rule
+(``evenflow.testing.assert_within_rule`` against the fp64 oracle, PyTorch's own bf16/fp32 run as the
+baseline, as in tests/test_moe_gpu.py). ``choose_config``'s pick (``default``) is timed first.
+An entry is written only for a win beyond noise: the fastest passing candidate must be at least
+``WIN`` (3%) faster than the default, and again when both are timed a second time; otherwise
+the bucket gets null (the heuristic). If the default fails the rule, the fastest passing
+candidate is written. Buckets of the full list that this run did not measure and that follow
+an entry get null too, so an entry never covers batches it was not measured near.
+
+Budget (``--budget-s``, the whole run, compiles included, across every case): Triton kernels
+depend on the config and format only (H and I are runtime arguments, all multiples of 16), so
+each distinct (format, config) is compiled once, at one shape that every candidate tiles, by
+``--workers`` processes, for at most ``PRECOMPILE_SHARE`` of the budget (then the rest is
+compiled as timed). The timing pass gives each remaining point an equal share of the time left
+(the default is always timed; points reached after the budget is spent are skipped and get no
+entry). ``--max-candidates`` keeps the first N candidates of each point (most promising first).
+
+Writes ``src/evenflow/moe/configs/<gpu>.json`` (or ``--table``; an existing file is updated point
+by point); when ``$OUT`` is set, also a copy under ``$OUT/moe-configs/``.
 """
 from __future__ import annotations
 
@@ -37,12 +49,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import moe as B  # noqa: E402  (benchmarks/moe.py: cases, rotations)
+import moe as B  # noqa: E402  (benchmarks/moe.py: cases, routing generator, rotations)
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 QUICK_BUCKETS = [1, 16, 128, 512, 4096]
 FORMATS = {"bf16": ("bf16", 0), "fp8-tensor": ("fp8_per_tensor", 1), "fp8-block": ("fp8_block", 2)}
+CASES = ("qwen3-30b-a3b", "hy3-tp8", "hy3-ep8")
+WIN = 0.03  # an entry needs a win of at least 3% over the default, twice (graph-replay medians move ~1%)
+PRECOMPILE_SHARE = 0.45
+COMPILE_SHAPE = (4096, 1536)  # (H, I): every candidate of every case tiles it (multiples of 2048 / 768 / 192)
 ROOT = Path(__file__).resolve().parent.parent
+DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs the timer
 
 
 def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
@@ -56,21 +73,24 @@ def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
     out = [("default", d)]
     if rows <= 16:
         # decode / small batch: bound by streaming the hit experts' weights
-        out += [("st4", r(d, num_stages=4)), ("st5", r(d, num_stages=5))]
+        if mode == 0:
+            out += [("gk128", r(d, gu_block_k=128, down_block_k=128))]
+        out += [("st4", r(d, num_stages=4))]
         if mode != 2:
-            out += [("gn32", r(d, gu_block_n=32)), ("gn32-st4", r(d, gu_block_n=32, num_stages=4))]
-        out += [("dn128", r(d, down_block_n=128)), ("dn32", r(d, down_block_n=32))]
+            out += [("gn32", r(d, gu_block_n=32))]
         for gs, ds in ((d.gu_split_k * 2, d.down_split_k), (max(1, d.gu_split_k // 2), d.down_split_k),
                        (d.gu_split_k, d.down_split_k * 2), (d.gu_split_k, max(1, d.down_split_k // 2))):
             out.append((f"gs{gs}-ds{ds}", r(d, gu_split_k=gs, down_split_k=ds)))
+        out += [("w8", r(d, num_warps=8)), ("dn128", r(d, down_block_n=128)), ("st5", r(d, num_stages=5))]
+        if mode != 2:
+            out += [("gn32-st4", r(d, gu_block_n=32, num_stages=4))]
         if mode == 0:
-            out += [("gk128", r(d, gu_block_k=128, down_block_k=128)),
-                    ("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
-        out += [("bm32", r(d, block_m=32)), ("w8", r(d, num_warps=8))]
+            out += [("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
+        out += [("dn32", r(d, down_block_n=32)), ("bm32", r(d, block_m=32))]
     else:
-        for bm, gn, dn, nw, st in ((64, 64, 64, 4, 3), (64, 128, 128, 8, 3), (64, 64, 128, 4, 4),
-                                   (128, 64, 128, 8, 3), (32, 64, 64, 4, 4), (64, 128, 128, 8, 4),
-                                   (128, 128, 128, 8, 3), (32, 128, 64, 4, 3), (16, 64, 64, 4, 4),
+        for bm, gn, dn, nw, st in ((64, 128, 128, 8, 4), (32, 64, 64, 4, 4), (64, 64, 128, 4, 4),
+                                   (128, 128, 128, 8, 3), (64, 64, 64, 4, 3), (128, 64, 128, 8, 3),
+                                   (64, 128, 128, 8, 3), (32, 128, 64, 4, 3), (16, 64, 64, 4, 4),
                                    (128, 64, 64, 4, 3)):
             gn = 128 if mode == 2 else gn
             out.append((f"bm{bm}-gn{gn}-dn{dn}-w{nw}-st{st}",
@@ -90,145 +110,248 @@ def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
     return valid
 
 
-def _precompile_worker(jobs) -> int:
-    """Compile (fmt, hidden, inter, config) launches into Triton's on-disk cache: a small expert count and
-    batch, but the same constexprs and argument alignments as the tuner's real launches."""
+def point_inputs(case, t: int, copies: int, seed: int = 0):
+    """``copies`` rotated inputs (x, ids, weights) at batch t from the benchmark's routing generator (CPU)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    bias = B.expert_bias(case.num_experts_total, gen)  # as benchmarks/moe.py: the first draw of seed `seed`
+    g = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + t)
+    out = []
+    for _ in range(copies):
+        ids, tw = B.make_routing(t, case, g, bias)
+        x = torch.randn(t, case.hidden, generator=g).to(torch.bfloat16)
+        out.append((x, ids, tw))
+    return out
+
+
+def decide(tried: dict, confirm: tuple[float, float] | None = None) -> tuple[str | None, str]:
+    """(label to write or None for null, why) from {label: us or error string}.
+
+    ``confirm``: (default_us, best_us) of a second timing of the two; a win must hold in both.
+    """
+    ok = {k: v for k, v in tried.items() if isinstance(v, float)}
+    if not ok:
+        return None, "no candidate passed the rule"
+    best = min(ok, key=ok.get)
+    d = tried.get("default")
+    if not isinstance(d, float):
+        return best, "default fails the rule" if d is not None else "default not timed"
+    if best == "default" or ok[best] > (1 - WIN) * d:
+        return None, f"default within {WIN:.0%}"
+    if confirm is not None and confirm[1] > (1 - WIN) * confirm[0]:
+        return None, f"win not confirmed ({confirm[1]:.1f} vs {confirm[0]:.1f} us)"
+    return best, f"{1 - ok[best] / d:.1%} faster"
+
+
+def seal(configs: dict, buckets=BUCKETS) -> None:
+    """Null every bucket of the full list that is absent and follows a config entry, so an entry
+    only covers batches up to the next bucket (measured or not)."""
+    for entries in configs.values():
+        prev = None
+        for t in buckets:
+            k = str(t)
+            if k in entries:
+                prev = entries[k]
+            elif prev is not None:
+                entries[k] = prev = None
+
+
+def write_table(table: dict, path: Path) -> str:
+    seal(table["configs"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
+    path.write_text(text)
+    return text
+
+
+def _compile_one(job) -> bool:
+    """Compile one (format, config) pair of fused_moe launches into Triton's disk cache."""
     import evenflow
     from evenflow.moe.fused import MoEConfig
     from evenflow.reference.moe import random_moe_weights, random_routing
 
-    done, ews = 0, {}
-    for fmt, h, i, cfg in jobs:
-        if (fmt, h, i) not in ews:
-            ews[(fmt, h, i)] = random_moe_weights(fmt, 8, h, i, "cuda")
-        x = torch.randn(16, h, device="cuda").bfloat16()
-        ids, tw = random_routing(16, 8, 8, "cuda")
-        try:
-            evenflow.fused_moe(x, ids, tw, ews[(fmt, h, i)], config=MoEConfig.from_list(cfg))
-            done += 1
-        except Exception:  # noqa: BLE001  (the timing pass reports it)
-            pass
-    torch.cuda.synchronize()
-    return done
+    fmt, cfg = job
+    h, i = COMPILE_SHAPE
+    cache = _compile_one.__dict__.setdefault("ews", {})
+    if fmt not in cache:
+        cache[fmt] = random_moe_weights(fmt, 8, h, i, "cuda")
+    x = torch.randn(16, h, device="cuda").bfloat16()
+    ids, tw = random_routing(16, 8, 8, "cuda")
+    try:
+        evenflow.fused_moe(x, ids, tw, cache[fmt], config=MoEConfig.from_list(cfg))
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001  (the timing pass reports it)
+        return False
 
 
-def precompile(jobs, workers: int) -> None:
-    """Compile every candidate in parallel processes first, so the budget goes to timing."""
-    import concurrent.futures
+def precompile(jobs, workers: int, deadline: float) -> None:
+    """Compile every job in parallel processes until ``deadline`` (time.time()); the rest is compiled as timed."""
     import multiprocessing
 
-    if workers <= 1 or len(jobs) < 2:
+    if workers <= 1 or len(jobs) < 2 or time.time() >= deadline:
         return
-    chunks = [jobs[w::workers] for w in range(workers)]
-    t0 = time.time()
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as ex:
-        n = sum(ex.map(_precompile_worker, chunks))
-    print(f"precompiled {n}/{len(jobs)} candidates in {time.time() - t0:.0f}s on {workers} processes", flush=True)
+    t0, done = time.time(), 0
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    try:
+        it = pool.imap_unordered(_compile_one, jobs)
+        while done < len(jobs):
+            try:
+                it.next(timeout=max(0.1, deadline - time.time()))
+            except multiprocessing.TimeoutError:
+                break
+            done += 1
+    finally:
+        pool.terminate()
+        pool.join()
+    print(f"precompiled {done}/{len(jobs)} (format, config) pairs in {time.time() - t0:.0f}s on {workers} processes",
+          flush=True)
 
 
 def _extra(p):
     p.add_argument("--budget-s", type=float, default=200.0,
-                   help="wall-clock budget (seconds); (format, bucket) points share what is left")
-    p.add_argument("--cases", default="qwen3-30b-a3b", help="comma-separated case names of benchmarks/moe.py")
+                   help="wall-clock budget (seconds) of the whole run, compiles included, across all cases")
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names of benchmarks/moe.py")
     p.add_argument("--formats", default="bf16,fp8-tensor,fp8-block")
+    p.add_argument("--buckets", default=None, help="comma-separated batch buckets (default: all; --quick: a few)")
+    p.add_argument("--max-candidates", type=int, default=0, help="time at most N candidates per point (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="routing seed, as benchmarks/moe.py --seed")
     p.add_argument("--workers", type=int, default=min(8, (os.cpu_count() or 2) // 2),
                    help="processes compiling the candidates before the timing pass (1: compile as timed)")
     p.add_argument("--table", default=None, help="output JSON (default src/evenflow/moe/configs/<gpu>.json)")
+    p.add_argument("--precompile-only", action="store_true",
+                   help="only fill Triton's cache with every planned candidate (the whole budget), e.g. beside "
+                        "other CPU-bound work; a later run then times them")
 
 
-def main() -> int:
+def main(argv=None) -> int:
     import evenflow
     from evenflow.bench import harness as H
     from evenflow.moe.fused import tuned_key
-    from evenflow.reference.moe import moe_reference, random_moe_weights, random_routing
+    from evenflow.reference.moe import moe_reference, random_moe_weights
     from evenflow.testing import assert_within_rule
 
-    args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
+    args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra)
     t0 = time.time()
-    buckets = QUICK_BUCKETS if args.quick else BUCKETS
-    name = torch.cuda.get_device_name()
+    deadline = t0 + args.budget_s
+    buckets = ([int(b) for b in args.buckets.split(",") if b] if args.buckets else
+               QUICK_BUCKETS if args.quick else BUCKETS)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     gpu = "h200" if "H200" in name else name.lower().replace(" ", "-")
     table_path = Path(args.table) if args.table else ROOT / "src/evenflow/moe/configs" / f"{gpu}.json"
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     table.update({"device": name, "torch": torch.__version__, "generated_by": "benchmarks/tune_moe.py",
-                  "rule": "fastest config passing evenflow.testing.assert_within_rule; default wins ties"})
+                  "rule": f"fastest config passing evenflow.testing.assert_within_rule if >= {WIN:.0%} faster "
+                          "than choose_config twice, else null (heuristic)",
+                  "routing": f"benchmarks/moe.py make_routing + expert_bias, seed {args.seed}"})
     configs, timings = table.setdefault("configs", {}), table.setdefault("timings", {})
     points = [(c, f, t) for c in args.cases.split(",") for f in args.formats.split(",") for t in buckets
               if f not in B.CASES[c].skip_variants]
+    plan = {}
     jobs, seen = [], set()
     for case_name, variant, t in points:
-        case = B.CASES[case_name]
         fmt, mode = FORMATS[variant]
-        for _, cfg in candidates(case, mode, t):
-            job = (fmt, case.hidden, case.inter, cfg.as_list())
-            if str(job) not in seen:
-                seen.add(str(job))
-                jobs.append(job)
-    precompile(jobs, args.workers)  # counts against --budget-s too
-    done = 0
+        cands = candidates(B.CASES[case_name], mode, t)
+        plan[(case_name, variant, t)] = cands[:args.max_candidates] if args.max_candidates > 0 else cands
+        for _, cfg in plan[(case_name, variant, t)]:
+            if (fmt, tuple(cfg.as_list())) not in seen:
+                seen.add((fmt, tuple(cfg.as_list())))
+                jobs.append((fmt, cfg.as_list()))
+    print(f"{len(points)} points, {sum(map(len, plan.values()))} candidates, {len(jobs)} distinct (format, config)",
+          flush=True)
+    precompile(jobs, args.workers, deadline if args.precompile_only else t0 + PRECOMPILE_SHARE * args.budget_s)
+    if args.precompile_only:
+        return 0
     weights_cache: dict = {}
-    for case_name, variant, t in points:
+    measured: set = set()
+    for n_done, (case_name, variant, t) in enumerate(points):
         case = B.CASES[case_name]
         fmt, mode = FORMATS[variant]
         key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode)
+        left = deadline - time.time()
+        if left <= 0:
+            print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: budget spent, skipped", flush=True)
+            continue
+        share = left / (len(points) - n_done)
+        start = time.time()
         if (case_name, fmt) not in weights_cache:
             weights_cache.clear()
-            torch.cuda.empty_cache()
-            g = torch.Generator(device="cuda").manual_seed(0)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+            g = torch.Generator(device=DEVICE).manual_seed(0)
             weights_cache[(case_name, fmt)] = [random_moe_weights(fmt, case.num_local, case.hidden, case.inter,
-                                                                  "cuda", generator=g)]
+                                                                  DEVICE, generator=g)]
         ews = weights_cache[(case_name, fmt)]
-        g = torch.Generator(device="cuda").manual_seed(1000 + t)
-        x = torch.randn(t, case.hidden, device="cuda", generator=g).bfloat16()
-        ids, tw = random_routing(t, case.top_k, case.num_experts_total, "cuda", generator=g)
-        touched = min(case.num_local, int(ids.unique().numel())) * B.expert_bytes(case, variant)
-        n_rot = min(4, B.rotations(touched, 60 * 2**20))
+        probe = point_inputs(case, t, 1, args.seed)
+        touched = B.routing_stats(probe[0][1], case).distinct_experts * B.expert_bytes(case, variant)
+        n_rot = B.rotations(touched, 60 * 2**20)
         while len(ews) < n_rot:
-            g2 = torch.Generator(device="cuda").manual_seed(len(ews))
-            ews.append(random_moe_weights(fmt, case.num_local, case.hidden, case.inter, "cuda", generator=g2))
+            g2 = torch.Generator(device=DEVICE).manual_seed(len(ews))
+            ews.append(random_moe_weights(fmt, case.num_local, case.hidden, case.inter, DEVICE, generator=g2))
+        inputs = [tuple(v.to(DEVICE) for v in inp) for inp in point_inputs(case, t, n_rot, args.seed)]
         kw = {"ep_rank": case.ep_rank, "num_experts_total": case.num_experts_total}
-        ref = moe_reference(x, ids, tw, ews[0], dtype=torch.float64, **kw)
-        base = moe_reference(x, ids, tw, ews[0], dtype=torch.bfloat16 if fmt == "bf16" else torch.float32,
-                             **kw).to(torch.bfloat16)
-        share = max(2.0, (args.budget_s - (time.time() - t0)) / (len(points) - done))
-        start = time.time()
-        best = None
-        rows = {}
-        cands = candidates(case, mode, t)
+        x0, ids0, tw0 = inputs[0]
+        ref = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.float64, **kw).cpu()
+        base = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.bfloat16 if fmt == "bf16" else torch.float32,
+                             **kw).to(torch.bfloat16).cpu()
+
+        def fns_of(cfg):
+            return [lambda j=j, c=cfg: evenflow.fused_moe(*inputs[j], ews[j], config=c, **kw) for j in range(n_rot)]
+
+        tried: dict = {}
+        cands = plan[(case_name, variant, t)]
         for i, (label, cfg) in enumerate(cands):
-            if i > 0 and time.time() - start > share:
-                print(f"  {case_name} {variant} T={t}: share {share:.0f}s spent after {i}/{len(cands)} candidates")
+            if i > 0 and (time.time() - start > share or time.time() > deadline):
+                print(f"  {case_name} {variant} T={t}: share {share:.1f}s spent after {i}/{len(cands)} candidates")
                 break
-            fns = [lambda ew=ew, c=cfg: evenflow.fused_moe(x, ids, tw, ew, config=c, **kw) for ew in ews[:n_rot]]
+            fns = fns_of(cfg)
             try:
                 assert_within_rule(fns[0](), ref, base, what=f"{case_name} {variant} T={t} {label}")
-                us = H.time_graph(fns)
+                tried[label] = H.time_graph(fns)
             except Exception as e:  # a failing config is reported, never chosen
-                rows[label] = f"{type(e).__name__}: {str(e)[:120]}"
-                continue
-            rows[label] = round(us, 2)
-            if best is None or us < best[0]:
-                best = (us, label, cfg)
-        done += 1
-        if best is not None:
-            configs.setdefault(key, {})[str(t)] = best[2].as_list()
-            dflt = rows.get("default")
-            timings.setdefault(key, {})[str(t)] = {"best": best[1], "best_us": round(best[0], 2),
-                                                   "default_us": dflt, "tried": rows}
-            print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: best {best[1]} {best[0]:.1f} us "
-                  f"(default {dflt}) over {len(rows)} candidates", flush=True)
-        else:
-            print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: no candidate passed: {rows}", flush=True)
-    table_path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(table, indent=1, sort_keys=True) + "\n"
-    table_path.write_text(text)
-    print(f"written: {table_path}")
+                tried[label] = f"{type(e).__name__}: {str(e)[:160]}"
+        pick, why = decide(tried)
+        confirm = None
+        if pick is not None and isinstance(tried.get("default"), float):
+            cfg_of = dict(cands)
+            confirm = (H.time_graph(fns_of(cfg_of["default"])), H.time_graph(fns_of(cfg_of[pick])))
+            pick, why = decide(tried, confirm)
+        entry = None if pick is None else dict(cands)[pick].as_list()
+        configs.setdefault(key, {})[str(t)] = entry
+        measured.add((key, t))
+        timings.setdefault(key, {})[str(t)] = {
+            "entry": pick, "why": why, "default_us": tried.get("default"),
+            "confirm_us": None if confirm is None else [round(v, 2) for v in confirm],
+            "tried": {k: round(v, 2) if isinstance(v, float) else v for k, v in tried.items()}}
+        write_table(table, table_path)  # after every point: a run stopped from outside keeps what it measured
+        best_ok = min((v for v in tried.values() if isinstance(v, float)), default=None)
+        print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: {pick or 'null'} ({why}); default "
+              f"{tried.get('default') if not isinstance(tried.get('default'), float) else round(tried['default'], 1)}"
+              f" us, best {best_ok and round(best_ok, 1)} us over {len(tried)} candidates", flush=True)
+    text = write_table(table, table_path)
+    print(f"written: {table_path} ({time.time() - t0:.0f}s)")
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"]) / "moe-configs"
         out.mkdir(parents=True, exist_ok=True)
         (out / table_path.name).write_text(text)
         print(f"copy: {out / table_path.name}")
+    summary(timings, [(f"{c}/{f}", tuned_key(B.CASES[c].num_local, B.CASES[c].num_experts_total, B.CASES[c].top_k,
+                                             B.CASES[c].hidden, B.CASES[c].inter, FORMATS[f][1]), t)
+                      for c, f, t in points], measured)
     return 0
+
+
+def summary(timings: dict, points, measured: set) -> None:
+    """One line per point of this run: default us, best us, the entry written and why (last output)."""
+    print("\n| case/format | T | default us | best us | entry | why |\n|---|---|---|---|---|---|")
+    for name, key, t in points:
+        row = timings.get(key, {}).get(str(t)) if (key, t) in measured else None
+        if row is None:
+            print(f"| {name} | {t} | | | | not measured (budget) |")
+            continue
+        d = row.get("default_us")
+        ok = [v for v in row["tried"].values() if isinstance(v, float)]
+        print(f"| {name} | {t} | {round(d, 1) if isinstance(d, float) else 'fails'} | "
+              f"{round(min(ok), 1) if ok else ''} | {row.get('entry') or 'null'} | {row.get('why', '')} |")
 
 
 if __name__ == "__main__":

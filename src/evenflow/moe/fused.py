@@ -119,6 +119,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         # > 255 registers: the block-mode gate-up spilled 1.5 KB per thread at T = 512 (0.14 of
         # floor) and T = 4096 (0.10), per-tensor 368 B at T = 4096. Both fit on 8 warps with
         # 64-row tiles (block mode, which needs a 128-wide gate-up N block) or 64-wide N blocks.
+        # Round F: per-tensor dots are f16 MMAs of exact e4m3 values now (kernels.py, "f16 products") with
+        # no second accumulator; its 128x64 gate-up compiles to 179 registers (128x128: 255, no
+        # spill). The tile rule stays until the tuner has measured the alternatives.
         if mode == 2:
             cfg = replace(cfg, block_m=64, down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n, num_warps=8)
         elif cfg.block_m > 64:
@@ -146,7 +149,10 @@ def _load_tuned(path: str) -> dict:
         data = json.load(f)
     table = {}
     for key, buckets in data.get("configs", {}).items():
-        table[key] = sorted((int(t), MoEConfig.from_list(c)) for t, c in buckets.items())
+        # null: tuned, and the heuristic was not beaten by the tuner's margin (or the bucket was
+        # not measured): calls in this bucket take choose_config, not a smaller bucket's entry.
+        table[key] = sorted(((int(t), None if c is None else MoEConfig.from_list(c)) for t, c in buckets.items()),
+                            key=lambda tc: tc[0])
     return table
 
 
@@ -165,8 +171,9 @@ def _gpu_kind(device) -> str | None:
 def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
                  num_experts_total: int, device, path: str | None = None) -> MoEConfig | None:
     """The tuned config for this shape at the largest tuned batch bucket <= num_tokens, or None
-    (no file for this GPU, shape not tuned, or num_tokens below every bucket). An entry that no
-    longer passes ``check_config`` is ignored with a warning (the heuristic takes over)."""
+    (no file for this GPU, shape not tuned, num_tokens below every bucket, or that bucket's entry
+    is null: the heuristic was measured and not beaten). An entry that no longer passes
+    ``check_config`` is ignored with a warning (the heuristic takes over)."""
     if path is None:
         kind = _gpu_kind(device)
         if kind is None:

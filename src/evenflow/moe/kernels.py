@@ -37,6 +37,16 @@ GROUP_AMAX_EPS = tl.constexpr(1e-10)
 # unless told otherwise (Triton's default there is 2**30 imprecise products); 32 = one
 # fp8 wgmma K-step, so every step's partial is promoted into a true fp32 accumulator.
 # Round B: without it fp8 results missed the tolerance rule by 1.1-3x on the H200.
+# fp8 per-tensor mode does not use it (round F, "f16 products"): even so promoted, one K=32 fp8
+# wgmma (QGMMA) sums its 32 products with reduced precision, and per-tensor mode requantises the
+# intermediate with a *static* scale, so those errors flip fp8 roundings that an fp32 sum would
+# not. The E3 tuner's Qwen3 fp8-tensor T=1024/4096 failed the tolerance rule on every 64/128-row
+# (wgmma) tile, with the same error to the digit, and passed on every 16/32-row tile (mma.sync,
+# where Triton upcasts fp8 to f16). Per-tensor dots now upcast both e4m3 operands to f16 on every
+# tile: exact (every e4m3 value is an f16, every product of two exact in fp32), fp32 accumulation
+# in the MMA. On sm_90 that also replaces the serialised QGMMA + FADD promotion (256 FADD and 8
+# wgmma waits per 128-deep K step of a gate-up tile) by pipelined HGMMA: 226-280 instead of
+# 382-397 SASS instructions per K step (compile_stats). Block mode keeps fp8 wgmma (it passes).
 FP8_PRECISE_ACC = tl.constexpr(32)
 
 
@@ -50,39 +60,54 @@ def _local_ids(p_ids, o_p, num_pairs, e_first, num_local):
     return tl.where(valid, lid, 0), valid
 
 
+# Index build, cost model (round F): each program of these kernels is one chain of dependent
+# steps on 4 warps, so it costs the SASS it executes, not bytes. Round 5's version unrolled
+# [BLOCK_P, E_PAD] one-hot tiles over a 256-pair chunk (tl.static_range): at E_PAD 256 that was
+# 5.3K (counts) + 13K (place) straight-line SASS instructions per program, 85 + 208 KB of code
+# run once each, i.e. from a cold instruction cache, with 109 barriers. Now per block of
+# BLOCK_P pairs: counts by tl.histogram (ballots + popc, O(log E) per pair), the expert cursor of
+# each pair by tl.gather, its rank by a BLOCK_P-key sort, the task map by a histogram of tile
+# ends; chunks are walked by a rolled loop (sm_90, E_PAD 256: 208 + 1528 instructions in all, a
+# 349-instruction step per 128 pairs). BLOCK_P = 32 * num_warps and E_PAD >= BLOCK_P, so no
+# tl.histogram input is replicated across threads.
 @triton.jit
-def _block_counts(p_ids, start, num_pairs, e_first, num_local, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Pairs of block [start, start + BLOCK_P) per local expert (one-hot column sums; dropped pairs count nowhere)."""
-    lid, valid = _local_ids(p_ids, start + tl.arange(0, BLOCK_P), num_pairs, e_first, num_local)
-    hit = (tl.arange(0, E_PAD)[None, :] == lid[:, None]) & valid[:, None]
-    return tl.sum(hit.to(tl.int32), axis=0)
+def _count_range(p_ids, start, end, num_pairs, e_first, num_local, E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Pairs of [start, end) per local expert (dropped pairs count nowhere)."""
+    b_counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for s in range(start, tl.minimum(end, num_pairs), BLOCK_P):
+        lid, valid = _local_ids(p_ids, s + tl.arange(0, BLOCK_P), num_pairs, e_first, num_local)
+        b_counts += tl.histogram(lid, E_PAD, mask=valid)
+    return b_counts
 
 
 @triton.jit
-def _scatter_block(p_ids, p_sorted, b_cursor, start, num_pairs, e_first, num_local,
+def _scatter_range(p_ids, p_sorted, b_cursor, start, end, num_pairs, e_first, num_local,
                    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Scatter the pair ids of one block to their expert cursor + rank; returns the advanced cursors.
+    """Scatter the pair ids of [start, end) to expert cursor + rank, block by block.
 
-    Registers only (no atomics, no global round trip): a pair's slot is its expert's
-    cursor (selected from ``b_cursor`` by a one-hot sum) plus its rank among kept
-    same-expert pairs earlier in the block, so the order inside an expert is
-    ascending pair id.
+    Registers and shared memory only (no atomics, no global round trip). One block: sort the
+    keys (expert, index in block) -- dropped pairs last -- so each expert's pairs sit together
+    in ascending pair order, starting at first[e] (exclusive prefix of the block's expert
+    counts); the pair at sorted position j of expert e goes to ``cursor[e] - first[e] + j``. A sort of
+    BLOCK_P keys is ~250 SASS instructions at 128 (sm_90), the [BLOCK_P, BLOCK_P] compare it
+    replaces ~1230.
     """
     o_b = tl.arange(0, BLOCK_P)
-    o_p = start + o_b
-    lid, valid = _local_ids(p_ids, o_p, num_pairs, e_first, num_local)
-    hit = (tl.arange(0, E_PAD)[None, :] == lid[:, None]) & valid[:, None]
-    base = tl.sum(tl.where(hit, b_cursor[None, :], 0), axis=1)
-    earlier = (lid[None, :] == lid[:, None]) & (o_b[None, :] < o_b[:, None]) & valid[None, :]
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    tl.store(p_sorted + base + rank, o_p, mask=valid)
-    return b_cursor + tl.sum(hit.to(tl.int32), axis=0)
+    for s in range(start, tl.minimum(end, num_pairs), BLOCK_P):
+        lid, valid = _local_ids(p_ids, s + o_b, num_pairs, e_first, num_local)
+        b_hist = tl.histogram(lid, E_PAD, mask=valid)
+        key = tl.sort(tl.where(valid, lid, E_PAD) * BLOCK_P + o_b, 0)
+        s_lid = key // BLOCK_P
+        b_base = b_cursor - (tl.cumsum(b_hist, 0) - b_hist)
+        dest = tl.gather(b_base, tl.minimum(s_lid, E_PAD - 1), 0) + o_b
+        tl.store(p_sorted + dest, s + key % BLOCK_P, mask=s_lid < E_PAD)
+        b_cursor += b_hist
 
 
 @triton.jit
 def _fill_unused(p_sorted, start, end, kept, num_pairs, BLOCK_P: tl.constexpr):
     """sorted_pairs[p] = -1 for kept <= p < num_pairs, over pairs [start, end)."""
-    for s in range(start, end, BLOCK_P):
+    for s in range(tl.maximum(start, kept // BLOCK_P * BLOCK_P), tl.minimum(end, num_pairs), BLOCK_P):
         o_p = s + tl.arange(0, BLOCK_P)
         tl.store(p_sorted + o_p, tl.full([BLOCK_P], -1, tl.int32), mask=(o_p >= kept) & (o_p < num_pairs) & (o_p < end))
 
@@ -99,17 +124,24 @@ def _zero_share(p_zero, first, step, num_zero):
 def _task_map_share(b_counts, p_tile_expert, p_tile_row, first, step, max_tiles,
                     E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
     """Tiles [first + j*step, + BLOCK_T) of the task map: tile t belongs to the expert e with
-    tile_start[e] <= t < tile_end[e]; unused tiles get -1."""
-    o_e = tl.arange(0, E_PAD)
+    tile_start[e] <= t < tile_end[e], i.e. e = #{e' : tile_end[e'] <= t}; unused tiles get -1.
+
+    That count for the BLOCK_T tiles from ``start`` is the experts ending at or before
+    ``start`` plus the running sum of a histogram of the tile ends inside the block
+    (BLOCK_T bins), not a [BLOCK_T, E_PAD] compare.
+    """
     b_offs = tl.cumsum(b_counts, 0) - b_counts
     b_ntiles = (b_counts + BLOCK_M - 1) // BLOCK_M
     b_tile_end = tl.cumsum(b_ntiles, 0)
     total_tiles = tl.sum(b_ntiles, 0)
     b_row_base = b_offs - (b_tile_end - b_ntiles) * BLOCK_M
+    o_v = tl.arange(0, BLOCK_T)
     for start in range(first, max_tiles, step):
-        o_t = start + tl.arange(0, BLOCK_T)
-        expert = tl.sum((b_tile_end[None, :] <= o_t[:, None]).to(tl.int32), axis=1)
-        row = tl.sum(tl.where(o_e[None, :] == expert[:, None], b_row_base[None, :], 0), axis=1) + o_t * BLOCK_M
+        rel = b_tile_end - start
+        ended = tl.sum((rel <= 0).to(tl.int32), 0)
+        expert = ended + tl.cumsum(tl.histogram(rel, BLOCK_T, mask=(rel > 0) & (rel < BLOCK_T)), 0)
+        o_t = start + o_v
+        row = tl.gather(b_row_base, tl.minimum(expert, E_PAD - 1), 0) + o_t * BLOCK_M
         used = o_t < total_tiles
         tl.store(p_tile_expert + o_t, tl.where(used, expert, -1), mask=o_t < max_tiles)
         tl.store(p_tile_row + o_t, tl.where(used, row, -1), mask=o_t < max_tiles)
@@ -131,15 +163,12 @@ def moe_index_kernel(
     E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One program (small batches: one launch): counts -> prefix sums -> task map -> stable scatter."""
-    b_counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK_P):
-        b_counts += _block_counts(p_ids, start, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
+    b_counts = _count_range(p_ids, 0, num_pairs, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
     _store_counts(b_counts, p_counts, p_offsets, num_local, E_PAD)
     _zero_share(p_zero, 0, 1024, num_zero)
     _task_map_share(b_counts, p_tile_expert, p_tile_row, 0, BLOCK_T, max_tiles, E_PAD, BLOCK_T, BLOCK_M)
-    b_cursor = tl.cumsum(b_counts, 0) - b_counts
-    for start in range(0, num_pairs, BLOCK_P):
-        b_cursor = _scatter_block(p_ids, p_sorted, b_cursor, start, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
+    _scatter_range(p_ids, p_sorted, tl.cumsum(b_counts, 0) - b_counts, 0, num_pairs, num_pairs, e_first,
+                   num_local, E_PAD, BLOCK_P)
     _fill_unused(p_sorted, 0, num_pairs, tl.sum(b_counts, 0), num_pairs, BLOCK_P)
 
 
@@ -152,9 +181,7 @@ def moe_index_hist_kernel(p_ids, p_hist, p_zero, num_pairs, e_first, num_local, 
                           E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
     """hist[c, e] = pairs of chunk c routed to local expert e; zeroes this program's share of p_zero."""
     i_c = tl.program_id(0)
-    b_counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for j in tl.static_range(0, CHUNK, BLOCK_P):
-        b_counts += _block_counts(p_ids, i_c * CHUNK + j, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
+    b_counts = _count_range(p_ids, i_c * CHUNK, i_c * CHUNK + CHUNK, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
     tl.store(p_hist + i_c.to(tl.int64) * E_PAD + tl.arange(0, E_PAD), b_counts)
     _zero_share(p_zero, i_c * 1024, tl.num_programs(0) * 1024, num_zero)
 
@@ -182,10 +209,8 @@ def moe_index_place_kernel(
         _store_counts(b_total, p_counts, p_offsets, num_local, E_PAD)
     _task_map_share(b_total, p_tile_expert, p_tile_row, i_c * BLOCK_T, num_chunks * BLOCK_T, max_tiles,
                     E_PAD, BLOCK_T, BLOCK_M)
-    b_cursor = tl.cumsum(b_total, 0) - b_total + b_before
-    for j in tl.static_range(0, CHUNK, BLOCK_P):
-        b_cursor = _scatter_block(p_ids, p_sorted, b_cursor, i_c * CHUNK + j, num_pairs, e_first, num_local,
-                                  E_PAD, BLOCK_P)
+    _scatter_range(p_ids, p_sorted, tl.cumsum(b_total, 0) - b_total + b_before, i_c * CHUNK, i_c * CHUNK + CHUNK,
+                   num_pairs, e_first, num_local, E_PAD, BLOCK_P)
     _fill_unused(p_sorted, i_c * CHUNK, i_c * CHUNK + CHUNK, tl.sum(b_total, 0), num_pairs, BLOCK_P)
 
 
@@ -310,9 +335,10 @@ def moe_gate_up_kernel(
         if MODE == 0:
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
             acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
-        elif MODE == 1:  # x was quantised once by moe_tensor_quant_kernel
-            acc_g = tl.dot(b_a, b_g, acc_g, max_num_imprecise_acc=FP8_PRECISE_ACC)
-            acc_u = tl.dot(b_a, b_u, acc_u, max_num_imprecise_acc=FP8_PRECISE_ACC)
+        elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; "f16 products" (FP8_PRECISE_ACC)
+            b_ah = dot_operand(b_a.to(tl.float16), DOT_F32)
+            acc_g = tl.dot(b_ah, dot_operand(b_g.to(tl.float16), DOT_F32), acc_g)
+            acc_u = tl.dot(b_ah, dot_operand(b_u.to(tl.float16), DOT_F32), acc_u)
         else:
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
@@ -389,7 +415,7 @@ def moe_down_kernel(
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
         elif MODE == 1:
-            acc = tl.dot(b_a, b_b, acc, max_num_imprecise_acc=FP8_PRECISE_ACC)
+            acc = tl.dot(dot_operand(b_a.to(tl.float16), DOT_F32), dot_operand(b_b.to(tl.float16), DOT_F32), acc)
         else:
             b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
             acc += tl.dot(b_a, b_b, max_num_imprecise_acc=FP8_PRECISE_ACC) * (b_xs[:, None] * tl.load(p_bs + i_k))

@@ -22,6 +22,7 @@ MAX_TOP_K = 16
 # walking every block in turn (docs/perf-notes/moe.md, round 5).
 MULTI_PROGRAM_PAIRS = 256
 _CHUNK = 256
+_BLOCK = 128  # pairs per step of a program (= 32 * num_warps), and tiles per task-map step
 
 
 class MoEIndex(NamedTuple):
@@ -73,9 +74,9 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=dev)
-    e_pad = max(16, triton.next_power_of_2(num_local_experts))
-    block_p = max(16, min(64, 8192 // e_pad))  # [BLOCK_P, E_PAD] one-hot tiles of <= 8K elements
-    block_t = max(16, min(64, 8192 // e_pad))
+    # 4 warps; every histogram input ([BLOCK_P] pair ids, [E_PAD] tile ends) has >= 128 elements
+    # so no element is replicated across threads; tile-end histograms have BLOCK_T bins.
+    e_pad = max(_BLOCK, triton.next_power_of_2(num_local_experts))
     zero_buf = zero if zero is not None else counts
     num_zero = 0 if zero is None else zero.numel()
     e_first = ep_rank * num_local_experts
@@ -85,17 +86,17 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
         moe_index_kernel[(1,)](
             topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, zero_buf,
             num_pairs, e_first, num_local_experts, n_tiles, num_zero,
-            E_PAD=e_pad, BLOCK_P=block_p, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4,
+            E_PAD=e_pad, BLOCK_P=_BLOCK, BLOCK_T=_BLOCK, BLOCK_M=block_m, num_warps=4,
         )
     else:
         chunks = triton.cdiv(num_pairs, _CHUNK)
         hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
         moe_index_hist_kernel[(chunks,)](topk_ids, hist, zero_buf, num_pairs, e_first, num_local_experts, num_zero,
-                                         E_PAD=e_pad, BLOCK_P=block_p, CHUNK=_CHUNK, num_warps=4)
+                                         E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=_CHUNK, num_warps=4)
         moe_index_place_kernel[(chunks,)](
             topk_ids, hist, counts, offsets, sorted_pairs, tile_expert, tile_row,
             num_pairs, chunks, e_first, num_local_experts, n_tiles,
-            E_PAD=e_pad, BLOCK_P=block_p, CHUNK=_CHUNK, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=block_t,
+            E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=_CHUNK, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=_BLOCK,
             BLOCK_M=block_m, num_warps=4,
         )
     return MoEIndex(counts, offsets, sorted_pairs, tile_expert, tile_row, block_m)
