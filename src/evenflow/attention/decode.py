@@ -144,7 +144,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if is_static and splits == 1:
         return
     block_c, block_d = _combine_blocks(block_m, D)
-    cgrid = (B * Hkv if is_static else np_, D // block_d)
+    cgrid = ((B * Hkv if is_static else np_) * (D // block_d),)
     K.combine_kernel[cgrid](
         tiles, req_end, prog_start, meta, part_o, part_lse, out, lse_t,
         B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
