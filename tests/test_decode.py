@@ -87,6 +87,23 @@ def test_item_spread_over_many_bins(group, q_len, device):
     run(device, [64 * 60 + 17, 100, 0], hkv=1, group=group, d=128, q_len=q_len, num_programs=70)
 
 
+def test_combine_groups_merge_deterministically_and_reset_their_counters(device):
+    """Items of more chunks than one combine step are merged in groups, the last group to
+    arrive finishing the item: two items of 61 and 40 chunks plus single-group ones, the
+    plan reused for a second call and for other lengths. Same result bitwise every time,
+    counters back at zero after each call, both calls within the rule."""
+    lens = [64 * 60 + 17, 100, 64 * 40, 0, 700]
+    q, qs, k, v, pt, sl = make_inputs(lens, 1, 8, 128, 64, 1, device=device)
+    plan = evenflow.DecodePlan(len(lens), 1 << 13, 1, device=device, num_programs=120, min_tiles=1).update(sl)
+    o1 = check(q, qs, k, v, pt, sl, 1, plan=plan, what="first call").clone()
+    assert int(plan.combine_count.abs().sum()) == 0
+    o2 = check(q, qs, k, v, pt, sl, 1, plan=plan, what="second call")
+    assert torch.equal(o1, o2) and int(plan.combine_count.abs().sum()) == 0
+    sl2 = torch.tensor([64 * 20, 64 * 55, 5, 0, 64], dtype=torch.int32, device=device)
+    check(q, qs, k, v, pt, sl2, 1, plan=plan.update(sl2), what="other lengths")
+    assert int(plan.combine_count.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("dynamic", [True, False], ids=["plan", "static"])
 @pytest.mark.parametrize("lens", [[200, 200, 200], [1, 64, 65, 300], [0, 0], [0, 129, 0]],
                          ids=["uniform", "tile_edges", "all_zero", "zero_around"])
@@ -225,10 +242,11 @@ def test_bad_arguments(device):
 def test_opcheck(device):
     q, qs, k, v, pt, sl = make_inputs([70, 0], 1, 2, 64, 64, 1, device=device)
     plan = evenflow.DecodePlan(2, 1000, 1, device=device, num_programs=2, min_tiles=1).update(sl)
-    po, pl = plan.partials(2, 64)
+    po, pl, pg = plan.partials(2, 64)
     out = torch.empty(2, 2, 64, dtype=torch.bfloat16, device=device)
     lse = torch.empty(2, 2, device=device)
-    args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, out, lse,
+    args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, pg, plan.combine_count,
+            out, lse,
             None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
     torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))

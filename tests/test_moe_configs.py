@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+from evenflow import _runtime
 from evenflow.moe.fused import CONFIG_DIR, MoEConfig, _load_tuned, check_config, choose_config, tuned_config, tuned_key
 
 KEY = dict(num_local=8, num_experts_total=8, top_k=2, hidden=256, inter=128)
@@ -170,6 +171,7 @@ def test_index_sweep_builds_what_fused_moe_builds(device):
     assert table[0].count("|") == 2 * len(S.INDEX_CASES) + 2 and "3.2*" in table[2] and "RuntimeError" in table[2]
 
 
+@pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
 def test_tuner_dry_run_on_cpu(tmp_path, monkeypatch):
     # the whole tuning loop on a tiny case in the interpreter, with a stub timer under which the
     # 4-stage candidates are 10% faster: those win where timed, the rest is null, the table is sealed

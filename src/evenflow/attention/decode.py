@@ -88,6 +88,12 @@ def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
     return TILE
 
 
+# Register cap of the combine kernel: 3 programs of 4 warps per SM (sm_90 build: 168
+# registers, <= 4 bytes of spill; 185 uncapped = 2 per SM). Most of its programs find no
+# work and exit at once; the more are resident, the fewer waves the grid takes.
+_COMBINE_MAX_REGS = 168
+
+
 def _combine_blocks(block_m: int, head_dim: int) -> tuple[int, int]:
     # Combine: chunks merged per step x head-dim columns per program. One long item (the
     # TP8 slice: ~190 chunks of one kv head) is latency-bound in the combine: each step
@@ -101,7 +107,8 @@ def _combine_blocks(block_m: int, head_dim: int) -> tuple[int, int]:
 
 def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
-               meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+               meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, part_gml: torch.Tensor,
+               combine_count: torch.Tensor, out: torch.Tensor,
                lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
@@ -146,9 +153,9 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_c, block_d = _combine_blocks(block_m, D)
     cgrid = ((B * Hkv if is_static else np_) * (D // block_d),)
     K.combine_kernel[cgrid](
-        tiles, req_end, prog_start, meta, part_o, part_lse, out, lse_t,
+        tiles, req_end, prog_start, meta, part_o, part_lse, part_gml, combine_count, out, lse_t,
         B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-        NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, PDL=pdl, num_warps=4, **common,
+        NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, PDL=pdl, num_warps=4, maxnreg=_COMBINE_MAX_REGS, **common,
         **({"launch_pdl": True} if pdl else {}),
     )
 
@@ -156,11 +163,13 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 # Registered as a custom op (fake below) for torch.compile; eager calls launch directly,
 # since torch.library's dispatch costs tens of us per call on the host (router notes).
 _decode_op = torch.library.custom_op("evenflow::decode_attention",
-                                     mutates_args=("out", "lse", "part_o", "part_lse"))(_decode_launch)
+                                     mutates_args=("out", "lse", "part_o", "part_lse", "part_gml",
+                                                   "combine_count"))(_decode_launch)
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, out, lse,
+def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_gml,
+      combine_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False):
     return None
@@ -270,9 +279,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     max_pages_len = page_table.shape[1] * P
     op = _decode_op if torch.compiler.is_compiling() else _decode_launch
     if plan is not None:
-        part_o, part_lse = plan.partials(rows, D)
+        part_o, part_lse, part_gml = plan.partials(rows, D)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
-                   part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, 0,
+                   part_o, part_lse, part_gml, plan.combine_count, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f,
+                   float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl)
@@ -283,7 +293,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         part_lse = torch.empty(slots, rows, dtype=torch.float32, device=dev)
         dummy = torch.zeros(2, dtype=torch.int32, device=dev)
         op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
-                   part_o, part_lse, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f, float(sm_scale), q_len, splits,
+                   part_o, part_lse, part_lse, dummy.clone(), out, lse, q_scale, ks_t, vs_t, ks_f, vs_f,
+                   float(sm_scale), q_len, splits,
                    max_pages_len, pdl=_runtime.pdl_supported(dev))
     return (out, lse) if return_lse else out
 

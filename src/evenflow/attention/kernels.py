@@ -327,9 +327,132 @@ def _combine_slot(first, pid, c, IS_STATIC: tl.constexpr):
         return tl.where(c == 0, first, 2 * (pid + c))
 
 
+@triton.jit
+def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
+                  ROWS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_C: tl.constexpr, IS_STATIC: tl.constexpr):
+    """(max, sum of weights, weighted sum) of chunks [c_lo, c_hi) of one item, columns o_d.
+
+    Purely elementwise: each thread merges its own outputs in chunk order, and the row
+    statistics are [BLOCK_M] vectors read by small loads (fewer values than threads, so
+    the compiler gives them the accumulator's row layout instead of converting through
+    shared memory). No cross-thread reduction: deterministic, racecheck clean. BLOCK_C
+    chunks per step, unrolled with no dependence between their loads, so they are in
+    flight together: one pass for the step's max, one that adds each chunk under its
+    weight.
+    """
+    b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for c0 in range(c_lo, c_hi, BLOCK_C):
+        b_mnew = b_m
+        for j in tl.static_range(BLOCK_C):
+            slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
+            b_lj = tl.load(p_plse + slot.to(tl.int64) * ROWS + o_m, mask=m_row & (c0 + j < c_hi),
+                           other=float("-inf"))
+            b_mnew = tl.maximum(b_mnew, b_lj)
+        b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+        b_a = tl.exp2(b_m - b_msafe)
+        b_acc = b_acc * b_a[:, None]
+        b_l = b_l * b_a
+        for j in tl.static_range(BLOCK_C):
+            slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
+            live = m_row & (c0 + j < c_hi)
+            o_prow = slot.to(tl.int64) * ROWS + o_m
+            b_w = tl.exp2(tl.load(p_plse + o_prow, mask=live, other=float("-inf")) - b_msafe)
+            b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=live[:, None], other=0.0)
+            b_acc += b_oc * b_w[:, None]
+            b_l += b_w
+        b_m = b_mnew
+    return b_m, b_l, b_acc
+
+
+@triton.jit
+def _store_final(p_out, p_lse, b, h, b_m, b_l, b_acc, o_m, o_d, m_row, stride_ot, stride_oh, stride_lt,
+                 GROUP: tl.constexpr, Q_LEN: tl.constexpr, HAS_LSE: tl.constexpr, WRITE_LSE):
+    m_live = b_l > 0.0
+    b_o = tl.where(m_live[:, None], b_acc / tl.where(m_live, b_l, 1.0)[:, None], 0.0)
+    i_tok = b * Q_LEN + o_m // GROUP
+    i_head = h * GROUP + (o_m % GROUP)
+    p_orow = p_out + i_tok.to(tl.int64) * stride_ot + i_head * stride_oh
+    tl.store(p_orow[:, None] + o_d[None, :], b_o.to(p_out.dtype.element_ty), mask=m_row[:, None])
+    if HAS_LSE:
+        if WRITE_LSE:
+            b_lse = tl.where(m_live, (b_m + tl.log2(tl.where(m_live, b_l, 1.0))) * LN2, float("-inf"))
+            tl.store(p_lse + i_tok.to(tl.int64) * stride_lt + i_head, b_lse, mask=m_row)
+
+
+@triton.jit
+def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+                   stride_ot, stride_oh, stride_lt,
+                   HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Group g (chunks [g * BLOCK_C, +BLOCK_C)) of the plan item that starts in bin p.
+
+    One group: the item's output is finished here. Several: the group's unnormalised sum
+    goes in place over its first chunk's columns (this program is their only reader), its
+    row max and weight sum to ``gml`` (column block 0 writes them; every column block
+    computes the same values), then an arrival counter per start bin picks the last of
+    the item's groups x column blocks, which merges the groups over the whole head dim,
+    in group order (deterministic), and puts the counter back to zero. An item of
+    hundreds of chunks (the TP8 slice) is then merged by hundreds of programs in one step
+    each, not by D / BLOCK_D programs in one step per BLOCK_C chunks (round F: 19.7 us).
+    """
+    ROWS: tl.constexpr = GROUP * Q_LEN
+    ND: tl.constexpr = D // BLOCK_D
+    b = item // HKV
+    h = item % HKV
+    o_m = tl.arange(0, BLOCK_M)
+    o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_row = o_m < ROWS
+    first = 2 * p + 1
+    c_lo = g * BLOCK_C
+    b_m, b_l, b_acc = _merge_chunks(p_po, p_plse, first, p, c_lo, tl.minimum(n_chunks, c_lo + BLOCK_C), o_m, o_d,
+                                    m_row, ROWS, D, BLOCK_M, BLOCK_D, BLOCK_C, False)
+    n_groups = (n_chunks + BLOCK_C - 1) // BLOCK_C
+    if n_groups == 1:
+        _store_final(p_out, p_lse, b, h, b_m, b_l, b_acc, o_m, o_d, m_row, stride_ot, stride_oh, stride_lt,
+                     GROUP, Q_LEN, HAS_LSE, pid_d == 0)
+    else:
+        slot0 = _combine_slot(first, p, c_lo, False).to(tl.int64)
+        o_srow = slot0 * ROWS + o_m
+        tl.store(p_po + o_srow[:, None] * D + o_d[None, :], b_acc, mask=m_row[:, None])
+        if pid_d == 0:
+            tl.store(p_gml + slot0 * (2 * ROWS) + o_m, b_m, mask=m_row)
+            tl.store(p_gml + slot0 * (2 * ROWS) + ROWS + o_m, b_l, mask=m_row)
+        # every thread's stores happen before the (single-thread) release
+        tl.debug_barrier()
+        arrived = tl.atomic_add(p_count + p, 1, sem="acq_rel")
+        if arrived == n_groups * ND - 1:
+            # [BLOCK_M, DF] column chunks of at most 4096 values (32 registers a thread)
+            DF: tl.constexpr = D if BLOCK_M * D <= 4096 else 4096 // BLOCK_M
+            for f0 in tl.static_range(0, D, DF):
+                o_f = f0 + tl.arange(0, DF)
+                f_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+                f_l = tl.zeros([BLOCK_M], dtype=tl.float32)
+                f_acc = tl.zeros([BLOCK_M, DF], dtype=tl.float32)
+                for gg in range(0, n_groups):
+                    s_g = _combine_slot(first, p, gg * BLOCK_C, False).to(tl.int64)
+                    g_m = tl.load(p_gml + s_g * (2 * ROWS) + o_m, mask=m_row, other=float("-inf"),
+                                  cache_modifier=".cg")
+                    g_l = tl.load(p_gml + s_g * (2 * ROWS) + ROWS + o_m, mask=m_row, other=0.0, cache_modifier=".cg")
+                    g_acc = tl.load(p_po + (s_g * ROWS + o_m)[:, None] * D + o_f[None, :], mask=m_row[:, None],
+                                    other=0.0, cache_modifier=".cg")
+                    f_mnew = tl.maximum(f_m, g_m)
+                    f_msafe = tl.where(f_mnew == float("-inf"), 0.0, f_mnew)
+                    f_a = tl.exp2(f_m - f_msafe)
+                    g_a = tl.exp2(g_m - f_msafe)
+                    f_acc = f_acc * f_a[:, None] + g_acc * g_a[:, None]
+                    f_l = f_l * f_a + g_l * g_a
+                    f_m = f_mnew
+                _store_final(p_out, p_lse, b, h, f_m, f_l, f_acc, o_m, o_f, m_row, stride_ot, stride_oh, stride_lt,
+                             GROUP, Q_LEN, HAS_LSE, f0 == 0)
+            tl.store(p_count + p, 0)
+
+
 @triton.jit(do_not_specialize=["B", "splits"])
 def combine_kernel(
-    p_tiles, p_req_end, p_prog_start, p_meta, p_po, p_plse, p_out, p_lse,
+    p_tiles, p_req_end, p_prog_start, p_meta, p_po, p_plse, p_gml, p_count, p_out, p_lse,
     B, splits, stride_ot, stride_oh, stride_lt,
     NP: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_LSE: tl.constexpr,
@@ -337,19 +460,17 @@ def combine_kernel(
 ):
     """Merge the partial chunks of split items under one softmax normalisation.
 
-    Plan: program (p, d) finishes columns [d * BLOCK_D, +BLOCK_D) of the item that starts
-    in bin p and continues past it, if any (chunks in bins p..p_last). Static: program
-    (item, d), chunks = its SPLITS slots. Chunks are merged BLOCK_C at a time (one block
-    max, then one rescale of the running sum), so a long item's loads are all in flight
-    together rather than one chunk per dependent step: an item of one kv head spread over
-    hundreds of programs (the TP8 slice) has hundreds of chunks.
+    Plan: program (bin q, column block d) has up to two roles. Tail: the item that starts
+    in bin q and continues past it (its chunk 0 is q's tail slot) -> its group 0. Head:
+    the item that reaches bin q from an earlier start bin p (its chunk q - p is q's head
+    slot) -> its group (q - p) / BLOCK_C when q - p is a multiple of BLOCK_C. So every
+    group of BLOCK_C chunks has its own program, found with O(1) loads and no work list
+    (see :func:`_combine_group`). Static: program (item, d) merges the item's SPLITS
+    slots in steps of BLOCK_C.
     """
     ROWS: tl.constexpr = GROUP * Q_LEN
     # One grid axis, column block fastest: the D / BLOCK_D programs of a bin are dispatched
-    # together, in bin order. (With a 2-D grid (bins, D / BLOCK_D) the hardware dispatches
-    # bins fastest, so the last column block of bin 0, which holds the TP8 slice's
-    # 128-chunk item, waited behind ~7 x NP programs that exit at once: ncu measured 19.9 us
-    # for that combine, round F3.)
+    # together, in bin order.
     ND: tl.constexpr = D // BLOCK_D
     pid = tl.program_id(0) // ND
     pid_d = tl.program_id(0) % ND
@@ -357,68 +478,37 @@ def combine_kernel(
         gdc_wait()  # launched while the attention kernel runs: wait for its partials
     n_items = B * HKV
     if IS_STATIC:
-        item = pid
-        first = pid * splits
-        n_chunks = splits
-        todo = item < n_items
+        if pid < n_items:
+            o_m = tl.arange(0, BLOCK_M)
+            o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+            m_row = o_m < ROWS
+            b_m, b_l, b_acc = _merge_chunks(p_po, p_plse, pid * splits, pid, 0, splits, o_m, o_d, m_row,
+                                            ROWS, D, BLOCK_M, BLOCK_D, BLOCK_C, True)
+            _store_final(p_out, p_lse, pid // HKV, pid % HKV, b_m, b_l, b_acc, o_m, o_d, m_row,
+                         stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, HAS_LSE, pid_d == 0)
     else:
         total = tl.load(p_meta + 0)
-        budget = tl.load(p_meta + 1)
+        budget = tl.maximum(tl.load(p_meta + 1), 1)
         g0 = pid * budget
         g1 = tl.minimum(g0 + budget, total)
+        # tail role: the item containing the first tile of bin q + 1, if it starts in bin q
         item = tl.load(p_prog_start + pid + 1)
         b = tl.minimum(item, n_items - 1) // HKV
         n = tl.load(p_tiles + b)
         start = tl.load(p_req_end + b) - (HKV - item % HKV) * n
-        todo = (item < n_items) & (start >= g0) & (start < g1) & (start + n > g1)
-        first = 2 * pid + 1
-        n_chunks = (start + n - 1) // tl.maximum(budget, 1) - pid + 1
-    if todo:
-        b = item // HKV
-        h = item % HKV
-        o_m = tl.arange(0, BLOCK_M)
-        o_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-        m_row = o_m < ROWS
-        # Purely elementwise: each thread merges its own outputs in chunk order, and the row
-        # statistics are [BLOCK_M] vectors read by small loads (fewer values than threads,
-        # so the compiler gives them the accumulator's row layout instead of converting
-        # through shared memory). No cross-thread reduction, so deterministic and racecheck
-        # clean. (The previous combine picked each chunk's weight row out of a
-        # [BLOCK_C, BLOCK_M] tile with a cross-warp sum: a shared-memory round trip and a
-        # barrier per chunk, ~130 of them per item on the TP8 slice.)
-        b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-        b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for c0 in range(0, n_chunks, BLOCK_C):
-            # BLOCK_C chunks per step, unrolled with no dependence between their loads, so
-            # they are all in flight together: one pass for the step's max, one that adds
-            # each chunk's output under its weight.
-            b_mnew = b_m
-            for j in tl.static_range(BLOCK_C):
-                slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
-                b_lj = tl.load(p_plse + slot.to(tl.int64) * ROWS + o_m, mask=m_row & (c0 + j < n_chunks),
-                               other=float("-inf"))
-                b_mnew = tl.maximum(b_mnew, b_lj)
-            b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
-            b_a = tl.exp2(b_m - b_msafe)
-            b_acc = b_acc * b_a[:, None]
-            b_l = b_l * b_a
-            for j in tl.static_range(BLOCK_C):
-                slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
-                live = m_row & (c0 + j < n_chunks)
-                o_prow = slot.to(tl.int64) * ROWS + o_m
-                b_w = tl.exp2(tl.load(p_plse + o_prow, mask=live, other=float("-inf")) - b_msafe)
-                b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=live[:, None], other=0.0)
-                b_acc += b_oc * b_w[:, None]
-                b_l += b_w
-            b_m = b_mnew
-        m_live = b_l > 0.0
-        b_o = tl.where(m_live[:, None], b_acc / tl.where(m_live, b_l, 1.0)[:, None], 0.0)
-        i_tok = b * Q_LEN + o_m // GROUP
-        i_head = h * GROUP + (o_m % GROUP)
-        p_orow = p_out + i_tok.to(tl.int64) * stride_ot + i_head * stride_oh
-        tl.store(p_orow[:, None] + o_d[None, :], b_o.to(p_out.dtype.element_ty), mask=m_row[:, None])
-        if HAS_LSE:
-            if pid_d == 0:
-                b_lse = tl.where(m_live, (b_m + tl.log2(tl.where(m_live, b_l, 1.0))) * LN2, float("-inf"))
-                tl.store(p_lse + i_tok.to(tl.int64) * stride_lt + i_head, b_lse, mask=m_row)
+        if (item < n_items) & (start >= g0) & (start < g1) & (start + n > g1):
+            n_chunks = (start + n - 1) // budget - pid + 1
+            _combine_group(item, pid, n_chunks, 0, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+                           stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D)
+        # head role: the item containing the first tile of bin q, if it started in an earlier bin
+        # (two inlined calls: one loop over both roles kept the slots from folding, 213 registers)
+        item = tl.load(p_prog_start + pid)
+        b = tl.minimum(item, n_items - 1) // HKV
+        n = tl.load(p_tiles + b)
+        start = tl.load(p_req_end + b) - (HKV - item % HKV) * n
+        p = start // budget
+        c = pid - p
+        if (item < n_items) & (start < g0) & (g0 < total) & (c % BLOCK_C == 0):
+            n_chunks = (start + n - 1) // budget - p + 1
+            _combine_group(item, p, n_chunks, c // BLOCK_C, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+                           stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D)

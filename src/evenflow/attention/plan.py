@@ -138,6 +138,8 @@ class DecodePlan:
         self.req_end = torch.zeros(max_batch, **i32)
         self.prog_start = torch.zeros(num_programs + 1, **i32)
         self.meta = torch.zeros(4, **i32)
+        # combine arrival counters, one per start bin; each merge puts its counter back to 0
+        self.combine_count = torch.zeros(num_programs, **i32)
         self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
         self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -154,13 +156,16 @@ class DecodePlan:
         self.batch = B
         return self
 
-    def partials(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def partials(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output partials [slots, rows, D], their LSEs [slots, rows], the combine's group
+        max and weight sums [slots, 2, rows]), fp32, slots = 2 * num_programs."""
         key = (rows, head_dim)
         if key not in self._partials:
             slots = 2 * self.num_programs
             self._partials[key] = (
                 torch.empty(slots, rows, head_dim, dtype=torch.float32, device=self.device),
                 torch.empty(slots, rows, dtype=torch.float32, device=self.device),
+                torch.empty(slots, 2, rows, dtype=torch.float32, device=self.device),
             )
         return self._partials[key]
 
