@@ -88,18 +88,8 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
             tiles = math.ceil(m / bm) * math.ceil(n / bn)
             for split in _splits(tiles, k, 64, 8, sms, 3):
                 out.append(GemmConfig(bm, bn, 64, split, warps, stages))
-    from evenflow.router.gemm import launch_shape
 
-    seen, kept = set(), []
-    for c in (c.fit_smem(terms) for c in out):
-        # Two split counts that give the same K slice launch the same programs (e.g. K=4096,
-        # BLOCK_K=128: split 16 and 24 both make 256-wide slices); capping can also merge two.
-        key = (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
-               launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0])
-        if key not in seen:
-            seen.add(key)
-            kept.append(c)
-    out = splitk_candidates(m, n, k, sms, terms) + kept + simt_candidates(m)
+    out = splitk_candidates(m, n, k, sms, terms) + _distinct_launches(out, m, n, k, terms) + simt_candidates(m)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out
@@ -131,7 +121,6 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
     if m > 16:
         return []
     from evenflow.router.dispatch import heuristic_splitk_config
-    from evenflow.router.gemm import launch_shape
 
     bm = min(16, 1 << max(0, m - 1).bit_length())
     # (BLOCK_N, BLOCK_K, warps): 32-128 accumulators a thread; more of them raise the FFMA share
@@ -150,9 +139,18 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
             steps = max(1, int(tiles * k_blocks // (per_sm * sms)))
             split = min(256, math.ceil(k_blocks / steps))
             out.append(GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
+    return _distinct_launches(out, m, n, k, terms)
+
+
+def _distinct_launches(configs, m, n, k, terms):
+    """``configs`` capped to shared memory, one per distinct launch: two split counts that give
+    the same K slice launch the same programs (e.g. K=4096, BLOCK_K=128: split 16 and 24 both
+    make 256-wide slices); capping can also merge two."""
+    from evenflow.router.gemm import launch_shape
+
     seen, kept = set(), []
-    for c in (c.fit_smem(terms) for c in out):
-        key = (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
+    for c in (c.fit_smem(terms) for c in configs):
+        key = (c.path, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
                launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0])
         if key not in seen:
             seen.add(key)

@@ -19,7 +19,7 @@ import evenflow
 from evenflow.reference import router as R
 from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
-from evenflow.testing import assert_within_rule, poisoned
+from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
 
 
 def _inputs(m, n, k, device, std=0.02):
@@ -338,14 +338,7 @@ SIMT = [GemmConfig(1, 1, 64, 1, 4, 1, "fp32-simt"), GemmConfig(4, 2, 32, 1, 2, 1
         GemmConfig(16, 4, 128, 1, 4, 2, "fp32-simt")]
 
 
-def _check_fp32(out, x, w, what):
-    ref = R.router_logits_fp64(x.cpu(), w.cpu())
-    base = x.cpu().float() @ w.cpu().t()
-    err = assert_within_rule(out, ref, base, what=what)
-    mag = x.cpu().double().abs() @ w.cpu().double().abs().t()
-    excess = ((out.cpu().double() - ref).abs() - x.shape[1] * 2.0**-24 * mag).max().item()
-    assert excess <= 0, f"{what}: analytic bound exceeded by {excess:.3e}"
-    return err
+_check_fp32 = assert_fp32_gemm_within_bound
 
 
 @pytest.mark.parametrize("cfg", SIMT, ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}")

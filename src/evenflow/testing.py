@@ -82,3 +82,17 @@ def poisoned(shape, dtype: torch.dtype, device) -> torch.Tensor:
     else:
         t.fill_(-7777 if dtype != torch.uint8 else 0xAB)
     return t
+
+
+def assert_fp32_gemm_within_bound(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what: str = "output") -> float:
+    """``out`` ~ x @ w.T for an fp32-accumulating GEMM: the tolerance rule against the fp64
+    product (baseline: the same product in fp32), and the analytic bound of any fp32
+    summation order, |err| <= K * 2^-24 * |x| @ |w|.T elementwise. Returns the max error."""
+    x64, w64 = x.cpu().double(), w.cpu().double()
+    ref = x64 @ w64.t()
+    base = x.cpu().float() @ w.cpu().float().t()
+    err = assert_within_rule(out, ref, base, what=what)
+    mag = x64.abs() @ w64.abs().t()
+    excess = ((out.cpu().double() - ref).abs() - x.shape[1] * 2.0**-24 * mag).max().item()
+    assert excess <= 0, f"{what}: analytic bound exceeded by {excess:.3e}"
+    return err

@@ -76,12 +76,7 @@ class GemmConfig:
                 v = getattr(self, name)
                 if v < lo or v & (v - 1):
                     raise ValueError(f"config.{name} must be a power of two >= {lo} for fp32-splitk, got {v}")
-            if self.split_k < 1 or self.split_k > 256:
-                raise ValueError(f"config.split_k must be in [1, 256], got {self.split_k}")
-            if self.num_warps not in (1, 2, 4, 8, 16):
-                raise ValueError(f"config.num_warps must be a power of two <= 16, got {self.num_warps}")
-            if self.num_stages < 1:
-                raise ValueError(f"config.num_stages must be >= 1, got {self.num_stages}")
+            self._check_launch_knobs()
             per_thread = self.block_m * self.block_n * self.block_k // (32 * self.num_warps)
             if per_thread > 128:
                 raise ValueError(
@@ -94,6 +89,10 @@ class GemmConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot minimum), got {v}")
+        self._check_launch_knobs()
+
+    def _check_launch_knobs(self) -> None:
+        # split-K, warps and stages: the same limits for every Triton path
         if self.split_k < 1 or self.split_k > 256:
             raise ValueError(f"config.split_k must be in [1, 256], got {self.split_k}")
         if self.num_warps not in (1, 2, 4, 8, 16):

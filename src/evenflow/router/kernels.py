@@ -24,6 +24,24 @@ import triton.language as tl
 from evenflow._kernels.common import dot_operand
 
 
+@triton.jit
+def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output tile (grid axis 0, N fastest) and K slice [k_start, k_end) (axis 1)."""
+    i_mn = tl.program_id(0)
+    i_s = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    o_m = (i_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = (i_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_k = tl.arange(0, BLOCK_K)
+    # K_SPLIT is a multiple of BLOCK_K (launch_shape) but not specialised (do_not_specialize):
+    # without the hint the compiler cannot prove 16-byte alignment of `p + k` and Triton's
+    # software pipeliner refuses cp.async for every load of the K loop (round-B finding: the
+    # sm_90 TTGIR had no async copies at all).
+    k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    return i_mn, i_s, o_m, o_n, o_k, o_m < M, o_n < N, k_start, k_end
+
+
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
 def router_gemm_kernel(
     p_x, p_whi, p_wlo, p_wlo2, p_out, p_part, p_count,
@@ -33,25 +51,7 @@ def router_gemm_kernel(
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
     RED_CHUNK: tl.constexpr,
 ):
-    i_mn = tl.program_id(0)
-    i_s = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    i_m = i_mn // num_n
-    i_n = i_mn % num_n
-
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, BLOCK_K)
-    m_m = o_m < M
-    m_n = o_n < N
-
-    # This program's K range: [k_start, k_end). K_SPLIT is a multiple of BLOCK_K.
-    # multiple_of: K_SPLIT is not specialised (do_not_specialize), so without the hint
-    # the compiler cannot prove 16-byte alignment of `p + k` and Triton's software
-    # pipeliner refuses cp.async for every load of the K loop (round-B finding: the
-    # sm_90 TTGIR had no async copies at all).
-    k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
-    k_end = tl.minimum(k_start + K_SPLIT, K)
+    i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]
     o_w = o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N] view of w^T
@@ -195,21 +195,7 @@ def router_gemm_fp32_splitk_kernel(
     (the result never depends on arrival order), stores the tile and puts the counter
     back to 0, so the next call or CUDA-graph replay starts clean without a memset.
     """
-    i_mn = tl.program_id(0)
-    i_s = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    i_m = i_mn // num_n
-    i_n = i_mn % num_n
-
-    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, BLOCK_K)
-    m_m = o_m < M
-    m_n = o_n < N
-    # K_SPLIT is a multiple of BLOCK_K (launch_shape); the hint keeps `p + k` provably
-    # 16-byte aligned, which cp.async needs (same finding as the tensor-core kernel).
-    k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
-    k_end = tl.minimum(k_start + K_SPLIT, K)
+    i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
     p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
