@@ -8,9 +8,10 @@ plain strided read of the same bytes, separates the kernel from the memory syste
 
     python benchmarks/probe_kv_layout.py [--out DIR]
 
-Rows: (case, kv dtype, layout) -> decode µs (graph replay) and frac of the copy floor;
-(kv dtype, row bytes) -> a Triton kernel that only sums one head's K and V rows
-tile by tile (no attention math), same access pattern as decode.
+Rows (BENCH.md schema): impl ``evenflow-NHD`` / ``evenflow-HND``: decode µs (graph replay)
+and frac of the copy floor; ``read-<layout>-s<stages>`` (uniform cases): a Triton kernel
+that only sums one head's K and V rows tile by tile (no attention math), same pages and
+access pattern as decode.
 """
 from __future__ import annotations
 
@@ -87,8 +88,10 @@ def main(argv=None) -> None:
                 plan = evenflow.DecodePlan(case.batch, mp * bench.PAGE_SIZE, case.num_kv_heads,
                                            page_size=bench.PAGE_SIZE, device="cuda").update(sl)
                 us = harness.time_graph(lambda: evenflow.decode_attention(q, k, v, pt, sl, plan=plan, **sc))
-                row = dict(case=name, kv=str(dtype).split(".")[-1], layout=layout, what="decode", us=us,
-                           floor_us=floor, frac_of_floor=floor / us)
+                variant = "fp8-kv" if dtype == FP8 else "bf16-kv"
+                row = dict(case=name, variant=variant, impl=f"evenflow-{layout}", us=us, floor_us=floor,
+                           frac_of_floor=floor / us)
+                read = []
                 if len(set(case.lengths)) == 1:  # uniform: the plain read, same pages, same pattern
                     out = torch.empty(case.batch * case.num_kv_heads, bench.HEAD_DIM, device="cuda")
                     ptc = pt.contiguous()
@@ -96,10 +99,11 @@ def main(argv=None) -> None:
                         t = harness.time_graph(lambda: _read_kernel[(case.batch * case.num_kv_heads,)](
                             k, v, ptc, out, mp, k.stride(0), k.stride(1), k.stride(2), HKV=case.num_kv_heads,
                             PAGE=bench.PAGE_SIZE, D=bench.HEAD_DIM, NUM_STAGES=stages, num_warps=4))
-                        row[f"read_s{stages}_frac"] = floor / t
-                rows.append(row)
-                print(f"{name:14s} {row['kv']:14s} {layout} decode {us:8.1f} us frac {floor / us:.3f} "
-                      + " ".join(f"{k} {v:.3f}" for k, v in row.items() if k.startswith("read_")), flush=True)
+                        read.append(dict(case=name, variant=variant, impl=f"read-{layout}-s{stages}", us=t,
+                                         floor_us=floor, frac_of_floor=floor / t))
+                rows += [row] + read
+                print(f"{name:14s} {variant} {layout} decode {us:8.1f} us frac {floor / us:.3f} "
+                      + " ".join(f"{r['impl']} {r['frac_of_floor']:.3f}" for r in read), flush=True)
     d = harness.results_dir(args.out) / "sweeps"
     d.mkdir(parents=True, exist_ok=True)
     with open(d / "probe_kv_layout.json", "w") as f:
