@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import evenflow
+from evenflow import _runtime
 from evenflow.reference.attention import decode_attention_ref
 from evenflow.testing import assert_within_rule, poisoned
 
@@ -237,6 +238,9 @@ def test_bad_arguments(device):
         da(q, k.transpose(2, 3), v.transpose(2, 3), pt, sl, plan=plan)
     with pytest.raises(TypeError, match="pdl"):
         evenflow.DecodePlan(2, 1000, 2, device=device, pdl=1)
+    if _runtime.interpreting():
+        with pytest.raises(ValueError, match="pdl=True"):
+            evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
 
 
 def test_opcheck(device):

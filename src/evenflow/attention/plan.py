@@ -132,6 +132,9 @@ class DecodePlan:
         self.align_items = align_items
         if pdl is not None and not isinstance(pdl, bool):
             raise TypeError(f"pdl must be a bool or None, got {pdl!r}")
+        if pdl and not _runtime.pdl_supported(dev):
+            raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
+                             f"not {dev}; pass None (automatic) or False")
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
@@ -141,7 +144,7 @@ class DecodePlan:
         # combine arrival counters, one per start bin; each merge puts its counter back to 0
         self.combine_count = torch.zeros(num_programs, **i32)
         self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
-        self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def update(self, seq_lens: torch.Tensor) -> DecodePlan:
         """Rebuild the schedule from device-side ``seq_lens`` [B] int32 (B <= max_batch)."""

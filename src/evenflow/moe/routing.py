@@ -23,6 +23,8 @@ MAX_TOP_K = 16
 MULTI_PROGRAM_PAIRS = 256
 _CHUNK = 256
 _BLOCK = 128  # pairs per step of a program (= 32 * num_warps), and tiles per task-map step
+# the chunk kernels walk whole _BLOCK steps and mask only the total pair count, not the chunk end
+assert _CHUNK % _BLOCK == 0
 
 
 class MoEIndex(NamedTuple):

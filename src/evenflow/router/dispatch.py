@@ -222,7 +222,8 @@ def heuristic_splitk_config(m: int, n: int, k: int, sms: int | None = None) -> G
     """Untuned fp32-splitk config: about 1.5-3 programs per SM, each reading whole K steps.
 
     Register block BLOCK_M x BLOCK_N x BLOCK_K at 4 warps: 32 fp32 accumulators a thread at
-    M <= 2, 64 at M <= 4, 128 from M = 8. Every thread holds all BLOCK_M rows of its k-lanes,
+    M <= 2, 64 at M <= 8 (the 128 aimed for from M = 8 needs BLOCK_N 32; it is capped at 16),
+    128 at M = 16. Every thread holds all BLOCK_M rows of its k-lanes,
     so each x value it reads from shared memory (and widens) feeds BLOCK_N/(warps along N)
     FMAs: the sm_90 SASS of the K loop is 30% FFMA at 32 accumulators, 48% at 64 and 64% at
     128 (166 registers, no spill), which matters from M = 16 (CUDA-core time ~ the byte time
