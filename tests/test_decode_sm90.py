@@ -90,3 +90,19 @@ def test_default_programs_are_resident_on_sm90(name):
         assert s["regs"] * threads * PPS <= 65536, s
         assert (s["shared"] + 1024) * PPS <= 233472, s
         assert s["spill_bytes"] <= 32, s
+
+
+@pytest.mark.parametrize("name", ["bf16", "tp8-slice", "d256-p128-g16-q4"])
+def test_combine_is_resident_three_per_sm_without_spilling(name):
+    """The combine's grid has a program per (bin, column block), most of which exit at once:
+    its register cap (168) lets 3 of them share an SM. The cap must not cost more than a few
+    bytes of spill (sm_90 build of round F: <= 4 bytes; 185 registers uncapped)."""
+    from evenflow.attention.decode import _COMBINE_MAX_REGS
+
+    with CC.emulate_gpu(), CC.record_launches() as rec:
+        _call(**SCENARIOS[name])
+    stats = CC.compile_stats([la for la in rec if la.name == "combine_kernel"])
+    assert stats and all("error" not in s for s in stats), stats
+    for s in stats:
+        assert s["regs"] <= _COMBINE_MAX_REGS and s["regs"] * 32 * s["num_warps"] * 3 <= 65536, s
+        assert s["spill_bytes"] <= 16, s
