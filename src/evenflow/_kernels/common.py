@@ -1,8 +1,9 @@
 """Triton helpers shared across operators.
 
-Both helpers exist for the Triton 3.6 CPU interpreter's defects (see
-``evenflow._runtime``); on a GPU their constexpr switch is False and they compile
-to nothing.
+``dot_operand`` and ``to_fp8e4`` exist for the Triton 3.6 CPU interpreter's defects
+(see ``evenflow._runtime``); on a GPU their constexpr switch is False and they compile
+to nothing. ``arrived_last`` is the one place the "last program to arrive finishes the
+work" pattern orders memory (router split-K, MoE split-K, decode combine groups).
 """
 import triton
 import triton.language as tl
@@ -65,3 +66,17 @@ def e4m3_to_f16_in_registers(x, INTERPRET: tl.constexpr):
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
             "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+
+
+@triton.jit
+def arrived_last(p_counter, expected):
+    """Count this program in at ``p_counter``; True in the one that arrives ``expected``-th.
+
+    The atomic is executed by one thread, and a release orders only that thread's own
+    writes; the CTA barrier first makes every thread's global stores (the partial this
+    program leaves for the last one) happen before it. acq_rel at GPU scope then makes all
+    arrivals' stores visible to the last one, which must read them with ``.cg`` loads (L1 is
+    not coherent across SMs) and put the counter back to 0 for the next call / graph replay.
+    """
+    tl.debug_barrier()
+    return tl.atomic_add(p_counter, 1, sem="acq_rel") == expected - 1

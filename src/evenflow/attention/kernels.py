@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from evenflow._kernels.common import dot_operand, e4m3_to_f16_in_registers
+from evenflow._kernels.common import arrived_last, dot_operand, e4m3_to_f16_in_registers
 
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).
@@ -420,10 +420,7 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_
         if pid_d == 0:
             tl.store(p_gml + slot0 * (2 * ROWS) + o_m, b_m, mask=m_row)
             tl.store(p_gml + slot0 * (2 * ROWS) + ROWS + o_m, b_l, mask=m_row)
-        # every thread's stores happen before the (single-thread) release
-        tl.debug_barrier()
-        arrived = tl.atomic_add(p_count + p, 1, sem="acq_rel")
-        if arrived == n_groups * ND - 1:
+        if arrived_last(p_count + p, n_groups * ND):
             # [BLOCK_M, DF] column chunks of at most 4096 values (32 registers a thread)
             DF: tl.constexpr = D if BLOCK_M * D <= 4096 else 4096 // BLOCK_M
             for f0 in tl.static_range(0, D, DF):

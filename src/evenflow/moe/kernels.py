@@ -28,7 +28,7 @@ block-128 (dynamic per-token-group-128 activation scales, 128x128 weight blocks)
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import FP8_E4M3_MAX, dot_operand, to_fp8e4
+from evenflow._kernels.common import FP8_E4M3_MAX, arrived_last, dot_operand, to_fp8e4
 
 # Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
 # scale and quantises to zeros rather than dividing by zero).
@@ -360,9 +360,9 @@ def moe_gate_up_kernel(
         tl.store(p_pg + i_s * stride_ps, acc_g, mask=m_m[:, None])
         tl.store(p_pg + i_s * stride_ps + I, acc_u, mask=m_m[:, None])
         p_c = p_count + i_tile * tl.num_programs(1) + i_n
-        # acq_rel: our partial stores are visible to the last arrival, and its loads see everyone's.
-        arrived = tl.atomic_add(p_c, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        # (arrived_last puts a CTA barrier before the release: without it only the thread
+        # that runs the atomic had its partial stores ordered before it)
+        if arrived_last(p_c, SPLIT_K):
             red_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             red_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(0, SPLIT_K):

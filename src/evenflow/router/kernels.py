@@ -21,7 +21,26 @@ fp32 weight itself (4 bytes a weight, no split of w; docs/perf-notes/router.md, 
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import dot_operand
+from evenflow._kernels.common import arrived_last, dot_operand
+
+
+@triton.jit
+def _sum_splits(p_split0, split_stride, m_tile, NUM_SPLITS: tl.constexpr, RED_CHUNK: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Sum of the NUM_SPLITS partial tiles at ``p_split0 + s * split_stride``, in split order
+    (deterministic). RED_CHUNK partials per round trip: the statically unrolled loads of a
+    chunk are independent, so they are in flight together (round 3 loaded one partial per
+    dependent L2 round trip: 16-24 of them were most of the small-M time; router notes,
+    round 4). ``.cg``: written by other programs. A masked-off split adds +0.0, so the sum
+    is bitwise that of the plain loop. MASKED: apply ``m_tile`` (else the tile is padded)."""
+    b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, RED_CHUNK):
+        for j in tl.static_range(RED_CHUNK):
+            live = s0 + j < NUM_SPLITS
+            if MASKED:
+                live = m_tile & live
+            b_sum += tl.load(p_split0 + (s0 + j) * split_stride, mask=live, other=0.0, cache_modifier=".cg")
+    return b_sum
 
 
 @triton.jit
@@ -102,21 +121,8 @@ def router_gemm_kernel(
         o_part = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
         plane = M.to(tl.int64) * N
         tl.store(p_part + i_s * plane + o_part, b_out, mask=m_out)
-        # All threads' partial stores happen before the (single-thread) release.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(p_count + i_mn, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            # Sum in split order (deterministic), RED_CHUNK partials per round trip: the
-            # statically unrolled loads of a chunk are independent, so they are in flight
-            # together. (Round 3 loaded one partial per dependent L2 round trip: 16-24 of
-            # them were most of the small-M time; docs/perf-notes/router.md, round 4.)
-            # A masked-off split adds +0.0: the sum is bitwise that of the plain loop.
-            b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s0 in range(0, NUM_SPLITS, RED_CHUNK):
-                for j in tl.static_range(RED_CHUNK):
-                    m_s = m_out & (s0 + j < NUM_SPLITS)
-                    b_sum += tl.load(p_part + (s0 + j) * plane + o_part, mask=m_s, other=0.0,
-                                     cache_modifier=".cg")
+        if arrived_last(p_count + i_mn, NUM_SPLITS):
+            b_sum = _sum_splits(p_part + o_part, plane, m_out, NUM_SPLITS, RED_CHUNK, BLOCK_M, BLOCK_N, True)
             tl.store(p_out + o_out, b_sum, mask=m_out)
             tl.store(p_count + i_mn, 0)
 
@@ -222,16 +228,8 @@ def router_gemm_fp32_splitk_kernel(
         o_loc = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         p_tile = p_part + i_mn.to(tl.int64) * NUM_SPLITS * TILE + o_loc
         tl.store(p_tile + i_s * TILE, b_out)  # padded rows/columns hold 0 (masked loads)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(p_count + i_mn, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            # Split order, RED_CHUNK independent loads per L2 round trip (statically
-            # unrolled, issued together); masked-off splits add +0.0.
-            b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s0 in range(0, NUM_SPLITS, RED_CHUNK):
-                for j in tl.static_range(RED_CHUNK):
-                    b_sum += tl.load(p_tile + (s0 + j) * TILE, mask=s0 + j < NUM_SPLITS, other=0.0,
-                                     cache_modifier=".cg")
+        if arrived_last(p_count + i_mn, NUM_SPLITS):
+            b_sum = _sum_splits(p_tile, TILE, m_out, NUM_SPLITS, RED_CHUNK, BLOCK_M, BLOCK_N, False)
             tl.store(p_outb, b_sum, mask=m_out)
             tl.store(p_count + i_mn, 0)
 
