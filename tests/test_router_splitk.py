@@ -80,15 +80,17 @@ def test_fp32_splitk_matches_fp64(device, m, n, k, cfg):
     assert torch.equal(out, evenflow.router_gemm(x, rw, config=cfg)), "not deterministic"
 
 
-def test_fp32_splitk_large_values_and_strided_x(device):
-    # weights and activations far from 1; x rows with a stride (a view of a wider buffer)
-    k, n = 96, 12
-    xb = (torch.randn(7, k + 16, device=device) * 300).to(torch.bfloat16)
+@pytest.mark.parametrize("cfg,m,k", [(GemmConfig(4, 2, 32, 1, 2, 1, "fp32-simt"), 6, 80), (_cfg(8, 4, 16, 3), 7, 96)],
+                         ids=["fp32-simt", "fp32-splitk"])
+def test_fp32_paths_large_values_and_strided_x(device, cfg, m, k):
+    # both CUDA-core paths: weights and activations far from 1; x rows with a stride (a view
+    # of a wider buffer); K not a multiple of the simt path's block
+    n = 12
+    xb = (torch.randn(m, k + 16, device=device) * 300).to(torch.bfloat16)
     x = xb[:, :k]
     w = torch.randn(n, k, device=device) * 1e3
     rw = evenflow.RouterWeight(w)
-    cfg = _cfg(8, 4, 16, 3)
-    _check(evenflow.router_gemm(x, rw, config=cfg), x, w, "large values, strided x")
+    _check(evenflow.router_gemm(x, rw, config=cfg), x, w, f"{cfg.path}: large values, strided x")
 
 
 @pytest.mark.parametrize("splits", [5, 32, 33, 70])
