@@ -209,11 +209,18 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
     """Compile each distinct launch and report what residency depends on.
 
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
-    ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps`` and ``loops``
-    (SASS instruction counts per loop trip, :func:`sass_loops`); or ``error`` when the
-    launch does not compile.
+    ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
+    (SASS instruction counts per loop trip, :func:`sass_loops`) and ``mma`` (which MMA
+    instructions the PTX uses, :func:`mma_counts`); or ``error`` when the launch does not
+    compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
+
+
+def mma_counts(ptx: str) -> dict:
+    """Static counts of Hopper warpgroup MMAs (``wgmma.mma_async``) and warp-level MMAs
+    (``mma.sync``) in ``ptx``: which tensor-core path a kernel took."""
+    return {"wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync")}
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -297,7 +304,8 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 regs, spill = _ptxas_usage(compiled.asm["ptx"], arch)
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
-                                 "loops": sass_loops(compiled.asm["cubin"])})
+                                 "loops": sass_loops(compiled.asm["cubin"]),
+                                 "mma": mma_counts(compiled.asm["ptx"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

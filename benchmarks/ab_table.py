@@ -1,0 +1,41 @@
+"""Print an A/B table (µs and frac_of_floor per impl) from a benchmark result file.
+
+    python benchmarks/ab_table.py benchmarks/results/h200/decode.json [--impls a,b,c]
+
+One line per (case, variant), one column pair per impl, the ratio of each impl to the
+first in the last columns: for reading a device round's output at a glance.
+"""
+import argparse
+import json
+import sys
+
+
+def table(rows: list[dict], impls: list[str] | None = None) -> str:
+    impls = impls or list(dict.fromkeys(r["impl"] for r in rows if "us" in r))
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        if "us" in r:
+            by.setdefault((r["case"], r.get("variant", "")), {})[r["impl"]] = r
+    head = "| case | variant | " + " | ".join(f"{i} µs (frac)" for i in impls)
+    head += "".join(f" | {i} / {impls[0]}" for i in impls[1:]) + " |"
+    lines = [head, "|" + "---|" * (2 + len(impls) + len(impls) - 1)]
+    for (case, variant), got in by.items():
+        cells = [f"{got[i]['us']:.1f} ({got[i].get('frac_of_floor', float('nan')):.2f})" if i in got else "—"
+                 for i in impls]
+        base = got.get(impls[0])
+        ratios = [f"{base['us'] / got[i]['us']:.3f}" if base and i in got else "—" for i in impls[1:]]
+        lines.append(f"| {case} | {variant} | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("file")
+    p.add_argument("--impls", default=None, help="comma-separated, in column order (default: as found)")
+    a = p.parse_args(argv)
+    rows = json.load(open(a.file))["rows"]
+    print(table(rows, a.impls.split(",") if a.impls else None))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
