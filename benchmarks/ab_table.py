@@ -2,7 +2,7 @@
 
     python benchmarks/ab_table.py benchmarks/results/h200/decode.json [--impls a,b,c]
 
-One line per (case, variant), one column pair per impl, the ratio of each impl to the
+One line per (case, variant, batch), one column pair per impl, the ratio of each impl to the
 first in the last columns: for reading a device round's output at a glance.
 """
 import argparse
@@ -15,16 +15,16 @@ def table(rows: list[dict], impls: list[str] | None = None) -> str:
     by: dict[tuple, dict] = {}
     for r in rows:
         if "us" in r:
-            by.setdefault((r["case"], r.get("variant", "")), {})[r["impl"]] = r
-    head = "| case | variant | " + " | ".join(f"{i} µs (frac)" for i in impls)
+            by.setdefault((r["case"], r.get("variant", ""), r.get("batch", "")), {})[r["impl"]] = r
+    head = "| case | variant | batch | " + " | ".join(f"{i} µs (frac)" for i in impls)
     head += "".join(f" | {i} / {impls[0]}" for i in impls[1:]) + " |"
-    lines = [head, "|" + "---|" * (2 + len(impls) + len(impls) - 1)]
-    for (case, variant), got in by.items():
+    lines = [head, "|" + "---|" * (3 + len(impls) + len(impls) - 1)]
+    for (case, variant, batch), got in by.items():
         cells = [f"{got[i]['us']:.1f} ({got[i].get('frac_of_floor', float('nan')):.2f})" if i in got else "—"
                  for i in impls]
         base = got.get(impls[0])
         ratios = [f"{base['us'] / got[i]['us']:.3f}" if base and i in got else "—" for i in impls[1:]]
-        lines.append(f"| {case} | {variant} | " + " | ".join(cells + ratios) + " |")
+        lines.append(f"| {case} | {variant} | {batch} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 
 

@@ -50,9 +50,7 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # evenflow-pps2 rows made 2 the default), measured beside the default.
 # evenflow-nopdl: the default without programmatic dependent launch (round F), so the
 # launch gap it hides between the attention and combine kernels is measured.
-# evenflow-swap: the plan with token-major MMAs (S^T = K q^T, O^T = V^T P^T; round G).
-EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl", "evenflow-swap",
-                  "evenflow-swap-pps3"]
+EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl"]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # Issue 3's named mixed cases where bf16 must beat the best FlashInfer by >= 2.5x.
 BF16_2P5X_CASES = {"1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K", "2x32K+30x4K"}
@@ -237,10 +235,6 @@ def _evenflow_fns(impl: str, inp: Inputs):
             knobs = dict(num_programs=3 * sms)
         elif impl == "evenflow-nopdl":  # the launch gap between the two kernels, measured
             knobs = dict(pdl=False)
-        elif impl == "evenflow-swap":
-            knobs = dict(swap_ab=True)
-        elif impl == "evenflow-swap-pps3":
-            knobs = dict(swap_ab=True, num_programs=3 * sms)
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)

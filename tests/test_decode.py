@@ -65,13 +65,13 @@ def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None
 
 def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
         dynamic=True, num_programs=4, min_tiles=1, hnd=False, num_warps=None, num_stages=None, block_n=None,
-        swap_ab=None, **kw):
+        **kw):
     q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd, device=device)
     plan = None
     if dynamic:
         plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
                                    num_programs=num_programs, min_tiles=min_tiles, num_warps=num_warps,
-                                   num_stages=num_stages, block_n=block_n, swap_ab=swap_ab).update(sl)
+                                   num_stages=num_stages, block_n=block_n).update(sl)
     return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
 
 
@@ -181,26 +181,6 @@ def test_block_n_128_masks_chunk_ends(device, kv):
         run(device, [300, 64, 0, 77, 129], kv_dtype=FP8, num_programs=5, block_n=128, k_scale=1 / 30, v_scale=1 / 40)
     else:
         run(device, [300, 64, 0, 77, 129], page=16, q_len=2, num_programs=5, block_n=128)
-
-
-SWAP_CASES = {
-    "bf16-skewed-g8-d128": dict(lens=[700, 64, 0, 65, 130], group=8, d=128, num_programs=5),
-    "bf16-q3-g2-p16": dict(lens=[65, 130, 2, 0], q_len=3, group=2, page=16),
-    "bf16-d256-g16": dict(lens=[100, 140], d=256, hkv=1, group=16),
-    "fp8-kv-bf16-q": dict(lens=[300, 64, 0, 77], kv_dtype=FP8, k_scale=1 / 30, v_scale=1 / 40),
-    "fp8-kv-fp8-q-g8": dict(lens=[300, 65, 0], kv_dtype=FP8, q_dtype=FP8, k_scale=1 / 30, v_scale=1 / 40, group=8,
-                            d=128),
-    "fp8-block_n128": dict(lens=[300, 64, 0, 77, 129], kv_dtype=FP8, num_programs=5, block_n=128, k_scale=1 / 30,
-                           v_scale=1 / 40),
-}
-
-
-@pytest.mark.parametrize("case", list(SWAP_CASES))
-def test_swapped_operands(case, device):
-    """Token-major MMAs (S^T = K q^T, O^T = V^T P^T: the row statistics are column
-    reductions) give the same attention under the rule: dtypes, GQA groups, causal q rows,
-    pages, head dims and two-tile steps whose chunk ends fall inside a step."""
-    run(device, swap_ab=True, **SWAP_CASES[case])
 
 
 def test_default_programs_and_plan_reuse(device):

@@ -79,20 +79,6 @@ def test_real_shapes(case, kv):
     check(o2, None, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} {kv} static")
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8-q"])
-@pytest.mark.parametrize("case", ["1x128K+31x4K", "32x128+32x4K", "odd"])
-def test_swapped_operands_real_shapes(case, kv):
-    """The token-major formulation (warpgroup MMAs on sm_90) at real shapes."""
-    lens = CASES[case]
-    kvdt = FP8 if kv.startswith("fp8") else torch.bfloat16
-    q, qs, k, v, pt, sl = inputs(lens, kv=kvdt, qdt=FP8 if kv == "fp8-q" else torch.bfloat16)
-    ks, vs = (torch.tensor([1 / 30], device="cuda"), 1 / 40) if kvdt == FP8 else (None, None)
-    plan = evenflow.DecodePlan(64, 128 * K, 8, device="cuda", swap_ab=True).update(sl)
-    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
-                                       return_lse=True)
-    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} {kv} swapped")
-
-
 @pytest.mark.parametrize("hq,hkv,d,page,q_len", [(8, 1, 128, 64, 1), (32, 4, 128, 16, 2), (16, 4, 64, 32, 4),
                                                  (8, 2, 256, 128, 3), (16, 1, 128, 64, 1)])
 def test_shapes(hq, hkv, d, page, q_len):

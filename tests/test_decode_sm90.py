@@ -57,12 +57,6 @@ SCENARIOS = {
     "fp8-q-block_n128-tiny": dict(lens=[300, 64, 0, 77], hq=16, hkv=2, d=128, kv=FP8, qdt=FP8, block_n=128),
     "fp8-block_n128-d64-tiny": dict(lens=[300, 64, 0, 77, 129], hq=8, hkv=2, d=64, kv=FP8, block_n=128),
     "bf16-block_n128-p16-q2": dict(lens=[300, 5000], hq=8, hkv=2, d=64, page=16, q_len=2, block_n=128),
-    "swap-bf16": dict(lens=BIG, swap_ab=True),
-    "swap-fp8-kv": dict(lens=BIG, kv=FP8, swap_ab=True),
-    "swap-fp8-kv-fp8-q": dict(lens=BIG, kv=FP8, qdt=FP8, swap_ab=True),
-    "swap-d256-p128-g16-q4": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, swap_ab=True),
-    "swap-fp8-d64-p16-block_n128": dict(lens=[300, 5000], hq=8, hkv=2, d=64, page=16, kv=FP8, block_n=128,
-                                        swap_ab=True),
 }
 
 

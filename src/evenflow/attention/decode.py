@@ -79,11 +79,6 @@ def _max_regs(block_m: int, head_dim: int, block_n: int, num_warps: int, program
     return min(255, 65536 // (per_sm * 32 * num_warps)) // 8 * 8
 
 
-def _swap_ab(kv_dtype: torch.dtype) -> bool:
-    # Token-major MMAs (S^T = K q^T): off until measured on the H200 (perf notes, round G).
-    return False
-
-
 def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
     # Tokens per loop iteration (a DecodePlan's block_n overrides it). 64 is the measured
     # default for both KV dtypes. 128 for fp8 KV (the bytes of one bf16 tile per iteration)
@@ -118,10 +113,9 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
-               block_n: int = 0, max_regs: int = 0, pdl: bool = False, swap_ab: bool = False) -> None:
+               block_n: int = 0, max_regs: int = 0, pdl: bool = False) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
-    # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
-    # swap_ab: token-major MMAs (S^T = K q^T, O^T = V^T P^T)
+    # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -149,7 +143,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        KV_FP8=k_cache.dtype == FP8, PDL=pdl, SWAP_AB=swap_ab,
+        KV_FP8=k_cache.dtype == FP8, PDL=pdl,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
         num_warps=num_warps or 4, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
         **({"launch_pdl": True} if pdl else {}),
@@ -177,7 +171,7 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_gml,
       combine_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, swap_ab=False):
+      block_n=0, max_regs=0, pdl=False):
     return None
 
 
@@ -291,8 +285,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
-                   _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
-                   _swap_ab(k_cache.dtype) if plan.swap_ab is None else plan.swap_ab)
+                   _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1
@@ -302,7 +295,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
                    part_o, part_lse, part_lse, dummy.clone(), out, lse, q_scale, ks_t, vs_t, ks_f, vs_f,
                    float(sm_scale), q_len, splits,
-                   max_pages_len, pdl=_runtime.pdl_supported(dev), swap_ab=_swap_ab(k_cache.dtype))
+                   max_pages_len, pdl=_runtime.pdl_supported(dev))
     return (out, lse) if return_lse else out
 
 

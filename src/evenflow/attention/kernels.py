@@ -107,37 +107,6 @@ def plan_kernel(
 
 
 @triton.jit
-def _load_kv_step(p_k, p_v, p_ptrow, b_pagex, t, h, o_tok, o_d, n_end, num_pages, max_pages,
-                  stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                  PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """K and V of the step at tile t (its page ids ``b_pagex`` were loaded by the step before)
-    and the next step's page ids. PAGE >= BLOCK_N: a step lies in one page (steps start at
-    multiples of 64), so one scalar page id and a contiguous [BLOCK_N, D] block; else one
-    page id per token."""
-    STEP: tl.constexpr = BLOCK_N // TILE
-    o_n = t * TILE + o_tok
-    m_n = o_n < n_end
-    b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
-    if PAGE >= BLOCK_N:
-        n_x = (t + STEP) * TILE
-        b_pagex = tl.load(p_ptrow + n_x // PAGE, mask=(n_x < n_end) & (n_x // PAGE < max_pages), other=0)
-        o_slot = (t * TILE) % PAGE + o_tok
-        p_kb = p_k + (b_page * stride_kp + h * stride_kh)
-        p_vb = p_v + (b_page * stride_vp + h * stride_vh)
-        b_k = tl.load(p_kb + (o_slot * stride_kt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_v = tl.load(p_vb + (o_slot * stride_vt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-    else:
-        o_nx = o_n + BLOCK_N
-        b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
-        o_slot = o_n % PAGE
-        o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
-        o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
-        b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-    return b_k, b_v, b_pagex
-
-
-@triton.jit
 def _attend_chunk(
     b, h, t0, t1, L, is_final, slot,
     p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse,
@@ -148,7 +117,7 @@ def _attend_chunk(
     GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_Q_SCALE: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, SWAP_AB: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online softmax of one item's tiles [t0, t1); finish in place or write a partial."""
     ROWS: tl.constexpr = GROUP * Q_LEN
@@ -190,6 +159,8 @@ def _attend_chunk(
     # t1, so a wide step masks the tokens past it (they belong to the next program).
     # Page ids are loaded one step ahead (b_pagex), so the K/V copies of a step never wait
     # on a load of the same step and Triton's pipeliner can multi-buffer them.
+    # PAGE >= BLOCK_N: a step lies in one page (steps start at multiples of 64), so one
+    # scalar page id and a contiguous [BLOCK_N, D] block; else one page id per token.
     STEP: tl.constexpr = BLOCK_N // TILE
     SCALAR_PAGE: tl.constexpr = PAGE >= BLOCK_N
     o_tok = tl.arange(0, BLOCK_N)
@@ -200,69 +171,46 @@ def _attend_chunk(
     else:
         o_nx = t0 * TILE + o_tok
         b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
-    if SWAP_AB:
-        # Operands swapped (S^T = K q^T, O^T = V^T P^T): the 64 tokens of a step are the MMA's
-        # M, the q rows its N, so on sm_90 both products can be warpgroup MMAs (M = 64 per
-        # warpgroup) reading K and V from shared memory, instead of 16-row MMAs whose
-        # operands go through registers. The row statistics become column reductions.
-        b_qt = tl.trans(b_q)
-        b_acct = tl.zeros([D, BLOCK_M], dtype=tl.float32)
-        b_lt = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # per-token sums, reduced once at the end
-        for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
-            o_n = t * TILE + o_tok
-            m_n = o_n < n_end
-            b_k, b_v, b_pagex = _load_kv_step(p_k, p_v, p_ptrow, b_pagex, t, h, o_tok, o_d, n_end, num_pages, max_pages,
-                                              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                              PAGE, BLOCK_N)
-            if USE_FP8_DOT:
-                b_st = tl.dot(b_k, b_qt)
-            elif KV_FP8:
-                b_st = tl.dot(dot_operand(e4m3_to_f16_in_registers(b_k, DOT_F32), DOT_F32), dot_operand(b_qt, DOT_F32))
-            else:
-                b_st = tl.dot(dot_operand(b_k, DOT_F32), dot_operand(b_qt, DOT_F32))
-            b_st = b_st * b_rs[None, :]
-            b_st = tl.where((o_n[:, None] < b_vis[None, :]) & m_n[:, None], b_st, float("-inf"))
-            b_mnew = tl.maximum(b_m, tl.max(b_st, axis=0))
-            b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
-            b_alpha = tl.exp2(b_m - b_msafe)
-            b_pt = tl.exp2(b_st - b_msafe[None, :])
-            b_lt = b_lt * b_alpha[None, :] + b_pt
-            if KV_FP8:
-                b_vt = tl.trans(e4m3_to_f16_in_registers(b_v, DOT_F32))
-                b_pv = tl.dot(dot_operand(b_vt, DOT_F32), dot_operand(b_pt.to(tl.float16), DOT_F32))
-            else:
-                b_pv = tl.dot(dot_operand(tl.trans(b_v), DOT_F32), dot_operand(b_pt.to(tl.bfloat16), DOT_F32))
-            b_acct = b_acct * b_alpha[None, :] + b_pv
-            b_m = b_mnew
-        b_l = tl.sum(b_lt, axis=0)
-        b_acc = tl.trans(b_acct)
-    else:
-        for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
-            o_n = t * TILE + o_tok
-            m_n = o_n < n_end
-            b_k, b_v, b_pagex = _load_kv_step(p_k, p_v, p_ptrow, b_pagex, t, h, o_tok, o_d, n_end, num_pages, max_pages,
-                                              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                              PAGE, BLOCK_N)
-            if USE_FP8_DOT:
-                b_s = tl.dot(b_q, tl.trans(b_k))
-            elif KV_FP8:
-                b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k.to(tl.float16)), DOT_F32))
-            else:
-                b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k), DOT_F32))
-            b_s = b_s * b_rs[:, None]
-            b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
-            b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
-            b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
-            b_alpha = tl.exp2(b_m - b_msafe)
-            b_p = tl.exp2(b_s - b_msafe[:, None])
-            b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-            if KV_FP8:
-                b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
-                b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
-            else:
-                b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
-            b_acc = b_acc * b_alpha[:, None] + b_pv
-            b_m = b_mnew
+    for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
+        o_n = t * TILE + o_tok
+        m_n = o_n < n_end
+        b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
+        if SCALAR_PAGE:
+            n_x = (t + STEP) * TILE
+            b_pagex = tl.load(p_ptrow + n_x // PAGE, mask=(n_x < n_end) & (n_x // PAGE < max_pages), other=0)
+            o_slot = (t * TILE) % PAGE + o_tok
+            p_kb = p_k + (b_page * stride_kp + h * stride_kh)
+            p_vb = p_v + (b_page * stride_vp + h * stride_vh)
+            b_k = tl.load(p_kb + (o_slot * stride_kt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(p_vb + (o_slot * stride_vt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        else:
+            o_nx = o_n + BLOCK_N
+            b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
+            o_slot = o_n % PAGE
+            o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
+            o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
+            b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+            b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        if USE_FP8_DOT:
+            b_s = tl.dot(b_q, tl.trans(b_k))
+        elif KV_FP8:
+            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k.to(tl.float16)), DOT_F32))
+        else:
+            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k), DOT_F32))
+        b_s = b_s * b_rs[:, None]
+        b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
+        b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+        b_alpha = tl.exp2(b_m - b_msafe)
+        b_p = tl.exp2(b_s - b_msafe[:, None])
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        if KV_FP8:
+            b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
+            b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
+        else:
+            b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
+        b_acc = b_acc * b_alpha[:, None] + b_pv
+        b_m = b_mnew
 
     m_live = b_l > 0.0
     b_o = tl.where(m_live[:, None], b_acc * (v_scale / tl.where(m_live, b_l, 1.0))[:, None], 0.0)
@@ -291,7 +239,7 @@ def decode_kernel(
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_Q_SCALE: tl.constexpr,
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr,
+    KV_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -331,7 +279,6 @@ def decode_kernel(
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
-                SWAP_AB,
             )
     else:
         total = tl.load(p_meta + 0)
@@ -361,7 +308,6 @@ def decode_kernel(
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
-                SWAP_AB,
             )
             i += 1
             b = tl.minimum(i, n_items - 1) // HKV

@@ -75,9 +75,7 @@ class DecodePlan:
     each SM); these exist so one GPU run can sweep them. ``pdl``: launch the attention
     and combine kernels with programmatic dependent launch (each starts while the kernel
     before it drains, then waits for it before reading memory); default: on where the GPU
-    supports it (sm_90+), ``False`` to compare. ``swap_ab``: compute the attention with
-    the operands swapped (S^T = K q^T and O^T = V^T P^T, the step's tokens as the MMA's
-    rows, so Hopper's warpgroup MMAs apply); default: the launcher's choice.
+    supports it (sm_90+), ``False`` to compare.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -93,7 +91,7 @@ class DecodePlan:
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
-                 pdl: bool | None = None, swap_ab: bool | None = None):
+                 pdl: bool | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -138,9 +136,6 @@ class DecodePlan:
             raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
                              f"not {dev}; pass None (automatic) or False")
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
-        if swap_ab is not None and not isinstance(swap_ab, bool):
-            raise TypeError(f"swap_ab must be a bool or None, got {swap_ab!r}")
-        self.swap_ab = swap_ab  # token-major MMAs (S^T = K q^T); None: the launcher's choice
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
