@@ -32,7 +32,8 @@ FP8_MAX = 448.0
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
-IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
+IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl")
+DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")  # evenflow-nopdl: PDL's A/B, on request
 MAX_ROTATE = 4
 
 
@@ -241,7 +242,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
     from evenflow.bench.harness import PeerUnavailable
 
     ntot = case.num_experts_total
-    if name == "evenflow":
+    if name in ("evenflow", "evenflow-nopdl"):
         import evenflow
 
         if not hasattr(evenflow, "MoEWeights") or not hasattr(evenflow, "fused_moe"):
@@ -253,8 +254,10 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         else:
             ew = evenflow.MoEWeights.fp8_block(w.w13, w.w2, w.w13_scale, w.w2_scale)
 
+        kw = {"pdl": False} if name == "evenflow-nopdl" else {}
+
         def bind(x, ids, tw):
-            return lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot)
+            return lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)
         return bind
     if name == "sglang-triton":
         from evenflow.bench.peers.sglang import SGLangFusedMoE
@@ -279,7 +282,7 @@ def _extra_args(p):
     p.add_argument("--cases", type=_csv(str), default=list(CASES), help="comma list of " + ",".join(CASES))
     p.add_argument("--variants", type=_csv(str), default=list(VARIANTS), help="comma list of " + ",".join(VARIANTS))
     p.add_argument("--batches", type=_csv(int), default=None, help="comma list of token counts")
-    p.add_argument("--impls", type=_csv(str), default=list(IMPLS), help="comma list of " + ",".join(IMPLS))
+    p.add_argument("--impls", type=_csv(str), default=list(DEFAULT_IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("EVENFLOW_BENCH_BUDGET_S", 480)),
                    help="stop timing after this many seconds; the rest become error rows (results still written)")
     p.add_argument("--sglang-shim", default=None, help="load SGLang through load() of this file instead of ours")

@@ -95,3 +95,15 @@ def test_out_of_range_ids_are_dropped_without_check(device, layer):
     w_one[:, 1] = 0
     y_ref = evenflow.fused_moe(x, ids, w_one, ew)
     assert torch.equal(y_bad, y_ref)
+
+
+def test_pdl_argument(layer, device):
+    ew, x, ids, w = layer
+    with pytest.raises(TypeError, match="pdl must be a bool or None"):
+        evenflow.fused_moe(x, ids, w, ew, pdl=1)
+    if not evenflow._runtime.pdl_supported(x.device):
+        with pytest.raises(ValueError, match="pdl=True"):
+            evenflow.fused_moe(x, ids, w, ew, pdl=True)
+    # off (and automatic) give the same layer; on an sm_90 GPU automatic chains the launches
+    torch.testing.assert_close(evenflow.fused_moe(x, ids, w, ew, pdl=False), evenflow.fused_moe(x, ids, w, ew),
+                               rtol=0, atol=0)

@@ -74,6 +74,12 @@ def fp8_cast_needs_rounding() -> bool:
     return interpreting() and not emulating_gpu()
 
 
+def pdl_kwargs(pdl: bool) -> dict:
+    """Launch keywords of a kernel that starts with ``pdl_enter(PDL)``: its PDL constexpr and,
+    when on, Triton's ``launch_pdl`` launch option."""
+    return {"PDL": bool(pdl), **({"launch_pdl": True} if pdl else {})}
+
+
 def pdl_supported(device=None) -> bool:
     """Whether kernels may use programmatic dependent launch (sm_90 and later, compiled code).
 

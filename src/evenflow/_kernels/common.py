@@ -7,6 +7,7 @@ work" pattern orders memory (router split-K, MoE split-K, decode combine groups)
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -80,3 +81,14 @@ def arrived_last(p_counter, expected):
     """
     tl.debug_barrier()
     return tl.atomic_add(p_counter, 1, sem="acq_rel") == expected - 1
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """Programmatic dependent launch, at the top of a kernel launched with ``launch_pdl``:
+    wait until the kernel before it in the stream has finished and flushed its writes (it
+    may have been launched while that one ran), then allow the next kernel to launch. No-op
+    when PDL is False. Every load of the kernel must come after this."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

@@ -15,7 +15,7 @@ import torch
 import triton
 
 from evenflow._checks import check_int, check_out, check_same_device, check_tensor
-from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, num_sms
+from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, num_sms, pdl_kwargs, pdl_supported
 from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel, moe_tensor_quant_kernel
 from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
 from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
@@ -25,6 +25,11 @@ __all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config", "tuned_con
 # Tuned tile configs (written by benchmarks/tune_moe.py), read as data; one file per GPU kind.
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 _CONFIG_FILES = {"H200": "h200.json"}
+# Programmatic dependent launch chains the layer's 4-6 kernels (each launched while the one
+# before it drains, waiting for it before its first load) up to this many (token, slot)
+# pairs: there the launches are a large share of the layer. Above it grids span several
+# waves, and a kernel launched early would hold SM slots the one before it still needs.
+PDL_MAX_PAIRS = 512
 
 
 @dataclass(frozen=True)
@@ -121,7 +126,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         # 64-row tiles (block mode, which needs a 128-wide gate-up N block) or 64-wide N blocks.
         # Round F: per-tensor dots are f16 MMAs of exact e4m3 values now (kernels.py, "f16 products") with
         # no second accumulator; its 128x64 gate-up compiles to 179 registers (128x128: 255, no
-        # spill). The tile rule stays until the tuner has measured the alternatives.
+        # spill). Round G: block mode likewise (each K block's f16-product sum in a fresh fp32 tile,
+        # scaled and added: still a second accumulator). The tile rule stays until the tuner has
+        # measured the alternatives.
         if mode == 2:
             cfg = replace(cfg, block_m=64, down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n, num_warps=8)
         elif cfg.block_m > 64:
@@ -219,7 +226,9 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int) -> None:
 
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
-            ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None):
+            ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
+            pdl: int = -1):
+    # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -238,22 +247,24 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         gu_part = torch.empty(cfg.gu_split_k, n_tiles * cfg.block_m, 2 * i, dtype=torch.float32, device=dev)
     else:
         gu_count = gu_part = None
-    idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m, zero=gu_count)
     p = t * k
+    use_pdl = bool(pdl) if pdl >= 0 else (pdl_supported(dev) and p <= PDL_MAX_PAIRS)
+    pk = pdl_kwargs(use_pdl)
+    idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m, zero=gu_count, pdl=use_pdl)
     dot_f32, fp8_round = dot_needs_fp32(), fp8_cast_needs_rounding()
     # Passed under the interpreter too (it ignores them), so the sm_90 compile check records them.
     gpu_kw = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:
-        xq, xs = quant_fp8_per_token_group(x)
+        xq, xs = quant_fp8_per_token_group(x, pdl=use_pdl)
         inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
         inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
     elif mode == 1:
         xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
         block_q = min(1024, triton.next_power_of_2(h))
         moe_tensor_quant_kernel[(t, triton.cdiv(h, block_q))](
-            x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, num_warps=4)
+            x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, num_warps=4, **pk)
         inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
         inter_s = dummy
     else:
@@ -275,7 +286,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
-        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, **gpu_kw,
+        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, **gpu_kw, **pk,
     )
     # bf16 weights: the per-pair products are stored in bf16 (the bf16 baseline rounds each expert's
     # output to bf16 too); at T=4096 Qwen3 an fp32 buffer is 268 MB written and read again, ~45% of
@@ -289,14 +300,14 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1),
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, **gpu_kw,
+        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, **gpu_kw, **pk,
     )
     block_h = min(1024, triton.next_power_of_2(h))
     shared = shared_output if shared_output is not None else out
     moe_reduce_kernel[(t, triton.cdiv(h, block_h))](
         pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
         pair_out.stride(0), pair_out.stride(1), shared.stride(0), out.stride(0),
-        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, SPLIT_K=cfg.down_split_k, num_warps=4,
+        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, SPLIT_K=cfg.down_split_k, num_warps=4, **pk,
     )
 
 
@@ -307,16 +318,16 @@ def _fused_moe_op(
     w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
-    routed_scaling: float, out: torch.Tensor, config: list[int] | None = None,
+    routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
-            None if config is None else MoEConfig.from_list(config))
+            None if config is None else MoEConfig.from_list(config), pdl)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
-      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None):
+      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1):
     return None
 
 
@@ -328,7 +339,8 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 
 
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
-              routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None):
+              routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
+              pdl: bool | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -341,7 +353,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     mode: one sync); under CUDA-graph capture or torch.compile it is skipped and
     out-of-range ids are dropped by the kernels, never read or written out of bounds.
     ``config`` forces the tile sizes (tuning sweeps, tests); by default
-    :func:`choose_config` picks them from the shapes.
+    :func:`choose_config` picks them from the shapes. ``pdl``: chain the kernels with
+    programmatic dependent launch; default (None): on sm_90+ up to ``PDL_MAX_PAIRS``
+    token-expert pairs, ``False`` to compare; ``True`` is refused where it cannot run.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -383,10 +397,16 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
                              f"found {topk_ids[bad][:4].tolist()}")
     if config is not None:
         check_config(config, h, ew.intermediate_size, ew.mode)
+    if pdl is not None and not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool or None, got {pdl!r}")
+    if pdl and not pdl_supported(dev):
+        raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
+                         f"not {dev}; pass None (automatic) or False")
+    pdl_arg = -1 if pdl is None else int(pdl)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list())
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config)
+        _launch(*args, config, pdl_arg)
     return out

@@ -28,26 +28,23 @@ block-128 (dynamic per-token-group-128 activation scales, 128x128 weight blocks)
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import FP8_E4M3_MAX, arrived_last, dot_operand, to_fp8e4
+from evenflow._kernels.common import FP8_E4M3_MAX, arrived_last, dot_operand, pdl_enter, to_fp8e4
 
 # Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
 # scale and quantises to zeros rather than dividing by zero).
 GROUP_AMAX_EPS = tl.constexpr(1e-10)
-# fp8 x fp8 -> fp32 dots on sm_90 keep the wgmma accumulator in reduced precision
-# unless told otherwise (Triton's default there is 2**30 imprecise products); 32 = one
-# fp8 wgmma K-step, so every step's partial is promoted into a true fp32 accumulator.
-# Round B: without it fp8 results missed the tolerance rule by 1.1-3x on the H200.
-# fp8 per-tensor mode does not use it (round F, "f16 products"): even so promoted, one K=32 fp8
-# wgmma (QGMMA) sums its 32 products with reduced precision, and per-tensor mode requantises the
-# intermediate with a *static* scale, so those errors flip fp8 roundings that an fp32 sum would
-# not. The E3 tuner's Qwen3 fp8-tensor T=1024/4096 failed the tolerance rule on every 64/128-row
-# (wgmma) tile, with the same error to the digit, and passed on every 16/32-row tile (mma.sync,
-# where Triton upcasts fp8 to f16). Per-tensor dots now upcast both e4m3 operands to f16 on every
-# tile: exact (every e4m3 value is an f16, every product of two exact in fp32), fp32 accumulation
-# in the MMA. On sm_90 that also replaces the serialised QGMMA + FADD promotion (256 FADD and 8
-# wgmma waits per 128-deep K step of a gate-up tile) by pipelined HGMMA: 226-280 instead of
-# 382-397 SASS instructions per K step (compile_stats). Block mode keeps fp8 wgmma (it passes).
-FP8_PRECISE_ACC = tl.constexpr(32)
+# fp8 dots ("f16 products"): both e4m3 operands are upcast to f16 on every tile. Exact (every
+# e4m3 value is an f16, every product of two exact in fp32), accumulated in fp32 by the MMA.
+# Why not fp8 wgmma: one K=32 fp8 wgmma (QGMMA) sums its 32 products with reduced precision
+# (DeepSeek-V3's report: ~14 bits kept on Hopper) even with Triton's finest promotion
+# (max_num_imprecise_acc=32, a fresh accumulator per K step), and the intermediate is
+# requantised to fp8, so those errors flip fp8 roundings that an fp32 sum would not. Round F:
+# per-tensor Qwen3 T=1024/4096 failed the tolerance rule on every 64/128-row (wgmma) tile and
+# passed on every 16/32-row tile (mma.sync, where Triton upcasts fp8 to f16 anyway). Round G:
+# block mode's default (64-row wgmma tiles) failed it too at Qwen3 T=4096 (3.45e-2 > 2.75e-2);
+# block mode now takes the same f16 products, each K block's fresh fp32 sum scaled and added.
+# On sm_90 this also replaces the serialised QGMMA + FADD promotion by pipelined HGMMA (per-
+# tensor gate-up: 226-280 instead of 382-397 SASS instructions per 128-deep K step).
 
 
 @triton.jit
@@ -160,9 +157,10 @@ def _store_counts(b_counts, p_counts, p_offsets, num_local, E_PAD: tl.constexpr)
 def moe_index_kernel(
     p_ids, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row, p_zero,
     num_pairs, e_first, num_local, max_tiles, num_zero,
-    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program (small batches: one launch): counts -> prefix sums -> task map -> stable scatter."""
+    pdl_enter(PDL)
     b_counts = _count_range(p_ids, 0, num_pairs, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
     _store_counts(b_counts, p_counts, p_offsets, num_local, E_PAD)
     _zero_share(p_zero, 0, 1024, num_zero)
@@ -178,8 +176,9 @@ def moe_index_kernel(
 # its own pairs, and writes its share of the task map. Same layout and order as above.
 @triton.jit(do_not_specialize=["num_pairs", "num_zero"])
 def moe_index_hist_kernel(p_ids, p_hist, p_zero, num_pairs, e_first, num_local, num_zero,
-                          E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr):
+                          E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """hist[c, e] = pairs of chunk c routed to local expert e; zeroes this program's share of p_zero."""
+    pdl_enter(PDL)
     i_c = tl.program_id(0)
     b_counts = _count_range(p_ids, i_c * CHUNK, i_c * CHUNK + CHUNK, num_pairs, e_first, num_local, E_PAD, BLOCK_P)
     tl.store(p_hist + i_c.to(tl.int64) * E_PAD + tl.arange(0, E_PAD), b_counts)
@@ -191,9 +190,10 @@ def moe_index_place_kernel(
     p_ids, p_hist, p_counts, p_offsets, p_sorted, p_tile_expert, p_tile_row,
     num_pairs, num_chunks, e_first, num_local, max_tiles,
     E_PAD: tl.constexpr, BLOCK_P: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """Chunk c: totals and earlier-chunk sums of hist -> its cursors; scatter; its share of the task map."""
+    pdl_enter(PDL)
     i_c = tl.program_id(0)
     o_e = tl.arange(0, E_PAD)
     o_c = tl.arange(0, BLOCK_C)
@@ -217,9 +217,10 @@ def moe_index_place_kernel(
 @triton.jit
 def moe_group_quant_kernel(
     p_x, p_q, p_s, num_groups, stride_xt, stride_qt, stride_st,
-    GROUPS: tl.constexpr, FP8_ROUND: tl.constexpr,
+    GROUPS: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
 ):
     """x [T, H] -> fp8 q [T, H] and fp32 scale [T, H/128] per 128-wide group of a row."""
+    pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     i_g = tl.program_id(1)
     o_g = i_g * GROUPS + tl.arange(0, GROUPS)
@@ -235,12 +236,13 @@ def moe_group_quant_kernel(
 
 @triton.jit
 def moe_tensor_quant_kernel(p_x, p_q, p_scale, H, stride_xt, stride_qt, BLOCK_H: tl.constexpr,
-                            FP8_ROUND: tl.constexpr):
+                            FP8_ROUND: tl.constexpr, PDL: tl.constexpr):
     """x [T, H] -> fp8 q = sat_e4m3(x / scale) with one static scale (fp8 per-tensor mode).
 
     Done once per call: quantising inside the GEMM repeated the IEEE division for every
     n-block program (round B: fp8 per-tensor 2x slower than bf16).
     """
+    pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
@@ -287,7 +289,7 @@ def moe_gate_up_kernel(
     top_k, I, K,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -301,6 +303,7 @@ def moe_gate_up_kernel(
     the split that arrives last sums the partials in split order (deterministic),
     applies the activation and requantisation, and resets the counter.
     """
+    pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -335,16 +338,17 @@ def moe_gate_up_kernel(
         if MODE == 0:
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
             acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
-        elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; "f16 products" (FP8_PRECISE_ACC)
+        elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; f16 products (see the top)
             b_ah = dot_operand(b_a.to(tl.float16), DOT_F32)
             acc_g = tl.dot(b_ah, dot_operand(b_g.to(tl.float16), DOT_F32), acc_g)
             acc_u = tl.dot(b_ah, dot_operand(b_u.to(tl.float16), DOT_F32), acc_u)
-        else:
+        else:  # block scales: each K block's exact f16-product sum, scaled, added in fp32
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
-            acc_g += tl.dot(b_a, b_g, max_num_imprecise_acc=FP8_PRECISE_ACC) * (b_xs[:, None] * ws_g)
-            acc_u += tl.dot(b_a, b_u, max_num_imprecise_acc=FP8_PRECISE_ACC) * (b_xs[:, None] * ws_u)
+            b_ah = dot_operand(b_a.to(tl.float16), DOT_F32)
+            acc_g += tl.dot(b_ah, dot_operand(b_g.to(tl.float16), DOT_F32)) * (b_xs[:, None] * ws_g)
+            acc_u += tl.dot(b_ah, dot_operand(b_u.to(tl.float16), DOT_F32)) * (b_xs[:, None] * ws_u)
         p_a += BLOCK_K
         p_bg += BLOCK_K
         p_bu += BLOCK_K
@@ -380,12 +384,13 @@ def moe_down_kernel(
     top_k, K,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
     fp32; the reduce kernel sums the SPLIT_K slices (in order) with the top-k slots.
     """
+    pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
@@ -418,7 +423,8 @@ def moe_down_kernel(
             acc = tl.dot(dot_operand(b_a.to(tl.float16), DOT_F32), dot_operand(b_b.to(tl.float16), DOT_F32), acc)
         else:
             b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
-            acc += tl.dot(b_a, b_b, max_num_imprecise_acc=FP8_PRECISE_ACC) * (b_xs[:, None] * tl.load(p_bs + i_k))
+            b_d = tl.dot(dot_operand(b_a.to(tl.float16), DOT_F32), dot_operand(b_b.to(tl.float16), DOT_F32))
+            acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
         p_x += BLOCK_K
         p_b += BLOCK_K
 
@@ -435,12 +441,13 @@ def moe_down_kernel(
 def moe_reduce_kernel(
     p_pair_out, p_ids, p_shared, p_y, top_k, H, e_first, num_local, routed_scaling,
     stride_ps, stride_pm, stride_sht, stride_yt,
-    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[t] = routed_scaling * sum_slot sum_split pair_out[split, t*k + slot] + shared[t].
 
     Local pairs only; fixed order (slot, then split): deterministic.
     """
+    pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H

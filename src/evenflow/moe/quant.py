@@ -5,7 +5,7 @@ import torch
 import triton
 
 from evenflow._checks import check_same_device, check_tensor
-from evenflow._runtime import fp8_cast_needs_rounding
+from evenflow._runtime import fp8_cast_needs_rounding, pdl_kwargs
 from evenflow.moe.kernels import moe_group_quant_kernel
 from evenflow.moe.routing import MAX_EXPERTS
 
@@ -116,10 +116,11 @@ class MoEWeights:
         return cls("fp8_block", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(), w2_scale.contiguous())
 
 
-def quant_fp8_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_fp8_per_token_group(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] bf16 -> (fp8 e4m3 [T, H], fp32 scales [T, H/128]), one scale per 128-wide row group.
 
-    scale = max(amax, 1e-10) / 448, value = round_e4m3(x / scale) (saturating).
+    scale = max(amax, 1e-10) / 448, value = round_e4m3(x / scale) (saturating). ``pdl``: launch
+    with programmatic dependent launch (inside :func:`evenflow.fused_moe`'s chain).
     """
     check_tensor("x", x, dtypes=[torch.bfloat16, torch.float16, torch.float32], ndim=2, last_dim_contiguous=True)
     t, h = x.shape
@@ -132,6 +133,6 @@ def quant_fp8_per_token_group(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     groups = min(triton.next_power_of_2(h // 128), 16)
     moe_group_quant_kernel[(t, triton.cdiv(h // 128, groups))](
         x, q, s, h // 128, x.stride(0), q.stride(0), s.stride(0),
-        GROUPS=groups, FP8_ROUND=fp8_cast_needs_rounding(), num_warps=4,
+        GROUPS=groups, FP8_ROUND=fp8_cast_needs_rounding(), num_warps=4, **pdl_kwargs(pdl),
     )
     return q, s

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from evenflow._checks import check_int, check_tensor
+from evenflow._runtime import pdl_kwargs, pdl_supported
 from evenflow.moe.kernels import moe_index_hist_kernel, moe_index_kernel, moe_index_place_kernel
 
 MAX_EXPERTS = 512
@@ -47,9 +48,17 @@ def max_tiles(num_pairs: int, num_local: int, block_m: int) -> int:
     return min(num_pairs, (num_pairs + num_local * (block_m - 1)) // block_m)
 
 
+def _check_pdl(pdl, device) -> None:
+    if not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool, got {pdl!r}")
+    if pdl and not pdl_supported(device):
+        raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
+                         f"not {device}")
+
+
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int = 0,
                     block_m: int = 16, zero: torch.Tensor | None = None,
-                    multi_program: bool | None = None) -> MoEIndex:
+                    multi_program: bool | None = None, pdl: bool = False) -> MoEIndex:
     """Lay out the (token, slot) pairs routed to this rank's experts by expert.
 
     ``topk_ids`` [T, k] int32/int64 global expert ids; this rank owns experts
@@ -58,7 +67,8 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     contiguous) is a workspace the same launch fills with zeros (the gate-up
     split-K counters), saving a memset launch. ``multi_program`` forces the one-program
     (False) or the two-launch (True) build; by default the size decides
-    (``MULTI_PROGRAM_PAIRS``). Both give identical results.
+    (``MULTI_PROGRAM_PAIRS``). Both give identical results. ``pdl``: launch with
+    programmatic dependent launch (see :func:`evenflow.moe.fused.fused_moe`).
     """
     check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
     check_int("num_local_experts", num_local_experts, 1, MAX_EXPERTS)
@@ -67,6 +77,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     dev = topk_ids.device
+    _check_pdl(pdl, dev)
     if zero is not None:
         check_tensor("zero", zero, dtypes=[torch.int32], contiguous=True, device=dev)
     num_pairs = topk_ids.numel()
@@ -88,17 +99,18 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
         moe_index_kernel[(1,)](
             topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, zero_buf,
             num_pairs, e_first, num_local_experts, n_tiles, num_zero,
-            E_PAD=e_pad, BLOCK_P=_BLOCK, BLOCK_T=_BLOCK, BLOCK_M=block_m, num_warps=4,
+            E_PAD=e_pad, BLOCK_P=_BLOCK, BLOCK_T=_BLOCK, BLOCK_M=block_m, num_warps=4, **pdl_kwargs(pdl),
         )
     else:
         chunks = triton.cdiv(num_pairs, _CHUNK)
         hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
         moe_index_hist_kernel[(chunks,)](topk_ids, hist, zero_buf, num_pairs, e_first, num_local_experts, num_zero,
-                                         E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=_CHUNK, num_warps=4)
+                                         E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=_CHUNK, num_warps=4,
+                                         **pdl_kwargs(pdl))
         moe_index_place_kernel[(chunks,)](
             topk_ids, hist, counts, offsets, sorted_pairs, tile_expert, tile_row,
             num_pairs, chunks, e_first, num_local_experts, n_tiles,
             E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=_CHUNK, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=_BLOCK,
-            BLOCK_M=block_m, num_warps=4,
+            BLOCK_M=block_m, num_warps=4, **pdl_kwargs(pdl),
         )
     return MoEIndex(counts, offsets, sorted_pairs, tile_expert, tile_row, block_m)
