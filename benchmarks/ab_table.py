@@ -2,8 +2,9 @@
 
     python benchmarks/ab_table.py benchmarks/results/h200/decode.json [--impls a,b,c]
 
-One line per (case, variant, batch), one column pair per impl, the ratio of each impl to the
-first in the last columns: for reading a device round's output at a glance.
+One line per measured point (case, variant and the batch or M where the file has them), one
+column per impl, then each impl's speed-up over the first (its µs / theirs: above 1 means the
+first impl is slower): for reading a device round's output at a glance.
 """
 import argparse
 import json
@@ -15,11 +16,14 @@ def table(rows: list[dict], impls: list[str] | None = None) -> str:
     by: dict[tuple, dict] = {}
     for r in rows:
         if "us" in r:
-            by.setdefault((r["case"], r.get("variant", ""), r.get("batch", "")), {})[r["impl"]] = r
-    head = "| case | variant | batch | " + " | ".join(f"{i} µs (frac)" for i in impls)
-    head += "".join(f" | {i} / {impls[0]}" for i in impls[1:]) + " |"
+            key = (r["case"], r.get("variant", ""), r.get("batch", r.get("M", "")))
+            if r["impl"] in by.setdefault(key, {}):
+                raise ValueError(f"two rows for {key} {r['impl']}: the file has a key this table does not show")
+            by[key][r["impl"]] = r
+    head = "| case | variant | batch/M | " + " | ".join(f"{i} µs (frac)" for i in impls)
+    head += "".join(f" | speed-up of {i} over {impls[0]}" for i in impls[1:]) + " |"
     lines = [head, "|" + "---|" * (3 + len(impls) + len(impls) - 1)]
-    for (case, variant, batch), got in by.items():
+    for (case, variant, batch), got in by.items():  # batch: the batch or M column
         cells = [f"{got[i]['us']:.1f} ({got[i].get('frac_of_floor', float('nan')):.2f})" if i in got else "—"
                  for i in impls]
         base = got.get(impls[0])

@@ -50,8 +50,13 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # evenflow-pps2 rows made 2 the default), measured beside the default.
 # evenflow-nopdl: the default without programmatic dependent launch (round F), so the
 # launch gap it hides between the attention and combine kernels is measured.
-EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl"]
+# evenflow-cost1 / -cost2: the plan charging 1 / 2 tiles of work per non-empty item (round G),
+# so bins of many short items hold fewer of them.
+EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl", "evenflow-cost1",
+                  "evenflow-cost2"]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
+# The rows of record (issue 3 / BENCH.md); the knob rows above run when named in --impls.
+DEFAULT_IMPLS = ["evenflow", "evenflow-static"] + list(fi_peer.DECODE_IMPLS)
 # Issue 3's named mixed cases where bf16 must beat the best FlashInfer by >= 2.5x.
 BF16_2P5X_CASES = {"1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K", "2x32K+30x4K"}
 
@@ -214,7 +219,8 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 # ----------------------------------------------------------------------------- impls
 
 def _evenflow_fns(impl: str, inp: Inputs):
-    """(fns, extra) for ``evenflow`` / ``-n128`` / ``-pps3`` / ``-nopdl`` (dynamic plan) or ``evenflow-static``."""
+    """(fns, extra) for ``evenflow`` / ``-n128`` / ``-pps3`` / ``-nopdl`` / ``-costN`` (dynamic plan) or
+    ``evenflow-static``."""
     try:
         import evenflow
         decode_attention = evenflow.decode_attention
@@ -235,6 +241,8 @@ def _evenflow_fns(impl: str, inp: Inputs):
             knobs = dict(num_programs=3 * sms)
         elif impl == "evenflow-nopdl":  # the launch gap between the two kernels, measured
             knobs = dict(pdl=False)
+        elif impl.startswith("evenflow-cost"):
+            knobs = dict(item_cost=int(impl.removeprefix("evenflow-cost")))
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)
@@ -320,7 +328,7 @@ def warm_up(impls, variants, device, seed: int) -> dict:
 
 def _add_args(p) -> None:
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all, or --quick's)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {IMPLS}")
+    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, from {IMPLS}")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
     p.add_argument("--seed", type=int, default=0)
 

@@ -65,13 +65,13 @@ def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None
 
 def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
         dynamic=True, num_programs=4, min_tiles=1, hnd=False, num_warps=None, num_stages=None, block_n=None,
-        **kw):
+        item_cost=0, **kw):
     q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd, device=device)
     plan = None
     if dynamic:
         plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
                                    num_programs=num_programs, min_tiles=min_tiles, num_warps=num_warps,
-                                   num_stages=num_stages, block_n=block_n).update(sl)
+                                   num_stages=num_stages, block_n=block_n, item_cost=item_cost).update(sl)
     return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
 
 
@@ -181,6 +181,24 @@ def test_block_n_128_masks_chunk_ends(device, kv):
         run(device, [300, 64, 0, 77, 129], kv_dtype=FP8, num_programs=5, block_n=128, k_scale=1 / 30, v_scale=1 / 40)
     else:
         run(device, [300, 64, 0, 77, 129], page=16, q_len=2, num_programs=5, block_n=128)
+
+
+ITEM_COST_CASES = {
+    # the last item_cost units of an item carry no tokens: with 1-tile bins a split item's
+    # last chunks are token-free partials (LSE -inf) that the combine must weigh as nothing
+    "skewed-g8": dict(lens=[700, 64, 0, 65, 130], group=8, d=128, num_programs=5, item_cost=2),
+    "one-tile-bins": dict(lens=[300, 64, 0, 77, 129], num_programs=40, item_cost=3),
+    "many-bins-q4": dict(lens=[64 * 60 + 17, 100, 0], hkv=1, group=16, d=128, q_len=4, num_programs=70, item_cost=1),
+    "fp8-block_n128": dict(lens=[300, 64, 0, 77, 129], kv_dtype=FP8, num_programs=5, block_n=128, k_scale=1 / 30,
+                           v_scale=1 / 40, item_cost=1),
+}
+
+
+@pytest.mark.parametrize("case", list(ITEM_COST_CASES))
+def test_item_cost_keeps_results(case, device):
+    """A plan that charges each non-empty item extra work units (so short items spread over
+    more bins) changes the schedule, not the attention."""
+    run(device, **ITEM_COST_CASES[case])
 
 
 def test_default_programs_and_plan_reuse(device):

@@ -98,12 +98,23 @@ def test_out_of_range_ids_are_dropped_without_check(device, layer):
 
 
 def test_pdl_argument(layer, device):
+    from evenflow.moe.quant import quant_fp8_per_token_group
+    from evenflow.moe.routing import build_moe_index
+
     ew, x, ids, w = layer
     with pytest.raises(TypeError, match="pdl must be a bool or None"):
         evenflow.fused_moe(x, ids, w, ew, pdl=1)
-    if not evenflow._runtime.pdl_supported(x.device):
-        with pytest.raises(ValueError, match="pdl=True"):
-            evenflow.fused_moe(x, ids, w, ew, pdl=True)
-    # off (and automatic) give the same layer; on an sm_90 GPU automatic chains the launches
-    torch.testing.assert_close(evenflow.fused_moe(x, ids, w, ew, pdl=False), evenflow.fused_moe(x, ids, w, ew),
-                               rtol=0, atol=0)
+    with pytest.raises(TypeError, match="pdl must be a bool, got"):
+        build_moe_index(ids, 4, pdl=None)
+    with pytest.raises(TypeError, match="pdl must be a bool, got"):
+        quant_fp8_per_token_group(torch.zeros(2, 128, device=device), pdl="yes")
+    if evenflow._runtime.pdl_supported(x.device):
+        # sm_90: chained launches give the plain launches' layer bitwise (6 pairs: automatic is on)
+        torch.testing.assert_close(evenflow.fused_moe(x, ids, w, ew, pdl=False),
+                                   evenflow.fused_moe(x, ids, w, ew, pdl=True), rtol=0, atol=0)
+    else:
+        for call in (lambda: evenflow.fused_moe(x, ids, w, ew, pdl=True),
+                     lambda: build_moe_index(ids, 4, pdl=True),
+                     lambda: quant_fp8_per_token_group(torch.zeros(2, 128, device=device), pdl=True)):
+            with pytest.raises(ValueError, match="pdl=True"):
+                call()

@@ -174,39 +174,45 @@ def test_cuda_graph_changing_routing(fmt):
         check(out, x, ids, w, ew, ep, f"graph replay {step}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm_90+")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pdl_matches_plain_launches_in_a_graph(fmt):
-    """The kernel chain under programmatic dependent launch (each kernel may start while the one
-    before it drains) gives bitwise the plain launches' result, inside a graph whose first kernel
-    rewrites the layer's inputs (a copy the index build must wait for), with split-K decode
-    shapes (T = 1, 2) and routing changed between replays."""
+    """Two stacked layers (the second reads the first's output as its x) with every kernel
+    chained by programmatic dependent launch, captured in a graph with routing changed between
+    replays, at split-K decode shapes (T = 1, 2) and T = 33: bitwise the plain launches'
+    result. The second layer's first kernel (the index build) reads only the routing, so the
+    first layer's output reaches the GEMMs only if every wait in the chain holds (each kernel
+    waits for the one before it, which waited for the one before it)."""
     shape = "qwen3-30b-a3b"
     e, e_tot, ep, k, h, i = SHAPES[shape]
     ew = weights(shape, fmt)
     for t in (1, 2, 33):
         x, ids, w = inputs(shape, t)
-        src = [inputs(shape, t) for _ in range(3)]
-        nx, nids, nw = (torch.empty_like(a) for a in (x, ids, w))
-        outs = {p: torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for p in (False, True)}
+        _, ids2, w2 = inputs(shape, t)
+        src = [(inputs(shape, t), inputs(shape, t)[1:]) for _ in range(3)]
+        outs = {p: [torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(2)] for p in (False, True)}
         graphs = {}
         for pdl in (False, True):
-            evenflow.fused_moe(x, ids, w, ew, out=outs[pdl], pdl=pdl)  # compile outside capture
+            y1, y2 = outs[pdl]
+            for _ in range(2):  # compile outside capture
+                evenflow.fused_moe(x, ids, w, ew, out=y1, pdl=pdl)
+                evenflow.fused_moe(y1, ids2, w2, ew, out=y2, pdl=pdl)
             torch.cuda.synchronize()
             graphs[pdl] = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graphs[pdl]):
-                x.copy_(nx)
-                ids.copy_(nids)
-                w.copy_(nw)
-                evenflow.fused_moe(x, ids, w, ew, out=outs[pdl], pdl=pdl)
-        for step, (sx, sids, sw) in enumerate(src):
-            nx.copy_(sx)
-            nids.copy_(sids)
-            nw.copy_(sw)
+                evenflow.fused_moe(x, ids, w, ew, out=y1, pdl=pdl)
+                evenflow.fused_moe(y1, ids2, w2, ew, out=y2, pdl=pdl)
+        for step, ((sx, sids, sw), (sids2, sw2)) in enumerate(src):
+            for dst, v in ((x, sx), (ids, sids), (w, sw), (ids2, sids2), (w2, sw2)):
+                dst.copy_(v)
             for pdl in (False, True):
                 graphs[pdl].replay()
             torch.cuda.synchronize()
-            assert torch.equal(outs[True], outs[False]), f"T={t} replay {step}: PDL differs from plain launches"
-            check(outs[True], sx, sids, sw, ew, 0, f"T={t} PDL replay {step}")
+            for j in range(2):
+                assert torch.equal(outs[True][j], outs[False][j]), f"T={t} replay {step} layer {j}: PDL differs"
+            check(outs[True][0], sx, sids, sw, ew, 0, f"T={t} PDL replay {step} layer 0")
+            check(outs[True][1], outs[True][0], sids2, sw2, ew, 0, f"T={t} PDL replay {step} layer 1")
 
 
 def test_torch_compile_fullgraph():

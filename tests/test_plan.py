@@ -31,11 +31,16 @@ def walk(plan_d, num_kv_heads, num_programs):
     return bins
 
 
-def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True):
+def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
-                               min_tiles=min_tiles, align_items=align).update(sl)
+                               min_tiles=min_tiles, align_items=align, item_cost=item_cost).update(sl)
     return plan, sl
+
+
+def units(lens, item_cost=0):
+    """Work units per item of each request: its tiles, plus item_cost when non-empty."""
+    return [-(-L // TILE) + (item_cost if L > 0 else 0) for L in lens]
 
 
 CASES = {
@@ -51,10 +56,10 @@ CASES = {
 }
 
 
-def expected_budget(lens, hkv, np_, mt, align):
+def expected_budget(lens, hkv, np_, mt, align, item_cost=0):
     # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
     # shortest items when that item fits and the rounding adds at most half
-    tiles = [-(-L // TILE) for L in lens]
+    tiles = units(lens, item_cost)
     b0 = max(-(-hkv * sum(tiles) // np_), mt)
     q = min([n for n in tiles if n > 0], default=0)
     if align and 0 < q <= b0 and 2 * (-(-b0 // q) * q) <= 3 * b0:
@@ -62,30 +67,36 @@ def expected_budget(lens, hkv, np_, mt, align):
     return b0
 
 
+COSTS = pytest.mark.parametrize("item_cost", [0, 2], ids=["tiles", "item_cost2"])
+
+
+@COSTS
 @pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_device_plan_equals_reference(name, align, device):
+def test_device_plan_equals_reference(name, align, item_cost, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align)
-    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost)
+    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost)
     got = plan.as_dict()
     for key in ("tiles", "req_end", "prog_start", "meta"):
         assert_exact(got[key], ref[key], what=f"{name}: {key}")
 
 
+@COSTS
 @pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_plan_properties(name, align, device):
+def test_plan_properties(name, align, item_cost, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost)
     d = plan.as_dict()
     total, budget, used = d["meta"][:3].tolist()
-    tiles = [-(-L // TILE) for L in lens]
+    assert d["meta"][4].item() == item_cost
+    tiles = units(lens, item_cost)
     assert total == hkv * sum(tiles)
-    assert budget == expected_budget(lens, hkv, np_, mt, align)
+    assert budget == expected_budget(lens, hkv, np_, mt, align, item_cost)
     assert used == -(-total // budget) and used <= np_
     bins = walk(d, hkv, np_)
-    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align)
+    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost)
     assert bins == ref_bins, "the kernel's walk of the device plan differs from the reference bins"
     # every tile of every item exactly once; every item (empty ones too) finished once
     seen = {}
@@ -98,6 +109,12 @@ def test_plan_properties(name, align, device):
                 seen[key] = p
     want = {(b * hkv + h, t) for b, n in enumerate(tiles) for h in range(hkv) for t in range(n)}
     assert set(seen) == want
+    # the token tiles the kernel reads from those units (unit u is tile u; the last item_cost
+    # units of a non-empty item hold no tokens): every tile of every item exactly once
+    real = [(i, t) for p, chunks in enumerate(bins) for i, t0, t1 in chunks for t in range(t0, t1)
+            if t < -(-lens[i // hkv] // TILE)]
+    assert sorted(real) == sorted((b * hkv + h, t) for b, L in enumerate(lens) for h in range(hkv)
+                                  for t in range(-(-L // TILE)))
     visits = [i for chunks in bins for i, t0, t1 in chunks if t0 == t1 == 0]
     empties = [b * hkv + h for b, n in enumerate(tiles) if n == 0 for h in range(hkv)]
     assert sorted(visits) == empties
@@ -143,8 +160,9 @@ def test_plan_random_sweep(device):
         lens = (2.0 ** (torch.rand(B, generator=g) * 14)).long()
         lens[torch.rand(B, generator=g) < 0.15] = 0
         align = trial % 2 == 0
-        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align)
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align)
+        cost = trial % 4  # 0..3 units per non-empty item
+        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost)
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins

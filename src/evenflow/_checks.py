@@ -83,3 +83,15 @@ def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int
 def check_choice(name: str, v, choices: Sequence) -> None:
     if v not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {v!r}")
+
+
+def check_pdl(pdl, device, allow_none: bool = True) -> None:
+    """``pdl`` (programmatic dependent launch) is a bool (or None = automatic, where allowed),
+    and True only where it can run (compiled kernels on an sm_90+ GPU)."""
+    from evenflow._runtime import pdl_supported
+
+    if not (isinstance(pdl, bool) or (allow_none and pdl is None)):
+        raise TypeError(f"pdl must be a bool{' or None' if allow_none else ''}, got {pdl!r}")
+    if pdl and not pdl_supported(device):
+        raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
+                         f"not {device}" + ("; pass None (automatic) or False" if allow_none else "; pass False"))

@@ -22,6 +22,13 @@ def dot_operand(x, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def f16_operand(x, DOT_F32: tl.constexpr):
+    """``x`` (e4m3 or any type whose values f16 holds exactly) as an f16 ``tl.dot`` operand:
+    the "f16 products" of fp8 dots (exact products, fp32 accumulation in the MMA)."""
+    return dot_operand(x.to(tl.float16), DOT_F32)
+
+
+@triton.jit
 def round_to_fp8e4_grid(x):
     """Round fp32 ``x`` to the nearest e4m3fn value (ties to even), saturating at 448.
 

@@ -143,10 +143,10 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        KV_FP8=k_cache.dtype == FP8, PDL=pdl,
+        KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
         num_warps=num_warps or 4, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
-        **({"launch_pdl": True} if pdl else {}),
+        **_runtime.pdl_kwargs(pdl),
     )
     if is_static and splits == 1:
         return
@@ -155,8 +155,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     K.combine_kernel[cgrid](
         tiles, req_end, prog_start, meta, part_o, part_lse, part_gml, combine_count, out, lse_t,
         B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-        NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, PDL=pdl, num_warps=4, maxnreg=_COMBINE_MAX_REGS, **common,
-        **({"launch_pdl": True} if pdl else {}),
+        NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=4, maxnreg=_COMBINE_MAX_REGS, **common,
+        **_runtime.pdl_kwargs(pdl),
     )
 
 
@@ -332,6 +332,6 @@ def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan 
         b, c = (int(x) for x in bad[0])
         raise ValueError(f"page_table[{b}, {c}] = {int(pt[b, c])} outside [0, {num_pages}) for a page in use")
     if plan is not None:
-        want = (lens + TILE - 1) // TILE
+        want = (lens + TILE - 1) // TILE + plan.item_cost * (lens > 0)
         if not torch.equal(plan.tiles[:B].cpu().long(), want):
             raise ValueError("plan was not updated with these seq_lens (call plan.update(seq_lens))")

@@ -7,18 +7,20 @@ items are ordered request-outer, kv-head inner: ``item = b * HKV + h``.
 ==================  ===============  =====================================================
 plan tensor          shape            meaning
 ==================  ===============  =====================================================
-``tiles``            [max_batch]      64-token tiles of every item of request b
-                                      (= ceil(clamp(seq_len, 0, max_seq_len) / 64))
+``tiles``            [max_batch]      work units of every item of request b: its 64-token
+                                      tiles ceil(clamp(seq_len, 0, max_seq_len) / 64), plus
+                                      ``item_cost`` when non-empty (unit u is tile u; the last
+                                      item_cost units of an item carry no tokens)
 ``req_end``          [max_batch]      inclusive prefix sum of HKV * tiles: global tile index
                                       one past request b's last tile. Item (b, h) owns the
                                       global tiles [req_end[b] - (HKV - h) * tiles[b], +tiles[b])
 ``prog_start``       [NP + 1]         first item program p visits (p > 0: the item that holds
                                       global tile p * budget; p = 0: item 0; NP: B * HKV)
-``meta``             [4]              total tiles T, budget, programs used, 1 if a length
-                                      was out of [0, max_seq_len] (it was clamped)
+``meta``             [5]              total units T, budget, programs used, 1 if a length
+                                      was out of [0, max_seq_len] (it was clamped), item_cost
 ==================  ===============  =====================================================
 
-Program p owns the global tile range [p * budget, min((p + 1) * budget, T)). An item cut
+Program p owns the global unit range [p * budget, min((p + 1) * budget, T)). An item cut
 by a bin edge is split: its chunk in the program where it starts goes to partial slot
 ``2p + 1``; its chunks in later programs q go to slot ``2q`` (a program holds at most one
 item that began earlier and one that continues later, so slots are unique and fewer than
@@ -34,9 +36,9 @@ ranges of its item; partial slot = program; combine program = item.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
-from evenflow._kernels.common import arrived_last, dot_operand, e4m3_to_f16_in_registers
+from evenflow._kernels.common import arrived_last, dot_operand, e4m3_to_f16_in_registers, pdl_enter
 
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).
@@ -45,10 +47,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 TILE = tl.constexpr(64)
 
 
-@triton.jit(do_not_specialize=["B", "max_len", "min_tiles"])
+@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost"])
 def plan_kernel(
     p_len, p_tiles, p_req_end, p_prog_start, p_meta,
-    B, max_len, min_tiles,
+    B, max_len, min_tiles, item_cost,
     NP: tl.constexpr, HKV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
 ):
@@ -62,7 +64,8 @@ def plan_kernel(
         b_len = tl.load(p_len + o_b, mask=m_b, other=0)
         bad = tl.maximum(bad, tl.max(((b_len < 0) | (b_len > max_len)).to(tl.int32), axis=0))
         b_len = tl.minimum(tl.maximum(b_len, 0), max_len)
-        b_tiles = (b_len + TILE - 1) // TILE
+        # work units: the item's 64-token tiles plus item_cost for a non-empty item
+        b_tiles = (b_len + TILE - 1) // TILE + tl.where(b_len > 0, item_cost, 0)
         b_end = tl.cumsum(b_tiles * HKV, axis=0) + carry
         tl.store(p_tiles + o_b, b_tiles, mask=m_b)
         tl.store(p_req_end + o_b, b_end, mask=m_b)
@@ -80,6 +83,7 @@ def plan_kernel(
     tl.store(p_meta + 1, budget)
     tl.store(p_meta + 2, used)
     tl.store(p_meta + 3, bad)
+    tl.store(p_meta + 4, item_cost)
     # The searches below read req_end written above by other threads of this program.
     tl.debug_barrier()
     n_items = B * HKV
@@ -248,12 +252,10 @@ def decode_kernel(
     outside the plan is touched.
     """
     pid = tl.program_id(0)
-    if PDL:
-        # Programmatic dependent launch: wait for the kernels before this one (the plan
-        # update, the engine's KV write) before any load, then let the combine kernel be
-        # launched now; it waits in turn for this grid to finish (its own gdc_wait).
-        gdc_wait()
-        gdc_launch_dependents()
+    # Programmatic dependent launch: wait for the kernels before this one (the plan
+    # update, the engine's KV write) before any load, then let the combine kernel be
+    # launched now; it waits in turn for this grid to finish (its own gdc_wait).
+    pdl_enter(PDL)
     qk_scale = qk_scale_f
     if HAS_K_SCALE_PTR:
         qk_scale = qk_scale * tl.load(p_ks)
@@ -283,6 +285,7 @@ def decode_kernel(
     else:
         total = tl.load(p_meta + 0)
         budget = tl.load(p_meta + 1)
+        item_cost = tl.load(p_meta + 4)
         g0 = pid * budget
         g1 = tl.minimum(g0 + budget, total)
         n_items = B * HKV
@@ -295,7 +298,10 @@ def decode_kernel(
         go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
         while go:
             h = i % HKV
-            L = tl.minimum(tl.minimum(tl.maximum(tl.load(p_len + b), 0), max_len), n * TILE)
+            # unit u of the item is its tile u; a non-empty item's last item_cost units hold no
+            # tokens (a chunk of only those is an empty partial, LSE -inf, weighed as nothing)
+            L = tl.minimum(tl.minimum(tl.maximum(tl.load(p_len + b), 0), max_len),
+                           (n - tl.where(n > 0, item_cost, 0)) * TILE)
             t0 = tl.maximum(start, g0) - start
             t1 = tl.minimum(start + n, g1) - start
             is_final = (start >= g0) & (start + n <= g1)

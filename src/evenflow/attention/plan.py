@@ -14,7 +14,7 @@ import math
 import torch
 
 from evenflow import _runtime
-from evenflow._checks import check_int, check_tensor
+from evenflow._checks import check_int, check_pdl, check_tensor
 from evenflow.attention import kernels as K
 
 TILE = 64
@@ -25,6 +25,7 @@ DEFAULT_MIN_TILES = 8  # 512 tokens: HPC-Ops' minimum work per program
 # programs/SM beat 3 on all 11 bf16 cases (by 0.01-0.16 of the floor) and on 6 of 11 fp8
 # cases; fewer, longer bins also mean fewer chunks to combine (the TP8 slice).
 DEFAULT_PROGRAMS_PER_SM = 2
+MAX_ITEM_COST = 8  # tiles; the combine relies on an item's first real tile lying in its first 32 chunks
 
 
 def default_num_programs(device) -> int:
@@ -33,11 +34,12 @@ def default_num_programs(device) -> int:
 
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
-                    max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool = True) -> None:
+                    max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool = True,
+                    item_cost: int = 0) -> None:
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
     K.plan_kernel[(1,)](
-        seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles,
+        seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles, item_cost,
         NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
         SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items, num_warps=4,
     )
@@ -49,7 +51,8 @@ _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
 
 
 @_plan_update_op.register_fake
-def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items=True):
+def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items=True,
+      item_cost=0):
     return None
 
 
@@ -75,7 +78,10 @@ class DecodePlan:
     each SM); these exist so one GPU run can sweep them. ``pdl``: launch the attention
     and combine kernels with programmatic dependent launch (each starts while the kernel
     before it drains, then waits for it before reading memory); default: on where the GPU
-    supports it (sm_90+), ``False`` to compare.
+    supports it (sm_90+), ``False`` to compare. ``item_cost`` (tiles, 0-8, default 0): work
+    the bins count per non-empty item on top of its tiles (its prologue, first-load latency,
+    output or partial write), so bins of many short items hold fewer of them; the plan's
+    ``tiles`` are then work units (see ``attention/kernels.py``).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -91,7 +97,7 @@ class DecodePlan:
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, item_cost: int = 0):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -117,30 +123,27 @@ class DecodePlan:
             raise ValueError(f"block_n must be one of [{TILE}, {2 * TILE}] or None, got {block_n!r}")
         if max_registers is not None and max_registers != 0:
             check_int("max_registers", max_registers, 24, 255)
-        max_tiles = max_batch * num_kv_heads * math.ceil(max_seq_len / TILE)
+        check_int("item_cost", item_cost, 0, MAX_ITEM_COST)
+        max_tiles = max_batch * num_kv_heads * (math.ceil(max_seq_len / TILE) + item_cost)
         if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
             raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
                              f"({max_tiles} tiles)")
         self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
         self.page_size, self.q_len, self.device = page_size, q_len, dev
-        self.num_programs, self.min_tiles = num_programs, min_tiles
+        self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         # kernel launch config of the attention kernel (None: the launcher's choice)
         self.num_warps, self.num_stages, self.block_n = num_warps, num_stages, block_n
         self.max_registers = max_registers
         if not isinstance(align_items, bool):
             raise TypeError(f"align_items must be a bool, got {align_items!r}")
         self.align_items = align_items
-        if pdl is not None and not isinstance(pdl, bool):
-            raise TypeError(f"pdl must be a bool or None, got {pdl!r}")
-        if pdl and not _runtime.pdl_supported(dev):
-            raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
-                             f"not {dev}; pass None (automatic) or False")
+        check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
         self.prog_start = torch.zeros(num_programs + 1, **i32)
-        self.meta = torch.zeros(4, **i32)
+        self.meta = torch.zeros(5, **i32)
         # combine arrival counters, one per start bin; each merge puts its counter back to 0
         self.combine_count = torch.zeros(num_programs, **i32)
         self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
@@ -155,7 +158,7 @@ class DecodePlan:
         check_int("seq_lens.shape[0] (batch)", B, 1, self.max_batch)
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
         op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
-           self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items)
+           self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost)
         self.batch = B
         return self
 
@@ -185,7 +188,8 @@ class DecodePlan:
     def __repr__(self) -> str:
         return (f"DecodePlan(max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
                 f"num_kv_heads={self.num_kv_heads}, page_size={self.page_size}, q_len={self.q_len}, "
-                f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, device={self.device})")
+                f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
+                f"device={self.device})")
 
 
 def static_splits(batch: int, num_kv_heads: int, device) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import triton
 
-from evenflow._checks import check_int, check_out, check_same_device, check_tensor
+from evenflow._checks import check_int, check_out, check_pdl, check_same_device, check_tensor
 from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, num_sms, pdl_kwargs, pdl_supported
 from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel, moe_tensor_quant_kernel
 from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
@@ -397,11 +397,7 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
                              f"found {topk_ids[bad][:4].tolist()}")
     if config is not None:
         check_config(config, h, ew.intermediate_size, ew.mode)
-    if pdl is not None and not isinstance(pdl, bool):
-        raise TypeError(f"pdl must be a bool or None, got {pdl!r}")
-    if pdl and not pdl_supported(dev):
-        raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
-                         f"not {dev}; pass None (automatic) or False")
+    check_pdl(pdl, dev)
     pdl_arg = -1 if pdl is None else int(pdl)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)

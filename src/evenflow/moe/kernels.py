@@ -28,7 +28,7 @@ block-128 (dynamic per-token-group-128 activation scales, 128x128 weight blocks)
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import FP8_E4M3_MAX, arrived_last, dot_operand, pdl_enter, to_fp8e4
+from evenflow._kernels.common import FP8_E4M3_MAX, arrived_last, dot_operand, f16_operand, pdl_enter, to_fp8e4
 
 # Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
 # scale and quantises to zeros rather than dividing by zero).
@@ -339,16 +339,16 @@ def moe_gate_up_kernel(
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
             acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
         elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; f16 products (see the top)
-            b_ah = dot_operand(b_a.to(tl.float16), DOT_F32)
-            acc_g = tl.dot(b_ah, dot_operand(b_g.to(tl.float16), DOT_F32), acc_g)
-            acc_u = tl.dot(b_ah, dot_operand(b_u.to(tl.float16), DOT_F32), acc_u)
+            b_ah = f16_operand(b_a, DOT_F32)
+            acc_g = tl.dot(b_ah, f16_operand(b_g, DOT_F32), acc_g)
+            acc_u = tl.dot(b_ah, f16_operand(b_u, DOT_F32), acc_u)
         else:  # block scales: each K block's exact f16-product sum, scaled, added in fp32
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
-            b_ah = dot_operand(b_a.to(tl.float16), DOT_F32)
-            acc_g += tl.dot(b_ah, dot_operand(b_g.to(tl.float16), DOT_F32)) * (b_xs[:, None] * ws_g)
-            acc_u += tl.dot(b_ah, dot_operand(b_u.to(tl.float16), DOT_F32)) * (b_xs[:, None] * ws_u)
+            b_ah = f16_operand(b_a, DOT_F32)
+            acc_g += tl.dot(b_ah, f16_operand(b_g, DOT_F32)) * (b_xs[:, None] * ws_g)
+            acc_u += tl.dot(b_ah, f16_operand(b_u, DOT_F32)) * (b_xs[:, None] * ws_u)
         p_a += BLOCK_K
         p_bg += BLOCK_K
         p_bu += BLOCK_K
@@ -420,10 +420,10 @@ def moe_down_kernel(
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
         elif MODE == 1:
-            acc = tl.dot(dot_operand(b_a.to(tl.float16), DOT_F32), dot_operand(b_b.to(tl.float16), DOT_F32), acc)
+            acc = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32), acc)
         else:
             b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
-            b_d = tl.dot(dot_operand(b_a.to(tl.float16), DOT_F32), dot_operand(b_b.to(tl.float16), DOT_F32))
+            b_d = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32))
             acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
         p_x += BLOCK_K
         p_b += BLOCK_K

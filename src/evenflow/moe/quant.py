@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from evenflow._checks import check_same_device, check_tensor
+from evenflow._checks import check_pdl, check_same_device, check_tensor
 from evenflow._runtime import fp8_cast_needs_rounding, pdl_kwargs
 from evenflow.moe.kernels import moe_group_quant_kernel
 from evenflow.moe.routing import MAX_EXPERTS
@@ -123,6 +123,7 @@ def quant_fp8_per_token_group(x: torch.Tensor, pdl: bool = False) -> tuple[torch
     with programmatic dependent launch (inside :func:`evenflow.fused_moe`'s chain).
     """
     check_tensor("x", x, dtypes=[torch.bfloat16, torch.float16, torch.float32], ndim=2, last_dim_contiguous=True)
+    check_pdl(pdl, x.device, allow_none=False)
     t, h = x.shape
     if h % 128:
         raise ValueError(f"x's last dimension ({h}) must be a multiple of 128 for per-token-group-128 quantisation")

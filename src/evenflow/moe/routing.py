@@ -12,8 +12,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from evenflow._checks import check_int, check_tensor
-from evenflow._runtime import pdl_kwargs, pdl_supported
+from evenflow._checks import check_int, check_pdl, check_tensor
+from evenflow._runtime import pdl_kwargs
 from evenflow.moe.kernels import moe_index_hist_kernel, moe_index_kernel, moe_index_place_kernel
 
 MAX_EXPERTS = 512
@@ -48,14 +48,6 @@ def max_tiles(num_pairs: int, num_local: int, block_m: int) -> int:
     return min(num_pairs, (num_pairs + num_local * (block_m - 1)) // block_m)
 
 
-def _check_pdl(pdl, device) -> None:
-    if not isinstance(pdl, bool):
-        raise TypeError(f"pdl must be a bool, got {pdl!r}")
-    if pdl and not pdl_supported(device):
-        raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
-                         f"not {device}")
-
-
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int = 0,
                     block_m: int = 16, zero: torch.Tensor | None = None,
                     multi_program: bool | None = None, pdl: bool = False) -> MoEIndex:
@@ -77,7 +69,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     dev = topk_ids.device
-    _check_pdl(pdl, dev)
+    check_pdl(pdl, dev, allow_none=False)
     if zero is not None:
         check_tensor("zero", zero, dtypes=[torch.int32], contiguous=True, device=dev)
     num_pairs = topk_ids.numel()

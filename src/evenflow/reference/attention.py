@@ -108,10 +108,11 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
 
 
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
-                   align_items: bool = True):
+                   align_items: bool = True, item_cost: int = 0):
     """The length-balanced schedule, built the slow obvious way.
 
-    Items (b, h) request-outer; each item holds ceil(len / 64) tiles; bins of
+    Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
+    work units when it is non-empty (counted as tiles below); bins of
     ``budget = max(ceil(total / num_programs), min_tiles)`` tiles are filled in order;
     with ``align_items`` the budget is first rounded up to a multiple of the shortest
     non-empty item's tiles, when that item fits in it and the rounding adds at most half.
@@ -121,7 +122,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     """
     lens = [min(max(int(x), 0), max_seq_len) for x in seq_lens.cpu().tolist()]
     B = len(lens)
-    tiles = [-(-L // TILE) for L in lens]
+    tiles = [-(-L // TILE) + (item_cost if L > 0 else 0) for L in lens]
     items = [(b, h) for b in range(B) for h in range(num_kv_heads)]
     total = sum(tiles[b] for b, _ in items)
     budget = max(-(-total // num_programs), min_tiles)
@@ -163,7 +164,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     i32 = dict(dtype=torch.int32)
     plan = {"tiles": torch.tensor(tiles, **i32), "req_end": torch.tensor(req_end, **i32),
             "prog_start": torch.tensor(prog_start, **i32),
-            "meta": torch.tensor([total, budget, used, bad], **i32)}
+            "meta": torch.tensor([total, budget, used, bad, item_cost], **i32)}
     return plan, bins
 
 
