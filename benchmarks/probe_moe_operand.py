@@ -1,0 +1,172 @@
+"""Which operand order makes fp8 expert GEMMs fast with exact f16 products? (round G probe)
+
+The fused MoE's fp8 dots upcast e4m3 to f16 on every tile (exact products, fp32 accumulation:
+the tolerance rule rejects Hopper's reduced-precision fp8 accumulation). On 64/128-row tiles
+that upcast sends the weight tile, Hopper's operand B, back through shared memory before every
+warpgroup MMA, and the tuner picks 32-row mma.sync tiles instead, 2x slower than SGLang's fp8
+wgmma at T >= 1024. Swapping the operands (out^T = W x^T) makes the weight tile operand A,
+which a warpgroup MMA may read from registers, so it is converted where it is loaded; the
+activations (operand B) are then kept as f16 in memory (exact e4m3 values, 2 bytes each).
+The sm_90 compile (perf notes, round G) shows no shared-memory round trip and half the
+conversions; this probe measures it on the GEMM alone before the MoE kernels are rebuilt.
+
+    python benchmarks/probe_moe_operand.py [--out DIR] [--cases ...]
+
+Every expert gets the same row count (a batched GEMM: no routing, no index), Qwen3-30B-A3B
+sizes: gate-up N = 2 * 768, K = 2048; down N = 2048, K = 768. Rows (BENCH.md schema): one per
+case x formulation, ``us`` (graph replay), ``frac_of_floor`` against the larger of bytes / copy
+bandwidth and FLOPs / the bf16 matmul rate (f16 MMAs run at the bf16 rate), ``max_abs_err``
+against an fp32 product of the same values, and ``torch-bmm-bf16`` (cuBLAS on the same values
+in bf16: the dense rate these shapes reach) as the peer.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from evenflow._kernels.common import f16_operand
+
+FP8 = torch.float8_e4m3fn
+
+
+@triton.jit
+def gemm_rows_kernel(p_x, p_w, p_o, R, N, K,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """o[e, m, n] = sum_k x[e, m, k] w[e, n, k]: tokens are the MMA's rows (today's layout)."""
+    e = tl.program_id(0).to(tl.int64)
+    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    o_n = tl.program_id(2) * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    p_a = p_x + e * R * K + o_m[:, None] * K + o_k[None, :]
+    p_b = p_w + e * N * K + o_n[None, :] * K + o_k[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for _ in range(0, K // BK):
+        acc = tl.dot(f16_operand(tl.load(p_a), DOT_F32), f16_operand(tl.load(p_b), DOT_F32), acc)
+        p_a += BK
+        p_b += BK
+    tl.store(p_o + e * R * N + o_m[:, None] * N + o_n[None, :], acc)
+
+
+@triton.jit
+def gemm_swapped_kernel(p_x, p_w, p_o, R, N, K,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
+    """The same product as o^T = w x^T: weight rows are the MMA's rows (operand A, upcast in
+    registers), tokens its columns (x as f16 in memory: operand B straight from shared memory)."""
+    e = tl.program_id(0).to(tl.int64)
+    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    o_n = tl.program_id(2) * BN + tl.arange(0, BN)
+    o_k = tl.arange(0, BK)
+    p_a = p_w + e * N * K + o_n[:, None] * K + o_k[None, :]
+    p_b = p_x + e * R * K + o_m[None, :] * K + o_k[:, None]
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for _ in range(0, K // BK):
+        acc = tl.dot(f16_operand(tl.load(p_a), DOT_F32), f16_operand(tl.load(p_b), DOT_F32), acc)
+        p_a += BK
+        p_b += BK
+    tl.store(p_o + e * R * N + o_m[None, :] * N + o_n[:, None], acc)
+
+
+@dataclass(frozen=True)
+class Formulation:
+    kernel: object
+    x_f16: bool  # activations stored as f16 (exact e4m3 values) instead of fp8
+    block_m: int  # tokens per tile
+    block_n: int  # weight rows per tile
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+FORMULATIONS = {
+    # today's 64/128-row f16-product tiles (the heuristic's choice at large T)
+    "rows-bm64-w8": Formulation(gemm_rows_kernel, False, 64, 128, 128, 8, 3),
+    "rows-bm128-w8": Formulation(gemm_rows_kernel, False, 128, 128, 128, 8, 3),
+    # the tuner's pick at T >= 512 (32-row mma.sync tiles)
+    "rows-bm32-w4": Formulation(gemm_rows_kernel, False, 32, 128, 128, 4, 4),
+    # swapped operands, f16 activations
+    "swapped-bm64-w4": Formulation(gemm_swapped_kernel, True, 64, 128, 128, 4, 3),
+    "swapped-bm128-w8": Formulation(gemm_swapped_kernel, True, 128, 128, 128, 8, 3),
+    "swapped-bm256-w8": Formulation(gemm_swapped_kernel, True, 256, 128, 64, 8, 3),
+}
+
+# name: (experts, rows per expert, N, K). Rows per expert = T * top_k / E at Qwen3 (E 128, top-8).
+CASES = {
+    "qwen3-gate-up-T1024": (128, 64, 1536, 2048),
+    "qwen3-gate-up-T4096": (128, 256, 1536, 2048),
+    "qwen3-down-T4096": (128, 256, 2048, 768),
+}
+
+
+def make_inputs(e: int, r: int, n: int, k: int, device, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 activations [e, r, k] and weights [e, n, k] (values of a unit-scale layer)."""
+    x = (torch.randn(e, r, k, generator=gen, device=device) * 8).clamp(-448, 448).to(FP8)
+    w = (torch.randn(e, n, k, generator=gen, device=device) * 8).clamp(-448, 448).to(FP8)
+    return x, w
+
+
+def run_formulation(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                    dot_f32: bool = False):
+    """A zero-argument launcher of ``name`` on (x, w) writing fp32 ``out`` [e, r, n]."""
+    f = FORMULATIONS[name]
+    e, r, k = x.shape
+    n = w.shape[1]
+    if r % f.block_m or n % f.block_n or k % f.block_k:
+        raise ValueError(f"{name}: tiles {f.block_m}x{f.block_n}x{f.block_k} do not divide R={r} N={n} K={k}")
+    xs = x.to(torch.float16) if f.x_f16 else x  # exact: every e4m3 value is an f16
+    out = out if out is not None else torch.empty(e, r, n, dtype=torch.float32, device=x.device)
+    grid = (e, r // f.block_m, n // f.block_n)
+    kw = {} if dot_f32 else {"num_warps": f.num_warps, "num_stages": f.num_stages}
+
+    def launch():
+        f.kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k, DOT_F32=dot_f32, **kw)
+        return out
+    return launch
+
+
+def main(argv=None) -> None:
+    from evenflow.bench import harness as H
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
+    p.add_argument("--impls", default=",".join(FORMULATIONS), help="comma list of " + ",".join(FORMULATIONS))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/probe_moe_operand.py needs a CUDA GPU")
+    ceil = H.measure_ceilings(verbose=False)
+    res = H.Results("probe_moe_operand", ceilings=ceil, out=args.out,
+                    meta={"floor": "max(bytes / copy_TBps, 2*E*R*N*K / bf16_TFLOPs); bytes = fp8 weights + "
+                                   "activations (1 B, 2 B when stored as f16) + fp32 output"})
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for case in args.cases.split(","):
+        e, r, n, k = CASES[case]
+        x, w = make_inputs(e, r, n, k, "cuda", gen)
+        ref = torch.bmm(x.float(), w.float().transpose(1, 2))
+        flops = 2.0 * e * r * n * k
+        for impl in args.impls.split(","):
+            f = FORMULATIONS[impl]
+            nbytes = e * n * k + e * r * k * (2 if f.x_f16 else 1) + 4 * e * r * n
+            fl = H.floor_us(nbytes, flops, ceilings=ceil, rate="bf16_TFLOPs")
+            try:
+                fn = run_formulation(impl, x, w)
+                err = float((fn() - ref).abs().max())
+                res.add(case=case, impl=impl, us=H.time_graph([fn]), floor_us=fl, max_abs_err=err,
+                        rows_per_expert=r, n=n, k=k)
+            except Exception as exc:  # a formulation that does not build is a row, not a crash
+                res.add_error(case=case, impl=impl, error=f"{type(exc).__name__}: {exc}"[:300])
+        xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)  # exact: e4m3 values fit bf16
+        fl = H.floor_us(e * n * k * 2 + e * r * k * 2 + 2 * e * r * n, flops, ceilings=ceil, rate="bf16_TFLOPs")
+        res.add(case=case, impl="torch-bmm-bf16", floor_us=fl, us=H.time_graph([lambda: torch.bmm(xb, wb.mT)]),
+                rows_per_expert=r, n=n, k=k)
+        print(f"[probe_moe_operand] {case} done", flush=True)
+    res.finish(x="case", group=None, plot=False, columns=["case", "impl", "us", "floor_us", "frac_of_floor",
+                                                          "max_abs_err"])
+
+
+if __name__ == "__main__":
+    main()
