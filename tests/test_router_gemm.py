@@ -20,12 +20,9 @@ from evenflow.reference import router as R
 from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
 from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
+from tests_support_router import router_inputs, run_fp32_config
 
-
-def _inputs(m, n, k, device, std=0.02):
-    w = torch.randn(n, k, device=device) * std
-    x = torch.randn(m, k, device=device).to(torch.bfloat16)
-    return x, w
+_inputs = router_inputs
 
 
 def _check_gemm(out, x, rw, w, what):
@@ -345,12 +342,8 @@ _check_fp32 = assert_fp32_gemm_within_bound
 @pytest.mark.parametrize("m,n,k", [(1, 7, 96), (5, 24, 200), (16, 9, 256)])
 def test_fp32_simt_matches_fp64(device, m, n, k, cfg):
     x, w = _inputs(m, n, k, device)
-    rw = evenflow.RouterWeight(w)
-    out = poisoned((m, n), torch.float32, device)
-    assert evenflow.router_gemm(x, rw, out, config=cfg) is out
-    _check_fp32(out, x, w, f"fp32-simt {cfg} M={m} N={n} K={k}")
-    # deterministic: no split, no atomics -> bitwise the same on a second call
-    assert torch.equal(out, evenflow.router_gemm(x, rw, config=cfg))
+    # deterministic: no split, no atomics -> bitwise the same on a second call (checked there)
+    run_fp32_config(x, w, cfg, f"fp32-simt {cfg} M={m} N={n} K={k}")
 
 
 def test_fp32_simt_reads_the_source_and_tracks_staleness(device):

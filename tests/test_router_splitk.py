@@ -33,17 +33,14 @@ from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
 from evenflow.router.gemm import launch_shape
 from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
+from tests_support_router import router_inputs, run_fp32_config
 
 
 def _cfg(bm, bn, bk, split, warps=4, stages=3):
     return GemmConfig(bm, bn, bk, split, warps, stages, "fp32-splitk")
 
 
-def _inputs(m, n, k, device, std=0.02, seed=None):
-    g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    w = torch.randn(n, k, device=device, generator=g) * std
-    x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
-    return x, w
+_inputs = router_inputs
 
 
 _check = assert_fp32_gemm_within_bound  # the rule plus the analytic bound K u |x|.|w|
@@ -72,12 +69,8 @@ CASES = [
                               for c in CASES])
 def test_fp32_splitk_matches_fp64(device, m, n, k, cfg):
     x, w = _inputs(m, n, k, device)
-    rw = evenflow.RouterWeight(w)
-    out = poisoned((m, n), torch.float32, device)
-    assert evenflow.router_gemm(x, rw, out, config=cfg) is out
-    _check(out, x, w, f"{cfg} M={m} N={n} K={k}")
+    rw = run_fp32_config(x, w, cfg, f"{cfg} M={m} N={n} K={k}")
     assert _counters_zero(rw)
-    assert torch.equal(out, evenflow.router_gemm(x, rw, config=cfg)), "not deterministic"
 
 
 @pytest.mark.parametrize("cfg,m,k", [(GemmConfig(4, 2, 32, 1, 2, 1, "fp32-simt"), 6, 80), (_cfg(8, 4, 16, 3), 7, 96)],

@@ -1,0 +1,24 @@
+"""Shared by the router GEMM tests: inputs, and one checked call of a forced fp32 path."""
+import torch
+
+import evenflow
+from evenflow.testing import assert_fp32_gemm_within_bound, poisoned
+
+
+def router_inputs(m, n, k, device, std=0.02, seed=None):
+    """bf16 activations [m, k] and an fp32 weight [n, k] of router scale."""
+    g = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    w = torch.randn(n, k, device=device, generator=g) * std
+    x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+    return x, w
+
+
+def run_fp32_config(x, w, cfg, what):
+    """router_gemm with ``cfg`` forced: writes the given ``out``, is within the fp32 bound
+    (the rule plus K u |x|.|w|), and a second call is bitwise the same. Returns the weight."""
+    rw = evenflow.RouterWeight(w)
+    out = poisoned((x.shape[0], w.shape[0]), torch.float32, x.device)
+    assert evenflow.router_gemm(x, rw, out, config=cfg) is out
+    assert_fp32_gemm_within_bound(out, x, w, what)
+    assert torch.equal(out, evenflow.router_gemm(x, rw, config=cfg)), f"{what}: not deterministic"
+    return rw
