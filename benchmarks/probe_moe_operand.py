@@ -11,6 +11,7 @@ The sm_90 compile (perf notes, round G) shows no shared-memory round trip and ha
 conversions; this probe measures it on the GEMM alone before the MoE kernels are rebuilt.
 
     python benchmarks/probe_moe_operand.py [--out DIR] [--cases ...]
+    TRITON_INTERPRET=0 python benchmarks/probe_moe_operand.py --sm90-stats   # CPU: the sm_90 build
 
 Every expert gets the same row count (a batched GEMM: no routing, no index), Qwen3-30B-A3B
 sizes: gate-up N = 2 * 768, K = 2048; down N = 2048, K = 768. Rows (BENCH.md schema): one per
@@ -35,46 +36,42 @@ FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
-def gemm_rows_kernel(p_x, p_w, p_o, R, N, K,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-    """o[e, m, n] = sum_k x[e, m, k] w[e, n, k]: tokens are the MMA's rows (today's layout)."""
+def gemm_kernel(p_x, p_w, p_o, R, N, K,
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    """o[e, m, n] = sum_k x[e, m, k] w[e, n, k] with f16 products.
+
+    SWAP False: tokens are the MMA's rows (today's layout; both fp8 tiles upcast, the weight
+    is operand B). SWAP True: o^T = w x^T, weight rows are the MMA's rows (operand A, upcast in
+    registers), tokens its columns (x stored as f16: operand B straight from shared memory).
+    """
     e = tl.program_id(0).to(tl.int64)
     o_m = tl.program_id(1) * BM + tl.arange(0, BM)
     o_n = tl.program_id(2) * BN + tl.arange(0, BN)
     o_k = tl.arange(0, BK)
-    p_a = p_x + e * R * K + o_m[:, None] * K + o_k[None, :]
-    p_b = p_w + e * N * K + o_n[None, :] * K + o_k[:, None]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    p_xe = p_x + e * R * K
+    p_we = p_w + e * N * K
+    if SWAP:
+        p_a = p_we + o_n[:, None] * K + o_k[None, :]
+        p_b = p_xe + o_m[None, :] * K + o_k[:, None]
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        p_a = p_xe + o_m[:, None] * K + o_k[None, :]
+        p_b = p_we + o_n[None, :] * K + o_k[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     for _ in range(0, K // BK):
         acc = tl.dot(f16_operand(tl.load(p_a), DOT_F32), f16_operand(tl.load(p_b), DOT_F32), acc)
         p_a += BK
         p_b += BK
-    tl.store(p_o + e * R * N + o_m[:, None] * N + o_n[None, :], acc)
-
-
-@triton.jit
-def gemm_swapped_kernel(p_x, p_w, p_o, R, N, K,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_F32: tl.constexpr):
-    """The same product as o^T = w x^T: weight rows are the MMA's rows (operand A, upcast in
-    registers), tokens its columns (x as f16 in memory: operand B straight from shared memory)."""
-    e = tl.program_id(0).to(tl.int64)
-    o_m = tl.program_id(1) * BM + tl.arange(0, BM)
-    o_n = tl.program_id(2) * BN + tl.arange(0, BN)
-    o_k = tl.arange(0, BK)
-    p_a = p_w + e * N * K + o_n[:, None] * K + o_k[None, :]
-    p_b = p_x + e * R * K + o_m[None, :] * K + o_k[:, None]
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for _ in range(0, K // BK):
-        acc = tl.dot(f16_operand(tl.load(p_a), DOT_F32), f16_operand(tl.load(p_b), DOT_F32), acc)
-        p_a += BK
-        p_b += BK
-    tl.store(p_o + e * R * N + o_m[None, :] * N + o_n[:, None], acc)
+    p_oe = p_o + e * R * N
+    if SWAP:
+        tl.store(p_oe + o_m[None, :] * N + o_n[:, None], acc)
+    else:
+        tl.store(p_oe + o_m[:, None] * N + o_n[None, :], acc)
 
 
 @dataclass(frozen=True)
 class Formulation:
-    kernel: object
-    x_f16: bool  # activations stored as f16 (exact e4m3 values) instead of fp8
+    swap: bool  # weights as the MMA's rows; activations stored as f16 (exact e4m3 values)
     block_m: int  # tokens per tile
     block_n: int  # weight rows per tile
     block_k: int
@@ -84,14 +81,14 @@ class Formulation:
 
 FORMULATIONS = {
     # today's 64/128-row f16-product tiles (the heuristic's choice at large T)
-    "rows-bm64-w8": Formulation(gemm_rows_kernel, False, 64, 128, 128, 8, 3),
-    "rows-bm128-w8": Formulation(gemm_rows_kernel, False, 128, 128, 128, 8, 3),
+    "rows-bm64-w8": Formulation(False, 64, 128, 128, 8, 3),
+    "rows-bm128-w8": Formulation(False, 128, 128, 128, 8, 3),
     # the tuner's pick at T >= 512 (32-row mma.sync tiles)
-    "rows-bm32-w4": Formulation(gemm_rows_kernel, False, 32, 128, 128, 4, 4),
+    "rows-bm32-w4": Formulation(False, 32, 128, 128, 4, 4),
     # swapped operands, f16 activations
-    "swapped-bm64-w4": Formulation(gemm_swapped_kernel, True, 64, 128, 128, 4, 3),
-    "swapped-bm128-w8": Formulation(gemm_swapped_kernel, True, 128, 128, 128, 8, 3),
-    "swapped-bm256-w8": Formulation(gemm_swapped_kernel, True, 256, 128, 64, 8, 3),
+    "swapped-bm64-w4": Formulation(True, 64, 128, 128, 4, 3),
+    "swapped-bm128-w8": Formulation(True, 128, 128, 128, 8, 3),
+    "swapped-bm256-w8": Formulation(True, 256, 128, 64, 8, 3),
 }
 
 # name: (experts, rows per expert, N, K). Rows per expert = T * top_k / E at Qwen3 (E 128, top-8).
@@ -117,15 +114,44 @@ def run_formulation(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     n = w.shape[1]
     if r % f.block_m or n % f.block_n or k % f.block_k:
         raise ValueError(f"{name}: tiles {f.block_m}x{f.block_n}x{f.block_k} do not divide R={r} N={n} K={k}")
-    xs = x.to(torch.float16) if f.x_f16 else x  # exact: every e4m3 value is an f16
+    xs = x.to(torch.float16) if f.swap else x  # exact: every e4m3 value is an f16
     out = out if out is not None else torch.empty(e, r, n, dtype=torch.float32, device=x.device)
     grid = (e, r // f.block_m, n // f.block_n)
     kw = {} if dot_f32 else {"num_warps": f.num_warps, "num_stages": f.num_stages}
 
     def launch():
-        f.kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k, DOT_F32=dot_f32, **kw)
+        gemm_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k, SWAP=f.swap,
+                          DOT_F32=dot_f32, **kw)
         return out
     return launch
+
+
+def sm90_stats() -> list[str]:
+    """Compile every formulation for sm_90 on this machine (no GPU needed; run with
+    TRITON_INTERPRET=0) and describe one K step of its loop: registers, shared memory, SASS
+    instructions, shared-memory stores (an operand sent back through shared memory), e4m3
+    conversions, and which tensor-core instruction it got."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from evenflow._compile_check import _ptxas_usage, mma_counts, sass_loops
+
+    lines = []
+    for name, f in FORMULATIONS.items():
+        sig = {"p_x": "*fp16" if f.swap else "*fp8e4nv", "p_w": "*fp8e4nv", "p_o": "*fp32",
+               "R": "i32", "N": "i32", "K": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
+               "SWAP": "constexpr", "DOT_F32": "constexpr"}
+        src = ASTSource(fn=gemm_kernel, signature=sig, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
+                        constexprs={"BM": f.block_m, "BN": f.block_n, "BK": f.block_k, "SWAP": f.swap,
+                                    "DOT_F32": False})
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": f.num_warps, "num_stages": f.num_stages})
+        regs, spill = _ptxas_usage(c.asm["ptx"], 90)
+        loop = (sass_loops(c.asm["cubin"]) or [{"instructions": 0, "ops": {}}])[0]
+        count = lambda prefix: sum(v for op, v in loop["ops"].items() if op.startswith(prefix))  # noqa: E731
+        lines.append(f"{name:18s} regs {regs} spill {spill} shared {c.metadata.shared // 1024} KB "
+                     f"loop {loop['instructions']} STS {count('STS')} F2FP {count('F2FP')} {mma_counts(c.asm['ptx'])}")
+    return lines
 
 
 def main(argv=None) -> None:
@@ -133,11 +159,16 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
+    p.add_argument("--sm90-stats", action="store_true",
+                   help="compile for sm_90 on this machine and print the loop statistics (no GPU; TRITON_INTERPRET=0)")
     p.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
     p.add_argument("--impls", default=",".join(FORMULATIONS), help="comma list of " + ",".join(FORMULATIONS))
     args = p.parse_args(argv)
+    if args.sm90_stats:
+        print("\n".join(sm90_stats()))
+        return
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/probe_moe_operand.py needs a CUDA GPU")
+        sys.exit("benchmarks/probe_moe_operand.py needs a CUDA GPU (or --sm90-stats)")
     ceil = H.measure_ceilings(verbose=False)
     res = H.Results("probe_moe_operand", ceilings=ceil, out=args.out,
                     meta={"floor": "max(bytes / copy_TBps, 2*E*R*N*K / bf16_TFLOPs); bytes = fp8 weights + "
@@ -150,7 +181,7 @@ def main(argv=None) -> None:
         flops = 2.0 * e * r * n * k
         for impl in args.impls.split(","):
             f = FORMULATIONS[impl]
-            nbytes = e * n * k + e * r * k * (2 if f.x_f16 else 1) + 4 * e * r * n
+            nbytes = e * n * k + e * r * k * (2 if f.swap else 1) + 4 * e * r * n
             fl = H.floor_us(nbytes, flops, ceilings=ceil, rate="bf16_TFLOPs")
             try:
                 fn = run_formulation(impl, x, w)
