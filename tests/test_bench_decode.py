@@ -284,3 +284,17 @@ def test_reference_decode_agrees_with_project_oracle(kv_dtype):
     ours = D.reference_decode(*args, sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale)
     oracle, _ = decode_attention_ref(*args, k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale)
     assert (ours.double() - oracle).abs().max() < 1e-5
+
+
+def test_plan_model_reads_every_tile_once_at_any_item_cost():
+    """The plan cost model (benchmarks/plan_model.py) prices the tiles the kernel reads: over all
+    bins they are each item's ceil(len / 64) tiles, whatever item_cost shifts between bins."""
+    spec = importlib.util.spec_from_file_location("evenflow_plan_model_script", _SCRIPT.parent / "plan_model.py")
+    plan_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plan_model)
+    lens, hkv = [128] * 5 + [4096] * 3 + [0, 700], 2
+    want = hkv * sum(-(-n // 64) for n in lens)
+    for cost in (0, 1, 2):
+        r = plan_model.bin_costs(lens, hkv, programs=12, item_cost=cost, tile_us=1.0, chunk_us=0.0)
+        assert r["tiles_read"] == want
+        assert r["max_us"] >= want / 12
