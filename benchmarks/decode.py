@@ -52,8 +52,11 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # launch gap it hides between the attention and combine kernels is measured.
 # evenflow-cost1 / -cost2: the plan charging 1 / 2 tiles of work per non-empty item (round G),
 # so bins of many short items hold fewer of them.
+# evenflow-ws: each warp runs its own online softmax over its 16 tokens of every step, merged
+# once per chunk (round H); -ws-n128: 8 warps over 128-token steps, 1 program/SM; -ws-pps3: at
+# 3 programs/SM.
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl", "evenflow-cost1",
-                  "evenflow-cost2"]
+                  "evenflow-cost2", "evenflow-ws", "evenflow-ws-n128", "evenflow-ws-pps3"]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # The rows of record (issue 3 / BENCH.md); the knob rows above run when named in --impls.
 DEFAULT_IMPLS = ["evenflow", "evenflow-static"] + list(fi_peer.DECODE_IMPLS)
@@ -243,6 +246,12 @@ def _evenflow_fns(impl: str, inp: Inputs):
             knobs = dict(pdl=False)
         elif impl.startswith("evenflow-cost"):
             knobs = dict(item_cost=int(impl.removeprefix("evenflow-cost")))
+        elif impl == "evenflow-ws":
+            knobs = dict(warp_split=True)
+        elif impl == "evenflow-ws-n128":
+            knobs = dict(warp_split=True, block_n=128, num_warps=8, num_stages=2, num_programs=sms)
+        elif impl == "evenflow-ws-pps3":
+            knobs = dict(warp_split=True, num_programs=3 * sms)
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)

@@ -65,13 +65,14 @@ def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None
 
 def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
         dynamic=True, num_programs=4, min_tiles=1, hnd=False, num_warps=None, num_stages=None, block_n=None,
-        item_cost=0, **kw):
+        item_cost=0, warp_split=None, **kw):
     q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd, device=device)
     plan = None
     if dynamic:
         plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
                                    num_programs=num_programs, min_tiles=min_tiles, num_warps=num_warps,
-                                   num_stages=num_stages, block_n=block_n, item_cost=item_cost).update(sl)
+                                   num_stages=num_stages, block_n=block_n, item_cost=item_cost,
+                                   warp_split=warp_split).update(sl)
     return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
 
 
@@ -199,6 +200,26 @@ def test_item_cost_keeps_results(case, device):
     """A plan that charges each non-empty item extra work units (so short items spread over
     more bins) changes the schedule, not the attention."""
     run(device, **ITEM_COST_CASES[case])
+
+
+WARP_SPLIT_CASES = {
+    "skewed-g8-d128": dict(lens=[700, 64, 0, 65, 130], group=8, d=128, num_programs=5),
+    "fp8-kv": dict(lens=[300, 64, 0, 77, 129], kv_dtype=FP8, num_programs=5, k_scale=1 / 30, v_scale=1 / 40),
+    "fp8-kv-fp8-q-g16": dict(lens=[300, 64, 0, 77, 129], group=16, kv_dtype=FP8, q_dtype=FP8, num_programs=5,
+                             k_scale=1 / 30, v_scale=1 / 40),
+    "p16-q3-causal": dict(lens=[300, 20, 0, 77, 129], page=16, q_len=3, num_programs=5),
+    "d256-p32-q2": dict(lens=[300, 20, 0, 77, 129], page=32, q_len=2, d=256, group=2, num_programs=3),
+    "n128-w8-many-bins": dict(lens=[64 * 60 + 17, 100, 0], hkv=1, group=16, d=128, num_programs=70, block_n=128,
+                              num_warps=8),
+}
+
+
+@pytest.mark.parametrize("case", list(WARP_SPLIT_CASES))
+def test_warp_split_keeps_results(case, device):
+    """Each warp running its own online softmax over a quarter (an eighth) of every step's
+    tokens, merged once per chunk, is another order of the same sums: same attention, same
+    LSE, zeros where no token is visible (a warp whose tokens are all masked holds -inf)."""
+    run(device, warp_split=True, **WARP_SPLIT_CASES[case])
 
 
 def test_default_programs_and_plan_reuse(device):

@@ -88,6 +88,14 @@ def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
     return TILE
 
 
+def _warp_split(block_n: int, num_warps: int, choice: int) -> int:
+    # Token groups per step in the attention kernel (kernels._tiles_split): one per warp,
+    # each >= 16 tokens (the MMA's K in P @ V); 1 = the plain formulation.
+    if choice == 0 or block_n // num_warps < 16:
+        return 1
+    return num_warps if choice == 1 else 1
+
+
 # Register cap of the combine kernel: 3 programs of 4 warps per SM (sm_90 build: 168
 # registers, <= 4 bytes of spill; 185 uncapped = 2 per SM). Most of its programs find no
 # work and exit at once; the more are resident, the fewer waves the grid takes.
@@ -113,9 +121,10 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
-               block_n: int = 0, max_regs: int = 0, pdl: bool = False) -> None:
+               block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
-    # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch
+    # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
+    # warp_split: 1 = on, 0 = off, -1 = the launcher's choice
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -124,6 +133,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_m = _block_m(rows)
     is_static = splits > 0
     block_n = block_n or _block_n(D, k_cache.dtype)
+    num_warps = num_warps or 4
+    wsplit = _warp_split(block_n, num_warps, warp_split)
     np_ = prog_start.shape[0] - 1
     use_fp8_dot = q.dtype == FP8 and k_cache.dtype == FP8
     has_lse = lse is not None
@@ -145,7 +156,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
         KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
-        num_warps=num_warps or 4, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
+        WSPLIT=wsplit, num_warps=num_warps, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
         **_runtime.pdl_kwargs(pdl),
     )
     if is_static and splits == 1:
@@ -171,7 +182,7 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_gml,
       combine_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1):
     return None
 
 
@@ -285,7 +296,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
-                   _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl)
+                   _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
+                   -1 if plan.warp_split is None else int(plan.warp_split))
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -81,7 +81,10 @@ class DecodePlan:
     supports it (sm_90+), ``False`` to compare. ``item_cost`` (tiles, 0-8, default 0): work
     the bins count per non-empty item on top of its tiles (its prologue, first-load latency,
     output or partial write), so bins of many short items hold fewer of them; the plan's
-    ``tiles`` are then work units (see ``attention/kernels.py``).
+    ``tiles`` are then work units (see ``attention/kernels.py``). ``warp_split``: each warp
+    runs its own online softmax over its share of a step's tokens, merged once per chunk
+    (``True``), or the warps share each step's softmax (``False``); default: the launcher's
+    choice.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -97,7 +100,7 @@ class DecodePlan:
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
-                 pdl: bool | None = None, item_cost: int = 0):
+                 pdl: bool | None = None, item_cost: int = 0, warp_split: bool | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -137,6 +140,9 @@ class DecodePlan:
         if not isinstance(align_items, bool):
             raise TypeError(f"align_items must be a bool, got {align_items!r}")
         self.align_items = align_items
+        if warp_split is not None and not isinstance(warp_split, bool):
+            raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")
+        self.warp_split = warp_split
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
         i32 = dict(dtype=torch.int32, device=dev)
