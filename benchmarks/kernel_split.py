@@ -1,0 +1,102 @@
+"""Where one fused-MoE call's time goes: device time of each kernel it launches.
+
+    python benchmarks/kernel_split.py [--cases qwen3-30b-a3b] [--variants bf16,fp8-tensor]
+                                      [--batches 1,2] [--impls evenflow,sglang-triton] [--out DIR]
+
+For each (case, variant, batch, impl) the call is run eagerly under ``torch.profiler``
+(CUDA activity) ``--reps`` times with fresh weights copies rotated exactly as in
+``benchmarks/moe.py`` (so no call finds its weights in L2), and each kernel's mean device
+time per call is printed beside the sum, and beside the call's CUDA-graph replay time: the
+difference between the two is what the launches themselves cost (gaps between kernels).
+Diagnostic evidence for the perf notes, not a result file of record.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe as M  # noqa: E402  (benchmarks/moe.py: cases, weights, routing, impls)
+
+
+def kernel_times(fns, reps: int) -> tuple[list[tuple[str, float]], float]:
+    """[(kernel name, mean device us per call)] in launch order, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for f in fns:  # compile and warm up outside the trace
+        f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for r in range(reps):
+            fns[r % len(fns)]()
+        torch.cuda.synchronize()
+    total = collections.OrderedDict()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] = total.get(ev.name, 0.0) + ev.device_time
+    rows = [(name, t / reps) for name, t in total.items()]
+    return rows, sum(t for _, t in rows)
+
+
+def main(argv=None) -> None:
+    from evenflow.bench import harness as H
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="qwen3-30b-a3b")
+    p.add_argument("--variants", default="bf16,fp8-tensor")
+    p.add_argument("--batches", default="1,2")
+    p.add_argument("--impls", default="evenflow,sglang-triton")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--sglang-shim", default=None)
+    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel_split.py needs a CUDA GPU")
+    dev = "cuda"
+    out_rows = []
+    for case_name in a.cases.split(","):
+        case = M.CASES[case_name]
+        for variant in a.variants.split(","):
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            wgen = torch.Generator(device=dev).manual_seed(0)
+            bias = M.expert_bias(case.num_experts_total, gen)
+            base = M.make_weights(case, variant, dev, wgen)
+            if variant == "fp8-tensor":
+                M.calibrate_static_scales(base, case, dev, gen, bias)
+            copies = [base] + [base.clone() for _ in range(M.MAX_ROTATE - 1)]
+            for batch in (int(b) for b in a.batches.split(",")):
+                inputs = []
+                for _ in copies:
+                    ids, tw = M.make_routing(batch, case, gen, bias)
+                    x = torch.randn(batch, case.hidden, generator=gen).to(torch.bfloat16)
+                    inputs.append((x.to(dev), ids.to(dev), tw.to(dev)))
+                for impl in a.impls.split(","):
+                    try:
+                        fns = [M.build_impl(impl, wc, case, a)(*inp) for wc, inp in zip(copies, inputs)]
+                        rows, ksum = kernel_times(fns, a.reps)
+                        graph_us = H.time_graph(fns)
+                    except Exception as e:  # a peer that cannot run is reported, not fatal
+                        print(f"{case_name}/{variant} T={batch} {impl}: {type(e).__name__}: {e}"[:300])
+                        continue
+                    print(f"\n{case_name}/{variant} T={batch} {impl}: {len(rows)} kernels, device sum "
+                          f"{ksum:.1f} us, graph replay {graph_us:.1f} us")
+                    for name, t in rows:
+                        print(f"    {t:8.2f} us  {name[:110]}")
+                    out_rows.append(dict(case=case_name, variant=variant, batch=batch, impl=impl,
+                                         graph_us=round(graph_us, 2), kernel_sum_us=round(ksum, 2),
+                                         kernels=[[n, round(t, 2)] for n, t in rows]))
+            del copies, base
+            torch.cuda.empty_cache()
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "kernel_split.json"), "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": out_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
