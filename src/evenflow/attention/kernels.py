@@ -254,8 +254,8 @@ def _attend_chunk(
         o_tok = tl.arange(0, BLOCK_N)
         n_end = tl.minimum(L, t1 * TILE)
         if SCALAR_PAGE:
-            b_pagex = tl.load(p_ptrow + (t0 * TILE) // PAGE, mask=(t0 * TILE < n_end) & ((t0 * TILE) // PAGE < max_pages),
-                              other=0)
+            b_pagex = tl.load(p_ptrow + (t0 * TILE) // PAGE,
+                              mask=(t0 * TILE < n_end) & ((t0 * TILE) // PAGE < max_pages), other=0)
         else:
             o_nx = t0 * TILE + o_tok
             b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
