@@ -202,24 +202,33 @@ def test_item_cost_keeps_results(case, device):
     run(device, **ITEM_COST_CASES[case])
 
 
+# Each case has a chunk of >= WS_MIN_TILES (24) tiles (the warp-split loop) and short items
+# (the plain loop) in one launch.
+LONG = 64 * 30 + 5
 WARP_SPLIT_CASES = {
-    "skewed-g8-d128": dict(lens=[700, 64, 0, 65, 130], group=8, d=128, num_programs=5),
-    "fp8-kv": dict(lens=[300, 64, 0, 77, 129], kv_dtype=FP8, num_programs=5, k_scale=1 / 30, v_scale=1 / 40),
-    "fp8-kv-fp8-q-g16": dict(lens=[300, 64, 0, 77, 129], group=16, kv_dtype=FP8, q_dtype=FP8, num_programs=5,
+    "skewed-g8-d128": dict(lens=[LONG, 64, 0, 65, 130], group=8, d=128, num_programs=3),
+    "fp8-kv": dict(lens=[LONG, 64, 0, 77, 129], kv_dtype=FP8, num_programs=3, k_scale=1 / 30, v_scale=1 / 40),
+    "fp8-kv-fp8-q-g16": dict(lens=[LONG, 64, 0, 77, 129], group=16, kv_dtype=FP8, q_dtype=FP8, num_programs=3,
                              k_scale=1 / 30, v_scale=1 / 40),
-    "p16-q3-causal": dict(lens=[300, 20, 0, 77, 129], page=16, q_len=3, num_programs=5),
-    "d256-p32-q2": dict(lens=[300, 20, 0, 77, 129], page=32, q_len=2, d=256, group=2, num_programs=3),
-    "n128-w8-many-bins": dict(lens=[64 * 60 + 17, 100, 0], hkv=1, group=16, d=128, num_programs=70, block_n=128,
+    "p16-q3-causal": dict(lens=[LONG, 20, 0, 77, 129], page=16, q_len=3, num_programs=3),
+    "d256-p32-q2": dict(lens=[LONG, 20, 0, 77, 129], page=32, q_len=2, d=256, group=2, num_programs=2),
+    "n128-w8-many-bins": dict(lens=[64 * 60 + 17, 100, 0], hkv=1, group=16, d=128, num_programs=2, block_n=128,
                               num_warps=8),
+    "fp8-static": dict(lens=[LONG, 64, 0, 77], kv_dtype=FP8, dynamic=False, k_scale=1 / 30, v_scale=1 / 40),
 }
 
 
 @pytest.mark.parametrize("case", list(WARP_SPLIT_CASES))
 def test_warp_split_keeps_results(case, device):
-    """Each warp running its own online softmax over a quarter (an eighth) of every step's
-    tokens, merged once per chunk, is another order of the same sums: same attention, same
-    LSE, zeros where no token is visible (a warp whose tokens are all masked holds -inf)."""
-    run(device, warp_split=True, **WARP_SPLIT_CASES[case])
+    """Long chunks on the warp-split loop (each warp its own online softmax over a quarter or
+    an eighth of every step's tokens, merged once per chunk) and short ones on the plain loop,
+    in one launch: another order of the same sums, so the same attention and LSE, and zeros
+    where no token is visible (a warp whose tokens are all masked holds -inf)."""
+    from evenflow.attention.decode import WS_MIN_TILES
+
+    kw = WARP_SPLIT_CASES[case]
+    assert max(kw["lens"]) >= 64 * WS_MIN_TILES, "the case must reach the warp-split loop"
+    run(device, warp_split=None if kw.get("dynamic") is False else True, **kw)
 
 
 def test_default_programs_and_plan_reuse(device):

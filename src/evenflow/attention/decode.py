@@ -88,12 +88,23 @@ def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
     return TILE
 
 
-def _warp_split(block_n: int, num_warps: int, choice: int) -> int:
-    # Token groups per step in the attention kernel (kernels._tiles_split): one per warp,
-    # each >= 16 tokens (the MMA's K in P @ V); 1 = the plain formulation.
-    if choice == 0 or block_n // num_warps < 16:
+# Chunks of at least this many tiles take the warp-split loop (kernels._tiles_split) when it
+# is on. Round H (H200, fp8 KV): its steps are ~15% cheaper than the plain loop's (8x32K 204
+# -> 173 us) but its merge costs ~3 us per chunk (32x128+32x4K: 149 -> 245 us with every
+# chunk split), i.e. ~0.25 us saved per tile against ~3 us per chunk: even at ~12 tiles; 24
+# leaves chunks of 8-16 tiles (64x512, the TP8 slice's 16-tile bins) on the plain loop.
+WS_MIN_TILES = 24
+
+
+def _warp_split(block_n: int, num_warps: int, choice: int, kv_fp8: bool) -> int:
+    # Token groups per step for long chunks (kernels._tiles_split): one per warp, each >= 16
+    # tokens (the MMA's K in P @ V); 1 = the plain loop only. Launcher's choice (-1): on for
+    # fp8 KV, where the plain loop is bound by its per-step chain (round H: +18-20% on the
+    # long fp8 cases); off for bf16 KV, whose long cases are at the copy floor either way and
+    # whose plain loop measured 2-5% faster.
+    if choice == 0 or block_n // num_warps < 16 or (choice == -1 and not kv_fp8):
         return 1
-    return num_warps if choice == 1 else 1
+    return num_warps
 
 
 # Register cap of the combine kernel: 3 programs of 4 warps per SM (sm_90 build: 168
@@ -134,7 +145,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     is_static = splits > 0
     block_n = block_n or _block_n(D, k_cache.dtype)
     num_warps = num_warps or 4
-    wsplit = _warp_split(block_n, num_warps, warp_split)
+    wsplit = _warp_split(block_n, num_warps, warp_split, k_cache.dtype == FP8)
     np_ = prog_start.shape[0] - 1
     use_fp8_dot = q.dtype == FP8 and k_cache.dtype == FP8
     has_lse = lse is not None
@@ -156,7 +167,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
         KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
-        WSPLIT=wsplit, num_warps=num_warps, **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
+        WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, num_warps=num_warps,
+        **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
         **_runtime.pdl_kwargs(pdl),
     )
     if is_static and splits == 1:
