@@ -302,12 +302,15 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, **gpu_kw, **pk,
     )
-    block_h = min(1024, triton.next_power_of_2(h))
+    # reduce: all of a token's (slot, split) rows in flight at once, <= 8192 values per program
+    block_k = triton.next_power_of_2(k)
+    block_h = min(1024, triton.next_power_of_2(h), max(32, 8192 // (block_k * cfg.down_split_k)))
     shared = shared_output if shared_output is not None else out
     moe_reduce_kernel[(t, triton.cdiv(h, block_h))](
         pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
         pair_out.stride(0), pair_out.stride(1), shared.stride(0), out.stride(0),
-        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, SPLIT_K=cfg.down_split_k, num_warps=4, **pk,
+        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT_K=cfg.down_split_k,
+        num_warps=4, **pk,
     )
 
 
