@@ -54,9 +54,12 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # so bins of many short items hold fewer of them.
 # evenflow-ws: each warp runs its own online softmax over its 16 tokens of every step, merged
 # once per chunk (round H); -ws-n128: 8 warps over 128-token steps, 1 program/SM; -ws-pps3: at
-# 3 programs/SM.
+# 3 programs/SM. The default (round H4) runs it on fp8 chunks of >= 24 tiles; -ws turns it on for
+# bf16 too, -nows off for fp8.
+# evenflow-alignup: the plan with align_longer (budget raised to a shortest item <= 1/16 longer).
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl", "evenflow-cost1",
-                  "evenflow-cost2", "evenflow-ws", "evenflow-ws-n128", "evenflow-ws-pps3"]
+                  "evenflow-cost2", "evenflow-ws", "evenflow-ws-n128", "evenflow-ws-pps3", "evenflow-nows",
+                  "evenflow-alignup"]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # The rows of record (issue 3 / BENCH.md); the knob rows above run when named in --impls.
 DEFAULT_IMPLS = ["evenflow", "evenflow-static"] + list(fi_peer.DECODE_IMPLS)
@@ -252,6 +255,10 @@ def _evenflow_fns(impl: str, inp: Inputs):
             knobs = dict(warp_split=True, block_n=128, num_warps=8, num_stages=2, num_programs=sms)
         elif impl == "evenflow-ws-pps3":
             knobs = dict(warp_split=True, num_programs=3 * sms)
+        elif impl == "evenflow-nows":
+            knobs = dict(warp_split=False)
+        elif impl == "evenflow-alignup":
+            knobs = dict(align_longer=True)
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)

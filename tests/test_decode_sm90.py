@@ -57,6 +57,8 @@ SCENARIOS = {
     "fp8-q-block_n128-tiny": dict(lens=[300, 64, 0, 77], hq=16, hkv=2, d=128, kv=FP8, qdt=FP8, block_n=128),
     "fp8-block_n128-d64-tiny": dict(lens=[300, 64, 0, 77, 129], hq=8, hkv=2, d=64, kv=FP8, block_n=128),
     "bf16-block_n128-p16-q2": dict(lens=[300, 5000], hq=8, hkv=2, d=64, page=16, q_len=2, block_n=128),
+    "bf16-warp_split-align_longer": dict(lens=BIG, warp_split=True, align_longer=True),
+    "fp8-no-warp_split": dict(lens=BIG, kv=FP8, warp_split=False),
 }
 
 

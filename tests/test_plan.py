@@ -31,10 +31,11 @@ def walk(plan_d, num_kv_heads, num_programs):
     return bins
 
 
-def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0):
+def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0, align_longer=False):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
-                               min_tiles=min_tiles, align_items=align, item_cost=item_cost).update(sl)
+                               min_tiles=min_tiles, align_items=align, item_cost=item_cost,
+                               align_longer=align_longer).update(sl)
     return plan, sl
 
 
@@ -53,50 +54,62 @@ CASES = {
     "tile_edges": ([63, 64, 65, 127, 128, 129], 1, 3, 1),          # lengths one past a tile boundary
     "one_request": ([5000], 4, 7, 1),                              # single long request across all bins
     "short_items": ([130] * 6 + [1000], 2, 10, 1),                  # 3-tile items: budget 7 -> 9 when aligned
+    "slightly_long_items": ([2048] * 8, 2, 17, 1),                 # 32-tile items, budget 31 -> 32 (align_longer)
+    "too_long_to_round": ([2048] * 8, 2, 18, 1),                   # budget 29: 32 > 29 * 17/16, no rounding
 }
 
 
-def expected_budget(lens, hkv, np_, mt, align, item_cost=0):
+def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False):
     # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
-    # shortest items when that item fits and the rounding adds at most half
+    # shortest items when that item fits and the rounding adds at most half; with
+    # align_longer, raised to a shortest item that exceeds it by at most 1/16
     tiles = units(lens, item_cost)
     b0 = max(-(-hkv * sum(tiles) // np_), mt)
     q = min([n for n in tiles if n > 0], default=0)
     if align and 0 < q <= b0 and 2 * (-(-b0 // q) * q) <= 3 * b0:
         return -(-b0 // q) * q
+    if align and align_longer and b0 < q and 16 * q <= 17 * b0:
+        return q
     return b0
+
+
+# align modes: (align_items, align_longer)
+ALIGNS = pytest.mark.parametrize("align,longer", [(True, False), (False, False), (True, True)],
+                                 ids=["aligned", "plain", "aligned-longer"])
 
 
 COSTS = pytest.mark.parametrize("item_cost", [0, 2], ids=["tiles", "item_cost2"])
 
 
 @COSTS
-@pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
+@ALIGNS
 @pytest.mark.parametrize("name", list(CASES))
-def test_device_plan_equals_reference(name, align, item_cost, device):
+def test_device_plan_equals_reference(name, align, longer, item_cost, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost)
-    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost, align_longer=longer)
+    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost,
+                            align_longer=longer)
     got = plan.as_dict()
     for key in ("tiles", "req_end", "prog_start", "meta"):
         assert_exact(got[key], ref[key], what=f"{name}: {key}")
 
 
 @COSTS
-@pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
+@ALIGNS
 @pytest.mark.parametrize("name", list(CASES))
-def test_plan_properties(name, align, item_cost, device):
+def test_plan_properties(name, align, longer, item_cost, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost, align_longer=longer)
     d = plan.as_dict()
     total, budget, used = d["meta"][:3].tolist()
     assert d["meta"][4].item() == item_cost
     tiles = units(lens, item_cost)
     assert total == hkv * sum(tiles)
-    assert budget == expected_budget(lens, hkv, np_, mt, align, item_cost)
+    assert budget == expected_budget(lens, hkv, np_, mt, align, item_cost, longer)
     assert used == -(-total // budget) and used <= np_
     bins = walk(d, hkv, np_)
-    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost)
+    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost,
+                                 align_longer=longer)
     assert bins == ref_bins, "the kernel's walk of the device plan differs from the reference bins"
     # every tile of every item exactly once; every item (empty ones too) finished once
     seen = {}
@@ -149,6 +162,28 @@ def test_align_items_keeps_short_items_whole(device):
     assert cut[True] == 0 < cut[False], "aligned bins hold the 3-tile items whole"
 
 
+@pytest.mark.parametrize("lens,np_,budgets", [
+    ([4096] * 32, 264, (63, 64)),                 # 32x4K on 132 SMs x 2: every item cut in two, or none
+    ([65536] + [4096] * 15, 264, (61, 64)),       # 1x64K+15x4K: the 4K items whole when raised
+    ([4096] * 32, 280, (59, 59)),                 # 64 > 59 * 17/16: left alone
+])
+def test_align_longer_keeps_slightly_long_items_whole(lens, np_, budgets, device):
+    """With align_longer the budget rises to a shortest item at most 1/16 longer than it,
+    so those items are no longer cut; a bigger gap keeps the plain budget."""
+    hkv = 8
+    got = {}
+    for longer in (False, True):
+        plan, _ = make_plan(device, lens, hkv, np_, 8, align_longer=longer)
+        got[longer] = plan.as_dict()["meta"][1].item()
+        bins = walk(plan.as_dict(), hkv, np_)
+        cut = sum(1 for chunks in bins for i, t0, t1 in chunks if lens[i // hkv] == 4096 and (t0, t1) != (0, 64))
+        if longer and budgets[1] > budgets[0]:
+            assert cut == 0, "raised budget: every 4K item whole in one bin"
+        elif budgets[1] > budgets[0]:
+            assert cut > 0
+    assert (got[False], got[True]) == budgets
+
+
 def test_plan_random_sweep(device):
     """Seeded random length mixes (log-uniform, with zeros) against the reference builder."""
     g = torch.Generator().manual_seed(1234)
@@ -161,8 +196,10 @@ def test_plan_random_sweep(device):
         lens[torch.rand(B, generator=g) < 0.15] = 0
         align = trial % 2 == 0
         cost = trial % 4  # 0..3 units per non-empty item
-        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost)
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost)
+        longer = trial % 3 == 0
+        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost, align_longer=longer)
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost,
+                                       align_longer=longer)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins

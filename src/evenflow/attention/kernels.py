@@ -53,6 +53,7 @@ def plan_kernel(
     B, max_len, min_tiles, item_cost,
     NP: tl.constexpr, HKV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
+    ALIGN_LONGER: tl.constexpr,
 ):
     """Single program: prefix sums over requests, budget, then per-program start items."""
     carry = tl.zeros([], dtype=tl.int32)
@@ -77,7 +78,12 @@ def plan_kernel(
         # whole short items per bin: round the budget up to a multiple of the shortest
         # non-empty item when that adds at most half (see DecodePlan)
         aligned = (budget + shortest - 1) // shortest * shortest
-        budget = tl.where((shortest <= budget) & (2 * aligned <= 3 * budget), aligned, budget)
+        fits = (shortest <= budget) & (2 * aligned <= 3 * budget)
+        if ALIGN_LONGER:
+            # or up to a shortest item at most 1/16 longer than the budget (aligned == shortest)
+            # (int64: no non-empty item leaves shortest at INT32_MAX)
+            fits = fits | ((shortest > budget) & (16 * shortest.to(tl.int64) <= 17 * budget.to(tl.int64)))
+        budget = tl.where(fits, aligned, budget)
     used = (total + budget - 1) // budget
     tl.store(p_meta + 0, total)
     tl.store(p_meta + 1, budget)

@@ -35,13 +35,14 @@ def default_num_programs(device) -> int:
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
                     max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool = True,
-                    item_cost: int = 0) -> None:
+                    item_cost: int = 0, align_longer: bool = False) -> None:
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
     K.plan_kernel[(1,)](
         seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles, item_cost,
         NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
-        SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items, num_warps=4,
+        SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items,
+        ALIGN_LONGER=align_longer, num_warps=4,
     )
 
 
@@ -52,7 +53,7 @@ _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
 
 @_plan_update_op.register_fake
 def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items=True,
-      item_cost=0):
+      item_cost=0, align_longer=False):
     return None
 
 
@@ -71,7 +72,10 @@ class DecodePlan:
     it is then rounded up to a multiple of the shortest non-empty item's tiles when that
     item fits in a bin and the rounding adds at most half, so bins hold whole short items
     instead of cutting them (a cut costs a partial write and a combine merge: 64x512 took
-    56 us with budget 11 and 44 us with 16, round E sweep). ``num_warps`` /
+    56 us with budget 11 and 44 us with 16, round E sweep); ``align_longer`` (default off,
+    to be measured) also raises the budget to the shortest item when that item is longer
+    than the budget by at most a sixteenth (32x4K: 63 -> 64 tiles, so no item is cut).
+    ``num_warps`` /
     ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
     (per-thread register cap, 0 = none): launch config of the attention kernel (default:
     the launcher's choice, which caps registers so ``num_programs / SMs`` programs fit on
@@ -100,7 +104,8 @@ class DecodePlan:
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
-                 pdl: bool | None = None, item_cost: int = 0, warp_split: bool | None = None):
+                 pdl: bool | None = None, item_cost: int = 0, warp_split: bool | None = None,
+                 align_longer: bool = False):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -140,6 +145,9 @@ class DecodePlan:
         if not isinstance(align_items, bool):
             raise TypeError(f"align_items must be a bool, got {align_items!r}")
         self.align_items = align_items
+        if not isinstance(align_longer, bool):
+            raise TypeError(f"align_longer must be a bool, got {align_longer!r}")
+        self.align_longer = align_longer
         if warp_split is not None and not isinstance(warp_split, bool):
             raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")
         self.warp_split = warp_split
@@ -164,7 +172,8 @@ class DecodePlan:
         check_int("seq_lens.shape[0] (batch)", B, 1, self.max_batch)
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
         op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
-           self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost)
+           self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
+           self.align_longer)
         self.batch = B
         return self
 

@@ -108,14 +108,16 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
 
 
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
-                   align_items: bool = True, item_cost: int = 0):
+                   align_items: bool = True, item_cost: int = 0, align_longer: bool = False):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
     work units when it is non-empty (counted as tiles below); bins of
     ``budget = max(ceil(total / num_programs), min_tiles)`` tiles are filled in order;
     with ``align_items`` the budget is first rounded up to a multiple of the shortest
-    non-empty item's tiles, when that item fits in it and the rounding adds at most half.
+    non-empty item's tiles, when that item fits in it and the rounding adds at most half;
+    with ``align_longer`` too, it is raised to that item's tiles when the item is longer than
+    the budget by at most a sixteenth of it.
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
@@ -127,10 +129,14 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     total = sum(tiles[b] for b, _ in items)
     budget = max(-(-total // num_programs), min_tiles)
     nonzero = [n for n in tiles if n > 0]
-    if align_items and nonzero and min(nonzero) <= budget:
-        aligned = -(-budget // min(nonzero)) * min(nonzero)
-        if 2 * aligned <= 3 * budget:
-            budget = aligned
+    if align_items and nonzero:
+        shortest = min(nonzero)
+        if shortest <= budget:
+            aligned = -(-budget // shortest) * shortest
+            if 2 * aligned <= 3 * budget:
+                budget = aligned
+        elif align_longer and 16 * shortest <= 17 * budget:
+            budget = shortest
     used = -(-total // budget)
     bins: list[list[tuple[int, int, int]]] = [[] for _ in range(num_programs)]
     p, room = 0, budget
