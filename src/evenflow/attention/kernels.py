@@ -117,6 +117,44 @@ def plan_kernel(
 
 
 @triton.jit
+def _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE: tl.constexpr, SCALAR_PAGE: tl.constexpr):
+    """Page id of a chunk's first step: one scalar when a step lies in one page, else one per token."""
+    if SCALAR_PAGE:
+        n0 = t0 * TILE
+        b_page = tl.load(p_ptrow + n0 // PAGE, mask=(n0 < n_end) & (n0 // PAGE < max_pages), other=0)
+    else:
+        o_nx = t0 * TILE + o_tok
+        b_page = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
+    return b_page
+
+
+@triton.jit
+def _kv_step(t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
+             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SCALAR_PAGE: tl.constexpr):
+    """Step t of a chunk: token positions (``o_tok``'s shape), their mask, the K and V row
+    pointers, and the next step's page id, loaded one step ahead so the K/V copies of a step
+    never wait on a load of the same step and the pipeliner can multi-buffer them."""
+    STEP: tl.constexpr = BLOCK_N // TILE
+    o_n = t * TILE + o_tok
+    m_n = o_n < n_end
+    b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
+    if SCALAR_PAGE:
+        n_x = (t + STEP) * TILE
+        b_next = tl.load(p_ptrow + n_x // PAGE, mask=(n_x < n_end) & (n_x // PAGE < max_pages), other=0)
+        o_slot = (t * TILE) % PAGE + o_tok
+        p_kr = p_k + (b_page * stride_kp + h * stride_kh) + o_slot * stride_kt
+        p_vr = p_v + (b_page * stride_vp + h * stride_vh) + o_slot * stride_vt
+    else:
+        o_nx = o_n + BLOCK_N
+        b_next = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
+        o_slot = o_n % PAGE
+        p_kr = p_k + (b_page * stride_kp + o_slot * stride_kt + h * stride_kh)
+        p_vr = p_v + (b_page * stride_vp + o_slot * stride_vt + h * stride_vh)
+    return o_n, m_n, p_kr, p_vr, b_next
+
+
+@triton.jit
 def _tiles_plain(
     b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -140,32 +178,13 @@ def _tiles_plain(
     SCALAR_PAGE: tl.constexpr = PAGE >= BLOCK_N
     o_tok = tl.arange(0, BLOCK_N)
     n_end = tl.minimum(L, t1 * TILE)
-    if SCALAR_PAGE:
-        b_pagex = tl.load(p_ptrow + (t0 * TILE) // PAGE,
-                          mask=(t0 * TILE < n_end) & ((t0 * TILE) // PAGE < max_pages), other=0)
-    else:
-        o_nx = t0 * TILE + o_tok
-        b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
+    b_pagex = _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
     for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
-        o_n = t * TILE + o_tok
-        m_n = o_n < n_end
-        b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
-        if SCALAR_PAGE:
-            n_x = (t + STEP) * TILE
-            b_pagex = tl.load(p_ptrow + n_x // PAGE, mask=(n_x < n_end) & (n_x // PAGE < max_pages), other=0)
-            o_slot = (t * TILE) % PAGE + o_tok
-            p_kb = p_k + (b_page * stride_kp + h * stride_kh)
-            p_vb = p_v + (b_page * stride_vp + h * stride_vh)
-            b_k = tl.load(p_kb + (o_slot * stride_kt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(p_vb + (o_slot * stride_vt)[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        else:
-            o_nx = o_n + BLOCK_N
-            b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
-            o_slot = o_n % PAGE
-            o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
-            o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
-            b_k = tl.load(p_k + o_k[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(p_v + o_v[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        o_n, m_n, p_kr, p_vr, b_pagex = _kv_step(
+            t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
+        b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
         if USE_FP8_DOT:
             b_s = tl.dot(b_q, tl.trans(b_k))
         elif KV_FP8:
@@ -217,30 +236,13 @@ def _tiles_split(
     b_l = tl.zeros([WSPLIT, BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([WSPLIT, BLOCK_M, D], dtype=tl.float32)
     n_end = tl.minimum(L, t1 * TILE)
-    if SCALAR_PAGE:
-        b_pagex = tl.load(p_ptrow + (t0 * TILE) // PAGE, mask=(t0 * TILE < n_end) & ((t0 * TILE) // PAGE < max_pages),
-                          other=0)
-    else:
-        o_nx = t0 * TILE + o_tok
-        b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
+    b_pagex = _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
     for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
-        o_n = t * TILE + o_tok
-        m_n = o_n < n_end
-        b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
-        if SCALAR_PAGE:
-            n_x = (t + STEP) * TILE
-            b_pagex = tl.load(p_ptrow + n_x // PAGE, mask=(n_x < n_end) & (n_x // PAGE < max_pages), other=0)
-            o_slot = (t * TILE) % PAGE + o_tok
-            o_k = b_page * stride_kp + h * stride_kh + o_slot * stride_kt
-            o_v = b_page * stride_vp + h * stride_vh + o_slot * stride_vt
-        else:
-            o_nx = o_n + BLOCK_N
-            b_pagex = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
-            o_slot = o_n % PAGE
-            o_k = b_page * stride_kp + o_slot * stride_kt + h * stride_kh
-            o_v = b_page * stride_vp + o_slot * stride_vt + h * stride_vh
-        b_k = tl.load(p_k + o_k[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
-        b_v = tl.load(p_v + o_v[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
+        o_n, m_n, p_kr, p_vr, b_pagex = _kv_step(
+            t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
+        b_k = tl.load(p_kr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
+        b_v = tl.load(p_vr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
         if USE_FP8_DOT:
             b_s = tl.dot(b_q3, tl.permute(b_k, (0, 2, 1)))
         elif KV_FP8:
