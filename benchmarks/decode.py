@@ -55,7 +55,8 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # evenflow-ws: each warp runs its own online softmax over its 16 tokens of every step, merged
 # once per chunk (round H); -ws-n128: 8 warps over 128-token steps, 1 program/SM; -ws-pps3: at
 # 3 programs/SM. The default (round H4) runs it on fp8 chunks of >= 24 tiles; -ws turns it on for
-# bf16 too, -nows off for fp8.
+# bf16 too, -nows off for fp8. (In the H2/H3 runs the -ws rows split every chunk; since H4 they
+# split chunks of >= 24 tiles only, so those rows and later ones measure different things.)
 # evenflow-alignup: the plan with align_longer (budget raised to a shortest item <= 1/16 longer).
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl", "evenflow-cost1",
                   "evenflow-cost2", "evenflow-ws", "evenflow-ws-n128", "evenflow-ws-pps3", "evenflow-nows",
@@ -225,8 +226,8 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 # ----------------------------------------------------------------------------- impls
 
 def _evenflow_fns(impl: str, inp: Inputs):
-    """(fns, extra) for ``evenflow`` / ``-n128`` / ``-pps3`` / ``-nopdl`` / ``-costN`` (dynamic plan) or
-    ``evenflow-static``."""
+    """(fns, extra) for ``evenflow`` and its knob rows (``-n128``, ``-pps3``, ``-nopdl``, ``-costN``,
+    ``-ws``, ``-ws-n128``, ``-ws-pps3``, ``-nows``, ``-alignup``: dynamic plan) or ``evenflow-static``."""
     try:
         import evenflow
         decode_attention = evenflow.decode_attention

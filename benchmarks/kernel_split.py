@@ -6,7 +6,8 @@
 For each (case, variant, batch, impl) the call is run eagerly under ``torch.profiler``
 (CUDA activity) ``--reps`` times with fresh weights copies rotated exactly as in
 ``benchmarks/moe.py`` (so no call finds its weights in L2), and each kernel's mean device
-time per call is printed beside the sum, and beside the call's CUDA-graph replay time: the
+time per call is printed beside the sum (kernels of one name are summed: SGLang's two
+``fused_moe_kernel`` launches, gate-up and down, are one row), and beside the call's CUDA-graph replay time: the
 difference between the two is what the launches themselves cost (gaps between kernels).
 Diagnostic evidence for the perf notes, not a result file of record.
 """

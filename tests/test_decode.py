@@ -202,33 +202,76 @@ def test_item_cost_keeps_results(case, device):
     run(device, **ITEM_COST_CASES[case])
 
 
-# Each case has a chunk of >= WS_MIN_TILES (24) tiles (the warp-split loop) and short items
-# (the plain loop) in one launch.
+# Each case has chunks of >= WS_MIN_TILES (24) tiles (the warp-split loop), among them one
+# that ends at the item's length (a part-filled last tile, masked), and short items (the plain
+# loop) in one launch.
 LONG = 64 * 30 + 5
 WARP_SPLIT_CASES = {
-    "skewed-g8-d128": dict(lens=[LONG, 64, 0, 65, 130], group=8, d=128, num_programs=3),
-    "fp8-kv": dict(lens=[LONG, 64, 0, 77, 129], kv_dtype=FP8, num_programs=3, k_scale=1 / 30, v_scale=1 / 40),
-    "fp8-kv-fp8-q-g16": dict(lens=[LONG, 64, 0, 77, 129], group=16, kv_dtype=FP8, q_dtype=FP8, num_programs=3,
+    "skewed-g8-d128": dict(lens=[LONG, 64, 0, 65, 130], group=8, d=128, num_programs=2),
+    "fp8-kv": dict(lens=[LONG, 64, 0, 77, 129], kv_dtype=FP8, num_programs=2, k_scale=1 / 30, v_scale=1 / 40),
+    "fp8-kv-fp8-q-g16": dict(lens=[LONG, 64, 0, 77, 129], group=16, kv_dtype=FP8, q_dtype=FP8, num_programs=2,
                              k_scale=1 / 30, v_scale=1 / 40),
-    "p16-q3-causal": dict(lens=[LONG, 20, 0, 77, 129], page=16, q_len=3, num_programs=3),
-    "d256-p32-q2": dict(lens=[LONG, 20, 0, 77, 129], page=32, q_len=2, d=256, group=2, num_programs=2),
-    "n128-w8-many-bins": dict(lens=[64 * 60 + 17, 100, 0], hkv=1, group=16, d=128, num_programs=2, block_n=128,
-                              num_warps=8),
-    "fp8-static": dict(lens=[LONG, 64, 0, 77], kv_dtype=FP8, dynamic=False, k_scale=1 / 30, v_scale=1 / 40),
+    "p16-q3-causal": dict(lens=[LONG, 20, 0, 77, 129], page=16, q_len=3, num_programs=2),
+    "fp8-q4-w2": dict(lens=[LONG, 20, 0, 77], q_len=4, kv_dtype=FP8, num_programs=2, num_warps=2,
+                      k_scale=1 / 30, v_scale=1 / 40),
+    "n128-w8": dict(lens=[64 * 60 + 17, 100, 0], hkv=1, group=16, d=128, num_programs=2, block_n=128,
+                    num_warps=8),
 }
+
+
+def _longest_final_chunk(lens, hkv, num_programs, item_cost=0):
+    """Tiles of the longest chunk that ends at its item's last tile, in the plan's bins."""
+    from evenflow.reference.attention import build_plan_ref
+
+    sl = torch.tensor(lens, dtype=torch.int32)
+    tiles = [-(-L // 64) for L in lens]
+    _, bins = build_plan_ref(sl, hkv, num_programs, 1, 1 << 16, item_cost=item_cost)
+    return max((t1 - t0 for chunks in bins for i, t0, t1 in chunks if t1 == tiles[i // hkv] > 0), default=0)
 
 
 @pytest.mark.parametrize("case", list(WARP_SPLIT_CASES))
 def test_warp_split_keeps_results(case, device):
-    """Long chunks on the warp-split loop (each warp its own online softmax over a quarter or
-    an eighth of every step's tokens, merged once per chunk) and short ones on the plain loop,
-    in one launch: another order of the same sums, so the same attention and LSE, and zeros
-    where no token is visible (a warp whose tokens are all masked holds -inf)."""
+    """Long chunks on the warp-split loop (each warp its own online softmax over a quarter, a
+    half or an eighth of every step's tokens, merged once per chunk) and short ones on the
+    plain loop, in one launch: another order of the same sums, so the same attention and LSE,
+    and zeros where no token is visible (a warp whose tokens are all masked holds -inf)."""
     from evenflow.attention.decode import WS_MIN_TILES
 
     kw = WARP_SPLIT_CASES[case]
-    assert max(kw["lens"]) >= 64 * WS_MIN_TILES, "the case must reach the warp-split loop"
-    run(device, warp_split=None if kw.get("dynamic") is False else True, **kw)
+    assert _longest_final_chunk(kw["lens"], kw.get("hkv", 2), kw["num_programs"]) >= WS_MIN_TILES
+    run(device, warp_split=True, **kw)
+
+
+def test_warp_split_static_schedule(device):
+    """The static split (no plan) takes the split loop by default for fp8 KV: enough items
+    that each is one chunk (splits == 1 on this device), each of >= WS_MIN_TILES tiles."""
+    from evenflow.attention.decode import WS_MIN_TILES
+    from evenflow.attention.plan import default_num_programs, static_splits
+
+    hkv = 2
+    B = -(-default_num_programs(device) // hkv)
+    assert static_splits(B, hkv, device) == 1 and -(-LONG // 64) >= WS_MIN_TILES
+    run(device, [LONG] * (B - 1) + [77], hkv=hkv, kv_dtype=FP8, dynamic=False, k_scale=1 / 30, v_scale=1 / 40)
+
+
+@pytest.mark.parametrize("kw", [dict(d=256, group=2), dict(group=16, q_len=2), dict(num_warps=8)],
+                         ids=["d256", "32-rows", "8-warps-64-tokens"])
+def test_warp_split_true_where_it_cannot_build_is_an_error(kw, device):
+    """An explicit warp_split=True on a shape the split loop is not built for (head_dim 256,
+    more than 16 rows, fewer than 16 tokens per warp) says so; the default falls back to the
+    plain loop there (fp8 KV d256 g16 q4 is in the sm_90 compile scenarios)."""
+    with pytest.raises(ValueError, match="warp_split=True needs"):
+        run(device, [300, 20], kv_dtype=FP8, warp_split=True, num_programs=2, k_scale=1 / 30, v_scale=1 / 40, **kw)
+
+
+def test_page128_two_tile_steps_from_an_odd_tile(device):
+    """128-token steps over 128-token pages: a chunk that starts at an odd tile (budget 5 of
+    10 tiles) steps across a page boundary, so each token needs its own page id; with the
+    pages in random order a single page id per step reads the wrong page (or past the last)."""
+    for ws in (False, True):
+        run(device, [640], hkv=1, group=8, d=64, page=128, block_n=128, num_programs=2, warp_split=ws)
+        run(device, [640], hkv=1, group=8, d=64, page=128, block_n=128, num_programs=2, warp_split=ws,
+            kv_dtype=FP8, k_scale=1 / 30, v_scale=1 / 40)
 
 
 def test_default_programs_and_plan_reuse(device):

@@ -194,15 +194,48 @@ def test_plan_random_sweep(device):
         mt = int(torch.randint(1, 10, (1,), generator=g))
         lens = (2.0 ** (torch.rand(B, generator=g) * 14)).long()
         lens[torch.rand(B, generator=g) < 0.15] = 0
-        align = trial % 2 == 0
-        cost = trial % 4  # 0..3 units per non-empty item
         longer = trial % 3 == 0
+        align = trial % 2 == 0 or longer
+        cost = trial % 4  # 0..3 units per non-empty item
         plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost, align_longer=longer)
         ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost,
                                        align_longer=longer)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
+
+
+def test_align_longer_random_near_budget(device):
+    """Seeded mixes whose shortest item sits just above the budget (where align_longer acts):
+    device plan == reference, and the budget is the rule's."""
+    g = torch.Generator().manual_seed(99)
+    raised = 0
+    for trial in range(8):
+        hkv = int(torch.randint(1, 4, (1,), generator=g))
+        q = int(torch.randint(17, 40, (1,), generator=g))  # shortest item's tiles
+        B = int(torch.randint(2, 12, (1,), generator=g))
+        lens = [q * TILE - int(torch.randint(0, TILE, (1,), generator=g))] + \
+            [q * TILE * int(torch.randint(1, 4, (1,), generator=g)) for _ in range(B - 1)]
+        total = hkv * sum(units(lens))
+        np_ = -(-total // (q - 1)) + int(torch.randint(0, 3, (1,), generator=g))  # budget q - 1 or a bit less
+        plan, sl = make_plan(device, lens, hkv, np_, 1, align_longer=True)
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True)
+        for key in ("tiles", "req_end", "prog_start", "meta"):
+            assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
+        assert walk(plan.as_dict(), hkv, np_) == ref_bins
+        budget = plan.as_dict()["meta"][1].item()
+        assert budget == expected_budget(lens, hkv, np_, 1, True, 0, True)
+        raised += budget == q > -(-total // np_)
+    assert raised >= 2, "the sweep must reach the raised budget"
+
+
+def test_align_longer_all_empty_with_huge_floor(device):
+    """No non-empty item (shortest stays at INT32_MAX) and a min_tiles near 2^31: the rule
+    must not overflow into a bogus budget."""
+    plan, sl = make_plan(device, [0, 0], 1, 1, 2_100_000_000, align_longer=True)
+    ref, _ = build_plan_ref(sl, 1, 1, 2_100_000_000, plan.max_seq_len, align_longer=True)
+    assert_exact(plan.as_dict()["meta"], ref["meta"], what="meta")
+    assert plan.as_dict()["meta"][1].item() == 2_100_000_000
 
 
 def test_plan_update_reuses_workspace_and_clamps(device):
@@ -233,6 +266,12 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, device=device, block_n=32)
     with pytest.raises(ValueError, match="too large"):
         evenflow.DecodePlan(2048, 1 << 30, 64, device=device)
+    with pytest.raises(ValueError, match="align_longer"):
+        evenflow.DecodePlan(4, 100, 2, device=device, align_items=False, align_longer=True)
+    with pytest.raises(TypeError, match="align_longer"):
+        evenflow.DecodePlan(4, 100, 2, device=device, align_longer=1)
+    with pytest.raises(TypeError, match="warp_split"):
+        evenflow.DecodePlan(4, 100, 2, device=device, warp_split=1)
     plan = evenflow.DecodePlan(4, 100, 2, device=device)
     with pytest.raises(TypeError, match="seq_lens"):
         plan.update(torch.tensor([1, 2], dtype=torch.int64, device=device))

@@ -70,9 +70,11 @@ def _max_regs(block_m: int, head_dim: int, block_n: int, num_warps: int, program
     # Register cap (ptxas maxnreg) so the plan's programs per SM are all resident: 3
     # programs of 4 warps need <= 170 registers/thread (64 K per SM). Uncapped, ptxas
     # takes 197 (bf16, 3 stages) to 224 (fp8) and only 2 programs fit. The 16-row tile
-    # (GQA group <= 16, one query row) fits 168 with no or a few bytes of spill (sm_90
-    # compile, perf notes); larger row tiles, head dim 256 and 128-token steps would spill
-    # 136-244 bytes under it, so they keep the compiler's choice.
+    # (GQA group <= 16, one query row) fits 168 with no or a few bytes of spill with the
+    # plain loop (sm_90 compile, perf notes); with the warp-split loop (fp8 default since
+    # round H) it spills 36 bytes (fp8) / 176 (bf16) at 168, so 3 programs/SM are a measured
+    # option, not the default. Larger row tiles, head dim 256 and 128-token steps would
+    # spill 136-244 bytes under it, so they keep the compiler's choice.
     if block_m > 16 or head_dim > 128 or block_n > TILE:
         return 0
     per_sm = -(-programs // _runtime.num_sms(device))
@@ -88,21 +90,30 @@ def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
     return TILE
 
 
-# Chunks of at least this many tiles take the warp-split loop (kernels._tiles_split) when it
-# is on. Round H (H200, fp8 KV): its steps are ~15% cheaper than the plain loop's (8x32K 204
-# -> 173 us) but its merge costs ~3 us per chunk (32x128+32x4K: 149 -> 245 us with every
-# chunk split), i.e. ~0.25 us saved per tile against ~3 us per chunk: even at ~12 tiles; 24
-# leaves chunks of 8-16 tiles (64x512, the TP8 slice's 16-tile bins) on the plain loop.
+# Chunks of at least this many work units (tiles, plus item_cost on an item's last chunk)
+# take the warp-split loop (kernels._tiles_split) when it is on. Round H (H200, fp8 KV): its
+# steps are ~15% cheaper than the plain loop's (8x32K 204 -> 173 us) but its merge costs
+# ~3 us per chunk (32x128+32x4K: 149 -> 245 us with every chunk split), i.e. ~0.25 us saved
+# per tile against ~3 us per chunk: even at ~12 tiles; 24 leaves chunks of 8-16 tiles
+# (64x512, the TP8 slice's 16-tile bins) on the plain loop.
 WS_MIN_TILES = 24
 
 
-def _warp_split(block_n: int, num_warps: int, choice: int, kv_fp8: bool) -> int:
+def _warp_split(block_n: int, num_warps: int, choice: int, kv_fp8: bool, block_m: int, head_dim: int) -> int:
     # Token groups per step for long chunks (kernels._tiles_split): one per warp, each >= 16
-    # tokens (the MMA's K in P @ V); 1 = the plain loop only. Launcher's choice (-1): on for
-    # fp8 KV, where the plain loop is bound by its per-step chain (round H: +18-20% on the
-    # long fp8 cases); off for bf16 KV, whose long cases are at the copy floor either way and
-    # whose plain loop measured 2-5% faster.
-    if choice == 0 or block_n // num_warps < 16 or (choice == -1 and not kv_fp8):
+    # tokens (the MMA's K in P @ V); 1 = the plain loop only. The split loop keeps a
+    # [warps, rows, D] fp32 output, so it is built for the 16-row tile and head_dim <= 128
+    # only (sm_90: fp8 d256 with 64 rows needs 288 KB of shared memory, over the 227 KB of a
+    # block; d128 with 64 rows spills 2 KB). Launcher's choice (-1): on for fp8 KV, where the
+    # plain loop is bound by its per-step chain (round H: +18-20% on the long fp8 cases);
+    # off for bf16 KV, whose long cases are at the copy floor either way and whose plain loop
+    # measured 2-5% faster. An explicit request (1) the kernel cannot build is an error.
+    supported = block_n // num_warps >= 16 and block_m == 16 and head_dim <= 128
+    if choice == 1 and not supported:
+        raise ValueError(f"warp_split=True needs block_n / num_warps >= 16 (got {block_n} / {num_warps}), "
+                         f"GQA group x q_len <= 16 (a 16-row tile, got {block_m} rows) and head_dim <= 128 "
+                         f"(got {head_dim})")
+    if choice == 0 or not supported or (choice == -1 and not kv_fp8):
         return 1
     return num_warps
 
@@ -145,7 +156,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     is_static = splits > 0
     block_n = block_n or _block_n(D, k_cache.dtype)
     num_warps = num_warps or 4
-    wsplit = _warp_split(block_n, num_warps, warp_split, k_cache.dtype == FP8)
+    wsplit = _warp_split(block_n, num_warps, warp_split, k_cache.dtype == FP8, block_m, D)
     np_ = prog_start.shape[0] - 1
     use_fp8_dot = q.dtype == FP8 and k_cache.dtype == FP8
     has_lse = lse is not None

@@ -81,8 +81,9 @@ def plan_kernel(
         fits = (shortest <= budget) & (2 * aligned <= 3 * budget)
         if ALIGN_LONGER:
             # or up to a shortest item at most 1/16 longer than the budget (aligned == shortest)
-            # (int64: no non-empty item leaves shortest at INT32_MAX)
-            fits = fits | ((shortest > budget) & (16 * shortest.to(tl.int64) <= 17 * budget.to(tl.int64)))
+            # (shortest stays INT32_MAX when no item is non-empty; int64 products)
+            fits = fits | ((shortest > budget) & (shortest < 2147483647)
+                           & (16 * shortest.to(tl.int64) <= 17 * budget.to(tl.int64)))
         budget = tl.where(fits, aligned, budget)
     used = (total + budget - 1) // budget
     tl.store(p_meta + 0, total)
@@ -172,10 +173,12 @@ def _tiles_plain(
     # t1, so a wide step masks the tokens past it (they belong to the next program).
     # Page ids are loaded one step ahead (b_pagex), so the K/V copies of a step never wait
     # on a load of the same step and Triton's pipeliner can multi-buffer them.
-    # PAGE >= BLOCK_N: a step lies in one page (steps start at multiples of 64), so one
-    # scalar page id and a contiguous [BLOCK_N, D] block; else one page id per token.
+    # One-tile steps with PAGE >= 64: a step lies in one page (steps start at multiples of
+    # 64), so one scalar page id and a contiguous [BLOCK_N, D] block; else one page id per
+    # token (a 128-token step may start at an odd tile, where a chunk starts, and cross a
+    # page boundary whatever the page size).
     STEP: tl.constexpr = BLOCK_N // TILE
-    SCALAR_PAGE: tl.constexpr = PAGE >= BLOCK_N
+    SCALAR_PAGE: tl.constexpr = (PAGE >= BLOCK_N) and (BLOCK_N == TILE)
     o_tok = tl.arange(0, BLOCK_N)
     n_end = tl.minimum(L, t1 * TILE)
     b_pagex = _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
@@ -228,7 +231,7 @@ def _tiles_split(
     """
     TN: tl.constexpr = BLOCK_N // WSPLIT
     STEP: tl.constexpr = BLOCK_N // TILE
-    SCALAR_PAGE: tl.constexpr = PAGE >= BLOCK_N
+    SCALAR_PAGE: tl.constexpr = (PAGE >= BLOCK_N) and (BLOCK_N == TILE)
     o_tok = tl.arange(0, WSPLIT)[:, None] * TN + tl.arange(0, TN)[None, :]  # [W, TN]
     o_d = tl.arange(0, D)[None, None, :]
     b_q3 = tl.broadcast_to(b_q[None, :, :], (WSPLIT, BLOCK_M, D))

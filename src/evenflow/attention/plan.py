@@ -85,10 +85,11 @@ class DecodePlan:
     supports it (sm_90+), ``False`` to compare. ``item_cost`` (tiles, 0-8, default 0): work
     the bins count per non-empty item on top of its tiles (its prologue, first-load latency,
     output or partial write), so bins of many short items hold fewer of them; the plan's
-    ``tiles`` are then work units (see ``attention/kernels.py``). ``warp_split``: each warp
-    runs its own online softmax over its share of a step's tokens, merged once per chunk
-    (``True``), or the warps share each step's softmax (``False``); default: the launcher's
-    choice.
+    ``tiles`` are then work units (see ``attention/kernels.py``). ``warp_split``: on chunks of
+    at least 24 tiles, each warp runs its own online softmax over its 16 tokens of every step,
+    merged once per chunk (``True``; needs ``block_n / num_warps >= 16``, GQA group x q_len
+    <= 16 and head_dim <= 128, else ``decode_attention`` raises), or the warps share each
+    step's softmax (``False``); default: on for fp8 KV where it can be built, off for bf16.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -147,6 +148,8 @@ class DecodePlan:
         self.align_items = align_items
         if not isinstance(align_longer, bool):
             raise TypeError(f"align_longer must be a bool, got {align_longer!r}")
+        if align_longer and not align_items:
+            raise ValueError("align_longer=True extends align_items; it needs align_items=True")
         self.align_longer = align_longer
         if warp_split is not None and not isinstance(warp_split, bool):
             raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")

@@ -302,7 +302,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, **gpu_kw, **pk,
     )
-    # reduce: all of a token's (slot, split) rows in flight at once, <= 8192 values per program
+    # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
+    # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
     block_k = triton.next_power_of_2(k)
     block_h = min(1024, triton.next_power_of_2(h), max(32, 8192 // (block_k * cfg.down_split_k)))
     shared = shared_output if shared_output is not None else out
