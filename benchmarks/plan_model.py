@@ -1,20 +1,30 @@
-"""Cost model of the decode plan's bins (CPU, no GPU): what an ``item_cost`` should change.
+"""Cost model of the decode plan's bins (CPU, no GPU): what a plan option should change.
 
-    python benchmarks/plan_model.py [--programs 264] [--tile-us 2.04] [--chunk-us 3.0]
+    python benchmarks/plan_model.py [--programs 264] [--tile-us 2.04] [--chunk-us 3.0] [--base-us 0]
+                                    [--options cost0,cost1,cost2,alignup]
+    python benchmarks/plan_model.py --fit RESULT.json [RESULT.json ...] --variant bf16-kv
 
 Builds the plan of each decode benchmark case with the reference builder
-(:func:`evenflow.reference.attention.build_plan_ref`) at item_cost 0, 1, 2 and prices every bin
-as ``tile_us`` per 64-token tile it reads plus ``chunk_us`` per chunk it holds (each chunk pays
-a prologue and an output or partial write). Defaults are calibrated on the H200 (decode.json,
-round G4, bf16): 2.04 us a tile at 2 programs/SM is 8x32K's rate (124 tiles a program in
-~259 us), and 64x512's time above its tiles (44.4 us for 16 tiles and 2 items a bin, less the
-launches) is ~3 us a chunk. Prints the budget, the longest and the mean bin, and how many items
-are cut (each cut is a partial write and a combine merge). A model to write predictions with,
-not a measurement.
+(:func:`evenflow.reference.attention.build_plan_ref`) under each plan option and prices every
+bin as ``tile_us`` per 64-token tile it reads plus ``chunk_us`` per chunk it holds (each chunk
+pays a prologue and an output or partial write); a case costs ``base_us`` (launches, the plan,
+the combine's tail) plus its longest bin, or plus all its tiles at ``roof_us`` each (the copy
+bandwidth shared by every program) when that is longer: a bin runs faster when fewer
+programs share the bandwidth (2x32K+30x4K: 184 of 264 bins busy). Prints the budget, the longest and the mean bin, and
+how many items are cut (each cut is a partial write and a combine merge).
+
+``--fit`` calibrates ``tile_us``, ``chunk_us`` and ``base_us`` on measured result files
+(decode.json rows of ``evenflow`` and of the plan-option rows ``evenflow-cost1/2`` and
+``evenflow-alignup``, one variant): a grid search for the least worst relative error over
+all rows, then the same table with the fitted values, each case beside its measured time.
+Round G's hand calibration (2.04 us a tile, 3 us a chunk, bf16) under-priced the extra cuts
+of ``item_cost`` (round H1: predicted gains, measured losses); the fit uses every measured
+plan variant at once. A model to write predictions with, not a measurement.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -25,22 +35,72 @@ import decode as bench  # noqa: E402  (the benchmark's cases)
 from evenflow.reference.attention import build_plan_ref  # noqa: E402
 
 TILE = 64
+# plan option name -> (DecodePlan keyword arguments, the benchmark row that measures it)
+OPTIONS = {
+    "cost0": ({}, "evenflow"),
+    "cost1": ({"item_cost": 1}, "evenflow-cost1"),
+    "cost2": ({"item_cost": 2}, "evenflow-cost2"),
+    "alignup": ({"align_longer": True}, "evenflow-alignup"),
+}
 
 
-def bin_costs(lens: list[int], hkv: int, programs: int, item_cost: int, tile_us: float, chunk_us: float,
-              min_tiles: int = 8) -> dict:
+def plan_bins(lens: list[int], hkv: int, programs: int, min_tiles: int = 8, **options) -> tuple[int, list, list]:
+    """(budget, bins as [(reads, chunks)], cut items) of the reference plan."""
     sl = torch.tensor(lens, dtype=torch.int32)
-    plan, bins = build_plan_ref(sl, hkv, programs, min_tiles, 1 << 30, item_cost=item_cost)
+    plan, bins = build_plan_ref(sl, hkv, programs, min_tiles, 1 << 30, **options)
     tiles = plan["tiles"].tolist()
-    costs, total_read = [], 0
-    for chunks in bins:
-        # unit t of an item is its tile t; the last item_cost units hold no tokens
-        read = sum(1 for i, t0, t1 in chunks for t in range(t0, t1) if t < -(-lens[i // hkv] // TILE))
-        costs.append(tile_us * read + chunk_us * len(chunks))
-        total_read += read
+    # unit t of an item is its tile t; with item_cost the last units hold no tokens
+    shape = [(sum(1 for i, t0, t1 in chunks for t in range(t0, t1) if t < -(-lens[i // hkv] // TILE)), len(chunks))
+             for chunks in bins]
     cut = {i for chunks in bins for i, t0, t1 in chunks if (t0, t1) != (0, tiles[i // hkv])}
-    return {"budget": int(plan["meta"][1]), "max_us": max(costs), "mean_us": sum(costs) / len(costs),
-            "cut_items": len(cut), "tiles_read": total_read}
+    return int(plan["meta"][1]), shape, sorted(cut)
+
+
+def price(shape: list, tile_us: float, chunk_us: float, base_us: float, roof_us: float = 0.0) -> tuple[float, float]:
+    """(modelled case time, mean bin) of a plan's bins: the longest bin, or all tiles at the
+    copy bandwidth (``roof_us`` a tile over the whole GPU) when that is longer, plus base."""
+    costs = [tile_us * r + chunk_us * c for r, c in shape]
+    reads = sum(r for r, _ in shape)
+    return base_us + max(max(costs), roof_us * reads), sum(costs) / len(costs)
+
+
+def _case_shapes(names, programs):
+    shapes = {}
+    for name in names:
+        case = bench.parse_case(name)
+        for opt, (kw, _) in OPTIONS.items():
+            shapes[(name, opt)] = plan_bins(list(case.lengths), case.num_kv_heads, programs, **kw)
+    return shapes
+
+
+def _measured(files, variant):
+    """{(case, option): us} from result files (a later file overrides an earlier one)."""
+    row_to_opt = {row: opt for opt, (_, row) in OPTIONS.items()}
+    got = {}
+    for f in files:
+        for r in json.load(open(f))["rows"]:
+            if r.get("variant") == variant and r.get("impl") in row_to_opt and "us" in r:
+                got[(r["case"], row_to_opt[r["impl"]])] = r["us"]
+    return got
+
+
+def fit(shapes, measured):
+    """Grid search for (tile_us, chunk_us, base_us, roof_us) minimising the worst relative error."""
+    import numpy as np
+
+    tile = np.arange(0.30, 2.61, 0.02)
+    chunk = np.arange(0.0, 8.01, 0.25)
+    base = np.arange(0.0, 20.1, 1.0)
+    roof = np.arange(0.0060, 0.0100, 0.0002)
+    worst = np.zeros((len(tile), len(chunk), len(base), len(roof)))
+    for k, us in measured.items():
+        u = np.array(sorted(set(shapes[k][1])), dtype=float)  # distinct (reads, chunks) bins
+        longest = (u[:, 0, None, None] * tile[None, :, None] + u[:, 1, None, None] * chunk[None, None, :]).max(0)
+        reads = float(sum(r for r, _ in shapes[k][1]))
+        t = base[None, None, :, None] + np.maximum(longest[:, :, None, None], reads * roof[None, None, None, :])
+        worst = np.maximum(worst, np.abs(t / us - 1))
+    i = np.unravel_index(np.argmin(worst), worst.shape)
+    return float(worst[i]), float(tile[i[0]]), float(chunk[i[1]]), float(base[i[2]]), float(roof[i[3]])
 
 
 def main(argv=None) -> None:
@@ -48,20 +108,37 @@ def main(argv=None) -> None:
     p.add_argument("--programs", type=int, default=264, help="persistent programs (2 per SM on 132 SMs)")
     p.add_argument("--tile-us", type=float, default=2.04)
     p.add_argument("--chunk-us", type=float, default=3.0)
-    p.add_argument("--costs", default="0,1,2", help="item_cost values to compare")
+    p.add_argument("--base-us", type=float, default=0.0)
+    p.add_argument("--roof-us", type=float, default=0.0, help="us a tile over the whole GPU at copy bandwidth")
+    p.add_argument("--options", default="cost0,cost1,cost2,alignup", help=f"plan options, from {list(OPTIONS)}")
     p.add_argument("--cases", default=None, help="comma list of decode benchmark cases (default: all)")
+    p.add_argument("--fit", nargs="*", default=None, help="decode.json files to calibrate on")
+    p.add_argument("--variant", default="bf16-kv", help="the variant --fit reads")
     a = p.parse_args(argv)
     names = a.cases.split(",") if a.cases else bench.CASES
-    costs = [int(c) for c in a.costs.split(",")]
-    print("| case | " + " | ".join(f"item_cost {c}: budget / longest / mean bin (model us) / items cut"
-                                   for c in costs) + " |")
-    print("|---|" + "---|" * len(costs))
+    opts = a.options.split(",")
+    for o in opts:
+        if o not in OPTIONS:
+            raise SystemExit(f"--options: unknown option {o!r} (choose from {', '.join(OPTIONS)})")
+    shapes = _case_shapes(names, a.programs)
+    tile_us, chunk_us, base_us, roof_us = a.tile_us, a.chunk_us, a.base_us, a.roof_us
+    measured = {}
+    if a.fit:
+        measured = {k: v for k, v in _measured(a.fit, a.variant).items() if k[0] in names}
+        if not measured:
+            raise SystemExit(f"--fit: no {a.variant} rows of {[r for _, r in OPTIONS.values()]} in {a.fit}")
+        err, tile_us, chunk_us, base_us, roof_us = fit(shapes, measured)
+        print(f"fit on {len(measured)} measured {a.variant} rows: tile {tile_us:.2f} us, chunk {chunk_us:.2f} us, "
+              f"base {base_us:.0f} us, roof {roof_us * 1000:.1f} ns a tile; worst relative error {err:.1%}\n")
+    print("| case | " + " | ".join(f"{o}: budget / model us (measured) / mean bin / items cut" for o in opts) + " |")
+    print("|---|" + "---|" * len(opts))
     for name in names:
-        case = bench.parse_case(name)
         cells = []
-        for c in costs:
-            r = bin_costs(list(case.lengths), case.num_kv_heads, a.programs, c, a.tile_us, a.chunk_us)
-            cells.append(f"{r['budget']} / {r['max_us']:.0f} / {r['mean_us']:.0f} / {r['cut_items']}")
+        for o in opts:
+            budget, shape, cut = shapes[(name, o)]
+            t, mean = price(shape, tile_us, chunk_us, base_us, roof_us)
+            m = measured.get((name, o))
+            cells.append(f"{budget} / {t:.0f}{f' ({m:.0f})' if m else ''} / {mean:.0f} / {len(cut)}")
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -286,15 +286,25 @@ def test_reference_decode_agrees_with_project_oracle(kv_dtype):
     assert (ours.double() - oracle).abs().max() < 1e-5
 
 
-def test_plan_model_reads_every_tile_once_at_any_item_cost():
+def test_plan_model_reads_every_tile_once_under_every_option():
     """The plan cost model (benchmarks/plan_model.py) prices the tiles the kernel reads: over all
-    bins they are each item's ceil(len / 64) tiles, whatever item_cost shifts between bins."""
+    bins they are each item's ceil(len / 64) tiles, whatever item_cost or align_longer shifts
+    between bins; the modelled time is at least the longest bin and at least the roof; its
+    fit recovers parameters that generated the times."""
     spec = importlib.util.spec_from_file_location("evenflow_plan_model_script", _SCRIPT.parent / "plan_model.py")
     plan_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(plan_model)
     lens, hkv = [128] * 5 + [4096] * 3 + [0, 700], 2
     want = hkv * sum(-(-n // 64) for n in lens)
-    for cost in (0, 1, 2):
-        r = plan_model.bin_costs(lens, hkv, programs=12, item_cost=cost, tile_us=1.0, chunk_us=0.0)
-        assert r["tiles_read"] == want
-        assert r["max_us"] >= want / 12
+    shapes = {}
+    for name, (kw, _) in plan_model.OPTIONS.items():
+        budget, shape, _ = plan_model.plan_bins(lens, hkv, 12, min_tiles=1, **kw)
+        assert sum(r for r, _ in shape) == want, name
+        t, _ = plan_model.price(shape, tile_us=1.0, chunk_us=0.0, base_us=0.0)
+        assert t == max(r for r, _ in shape) >= want / 12
+        assert plan_model.price(shape, 1.0, 0.0, 0.0, roof_us=1.0)[0] == want
+        shapes[("c", name)] = (budget, shape, [])
+    truth = dict(tile_us=1.5, chunk_us=2.0, base_us=5.0, roof_us=0.008)
+    measured = {k: plan_model.price(v[1], **truth)[0] for k, v in shapes.items()}
+    err, *_ = plan_model.fit(shapes, measured)
+    assert err < 0.02
