@@ -249,6 +249,13 @@ def test_plan_update_reuses_workspace_and_clamps(device):
     assert ptrs == [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]
 
 
+def test_plan_repr_names_its_options(device):
+    r = repr(evenflow.DecodePlan(4, 100, 2, device=device, num_programs=3, item_cost=1, align_longer=True,
+                                 warp_split=False))
+    for part in ("max_batch=4", "num_programs=3", "item_cost=1", "align_longer=True", "warp_split=False"):
+        assert part in r, (part, r)
+
+
 def test_plan_bad_arguments(device):
     with pytest.raises(ValueError, match="page_size"):
         evenflow.DecodePlan(4, 100, 2, page_size=48, device=device)

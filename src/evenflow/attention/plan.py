@@ -207,6 +207,7 @@ class DecodePlan:
         return (f"DecodePlan(max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
                 f"num_kv_heads={self.num_kv_heads}, page_size={self.page_size}, q_len={self.q_len}, "
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
+                f"align_items={self.align_items}, align_longer={self.align_longer}, warp_split={self.warp_split}, "
                 f"device={self.device})")
 
 
