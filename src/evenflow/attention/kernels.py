@@ -156,6 +156,24 @@ def _kv_step(t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_page
 
 
 @triton.jit
+def _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, AX: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr):
+    """One online-softmax step over the scores ``b_s`` (log2 domain, tokens on axis ``AX``,
+    masked to -inf) and the step's V: new (row max, weight sum, unnormalised output). A row
+    that has seen no visible token keeps max -inf and weight 0 (no NaN)."""
+    b_mnew = tl.maximum(b_m, tl.max(b_s, axis=AX))
+    b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+    b_alpha = tl.exp2(b_m - b_msafe)
+    b_p = tl.exp2(b_s - tl.expand_dims(b_msafe, AX))
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=AX)
+    if KV_FP8:
+        b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
+        b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
+    else:
+        b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
+    return b_mnew, b_l, b_acc * tl.expand_dims(b_alpha, AX) + b_pv
+
+
+@triton.jit
 def _tiles_plain(
     b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -196,18 +214,7 @@ def _tiles_plain(
             b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k), DOT_F32))
         b_s = b_s * b_rs[:, None]
         b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
-        b_mnew = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
-        b_alpha = tl.exp2(b_m - b_msafe)
-        b_p = tl.exp2(b_s - b_msafe[:, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        if KV_FP8:
-            b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
-            b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
-        else:
-            b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
-        b_acc = b_acc * b_alpha[:, None] + b_pv
-        b_m = b_mnew
+        b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
     return b_m, b_l, b_acc
 
 
@@ -254,18 +261,7 @@ def _tiles_split(
             b_s = tl.dot(dot_operand(b_q3, DOT_F32), dot_operand(tl.permute(b_k, (0, 2, 1)), DOT_F32))
         b_s = b_s * b_rs[None, :, None]
         b_s = tl.where((o_n[:, None, :] < b_vis[None, :, None]) & m_n[:, None, :], b_s, float("-inf"))
-        b_mnew = tl.maximum(b_m, tl.max(b_s, axis=2))
-        b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
-        b_alpha = tl.exp2(b_m - b_msafe)
-        b_p = tl.exp2(b_s - b_msafe[:, :, None])
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=2)
-        if KV_FP8:
-            b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
-            b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
-        else:
-            b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
-        b_acc = b_acc * b_alpha[:, :, None] + b_pv
-        b_m = b_mnew
+        b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 2, KV_FP8, DOT_F32)
     # merge the groups (a group that saw no visible token has max -inf and weight 0)
     b_mall = tl.max(b_m, axis=0)
     b_wg = tl.exp2(b_m - tl.where(b_mall == float("-inf"), 0.0, b_mall)[None, :])
@@ -318,20 +314,18 @@ def _attend_chunk(
     b_vis = L - Q_LEN + i_r + 1
 
     p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
-    # WSPLIT > 1: chunks of at least WS_MIN_TILES tiles take the warp-split loop (its merge
+    # Chunks of at least WS_MIN_TILES tiles take the warp-split loop when WSPLIT > 1 (its merge
     # costs ~3 us per chunk on the H200, its steps ~15% less than the plain loop's for fp8 KV:
-    # round H), shorter ones the plain loop.
+    # round H), shorter ones the plain loop. With WSPLIT == 1 `split` stays a compile-time
+    # False and the split loop is not built.
+    split = False
     if WSPLIT > 1:
-        if t1 - t0 >= WS_MIN_TILES:
-            b_m, b_l, b_acc = _tiles_split(
-                b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8, WSPLIT)
-        else:
-            b_m, b_l, b_acc = _tiles_plain(
-                b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8)
+        split = t1 - t0 >= WS_MIN_TILES
+    if split:
+        b_m, b_l, b_acc = _tiles_split(
+            b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+            D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8, WSPLIT)
     else:
         b_m, b_l, b_acc = _tiles_plain(
             b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
