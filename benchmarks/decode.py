@@ -58,9 +58,20 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # bf16 too, -nows off for fp8. (In the H2/H3 runs the -ws rows split every chunk; since H4 they
 # split chunks of >= 24 tiles only, so those rows and later ones measure different things.)
 # evenflow-alignup: the plan with align_longer (budget raised to a shortest item <= 1/16 longer).
-EVENFLOW_IMPLS = ["evenflow", "evenflow-static", "evenflow-n128", "evenflow-pps3", "evenflow-nopdl", "evenflow-cost1",
-                  "evenflow-cost2", "evenflow-ws", "evenflow-ws-n128", "evenflow-ws-pps3", "evenflow-nows",
-                  "evenflow-alignup"]
+# knob row -> DecodePlan keyword arguments, given the GPU's SM count
+PLAN_KNOBS = {
+    "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
+    "evenflow-pps3": lambda sms: dict(num_programs=3 * sms),
+    "evenflow-nopdl": lambda sms: dict(pdl=False),
+    "evenflow-cost1": lambda sms: dict(item_cost=1),
+    "evenflow-cost2": lambda sms: dict(item_cost=2),
+    "evenflow-ws": lambda sms: dict(warp_split=True),
+    "evenflow-ws-n128": lambda sms: dict(warp_split=True, block_n=128, num_warps=8, num_stages=2, num_programs=sms),
+    "evenflow-ws-pps3": lambda sms: dict(warp_split=True, num_programs=3 * sms),
+    "evenflow-nows": lambda sms: dict(warp_split=False),
+    "evenflow-alignup": lambda sms: dict(align_longer=True),
+}
+EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # The rows of record (issue 3 / BENCH.md); the knob rows above run when named in --impls.
 DEFAULT_IMPLS = ["evenflow", "evenflow-static"] + list(fi_peer.DECODE_IMPLS)
@@ -226,8 +237,7 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 # ----------------------------------------------------------------------------- impls
 
 def _evenflow_fns(impl: str, inp: Inputs):
-    """(fns, extra) for ``evenflow`` and its knob rows (``-n128``, ``-pps3``, ``-nopdl``, ``-costN``,
-    ``-ws``, ``-ws-n128``, ``-ws-pps3``, ``-nows``, ``-alignup``: dynamic plan) or ``evenflow-static``."""
+    """(fns, extra) for ``evenflow`` and its knob rows (``PLAN_KNOBS``: dynamic plan) or ``evenflow-static``."""
     try:
         import evenflow
         decode_attention = evenflow.decode_attention
@@ -240,26 +250,8 @@ def _evenflow_fns(impl: str, inp: Inputs):
     plan = None
     if impl != "evenflow-static":
         max_pages = inp.page_tables[0].shape[1]
-        knobs = {}
         sms = torch.cuda.get_device_properties(inp.seq_lens.device).multi_processor_count
-        if impl == "evenflow-n128":
-            knobs = dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2)
-        elif impl == "evenflow-pps3":
-            knobs = dict(num_programs=3 * sms)
-        elif impl == "evenflow-nopdl":  # the launch gap between the two kernels, measured
-            knobs = dict(pdl=False)
-        elif impl.startswith("evenflow-cost"):
-            knobs = dict(item_cost=int(impl.removeprefix("evenflow-cost")))
-        elif impl == "evenflow-ws":
-            knobs = dict(warp_split=True)
-        elif impl == "evenflow-ws-n128":
-            knobs = dict(warp_split=True, block_n=128, num_warps=8, num_stages=2, num_programs=sms)
-        elif impl == "evenflow-ws-pps3":
-            knobs = dict(warp_split=True, num_programs=3 * sms)
-        elif impl == "evenflow-nows":
-            knobs = dict(warp_split=False)
-        elif impl == "evenflow-alignup":
-            knobs = dict(align_longer=True)
+        knobs = PLAN_KNOBS[impl](sms) if impl in PLAN_KNOBS else {}
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)
