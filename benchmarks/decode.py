@@ -57,7 +57,8 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # 3 programs/SM. The default (round H4) runs it on fp8 chunks of >= 24 tiles; -ws turns it on for
 # bf16 too, -nows off for fp8. (In the H2/H3 runs the -ws rows split every chunk; since H4 they
 # split chunks of >= 24 tiles only, so those rows and later ones measure different things.)
-# evenflow-alignup: the plan with align_longer (budget raised to a shortest item <= 1/16 longer).
+# evenflow-noalignup: the plan without align_longer (the budget raised to a shortest item <= 1/16
+# longer than it; default since round I1, where it ran as the row evenflow-alignup).
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -69,7 +70,7 @@ PLAN_KNOBS = {
     "evenflow-ws-n128": lambda sms: dict(warp_split=True, block_n=128, num_warps=8, num_stages=2, num_programs=sms),
     "evenflow-ws-pps3": lambda sms: dict(warp_split=True, num_programs=3 * sms),
     "evenflow-nows": lambda sms: dict(warp_split=False),
-    "evenflow-alignup": lambda sms: dict(align_longer=True),
+    "evenflow-noalignup": lambda sms: dict(align_longer=False),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)

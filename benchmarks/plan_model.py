@@ -2,7 +2,7 @@
 
     python benchmarks/plan_model.py [--programs 264] [--tile-us 2.04] [--chunk-us 3.0] [--base-us 0]
                                     [--options cost0,cost1,cost2,alignup]
-    python benchmarks/plan_model.py --fit RESULT.json [RESULT.json ...] --variant bf16-kv
+    python benchmarks/plan_model.py --fit RESULT.json [RESULT.json ...] --variant bf16-kv [--before-i1]
 
 Builds the plan of each decode benchmark case with the reference builder
 (:func:`evenflow.reference.attention.build_plan_ref`) under each plan option and prices every
@@ -14,9 +14,11 @@ programs share the bandwidth (2x32K+30x4K: 184 of 264 bins busy). Prints the bud
 how many items are cut (each cut is a partial write and a combine merge).
 
 ``--fit`` calibrates ``tile_us``, ``chunk_us`` and ``base_us`` on measured result files
-(decode.json rows of ``evenflow`` and of the plan-option rows ``evenflow-cost1/2`` and
-``evenflow-alignup``, one variant): a grid search for the least worst relative error over
-all rows, then the same table with the fitted values, each case beside its measured time.
+(decode.json rows that measured a plan option, one variant: since round I1 ``evenflow``
+is ``alignup`` and ``evenflow-noalignup`` is ``cost0``; files measured before it, with
+``--before-i1``, have ``evenflow`` = ``cost0``, ``evenflow-cost1/2`` and ``evenflow-alignup``):
+a grid search for the least worst relative error over all rows, then the same table with the
+fitted values, each case beside its measured time.
 Round G's hand calibration (2.04 us a tile, 3 us a chunk, bf16) under-priced the extra cuts
 of ``item_cost`` (round H1: predicted gains, measured losses); the fit uses every measured
 plan variant at once. A model to write predictions with, not a measurement.
@@ -35,12 +37,13 @@ import decode as bench  # noqa: E402  (the benchmark's cases)
 from evenflow.reference.attention import build_plan_ref  # noqa: E402
 
 TILE = 64
-# plan option name -> (DecodePlan keyword arguments, the benchmark row that measures it)
+# plan option name -> (DecodePlan keyword arguments, the benchmark row that measures it now,
+# the row that measured it before round I1, when align_longer became the default)
 OPTIONS = {
-    "cost0": ({}, "evenflow"),
-    "cost1": ({"item_cost": 1}, "evenflow-cost1"),
-    "cost2": ({"item_cost": 2}, "evenflow-cost2"),
-    "alignup": ({"align_longer": True}, "evenflow-alignup"),
+    "cost0": ({"align_longer": False}, "evenflow-noalignup", "evenflow"),
+    "cost1": ({"item_cost": 1, "align_longer": False}, None, "evenflow-cost1"),
+    "cost2": ({"item_cost": 2, "align_longer": False}, None, "evenflow-cost2"),
+    "alignup": ({"align_longer": True}, "evenflow", "evenflow-alignup"),
 }
 
 
@@ -68,14 +71,15 @@ def _case_shapes(names, programs):
     shapes = {}
     for name in names:
         case = bench.parse_case(name)
-        for opt, (kw, _) in OPTIONS.items():
+        for opt, (kw, *_) in OPTIONS.items():
             shapes[(name, opt)] = plan_bins(list(case.lengths), case.num_kv_heads, programs, **kw)
     return shapes
 
 
-def _measured(files, variant):
+def _measured(files, variant, before_i1=False):
     """{(case, option): us} from result files (a later file overrides an earlier one)."""
-    row_to_opt = {row: opt for opt, (_, row) in OPTIONS.items()}
+    row_to_opt = {rows[1 if before_i1 else 0]: opt for opt, (_, *rows) in OPTIONS.items()}
+    row_to_opt.pop(None, None)
     got = {}
     for f in files:
         for r in json.load(open(f))["rows"]:
@@ -114,6 +118,7 @@ def main(argv=None) -> None:
     p.add_argument("--cases", default=None, help="comma list of decode benchmark cases (default: all)")
     p.add_argument("--fit", nargs="*", default=None, help="decode.json files to calibrate on")
     p.add_argument("--variant", default="bf16-kv", help="the variant --fit reads")
+    p.add_argument("--before-i1", action="store_true", help="--fit files measured before round I1 (row names)")
     a = p.parse_args(argv)
     names = a.cases.split(",") if a.cases else bench.CASES
     opts = a.options.split(",")
@@ -124,9 +129,10 @@ def main(argv=None) -> None:
     tile_us, chunk_us, base_us, roof_us = a.tile_us, a.chunk_us, a.base_us, a.roof_us
     measured = {}
     if a.fit:
-        measured = {k: v for k, v in _measured(a.fit, a.variant).items() if k[0] in names}
+        measured = {k: v for k, v in _measured(a.fit, a.variant, a.before_i1).items() if k[0] in names}
         if not measured:
-            raise SystemExit(f"--fit: no {a.variant} rows of {[r for _, r in OPTIONS.values()]} in {a.fit}")
+            rows = [r[2 if a.before_i1 else 1] for r in OPTIONS.values()]
+            raise SystemExit(f"--fit: no {a.variant} rows of {[r for r in rows if r]} in {a.fit}")
         err, tile_us, chunk_us, base_us, roof_us = fit(shapes, measured)
         print(f"fit on {len(measured)} measured {a.variant} rows: tile {tile_us:.2f} us, chunk {chunk_us:.2f} us, "
               f"base {base_us:.0f} us, roof {roof_us * 1000:.1f} ns a tile; worst relative error {err:.1%}\n")

@@ -297,7 +297,7 @@ def test_plan_model_reads_every_tile_once_under_every_option():
     lens, hkv = [128] * 5 + [4096] * 3 + [0, 700], 2
     want = hkv * sum(-(-n // 64) for n in lens)
     shapes = {}
-    for name, (kw, _) in plan_model.OPTIONS.items():
+    for name, (kw, *_) in plan_model.OPTIONS.items():
         budget, shape, _ = plan_model.plan_bins(lens, hkv, 12, min_tiles=1, **kw)
         assert sum(r for r, _ in shape) == want, name
         t, _ = plan_model.price(shape, tile_us=1.0, chunk_us=0.0, base_us=0.0)

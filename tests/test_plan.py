@@ -238,6 +238,19 @@ def test_align_longer_all_empty_with_huge_floor(device):
     assert plan.as_dict()["meta"][1].item() == 2_100_000_000
 
 
+def test_align_longer_default_follows_align_items(device):
+    """Default since round I1: align_longer is on with align_items, off without it; the
+    reference builder's default is the same rule."""
+    assert evenflow.DecodePlan(4, 100, 2, device=device).align_longer is True
+    assert evenflow.DecodePlan(4, 100, 2, device=device, align_items=False).align_longer is False
+    lens = [4096] * 32
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    plan = evenflow.DecodePlan(32, 1 << 20, 8, device=device, num_programs=264, min_tiles=8).update(sl)
+    ref, _ = build_plan_ref(sl, 8, 264, 8, plan.max_seq_len)
+    assert_exact(plan.as_dict()["meta"], ref["meta"], what="meta")
+    assert plan.as_dict()["meta"][1].item() == 64  # raised from 63: no 4K item cut
+
+
 def test_plan_update_reuses_workspace_and_clamps(device):
     plan = evenflow.DecodePlan(4, 1000, 2, device=device, num_programs=3, min_tiles=1)
     ptrs = [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]

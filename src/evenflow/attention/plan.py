@@ -106,7 +106,7 @@ class DecodePlan:
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
                  pdl: bool | None = None, item_cost: int = 0, warp_split: bool | None = None,
-                 align_longer: bool = False):
+                 align_longer: bool | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -146,8 +146,10 @@ class DecodePlan:
         if not isinstance(align_items, bool):
             raise TypeError(f"align_items must be a bool, got {align_items!r}")
         self.align_items = align_items
+        if align_longer is None:
+            align_longer = align_items
         if not isinstance(align_longer, bool):
-            raise TypeError(f"align_longer must be a bool, got {align_longer!r}")
+            raise TypeError(f"align_longer must be a bool or None, got {align_longer!r}")
         if align_longer and not align_items:
             raise ValueError("align_longer=True extends align_items; it needs align_items=True")
         self.align_longer = align_longer

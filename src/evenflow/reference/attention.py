@@ -108,7 +108,7 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
 
 
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
-                   align_items: bool = True, item_cost: int = 0, align_longer: bool = False):
+                   align_items: bool = True, item_cost: int = 0, align_longer: bool | None = None):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
@@ -117,11 +117,13 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     with ``align_items`` the budget is first rounded up to a multiple of the shortest
     non-empty item's tiles, when that item fits in it and the rounding adds at most half;
     with ``align_longer`` too, it is raised to that item's tiles when the item is longer than
-    the budget by at most a sixteenth of it.
+    the budget by at most a sixteenth of it (``None``: as ``align_items``, the plan's default).
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
     """
+    if align_longer is None:
+        align_longer = align_items
     lens = [min(max(int(x), 0), max_seq_len) for x in seq_lens.cpu().tolist()]
     B = len(lens)
     tiles = [-(-L // TILE) + (item_cost if L > 0 else 0) for L in lens]
