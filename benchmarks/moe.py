@@ -32,8 +32,11 @@ FP8_MAX = 448.0
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
-IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl")
-DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")  # evenflow-nopdl: PDL's A/B, on request
+IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index")
+# on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B)
+DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
+# knob rows: fused_moe keyword arguments
+EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False}}
 MAX_ROTATE = 4
 
 
@@ -242,7 +245,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
     from evenflow.bench.harness import PeerUnavailable
 
     ntot = case.num_experts_total
-    if name in ("evenflow", "evenflow-nopdl"):
+    if name in EVENFLOW_KNOBS:
         import evenflow
 
         if not hasattr(evenflow, "MoEWeights") or not hasattr(evenflow, "fused_moe"):
@@ -254,7 +257,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         else:
             ew = evenflow.MoEWeights.fp8_block(w.w13, w.w2, w.w13_scale, w.w2_scale)
 
-        kw = {"pdl": False} if name == "evenflow-nopdl" else {}
+        kw = EVENFLOW_KNOBS[name]
 
         def bind(x, ids, tw):
             return lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)

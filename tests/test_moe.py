@@ -126,10 +126,12 @@ def test_large_block_m_and_idle_experts(device):
     check_moe(y, x, ids, w, ew, "idle experts")
 
 
+@pytest.mark.parametrize("pair_tiles", [False, True], ids=["index", "pair-tiles"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_split_k(device, fmt):
+def test_split_k(device, fmt, pair_tiles):
     # Decode configs split K: gate-up partials reduced by the last-arriving split (arrival
-    # counters zeroed by the index kernel), down partials summed by the reduce kernel.
+    # counters zeroed by the index kernel, or with pair tiles by moe_zero_kernel), down
+    # partials summed by the reduce kernel.
     # Two calls into poisoned outputs: the counters must be back at zero for the second.
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 6, h, i, device)
@@ -143,8 +145,48 @@ def test_split_k(device, fmt):
     for _ in range(2):
         ids, w = random_routing(5, 3, 6, device)
         out = poisoned((5, h), torch.bfloat16, device)
-        y = evenflow.fused_moe(x, ids, w, ew, config=cfg, out=out)
+        y = evenflow.fused_moe(x, ids, w, ew, config=cfg, out=out, pair_tiles=pair_tiles)
         check_moe(y, x, ids, w, ew, f"{fmt} split-K {cfg}")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pair_tiles_equal_index_tiles(device, fmt):
+    """Pair tiles (each pair its own GEMM task, no index build; the default up to
+    PAIR_TILE_MAX_PAIRS pairs) give the index path's result bit for bit -- with a token
+    listing one expert twice, ids routed to other EP ranks, gate-up split K (counters zeroed
+    by moe_zero_kernel) and a 32-row tile -- and both are within the rule of the oracle."""
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    ids_all = [[5, 5, 1], [4, 7, 11], [6, 4, 5], [0, 2, 3]]  # rank 1 of 3 owns 4..7
+    base = choose_config(4, 3, 4, h, i, ew.mode, num_experts_total=12)
+    gu_bk = base.gu_block_k if fmt == "fp8_block" else min(base.gu_block_k, h // 2)
+    split = dataclasses.replace(base, gu_block_k=gu_bk, gu_split_k=2)
+    for t, cfg in ((1, None), (2, None), (4, None), (4, split), (3, dataclasses.replace(base, block_m=32))):
+        assert t * 3 <= PAIR_TILE_MAX_PAIRS
+        x = torch.randn(t, h, device=device).bfloat16()
+        ids, w = routing_from(ids_all[:t], device)
+        ys = {pt: evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg, pair_tiles=pt,
+                                     out=poisoned((t, h), torch.bfloat16, device))
+              for pt in (None, True, False)}
+        what = f"{fmt} T={t} {cfg}"
+        assert torch.equal(ys[True], ys[False]), f"pair tiles differ from index tiles: {what}"
+        assert torch.equal(ys[None], ys[True]), f"default differs from pair tiles: {what}"
+        check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
+        if t == 4:
+            assert torch.equal(ys[True][3].float(), torch.zeros(h, device=device)), "token with no local expert"
+
+
+def test_pair_tiles_forced_past_the_default_range(device):
+    # 27 pairs (the default takes the index there); forced on, every pair is still its own task
+    h, i = SIZES["bf16"]
+    ew = random_moe_weights("bf16", 6, h, i, device)
+    x = torch.randn(9, h, device=device).bfloat16()
+    ids, w = random_routing(9, 3, 6, device)
+    y = evenflow.fused_moe(x, ids, w, ew, pair_tiles=True)
+    assert torch.equal(y, evenflow.fused_moe(x, ids, w, ew, pair_tiles=False))
+    check_moe(y, x, ids, w, ew, "pair tiles forced at 27 pairs")
 
 
 def test_config_checks(device):

@@ -104,6 +104,8 @@ def test_pdl_argument(layer, device):
     ew, x, ids, w = layer
     with pytest.raises(TypeError, match="pdl must be a bool or None"):
         evenflow.fused_moe(x, ids, w, ew, pdl=1)
+    with pytest.raises(TypeError, match="pair_tiles must be a bool or None"):
+        evenflow.fused_moe(x, ids, w, ew, pair_tiles=1)
     with pytest.raises(TypeError, match="pdl must be a bool, got"):
         build_moe_index(ids, 4, pdl=None)
     with pytest.raises(TypeError, match="pdl must be a bool, got"):

@@ -16,7 +16,13 @@ import triton
 
 from evenflow._checks import check_int, check_out, check_pdl, check_same_device, check_tensor
 from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, num_sms, pdl_kwargs, pdl_supported
-from evenflow.moe.kernels import moe_down_kernel, moe_gate_up_kernel, moe_reduce_kernel, moe_tensor_quant_kernel
+from evenflow.moe.kernels import (
+    moe_down_kernel,
+    moe_gate_up_kernel,
+    moe_reduce_kernel,
+    moe_tensor_quant_kernel,
+    moe_zero_kernel,
+)
 from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
 from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
 
@@ -30,6 +36,13 @@ _CONFIG_FILES = {"H200": "h200.json"}
 # pairs: there the launches are a large share of the layer. Above it grids span several
 # waves, and a kernel launched early would hold SM slots the one before it still needs.
 PDL_MAX_PAIRS = 512
+# Up to this many (token, slot) pairs on 16-row tiles, each pair is a GEMM task of its own
+# ("pair tiles"): no index build (one launch of ~3 us at T = 1, round I1's kernel split) and
+# one dependent load before the weights instead of three. A pair whose expert another pair
+# of the batch also hits re-reads that expert's weights: none at T = 1 (a token's top-k are
+# distinct), ~1/16 more weight bytes at T = 2 of top-8 over 128 experts, ~13% at T = 4 (the
+# index pays off from there).
+PAIR_TILE_MAX_PAIRS = 16
 
 
 @dataclass(frozen=True)
@@ -227,8 +240,9 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int) -> None:
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1):
+            pdl: int = -1, pair_tiles: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
+    # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -240,17 +254,24 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         cfg = tuned_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, device=dev)
     if cfg is None:
         cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev))
-    n_tiles = max_tiles(t * k, e_local, cfg.block_m)
+    p = t * k
+    by_pair = bool(pair_tiles) if pair_tiles >= 0 else (p <= PAIR_TILE_MAX_PAIRS and cfg.block_m == 16)
+    n_tiles = p if by_pair else max_tiles(p, e_local, cfg.block_m)
     gu_nb = i // cfg.gu_block_n
     if cfg.gu_split_k > 1:
         gu_count = torch.empty(n_tiles * gu_nb, dtype=torch.int32, device=dev)
         gu_part = torch.empty(cfg.gu_split_k, n_tiles * cfg.block_m, 2 * i, dtype=torch.float32, device=dev)
     else:
         gu_count = gu_part = None
-    p = t * k
     use_pdl = bool(pdl) if pdl >= 0 else (pdl_supported(dev) and p <= PDL_MAX_PAIRS)
     pk = pdl_kwargs(use_pdl)
-    idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m, zero=gu_count, pdl=use_pdl)
+    if by_pair:
+        idx = None
+        if gu_count is not None:
+            moe_zero_kernel[(min(8, triton.cdiv(gu_count.numel(), 1024)),)](gu_count, gu_count.numel(), num_warps=4,
+                                                                             **pk)
+    else:
+        idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m, zero=gu_count, pdl=use_pdl)
     dot_f32, fp8_round = dot_needs_fp32(), fp8_cast_needs_rounding()
     # Passed under the interpreter too (it ignores them), so the sm_90 compile check records them.
     gpu_kw = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -275,18 +296,20 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     ws2 = w2_scale if w2_scale is not None else dummy
     as13 = a13_scale if a13_scale is not None else dummy
     as2 = a2_scale if a2_scale is not None else dummy
+    # the index tensors (pair tiles: topk_ids stands in, the kernels do not read them)
+    ix = (topk_ids,) * 4 if idx is None else (idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row)
     ws13_strides = (ws13.stride(0), ws13.stride(1)) if mode == 2 else (0, 0)
     ws2_strides = (ws2.stride(0), ws2.stride(1)) if mode == 2 else (0, 0)
 
     moe_gate_up_kernel[(n_tiles, gu_nb, cfg.gu_split_k)](
-        xq, xs, w13, ws13, idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row,
+        xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
-        k, i, h,
+        k, i, h, ep_rank * e_local, e_local,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
-        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, **gpu_kw, **pk,
+        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, **gpu_kw, **pk,
     )
     # bf16 weights: the per-pair products are stored in bf16 (the bf16 baseline rounds each expert's
     # output to bf16 too); at T=4096 Qwen3 an fp32 buffer is 268 MB written and read again, ~45% of
@@ -294,13 +317,13 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     pair_dtype = torch.bfloat16 if mode == 0 and cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
     moe_down_kernel[(n_tiles, h // cfg.down_block_n, cfg.down_split_k)](
-        inter, inter_s, w2, ws2, idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row, topk_weights,
+        inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2,
-        k, i,
+        k, i, ep_rank * e_local, e_local,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1),
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, **gpu_kw, **pk,
+        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -323,15 +346,16 @@ def _fused_moe_op(
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
+    pair_tiles: int = -1,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
-            None if config is None else MoEConfig.from_list(config), pdl)
+            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
-      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1):
+      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1):
     return None
 
 
@@ -344,7 +368,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
-              pdl: bool | None = None):
+              pdl: bool | None = None, pair_tiles: bool | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -360,6 +384,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     :func:`choose_config` picks them from the shapes. ``pdl``: chain the kernels with
     programmatic dependent launch; default (None): on sm_90+ up to ``PDL_MAX_PAIRS``
     token-expert pairs, ``False`` to compare; ``True`` is refused where it cannot run.
+    ``pair_tiles``: each (token, slot) pair a GEMM task of its own, with no index build;
+    default (None): up to ``PAIR_TILE_MAX_PAIRS`` pairs on 16-row tiles; ``True`` / ``False``
+    force it (same results: one row per tile instead of an expert's rows together).
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -402,11 +429,14 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     if config is not None:
         check_config(config, h, ew.intermediate_size, ew.mode)
     check_pdl(pdl, dev)
+    if pair_tiles is not None and not isinstance(pair_tiles, bool):
+        raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
     pdl_arg = -1 if pdl is None else int(pdl)
+    pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg)
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg)
+        _launch(*args, config, pdl_arg, pt_arg)
     return out

@@ -19,6 +19,10 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 | gu_part         | [S_gu, tiles*BM, 2I]  | fp32         | gate-up split-K partials (S_gu > 1 only)           |
 | gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by index|
 
+Pair tiles (PAIR_TILES, tiny batches, no index build): task i is pair i alone (row 0 of a
+BLOCK_M-row tile, the other rows masked), its expert read from topk_ids; inter and pair_out
+rows are pair ids; gu_count is zeroed by ``moe_zero_kernel``.
+
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
 K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
 
@@ -251,13 +255,38 @@ def moe_tensor_quant_kernel(p_x, p_q, p_scale, H, stride_xt, stride_qt, BLOCK_H:
     tl.store(p_q + i_t * stride_qt + o_h, b_q, mask=m_h)
 
 
+@triton.jit(do_not_specialize=["num_zero"])
+def moe_zero_kernel(p_zero, num_zero, PDL: tl.constexpr):
+    """p_zero[:num_zero] = 0 (the gate-up split-K counters when no index kernel runs)."""
+    pdl_enter(PDL)
+    _zero_share(p_zero, tl.program_id(0) * 1024, tl.num_programs(0) * 1024, num_zero)
+
+
 @triton.jit
-def _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M: tl.constexpr):
-    e = tl.load(p_tile_expert + i_tile)
-    row0 = tl.load(p_tile_row + i_tile)
-    row_end = tl.load(p_offsets + tl.maximum(e, 0) + 1)
-    o_m = row0 + tl.arange(0, BLOCK_M)
-    return e, o_m, o_m < row_end
+def _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local,
+               BLOCK_M: tl.constexpr, PAIR_TILES: tl.constexpr):
+    """(local expert or -1, rows, row mask) of task i_tile: a tile of the task map, or with
+    PAIR_TILES pair i_tile alone in row 0 (one dependent load before the weights, not three)."""
+    if PAIR_TILES:
+        lid = tl.load(p_ids + i_tile).to(tl.int32) - e_first
+        e = tl.where((lid >= 0) & (lid < num_local), lid, -1)
+        o_b = tl.arange(0, BLOCK_M)
+        return e, i_tile + o_b, o_b == 0
+    else:
+        e = tl.load(p_tile_expert + i_tile)
+        row0 = tl.load(p_tile_row + i_tile)
+        row_end = tl.load(p_offsets + tl.maximum(e, 0) + 1)
+        o_m = row0 + tl.arange(0, BLOCK_M)
+        return e, o_m, o_m < row_end
+
+
+@triton.jit
+def _row_pairs(p_sorted, o_m, m_m, PAIR_TILES: tl.constexpr):
+    """Pair id of each row (only after the task is known to be used: unused tiles have row -1)."""
+    if PAIR_TILES:
+        return o_m
+    else:
+        return tl.load(p_sorted + o_m, mask=m_m, other=0)
 
 
 @triton.jit
@@ -282,14 +311,15 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_
         tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
 
 
-@triton.jit(do_not_specialize=["top_k"])
+@triton.jit(do_not_specialize=["top_k", "e_first", "num_local"])
 def moe_gate_up_kernel(
-    p_x, p_xs, p_w, p_ws, p_sorted, p_offsets, p_tile_expert, p_tile_row,
+    p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
     p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
-    top_k, I, K,
+    top_k, I, K, e_first, num_local,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
+    PAIR_TILES: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -307,10 +337,11 @@ def moe_gate_up_kernel(
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
-    e, o_m, m_m = _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M)
+    e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
+                             PAIR_TILES)
     if e < 0:
         return
-    pair = tl.load(p_sorted + o_m, mask=m_m, other=0)
+    pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
@@ -377,14 +408,14 @@ def moe_gate_up_kernel(
             tl.store(p_c, 0)
 
 
-@triton.jit(do_not_specialize=["top_k"])
+@triton.jit(do_not_specialize=["top_k", "e_first", "num_local"])
 def moe_down_kernel(
-    p_a, p_as, p_w, p_ws, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
+    p_a, p_as, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
     p_out, p_a_scale,
-    top_k, K,
+    top_k, K, e_first, num_local,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -394,7 +425,8 @@ def moe_down_kernel(
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
-    e, o_m, m_m = _tile_rows(p_tile_expert, p_tile_row, p_offsets, i_tile, BLOCK_M)
+    e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
+                             PAIR_TILES)
     if e < 0:
         return
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -430,7 +462,7 @@ def moe_down_kernel(
 
     if MODE == 1:
         acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
-    pair = tl.load(p_sorted + o_m, mask=m_m, other=0)
+    pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
     acc = acc * b_tw[:, None]
     p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
