@@ -167,15 +167,63 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
         assert t * 3 <= PAIR_TILE_MAX_PAIRS
         x = torch.randn(t, h, device=device).bfloat16()
         ids, w = routing_from(ids_all[:t], device)
-        ys = {pt: evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg, pair_tiles=pt,
-                                     out=poisoned((t, h), torch.bfloat16, device))
-              for pt in (None, True, False)}
+        ys = {}
+        for pt in (None, True, False):
+            _dirty_pool(device)  # fresh workspaces hold garbage: the split-K counters must be zeroed
+            ys[pt] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg, pair_tiles=pt,
+                                        out=poisoned((t, h), torch.bfloat16, device))
         what = f"{fmt} T={t} {cfg}"
         assert torch.equal(ys[True], ys[False]), f"pair tiles differ from index tiles: {what}"
         assert torch.equal(ys[None], ys[True]), f"default differs from pair tiles: {what}"
         check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
         if t == 4:
             assert torch.equal(ys[True][3].float(), torch.zeros(h, device=device)), "token with no local expert"
+
+
+def _dirty_pool(device):
+    """Leave non-zero bytes in the allocator's free blocks (on a GPU the caching allocator would
+    otherwise hand back the previous call's counters, already reset to zero by the last split)."""
+    if device.type == "cuda" if isinstance(device, torch.device) else str(device).startswith("cuda"):
+        for n in (128, 512, 4096, 1 << 16):
+            torch.full((n,), 0x5A5A5A5A, dtype=torch.int32, device=device)
+
+
+def test_pair_tiles_default_range(device, monkeypatch):
+    """The default takes pair tiles (no index build) up to PAIR_TILE_MAX_PAIRS pairs on 16-row
+    tiles, and the index build past it or on larger tiles."""
+    import evenflow.moe.fused as fused
+
+    calls = []
+    real = fused.build_moe_index
+    monkeypatch.setattr(fused, "build_moe_index", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    h, i = SIZES["bf16"]
+    ew = random_moe_weights("bf16", 6, h, i, device)
+    k = 4
+    t_max = fused.PAIR_TILE_MAX_PAIRS // k
+    for t, cfg, indexed in ((1, None, False), (t_max, None, False), (t_max + 1, None, True),
+                            (1, dataclasses.replace(choose_config(1, k, 6, h, i, 0), block_m=32), True)):
+        calls.clear()
+        x = torch.randn(t, h, device=device).bfloat16()
+        ids, w = random_routing(t, k, 6, device)
+        y = evenflow.fused_moe(x, ids, w, ew, config=cfg)
+        assert bool(calls) == indexed, (t, cfg)
+        check_moe(y, x, ids, w, ew, f"default T={t}")
+
+
+@pytest.mark.parametrize("pair_tiles", [False, True], ids=["index", "pair-tiles"])
+def test_int64_ids_past_int32_are_dropped(device, pair_tiles):
+    """An int64 id of 2^32 + a local expert is out of range, not that expert (no int32 wrap)."""
+    h, i = SIZES["bf16"]
+    ew = random_moe_weights("bf16", 4, h, i, device)
+    x = torch.randn(2, h, device=device).bfloat16()
+    ids = torch.tensor([[1, 2], [3, 0]], dtype=torch.int64, device=device)
+    w = torch.rand(2, 2, device=device)
+    bad = ids.clone()
+    bad[0, 1] += 1 << 32
+    y = evenflow.fused_moe(x, bad, w, ew, check_ids=False, pair_tiles=pair_tiles)
+    w_drop = w.clone()
+    w_drop[0, 1] = 0  # the dropped pair contributes nothing
+    check_moe(y, x, ids, w_drop, ew, "int64 id past 2^32 dropped")
 
 
 def test_pair_tiles_forced_past_the_default_range(device):

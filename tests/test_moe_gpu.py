@@ -181,9 +181,10 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
     """Two stacked layers (the second reads the first's output as its x) with every kernel
     chained by programmatic dependent launch, captured in a graph with routing changed between
     replays, at split-K decode shapes (T = 1, 2) and T = 33: bitwise the plain launches'
-    result. The second layer's first kernel (the index build) reads only the routing, so the
-    first layer's output reaches the GEMMs only if every wait in the chain holds (each kernel
-    waits for the one before it, which waited for the one before it)."""
+    result. The second layer's first kernel (the index build, or at T = 1, 2 the pair tiles'
+    counter zeroing) reads only the routing or nothing, so the first layer's output reaches
+    the GEMMs only if every wait in the chain holds (each kernel waits for the one before it,
+    which waited for the one before it)."""
     shape = "qwen3-30b-a3b"
     e, e_tot, ep, k, h, i = SHAPES[shape]
     ew = weights(shape, fmt)

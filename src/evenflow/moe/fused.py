@@ -260,7 +260,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     gu_nb = i // cfg.gu_block_n
     if cfg.gu_split_k > 1:
         gu_count = torch.empty(n_tiles * gu_nb, dtype=torch.int32, device=dev)
-        gu_part = torch.empty(cfg.gu_split_k, n_tiles * cfg.block_m, 2 * i, dtype=torch.float32, device=dev)
+        part_rows = p if by_pair else n_tiles * cfg.block_m  # pair tiles: one row per pair
+        gu_part = torch.empty(cfg.gu_split_k, part_rows, 2 * i, dtype=torch.float32, device=dev)
     else:
         gu_count = gu_part = None
     use_pdl = bool(pdl) if pdl >= 0 else (pdl_supported(dev) and p <= PDL_MAX_PAIRS)

@@ -11,13 +11,16 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 |                 |                       |              | slots >= kept hold -1                              |
 | tile_expert     | [max_tiles]           | int32        | local expert of each BLOCK_M-row tile, -1 unused   |
 | tile_row        | [max_tiles]           | int32        | first sorted row of the tile, -1 unused            |
-| inter           | [P, I]                | bf16 / fp8   | SiLU(gate)*up, row r = sorted row r (not pair id)  |
+| inter           | [P, I]                | bf16 / fp8   | SiLU(gate)*up, row r = sorted row r (not pair id;  |
+|                 |                       |              | pair tiles: row = pair id)                         |
 | inter_scale     | [P, I/128]            | fp32         | fp8 block mode: per-row-per-128-group dequant scale|
 | pair_out        | [S_down, P, H]        | fp32         | topk_weight * expert output (K-split s), row = pair|
 |                 |                       | (bf16: bf16  | weight mode without a down K split: half the bytes |
 |                 |                       |  weights, S=1)| of the largest activation buffer at large batch)   |
-| gu_part         | [S_gu, tiles*BM, 2I]  | fp32         | gate-up split-K partials (S_gu > 1 only)           |
-| gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by index|
+| gu_part         | [S_gu, tiles*BM, 2I]  | fp32         | gate-up split-K partials (S_gu > 1 only); pair     |
+|                 |                       |              | tiles: [S_gu, P, 2I], row = pair id                |
+| gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by the  |
+|                 |                       |              | index build (pair tiles: by moe_zero_kernel)       |
 
 Pair tiles (PAIR_TILES, tiny batches, no index build): task i is pair i alone (row 0 of a
 BLOCK_M-row tile, the other rows masked), its expert read from topk_ids; inter and pair_out
@@ -55,10 +58,10 @@ GROUP_AMAX_EPS = tl.constexpr(1e-10)
 def _local_ids(p_ids, o_p, num_pairs, e_first, num_local):
     """Local expert id of pairs o_p (0 where dropped) and whether the pair is kept on this rank."""
     m_p = o_p < num_pairs
-    gid = tl.load(p_ids + o_p, mask=m_p, other=-1).to(tl.int32)
-    lid = gid - e_first
+    # range check in the ids' own dtype (int64 ids >= 2^31 must not wrap onto a local expert)
+    lid = tl.load(p_ids + o_p, mask=m_p, other=-1) - e_first
     valid = m_p & (lid >= 0) & (lid < num_local)
-    return tl.where(valid, lid, 0), valid
+    return tl.where(valid, lid, 0).to(tl.int32), valid
 
 
 # Index build, cost model (round F): each program of these kernels is one chain of dependent
@@ -268,8 +271,8 @@ def _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num
     """(local expert or -1, rows, row mask) of task i_tile: a tile of the task map, or with
     PAIR_TILES pair i_tile alone in row 0 (one dependent load before the weights, not three)."""
     if PAIR_TILES:
-        lid = tl.load(p_ids + i_tile).to(tl.int32) - e_first
-        e = tl.where((lid >= 0) & (lid < num_local), lid, -1)
+        lid = tl.load(p_ids + i_tile) - e_first  # checked in the ids' dtype, as _local_ids
+        e = tl.where((lid >= 0) & (lid < num_local), lid, -1).to(tl.int32)
         o_b = tl.arange(0, BLOCK_M)
         return e, i_tile + o_b, o_b == 0
     else:
@@ -328,8 +331,9 @@ def moe_gate_up_kernel(
 
     SPLIT_K > 1 (decode: too few (tile, n-block) programs to stream the weights at
     full bandwidth): each split stores its fp32 partial sums of gate and up in
-    ``p_part`` [SPLIT_K, max_tiles * BLOCK_M, 2 * I], then bumps the arrival
-    counter of its (tile, n-block) in ``p_count`` (zeroed by the index kernel);
+    ``p_part`` [SPLIT_K, max_tiles * BLOCK_M, 2 * I] (pair tiles: [SPLIT_K, P, 2 * I]),
+    then bumps the arrival counter of its (tile, n-block) in ``p_count`` (zeroed by the
+    index kernel, or by moe_zero_kernel with pair tiles);
     the split that arrives last sums the partials in split order (deterministic),
     applies the activation and requantisation, and resets the counter.
     """
@@ -388,9 +392,13 @@ def moe_gate_up_kernel(
         _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
                           stride_om, stride_osm, MODE, FP8_ROUND)
     else:
-        n_rows = tl.num_programs(0) * BLOCK_M
+        if PAIR_TILES:  # one partial row per pair (row 0; the masked rows address nothing)
+            n_rows = tl.num_programs(0)
+            o_r = (i_tile + tl.arange(0, BLOCK_M)).to(tl.int64)
+        else:
+            n_rows = tl.num_programs(0) * BLOCK_M
+            o_r = (i_tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         stride_ps = n_rows.to(tl.int64) * 2 * I
-        o_r = (i_tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         p_pg = p_part + o_r[:, None] * (2 * I) + o_n[None, :]
         tl.store(p_pg + i_s * stride_ps, acc_g, mask=m_m[:, None])
         tl.store(p_pg + i_s * stride_ps + I, acc_u, mask=m_m[:, None])
@@ -490,7 +498,7 @@ def moe_reduce_kernel(
     m_h = o_h < H
     o_j = tl.arange(0, BLOCK_K)
     pair = i_t * top_k + o_j
-    lid = tl.load(p_ids + pair, mask=o_j < top_k, other=0).to(tl.int32) - e_first
+    lid = tl.load(p_ids + pair, mask=o_j < top_k, other=0) - e_first  # in the ids' dtype, as _local_ids
     mine = (o_j < top_k) & (lid >= 0) & (lid < num_local)
     p_rows = p_pair_out + pair[:, None] * stride_pm + o_h[None, :]
     m_rows = mine[:, None] & m_h[None, :]
