@@ -57,7 +57,8 @@ def _git_commit() -> str:
 
 
 def source_digest() -> str:
-    """sha1 (12 hex) of evenflow's Python sources and the benchmark scripts, paths included.
+    """sha1 (12 hex) of evenflow's Python sources, its tuned-config tables (``*.json``) and
+    the benchmark scripts, paths included.
 
     Identifies the code a result came from where git is absent (a copied tree on a GPU
     machine). To match a result to a commit, check the commit out and call this.
@@ -68,7 +69,7 @@ def source_digest() -> str:
     roots = [pkg] + ([pkg.parents[1] / "benchmarks"] if (pkg.parents[1] / "benchmarks").is_dir() else [])
     h = hashlib.sha1()
     for root in roots:
-        for f in sorted(root.rglob("*.py")):
+        for f in sorted([*root.rglob("*.py"), *(root.rglob("*.json") if root == pkg else ())]):
             if "__pycache__" in f.parts:
                 continue
             h.update(f"{root.name}/{f.relative_to(root).as_posix()}\0".encode())
