@@ -57,6 +57,8 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # 3 programs/SM. The default (round H4) runs it on fp8 chunks of >= 24 tiles; -ws turns it on for
 # bf16 too, -nows off for fp8. (In the H2/H3 runs the -ws rows split every chunk; since H4 they
 # split chunks of >= 24 tiles only, so those rows and later ones measure different things.)
+# evenflow-noprefetch: the persistent loop loads the next item's metadata after the current
+# item's work, as before round I4 (the default loads it before).
 # evenflow-noalignup: the plan without align_longer (the budget raised to a shortest item <= 1/16
 # longer than it; default since round I1, where it ran as the row evenflow-alignup).
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
@@ -71,6 +73,7 @@ PLAN_KNOBS = {
     "evenflow-ws-pps3": lambda sms: dict(warp_split=True, num_programs=3 * sms),
     "evenflow-nows": lambda sms: dict(warp_split=False),
     "evenflow-noalignup": lambda sms: dict(align_longer=False),
+    "evenflow-noprefetch": lambda sms: dict(prefetch=False),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)

@@ -59,6 +59,7 @@ SCENARIOS = {
     "bf16-block_n128-p16-q2": dict(lens=[300, 5000], hq=8, hkv=2, d=64, page=16, q_len=2, block_n=128),
     "bf16-warp_split-align_longer": dict(lens=BIG, warp_split=True, align_longer=True),
     "fp8-no-warp_split": dict(lens=BIG, kv=FP8, warp_split=False),
+    "bf16-no-prefetch": dict(lens=BIG, prefetch=False),
     "fp8-d256-p128-g16-q4": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, kv=FP8),
     "fp8-d128-g16-q4-static": dict(lens=[300, 5000], hq=32, hkv=2, q_len=4, kv=FP8, static=True),
 }

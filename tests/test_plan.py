@@ -264,8 +264,9 @@ def test_plan_update_reuses_workspace_and_clamps(device):
 
 def test_plan_repr_names_its_options(device):
     r = repr(evenflow.DecodePlan(4, 100, 2, device=device, num_programs=3, item_cost=1, align_longer=True,
-                                 warp_split=False))
-    for part in ("max_batch=4", "num_programs=3", "item_cost=1", "align_longer=True", "warp_split=False"):
+                                 warp_split=False, prefetch=False))
+    for part in ("max_batch=4", "num_programs=3", "item_cost=1", "align_longer=True", "warp_split=False",
+                 "prefetch=False"):
         assert part in r, (part, r)
 
 
@@ -292,6 +293,8 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, device=device, align_longer=1)
     with pytest.raises(TypeError, match="warp_split"):
         evenflow.DecodePlan(4, 100, 2, device=device, warp_split=1)
+    with pytest.raises(TypeError, match="prefetch"):
+        evenflow.DecodePlan(4, 100, 2, device=device, prefetch=1)
     plan = evenflow.DecodePlan(4, 100, 2, device=device)
     with pytest.raises(TypeError, match="seq_lens"):
         plan.update(torch.tensor([1, 2], dtype=torch.int64, device=device))

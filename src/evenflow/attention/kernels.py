@@ -359,6 +359,7 @@ def decode_kernel(
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -411,12 +412,23 @@ def decode_kernel(
         b = tl.minimum(i, n_items - 1) // HKV
         n = tl.load(p_tiles + b)
         start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
+        len_b = tl.load(p_len + b)
         go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
         while go:
             h = i % HKV
+            if PREFETCH:
+                # the next item's tiles, end and length depend on its index only: load them
+                # before this item's work, so a bin of many short items does not pay one
+                # more memory round trip per item after each item's store (round I)
+                b_nx = tl.minimum(i + 1, n_items - 1) // HKV
+                n_nx = tl.load(p_tiles + b_nx)
+                end_nx = tl.load(p_req_end + b_nx)
+                len_nx = tl.load(p_len + b_nx)
+            else:
+                len_b = tl.load(p_len + b)
             # unit u of the item is its tile u; a non-empty item's last item_cost units hold no
             # tokens (a chunk of only those is an empty partial, LSE -inf, weighed as nothing)
-            L = tl.minimum(tl.minimum(tl.maximum(tl.load(p_len + b), 0), max_len),
+            L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len),
                            (n - tl.where(n > 0, item_cost, 0)) * TILE)
             t0 = tl.maximum(start, g0) - start
             t1 = tl.minimum(start + n, g1) - start
@@ -433,9 +445,15 @@ def decode_kernel(
                 WSPLIT, WS_MIN_TILES,
             )
             i += 1
-            b = tl.minimum(i, n_items - 1) // HKV
-            n = tl.load(p_tiles + b)
-            start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
+            if PREFETCH:
+                b = b_nx
+                n = n_nx
+                start = end_nx - (HKV - i % HKV) * n
+                len_b = len_nx
+            else:
+                b = tl.minimum(i, n_items - 1) // HKV
+                n = tl.load(p_tiles + b)
+                start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
             go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
 
 

@@ -90,6 +90,8 @@ class DecodePlan:
     merged once per chunk (``True``; needs ``block_n / num_warps >= 16``, GQA group x q_len
     <= 16 and head_dim <= 128, else ``decode_attention`` raises), or the warps share each
     step's softmax (``False``); default: on for fp8 KV where it can be built, off for bf16.
+    ``prefetch`` (default on): each program loads the next item's tiles, end and length
+    before the current item's work (``False``: after it, to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -106,7 +108,7 @@ class DecodePlan:
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
                  pdl: bool | None = None, item_cost: int = 0, warp_split: bool | None = None,
-                 align_longer: bool | None = None):
+                 align_longer: bool | None = None, prefetch: bool = True):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -153,6 +155,9 @@ class DecodePlan:
         if align_longer and not align_items:
             raise ValueError("align_longer=True extends align_items; it needs align_items=True")
         self.align_longer = align_longer
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
+        self.prefetch = prefetch
         if warp_split is not None and not isinstance(warp_split, bool):
             raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")
         self.warp_split = warp_split
@@ -210,6 +215,7 @@ class DecodePlan:
                 f"num_kv_heads={self.num_kv_heads}, page_size={self.page_size}, q_len={self.q_len}, "
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"align_items={self.align_items}, align_longer={self.align_longer}, warp_split={self.warp_split}, "
+                f"prefetch={self.prefetch}, "
                 f"device={self.device})")
 
 
