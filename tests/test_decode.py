@@ -90,11 +90,24 @@ def test_item_spread_over_many_bins(group, q_len, device):
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_prefetch_keeps_results(kv, device):
-    """Bins of many short items, empty ones among them and last in the batch (the next-item
-    index clamps at the batch end), a long item cut across bins: the persistent loop that
-    loads the next item's metadata before the current item's work gives the same output
-    bit for bit as the one that loads it after, and both are within the rule."""
+def test_prefetch_keeps_results(kv, device, monkeypatch):
+    """Bins of many short items, empty ones among them and last in the batch, a long item
+    cut across bins: the persistent loop that loads the next item's metadata before the
+    current item's work gives the same output bit for bit as the one that loads it after,
+    both within the rule; the plan's choice reaches the kernel (its PREFETCH constexpr)."""
+    from evenflow.attention import kernels as K
+
+    seen = []
+    real = K.decode_kernel
+
+    class Spy:  # records the PREFETCH constexpr of every decode_kernel launch
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(kw["PREFETCH"])
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(K, "decode_kernel", Spy())
     lens = [130, 0, 64, 65, 1, 700, 0, 200, 64 * 12 + 3, 0]
     kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
     q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, 64, 1, kv_dtype=kv_dtype, device=device)
@@ -105,6 +118,7 @@ def test_prefetch_keeps_results(kv, device):
                                    prefetch=prefetch).update(sl)
         outs.append(check(q, qs, k, v, pt, sl, 1, plan=plan, what=f"prefetch={prefetch}", **scales).clone())
     assert torch.equal(outs[0], outs[1])
+    assert seen == [True, False]
 
 
 def test_combine_groups_merge_deterministically_and_reset_their_counters(device):

@@ -412,7 +412,8 @@ def decode_kernel(
         b = tl.minimum(i, n_items - 1) // HKV
         n = tl.load(p_tiles + b)
         start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
-        len_b = tl.load(p_len + b)
+        if PREFETCH:
+            len_b = tl.load(p_len + b)
         go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
         while go:
             h = i % HKV
