@@ -23,8 +23,8 @@ from evenflow.reference.moe import (
 from evenflow.testing import assert_within_rule, poisoned
 
 FORMATS = ["bf16", "fp8_per_tensor", "fp8_block"]
-# (H, I) per format: block-128 needs multiples of 128, per-tensor fp8 32 (fp8 tl.dot on
-# sm_90 needs K >= 32), bf16 16.
+# (H, I) per format: block-128 needs multiples of 128, bf16 and per-tensor fp8 16 (the fp8
+# dots are f16 MMAs of the exact e4m3 values; test_fp8_per_tensor_sizes_of_16 takes 80 x 48).
 SIZES = {"bf16": (64, 32), "fp8_per_tensor": (64, 64), "fp8_block": (256, 128)}
 
 
@@ -235,6 +235,24 @@ def test_pair_tiles_forced_past_the_default_range(device):
     y = evenflow.fused_moe(x, ids, w, ew, pair_tiles=True)
     assert torch.equal(y, evenflow.fused_moe(x, ids, w, ew, pair_tiles=False))
     check_moe(y, x, ids, w, ew, "pair tiles forced at 27 pairs")
+
+
+@pytest.mark.parametrize("t", [1, 3, 17], ids=["pair-tiles", "T3", "T17"])
+def test_fp8_per_tensor_sizes_of_16(device, t):
+    """Per-tensor fp8 at sizes that are multiples of 16 but not of 32: 16-deep K steps in both
+    GEMMs (80 x 48), on pair tiles and index tiles, and the gate-up K split over two 48-deep
+    halves of 16-deep steps (96 x 48)."""
+    for h, i, split in ((80, 48, 1), (96, 48, 2)):
+        ew = random_moe_weights("fp8_per_tensor", 4, h, i, device)
+        cfg = choose_config(t, 2, 4, h, i, 1)
+        if h == 80:
+            assert (cfg.gu_block_k, cfg.down_block_k) == (16, 16)
+        else:
+            cfg = dataclasses.replace(cfg, gu_block_k=16, gu_split_k=split)
+        x = torch.randn(t, h, device=device).bfloat16()
+        ids, w = random_routing(t, 2, 4, device)
+        y = evenflow.fused_moe(x, ids, w, ew, config=cfg, out=poisoned((t, h), torch.bfloat16, device))
+        check_moe(y, x, ids, w, ew, f"fp8 per-tensor {h}x{i} T={t} {cfg}")
 
 
 def test_config_checks(device):

@@ -31,6 +31,9 @@ def test_weight_checks(device):
         evenflow.MoEWeights.bf16(zeros(2, 64, 32, dtype=bf), zeros(2, 32, 16, dtype=bf))
     with pytest.raises(TypeError, match="w13"):
         evenflow.MoEWeights.bf16(zeros(2, 64, 32), zeros(2, 32, 32, dtype=bf))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        evenflow.MoEWeights.fp8_per_tensor(zeros(2, 96, 40).to(FP8), zeros(2, 40, 48).to(FP8), ones(2), ones(2),
+                                           ones(1), ones(1))
     w13, w2 = zeros(2, 256, 128).to(FP8), zeros(2, 128, 128).to(FP8)
     with pytest.raises(ValueError, match="multiples of 128"):
         evenflow.MoEWeights.fp8_block(zeros(2, 384, 128).to(FP8), zeros(2, 128, 192).to(FP8),

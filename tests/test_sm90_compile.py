@@ -110,6 +110,15 @@ def _moe_launches():
                                   down_split_k=2 if i % (2 * down_bk) == 0 else 1)
         evenflow.fused_moe(torch.randn(5, h).bfloat16(), torch.randint(0, 6, (5, 3), dtype=torch.int32),
                            torch.rand(5, 3), ew, config=cfg)
+    # per-tensor fp8 at sizes of 16 (16-deep K steps: f16 MMAs of e4m3 values), as test_moe.py runs them
+    for h, i in ((80, 48), (96, 48)):
+        ew = _moe_weights("fp8_per_tensor", 4, h, i)
+        for t in (1, 3, 17):
+            cfg = choose_config(t, 2, 4, h, i, 1)
+            if h == 96:
+                cfg = dataclasses.replace(cfg, gu_block_k=16, gu_split_k=2)
+            evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 2), dtype=torch.int32),
+                               torch.rand(t, 2), ew, config=cfg)
 
 
 @pytest.mark.parametrize("family", ["decode", "router", "moe"])
