@@ -156,6 +156,18 @@ def _kv_step(t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_page
 
 
 @triton.jit
+def _scores(b_q, b_kt, USE_FP8_DOT: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr):
+    """q @ K^T of one step (``b_kt``: K transposed, 2-D or batched 3-D): fp8 x fp8 as is,
+    fp8 K as exact f16 values against the f16 q, else bf16."""
+    if USE_FP8_DOT:
+        return tl.dot(b_q, b_kt)
+    elif KV_FP8:
+        return tl.dot(dot_operand(b_q, DOT_F32), dot_operand(b_kt.to(tl.float16), DOT_F32))
+    else:
+        return tl.dot(dot_operand(b_q, DOT_F32), dot_operand(b_kt, DOT_F32))
+
+
+@triton.jit
 def _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, AX: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr):
     """One online-softmax step over the scores ``b_s`` (log2 domain, tokens on axis ``AX``,
     masked to -inf) and the step's V: new (row max, weight sum, unnormalised output). A row
@@ -206,13 +218,7 @@ def _tiles_plain(
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
         b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
         b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        if USE_FP8_DOT:
-            b_s = tl.dot(b_q, tl.trans(b_k))
-        elif KV_FP8:
-            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k.to(tl.float16)), DOT_F32))
-        else:
-            b_s = tl.dot(dot_operand(b_q, DOT_F32), dot_operand(tl.trans(b_k), DOT_F32))
-        b_s = b_s * b_rs[:, None]
+        b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
         b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
     return b_m, b_l, b_acc
@@ -253,13 +259,7 @@ def _tiles_split(
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
         b_k = tl.load(p_kr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
         b_v = tl.load(p_vr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
-        if USE_FP8_DOT:
-            b_s = tl.dot(b_q3, tl.permute(b_k, (0, 2, 1)))
-        elif KV_FP8:
-            b_s = tl.dot(dot_operand(b_q3, DOT_F32), dot_operand(tl.permute(b_k.to(tl.float16), (0, 2, 1)), DOT_F32))
-        else:
-            b_s = tl.dot(dot_operand(b_q3, DOT_F32), dot_operand(tl.permute(b_k, (0, 2, 1)), DOT_F32))
-        b_s = b_s * b_rs[None, :, None]
+        b_s = _scores(b_q3, tl.permute(b_k, (0, 2, 1)), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[None, :, None]
         b_s = tl.where((o_n[:, None, :] < b_vis[None, :, None]) & m_n[:, None, :], b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 2, KV_FP8, DOT_F32)
     # merge the groups (a group that saw no visible token has max -inf and weight 0)
