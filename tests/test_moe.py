@@ -126,6 +126,12 @@ def test_large_block_m_and_idle_experts(device):
     check_moe(y, x, ids, w, ew, "idle experts")
 
 
+def _split_gu_block_k(base, fmt, h):
+    """A gate-up K block that leaves two K steps for a 2-way split at these tiny sizes (block
+    mode keeps its 128, one per scale block)."""
+    return base.gu_block_k if fmt == "fp8_block" else min(base.gu_block_k, h // 2)
+
+
 @pytest.mark.parametrize("pair_tiles", [False, True], ids=["index", "pair-tiles"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_split_k(device, fmt, pair_tiles):
@@ -136,7 +142,7 @@ def test_split_k(device, fmt, pair_tiles):
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 6, h, i, device)
     base = choose_config(5, 3, 6, h, i, ew.mode)
-    gu_bk = base.gu_block_k if fmt == "fp8_block" else min(base.gu_block_k, h // 2)
+    gu_bk = _split_gu_block_k(base, fmt, h)
     down_bk = base.down_block_k if fmt == "fp8_block" else 16 if fmt == "bf16" else 32
     # fp8_block: I=128 is one 128-deep K step; fp8_per_tensor: I=64 is two 32-deep steps
     down_split = 2 if i % (2 * down_bk) == 0 else 1
@@ -161,8 +167,7 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
     ew = random_moe_weights(fmt, 4, h, i, device)
     ids_all = [[5, 5, 1], [4, 7, 11], [6, 4, 5], [0, 2, 3]]  # rank 1 of 3 owns 4..7
     base = choose_config(4, 3, 4, h, i, ew.mode, num_experts_total=12)
-    gu_bk = base.gu_block_k if fmt == "fp8_block" else min(base.gu_block_k, h // 2)
-    split = dataclasses.replace(base, gu_block_k=gu_bk, gu_split_k=2)
+    split = dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2)
     for t, cfg in ((1, None), (2, None), (4, None), (4, split), (3, dataclasses.replace(base, block_m=32))):
         assert t * 3 <= PAIR_TILE_MAX_PAIRS
         x = torch.randn(t, h, device=device).bfloat16()
@@ -183,7 +188,7 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
 def _dirty_pool(device):
     """Leave non-zero bytes in the allocator's free blocks (on a GPU the caching allocator would
     otherwise hand back the previous call's counters, already reset to zero by the last split)."""
-    if device.type == "cuda" if isinstance(device, torch.device) else str(device).startswith("cuda"):
+    if torch.device(device).type == "cuda":
         for n in (128, 512, 4096, 1 << 16):
             torch.full((n,), 0x5A5A5A5A, dtype=torch.int32, device=device)
 
