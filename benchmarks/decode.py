@@ -68,6 +68,7 @@ PLAN_KNOBS = {
     "evenflow-nopdl": lambda sms: dict(pdl=False),
     "evenflow-cost1": lambda sms: dict(item_cost=1),
     "evenflow-cost2": lambda sms: dict(item_cost=2),
+    "evenflow-cost4": lambda sms: dict(item_cost=4),
     "evenflow-ws": lambda sms: dict(warp_split=True),
     "evenflow-ws-n128": lambda sms: dict(warp_split=True, block_n=128, num_warps=8, num_stages=2, num_programs=sms),
     "evenflow-ws-pps3": lambda sms: dict(warp_split=True, num_programs=3 * sms),

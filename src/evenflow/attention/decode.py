@@ -90,7 +90,7 @@ def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
     return TILE
 
 
-# Chunks of at least this many work units (tiles, plus item_cost on an item's last chunk)
+# Chunks of at least this many tiles (an item's item_cost units are not looped over)
 # take the warp-split loop (kernels._tiles_split) when it is on. Round H (H200, fp8 KV): its
 # steps are ~15% cheaper than the plain loop's (8x32K 204 -> 173 us) but its merge costs
 # ~3 us per chunk (32x128+32x4K: 149 -> 245 us with every chunk split), i.e. ~0.25 us saved

@@ -432,7 +432,10 @@ def decode_kernel(
             L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len),
                            (n - tl.where(n > 0, item_cost, 0)) * TILE)
             t0 = tl.maximum(start, g0) - start
-            t1 = tl.minimum(start + n, g1) - start
+            # the loop stops at the item's last tile: its item_cost units carry no tokens, and
+            # looping over them would run full (masked) steps that the plan counted as the
+            # item's fixed cost, so they would be paid twice (round J)
+            t1 = tl.minimum(tl.minimum(start + n, g1) - start, (L + TILE - 1) // TILE)
             is_final = (start >= g0) & (start + n <= g1)
             slot = 2 * pid + (start >= g0).to(tl.int32)
             _attend_chunk(
