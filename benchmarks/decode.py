@@ -59,6 +59,9 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # split chunks of >= 24 tiles only, so those rows and later ones measure different things.)
 # evenflow-noprefetch: the persistent loop loads the next item's metadata after the current
 # item's work, as before round I4 (the default loads it before).
+# evenflow-cost0 / -cost4: no item cost / 4 units per short item (default: 2 units per item of
+# at most 4 tiles, round J); evenflow-cost2all: 2 units on every item. (In round-J2 files and
+# before, evenflow-cost1/2/4 charged every non-empty item.)
 # evenflow-noalignup: the plan without align_longer (the budget raised to a shortest item <= 1/16
 # longer than it; default since round I1, where it ran as the row evenflow-alignup).
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
@@ -66,9 +69,9 @@ PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
     "evenflow-pps3": lambda sms: dict(num_programs=3 * sms),
     "evenflow-nopdl": lambda sms: dict(pdl=False),
-    "evenflow-cost1": lambda sms: dict(item_cost=1),
-    "evenflow-cost2": lambda sms: dict(item_cost=2),
+    "evenflow-cost0": lambda sms: dict(item_cost=0),
     "evenflow-cost4": lambda sms: dict(item_cost=4),
+    "evenflow-cost2all": lambda sms: dict(item_cost=2, item_cost_max_tiles=None),
     "evenflow-ws": lambda sms: dict(warp_split=True),
     "evenflow-ws-n128": lambda sms: dict(warp_split=True, block_n=128, num_warps=8, num_stages=2, num_programs=sms),
     "evenflow-ws-pps3": lambda sms: dict(warp_split=True, num_programs=3 * sms),

@@ -37,13 +37,17 @@ import decode as bench  # noqa: E402  (the benchmark's cases)
 from evenflow.reference.attention import build_plan_ref  # noqa: E402
 
 TILE = 64
-# plan option name -> (DecodePlan keyword arguments, the benchmark row that measures it now,
-# the row that measured it before round I1, when align_longer became the default)
+# plan option name -> (DecodePlan keyword arguments, the benchmark row that measured it in files
+# of rounds I1-I4 (align_longer the default, no item cost), the row that measured it before round
+# I1 (align_longer off by default)). Since round J the default plan charges short items 2 units
+# (``short2``): its rows are `evenflow` in later files, which --fit does not read yet.
+_ALL = {"item_cost_max_tiles": None}
 OPTIONS = {
-    "cost0": ({"align_longer": False}, "evenflow-noalignup", "evenflow"),
-    "cost1": ({"item_cost": 1, "align_longer": False}, None, "evenflow-cost1"),
-    "cost2": ({"item_cost": 2, "align_longer": False}, None, "evenflow-cost2"),
-    "alignup": ({"align_longer": True}, "evenflow", "evenflow-alignup"),
+    "cost0": ({"align_longer": False, "item_cost": 0}, "evenflow-noalignup", "evenflow"),
+    "cost1": ({"item_cost": 1, "align_longer": False, **_ALL}, None, "evenflow-cost1"),
+    "cost2": ({"item_cost": 2, "align_longer": False, **_ALL}, None, "evenflow-cost2"),
+    "alignup": ({"align_longer": True, "item_cost": 0}, "evenflow", "evenflow-alignup"),
+    "short2": ({"align_longer": True, "item_cost": 2, "item_cost_max_tiles": 4}, None, None),
 }
 
 
@@ -114,7 +118,7 @@ def main(argv=None) -> None:
     p.add_argument("--chunk-us", type=float, default=3.0)
     p.add_argument("--base-us", type=float, default=0.0)
     p.add_argument("--roof-us", type=float, default=0.0, help="us a tile over the whole GPU at copy bandwidth")
-    p.add_argument("--options", default="cost0,cost1,cost2,alignup", help=f"plan options, from {list(OPTIONS)}")
+    p.add_argument("--options", default="cost0,cost1,cost2,alignup,short2", help=f"plan options, from {list(OPTIONS)}")
     p.add_argument("--cases", default=None, help="comma list of decode benchmark cases (default: all)")
     p.add_argument("--fit", nargs="*", default=None, help="decode.json files to calibrate on")
     p.add_argument("--variant", default="bf16-kv", help="the variant --fit reads")

@@ -65,14 +65,17 @@ def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None
 
 def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
         dynamic=True, num_programs=4, min_tiles=1, hnd=False, num_warps=None, num_stages=None, block_n=None,
-        item_cost=0, warp_split=None, **kw):
+        item_cost=None, item_cost_max_tiles="default", warp_split=None, **kw):
     q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd, device=device)
     plan = None
     if dynamic:
+        costs = {} if item_cost is None else dict(item_cost=item_cost)
+        if item_cost_max_tiles != "default":
+            costs["item_cost_max_tiles"] = item_cost_max_tiles
         plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
                                    num_programs=num_programs, min_tiles=min_tiles, num_warps=num_warps,
-                                   num_stages=num_stages, block_n=block_n, item_cost=item_cost,
-                                   warp_split=warp_split).update(sl)
+                                   num_stages=num_stages, block_n=block_n, warp_split=warp_split,
+                                   **costs).update(sl)
     return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
 
 
@@ -217,13 +220,17 @@ def test_block_n_128_masks_chunk_ends(device, kv):
 
 
 ITEM_COST_CASES = {
-    # the last item_cost units of an item carry no tokens: with 1-tile bins a split item's
+    # the units past an item's last tile carry no tokens: with 1-tile bins a split item's
     # last chunks are token-free partials (LSE -inf) that the combine must weigh as nothing
     "skewed-g8": dict(lens=[700, 64, 0, 65, 130], group=8, d=128, num_programs=5, item_cost=2),
     "one-tile-bins": dict(lens=[300, 64, 0, 77, 129], num_programs=40, item_cost=3),
     "many-bins-q4": dict(lens=[64 * 60 + 17, 100, 0], hkv=1, group=16, d=128, q_len=4, num_programs=70, item_cost=1),
     "fp8-block_n128": dict(lens=[300, 64, 0, 77, 129], kv_dtype=FP8, num_programs=5, block_n=128, k_scale=1 / 30,
                            v_scale=1 / 40, item_cost=1),
+    # charged to every item (the long one too), and to none
+    "all-items": dict(lens=[700, 64, 0, 65, 130], num_programs=7, item_cost=3, item_cost_max_tiles=None),
+    "one-tile-bins-all": dict(lens=[300, 64, 0, 77, 129], num_programs=40, item_cost=2, item_cost_max_tiles=None),
+    "no-cost": dict(lens=[700, 64, 0, 65, 130], num_programs=5, item_cost=0),
 }
 
 
@@ -251,13 +258,13 @@ WARP_SPLIT_CASES = {
 }
 
 
-def _longest_final_chunk(lens, hkv, num_programs, item_cost=0):
-    """Tiles of the longest chunk that ends at its item's last tile, in the plan's bins."""
+def _longest_final_chunk(lens, hkv, num_programs):
+    """Tiles of the longest chunk that ends at its item's last tile, in the default plan's bins."""
     from evenflow.reference.attention import build_plan_ref
 
     sl = torch.tensor(lens, dtype=torch.int32)
     tiles = [-(-L // 64) for L in lens]
-    _, bins = build_plan_ref(sl, hkv, num_programs, 1, 1 << 16, item_cost=item_cost)
+    _, bins = build_plan_ref(sl, hkv, num_programs, 1, 1 << 16)
     return max((t1 - t0 for chunks in bins for i, t0, t1 in chunks if t1 == tiles[i // hkv] > 0), default=0)
 
 

@@ -31,17 +31,20 @@ def walk(plan_d, num_kv_heads, num_programs):
     return bins
 
 
-def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0, align_longer=False):
+def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0, align_longer=False,
+              cost_max=None):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
                                min_tiles=min_tiles, align_items=align, item_cost=item_cost,
-                               align_longer=align_longer).update(sl)
+                               align_longer=align_longer, item_cost_max_tiles=cost_max).update(sl)
     return plan, sl
 
 
-def units(lens, item_cost=0):
-    """Work units per item of each request: its tiles, plus item_cost when non-empty."""
-    return [-(-L // TILE) + (item_cost if L > 0 else 0) for L in lens]
+def units(lens, item_cost=0, cost_max=None):
+    """Work units per item of each request: its tiles, plus item_cost when non-empty and (with
+    cost_max) of at most cost_max tiles."""
+    return [-(-L // TILE) + (item_cost if L > 0 and (cost_max is None or -(-L // TILE) <= cost_max) else 0)
+            for L in lens]
 
 
 CASES = {
@@ -59,11 +62,11 @@ CASES = {
 }
 
 
-def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False):
+def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, cost_max=None):
     # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
     # shortest items when that item fits and the rounding adds at most half; with
     # align_longer, raised to a shortest item that exceeds it by at most 1/16
-    tiles = units(lens, item_cost)
+    tiles = units(lens, item_cost, cost_max)
     b0 = max(-(-hkv * sum(tiles) // np_), mt)
     q = min([n for n in tiles if n > 0], default=0)
     if align and 0 < q <= b0 and 2 * (-(-b0 // q) * q) <= 3 * b0:
@@ -78,17 +81,20 @@ ALIGNS = pytest.mark.parametrize("align,longer", [(True, False), (False, False),
                                  ids=["aligned", "plain", "aligned-longer"])
 
 
-COSTS = pytest.mark.parametrize("item_cost", [0, 2], ids=["tiles", "item_cost2"])
+# item cost: none, on every non-empty item, on items of at most 2 tiles
+COSTS = pytest.mark.parametrize("item_cost,cost_max", [(0, None), (2, None), (2, 2)],
+                                ids=["tiles", "item_cost2", "item_cost2-short"])
 
 
 @COSTS
 @ALIGNS
 @pytest.mark.parametrize("name", list(CASES))
-def test_device_plan_equals_reference(name, align, longer, item_cost, device):
+def test_device_plan_equals_reference(name, align, longer, item_cost, cost_max, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost, align_longer=longer)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost, align_longer=longer,
+                         cost_max=cost_max)
     ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost,
-                            align_longer=longer)
+                            align_longer=longer, item_cost_max_tiles=cost_max)
     got = plan.as_dict()
     for key in ("tiles", "req_end", "prog_start", "meta"):
         assert_exact(got[key], ref[key], what=f"{name}: {key}")
@@ -97,19 +103,20 @@ def test_device_plan_equals_reference(name, align, longer, item_cost, device):
 @COSTS
 @ALIGNS
 @pytest.mark.parametrize("name", list(CASES))
-def test_plan_properties(name, align, longer, item_cost, device):
+def test_plan_properties(name, align, longer, item_cost, cost_max, device):
     lens, hkv, np_, mt = CASES[name]
-    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost, align_longer=longer)
+    plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost, align_longer=longer,
+                         cost_max=cost_max)
     d = plan.as_dict()
     total, budget, used = d["meta"][:3].tolist()
     assert d["meta"][4].item() == item_cost
-    tiles = units(lens, item_cost)
+    tiles = units(lens, item_cost, cost_max)
     assert total == hkv * sum(tiles)
-    assert budget == expected_budget(lens, hkv, np_, mt, align, item_cost, longer)
+    assert budget == expected_budget(lens, hkv, np_, mt, align, item_cost, longer, cost_max)
     assert used == -(-total // budget) and used <= np_
     bins = walk(d, hkv, np_)
     _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost,
-                                 align_longer=longer)
+                                 align_longer=longer, item_cost_max_tiles=cost_max)
     assert bins == ref_bins, "the kernel's walk of the device plan differs from the reference bins"
     # every tile of every item exactly once; every item (empty ones too) finished once
     seen = {}
@@ -122,8 +129,8 @@ def test_plan_properties(name, align, longer, item_cost, device):
                 seen[key] = p
     want = {(b * hkv + h, t) for b, n in enumerate(tiles) for h in range(hkv) for t in range(n)}
     assert set(seen) == want
-    # the token tiles the kernel reads from those units (unit u is tile u; the last item_cost
-    # units of a non-empty item hold no tokens): every tile of every item exactly once
+    # the token tiles the kernel reads from those units (unit u is tile u; the units past an
+    # item's last tile hold no tokens): every tile of every item exactly once
     real = [(i, t) for p, chunks in enumerate(bins) for i, t0, t1 in chunks for t in range(t0, t1)
             if t < -(-lens[i // hkv] // TILE)]
     assert sorted(real) == sorted((b * hkv + h, t) for b, L in enumerate(lens) for h in range(hkv)
@@ -196,10 +203,12 @@ def test_plan_random_sweep(device):
         lens[torch.rand(B, generator=g) < 0.15] = 0
         longer = trial % 3 == 0
         align = trial % 2 == 0 or longer
-        cost = trial % 4  # 0..3 units per non-empty item
-        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost, align_longer=longer)
+        cost = trial % 4  # 0..3 units per non-empty item (of at most cost_max tiles)
+        cost_max = None if trial % 3 == 1 else int(torch.randint(1, 9, (1,), generator=g))
+        plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost, align_longer=longer,
+                             cost_max=cost_max)
         ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost,
-                                       align_longer=longer)
+                                       align_longer=longer, item_cost_max_tiles=cost_max)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
@@ -219,7 +228,7 @@ def test_align_longer_random_near_budget(device):
         total = hkv * sum(units(lens))
         np_ = -(-total // (q - 1)) + int(torch.randint(0, 3, (1,), generator=g))  # budget q - 1 or a bit less
         plan, sl = make_plan(device, lens, hkv, np_, 1, align_longer=True)
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True)
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True, item_cost=0)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
@@ -233,14 +242,14 @@ def test_align_longer_all_empty_with_huge_floor(device):
     """No non-empty item (shortest stays at INT32_MAX) and a min_tiles near 2^31: the rule
     must not overflow into a bogus budget."""
     plan, sl = make_plan(device, [0, 0], 1, 1, 2_100_000_000, align_longer=True)
-    ref, _ = build_plan_ref(sl, 1, 1, 2_100_000_000, plan.max_seq_len, align_longer=True)
+    ref, _ = build_plan_ref(sl, 1, 1, 2_100_000_000, plan.max_seq_len, align_longer=True, item_cost=0)
     assert_exact(plan.as_dict()["meta"], ref["meta"], what="meta")
     assert plan.as_dict()["meta"][1].item() == 2_100_000_000
 
 
 def test_align_longer_default_follows_align_items(device):
     """Default since round I1: align_longer is on with align_items, off without it; the
-    reference builder's default is the same rule."""
+    reference builder's default is the same rule (and its item cost, checked below)."""
     assert evenflow.DecodePlan(4, 100, 2, device=device).align_longer is True
     assert evenflow.DecodePlan(4, 100, 2, device=device, align_items=False).align_longer is False
     lens = [4096] * 32
@@ -251,6 +260,25 @@ def test_align_longer_default_follows_align_items(device):
     assert plan.as_dict()["meta"][1].item() == 64  # raised from 63: no 4K item cut
 
 
+def test_default_item_cost_charges_short_items_only(device):
+    """The default plan counts 2 extra units for every non-empty item of at most 4 tiles (256
+    tokens), none for longer or empty ones; the device plan equals the reference with those
+    options, and a plan with item_cost_max_tiles=None charges every item."""
+    from evenflow.attention.plan import DEFAULT_ITEM_COST, DEFAULT_ITEM_COST_MAX_TILES
+
+    assert (DEFAULT_ITEM_COST, DEFAULT_ITEM_COST_MAX_TILES) == (2, 4)
+    lens = [128] * 6 + [0, 256, 257, 4096] * 2
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    plan = evenflow.DecodePlan(len(lens), 1 << 20, 2, device=device, num_programs=9, min_tiles=1).update(sl)
+    assert plan.as_dict()["tiles"].tolist() == [4] * 6 + [0, 6, 5, 64] * 2
+    ref, _ = build_plan_ref(sl, 2, 9, 1, plan.max_seq_len)  # the reference's defaults are the plan's
+    for key in ("tiles", "req_end", "prog_start", "meta"):
+        assert_exact(plan.as_dict()[key], ref[key], what=key)
+    every = evenflow.DecodePlan(len(lens), 1 << 20, 2, device=device, num_programs=9, min_tiles=1,
+                                item_cost_max_tiles=None).update(sl)
+    assert every.as_dict()["tiles"].tolist() == [4] * 6 + [0, 6, 7, 66] * 2
+
+
 def test_plan_update_reuses_workspace_and_clamps(device):
     plan = evenflow.DecodePlan(4, 1000, 2, device=device, num_programs=3, min_tiles=1)
     ptrs = [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]
@@ -258,7 +286,8 @@ def test_plan_update_reuses_workspace_and_clamps(device):
     assert not plan.clamped()
     plan.update(torch.tensor([100, 5000, -3], dtype=torch.int32, device=device))
     assert plan.clamped()
-    assert plan.as_dict()["tiles"].tolist() == [2, 16, 0]  # clamped to [0, max_seq_len]
+    # clamped to [0, max_seq_len]; the 2-tile item carries the default item cost (2 units)
+    assert plan.as_dict()["tiles"].tolist() == [2 + 2, 16, 0]
     assert ptrs == [t.data_ptr() for t in (plan.tiles, plan.req_end, plan.prog_start, plan.meta)]
 
 
@@ -273,6 +302,8 @@ def test_plan_repr_names_its_options(device):
 def test_plan_bad_arguments(device):
     with pytest.raises(ValueError, match="page_size"):
         evenflow.DecodePlan(4, 100, 2, page_size=48, device=device)
+    with pytest.raises(ValueError, match="item_cost_max_tiles"):
+        evenflow.DecodePlan(4, 100, 2, device=device, item_cost_max_tiles=0)
     with pytest.raises(ValueError, match="q_len"):
         evenflow.DecodePlan(4, 100, 2, q_len=5, device=device)
     with pytest.raises(ValueError, match="max_batch"):

@@ -9,8 +9,9 @@ plan tensor          shape            meaning
 ==================  ===============  =====================================================
 ``tiles``            [max_batch]      work units of every item of request b: its 64-token
                                       tiles ceil(clamp(seq_len, 0, max_seq_len) / 64), plus
-                                      ``item_cost`` when non-empty (unit u is tile u; the last
-                                      item_cost units of an item carry no tokens)
+                                      ``item_cost`` when it is non-empty and has at most
+                                      ``cost_max`` tiles (unit u is tile u; the units past
+                                      the last tile carry no tokens and are not looped over)
 ``req_end``          [max_batch]      inclusive prefix sum of HKV * tiles: global tile index
                                       one past request b's last tile. Item (b, h) owns the
                                       global tiles [req_end[b] - (HKV - h) * tiles[b], +tiles[b])
@@ -47,10 +48,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 TILE = tl.constexpr(64)
 
 
-@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost"])
+@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max"])
 def plan_kernel(
     p_len, p_tiles, p_req_end, p_prog_start, p_meta,
-    B, max_len, min_tiles, item_cost,
+    B, max_len, min_tiles, item_cost, cost_max,
     NP: tl.constexpr, HKV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ALIGN_LONGER: tl.constexpr,
@@ -65,8 +66,10 @@ def plan_kernel(
         b_len = tl.load(p_len + o_b, mask=m_b, other=0)
         bad = tl.maximum(bad, tl.max(((b_len < 0) | (b_len > max_len)).to(tl.int32), axis=0))
         b_len = tl.minimum(tl.maximum(b_len, 0), max_len)
-        # work units: the item's 64-token tiles plus item_cost for a non-empty item
-        b_tiles = (b_len + TILE - 1) // TILE + tl.where(b_len > 0, item_cost, 0)
+        # work units: the item's 64-token tiles, plus item_cost for a non-empty item of at most
+        # cost_max tiles (its fixed cost: q load, first page, store; see DecodePlan)
+        b_real = (b_len + TILE - 1) // TILE
+        b_tiles = b_real + tl.where((b_len > 0) & (b_real <= cost_max), item_cost, 0)
         b_end = tl.cumsum(b_tiles * HKV, axis=0) + carry
         tl.store(p_tiles + o_b, b_tiles, mask=m_b)
         tl.store(p_req_end + o_b, b_end, mask=m_b)
@@ -402,7 +405,6 @@ def decode_kernel(
     else:
         total = tl.load(p_meta + 0)
         budget = tl.load(p_meta + 1)
-        item_cost = tl.load(p_meta + 4)
         g0 = pid * budget
         g1 = tl.minimum(g0 + budget, total)
         n_items = B * HKV
@@ -427,10 +429,10 @@ def decode_kernel(
                 len_nx = tl.load(p_len + b_nx)
             else:
                 len_b = tl.load(p_len + b)
-            # unit u of the item is its tile u; a non-empty item's last item_cost units hold no
-            # tokens (a chunk of only those is an empty partial, LSE -inf, weighed as nothing)
-            L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len),
-                           (n - tl.where(n > 0, item_cost, 0)) * TILE)
+            # unit u of the item is its tile u; the units past its last tile (item_cost) hold no
+            # tokens (a chunk of only those is an empty partial, LSE -inf, weighed as nothing).
+            # Never more tokens than the plan's units cover.
+            L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len), n * TILE)
             t0 = tl.maximum(start, g0) - start
             # the loop stops at the item's last tile: its item_cost units carry no tokens, and
             # looping over them would run full (masked) steps that the plan counted as the

@@ -108,11 +108,13 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
 
 
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
-                   align_items: bool = True, item_cost: int = 0, align_longer: bool | None = None):
+                   align_items: bool = True, item_cost: int = 2, align_longer: bool | None = None,
+                   item_cost_max_tiles: int | None = 4):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
-    work units when it is non-empty (counted as tiles below); bins of
+    work units when it is non-empty and has at most ``item_cost_max_tiles`` tiles (``None``:
+    any) (counted as tiles below; the defaults are DecodePlan's); bins of
     ``budget = max(ceil(total / num_programs), min_tiles)`` tiles are filled in order;
     with ``align_items`` the budget is first rounded up to a multiple of the shortest
     non-empty item's tiles, when that item fits in it and the rounding adds at most half;
@@ -126,7 +128,8 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
         align_longer = align_items
     lens = [min(max(int(x), 0), max_seq_len) for x in seq_lens.cpu().tolist()]
     B = len(lens)
-    tiles = [-(-L // TILE) + (item_cost if L > 0 else 0) for L in lens]
+    short = (lambda n: True) if item_cost_max_tiles is None else (lambda n: n <= item_cost_max_tiles)
+    tiles = [-(-L // TILE) + (item_cost if L > 0 and short(-(-L // TILE)) else 0) for L in lens]
     items = [(b, h) for b in range(B) for h in range(num_kv_heads)]
     total = sum(tiles[b] for b, _ in items)
     budget = max(-(-total // num_programs), min_tiles)
