@@ -13,6 +13,11 @@ as a CUDA-graph replay (``us``) and eagerly with L2 flushed (``eager_us``).
 When the experts a call reads fit in L2, several copies (weights, x, routing) are
 rotated so a call never finds its weights in cache.
 
+Knob rows on request (``--impls``): ``evenflow-nopdl``, ``evenflow-index`` and
+``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its
+``max_abs_err``/``cosine`` against the same fp32 oracle are recorded as for every row; on bf16
+an "unavailable: not applicable to bf16" error row).
+
 Floor (BENCH.md, issue 5): max(bytes / copy bandwidth, FLOPs / matmul rate of the
 weight dtype), with bytes = weights (and scales) of the distinct local experts the
 routing hits + token rows read (tokens with at least one local pair) + output
@@ -32,11 +37,13 @@ FP8_MAX = 448.0
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
-IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index")
-# on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B)
+IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc")
+# on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
+# evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
-EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False}}
+EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
+                  "evenflow-fastacc": {"fp8_accum": "fast"}}
 MAX_ROTATE = 4
 
 
@@ -250,14 +257,15 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
 
         if not hasattr(evenflow, "MoEWeights") or not hasattr(evenflow, "fused_moe"):
             raise PeerUnavailable("evenflow.fused_moe / MoEWeights not available in this build")
+        kw = EVENFLOW_KNOBS[name]
+        if kw.get("fp8_accum") == "fast" and w.variant == "bf16":
+            raise PeerUnavailable("not applicable to bf16: fp8_accum='fast' applies to FP8 weights only")
         if w.variant == "bf16":
             ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
         elif w.variant == "fp8-tensor":
             ew = evenflow.MoEWeights.fp8_per_tensor(w.w13, w.w2, w.w13_scale, w.w2_scale, w.a13_scale, w.a2_scale)
         else:
             ew = evenflow.MoEWeights.fp8_block(w.w13, w.w2, w.w13_scale, w.w2_scale)
-
-        kw = EVENFLOW_KNOBS[name]
 
         def bind(x, ids, tw):
             return lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)

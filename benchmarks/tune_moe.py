@@ -3,11 +3,15 @@
     python benchmarks/tune_moe.py [--budget-s 200] [--cases qwen3-30b-a3b,hy3-tp8,hy3-ep8]
                                   [--formats bf16,fp8-tensor,fp8-block] [--buckets 1,8,32,...] [--quick]
                                   [--max-candidates N] [--seed 0] [--table PATH] [--precompile-only]
+    python benchmarks/tune_moe.py --formats fp8-tensor-fast,fp8-block-fast   # fused_moe(fp8_accum="fast")
 
 Points: every case x weight format x batch bucket (default 1, 2, 4, ..., 1024, 4096; formats a
 case does not have, e.g. Hy3 TP8 fp8-block, are left out). A call uses the entry of the largest
 bucket <= its batch; below the first bucket, or where the entry is null, ``choose_config``
-decides.
+decides. The opt-in fast-accumulation mode (``fp8_accum="fast"``) is tuned as formats of its
+own, ``fp8-tensor-fast`` and ``fp8-block-fast`` (not in the default ``--formats``): its own
+table keys (``tuned_key(..., fast_acc=True)``, suffix ``-fast``), its own candidates (fp8-wgmma
+tiles of 64 and 128 rows first, K-steps >= 32) and its own rule baseline (below).
 
 Workload = the benchmark's (benchmarks/moe.py, imported, not copied): routing from
 ``make_routing`` with the per-expert bias ``expert_bias`` draws first from a CPU generator seeded
@@ -19,12 +23,14 @@ and timed as one CUDA graph (``harness.time_graph``), as the benchmark times.
 
 A candidate counts only if its output passes the tests' tolerance rule
 (``evenflow.testing.assert_within_rule`` against the fp64 oracle, PyTorch's own bf16/fp32 run as the
-baseline, as in tests/test_moe_gpu.py). ``choose_config``'s pick (``default``) is timed first.
-An entry is written only for a win beyond noise: the fastest passing candidate must be at least
-``WIN`` (3%) faster than the default, and again when both are timed a second time; otherwise
-the bucket gets null (the heuristic). If the default fails the rule, the fastest passing
-candidate is written. Buckets of the full list that this run did not measure and that follow
-an entry get null too, so an entry never covers batches it was not measured near.
+baseline, as in tests/test_moe_gpu.py; for the fast formats the baseline is the same layer with
+fp8 fast accumulation, ``evenflow.reference.moe.moe_fast_accum_baseline``). ``choose_config``'s
+pick (``default``) is timed first. An entry is written only for a win beyond noise: the fastest
+passing candidate must be at least ``WIN`` (3%) faster than the default, and again when both are
+timed a second time; otherwise the bucket gets null (the heuristic). If the default fails the
+rule, the fastest passing candidate is written. Buckets of the full list that this run did not
+measure and that follow an entry get null too, so an entry never covers batches it was not
+measured near.
 
 Budget (``--budget-s``, the whole run, compiles included, across every case): Triton kernels
 depend on the config and format only (H and I are runtime arguments, all multiples of 16), so
@@ -45,6 +51,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -53,7 +60,29 @@ import moe as B  # noqa: E402  (benchmarks/moe.py: cases, routing generator, rot
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 QUICK_BUCKETS = [1, 16, 128, 512, 4096]
-FORMATS = {"bf16": ("bf16", 0), "fp8-tensor": ("fp8_per_tensor", 1), "fp8-block": ("fp8_block", 2)}
+
+
+class TuneFormat(NamedTuple):
+    fmt: str        # evenflow.MoEWeights format
+    mode: int       # weight mode (tuned_key)
+    variant: str    # benchmarks/moe.py variant: weight bytes, cases that lack the format
+    fast_acc: bool  # fused_moe(fp8_accum="fast"): its own table keys, candidates and rule baseline
+
+
+FORMATS = {
+    "bf16": TuneFormat("bf16", 0, "bf16", False),
+    "fp8-tensor": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", False),
+    "fp8-block": TuneFormat("fp8_block", 2, "fp8-block", False),
+    "fp8-tensor-fast": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", True),
+    "fp8-block-fast": TuneFormat("fp8_block", 2, "fp8-block", True),
+}
+DEFAULT_FORMATS = "bf16,fp8-tensor,fp8-block"
+# fast accumulation above 16 rows per expert: fp8-wgmma tiles (64/128 rows, 8 warps) first, then
+# the 32-row mma.sync tiles (where Triton computes f16 products) to compare against;
+# (BLOCK_M, gate-up N, down N, warps, stages); block mode pins the gate-up N to 128
+FAST_TILES = ((64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 8, 4), (128, 128, 128, 8, 4),
+              (128, 64, 128, 8, 3), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (32, 128, 64, 4, 4),
+              (32, 64, 64, 4, 4))
 CASES = ("qwen3-30b-a3b", "hy3-tp8", "hy3-ep8")
 WIN = 0.03  # an entry needs a win of at least 3% over the default, twice (graph-replay medians move ~1%)
 PRECOMPILE_SHARE = 0.45
@@ -62,12 +91,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs the timer
 
 
-def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
-    """(label, MoEConfig) to time at batch t, most promising first; all pass check_config."""
+def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[str, object]]:
+    """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
+    (with ``fast_acc``: that mode's rules, K-steps >= 32)."""
     from evenflow.moe.fused import check_config, choose_config
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
-                      num_experts_total=case.num_experts_total)
+                      num_experts_total=case.num_experts_total, fast_acc=fast_acc)
     r = dataclasses.replace
     rows = t * case.top_k / case.num_experts_total
     out = [("default", d)]
@@ -88,11 +118,14 @@ def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
             out += [("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
         out += [("dn32", r(d, down_block_n=32)), ("bm32", r(d, block_m=32))]
     else:
-        for bm, gn, dn, nw, st in ((64, 128, 128, 8, 4), (32, 64, 64, 4, 4), (64, 64, 128, 4, 4),
-                                   (128, 128, 128, 8, 3), (64, 64, 64, 4, 3), (128, 64, 128, 8, 3),
-                                   (64, 128, 128, 8, 3), (32, 128, 64, 4, 3), (16, 64, 64, 4, 4),
-                                   (128, 64, 64, 4, 3)):
+        tiles = FAST_TILES if fast_acc else ((64, 128, 128, 8, 4), (32, 64, 64, 4, 4), (64, 64, 128, 4, 4),
+                                             (128, 128, 128, 8, 3), (64, 64, 64, 4, 3), (128, 64, 128, 8, 3),
+                                             (64, 128, 128, 8, 3), (32, 128, 64, 4, 3), (16, 64, 64, 4, 4),
+                                             (128, 64, 64, 4, 3))
+        for bm, gn, dn, nw, st in tiles:
             gn = 128 if mode == 2 else gn
+            if fast_acc and case.inter % gn:  # the wgmma tiles at I = 192 (Hy3 TP8): 64-wide gate-up N
+                gn = 64
             out.append((f"bm{bm}-gn{gn}-dn{dn}-w{nw}-st{st}",
                         r(d, block_m=bm, gu_block_n=gn, down_block_n=dn, num_warps=nw, num_stages=st,
                           gu_split_k=1, down_split_k=1)))
@@ -101,7 +134,7 @@ def candidates(case, mode: int, t: int) -> list[tuple[str, object]]:
     seen, valid = set(), []
     for label, c in out:
         try:
-            check_config(c, case.hidden, case.inter, mode)
+            check_config(c, case.hidden, case.inter, mode, fast_acc=fast_acc)
         except ValueError:
             continue
         if c not in seen:
@@ -164,12 +197,12 @@ def write_table(table: dict, path: Path) -> str:
 
 
 def _compile_one(job) -> bool:
-    """Compile one (format, config) pair of fused_moe launches into Triton's disk cache."""
+    """Compile one (format, config, fast_acc) of fused_moe launches into Triton's disk cache."""
     import evenflow
     from evenflow.moe.fused import MoEConfig
     from evenflow.reference.moe import random_moe_weights, random_routing
 
-    fmt, cfg = job
+    fmt, cfg, fast_acc = job
     h, i = COMPILE_SHAPE
     cache = _compile_one.__dict__.setdefault("ews", {})
     if fmt not in cache:
@@ -177,7 +210,8 @@ def _compile_one(job) -> bool:
     x = torch.randn(16, h, device="cuda").bfloat16()
     ids, tw = random_routing(16, 8, 8, "cuda")
     try:
-        evenflow.fused_moe(x, ids, tw, cache[fmt], config=MoEConfig.from_list(cfg))
+        evenflow.fused_moe(x, ids, tw, cache[fmt], config=MoEConfig.from_list(cfg),
+                           fp8_accum="fast" if fast_acc else "exact")
         torch.cuda.synchronize()
         return True
     except Exception:  # noqa: BLE001  (the timing pass reports it)
@@ -211,7 +245,8 @@ def _extra(p):
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget (seconds) of the whole run, compiles included, across all cases")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names of benchmarks/moe.py")
-    p.add_argument("--formats", default="bf16,fp8-tensor,fp8-block")
+    p.add_argument("--formats", default=DEFAULT_FORMATS,
+                   help="comma list of " + ",".join(FORMATS) + " (the -fast ones: fused_moe(fp8_accum='fast'))")
     p.add_argument("--buckets", default=None, help="comma-separated batch buckets (default: all; --quick: a few)")
     p.add_argument("--max-candidates", type=int, default=0, help="time at most N candidates per point (0: all)")
     p.add_argument("--seed", type=int, default=0, help="routing seed, as benchmarks/moe.py --seed")
@@ -227,7 +262,7 @@ def main(argv=None) -> int:
     import evenflow
     from evenflow.bench import harness as H
     from evenflow.moe.fused import tuned_key
-    from evenflow.reference.moe import moe_reference, random_moe_weights
+    from evenflow.reference.moe import moe_fast_accum_baseline, moe_reference, random_moe_weights
     from evenflow.testing import assert_within_rule
 
     args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra)
@@ -241,21 +276,25 @@ def main(argv=None) -> int:
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     table.update({"device": name, "torch": torch.__version__, "generated_by": "benchmarks/tune_moe.py",
                   "rule": f"fastest config passing evenflow.testing.assert_within_rule if >= {WIN:.0%} faster "
-                          "than choose_config twice, else null (heuristic)",
+                          "than choose_config twice, else null (heuristic); keys ending -fast: fp8_accum='fast', "
+                          "rule baseline evenflow.reference.moe.moe_fast_accum_baseline",
                   "routing": f"benchmarks/moe.py make_routing + expert_bias, seed {args.seed}"})
     configs, timings = table.setdefault("configs", {}), table.setdefault("timings", {})
+    for f in args.formats.split(","):
+        if f not in FORMATS:
+            raise SystemExit(f"--formats: unknown format {f!r} (choose from {', '.join(FORMATS)})")
     points = [(c, f, t) for c in args.cases.split(",") for f in args.formats.split(",") for t in buckets
-              if f not in B.CASES[c].skip_variants]
+              if FORMATS[f].variant not in B.CASES[c].skip_variants]
     plan = {}
     jobs, seen = [], set()
     for case_name, variant, t in points:
-        fmt, mode = FORMATS[variant]
-        cands = candidates(B.CASES[case_name], mode, t)
+        fm = FORMATS[variant]
+        cands = candidates(B.CASES[case_name], fm.mode, t, fm.fast_acc)
         plan[(case_name, variant, t)] = cands[:args.max_candidates] if args.max_candidates > 0 else cands
         for _, cfg in plan[(case_name, variant, t)]:
-            if (fmt, tuple(cfg.as_list())) not in seen:
-                seen.add((fmt, tuple(cfg.as_list())))
-                jobs.append((fmt, cfg.as_list()))
+            if (fm.fmt, tuple(cfg.as_list()), fm.fast_acc) not in seen:
+                seen.add((fm.fmt, tuple(cfg.as_list()), fm.fast_acc))
+                jobs.append((fm.fmt, cfg.as_list(), fm.fast_acc))
     print(f"{len(points)} points, {sum(map(len, plan.values()))} candidates, {len(jobs)} distinct (format, config)",
           flush=True)
     precompile(jobs, args.workers, deadline if args.precompile_only else t0 + PRECOMPILE_SHARE * args.budget_s)
@@ -265,8 +304,10 @@ def main(argv=None) -> int:
     measured: set = set()
     for n_done, (case_name, variant, t) in enumerate(points):
         case = B.CASES[case_name]
-        fmt, mode = FORMATS[variant]
-        key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode)
+        fm = FORMATS[variant]
+        fmt, mode = fm.fmt, fm.mode
+        accum = "fast" if fm.fast_acc else "exact"
+        key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode, fm.fast_acc)
         left = deadline - time.time()
         if left <= 0:
             print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: budget spent, skipped", flush=True)
@@ -282,7 +323,7 @@ def main(argv=None) -> int:
                                                                   DEVICE, generator=g)]
         ews = weights_cache[(case_name, fmt)]
         probe = point_inputs(case, t, 1, args.seed)
-        touched = B.routing_stats(probe[0][1], case).distinct_experts * B.expert_bytes(case, variant)
+        touched = B.routing_stats(probe[0][1], case).distinct_experts * B.expert_bytes(case, fm.variant)
         n_rot = B.rotations(touched, 60 * 2**20)
         while len(ews) < n_rot:
             g2 = torch.Generator(device=DEVICE).manual_seed(len(ews))
@@ -291,11 +332,16 @@ def main(argv=None) -> int:
         kw = {"ep_rank": case.ep_rank, "num_experts_total": case.num_experts_total}
         x0, ids0, tw0 = inputs[0]
         ref = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.float64, **kw).cpu()
-        base = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.bfloat16 if fmt == "bf16" else torch.float32,
-                             **kw).to(torch.bfloat16).cpu()
+        if fm.fast_acc:  # the same math with PyTorch's fp8 fast-accumulation GEMMs
+            base = moe_fast_accum_baseline(x0, ids0, tw0, ews[0], ep_rank=case.ep_rank)
+        else:
+            base = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.bfloat16 if fmt == "bf16" else torch.float32,
+                                 **kw)
+        base = base.to(torch.bfloat16).cpu()
 
         def fns_of(cfg):
-            return [lambda j=j, c=cfg: evenflow.fused_moe(*inputs[j], ews[j], config=c, **kw) for j in range(n_rot)]
+            return [lambda j=j, c=cfg: evenflow.fused_moe(*inputs[j], ews[j], config=c, fp8_accum=accum, **kw)
+                    for j in range(n_rot)]
 
         tried: dict = {}
         cands = plan[(case_name, variant, t)]
@@ -335,7 +381,8 @@ def main(argv=None) -> int:
         (out / table_path.name).write_text(text)
         print(f"copy: {out / table_path.name}")
     summary(timings, [(f"{c}/{f}", tuned_key(B.CASES[c].num_local, B.CASES[c].num_experts_total, B.CASES[c].top_k,
-                                             B.CASES[c].hidden, B.CASES[c].inter, FORMATS[f][1]), t)
+                                             B.CASES[c].hidden, B.CASES[c].inter, FORMATS[f].mode,
+                                             FORMATS[f].fast_acc), t)
                       for c, f, t in points], measured)
     return 0
 

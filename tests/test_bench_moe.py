@@ -247,3 +247,29 @@ def test_cli_filters_parse():
                               "--batches", "1,8"], extra=bm._extra_args)
     assert args.quick and args.cases == ["hy3-tp8"] and args.variants == ["bf16", "fp8-tensor"]
     assert args.batches == [1, 8]
+
+
+@pytest.mark.parametrize("variant", ["bf16", "fp8-tensor", "fp8-block"])
+def test_fastacc_row_is_opt_in_and_fp8_only(device, variant):
+    """evenflow-fastacc (fused_moe(fp8_accum="fast")) is a knob row on request; on bf16 it is an
+    "unavailable" error row (not applicable), on fp8 it runs and passes the benchmark's own check
+    against its fp32 oracle (whose max_abs_err / cosine the row records, as for every impl)."""
+    from evenflow.bench import harness as H
+
+    assert "evenflow-fastacc" in bm.IMPLS and "evenflow-fastacc" not in bm.DEFAULT_IMPLS
+    assert bm.EVENFLOW_KNOBS["evenflow-fastacc"] == {"fp8_accum": "fast"}
+    case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
+    w = bm.make_weights(case, variant, device, torch.Generator(device=device).manual_seed(0), std=0.1)
+    if variant == "bf16":
+        with pytest.raises(PeerUnavailable, match="not applicable to bf16"):
+            bm.build_impl("evenflow-fastacc", w, case, None)
+        return
+    gen = _gen(3)
+    if variant == "fp8-tensor":
+        bm.calibrate_static_scales(w, case, device, gen, bm.expert_bias(4, _gen(7)), tokens=16)
+    ids, tw = bm.make_routing(6, case, gen)
+    x = torch.randn(6, case.hidden, generator=gen).bfloat16()
+    x, ids, tw = x.to(device), ids.to(device), tw.to(device)
+    fn = bm.build_impl("evenflow-fastacc", w, case, None)(x, ids, tw)
+    chk = H.check_output(fn(), bm.reference_moe(x, ids, tw, w, case), f"fastacc {variant}", rtol=5e-2)
+    assert chk["max_abs_err"] >= 0 and chk["cosine"] > 0.999

@@ -1,6 +1,7 @@
 """Tuned MoE config table: lookup rules (largest bucket <= T, fallbacks) and the tuner's candidates."""
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -57,18 +58,20 @@ def test_no_table_on_cpu():
 
 
 def test_shipped_tables_are_valid():
-    # every entry of every shipped table tiles its own shape (the key names it)
+    # every entry of every shipped table tiles its own shape (the key names it; "-fast": the
+    # fp8_accum="fast" mode's keys, with that mode's rules)
     for name in os.listdir(CONFIG_DIR) if os.path.isdir(CONFIG_DIR) else []:
         if not name.endswith(".json"):
             continue
         data = json.load(open(os.path.join(CONFIG_DIR, name)))
         for key, buckets in data["configs"].items():
-            h = int(key.split("-H")[1].split("-")[0])
-            i = int(key.split("-I")[1].split("-")[0])
-            mode = int(key.split("-m")[1])
+            m = re.fullmatch(r"E(\d+)/(\d+)-k(\d+)-H(\d+)-I(\d+)-m(\d)(-fast)?", key)
+            assert m, f"{name}: unknown key {key!r}"
+            h, i, mode, fast = int(m[4]), int(m[5]), int(m[6]), m[7] is not None
+            assert key == tuned_key(int(m[1]), int(m[2]), int(m[3]), h, i, mode, fast)
             for cfg in buckets.values():
                 if cfg is not None:  # null: the heuristic
-                    check_config(MoEConfig.from_list(cfg), h, i, mode)
+                    check_config(MoEConfig.from_list(cfg), h, i, mode, fast_acc=fast)
 
 
 def test_tuner_candidates_are_valid():
@@ -77,15 +80,21 @@ def test_tuner_candidates_are_valid():
     import tune_moe
 
     for case in B.CASES.values():
-        for variant, (_, mode) in tune_moe.FORMATS.items():
-            if variant in case.skip_variants:
+        for variant, f in tune_moe.FORMATS.items():
+            if f.variant in case.skip_variants:
                 continue
             for t in tune_moe.BUCKETS:
-                cands = tune_moe.candidates(case, mode, t)
+                cands = tune_moe.candidates(case, f.mode, t, f.fast_acc)
                 assert cands[0][0] == "default"
-                assert cands[0][1] == choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
-                                                    num_experts_total=case.num_experts_total)
+                assert cands[0][1] == choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, f.mode,
+                                                    num_experts_total=case.num_experts_total, fast_acc=f.fast_acc)
                 assert len(cands) >= 5 and len({c for _, c in cands}) == len(cands)
+                for _, c in cands:
+                    check_config(c, case.hidden, case.inter, f.mode, fast_acc=f.fast_acc)
+                if f.fast_acc and t * case.top_k / case.num_experts_total > 16:
+                    # the fp8-wgmma tiles are timed: 64 and 128 rows on 8 warps
+                    rows = {c.block_m for _, c in cands if c.num_warps == 8}
+                    assert {64, 128} <= rows, (case.name, variant, t, rows)
 
 
 def _bench_modules():
@@ -139,12 +148,12 @@ def test_tuner_covers_every_benchmark_shape():
     # one compile shape serves every candidate of every case (kernels depend on config and format only)
     h, i = T.COMPILE_SHAPE
     for case in B.CASES.values():
-        for variant, (_, mode) in T.FORMATS.items():
-            if variant in case.skip_variants:
+        for f in T.FORMATS.values():
+            if f.variant in case.skip_variants:
                 continue
             for t in T.BUCKETS:
-                for _, c in T.candidates(case, mode, t):
-                    check_config(c, h, i, mode)
+                for _, c in T.candidates(case, f.mode, t, f.fast_acc):
+                    check_config(c, h, i, f.mode, fast_acc=f.fast_acc)
 
 
 def test_index_sweep_builds_what_fused_moe_builds(device):
@@ -196,3 +205,44 @@ def test_tuner_dry_run_on_cpu(tmp_path, monkeypatch):
         for t in ("1", "4"):
             assert MoEConfig.from_list(entries[t]).num_stages == 4 and times[t]["entry"] == "st4"
         assert entries["8"] is None  # sealed: the bucket-4 entry covers T = 4..7 only
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
+def test_tuner_dry_run_fast_formats_write_their_own_keys(tmp_path, monkeypatch):
+    # --formats fp8-tensor-fast,fp8-block-fast: fused_moe(fp8_accum="fast") is timed (the stub
+    # timer sees the calls' keyword), checked against the fast-accumulation baseline, and written
+    # under the "-fast" keys, next to (never over) the default mode's entries
+    import dataclasses
+
+    from evenflow.bench import harness as H
+
+    B, T, _ = _bench_modules()
+    tiny = dataclasses.replace(B.CASES["qwen3-30b-a3b"], name="tiny", num_experts_total=8, num_local=8, top_k=2,
+                               hidden=256, inter=128)
+    monkeypatch.setitem(B.CASES, "tiny", tiny)
+    monkeypatch.setattr(T, "DEVICE", "cpu")
+    seen = []
+
+    def timer(fns):
+        fns[0]()
+        return 100.0
+    monkeypatch.setattr(H, "time_graph", timer)
+    import evenflow
+
+    real = evenflow.fused_moe
+    monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **kw: seen.append(kw.get("fp8_accum")) or real(*a, **kw))
+    table = tmp_path / "t.json"
+    keep = tuned_key(8, 8, 2, 256, 128, 1)
+    table.write_text(json.dumps({"configs": {keep: {"1": [16, 64, 128, 64, 128, 4, 3, 1, 1]}}}))
+    assert T.main(["--cases", "tiny", "--formats", "fp8-tensor-fast,fp8-block-fast", "--buckets", "1",
+                   "--max-candidates", "2", "--workers", "1", "--budget-s", "600", "--table", str(table)]) == 0
+    data = json.loads(table.read_text())
+    for mode in (1, 2):
+        key = tuned_key(8, 8, 2, 256, 128, mode, True)
+        assert key.endswith("-fast") and data["timings"][key]["1"]["default_us"] == 100.0
+        assert data["configs"][key]["1"] is None  # no win: the heuristic
+    assert data["configs"][keep]["1"] == [16, 64, 128, 64, 128, 4, 3, 1, 1]  # the default mode's entry kept
+    assert seen and set(seen) == {"fast"}
+    assert "-fast" in data["rule"]
+    with pytest.raises(SystemExit, match="unknown format"):
+        T.main(["--cases", "tiny", "--formats", "fp8-fast", "--table", str(table)])

@@ -10,7 +10,13 @@ import torch
 
 import evenflow
 from evenflow.moe.routing import build_moe_index, max_tiles
-from evenflow.reference.moe import moe_index_reference, moe_reference, random_moe_weights, random_routing
+from evenflow.reference.moe import (
+    moe_fast_accum_baseline,
+    moe_index_reference,
+    moe_reference,
+    random_moe_weights,
+    random_routing,
+)
 from evenflow.testing import assert_exact, assert_within_rule, poisoned
 
 pytestmark = pytest.mark.gpu
@@ -117,6 +123,88 @@ def test_qwen3_fp8_block_large_batch_within_rule(t, source):
     y = evenflow.fused_moe(x, ids, w, ew, config=cfg)
     err = check(y, x, ids, w, ew, 0, f"qwen3 fp8-block T={t} {source}")
     print(f"qwen3 fp8-block T={t} {source} ({cfg}): max abs error {err:.3e}")
+
+
+# Round J: fp8_accum="fast" (fp8 wgmma with the hardware's fast accumulation: SGLang's numerics).
+# Its rule's baseline is PyTorch doing the same math with fast accumulation
+# (moe_fast_accum_baseline: torch._scaled_mm(use_fast_accum=True) per expert, per 128-deep K
+# block in block mode), not the default mode's fp32 sums, which fast accumulation cannot meet
+# (regression 4: requantisation flips). Same seed rule as the tests above. Tiles: the heuristic,
+# and 64- and 128-row wgmma tiles forced (block mode's 128-row tile spills 76 B on sm_90, so the
+# heuristic never takes it: forced here for its numerics).
+FAST_TILES = {
+    "default": None,
+    "bm64-w8": [64, 128, 128, 128, 128, 8, 3, 1, 1],     # the heuristic's at T = 1024 (fp8 wgmma)
+    "bm128-w8": [128, 128, 128, 128, 128, 8, 3, 1, 1],   # per-tensor's at T = 4096 (fp8 wgmma)
+    "bm32-w4": [32, 128, 128, 64, 128, 4, 4, 1, 1],      # mma.sync: Triton's f16 products
+}
+
+
+def check_fast(y, x, ids, w, ew, ep_rank, what):
+    ref = moe_reference(x, ids, w, ew, ep_rank=ep_rank, dtype=torch.float64)
+    base = moe_fast_accum_baseline(x, ids, w, ew, ep_rank=ep_rank).to(torch.bfloat16)
+    err = assert_within_rule(y, ref, base, what=what)
+    print(f"{what}: max abs error {err:.3e}, fast baseline's {float((base.double() - ref).abs().max()):.3e}")
+    return err
+
+
+@pytest.mark.parametrize("t", [1024, 4096])
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+@pytest.mark.parametrize("tile", list(FAST_TILES))
+def test_qwen3_fp8_fast_accum_within_rule(t, fmt, tile):
+    from evenflow.moe.fused import MoEConfig
+
+    ew = weights("qwen3-30b-a3b", fmt)
+    g = torch.Generator(device="cuda").manual_seed(1000 + t)
+    x = torch.randn(t, 2048, device="cuda", generator=g).bfloat16()
+    ids, w = random_routing(t, 8, 128, "cuda", generator=g)
+    cfg = None if FAST_TILES[tile] is None else MoEConfig.from_list(FAST_TILES[tile])
+    y = evenflow.fused_moe(x, ids, w, ew, config=cfg, fp8_accum="fast")
+    check_fast(y, x, ids, w, ew, 0, f"qwen3 {fmt} fast T={t} {tile}")
+
+
+@pytest.mark.parametrize("shape,fmt", [("hy3-tp8", "fp8_per_tensor"), ("hy3-ep8", "fp8_per_tensor"),
+                                       ("hy3-ep8", "fp8_block")])
+@pytest.mark.parametrize("t", [1, 1024, 4096])
+def test_hy3_fp8_fast_accum_within_rule(shape, fmt, t):
+    """The other benchmark shapes on the heuristic: Hy3 TP8 (I = 192: 64-wide gate-up N, 64-deep
+    down K steps) and EP8 (rank 3 of 8), from decode (T = 1: pair tiles, split K) up."""
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, fmt)
+    g = torch.Generator(device="cuda").manual_seed(1000 + t)
+    x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
+    ids, w = random_routing(t, k, e_tot, "cuda", generator=g)
+    y = evenflow.fused_moe(x, ids, w, ew, ep_rank=ep, num_experts_total=e_tot, fp8_accum="fast",
+                           out=poisoned((t, h), torch.bfloat16, "cuda"))
+    check_fast(y, x, ids, w, ew, ep, f"{shape} {fmt} fast T={t}")
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+def test_cuda_graph_fast_accum(fmt):
+    """fp8_accum="fast" captured in a CUDA graph (T = 512 on Qwen3: the 64-row fp8-wgmma tiles;
+    T = 2: pair tiles with split K) and replayed with new inputs: bitwise the eager call, within
+    the rule of the fast baseline."""
+    shape = "qwen3-30b-a3b"
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, fmt)
+    for t in (2, 512):
+        x, ids, w = inputs(shape, t)
+        out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
+        evenflow.fused_moe(x, ids, w, ew, out=out, fp8_accum="fast")  # compile outside capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            evenflow.fused_moe(x, ids, w, ew, out=out, fp8_accum="fast")
+        for step in range(3):
+            nx, nids, nw = inputs(shape, t)
+            x.copy_(nx)
+            ids.copy_(nids)
+            w.copy_(nw)
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = evenflow.fused_moe(x, ids, w, ew, fp8_accum="fast")
+            assert torch.equal(out, eager), f"T={t} replay {step} differs from eager"
+            check_fast(out, x, ids, w, ew, 0, f"{fmt} fast graph T={t} replay {step}")
 
 
 @pytest.mark.parametrize("t,k,e,ep,bm", [(1024, 8, 128, 0, 64), (4096, 8, 128, 0, 64), (512, 16, 512, 0, 16),

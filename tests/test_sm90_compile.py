@@ -142,3 +142,63 @@ def test_the_check_catches_a_gpu_only_compile_error():
     assert torch.all(x == 2.0)
     failures = compile_launches(launches)
     assert len(failures) == 1 and "bad_kernel" in failures[0]  # ... but not for sm_90
+
+
+# fp8_accum="fast" (round J): (label, format, H, I, T, forced config or None for the heuristic at T).
+# Qwen3's heuristic picks at T = 1024 (64-row tiles) and 4096 (per-tensor 128 rows, block mode 64),
+# Hy3 TP8's at 4096 (I = 192: 64-wide gate-up N, 64-deep down K), and 16/32-row tiles (decode
+# split-K on pair tiles, a forced 32-row tile), which compile to mma.sync on f16 values as the
+# default mode does.
+_FAST = [
+    ("qwen3 fp8-tensor T=1024", "fp8_per_tensor", 2048, 768, 1024, None),
+    ("qwen3 fp8-tensor T=4096", "fp8_per_tensor", 2048, 768, 4096, None),
+    ("qwen3 fp8-block T=1024", "fp8_block", 2048, 768, 1024, None),
+    ("qwen3 fp8-block T=4096", "fp8_block", 2048, 768, 4096, None),
+    ("hy3-tp8 fp8-tensor T=4096", "fp8_per_tensor", 4096, 192, 4096, None),
+    ("qwen3 fp8-tensor T=1", "fp8_per_tensor", 2048, 768, 1, None),
+    ("qwen3 fp8-block T=1", "fp8_block", 2048, 768, 1, None),
+    ("qwen3 fp8-tensor bm32", "fp8_per_tensor", 2048, 768, 512, [32, 64, 128, 64, 128, 4, 4, 1, 1]),
+    ("qwen3 fp8-block bm32", "fp8_block", 2048, 768, 512, [32, 128, 128, 64, 128, 4, 4, 1, 1]),
+]
+
+
+def test_moe_fast_accum_compiles_to_fp8_wgmma():
+    """fp8_accum="fast" on sm_90: the 64/128-row tiles the heuristic gives compile to wgmma on
+    e4m3 operands (no f16 MMA, no conversion), with no register spill and within the shared-memory
+    limit; the 16/32-row tiles compile too (mma.sync, no spill). The default mode's 64-row tile is
+    compiled beside them: f16 wgmma (its e4m3 values upcast), the contrast the check must see."""
+    from evenflow._compile_check import SHARED_LIMIT, compile_stats
+    from evenflow.moe.fused import MoEConfig, choose_config
+
+    launches, expect = [], []
+    cases = [(*c, "fast") for c in _FAST] + [("qwen3 fp8-tensor exact bm64", "fp8_per_tensor", 2048, 768, 512,
+                                              [64, 128, 128, 128, 128, 8, 3, 1, 1], "exact")]
+    for label, fmt, h, i, t, cfg, accum in cases:
+        ew = _moe_weights(fmt, 4, h, i)
+        if cfg is None:  # the heuristic of the real layer (128 or 192 experts), forced on these 4
+            e = 192 if i == 192 else 128
+            cfg = choose_config(t, 8, e, h, i, ew.mode, num_experts_total=e, sms=132, fast_acc=accum == "fast")
+        else:
+            cfg = MoEConfig.from_list(cfg)
+        with emulate_gpu(132), record_launches() as rec:
+            evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 8), dtype=torch.int32),
+                               torch.rand(t, 8), ew, config=cfg, fp8_accum=accum)
+        for la in rec:
+            if la.name in ("moe_gate_up_kernel", "moe_down_kernel") and la not in launches:
+                launches.append(la)
+                expect.append((f"{label} {la.name}", cfg, accum))
+    stats = compile_stats(launches)
+    assert len(stats) == len(launches)
+    for (what, cfg, accum), s in zip(expect, stats):
+        assert "error" not in s, s["error"]
+        assert s["shared"] <= SHARED_LIMIT[90], (what, s["shared"])
+        mma = s["mma"]
+        if cfg.block_m >= 64:
+            want = "e4m3.e4m3" if accum == "fast" else "f16.f16"
+            assert set(mma["wgmma_types"]) == {want} and mma["mma.sync"] == 0, (what, cfg, mma)
+        else:
+            assert mma["wgmma"] == 0 and mma["mma.sync"] > 0, (what, cfg, mma)
+        if accum == "fast":
+            assert s["spill_bytes"] == 0, (what, cfg, s["regs"], s["spill_bytes"])
+            if cfg.block_m >= 64:  # no e4m3 -> f16 conversions in the K loop
+                assert not any(op.startswith("F2FP") for op in s["loops"][0]["ops"]), (what, s["loops"][0])

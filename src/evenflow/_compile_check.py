@@ -219,8 +219,17 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
 
 def mma_counts(ptx: str) -> dict:
     """Static counts of Hopper warpgroup MMAs (``wgmma.mma_async``) and warp-level MMAs
-    (``mma.sync``) in ``ptx``: which tensor-core path a kernel took."""
-    return {"wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync")}
+    (``mma.sync``) in ``ptx``: which tensor-core path a kernel took. ``wgmma_types`` /
+    ``mma_sync_types`` count them by operand types (``"e4m3.e4m3"``: fp8 at the fp8 rate;
+    ``"f16.f16"``: e.g. e4m3 values upcast to f16)."""
+    import collections
+    import re
+
+    wg = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.\w+\.(\w+)\.(\w+)", ptx)
+    ms = re.findall(r"mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col\.\w+\.(\w+)\.(\w+)", ptx)
+    return {"wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync"),
+            "wgmma_types": dict(collections.Counter(f"{a}.{b}" for a, b in wg)),
+            "mma_sync_types": dict(collections.Counter(f"{a}.{b}" for a, b in ms))}
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:

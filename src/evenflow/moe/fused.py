@@ -43,6 +43,11 @@ PDL_MAX_PAIRS = 512
 # distinct), ~1/16 more weight bytes at T = 2 of top-8 over 128 experts, ~13% at T = 4 (the
 # index pays off from there).
 PAIR_TILE_MAX_PAIRS = 16
+# fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
+# accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
+# reduced-precision accumulation (kernels.py, FAST_ACC). fp8 tl.dot needs K-steps >= 32.
+FP8_ACCUM = ("exact", "fast")
+FAST_ACC_MIN_BLOCK_K = 32
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ def _split_k(k_dim: int, block_k: int, programs: int, target: int, elem_bytes: i
 
 
 def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
-                  num_experts_total: int | None = None, sms: int = 132) -> MoEConfig:
+                  num_experts_total: int | None = None, sms: int = 132, fast_acc: bool = False) -> MoEConfig:
     """Deterministic heuristic from shapes only (see docs/perf-notes/moe.md).
 
     BLOCK_M follows the expected rows per expert (T*k/E): 16 (tl.dot's minimum) at
@@ -98,6 +103,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     When the expected busy (tile, n-block) programs are fewer than 2 per SM (decode,
     or EP ranks that see a pair or two), K is split so the weights of the few hit
     experts are streamed by enough programs at once.
+
+    ``fast_acc`` (FP8 weights, ``fp8_accum="fast"``): K-steps of at least 32 (fp8 dots), and
+    above 16 rows per expert the fp8-wgmma tiles of :func:`_fast_acc_tiles`.
     """
     e_tot = num_experts_total or num_local
     local_pairs = num_tokens * top_k * num_local / e_tot  # expected pairs routed to this rank
@@ -112,7 +120,7 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     else:
         # fp8 per-tensor: deeper K steps first (half the bytes of a bf16 step); 16 only where
         # nothing larger divides (the dots are f16 MMAs of exact e4m3 values, K-steps >= 16).
-        k_opts = (128, 64, 32, 16) if fp8 else (64, 32, 16)
+        k_opts = (128, 64, 32) if fast_acc else (128, 64, 32, 16) if fp8 else (64, 32, 16)
         cfg = MoEConfig(
             block_m,
             _largest_divisor(inter, (64, 32, 16)),
@@ -132,7 +140,10 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             num_warps=8,
         )
         block_m = cfg.block_m
-    if fp8 and rows > 16:
+    if fp8 and rows > 16 and fast_acc:
+        cfg = _fast_acc_tiles(cfg, rows, hidden, inter, mode)
+        block_m = cfg.block_m
+    elif fp8 and rows > 16:
         # sm_90 compile (ptxas -v, round 5): fp8 dots with max_num_imprecise_acc keep a second
         # accumulator per dot, so gate + up tiles of 64x128 on 4 warps or 128x128 on 8 warps need
         # > 255 registers: the block-mode gate-up spilled 1.5 KB per thread at T = 512 (0.14 of
@@ -158,8 +169,29 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     )
 
 
-def tuned_key(num_local: int, num_experts_total: int, top_k: int, hidden: int, inter: int, mode: int) -> str:
-    return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}"
+def _fast_acc_tiles(cfg: MoEConfig, rows: float, hidden: int, inter: int, mode: int) -> MoEConfig:
+    """fp8-wgmma tiles of the fast-accumulation mode above 16 rows per expert (sm_90 compile
+    facts: docs/perf-notes/moe.md, round J). 64 rows (one wgmma M per warpgroup) up to 128 rows
+    per expert, 128 past it; 8 warps; 128-wide N where the sizes allow (K steps as choose_config
+    gives them: 128 deep at the benchmark shapes, 64 in Hy3 TP8's down GEMM, I = 192).
+    Per-tensor keeps one accumulator per dot (no promotion tile): gate + up at 128x128 hold
+    128 fp32 registers per thread. Block mode also keeps each K block's fresh product tile
+    (scaled, then added), twice the accumulator registers: it stays at 64 rows."""
+    block_m = 128 if rows > 128 and mode == 1 else 64
+    return replace(
+        cfg,
+        block_m=block_m,
+        gu_block_n=128 if inter % 128 == 0 else cfg.gu_block_n,
+        down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n,
+        num_warps=8,
+    )
+
+
+def tuned_key(num_local: int, num_experts_total: int, top_k: int, hidden: int, inter: int, mode: int,
+              fast_acc: bool = False) -> str:
+    """Key of one shape and format in the tuned table; the fast-accumulation mode has its own
+    keys (suffix ``-fast``: formats fp8-tensor-fast / fp8-block-fast of benchmarks/tune_moe.py)."""
+    return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}" + ("-fast" if fast_acc else "")
 
 
 @functools.lru_cache(maxsize=8)
@@ -190,17 +222,18 @@ def _gpu_kind(device) -> str | None:
 
 
 def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
-                 num_experts_total: int, device, path: str | None = None) -> MoEConfig | None:
+                 num_experts_total: int, device, path: str | None = None, fast_acc: bool = False) -> MoEConfig | None:
     """The tuned config for this shape at the largest tuned batch bucket <= num_tokens, or None
     (no file for this GPU, shape not tuned, num_tokens below every bucket, or that bucket's entry
     is null: the heuristic was measured and not beaten). An entry that no longer passes
-    ``check_config`` is ignored with a warning (the heuristic takes over)."""
+    ``check_config`` is ignored with a warning (the heuristic takes over). ``fast_acc`` looks up
+    the fast-accumulation keys only (never the default mode's entries)."""
     if path is None:
         kind = _gpu_kind(device)
         if kind is None:
             return None
         path = os.path.join(CONFIG_DIR, _CONFIG_FILES[kind])
-    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode))
+    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, fast_acc))
     if not rows:
         return None
     best = None
@@ -210,15 +243,16 @@ def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
     if best is None:
         return None
     try:
-        check_config(best, hidden, inter, mode)
+        check_config(best, hidden, inter, mode, fast_acc=fast_acc)
     except (TypeError, ValueError) as e:
         warnings.warn(f"ignoring tuned MoE config from {path}: {e}", stacklevel=3)
         return None
     return best
 
 
-def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int) -> None:
-    """A forced config must tile the shapes exactly (the kernels have no K/N masks)."""
+def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: bool = False) -> None:
+    """A forced config must tile the shapes exactly (the kernels have no K/N masks); with
+    ``fast_acc`` (fp8 dots) its K-steps must be >= 32 deep."""
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(cfg).__name__}")
     for name in ("block_m", "gu_block_n", "gu_block_k", "down_block_n", "down_block_k", "gu_split_k",
@@ -235,13 +269,17 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int) -> None:
         raise ValueError(f"config down tiles do not divide H={hidden}, I={inter}: {cfg}")
     if mode == 2 and (cfg.gu_block_n != 128 or cfg.gu_block_k != 128 or cfg.down_block_k != 128):
         raise ValueError(f"fp8 block mode needs gate-up BLOCK_N/BLOCK_K and down BLOCK_K of 128, got {cfg}")
+    if fast_acc and min(cfg.gu_block_k, cfg.down_block_k) < FAST_ACC_MIN_BLOCK_K:
+        raise ValueError(f"fp8_accum='fast' runs fp8 dots, whose K-steps must be >= {FAST_ACC_MIN_BLOCK_K} "
+                         f"deep; config has gu_block_k={cfg.gu_block_k}, down_block_k={cfg.down_block_k}")
 
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1, pair_tiles: int = -1):
+            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
+    # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -250,9 +288,11 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         return
     dev = x.device
     if cfg is None:
-        cfg = tuned_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, device=dev)
+        cfg = tuned_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, device=dev,
+                           fast_acc=fast_acc)
     if cfg is None:
-        cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev))
+        cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev),
+                            fast_acc=fast_acc)
     p = t * k
     by_pair = bool(pair_tiles) if pair_tiles >= 0 else (p <= PAIR_TILE_MAX_PAIRS and cfg.block_m == 16)
     n_tiles = p if by_pair else max_tiles(p, e_local, cfg.block_m)
@@ -309,7 +349,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
-        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, **gpu_kw, **pk,
+        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
+        **gpu_kw, **pk,
     )
     # bf16 weights: the per-pair products are stored in bf16 (the bf16 baseline rounds each expert's
     # output to bf16 too); at T=4096 Qwen3 an fp32 buffer is 268 MB written and read again, ~45% of
@@ -323,7 +364,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1),
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, **gpu_kw, **pk,
+        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -346,16 +387,17 @@ def _fused_moe_op(
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
-    pair_tiles: int = -1,
+    pair_tiles: int = -1, fp8_accum: str = "exact",
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
-            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles)
+            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast")
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
-      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1):
+      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
+      fp8_accum="exact"):
     return None
 
 
@@ -368,7 +410,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
-              pdl: bool | None = None, pair_tiles: bool | None = None):
+              pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact"):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -387,6 +429,17 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     ``pair_tiles``: each (token, slot) pair a GEMM task of its own, with no index build;
     default (None): up to ``PAIR_TILE_MAX_PAIRS`` pairs on 16-row tiles; ``True`` / ``False``
     force it (same results: one row per tile instead of an expert's rows together).
+    ``fp8_accum`` (FP8 weights only): ``"exact"`` (default) computes every fp8 product exactly
+    (f16 MMAs of the e4m3 values) and accumulates in fp32, within the tolerance rule of an
+    fp32-accumulation baseline. ``"fast"`` (opt-in) runs fp8 tensor-core MMAs with the
+    hardware's reduced-precision accumulation, the numerics of SGLang's Triton fused MoE and
+    ``torch._scaled_mm(use_fast_accum=True)``: per-tensor weights accumulate the whole K loop
+    that way, block-128 weights promote to fp32 once per 128-deep block (DeepSeek-V3). It
+    matters at large batches (MMA-bound: on sm_90, 64/128-row tiles at twice the f16 rate);
+    tiles of 16/32 rows (decode) compute as ``"exact"`` does. Its results are not the default's
+    bit for bit (requantisation of the intermediate can round differently). Needs K-steps of
+    at least 32: with per-tensor weights, hidden and intermediate sizes that are multiples of 32.
+    ValueError for another value, for bf16 weights, or such sizes.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -412,6 +465,15 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
                          f"{(ep_rank + 1) * e_local}, got {num_experts_total}")
     if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, (int, float)):
         raise TypeError(f"routed_scaling must be a float, got {type(routed_scaling).__name__}")
+    if not isinstance(fp8_accum, str) or fp8_accum not in FP8_ACCUM:
+        raise ValueError(f"fp8_accum must be one of {FP8_ACCUM}, got {fp8_accum!r}")
+    fast_acc = fp8_accum == "fast"
+    if fast_acc and ew.mode == 0:
+        raise ValueError("fp8_accum='fast' applies to FP8 weights only; these are bf16 (use the default 'exact')")
+    if fast_acc and (h % FAST_ACC_MIN_BLOCK_K or ew.intermediate_size % FAST_ACC_MIN_BLOCK_K):
+        raise ValueError(f"fp8_accum='fast' needs hidden ({h}) and intermediate ({ew.intermediate_size}) sizes "
+                         f"that are multiples of {FAST_ACC_MIN_BLOCK_K} (fp8 dots take K-steps >= "
+                         f"{FAST_ACC_MIN_BLOCK_K}); use fp8_accum='exact'")
     if shared_output is not None:
         check_tensor("shared_output", shared_output, dtypes=[torch.bfloat16, torch.float32], shape=[t, h],
                      last_dim_contiguous=True)
@@ -427,7 +489,7 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
             raise ValueError(f"topk_ids must lie in [0, num_experts_total={num_experts_total}); "
                              f"found {topk_ids[bad][:4].tolist()}")
     if config is not None:
-        check_config(config, h, ew.intermediate_size, ew.mode)
+        check_config(config, h, ew.intermediate_size, ew.mode, fast_acc=fast_acc)
     check_pdl(pdl, dev)
     if pair_tiles is not None and not isinstance(pair_tiles, bool):
         raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
@@ -436,7 +498,7 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg)
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc)
     return out

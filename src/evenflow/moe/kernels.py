@@ -52,6 +52,17 @@ GROUP_AMAX_EPS = tl.constexpr(1e-10)
 # block mode now takes the same f16 products, each K block's fresh fp32 sum scaled and added.
 # On sm_90 this also replaces the serialised QGMMA + FADD promotion by pipelined HGMMA (per-
 # tensor gate-up: 226-280 instead of 382-397 SASS instructions per 128-deep K step).
+#
+# FAST_ACC (opt-in, ``fused_moe(fp8_accum="fast")``): the e4m3 tiles go to tl.dot as they are,
+# with Triton's default max_num_imprecise_acc (on sm_90: fp8 wgmma at the fp8 rate, the
+# hardware's reduced-precision accumulation, never promoted by the compiler). Per-tensor mode
+# accumulates the whole K loop in the running accumulator (the class of
+# torch._scaled_mm(use_fast_accum=True)); block mode takes a fresh fp8 dot per 128-deep K
+# block and adds it, times its scales, to the fp32 accumulator (promotion once per 128, the
+# DeepSeek-V3 recipe). Tiles below 64 rows compile to mma.sync, where Triton upcasts fp8 to
+# f16 itself (exact products): the same numerics as the default there. fp8 tl.dot needs
+# K-steps >= 32 (the launcher never gives FAST_ACC a 16-deep step). Tested against its own
+# baseline (evenflow.reference.moe.moe_fast_accum_baseline), not the default's.
 
 
 @triton.jit
@@ -322,7 +333,7 @@ def moe_gate_up_kernel(
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
-    PAIR_TILES: tl.constexpr,
+    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -373,17 +384,27 @@ def moe_gate_up_kernel(
         if MODE == 0:
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
             acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
-        elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; f16 products (see the top)
-            b_ah = f16_operand(b_a, DOT_F32)
-            acc_g = tl.dot(b_ah, f16_operand(b_g, DOT_F32), acc_g)
-            acc_u = tl.dot(b_ah, f16_operand(b_u, DOT_F32), acc_u)
-        else:  # block scales: each K block's exact f16-product sum, scaled, added in fp32
+        elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel
+            if FAST_ACC:  # e4m3 dots accumulated in the running accumulator (see the top)
+                b_a8 = dot_operand(b_a, DOT_F32)
+                acc_g = tl.dot(b_a8, dot_operand(b_g, DOT_F32), acc_g)
+                acc_u = tl.dot(b_a8, dot_operand(b_u, DOT_F32), acc_u)
+            else:  # f16 products (see the top)
+                b_ah = f16_operand(b_a, DOT_F32)
+                acc_g = tl.dot(b_ah, f16_operand(b_g, DOT_F32), acc_g)
+                acc_u = tl.dot(b_ah, f16_operand(b_u, DOT_F32), acc_u)
+        else:  # block scales: each K block's sum in a fresh tile, scaled, added in fp32
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
-            b_ah = f16_operand(b_a, DOT_F32)
-            acc_g += tl.dot(b_ah, f16_operand(b_g, DOT_F32)) * (b_xs[:, None] * ws_g)
-            acc_u += tl.dot(b_ah, f16_operand(b_u, DOT_F32)) * (b_xs[:, None] * ws_u)
+            if FAST_ACC:  # a fresh e4m3 dot per 128-deep block: promoted once per 128
+                b_a8 = dot_operand(b_a, DOT_F32)
+                acc_g += tl.dot(b_a8, dot_operand(b_g, DOT_F32)) * (b_xs[:, None] * ws_g)
+                acc_u += tl.dot(b_a8, dot_operand(b_u, DOT_F32)) * (b_xs[:, None] * ws_u)
+            else:  # exact f16 products
+                b_ah = f16_operand(b_a, DOT_F32)
+                acc_g += tl.dot(b_ah, f16_operand(b_g, DOT_F32)) * (b_xs[:, None] * ws_g)
+                acc_u += tl.dot(b_ah, f16_operand(b_u, DOT_F32)) * (b_xs[:, None] * ws_u)
         p_a += BLOCK_K
         p_bg += BLOCK_K
         p_bu += BLOCK_K
@@ -424,6 +445,7 @@ def moe_down_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
+    FAST_ACC: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -460,10 +482,16 @@ def moe_down_kernel(
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
         elif MODE == 1:
-            acc = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32), acc)
+            if FAST_ACC:
+                acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
+            else:
+                acc = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32), acc)
         else:
             b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
-            b_d = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32))
+            if FAST_ACC:
+                b_d = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32))
+            else:
+                b_d = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32))
             acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
         p_x += BLOCK_K
         p_b += BLOCK_K

@@ -7,6 +7,8 @@ the kernels quantise them (same scale formula, same fp32 division, same e4m3
 rounding), so comparing against this oracle measures the kernels' arithmetic
 error, not the quantisation error that the format itself brings; pass
 ``quantize_activations=False`` for the end-to-end fidelity reference.
+``moe_fast_accum_baseline`` is the tolerance rule's baseline for the opt-in
+``fp8_accum="fast"`` mode: the same layer through ``torch._scaled_mm(use_fast_accum=True)``.
 
 The layer computed, for this rank's experts E_loc = [ep_rank*E_local, (ep_rank+1)*E_local):
 
@@ -107,6 +109,88 @@ def moe_reference(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=No
     if shared_output is not None:
         y = y + shared_output.double()
     return y.to(dtype)
+
+
+# ---------------------------------------------------------------- baseline of fp8_accum="fast"
+
+def _fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 values of fp32 ``x / scale`` (saturating), as the kernels quantise (not dequantised)."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """fp32 ``scale_a * scale_b * (a8 @ b8.T)`` of e4m3 ``a8`` [M, K] and ``b8`` [N, K] by
+    ``torch._scaled_mm(..., use_fast_accum=True)``: on sm_90 an fp8 tensor-core GEMM that
+    accumulates with the hardware's reduced precision over the whole K (on a CPU, exact products
+    and fp32 sums). Rows are padded to a multiple of 16 with zeros (a row's result depends on
+    that row only)."""
+    m = a8.shape[0]
+    pad = -m % 16
+    a8 = a8.contiguous()
+    if pad:
+        a8 = torch.cat([a8.view(torch.uint8), a8.new_zeros(pad, a8.shape[1], dtype=torch.uint8)]).view(a8.dtype)
+    out = torch._scaled_mm(a8, b8.contiguous().t(), scale_a.float().reshape(()), scale_b.float().reshape(()),
+                           out_dtype=torch.float32, use_fast_accum=True)
+    return out[:m]
+
+
+def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
+    """Block-128 scaled product: per 128-deep K block, one fast-accumulation ``_scaled_mm`` of
+    the e4m3 values with unit scales, times its activation-group scales ``a_s`` [M, K/128] and
+    weight-block scales ``b_s`` [N/128, K/128], summed in fp32 in K order (promotion once per
+    128: the DeepSeek-V3 recipe the kernels follow with fp8_accum="fast")."""
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    acc = torch.zeros(a8.shape[0], b8.shape[0], dtype=torch.float32, device=a8.device)
+    for kb in range(a8.shape[1] // 128):
+        ks = slice(kb * 128, (kb + 1) * 128)
+        part = _fast_mm(a8[:, ks], b8[:, ks], one, one)
+        acc += part * (a_s[:, kb, None] * b_s[:, kb].repeat_interleave(128)[None, :])
+    return acc
+
+
+def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, shared_output=None,
+                            routed_scaling=1.0) -> torch.Tensor:
+    """The tolerance rule's baseline for ``fused_moe(..., fp8_accum="fast")``: the same layer
+    computed by PyTorch with fp8 fast accumulation (fp32 result, not rounded to bf16).
+
+    FP8 weights only. Each expert's GEMMs are ``torch._scaled_mm(use_fast_accum=True)`` on the
+    e4m3 values the kernels multiply: per-tensor, one product over the whole K with scales
+    (a13_scale, w13_scale[e]) and (a2_scale, w2_scale[e]); block-128, one product per 128-deep
+    K block with unit scales, times its scales, summed in fp32 (:func:`_fast_block_mm`).
+    Activations are quantised as the kernels do (:func:`quant_fp8_group` / the static scales);
+    SiLU(gate) * up in fp32, the intermediate requantised, the top-k weighted sum in float64 as
+    in :func:`moe_reference`. On a GPU (sm_90) this is the precision class of SGLang's Triton
+    fused MoE; on a CPU ``_scaled_mm`` sums exactly in fp32, so there it equals the default
+    mode's baseline up to fp32 rounding order.
+    """
+    if ew.format not in ("fp8_per_tensor", "fp8_block"):
+        raise ValueError(f"moe_fast_accum_baseline needs FP8 weights, got {ew.format}")
+    e_local, i_size = ew.num_experts, ew.intermediate_size
+    local_ids = topk_ids.long() - ep_rank * e_local
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    if ew.format == "fp8_per_tensor":
+        xq = _fp8_static(x, ew.a13_scale)
+    else:
+        xq, xs = quant_fp8_group(x.float())
+    for e in range(e_local):
+        tok, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        if ew.format == "fp8_per_tensor":
+            gu = _fast_mm(xq[tok], ew.w13[e], ew.a13_scale, ew.w13_scale[e])
+        else:
+            gu = _fast_block_mm(xq[tok], xs[tok], ew.w13[e], ew.w13_scale[e])
+        h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
+        if ew.format == "fp8_per_tensor":
+            out = _fast_mm(_fp8_static(h, ew.a2_scale), ew.w2[e], ew.a2_scale, ew.w2_scale[e])
+        else:
+            hq, hs = quant_fp8_group(h)
+            out = _fast_block_mm(hq, hs, ew.w2[e], ew.w2_scale[e])
+        y.index_add_(0, tok, out.double() * topk_weights[tok, slot].double()[:, None])
+    y = y * routed_scaling
+    if shared_output is not None:
+        y = y + shared_output.double()
+    return y.float()
 
 
 def moe_index_reference(topk_ids: torch.Tensor, num_local: int, ep_rank: int, block_m: int, max_tiles: int):
