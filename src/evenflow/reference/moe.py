@@ -129,9 +129,13 @@ def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b:
     a8 = a8.contiguous()
     if pad:
         a8 = torch.cat([a8.view(torch.uint8), a8.new_zeros(pad, a8.shape[1], dtype=torch.uint8)]).view(a8.dtype)
-    out = torch._scaled_mm(a8, b8.contiguous().t(), scale_a.float().reshape(()), scale_b.float().reshape(()),
-                           out_dtype=torch.float32, use_fast_accum=True)
-    return out[:m]
+    # Unit scales in fresh tensors, the scales applied after in fp32 (one more rounding): on the
+    # H200 cuBLASLt answered CUBLAS_STATUS_NOT_SUPPORTED for the per-tensor calls that passed
+    # views such as w13_scale[e] (4 * e bytes into its storage) as scale pointers, and ran every
+    # call with freshly allocated unit scales (round J4).
+    one = torch.ones((), dtype=torch.float32, device=a8.device)
+    out = torch._scaled_mm(a8, b8.contiguous().t(), one, one, out_dtype=torch.float32, use_fast_accum=True)
+    return out[:m] * (scale_a.float().reshape(()) * scale_b.float().reshape(()))
 
 
 def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
