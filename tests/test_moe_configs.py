@@ -180,10 +180,9 @@ def test_index_sweep_builds_what_fused_moe_builds(device):
     assert table[0].count("|") == 2 * len(S.INDEX_CASES) + 2 and "3.2*" in table[2] and "RuntimeError" in table[2]
 
 
-@pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
-def test_tuner_dry_run_on_cpu(tmp_path, monkeypatch):
-    # the whole tuning loop on a tiny case in the interpreter, with a stub timer under which the
-    # 4-stage candidates are 10% faster: those win where timed, the rest is null, the table is sealed
+def _tiny_tuner_case(monkeypatch):
+    """(harness module, tuner module) with a tiny case "tiny" (8 experts, top-2, H 256, I 128)
+    registered in the MoE benchmark's cases and the tuner set to run on the CPU."""
     import dataclasses
 
     from evenflow.bench import harness as H
@@ -193,6 +192,14 @@ def test_tuner_dry_run_on_cpu(tmp_path, monkeypatch):
                                hidden=256, inter=128)
     monkeypatch.setitem(B.CASES, "tiny", tiny)
     monkeypatch.setattr(T, "DEVICE", "cpu")
+    return H, T
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
+def test_tuner_dry_run_on_cpu(tmp_path, monkeypatch):
+    # the whole tuning loop on a tiny case in the interpreter, with a stub timer under which the
+    # 4-stage candidates are 10% faster: those win where timed, the rest is null, the table is sealed
+    H, T = _tiny_tuner_case(monkeypatch)
     monkeypatch.setattr(H, "time_graph", lambda fns: 90.0 if fns[0].__defaults__[1].num_stages == 4 else 100.0)
     table = tmp_path / "t.json"
     assert T.main(["--cases", "tiny", "--formats", "bf16,fp8-tensor", "--buckets", "1,4", "--max-candidates", "3",
@@ -212,15 +219,7 @@ def test_tuner_dry_run_fast_formats_write_their_own_keys(tmp_path, monkeypatch):
     # --formats fp8-tensor-fast,fp8-block-fast: fused_moe(fp8_accum="fast") is timed (the stub
     # timer sees the calls' keyword), checked against the fast-accumulation baseline, and written
     # under the "-fast" keys, next to (never over) the default mode's entries
-    import dataclasses
-
-    from evenflow.bench import harness as H
-
-    B, T, _ = _bench_modules()
-    tiny = dataclasses.replace(B.CASES["qwen3-30b-a3b"], name="tiny", num_experts_total=8, num_local=8, top_k=2,
-                               hidden=256, inter=128)
-    monkeypatch.setitem(B.CASES, "tiny", tiny)
-    monkeypatch.setattr(T, "DEVICE", "cpu")
+    H, T = _tiny_tuner_case(monkeypatch)
     seen = []
 
     def timer(fns):
