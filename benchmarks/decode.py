@@ -50,8 +50,8 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # evenflow-pps2 rows made 2 the default), measured beside the default.
 # evenflow-nopdl: the default without programmatic dependent launch (round F), so the
 # launch gap it hides between the attention and combine kernels is measured.
-# evenflow-cost1 / -cost2: the plan charging 1 / 2 tiles of work per non-empty item (round G),
-# so bins of many short items hold fewer of them.
+# evenflow-cost1 / -cost2 (rows of rounds G-J2 files, no longer run): the plan charging 1 / 2
+# tiles of work per non-empty item (round G), so bins of many short items hold fewer of them.
 # evenflow-ws: each warp runs its own online softmax over its 16 tokens of every step, merged
 # once per chunk (round H); -ws-n128: 8 warps over 128-token steps, 1 program/SM; -ws-pps3: at
 # 3 programs/SM. The default (round H4) runs it on fp8 chunks of >= 24 tiles; -ws turns it on for

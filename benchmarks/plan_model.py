@@ -14,8 +14,9 @@ programs share the bandwidth (2x32K+30x4K: 184 of 264 bins busy). Prints the bud
 how many items are cut (each cut is a partial write and a combine merge).
 
 ``--fit`` calibrates ``tile_us``, ``chunk_us`` and ``base_us`` on measured result files
-(decode.json rows that measured a plan option, one variant: since round I1 ``evenflow``
-is ``alignup`` and ``evenflow-noalignup`` is ``cost0``; files measured before it, with
+(decode.json rows that measured a plan option, one variant: in rounds I1-J2 ``evenflow``
+is ``alignup`` and ``evenflow-noalignup`` is ``cost0`` (later files, where the default plan
+charges short items, do not fit this map); files measured before I1, with
 ``--before-i1``, have ``evenflow`` = ``cost0``, ``evenflow-cost1/2`` and ``evenflow-alignup``):
 a grid search for the least worst relative error over all rows, then the same table with the
 fitted values, each case beside its measured time.
