@@ -66,6 +66,16 @@ GROUP_AMAX_EPS = tl.constexpr(1e-10)
 
 
 @triton.jit
+def _fp8_operand(x, FAST_ACC: tl.constexpr, DOT_F32: tl.constexpr):
+    """An e4m3 tile as a ``tl.dot`` operand: as it is, for fp8 MMAs with fast accumulation
+    (FAST_ACC), else as exact f16 values (the default's f16 products, see the top)."""
+    if FAST_ACC:
+        return dot_operand(x, DOT_F32)
+    else:
+        return f16_operand(x, DOT_F32)
+
+
+@triton.jit
 def _local_ids(p_ids, o_p, num_pairs, e_first, num_local):
     """Local expert id of pairs o_p (0 where dropped) and whether the pair is kept on this rank."""
     m_p = o_p < num_pairs
@@ -384,27 +394,17 @@ def moe_gate_up_kernel(
         if MODE == 0:
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
             acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
-        elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel
-            if FAST_ACC:  # e4m3 dots accumulated in the running accumulator (see the top)
-                b_a8 = dot_operand(b_a, DOT_F32)
-                acc_g = tl.dot(b_a8, dot_operand(b_g, DOT_F32), acc_g)
-                acc_u = tl.dot(b_a8, dot_operand(b_u, DOT_F32), acc_u)
-            else:  # f16 products (see the top)
-                b_ah = f16_operand(b_a, DOT_F32)
-                acc_g = tl.dot(b_ah, f16_operand(b_g, DOT_F32), acc_g)
-                acc_u = tl.dot(b_ah, f16_operand(b_u, DOT_F32), acc_u)
+        elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; the whole K in acc (see the top)
+            b_a8 = _fp8_operand(b_a, FAST_ACC, DOT_F32)
+            acc_g = tl.dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g)
+            acc_u = tl.dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u)
         else:  # block scales: each K block's sum in a fresh tile, scaled, added in fp32
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
-            if FAST_ACC:  # a fresh e4m3 dot per 128-deep block: promoted once per 128
-                b_a8 = dot_operand(b_a, DOT_F32)
-                acc_g += tl.dot(b_a8, dot_operand(b_g, DOT_F32)) * (b_xs[:, None] * ws_g)
-                acc_u += tl.dot(b_a8, dot_operand(b_u, DOT_F32)) * (b_xs[:, None] * ws_u)
-            else:  # exact f16 products
-                b_ah = f16_operand(b_a, DOT_F32)
-                acc_g += tl.dot(b_ah, f16_operand(b_g, DOT_F32)) * (b_xs[:, None] * ws_g)
-                acc_u += tl.dot(b_ah, f16_operand(b_u, DOT_F32)) * (b_xs[:, None] * ws_u)
+            b_a8 = _fp8_operand(b_a, FAST_ACC, DOT_F32)
+            acc_g += tl.dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32)) * (b_xs[:, None] * ws_g)
+            acc_u += tl.dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32)) * (b_xs[:, None] * ws_u)
         p_a += BLOCK_K
         p_bg += BLOCK_K
         p_bu += BLOCK_K
@@ -482,16 +482,10 @@ def moe_down_kernel(
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
         elif MODE == 1:
-            if FAST_ACC:
-                acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
-            else:
-                acc = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32), acc)
+            acc = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32), acc)
         else:
             b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
-            if FAST_ACC:
-                b_d = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32))
-            else:
-                b_d = tl.dot(f16_operand(b_a, DOT_F32), f16_operand(b_b, DOT_F32))
+            b_d = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32))
             acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
         p_x += BLOCK_K
         p_b += BLOCK_K
