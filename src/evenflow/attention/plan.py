@@ -30,7 +30,8 @@ MAX_ITEM_COST = 8  # tiles; the combine relies on an item's first real tile lyin
 # tokens) on top of its tiles: its fixed cost (q load, first-page chain, pipeline fill, store)
 # is not hidden behind a filled pipeline. Measured in round J2 (H200, graph replay): the case
 # 32x128+32x4K went 175 -> 154 us (bf16) and 156 -> 119 us (fp8) at 2 units per item; charged
-# to every item, the same cost made the long-tail cases 4-10% slower (their 4K items' cuts move).
+# to every item, the same cost made the long-tail cases 3.5-5% (bf16) and 8-14% (fp8) slower, and
+# 1x32K+63x512 up to 12% / 15% (their long items' cuts move; history/round-j2).
 DEFAULT_ITEM_COST = 2
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
