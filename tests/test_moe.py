@@ -364,8 +364,11 @@ def test_randomised_sweep(device):
         check_moe(y, x, ids, w, ew, f"sweep {fmt} T={t} k={k} E={e}")
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_opcheck(device, fmt):
+@pytest.mark.parametrize("fmt,fp8_accum", [(f, "exact") for f in FORMATS] + [(f, "fast") for f in FORMATS[1:]])
+def test_opcheck(device, fmt, fp8_accum):
+    """The custom op's schema, fake tensor and AOT paths, with every argument set (fp8_accum
+    too: "fast" for the fp8 formats)."""
+    assert FORMATS[0] == "bf16"
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)
     x = torch.randn(3, h, device=device).bfloat16()
@@ -373,7 +376,7 @@ def test_opcheck(device, fmt):
     out = torch.empty(3, h, device=device, dtype=torch.bfloat16)
     shared = torch.randn(3, h, device=device).bfloat16()
     args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
-            ew.mode, 0, 4, shared, 1.5, out)
+            ew.mode, 0, 4, shared, 1.5, out, None, -1, -1, fp8_accum)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if fmt != "bf16":
         # torch's schema checker compares inputs before/after with arithmetic that has no
