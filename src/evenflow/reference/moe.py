@@ -118,12 +118,13 @@ def _fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
-def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor | None = None,
+             scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``scale_a * scale_b * (a8 @ b8.T)`` of e4m3 ``a8`` [M, K] and ``b8`` [N, K] by
     ``torch._scaled_mm(..., use_fast_accum=True)``: on sm_90 an fp8 tensor-core GEMM that
     accumulates with the hardware's reduced precision over the whole K (on a CPU, exact products
-    and fp32 sums). Rows are padded to a multiple of 16 with zeros (a row's result depends on
-    that row only)."""
+    and fp32 sums); without scales, the plain product. Rows are padded to a multiple of 16 with
+    zeros (a row's result depends on that row only)."""
     m = a8.shape[0]
     pad = -m % 16
     a8 = a8.contiguous()
@@ -135,6 +136,8 @@ def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b:
     # call with freshly allocated unit scales (round J4).
     one = torch.ones((), dtype=torch.float32, device=a8.device)
     out = torch._scaled_mm(a8, b8.contiguous().t(), one, one, out_dtype=torch.float32, use_fast_accum=True)
+    if scale_a is None:
+        return out[:m]
     return out[:m] * (scale_a.float().reshape(()) * scale_b.float().reshape(()))
 
 
@@ -143,11 +146,10 @@ def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: t
     the e4m3 values with unit scales, times its activation-group scales ``a_s`` [M, K/128] and
     weight-block scales ``b_s`` [N/128, K/128], summed in fp32 in K order (promotion once per
     128: the DeepSeek-V3 recipe the kernels follow with fp8_accum="fast")."""
-    one = torch.ones((), dtype=torch.float32, device=a8.device)
     acc = torch.zeros(a8.shape[0], b8.shape[0], dtype=torch.float32, device=a8.device)
     for kb in range(a8.shape[1] // 128):
         ks = slice(kb * 128, (kb + 1) * 128)
-        part = _fast_mm(a8[:, ks], b8[:, ks], one, one)
+        part = _fast_mm(a8[:, ks], b8[:, ks])
         acc += part * (a_s[:, kb, None] * b_s[:, kb].repeat_interleave(128)[None, :])
     return acc
 
