@@ -64,6 +64,10 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # before, evenflow-cost1/2/4 charged every non-empty item.)
 # evenflow-noalignup: the plan without align_longer (the budget raised to a shortest item <= 1/16
 # longer than it; default since round I1, where it ran as the row evenflow-alignup).
+# evenflow-over2 / -over4: 2x / 4x as many bins as resident programs (4 / 8 per SM, registers
+# uncapped, so 2 per SM are resident): the hardware hands the next bin to whichever program
+# slot frees up, i.e. the bins are balanced at run time as well as by the plan (round K);
+# -over2c0: the same without the short-item cost.
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -78,6 +82,9 @@ PLAN_KNOBS = {
     "evenflow-nows": lambda sms: dict(warp_split=False),
     "evenflow-noalignup": lambda sms: dict(align_longer=False),
     "evenflow-noprefetch": lambda sms: dict(prefetch=False),
+    "evenflow-over2": lambda sms: dict(num_programs=4 * sms, max_registers=0),
+    "evenflow-over4": lambda sms: dict(num_programs=8 * sms, max_registers=0),
+    "evenflow-over2c0": lambda sms: dict(num_programs=4 * sms, max_registers=0, item_cost=0),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
