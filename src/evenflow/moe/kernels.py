@@ -14,9 +14,9 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 | inter           | [P, I]                | bf16 / fp8   | SiLU(gate)*up, row r = sorted row r (not pair id;  |
 |                 |                       |              | pair tiles: row = pair id)                         |
 | inter_scale     | [P, I/128]            | fp32         | fp8 block mode: per-row-per-128-group dequant scale|
-| pair_out        | [S_down, P, H]        | fp32         | topk_weight * expert output (K-split s), row = pair|
-|                 |                       | (bf16: bf16  | weight mode without a down K split: half the bytes |
-|                 |                       |  weights, S=1)| of the largest activation buffer at large batch)   |
+| pair_out        | [S_down, P, H]        | bf16 (S=1) / | topk_weight * expert output (K-split s), row = pair|
+|                 |                       | fp32 (S>1)   | (bf16 without a down K split: half the bytes of    |
+|                 |                       |              | the largest activation buffer at large batch)      |
 | gu_part         | [S_gu, tiles*BM, 2I]  | fp32         | gate-up split-K partials (S_gu > 1 only); pair     |
 |                 |                       |              | tiles: [S_gu, P, 2I], row = pair id                |
 | gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by the  |
@@ -449,7 +449,8 @@ def moe_down_kernel(
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
-    fp32; the reduce kernel sums the SPLIT_K slices (in order) with the top-k slots.
+    Stored in pair_out's dtype (bf16 with SPLIT_K == 1, else fp32 partial sums); the reduce
+    kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32.
     """
     pdl_enter(PDL)
     i_tile = tl.program_id(0)
