@@ -68,9 +68,6 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # uncapped, so 2 per SM are resident): the hardware hands the next bin to whichever program
 # slot frees up, i.e. the bins are balanced at run time as well as by the plan (round K);
 # -over2c0: the same without the short-item cost.
-# evenflow-skew: the plain loop computes each step's scores in the trip of the previous step's
-# softmax and P @ V (round K3); -skew-nows: the same, with the warp-split loop off, so long fp8
-# chunks take the skewed plain loop too.
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -88,8 +85,6 @@ PLAN_KNOBS = {
     "evenflow-over2": lambda sms: dict(num_programs=4 * sms, max_registers=0),
     "evenflow-over4": lambda sms: dict(num_programs=8 * sms, max_registers=0),
     "evenflow-over2c0": lambda sms: dict(num_programs=4 * sms, max_registers=0, item_cost=0),
-    "evenflow-skew": lambda sms: dict(skew=True),
-    "evenflow-skew-nows": lambda sms: dict(skew=True, warp_split=False),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)

@@ -124,39 +124,6 @@ def test_prefetch_keeps_results(kv, device, monkeypatch):
     assert seen == [True, False]
 
 
-@pytest.mark.parametrize("kv,page,q_len", [("bf16", 64, 1), ("fp8", 64, 1), ("bf16", 16, 2), ("fp8", 32, 3)])
-def test_skew_keeps_results(kv, page, q_len, device, monkeypatch):
-    """The skewed plain loop (a step's scores in the trip of the previous step's softmax, one
-    more trip per chunk) gives the same output bit for bit as the plain loop, both within the
-    rule: chunks of one tile, tile edges, empty items, a long item cut across bins, one page
-    per step (page 64) and one page id per token (pages 16 / 32), several query rows; the
-    plan's choice reaches the kernel (its SKEW constexpr)."""
-    from evenflow.attention import kernels as K
-
-    seen = []
-    real = K.decode_kernel
-
-    class Spy:  # records the SKEW constexpr of every decode_kernel launch
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                seen.append(kw["SKEW"])
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(K, "decode_kernel", Spy())
-    lens = [130, 0, 64, 65, 1, 700, 0, 200, 64 * 12 + 3, 0]
-    kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
-    q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, page, q_len, kv_dtype=kv_dtype, device=device)
-    scales = dict(k_scale=1 / 30, v_scale=1 / 40) if kv == "fp8" else {}
-    outs = []
-    for skew in (True, False):
-        plan = evenflow.DecodePlan(len(lens), 1 << 16, 2, page_size=page, q_len=q_len, device=device,
-                                   num_programs=3, min_tiles=1, skew=skew).update(sl)
-        outs.append(check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"skew={skew}", **scales).clone())
-    assert torch.equal(outs[0], outs[1])
-    assert seen == [True, False]
-
-
 def test_combine_groups_merge_deterministically_and_reset_their_counters(device):
     """Items of more chunks than one combine step are merged in groups, the last group to
     arrive finishing the item: two items of 61 and 40 chunks plus single-group ones, the

@@ -194,17 +194,10 @@ def _tiles_plain(
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-    SKEW: tl.constexpr,
 ):
     """Tiles [t0, t1) of one item, the warps sharing each step's softmax (scores split over
     the warps by token, the output by column). Returns (row max, weight sum, unnormalised
-    output), log2 domain.
-
-    SKEW: trip i computes step i's scores and step i-1's softmax and P @ V, so the two
-    dependent chains (K load -> convert -> q K^T; max -> exp -> sum -> P @ V) of
-    neighbouring steps are independent inside one trip and can overlap. One more trip per
-    chunk: the first runs its softmax on scores of -inf (weight 0, no effect), the last
-    computes scores of masked (zero) K that nothing reads."""
+    output), log2 domain."""
     o_d = tl.arange(0, D)
     b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -222,33 +215,15 @@ def _tiles_plain(
     o_tok = tl.arange(0, BLOCK_N)
     n_end = tl.minimum(L, t1 * TILE)
     b_pagex = _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-    if SKEW:
-        # the previous step's V rows and scores (none before the first trip)
-        p_vp = p_v + o_tok * 0
-        m_p = o_tok < 0
-        b_sp = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32) - float("inf")
-        for t in tl.range(t0, t1 + STEP, STEP, num_stages=NUM_STAGES):
-            o_n, m_n, p_kr, p_vr, b_pagex = _kv_step(
-                t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
-            b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(p_vp[:, None] + o_d[None, :], mask=m_p[:, None], other=0.0)
-            b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
-            b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
-            b_m, b_l, b_acc = _softmax_pv_step(b_sp, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
-            b_sp = b_s
-            p_vp = p_vr
-            m_p = m_n
-    else:
-        for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
-            o_n, m_n, p_kr, p_vr, b_pagex = _kv_step(
-                t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
-                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
-            b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
-            b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
-            b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
+    for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
+        o_n, m_n, p_kr, p_vr, b_pagex = _kv_step(
+            t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
+            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
+        b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
+        b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
+        b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
     return b_m, b_l, b_acc
 
 
@@ -307,7 +282,7 @@ def _attend_chunk(
     GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_Q_SCALE: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr, SKEW: tl.constexpr,
+    KV_FP8: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
 ):
     """Online softmax of one item's tiles [t0, t1); finish in place or write a partial."""
     ROWS: tl.constexpr = GROUP * Q_LEN
@@ -358,7 +333,7 @@ def _attend_chunk(
         b_m, b_l, b_acc = _tiles_plain(
             b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-            D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8, SKEW)
+            D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8)
     m_live = b_l > 0.0
     b_o = tl.where(m_live[:, None], b_acc * (v_scale / tl.where(m_live, b_l, 1.0))[:, None], 0.0)
     b_lse2 = tl.where(m_live, b_m + tl.log2(tl.where(m_live, b_l, 1.0)), float("-inf"))
@@ -387,7 +362,7 @@ def decode_kernel(
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
-    PREFETCH: tl.constexpr, SKEW: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -425,7 +400,7 @@ def decode_kernel(
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
-                WSPLIT, WS_MIN_TILES, SKEW,
+                WSPLIT, WS_MIN_TILES,
             )
     else:
         total = tl.load(p_meta + 0)
@@ -473,7 +448,7 @@ def decode_kernel(
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
-                WSPLIT, WS_MIN_TILES, SKEW,
+                WSPLIT, WS_MIN_TILES,
             )
             i += 1
             if PREFETCH:

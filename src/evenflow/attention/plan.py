@@ -103,9 +103,7 @@ class DecodePlan:
     <= 16 and head_dim <= 128, else ``decode_attention`` raises), or the warps share each
     step's softmax (``False``); default: on for fp8 KV where it can be built, off for bf16.
     ``prefetch`` (default on): each program loads the next item's tiles, end and length
-    before the current item's work (``False``: after it, to compare). ``skew`` (default off):
-    the plain loop computes each step's scores in the same trip as the previous step's
-    softmax and P @ V, so the two chains overlap (one more trip per chunk; round K).
+    before the current item's work (``False``: after it, to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -122,7 +120,7 @@ class DecodePlan:
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
                  pdl: bool | None = None, item_cost: int = DEFAULT_ITEM_COST, warp_split: bool | None = None,
-                 align_longer: bool | None = None, prefetch: bool = True, skew: bool = False,
+                 align_longer: bool | None = None, prefetch: bool = True,
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
@@ -176,9 +174,6 @@ class DecodePlan:
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
         self.prefetch = prefetch
-        if not isinstance(skew, bool):
-            raise TypeError(f"skew must be a bool, got {skew!r}")
-        self.skew = skew
         if warp_split is not None and not isinstance(warp_split, bool):
             raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")
         self.warp_split = warp_split
@@ -248,7 +243,7 @@ class DecodePlan:
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_longer={self.align_longer}, warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, skew={self.skew}, "
+                f"prefetch={self.prefetch}, "
                 f"device={self.device})")
 
 
