@@ -349,7 +349,7 @@ def record_check(msg, err, bound, row, impl, collective, world, rank, res, check
 
 def run_moe(args, shapes, res, checks, ceil, busbw, dev, rank, world, timing: bool) -> None:
     from evenflow.bench import harness as H
-    from evenflow.reference.moe import moe_reference
+    from evenflow.reference.moe import moe_baseline, moe_reference
 
     log(f"[multigpu] building full MoE weights {shapes} on every rank")
     w13, w2 = make_moe_weights(shapes, dev, args.seed)
@@ -395,7 +395,6 @@ def run_moe(args, shapes, res, checks, ceil, busbw, dev, rank, world, timing: bo
                 inputs.append((x.to(dev), ids.to(dev), tw.to(dev)))
             x0, ids0, tw0 = inputs[0]
             ref = moe_reference(x0, ids0, tw0, full, dtype=torch.float64)  # the unsplit layer
-            base_dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
             for kind in args.layouts:
                 lay = layouts[kind]
                 case = f"{prefix}-moe-{kind}{world}-{fmt}"
@@ -408,8 +407,7 @@ def run_moe(args, shapes, res, checks, ceil, busbw, dev, rank, world, timing: bo
                     continue
                 ew = lay["shard"]
                 # PyTorch doing the same split math in the working precision, through the same collective.
-                base = moe_reference(x0, ids0, tw0, ew, ep_rank=lay["ep_rank"], num_experts_total=ntot,
-                                     dtype=base_dtype).to(torch.bfloat16)
+                base = moe_baseline(x0, ids0, tw0, ew, ep_rank=lay["ep_rank"], num_experts_total=ntot)
                 par.all_reduce(base)
                 fl = moe_floor(kind, ew, shapes, ids0.cpu(), batch, world, ceil, busbw) if timing else None
                 for impl in args.impls:
@@ -420,7 +418,7 @@ def run_moe(args, shapes, res, checks, ceil, busbw, dev, rank, world, timing: bo
                 if rank == 0:
                     row = dict(case=f"{prefix}-moe-unsplit-{fmt}", variant=fmt, batch=batch, layout="unsplit",
                                ranks=1, impl="evenflow")
-                    base = moe_reference(x0, ids0, tw0, full, dtype=base_dtype).to(torch.bfloat16)
+                    base = moe_baseline(x0, ids0, tw0, full)
                     fl = moe_floor("unsplit", full, shapes, ids0.cpu(), batch, 1, ceil, None)
                     time_moe_row(args, res, checks, row, single["binders"]["evenflow"], inputs, ref, base, fl,
                                  dev, rank, world, timing, split=False)

@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     import evenflow
     from evenflow.bench import harness as H
     from evenflow.moe.fused import tuned_key
-    from evenflow.reference.moe import moe_fast_accum_baseline, moe_reference, random_moe_weights
+    from evenflow.reference.moe import moe_baseline, moe_reference, random_moe_weights
     from evenflow.testing import assert_within_rule
 
     args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra)
@@ -332,12 +332,8 @@ def main(argv=None) -> int:
         kw = {"ep_rank": case.ep_rank, "num_experts_total": case.num_experts_total}
         x0, ids0, tw0 = inputs[0]
         ref = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.float64, **kw).cpu()
-        if fm.fast_acc:  # the same math with PyTorch's fp8 fast-accumulation GEMMs
-            base = moe_fast_accum_baseline(x0, ids0, tw0, ews[0], ep_rank=case.ep_rank)
-        else:
-            base = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.bfloat16 if fmt == "bf16" else torch.float32,
-                                 **kw)
-        base = base.to(torch.bfloat16).cpu()
+        # the same math by PyTorch (with its fp8 fast-accumulation GEMMs for the fast formats)
+        base = moe_baseline(x0, ids0, tw0, ews[0], fast_accum=fm.fast_acc, **kw).cpu()
 
         def fns_of(cfg):
             return [lambda j=j, c=cfg: evenflow.fused_moe(*inputs[j], ews[j], config=c, fp8_accum=accum, **kw)

@@ -15,6 +15,7 @@ import torch
 import evenflow
 from evenflow.moe.fused import choose_config
 from evenflow.reference.moe import (
+    moe_baseline,
     moe_reference,
     quant_fp8_group,
     random_moe_weights,
@@ -30,8 +31,7 @@ SIZES = {"bf16": (64, 32), "fp8_per_tensor": (64, 64), "fp8_block": (256, 128)}
 
 def check_moe(y, x, ids, w, ew, what, **kw):
     ref = moe_reference(x, ids, w, ew, dtype=torch.float64, **kw)
-    base_dtype = torch.bfloat16 if ew.format == "bf16" else torch.float32
-    base = moe_reference(x, ids, w, ew, dtype=base_dtype, **kw).to(torch.bfloat16)
+    base = moe_baseline(x, ids, w, ew, **kw)
     assert y.dtype == torch.bfloat16
     return assert_within_rule(y, ref, base, what=what)
 

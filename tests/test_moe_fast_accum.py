@@ -18,7 +18,13 @@ import torch
 import evenflow
 from evenflow import _runtime
 from evenflow.moe.fused import MoEConfig, check_config, choose_config
-from evenflow.reference.moe import moe_fast_accum_baseline, moe_reference, random_moe_weights, random_routing
+from evenflow.reference.moe import (
+    moe_baseline,
+    moe_fast_accum_baseline,
+    moe_reference,
+    random_moe_weights,
+    random_routing,
+)
 from evenflow.testing import assert_within_rule, poisoned
 
 FP8_FORMATS = ["fp8_per_tensor", "fp8_block"]
@@ -30,11 +36,8 @@ def check_moe(y, x, ids, w, ew, what, fast=False, **kw):
     """The rule of tests/test_moe.py: fp64 oracle, baseline fp32 math on the fp8 values (the
     interpreter's fp8 dots are exact); on a GPU the fast mode's baseline has fast accumulation."""
     ref = moe_reference(x, ids, w, ew, dtype=torch.float64, **kw)
-    if fast and not _runtime.interpreting():
-        base = moe_fast_accum_baseline(x, ids, w, ew, **kw)
-    else:
-        base = moe_reference(x, ids, w, ew, dtype=torch.float32, **kw)
-    return assert_within_rule(y, ref, base.to(torch.bfloat16), what=what)
+    base = moe_baseline(x, ids, w, ew, fast_accum=fast and not _runtime.interpreting(), **kw)
+    return assert_within_rule(y, ref, base, what=what)
 
 
 @pytest.mark.parametrize("accum", ["exact", "fast"])

@@ -11,7 +11,7 @@ import torch
 import evenflow
 from evenflow.moe.routing import build_moe_index, max_tiles
 from evenflow.reference.moe import (
-    moe_fast_accum_baseline,
+    moe_baseline,
     moe_index_reference,
     moe_reference,
     random_moe_weights,
@@ -47,8 +47,7 @@ def inputs(shape, t):
 
 def check(y, x, ids, w, ew, ep_rank, what, **kw):
     ref = moe_reference(x, ids, w, ew, ep_rank=ep_rank, dtype=torch.float64, **kw)
-    base = moe_reference(x, ids, w, ew, ep_rank=ep_rank,
-                         dtype=torch.bfloat16 if ew.format == "bf16" else torch.float32, **kw).to(torch.bfloat16)
+    base = moe_baseline(x, ids, w, ew, ep_rank=ep_rank, **kw)
     return assert_within_rule(y, ref, base, what=what)
 
 
@@ -142,7 +141,7 @@ FAST_TILES = {
 
 def check_fast(y, x, ids, w, ew, ep_rank, what):
     ref = moe_reference(x, ids, w, ew, ep_rank=ep_rank, dtype=torch.float64)
-    base = moe_fast_accum_baseline(x, ids, w, ew, ep_rank=ep_rank).to(torch.bfloat16)
+    base = moe_baseline(x, ids, w, ew, fast_accum=True, ep_rank=ep_rank)
     err = assert_within_rule(y, ref, base, what=what)
     print(f"{what}: max abs error {err:.3e}, fast baseline's {float((base.double() - ref).abs().max()):.3e}")
     return err

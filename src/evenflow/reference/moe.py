@@ -23,10 +23,14 @@ FP8_MAX = 448.0
 GROUP_AMAX_EPS = 1e-10
 
 
+def _fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 values of fp32 ``x / scale`` (saturating), as the kernels quantise (not dequantised)."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def quant_fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """fp8 e4m3 of fp32 ``x / scale`` (saturating), as the kernels do it; returns the dequantised fp32."""
-    q = (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.float() * scale.float()
+    return _fp8_static(x, scale).float() * scale.float()
 
 
 def quant_fp8_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,11 +117,6 @@ def moe_reference(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=No
 
 # ---------------------------------------------------------------- baseline of fp8_accum="fast"
 
-def _fp8_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 values of fp32 ``x / scale`` (saturating), as the kernels quantise (not dequantised)."""
-    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
 def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor | None = None,
              scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``scale_a * scale_b * (a8 @ b8.T)`` of e4m3 ``a8`` [M, K] and ``b8`` [N, K] by
@@ -154,7 +153,7 @@ def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: t
     return acc
 
 
-def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, shared_output=None,
+def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
                             routed_scaling=1.0) -> torch.Tensor:
     """The tolerance rule's baseline for ``fused_moe(..., fp8_accum="fast")``: the same layer
     computed by PyTorch with fp8 fast accumulation (fp32 result, not rounded to bf16).
@@ -167,7 +166,8 @@ def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, shared_out
     SiLU(gate) * up in fp32, the intermediate requantised, the top-k weighted sum in float64 as
     in :func:`moe_reference`. On a GPU (sm_90) this is the precision class of SGLang's Triton
     fused MoE; on a CPU ``_scaled_mm`` sums exactly in fp32, so there it equals the default
-    mode's baseline up to fp32 rounding order.
+    mode's baseline up to fp32 rounding order. ``num_experts_total`` is accepted as by
+    :func:`moe_reference` (this rank's experts follow from ``ep_rank`` and the weights).
     """
     if ew.format not in ("fp8_per_tensor", "fp8_block"):
         raise ValueError(f"moe_fast_accum_baseline needs FP8 weights, got {ew.format}")
@@ -197,6 +197,21 @@ def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, shared_out
     if shared_output is not None:
         y = y + shared_output.double()
     return y.float()
+
+
+def moe_baseline(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw) -> torch.Tensor:
+    """The tolerance rule's baseline for ``fused_moe``: the same layer done by PyTorch in the
+    precision the kernels work in, rounded to bf16 like their output. BF16 weights: bf16
+    matmuls with a bf16 intermediate; FP8 weights: fp32 matmuls of the fp8 values (exact
+    products, fp32 sums, as the default mode's f16 MMAs); ``fast_accum`` (FP8 weights, for
+    ``fp8_accum="fast"``): :func:`moe_fast_accum_baseline`. ``kw``: ``ep_rank``,
+    ``num_experts_total``, ``shared_output``, ``routed_scaling``."""
+    if fast_accum:
+        base = moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, **kw)
+    else:
+        dtype = torch.bfloat16 if ew.format == "bf16" else torch.float32
+        base = moe_reference(x, topk_ids, topk_weights, ew, dtype=dtype, **kw)
+    return base.to(torch.bfloat16)
 
 
 def moe_index_reference(topk_ids: torch.Tensor, num_local: int, ep_rank: int, block_m: int, max_tiles: int):
