@@ -69,6 +69,10 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # slot frees up, i.e. the bins are balanced at run time as well as by the plan (round K);
 # -over2c0: the same without the short-item cost. Measured in round K1: slower than the default on
 # every bf16 case (0.4-16%), so not a default.
+# evenflow-pps4 / -pps4s2 / -pps5s2 / -pps3-nows: the plain loop only (no warp split) at 4, 4, 5
+# and 3 resident programs/SM (registers capped at 128 / 128 / 96 / 168 by the launcher), with 3,
+# 2, 2 and the launcher's stages: the sm_90 build of the fp8 plain loop needs no spill at 128
+# registers, so twice the warps per scheduler of the default fit (round L).
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -86,6 +90,10 @@ PLAN_KNOBS = {
     "evenflow-over2": lambda sms: dict(num_programs=4 * sms, max_registers=0),
     "evenflow-over4": lambda sms: dict(num_programs=8 * sms, max_registers=0),
     "evenflow-over2c0": lambda sms: dict(num_programs=4 * sms, max_registers=0, item_cost=0),
+    "evenflow-pps4": lambda sms: dict(num_programs=4 * sms, warp_split=False, num_stages=3),
+    "evenflow-pps4s2": lambda sms: dict(num_programs=4 * sms, warp_split=False, num_stages=2),
+    "evenflow-pps5s2": lambda sms: dict(num_programs=5 * sms, warp_split=False, num_stages=2),
+    "evenflow-pps3-nows": lambda sms: dict(num_programs=3 * sms, warp_split=False),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)

@@ -79,6 +79,29 @@ def test_real_shapes(case, kv):
     check(o2, None, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} {kv} static")
 
 
+# The plain loop (no warp split) at more resident programs per SM than the default: 4 or 5
+# per SM, the registers capped by the launcher at 128 / 96 (round L candidates).
+DENSE_PLANS = {"pps4": dict(pps=4, num_stages=3), "pps4s2": dict(pps=4, num_stages=2),
+               "pps5s2": dict(pps=5, num_stages=2)}
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8-q"])
+@pytest.mark.parametrize("name", list(DENSE_PLANS))
+def test_plain_loop_at_more_programs_per_sm(name, kv):
+    kw = dict(DENSE_PLANS[name])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = CASES["1x32K+63x512"][:40] + CASES["odd"]
+    kvdt = FP8 if kv.startswith("fp8") else torch.bfloat16
+    q, qs, k, v, pt, sl = inputs(lens, kv=kvdt, qdt=FP8 if kv == "fp8-q" else torch.bfloat16)
+    ks, vs = (torch.tensor([1 / 30], device="cuda"), 1 / 40) if kvdt == FP8 else (None, None)
+    plan = evenflow.DecodePlan(64, 64 * K, 8, device="cuda", num_programs=kw.pop("pps") * sms, warp_split=False,
+                               **kw).update(sl)
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
+                                       return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{name} {kv}")
+
+
 @pytest.mark.parametrize("hq,hkv,d,page,q_len", [(8, 1, 128, 64, 1), (32, 4, 128, 16, 2), (16, 4, 64, 32, 4),
                                                  (8, 2, 256, 128, 3), (16, 1, 128, 64, 1)])
 def test_shapes(hq, hkv, d, page, q_len):
