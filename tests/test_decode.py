@@ -65,7 +65,7 @@ def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None
 
 def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
         dynamic=True, num_programs=4, min_tiles=1, hnd=False, num_warps=None, num_stages=None, block_n=None,
-        item_cost=None, item_cost_max_tiles="default", warp_split=None, fp8_convert=None, **kw):
+        item_cost=None, item_cost_max_tiles="default", warp_split=None, **kw):
     q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd, device=device)
     plan = None
     if dynamic:
@@ -75,7 +75,7 @@ def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfl
         plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
                                    num_programs=num_programs, min_tiles=min_tiles, num_warps=num_warps,
                                    num_stages=num_stages, block_n=block_n, warp_split=warp_split,
-                                   fp8_convert=fp8_convert, **costs).update(sl)
+                                   **costs).update(sl)
     return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
 
 
@@ -294,38 +294,6 @@ def test_warp_split_keeps_results(case, device):
     kw = WARP_SPLIT_CASES[case]
     assert _longest_final_chunk(kw["lens"], kw.get("hkv", 2), kw["num_programs"]) >= WS_MIN_TILES
     run(device, warp_split=True, **kw)
-
-
-@pytest.mark.parametrize("warp_split", [False, True], ids=["plain", "split"])
-@pytest.mark.parametrize("q_dtype", [torch.bfloat16, FP8], ids=["bf16-q", "fp8-q"])
-def test_fp8_convert_modes_are_bitwise_equal(q_dtype, warp_split, device):
-    """fp8 K/V to f16 by integer bit moves (exactly x * 2^-8, the 2^8 carried by the score and
-    output scales) or by the conversion instruction: the same products scaled by a power of
-    two, so the same output and LSE bit for bit, on both loops, with subnormal, zero and
-    extreme e4m3 values in the cache (on a GPU the bit moves are inline PTX)."""
-    lens = [1700, 0, 130, 64]
-    q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, 64, 1, FP8, q_dtype, device=device)
-    special = torch.tensor([0.0, -0.0, 2.0**-9, -2.0**-9, 7 * 2.0**-9, 2.0**-6, 448.0, -448.0, 1.0, -0.5])
-    for x in (k, v):  # every value class of e4m3 (not NaN) somewhere in the cache
-        flat = x.view(-1)
-        idx = torch.randperm(flat.numel(), device=device)[:2000]
-        flat[idx] = special.to(device)[torch.arange(2000, device=device) % special.numel()].to(FP8)
-    got = {}
-    for mode in ("cvt", "alu-v", "alu-kv"):
-        plan = evenflow.DecodePlan(len(lens), 1 << 16, 2, device=device, num_programs=3, min_tiles=1,
-                                   warp_split=warp_split, fp8_convert=mode).update(sl)
-        check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=1 / 30, v_scale=1 / 40, what=mode)
-        o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=1 / 30, v_scale=1 / 40,
-                                           return_lse=True)
-        got[mode] = (o, lse)
-    for mode in ("alu-v", "alu-kv"):
-        assert torch.equal(got[mode][0], got["cvt"][0]), f"{mode}: output differs from the conversion instruction's"
-        assert torch.equal(got[mode][1], got["cvt"][1]), f"{mode}: lse differs from the conversion instruction's"
-
-
-def test_fp8_convert_is_checked(device):
-    with pytest.raises(ValueError, match="fp8_convert must be one of"):
-        evenflow.DecodePlan(2, 1024, 2, device=device, fp8_convert="fast")
 
 
 def test_warp_split_static_schedule(device):

@@ -77,29 +77,6 @@ def e4m3_to_f16_in_registers(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def e4m3_to_f16_scaled_alu(x, INTERPRET: tl.constexpr):
-    """e4m3 ``x`` -> f16 equal to ``x * 2**-8`` exactly, by integer bit moves instead of the
-    conversion instruction: the sign goes to bit 15 and the 7 exponent-and-mantissa bits
-    to bits 7-13, which reads as an f16 whose exponent bias is 8 more than e4m3's (15 vs 7).
-    e4m3 subnormals land on f16 subnormals (2^-17 and up: exact). The caller folds the 2^8
-    back into a scale. The e4m3 NaN pattern (S.1111.111) becomes +-480 * 2^-8, not NaN.
-    Per 4 values: 2 PRMT, 2 SHF and ~4 LOP3 on the integer pipe, against 2 F2FP on the
-    conversion pipe: which one bounds a loop is measured (perf notes, decode round L).
-    """
-    if INTERPRET:
-        return x.to(tl.float16) * 0.00390625
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 z, s0, s1, t0, t1; mov.b32 z, 0; "
-            "prmt.b32 s0, $2, z, 0x1404; prmt.b32 s1, $2, z, 0x3424; "
-            "shr.b32 t0, s0, 1; shr.b32 t1, s1, 1; "
-            "and.b32 t0, t0, 0x3F803F80; and.b32 t1, t1, 0x3F803F80; "
-            "and.b32 s0, s0, 0x80008000; and.b32 s1, s1, 0x80008000; "
-            "or.b32 $0, t0, s0; or.b32 $1, t1, s1; }",
-            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
-
-
-@triton.jit
 def arrived_last(p_counter, expected):
     """Count this program in at ``p_counter``; True in the one that arrives ``expected``-th.
 

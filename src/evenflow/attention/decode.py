@@ -39,7 +39,7 @@ import torch
 from evenflow import _runtime
 from evenflow._checks import check_out, check_tensor
 from evenflow.attention import kernels as K
-from evenflow.attention.plan import FP8_CONVERT, TILE, DecodePlan, static_splits
+from evenflow.attention.plan import TILE, DecodePlan, static_splits
 
 FP8 = torch.float8_e4m3fn
 _QDT = (torch.bfloat16, FP8)
@@ -144,12 +144,11 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
-               prefetch: bool = True, fp8_convert: int = -1) -> None:
+               prefetch: bool = True) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
-    # loads the next item's metadata before the current item's work; fp8_convert: the kernels'
-    # KV_FP8 mode for fp8 KV (plan.FP8_CONVERT), -1 = the launcher's choice
+    # loads the next item's metadata before the current item's work
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -162,11 +161,6 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     wsplit = _warp_split(block_n, num_warps, warp_split, k_cache.dtype == FP8, block_m, D)
     np_ = prog_start.shape[0] - 1
     use_fp8_dot = q.dtype == FP8 and k_cache.dtype == FP8
-    kv_mode = 0
-    if k_cache.dtype == FP8:
-        kv_mode = 1 if fp8_convert < 0 else fp8_convert
-        if use_fp8_dot and kv_mode == 3:
-            kv_mode = 2  # an fp8 q multiplies the fp8 K as is: only V is converted
     has_lse = lse is not None
     qs = q_scale if q_scale is not None else q
     common = dict(HKV=Hkv, GROUP=G, Q_LEN=q_len, D=D, BLOCK_M=block_m, IS_STATIC=is_static, HAS_LSE=has_lse)
@@ -184,7 +178,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        KV_FP8=kv_mode,
+        KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
         WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, num_warps=num_warps,
         **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
@@ -213,7 +207,7 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_gml,
       combine_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fp8_convert=-1):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True):
     return None
 
 
@@ -328,8 +322,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
-                   -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   FP8_CONVERT[plan.fp8_convert])
+                   -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

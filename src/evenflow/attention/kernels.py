@@ -39,8 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from evenflow._kernels.common import (arrived_last, dot_operand, e4m3_to_f16_in_registers, e4m3_to_f16_scaled_alu,
-                                      pdl_enter)
+from evenflow._kernels.common import arrived_last, dot_operand, e4m3_to_f16_in_registers, pdl_enter
 
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).
@@ -160,22 +159,12 @@ def _kv_step(t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_page
 
 
 @triton.jit
-def _k_operand(b_k, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr):
-    """The step's K as loaded, or (KV_FP8 == 3) as f16 * 2^-8 by integer bit moves, the
-    kernel's score scale carrying the 2^8."""
-    if KV_FP8 == 3:
-        return e4m3_to_f16_scaled_alu(b_k, DOT_F32)
-    else:
-        return b_k
-
-
-@triton.jit
 def _scores(b_q, b_kt, USE_FP8_DOT: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr):
     """q @ K^T of one step (``b_kt``: K transposed, 2-D or batched 3-D): fp8 x fp8 as is,
     fp8 K as exact f16 values against the f16 q, else bf16."""
     if USE_FP8_DOT:
         return tl.dot(b_q, b_kt)
-    elif KV_FP8:  # (KV_FP8 == 3: K is f16 already, see _k_operand)
+    elif KV_FP8:
         return tl.dot(dot_operand(b_q, DOT_F32), dot_operand(b_kt.to(tl.float16), DOT_F32))
     else:
         return tl.dot(dot_operand(b_q, DOT_F32), dot_operand(b_kt, DOT_F32))
@@ -192,10 +181,7 @@ def _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, AX: tl.constexpr, KV_FP8: tl.con
     b_p = tl.exp2(b_s - tl.expand_dims(b_msafe, AX))
     b_l = b_l * b_alpha + tl.sum(b_p, axis=AX)
     if KV_FP8:
-        if KV_FP8 >= 2:
-            b_vh = e4m3_to_f16_scaled_alu(b_v, DOT_F32)  # V * 2^-8; the kernel's v_scale carries the 2^8
-        else:
-            b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
+        b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
         b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
     else:
         b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
@@ -235,7 +221,7 @@ def _tiles_plain(
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
         b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
         b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        b_s = _scores(b_q, tl.trans(_k_operand(b_k, KV_FP8, DOT_F32)), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
+        b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
         b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
     return b_m, b_l, b_acc
@@ -276,8 +262,7 @@ def _tiles_split(
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
         b_k = tl.load(p_kr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
         b_v = tl.load(p_vr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
-        b_s = _scores(b_q3, tl.permute(_k_operand(b_k, KV_FP8, DOT_F32), (0, 2, 1)), USE_FP8_DOT, KV_FP8,
-                      DOT_F32) * b_rs[None, :, None]
+        b_s = _scores(b_q3, tl.permute(b_k, (0, 2, 1)), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[None, :, None]
         b_s = tl.where((o_n[:, None, :] < b_vis[None, :, None]) & m_n[:, None, :], b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 2, KV_FP8, DOT_F32)
     # merge the groups (a group that saw no visible token has max -inf and weight 0)
@@ -396,12 +381,6 @@ def decode_kernel(
     v_scale = v_scale_f
     if HAS_V_SCALE_PTR:
         v_scale = v_scale * tl.load(p_vs)
-    # KV_FP8: 0 bf16 KV; fp8 KV converted to f16 by the conversion instruction (1), V (2) or K
-    # and V (3) by integer bit moves to f16 * 2^-8, the 2^8 carried by the scales (exact).
-    if KV_FP8 >= 2:
-        v_scale = v_scale * 256.0
-    if KV_FP8 == 3:
-        qk_scale = qk_scale * 256.0
     if IS_STATIC:
         item = pid // splits
         c = pid % splits

@@ -35,9 +35,6 @@ MAX_ITEM_COST = 8  # tiles; the combine relies on an item's first real tile lyin
 DEFAULT_ITEM_COST = 2
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
-# fp8 KV -> f16 operand conversion (DecodePlan's fp8_convert) -> the kernels' KV_FP8 mode; None:
-# the launcher's choice
-FP8_CONVERT = {None: -1, "cvt": 1, "alu-v": 2, "alu-kv": 3}
 
 
 def default_num_programs(device) -> int:
@@ -106,11 +103,7 @@ class DecodePlan:
     <= 16 and head_dim <= 128, else ``decode_attention`` raises), or the warps share each
     step's softmax (``False``); default: on for fp8 KV where it can be built, off for bf16.
     ``prefetch`` (default on): each program loads the next item's tiles, end and length
-    before the current item's work (``False``: after it, to compare). ``fp8_convert``: how
-    fp8 KV becomes the f16 MMA operands: ``"cvt"`` (the conversion instruction, 2 values per
-    instruction), ``"alu-v"`` (V by integer bit moves, K by the instruction) or ``"alu-kv"``
-    (both by bit moves; with an fp8 q, K is not converted at all, so it is ``"alu-v"``); the
-    results are bitwise equal; default (``None``): ``"cvt"``.
+    before the current item's work (``False``: after it, to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -128,7 +121,7 @@ class DecodePlan:
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
                  pdl: bool | None = None, item_cost: int = DEFAULT_ITEM_COST, warp_split: bool | None = None,
                  align_longer: bool | None = None, prefetch: bool = True,
-                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, fp8_convert: str | None = None):
+                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -184,9 +177,6 @@ class DecodePlan:
         if warp_split is not None and not isinstance(warp_split, bool):
             raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")
         self.warp_split = warp_split
-        if fp8_convert not in FP8_CONVERT:
-            raise ValueError(f"fp8_convert must be one of {list(FP8_CONVERT)}, got {fp8_convert!r}")
-        self.fp8_convert = fp8_convert
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
         i32 = dict(dtype=torch.int32, device=dev)
@@ -253,7 +243,7 @@ class DecodePlan:
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_longer={self.align_longer}, warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, fp8_convert={self.fp8_convert}, "
+                f"prefetch={self.prefetch}, "
                 f"device={self.device})")
 
 
