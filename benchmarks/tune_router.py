@@ -84,12 +84,14 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
                 for split in _splits(tiles, k, bk, 1, sms, 4, per_sm=2.0):
                     out.append(GemmConfig(bm, bn, bk, split, 4, stages))
     else:
-        # Round L: K slices down to 4 steps of 64 (were >= 8), so a narrow shape at a few
+        # Round L: K slices down to 256 deep (were >= 8 steps of 64), so a narrow shape at a few
         # hundred rows (Qwen3 2048x128 at M = 512: 16 tiles) can spread over more programs.
-        for bm, bn, warps, stages in ((64, 64, 4, 4), (128, 64, 8, 3), (64, 128, 8, 3)):
+        # 128-deep K steps too: half the dependent steps per slice (round L).
+        for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
+                                          (64, 64, 128, 4, 3), (128, 64, 128, 8, 2)):
             tiles = math.ceil(m / bm) * math.ceil(n / bn)
-            for split in _splits(tiles, k, 64, 4, sms, 4):
-                out.append(GemmConfig(bm, bn, 64, split, warps, stages))
+            for split in _splits(tiles, k, bk, 256 // bk, sms, 4):
+                out.append(GemmConfig(bm, bn, bk, split, warps, stages))
 
     out = splitk_candidates(m, n, k, sms, terms) + _distinct_launches(out, m, n, k, terms) + simt_candidates(m)
     if plain:
