@@ -73,9 +73,10 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # and 3 resident programs/SM (registers capped at 128 / 128 / 96 / 168 by the launcher), with 3,
 # 2, 2 and the launcher's stages: the sm_90 build of the fp8 plain loop needs no spill at 128
 # registers, so twice the warps per scheduler of the default fit (round L).
-# Measured in round L1: faster than the default on 3 fp8 cases (2x32K+30x4K +16%), slower on 2
-# (32x4K -16%) and every bf16 case, so not a default. (Round L2's -alu-v / -alu-kv rows, fp8 K or
-# V converted by integer bit moves, were measured and the option withdrawn: history/round-l2.)
+# Measured in round L1: -pps4 faster than the default on 3 fp8 cases (2x32K+30x4K +16%),
+# slower on 2 (32x4K -16%) and on every bf16 case, the others below it on most cases, so not a
+# default. (Round L2's -alu-v / -alu-kv rows, fp8 K or V converted by integer bit moves, were
+# measured and the option withdrawn: history/round-l2.)
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),

@@ -18,18 +18,19 @@ count (``--terms``, default 3 = RouterWeight's default). Writes
 ``src/evenflow/router/configs/<gpu>.json`` (or ``--table``) and, when ``$OUT`` is set,
 a copy under ``$OUT/router-configs/``.
 
-Budget: ~40 compiled kernel variants in all (the split count is a runtime argument,
-only split/no-split is compiled; ~1 s of JIT each) and ~400 timings (~0.1 s each,
-graph capture included): ~100 s for the four shapes. ``--budget-s`` bounds the run: each
+Budget: ~120 compiled kernel variants of the split-weight kernel in all (the split count
+is a runtime argument, only split/no-split is compiled; ~1 s of JIT each; `--compile-only`
+builds every one for sm_90 on any machine) and ~600 timings (~0.1 s each, graph capture
+included): ~100-150 s for the four shapes. ``--budget-s`` bounds the run: each
 remaining bucket gets an equal share of the time left (compiling its candidates first
 does not count against the share) and stops timing candidates (best-first order, at
 least one; the table's current pick for the bucket, fp32-simt and the plain paths always)
 when its share is spent. Every candidate's
 ``num_stages`` is capped by shared memory (``GemmConfig.fit_smem``) before it is timed.
 The space is pruned by reasoning (docs/perf-notes/router.md): small M is bound by reading W and by latency, so
-only split-K and the K step vary there; large M is tensor-core bound, so only the tile
-shape and a small split vary; 128x128 tiles are out (three fp32 accumulators + the
-fresh product tile would spill at 8 warps).
+only split-K and the K step vary there; from a few hundred rows up the tile shape, the K
+step (64, 128 or 256) and the split vary, with K slices of at least 256; 128x128 tiles are
+out (three fp32 accumulators + the fresh product tile would spill at 8 warps).
 """
 from __future__ import annotations
 
@@ -86,9 +87,10 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
     else:
         # Round L: K slices down to 256 deep (were >= 8 steps of 64), so a narrow shape at a few
         # hundred rows (Qwen3 2048x128 at M = 512: 16 tiles) can spread over more programs.
-        # 128-deep K steps too: half the dependent steps per slice (round L).
+        # 128-deep K steps too: half the dependent steps per slice (round L4); and the 64x32 tile
+        # with 256-deep steps that the M = 64 bucket picks (round L5).
         for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
-                                          (64, 64, 128, 4, 3), (128, 64, 128, 8, 2)):
+                                          (64, 64, 128, 4, 3), (128, 64, 128, 8, 2), (64, 32, 256, 4, 2)):
             tiles = math.ceil(m / bm) * math.ceil(n / bn)
             for split in _splits(tiles, k, bk, 256 // bk, sms, 4):
                 out.append(GemmConfig(bm, bn, bk, split, warps, stages))

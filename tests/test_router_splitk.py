@@ -280,6 +280,22 @@ def test_opcheck_router_gemm_fp32_splitk_op(device):
                           (x, w, out, part, count, 4, 4, 16, 2, 4, 3))
 
 
+def test_tuner_candidates_above_64_rows():
+    """From a few hundred rows up the tuner offers 64-, 128- and 256-deep K steps with K slices
+    of at least 256 (round L), shared memory within a block's limit for three weight parts, and
+    the table's kind of pick for Qwen3 at M = 512 (64x64, 128-deep steps, split 6)."""
+    tuner = _tuner()
+    for k, n in SHAPES.values():
+        for m in (128, 512, 2048):
+            tri = [c for c in tuner.candidates(m, n, k, 132) if c.path == "triton"]
+            assert {c.block_k for c in tri} == {64, 128, 256}
+            for c in tri:
+                k_slice = -(-k // c.split_k)
+                assert c.split_k == 1 or k_slice >= 256, f"{c}: {k_slice}-deep slices at K={k}"
+                assert c.fit_smem(3).num_stages >= 1
+    assert GemmConfig(64, 64, 128, 6, 4, 3) in tuner.candidates(512, 128, 2048, 132)
+
+
 def test_tuner_offers_splitk_first_and_merges_bucket_runs():
     tuner = _tuner()
     for k, n in SHAPES.values():
