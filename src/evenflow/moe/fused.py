@@ -487,8 +487,10 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     else:
         check_out("out", out, (t, h), torch.bfloat16, dev)
     if check_ids and t > 0 and _ids_checkable(topk_ids):
-        bad = (topk_ids < 0) | (topk_ids >= num_experts_total)
-        if bool(bad.any()):
+        # one reduction and one copy to the host (a compare, an or and an any-reduce before)
+        lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()
+        if lo < 0 or hi >= num_experts_total:
+            bad = (topk_ids < 0) | (topk_ids >= num_experts_total)
             raise ValueError(f"topk_ids must lie in [0, num_experts_total={num_experts_total}); "
                              f"found {topk_ids[bad][:4].tolist()}")
     if config is not None:
