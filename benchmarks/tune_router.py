@@ -90,10 +90,12 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
         # 128-deep K steps too: half the dependent steps per slice (round L4); and the 64x32 tile
         # with 256-deep steps that the M = 64 bucket picks (round L5), and its 64x64 / 128x32
         # neighbours (one 256-deep step per program at wide splits: the stage count then does
-        # not matter; round L6).
+        # not matter; round L6); 64x32 tiles within 80 KB of shared memory, so two programs
+        # share an SM and overlap their latency chains (round L9).
         for bm, bn, bk, warps, stages in ((64, 64, 64, 4, 4), (128, 64, 64, 8, 3), (64, 128, 64, 8, 3),
                                           (64, 64, 128, 4, 3), (128, 64, 128, 8, 2), (64, 32, 256, 4, 2),
-                                          (64, 64, 256, 4, 1), (128, 32, 256, 8, 2)):
+                                          (64, 64, 256, 4, 1), (128, 32, 256, 8, 2),
+                                          (64, 32, 128, 4, 2), (64, 32, 256, 4, 1)):
             tiles = math.ceil(m / bm) * math.ceil(n / bn)
             for split in _splits(tiles, k, bk, 256 // bk, sms, 4):
                 out.append(GemmConfig(bm, bn, bk, split, warps, stages))
