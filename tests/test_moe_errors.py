@@ -70,6 +70,8 @@ def test_call_checks(device, layer):
         evenflow.fused_moe(x, torch.tensor([[0, 4]] * 3, dtype=torch.int32, device=device), w, ew)
     with pytest.raises(ValueError, match="topk_ids must lie in"):
         evenflow.fused_moe(x, torch.tensor([[0, -1]] * 3, dtype=torch.int32, device=device), w, ew)
+    with pytest.raises(ValueError, match=r"topk_ids must lie in .*found \[4\]"):  # int64 ids too
+        evenflow.fused_moe(x, torch.tensor([[0, 1], [2, 4], [3, 0]], dtype=torch.int64, device=device), w, ew)
     with pytest.raises(ValueError, match="num_experts_total is required"):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1)
     with pytest.raises(ValueError, match="num_experts_total >= 8"):

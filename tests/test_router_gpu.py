@@ -53,7 +53,8 @@ def test_max_abs_error_target_all_m(case, terms):
                                  GemmConfig(64, 32, 256, 8, 4, 2), GemmConfig(64, 64, 256, 8, 4, 1),
                                  GemmConfig(128, 32, 256, 8, 8, 2), GemmConfig(64, 32, 128, 8, 4, 2),
                                  GemmConfig(64, 32, 256, 8, 4, 1)],
-                         ids=lambda c: f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.split_k}-w{c.num_warps}")
+                         ids=lambda c: (f"{c.block_m}x{c.block_n}x{c.block_k}-s{c.split_k}"
+                                        f"-w{c.num_warps}-st{c.num_stages}"))
 @pytest.mark.parametrize("terms", [3, 2])
 def test_forced_configs_tails(cfg, terms):
     # N and K not multiples of the tiles, several M: masks compile and hold on the GPU.

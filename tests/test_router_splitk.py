@@ -283,7 +283,7 @@ def test_opcheck_router_gemm_fp32_splitk_op(device):
 def test_tuner_candidates_above_64_rows():
     """From a few hundred rows up the tuner offers 64-, 128- and 256-deep K steps with K slices
     of at least 256 (round L), shared memory within a block's limit for three weight parts, and
-    the table's kind of pick for Qwen3 at M = 512 (64x64, 128-deep steps, split 6)."""
+    L4's pick for Qwen3 at M = 512 (64x64, 128-deep steps, split 6) among them."""
     tuner = _tuner()
     for k, n in SHAPES.values():
         for m in (128, 512, 2048):
