@@ -105,7 +105,7 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     experts are streamed by enough programs at once.
 
     ``fast_acc`` (FP8 weights, ``fp8_accum="fast"``): K-steps of at least 32 (fp8 dots), and
-    above 16 rows per expert the fp8-wgmma tiles of :func:`_fast_acc_tiles`.
+    above 16 rows per expert fp8-wgmma tiles (64 rows; 128 past 128 rows in per-tensor mode).
     """
     e_tot = num_experts_total or num_local
     local_pairs = num_tokens * top_k * num_local / e_tot  # expected pairs routed to this rank
@@ -128,7 +128,11 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             _largest_divisor(hidden, (64, 32, 16)),
             _largest_divisor(inter, k_opts),
         )
-    if rows > 32:
+    if rows > 32 or (fp8 and fast_acc and rows > 16):
+        # Fast accumulation (fp8 weights) takes these fp8-wgmma tiles from 16 rows per expert up:
+        # 64 rows (one wgmma M per warpgroup) up to 128 rows, 128 past it (per-tensor; block mode
+        # stays at 64 below, since each K block's fresh product tile doubles its accumulator
+        # registers); sm_90 compile facts in docs/perf-notes/moe.md, round J.
         # Prefill-sized expert groups (round B: 0.39-0.69x SGLang at T >= 512 with 64-wide N and 4
         # warps): 128-wide N blocks halve the activation re-reads per weight byte, 8 warps give the
         # wgmma M=64 per warpgroup pair enough rows; BLOCK_M 128 once experts see >= 128 rows.
@@ -140,10 +144,7 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             num_warps=8,
         )
         block_m = cfg.block_m
-    if fp8 and rows > 16 and fast_acc:
-        cfg = _fast_acc_tiles(cfg, rows, hidden, inter, mode)
-        block_m = cfg.block_m
-    elif fp8 and rows > 16:
+    if fp8 and rows > 16:
         # sm_90 compile (ptxas -v, round 5): fp8 dots with max_num_imprecise_acc keep a second
         # accumulator per dot, so gate + up tiles of 64x128 on 4 warps or 128x128 on 8 warps need
         # > 255 registers: the block-mode gate-up spilled 1.5 KB per thread at T = 512 (0.14 of
@@ -156,7 +157,7 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         # measured the alternatives.
         if mode == 2:
             cfg = replace(cfg, block_m=64, down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n, num_warps=8)
-        elif cfg.block_m > 64:
+        elif cfg.block_m > 64 and not fast_acc:
             cfg = replace(cfg, gu_block_n=_largest_divisor(inter, (64, 32, 16)))
         block_m = cfg.block_m
     busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
@@ -166,24 +167,6 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         cfg,
         gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target, eb),
         down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target, eb),
-    )
-
-
-def _fast_acc_tiles(cfg: MoEConfig, rows: float, hidden: int, inter: int, mode: int) -> MoEConfig:
-    """fp8-wgmma tiles of the fast-accumulation mode above 16 rows per expert (sm_90 compile
-    facts: docs/perf-notes/moe.md, round J). 64 rows (one wgmma M per warpgroup) up to 128 rows
-    per expert, 128 past it; 8 warps; 128-wide N where the sizes allow (K steps as choose_config
-    gives them: 128 deep at the benchmark shapes, 64 in Hy3 TP8's down GEMM, I = 192).
-    Per-tensor keeps one accumulator per dot (no promotion tile): gate + up at 128x128 hold
-    128 fp32 registers per thread. Block mode also keeps each K block's fresh product tile
-    (scaled, then added), twice the accumulator registers: it stays at 64 rows."""
-    block_m = 128 if rows > 128 and mode == 1 else 64
-    return replace(
-        cfg,
-        block_m=block_m,
-        gu_block_n=128 if inter % 128 == 0 else cfg.gu_block_n,
-        down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n,
-        num_warps=8,
     )
 
 
