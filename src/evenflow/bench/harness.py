@@ -156,6 +156,7 @@ def time_eager(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
 
 
 WARM_US = 10_000.0  # GPU time of warm replays before a graph is timed
+WARM_MAX_REPLAYS = 200  # at most this many of them (µs-long graphs would otherwise take thousands)
 
 
 def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, reps: int = 30,
@@ -184,25 +185,12 @@ def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     # work (allocation, weight splits, capture) and was timed up to ~6% slower than the same
     # kernel timed later in the same point (router round K4, µs-long calls), which fits a GPU
     # clock still ramping up; a few ms of back-to-back replays settle it.
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    g.replay()
-    b.record()
-    b.synchronize()
-    for _ in range(min(200, math.ceil(WARM_US / max(a.elapsed_time(b) * 1e3, 1.0)))):
+    one_us = _median_ms(g.replay, reps=1) * 1e3
+    for _ in range(min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))):
         g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    us = _median_ms(g.replay, reps) * 1e3 / len(calls)
     del g
-    times.sort()
-    return times[len(times) // 2]
+    return us
 
 
 # ----------------------------------------------------------------------------- ceilings
