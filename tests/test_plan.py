@@ -337,5 +337,6 @@ def test_plan_opcheck(device):
     plan = evenflow.DecodePlan(4, 1000, 2, device=device, num_programs=3, min_tiles=1)
     sl = torch.tensor([100, 0, 700], dtype=torch.int32, device=device)
     torch.library.opcheck(torch.ops.evenflow.decode_plan_update.default,
-                          (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4),
+                          (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4,
+                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max),
                           test_utils=("test_schema", "test_faketensor"))

@@ -43,8 +43,9 @@ def default_num_programs(device) -> int:
 
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
-                    max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool = True,
-                    item_cost: int = 0, align_longer: bool = True, cost_max: int = _NO_COST_LIMIT) -> None:
+                    max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool,
+                    item_cost: int, align_longer: bool, cost_max: int) -> None:
+    # every argument comes from DecodePlan.update (its options' defaults live on DecodePlan)
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
     K.plan_kernel[(1,)](
@@ -61,8 +62,8 @@ _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
 
 
 @_plan_update_op.register_fake
-def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items=True,
-      item_cost=0, align_longer=True, cost_max=_NO_COST_LIMIT):
+def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items,
+      item_cost, align_longer, cost_max):
     return None
 
 
