@@ -250,7 +250,7 @@ def test_cli_filters_parse():
 
 
 @pytest.mark.parametrize("variant", ["bf16", "fp8-tensor", "fp8-block"])
-def test_fastacc_row_is_opt_in_and_fp8_only(device, variant):
+def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, monkeypatch):
     """evenflow-fastacc (fused_moe(fp8_accum="fast")) is a knob row on request; on bf16 it is an
     "unavailable" error row (not applicable), on fp8 it runs and passes the benchmark's own check
     against its fp32 oracle (whose max_abs_err / cosine the row records, as for every impl)."""
@@ -270,6 +270,12 @@ def test_fastacc_row_is_opt_in_and_fp8_only(device, variant):
     ids, tw = bm.make_routing(6, case, gen)
     x = torch.randn(6, case.hidden, generator=gen).bfloat16()
     x, ids, tw = x.to(device), ids.to(device), tw.to(device)
+    import evenflow
+
+    seen = []
+    real = evenflow.fused_moe
+    monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     fn = bm.build_impl("evenflow-fastacc", w, case, None)(x, ids, tw)
     chk = H.check_output(fn(), bm.reference_moe(x, ids, tw, w, case), f"fastacc {variant}", rtol=5e-2)
     assert chk["max_abs_err"] >= 0 and chk["cosine"] > 0.999
+    assert [kw.get("fp8_accum") for kw in seen] == ["fast"], "the row must call fused_moe(fp8_accum='fast')"

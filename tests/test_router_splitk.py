@@ -293,6 +293,7 @@ def test_tuner_candidates_above_64_rows():
                 k_slice = -(-k // c.split_k)
                 assert c.split_k == 1 or k_slice >= 256, f"{c}: {k_slice}-deep slices at K={k}"
                 assert c.fit_smem(3).num_stages >= 1
+                assert c.fit_smem(3) == c, f"{c}: offered with more stages than shared memory holds"
     assert GemmConfig(64, 64, 128, 6, 4, 3) in tuner.candidates(512, 128, 2048, 132)
 
 
