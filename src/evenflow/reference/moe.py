@@ -62,16 +62,31 @@ def dequant_weights(ew) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
+def _routed_sum(x, local_ids, topk_weights, num_experts: int, expert) -> torch.Tensor:
+    """float64 sum over pairs of w * expert(e, tok) for e in [0, num_experts): ``expert`` maps an
+    expert and the token rows routed to it to their outputs; ``local_ids`` outside [0, E) belong
+    to another rank."""
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in range(num_experts):
+        tok, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        if tok.numel():
+            y.index_add_(0, tok, expert(e, tok).double() * topk_weights[tok, slot].double()[:, None])
+    return y
+
+
+def _scaled(y, routed_scaling, shared_output):
+    """The layer's tail: routed_scaling times the routed sum, plus the shared experts' output."""
+    y = y * routed_scaling
+    return y if shared_output is None else y + shared_output.double()
+
+
 def _expert_sum(x, local_ids, topk_weights, w13, w2, dtype, quant_in=None, quant_mid=None) -> torch.Tensor:
     """float64 sum over pairs of w * down_e(silu(gate_e(x)) * up_e(x)) for the experts in ``w13``/``w2``;
     ``local_ids`` index those experts (anything outside [0, E) belongs to another rank).
     ``quant_in``/``quant_mid`` model the kernels' activation quantisation (fp32 -> fp32)."""
     i_size = w2.shape[2]
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    for e in range(w13.shape[0]):
-        tok, slot = torch.nonzero(local_ids == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
+
+    def expert(e, tok):
         xe = x[tok].float()
         if quant_in is not None:
             xe = quant_in(xe)
@@ -79,9 +94,9 @@ def _expert_sum(x, local_ids, topk_weights, w13, w2, dtype, quant_in=None, quant
         h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
         if quant_mid is not None:
             h = quant_mid(h.float()).to(dtype)
-        out = (h @ w2[e].to(dtype).T).double()
-        y.index_add_(0, tok, out * topk_weights[tok, slot].double()[:, None])
-    return y
+        return h @ w2[e].to(dtype).T
+
+    return _routed_sum(x, local_ids, topk_weights, w13.shape[0], expert)
 
 
 def moe_dense_reference(x, topk_ids, topk_weights, w13, w2, first_expert: int = 0,
@@ -109,10 +124,7 @@ def moe_reference(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=No
         quant_in = quant_mid = lambda a: dequant_group(*quant_fp8_group(a))
     y = _expert_sum(x, topk_ids.long() - ep_rank * w13.shape[0], topk_weights, w13, w2, dtype,
                     quant_in, quant_mid)
-    y = y * routed_scaling
-    if shared_output is not None:
-        y = y + shared_output.double()
-    return y.to(dtype)
+    return _scaled(y, routed_scaling, shared_output).to(dtype)
 
 
 # ---------------------------------------------------------------- baseline of fp8_accum="fast"
@@ -172,31 +184,24 @@ def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_expert
     if ew.format not in ("fp8_per_tensor", "fp8_block"):
         raise ValueError(f"moe_fast_accum_baseline needs FP8 weights, got {ew.format}")
     e_local, i_size = ew.num_experts, ew.intermediate_size
-    local_ids = topk_ids.long() - ep_rank * e_local
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
     if ew.format == "fp8_per_tensor":
         xq = _fp8_static(x, ew.a13_scale)
     else:
         xq, xs = quant_fp8_group(x.float())
-    for e in range(e_local):
-        tok, slot = torch.nonzero(local_ids == e, as_tuple=True)
-        if tok.numel() == 0:
-            continue
+
+    def expert(e, tok):
         if ew.format == "fp8_per_tensor":
             gu = _fast_mm(xq[tok], ew.w13[e], ew.a13_scale, ew.w13_scale[e])
         else:
             gu = _fast_block_mm(xq[tok], xs[tok], ew.w13[e], ew.w13_scale[e])
         h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
         if ew.format == "fp8_per_tensor":
-            out = _fast_mm(_fp8_static(h, ew.a2_scale), ew.w2[e], ew.a2_scale, ew.w2_scale[e])
-        else:
-            hq, hs = quant_fp8_group(h)
-            out = _fast_block_mm(hq, hs, ew.w2[e], ew.w2_scale[e])
-        y.index_add_(0, tok, out.double() * topk_weights[tok, slot].double()[:, None])
-    y = y * routed_scaling
-    if shared_output is not None:
-        y = y + shared_output.double()
-    return y.float()
+            return _fast_mm(_fp8_static(h, ew.a2_scale), ew.w2[e], ew.a2_scale, ew.w2_scale[e])
+        hq, hs = quant_fp8_group(h)
+        return _fast_block_mm(hq, hs, ew.w2[e], ew.w2_scale[e])
+
+    y = _routed_sum(x, topk_ids.long() - ep_rank * e_local, topk_weights, e_local, expert)
+    return _scaled(y, routed_scaling, shared_output).float()
 
 
 def moe_baseline(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw) -> torch.Tensor:
