@@ -77,9 +77,6 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # slower on 2 (32x4K -16%) and on every bf16 case, the others below it on most cases, so not a
 # default. (Round L2's -alu-v / -alu-kv rows, fp8 K or V converted by integer bit moves, were
 # measured and the option withdrawn: history/round-l2.)
-# evenflow-vw / -pps4-vw: the default / -pps4 with fp8 V loaded one step ahead as 32-bit words
-# into registers and converted there (DecodePlan(fp8_v_words=True), round M): no shared-memory
-# copy of V's bytes and no byte read back (fp8 variant only; bf16 KV reports the row unavailable).
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -101,8 +98,6 @@ PLAN_KNOBS = {
     "evenflow-pps4s2": lambda sms: dict(num_programs=4 * sms, warp_split=False, num_stages=2),
     "evenflow-pps5s2": lambda sms: dict(num_programs=5 * sms, warp_split=False, num_stages=2),
     "evenflow-pps3-nows": lambda sms: dict(num_programs=3 * sms, warp_split=False),
-    "evenflow-vw": lambda sms: dict(fp8_v_words=True),
-    "evenflow-pps4-vw": lambda sms: dict(num_programs=4 * sms, warp_split=False, num_stages=3, fp8_v_words=True),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
@@ -285,8 +280,6 @@ def _evenflow_fns(impl: str, inp: Inputs):
         max_pages = inp.page_tables[0].shape[1]
         sms = torch.cuda.get_device_properties(inp.seq_lens.device).multi_processor_count
         knobs = PLAN_KNOBS[impl](sms) if impl in PLAN_KNOBS else {}
-        if knobs.get("fp8_v_words") and inp.k_cache.dtype != torch.float8_e4m3fn:
-            raise H.PeerUnavailable(f"{impl}: fp8_v_words is for fp8 KV only")
         plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
                           device=inp.seq_lens.device, **knobs)
         plan.update(inp.seq_lens)

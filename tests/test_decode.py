@@ -318,54 +318,6 @@ def test_warp_split_true_where_it_cannot_build_is_an_error(kw, device):
         run(device, [300, 20], kv_dtype=FP8, warp_split=True, num_programs=2, k_scale=1 / 30, v_scale=1 / 40, **kw)
 
 
-V_WORDS_CASES = {
-    # skewed bins on the plain loop, page 64 (one page id per step)
-    "plain-p64": dict(lens=[700, 64, 0, 65, 130], page=64, warp_split=False),
-    # a long chunk on the warp-split loop, 16-token pages (one page id per token), chunks
-    # that end one token past a tile and inside a page
-    "split-p16": dict(lens=[64 * 30 + 17, 100, 0], page=16, warp_split=True),
-    "split-p128-fp8q": dict(lens=[64 * 30 + 3, 1], page=128, warp_split=True, q_dtype=FP8),
-    "plain-p32-q2": dict(lens=[300, 5, 129], page=32, warp_split=False, q_len=2),
-}
-
-
-@pytest.mark.parametrize("case", list(V_WORDS_CASES))
-def test_fp8_v_words_keeps_results(case, device):
-    """fp8 V loaded one step ahead as 32-bit words and converted in registers
-    (DecodePlan(fp8_v_words=True)) gives the same f16 V, so the same output and LSE bit for
-    bit as the shared-memory path, within the rule; the next step's words and page ids past a
-    chunk's end are masked, including at the last step of a request."""
-    kw = dict(V_WORDS_CASES[case])
-    lens, page, q_len = kw.pop("lens"), kw.pop("page"), kw.pop("q_len", 1)
-    q_dtype = kw.pop("q_dtype", torch.bfloat16)
-    q, qs, k, v, pt, sl = make_inputs(lens, 2, 8, 128, page, q_len, FP8, q_dtype, device=device)
-    outs = []
-    for vw in (False, True):
-        plan = evenflow.DecodePlan(len(lens), 1 << 16, 2, page_size=page, q_len=q_len, device=device,
-                                   num_programs=3, min_tiles=1, fp8_v_words=vw, **kw).update(sl)
-        outs.append(check(q, qs, k, v, pt, sl, q_len, plan=plan, k_scale=1 / 30, v_scale=1 / 40,
-                          what=f"{case} fp8_v_words={vw}").clone())
-    assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.parametrize("what", ["bf16", "block_n128", "unaligned"])
-def test_fp8_v_words_where_it_cannot_run_is_an_error(what, device):
-    """fp8_v_words needs an fp8 cache, 64-token steps and 4-byte aligned V rows; anything else
-    is refused by name instead of reading misaligned words."""
-    lens = [300, 20]
-    kv_dtype = torch.bfloat16 if what == "bf16" else FP8
-    q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, 64, 1, kv_dtype, device=device)
-    if what == "unaligned":  # rows of 65 values: token strides not a multiple of 4 bytes
-        pad = torch.zeros(*v.shape[:3], 65, dtype=torch.uint8, device=device)
-        pad[..., :64] = v.view(torch.uint8)
-        v = pad.view(FP8)[..., :64]
-    plan = evenflow.DecodePlan(len(lens), 1 << 16, 2, device=device, num_programs=2, fp8_v_words=True,
-                               block_n=128 if what == "block_n128" else None).update(sl)
-    scales = {} if what == "bf16" else dict(k_scale=1 / 30, v_scale=1 / 40)
-    with pytest.raises(ValueError, match="fp8_v_words=True needs"):
-        evenflow.decode_attention(q, k, v, pt, sl, plan=plan, **scales)
-
-
 def test_page128_two_tile_steps_from_an_odd_tile(device):
     """128-token steps over 128-token pages: a chunk that starts at an odd tile (budget 5 of
     10 tiles) steps across a page boundary, so each token needs its own page id; with the

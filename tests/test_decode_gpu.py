@@ -102,33 +102,6 @@ def test_plain_loop_at_more_programs_per_sm(name, kv):
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{name} {kv}")
 
 
-# fp8 V loaded as 32-bit words into registers (DecodePlan(fp8_v_words=True), round M): on the
-# default plan (warp-split loop on long chunks), the plain loop at 4 programs/SM, 16-token pages.
-V_WORDS_PLANS = {"default": dict(), "pps4": dict(pps=4, warp_split=False, num_stages=3),
-                 "p16": dict(page=16)}
-
-
-@pytest.mark.parametrize("kv", ["fp8", "fp8-q"])
-@pytest.mark.parametrize("name", list(V_WORDS_PLANS))
-def test_fp8_v_words_bitwise_equal(name, kv):
-    kw = dict(V_WORDS_PLANS[name])
-    page = kw.pop("page", 64)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    if "pps" in kw:
-        kw["num_programs"] = kw.pop("pps") * sms
-    lens = CASES["1x32K+63x512"][:40] + CASES["odd"]
-    q, qs, k, v, pt, sl = inputs(lens, page=page, kv=FP8, qdt=FP8 if kv == "fp8-q" else torch.bfloat16)
-    ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
-    res = []
-    for vw in (False, True):
-        plan = evenflow.DecodePlan(64, 64 * K, 8, page_size=page, device="cuda", fp8_v_words=vw, **kw).update(sl)
-        out = poisoned(q.shape, torch.bfloat16, "cuda")
-        res.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
-                                             out=out, return_lse=True))
-    check(*res[1], q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"v_words {name} {kv}")
-    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
-
-
 @pytest.mark.parametrize("hq,hkv,d,page,q_len", [(8, 1, 128, 64, 1), (32, 4, 128, 16, 2), (16, 4, 64, 32, 4),
                                                  (8, 2, 256, 128, 3), (16, 1, 128, 64, 1)])
 def test_shapes(hq, hkv, d, page, q_len):

@@ -62,9 +62,6 @@ SCENARIOS = {
     "bf16-no-prefetch": dict(lens=BIG, prefetch=False),
     "fp8-d256-p128-g16-q4": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, kv=FP8),
     "fp8-d128-g16-q4-static": dict(lens=[300, 5000], hq=32, hkv=2, q_len=4, kv=FP8, static=True),
-    "fp8-v_words": dict(lens=BIG, kv=FP8, fp8_v_words=True),
-    "fp8-q-v_words-p16-pps4": dict(lens=BIG, kv=FP8, qdt=FP8, page=16, fp8_v_words=True, warp_split=False,
-                                   num_programs=4 * 132, num_stages=3),
 }
 
 

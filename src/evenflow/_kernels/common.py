@@ -77,35 +77,6 @@ def e4m3_to_f16_in_registers(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_byte_to_f16(w, SHIFT: tl.constexpr):
-    return ((w >> SHIFT) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-
-
-@triton.jit
-def e4m3_words_to_f16(w, INTERPRET: tl.constexpr):
-    """int32 words ``w`` [..., n], 4 e4m3 values each (byte i = element 4j + i) -> f16
-    [..., n, 2, 2] whose element [..., j, c, e] is element 4j + 2c + e: memory order once
-    reshaped to [..., 4n]. Exact (every e4m3 value is an f16).
-
-    A tile loaded as words stays in registers in load order; converting each word with one
-    PTX call (two ``cvt.rn.f16x2.e4m3x2``) needs no byte repacking, which converting a tile
-    of bytes does. The interpreter runs no PTX: there the bytes are shifted out.
-    """
-    if INTERPRET:
-        b0 = _e4m3_byte_to_f16(w, 0)
-        b1 = _e4m3_byte_to_f16(w, 8)
-        b2 = _e4m3_byte_to_f16(w, 16)
-        b3 = _e4m3_byte_to_f16(w, 24)
-    else:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; .reg .b32 r0, r1; mov.b32 {lo, hi}, $4; "
-            "cvt.rn.f16x2.e4m3x2 r0, lo; cvt.rn.f16x2.e4m3x2 r1, hi; "
-            "mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; }",
-            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
-    return tl.join(tl.join(b0, b2), tl.join(b1, b3))
-
-
-@triton.jit
 def arrived_last(p_counter, expected):
     """Count this program in at ``p_counter``; True in the one that arrives ``expected``-th.
 

@@ -118,18 +118,6 @@ def _warp_split(block_n: int, num_warps: int, choice: int, kv_fp8: bool, block_m
     return num_warps
 
 
-def _check_v_words(v_cache: torch.Tensor, block_n: int) -> None:
-    # V read as int32 words: fp8 values, one-tile steps, 4-byte aligned rows (the words of a
-    # token's head_dim values start at a multiple of 4 bytes: base and strides)
-    if v_cache.dtype != FP8:
-        raise ValueError(f"fp8_v_words=True needs an fp8 (float8_e4m3fn) KV cache, got {v_cache.dtype}")
-    if block_n != TILE:
-        raise ValueError(f"fp8_v_words=True needs 64-token steps (block_n=64), got block_n={block_n}")
-    if v_cache.data_ptr() % 4 or any(s % 4 for s in v_cache.stride()[:3]):
-        raise ValueError(f"fp8_v_words=True needs v_cache rows aligned to 4 bytes (data_ptr % 4 == 0 and "
-                         f"strides of dims 0-2 multiples of 4), got strides {tuple(v_cache.stride())}")
-
-
 # Register cap of the combine kernel: 3 programs of 4 warps per SM (sm_90 build: 168
 # registers, <= 4 bytes of spill; 185 uncapped = 2 per SM). Most of its programs find no
 # work and exit at once; the more are resident, the fewer waves the grid takes.
@@ -156,12 +144,11 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
-               prefetch: bool = True, v_words: bool = False) -> None:
+               prefetch: bool = True) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
-    # loads the next item's metadata before the current item's work; v_words: fp8 V loaded
-    # as 32-bit words into registers (DecodePlan.fp8_v_words)
+    # loads the next item's metadata before the current item's work
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -172,8 +159,6 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_n = block_n or _block_n(D, k_cache.dtype)
     num_warps = num_warps or 4
     wsplit = _warp_split(block_n, num_warps, warp_split, k_cache.dtype == FP8, block_m, D)
-    if v_words:
-        _check_v_words(v_cache, block_n)
     np_ = prog_start.shape[0] - 1
     use_fp8_dot = q.dtype == FP8 and k_cache.dtype == FP8
     has_lse = lse is not None
@@ -195,8 +180,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
         KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
-        WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, V_WORDS=bool(v_words),
-        num_warps=num_warps,
+        WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, num_warps=num_warps,
         **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
         **_runtime.pdl_kwargs(pdl),
     )
@@ -223,7 +207,7 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_gml,
       combine_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, v_words=False):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True):
     return None
 
 
@@ -338,7 +322,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
-                   -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch, plan.fp8_v_words)
+                   -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -39,13 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from evenflow._kernels.common import (
-    arrived_last,
-    dot_operand,
-    e4m3_to_f16_in_registers,
-    e4m3_words_to_f16,
-    pdl_enter,
-)
+from evenflow._kernels.common import arrived_last, dot_operand, e4m3_to_f16_in_registers, pdl_enter
 
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).
@@ -165,25 +159,6 @@ def _kv_step(t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_page
 
 
 @triton.jit
-def _v_words(t, b_page, o_tok, h, n_end, p_v, num_pages, stride_vp, stride_vt, stride_vh,
-             D: tl.constexpr, PAGE: tl.constexpr, SCALAR_PAGE: tl.constexpr):
-    """fp8 V of 64-token step t as int32 words [``o_tok``'s shape, D // 4] (4 e4m3 values
-    each), loaded into registers: the loops load it one step before its use, as a
-    loop-carried value, so it is not copied into shared memory and read back as bytes.
-    ``b_page``: the step's page id (scalar, or one per token). Tokens at or past ``n_end``
-    are masked (no access). Needs 4-byte aligned V rows (the launcher checks)."""
-    o_n = t * TILE + o_tok
-    m_n = o_n < n_end
-    b_page = tl.minimum(tl.maximum(b_page, 0), num_pages - 1).to(tl.int64)
-    if SCALAR_PAGE:
-        p_vr = p_v + (b_page * stride_vp + h * stride_vh) + ((t * TILE) % PAGE + o_tok) * stride_vt
-    else:
-        p_vr = p_v + (b_page * stride_vp + (o_n % PAGE) * stride_vt + h * stride_vh)
-    p_w = tl.expand_dims(p_vr.to(tl.pointer_type(tl.int32)), -1) + tl.arange(0, D // 4)
-    return tl.load(p_w, mask=tl.expand_dims(m_n, -1), other=0)
-
-
-@triton.jit
 def _scores(b_q, b_kt, USE_FP8_DOT: tl.constexpr, KV_FP8: tl.constexpr, DOT_F32: tl.constexpr):
     """q @ K^T of one step (``b_kt``: K transposed, 2-D or batched 3-D): fp8 x fp8 as is,
     fp8 K as exact f16 values against the f16 q, else bf16."""
@@ -206,10 +181,7 @@ def _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, AX: tl.constexpr, KV_FP8: tl.con
     b_p = tl.exp2(b_s - tl.expand_dims(b_msafe, AX))
     b_l = b_l * b_alpha + tl.sum(b_p, axis=AX)
     if KV_FP8:
-        if b_v.dtype == tl.float16:
-            b_vh = b_v  # converted from words already (V_WORDS)
-        else:
-            b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
+        b_vh = e4m3_to_f16_in_registers(b_v, DOT_F32)
         b_pv = tl.dot(dot_operand(b_p.to(tl.float16), DOT_F32), dot_operand(b_vh, DOT_F32))
     else:
         b_pv = tl.dot(dot_operand(b_p.to(tl.bfloat16), DOT_F32), dot_operand(b_v, DOT_F32))
@@ -222,7 +194,6 @@ def _tiles_plain(
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-    V_WORDS: tl.constexpr,
 ):
     """Tiles [t0, t1) of one item, the warps sharing each step's softmax (scores split over
     the warps by token, the output by column). Returns (row max, weight sum, unnormalised
@@ -244,23 +215,12 @@ def _tiles_plain(
     o_tok = tl.arange(0, BLOCK_N)
     n_end = tl.minimum(L, t1 * TILE)
     b_pagex = _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-    if V_WORDS:
-        # V one step ahead in registers (one-tile steps): its page ids two steps ahead
-        b_vpage = _first_page(p_ptrow, t0 + 1, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-        b_vw = _v_words(t0, b_pagex, o_tok, h, n_end, p_v, num_pages, stride_vp, stride_vt, stride_vh,
-                        D, PAGE, SCALAR_PAGE)
     for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
         o_n, m_n, p_kr, p_vr, b_pagex = _kv_step(
             t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
         b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-        if V_WORDS:
-            b_v = tl.reshape(e4m3_words_to_f16(b_vw, DOT_F32), (BLOCK_N, D))
-            b_vw = _v_words(t + 1, b_vpage, o_tok, h, n_end, p_v, num_pages, stride_vp, stride_vt, stride_vh,
-                            D, PAGE, SCALAR_PAGE)
-            b_vpage = _first_page(p_ptrow, t + 2, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-        else:
-            b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
+        b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
         b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
         b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
@@ -273,7 +233,7 @@ def _tiles_split(
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr, KV_FP8: tl.constexpr,
-    WSPLIT: tl.constexpr, V_WORDS: tl.constexpr,
+    WSPLIT: tl.constexpr,
 ):
     """Tiles [t0, t1) of one item as WSPLIT independent online softmaxes, merged at the end.
 
@@ -296,22 +256,12 @@ def _tiles_split(
     b_acc = tl.zeros([WSPLIT, BLOCK_M, D], dtype=tl.float32)
     n_end = tl.minimum(L, t1 * TILE)
     b_pagex = _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-    if V_WORDS:
-        b_vpage = _first_page(p_ptrow, t0 + 1, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-        b_vw = _v_words(t0, b_pagex, o_tok, h, n_end, p_v, num_pages, stride_vp, stride_vt, stride_vh,
-                        D, PAGE, SCALAR_PAGE)
     for t in tl.range(t0, t1, STEP, num_stages=NUM_STAGES):
         o_n, m_n, p_kr, p_vr, b_pagex = _kv_step(
             t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, BLOCK_N, SCALAR_PAGE)
         b_k = tl.load(p_kr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
-        if V_WORDS:
-            b_v = tl.reshape(e4m3_words_to_f16(b_vw, DOT_F32), (WSPLIT, TN, D))
-            b_vw = _v_words(t + 1, b_vpage, o_tok, h, n_end, p_v, num_pages, stride_vp, stride_vt, stride_vh,
-                            D, PAGE, SCALAR_PAGE)
-            b_vpage = _first_page(p_ptrow, t + 2, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-        else:
-            b_v = tl.load(p_vr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
+        b_v = tl.load(p_vr[:, :, None] + o_d, mask=m_n[:, :, None], other=0.0)
         b_s = _scores(b_q3, tl.permute(b_k, (0, 2, 1)), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[None, :, None]
         b_s = tl.where((o_n[:, None, :] < b_vis[None, :, None]) & m_n[:, None, :], b_s, float("-inf"))
         b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 2, KV_FP8, DOT_F32)
@@ -332,7 +282,7 @@ def _attend_chunk(
     GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, HAS_Q_SCALE: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_FP8: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr, V_WORDS: tl.constexpr,
+    KV_FP8: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
 ):
     """Online softmax of one item's tiles [t0, t1); finish in place or write a partial."""
     ROWS: tl.constexpr = GROUP * Q_LEN
@@ -378,12 +328,12 @@ def _attend_chunk(
         b_m, b_l, b_acc = _tiles_split(
             b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-            D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8, WSPLIT, V_WORDS)
+            D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8, WSPLIT)
     else:
         b_m, b_l, b_acc = _tiles_plain(
             b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-            D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8, V_WORDS)
+            D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8)
     m_live = b_l > 0.0
     b_o = tl.where(m_live[:, None], b_acc * (v_scale / tl.where(m_live, b_l, 1.0))[:, None], 0.0)
     b_lse2 = tl.where(m_live, b_m + tl.log2(tl.where(m_live, b_l, 1.0)), float("-inf"))
@@ -412,7 +362,7 @@ def decode_kernel(
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
-    PREFETCH: tl.constexpr, V_WORDS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -450,7 +400,7 @@ def decode_kernel(
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
-                WSPLIT, WS_MIN_TILES, V_WORDS,
+                WSPLIT, WS_MIN_TILES,
             )
     else:
         total = tl.load(p_meta + 0)
@@ -498,7 +448,7 @@ def decode_kernel(
                 stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                 stride_ptb, stride_ot, stride_oh, stride_lt,
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
-                WSPLIT, WS_MIN_TILES, V_WORDS,
+                WSPLIT, WS_MIN_TILES,
             )
             i += 1
             if PREFETCH:
