@@ -500,8 +500,7 @@ def _bin_flat(
         b_q2, b_qs2 = _load_q(tl.minimum(b2, B - 1), h2, p_q, p_qs, stride_qt, stride_qh, stride_qst, stride_qsh,
                               GROUP, Q_LEN, D, BLOCK_M, HAS_Q_SCALE)
         L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len), n * TILE)
-        p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
-        b_pagex = _first_page(p_ptrow, g0 - start, o_tok, L, max_pages, PAGE, SCALAR_PAGE)
+        b_pagex = _first_page(p_pt + b.to(tl.int64) * stride_ptb, g0 - start, o_tok, L, max_pages, PAGE, SCALAR_PAGE)
         b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
         b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -509,13 +508,19 @@ def _bin_flat(
             o_n, m_n, p_kr, p_vr = _kv_rows(u - start, b_pagex, o_tok, h, L, p_k, p_v, num_pages,
                                             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                                             PAGE, SCALAR_PAGE)
+            # the next step's page id(s), issued before this step's work (as the nested loop's
+            # _kv_step): tile u + 1 - start of this item, or tile 0 of the next one
+            item_end = u + 1 == start + n
+            b_nx = tl.where(item_end, tl.minimum(b2, B - 1), b)
+            L_nx = tl.where(item_end, tl.minimum(tl.minimum(tl.maximum(len2, 0), max_len), n2 * TILE), L)
+            b_pagex = _first_page(p_pt + b_nx.to(tl.int64) * stride_ptb, tl.where(item_end, 0, u + 1 - start),
+                                  o_tok, tl.where(u + 1 < g1, L_nx, 0), max_pages, PAGE, SCALAR_PAGE)
             b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
             b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
             b_vis = L - Q_LEN + o_m // GROUP + 1
             b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
             b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
-            item_end = u + 1 == start + n
             if item_end | (u + 1 == g1):
                 _finish_chunk(b_m, b_l, b_acc, b, h, (start >= g0) & (start + n <= g1),
                               2 * pid + (start >= g0).to(tl.int32), v_scale, p_out, p_lse, p_po, p_plse,
@@ -527,13 +532,11 @@ def _bin_flat(
                 # on to the next item: its metadata and q came one item ahead; fetch the one after
                 start = start + n
                 b, h, n, len_b = b2, h2, n2, len2
-                L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len), n * TILE)
-                p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
+                L = L_nx
                 b_q, b_rs = _prepare_q(b_q2, b_qs2, qk_scale, USE_FP8_DOT, KV_FP8)
                 b2, h2, n2, len2 = _next_item(b, h, n, len_b, B, p_next_req, p_tiles, p_len, HKV)
                 b_q2, b_qs2 = _load_q(tl.minimum(b2, B - 1), h2, p_q, p_qs, stride_qt, stride_qh, stride_qst,
                                       stride_qsh, GROUP, Q_LEN, D, BLOCK_M, HAS_Q_SCALE)
-            b_pagex = _first_page(p_ptrow, u + 1 - start, o_tok, L, max_pages, PAGE, SCALAR_PAGE)
 
 
 @triton.jit(do_not_specialize=["B", "splits", "max_len"])
