@@ -77,10 +77,6 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # slower on 2 (32x4K -16%) and on every bf16 case, the others below it on most cases, so not a
 # default. (Round L2's -alu-v / -alu-kv rows, fp8 K or V converted by integer bit moves, were
 # measured and the option withdrawn: history/round-l2.)
-# evenflow-flat: each program runs its bin's tiles as one loop across item boundaries (the next
-# item's q and metadata loaded one item ahead), so the K/V copies stay in flight from one item to
-# the next; no item cost (the plan's units are tiles) and the plain loop (round M).
-# evenflow-nows-cost0: the nested loop on the same plan (plain loop, no item cost), its baseline.
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -102,8 +98,6 @@ PLAN_KNOBS = {
     "evenflow-pps4s2": lambda sms: dict(num_programs=4 * sms, warp_split=False, num_stages=2),
     "evenflow-pps5s2": lambda sms: dict(num_programs=5 * sms, warp_split=False, num_stages=2),
     "evenflow-pps3-nows": lambda sms: dict(num_programs=3 * sms, warp_split=False),
-    "evenflow-flat": lambda sms: dict(flat=True),
-    "evenflow-nows-cost0": lambda sms: dict(warp_split=False, item_cost=0),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)

@@ -318,40 +318,6 @@ def test_warp_split_true_where_it_cannot_build_is_an_error(kw, device):
         run(device, [300, 20], kv_dtype=FP8, warp_split=True, num_programs=2, k_scale=1 / 30, v_scale=1 / 40, **kw)
 
 
-FLAT_CASES = {
-    # bins ending inside items (partials), whole short items, an empty request mid-batch
-    "skewed-p64": dict(lens=[700, 64, 0, 65, 130], page=64, num_programs=5),
-    # empty requests first (bin 0 starts at an empty one), between and last; one-token items
-    "empties-p16": dict(lens=[0, 0, 130, 0, 64, 1, 0], page=16, num_programs=3),
-    "all-empty": dict(lens=[0, 0, 0], page=64, num_programs=3),
-    # one kv head (every item its own request: next_req at every boundary), 128-token pages
-    "hkv1-p128": dict(lens=[64 * 7 + 17, 100, 0, 3], page=128, num_programs=4, hkv=1, group=8),
-    "q3-p64": dict(lens=[1, 2, 3, 4, 70, 0, 0, 200], page=64, num_programs=2, q_len=3),
-    "fp8-p32-q2": dict(lens=[300, 5, 129], page=32, num_programs=3, q_len=2, kv_dtype=FP8),
-    "fp8q-p16-g16": dict(lens=[640, 0, 77, 129], page=16, num_programs=5, kv_dtype=FP8, q_dtype=FP8, group=16),
-}
-
-
-@pytest.mark.parametrize("case", list(FLAT_CASES))
-def test_flat_bins_keep_results(case, device):
-    """One loop over a bin's tiles across item boundaries (DecodePlan(flat=True)) gives the
-    nested loop's output bit for bit (same plan, same steps, same order) and within the rule;
-    empty requests are zeros with LSE -inf whichever bin reaches them."""
-    kw = dict(FLAT_CASES[case])
-    lens, page, np_ = kw.pop("lens"), kw.pop("page"), kw.pop("num_programs")
-    hkv, group, q_len = kw.pop("hkv", 2), kw.pop("group", 4), kw.pop("q_len", 1)
-    kv_dtype, q_dtype = kw.pop("kv_dtype", torch.bfloat16), kw.pop("q_dtype", torch.bfloat16)
-    scales = dict(k_scale=1 / 30, v_scale=1 / 40) if kv_dtype == FP8 else {}
-    q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, 64, page, q_len, kv_dtype, q_dtype, device=device)
-    outs = []
-    for flat in (False, True):
-        plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
-                                   num_programs=np_, min_tiles=1, item_cost=0, warp_split=False,
-                                   flat=flat).update(sl)
-        outs.append(check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"{case} flat={flat}", **scales).clone())
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_page128_two_tile_steps_from_an_odd_tile(device):
     """128-token steps over 128-token pages: a chunk that starts at an odd tile (budget 5 of
     10 tiles) steps across a page boundary, so each token needs its own page id; with the
@@ -422,17 +388,16 @@ def test_bad_arguments(device):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
 
 
-@pytest.mark.parametrize("flat", [False, True])
-def test_opcheck(flat, device):
+def test_opcheck(device):
     q, qs, k, v, pt, sl = make_inputs([70, 0], 1, 2, 64, 64, 1, device=device)
-    plan = evenflow.DecodePlan(2, 1000, 1, device=device, num_programs=2, min_tiles=1, flat=flat).update(sl)
+    plan = evenflow.DecodePlan(2, 1000, 1, device=device, num_programs=2, min_tiles=1).update(sl)
     po, pl, pg = plan.partials(2, 64)
     out = torch.empty(2, 2, 64, dtype=torch.bfloat16, device=device)
     lse = torch.empty(2, 2, device=device)
-    args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, plan.next_req, po, pl, pg,
-            plan.combine_count, out, lse,
+    args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, pg, plan.combine_count,
+            out, lse,
             None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
-    torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args, {"flat": flat},
+    torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
 

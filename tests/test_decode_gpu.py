@@ -102,26 +102,6 @@ def test_plain_loop_at_more_programs_per_sm(name, kv):
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{name} {kv}")
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp8-q"])
-@pytest.mark.parametrize("case", ["32x128+32x4K", "64x512", "odd"])
-def test_flat_bins(case, kv):
-    """DecodePlan(flat=True) (one loop over each bin's tiles, round M) at real shapes, against
-    the fp64 reference, and bit for bit equal to the nested loop on the same plan."""
-    lens = CASES[case]
-    kvdt = FP8 if kv.startswith("fp8") else torch.bfloat16
-    q, qs, k, v, pt, sl = inputs(lens, kv=kvdt, qdt=FP8 if kv == "fp8-q" else torch.bfloat16)
-    ks, vs = (torch.tensor([1 / 30], device="cuda"), 1 / 40) if kvdt == FP8 else (None, None)
-    res = []
-    for flat in (True, False):
-        plan = evenflow.DecodePlan(64, 64 * K, 8, device="cuda", item_cost=0, warp_split=False,
-                                   flat=flat).update(sl)
-        out = poisoned(q.shape, torch.bfloat16, "cuda")
-        res.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
-                                             out=out, return_lse=True))
-    check(*res[0], q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"flat {case} {kv}")
-    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
-
-
 @pytest.mark.parametrize("hq,hkv,d,page,q_len", [(8, 1, 128, 64, 1), (32, 4, 128, 16, 2), (16, 4, 64, 32, 4),
                                                  (8, 2, 256, 128, 3), (16, 1, 128, 64, 1)])
 def test_shapes(hq, hkv, d, page, q_len):
@@ -141,16 +121,15 @@ def test_hnd_view():
     check(o, None, q, qs, k, v, pt, sl, what="hnd")
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("kv", [torch.bfloat16, FP8])
-def test_cuda_graph_changing_lengths(kv, flat):
+def test_cuda_graph_changing_lengths(kv):
     """Capture plan.update + decode_attention once; replay with new lengths and page tables."""
     B, max_len = 16, 64 * K
     big = [64 * K] + [2 * K] * 15
     q, qs, k, v, pt, sl = inputs(big, kv=kv, spare_pages=64)
     ks, vs = (torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")) \
         if kv == FP8 else (None, None)
-    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", flat=flat)
+    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda")
     s_sl, s_pt, s_q = sl.clone(), pt.clone(), q.clone()
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
 

@@ -62,8 +62,6 @@ SCENARIOS = {
     "bf16-no-prefetch": dict(lens=BIG, prefetch=False),
     "fp8-d256-p128-g16-q4": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, kv=FP8),
     "fp8-d128-g16-q4-static": dict(lens=[300, 5000], hq=32, hkv=2, q_len=4, kv=FP8, static=True),
-    "bf16-flat": dict(lens=BIG, flat=True),
-    "fp8-q-flat-p16-q2": dict(lens=[300, 5000, 0], hq=16, hkv=2, page=16, q_len=2, kv=FP8, qdt=FP8, flat=True),
 }
 
 

@@ -214,45 +214,6 @@ def test_plan_random_sweep(device):
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
 
 
-def test_flat_plan_matches_reference_random(device):
-    """A flat plan (no item cost) is the same schedule plus next_req, the first non-empty
-    request at or after each request: device == reference on seeded mixes with runs of empty
-    requests at the start, the middle and the end (including batches longer than one of the
-    plan kernel's blocks)."""
-    g = torch.Generator().manual_seed(4321)
-    for trial in range(10):
-        B = int(torch.randint(1, 40, (1,), generator=g)) if trial < 8 else 1100 + 900 * (trial - 8)
-        hkv = int(torch.randint(1, 5, (1,), generator=g))
-        np_ = int(torch.randint(1, 20, (1,), generator=g))
-        lens = (2.0 ** (torch.rand(B, generator=g) * 12)).long()
-        lens[torch.rand(B, generator=g) < 0.3] = 0
-        lens[:trial % 3] = 0
-        if trial % 2:
-            lens[-(trial % 4):] = 0
-        sl = torch.tensor(lens.tolist(), dtype=torch.int32, device=device)
-        plan = evenflow.DecodePlan(B, 1 << 20, hkv, device=device, num_programs=np_, min_tiles=1,
-                                   flat=True).update(sl)
-        assert plan.item_cost == 0
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, item_cost=0)
-        got = plan.as_dict()
-        for key in ("tiles", "req_end", "prog_start", "meta", "next_req"):
-            assert_exact(got[key], ref[key], what=f"trial {trial}: {key}")
-        assert walk(got, hkv, np_) == ref_bins
-
-
-def test_flat_plan_options_are_checked(device):
-    """flat=True needs the plan's units to be tiles (item_cost 0), one-tile steps and the plain loop."""
-    with pytest.raises(ValueError, match="flat=True .* item_cost=0"):
-        evenflow.DecodePlan(4, 100, 2, device=device, flat=True, item_cost=2)
-    with pytest.raises(ValueError, match="block_n"):
-        evenflow.DecodePlan(4, 100, 2, device=device, flat=True, block_n=128)
-    with pytest.raises(ValueError, match="warp_split"):
-        evenflow.DecodePlan(4, 100, 2, device=device, flat=True, warp_split=True)
-    with pytest.raises(TypeError, match="flat"):
-        evenflow.DecodePlan(4, 100, 2, device=device, flat=1)
-    assert evenflow.DecodePlan(4, 100, 2, device=device).item_cost == 2  # the nested loop's default
-
-
 def test_align_longer_random_near_budget(device):
     """Seeded mixes whose shortest item sits just above the budget (where align_longer acts):
     device plan == reference, and the budget is the rule's."""
@@ -372,11 +333,10 @@ def test_plan_bad_arguments(device):
         plan.update(torch.zeros(5, dtype=torch.int32, device=device))
 
 
-@pytest.mark.parametrize("flat", [False, True])
-def test_plan_opcheck(flat, device):
-    plan = evenflow.DecodePlan(4, 1000, 2, device=device, num_programs=3, min_tiles=1, flat=flat)
+def test_plan_opcheck(device):
+    plan = evenflow.DecodePlan(4, 1000, 2, device=device, num_programs=3, min_tiles=1)
     sl = torch.tensor([100, 0, 700], dtype=torch.int32, device=device)
     torch.library.opcheck(torch.ops.evenflow.decode_plan_update.default,
-                          (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, plan.next_req, 2, 1000, 1, 4,
-                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max, plan.flat),
+                          (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4,
+                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max),
                           test_utils=("test_schema", "test_faketensor"))

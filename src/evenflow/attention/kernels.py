@@ -50,11 +50,11 @@ TILE = tl.constexpr(64)
 
 @triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max"])
 def plan_kernel(
-    p_len, p_tiles, p_req_end, p_prog_start, p_meta, p_next_req,
+    p_len, p_tiles, p_req_end, p_prog_start, p_meta,
     B, max_len, min_tiles, item_cost, cost_max,
     NP: tl.constexpr, HKV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
-    ALIGN_LONGER: tl.constexpr, FLAT: tl.constexpr,
+    ALIGN_LONGER: tl.constexpr,
 ):
     """Single program: prefix sums over requests, budget, then per-program start items."""
     carry = tl.zeros([], dtype=tl.int32)
@@ -118,24 +118,6 @@ def plan_kernel(
         item = tl.where(m_found, b_safe * HKV + h, n_items)
         item = tl.where(o_p == 0, 0, item)
         tl.store(p_prog_start + o_p, item, mask=o_p <= NP)
-    if FLAT:
-        # next_req[b]: the first request >= b of non-zero length (B if none), by a suffix
-        # minimum over blocks taken last to first
-        nxt = tl.zeros([], dtype=tl.int32) + B
-        n_blocks = (B + BLOCK_B - 1) // BLOCK_B
-        for j in range(0, n_blocks):
-            o_b = (n_blocks - 1 - j) * BLOCK_B + tl.arange(0, BLOCK_B)
-            m_b = o_b < B
-            b_len = tl.minimum(tl.maximum(tl.load(p_len + o_b, mask=m_b, other=0), 0), max_len)
-            b_idx = tl.where(m_b & (b_len > 0), o_b, B)
-            tl.store(p_next_req + o_b, tl.minimum(tl.associative_scan(b_idx, 0, _min_i32, reverse=True), nxt),
-                     mask=m_b)
-            nxt = tl.minimum(nxt, tl.min(b_idx, axis=0))
-
-
-@triton.jit
-def _min_i32(a, b):
-    return tl.minimum(a, b)
 
 
 @triton.jit
@@ -158,31 +140,22 @@ def _kv_step(t, b_pagex, o_tok, h, n_end, p_k, p_v, p_ptrow, num_pages, max_page
     pointers, and the next step's page id, loaded one step ahead so the K/V copies of a step
     never wait on a load of the same step and the pipeliner can multi-buffer them."""
     STEP: tl.constexpr = BLOCK_N // TILE
-    o_n, m_n, p_kr, p_vr = _kv_rows(t, b_pagex, o_tok, h, n_end, p_k, p_v, num_pages,
-                                    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                    PAGE, SCALAR_PAGE)
-    b_next = _first_page(p_ptrow, t + STEP, o_tok, n_end, max_pages, PAGE, SCALAR_PAGE)
-    return o_n, m_n, p_kr, p_vr, b_next
-
-
-@triton.jit
-def _kv_rows(t, b_pagex, o_tok, h, n_end, p_k, p_v, num_pages,
-             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-             PAGE: tl.constexpr, SCALAR_PAGE: tl.constexpr):
-    """Token positions of step t (``o_tok``'s shape), their mask and K / V row pointers, given
-    the step's page id(s) ``b_pagex`` (clamped into the cache)."""
     o_n = t * TILE + o_tok
     m_n = o_n < n_end
     b_page = tl.minimum(tl.maximum(b_pagex, 0), num_pages - 1).to(tl.int64)
     if SCALAR_PAGE:
+        n_x = (t + STEP) * TILE
+        b_next = tl.load(p_ptrow + n_x // PAGE, mask=(n_x < n_end) & (n_x // PAGE < max_pages), other=0)
         o_slot = (t * TILE) % PAGE + o_tok
         p_kr = p_k + (b_page * stride_kp + h * stride_kh) + o_slot * stride_kt
         p_vr = p_v + (b_page * stride_vp + h * stride_vh) + o_slot * stride_vt
     else:
+        o_nx = o_n + BLOCK_N
+        b_next = tl.load(p_ptrow + o_nx // PAGE, mask=(o_nx < n_end) & (o_nx // PAGE < max_pages), other=0)
         o_slot = o_n % PAGE
         p_kr = p_k + (b_page * stride_kp + o_slot * stride_kt + h * stride_kh)
         p_vr = p_v + (b_page * stride_vp + o_slot * stride_vt + h * stride_vh)
-    return o_n, m_n, p_kr, p_vr
+    return o_n, m_n, p_kr, p_vr, b_next
 
 
 @triton.jit
@@ -312,11 +285,36 @@ def _attend_chunk(
     KV_FP8: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
 ):
     """Online softmax of one item's tiles [t0, t1); finish in place or write a partial."""
-    b_q, b_qs = _load_q(b, h, p_q, p_qs, stride_qt, stride_qh, stride_qst, stride_qsh,
-                        GROUP, Q_LEN, D, BLOCK_M, HAS_Q_SCALE)
-    b_q, b_rs = _prepare_q(b_q, b_qs, qk_scale, USE_FP8_DOT, KV_FP8)
+    ROWS: tl.constexpr = GROUP * Q_LEN
+    o_m = tl.arange(0, BLOCK_M)
+    o_d = tl.arange(0, D)
+    m_row = o_m < ROWS
+    i_r = o_m // GROUP
+    i_tok = b * Q_LEN + i_r
+    i_head = h * GROUP + (o_m % GROUP)
+    p_qrow = p_q + i_tok.to(tl.int64) * stride_qt + i_head * stride_qh
+    b_q = tl.load(p_qrow[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
+    b_rs = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale
+    if HAS_Q_SCALE:
+        b_rs = b_rs * tl.load(p_qs + i_tok.to(tl.int64) * stride_qst + i_head * stride_qsh, mask=m_row, other=0.0)
+    # MMA operand type. bf16 KV: bf16. fp8 KV: f16, since e4m3 -> f16 is one exact
+    # conversion per pair of values on sm_90 where e4m3 -> bf16 takes several, and the
+    # fp8 loop is bound by instruction issue, not bytes (perf notes, round E). bf16 q
+    # goes to f16 exactly after a power-of-two row scale that puts the row's max |q| in
+    # (2^13, 2^14] (undone in the score scale): no overflow, no subnormals for values
+    # within 2^-24 of the row max; P in [0, 1] keeps 3 more bits in f16 than in bf16.
+    if KV_FP8:
+        if not USE_FP8_DOT:
+            b_qf = b_q.to(tl.float32)
+            b_qmax = tl.max(tl.abs(b_qf), axis=1)
+            b_e = tl.where(b_qmax > 0.0, tl.ceil(tl.log2(tl.where(b_qmax > 0.0, b_qmax, 1.0))) - 14.0, 0.0)
+            b_e = tl.minimum(tl.maximum(b_e, -100.0), 114.0)
+            b_q = (b_qf * tl.exp2(-b_e)[:, None]).to(tl.float16)
+            b_rs = b_rs * tl.exp2(b_e)
+    else:
+        b_q = b_q.to(tl.bfloat16)
     # row r sees the tokens before its own position: L - Q_LEN + r + 1 of them
-    b_vis = L - Q_LEN + tl.arange(0, BLOCK_M) // GROUP + 1
+    b_vis = L - Q_LEN + i_r + 1
 
     p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
     # Chunks of at least WS_MIN_TILES tiles take the warp-split loop when WSPLIT > 1 (its merge
@@ -336,65 +334,6 @@ def _attend_chunk(
             b_q, b_rs, b_vis, h, t0, t1, L, p_k, p_v, p_ptrow, num_pages, max_pages,
             stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
             D, PAGE, BLOCK_M, USE_FP8_DOT, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8)
-    _finish_chunk(b_m, b_l, b_acc, b, h, is_final, slot, v_scale, p_out, p_lse, p_po, p_plse,
-                  stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE)
-
-
-@triton.jit
-def _load_q(b, h, p_q, p_qs, stride_qt, stride_qh, stride_qst, stride_qsh,
-            GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-            HAS_Q_SCALE: tl.constexpr):
-    """The q rows of item (b, h) as stored [BLOCK_M, D] (row m = r * GROUP + g: query row r,
-    head h * GROUP + g; padding rows 0), and their q scales (ones without ``HAS_Q_SCALE``)."""
-    o_m = tl.arange(0, BLOCK_M)
-    m_row = o_m < GROUP * Q_LEN
-    i_tok = b * Q_LEN + o_m // GROUP
-    i_head = h * GROUP + (o_m % GROUP)
-    p_qrow = p_q + i_tok.to(tl.int64) * stride_qt + i_head * stride_qh
-    b_q = tl.load(p_qrow[:, None] + tl.arange(0, D)[None, :], mask=m_row[:, None], other=0.0)
-    b_qs = tl.full([BLOCK_M], 1.0, tl.float32)
-    if HAS_Q_SCALE:
-        b_qs = tl.load(p_qs + i_tok.to(tl.int64) * stride_qst + i_head * stride_qsh, mask=m_row, other=0.0)
-    return b_q, b_qs
-
-
-@triton.jit
-def _prepare_q(b_q, b_qs, qk_scale, USE_FP8_DOT: tl.constexpr, KV_FP8: tl.constexpr):
-    """(q as the score MMA's operand, per-row score scale in log2 units)."""
-    b_rs = b_qs * qk_scale
-    # MMA operand type. bf16 KV: bf16. fp8 KV: f16, since e4m3 -> f16 is one exact
-    # conversion per pair of values on sm_90 where e4m3 -> bf16 takes several, and the
-    # fp8 loop is bound by instruction issue, not bytes (perf notes, round E). bf16 q
-    # goes to f16 exactly after a power-of-two row scale that puts the row's max |q| in
-    # (2^13, 2^14] (undone in the score scale): no overflow, no subnormals for values
-    # within 2^-24 of the row max; P in [0, 1] keeps 3 more bits in f16 than in bf16.
-    if KV_FP8:
-        if not USE_FP8_DOT:
-            b_qf = b_q.to(tl.float32)
-            b_qmax = tl.max(tl.abs(b_qf), axis=1)
-            b_e = tl.where(b_qmax > 0.0, tl.ceil(tl.log2(tl.where(b_qmax > 0.0, b_qmax, 1.0))) - 14.0, 0.0)
-            b_e = tl.minimum(tl.maximum(b_e, -100.0), 114.0)
-            b_q = (b_qf * tl.exp2(-b_e)[:, None]).to(tl.float16)
-            b_rs = b_rs * tl.exp2(b_e)
-    else:
-        b_q = b_q.to(tl.bfloat16)
-    return b_q, b_rs
-
-
-@triton.jit
-def _finish_chunk(b_m, b_l, b_acc, b, h, is_final, slot, v_scale, p_out, p_lse, p_po, p_plse,
-                  stride_ot, stride_oh, stride_lt,
-                  GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  HAS_LSE: tl.constexpr):
-    """A chunk's (row max, weight sum, unnormalised output): the item's normalised output and
-    LSE when the chunk is the whole item, else a partial in ``slot`` (rows that saw no token:
-    zeros, LSE -inf)."""
-    ROWS: tl.constexpr = GROUP * Q_LEN
-    o_m = tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, D)
-    m_row = o_m < ROWS
-    i_tok = b * Q_LEN + o_m // GROUP
-    i_head = h * GROUP + (o_m % GROUP)
     m_live = b_l > 0.0
     b_o = tl.where(m_live[:, None], b_acc * (v_scale / tl.where(m_live, b_l, 1.0))[:, None], 0.0)
     b_lse2 = tl.where(m_live, b_m + tl.log2(tl.where(m_live, b_l, 1.0)), float("-inf"))
@@ -409,140 +348,10 @@ def _finish_chunk(b_m, b_l, b_acc, b, h, is_final, slot, v_scale, p_out, p_lse, 
         tl.store(p_plse + o_prow, b_lse2, mask=m_row)
 
 
-@triton.jit
-def _next_item(b, h, n, len_b, B, p_next_req, p_tiles, p_len, HKV: tl.constexpr):
-    """The non-empty item after (b, h) in plan order, with its request's tiles and length: the
-    next kv head of the request, else head 0 of the next non-empty request (``next_req``;
-    b = B past the last one, whose loads are masked)."""
-    same = h + 1 < HKV
-    nb = tl.load(p_next_req + tl.minimum(b + 1, B - 1), mask=b + 1 < B, other=B)
-    b2 = tl.where(same, b, nb)
-    m2 = b2 < B
-    n2 = tl.where(same, n, tl.load(p_tiles + tl.minimum(b2, B - 1), mask=m2, other=0))
-    len2 = tl.where(same, len_b, tl.load(p_len + tl.minimum(b2, B - 1), mask=m2, other=0))
-    return b2, tl.where(same, h + 1, 0), n2, len2
-
-
-@triton.jit
-def _finish_empty_requests(pid, p_tiles, p_prog_start, p_out, p_lse, stride_ot, stride_oh, stride_lt,
-                           HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
-                           BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr):
-    """Zeros and LSE -inf for the empty requests at a unit position in bin ``pid``: the
-    requests [prog_start[pid], prog_start[pid + 1]) // HKV with no tiles (each empty request's
-    position req_end lies in exactly one bin's (g0, g1], or at 0 in bin 0's)."""
-    BR: tl.constexpr = 4
-    ROWS: tl.constexpr = GROUP * Q_LEN
-    r0 = tl.load(p_prog_start + pid) // HKV
-    r1 = tl.load(p_prog_start + pid + 1) // HKV
-    o_m = tl.arange(0, BLOCK_M)
-    o_d = tl.arange(0, D)
-    for rb in range(r0, r1, BR):
-        b_r = rb + tl.arange(0, BR)
-        m_e = (b_r < r1) & (tl.load(p_tiles + b_r, mask=b_r < r1, other=1) == 0)
-        if tl.max(m_e.to(tl.int32), axis=0) > 0:
-            i_tok = (b_r[:, None] * Q_LEN + (o_m // GROUP)[None, :]).to(tl.int64)  # [BR, BLOCK_M]
-            m = m_e[:, None] & (o_m < ROWS)[None, :]
-            for h in range(HKV):
-                i_head = h * GROUP + (o_m % GROUP)[None, :]
-                p_row = p_out + i_tok * stride_ot + i_head * stride_oh
-                tl.store(p_row[:, :, None] + o_d[None, None, :],
-                         tl.zeros([BR, BLOCK_M, D], dtype=p_out.dtype.element_ty), mask=m[:, :, None])
-                if HAS_LSE:
-                    tl.store(p_lse + i_tok * stride_lt + i_head, tl.full([BR, BLOCK_M], float("-inf"), tl.float32),
-                             mask=m)
-
-
-@triton.jit
-def _bin_flat(
-    pid, B, max_len, p_q, p_qs, p_k, p_v, p_pt, p_len, p_tiles, p_req_end, p_prog_start, p_meta, p_next_req,
-    p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages, max_pages,
-    stride_qt, stride_qh, stride_qst, stride_qsh,
-    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-    stride_ptb, stride_ot, stride_oh, stride_lt,
-    HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_Q_SCALE: tl.constexpr, USE_FP8_DOT: tl.constexpr,
-    HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, KV_FP8: tl.constexpr,
-):
-    """Bin ``pid`` of a flat plan (``DecodePlan(flat=True)``: no item cost, so the bin's units
-    [g0, g1) are exactly its 64-token tiles) as ONE loop over its tiles, whatever items they
-    belong to. At an item's last tile its chunk is finished (output, or partial when the item
-    is cut by the bin's edges) and the loop goes on with the next item, whose metadata and q
-    rows were loaded one item ahead. So the pipeliner keeps copying K/V tiles across item
-    boundaries: a short item no longer pays its own pipeline fill and first-page round trip
-    (what the plan's item cost charges in the nested loop). Plain loop only (no warp split)."""
-    total = tl.load(p_meta + 0)
-    budget = tl.load(p_meta + 1)
-    g0 = pid * budget
-    g1 = tl.minimum(g0 + budget, total)
-    _finish_empty_requests(pid, p_tiles, p_prog_start, p_out, p_lse, stride_ot, stride_oh, stride_lt,
-                           HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE)
-    if g0 < g1:
-        SCALAR_PAGE: tl.constexpr = PAGE >= TILE
-        o_m = tl.arange(0, BLOCK_M)
-        o_d = tl.arange(0, D)
-        o_tok = tl.arange(0, TILE)
-        # the item holding unit g0: prog_start's, except in bin 0, whose prog_start is item 0
-        # (its request may be empty: then head 0 of the first non-empty request)
-        i = tl.load(p_prog_start + pid)
-        b = i // HKV
-        h = i % HKV
-        n = tl.load(p_tiles + b)
-        if n == 0:
-            b = tl.load(p_next_req + b)
-            h = 0
-            n = tl.load(p_tiles + b)
-        start = tl.load(p_req_end + b) - (HKV - h) * n
-        len_b = tl.load(p_len + b)
-        b2, h2, n2, len2 = _next_item(b, h, n, len_b, B, p_next_req, p_tiles, p_len, HKV)
-        b_q, b_qs = _load_q(b, h, p_q, p_qs, stride_qt, stride_qh, stride_qst, stride_qsh,
-                            GROUP, Q_LEN, D, BLOCK_M, HAS_Q_SCALE)
-        b_q, b_rs = _prepare_q(b_q, b_qs, qk_scale, USE_FP8_DOT, KV_FP8)
-        b_q2, b_qs2 = _load_q(tl.minimum(b2, B - 1), h2, p_q, p_qs, stride_qt, stride_qh, stride_qst, stride_qsh,
-                              GROUP, Q_LEN, D, BLOCK_M, HAS_Q_SCALE)
-        L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len), n * TILE)
-        b_pagex = _first_page(p_pt + b.to(tl.int64) * stride_ptb, g0 - start, o_tok, L, max_pages, PAGE, SCALAR_PAGE)
-        b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-        b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-        b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        for u in tl.range(g0, g1, num_stages=NUM_STAGES):
-            o_n, m_n, p_kr, p_vr = _kv_rows(u - start, b_pagex, o_tok, h, L, p_k, p_v, num_pages,
-                                            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                            PAGE, SCALAR_PAGE)
-            # the next step's page id(s), issued before this step's work (as the nested loop's
-            # _kv_step): tile u + 1 - start of this item, or tile 0 of the next one
-            item_end = u + 1 == start + n
-            b_nx = tl.where(item_end, tl.minimum(b2, B - 1), b)
-            L_nx = tl.where(item_end, tl.minimum(tl.minimum(tl.maximum(len2, 0), max_len), n2 * TILE), L)
-            b_pagex = _first_page(p_pt + b_nx.to(tl.int64) * stride_ptb, tl.where(item_end, 0, u + 1 - start),
-                                  o_tok, tl.where(u + 1 < g1, L_nx, 0), max_pages, PAGE, SCALAR_PAGE)
-            b_k = tl.load(p_kr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_v = tl.load(p_vr[:, None] + o_d[None, :], mask=m_n[:, None], other=0.0)
-            b_s = _scores(b_q, tl.trans(b_k), USE_FP8_DOT, KV_FP8, DOT_F32) * b_rs[:, None]
-            b_vis = L - Q_LEN + o_m // GROUP + 1
-            b_s = tl.where((o_n[None, :] < b_vis[:, None]) & m_n[None, :], b_s, float("-inf"))
-            b_m, b_l, b_acc = _softmax_pv_step(b_s, b_v, b_m, b_l, b_acc, 1, KV_FP8, DOT_F32)
-            if item_end | (u + 1 == g1):
-                _finish_chunk(b_m, b_l, b_acc, b, h, (start >= g0) & (start + n <= g1),
-                              2 * pid + (start >= g0).to(tl.int32), v_scale, p_out, p_lse, p_po, p_plse,
-                              stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE)
-                b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-                b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-                b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-            if item_end:
-                # on to the next item: its metadata and q came one item ahead; fetch the one after
-                start = start + n
-                b, h, n, len_b = b2, h2, n2, len2
-                L = L_nx
-                b_q, b_rs = _prepare_q(b_q2, b_qs2, qk_scale, USE_FP8_DOT, KV_FP8)
-                b2, h2, n2, len2 = _next_item(b, h, n, len_b, B, p_next_req, p_tiles, p_len, HKV)
-                b_q2, b_qs2 = _load_q(tl.minimum(b2, B - 1), h2, p_q, p_qs, stride_qt, stride_qh, stride_qst,
-                                      stride_qsh, GROUP, Q_LEN, D, BLOCK_M, HAS_Q_SCALE)
-
-
 @triton.jit(do_not_specialize=["B", "splits", "max_len"])
 def decode_kernel(
     p_q, p_qs, p_k, p_v, p_pt, p_len,
-    p_tiles, p_req_end, p_prog_start, p_meta, p_next_req,
+    p_tiles, p_req_end, p_prog_start, p_meta,
     p_out, p_lse, p_po, p_plse, p_ks, p_vs,
     qk_scale_f, v_scale_f, B, splits, max_len, num_pages, max_pages,
     stride_qt, stride_qh, stride_qst, stride_qsh,
@@ -553,7 +362,7 @@ def decode_kernel(
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
-    PREFETCH: tl.constexpr, FLAT: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -593,15 +402,6 @@ def decode_kernel(
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
                 WSPLIT, WS_MIN_TILES,
             )
-    elif FLAT:
-        _bin_flat(
-            pid, B, max_len, p_q, p_qs, p_k, p_v, p_pt, p_len, p_tiles, p_req_end, p_prog_start, p_meta, p_next_req,
-            p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages, max_pages,
-            stride_qt, stride_qh, stride_qst, stride_qsh,
-            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-            stride_ptb, stride_ot, stride_oh, stride_lt,
-            HKV, GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, KV_FP8,
-        )
     else:
         total = tl.load(p_meta + 0)
         budget = tl.load(p_meta + 1)

@@ -42,29 +42,28 @@ def default_num_programs(device) -> int:
 
 
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
-                    prog_start: torch.Tensor, meta: torch.Tensor, next_req: torch.Tensor, num_kv_heads: int,
+                    prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
                     max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool,
-                    item_cost: int, align_longer: bool, cost_max: int, flat: bool) -> None:
+                    item_cost: int, align_longer: bool, cost_max: int) -> None:
     # every argument comes from DecodePlan.update (its options' defaults live on DecodePlan)
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
     K.plan_kernel[(1,)](
-        seq_lens, tiles, req_end, prog_start, meta, next_req, B, max_seq_len, min_tiles, item_cost, cost_max,
+        seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles, item_cost, cost_max,
         NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
         SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items,
-        ALIGN_LONGER=align_longer, FLAT=flat, num_warps=4,
+        ALIGN_LONGER=align_longer, num_warps=4,
     )
 
 
 # custom op for torch.compile; eager calls launch directly (see attention/decode.py)
 _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
-                                          mutates_args=("tiles", "req_end", "prog_start", "meta", "next_req"),
-                                          )(_plan_update_launch)
+                                          mutates_args=("tiles", "req_end", "prog_start", "meta"))(_plan_update_launch)
 
 
 @_plan_update_op.register_fake
-def _(seq_lens, tiles, req_end, prog_start, meta, next_req, num_kv_heads, max_seq_len, min_tiles, max_batch,
-      align_items, item_cost, align_longer, cost_max, flat):
+def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items,
+      item_cost, align_longer, cost_max):
     return None
 
 
@@ -94,8 +93,7 @@ class DecodePlan:
     each SM); these exist so one GPU run can sweep them. ``pdl``: launch the attention
     and combine kernels with programmatic dependent launch (each starts while the kernel
     before it drains, then waits for it before reading memory); default: on where the GPU
-    supports it (sm_90+), ``False`` to compare. ``item_cost`` (tiles, 0-8, default 2, 0 when
-    ``flat``): work
+    supports it (sm_90+), ``False`` to compare. ``item_cost`` (tiles, 0-8, default 2): work
     the bins count per non-empty item of at most ``item_cost_max_tiles`` tiles (default 4 =
     256 tokens; ``None``: every item) on top of its tiles (its prologue, first-load latency,
     output or partial write, which a pipeline of so few tiles does not hide), so bins of
@@ -106,12 +104,7 @@ class DecodePlan:
     <= 16 and head_dim <= 128, else ``decode_attention`` raises), or the warps share each
     step's softmax (``False``); default: on for fp8 KV where it can be built, off for bf16.
     ``prefetch`` (default on): each program loads the next item's tiles, end and length
-    before the current item's work (``False``: after it, to compare). ``flat`` (default off):
-    each program runs its bin's tiles as one loop across item boundaries (each item's q and
-    metadata loaded one item ahead), so K/V copies stay in flight from one item to the next;
-    needs ``item_cost=0`` (its default then), 64-token steps and the plain loop (``warp_split``
-    not True); the plan then also keeps ``next_req`` (first non-empty request at or after each
-    request).
+    before the current item's work (``False``: after it, to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -127,9 +120,9 @@ class DecodePlan:
                  q_len: int = 1, device="cuda", num_programs: int | None = None, min_tiles: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
-                 pdl: bool | None = None, item_cost: int | None = None, warp_split: bool | None = None,
+                 pdl: bool | None = None, item_cost: int = DEFAULT_ITEM_COST, warp_split: bool | None = None,
                  align_longer: bool | None = None, prefetch: bool = True,
-                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, flat: bool = False):
+                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -155,19 +148,7 @@ class DecodePlan:
             raise ValueError(f"block_n must be one of [{TILE}, {2 * TILE}] or None, got {block_n!r}")
         if max_registers is not None and max_registers != 0:
             check_int("max_registers", max_registers, 24, 255)
-        if not isinstance(flat, bool):
-            raise TypeError(f"flat must be a bool, got {flat!r}")
-        if item_cost is None:
-            item_cost = 0 if flat else DEFAULT_ITEM_COST
         check_int("item_cost", item_cost, 0, MAX_ITEM_COST)
-        if flat:
-            if item_cost != 0:
-                raise ValueError(f"flat=True runs every unit of a bin as a tile: it needs item_cost=0, got {item_cost}")
-            if block_n not in (None, TILE):
-                raise ValueError(f"flat=True steps one 64-token tile at a time: block_n must be {TILE} or None, "
-                                 f"got {block_n}")
-            if warp_split:
-                raise ValueError("flat=True runs the plain loop: warp_split must be False or None")
         if item_cost_max_tiles is not None:
             check_int("item_cost_max_tiles", item_cost_max_tiles, 1, _NO_COST_LIMIT - 1)
         max_tiles = max_batch * num_kv_heads * (math.ceil(max_seq_len / TILE) + item_cost)
@@ -204,8 +185,6 @@ class DecodePlan:
         self.req_end = torch.zeros(max_batch, **i32)
         self.prog_start = torch.zeros(num_programs + 1, **i32)
         self.meta = torch.zeros(5, **i32)
-        self.flat = flat
-        self.next_req = torch.zeros(max_batch, **i32)  # written by flat plans only
         # combine arrival counters, one per start bin; each merge puts its counter back to 0
         self.combine_count = torch.zeros(num_programs, **i32)
         self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
@@ -219,9 +198,9 @@ class DecodePlan:
         B = seq_lens.shape[0]
         check_int("seq_lens.shape[0] (batch)", B, 1, self.max_batch)
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
-        op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta, self.next_req,
+        op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
            self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
-           self.align_longer, self.cost_max, self.flat)
+           self.align_longer, self.cost_max)
         self.batch = B
         return self
 
@@ -256,10 +235,8 @@ class DecodePlan:
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The plan's tensors for the last update, trimmed to its batch (for tests and debugging)."""
         B = self.batch or 0
-        d = {"tiles": self.tiles[:B], "req_end": self.req_end[:B], "prog_start": self.prog_start, "meta": self.meta}
-        if self.flat:
-            d["next_req"] = self.next_req[:B]
-        return d
+        return {"tiles": self.tiles[:B], "req_end": self.req_end[:B], "prog_start": self.prog_start,
+                "meta": self.meta}
 
     def __repr__(self) -> str:
         return (f"DecodePlan(max_batch={self.max_batch}, max_seq_len={self.max_seq_len}, "
@@ -267,7 +244,7 @@ class DecodePlan:
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_longer={self.align_longer}, warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, flat={self.flat}, "
+                f"prefetch={self.prefetch}, "
                 f"device={self.device})")
 
 

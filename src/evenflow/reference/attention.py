@@ -120,8 +120,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     non-empty item's tiles, when that item fits in it and the rounding adds at most half;
     with ``align_longer`` too, it is raised to that item's tiles when the item is longer than
     the budget by at most a sixteenth of it (``None``: as ``align_items``, the plan's default).
-    Returns the plan tensors (as ``DecodePlan.as_dict`` of a flat plan: ``next_req`` too) and
-    the explicit bins: for each
+    Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
     """
@@ -174,12 +173,9 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
         prog_start.append(first)
     bad = int(any(int(x) < 0 or int(x) > max_seq_len for x in seq_lens.cpu().tolist()))
     i32 = dict(dtype=torch.int32)
-    # a flat plan's next_req: the first request at or after b of non-zero length (B if none)
-    next_req = [next((c for c in range(b, B) if lens[c] > 0), B) for b in range(B)]
     plan = {"tiles": torch.tensor(tiles, **i32), "req_end": torch.tensor(req_end, **i32),
             "prog_start": torch.tensor(prog_start, **i32),
-            "meta": torch.tensor([total, budget, used, bad, item_cost], **i32),
-            "next_req": torch.tensor(next_req, **i32)}
+            "meta": torch.tensor([total, budget, used, bad, item_cost], **i32)}
     return plan, bins
 
 
