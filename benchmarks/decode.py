@@ -77,6 +77,8 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # slower on 2 (32x4K -16%) and on every bf16 case, the others below it on most cases, so not a
 # default. (Round L2's -alu-v / -alu-kv rows, fp8 K or V converted by integer bit moves, were
 # measured and the option withdrawn: history/round-l2.)
+# evenflow-s4: the default plan with 4 pipeline stages (3 K/V buffers per program; bf16 d128 at 2
+# programs/SM: 102 KB of shared memory each, both fit) instead of bf16's 3 (round M4).
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -98,6 +100,7 @@ PLAN_KNOBS = {
     "evenflow-pps4s2": lambda sms: dict(num_programs=4 * sms, warp_split=False, num_stages=2),
     "evenflow-pps5s2": lambda sms: dict(num_programs=5 * sms, warp_split=False, num_stages=2),
     "evenflow-pps3-nows": lambda sms: dict(num_programs=3 * sms, warp_split=False),
+    "evenflow-s4": lambda sms: dict(num_stages=4),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
