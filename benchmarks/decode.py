@@ -80,6 +80,9 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # evenflow-s4: the default plan with 4 pipeline stages (3 K/V buffers per program; bf16 d128 at 2
 # programs/SM: 102 KB of shared memory each, both fit) instead of bf16's 3. Measured in round M4: no
 # faster on any bf16 case (2x32K+30x4K -7.5%), so not a default.
+# evenflow-ckernel: split items merged by a second, combine kernel (launched with PDL), the
+# default until round N; the default now merges them inside the attention kernel (the last
+# chunk of each group of an item to finish), with no second kernel.
 # knob row -> DecodePlan keyword arguments, given the GPU's SM count
 PLAN_KNOBS = {
     "evenflow-n128": lambda sms: dict(block_n=128, num_programs=2 * sms, num_warps=4, num_stages=2),
@@ -102,6 +105,7 @@ PLAN_KNOBS = {
     "evenflow-pps5s2": lambda sms: dict(num_programs=5 * sms, warp_split=False, num_stages=2),
     "evenflow-pps3-nows": lambda sms: dict(num_programs=3 * sms, warp_split=False),
     "evenflow-s4": lambda sms: dict(num_stages=4),
+    "evenflow-ckernel": lambda sms: dict(combine="kernel"),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)

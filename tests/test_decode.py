@@ -124,21 +124,72 @@ def test_prefetch_keeps_results(kv, device, monkeypatch):
     assert seen == [True, False]
 
 
-def test_combine_groups_merge_deterministically_and_reset_their_counters(device):
+@pytest.mark.parametrize("combine", ["fused", "kernel"])
+def test_combine_groups_merge_deterministically_and_reset_their_counters(combine, device):
     """Items of more chunks than one combine step are merged in groups, the last group to
     arrive finishing the item: two items of 61 and 40 chunks plus single-group ones, the
     plan reused for a second call and for other lengths. Same result bitwise every time,
-    counters back at zero after each call, both calls within the rule."""
+    counters back at zero after each call, both calls within the rule; merged inside the
+    attention kernel (fused) or by the combine kernel."""
     lens = [64 * 60 + 17, 100, 64 * 40, 0, 700]
     q, qs, k, v, pt, sl = make_inputs(lens, 1, 8, 128, 64, 1, device=device)
-    plan = evenflow.DecodePlan(len(lens), 1 << 13, 1, device=device, num_programs=120, min_tiles=1).update(sl)
+    plan = evenflow.DecodePlan(len(lens), 1 << 13, 1, device=device, num_programs=120, min_tiles=1,
+                               combine=combine).update(sl)
+
+    def counters():
+        return int(plan.combine_count.abs().sum()) + int(plan.group_count.abs().sum())
+
     o1 = check(q, qs, k, v, pt, sl, 1, plan=plan, what="first call").clone()
-    assert int(plan.combine_count.abs().sum()) == 0
+    assert counters() == 0
     o2 = check(q, qs, k, v, pt, sl, 1, plan=plan, what="second call")
-    assert torch.equal(o1, o2) and int(plan.combine_count.abs().sum()) == 0
+    assert torch.equal(o1, o2) and counters() == 0
     sl2 = torch.tensor([64 * 20, 64 * 55, 5, 0, 64], dtype=torch.int32, device=device)
     check(q, qs, k, v, pt, sl2, 1, plan=plan.update(sl2), what="other lengths")
-    assert int(plan.combine_count.abs().sum()) == 0
+    assert counters() == 0
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_fused_combine_launches_one_kernel_and_matches_the_combine_kernel(kv, device, monkeypatch):
+    """The default plan merges split items inside the attention kernel: one launch per call,
+    no combine kernel. Items of 1 chunk (finished in place), 2-3 chunks, and of more chunks
+    than a merge group (32) with 16 rows; q_len 2 (causal rows); the LSE too. Both modes are
+    within the rule against the oracle and agree to the merge's rounding."""
+    from evenflow.attention import kernels as K
+
+    seen = []
+
+    class Spy:  # records which kernels a call launches
+        def __init__(self, name):
+            self.name, self.real = name, getattr(K, name)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(self.name)
+                return self.real[grid](*args, **kw)
+            return launch
+
+    for name in ("decode_kernel", "combine_kernel"):
+        monkeypatch.setattr(K, name, Spy(name))
+    lens = [64 * 45 + 3, 0, 70, 64 * 3, 1, 64 * 9 + 40]
+    kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
+    q, qs, k, v, pt, sl = make_inputs(lens, 2, 8, 64, 64, 2, kv_dtype=kv_dtype, device=device)
+    scales = dict(k_scale=1 / 30, v_scale=1 / 40) if kv == "fp8" else {}
+    outs = {}
+    for combine in ("fused", "kernel"):
+        seen.clear()
+        # one tile per bin: the 46-tile item is 46 chunks (two merge groups)
+        plan = evenflow.DecodePlan(len(lens), 1 << 13, 2, q_len=2, device=device, num_programs=140, min_tiles=1,
+                                   combine=combine).update(sl)
+        assert int(plan.meta[1]) == 1
+        outs[combine] = check(q, qs, k, v, pt, sl, 2, plan=plan, what=f"combine={combine}", **scales).float()
+        assert seen == (["decode_kernel"] if combine == "fused" else ["decode_kernel", "combine_kernel"])
+        assert int(plan.group_count.abs().sum()) + int(plan.combine_count.abs().sum()) == 0
+    # the two merge in different load steps (8 chunks against 32): fp32 sums equal up to their
+    # rounding, so the bf16 outputs differ by at most one unit in the last place
+    a, b = outs["fused"], outs["kernel"]
+    big = torch.maximum(a.abs(), b.abs())
+    ulp = torch.where(big > 0, torch.exp2(torch.floor(torch.log2(big.clamp_min(1e-30))) - 7), 0.0)
+    assert ((a - b).abs() <= ulp).all(), float(((a - b).abs() - ulp).max())
 
 
 @pytest.mark.parametrize("dynamic", [True, False], ids=["plan", "static"])
@@ -383,6 +434,8 @@ def test_bad_arguments(device):
         da(q, k.transpose(2, 3), v.transpose(2, 3), pt, sl, plan=plan)
     with pytest.raises(TypeError, match="pdl"):
         evenflow.DecodePlan(2, 1000, 2, device=device, pdl=1)
+    with pytest.raises(ValueError, match="combine must be one of"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, combine="both")
     if _runtime.interpreting():
         with pytest.raises(ValueError, match="pdl=True"):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
@@ -395,7 +448,7 @@ def test_opcheck(device):
     out = torch.empty(2, 2, 64, dtype=torch.bfloat16, device=device)
     lse = torch.empty(2, 2, device=device)
     args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, pg, plan.combine_count,
-            out, lse,
+            plan.group_count, out, lse,
             None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
     torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))

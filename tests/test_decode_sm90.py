@@ -62,6 +62,11 @@ SCENARIOS = {
     "bf16-no-prefetch": dict(lens=BIG, prefetch=False),
     "fp8-d256-p128-g16-q4": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, kv=FP8),
     "fp8-d128-g16-q4-static": dict(lens=[300, 5000], hq=32, hkv=2, q_len=4, kv=FP8, static=True),
+    # the two-kernel combine (the default merges inside the attention kernel)
+    "bf16-ckernel": dict(lens=BIG, combine="kernel"),
+    "tp8-slice-ckernel": dict(lens=BIG, hq=8, hkv=1, combine="kernel"),
+    "d256-p128-g16-q4-ckernel": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, combine="kernel"),
+    "fp8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8),
 }
 
 
@@ -77,7 +82,7 @@ def test_decode_kernels_compile_for_sm90():
     assert not failures, "\n\n".join(failures)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice"])
+@pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice", "bf16-ckernel"])
 def test_default_programs_are_resident_on_sm90(name):
     """The persistent grid is sized as DEFAULT_PROGRAMS_PER_SM programs per SM, and the plan
     assumes they all run at once: registers, shared memory (plus the 1 KB the hardware
@@ -97,7 +102,7 @@ def test_default_programs_are_resident_on_sm90(name):
         assert s["spill_bytes"] <= 32, s
 
 
-@pytest.mark.parametrize("name", ["bf16", "tp8-slice", "d256-p128-g16-q4"])
+@pytest.mark.parametrize("name", ["bf16-ckernel", "tp8-slice-ckernel", "d256-p128-g16-q4-ckernel", "static-bf16"])
 def test_combine_is_resident_three_per_sm_without_spilling(name):
     """The combine's grid has a program per (bin, column block), most of which exit at once:
     its register cap (168) lets 3 of them share an SM. The cap must not cost more than a few

@@ -135,20 +135,33 @@ def _combine_blocks(block_m: int, head_dim: int) -> tuple[int, int]:
     return block_c, block_d
 
 
+def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
+    # Fused combine (inside the attention kernel, one program merging every column of a
+    # group): rows padded to a power of two (not the attention's 16-row MMA tile) and
+    # chunks per load step so that a step's [chunks, rows, D] fp32 loads stay at <= 8192
+    # values (64 registers/thread at 4 warps), at most 8.
+    block_m = max(2, 1 << (rows - 1).bit_length())
+    return block_m, max(1, min(8, 8192 // (block_m * head_dim)))
+
+
+FUSED_GROUP_CHUNKS = 32  # chunks per merge group of the fused combine (as the combine kernel's 16-row groups)
+
+
 def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
                meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, part_gml: torch.Tensor,
-               combine_count: torch.Tensor, out: torch.Tensor,
+               combine_count: torch.Tensor, group_count: torch.Tensor, out: torch.Tensor,
                lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
-               prefetch: bool = True) -> None:
+               prefetch: bool = True, fused: bool = False) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
-    # loads the next item's metadata before the current item's work
+    # loads the next item's metadata before the current item's work; fused: the plan path
+    # merges split items inside the attention kernel (no combine kernel)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -165,11 +178,14 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     qs = q_scale if q_scale is not None else q
     common = dict(HKV=Hkv, GROUP=G, Q_LEN=q_len, D=D, BLOCK_M=block_m, IS_STATIC=is_static, HAS_LSE=has_lse)
     lse_t = lse if has_lse else out
+    fused = bool(fused) and not is_static
+    fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     K.decode_kernel[grid](
         q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta,
         out, lse_t, part_o, part_lse,
         k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
+        part_gml, combine_count, group_count,
         sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
         q.stride(0), q.stride(1),
         qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
@@ -180,11 +196,12 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
         KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
-        WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, num_warps=num_warps,
+        WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, FUSED=fused,
+        FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll, num_warps=num_warps,
         **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
         **_runtime.pdl_kwargs(pdl),
     )
-    if is_static and splits == 1:
+    if fused or (is_static and splits == 1):
         return
     block_c, block_d = _combine_blocks(block_m, D)
     cgrid = ((B * Hkv if is_static else np_) * (D // block_d),)
@@ -200,14 +217,14 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 # since torch.library's dispatch costs tens of us per call on the host (router notes).
 _decode_op = torch.library.custom_op("evenflow::decode_attention",
                                      mutates_args=("out", "lse", "part_o", "part_lse", "part_gml",
-                                                   "combine_count"))(_decode_launch)
+                                                   "combine_count", "group_count"))(_decode_launch)
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_gml,
-      combine_count, out, lse,
+      combine_count, group_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False):
     return None
 
 
@@ -317,12 +334,14 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     if plan is not None:
         part_o, part_lse, part_gml = plan.partials(rows, D)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
-                   part_o, part_lse, part_gml, plan.combine_count, out, lse, q_scale, ks_t, vs_t, ks_f, vs_f,
+                   part_o, part_lse, part_gml, plan.combine_count, plan.group_count, out, lse, q_scale, ks_t, vs_t,
+                   ks_f, vs_f,
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
-                   -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch)
+                   -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
+                   plan.combine == "fused")
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1
@@ -330,7 +349,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         part_lse = torch.empty(slots, rows, dtype=torch.float32, device=dev)
         dummy = torch.zeros(2, dtype=torch.int32, device=dev)
         op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
-                   part_o, part_lse, part_lse, dummy.clone(), out, lse, q_scale, ks_t, vs_t, ks_f, vs_f,
+                   part_o, part_lse, part_lse, dummy.clone(), dummy.clone(), out, lse, q_scale, ks_t, vs_t, ks_f, vs_f,
                    float(sm_scale), q_len, splits,
                    max_pages_len, pdl=_runtime.pdl_supported(dev))
     return (out, lse) if return_lse else out

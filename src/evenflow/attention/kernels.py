@@ -26,7 +26,12 @@ by a bin edge is split: its chunk in the program where it starts goes to partial
 ``2p + 1``; its chunks in later programs q go to slot ``2q`` (a program holds at most one
 item that began earlier and one that continues later, so slots are unique and fewer than
 2 * NP). Items that fit in one bin are finished in place (normalised output + LSE), so the
-combine kernel only touches split items.
+combine only touches split items. It runs in the attention kernel by default (``FUSED``: the
+last chunk of each group of an item to finish merges it, see ``decode_kernel``), or as the
+separate ``combine_kernel`` (``DecodePlan(combine="kernel")``, and the static split).
+Arrival counters (int32, zero between calls; each last arriver puts its own back to 0):
+``combine_count`` [NP] per start bin (groups of an item), ``group_count`` [2 * NP] per
+partial slot of a group's first chunk (fused combine: chunks of a group).
 
 Partials: ``part_o`` fp32 [slots, ROWS, D] (already normalised and scaled by v_scale),
 ``part_lse`` fp32 [slots, ROWS] in log2 units of the scaled scores. ROWS = GROUP * Q_LEN,
@@ -352,7 +357,7 @@ def _attend_chunk(
 def decode_kernel(
     p_q, p_qs, p_k, p_v, p_pt, p_len,
     p_tiles, p_req_end, p_prog_start, p_meta,
-    p_out, p_lse, p_po, p_plse, p_ks, p_vs,
+    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_gml, p_count, p_gcount,
     qk_scale_f, v_scale_f, B, splits, max_len, num_pages, max_pages,
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -362,9 +367,18 @@ def decode_kernel(
     HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr, USE_FP8_DOT: tl.constexpr,
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, FUSED: tl.constexpr, FUSED_C: tl.constexpr, FUSED_M: tl.constexpr,
+    FUSED_UNROLL: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
+
+    FUSED (plan only): the combine runs here, no combine kernel. A program that leaves a
+    partial arrives on its group's counter (``p_gcount``, per partial slot of the group's
+    first chunk; a group is FUSED_C consecutive chunks of one item); the last of the group
+    merges it (:func:`_combine_group`, every column, FUSED_M rows, FUSED_UNROLL chunks per
+    load step) and, for an item of several groups, arrives on the item's counter
+    (``p_count``, per start bin), whose last merges the groups. Each counter is put back to
+    0 by its last arriver.
 
     ``qk_scale_f`` = sm_scale * log2(e) * python k_scale; ``max_len`` caps every length
     (min of the plan's max_seq_len and max_pages * PAGE) so no page-table column or tile
@@ -450,6 +464,18 @@ def decode_kernel(
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
                 WSPLIT, WS_MIN_TILES,
             )
+            if FUSED:
+                if (start < g0) | (start + n > g1):
+                    # chunk c of an item that starts in bin p_s and spans n_chunks bins
+                    p_s = start // budget
+                    n_chunks = (start + n - 1) // budget - p_s + 1
+                    g = (pid - p_s) // FUSED_C
+                    slot0 = _combine_slot(2 * p_s + 1, p_s, g * FUSED_C, False)
+                    if arrived_last(p_gcount + slot0, tl.minimum(FUSED_C, n_chunks - g * FUSED_C)):
+                        tl.store(p_gcount + slot0, 0)
+                        _combine_group(i, p_s, n_chunks, g, 0, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+                                       stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, FUSED_M, HAS_LSE,
+                                       FUSED_C, D, FUSED_UNROLL)
             i += 1
             if PREFETCH:
                 b = b_nx
@@ -486,7 +512,8 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
     shared memory). No cross-thread reduction: deterministic, racecheck clean. BLOCK_C
     chunks per step, unrolled with no dependence between their loads, so they are in
     flight together: one pass for the step's max, one that adds each chunk under its
-    weight.
+    weight. ``.cg`` loads: inside the attention kernel (fused combine) the partials were
+    written by other programs of the same grid, and L1 is not coherent across SMs.
     """
     b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -496,7 +523,7 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
         for j in tl.static_range(BLOCK_C):
             slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
             b_lj = tl.load(p_plse + slot.to(tl.int64) * ROWS + o_m, mask=m_row & (c0 + j < c_hi),
-                           other=float("-inf"))
+                           other=float("-inf"), cache_modifier=".cg")
             b_mnew = tl.maximum(b_mnew, b_lj)
         b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
         b_a = tl.exp2(b_m - b_msafe)
@@ -506,8 +533,9 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
             slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
             live = m_row & (c0 + j < c_hi)
             o_prow = slot.to(tl.int64) * ROWS + o_m
-            b_w = tl.exp2(tl.load(p_plse + o_prow, mask=live, other=float("-inf")) - b_msafe)
-            b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=live[:, None], other=0.0)
+            b_w = tl.exp2(tl.load(p_plse + o_prow, mask=live, other=float("-inf"), cache_modifier=".cg") - b_msafe)
+            b_oc = tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=live[:, None], other=0.0,
+                           cache_modifier=".cg")
             b_acc += b_oc * b_w[:, None]
             b_l += b_w
         b_m = b_mnew
@@ -533,8 +561,11 @@ def _store_final(p_out, p_lse, b, h, b_m, b_l, b_acc, o_m, o_d, m_row, stride_ot
 def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
                    stride_ot, stride_oh, stride_lt,
                    HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Group g (chunks [g * BLOCK_C, +BLOCK_C)) of the plan item that starts in bin p.
+                   BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
+                   UNROLL: tl.constexpr):
+    """Group g (chunks [g * BLOCK_C, +BLOCK_C)) of the plan item that starts in bin p, read
+    UNROLL chunks per load step (the combine kernel: the whole group; the fused combine,
+    which merges every column in one program: fewer, to bound its registers).
 
     One group: the item's output is finished here. Several: the group's unnormalised sum
     goes in place over its first chunk's columns (this program is their only reader), its
@@ -555,7 +586,7 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_
     first = 2 * p + 1
     c_lo = g * BLOCK_C
     b_m, b_l, b_acc = _merge_chunks(p_po, p_plse, first, p, c_lo, tl.minimum(n_chunks, c_lo + BLOCK_C), o_m, o_d,
-                                    m_row, ROWS, D, BLOCK_M, BLOCK_D, BLOCK_C, False)
+                                    m_row, ROWS, D, BLOCK_M, BLOCK_D, UNROLL, False)
     n_groups = (n_chunks + BLOCK_C - 1) // BLOCK_C
     if n_groups == 1:
         _store_final(p_out, p_lse, b, h, b_m, b_l, b_acc, o_m, o_d, m_row, stride_ot, stride_oh, stride_lt,
@@ -650,11 +681,13 @@ def combine_kernel(
         if (t_item < n_items) & (t_start >= g0) & (t_start < g1) & (t_start + t_n > g1):
             n_chunks = (t_start + t_n - 1) // budget - pid + 1
             _combine_group(t_item, pid, n_chunks, 0, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
-                           stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D)
+                           stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D,
+                           BLOCK_C)
         # (two inlined calls: one loop over both roles kept the slots from folding, 213 registers)
         p = h_start // budget
         c = pid - p
         if (h_item < n_items) & (h_start < g0) & (g0 < total) & (c % BLOCK_C == 0):
             n_chunks = (h_start + h_n - 1) // budget - p + 1
             _combine_group(h_item, p, n_chunks, c // BLOCK_C, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
-                           stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D)
+                           stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D,
+                           BLOCK_C)

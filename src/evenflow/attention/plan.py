@@ -35,6 +35,12 @@ MAX_ITEM_COST = 8  # tiles; the combine relies on an item's first real tile lyin
 DEFAULT_ITEM_COST = 2
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
+# Where split items are merged: "fused" (the attention kernel's programs, the last chunk of a
+# group to arrive merging it) or "kernel" (a second, combine kernel). Round N1 (H200, graph
+# replay): the combine kernel cost 5-6 us per call after the attention kernel even with nothing
+# to merge, 8-18 us with split items (docs/perf-notes/decode.md).
+COMBINE_MODES = ("fused", "kernel")
+DEFAULT_COMBINE = "fused"
 
 
 def default_num_programs(device) -> int:
@@ -104,7 +110,10 @@ class DecodePlan:
     <= 16 and head_dim <= 128, else ``decode_attention`` raises), or the warps share each
     step's softmax (``False``); default: on for fp8 KV where it can be built, off for bf16.
     ``prefetch`` (default on): each program loads the next item's tiles, end and length
-    before the current item's work (``False``: after it, to compare).
+    before the current item's work (``False``: after it, to compare). ``combine``: where
+    items cut across bins are merged: ``"fused"`` (default) in the attention kernel, by the
+    last of each group of chunks to finish (one kernel per call); ``"kernel"`` in a second,
+    combine kernel (launched with PDL; to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -122,7 +131,7 @@ class DecodePlan:
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
                  pdl: bool | None = None, item_cost: int = DEFAULT_ITEM_COST, warp_split: bool | None = None,
                  align_longer: bool | None = None, prefetch: bool = True,
-                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES):
+                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -175,6 +184,9 @@ class DecodePlan:
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
         self.prefetch = prefetch
+        if combine not in COMBINE_MODES:
+            raise ValueError(f"combine must be one of {list(COMBINE_MODES)}, got {combine!r}")
+        self.combine = combine
         if warp_split is not None and not isinstance(warp_split, bool):
             raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")
         self.warp_split = warp_split
@@ -187,6 +199,8 @@ class DecodePlan:
         self.meta = torch.zeros(5, **i32)
         # combine arrival counters, one per start bin; each merge puts its counter back to 0
         self.combine_count = torch.zeros(num_programs, **i32)
+        # fused combine: arrival counters of the merge groups, one per partial slot
+        self.group_count = torch.zeros(2 * num_programs, **i32)
         self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
         self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -244,7 +258,7 @@ class DecodePlan:
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_longer={self.align_longer}, warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, "
+                f"prefetch={self.prefetch}, combine={self.combine!r}, "
                 f"device={self.device})")
 
 
