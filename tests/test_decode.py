@@ -177,14 +177,14 @@ def test_fused_combine_launches_one_kernel_and_matches_the_combine_kernel(kv, de
     outs = {}
     for combine in ("fused", "kernel"):
         seen.clear()
-        # one tile per bin: the 46-tile item is 46 chunks (two merge groups)
+        # one tile per bin: the 46-tile item is 46 chunks (6 fused merge groups, 2 of the combine kernel)
         plan = evenflow.DecodePlan(len(lens), 1 << 13, 2, q_len=2, device=device, num_programs=140, min_tiles=1,
                                    combine=combine).update(sl)
         assert int(plan.meta[1]) == 1
         outs[combine] = check(q, qs, k, v, pt, sl, 2, plan=plan, what=f"combine={combine}", **scales).float()
         assert seen == (["decode_kernel"] if combine == "fused" else ["decode_kernel", "combine_kernel"])
         assert int(plan.group_count.abs().sum()) + int(plan.combine_count.abs().sum()) == 0
-    # the two merge in different load steps (8 chunks against 32): fp32 sums equal up to their
+    # the two merge in different groups and load steps (8-chunk groups against 32): fp32 sums equal up to their
     # rounding, so the bf16 outputs differ by at most one unit in the last place
     a, b = outs["fused"], outs["kernel"]
     big = torch.maximum(a.abs(), b.abs())

@@ -144,12 +144,14 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
     return block_m, max(1, min(8, 8192 // (block_m * head_dim)))
 
 
-FUSED_GROUP_CHUNKS = 32  # chunks per merge group of the fused combine (as the combine kernel's 16-row groups)
+# Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
+# ~137 chunks = 18 groups merged in parallel, then 18 group results in 3 steps).
+FUSED_GROUP_CHUNKS = 8
 
 
 def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
-               meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, part_gml: torch.Tensor,
+               meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, part_glse: torch.Tensor,
                combine_count: torch.Tensor, group_count: torch.Tensor, out: torch.Tensor,
                lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
@@ -185,7 +187,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta,
         out, lse_t, part_o, part_lse,
         k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
-        part_gml, combine_count, group_count,
+        part_glse, combine_count, group_count,
         sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
         q.stride(0), q.stride(1),
         qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
@@ -206,7 +208,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     block_c, block_d = _combine_blocks(block_m, D)
     cgrid = ((B * Hkv if is_static else np_) * (D // block_d),)
     K.combine_kernel[cgrid](
-        tiles, req_end, prog_start, meta, part_o, part_lse, part_gml, combine_count, out, lse_t,
+        tiles, req_end, prog_start, meta, part_o, part_lse, part_glse, combine_count, out, lse_t,
         B, max(splits, 1), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
         NP=max(np_, 1), BLOCK_C=block_c, BLOCK_D=block_d, num_warps=4, maxnreg=_COMBINE_MAX_REGS, **common,
         **_runtime.pdl_kwargs(pdl),
@@ -216,12 +218,12 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 # Registered as a custom op (fake below) for torch.compile; eager calls launch directly,
 # since torch.library's dispatch costs tens of us per call on the host (router notes).
 _decode_op = torch.library.custom_op("evenflow::decode_attention",
-                                     mutates_args=("out", "lse", "part_o", "part_lse", "part_gml",
+                                     mutates_args=("out", "lse", "part_o", "part_lse", "part_glse",
                                                    "combine_count", "group_count"))(_decode_launch)
 
 
 @_decode_op.register_fake
-def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_gml,
+def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_glse,
       combine_count, group_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False):
@@ -332,9 +334,9 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     max_pages_len = page_table.shape[1] * P
     op = _decode_op if torch.compiler.is_compiling() else _decode_launch
     if plan is not None:
-        part_o, part_lse, part_gml = plan.partials(rows, D)
+        part_o, part_lse, part_glse = plan.partials(rows, D)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
-                   part_o, part_lse, part_gml, plan.combine_count, plan.group_count, out, lse, q_scale, ks_t, vs_t,
+                   part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, q_scale, ks_t, vs_t,
                    ks_f, vs_f,
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,

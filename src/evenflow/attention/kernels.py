@@ -357,7 +357,7 @@ def _attend_chunk(
 def decode_kernel(
     p_q, p_qs, p_k, p_v, p_pt, p_len,
     p_tiles, p_req_end, p_prog_start, p_meta,
-    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_gml, p_count, p_gcount,
+    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount,
     qk_scale_f, v_scale_f, B, splits, max_len, num_pages, max_pages,
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -386,9 +386,17 @@ def decode_kernel(
     """
     pid = tl.program_id(0)
     # Programmatic dependent launch: wait for the kernels before this one (the plan
-    # update, the engine's KV write) before any load, then let the combine kernel be
-    # launched now; it waits in turn for this grid to finish (its own gdc_wait).
-    pdl_enter(PDL)
+    # update, the engine's KV write) before any load. With a combine kernel after this
+    # one, let it be launched now (it waits in turn for this grid, its own gdc_wait).
+    # Fused: no early trigger, so the next kernel launches as this grid's programs exit:
+    # launched early, its programs took the slots of this grid's idle or early-finishing
+    # programs and, when it is the next decode call (back-to-back graph replays), its bins
+    # then sat unevenly on the SMs (round N2: 2x32K+30x4K, 184 bins of 264 programs, +11%).
+    if FUSED:
+        if PDL:
+            gdc_wait()
+    else:
+        pdl_enter(PDL)
     qk_scale = qk_scale_f
     if HAS_K_SCALE_PTR:
         qk_scale = qk_scale * tl.load(p_ks)
@@ -473,7 +481,7 @@ def decode_kernel(
                     slot0 = _combine_slot(2 * p_s + 1, p_s, g * FUSED_C, False)
                     if arrived_last(p_gcount + slot0, tl.minimum(FUSED_C, n_chunks - g * FUSED_C)):
                         tl.store(p_gcount + slot0, 0)
-                        _combine_group(i, p_s, n_chunks, g, 0, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+                        _combine_group(i, p_s, n_chunks, g, 0, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                        stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, FUSED_M, HAS_LSE,
                                        FUSED_C, D, FUSED_UNROLL)
             i += 1
@@ -503,8 +511,12 @@ def _combine_slot(first, pid, c, IS_STATIC: tl.constexpr):
 @triton.jit
 def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
                   ROWS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_C: tl.constexpr, IS_STATIC: tl.constexpr):
+                  BLOCK_C: tl.constexpr, IS_STATIC: tl.constexpr, C_STRIDE: tl.constexpr = 1):
     """(max, sum of weights, weighted sum) of chunks [c_lo, c_hi) of one item, columns o_d.
+
+    Each chunk is a normalised output (``p_po``) with its LSE (``p_plse``); chunk c sits in
+    the slot of the item's chunk c * C_STRIDE (C_STRIDE > 1: merged groups, each left in
+    the slot of its first chunk).
 
     Purely elementwise: each thread merges its own outputs in chunk order, and the row
     statistics are [BLOCK_M] vectors read by small loads (fewer values than threads, so
@@ -521,7 +533,7 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
     for c0 in range(c_lo, c_hi, BLOCK_C):
         b_mnew = b_m
         for j in tl.static_range(BLOCK_C):
-            slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
+            slot = _combine_slot(first, pid, (c0 + j) * C_STRIDE, IS_STATIC)
             b_lj = tl.load(p_plse + slot.to(tl.int64) * ROWS + o_m, mask=m_row & (c0 + j < c_hi),
                            other=float("-inf"), cache_modifier=".cg")
             b_mnew = tl.maximum(b_mnew, b_lj)
@@ -530,7 +542,7 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
         b_acc = b_acc * b_a[:, None]
         b_l = b_l * b_a
         for j in tl.static_range(BLOCK_C):
-            slot = _combine_slot(first, pid, c0 + j, IS_STATIC)
+            slot = _combine_slot(first, pid, (c0 + j) * C_STRIDE, IS_STATIC)
             live = m_row & (c0 + j < c_hi)
             o_prow = slot.to(tl.int64) * ROWS + o_m
             b_w = tl.exp2(tl.load(p_plse + o_prow, mask=live, other=float("-inf"), cache_modifier=".cg") - b_msafe)
@@ -558,7 +570,7 @@ def _store_final(p_out, p_lse, b, h, b_m, b_l, b_acc, o_m, o_d, m_row, stride_ot
 
 
 @triton.jit
-def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                    stride_ot, stride_oh, stride_lt,
                    HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -567,11 +579,12 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_
     UNROLL chunks per load step (the combine kernel: the whole group; the fused combine,
     which merges every column in one program: fewer, to bound its registers).
 
-    One group: the item's output is finished here. Several: the group's unnormalised sum
+    One group: the item's output is finished here. Several: the group's normalised output
     goes in place over its first chunk's columns (this program is their only reader), its
-    row max and weight sum to ``gml`` (column block 0 writes them; every column block
-    computes the same values), then an arrival counter per start bin picks the last of
-    the item's groups x column blocks, which merges the groups over the whole head dim,
+    LSE to ``glse`` (column block 0 writes it; every column block computes the same value;
+    not over the chunk's LSE, which the group's other column blocks may still read), then
+    an arrival counter per start bin picks the last of the item's groups x column blocks,
+    which merges the groups like chunks (:func:`_merge_chunks`) over the whole head dim,
     in group order (deterministic), and puts the counter back to zero. An item of
     hundreds of chunks (the TP8 slice) is then merged by hundreds of programs in one step
     each, not by D / BLOCK_D programs in one step per BLOCK_C chunks (round F: 19.7 us).
@@ -594,32 +607,21 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_
     else:
         slot0 = _combine_slot(first, p, c_lo, False).to(tl.int64)
         o_srow = slot0 * ROWS + o_m
-        tl.store(p_po + o_srow[:, None] * D + o_d[None, :], b_acc, mask=m_row[:, None])
+        m_live = b_l > 0.0
+        b_o = tl.where(m_live[:, None], b_acc / tl.where(m_live, b_l, 1.0)[:, None], 0.0)
+        tl.store(p_po + o_srow[:, None] * D + o_d[None, :], b_o, mask=m_row[:, None])
         if pid_d == 0:
-            tl.store(p_gml + slot0 * (2 * ROWS) + o_m, b_m, mask=m_row)
-            tl.store(p_gml + slot0 * (2 * ROWS) + ROWS + o_m, b_l, mask=m_row)
+            b_lse2 = tl.where(m_live, b_m + tl.log2(tl.where(m_live, b_l, 1.0)), float("-inf"))
+            tl.store(p_glse + o_srow, b_lse2, mask=m_row)
         if arrived_last(p_count + p, n_groups * ND):
-            # [BLOCK_M, DF] column chunks of at most 4096 values (32 registers a thread)
+            # [BLOCK_M, DF] column chunks of at most 4096 values, UG groups per load step (at
+            # most 8192 values in flight: 64 registers a thread at 4 warps)
             DF: tl.constexpr = D if BLOCK_M * D <= 4096 else 4096 // BLOCK_M
+            UG: tl.constexpr = 8 if BLOCK_M * DF <= 1024 else 8192 // (BLOCK_M * DF)
             for f0 in tl.static_range(0, D, DF):
                 o_f = f0 + tl.arange(0, DF)
-                f_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-                f_l = tl.zeros([BLOCK_M], dtype=tl.float32)
-                f_acc = tl.zeros([BLOCK_M, DF], dtype=tl.float32)
-                for gg in range(0, n_groups):
-                    s_g = _combine_slot(first, p, gg * BLOCK_C, False).to(tl.int64)
-                    g_m = tl.load(p_gml + s_g * (2 * ROWS) + o_m, mask=m_row, other=float("-inf"),
-                                  cache_modifier=".cg")
-                    g_l = tl.load(p_gml + s_g * (2 * ROWS) + ROWS + o_m, mask=m_row, other=0.0, cache_modifier=".cg")
-                    g_acc = tl.load(p_po + (s_g * ROWS + o_m)[:, None] * D + o_f[None, :], mask=m_row[:, None],
-                                    other=0.0, cache_modifier=".cg")
-                    f_mnew = tl.maximum(f_m, g_m)
-                    f_msafe = tl.where(f_mnew == float("-inf"), 0.0, f_mnew)
-                    f_a = tl.exp2(f_m - f_msafe)
-                    g_a = tl.exp2(g_m - f_msafe)
-                    f_acc = f_acc * f_a[:, None] + g_acc * g_a[:, None]
-                    f_l = f_l * f_a + g_l * g_a
-                    f_m = f_mnew
+                f_m, f_l, f_acc = _merge_chunks(p_po, p_glse, first, p, 0, n_groups, o_m, o_f, m_row,
+                                                ROWS, D, BLOCK_M, DF, UG, False, BLOCK_C)
                 _store_final(p_out, p_lse, b, h, f_m, f_l, f_acc, o_m, o_f, m_row, stride_ot, stride_oh, stride_lt,
                              GROUP, Q_LEN, HAS_LSE, f0 == 0)
             tl.store(p_count + p, 0)
@@ -627,7 +629,7 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_gml, p_count, p_
 
 @triton.jit(do_not_specialize=["B", "splits"])
 def combine_kernel(
-    p_tiles, p_req_end, p_prog_start, p_meta, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+    p_tiles, p_req_end, p_prog_start, p_meta, p_po, p_plse, p_glse, p_count, p_out, p_lse,
     B, splits, stride_ot, stride_oh, stride_lt,
     NP: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, IS_STATIC: tl.constexpr, HAS_LSE: tl.constexpr,
@@ -680,7 +682,7 @@ def combine_kernel(
         h_start = tl.load(p_req_end + h_b) - (HKV - h_item % HKV) * h_n
         if (t_item < n_items) & (t_start >= g0) & (t_start < g1) & (t_start + t_n > g1):
             n_chunks = (t_start + t_n - 1) // budget - pid + 1
-            _combine_group(t_item, pid, n_chunks, 0, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+            _combine_group(t_item, pid, n_chunks, 0, pid_d, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                            stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D,
                            BLOCK_C)
         # (two inlined calls: one loop over both roles kept the slots from folding, 213 registers)
@@ -688,6 +690,6 @@ def combine_kernel(
         c = pid - p
         if (h_item < n_items) & (h_start < g0) & (g0 < total) & (c % BLOCK_C == 0):
             n_chunks = (h_start + h_n - 1) // budget - p + 1
-            _combine_group(h_item, p, n_chunks, c // BLOCK_C, pid_d, p_po, p_plse, p_gml, p_count, p_out, p_lse,
+            _combine_group(h_item, p, n_chunks, c // BLOCK_C, pid_d, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                            stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, BLOCK_M, HAS_LSE, BLOCK_C, BLOCK_D,
                            BLOCK_C)

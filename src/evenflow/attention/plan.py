@@ -230,15 +230,15 @@ class DecodePlan:
         return real + self.item_cost * ((seq_lens > 0) & (real <= self.cost_max)).to(real.dtype)
 
     def partials(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(output partials [slots, rows, D], their LSEs [slots, rows], the combine's group
-        max and weight sums [slots, 2, rows]), fp32, slots = 2 * num_programs."""
+        """(output partials [slots, rows, D], their LSEs [slots, rows], the LSEs of merged
+        groups of an item's chunks [slots, rows]), fp32, slots = 2 * num_programs."""
         key = (rows, head_dim)
         if key not in self._partials:
             slots = 2 * self.num_programs
             self._partials[key] = (
                 torch.empty(slots, rows, head_dim, dtype=torch.float32, device=self.device),
                 torch.empty(slots, rows, dtype=torch.float32, device=self.device),
-                torch.empty(slots, 2, rows, dtype=torch.float32, device=self.device),
+                torch.empty(slots, rows, dtype=torch.float32, device=self.device),
             )
         return self._partials[key]
 
