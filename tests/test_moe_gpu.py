@@ -303,55 +303,6 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
             check(outs[True][1], outs[True][0], sids2, sw2, ew, 0, f"T={t} PDL replay {step} layer 1")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="programmatic dependent launch needs sm_90+")
-@pytest.mark.parametrize("fmt,cfg", [
-    ("bf16", [16, 64, 128, 64, 128, 4, 3, 4, 2]),  # split-K gate-up: counter zeroing first
-    ("bf16", [16, 64, 128, 64, 128, 4, 3, 1, 1]),  # the gate-up is the call's first kernel
-    ("fp8_block", None),  # activation quantisation first
-], ids=["bf16-split", "bf16-first", "fp8_block"])
-def test_weight_prefetch_with_routing_written_just_before(fmt, cfg):
-    """The GEMMs read the routing before their PDL wait (to prefetch their weights) only where
-    it was written two kernels back or more. Here a kernel right before the layer writes the
-    routing and x inside the captured graph, new values every replay (T = 1, 4): the PDL
-    layer with weight prefetch gives the plain launches' output bit for bit, and so does PDL
-    without prefetch, every replay within the rule."""
-    from evenflow.moe.fused import MoEConfig
-
-    shape = "qwen3-30b-a3b"
-    ew = weights(shape, fmt)
-    config = None if cfg is None else MoEConfig.from_list(cfg)
-    for t in (1, 4):
-        x, ids, w = inputs(shape, t)
-        src = [inputs(shape, t) for _ in range(3)]
-        live = [torch.empty_like(v) for v in (x, ids, w)]
-        runs = {"plain": dict(pdl=False), "pdl": dict(pdl=True), "pdl-nopf": dict(pdl=True, prefetch_weights=False)}
-        outs = {name: torch.empty(t, x.shape[1], device="cuda", dtype=torch.bfloat16) for name in runs}
-        stage = [v.clone() for v in (x, ids, w)]
-        graphs = {}
-        for name, kw in runs.items():
-            def step(name=name, kw=kw):
-                for j in (0, 2, 1):  # kernels right before the layer write x, the weights, then the ids
-                    live[j].copy_(stage[j])
-                evenflow.fused_moe(*live, ew, out=outs[name], config=config, **kw)
-            for _ in range(2):
-                step()
-            torch.cuda.synchronize()
-            graphs[name] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[name]):
-                step()
-        for r, (sx, sids, sw) in enumerate(src):
-            for dst, v in zip(stage, (sx, sids, sw)):
-                dst.copy_(v)
-            for name in runs:
-                outs[name].fill_(float("nan"))
-                graphs[name].replay()
-            torch.cuda.synchronize()
-            for name in ("pdl", "pdl-nopf"):
-                assert torch.equal(outs[name], outs["plain"]), f"T={t} replay {r}: {name} differs"
-            check(outs["pdl"], sx, sids, sw, ew, 0, f"T={t} replay {r}")
-
-
 def test_torch_compile_fullgraph():
     ew = weights("qwen3-30b-a3b", "fp8_per_tensor")
     x, ids, w = inputs("qwen3-30b-a3b", 16)

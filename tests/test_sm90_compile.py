@@ -202,36 +202,3 @@ def test_moe_fast_accum_compiles_to_fp8_wgmma():
             assert s["spill_bytes"] == 0, (what, cfg, s["regs"], s["spill_bytes"])
             if cfg.block_m >= 64:  # no e4m3 -> f16 conversions in the K loop
                 assert not any(op.startswith("F2FP") for op in s["loops"][0]["ops"]), (what, s["loops"][0])
-
-
-def test_moe_gemms_prefetch_their_weights_before_the_pdl_wait():
-    """With PDL (sm_90), each MoE GEMM program asks L2 for the first lines of its weight rows
-    before waiting for the kernel before it: the down GEMM always, the gate-up only where one
-    of the call's own kernels that does not write the routing data runs before it (here the
-    split-K counter zeroing of a T = 1 call), never when it is the call's first kernel (a bf16
-    call without split K), and neither with prefetch_weights=False. Checked on the sm_90 build:
-    the launch's PF_LINES and the prefetch instructions in its PTX, with no register spill."""
-    from evenflow._compile_check import compile_stats
-    from evenflow.moe.fused import MoEConfig
-
-    ew = _moe_weights("bf16", 8, 2048, 768)
-    split = MoEConfig.from_list([16, 64, 128, 64, 128, 4, 3, 4, 2])  # gate-up split 4: zeroing first
-    plain = MoEConfig.from_list([16, 64, 128, 64, 128, 4, 3, 1, 1])  # gate-up is the first kernel
-    cases = {"split": (split, None), "first": (plain, None), "off": (split, False)}
-    launches, expect = [], []
-    for label, (cfg, pf) in cases.items():
-        with emulate_gpu(132), record_launches() as rec:
-            evenflow.fused_moe(torch.randn(1, 2048).bfloat16(), torch.randint(0, 8, (1, 8), dtype=torch.int32),
-                               torch.rand(1, 8), ew, config=cfg, prefetch_weights=pf)
-        for la in rec:
-            if la.name in ("moe_gate_up_kernel", "moe_down_kernel"):
-                launches.append(la)
-                want = label == "split" or (label == "first" and la.name == "moe_down_kernel")
-                expect.append((label, la.name, want))
-    assert len(launches) == 6
-    stats = compile_stats(launches)
-    for (label, name, want), la, s in zip(expect, launches, stats):
-        assert "error" not in s, s["error"]
-        lines = dict(la.constexprs)["PF_LINES"]
-        assert (lines > 0) == want and (s["l2_prefetches"] > 0) == want, (label, name, lines, s["l2_prefetches"])
-        assert s["spill_bytes"] == 0, (label, name, s)

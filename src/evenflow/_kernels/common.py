@@ -91,15 +91,6 @@ def arrived_last(p_counter, expected):
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Ask for the 128-byte lines at ``ptrs`` (any shape, one pointer per line) to be brought
-    into L2; nothing is returned or waited for. PTX, so GPU builds only (the interpreter
-    cannot run it): callers guard it with a constexpr that is False there."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """Programmatic dependent launch, at the top of a kernel launched with ``launch_pdl``:
     wait until the kernel before it in the stream has finished and flushed its writes (it

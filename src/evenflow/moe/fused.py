@@ -36,19 +36,6 @@ _CONFIG_FILES = {"H200": "h200.json"}
 # pairs: there the launches are a large share of the layer. Above it grids span several
 # waves, and a kernel launched early would hold SM slots the one before it still needs.
 PDL_MAX_PAIRS = 512
-# With PDL, a GEMM program asks L2 for the first lines of its weight rows before it waits for
-# the kernel before it (weights never depend on it), at most this many bytes per program, so
-# the weights' first DRAM round trip overlaps that kernel's tail (round N; ~12 MB for a grid of
-# ~400 programs, a quarter of L2). Only where the routing data the program reads first was
-# written two kernels back or more (complete by the time PDL lets this grid launch).
-PREFETCH_BYTES = 32 * 1024
-
-
-def _prefetch_lines(rows: int, k_elems: int, elem_bytes: int) -> int:
-    """128-byte lines per weight row to prefetch (a power of two; 0 = none) for a program of
-    ``rows`` weight rows that reads ``k_elems`` elements of each."""
-    per_row = min(k_elems * elem_bytes, PREFETCH_BYTES // rows) // 128
-    return 1 << (per_row.bit_length() - 1) if per_row >= 1 else 0
 # Up to this many (token, slot) pairs on 16-row tiles, each pair is a GEMM task of its own
 # ("pair tiles"): no index build (one launch of ~3 us at T = 1, round I1's kernel split) and
 # one dependent load before the weights instead of three. A pair whose expert another pair
@@ -272,9 +259,8 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, prefetch: int = -1):
+            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
-    # prefetch: weight lines to L2 before the PDL wait: 1 / -1 where allowed (PDL on), 0 off
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
     t, h = x.shape
@@ -337,15 +323,6 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     ix = (topk_ids,) * 4 if idx is None else (idx.sorted_pairs, idx.offsets, idx.tile_expert, idx.tile_row)
     ws13_strides = (ws13.stride(0), ws13.stride(1)) if mode == 2 else (0, 0)
     ws2_strides = (ws2.stride(0), ws2.stride(1)) if mode == 2 else (0, 0)
-    # Weight prefetch before the PDL wait (PREFETCH_BYTES). The gate-up reads the routing data
-    # (topk_ids, or the index) first: allowed only when one of this call's kernels that does
-    # not write it (counter zeroing, activation quantisation) runs in between. The down GEMM
-    # always has the gate-up in between.
-    pf = use_pdl and prefetch != 0
-    esize = w13.element_size()
-    gu_pf = pf and ((by_pair and gu_count is not None) or mode != 0)
-    gu_lines = _prefetch_lines(2 * cfg.gu_block_n, h // cfg.gu_split_k, esize) if gu_pf else 0
-    dn_lines = _prefetch_lines(cfg.down_block_n, i // cfg.down_split_k, esize) if pf else 0
 
     moe_gate_up_kernel[(n_tiles, gu_nb, cfg.gu_split_k)](
         xq, xs, w13, ws13, topk_ids, *ix,
@@ -356,7 +333,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        PF_LINES=gu_lines, LINE_ELEMS=128 // esize, **gpu_kw, **pk,
+        **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -373,8 +350,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1),
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        PF_LINES=dn_lines, LINE_ELEMS=128 // esize, **gpu_kw, **pk,
+        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -397,17 +373,17 @@ def _fused_moe_op(
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
-    pair_tiles: int = -1, fp8_accum: str = "exact", prefetch: int = -1,
+    pair_tiles: int = -1, fp8_accum: str = "exact",
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
-            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast", prefetch)
+            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast")
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", prefetch=-1):
+      fp8_accum="exact"):
     return None
 
 
@@ -420,8 +396,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
-              pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              prefetch_weights: bool | None = None):
+              pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact"):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -451,10 +426,6 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     bit for bit (requantisation of the intermediate can round differently). Needs K-steps of
     at least 32: with per-tensor weights, hidden and intermediate sizes that are multiples of 32.
     ValueError for another value, for bf16 weights, or such sizes.
-    ``prefetch_weights``: with PDL, each GEMM program asks L2 for the first lines of its
-    weight rows (up to ``PREFETCH_BYTES``) before waiting for the kernel before it, where the
-    routing data it reads was written two kernels back or more; default (None): on with PDL,
-    ``False`` to compare. No effect on results.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -510,15 +481,12 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     check_pdl(pdl, dev)
     if pair_tiles is not None and not isinstance(pair_tiles, bool):
         raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
-    if prefetch_weights is not None and not isinstance(prefetch_weights, bool):
-        raise TypeError(f"prefetch_weights must be a bool or None, got {prefetch_weights!r}")
     pdl_arg = -1 if pdl is None else int(pdl)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
-    pf_arg = -1 if prefetch_weights is None else int(prefetch_weights)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, pf_arg)
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, pf_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc)
     return out

@@ -35,15 +35,7 @@ block-128 (dynamic per-token-group-128 activation scales, 128x128 weight blocks)
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import (
-    FP8_E4M3_MAX,
-    arrived_last,
-    dot_operand,
-    f16_operand,
-    pdl_enter,
-    prefetch_l2,
-    to_fp8e4,
-)
+from evenflow._kernels.common import FP8_E4M3_MAX, arrived_last, dot_operand, f16_operand, pdl_enter, to_fp8e4
 
 # Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
 # scale and quantises to zeros rather than dividing by zero).
@@ -322,21 +314,6 @@ def _row_pairs(p_sorted, o_m, m_m, PAIR_TILES: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_weight_rows(p_row0, o_r, k0, stride_wn, PF_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """L2 prefetch of the first PF_LINES 128-byte lines of weight rows ``o_r`` from column k0."""
-    o_l = tl.arange(0, PF_LINES) * LINE_ELEMS
-    prefetch_l2(p_row0 + o_r.to(tl.int64)[:, None] * stride_wn + (k0 + o_l)[None, :])
-
-
-@triton.jit
-def _wait_after_prefetch(PDL: tl.constexpr, PF_LINES: tl.constexpr):
-    """``pdl_enter`` for a GEMM kernel: where it prefetched its weights (PF_LINES > 0, only
-    with PDL) the wait comes after; else as every kernel, before anything."""
-    if PF_LINES > 0:
-        pdl_enter(PDL)
-
-
-@triton.jit
 def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
                       stride_om, stride_osm, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
     """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants, stored."""
@@ -366,14 +343,9 @@ def moe_gate_up_kernel(
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
-    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, PF_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
+    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
-
-    PF_LINES > 0 (PDL only, and only when the routing data was written two kernels back or
-    more, so it is complete once this grid is launched): the program reads its task, asks
-    L2 for the first PF_LINES lines of each of its weight rows, and only then waits for the
-    kernel before it; the weights' first DRAM round trip overlaps that kernel's tail.
 
     One program per (tile, n-block of I, K split); tokens are read through
     sorted_pairs (row -> pair -> token), never gathered into a copy.
@@ -386,13 +358,16 @@ def moe_gate_up_kernel(
     the split that arrives last sums the partials in split order (deterministic),
     applies the activation and requantisation, and resets the counter.
     """
-    if PF_LINES == 0:
-        pdl_enter(PDL)
+    pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
     e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
                              PAIR_TILES)
+    if e < 0:
+        return
+    pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
+    tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
@@ -401,15 +376,6 @@ def moe_gate_up_kernel(
     # K // SPLIT_K loses K's 16-divisibility and every fp8 load of the K loop became a
     # byte load that the pipeliner refuses (sm_90 TTGIR: no async copies at SPLIT_K >= 8).
     k0 = tl.multiple_of(i_s * k_split, BLOCK_K)
-    if PF_LINES > 0:
-        if e >= 0:
-            _prefetch_weight_rows(p_w + e64 * stride_we, o_n, k0, stride_wn, PF_LINES, LINE_ELEMS)
-            _prefetch_weight_rows(p_w + e64 * stride_we, I + o_n, k0, stride_wn, PF_LINES, LINE_ELEMS)
-    _wait_after_prefetch(PDL, PF_LINES)
-    if e < 0:
-        return
-    pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
-    tok = (pair // top_k).to(tl.int64)
 
     p_a = p_x + tok[:, None] * stride_xt + (k0 + o_k)[None, :]
     p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
@@ -479,21 +445,21 @@ def moe_down_kernel(
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
-    FAST_ACC: tl.constexpr, PF_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
+    FAST_ACC: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
     Stored in pair_out's dtype (bf16 with SPLIT_K == 1, else fp32 partial sums); the reduce
-    kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32. PF_LINES: as in
-    the gate-up kernel (here always allowed with PDL: the routing data is two kernels back).
+    kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32.
     """
-    if PF_LINES == 0:
-        pdl_enter(PDL)
+    pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
     e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
                              PAIR_TILES)
+    if e < 0:
+        return
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
@@ -503,12 +469,6 @@ def moe_down_kernel(
     # K // SPLIT_K loses K's 16-divisibility and every fp8 load of the K loop became a
     # byte load that the pipeliner refuses (sm_90 TTGIR: no async copies at SPLIT_K >= 8).
     k0 = tl.multiple_of(i_s * k_split, BLOCK_K)
-    if PF_LINES > 0:
-        if e >= 0:
-            _prefetch_weight_rows(p_w + e64 * stride_we, o_n, k0, stride_wn, PF_LINES, LINE_ELEMS)
-    _wait_after_prefetch(PDL, PF_LINES)
-    if e < 0:
-        return
 
     p_x = p_a + o_m64[:, None] * stride_am + (k0 + o_k)[None, :]
     p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
