@@ -47,7 +47,8 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # at 2 programs/SM (its sm_90 build needs ~250 registers/thread); a candidate for fp8 KV
 # measured beside the default (docs/perf-notes/decode.md).
 # evenflow-pps3: the plan at 3 persistent programs/SM (the default until round E2, whose
-# evenflow-pps2 rows made 2 the default), measured beside the default.
+# evenflow-pps2 rows made 2 the default), measured beside the default. Round N6: bf16 within
+# -10..+1%; fp8 2-2.5x slower (the warp-split loop spills under its 168-register cap).
 # evenflow-nopdl: the default without programmatic dependent launch (round F), so the
 # launch gap it hides between the attention and combine kernels is measured.
 # evenflow-cost1 / -cost2 (rows of rounds G-J2 files, no longer run): the plan charging 1 / 2

@@ -308,3 +308,34 @@ def test_plan_model_reads_every_tile_once_under_every_option():
     measured = {k: plan_model.price(v[1], **truth)[0] for k, v in shapes.items()}
     err, *_ = plan_model.fit(shapes, measured)
     assert err < 0.02
+
+
+# ----------------------------------------------------------------------------- fixed-cost diagnosis
+
+def _load_fixed_cost():
+    path = _SCRIPT.parent / "decode_fixed_cost.py"
+    spec = importlib.util.spec_from_file_location("evenflow_bench_decode_fixed_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    sys.path.insert(0, str(_SCRIPT.parent))  # it imports benchmarks/decode.py as `decode`
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(_SCRIPT.parent))
+    return mod
+
+
+def test_fixed_cost_fit_and_cases():
+    """The diagnosis' least-squares fit recovers a line exactly and ranks a noisy one's intercept
+    right; its sweep cases all parse (TP8 slices have 8 q / 1 kv heads); bad input is refused."""
+    F = _load_fixed_cost()
+    a, s = F.fit([(x, 12.5 + 0.9 * x) for x in (16.0, 33.0, 65.0, 130.0)])
+    assert a == pytest.approx(12.5) and s == pytest.approx(0.9)
+    a2, _ = F.fit([(16.0, 27.0), (33.0, 43.0), (65.0, 75.5), (130.0, 134.0)])
+    assert 10.0 < a2 < 13.0
+    for cases in F.SWEEPS.values():
+        for name in cases:
+            c = D.parse_case(name)
+            assert (c.num_q_heads, c.num_kv_heads) == ((8, 1) if name.startswith("tp8:") else (64, 8))
+    with pytest.raises(SystemExit, match="--variants"):
+        F.main(["--out", "unused", "--variants", "bf16,int4"])
