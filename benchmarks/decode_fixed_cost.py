@@ -106,8 +106,8 @@ def main(argv=None) -> None:
                 fns, _ = bench.build_fns("evenflow", inp)
                 us = H.time_graph(fns)
                 fl = H.floor_us(bench.floor_bytes(case, dt), ceilings=ceil)
-                r = dict(variant=vname, sweep=sweep, case=cname, us=round(us, 3), floor_us=round(fl, 3),
-                         frac=round(fl / us, 4), rotations=inp.rotations, **timeline(fns))
+                r = dict(case=cname, variant=vname, impl="evenflow", sweep=sweep, us=round(us, 3),
+                         floor_us=round(fl, 3), frac=round(fl / us, 4), rotations=inp.rotations, **timeline(fns))
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 del inp, fns
