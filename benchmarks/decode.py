@@ -50,7 +50,8 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 # evenflow-pps2 rows made 2 the default), measured beside the default. Round N6: bf16 within
 # -10..+1%; fp8 2-2.5x slower (the warp-split loop spills under its 168-register cap).
 # evenflow-nopdl: the default without programmatic dependent launch (round F), so the
-# launch gap it hides between the attention and combine kernels is measured.
+# launch gap it hides is measured (between the attention and combine kernels until round N;
+# with the fused combine, between the kernel before the attention and the attention kernel).
 # evenflow-cost1 / -cost2 (rows of rounds G-J2 files, no longer run): the plan charging 1 / 2
 # tiles of work per non-empty item (round G), so bins of many short items hold fewer of them.
 # evenflow-ws: each warp runs its own online softmax over its 16 tokens of every step, merged

@@ -71,6 +71,17 @@ def assert_exact(actual: torch.Tensor, expected: torch.Tensor, what: str = "meta
                              f"{[a[tuple(i)].item() for i in bad]} != {[e[tuple(i)].item() for i in bad]}")
 
 
+def assert_within_one_ulp(a: torch.Tensor, b: torch.Tensor, what: str = "output") -> None:
+    """Two bf16 results of the same fp32 sums taken in another order (each rounded once to
+    bf16) differ by at most one bf16 unit in the last place of the larger magnitude."""
+    a, b = a.float().cpu(), b.float().cpu()
+    big = torch.maximum(a.abs(), b.abs())
+    ulp = torch.where(big > 0, torch.exp2(torch.floor(torch.log2(big.clamp_min(1e-30))) - 7), 0.0)
+    over = (a - b).abs() - ulp
+    assert not torch.isnan(a).any() and not torch.isnan(b).any(), f"{what}: NaN"
+    assert (over <= 0).all(), f"{what}: differ by more than one bf16 ulp (worst excess {float(over.max()):.3e})"
+
+
 def poisoned(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """An output buffer filled with NaN (floats) or a sentinel (ints), so unwritten elements fail."""
     t = torch.empty(shape, dtype=dtype, device=device)

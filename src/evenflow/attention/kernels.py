@@ -30,8 +30,9 @@ combine only touches split items. It runs in the attention kernel by default (``
 last chunk of each group of an item to finish merges it, see ``decode_kernel``), or as the
 separate ``combine_kernel`` (``DecodePlan(combine="kernel")``, and the static split).
 Arrival counters (int32, zero between calls; each last arriver puts its own back to 0):
-``combine_count`` [NP] per start bin (groups of an item), ``group_count`` [2 * NP] per
-partial slot of a group's first chunk (fused combine: chunks of a group).
+``combine_count`` [NP] per start bin (the groups of an item; with the combine kernel, groups x
+column-block programs), ``group_count`` [2 * NP] per partial slot of a group's first chunk
+(fused combine only: the chunks of a group).
 
 Partials: ``part_o`` fp32 [slots, ROWS, D] (already normalised and scaled by v_scale),
 ``part_lse`` fp32 [slots, ROWS] in log2 units of the scaled scores. ROWS = GROUP * Q_LEN,
