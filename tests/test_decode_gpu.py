@@ -206,7 +206,7 @@ def test_pdl_matches_plain_launches_in_a_graph():
 
 
 FUSED_CASES = {
-    "tp8:1x128K+31x4K": dict(lens=[128 * K] + [4 * K] * 31, hkv=1, hq=8),  # a ~137-chunk item: 18 merge groups
+    "tp8:1x128K+31x4K": dict(lens=[128 * K] + [4 * K] * 31, hkv=1, hq=8),  # a 128-chunk item: 16 merge groups
     "8x32K": dict(lens=[32 * K] * 8),
     "32x128+32x4K": dict(lens=[128] * 32 + [4 * K] * 32),
 }

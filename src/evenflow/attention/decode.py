@@ -145,7 +145,7 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
 
 
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
-# ~137 chunks = 18 groups merged in parallel, then 18 group results in 3 steps).
+# 128 chunks = 16 groups merged in parallel, then 16 group results in 2 steps).
 FUSED_GROUP_CHUNKS = 8
 
 
