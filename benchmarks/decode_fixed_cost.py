@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -43,14 +42,7 @@ def timeline(fns) -> dict:
     """Kernel medians, gap and span per call of ``PROFILED_REPLAYS`` replays of a graph of ``fns``."""
     from torch.profiler import ProfilerActivity, profile
 
-    calls = fns * max(1, math.ceil(8 / len(fns)))
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
+    g, n_calls = H.capture_graph(fns)
     for _ in range(20):
         g.replay()
     torch.cuda.synchronize()
@@ -70,7 +62,7 @@ def timeline(fns) -> dict:
     gaps = [ev[i + 1]["ts"] - (ev[i]["ts"] + ev[i]["dur"]) for i in range(len(ev) - 1)]
     return {"kernels": {k: (len(v), round(statistics.median(v), 2)) for k, v in by.items()},
             "gap_med": round(statistics.median(gaps), 2) if gaps else None,
-            "span_per_call": round((ev[-1]["ts"] + ev[-1]["dur"] - ev[0]["ts"]) / (PROFILED_REPLAYS * len(calls)), 2)}
+            "span_per_call": round((ev[-1]["ts"] + ev[-1]["dur"] - ev[0]["ts"]) / (PROFILED_REPLAYS * n_calls), 2)}
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:

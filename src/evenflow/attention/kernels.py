@@ -392,7 +392,7 @@ def decode_kernel(
     # Fused: no early trigger, so the next kernel launches as this grid's programs exit:
     # launched early, its programs took the slots of this grid's idle or early-finishing
     # programs and, when it is the next decode call (back-to-back graph replays), its bins
-    # then sat unevenly on the SMs (round N2: 2x32K+30x4K, 184 bins of 264 programs, +11%).
+    # then sat unevenly on the SMs (round N2: 2x32K+30x4K, 184 bins of 264 programs, +12%).
     if FUSED:
         if PDL:
             gdc_wait()

@@ -159,15 +159,11 @@ WARM_US = 10_000.0  # GPU time of warm replays before a graph is timed
 WARM_MAX_REPLAYS = 200  # at most this many of them (µs-long graphs would otherwise take thousands)
 
 
-def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, reps: int = 30,
-               min_calls: int = 8) -> float:
-    """Median µs per call of a CUDA graph that holds one call per rotated input copy.
-
-    The list is repeated until the graph holds at least ``min_calls`` calls, so the
-    graph launch itself is amortised; with several copies, consecutive calls touch
-    different memory, so a case that fits in L2 is not timed from cache.
-    """
-    _require_cuda("time_graph")
+def capture_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *,
+                  min_calls: int = 8) -> tuple[torch.cuda.CUDAGraph, int]:
+    """(CUDA graph, calls in it): ``fns`` run once outside the capture (compiles, allocator),
+    then captured in order, the list repeated until the graph holds at least ``min_calls``."""
+    _require_cuda("capture_graph")
     fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
     calls = fns * max(1, math.ceil(min_calls / len(fns)))
     s = torch.cuda.Stream()
@@ -181,6 +177,18 @@ def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     with torch.cuda.graph(g):
         for f in calls:
             f()
+    return g, len(calls)
+
+
+def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, reps: int = 30,
+               min_calls: int = 8) -> float:
+    """Median µs per call of a CUDA graph that holds one call per rotated input copy.
+
+    The list is repeated until the graph holds at least ``min_calls`` calls, so the
+    graph launch itself is amortised; with several copies, consecutive calls touch
+    different memory, so a case that fits in L2 is not timed from cache.
+    """
+    g, n_calls = capture_graph(fns, min_calls=min_calls)
     # Warm replays for ~10 ms of GPU time before timing: a point's first impl follows host
     # work (allocation, weight splits, capture) and was timed up to ~6% slower than the same
     # kernel timed later in the same point (router round K4, µs-long calls), which fits a GPU
@@ -188,7 +196,7 @@ def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     one_us = _median_ms(g.replay, reps=1) * 1e3
     for _ in range(min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))):
         g.replay()
-    us = _median_ms(g.replay, reps) * 1e3 / len(calls)
+    us = _median_ms(g.replay, reps) * 1e3 / n_calls
     del g
     return us
 
