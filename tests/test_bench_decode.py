@@ -339,3 +339,27 @@ def test_fixed_cost_fit_and_cases():
             assert (c.num_q_heads, c.num_kv_heads) == ((8, 1) if name.startswith("tp8:") else (64, 8))
     with pytest.raises(SystemExit, match="--variants"):
         F.main(["--out", "unused", "--variants", "bf16,int4"])
+
+
+def test_timeline_summary_reads_a_known_timeline():
+    """benchmarks/decode_timeline.py's summary of one call, on a hand-made three-program timeline
+    (ns): two busy programs on SM 0 (one ran a merge), one program with no work on SM 1."""
+    spec = importlib.util.spec_from_file_location("evenflow_bench_decode_timeline",
+                                                  _SCRIPT.parent / "decode_timeline.py")
+    T = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(T)
+    from evenflow.attention.kernels import STAMP_FIELDS
+
+    st = {name: [0, 0, 0] for name in STAMP_FIELDS}
+    st.update(entry=[1000, 1500, 2000], after_wait=[1100, 1500, 2000], meta=[1600, 2000, 2600],
+              first_end=[5600, 6000, 0], last_end=[9600, 10000, 0], program_end=[10600, 10000, 2800],
+              sm=[0, 0, 1], chunks=[2, 1, 0], merges=[1, 0, 0], merge_ns=[1000, 0, 0], tiles=[8, 8, 0])
+    s = T.summarize(st)
+    assert s["busy_programs"] == 2 and s["span"] == 9.6 and s["entry_spread"] == 1.0
+    assert s["wait"] == 0.0 and s["chain"] == 0.5 and s["first_chunk"] == 4.0 and s["us_per_tile"] == 1.0
+    assert s["attn_end_max"] == 9.0 and s["end_max"] == 9.6 and s["tail"] == 0.6
+    assert s["merges"] == 1 and s["merge_us_med"] == 1.0
+    # idle slot time: 0 + (9.6 - 8.5) + (9.6 - 0.8) of 3 x 9.6
+    assert s["idle_frac"] == round((1.1 + 8.8) / 28.8, 4)
+    assert s["programs_per_sm"] == [(1, 1), (2, 1)]
+    assert T._median_summary([s, dict(s, span=10.0), dict(s, span=11.0)])["span"] == 10.0

@@ -193,6 +193,54 @@ def test_fused_combine_launches_one_kernel_and_matches_the_combine_kernel(kv, de
     assert_within_one_ulp(outs["fused"], outs["kernel"], "fused against the combine kernel")
 
 
+def test_timeline_build_counts_each_programs_work_and_keeps_results(device):
+    """DecodePlan.record_timeline: the STAMPS build writes one row per program. Its counts
+    are checked against the reference plan's bins (chunks visited, empty items included;
+    real tiles, not item-cost units; one merge per group of 8 chunks of each split item,
+    summed over programs since which program merges depends on arrival order), and its
+    output is bitwise the default build's. (The interpreter has no timer or SM id: those
+    fields are 0 / -1 here; on a GPU they must come in program order.)"""
+    from evenflow.attention import kernels as K
+    from evenflow.reference.attention import build_plan_ref
+
+    lens = [64 * 45 + 3, 0, 70, 64 * 3, 1, 64 * 9 + 40]
+    hkv, nprog = 2, 24
+    q, qs, k, v, pt, sl = make_inputs(lens, hkv, 8, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(len(lens), 1 << 13, hkv, device=device, num_programs=nprog, min_tiles=1).update(sl)
+    base = check(q, qs, k, v, pt, sl, 1, plan=plan, what="default build").clone()
+    stamps = plan.record_timeline()
+    assert stamps.shape == (nprog, K.STAMP_SLOTS) and stamps.dtype == torch.int64
+    stamps.fill_(-7)
+    o = check(q, qs, k, v, pt, sl, 1, plan=plan, what="timeline build")
+    assert torch.equal(o, base)
+    f = {name: stamps[:, j].cpu() for j, name in enumerate(K.STAMP_FIELDS)}
+    _, bins = build_plan_ref(sl, hkv, nprog, 1, 1 << 13)
+    real = [-(-L // 64) for L in lens]
+    want_chunks = [len(b) for b in bins]
+    want_tiles = [sum(max(0, min(e, real[i // hkv]) - t) for i, t, e in b) for b in bins]
+    chunks_of = {}
+    for b in bins:
+        for i, t, e in b:
+            chunks_of[i] = chunks_of.get(i, 0) + (e > t)
+    want_merges = sum(-(-c // 8) for c in chunks_of.values() if c > 1)
+    assert f["chunks"].tolist() == want_chunks
+    assert f["tiles"].tolist() == want_tiles
+    assert int(f["merges"].sum()) == want_merges > 1
+    if _runtime.interpreting():  # no timer, no SM id
+        assert (f["sm"] == -1).all() and (f["entry"] == 0).all() and (f["clk_program_end"] == 0).all()
+    else:  # stamps in program order: entry <= after the wait <= metadata <= chunk ends <= end
+        busy = f["chunks"] > 0
+        assert ((f["sm"] >= 0) & (f["sm"] < _runtime.num_sms(device))).all()
+        assert (f["entry"] > 0).all() and (f["after_wait"] >= f["entry"]).all() and (f["meta"] >= f["after_wait"]).all()
+        assert (f["first_end"][busy] >= f["meta"][busy]).all() and (f["last_end"][busy] >= f["first_end"][busy]).all()
+        assert (f["program_end"] >= torch.maximum(f["meta"], f["last_end"])).all()
+        assert (f["clk_program_end"] >= f["clk_entry"]).all()
+    assert plan.record_timeline(False) is None and plan.stamps is None
+    assert torch.equal(check(q, qs, k, v, pt, sl, 1, plan=plan, what="default again"), base)
+    with pytest.raises(TypeError, match="on must be a bool"):
+        plan.record_timeline(1)
+
+
 @pytest.mark.parametrize("dynamic", [True, False], ids=["plan", "static"])
 @pytest.mark.parametrize("lens", [[200, 200, 200], [1, 64, 65, 300], [0, 0], [0, 129, 0]],
                          ids=["uniform", "tile_edges", "all_zero", "zero_around"])

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not _runtime.interpreting(), reason="records lau
 
 
 def _call(lens, hq=64, hkv=8, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=torch.bfloat16, hnd=False,
-          static=False, **plan_kw):
+          static=False, timeline=False, **plan_kw):
     B = len(lens)
     mp = max(1, max(-(-n // page) for n in lens))
     shape = (B * mp, hkv, page, d) if hnd else (B * mp, page, hkv, d)
@@ -36,6 +36,7 @@ def _call(lens, hq=64, hkv=8, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=to
     if not static:
         plan = evenflow.DecodePlan(B, mp * page, hkv, page_size=page, q_len=q_len, device="cpu", **plan_kw)
         plan.update(sl)
+        plan.record_timeline(timeline)
     evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, return_lse=True, **sc)
 
 
@@ -67,6 +68,10 @@ SCENARIOS = {
     "tp8-slice-ckernel": dict(lens=BIG, hq=8, hkv=1, combine="kernel"),
     "d256-p128-g16-q4-ckernel": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, combine="kernel"),
     "fp8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8),
+    # the diagnostic timeline build (DecodePlan.record_timeline)
+    "bf16-timeline": dict(lens=BIG, timeline=True),
+    "fp8-timeline": dict(lens=BIG, kv=FP8, timeline=True),
+    "tp8-slice-timeline": dict(lens=BIG, hq=8, hkv=1, timeline=True),
 }
 
 
@@ -82,13 +87,15 @@ def test_decode_kernels_compile_for_sm90():
     assert not failures, "\n\n".join(failures)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice", "bf16-ckernel"])
+@pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice", "bf16-ckernel",
+                                  "bf16-timeline", "fp8-timeline", "tp8-slice-timeline"])
 def test_default_programs_are_resident_on_sm90(name):
     """The persistent grid is sized as DEFAULT_PROGRAMS_PER_SM programs per SM, and the plan
     assumes they all run at once: registers, shared memory (plus the 1 KB the hardware
     reserves per block) and spills of the default build must allow that on an H100/H200 SM
     (64 K registers, 228 KB shared memory). Round E1 measured what breaking it costs: fp8 at
-    224 registers fitted 2 programs where 3 were planned."""
+    224 registers fitted 2 programs where 3 were planned. The timeline build (diagnostics)
+    must fit the same way, or its timelines would describe another schedule."""
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM as PPS
 
     with CC.emulate_gpu(), CC.record_launches() as rec:

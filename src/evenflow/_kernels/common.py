@@ -99,3 +99,37 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def globaltimer_ns(dep, INTERPRET: tl.constexpr):
+    """The GPU's global nanosecond timer (``%globaltimer``, comparable across SMs), read once
+    ``dep`` (a scalar) is available: the asm takes it as an input, so the read cannot be
+    hoisted above the work that produced it. The interpreter has no timer: 0. For
+    diagnostic timelines (the decode kernel's STAMPS build), never for results."""
+    if INTERPRET:
+        return dep.to(tl.int64) * 0
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep.to(tl.int32)],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def clock64(dep, INTERPRET: tl.constexpr):
+    """This SM's cycle counter (``%clock64``: fine-grained, not comparable across SMs), read
+    once ``dep`` is available; 0 in the interpreter. Diagnostics only."""
+    if INTERPRET:
+        return dep.to(tl.int64) * 0
+    else:
+        return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep.to(tl.int32)],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def sm_id(dep, INTERPRET: tl.constexpr):
+    """The SM this program runs on (``%smid``); -1 in the interpreter. Diagnostics only."""
+    if INTERPRET:
+        return dep.to(tl.int32) * 0 - 1
+    else:
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [dep.to(tl.int32)],
+                                         dtype=tl.int32, is_pure=False, pack=1)

@@ -158,12 +158,14 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
-               prefetch: bool = True, fused: bool = False) -> None:
+               prefetch: bool = True, fused: bool = False,
+               stamps: Optional[torch.Tensor] = None) -> None:  # noqa: UP045
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
     # loads the next item's metadata before the current item's work; fused: the plan path
-    # merges split items inside the attention kernel (no combine kernel)
+    # merges split items inside the attention kernel (no combine kernel); stamps: the plan
+    # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -187,7 +189,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta,
         out, lse_t, part_o, part_lse,
         k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
-        part_glse, combine_count, group_count,
+        part_glse, combine_count, group_count, stamps if stamps is not None else meta,
         sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
         q.stride(0), q.stride(1),
         qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
@@ -199,7 +201,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         KV_FP8=k_cache.dtype == FP8,
         NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
         WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, FUSED=fused,
-        FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll, num_warps=num_warps,
+        FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll,
+        STAMPS=stamps is not None and not is_static, num_warps=num_warps,
         **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
         **_runtime.pdl_kwargs(pdl),
     )
@@ -219,14 +222,14 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 # since torch.library's dispatch costs tens of us per call on the host (router notes).
 _decode_op = torch.library.custom_op("evenflow::decode_attention",
                                      mutates_args=("out", "lse", "part_o", "part_lse", "part_glse",
-                                                   "combine_count", "group_count"))(_decode_launch)
+                                                   "combine_count", "group_count", "stamps"))(_decode_launch)
 
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_glse,
       combine_count, group_count, out, lse,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, stamps=None):
     return None
 
 
@@ -343,7 +346,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
                    -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused")
+                   plan.combine == "fused", plan.stamps)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

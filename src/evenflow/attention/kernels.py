@@ -45,8 +45,26 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from evenflow._kernels.common import arrived_last, dot_operand, e4m3_to_f16_in_registers, pdl_enter
+from evenflow._kernels.common import (
+    arrived_last,
+    clock64,
+    dot_operand,
+    e4m3_to_f16_in_registers,
+    globaltimer_ns,
+    pdl_enter,
+    sm_id,
+)
 
+# decode_kernel's STAMPS build: one row of STAMP_SLOTS int64 per program (globaltimer ns unless
+# said otherwise). "first_end" / "last_end": the end of its first / last chunk's attention;
+# "merge_ns": time from a chunk's end to the end of the group merge it ran (summed);
+# "merge_end": the end of its last merge (0 if none); "program_end": after its last item;
+# "clk_*": the SM's cycle counter at the same points (fine-grained; compare within a program).
+STAMP_FIELDS = ("entry", "after_wait", "meta", "first_end", "last_end", "program_end", "sm", "chunks",
+                "merges", "merge_ns", "tiles", "merge_end", "clk_entry", "clk_after_wait", "clk_meta",
+                "clk_first_end", "clk_last_end", "clk_program_end")
+STAMP_SLOTS = 24
+_STAMP_SLOTS = tl.constexpr(STAMP_SLOTS)
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -358,7 +376,7 @@ def _attend_chunk(
 def decode_kernel(
     p_q, p_qs, p_k, p_v, p_pt, p_len,
     p_tiles, p_req_end, p_prog_start, p_meta,
-    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount,
+    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount, p_stamp,
     qk_scale_f, v_scale_f, B, splits, max_len, num_pages, max_pages,
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -369,9 +387,13 @@ def decode_kernel(
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
     PREFETCH: tl.constexpr, FUSED: tl.constexpr, FUSED_C: tl.constexpr, FUSED_M: tl.constexpr,
-    FUSED_UNROLL: tl.constexpr,
+    FUSED_UNROLL: tl.constexpr, STAMPS: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
+
+    STAMPS (diagnostics, plan path): each program writes its timeline to ``p_stamp``
+    [programs, STAMP_SLOTS] int64 (globaltimer ns; layout at ``STAMP_FIELDS``). Off by
+    default; off, the build is the same as without it.
 
     FUSED (plan only): the combine runs here, no combine kernel. A program that leaves a
     partial arrives on its group's counter (``p_gcount``, per partial slot of the group's
@@ -386,6 +408,9 @@ def decode_kernel(
     outside the plan is touched.
     """
     pid = tl.program_id(0)
+    if STAMPS:
+        c_entry = clock64(pid, DOT_F32)
+        s_entry = globaltimer_ns(pid, DOT_F32)
     # Programmatic dependent launch: wait for the kernels before this one (the plan
     # update, the engine's KV write) before any load. With a combine kernel after this
     # one, let it be launched now (it waits in turn for this grid, its own gdc_wait).
@@ -398,6 +423,9 @@ def decode_kernel(
             gdc_wait()
     else:
         pdl_enter(PDL)
+    if STAMPS:
+        c_wait = clock64(pid, DOT_F32)
+        s_wait = globaltimer_ns(pid, DOT_F32)
     qk_scale = qk_scale_f
     if HAS_K_SCALE_PTR:
         qk_scale = qk_scale * tl.load(p_ks)
@@ -440,6 +468,26 @@ def decode_kernel(
         if PREFETCH:
             len_b = tl.load(p_len + b)
         go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+        if STAMPS:
+            # what is known before the loop is stored now, so the loop carries fewer registers
+            c_meta = clock64(start, DOT_F32)
+            s_meta = globaltimer_ns(start, DOT_F32)
+            p_row = p_stamp + pid.to(tl.int64) * _STAMP_SLOTS
+            tl.store(p_row + 0, s_entry)
+            tl.store(p_row + 1, s_wait)
+            tl.store(p_row + 2, s_meta)
+            tl.store(p_row + 12, c_entry)
+            tl.store(p_row + 13, c_wait)
+            tl.store(p_row + 14, c_meta)
+            tl.store(p_row + 3, s_meta * 0)
+            tl.store(p_row + 15, c_meta * 0)
+            c_last = c_meta * 0
+            s_last = s_meta * 0
+            s_chunks = s_meta * 0
+            s_tiles = s_meta * 0
+            s_merges = s_meta * 0
+            s_merge_ns = s_meta * 0
+            s_merge_end = s_meta * 0
         while go:
             h = i % HKV
             if PREFETCH:
@@ -473,6 +521,14 @@ def decode_kernel(
                 GROUP, Q_LEN, D, PAGE, BLOCK_M, HAS_Q_SCALE, USE_FP8_DOT, HAS_LSE, DOT_F32, NUM_STAGES, BLOCK_N, KV_FP8,
                 WSPLIT, WS_MIN_TILES,
             )
+            if STAMPS:
+                c_last = clock64(t1, DOT_F32)
+                s_last = globaltimer_ns(t1, DOT_F32)
+                if s_chunks == 0:
+                    tl.store(p_row + 3, s_last)
+                    tl.store(p_row + 15, c_last)
+                s_chunks += 1
+                s_tiles += tl.maximum(t1 - t0, 0)
             if FUSED:
                 if (start < g0) | (start + n > g1):
                     # chunk c of an item that starts in bin p_s and spans n_chunks bins
@@ -485,6 +541,10 @@ def decode_kernel(
                         _combine_group(i, p_s, n_chunks, g, 0, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                        stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, FUSED_M, HAS_LSE,
                                        FUSED_C, D, FUSED_UNROLL)
+                        if STAMPS:
+                            s_merge_end = globaltimer_ns(slot0, DOT_F32)
+                            s_merge_ns += s_merge_end - s_last
+                            s_merges += 1
             i += 1
             if PREFETCH:
                 b = b_nx
@@ -496,6 +556,17 @@ def decode_kernel(
                 n = tl.load(p_tiles + b)
                 start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
             go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+        if STAMPS:
+            tl.store(p_row + 4, s_last)
+            tl.store(p_row + 6, sm_id(pid, DOT_F32).to(tl.int64))
+            tl.store(p_row + 7, s_chunks)
+            tl.store(p_row + 8, s_merges)
+            tl.store(p_row + 9, s_merge_ns)
+            tl.store(p_row + 10, s_tiles)
+            tl.store(p_row + 11, s_merge_end)
+            tl.store(p_row + 16, c_last)
+            tl.store(p_row + 17, clock64(i, DOT_F32))
+            tl.store(p_row + 5, globaltimer_ns(i, DOT_F32))
 
 
 @triton.jit

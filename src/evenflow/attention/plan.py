@@ -202,6 +202,7 @@ class DecodePlan:
         # fused combine: arrival counters of the merge groups, one per partial slot
         self.group_count = torch.zeros(2 * num_programs, **i32)
         self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
+        self.stamps: torch.Tensor | None = None  # per-program timeline (record_timeline); off by default
         self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def update(self, seq_lens: torch.Tensor) -> DecodePlan:
@@ -241,6 +242,18 @@ class DecodePlan:
                 torch.empty(slots, rows, dtype=torch.float32, device=self.device),
             )
         return self._partials[key]
+
+    def record_timeline(self, on: bool = True) -> torch.Tensor | None:
+        """Diagnostics: with ``on``, every later ``decode_attention`` call on this plan runs
+        the attention kernel's STAMPS build, which writes each program's timeline into the
+        returned buffer [num_programs, STAMP_SLOTS] int64 (fields ``kernels.STAMP_FIELDS``:
+        globaltimer ns, the SM, chunk / merge / tile counts). A separate build: timings of it
+        are not the default kernel's. ``on=False`` goes back to the default build."""
+        if not isinstance(on, bool):
+            raise TypeError(f"on must be a bool, got {on!r}")
+        self.stamps = (torch.zeros(self.num_programs, K.STAMP_SLOTS, dtype=torch.int64, device=self.device)
+                       if on else None)
+        return self.stamps
 
     def clamped(self) -> bool:
         """True if the last update saw a length outside [0, max_seq_len] (syncs with the host)."""
