@@ -496,11 +496,12 @@ def test_opcheck(device):
     po, pl, pg = plan.partials(2, 64)
     out = torch.empty(2, 2, 64, dtype=torch.bfloat16, device=device)
     lse = torch.empty(2, 2, device=device)
-    args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, pg, plan.combine_count,
-            plan.group_count, out, lse,
-            None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
-    torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
-                          test_utils=("test_schema", "test_faketensor"))
+    for stamps in (None, plan.record_timeline()):  # the default build, and the timeline build's extra output
+        args = (q, k, v, pt, sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, po, pl, pg, plan.combine_count,
+                plan.group_count, out, lse, stamps,
+                None, None, None, 1.0, 1.0, 1 / math.sqrt(64), 1, 0, 1000)
+        torch.library.opcheck(torch.ops.evenflow.decode_attention.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_batched_reference_matches_simple_reference():

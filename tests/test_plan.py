@@ -32,11 +32,12 @@ def walk(plan_d, num_kv_heads, num_programs):
 
 
 def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0, align_longer=False,
-              cost_max=None):
+              cost_max=None, growth=1.5):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
                                min_tiles=min_tiles, align_items=align, item_cost=item_cost,
-                               align_longer=align_longer, item_cost_max_tiles=cost_max).update(sl)
+                               align_longer=align_longer, item_cost_max_tiles=cost_max,
+                               align_growth=growth).update(sl)
     return plan, sl
 
 
@@ -62,14 +63,14 @@ CASES = {
 }
 
 
-def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, cost_max=None):
+def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, cost_max=None, growth=1.5):
     # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
-    # shortest items when that item fits and the rounding adds at most half; with
+    # shortest items when that item fits and the rounding grows it by at most `growth`; with
     # align_longer, raised to a shortest item that exceeds it by at most 1/16
     tiles = units(lens, item_cost, cost_max)
     b0 = max(-(-hkv * sum(tiles) // np_), mt)
     q = min([n for n in tiles if n > 0], default=0)
-    if align and 0 < q <= b0 and 2 * (-(-b0 // q) * q) <= 3 * b0:
+    if align and 0 < q <= b0 and 16 * (-(-b0 // q) * q) <= int(growth * 16) * b0:
         return -(-b0 // q) * q
     if align and align_longer and b0 < q and 16 * q <= 17 * b0:
         return q
@@ -191,6 +192,21 @@ def test_align_longer_keeps_slightly_long_items_whole(lens, np_, budgets, device
     assert (got[False], got[True]) == budgets
 
 
+@pytest.mark.parametrize("growth,budget", [(1.5, 128), (1.4375, 128), (1.375, 90), (1.25, 90)])
+def test_align_growth_bounds_the_rounding(growth, budget, device):
+    """2x32K+30x4K at 264 programs, 8 kv heads: ceil(23552 / 264) = 90 tiles; whole 4K items
+    (64 tiles) need 128, a growth of 1.42. The default (1.5) rounds up, leaving 80 programs
+    without a bin; a bound under 1.42 keeps 90 and cuts the 4K items instead."""
+    lens = [32768] * 2 + [4096] * 30
+    plan, sl = make_plan(device, lens, 8, 264, 8, growth=growth)
+    meta = plan.as_dict()["meta"]
+    assert meta[1].item() == budget == expected_budget(lens, 8, 264, 8, True, growth=growth)
+    assert meta[2].item() == -(-23552 // budget)
+    ref, _ = build_plan_ref(sl, 8, 264, 8, plan.max_seq_len, item_cost=0, align_longer=False, align_growth=growth)
+    for key in ("tiles", "req_end", "prog_start", "meta"):
+        assert_exact(plan.as_dict()[key], ref[key], what=f"growth {growth}: {key}")
+
+
 def test_plan_random_sweep(device):
     """Seeded random length mixes (log-uniform, with zeros) against the reference builder."""
     g = torch.Generator().manual_seed(1234)
@@ -205,10 +221,11 @@ def test_plan_random_sweep(device):
         align = trial % 2 == 0 or longer
         cost = trial % 4  # 0..3 units per non-empty item (of at most cost_max tiles)
         cost_max = None if trial % 3 == 1 else int(torch.randint(1, 9, (1,), generator=g))
+        growth = (1.5, 1.25, 1.0, 2.0, 1.0625)[trial % 5]
         plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost, align_longer=longer,
-                             cost_max=cost_max)
+                             cost_max=cost_max, growth=growth)
         ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost,
-                                       align_longer=longer, item_cost_max_tiles=cost_max)
+                                       align_longer=longer, item_cost_max_tiles=cost_max, align_growth=growth)
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
@@ -293,9 +310,9 @@ def test_plan_update_reuses_workspace_and_clamps(device):
 
 def test_plan_repr_names_its_options(device):
     r = repr(evenflow.DecodePlan(4, 100, 2, device=device, num_programs=3, item_cost=1, align_longer=True,
-                                 warp_split=False, prefetch=False))
+                                 warp_split=False, prefetch=False, align_growth=1.25))
     for part in ("max_batch=4", "num_programs=3", "item_cost=1", "align_longer=True", "warp_split=False",
-                 "prefetch=False"):
+                 "prefetch=False", "align_growth=1.25"):
         assert part in r, (part, r)
 
 
@@ -324,6 +341,9 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, device=device, align_longer=1)
     with pytest.raises(TypeError, match="warp_split"):
         evenflow.DecodePlan(4, 100, 2, device=device, warp_split=1)
+    for bad in (0.9, 2.5, 1.3, True, "1.5"):
+        with pytest.raises(ValueError, match="align_growth"):
+            evenflow.DecodePlan(4, 100, 2, device=device, align_growth=bad)
     with pytest.raises(TypeError, match="prefetch"):
         evenflow.DecodePlan(4, 100, 2, device=device, prefetch=1)
     plan = evenflow.DecodePlan(4, 100, 2, device=device)
@@ -338,5 +358,5 @@ def test_plan_opcheck(device):
     sl = torch.tensor([100, 0, 700], dtype=torch.int32, device=device)
     torch.library.opcheck(torch.ops.evenflow.decode_plan_update.default,
                           (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4,
-                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max),
+                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max, 24),
                           test_utils=("test_schema", "test_faketensor"))

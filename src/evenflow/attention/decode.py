@@ -153,13 +153,13 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor, prog_start: torch.Tensor,
                meta: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor, part_glse: torch.Tensor,
                combine_count: torch.Tensor, group_count: torch.Tensor, out: torch.Tensor,
-               lse: Optional[torch.Tensor], q_scale: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
+               lse: Optional[torch.Tensor], stamps: Optional[torch.Tensor],  # noqa: UP045 (schema inference)
+               q_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],  # noqa: UP045
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
-               prefetch: bool = True, fused: bool = False,
-               stamps: Optional[torch.Tensor] = None) -> None:  # noqa: UP045
+               prefetch: bool = True, fused: bool = False) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
@@ -227,9 +227,9 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 
 @_decode_op.register_fake
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_glse,
-      combine_count, group_count, out, lse,
+      combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, stamps=None):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False):
     return None
 
 
@@ -339,14 +339,15 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     if plan is not None:
         part_o, part_lse, part_glse = plan.partials(rows, D)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
-                   part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, q_scale, ks_t, vs_t,
+                   part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, plan.stamps, q_scale,
+                   ks_t, vs_t,
                    ks_f, vs_f,
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
                    -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused", plan.stamps)
+                   plan.combine == "fused")
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1
@@ -354,7 +355,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         part_lse = torch.empty(slots, rows, dtype=torch.float32, device=dev)
         dummy = torch.zeros(2, dtype=torch.int32, device=dev)
         op(q, k_cache, v_cache, page_table, seq_lens, dummy, dummy.clone(), dummy.clone(), dummy.clone(),
-                   part_o, part_lse, part_lse, dummy.clone(), dummy.clone(), out, lse, q_scale, ks_t, vs_t, ks_f, vs_f,
+                   part_o, part_lse, part_lse, dummy.clone(), dummy.clone(), out, lse, None, q_scale, ks_t, vs_t,
+                   ks_f, vs_f,
                    float(sm_scale), q_len, splits,
                    max_pages_len, pdl=_runtime.pdl_supported(dev))
     return (out, lse) if return_lse else out

@@ -72,10 +72,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 TILE = tl.constexpr(64)
 
 
-@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max"])
+@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max", "grow16"])
 def plan_kernel(
     p_len, p_tiles, p_req_end, p_prog_start, p_meta,
-    B, max_len, min_tiles, item_cost, cost_max,
+    B, max_len, min_tiles, item_cost, cost_max, grow16,
     NP: tl.constexpr, HKV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ALIGN_LONGER: tl.constexpr,
@@ -103,9 +103,9 @@ def plan_kernel(
     budget = tl.maximum((total + NP - 1) // NP, min_tiles)
     if ALIGN:
         # whole short items per bin: round the budget up to a multiple of the shortest
-        # non-empty item when that adds at most half (see DecodePlan)
+        # non-empty item when that grows it by at most grow16 / 16 (see DecodePlan)
         aligned = (budget + shortest - 1) // shortest * shortest
-        fits = (shortest <= budget) & (2 * aligned <= 3 * budget)
+        fits = (shortest <= budget) & (16 * aligned.to(tl.int64) <= grow16 * budget.to(tl.int64))
         if ALIGN_LONGER:
             # or up to a shortest item at most 1/16 longer than the budget (aligned == shortest)
             # (shortest stays INT32_MAX when no item is non-empty; int64 products)

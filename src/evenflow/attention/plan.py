@@ -33,6 +33,10 @@ MAX_ITEM_COST = 8  # tiles; the combine relies on an item's first real tile lyin
 # to every item, the same cost made the long-tail cases 3.5-5% (bf16) and 8-14% (fp8) slower, and
 # 1x32K+63x512 up to 12% / 15% (their long items' cuts move; history/round-j2).
 DEFAULT_ITEM_COST = 2
+# align_items rounds the budget up to a multiple of the shortest item's units when that grows
+# it by at most this factor (round E, with the combine kernel: 64x512 took 56 us at budget 11
+# and 44 us at 16).
+DEFAULT_ALIGN_GROWTH = 1.5
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
 # Where split items are merged: "fused" (the attention kernel's programs, the last chunk of a
@@ -50,12 +54,12 @@ def default_num_programs(device) -> int:
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
                     max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool,
-                    item_cost: int, align_longer: bool, cost_max: int) -> None:
+                    item_cost: int, align_longer: bool, cost_max: int, grow16: int) -> None:
     # every argument comes from DecodePlan.update (its options' defaults live on DecodePlan)
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
     K.plan_kernel[(1,)](
-        seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles, item_cost, cost_max,
+        seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles, item_cost, cost_max, grow16,
         NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
         SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items,
         ALIGN_LONGER=align_longer, num_warps=4,
@@ -69,7 +73,7 @@ _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
 
 @_plan_update_op.register_fake
 def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items,
-      item_cost, align_longer, cost_max):
+      item_cost, align_longer, cost_max, grow16):
     return None
 
 
@@ -86,7 +90,8 @@ class DecodePlan:
     (default 8 = 512 tokens), so small batches are not over-split. The budget per program
     is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
     it is then rounded up to a multiple of the shortest non-empty item's tiles when that
-    item fits in a bin and the rounding adds at most half, so bins hold whole short items
+    item fits in a bin and the rounding grows it by at most ``align_growth`` (default 1.5, a
+    multiple of 1/16 in [1, 2]), so bins hold whole short items
     instead of cutting them (a cut costs a partial write and a combine merge: 64x512 took
     56 us with budget 11 and 44 us with 16, round E sweep); ``align_longer`` (default:
     as ``align_items``) also raises the budget to the shortest item when that item is longer
@@ -131,7 +136,8 @@ class DecodePlan:
                  block_n: int | None = None, max_registers: int | None = None, align_items: bool = True,
                  pdl: bool | None = None, item_cost: int = DEFAULT_ITEM_COST, warp_split: bool | None = None,
                  align_longer: bool | None = None, prefetch: bool = True,
-                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE):
+                 item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
+                 align_growth: float = DEFAULT_ALIGN_GROWTH):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
@@ -181,6 +187,10 @@ class DecodePlan:
         if align_longer and not align_items:
             raise ValueError("align_longer=True extends align_items; it needs align_items=True")
         self.align_longer = align_longer
+        if isinstance(align_growth, bool) or not isinstance(align_growth, (int, float)) or not (
+                1.0 <= align_growth <= 2.0 and float(align_growth * 16).is_integer()):
+            raise ValueError(f"align_growth must be a multiple of 1/16 in [1, 2], got {align_growth!r}")
+        self.align_growth = float(align_growth)
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
         self.prefetch = prefetch
@@ -215,7 +225,7 @@ class DecodePlan:
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
         op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
            self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
-           self.align_longer, self.cost_max)
+           self.align_longer, self.cost_max, int(self.align_growth * 16))
         self.batch = B
         return self
 
@@ -270,7 +280,8 @@ class DecodePlan:
                 f"num_kv_heads={self.num_kv_heads}, page_size={self.page_size}, q_len={self.q_len}, "
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
-                f"align_items={self.align_items}, align_longer={self.align_longer}, warp_split={self.warp_split}, "
+                f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
+                f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, "
                 f"device={self.device})")
 
