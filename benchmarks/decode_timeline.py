@@ -138,7 +138,8 @@ def run_case(cname: str, vname: str, replays: int, l2: int, ceilings: dict) -> d
     plan.record_timeline(False)
     del g
     fl = H.floor_us(bench.floor_bytes(case, dt), ceilings=ceilings)
-    return {"case": cname, "impl": "evenflow-timeline", "variant": vname, "us": round(us_default, 3), "us_stamped": round(us_stamped, 3),
+    return {"case": cname, "impl": "evenflow-timeline", "variant": vname, "us": round(us_default, 3),
+            "us_stamped": round(us_stamped, 3),
             "floor_us": round(fl, 3), "calls_per_replay": n_calls, "replays": replays,
             "summary": _median_summary(sums), "raw_last_replay": raw}
 

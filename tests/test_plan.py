@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import evenflow
+from evenflow.attention.plan import DEFAULT_ALIGN_GROWTH
 from evenflow.reference.attention import build_plan_ref
 from evenflow.testing import assert_exact
 
@@ -32,7 +33,7 @@ def walk(plan_d, num_kv_heads, num_programs):
 
 
 def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0, align_longer=False,
-              cost_max=None, growth=1.5):
+              cost_max=None, growth=DEFAULT_ALIGN_GROWTH):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
                                min_tiles=min_tiles, align_items=align, item_cost=item_cost,
@@ -57,13 +58,14 @@ CASES = {
     "floor_wins": ([64, 64, 128], 1, 8, 8),                        # tiny batch: min_tiles caps the split
     "tile_edges": ([63, 64, 65, 127, 128, 129], 1, 3, 1),          # lengths one past a tile boundary
     "one_request": ([5000], 4, 7, 1),                              # single long request across all bins
-    "short_items": ([130] * 6 + [1000], 2, 10, 1),                  # 3-tile items: budget 7 -> 9 when aligned
+    "short_items": ([130] * 6 + [1000], 2, 10, 1),                  # 3-tile items: budget 7 (9 aligned at growth 1.5)
     "slightly_long_items": ([2048] * 8, 2, 17, 1),                 # 32-tile items, budget 31 -> 32 (align_longer)
     "too_long_to_round": ([2048] * 8, 2, 18, 1),                   # budget 29: 32 > 29 * 17/16, no rounding
 }
 
 
-def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, cost_max=None, growth=1.5):
+def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, cost_max=None,
+                    growth=DEFAULT_ALIGN_GROWTH):
     # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
     # shortest items when that item fits and the rounding grows it by at most `growth`; with
     # align_longer, raised to a shortest item that exceeds it by at most 1/16
@@ -162,12 +164,14 @@ def test_align_items_keeps_short_items_whole(device):
     lens, hkv, np_, mt = CASES["short_items"]
     budgets, cut = {}, {}
     for align in (True, False):
-        plan, _ = make_plan(device, lens, hkv, np_, mt, align=align)
+        # 7 -> 9 is a growth of 1.29: over the default bound (1.25), under 1.5
+        plan, _ = make_plan(device, lens, hkv, np_, mt, align=align, growth=1.5)
         budgets[align] = plan.as_dict()["meta"][1].item()
         bins = walk(plan.as_dict(), hkv, np_)
         cut[align] = sum(1 for chunks in bins for i, t0, t1 in chunks if i < 12 and (t0, t1) != (0, 3))
     assert (budgets[True], budgets[False]) == (9, 7)
     assert cut[True] == 0 < cut[False], "aligned bins hold the 3-tile items whole"
+    assert make_plan(device, lens, hkv, np_, mt)[0].as_dict()["meta"][1].item() == 7
 
 
 @pytest.mark.parametrize("lens,np_,budgets", [
@@ -192,12 +196,16 @@ def test_align_longer_keeps_slightly_long_items_whole(lens, np_, budgets, device
     assert (got[False], got[True]) == budgets
 
 
-@pytest.mark.parametrize("growth,budget", [(1.5, 128), (1.4375, 128), (1.375, 90), (1.25, 90)])
+@pytest.mark.parametrize("growth,budget", [(1.5, 128), (1.4375, 128), (1.375, 90), (1.25, 90), (None, 90)])
 def test_align_growth_bounds_the_rounding(growth, budget, device):
     """2x32K+30x4K at 264 programs, 8 kv heads: ceil(23552 / 264) = 90 tiles; whole 4K items
-    (64 tiles) need 128, a growth of 1.42. The default (1.5) rounds up, leaving 80 programs
-    without a bin; a bound under 1.42 keeps 90 and cuts the 4K items instead."""
+    (64 tiles) need 128, a growth of 1.42. A bound of 1.5 (round E's default) rounds up, leaving
+    80 programs without a bin; one under 1.42 (the default 1.25 since round O2) keeps 90 and
+    cuts the 4K items instead."""
     lens = [32768] * 2 + [4096] * 30
+    if growth is None:  # the default
+        assert evenflow.DecodePlan(4, 100, 2, device=device).align_growth == DEFAULT_ALIGN_GROWTH == 1.25
+        growth = DEFAULT_ALIGN_GROWTH
     plan, sl = make_plan(device, lens, 8, 264, 8, growth=growth)
     meta = plan.as_dict()["meta"]
     assert meta[1].item() == budget == expected_budget(lens, 8, 264, 8, True, growth=growth)

@@ -34,9 +34,11 @@ MAX_ITEM_COST = 8  # tiles; the combine relies on an item's first real tile lyin
 # 1x32K+63x512 up to 12% / 15% (their long items' cuts move; history/round-j2).
 DEFAULT_ITEM_COST = 2
 # align_items rounds the budget up to a multiple of the shortest item's units when that grows
-# it by at most this factor (round E, with the combine kernel: 64x512 took 56 us at budget 11
-# and 44 us at 16).
-DEFAULT_ALIGN_GROWTH = 1.5
+# it by at most this factor. Round E (combine kernel) set 1.5: 64x512 took 56 us at budget 11 and
+# 44 us at 16. Round O2 (fused combine, whose cuts cost less): 1.25, since rounding 2x32K+30x4K's
+# budget of 90 up to 128 left 80 of 264 programs without a bin (H200 graph replay: bf16 194.8 ->
+# 184.5 us, fp8 163.6 -> 135.4; no other benchmark case's plan changes).
+DEFAULT_ALIGN_GROWTH = 1.25
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
 # Where split items are merged: "fused" (the attention kernel's programs, the last chunk of a
@@ -90,7 +92,7 @@ class DecodePlan:
     (default 8 = 512 tokens), so small batches are not over-split. The budget per program
     is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
     it is then rounded up to a multiple of the shortest non-empty item's tiles when that
-    item fits in a bin and the rounding grows it by at most ``align_growth`` (default 1.5, a
+    item fits in a bin and the rounding grows it by at most ``align_growth`` (default 1.25, a
     multiple of 1/16 in [1, 2]), so bins hold whole short items
     instead of cutting them (a cut costs a partial write and a combine merge: 64x512 took
     56 us with budget 11 and 44 us with 16, round E sweep); ``align_longer`` (default:

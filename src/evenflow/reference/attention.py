@@ -109,7 +109,7 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
 
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
                    align_items: bool = True, item_cost: int = 2, align_longer: bool | None = None,
-                   item_cost_max_tiles: int | None = 4, align_growth: float = 1.5):
+                   item_cost_max_tiles: int | None = 4, align_growth: float = 1.25):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
@@ -118,7 +118,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     ``budget = max(ceil(total / num_programs), min_tiles)`` tiles are filled in order;
     with ``align_items`` the budget is first rounded up to a multiple of the shortest
     non-empty item's tiles, when that item fits in it and the rounding grows it by at most
-    ``align_growth`` (the plan's default 1.5);
+    ``align_growth`` (the plan's default 1.25);
     with ``align_longer`` too, it is raised to that item's tiles when the item is longer than
     the budget by at most a sixteenth of it (``None``: as ``align_items``, the plan's default).
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
