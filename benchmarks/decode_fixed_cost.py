@@ -73,21 +73,24 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - s * mx, s
 
 
+def gpu_setup(out: str, variants_arg: str, script: str) -> tuple[list[str], int, dict]:
+    """(variants named by ``variants_arg``, the GPU's L2 bytes, ceilings measured now) for a
+    decode diagnosis script writing to ``out``; exits with a message on a bad name or no GPU."""
+    variants = bench._split(variants_arg, VARIANTS, "variants")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA GPU")
+    os.makedirs(out, exist_ok=True)
+    ceil = H.measure_ceilings(verbose=False)
+    print("ceilings", ceil, flush=True)
+    return variants, torch.cuda.get_device_properties(0).L2_cache_size, ceil
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="directory for decode_fixed_cost.json")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ",".join(VARIANTS))
     args = ap.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    for v in variants:
-        if v not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_fixed_cost needs a CUDA GPU")
-    os.makedirs(args.out, exist_ok=True)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    ceil = H.measure_ceilings(verbose=False)
-    print("ceilings", ceil, flush=True)
+    variants, l2, ceil = gpu_setup(args.out, args.variants, "decode_fixed_cost")
     rows = []
     for vname in variants:
         dt = VARIANTS[vname]

@@ -38,10 +38,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import decode as bench  # noqa: E402  (benchmarks/decode.py: cases, inputs)
+import decode_fixed_cost as fixed_cost  # noqa: E402  (its GPU set-up and variants)
 from evenflow.bench import harness as H  # noqa: E402
 
 DEFAULT_CASES = ["64x512", "32x4K", "8x32K", "1x64K+15x4K", "2x32K+30x4K", "32x128+32x4K", "tp8:1x128K+31x4K"]
-VARIANTS = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+VARIANTS = fixed_cost.VARIANTS
 
 
 def _fields():
@@ -180,7 +181,7 @@ def plot(path: str) -> str | None:
         ax.axis("off")
     fig.suptitle("decode kernel per program: grey = start (entry to first metadata), blue = attention, "
                  "red = after the last chunk (merge, store)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.975))
     png = os.path.splitext(path)[0] + ".png"
     fig.savefig(png, dpi=110)
     plt.close(fig)
@@ -202,19 +203,10 @@ def main(argv=None) -> None:
         raise SystemExit("--out is required (or --plot JSON)")
     if args.replays < 1:
         raise SystemExit("--replays must be >= 1")
-    variants = [v for v in args.variants.split(",") if v]
-    for v in variants:
-        if v not in VARIANTS:
-            raise SystemExit(f"--variants: unknown {v!r} (choose from {', '.join(VARIANTS)})")
     cases = [c for c in args.cases.split(",") if c]
     for c in cases:
         bench.parse_case(c)  # raises on a bad name before any GPU work
-    if not torch.cuda.is_available():
-        raise SystemExit("decode_timeline needs a CUDA GPU")
-    os.makedirs(args.out, exist_ok=True)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    ceil = H.measure_ceilings(verbose=False)
-    print("ceilings", ceil, flush=True)
+    variants, l2, ceil = fixed_cost.gpu_setup(args.out, args.variants, "decode_timeline")
     rows = []
     for vname in variants:
         for cname in H.progress(cases, vname):
