@@ -102,27 +102,29 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
-def globaltimer_ns(dep, INTERPRET: tl.constexpr):
-    """The GPU's global nanosecond timer (``%globaltimer``, comparable across SMs), read once
-    ``dep`` (a scalar) is available: the asm takes it as an input, so the read cannot be
-    hoisted above the work that produced it. The interpreter has no timer: 0. For
-    diagnostic timelines (the decode kernel's STAMPS build), never for results."""
+def _read_u64(dep, ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    # a 64-bit special register read by ``ASM`` once ``dep`` (a scalar) is available: the asm takes
+    # it as an input, so the read cannot be hoisted above the work that produced it; 0 when
+    # interpreting (no GPU registers)
     if INTERPRET:
         return dep.to(tl.int64) * 0
     else:
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [dep.to(tl.int32)],
-                                         dtype=tl.int64, is_pure=False, pack=1)
+        return tl.inline_asm_elementwise(ASM, "=l,r", [dep.to(tl.int32)], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def globaltimer_ns(dep, INTERPRET: tl.constexpr):
+    """The GPU's global nanosecond timer (``%globaltimer``, comparable across SMs), read once
+    ``dep`` (a scalar) is available; 0 in the interpreter. For diagnostic timelines (the
+    decode kernel's STAMPS build), never for results."""
+    return _read_u64(dep, "mov.u64 $0, %globaltimer;", INTERPRET)
 
 
 @triton.jit
 def clock64(dep, INTERPRET: tl.constexpr):
     """This SM's cycle counter (``%clock64``: fine-grained, not comparable across SMs), read
     once ``dep`` is available; 0 in the interpreter. Diagnostics only."""
-    if INTERPRET:
-        return dep.to(tl.int64) * 0
-    else:
-        return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep.to(tl.int32)],
-                                         dtype=tl.int64, is_pure=False, pack=1)
+    return _read_u64(dep, "mov.u64 $0, %clock64;", INTERPRET)
 
 
 @triton.jit
