@@ -203,9 +203,14 @@ def main(argv=None) -> None:
         raise SystemExit("--out is required (or --plot JSON)")
     if args.replays < 1:
         raise SystemExit("--replays must be >= 1")
-    cases = [c for c in args.cases.split(",") if c]
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not cases:
+        raise SystemExit("--cases: empty list")
     for c in cases:
-        bench.parse_case(c)  # raises on a bad name before any GPU work
+        try:
+            bench.parse_case(c)  # a bad name stops here, before any GPU work
+        except ValueError as e:
+            raise SystemExit(f"--cases: {e}") from None
     variants, l2, ceil = fixed_cost.gpu_setup(args.out, args.variants, "decode_timeline")
     rows = []
     for vname in variants:

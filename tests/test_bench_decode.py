@@ -360,6 +360,6 @@ def test_timeline_summary_reads_a_known_timeline():
     assert s["attn_end_max"] == 9.0 and s["end_max"] == 9.6 and s["tail"] == 0.6
     assert s["merges"] == 1 and s["merge_us_med"] == 1.0
     # idle slot time: 0 + (9.6 - 8.5) + (9.6 - 0.8) of 3 x 9.6
-    assert s["idle_frac"] == round((1.1 + 8.8) / 28.8, 4)
+    assert s["idle_frac"] == pytest.approx((1.1 + 8.8) / 28.8, abs=1e-4)
     assert s["programs_per_sm"] == [(1, 1), (2, 1)]
     assert T._median_summary([s, dict(s, span=10.0), dict(s, span=11.0)])["span"] == 10.0

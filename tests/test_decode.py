@@ -201,6 +201,7 @@ def test_timeline_build_counts_each_programs_work_and_keeps_results(device):
     output is bitwise the default build's. (The interpreter has no timer or SM id: those
     fields are 0 / -1 here; on a GPU they must come in program order.)"""
     from evenflow.attention import kernels as K
+    from evenflow.attention.decode import FUSED_GROUP_CHUNKS
     from evenflow.reference.attention import build_plan_ref
 
     lens = [64 * 45 + 3, 0, 70, 64 * 3, 1, 64 * 9 + 40]
@@ -213,8 +214,10 @@ def test_timeline_build_counts_each_programs_work_and_keeps_results(device):
     stamps.fill_(-7)
     o = check(q, qs, k, v, pt, sl, 1, plan=plan, what="timeline build")
     assert torch.equal(o, base)
+    assert (stamps[:, :len(K.STAMP_FIELDS)] != -7).all(), "every field of every program written"
     f = {name: stamps[:, j].cpu() for j, name in enumerate(K.STAMP_FIELDS)}
-    _, bins = build_plan_ref(sl, hkv, nprog, 1, 1 << 13)
+    _, bins = build_plan_ref(sl, hkv, nprog, 1, 1 << 13, item_cost=plan.item_cost,
+                             item_cost_max_tiles=plan.item_cost_max_tiles, align_growth=plan.align_growth)
     real = [-(-L // 64) for L in lens]
     want_chunks = [len(b) for b in bins]
     want_tiles = [sum(max(0, min(e, real[i // hkv]) - t) for i, t, e in b) for b in bins]
@@ -222,7 +225,7 @@ def test_timeline_build_counts_each_programs_work_and_keeps_results(device):
     for b in bins:
         for i, t, e in b:
             chunks_of[i] = chunks_of.get(i, 0) + (e > t)
-    want_merges = sum(-(-c // 8) for c in chunks_of.values() if c > 1)
+    want_merges = sum(-(-c // FUSED_GROUP_CHUNKS) for c in chunks_of.values() if c > 1)
     assert f["chunks"].tolist() == want_chunks
     assert f["tiles"].tolist() == want_tiles
     assert int(f["merges"].sum()) == want_merges > 1
@@ -236,6 +239,11 @@ def test_timeline_build_counts_each_programs_work_and_keeps_results(device):
         assert (f["program_end"] >= torch.maximum(f["meta"], f["last_end"])).all()
         assert (f["clk_program_end"] >= f["clk_entry"]).all()
     assert plan.record_timeline(False) is None and plan.stamps is None
+    assert plan.record_timeline().data_ptr() == stamps.data_ptr() and (stamps == 0).all()  # one buffer, zeroed
+    plan.stamps = stamps[:, :4]
+    with pytest.raises(ValueError, match="plan.stamps"):
+        evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
+    plan.record_timeline(False)
     assert torch.equal(check(q, qs, k, v, pt, sl, 1, plan=plan, what="default again"), base)
     with pytest.raises(TypeError, match="on must be a bool"):
         plan.record_timeline(1)

@@ -349,8 +349,13 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, device=device, align_longer=1)
     with pytest.raises(TypeError, match="warp_split"):
         evenflow.DecodePlan(4, 100, 2, device=device, warp_split=1)
-    for bad in (0.9, 2.5, 1.3, True, "1.5"):
+    for bad in (0.9, 2.5, 1.3):
         with pytest.raises(ValueError, match="align_growth"):
+            evenflow.DecodePlan(4, 100, 2, device=device, align_growth=bad)
+        with pytest.raises(ValueError, match="align_growth"):
+            build_plan_ref(torch.tensor([5]), 1, 1, 1, 100, align_growth=bad)
+    for bad in (True, "1.5", None):
+        with pytest.raises(TypeError, match="align_growth"):
             evenflow.DecodePlan(4, 100, 2, device=device, align_growth=bad)
     with pytest.raises(TypeError, match="prefetch"):
         evenflow.DecodePlan(4, 100, 2, device=device, prefetch=1)

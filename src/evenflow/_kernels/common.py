@@ -103,9 +103,10 @@ def pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def _read_u64(dep, ASM: tl.constexpr, INTERPRET: tl.constexpr):
-    # a 64-bit special register read by ``ASM`` once ``dep`` (a scalar) is available: the asm takes
-    # it as an input, so the read cannot be hoisted above the work that produced it; 0 when
-    # interpreting (no GPU registers)
+    # a 64-bit special register read by ``ASM``; 0 when interpreting (no GPU registers). The asm is
+    # volatile (is_pure=False), which keeps it in program order with the kernel's other volatile
+    # operations; taking ``dep`` (a scalar) as an input keeps it after dep's computation. Stores
+    # before it are issued, not necessarily complete, when it reads.
     if INTERPRET:
         return dep.to(tl.int64) * 0
     else:
@@ -114,8 +115,8 @@ def _read_u64(dep, ASM: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def globaltimer_ns(dep, INTERPRET: tl.constexpr):
-    """The GPU's global nanosecond timer (``%globaltimer``, comparable across SMs), read once
-    ``dep`` (a scalar) is available; 0 in the interpreter. For diagnostic timelines (the
+    """The GPU's global nanosecond timer (``%globaltimer``, comparable across SMs), read after
+    ``dep`` (a scalar) is computed; 0 in the interpreter. For diagnostic timelines (the
     decode kernel's STAMPS build), never for results."""
     return _read_u64(dep, "mov.u64 $0, %globaltimer;", INTERPRET)
 
@@ -123,7 +124,7 @@ def globaltimer_ns(dep, INTERPRET: tl.constexpr):
 @triton.jit
 def clock64(dep, INTERPRET: tl.constexpr):
     """This SM's cycle counter (``%clock64``: fine-grained, not comparable across SMs), read
-    once ``dep`` is available; 0 in the interpreter. Diagnostics only."""
+    after ``dep`` is computed; 0 in the interpreter. Diagnostics only."""
     return _read_u64(dep, "mov.u64 $0, %clock64;", INTERPRET)
 
 

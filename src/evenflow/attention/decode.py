@@ -287,6 +287,9 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
         if plan.prog_start.device != dev:
             raise ValueError(f"plan is on {plan.prog_start.device}, q on {dev}")
         q_len = plan.q_len
+        if plan.stamps is not None:
+            check_tensor("plan.stamps", plan.stamps, dtypes=[torch.int64], shape=[plan.num_programs, K.STAMP_SLOTS],
+                         device=dev, contiguous=True)
     else:
         if B < 1 or q.shape[0] % B != 0 or not 1 <= q.shape[0] // B <= 4:
             raise ValueError(f"q rows ({q.shape[0]}) must be q_len * batch with q_len in 1..4 (batch {B})")

@@ -64,6 +64,7 @@ STAMP_FIELDS = ("entry", "after_wait", "meta", "first_end", "last_end", "program
                 "merges", "merge_ns", "tiles", "merge_end", "clk_entry", "clk_after_wait", "clk_meta",
                 "clk_first_end", "clk_last_end", "clk_program_end")
 STAMP_SLOTS = 24
+assert len(STAMP_FIELDS) <= STAMP_SLOTS
 _STAMP_SLOTS = tl.constexpr(STAMP_SLOTS)
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).

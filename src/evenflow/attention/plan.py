@@ -189,10 +189,12 @@ class DecodePlan:
         if align_longer and not align_items:
             raise ValueError("align_longer=True extends align_items; it needs align_items=True")
         self.align_longer = align_longer
-        if isinstance(align_growth, bool) or not isinstance(align_growth, (int, float)) or not (
-                1.0 <= align_growth <= 2.0 and float(align_growth * 16).is_integer()):
+        if isinstance(align_growth, bool) or not isinstance(align_growth, (int, float)):
+            raise TypeError(f"align_growth must be a number, got {type(align_growth).__name__}")
+        if not (1.0 <= align_growth <= 2.0 and float(align_growth * 16).is_integer()):
             raise ValueError(f"align_growth must be a multiple of 1/16 in [1, 2], got {align_growth!r}")
         self.align_growth = float(align_growth)
+        self._grow16 = int(align_growth * 16)  # the plan kernel's integer form of the bound
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
         self.prefetch = prefetch
@@ -215,6 +217,7 @@ class DecodePlan:
         self.group_count = torch.zeros(2 * num_programs, **i32)
         self.batch: int | None = None  # B of the last update (host-side shape, not a sync)
         self.stamps: torch.Tensor | None = None  # per-program timeline (record_timeline); off by default
+        self._stamp_buffer: torch.Tensor | None = None  # kept once made: graphs may still write it
         self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def update(self, seq_lens: torch.Tensor) -> DecodePlan:
@@ -227,7 +230,7 @@ class DecodePlan:
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
         op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
            self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
-           self.align_longer, self.cost_max, int(self.align_growth * 16))
+           self.align_longer, self.cost_max, self._grow16)
         self.batch = B
         return self
 
@@ -259,12 +262,21 @@ class DecodePlan:
         """Diagnostics: with ``on``, every later ``decode_attention`` call on this plan runs
         the attention kernel's STAMPS build, which writes each program's timeline into the
         returned buffer [num_programs, STAMP_SLOTS] int64 (fields ``kernels.STAMP_FIELDS``:
-        globaltimer ns, the SM, chunk / merge / tile counts). A separate build: timings of it
-        are not the default kernel's. ``on=False`` goes back to the default build."""
+        globaltimer ns, the SM, chunk / merge / tile counts); each call (every layer sharing
+        the plan) overwrites it. A separate build: timings of it are not the default kernel's.
+        ``on=False`` goes back to the default build for later calls. CUDA graphs keep the build
+        they were captured with, so the plan keeps the one buffer (zeroed when turned on again)
+        for as long as it lives: a graph captured with the timeline on never writes freed
+        memory."""
         if not isinstance(on, bool):
             raise TypeError(f"on must be a bool, got {on!r}")
-        self.stamps = (torch.zeros(self.num_programs, K.STAMP_SLOTS, dtype=torch.int64, device=self.device)
-                       if on else None)
+        if on:
+            if self._stamp_buffer is None:
+                self._stamp_buffer = torch.zeros(self.num_programs, K.STAMP_SLOTS, dtype=torch.int64,
+                                                 device=self.device)
+            else:
+                self._stamp_buffer.zero_()
+        self.stamps = self._stamp_buffer if on else None
         return self.stamps
 
     def clamped(self) -> bool:
