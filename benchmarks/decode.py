@@ -279,32 +279,27 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 
 # ----------------------------------------------------------------------------- impls
 
-def _evenflow_fns(impl: str, inp: Inputs):
-    """(fns, extra) for ``evenflow`` and its knob rows (``PLAN_KNOBS``: dynamic plan) or ``evenflow-static``."""
-    try:
-        import evenflow
-        decode_attention = evenflow.decode_attention
-        DecodePlan = evenflow.DecodePlan
-    except (ImportError, AttributeError) as e:
-        raise H.PeerUnavailable(f"evenflow decode attention not available: {e}") from e
+def evenflow_plan(impl: str, inp: Inputs):
+    """The DecodePlan of ``evenflow`` or one of its knob rows (``PLAN_KNOBS``), updated for ``inp``'s
+    lengths; None for ``evenflow-static``."""
+    from evenflow import DecodePlan
+
+    if impl == "evenflow-static":
+        return None
+    c = inp.case
+    from evenflow._runtime import num_sms
+
+    knobs = PLAN_KNOBS[impl](num_sms(inp.seq_lens.device)) if impl in PLAN_KNOBS else {}
+    return DecodePlan(c.batch, inp.page_tables[0].shape[1] * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE,
+                      q_len=1, device=inp.seq_lens.device, **knobs).update(inp.seq_lens)
+
+
+def evenflow_calls(inp: Inputs, plan) -> list:
+    """One ``decode_attention`` call per rotated input copy (``plan`` None: the static split)."""
+    from evenflow import decode_attention
+
     c = inp.case
     out = torch.empty(c.batch, c.num_q_heads, HEAD_DIM, dtype=torch.bfloat16, device=inp.seq_lens.device)
-    extra: dict = {}
-    plan = None
-    if impl != "evenflow-static":
-        max_pages = inp.page_tables[0].shape[1]
-        sms = torch.cuda.get_device_properties(inp.seq_lens.device).multi_processor_count
-        knobs = PLAN_KNOBS[impl](sms) if impl in PLAN_KNOBS else {}
-        plan = DecodePlan(c.batch, max_pages * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE, q_len=1,
-                          device=inp.seq_lens.device, **knobs)
-        plan.update(inp.seq_lens)
-    validate = getattr(evenflow, "validate_inputs", None)  # the launcher's debug check (syncs; set-up only)
-    if validate is not None:
-        for r in range(inp.rotations):
-            validate(inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens, plan=plan)
-    if plan is not None:
-        extra["plan_us"] = H.time_graph([lambda: plan.update(inp.seq_lens)])
-        extra["plan_eager_us"] = H.time_eager([lambda: plan.update(inp.seq_lens)])
 
     def bind(r):
         q, pt = inp.qs[r], inp.page_tables[r]
@@ -312,7 +307,26 @@ def _evenflow_fns(impl: str, inp: Inputs):
                                         k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale,
                                         out=out)
 
-    return [bind(r) for r in range(inp.rotations)], extra
+    return [bind(r) for r in range(inp.rotations)]
+
+
+def _evenflow_fns(impl: str, inp: Inputs):
+    """(fns, extra) for ``evenflow`` and its knob rows (``PLAN_KNOBS``: dynamic plan) or ``evenflow-static``."""
+    try:
+        import evenflow
+        from evenflow import DecodePlan, decode_attention  # noqa: F401 (the API the helpers call)
+    except ImportError as e:
+        raise H.PeerUnavailable(f"evenflow decode attention not available: {e}") from e
+    extra: dict = {}
+    plan = evenflow_plan(impl, inp)
+    validate = getattr(evenflow, "validate_inputs", None)  # the launcher's debug check (syncs; set-up only)
+    if validate is not None:
+        for r in range(inp.rotations):
+            validate(inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens, plan=plan)
+    if plan is not None:
+        extra["plan_us"] = H.time_graph([lambda: plan.update(inp.seq_lens)])
+        extra["plan_eager_us"] = H.time_eager([lambda: plan.update(inp.seq_lens)])
+    return evenflow_calls(inp, plan), extra
 
 
 def _flashinfer_fns(impl: str, inp: Inputs):

@@ -103,21 +103,11 @@ def _median_summary(sums: list[dict]) -> dict:
 
 
 def run_case(cname: str, vname: str, replays: int, l2: int, ceilings: dict) -> dict:
-    from evenflow import DecodePlan, decode_attention
-
     case = bench.parse_case(cname)
     dt = VARIANTS[vname]
     inp = bench.make_inputs(case, dt, "cuda", 0, l2)
-    out = torch.empty(case.batch, case.num_q_heads, bench.HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-    plan = DecodePlan(case.batch, inp.page_tables[0].shape[1] * bench.PAGE_SIZE, case.num_kv_heads,
-                      page_size=bench.PAGE_SIZE, device="cuda").update(inp.seq_lens)
-
-    def bind(r):
-        q, pt = inp.qs[r], inp.page_tables[r]
-        return lambda: decode_attention(q, inp.k_cache, inp.v_cache, pt, inp.seq_lens, plan=plan,
-                                        k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale, out=out)
-
-    fns = [bind(r) for r in range(inp.rotations)]
+    plan = bench.evenflow_plan("evenflow", inp)
+    fns = bench.evenflow_calls(inp, plan)
     us_default = H.time_graph(fns)
     stamps = plan.record_timeline()
     us_stamped = H.time_graph(fns)

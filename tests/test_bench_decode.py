@@ -286,6 +286,27 @@ def test_reference_decode_agrees_with_project_oracle(kv_dtype):
     assert (ours.double() - oracle).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["evenflow", "evenflow-grow150", "evenflow-static"])
+def test_evenflow_calls_compute_the_benchmark_reference(impl):
+    """The calls the benchmark (and decode_timeline.py) time: one per rotated copy, each writing
+    the case's attention, as the benchmark's reference computes it; the plan is the row's (the
+    knob row's align_growth, none for the static split)."""
+    case = D.Case("t", (130, 1, 640, 0), 16, 2)
+    inp = D.make_inputs(case, torch.bfloat16, "cpu", seed=4, l2_bytes=1 << 20)
+    plan = D.evenflow_plan(impl, inp)
+    if impl == "evenflow-static":
+        assert plan is None
+    else:
+        assert plan.batch == 4 and plan.align_growth == (1.5 if impl == "evenflow-grow150" else 1.25)
+    calls = D.evenflow_calls(inp, plan)
+    assert len(calls) == inp.rotations > 1
+    for r, call in enumerate(calls):
+        got = call().float()
+        want = D.reference_decode(inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens,
+                                  sm_scale=inp.sm_scale)
+        assert (got - want).abs().max() < 2e-2, (impl, r)
+
+
 def test_plan_model_reads_every_tile_once_under_every_option():
     """The plan cost model (benchmarks/plan_model.py) prices the tiles the kernel reads: over all
     bins they are each item's ceil(len / 64) tiles, whatever item_cost or align_longer shifts

@@ -80,6 +80,15 @@ def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int
     return v
 
 
+def check_sixteenths(name: str, v, lo: float, hi: float) -> int:
+    """``v`` a number in [lo, hi] that is a whole number of sixteenths; returns ``16 * v`` as an int."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+    if not (lo <= v <= hi and float(v * 16).is_integer()):
+        raise ValueError(f"{name} must be a multiple of 1/16 in [{lo:g}, {hi:g}], got {v!r}")
+    return int(v * 16)
+
+
 def check_choice(name: str, v, choices: Sequence) -> None:
     if v not in choices:
         raise ValueError(f"{name} must be one of {list(choices)}, got {v!r}")

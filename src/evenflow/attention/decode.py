@@ -343,8 +343,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         part_o, part_lse, part_glse = plan.partials(rows, D)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, plan.stamps, q_scale,
-                   ks_t, vs_t,
-                   ks_f, vs_f,
+                   ks_t, vs_t, ks_f, vs_f,
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),

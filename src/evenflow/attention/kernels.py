@@ -64,8 +64,12 @@ STAMP_FIELDS = ("entry", "after_wait", "meta", "first_end", "last_end", "program
                 "merges", "merge_ns", "tiles", "merge_end", "clk_entry", "clk_after_wait", "clk_meta",
                 "clk_first_end", "clk_last_end", "clk_program_end")
 STAMP_SLOTS = 24
-assert len(STAMP_FIELDS) <= STAMP_SLOTS
 _STAMP_SLOTS = tl.constexpr(STAMP_SLOTS)
+# the kernel's slot of each field, in STAMP_FIELDS order (the unpacking fails if they disagree)
+(_T_ENTRY, _T_WAIT, _T_META, _T_FIRST, _T_LAST, _T_END, _T_SM, _T_CHUNKS, _T_MERGES, _T_MERGE_NS, _T_TILES,
+ _T_MERGE_END, _C_ENTRY, _C_WAIT, _C_META, _C_FIRST, _C_LAST, _C_END) = (
+    tl.constexpr(j) for j in range(len(STAMP_FIELDS)))
+assert len(STAMP_FIELDS) <= STAMP_SLOTS
 # Globals used inside @triton.jit must be constexpr objects (the GPU compiler rejects
 # plain or merely annotated globals; the interpreter does not).
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -474,14 +478,14 @@ def decode_kernel(
             c_meta = clock64(start, DOT_F32)
             s_meta = globaltimer_ns(start, DOT_F32)
             p_row = p_stamp + pid.to(tl.int64) * _STAMP_SLOTS
-            tl.store(p_row + 0, s_entry)
-            tl.store(p_row + 1, s_wait)
-            tl.store(p_row + 2, s_meta)
-            tl.store(p_row + 12, c_entry)
-            tl.store(p_row + 13, c_wait)
-            tl.store(p_row + 14, c_meta)
-            tl.store(p_row + 3, s_meta * 0)
-            tl.store(p_row + 15, c_meta * 0)
+            tl.store(p_row + _T_ENTRY, s_entry)
+            tl.store(p_row + _T_WAIT, s_wait)
+            tl.store(p_row + _T_META, s_meta)
+            tl.store(p_row + _C_ENTRY, c_entry)
+            tl.store(p_row + _C_WAIT, c_wait)
+            tl.store(p_row + _C_META, c_meta)
+            tl.store(p_row + _T_FIRST, s_meta * 0)
+            tl.store(p_row + _C_FIRST, c_meta * 0)
             c_last = c_meta * 0
             s_last = s_meta * 0
             s_chunks = s_meta * 0
@@ -526,8 +530,8 @@ def decode_kernel(
                 c_last = clock64(t1, DOT_F32)
                 s_last = globaltimer_ns(t1, DOT_F32)
                 if s_chunks == 0:
-                    tl.store(p_row + 3, s_last)
-                    tl.store(p_row + 15, c_last)
+                    tl.store(p_row + _T_FIRST, s_last)
+                    tl.store(p_row + _C_FIRST, c_last)
                 s_chunks += 1
                 s_tiles += tl.maximum(t1 - t0, 0)
             if FUSED:
@@ -558,16 +562,16 @@ def decode_kernel(
                 start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
             go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
         if STAMPS:
-            tl.store(p_row + 4, s_last)
-            tl.store(p_row + 6, sm_id(pid, DOT_F32).to(tl.int64))
-            tl.store(p_row + 7, s_chunks)
-            tl.store(p_row + 8, s_merges)
-            tl.store(p_row + 9, s_merge_ns)
-            tl.store(p_row + 10, s_tiles)
-            tl.store(p_row + 11, s_merge_end)
-            tl.store(p_row + 16, c_last)
-            tl.store(p_row + 17, clock64(i, DOT_F32))
-            tl.store(p_row + 5, globaltimer_ns(i, DOT_F32))
+            tl.store(p_row + _T_LAST, s_last)
+            tl.store(p_row + _T_SM, sm_id(pid, DOT_F32).to(tl.int64))
+            tl.store(p_row + _T_CHUNKS, s_chunks)
+            tl.store(p_row + _T_MERGES, s_merges)
+            tl.store(p_row + _T_MERGE_NS, s_merge_ns)
+            tl.store(p_row + _T_TILES, s_tiles)
+            tl.store(p_row + _T_MERGE_END, s_merge_end)
+            tl.store(p_row + _C_LAST, c_last)
+            tl.store(p_row + _C_END, clock64(i, DOT_F32))
+            tl.store(p_row + _T_END, globaltimer_ns(i, DOT_F32))
 
 
 @triton.jit

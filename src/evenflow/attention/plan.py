@@ -14,7 +14,7 @@ import math
 import torch
 
 from evenflow import _runtime
-from evenflow._checks import check_int, check_pdl, check_tensor
+from evenflow._checks import check_int, check_pdl, check_sixteenths, check_tensor
 from evenflow.attention import kernels as K
 
 TILE = 64
@@ -189,12 +189,8 @@ class DecodePlan:
         if align_longer and not align_items:
             raise ValueError("align_longer=True extends align_items; it needs align_items=True")
         self.align_longer = align_longer
-        if isinstance(align_growth, bool) or not isinstance(align_growth, (int, float)):
-            raise TypeError(f"align_growth must be a number, got {type(align_growth).__name__}")
-        if not (1.0 <= align_growth <= 2.0 and float(align_growth * 16).is_integer()):
-            raise ValueError(f"align_growth must be a multiple of 1/16 in [1, 2], got {align_growth!r}")
+        check_sixteenths("align_growth", align_growth, 1.0, 2.0)
         self.align_growth = float(align_growth)
-        self._grow16 = int(align_growth * 16)  # the plan kernel's integer form of the bound
         if not isinstance(prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
         self.prefetch = prefetch
@@ -230,7 +226,7 @@ class DecodePlan:
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
         op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
            self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
-           self.align_longer, self.cost_max, self._grow16)
+           self.align_longer, self.cost_max, int(self.align_growth * 16))
         self.batch = B
         return self
 

@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from evenflow._checks import check_sixteenths
+
 TILE = 64
 POOL_SLACK = 0.25  # shuffled page pools hold 25% more pages than the requests use
 
@@ -127,8 +129,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     """
     if align_longer is None:
         align_longer = align_items
-    if not (1.0 <= align_growth <= 2.0 and float(align_growth * 16).is_integer()):
-        raise ValueError(f"align_growth must be a multiple of 1/16 in [1, 2] (as DecodePlan's), got {align_growth!r}")
+    check_sixteenths("align_growth", align_growth, 1.0, 2.0)  # DecodePlan's range
     lens = [min(max(int(x), 0), max_seq_len) for x in seq_lens.cpu().tolist()]
     B = len(lens)
     short = (lambda n: True) if item_cost_max_tiles is None else (lambda n: n <= item_cost_max_tiles)
