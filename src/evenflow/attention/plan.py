@@ -36,8 +36,9 @@ DEFAULT_ITEM_COST = 2
 # align_items rounds the budget up to a multiple of the shortest item's units when that grows
 # it by at most this factor. Round E (combine kernel) set 1.5: 64x512 took 56 us at budget 11 and
 # 44 us at 16. Round O2 (fused combine, whose cuts cost less): 1.25, since rounding 2x32K+30x4K's
-# budget of 90 up to 128 left 80 of 264 programs without a bin (H200 graph replay: bf16 194.8 ->
-# 184.5 us, fp8 163.6 -> 135.4; no other benchmark case's plan changes).
+# budget of 90 up to 128 left 80 of 264 programs without a bin (H200 graph replay: fp8 163.6 ->
+# 135.4 us; bf16 moved between ~183 and ~195 us from run to run at 184 bins and 184.5-186.9 at
+# 262; no other benchmark case's plan changes; docs/perf-notes/decode.md, O2 and O6).
 DEFAULT_ALIGN_GROWTH = 1.25
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
