@@ -185,6 +185,47 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
             assert torch.equal(ys[True][3].float(), torch.zeros(h, device=device)), "token with no local expert"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_deferred_split_reduce_equals_last_split(device, fmt):
+    """Pair tiles with a K-split gate-up leave the partial sums to the down GEMM, which adds
+    them in split order and applies the activation as it loads its operand (the default):
+    bit for bit what the gate-up's last split computes (``defer_split=False``), with 2- and
+    4-way gate-up splits, a down split, ids routed to other EP ranks and a token listing one
+    expert twice; no zeroing kernel and no counter run on that path."""
+    from evenflow import _compile_check as CC
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    base = choose_config(2, 3, 4, h, i, ew.mode, num_experts_total=12)
+    gu_bk = base.gu_block_k if fmt == "fp8_block" else 16
+    down_bk = base.down_block_k if fmt == "fp8_block" else 16
+    ids_all = [[5, 5, 1], [4, 7, 11]]  # rank 1 of 3 owns 4..7
+    for t, split, down_split in ((1, 2, 1), (2, 4 if h // gu_bk >= 4 else 2, 2 if i // down_bk >= 2 else 1)):
+        cfg = dataclasses.replace(base, gu_block_k=gu_bk, down_block_k=down_bk, gu_split_k=split,
+                                  down_split_k=down_split)
+        x = torch.randn(t, h, device=device).bfloat16()
+        ids, w = routing_from(ids_all[:t], device)
+        ys = {}
+        for defer in (True, False):
+            _dirty_pool(device)
+            ys[defer] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg,
+                                           pair_tiles=True, defer_split=defer,
+                                           out=poisoned((t, h), torch.bfloat16, device))
+        what = f"{fmt} T={t} {cfg}"
+        assert torch.equal(ys[True], ys[False]), f"deferred reduction differs from the last split's: {what}"
+        check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
+    if torch.device(device).type == "cpu":
+        with CC.record_launches(execute=True) as launches:
+            evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg, pair_tiles=True)
+        names = [ln.name for ln in launches]
+        assert "moe_zero_kernel" not in names, names
+        gu = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
+        dn = dict(next(ln for ln in launches if ln.name == "moe_down_kernel").constexprs)
+        assert gu["DEFER"] is True and dn["GU_SPLIT"] == cfg.gu_split_k > 1
+    with pytest.raises(TypeError, match="defer_split"):
+        evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, defer_split=1)
+
+
 def _dirty_pool(device):
     """Leave non-zero bytes in the allocator's free blocks (on a GPU the caching allocator would
     otherwise hand back the previous call's counters, already reset to zero by the last split)."""

@@ -268,8 +268,9 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
     """Two stacked layers (the second reads the first's output as its x) with every kernel
     chained by programmatic dependent launch, captured in a graph with routing changed between
     replays, at split-K decode shapes (T = 1, 2) and T = 33: bitwise the plain launches'
-    result. The second layer's first kernel (the index build, or at T = 1, 2 the pair tiles'
-    counter zeroing) reads only the routing or nothing, so the first layer's output reaches
+    result. The second layer's first kernel (the index build, the activation quantisation, or
+    at T = 1, 2 in bf16 the gate-up itself) reads the routing or the first layer's output, so
+    the first layer's output reaches
     the GEMMs only if every wait in the chain holds (each kernel waits for the one before it,
     which waited for the one before it)."""
     shape = "qwen3-30b-a3b"
@@ -301,6 +302,42 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
                 assert torch.equal(outs[True][j], outs[False][j]), f"T={t} replay {step} layer {j}: PDL differs"
             check(outs[True][0], sx, sids, sw, ew, 0, f"T={t} PDL replay {step} layer 0")
             check(outs[True][1], outs[True][0], sids2, sw2, ew, 0, f"T={t} PDL replay {step} layer 1")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_deferred_split_reduce_real_shapes(shape, fmt):
+    """At decode batches (T = 1, 2: pair tiles, a K-split gate-up with the table's or the
+    heuristic's split) the down GEMM adds the gate-up's partials itself by default; that is
+    bitwise what the gate-up's last split computes (``defer_split=False``), eagerly and in a
+    CUDA graph replayed with new routing, and within the rule of the oracle."""
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    if fmt == "fp8_block" and i % 128:
+        pytest.skip("I is not a multiple of 128")
+    ew = weights(shape, fmt)
+    kw = dict(ep_rank=ep, num_experts_total=e_tot)
+    for t in (1, 2):
+        x, ids, w = inputs(shape, t)
+        outs = {d: torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for d in (True, False)}
+        graphs = {}
+        for d in (True, False):
+            evenflow.fused_moe(x, ids, w, ew, out=outs[d], defer_split=d, **kw)
+            torch.cuda.synchronize()
+            graphs[d] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[d]):
+                evenflow.fused_moe(x, ids, w, ew, out=outs[d], defer_split=d, **kw)
+        for step in range(3):
+            nx, nids, nw = inputs(shape, t)
+            for dst, v in ((x, nx), (ids, nids), (w, nw)):
+                dst.copy_(v)
+            for d in (True, False):
+                graphs[d].replay()
+            eager = evenflow.fused_moe(x, ids, w, ew, **kw)
+            torch.cuda.synchronize()
+            what = f"{shape} {fmt} T={t} replay {step}"
+            assert torch.equal(outs[True], outs[False]), f"deferred differs from the last split: {what}"
+            assert torch.equal(outs[True], eager), f"replay differs from eager: {what}"
+            check(outs[True], x, ids, w, ew, ep, what)
 
 
 def test_torch_compile_fullgraph():

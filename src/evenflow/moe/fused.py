@@ -259,10 +259,11 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False):
+            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: bool = True):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
+    # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -280,12 +281,17 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     by_pair = bool(pair_tiles) if pair_tiles >= 0 else (p <= PAIR_TILE_MAX_PAIRS and cfg.block_m == 16)
     n_tiles = p if by_pair else max_tiles(p, e_local, cfg.block_m)
     gu_nb = i // cfg.gu_block_n
+    # Deferred reduction (pair tiles, K-split gate-up): the down GEMM adds the gate-up's partials
+    # as it loads its operand, so the gate-up has no arrival counter, no last-split round trips
+    # (partial stores, fence, atomic, partial loads) and no inter store, and no zeroing kernel
+    # runs before it; block mode needs the down's 128-deep K steps to be whole activation groups.
+    defer = bool(defer_split) and by_pair and cfg.gu_split_k > 1
+    gu_count = gu_part = None
     if cfg.gu_split_k > 1:
-        gu_count = torch.empty(n_tiles * gu_nb, dtype=torch.int32, device=dev)
+        if not defer:
+            gu_count = torch.empty(n_tiles * gu_nb, dtype=torch.int32, device=dev)
         part_rows = p if by_pair else n_tiles * cfg.block_m  # pair tiles: one row per pair
         gu_part = torch.empty(cfg.gu_split_k, part_rows, 2 * i, dtype=torch.float32, device=dev)
-    else:
-        gu_count = gu_part = None
     use_pdl = bool(pdl) if pdl >= 0 else (pdl_supported(dev) and p <= PDL_MAX_PAIRS)
     pk = pdl_kwargs(use_pdl)
     if by_pair:
@@ -300,21 +306,23 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     gpu_kw = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     dummy = topk_weights  # stands in for pointers a mode does not read
+    inter = inter_s = dummy
     if mode == 2:
         xq, xs = quant_fp8_per_token_group(x, pdl=use_pdl)
-        inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
-        inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
+        if not defer:
+            inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
+            inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
     elif mode == 1:
         xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
         block_q = min(1024, triton.next_power_of_2(h))
         moe_tensor_quant_kernel[(t, triton.cdiv(h, block_q))](
             x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, num_warps=4, **pk)
-        inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
-        inter_s = dummy
+        if not defer:
+            inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
     else:
         xq, xs = x, dummy
-        inter = torch.empty(p, i, dtype=torch.bfloat16, device=dev)
-        inter_s = dummy
+        if not defer:
+            inter = torch.empty(p, i, dtype=torch.bfloat16, device=dev)
     ws13 = w13_scale if w13_scale is not None else dummy
     ws2 = w2_scale if w2_scale is not None else dummy
     as13 = a13_scale if a13_scale is not None else dummy
@@ -330,10 +338,10 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
         k, i, h, ep_rank * e_local, e_local,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
-        inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
+        inter.stride(0), inter_s.stride(0) if mode == 2 and not defer else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        **gpu_kw, **pk,
+        DEFER=defer, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -345,12 +353,14 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
     moe_down_kernel[(n_tiles, h // cfg.down_block_n, cfg.down_split_k)](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
-        pair_out, as2,
+        pair_out, as2, gu_part if defer else dummy, ws13, as13,
         k, i, ep_rank * e_local, e_local,
-        inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
-        pair_out.stride(0), pair_out.stride(1),
+        inter.stride(0) if not defer else 0, inter_s.stride(0) if mode == 2 and not defer else 0,
+        w2.stride(0), w2.stride(1), *ws2_strides,
+        pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc, **gpu_kw, **pk,
+        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
+        GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -373,17 +383,18 @@ def _fused_moe_op(
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
-    pair_tiles: int = -1, fp8_accum: str = "exact",
+    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: bool = True,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
-            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast")
+            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
+            defer_split)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact"):
+      fp8_accum="exact", defer_split=True):
     return None
 
 
@@ -396,7 +407,8 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
-              pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact"):
+              pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
+              defer_split: bool = True):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -426,6 +438,11 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     bit for bit (requantisation of the intermediate can round differently). Needs K-steps of
     at least 32: with per-tensor weights, hidden and intermediate sizes that are multiples of 32.
     ValueError for another value, for bf16 weights, or such sizes.
+    ``defer_split``: where pair tiles split the gate-up GEMM along K (decode batches), its
+    partial sums are added, and the activation applied, by the down GEMM as it loads its
+    operand (default ``True``): no arrival counter, no last-split round trips, no intermediate
+    buffer, no zeroing kernel. ``False``: the gate-up's last split does it (the earlier way,
+    kept to compare). Same results bit for bit either way.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -481,12 +498,14 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     check_pdl(pdl, dev)
     if pair_tiles is not None and not isinstance(pair_tiles, bool):
         raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
+    if not isinstance(defer_split, bool):
+        raise TypeError(f"defer_split must be a bool, got {defer_split!r}")
     pdl_arg = -1 if pdl is None else int(pdl)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum)
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_split)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_split)
     return out

@@ -24,7 +24,9 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 
 Pair tiles (PAIR_TILES, tiny batches, no index build): task i is pair i alone (row 0 of a
 BLOCK_M-row tile, the other rows masked), its expert read from topk_ids; inter and pair_out
-rows are pair ids; gu_count is zeroed by ``moe_zero_kernel``.
+rows are pair ids. A K-split gate-up on pair tiles is reduced by default in the down GEMM's
+operand load (DEFER / GU_SPLIT): no inter, no gu_count. With ``defer_split=False`` its last
+split reduces it, and gu_count is zeroed by ``moe_zero_kernel``.
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
 K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
@@ -314,24 +316,36 @@ def _row_pairs(p_sorted, o_m, m_m, PAIR_TILES: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
-                      stride_om, stride_osm, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants, stored."""
+def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """SiLU(gate) * up of fully reduced gate-up sums [rows, cols], as the down GEMM reads it:
+    (values, per-row scale). bf16: fp32 values, scale unused; fp8 per-tensor: e4m3 at the
+    static scale ``p_o_scale``; fp8 block: e4m3 with each row's scale over these columns,
+    which must be one whole 128-wide activation group. One definition for both places the
+    activation runs (the gate-up's epilogue, the down GEMM's deferred operand), so the two
+    paths give the same bits."""
     if MODE == 1:
         deq = tl.load(p_ws + e64) * tl.load(p_a_scale)
         acc_g = acc_g * deq
         acc_u = acc_u * deq
     b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    if MODE == 0:
-        tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
-    elif MODE == 1:
-        o_scale = tl.load(p_o_scale)
-        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, o_scale), FP8_ROUND), mask=m_m[:, None])
-    else:
-        # BLOCK_N == 128: this program owns one whole activation group of each row.
+    b_s = tl.max(b_h, axis=1) * 0.0 + 1.0
+    if MODE == 1:
+        b_h = to_fp8e4(tl.math.div_rn(b_h, tl.load(p_o_scale)), FP8_ROUND)
+    elif MODE == 2:
         b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_h), axis=1), GROUP_AMAX_EPS), FP8_E4M3_MAX)
-        tl.store(p_o, to_fp8e4(tl.math.div_rn(b_h, b_s[:, None]), FP8_ROUND), mask=m_m[:, None])
+        b_h = to_fp8e4(tl.math.div_rn(b_h, b_s[:, None]), FP8_ROUND)
+    return b_h, b_s
+
+
+@triton.jit
+def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
+                      stride_om, stride_osm, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants, stored."""
+    b_h, b_s = _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE, FP8_ROUND)
+    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
+    if MODE == 2:
+        # BLOCK_N == 128: this program owns one whole activation group of each row.
         tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
 
 
@@ -343,7 +357,7 @@ def moe_gate_up_kernel(
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
-    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr,
+    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -357,6 +371,10 @@ def moe_gate_up_kernel(
     index kernel, or by moe_zero_kernel with pair tiles);
     the split that arrives last sums the partials in split order (deterministic),
     applies the activation and requantisation, and resets the counter.
+
+    DEFER (pair tiles with SPLIT_K > 1): each split only stores its partials; the down
+    kernel adds them as it loads its operand (``GU_SPLIT``), so no counter, no arrival
+    round trips and no ``inter`` buffer.
     """
     pdl_enter(PDL)
     i_tile = tl.program_id(0)
@@ -423,6 +441,8 @@ def moe_gate_up_kernel(
         p_pg = p_part + o_r[:, None] * (2 * I) + o_n[None, :]
         tl.store(p_pg + i_s * stride_ps, acc_g, mask=m_m[:, None])
         tl.store(p_pg + i_s * stride_ps + I, acc_u, mask=m_m[:, None])
+        if DEFER:
+            return
         p_c = p_count + i_tile * tl.num_programs(1) + i_n
         # (arrived_last puts a CTA barrier before the release: without it only the thread
         # that runs the atomic had its partial stores ordered before it)
@@ -440,18 +460,27 @@ def moe_gate_up_kernel(
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local"])
 def moe_down_kernel(
     p_a, p_as, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
-    p_out, p_a_scale,
+    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale,
     top_k, K, e_first, num_local,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
-    FAST_ACC: tl.constexpr,
+    FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
     Stored in pair_out's dtype (bf16 with SPLIT_K == 1, else fp32 partial sums); the reduce
     kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32.
+
+    GU_SPLIT > 0 (pair tiles whose gate-up was K-split GU_SPLIT ways with DEFER): there is no
+    ``inter``; each K step adds the step's gate and up partials of the pair (``p_gpart``
+    [GU_SPLIT, P, 2K], row = pair, in split order as the gate-up's last split would) and
+    applies the activation and requantisation itself (:func:`_activate`, with the gate-up's
+    scales ``p_gws``, ``p_ga_scale``; block mode: one 128-wide group per K step). The partial
+    loads are one [BLOCK_K] row per split, pipelined with the weights like any operand load.
     """
+    tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
+    tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
     pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -476,16 +505,36 @@ def moe_down_kernel(
         p_xs = p_as + o_m64 * stride_asm + k0 // 128
         p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
 
+    if GU_SPLIT > 0:
+        p_g = p_gpart + i_tile.to(tl.int64) * (2 * K) + k0 + o_k
+
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
-        b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
+        if GU_SPLIT > 0:
+            b_g = tl.zeros([BLOCK_K], dtype=tl.float32)
+            b_u = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for s in tl.static_range(GU_SPLIT):
+                b_g += tl.load(p_g + s * stride_gps)
+                b_u += tl.load(p_g + s * stride_gps + K)
+            # the pair's row on every row of the tile (only row 0 is stored)
+            b_h, b_xs = _activate(tl.broadcast_to(b_g[None, :], (BLOCK_M, BLOCK_K)),
+                                  tl.broadcast_to(b_u[None, :], (BLOCK_M, BLOCK_K)),
+                                  e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
+            if MODE == 0:
+                b_a = b_h.to(p_w.dtype.element_ty)
+            else:
+                b_a = b_h
+            p_g += BLOCK_K
+        else:
+            b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
+            if MODE == 2:
+                b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
         b_b = tl.load(p_b)
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
         elif MODE == 1:
             acc = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32), acc)
         else:
-            b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
             b_d = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32))
             acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
         p_x += BLOCK_K
