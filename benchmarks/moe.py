@@ -14,9 +14,10 @@ When the experts a call reads fit in L2, several copies (weights, x, routing) ar
 rotated so a call never finds its weights in cache.
 
 Knob rows on request (``--impls``): ``evenflow-nopdl``, ``evenflow-index``,
-``evenflow-lastsplit`` (``fused_moe(defer_split=False)``) and ``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its
-``max_abs_err``/``cosine`` against the same fp32 oracle are recorded as for every row; on bf16
-an "unavailable: not applicable to bf16" error row).
+``evenflow-lastsplit`` (``fused_moe(defer_split=False)``) and ``evenflow-fastacc``
+(``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its ``max_abs_err``/``cosine``
+against the same fp32 oracle are recorded as for every row; on bf16 an "unavailable: not
+applicable to bf16" error row).
 
 Floor (BENCH.md, issue 5): max(bytes / copy bandwidth, FLOPs / matmul rate of the
 weight dtype), with bytes = weights (and scales) of the distinct local experts the

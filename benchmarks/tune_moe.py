@@ -94,7 +94,7 @@ DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs 
 def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[str, object]]:
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
     (with ``fast_acc``: that mode's rules, K-steps >= 32)."""
-    from evenflow.moe.fused import check_config, choose_config
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS, check_config, choose_config
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
                       num_experts_total=case.num_experts_total, fast_acc=fast_acc)
@@ -117,6 +117,10 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
         if mode == 0:
             out += [("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
         out += [("dn32", r(d, down_block_n=32)), ("bm32", r(d, block_m=32))]
+        if t * case.top_k <= PAIR_TILE_MAX_PAIRS:
+            # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
+            out = [lc for label, c in out for lc in ((label, c),) + (
+                ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
     else:
         tiles = FAST_TILES if fast_acc else ((64, 128, 128, 8, 4), (32, 64, 64, 4, 4), (64, 64, 128, 4, 4),
                                              (128, 128, 128, 8, 3), (64, 64, 64, 4, 3), (128, 64, 128, 8, 3),

@@ -187,11 +187,11 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_deferred_split_reduce_equals_last_split(device, fmt):
-    """Pair tiles with a K-split gate-up leave the partial sums to the down GEMM, which adds
-    them in split order and applies the activation as it loads its operand (the default):
-    bit for bit what the gate-up's last split computes (``defer_split=False``), with 2- and
-    4-way gate-up splits, a down split, ids routed to other EP ranks and a token listing one
-    expert twice; no zeroing kernel and no counter run on that path."""
+    """Pair tiles with a K-split gate-up can leave the partial sums to the down GEMM, which adds
+    them in split order and applies the activation as it loads its operand (``defer_split=True``,
+    or a config's ``gu_defer``): bit for bit what the gate-up's last split computes
+    (``defer_split=False``), with 2- and 4-way gate-up splits, a down split, ids routed to other
+    EP ranks and a token listing one expert twice; no zeroing kernel runs on that path."""
     from evenflow import _compile_check as CC
 
     h, i = SIZES[fmt]
@@ -215,15 +215,20 @@ def test_deferred_split_reduce_equals_last_split(device, fmt):
         assert torch.equal(ys[True], ys[False]), f"deferred reduction differs from the last split's: {what}"
         check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
     if torch.device(device).type == "cpu":
-        with CC.record_launches(execute=True) as launches:
-            evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg, pair_tiles=True)
-        names = [ln.name for ln in launches]
-        assert "moe_zero_kernel" not in names, names
-        gu = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
-        dn = dict(next(ln for ln in launches if ln.name == "moe_down_kernel").constexprs)
-        assert gu["DEFER"] is True and dn["GU_SPLIT"] == cfg.gu_split_k > 1
+        # defer_split=None (default) follows the config: gu_defer=1 defers, the heuristic's 0 does not
+        for gu_defer in (1, 0):
+            with CC.record_launches(execute=True) as launches:
+                evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, pair_tiles=True,
+                                   config=dataclasses.replace(cfg, gu_defer=gu_defer))
+            names = [ln.name for ln in launches]
+            gu = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
+            dn = dict(next(ln for ln in launches if ln.name == "moe_down_kernel").constexprs)
+            assert ("moe_zero_kernel" in names) == (gu_defer == 0), names
+            assert gu["DEFER"] is bool(gu_defer) and dn["GU_SPLIT"] == cfg.gu_split_k * gu_defer
     with pytest.raises(TypeError, match="defer_split"):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, defer_split=1)
+    with pytest.raises(ValueError, match="gu_defer"):
+        evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=dataclasses.replace(cfg, gu_defer=2))
 
 
 def _dirty_pool(device):

@@ -243,8 +243,10 @@ def test_fast_accum_compile(device, fmt):
     seen = []
 
     def backend(gm, example_inputs):
-        seen.extend(n.args[-1] for n in gm.graph.nodes
-                    if n.op == "call_function" and "evenflow.fused_moe_" in str(n.target))
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and "evenflow.fused_moe_" in str(n.target):
+                pos = [a.name for a in n.target._schema.arguments].index("fp8_accum")
+                seen.append(n.args[pos] if len(n.args) > pos else n.kwargs.get("fp8_accum"))
         return gm.forward
 
     @torch.compile(fullgraph=True, backend=backend)

@@ -308,9 +308,10 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_deferred_split_reduce_real_shapes(shape, fmt):
     """At decode batches (T = 1, 2: pair tiles, a K-split gate-up with the table's or the
-    heuristic's split) the down GEMM adds the gate-up's partials itself by default; that is
-    bitwise what the gate-up's last split computes (``defer_split=False``), eagerly and in a
-    CUDA graph replayed with new routing, and within the rule of the oracle."""
+    heuristic's split) the down GEMM adding the gate-up's partials itself (``defer_split=True``)
+    is bitwise what the gate-up's last split computes (``defer_split=False``) and what the
+    default (the config's choice) computes, in a CUDA graph replayed with new routing and
+    eagerly, and within the rule of the oracle."""
     e, e_tot, ep, k, h, i = SHAPES[shape]
     if fmt == "fp8_block" and i % 128:
         pytest.skip("I is not a multiple of 128")

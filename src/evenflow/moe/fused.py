@@ -62,6 +62,10 @@ class MoEConfig:
     num_stages: int = 3
     gu_split_k: int = 1
     down_split_k: int = 1
+    # 1: a K-split gate-up on pair tiles leaves its partials to the down GEMM (round P: a win only
+    # where the down GEMM has few K steps and wide N blocks; the tuner decides per point, the
+    # heuristic never defers). Tables written before it have 9 values: 0.
+    gu_defer: int = 0
 
     def as_list(self) -> list[int]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -252,6 +256,8 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         raise ValueError(f"config down tiles do not divide H={hidden}, I={inter}: {cfg}")
     if mode == 2 and (cfg.gu_block_n != 128 or cfg.gu_block_k != 128 or cfg.down_block_k != 128):
         raise ValueError(f"fp8 block mode needs gate-up BLOCK_N/BLOCK_K and down BLOCK_K of 128, got {cfg}")
+    if cfg.gu_defer not in (0, 1):
+        raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
     if fast_acc and min(cfg.gu_block_k, cfg.down_block_k) < FAST_ACC_MIN_BLOCK_K:
         raise ValueError(f"fp8_accum='fast' runs fp8 dots, whose K-steps must be >= {FAST_ACC_MIN_BLOCK_K} "
                          f"deep; config has gu_block_k={cfg.gu_block_k}, down_block_k={cfg.down_block_k}")
@@ -259,11 +265,12 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: bool = True):
+            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
-    # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM
+    # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
+    # -1 as the config says (cfg.gu_defer)
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -285,7 +292,9 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # as it loads its operand, so the gate-up has no arrival counter, no last-split round trips
     # (partial stores, fence, atomic, partial loads) and no inter store, and no zeroing kernel
     # runs before it; block mode needs the down's 128-deep K steps to be whole activation groups.
-    defer = bool(defer_split) and by_pair and cfg.gu_split_k > 1
+    # Its cost: every down N-block program re-reads and re-activates the pair's partials in its K
+    # loop (round P1: slower wherever the down GEMM has many K steps; docs/perf-notes/moe.md).
+    defer = (cfg.gu_defer if defer_split < 0 else defer_split) == 1 and by_pair and cfg.gu_split_k > 1
     gu_count = gu_part = None
     if cfg.gu_split_k > 1:
         if not defer:
@@ -383,7 +392,7 @@ def _fused_moe_op(
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
-    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: bool = True,
+    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
@@ -394,7 +403,7 @@ def _fused_moe_op(
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=True):
+      fp8_accum="exact", defer_split=-1):
     return None
 
 
@@ -408,7 +417,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              defer_split: bool = True):
+              defer_split: bool | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -438,11 +447,12 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     bit for bit (requantisation of the intermediate can round differently). Needs K-steps of
     at least 32: with per-tensor weights, hidden and intermediate sizes that are multiples of 32.
     ValueError for another value, for bf16 weights, or such sizes.
-    ``defer_split``: where pair tiles split the gate-up GEMM along K (decode batches), its
-    partial sums are added, and the activation applied, by the down GEMM as it loads its
-    operand (default ``True``): no arrival counter, no last-split round trips, no intermediate
-    buffer, no zeroing kernel. ``False``: the gate-up's last split does it (the earlier way,
-    kept to compare). Same results bit for bit either way.
+    ``defer_split``: where pair tiles split the gate-up GEMM along K (decode batches), who adds
+    its partial sums and applies the activation: ``True``, the down GEMM as it loads its
+    operand (no arrival counter, no last-split round trips, no intermediate buffer, no zeroing
+    kernel, but every down N-block program redoes it); ``False``, the gate-up's last split;
+    ``None`` (default), the config's ``gu_defer`` (the tuned table's choice per shape and
+    batch; the heuristic's is ``False``). Same results bit for bit either way.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -498,14 +508,15 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     check_pdl(pdl, dev)
     if pair_tiles is not None and not isinstance(pair_tiles, bool):
         raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
-    if not isinstance(defer_split, bool):
-        raise TypeError(f"defer_split must be a bool, got {defer_split!r}")
+    if defer_split is not None and not isinstance(defer_split, bool):
+        raise TypeError(f"defer_split must be a bool or None, got {defer_split!r}")
     pdl_arg = -1 if pdl is None else int(pdl)
+    defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_split)
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_split)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg)
     return out

@@ -24,9 +24,9 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 
 Pair tiles (PAIR_TILES, tiny batches, no index build): task i is pair i alone (row 0 of a
 BLOCK_M-row tile, the other rows masked), its expert read from topk_ids; inter and pair_out
-rows are pair ids. A K-split gate-up on pair tiles is reduced by default in the down GEMM's
-operand load (DEFER / GU_SPLIT): no inter, no gu_count. With ``defer_split=False`` its last
-split reduces it, and gu_count is zeroed by ``moe_zero_kernel``.
+rows are pair ids. A K-split gate-up on pair tiles is reduced by its last split (gu_count
+zeroed by ``moe_zero_kernel``), or, where the config says so (``gu_defer``), in the down GEMM's
+operand load (DEFER / GU_SPLIT: no inter, no gu_count).
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
 K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
