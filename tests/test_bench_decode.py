@@ -18,15 +18,21 @@ from evenflow.reference.attention import POOL_SLACK, shuffled_page_tables
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("evenflow_bench_decode_script", _SCRIPT)
+def _load(name):
+    """A script of benchmarks/ as a module (with benchmarks/ on the path while it loads: some import
+    benchmarks/decode.py as ``decode``)."""
+    spec = importlib.util.spec_from_file_location(f"evenflow_bench_{name}_script", _SCRIPT.parent / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(_SCRIPT.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(_SCRIPT.parent))
     return mod
 
 
-D = _load_script()
+D = _load("decode")
 
 # BENCH.md's standard decode cases, spelled as the result rows must spell them.
 BENCH_CASES = ["64x512", "32x4K", "8x32K", "1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K",
@@ -312,9 +318,7 @@ def test_plan_model_reads_every_tile_once_under_every_option():
     bins they are each item's ceil(len / 64) tiles, whatever item_cost or align_longer shifts
     between bins; the modelled time is at least the longest bin and at least the roof; its
     fit recovers parameters that generated the times."""
-    spec = importlib.util.spec_from_file_location("evenflow_plan_model_script", _SCRIPT.parent / "plan_model.py")
-    plan_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plan_model)
+    plan_model = _load("plan_model")
     lens, hkv = [128] * 5 + [4096] * 3 + [0, 700], 2
     want = hkv * sum(-(-n // 64) for n in lens)
     shapes = {}
@@ -333,23 +337,10 @@ def test_plan_model_reads_every_tile_once_under_every_option():
 
 # ----------------------------------------------------------------------------- fixed-cost diagnosis
 
-def _load_fixed_cost():
-    path = _SCRIPT.parent / "decode_fixed_cost.py"
-    spec = importlib.util.spec_from_file_location("evenflow_bench_decode_fixed_cost", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    sys.path.insert(0, str(_SCRIPT.parent))  # it imports benchmarks/decode.py as `decode`
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_SCRIPT.parent))
-    return mod
-
-
 def test_fixed_cost_fit_and_cases():
     """The diagnosis' least-squares fit recovers a line exactly and ranks a noisy one's intercept
     right; its sweep cases all parse (TP8 slices have 8 q / 1 kv heads); bad input is refused."""
-    F = _load_fixed_cost()
+    F = _load("decode_fixed_cost")
     a, s = F.fit([(x, 12.5 + 0.9 * x) for x in (16.0, 33.0, 65.0, 130.0)])
     assert a == pytest.approx(12.5) and s == pytest.approx(0.9)
     a2, _ = F.fit([(16.0, 27.0), (33.0, 43.0), (65.0, 75.5), (130.0, 134.0)])
@@ -365,10 +356,7 @@ def test_fixed_cost_fit_and_cases():
 def test_timeline_summary_reads_a_known_timeline():
     """benchmarks/decode_timeline.py's summary of one call, on a hand-made three-program timeline
     (ns): two busy programs on SM 0 (one ran a merge), one program with no work on SM 1."""
-    spec = importlib.util.spec_from_file_location("evenflow_bench_decode_timeline",
-                                                  _SCRIPT.parent / "decode_timeline.py")
-    T = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(T)
+    T = _load("decode_timeline")
     from evenflow.attention.kernels import STAMP_FIELDS
 
     st = {name: [0, 0, 0] for name in STAMP_FIELDS}
@@ -384,3 +372,37 @@ def test_timeline_summary_reads_a_known_timeline():
     assert s["idle_frac"] == pytest.approx((1.1 + 8.8) / 28.8, abs=1e-4)
     assert s["programs_per_sm"] == [(1, 1), (2, 1)]
     assert T._median_summary([s, dict(s, span=10.0), dict(s, span=11.0)])["span"] == 10.0
+
+
+def _synthetic_raw(sm_rate, tiles_per_program=10, programs_per_sm=2):
+    """Timeline stamps of a kernel whose programs all start at t=0.5 us and whose time per tile
+    is their SM's (ns stamps, as decode_timeline.py stores them)."""
+    sm = [s for s in range(len(sm_rate)) for _ in range(programs_per_sm)]
+    meta = [500] * len(sm)
+    end = [500 + round(1e3 * tiles_per_program * sm_rate[s]) for s in sm]
+    return {"sm": sm, "tiles": [tiles_per_program] * len(sm), "entry": [0] * len(sm), "meta": meta,
+            "last_end": end}
+
+
+def test_sm_speed_what_if_on_known_rates():
+    """With per-SM rates that are the same in two cases, a plan calibrated on one balances the other
+    (its calibrated end equals the in-sample ideal, below the measured one); with unrelated rates it
+    is no better than the ideal and is checked against the hand-computed end."""
+    S = _load("decode_sm_speed")
+    fast_slow = [1.0, 1.0, 2.0, 2.0]  # us per tile; SMs 2, 3 take twice as long
+    rows = [{"case": "a", "variant": "bf16", "raw_last_replay": _synthetic_raw(fast_slow)},
+            {"case": "b", "variant": "bf16", "raw_last_replay": _synthetic_raw(fast_slow, 20)},
+            {"case": "c", "variant": "bf16", "raw_last_replay": _synthetic_raw([2.0, 2.0, 1.0, 1.0])}]
+    res = S.analyse(rows)
+    a = res["what_if"][("a", "bf16")]
+    # now: 10 tiles at 2 us on the slow SMs -> 0.5 + 20 us. Balanced: 80 tiles over rates 1,1,1,1,2,2,2,2
+    # in proportion to 1/rate: each fast program 80 * 1 / 6 tiles at 1 us -> 0.5 + 13.33 us.
+    assert a["now"] == pytest.approx(20.5)
+    assert a["ideal"] == pytest.approx(0.5 + 80 / 6)
+    assert a["cal:b"] == pytest.approx(a["ideal"])
+    # calibrated on the opposite speeds: the slow SMs get the most tiles: 80 * 1/6 at 2 us
+    assert a["cal:c"] == pytest.approx(0.5 + 2 * 80 / 6)
+    assert res["corr"][(("a", "bf16"), ("b", "bf16"))] == pytest.approx(1.0)
+    assert res["corr"][(("a", "bf16"), ("c", "bf16"))] == pytest.approx(-1.0)
+    # shrink 0: every SM at the mean rate, i.e. the even split the kernel has now
+    assert S.analyse(rows, shrink=0.0)["what_if"][("a", "bf16")]["cal:c"] == pytest.approx(a["now"])
