@@ -516,14 +516,13 @@ def moe_down_kernel(
             for s in tl.static_range(GU_SPLIT):
                 b_g += tl.load(p_g + s * stride_gps)
                 b_u += tl.load(p_g + s * stride_gps + K)
-            # the pair's row on every row of the tile (only row 0 is stored)
-            b_h, b_xs = _activate(tl.broadcast_to(b_g[None, :], (BLOCK_M, BLOCK_K)),
-                                  tl.broadcast_to(b_u[None, :], (BLOCK_M, BLOCK_K)),
-                                  e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
+            # activated once, as one row, then put on every row of the tile (only row 0 is stored):
+            # activating the broadcast tile did the exp and divide BLOCK_M times over (round P3)
+            b_h, b_s = _activate(b_g[None, :], b_u[None, :], e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
             if MODE == 0:
-                b_a = b_h.to(p_w.dtype.element_ty)
-            else:
-                b_a = b_h
+                b_h = b_h.to(p_w.dtype.element_ty)
+            b_a = tl.broadcast_to(b_h, (BLOCK_M, BLOCK_K))
+            b_xs = tl.broadcast_to(b_s, (BLOCK_M,))
             p_g += BLOCK_K
         else:
             b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
