@@ -186,7 +186,7 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_deferred_split_reduce_equals_last_split(device, fmt):
+def test_deferred_split_reduce_equals_last_split(device, fmt, monkeypatch):
     """Pair tiles with a K-split gate-up can leave the partial sums to the down GEMM, which adds
     them in split order and applies the activation as it loads its operand (``defer_split=True``,
     or a config's ``gu_defer``): bit for bit what the gate-up's last split computes
@@ -208,9 +208,12 @@ def test_deferred_split_reduce_equals_last_split(device, fmt):
         ys = {}
         for defer in (True, False):
             _dirty_pool(device)
-            ys[defer] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg,
-                                           pair_tiles=True, defer_split=defer,
-                                           out=poisoned((t, h), torch.bfloat16, device))
+            with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
+                ys[defer] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg,
+                                               pair_tiles=True, defer_split=defer,
+                                               out=poisoned((t, h), torch.bfloat16, device))
+            # the path taken: only the last-split reduction has counters to zero
+            assert zeroings == [0 if defer else 1], (defer, zeroings)
         what = f"{fmt} T={t} {cfg}"
         assert torch.equal(ys[True], ys[False]), f"deferred reduction differs from the last split's: {what}"
         check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
@@ -229,6 +232,31 @@ def test_deferred_split_reduce_equals_last_split(device, fmt):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, defer_split=1)
     with pytest.raises(ValueError, match="gu_defer"):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=dataclasses.replace(cfg, gu_defer=2))
+
+
+class _count_launches:
+    """Count the launches of one kernel that evenflow.moe.fused launches (on any device):
+    ``with _count_launches(monkeypatch, name) as n: ...`` leaves [count] in n."""
+
+    def __init__(self, monkeypatch, name):
+        import evenflow.moe.fused as fused
+
+        self.mp, self.fused, self.name, self.n = monkeypatch, fused, name, [0]
+
+    def __enter__(self):
+        real, n = getattr(self.fused, self.name), self.n
+
+        class Counted:
+            def __getitem__(self, grid):
+                n[0] += 1
+                return real[grid]
+
+        self.real = real
+        self.mp.setattr(self.fused, self.name, Counted())
+        return self.n
+
+    def __exit__(self, *exc):
+        self.mp.setattr(self.fused, self.name, self.real)
 
 
 def _dirty_pool(device):
@@ -429,6 +457,29 @@ def test_opcheck(device, fmt, fp8_accum):
         # fp8 kernel ("mul_cpu_reduced_float"); the bf16 case covers the schema check.
         utils = utils[1:]
     torch.library.opcheck(torch.ops.evenflow.fused_moe_.default, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
+def test_opcheck_deferred_split(device, fmt):
+    """The custom op with a 10-value config that defers a K-split gate-up's reduction to the down
+    GEMM (pair tiles), and with defer_split forced either way."""
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    x = torch.randn(2, h, device=device).bfloat16()
+    ids, w = random_routing(2, 2, 4, device)
+    base = choose_config(2, 2, 4, h, i, ew.mode)
+    cfg = dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2, gu_defer=1)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if fmt != "bf16":
+        utils = utils[1:]  # no fp8 arithmetic in torch's schema checker (see test_opcheck)
+    op = torch.ops.evenflow.fused_moe_.default
+    for defer_arg in (-1, 1, 0):
+        out = poisoned((2, h), torch.bfloat16, device)
+        args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
+                ew.mode, 0, 4, None, 1.0, out, cfg.as_list(), -1, 1, "exact", defer_arg)
+        torch.library.opcheck(op, args, test_utils=utils)  # runs the op on copies of the arguments
+        op(*args)
+        check_moe(out, x, ids, w, ew, f"{fmt} op defer_split={defer_arg}")
 
 
 def test_compiled_calls_go_through_the_custom_op(device):

@@ -3,12 +3,14 @@
 Run on a GPU machine: python -m pytest -q -m gpu tests/test_moe_gpu.py
 Tolerance: the rule of evenflow.testing, as in tests/test_moe.py (same oracle, same baselines).
 """
+import dataclasses
 import functools
 
 import pytest
 import torch
 
 import evenflow
+from evenflow.moe.fused import choose_config, tuned_config
 from evenflow.moe.routing import build_moe_index, max_tiles
 from evenflow.reference.moe import (
     moe_baseline,
@@ -268,9 +270,10 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
     """Two stacked layers (the second reads the first's output as its x) with every kernel
     chained by programmatic dependent launch, captured in a graph with routing changed between
     replays, at split-K decode shapes (T = 1, 2) and T = 33: bitwise the plain launches'
-    result. The second layer's first kernel (the index build, the activation quantisation, or
-    at T = 1, 2 in bf16 the gate-up itself) reads the routing or the first layer's output, so
-    the first layer's output reaches
+    result. The second layer's first kernel (the index build, the activation quantisation, the
+    pair tiles' counter zeroing, or where the table defers the gate-up's reduction in bf16 the
+    gate-up itself) reads the routing, the first layer's output or nothing, so the first
+    layer's output reaches
     the GEMMs only if every wait in the chain holds (each kernel waits for the one before it,
     which waited for the one before it)."""
     shape = "qwen3-30b-a3b"
@@ -318,6 +321,10 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
     ew = weights(shape, fmt)
     kw = dict(ep_rank=ep, num_experts_total=e_tot)
     for t in (1, 2):
+        cfg = tuned_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot, device=torch.device("cuda"))
+        cfg = cfg or choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
+        if cfg.gu_split_k == 1:  # the comparison needs a K-split gate-up (pair tiles at T * k <= 16)
+            kw["config"] = dataclasses.replace(cfg, gu_split_k=2)
         x, ids, w = inputs(shape, t)
         outs = {d: torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for d in (True, False)}
         graphs = {}

@@ -92,11 +92,23 @@ def _moe_launches():
                 ids = torch.randint(0, total, (t, top_k), dtype=torch.int32)
                 w = torch.rand(t, top_k)
                 evenflow.fused_moe(x, ids, w, ew, ep_rank=ep_rank, num_experts_total=total)
-    # The tiny shapes of tests/test_moe.py run on the GPU too (round B: fp8 K=16 dots failed there),
-    # with the split-K configs test_split_k forces.
+    # Decode batches with the gate-up's K-split reduction deferred to the down GEMM (gu_defer), as
+    # the tuned table runs them at T = 1, 2 (the heuristic never defers)
     import dataclasses
 
     from evenflow.moe.fused import choose_config
+    for h, i, _ in shapes.values():
+        for fmt, mode in (("bf16", 0), ("fp8_per_tensor", 1), ("fp8_block", 2)):
+            if mode == 2 and i % 128:
+                continue
+            ew = _moe_weights(fmt, e_local, h, i)
+            for t in (1, 2):
+                cfg = choose_config(t, top_k, e_local, h, i, mode)
+                cfg = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), gu_defer=1)
+                evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e_local, (t, top_k),
+                                   dtype=torch.int32), torch.rand(t, top_k), ew, config=cfg)
+    # The tiny shapes of tests/test_moe.py run on the GPU too (round B: fp8 K=16 dots failed there),
+    # with the split-K configs test_split_k forces.
     for fmt, (h, i) in {"bf16": (64, 32), "fp8_per_tensor": (64, 64), "fp8_block": (256, 128)}.items():
         ew = _moe_weights(fmt, 6, h, i)
         for t, k in ((1, 1), (3, 2), (17, 4), (40, 1)):

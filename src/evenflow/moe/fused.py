@@ -271,6 +271,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
     # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
     # -1 as the config says (cfg.gu_defer)
+    if defer_split not in (-1, 0, 1):
+        raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape

@@ -328,7 +328,7 @@ def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr,
         acc_g = acc_g * deq
         acc_u = acc_u * deq
     b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    b_s = tl.max(b_h, axis=1) * 0.0 + 1.0
+    b_s = 1.0  # bf16 and per-tensor: no row scale
     if MODE == 1:
         b_h = to_fp8e4(tl.math.div_rn(b_h, tl.load(p_o_scale)), FP8_ROUND)
     elif MODE == 2:
@@ -376,6 +376,7 @@ def moe_gate_up_kernel(
     kernel adds them as it loads its operand (``GU_SPLIT``), so no counter, no arrival
     round trips and no ``inter`` buffer.
     """
+    tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
@@ -447,6 +448,7 @@ def moe_gate_up_kernel(
         # (arrived_last puts a CTA barrier before the release: without it only the thread
         # that runs the atomic had its partial stores ordered before it)
         if arrived_last(p_c, SPLIT_K):
+            # split order from a zero tile: moe_down_kernel's GU_SPLIT sum must stay the same
             red_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             red_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(0, SPLIT_K):
@@ -511,6 +513,7 @@ def moe_down_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
         if GU_SPLIT > 0:
+            # split order from zero, as the gate-up's last split sums them (equal bits)
             b_g = tl.zeros([BLOCK_K], dtype=tl.float32)
             b_u = tl.zeros([BLOCK_K], dtype=tl.float32)
             for s in tl.static_range(GU_SPLIT):
@@ -522,7 +525,8 @@ def moe_down_kernel(
             if MODE == 0:
                 b_h = b_h.to(p_w.dtype.element_ty)
             b_a = tl.broadcast_to(b_h, (BLOCK_M, BLOCK_K))
-            b_xs = tl.broadcast_to(b_s, (BLOCK_M,))
+            if MODE == 2:
+                b_xs = tl.broadcast_to(b_s, (BLOCK_M,))
             p_g += BLOCK_K
         else:
             b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
