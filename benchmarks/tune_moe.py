@@ -38,7 +38,9 @@ each distinct (format, config) is compiled once, at one shape that every candida
 ``--workers`` processes, for at most ``PRECOMPILE_SHARE`` of the budget (then the rest is
 compiled as timed). The timing pass gives each remaining point an equal share of the time left
 (the default is always timed; points reached after the budget is spent are skipped and get no
-entry). ``--max-candidates`` keeps the first N candidates of each point (most promising first).
+entry). ``--max-candidates`` keeps the first N candidates of each point (most promising first; a K-split
+pair-tile config and its ``+defer`` twin, the same config with the gate-up's reduction left to the down
+GEMM, count as one).
 
 Writes ``src/evenflow/moe/configs/<gpu>.json`` (or ``--table``; an existing file is updated point
 by point); when ``$OUT`` is set, also a copy under ``$OUT/moe-configs/``.
@@ -145,6 +147,21 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
             seen.add(c)
             valid.append((label, c))
     return valid
+
+
+def first_candidates(cands: list[tuple[str, object]], n: int) -> list[tuple[str, object]]:
+    """The first ``n`` candidates (0: all), counting a config and its ``+defer`` twin as one, so a
+    limit keeps as many base configs as without deferral and times each one's twin beside it."""
+    if n <= 0:
+        return cands
+    out, bases = [], 0
+    for label, c in cands:
+        if not label.endswith("+defer"):
+            bases += 1
+            if bases > n:
+                break
+        out.append((label, c))
+    return out
 
 
 def point_inputs(case, t: int, copies: int, seed: int = 0):
@@ -294,7 +311,7 @@ def main(argv=None) -> int:
     for case_name, variant, t in points:
         fm = FORMATS[variant]
         cands = candidates(B.CASES[case_name], fm.mode, t, fm.fast_acc)
-        plan[(case_name, variant, t)] = cands[:args.max_candidates] if args.max_candidates > 0 else cands
+        plan[(case_name, variant, t)] = first_candidates(cands, args.max_candidates)
         for _, cfg in plan[(case_name, variant, t)]:
             if (fm.fmt, tuple(cfg.as_list()), fm.fast_acc) not in seen:
                 seen.add((fm.fmt, tuple(cfg.as_list()), fm.fast_acc))
