@@ -1,6 +1,7 @@
 """Router GEMM benchmark: evenflow vs cuBLAS FP32 / TF32 / two bf16 products / bf16 weights, vs the floor.
 
-    python benchmarks/router.py [--quick] [--cases K4096-N192,qwen3-30b-a3b] [--ms 1,16,512] [--out DIR]
+    python benchmarks/router.py [--quick] [--cases K4096-N192,qwen3-30b-a3b] [--ms 1,16,512] [--impls a,b]
+                                [--out DIR]
 
 Cases and names follow BENCH.md. Per (case, M): fp32 weights ~ N(0, 0.02^2), bf16
 x ~ N(0, 1); each impl's output is checked against the fp64 product of the same
@@ -52,12 +53,21 @@ def _flips(out: torch.Tensor, ref_ids: torch.Tensor) -> int:
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated case names")
     p.add_argument("--ms", default=None, help="comma-separated M values")
+    p.add_argument("--timing", choices=("sequential", "interleaved"), default="sequential",
+                   help="graph replays of a point's impls timed one impl after the other (each right after its "
+                        "capture), or captured together and timed in interleaved rounds")
+    p.add_argument("--impls", default=None, help="comma-separated impls, timed in this order (default: all, "
+                   + ",".join(IMPLS) + ")")
 
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
     cases = args.cases.split(",") if args.cases else (QUICK["cases"] if args.quick else tuple(CASES))
     ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (QUICK["ms"] if args.quick else MS)
+    impls = tuple(args.impls.split(",")) if args.impls else IMPLS
+    bad = [i for i in impls if i not in IMPLS]
+    if bad:
+        raise SystemExit(f"--impls: unknown {bad} (choose from {', '.join(IMPLS)})")
     ceil = H.measure_ceilings()
     res = H.Results("router", ceilings=ceil, out=args.out)
     torch.manual_seed(0)
@@ -72,7 +82,8 @@ def main() -> int:
             ref = R.router_logits_fp64(xs[0], ws[0])
             ref_ids = ref.topk(TOP_K, dim=-1).indices.sort(-1).values
             floor = H.floor_us(bytes_moved=call_bytes, ceilings=ceil) + ceil["launch_us"]
-            for impl in IMPLS:
+            staged = {}  # --timing interleaved: impl -> (fns, row fields), timed together after the loop
+            for impl in impls:
                 try:
                     if (impl == "evenflow-fp32simt" and m > 64) or (impl == "evenflow-fp32splitk" and m > 16):
                         continue
@@ -98,15 +109,21 @@ def main() -> int:
                         info = {}
                     out = fns[0]()
                     chk = H.check_output(out, ref, f"{case} M={m} {impl}")
-                    flips = _flips(out, ref_ids)
-                    us = H.time_graph(fns)
-                    eager = H.time_eager(fns)
-                    res.add(case=case, impl=impl, us=us, eager_us=eager, floor_us=floor, M=m, K=k, N=n,
-                            max_abs_err=float(chk["max_abs_err"]), topk_flips=flips, **info)
+                    fields = dict(floor_us=floor, M=m, K=k, N=n, max_abs_err=float(chk["max_abs_err"]),
+                                  topk_flips=_flips(out, ref_ids), timing=args.timing, **info)
+                    if args.timing == "interleaved":
+                        staged[impl] = (fns, fields)
+                        continue
+                    res.add(case=case, impl=impl, us=H.time_graph(fns), eager_us=H.time_eager(fns), **fields)
                 except H.PeerUnavailable as e:
                     res.add_error(case=case, impl=impl, error=str(e), M=m)
                 except Exception as e:  # a failing impl is a result row, not a lost run
                     res.add_error(case=case, impl=impl, error=f"{type(e).__name__}: {e}", M=m)
+            if staged:
+                us = H.time_graphs({impl: fns for impl, (fns, _) in staged.items()})
+                for impl, (fns, fields) in staged.items():
+                    res.add(case=case, impl=impl, us=us[impl], eager_us=H.time_eager(fns), **fields)
+            del staged
             del ws, xs
             torch.cuda.empty_cache()
     _speedups(res)

@@ -131,6 +131,8 @@ def test_timing_refuses_to_run_without_a_gpu():
         pytest.skip("GPU present: covered by test_timing_on_gpu")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         H.time_graph([lambda: None])
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        H.time_graphs({"a": [lambda: None]})
 
 
 @pytest.mark.gpu
@@ -140,6 +142,10 @@ def test_timing_on_gpu():
     t_eager = H.time_eager([lambda: a.mul_(1.0)])
     # 128 MiB read+written at < 10 TB/s takes more than 20 us; at > 0.5 TB/s less than 600 us.
     assert 20 < t_graph < 600 and 20 < t_eager < 2000
+    # interleaved rounds: each entry timed on its own graph; a quarter of the bytes takes less time
+    b = torch.randn(1024, 4096, device="cuda")
+    both = H.time_graphs({"big": [lambda: a.mul_(1.0)], "small": [lambda: b.mul_(1.0)]})
+    assert set(both) == {"big", "small"} and 20 < both["big"] < 600 and both["small"] < 0.6 * both["big"]
     ceil = H.measure_ceilings(verbose=False)
     assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
 

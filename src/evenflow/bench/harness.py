@@ -201,6 +201,29 @@ def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     return us
 
 
+def time_graphs(named: dict[str, Sequence[Callable[[], object]]], *, rounds: int = 30,
+                min_calls: int = 8) -> dict[str, float]:
+    """Median µs per call of each entry's CUDA graph (as :func:`time_graph` builds it), timed in
+    interleaved rounds: every entry's graph is captured and warmed first, then each round replays
+    every graph once, in order, and each replay is timed on its own. The entries of one point then
+    see the same clock and memory state, whatever order a script lists them in."""
+    graphs = {name: capture_graph(fns, min_calls=min_calls) for name, fns in named.items()}
+    for g, _ in graphs.values():
+        one_us = _median_ms(g.replay, reps=1) * 1e3
+        for _ in range(min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))):
+            g.replay()
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, (g, _) in graphs.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times[name].append(a.elapsed_time(b))
+    return {name: sorted(ts)[len(ts) // 2] * 1e3 / graphs[name][1] for name, ts in times.items()}
+
+
 # ----------------------------------------------------------------------------- ceilings
 
 def _median_ms(fn: Callable[[], object], reps: int = 20) -> float:
