@@ -193,25 +193,29 @@ def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     # work (allocation, weight splits, capture) and was timed up to ~6% slower than the same
     # kernel timed later in the same point (router round K4, µs-long calls), which fits a GPU
     # clock still ramping up; a few ms of back-to-back replays settle it.
-    one_us = _median_ms(g.replay, reps=1) * 1e3
-    for _ in range(min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))):
-        g.replay()
+    _warm(g)
     us = _median_ms(g.replay, reps) * 1e3 / n_calls
     del g
     return us
+
+
+def _warm(g: torch.cuda.CUDAGraph) -> None:
+    one_us = _median_ms(g.replay, reps=1) * 1e3
+    for _ in range(min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))):
+        g.replay()
 
 
 def time_graphs(named: dict[str, Sequence[Callable[[], object]]], *, rounds: int = 30,
                 min_calls: int = 8) -> dict[str, float]:
     """Median µs per call of each entry's CUDA graph (as :func:`time_graph` builds it), timed in
     interleaved rounds: every entry's graph is captured and warmed first, then each round replays
-    every graph once, in order, and each replay is timed on its own. The entries of one point then
-    see the same clock and memory state, whatever order a script lists them in."""
+    every graph once, in order, and each replay is timed on its own, so no entry is favoured by
+    the order a script lists them in. A diagnostic: each replay follows other entries' graphs on
+    other memory, a colder state than back-to-back calls (router round P6: Qwen3 M = 1 read 2.8 us
+    here against 2.3 with :func:`time_graph`); the result files use :func:`time_graph`."""
     graphs = {name: capture_graph(fns, min_calls=min_calls) for name, fns in named.items()}
     for g, _ in graphs.values():
-        one_us = _median_ms(g.replay, reps=1) * 1e3
-        for _ in range(min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))):
-            g.replay()
+        _warm(g)
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, (g, _) in graphs.items():
