@@ -192,7 +192,8 @@ def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     # Warm replays for ~10 ms of GPU time before timing: a point's first impl follows host
     # work (allocation, weight splits, capture) and was timed up to ~6% slower than the same
     # kernel timed later in the same point (router round K4, µs-long calls), which fits a GPU
-    # clock still ramping up; a few ms of back-to-back replays settle it.
+    # clock still ramping up; a few ms of back-to-back replays settle it. (Round P6: the 1-8% gaps
+    # left after that are run-to-run spread; the first-timed row is not consistently the slower.)
     _warm(g)
     us = _median_ms(g.replay, reps) * 1e3 / n_calls
     del g
