@@ -317,23 +317,21 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     gpu_kw = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
     dummy = topk_weights  # stands in for pointers a mode does not read
-    inter = inter_s = dummy
     if mode == 2:
         xq, xs = quant_fp8_per_token_group(x, pdl=use_pdl)
-        if not defer:
-            inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
-            inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
     elif mode == 1:
         xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
         block_q = min(1024, triton.next_power_of_2(h))
         moe_tensor_quant_kernel[(t, triton.cdiv(h, block_q))](
             x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, num_warps=4, **pk)
-        if not defer:
-            inter = torch.empty(p, i, dtype=torch.float8_e4m3fn, device=dev)
     else:
         xq, xs = x, dummy
-        if not defer:
-            inter = torch.empty(p, i, dtype=torch.bfloat16, device=dev)
+    # the intermediate (and block mode's group scales), unless the down GEMM builds its operand itself
+    inter = inter_s = dummy
+    if not defer:
+        inter = torch.empty(p, i, dtype=torch.bfloat16 if mode == 0 else torch.float8_e4m3fn, device=dev)
+        if mode == 2:
+            inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
     ws13 = w13_scale if w13_scale is not None else dummy
     ws2 = w2_scale if w2_scale is not None else dummy
     as13 = a13_scale if a13_scale is not None else dummy
@@ -349,7 +347,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
         k, i, h, ep_rank * e_local, e_local,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
-        inter.stride(0), inter_s.stride(0) if mode == 2 and not defer else 0,
+        inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
         DEFER=defer, **gpu_kw, **pk,
@@ -366,8 +364,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2, gu_part if defer else dummy, ws13, as13,
         k, i, ep_rank * e_local, e_local,
-        inter.stride(0) if not defer else 0, inter_s.stride(0) if mode == 2 and not defer else 0,
-        w2.stride(0), w2.stride(1), *ws2_strides,
+        inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
