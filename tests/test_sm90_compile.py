@@ -214,3 +214,36 @@ def test_moe_fast_accum_compiles_to_fp8_wgmma():
             assert s["spill_bytes"] == 0, (what, cfg, s["regs"], s["spill_bytes"])
             if cfg.block_m >= 64:  # no e4m3 -> f16 conversions in the K loop
                 assert not any(op.startswith("F2FP") for op in s["loops"][0]["ops"]), (what, s["loops"][0])
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor", "fp8_block"])
+def test_deferred_down_activates_each_row_once(fmt):
+    """With the gate-up's K-split reduction deferred to the down GEMM (pair tiles), each K step
+    adds the pair's partials and applies SiLU*up to one [BLOCK_K] row, then broadcasts it to the
+    MMA tile. The sm_90 loop must do that work once per row element: one exp per thread per
+    BLOCK_K / threads elements. Without a layout barrier in bf16, the compiler pulled the MMA
+    operand layout back through the activation and ran it on every replicated element (round Q:
+    16 exps, 735 instructions per K step at GU_SPLIT 8, against 1 and 192)."""
+    import dataclasses
+
+    from evenflow._compile_check import compile_stats
+    from evenflow.moe.fused import choose_config
+
+    launches = []
+    for h, i, e in ((2048, 768, 128), (4096, 192, 192), (4096, 1536, 24)):
+        if fmt == "fp8_block" and i % 128:
+            continue
+        ew = _moe_weights(fmt, 4, h, i)
+        for t in (1, 2):
+            cfg = choose_config(t, 8, e, h, i, ew.mode, num_experts_total=e, sms=132)
+            cfg = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), gu_defer=1, num_warps=4)
+            with emulate_gpu(132), record_launches() as rec:
+                evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 8), dtype=torch.int32),
+                                   torch.rand(t, 8), ew, config=cfg)
+            launches += [la for la in rec if la.name == "moe_down_kernel" and la not in launches]
+    assert launches and all(dict(la.constexprs)["GU_SPLIT"] >= 2 for la in launches)
+    for la, s in zip(launches, compile_stats(launches)):
+        assert "error" not in s, s["error"]
+        threads = 32 * dict(la.options)["num_warps"]
+        exps = s["loops"][0]["ops"].get("MUFU.EX2", 0)
+        assert 1 <= exps <= -(-dict(la.constexprs)["BLOCK_K"] // threads), (la.describe(), s["loops"][0])

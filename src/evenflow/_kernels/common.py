@@ -77,6 +77,25 @@ def e4m3_to_f16_in_registers(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def layout_barrier_bf16(x, INTERPRET: tl.constexpr):
+    """``x`` (bf16) unchanged, through an identity inline PTX move the compiler cannot see into.
+
+    Layout propagation pulls a ``tl.dot`` operand's layout back through the elementwise ops
+    that produce it; where those ops run on a broadcast row (the MoE down GEMM's deferred
+    gate-up sums and activation), the whole chain then runs in the MMA operand layout,
+    replicated across the threads that hold copies of each column (sm_90: 735 instructions
+    per K step instead of 192). An opaque op stops the propagation here: the chain keeps the
+    row's own layout and only the result is converted. Bits are unchanged (a 32-bit move of
+    two packed values). The interpreter runs no PTX: there it is ``x``.
+    """
+    if INTERPRET:
+        return x
+    else:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.bfloat16, is_pure=False,
+                                         pack=2)
+
+
+@triton.jit
 def arrived_last(p_counter, expected):
     """Count this program in at ``p_counter``; True in the one that arrives ``expected``-th.
 

@@ -37,7 +37,15 @@ block-128 (dynamic per-token-group-128 activation scales, 128x128 weight blocks)
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import FP8_E4M3_MAX, arrived_last, dot_operand, f16_operand, pdl_enter, to_fp8e4
+from evenflow._kernels.common import (
+    FP8_E4M3_MAX,
+    arrived_last,
+    dot_operand,
+    f16_operand,
+    layout_barrier_bf16,
+    pdl_enter,
+    to_fp8e4,
+)
 
 # Smallest amax a dynamic group scale is derived from (an all-zero group gets a tiny
 # scale and quantises to zeros rather than dividing by zero).
@@ -524,7 +532,8 @@ def moe_down_kernel(
             # (round P4, sm_90: 588-1354 -> 328-525 instructions per K step)
             b_h, b_s = _activate(b_g[None, :], b_u[None, :], e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
             if MODE == 0:
-                b_h = b_h.to(p_w.dtype.element_ty)
+                # DOT_F32 is true exactly when interpreting (no PTX there)
+                b_h = layout_barrier_bf16(b_h.to(p_w.dtype.element_ty), DOT_F32)
             b_a = tl.broadcast_to(b_h, (BLOCK_M, BLOCK_K))
             if MODE == 2:
                 b_xs = tl.broadcast_to(b_s, (BLOCK_M,))
