@@ -13,11 +13,11 @@ as a CUDA-graph replay (``us``) and eagerly with L2 flushed (``eager_us``).
 When the experts a call reads fit in L2, several copies (weights, x, routing) are
 rotated so a call never finds its weights in cache.
 
-Knob rows on request (``--impls``): ``evenflow-nopdl``, ``evenflow-index``,
-``evenflow-lastsplit`` (``fused_moe(defer_split=False)``) and ``evenflow-fastacc``
-(``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its ``max_abs_err``/``cosine``
-against the same fp32 oracle are recorded as for every row; on bf16 an "unavailable: not
-applicable to bf16" error row).
+Knob rows on request (``--impls``): ``evenflow-nopdl``, ``evenflow-index``, ``evenflow-pairs``
+(``fused_moe(pair_tiles=True)`` at every batch), ``evenflow-lastsplit`` (``fused_moe(defer_split=False)``)
+and ``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its
+``max_abs_err``/``cosine`` against the same fp32 oracle are recorded as for every row; on bf16 an
+"unavailable: not applicable to bf16" error row).
 
 Floor (BENCH.md, issue 5): max(bytes / copy bandwidth, FLOPs / matmul rate of the
 weight dtype), with bytes = weights (and scales) of the distinct local experts the
@@ -39,15 +39,17 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
-         "evenflow-lastsplit")
+         "evenflow-lastsplit", "evenflow-pairs")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
+# evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
 # evenflow-lastsplit (defer_split=False: a K-split gate-up on pair tiles reduced by its last split, not by the
 # down GEMM's operand load; the deferral's A/B)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
-                  "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False}}
+                  "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
+                  "evenflow-pairs": {"pair_tiles": True}}
 MAX_ROTATE = 4
 
 
