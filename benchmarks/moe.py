@@ -51,6 +51,7 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}}
 MAX_ROTATE = 4
+MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,16 @@ def floor_work(case: MoECase, variant: str, num_tokens: int, stats: RoutingStats
     nbytes = stats.distinct_experts * expert_bytes(case, variant) + act_in + act_out + routing
     flops = 6 * case.hidden * case.inter * stats.local_pairs
     return nbytes, flops
+
+
+def routing_draws(num_tokens: int, n_rot: int) -> int:
+    """Routing draws timed at batch ``num_tokens`` with ``n_rot`` weight copies (the calls cycle through
+    the copies): at batches <= MIN_DRAWS_UP_TO at least MIN_DRAWS, else one per copy. Under expert
+    parallelism one draw's count of pairs on the rank is a coin toss at such batches (Hy3 EP8 T = 2:
+    2, 5, 2, 0 in the four draws of round P's record, 1.57 expected with this workload's bias: rank 0's
+    experts take 0.78 of a token's 8 pairs); over 8 or more draws a point's time is closer to the
+    expected cost, for every impl alike (round Q)."""
+    return max(n_rot, MIN_DRAWS) if num_tokens <= MIN_DRAWS_UP_TO else n_rot
 
 
 def rotations(bytes_per_call: float, l2_bytes: int) -> int:
@@ -368,15 +379,27 @@ def run(args) -> None:
                                   error=f"skipped: time budget {args.budget_s:.0f}s spent")
                 continue
             inputs = []
-            for _ in range(n_copies):
+
+            def draw():
                 ids, tw = make_routing(batch, case, gen, bias)
                 x = torch.randn(batch, case.hidden, generator=gen).to(torch.bfloat16)
                 inputs.append((x.to(dev), ids.to(dev), tw.to(dev), routing_stats(ids, case)))
+
+            for _ in range(n_copies):
+                draw()
+            # weight copies to cycle, from the copies' mean bytes; then the routing draws timed (>= 8 at
+            # small batches), the calls cycling through those copies; the floor is the timed draws' mean
+            rot = min(n_copies, rotations(sum(floor_work(case, variant, batch, st)[0] for *_, st in inputs)
+                                          / len(inputs), l2))
+            n_timed = routing_draws(batch, rot)
+            while len(inputs) < n_timed:
+                draw()
+            del inputs[n_timed:]
             work = [floor_work(case, variant, batch, st) for *_, st in inputs]
             nbytes = sum(b for b, _ in work) / len(work)
             flops = sum(f for _, f in work) / len(work)
             fl = H.floor_us(nbytes, flops, ceilings=ceil, rate="bf16_TFLOPs" if variant == "bf16" else "fp8_TFLOPs")
-            rot = min(n_copies, rotations(nbytes, l2))
+            mean_pairs = sum(st.local_pairs for *_, st in inputs) / len(inputs)
             x0, ids0, tw0, st0 = inputs[0]
             ref = reference_moe(x0, ids0, tw0, base, case)
             # Sanity-check knobs: an EP rank no pair reaches has an all-zero reference (cosine
@@ -391,7 +414,7 @@ def run(args) -> None:
                     res.add_error(error=impls[impl], **common)
                     continue
                 try:
-                    fns = [impls[impl][j](*inputs[j][:3]) for j in range(rot)]
+                    fns = [impls[impl][j % rot](*inputs[j][:3]) for j in range(n_timed)]
                     chk = H.check_output(fns[0](), ref, f"{series} batch {batch} {impl}", **chk_kw)
                     eager = H.time_eager(fns, reps=20)
                     extra = {}
@@ -401,7 +424,8 @@ def run(args) -> None:
                         us, extra = eager, {"timing": "eager only, graph capture failed: " + _err(e)}
                     res.add(us=us, eager_us=eager, floor_us=fl, max_abs_err=chk["max_abs_err"],
                             cosine=round(chk["cosine"], 6), distinct_experts=st0.distinct_experts,
-                            local_pairs=st0.local_pairs, rotated=rot, **extra, **common)
+                            local_pairs=st0.local_pairs, mean_local_pairs=round(mean_pairs, 3), draws=n_timed,
+                            rotated=rot, **extra, **common)
                 except Exception as e:
                     res.add_error(error=_err(e), floor_us=round(fl, 3), **common)
         del impls, copies, base

@@ -20,11 +20,11 @@ point draws its rotated inputs (routing, then x, per copy, as the benchmark does
 generator seeded from (seed, batch), so a point's inputs do not depend on which other points
 ran. Weights are rotated through as many copies as the benchmark rotates (``B.rotations``), and
 the calls through those copies timed as one CUDA graph (``harness.time_graph``), as the benchmark
-times. At batches <= 16 a point times at least ``MIN_DRAWS`` (8) routing draws, cycling the weight
+times. At batches <= 16 a point times at least 8 routing draws (``B.routing_draws``), cycling the weight
 copies: under expert parallelism one draw's count of pairs on this rank is far from its mean at such
-batches (Hy3 EP8 T = 2: 0-3 pairs, 2 expected), and a config tuned on a light draw is tuned for
-another workload (round Q). These draws are the tuner's own; the benchmark draws its inputs
-separately (a held-out sample).
+batches (Hy3 EP8 T = 2: 0-3 pairs in the first three draws, 1.57 expected with this workload's bias),
+and a config tuned on a light or heavy draw is tuned for another workload (round Q). These draws are
+the tuner's own; the benchmark draws its inputs separately, the same way (a held-out sample).
 
 A candidate counts only if its output passes the tests' tolerance rule
 (``evenflow.testing.assert_within_rule`` against the fp64 oracle, PyTorch's own bf16/fp32 run as the
@@ -93,7 +93,6 @@ FAST_TILES = ((64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 8, 4),
 CASES = ("qwen3-30b-a3b", "hy3-tp8", "hy3-ep8")
 WIN = 0.03  # an entry needs a win of at least 3% over the default, twice (graph-replay medians move ~1%)
 PRECOMPILE_SHARE = 0.45
-MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 COMPILE_SHAPE = (4096, 1536)  # (H, I): every candidate of every case tiles it (multiples of 2048 / 768 / 192)
 ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs the timer
@@ -168,13 +167,6 @@ def first_candidates(cands: list[tuple[str, object]], n: int) -> list[tuple[str,
                 break
         out.append((label, c))
     return out
-
-
-def routing_draws(t: int, n_rot: int) -> int:
-    """Routing draws timed at batch ``t`` with ``n_rot`` weight copies: at batches <= MIN_DRAWS_UP_TO at
-    least MIN_DRAWS. Under EP one draw's count of pairs on this rank is a coin toss there (Hy3 EP8 T = 2:
-    0 to 3, 2 expected); over 8 draws a point's time is the expected cost, not a lucky draw's (round Q)."""
-    return max(n_rot, MIN_DRAWS) if t <= MIN_DRAWS_UP_TO else n_rot
 
 
 def point_inputs(case, t: int, copies: int, seed: int = 0):
@@ -362,7 +354,7 @@ def main(argv=None) -> int:
         while len(ews) < n_rot:
             g2 = torch.Generator(device=DEVICE).manual_seed(len(ews))
             ews.append(random_moe_weights(fmt, case.num_local, case.hidden, case.inter, DEVICE, generator=g2))
-        draws = routing_draws(t, n_rot)
+        draws = B.routing_draws(t, n_rot)
         inputs = [tuple(v.to(DEVICE) for v in inp) for inp in point_inputs(case, t, draws, args.seed)]
         kw = {"ep_rank": case.ep_rank, "num_experts_total": case.num_experts_total}
         x0, ids0, tw0 = inputs[0]
