@@ -14,9 +14,8 @@ When the experts a call reads fit in L2, several copies (weights, x, routing) ar
 rotated so a call never finds its weights in cache.
 
 Knob rows on request (``--impls``): ``evenflow-nopdl``, ``evenflow-index``, ``evenflow-pairs``
-(``fused_moe(pair_tiles=True)`` at every batch), ``evenflow-reducekernel``
-(``fused_moe(fused_reduce=False)``), ``evenflow-lastsplit`` (``fused_moe(defer_split=False)``) and
-``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its
+(``fused_moe(pair_tiles=True)`` at every batch), ``evenflow-lastsplit`` (``fused_moe(defer_split=False)``)
+and ``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its
 ``max_abs_err``/``cosine`` against the same fp32 oracle are recorded as for every row; on bf16 an
 "unavailable: not applicable to bf16" error row).
 
@@ -40,18 +39,17 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
-         "evenflow-lastsplit", "evenflow-pairs", "evenflow-reducekernel")
+         "evenflow-lastsplit", "evenflow-pairs")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
-# evenflow-pairs (pair tiles at every batch, past the default's 16 pairs), evenflow-reducekernel (fused_reduce=False:
-# on pair tiles a reduce kernel after the down GEMM, where the default reduces inside it; that A/B),
+# evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
 # evenflow-lastsplit (defer_split=False: a K-split gate-up on pair tiles reduced by its last split, not by the
 # down GEMM's operand load; the deferral's A/B)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
                   "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
-                  "evenflow-pairs": {"pair_tiles": True}, "evenflow-reducekernel": {"fused_reduce": False}}
+                  "evenflow-pairs": {"pair_tiles": True}}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

@@ -265,19 +265,14 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
-            fused_reduce: int = -1):
+            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
     # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
     # -1 as the config says (cfg.gu_defer)
-    # fused_reduce: on pair tiles the down kernel's last arrivals write y (no reduce kernel): 1 yes, 0 no,
-    # -1 automatic (yes)
     if defer_split not in (-1, 0, 1):
         raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
-    if fused_reduce not in (-1, 0, 1):
-        raise ValueError(f"fused_reduce must be -1 (automatic), 0 or 1, got {fused_reduce!r}")
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -308,12 +303,6 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
             gu_count = torch.empty(n_tiles * gu_nb, dtype=torch.int32, device=dev)
         part_rows = p if by_pair else n_tiles * cfg.block_m  # pair tiles: one row per pair
         gu_part = torch.empty(cfg.gu_split_k, part_rows, 2 * i, dtype=torch.float32, device=dev)
-    # Fused reduction (pair tiles): the down GEMM's programs count themselves in per (token, N-block)
-    # and the last to arrive sums the token's rows and writes y, so no reduce kernel follows (its
-    # launch and its two dependent round trips to memory were pure latency at T <= 2).
-    reduce_in_down = by_pair and fused_reduce != 0
-    dn_nb = h // cfg.down_block_n
-    rcount = torch.empty(t * dn_nb, dtype=torch.int32, device=dev) if reduce_in_down else None
     use_pdl = bool(pdl) if pdl >= 0 else (pdl_supported(dev) and p <= PDL_MAX_PAIRS)
     pk = pdl_kwargs(use_pdl)
     if by_pair:
@@ -356,13 +345,12 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
-        rcount if reduce_in_down else dummy,
-        k, i, h, ep_rank * e_local, e_local, rcount.numel() if reduce_in_down else 0,
+        k, i, h, ep_rank * e_local, e_local,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        DEFER=defer, ZERO_RCOUNT=reduce_in_down, **gpu_kw, **pk,
+        DEFER=defer, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -372,28 +360,25 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # the tests keep (docs/perf-notes/moe.md, "cost in accuracy").
     pair_dtype = torch.bfloat16 if cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
-    shared = shared_output if shared_output is not None else out
-    slots = triton.next_power_of_2(k)
-    moe_down_kernel[(n_tiles, dn_nb, cfg.down_split_k)](
+    moe_down_kernel[(n_tiles, h // cfg.down_block_n, cfg.down_split_k)](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
-        pair_out, as2, gu_part if defer else dummy, ws13, as13, shared, out, rcount if reduce_in_down else dummy,
-        k, i, ep_rank * e_local, e_local, float(routed_scaling),
+        pair_out, as2, gu_part if defer else dummy, ws13, as13,
+        k, i, ep_rank * e_local, e_local,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
-        pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0, shared.stride(0), out.stride(0),
+        pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round,
-        REDUCE=reduce_in_down, HAS_SHARED=shared_output is not None, SLOTS=slots, **gpu_kw, **pk,
+        GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, **gpu_kw, **pk,
     )
-    if reduce_in_down:
-        return
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
-    block_h = min(1024, triton.next_power_of_2(h), max(32, 8192 // (slots * cfg.down_split_k)))
+    block_k = triton.next_power_of_2(k)
+    block_h = min(1024, triton.next_power_of_2(h), max(32, 8192 // (block_k * cfg.down_split_k)))
+    shared = shared_output if shared_output is not None else out
     moe_reduce_kernel[(t, triton.cdiv(h, block_h))](
         pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
         pair_out.stride(0), pair_out.stride(1), shared.stride(0), out.stride(0),
-        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, BLOCK_K=slots, SPLIT_K=cfg.down_split_k,
+        HAS_SHARED=shared_output is not None, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT_K=cfg.down_split_k,
         num_warps=4, **pk,
     )
 
@@ -406,18 +391,18 @@ def _fused_moe_op(
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
-    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, fused_reduce: int = -1,
+    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
-            defer_split, fused_reduce)
+            defer_split)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1, fused_reduce=-1):
+      fp8_accum="exact", defer_split=-1):
     return None
 
 
@@ -431,7 +416,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              defer_split: bool | None = None, fused_reduce: bool | None = None):
+              defer_split: bool | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -467,10 +452,6 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     kernel, but every down N-block program redoes it); ``False``, the gate-up's last split;
     ``None`` (default), the config's ``gu_defer`` (the tuned table's choice per shape and
     batch; the heuristic's is ``False``). Same results bit for bit either way.
-    ``fused_reduce``: on pair tiles, whether the down GEMM's programs write ``out`` themselves
-    (the last of a token's pairs to finish an N-block sums that token's rows: no reduce kernel)
-    or a reduce kernel follows; ``None`` (default): fused wherever pair tiles run. The same sum
-    in the same order either way: same results bit for bit.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -528,17 +509,13 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
     if defer_split is not None and not isinstance(defer_split, bool):
         raise TypeError(f"defer_split must be a bool or None, got {defer_split!r}")
-    if fused_reduce is not None and not isinstance(fused_reduce, bool):
-        raise TypeError(f"fused_reduce must be a bool or None, got {fused_reduce!r}")
-    fr_arg = -1 if fused_reduce is None else int(fused_reduce)
     pdl_arg = -1 if pdl is None else int(pdl)
     defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg,
-                      fr_arg)
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, fr_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg)
     return out

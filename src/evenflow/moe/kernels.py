@@ -21,16 +21,12 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 |                 |                       |              | tiles: [S_gu, P, 2I], row = pair id                |
 | gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by the  |
 |                 |                       |              | index build (pair tiles: by moe_zero_kernel)       |
-| red_count       | [T, H/BLOCK_N_down]   | int32        | pair tiles: (pair, split) arrivals per (token,     |
-|                 |                       |              | n-block) of the down GEMM; zeroed by the gate-up   |
 
 Pair tiles (PAIR_TILES, tiny batches, no index build): task i is pair i alone (row 0 of a
 BLOCK_M-row tile, the other rows masked), its expert read from topk_ids; inter and pair_out
 rows are pair ids. A K-split gate-up on pair tiles is reduced by its last split (gu_count
 zeroed by ``moe_zero_kernel``), or, where the config says so (``gu_defer``), in the down GEMM's
-operand load (DEFER / GU_SPLIT: no inter, no gu_count). The down GEMM on pair tiles also writes
-y itself (REDUCE): the last of a token's (pair, split) programs to finish an n-block sums the
-token's rows as the reduce kernel would (same helper, same order), so no reduce kernel runs.
+operand load (DEFER / GU_SPLIT: no inter, no gu_count).
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
 K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
@@ -361,15 +357,15 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_
         tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
 
 
-@triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_rcount"])
+@triton.jit(do_not_specialize=["top_k", "e_first", "num_local"])
 def moe_gate_up_kernel(
     p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
-    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_rcount,
-    top_k, I, K, e_first, num_local, num_rcount,
+    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
+    top_k, I, K, e_first, num_local,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
-    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, ZERO_RCOUNT: tl.constexpr,
+    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -387,18 +383,12 @@ def moe_gate_up_kernel(
     DEFER (pair tiles with SPLIT_K > 1): each split only stores its partials; the down
     kernel adds them as it loads its operand (``GU_SPLIT``), so no counter, no arrival
     round trips and no ``inter`` buffer.
-
-    ZERO_RCOUNT: program (0, 0, 0) zeroes the down kernel's ``num_rcount`` reduction counters
-    (``p_rcount``; the down kernel starts after this grid has finished, PDL or not).
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
-    if ZERO_RCOUNT:
-        if (i_tile == 0) & (i_n == 0) & (i_s == 0):
-            _zero_share(p_rcount, 0, 1024, num_rcount)
     e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
                              PAIR_TILES)
     if e < 0:
@@ -480,25 +470,17 @@ def moe_gate_up_kernel(
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local"])
 def moe_down_kernel(
     p_a, p_as, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
-    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, p_shared, p_y, p_rcount,
-    top_k, K, e_first, num_local, routed_scaling,
+    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale,
+    top_k, K, e_first, num_local,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps,
-    stride_sht, stride_yt,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr,
-    REDUCE: tl.constexpr, HAS_SHARED: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
     Stored in pair_out's dtype (bf16 with SPLIT_K == 1, else fp32 partial sums); the reduce
     kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32.
-
-    REDUCE (pair tiles): no reduce kernel; each program counts itself in at its (token, n-block)
-    counter in ``p_rcount`` (zeroed by the gate-up kernel), and the last of the token's local
-    pairs x splits to arrive writes y[token, n-block] (:func:`_token_row`, the reduce kernel's
-    own sum: same bits). A token with no local pair gets its row (shared_output or 0) from its
-    slot-0 program. ``SLOTS``: top_k rounded up to a power of two.
 
     GU_SPLIT > 0 (pair tiles whose gate-up was K-split GU_SPLIT ways with DEFER): there is no
     ``inter``; each K step adds the step's gate and up partials of the pair (``p_gpart``
@@ -509,24 +491,15 @@ def moe_down_kernel(
     """
     tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
     tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
-    tl.static_assert(not REDUCE or PAIR_TILES, "the fused reduction counts pairs: pair tiles only")
     pdl_enter(PDL)
     i_tile = tl.program_id(0)
     i_n = tl.program_id(1)
     i_s = tl.program_id(2)
     e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
                              PAIR_TILES)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if e < 0:
-        if REDUCE:
-            # a token none of whose pairs is local still gets its row, from its slot-0 program
-            tok = (i_tile // top_k).to(tl.int64)
-            first = (i_tile % top_k == 0) & (i_s == 0)
-            if first & (_local_slots(p_ids, tok, top_k, e_first, num_local, SLOTS) == 0):
-                _token_row(p_out, p_ids, p_shared, p_y, tok, o_n, o_n >= 0, top_k, e_first, num_local,
-                           routed_scaling, stride_os, stride_om, stride_sht, stride_yt, HAS_SHARED, SLOTS, SPLIT_K,
-                           False)
         return
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     o_m64 = o_m.to(tl.int64)
@@ -587,54 +560,6 @@ def moe_down_kernel(
     acc = acc * b_tw[:, None]
     p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
-    if REDUCE:
-        tok = (i_tile // top_k).to(tl.int64)
-        p_c = p_rcount + tok * tl.num_programs(1) + i_n
-        # (arrived_last orders every thread's pair_out store before its release)
-        if arrived_last(p_c, _local_slots(p_ids, tok, top_k, e_first, num_local, SLOTS) * SPLIT_K):
-            _token_row(p_out, p_ids, p_shared, p_y, tok, o_n, o_n >= 0, top_k, e_first, num_local, routed_scaling,
-                       stride_os, stride_om, stride_sht, stride_yt, HAS_SHARED, SLOTS, SPLIT_K, True)
-            tl.store(p_c, 0)
-
-
-@triton.jit
-def _local_slots(p_ids, tok, top_k, e_first, num_local, BLOCK_K: tl.constexpr):
-    """How many of token ``tok``'s top_k pairs route to this rank's experts."""
-    o_j = tl.arange(0, BLOCK_K)
-    lid = tl.load(p_ids + tok * top_k + o_j, mask=o_j < top_k, other=0) - e_first  # in the ids' dtype
-    return tl.sum(((o_j < top_k) & (lid >= 0) & (lid < num_local)).to(tl.int32), axis=0)
-
-
-@triton.jit
-def _token_row(p_pair_out, p_ids, p_shared, p_y, tok, o_h, m_h, top_k, e_first, num_local, routed_scaling,
-               stride_ps, stride_pm, stride_sht, stride_yt,
-               HAS_SHARED: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CG: tl.constexpr):
-    """y[tok, o_h] = routed_scaling * sum_split sum_slot pair_out[split, tok*k + slot, o_h] + shared[tok, o_h].
-
-    Local slots only. Slots are added one after another in slot order into a per-split sum, and
-    the per-split sums in split order: a fixed order whatever the caller's layout, so the reduce
-    kernel and the down kernel's fused reduction (``CG``: its rows were stored by other
-    programs of the same grid, read past L1) give the same bits. The slot ids and every row are
-    independent loads, all issued before the first add (the loops are unrolled).
-    """
-    acc = tl.zeros(o_h.shape, dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc_s = tl.zeros(o_h.shape, dtype=tl.float32)
-        for j in tl.static_range(BLOCK_K):
-            pair = tok * top_k + j
-            lid = tl.load(p_ids + pair, mask=j < top_k, other=0) - e_first  # in the ids' dtype, as _local_ids
-            mine = (j < top_k) & (lid >= 0) & (lid < num_local)
-            p_row = p_pair_out + s * stride_ps + pair * stride_pm + o_h
-            if CG:
-                b_r = tl.load(p_row, mask=m_h & mine, other=0.0, cache_modifier=".cg")
-            else:
-                b_r = tl.load(p_row, mask=m_h & mine, other=0.0)
-            acc_s += b_r.to(tl.float32)
-        acc += acc_s
-    acc = acc * routed_scaling
-    if HAS_SHARED:
-        acc += tl.load(p_shared + tok * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)
-    tl.store(p_y + tok * stride_yt + o_h, acc.to(p_y.dtype.element_ty), mask=m_h)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -644,14 +569,28 @@ def moe_reduce_kernel(
     HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """y[t] = routed_scaling * sum_split sum_slot pair_out[split, t*k + slot] + shared[t] (:func:`_token_row`).
+    """y[t] = routed_scaling * sum_split sum_slot pair_out[split, t*k + slot] + shared[t].
 
-    One program per (token, BLOCK_H columns). The token's slot ids and each (split, slot) row are
-    independent loads issued together: two dependent round trips to memory per program (at T = 1
-    the reduce is pure latency). Fixed order: deterministic.
+    Local pairs only. The token's top_k ids are one vector load and each split's top_k
+    rows one [BLOCK_K, BLOCK_H] load, all issued before the first sum (the splits are
+    unrolled): two dependent round trips to memory per program, where a loop over the
+    slots paid two per slot (at T = 1 the reduce is pure latency). Fixed order (a fixed
+    tree over the slots, then the splits in turn): deterministic.
     """
     pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _token_row(p_pair_out, p_ids, p_shared, p_y, i_t, o_h, o_h < H, top_k, e_first, num_local, routed_scaling,
-               stride_ps, stride_pm, stride_sht, stride_yt, HAS_SHARED, BLOCK_K, SPLIT_K, False)
+    m_h = o_h < H
+    o_j = tl.arange(0, BLOCK_K)
+    pair = i_t * top_k + o_j
+    lid = tl.load(p_ids + pair, mask=o_j < top_k, other=0) - e_first  # in the ids' dtype, as _local_ids
+    mine = (o_j < top_k) & (lid >= 0) & (lid < num_local)
+    p_rows = p_pair_out + pair[:, None] * stride_pm + o_h[None, :]
+    m_rows = mine[:, None] & m_h[None, :]
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.sum(tl.load(p_rows + s * stride_ps, mask=m_rows, other=0.0).to(tl.float32), axis=0)
+    acc = acc * routed_scaling
+    if HAS_SHARED:
+        acc += tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)
+    tl.store(p_y + i_t * stride_yt + o_h, acc.to(p_y.dtype.element_ty), mask=m_h)
