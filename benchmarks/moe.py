@@ -10,8 +10,10 @@ softmax of random logits plus a per-expert bias (uneven loads), top-k ids and
 renormalised weights; each impl's output is checked against an fp32 reference
 (activations quantised as the format prescribes) before it is timed; then timed
 as a CUDA-graph replay (``us``) and eagerly with L2 flushed (``eager_us``).
-When the experts a call reads fit in L2, several copies (weights, x, routing) are
-rotated so a call never finds its weights in cache.
+Each point times several routing draws (x, ids, weights), one call each, cycling through copies of
+the weights: when the experts a call reads fit in L2, enough copies (``rotations``) that a call never
+finds its weights in cache; at batches <= 16 at least 8 draws (``routing_draws``), a multiple of the
+copies, since one draw's pairs on an EP rank are far from their mean there.
 
 Knob rows on request (``--impls``): ``evenflow-nopdl``, ``evenflow-index``, ``evenflow-pairs``
 (``fused_moe(pair_tiles=True)`` at every batch), ``evenflow-lastsplit`` (``fused_moe(defer_split=False)``)
@@ -22,7 +24,9 @@ and ``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast ac
 Floor (BENCH.md, issue 5): max(bytes / copy bandwidth, FLOPs / matmul rate of the
 weight dtype), with bytes = weights (and scales) of the distinct local experts the
 routing hits + token rows read (tokens with at least one local pair) + output
-written + routing (ids, weights); FLOPs = 6*H*I per local (token, expert) pair.
+written + routing (ids, weights); FLOPs = 6*H*I per local (token, expert) pair; bytes and FLOPs
+are the means over the timed draws. ``distinct_experts`` and ``local_pairs`` in a row describe the
+first draw (the one checked against the reference), ``mean_local_pairs`` all of them.
 """
 from __future__ import annotations
 
@@ -135,12 +139,16 @@ def floor_work(case: MoECase, variant: str, num_tokens: int, stats: RoutingStats
 
 def routing_draws(num_tokens: int, n_rot: int) -> int:
     """Routing draws timed at batch ``num_tokens`` with ``n_rot`` weight copies (the calls cycle through
-    the copies): at batches <= MIN_DRAWS_UP_TO at least MIN_DRAWS, else one per copy. Under expert
+    the copies): at batches <= MIN_DRAWS_UP_TO at least MIN_DRAWS, rounded up to a multiple of the copies
+    (so the graph's wrap-around keeps every copy as far from its previous use as the others: 8 draws on
+    3 copies reused two of them after one other call), else one per copy. Under expert
     parallelism one draw's count of pairs on the rank is a coin toss at such batches (Hy3 EP8 T = 2:
     2, 5, 2, 0 in the four draws of round P's record, 1.57 expected with this workload's bias: rank 0's
     experts take 0.78 of a token's 8 pairs); over 8 or more draws a point's time is closer to the
     expected cost, for every impl alike (round Q)."""
-    return max(n_rot, MIN_DRAWS) if num_tokens <= MIN_DRAWS_UP_TO else n_rot
+    if num_tokens > MIN_DRAWS_UP_TO:
+        return n_rot
+    return -(-max(n_rot, MIN_DRAWS) // n_rot) * n_rot
 
 
 def rotations(bytes_per_call: float, l2_bytes: int) -> int:
@@ -336,7 +344,8 @@ def run(args) -> None:
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
     res = H.Results("moe", ceilings=ceil, out=args.out,
                     meta={"floor": "max(bytes of hit experts + activations + routing / copy_TBps, "
-                                   "6*H*I*local_pairs / matmul rate of the weight dtype)",
+                                   "6*H*I*local_pairs / matmul rate of the weight dtype), "
+                                   "bytes and FLOPs averaged over the timed routing draws",
                           "routing": "softmax(N(0,1) logits + fixed N(0,1) per-expert bias), top-k, renormalised",
                           "weights": "N(0, 0.02^2) bf16; fp8 quantised by amax/448 per expert or per 128x128 block"})
     t_start = time.time()
@@ -416,7 +425,7 @@ def run(args) -> None:
                 try:
                     fns = [impls[impl][j % rot](*inputs[j][:3]) for j in range(n_timed)]
                     chk = H.check_output(fns[0](), ref, f"{series} batch {batch} {impl}", **chk_kw)
-                    eager = H.time_eager(fns, reps=20)
+                    eager = H.time_eager(fns, reps=n_timed * math.ceil(20 / n_timed))  # each draw alike
                     extra = {}
                     try:
                         us = H.time_graph(fns)

@@ -22,9 +22,10 @@ ran. Weights are rotated through as many copies as the benchmark rotates (``B.ro
 the calls through those copies timed as one CUDA graph (``harness.time_graph``), as the benchmark
 times. At batches <= 16 a point times at least 8 routing draws (``B.routing_draws``), cycling the weight
 copies: under expert parallelism one draw's count of pairs on this rank is far from its mean at such
-batches (Hy3 EP8 T = 2: 0-3 pairs in the first three draws, 1.57 expected with this workload's bias),
-and a config tuned on a light or heavy draw is tuned for another workload (round Q). These draws are
-the tuner's own; the benchmark draws its inputs separately, the same way (a held-out sample).
+batches (Hy3 EP8 T = 8: the one draw timed before had 8 pairs on rank 0, 6.3 expected with this
+workload's bias), and a config tuned on a light or heavy draw is tuned for another workload (round Q).
+These draws are the tuner's own; the benchmark draws its inputs separately, the same way (a held-out
+sample).
 
 A candidate counts only if its output passes the tests' tolerance rule
 (``evenflow.testing.assert_within_rule`` against the fp64 oracle, PyTorch's own bf16/fp32 run as the

@@ -88,6 +88,7 @@ def layout_barrier_bf16(x, INTERPRET: tl.constexpr):
     row's own layout and only the result is converted. Bits are unchanged (a 32-bit move of
     two packed values). The interpreter runs no PTX: there it is ``x``.
     """
+    tl.static_assert(x.dtype == tl.bfloat16, "layout_barrier_bf16 takes bf16")
     if INTERPRET:
         return x
     else:

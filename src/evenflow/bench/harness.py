@@ -182,7 +182,7 @@ def capture_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *,
 
 def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, reps: int = 30,
                min_calls: int = 8) -> float:
-    """Median µs per call of a CUDA graph that holds one call per rotated input copy.
+    """Median µs per call of a CUDA graph that holds one call per entry of ``fns`` (per input copy or draw).
 
     The list is repeated until the graph holds at least ``min_calls`` calls, so the
     graph launch itself is amortised; with several copies, consecutive calls touch

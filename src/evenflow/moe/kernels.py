@@ -532,7 +532,8 @@ def moe_down_kernel(
             # (round P4, sm_90: 588-1354 -> 328-525 instructions per K step)
             b_h, b_s = _activate(b_g[None, :], b_u[None, :], e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
             if MODE == 0:
-                # DOT_F32 is true exactly when interpreting (no PTX there)
+                # DOT_F32: the interpreter runs this launch (no PTX there); False under emulate_gpu, whose
+                # launches are recorded and compiled, not run
                 b_h = layout_barrier_bf16(b_h.to(p_w.dtype.element_ty), DOT_F32)
             b_a = tl.broadcast_to(b_h, (BLOCK_M, BLOCK_K))
             if MODE == 2:
