@@ -279,3 +279,20 @@ def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, monkeypatch):
     chk = H.check_output(fn(), bm.reference_moe(x, ids, tw, w, case), f"fastacc {variant}", rtol=5e-2)
     assert chk["max_abs_err"] >= 0 and chk["cosine"] > 0.999
     assert [kw.get("fp8_accum") for kw in seen] == ["fast"], "the row must call fused_moe(fp8_accum='fast')"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
+def test_decode_sass_script_reports_one_exp_per_row_element(capsys):
+    """benchmarks/moe_decode_sass.py compiles the table's bf16 decode launches for sm_90 with the
+    deferred reduction forced on and prints their loop statistics: every deferred down launch
+    (GU_SPLIT > 0) shows the activation run once per row element (one MUFU.EX2 a K step)."""
+    spec = importlib.util.spec_from_file_location("moe_decode_sass",
+                                                  Path(__file__).parents[1] / "benchmarks" / "moe_decode_sass.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--formats", "bf16"])
+    rows = [r.split("|")[1:-1] for r in capsys.readouterr().out.splitlines() if r.startswith("| down |")]
+    assert len(rows) >= 3
+    for r in rows:
+        cells = [c.strip() for c in r]
+        assert int(cells[5]) > 0 and cells[8] == "0" and cells[11] == "1", cells
