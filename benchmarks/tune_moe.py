@@ -42,11 +42,11 @@ Budget (``--budget-s``, the whole run, compiles included, across every case): Tr
 depend on the config and format only (H and I are runtime arguments, all multiples of 16), so
 each distinct (format, config) is compiled once, at one shape that every candidate tiles, by
 ``--workers`` processes, for at most ``PRECOMPILE_SHARE`` of the budget (then the rest is
-compiled as timed). The timing pass gives each remaining point an equal share of the time left
-(the default is always timed; points reached after the budget is spent are skipped and get no
-entry). ``--max-candidates`` keeps the first N candidates of each point (most promising first; a K-split
-pair-tile config and its ``+defer`` twin, the same config with the gate-up's reduction left to the down
-GEMM, count as one).
+compiled as timed). The timing pass gives each remaining point a share of the time left in proportion
+to its candidates (``point_share``; the default is always timed; points reached after the budget is
+spent are skipped and get no entry). ``--max-candidates`` keeps the first N candidates of each point
+(most promising first; a K-split pair-tile config and its ``+defer`` twin, the same config with the
+gate-up's reduction left to the down GEMM, count as one).
 
 Writes ``src/evenflow/moe/configs/<gpu>.json`` (or ``--table``; an existing file is updated point
 by point); when ``$OUT`` is set, also a copy under ``$OUT/moe-configs/``.
@@ -168,6 +168,14 @@ def first_candidates(cands: list[tuple[str, object]], n: int) -> list[tuple[str,
                 break
         out.append((label, c))
     return out
+
+
+def point_share(left: float, cands_left: list[int]) -> float:
+    """Seconds of the ``left`` budget for the next point: in proportion to its candidates among those of
+    every point still to time (``cands_left[0]`` is the next point's). An equal share per point starved
+    the decode points, which time a config and its ``+defer`` twin (round Q2: 10 of 29 candidates timed
+    at Hy3 EP8 bf16 T = 1 while later points of 11-15 candidates finished early)."""
+    return left * cands_left[0] / max(1, sum(cands_left))
 
 
 def point_inputs(case, t: int, copies: int, seed: int = 0):
@@ -339,7 +347,7 @@ def main(argv=None) -> int:
         if left <= 0:
             print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: budget spent, skipped", flush=True)
             continue
-        share = left / (len(points) - n_done)
+        share = point_share(left, [len(plan[pt]) for pt in points[n_done:]])
         start = time.time()
         if (case_name, fmt) not in weights_cache:
             weights_cache.clear()

@@ -1,6 +1,7 @@
 """Tuned MoE config table: lookup rules (largest bucket <= T, fallbacks) and the tuner's candidates."""
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -302,3 +303,14 @@ def test_benchmark_and_tuner_time_enough_routing_draws_at_small_batches():
         assert abs(sum(pairs) / len(pairs) - expected) <= 0.15 * expected + 0.05, (t, pairs, expected)
         misses_before.append(abs(sum(pairs[:n_rot]) / n_rot - expected) / expected)
     assert max(misses_before) > 0.25  # the one-per-copy draws (T = 8, 16: 8 and 9 pairs against 6.3, 12.5)
+
+
+def test_tuner_shares_its_budget_by_candidates():
+    """The timing budget left is split over the points still to time in proportion to their candidates,
+    so a decode point (a config and its deferred twin: ~2x the candidates) is not cut short while later
+    points finish early; the shares of all remaining points add up to the time left."""
+    _, T, _ = _bench_modules()
+    left, cands = 300.0, [29, 15, 13, 11, 11]
+    shares = [T.point_share(left * sum(cands[i:]) / sum(cands), cands[i:]) for i in range(len(cands))]
+    assert math.isclose(sum(shares), left) and shares[0] > 2 * shares[3]
+    assert math.isclose(T.point_share(10.0, [5]), 10.0) and T.point_share(10.0, [0, 0]) == 0.0
