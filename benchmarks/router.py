@@ -33,13 +33,12 @@ CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite":
 MS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
 # evenflow: default RouterWeight (three terms, exact fp32 weights); evenflow-2term: terms=2;
-# evenflow-f16lo: terms=2 with the low term in f16 (lo_dtype=torch.float16, 2^-20 |w|);
 # evenflow-fp32simt (M <= 64): the CUDA-core path on the fp32 weight, forced (the table's
 # config when the table picked it, else the tuner's first candidate); evenflow-fp32splitk
 # (M <= 16): the single-launch split-K CUDA-core path, forced the same way (table's config,
 # else the untuned heuristic's).
-IMPLS = ("evenflow", "evenflow-2term", "evenflow-f16lo", "evenflow-invariant", "evenflow-fp32simt",
-         "evenflow-fp32splitk", *cublas.PEERS)
+IMPLS = ("evenflow", "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt", "evenflow-fp32splitk",
+         *cublas.PEERS)
 TOP_K = 8
 ROTATE_BYTES = 150 << 20  # > 2x L2
 
@@ -90,9 +89,7 @@ def main() -> int:
                         continue
                     if impl.startswith("evenflow"):
                         inv = impl == "evenflow-invariant"
-                        split = {"evenflow-2term": dict(terms=2),
-                                 "evenflow-f16lo": dict(terms=2, lo_dtype=torch.float16)}.get(impl, {})
-                        rws = [evenflow.RouterWeight(w, **split) for w in ws]
+                        rws = [evenflow.RouterWeight(w, terms=2 if impl == "evenflow-2term" else 3) for w in ws]
                         outs = [torch.empty(m, n, device="cuda") for _ in ws]
                         for rw in rws:  # workspace allocated before capture
                             rw.workspace(m, rw.config(m, inv))

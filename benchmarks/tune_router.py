@@ -49,7 +49,6 @@ import torch  # noqa: E402
 import evenflow  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 from evenflow.reference import router as R  # noqa: E402
-from evenflow.router import dispatch  # noqa: E402
 from evenflow.router.dispatch import GemmConfig  # noqa: E402
 from evenflow.testing import error_bound  # noqa: E402
 
@@ -71,8 +70,7 @@ def _splits(tiles: int, k: int, bk: int, min_steps: int, sms: int, keep: int, pe
     return sorted(good[:keep])
 
 
-def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int = 3,
-               lo: str = "bf16") -> list[GemmConfig]:
+def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int = 3) -> list[GemmConfig]:
     """Configs to time for ``m`` rows, most promising first (the budget may cut the tail),
     each with num_stages capped by shared memory for ``terms`` weight terms."""
     out = []
@@ -102,7 +100,7 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
             for split in _splits(tiles, k, bk, 256 // bk, sms, 4):
                 out.append(GemmConfig(bm, bn, bk, split, warps, stages))
 
-    out = splitk_candidates(m, n, k, sms, terms) + _distinct_launches(out, m, n, k, terms, lo) + simt_candidates(m)
+    out = splitk_candidates(m, n, k, sms, terms) + _distinct_launches(out, m, n, k, terms) + simt_candidates(m)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out
@@ -157,14 +155,14 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
     return _distinct_launches(out, m, n, k, terms)
 
 
-def _distinct_launches(configs, m, n, k, terms, lo="bf16"):
+def _distinct_launches(configs, m, n, k, terms):
     """``configs`` capped to shared memory, one per distinct launch: two split counts that give
     the same K slice launch the same programs (e.g. K=4096, BLOCK_K=128: split 16 and 24 both
     make 256-wide slices); capping can also merge two."""
     from evenflow.router.gemm import launch_shape
 
     seen, kept = set(), []
-    for c in (c.fit_smem(terms, lo=lo) for c in configs):
+    for c in (c.fit_smem(terms) for c in configs):
         key = (c.path, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
                launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0])
         if key not in seen:
@@ -190,14 +188,15 @@ def compile_only() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from evenflow.router import dispatch
     from evenflow.router.gemm import launch_shape
     from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_fp32_splitk_kernel, router_gemm_kernel
 
     sig = {"p_x": "*bf16", "p_whi": "*bf16", "p_wlo": "*bf16", "p_wlo2": "*bf16", "p_out": "*fp32",
            "p_part": "*fp32", "p_count": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
            "NUM_SPLITS": "i32",
-           "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32", "lo_inv": "fp32"}
-    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32", "RED_CHUNK", "LO_F16"):
+           "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
+    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32", "RED_CHUNK"):
         sig[c] = "constexpr"
     # The divisibility hints a real launch gets (16-byte aligned pointers, N/K/strides multiples
     # of 16 at the BENCH shapes): without them the pipeliner makes no async copies and the
@@ -210,9 +209,8 @@ def compile_only() -> int:
     for k, n in CASES.values():
         for kk in (k, k + 4):  # K tail too (EVEN_K=False)
             for m in sorted(set(BUCKETS) | {2, 4, 8, 32, 128, 512, 2048}):
-                for terms, lo in ((2, "bf16"), (3, "bf16"), (2, "f16")):
-                    cfgs = candidates(m, n, kk, H200_SMS, plain=False, terms=terms, lo=lo) + \
-                        invariant_candidates(n, kk)
+                for terms in (2, 3):
+                    cfgs = candidates(m, n, kk, H200_SMS, plain=False, terms=terms) + invariant_candidates(n, kk)
                     cfgs += [dispatch.heuristic_config(m, n, kk, H200_SMS),
                              dispatch.heuristic_invariant_config(n, kk)]
                     simt |= {(c.block_m, c.block_n, c.block_k, kk % c.block_k == 0, c.num_warps, c.num_stages)
@@ -224,25 +222,24 @@ def compile_only() -> int:
                     for c in cfgs:
                         if c.path != "triton":
                             continue
-                        c = c.fit_smem(terms, lo=lo)
+                        c = c.fit_smem(terms)
                         _, split, _ = launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)
                         combos.add((c.block_m, c.block_n, c.block_k, split > 1, kk % c.block_k == 0, terms,
-                                    c.num_warps, c.num_stages, lo))
+                                    c.num_warps, c.num_stages))
     print(f"compiling {len(combos)} router GEMM variants for sm_90", flush=True)
     t0 = time.time()
     worst = 0
-    for i, (bm, bn, bk, split, even, terms, warps, stages, lo) in enumerate(sorted(combos)):
+    for i, (bm, bn, bk, split, even, terms, warps, stages) in enumerate(sorted(combos)):
         cfg = GemmConfig(bm, bn, bk, 1, warps, stages)
         ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False,
-                  RED_CHUNK=cfg.red_chunk(), LO_F16=lo == "f16")
-        sig_lo = {**sig, "p_wlo": "*fp16"} if lo == "f16" else sig
-        ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig_lo, constexprs=ce, attrs=attrs),
+                  RED_CHUNK=cfg.red_chunk())
+        ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig, constexprs=ce, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         smem = ck.metadata.shared
         worst = max(worst, smem)
-        if smem > dispatch.SMEM_LIMIT or smem > cfg.smem_bytes(terms, lo=lo):
+        if smem > dispatch.SMEM_LIMIT or smem > cfg.smem_bytes(terms):
             raise SystemExit(f"{ce} warps={warps} stages={stages}: {smem} B of shared memory "
-                             f"(limit {dispatch.SMEM_LIMIT}, estimate {cfg.smem_bytes(terms, lo=lo)})")
+                             f"(limit {dispatch.SMEM_LIMIT}, estimate {cfg.smem_bytes(terms)})")
         if i % 20 == 0:
             print(f"  {i}/{len(combos)} ok (+{time.time() - t0:.0f}s)", flush=True)
     sig32 = {"p_x": "*bf16", "p_w": "*fp32", "p_out": "*fp32", "M": "i32", "N": "i32", "K": "i32",
@@ -303,7 +300,9 @@ def kept_entries(table: dict, redo: set, buckets: tuple | None, tune_invariant: 
     """(entries, batch-invariant entries) of ``table`` that a run re-tuning the (K, N, terms) in
     ``redo`` keeps: other shapes and term counts, and with ``buckets`` (``--buckets``) the
     other M buckets of the re-tuned shapes; invariant entries unless ``tune_invariant``."""
-    key = dispatch.entry_key
+    def key(e):
+        return e["K"], e["N"], e.get("terms", 3)
+
     entries = [e for e in table.get("entries", [])
                if key(e) not in redo or (buckets is not None and e["m_max"] not in buckets)]
     invariant = [e for e in table.get("batch_invariant", []) if key(e) not in redo or not tune_invariant]
@@ -313,8 +312,6 @@ def kept_entries(table: dict, redo: set, buckets: tuple | None, tune_invariant: 
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated case names")
     p.add_argument("--terms", type=int, default=3, choices=(2, 3), help="RouterWeight terms to tune for")
-    p.add_argument("--lo", default="bf16", choices=("bf16", "f16"),
-                   help="the low term's dtype (RouterWeight lo_dtype; f16 needs --terms 2)")
     p.add_argument("--compile-only", action="store_true", help="no GPU: compile every candidate for sm_90")
     p.add_argument("--budget-s", type=float, default=200.0,
                    help="wall-clock budget of the timing run (seconds); buckets share what is left")
@@ -329,11 +326,7 @@ def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
     if args.compile_only:
         return compile_only()
-    terms, lo = args.terms, args.lo
-    if lo == "f16" and terms != 2:
-        raise SystemExit("--lo f16 needs --terms 2")
-    lo_dtype = torch.float16 if lo == "f16" else torch.bfloat16
-    tag = {"lo": "f16"} if lo == "f16" else {}  # bf16 entries carry no "lo" key (as before it existed)
+    terms = args.terms
     cases = args.cases.split(",") if args.cases else tuple(CASES)
     buckets = QUICK_BUCKETS if args.quick else BUCKETS
     if args.buckets:
@@ -348,7 +341,7 @@ def main() -> int:
     table_path = Path(args.table) if args.table else (
         Path(evenflow.router.__file__).parent / "configs" / f"{H.gpu_slug(name)}.json")
     table = json.loads(table_path.read_text()) if table_path.is_file() else {}
-    redo = {(*CASES[c], terms, lo) for c in cases}
+    redo = {(*CASES[c], terms) for c in cases}
     entries, invariant = kept_entries(table, redo, buckets if args.buckets else None, tune_invariant)
     summary = []
     t0 = time.time()
@@ -362,17 +355,17 @@ def main() -> int:
             todo -= 1
             copies = max(1, min(16, math.ceil(ROTATE_BYTES / (n * k * 4 + m * k * 2))))
             ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
-            rws = [evenflow.RouterWeight(w, terms=terms, lo_dtype=lo_dtype) for w in ws]
+            rws = [evenflow.RouterWeight(w, terms=terms) for w in ws]
             xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
             outs = [torch.empty(m, n, device="cuda") for _ in range(copies)]
             ref = R.router_logits_fp64(xs[0], ws[0])
-            bound = error_bound(ref, R.split_logits_fp32(xs[0], *rws[0].parts, lo_inv=rws[0].lo_inv), torch.float32)
+            bound = error_bound(ref, R.split_logits_fp32(xs[0], *rws[0].parts), torch.float32)
             best = None
-            cands = candidates(m, n, k, sms, terms=terms, lo=lo)
+            cands = candidates(m, n, k, sms, terms=terms)
             # The table's current pick for this bucket is always re-timed (first), so a short
             # budget can only replace it by something measured faster in this run.
-            old = [GemmConfig.from_dict(e["config"]).fit_smem(terms, lo=lo) for e in table.get("entries", [])
-                   if (*dispatch.entry_key(e), e["m_max"]) == (k, n, terms, lo, m)]
+            old = [GemmConfig.from_dict(e["config"]).fit_smem(terms) for e in table.get("entries", [])
+                   if (e["K"], e["N"], e.get("terms", 3), e["m_max"]) == (k, n, terms, m)]
             incumbent = old[0] if old else None
             if incumbent is not None:
                 cands = [incumbent] + [c for c in cands if c != incumbent]
@@ -404,13 +397,13 @@ def main() -> int:
                 print(f"  {case} M={m}: budget share {share:.0f}s spent, {skipped}/{len(cands)} candidates "
                       "not timed", flush=True)
             if best is None:
-                old = [e for e in table.get("entries", []) if (*dispatch.entry_key(e), e["m_max"])
-                       == (k, n, terms, lo, m)]
+                old = [e for e in table.get("entries", []) if (e["K"], e["N"], e.get("terms", 3), e["m_max"])
+                       == (k, n, terms, m)]
                 entries += old  # keep the previous measurement rather than leave a hole
                 print(f"  no working config for {case} M={m}" + (" (previous entry kept)" if old else ""),
                       flush=True)
                 continue
-            entries.append({"K": k, "N": n, "terms": terms, **tag, "m_max": m, "us": round(best[1], 3),
+            entries.append({"K": k, "N": n, "terms": terms, "m_max": m, "us": round(best[1], 3),
                             "config": best[0].to_dict()})
             summary.append((case, m, best[0], best[1]))
             print(f"  best M={m}: {best[0]} {best[1]:.2f} us  (+{time.time() - t0:.0f}s)", flush=True)
@@ -420,11 +413,9 @@ def main() -> int:
                   if ts and all(math.isfinite(t) for t in ts)]
         if scored:
             g, cfg = min(scored, key=lambda s: s[0])
-            invariant.append({"K": k, "N": n, "terms": terms, **tag, "geomean_us": round(g, 3),
-                              "config": cfg.to_dict()})
+            invariant.append({"K": k, "N": n, "terms": terms, "geomean_us": round(g, 3), "config": cfg.to_dict()})
     entries.sort(key=lambda e: (list(CASES.values()).index((e["K"], e["N"])) if (e["K"], e["N"]) in CASES.values()
-                                else len(CASES), *dispatch.entry_key(e)[:2], e.get("terms", 3), e.get("lo", "bf16"),
-                                e["m_max"]))
+                                else len(CASES), e["K"], e["N"], e.get("terms", 3), e["m_max"]))
     table = {"gpu": name, "sms": sms, "header": H.header(), "entries": entries, "batch_invariant": invariant}
     text = json.dumps(table, indent=1) + "\n"
     table_path.parent.mkdir(parents=True, exist_ok=True)

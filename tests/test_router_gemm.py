@@ -8,12 +8,9 @@ math in fp32 (``split_logits_fp32``), plus an analytic per-element bound:
 
 2^-17 |w| is the split residual (derived in docs/perf-notes/router.md); (K + 2) u is
 the worst-case fp32 summation of K exact bf16 products (hi and lo accumulators, the
-lo one scaled by 1/256, plus the epilogue add), u = 2^-24. With the f16 low term the
-residual is 2^-20 |w|, plus what f16's subnormals lose: x * 2^-8 below 2^-14 (at most
-2^-25 a weight, summed over |w|) and r * s_w below 2^-14 (2^-25 / s_w an element of x).
+lo one scaled by 1/256, plus the epilogue add), u = 2^-24.
 """
 import json
-import math
 
 import pytest
 import torch
@@ -22,7 +19,6 @@ import evenflow
 from evenflow.reference import router as R
 from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
-from evenflow.router.gemm import split_weight_f16
 from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
 from tests_support_router import router_inputs, run_fp32_config
 
@@ -31,16 +27,11 @@ _inputs = router_inputs
 
 def _check_gemm(out, x, rw, w, what):
     ref = R.router_logits_fp64(x.cpu(), w.cpu())
-    base = R.split_logits_fp32(x.cpu(), *(t.cpu() for t in rw.parts), lo_inv=rw.lo_inv)
+    base = R.split_logits_fp32(x.cpu(), *(t.cpu() for t in rw.parts))
     err = assert_within_rule(out, ref, base, what=what)
     k = x.shape[1]
-    xa, wa = x.cpu().double().abs(), w.cpu().double().abs()
-    mag = xa @ wa.t()
-    if rw.lo == "f16":
-        s_w = 2.0**8 / rw.lo_inv
-        bound = (2.0**-20 + (k + 2) * 2.0**-24) * mag + 2.0**-25 * (wa.sum(1)[None, :] + xa.sum(1)[:, None] / s_w)
-    else:
-        bound = (2.0**-17 + (k + 2) * 2.0**-24) * mag
+    mag = x.cpu().double().abs() @ w.cpu().double().abs().t()
+    bound = (2.0**-17 + (k + 2) * 2.0**-24) * mag
     excess = ((out.cpu().double() - ref).abs() - bound).max().item() if out.numel() else -1.0
     assert excess <= 0, f"{what}: analytic bound exceeded by {excess:.3e}"
     return err
@@ -112,66 +103,6 @@ def test_three_term_split_is_exact_for_normal_weights(device):
         evenflow.RouterWeight(w, terms=4)
 
 
-def _binade_weights(n, seed, lo_e=-100, hi_e=100):
-    g = torch.Generator().manual_seed(seed)
-    e = torch.randint(lo_e, hi_e, (n,), generator=g).double()
-    mant = 1 + torch.rand(n, generator=g, dtype=torch.float64)
-    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0).double()
-    return (sign * mant * torch.exp2(e)).float()
-
-
-def test_f16_low_term_split_bound_and_reference(device):
-    # w_hi = bf16(w) (RNE): |r| = |w - w_hi| <= 2^(e-8) for 2^e <= |w| < 2^(e+1), so r lies in a
-    # binade f <= e-9 (or is exact in bf16); f16 RNE of r * s_w keeps 11 bits: it loses
-    # <= 2^(f-11) <= 2^(e-20) <= 2^-20 |w| while r * s_w stays in f16's normal range, else at most
-    # half a subnormal step, 2^-25 / s_w. Weights over 2^24 of range (a router weight's spread):
-    w = _binade_weights(200_000, 3, -20, 4).view(400, 500).to(device)
-    w_hi, w_lo, s_w = split_weight_f16(w)
-    assert w_hi.dtype == torch.bfloat16 and w_lo.dtype == torch.float16
-    assert torch.equal(w_hi, w.to(torch.bfloat16))
-    assert math.frexp(s_w)[0] == 0.5  # a power of two
-    top = w_lo.float().abs().max().item()
-    assert 2.0**14 <= top <= 2.0**15, top  # r_max * s_w in [2^14, 2^15), its f16 rounding may reach 2^15
-    ref_hi, ref_lo, ref_s = R.split_weight_f16_ref(w.cpu())
-    assert ref_s == s_w and torch.equal(w_hi.cpu(), ref_hi) and torch.equal(w_lo.cpu(), ref_lo)
-    resid = (w.double() - (w_hi.double() + w_lo.double() / s_w)).abs()
-    excess = resid - (2.0**-20 * w.double().abs() + 2.0**-25 / s_w)
-    assert excess.max().item() <= 0
-    ratio = (resid / w.double().abs()).max().item()
-    assert 2.0**-21 < ratio <= 2.0**-20 + 2.0**-25 / s_w / w.double().abs().min().item(), ratio
-    # 8x tighter than two bf16 terms on the same weights
-    hi2, lo2 = evenflow.split_weight(w)
-    r2 = ((w.double() - (hi2.double() + lo2.double() / 256)).abs() / w.double().abs()).max().item()
-    assert r2 > 4 * ratio
-
-
-def test_f16_low_term_split_edges(device):
-    # every weight already a bf16 number: no remainder, s_w = 1, w_lo all zero
-    w = torch.randn(8, 16, device=device).to(torch.bfloat16).float()
-    w_hi, w_lo, s_w = split_weight_f16(w)
-    assert s_w == 1.0 and not w_lo.any() and torch.equal(w_hi.float(), w)
-    # tiny weights: s_w capped at 2^100 (finite, and 2^8 / s_w a normal fp32)
-    tiny = _binade_weights(64, 4, -126, -120).view(4, 16).to(device)
-    _, lo_t, s_t = split_weight_f16(tiny)
-    assert s_t == 2.0**100 and torch.isfinite(lo_t.float()).all()
-    rw = evenflow.RouterWeight(tiny, terms=2, lo_dtype=torch.float16)
-    assert rw.lo_inv == 2.0**-92
-    # huge weights: the remainder's scale goes below 1, nothing overflows
-    huge = _binade_weights(64, 5, 100, 120).view(4, 16).to(device)
-    _, lo_h, s_h = split_weight_f16(huge)
-    assert s_h < 1 and torch.isfinite(lo_h.float()).all() and lo_h.float().abs().max() < 2.0**15
-
-
-def test_f16_low_term_argument_checks(device):
-    w = torch.randn(8, 16, device=device)
-    with pytest.raises(ValueError, match="lo_dtype"):
-        evenflow.RouterWeight(w, terms=3, lo_dtype=torch.float16)
-    with pytest.raises(ValueError, match="lo_dtype"):
-        evenflow.RouterWeight(w, terms=2, lo_dtype=torch.float32)
-    rw = evenflow.RouterWeight(w, terms=2, lo_dtype=torch.float16)
-    assert rw.lo == "f16" and len(rw.parts) == 2 and rw.w_lo2 is None and "lo=f16" in repr(rw)
-
-
 # ----------------------------------------------------------------------------- kernel vs fp64
 
 CASES = [
@@ -184,14 +115,11 @@ CASES = [
 ]
 
 
-SPLITS = {"3": dict(terms=3), "2": dict(terms=2), "2f16": dict(terms=2, lo_dtype=torch.float16)}
-
-
-@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("terms", [3, 2])
 @pytest.mark.parametrize("m,n,k,cfg", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}" for c in CASES])
-def test_router_gemm_matches_fp64(device, m, n, k, cfg, split):
+def test_router_gemm_matches_fp64(device, m, n, k, cfg, terms):
     x, w = _inputs(m, n, k, device)
-    rw = evenflow.RouterWeight(w, **SPLITS[split])
+    rw = evenflow.RouterWeight(w, terms=terms)
     out = poisoned((m, n), torch.float32, device)
     res = evenflow.router_gemm(x, rw, out=out, config=cfg)
     assert res.data_ptr() == out.data_ptr()
@@ -232,30 +160,6 @@ def test_router_gemm_default_dispatch_and_large_weights(device):
     _check_gemm(evenflow.router_gemm(x, rw), x, rw, w, "default dispatch")
 
 
-@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 32, 1, 4, 1), GemmConfig(16, 32, 32, 2, 4, 1),
-                                 GemmConfig(path="torch-split2")])
-def test_f16_low_term_x_range(device, cfg):
-    # f16(x 2^-8) is exact for 2^-9 <= |x| < 2^24; below, f16's subnormals lose low bits (in the
-    # bound of _check_gemm); from 2^24 (bf16 x reaches 3e38) the kernel clamps to f16's range, so
-    # the output stays finite and that element's low term uses 65504 * 2^8 in place of |x|:
-    # at most |x| |r| <= 2^-8 |x| |w| more error, on that element only.
-    x, w = _inputs(4, 32, 64, device)
-    x[0, :8] = x[0, :8] * 2.0**-14  # subnormal in f16 after the 2^-8
-    x[1, 3] = 2.0**26
-    x[2, 5] = -3.0e30
-    rw = evenflow.RouterWeight(w, terms=2, lo_dtype=torch.float16)
-    out = evenflow.router_gemm(x, rw, config=cfg)
-    assert torch.isfinite(out).all()
-    _check_gemm(out[[0, 3]], x[[0, 3]], rw, w, f"{cfg.path} small x")
-    ref = R.router_logits_fp64(x.cpu(), w.cpu())
-    r = (w.cpu().double() - w.cpu().to(torch.bfloat16).double()).abs()
-    for row, col in ((1, 3), (2, 5)):
-        xa = x[row].cpu().double().abs()
-        sat = (xa[col] - 65504.0 * 256) * r[:, col]
-        bound = (2.0**-20 + 66 * 2.0**-24) * (xa @ w.cpu().double().abs().t()) + sat + 2.0**-25 * r.sum(1)
-        assert ((out[row].cpu().double() - ref[row]).abs() <= bound).all(), row
-
-
 def test_router_gemm_empty_batch(device):
     rw = evenflow.RouterWeight(torch.randn(8, 32, device=device))
     out = evenflow.router_gemm(torch.empty(0, 32, dtype=torch.bfloat16, device=device), rw)
@@ -276,11 +180,11 @@ def test_router_gemm_strided_rows_and_fp32_x_on_request(device):
     assert torch.equal(c, evenflow.router_gemm(xf.to(torch.bfloat16), rw, config=cfg))
 
 
-@pytest.mark.parametrize("split", list(SPLITS))
+@pytest.mark.parametrize("terms", [3, 2])
 @pytest.mark.parametrize("path", ["torch-fp32", "torch-split2"])
-def test_plain_paths(device, path, split):
+def test_plain_paths(device, path, terms):
     x, w = _inputs(6, 20, 64, device)
-    rw = evenflow.RouterWeight(w, **SPLITS[split])
+    rw = evenflow.RouterWeight(w, terms=terms)
     out = evenflow.router_gemm(x, rw, config=GemmConfig(path=path))
     _check_gemm(out, x, rw, w, path)
 
@@ -380,11 +284,9 @@ def test_dispatch_table_lookup_by_m_range():
         {"K": 64, "N": 48, "m_max": 64, "config": GemmConfig(path="torch-fp32").to_dict()},
     ]
     entries.append({"K": 64, "N": 32, "terms": 2, "m_max": 64, "config": GemmConfig(32, 32, 32, 1).to_dict()})
-    entries.append({"K": 64, "N": 32, "terms": 2, "lo": "f16", "m_max": 64,
-                    "config": GemmConfig(64, 64, 32, 1).to_dict()})
 
-    def lk(m, n, k, terms=3, lo="bf16"):
-        return dispatch._lookup(entries, m, n, k, terms, lo)
+    def lk(m, n, k, terms=3):
+        return dispatch._lookup(entries, m, n, k, terms)
 
     assert lk(1, 32, 64) == GemmConfig(16, 16, 32, 2)
     assert lk(4, 32, 64) == GemmConfig(16, 16, 32, 2)
@@ -394,8 +296,6 @@ def test_dispatch_table_lookup_by_m_range():
     assert lk(3, 32, 128) is None  # untuned shape -> heuristic
     assert lk(3, 32, 64, terms=2) == GemmConfig(32, 32, 32, 1)  # entries are per term count
     assert lk(3, 48, 64, terms=2) is None
-    assert lk(3, 32, 64, terms=2, lo="f16") == GemmConfig(64, 64, 32, 1)  # and per low-term dtype
-    assert lk(3, 32, 64, terms=3, lo="f16") is None
 
 
 def test_heuristic_fills_the_gpu_at_small_m():
@@ -488,17 +388,3 @@ def test_opcheck_router_gemm_fp32_op(device):
     x, w = _inputs(3, 16, 32, device)
     out = torch.empty(3, 16, device=device)
     torch.library.opcheck(torch.ops.evenflow.router_gemm_fp32.default, (x, w, out, 4, 2, 16, 4, 1))
-
-
-def test_f16_split_takes_the_default_fp32_path_at_small_m(device):
-    # Paths on the fp32 source weight do not depend on the split: where the default weight's
-    # table (or heuristic) picks one, the f16 weight takes the same launch; elsewhere its own.
-    w = torch.randn(192, 4096, device=device) * 0.02
-    d, f = evenflow.RouterWeight(w), evenflow.RouterWeight(w, terms=2, lo_dtype=torch.float16)
-    for m in (1, 4, 16, 64, 1024):
-        cd, cf = d.config(m), f.config(m)
-        if cd.path in ("fp32-simt", "fp32-splitk", "torch-fp32"):
-            assert cf == cd, m
-        else:
-            assert cf == dispatch.choose_config(m, 192, 4096, torch.device(device), terms=2, lo="f16").fit_smem(
-                2, f._smem, "f16"), m

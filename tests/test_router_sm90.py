@@ -111,21 +111,3 @@ def test_fp32_simt_configs_compile_for_sm90():
                 evenflow.router_gemm(torch.empty(cfg.block_m, k, dtype=torch.bfloat16), rw, config=cfg)
     assert {la.name for la in launches} == {"router_gemm_fp32_kernel"}
     assert not CC.compile_launches(launches)
-
-
-@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
-def test_f16_low_term_configs_fit_their_shared_memory_estimate(tmp_path):
-    # The f16 low term converts the x tile in registers (the f16 product takes it from there or
-    # from one more shared tile): its estimate adds one f16 x tile, and the compiled kernel must
-    # stay within it and within the limit, for the forced, small-M and round-L kinds.
-    cfgs = FORCED + [GemmConfig(16, 32, 64, 32, 4, 6), GemmConfig(64, 32, 256, 8, 4, 2),
-                     GemmConfig(128, 64, 128, 8, 8, 2), GemmConfig(64, 64, 64, 1, 4, 4)]
-    with CC.emulate_gpu(132), CC.record_launches() as launches:
-        rw = evenflow.RouterWeight(torch.randn(768, 6144) * 0.02, terms=2, lo_dtype=torch.float16)
-        for cfg in cfgs:
-            evenflow.router_gemm(torch.empty(300, 6144, dtype=torch.bfloat16), rw, config=cfg)
-    assert len(launches) == len(cfgs) and all(dict(la.constexprs)["LO_F16"] for la in launches)
-    fitted = [c.fit_smem(2, lo="f16") for c in cfgs]
-    assert not CC.compile_launches(launches)
-    for (describe, shared), f in zip(_compile_shared(launches, tmp_path), fitted):
-        assert 0 < shared <= min(SMEM_LIMIT, f.smem_bytes(2, lo="f16")), f"{describe}: {shared} B"

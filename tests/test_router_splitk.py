@@ -309,18 +309,15 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
     # --buckets 1,4,16 on K4096: its other buckets, other shapes and the invariant entries stay
     e = [{"K": 4096, "N": 192, "terms": 3, "m_max": mm, "config": {}} for mm in (1, 4, 16, 64, 8192)]
     e += [{"K": 2048, "N": 128, "terms": 3, "m_max": 1, "config": {}},
-          {"K": 4096, "N": 192, "terms": 2, "m_max": 1, "config": {}},
-          {"K": 4096, "N": 192, "terms": 2, "lo": "f16", "m_max": 1, "config": {}}]
+          {"K": 4096, "N": 192, "terms": 2, "m_max": 1, "config": {}}]
     inv = [{"K": 4096, "N": 192, "terms": 3, "config": {}}]
     table = {"entries": e, "batch_invariant": inv}
-    kept, kept_inv = tuner.kept_entries(table, {(4096, 192, 3, "bf16")}, (1, 4, 16), False)
-    assert [(x["K"], x["m_max"], x.get("terms"), x.get("lo")) for x in kept] == \
-        [(4096, 64, 3, None), (4096, 8192, 3, None), (2048, 1, 3, None), (4096, 1, 2, None), (4096, 1, 2, "f16")]
+    kept, kept_inv = tuner.kept_entries(table, {(4096, 192, 3)}, (1, 4, 16), False)
+    assert [(x["K"], x["m_max"], x.get("terms")) for x in kept] == \
+        [(4096, 64, 3), (4096, 8192, 3), (2048, 1, 3), (4096, 1, 2)]
     assert kept_inv == inv
-    kept, kept_inv = tuner.kept_entries(table, {(4096, 192, 3, "bf16")}, None, True)  # a full run
-    assert [(x["K"], x.get("terms")) for x in kept] == [(2048, 3), (4096, 2), (4096, 2)] and kept_inv == []
-    kept, _ = tuner.kept_entries(table, {(4096, 192, 2, "f16")}, None, True)  # the f16 split's run
-    assert len(kept) == len(e) - 1 and all(x.get("lo") != "f16" for x in kept)
+    kept, kept_inv = tuner.kept_entries(table, {(4096, 192, 3)}, None, True)  # a full run
+    assert [(x["K"], x.get("terms")) for x in kept] == [(2048, 3), (4096, 2)] and kept_inv == []
 
 
 # ----------------------------------------------------------------------------- sm_90 compile

@@ -19,45 +19,22 @@ def split_weight_ref(w: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, ...
     return w_hi, w_lo, ((r - w_lo.double()) * 256.0).to(torch.bfloat16)
 
 
-def split_weight_f16_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """w_hi = bf16(w), s_w = 2^(14 - floor(log2 max|w - w_hi|)) (at most 2^100; 1 when w is all bf16),
-    w_lo = f16((w - w_hi) * s_w), computed through fp64."""
-    w64 = w.double()
-    w_hi = w.to(torch.bfloat16)
-    r = w64 - w_hi.double()
-    r_max = r.abs().max()
-    e_s = 0 if float(r_max) == 0.0 else min(14 - int(torch.frexp(r_max).exponent) + 1, 100)
-    s_w = 2.0 ** e_s
-    return w_hi, (r * s_w).to(torch.float16), s_w
-
-
-def f16_x(x: torch.Tensor) -> torch.Tensor:
-    """x as the f16 operand of the low product: f16(x 2^-8), clamped to f16's finite range."""
-    return (x.double() * 2.0**-8).clamp(-65504.0, 65504.0).to(torch.float16)
-
-
 def router_logits_fp64(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The oracle: x (as given, e.g. bf16) times the fp32 weight, in float64. [M, N]."""
     return x.double() @ w.double().t()
 
 
 def split_logits_fp64(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor,
-                      w_lo2: torch.Tensor | None = None, *, lo_inv: float = 1.0 / 256.0) -> torch.Tensor:
-    """What the split kernel approximates, exactly: x @ (w_hi + (w_lo + w_lo2/256)/256)^T in float64;
-    an f16 ``w_lo`` (``lo_inv`` = 2^8 / s_w) is multiplied by ``f16_x(x)``, its operand."""
-    if w_lo.dtype == torch.float16:
-        return x.double() @ w_hi.double().t() + (f16_x(x).double() @ w_lo.double().t()) * lo_inv
+                      w_lo2: torch.Tensor | None = None) -> torch.Tensor:
+    """What the split kernel approximates, exactly: x @ (w_hi + (w_lo + w_lo2/256)/256)^T in float64."""
     lo = w_lo.double() if w_lo2 is None else w_lo.double() + w_lo2.double() / 256.0
     return x.double() @ (w_hi.double() + lo / 256.0).t()
 
 
 def split_logits_fp32(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor,
-                      w_lo2: torch.Tensor | None = None, *, lo_inv: float = 1.0 / 256.0) -> torch.Tensor:
-    """PyTorch doing the same two- (or three-) product math in fp32 (the tolerance rule's baseline);
-    an f16 ``w_lo`` as in :func:`split_logits_fp64`."""
+                      w_lo2: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch doing the same two- (or three-) product math in fp32 (the tolerance rule's baseline)."""
     xf = x.float()
-    if w_lo.dtype == torch.float16:
-        return xf @ w_hi.float().t() + (f16_x(x).float() @ w_lo.float().t()) * lo_inv
     lo = xf @ w_lo.float().t()
     if w_lo2 is not None:
         lo = lo + (xf @ w_lo2.float().t()) / 256.0

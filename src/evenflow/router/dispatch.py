@@ -9,10 +9,8 @@ names it, e.g. ``h200``) and is written by ``benchmarks/tune_router.py`` on that
                     "split_k": 16, "num_warps": 4, "num_stages": 4}}, ...],
      "batch_invariant": [{"K": 4096, "N": 192, "terms": 3, "config": {...}}]}
 
-Entries of ``RouterWeight(lo_dtype=torch.float16)`` (two terms, the low one in f16) carry
-``"lo": "f16"``; an entry without ``lo`` is for bf16 terms. An entry covers the M values
-above the previous entry's ``m_max`` (for the same K, N, terms and lo) up to its own; M
-beyond the last entry uses the last one. ``path`` is ``triton`` (our
+An entry covers the M values above the previous entry's ``m_max`` (for the same K, N)
+up to its own; M beyond the last entry uses the last one. ``path`` is ``triton`` (our
 split-weight kernel), ``fp32-simt`` (our CUDA-core kernel on the original fp32 weight, for
 small M, one program per column tile streams all of K), ``fp32-splitk`` (the same math with K
 split over the GPU and the partials summed in split order inside the same launch; the
@@ -109,22 +107,18 @@ class GemmConfig:
             return self.block_m * self.block_k * 2 + self.block_n * self.block_k * 4
         return (self.block_m * self.block_k + terms * self.block_n * self.block_k) * 2
 
-    def smem_bytes(self, terms: int, num_stages: int | None = None, lo: str = "bf16") -> int:
+    def smem_bytes(self, terms: int, num_stages: int | None = None) -> int:
         """Shared memory the kernel needs at ``num_stages`` (default: this config's), an upper bound.
 
         Measured on the sm_90 compile with a real launch's divisibility hints (perf notes,
         round 4): the wgmma tiles (BLOCK_M >= 64) take num_stages x stage_bytes, the mma.sync
         tiles (num_stages - 1) x stage_bytes; the epilogue's scratch reuses the same space.
-        The estimate is num_stages x stage_bytes for both (1 stage: one set of tiles), plus,
-        with an f16 low term (``lo="f16"``), one f16 copy of the x tile for its product.
+        The estimate is num_stages x stage_bytes for both (1 stage: one set of tiles).
         """
         stages = self.num_stages if num_stages is None else num_stages
-        return max(1, stages) * self.stage_bytes(terms) + self._lo_bytes(lo)
+        return max(1, stages) * self.stage_bytes(terms)
 
-    def _lo_bytes(self, lo: str) -> int:
-        return self.block_m * self.block_k * 2 if (lo == "f16" and self.path == "triton") else 0
-
-    def fit_smem(self, terms: int, limit: int = SMEM_LIMIT, lo: str = "bf16") -> GemmConfig:
+    def fit_smem(self, terms: int, limit: int = SMEM_LIMIT) -> GemmConfig:
         """This config with ``num_stages`` lowered until its shared memory fits ``limit`` bytes.
 
         Raises ValueError when even one stage does not fit (the tile itself is too big).
@@ -132,11 +126,11 @@ class GemmConfig:
         """
         if self.path not in ("triton", "fp32-splitk"):
             return self
-        if self.smem_bytes(terms, 1, lo) > limit:
+        if self.smem_bytes(terms, 1) > limit:
             raise ValueError(
                 f"config {self.block_m}x{self.block_n}x{self.block_k} with {terms} weight terms needs "
-                f"{self.smem_bytes(terms, 1, lo)} B of shared memory for one stage, more than {limit} B")
-        stages = min(self.num_stages, (limit - self._lo_bytes(lo)) // self.stage_bytes(terms))
+                f"{self.smem_bytes(terms, 1)} B of shared memory for one stage, more than {limit} B")
+        stages = min(self.num_stages, limit // self.stage_bytes(terms))
         return self if stages == self.num_stages else replace(self, num_stages=stages)
 
     def red_chunk(self) -> int:
@@ -286,13 +280,9 @@ def _gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device)
 
 
-def entry_key(e: dict) -> tuple[int, int, int, str]:
-    """(K, N, terms, lo) of a table entry: the weight split it was tuned for."""
-    return e["K"], e["N"], e.get("terms", 3), e.get("lo", "bf16")
-
-
-def _lookup(entries: list[dict], m: int, n: int, k: int, terms: int, lo: str = "bf16") -> GemmConfig | None:
-    rows = sorted((e for e in entries if entry_key(e) == (k, n, terms, lo)), key=lambda e: e["m_max"])
+def _lookup(entries: list[dict], m: int, n: int, k: int, terms: int) -> GemmConfig | None:
+    rows = sorted((e for e in entries if e["K"] == k and e["N"] == n and e.get("terms", 3) == terms),
+                  key=lambda e: e["m_max"])
     if not rows:
         return None
     for e in rows:
@@ -308,14 +298,15 @@ def device_facts(device: torch.device) -> tuple[dict, int]:
 
 
 def choose_config(m: int, n: int, k: int, device: torch.device, batch_invariant: bool = False,
-                  facts: tuple[dict, int] | None = None, terms: int = 3, lo: str = "bf16") -> GemmConfig:
-    """The config the launcher uses: tuned table entry for (K, N, terms, lo, M range), else heuristic."""
+                  facts: tuple[dict, int] | None = None, terms: int = 3) -> GemmConfig:
+    """The config the launcher uses: tuned table entry for (K, N, terms, M range), else heuristic."""
     table, sms = facts if facts is not None else device_facts(device)
     if batch_invariant:
-        rows = [e for e in table.get("batch_invariant", []) if entry_key(e) == (k, n, terms, lo)]
+        rows = [e for e in table.get("batch_invariant", [])
+                if e["K"] == k and e["N"] == n and e.get("terms", 3) == terms]
         cfg = GemmConfig.from_dict(rows[0]["config"]) if rows else heuristic_invariant_config(n, k)
         if cfg.path not in INVARIANT_PATHS:
             raise ValueError(f"batch-invariant table entries must use a path in {INVARIANT_PATHS}, got {cfg.path!r}")
         return cfg
-    cfg = _lookup(table.get("entries", []), m, n, k, terms, lo)
+    cfg = _lookup(table.get("entries", []), m, n, k, terms)
     return cfg if cfg is not None else heuristic_config(m, n, k, sms)

@@ -8,17 +8,6 @@ The split (done once, at load time)::
     w_lo2 = bf16(((w - w_hi) * 256 - w_lo) * 256)          # third term (terms=3, the default)
     w   ~= w_hi + (w_lo + w_lo2 / 256) / 256               # <= 2^-26 |w|: all 24 bits of fp32
 
-An f16 low term (``lo_dtype=torch.float16``, two terms)::
-
-    w_lo = f16((w - w_hi) * s_w)       # s_w: a power of two, max |w_lo| in [2^14, 2^15]
-    w   ~= w_hi + w_lo / s_w           # <= 2^-20 |w| (+ 2^-40 max|w| in f16's subnormals)
-
-f16 keeps 11 bits of the remainder where bf16 keeps 8, so two products (bf16 x . w_hi, and
-f16(x 2^-8) . w_lo) come within 2^-20 |w|, an eighth of the two-bf16-term error, for two
-thirds of the three-term work. The second product takes x as f16(x 2^-8), exact for
-2^-9 <= |x| < 2^24 (the kernel clamps larger |x| to f16's range: that element's low term
-saturates). Not the default: measured beside it (docs/perf-notes/router.md, round R).
-
 Three terms are the default: the two-term split (2^-17) made about twice the top-k
 flips of FP32 cuBLAS in simulation (its representation error, std ~3e-6 at K=4096,
 is twice FP32's accumulation error); three terms represent every normal fp32 weight
@@ -38,8 +27,6 @@ sync); it is skipped while ``torch.compile`` traces.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 
@@ -55,13 +42,9 @@ from evenflow.router.dispatch import (
 )
 from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_fp32_splitk_kernel, router_gemm_kernel
 
-__all__ = ["RouterWeight", "router_gemm", "split_weight", "split_weight_f16"]
+__all__ = ["RouterWeight", "router_gemm", "split_weight"]
 
 LO_SCALE = 256.0
-X_LO_SCALE = 2.0 ** -8  # x's scale in the f16 low product (kernels.X_LO)
-F16_MAX = 65504.0
-LO_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16"}
-FP32_SOURCE_PATHS = ("fp32-simt", "fp32-splitk", "torch-fp32")  # read the fp32 weight, not its split
 
 
 def split_weight(w: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, ...]:
@@ -80,27 +63,10 @@ def split_weight(w: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, ...]:
     return w_hi.contiguous(), w_lo.contiguous(), w_lo2.contiguous()
 
 
-def split_weight_f16(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """(w_hi bf16, w_lo f16, s_w) of an fp32 weight: ``w ~= w_hi + w_lo / s_w`` (module docstring).
-
-    ``s_w`` is the power of two that puts max |w - w_hi| * s_w in [2^14, 2^15) (capped at 2^100, so
-    that it and 2^8 / s_w are normal fp32 numbers); ``r * s_w`` is exact in fp32 (a power-of-two
-    scale of a value whose exponent stays in range), so the f16 rounding is the only one.
-    """
-    w_hi = w.to(torch.bfloat16)
-    r = w - w_hi.float()
-    r_max = float(r.abs().max()) if r.numel() else 0.0
-    e_s = 0 if r_max == 0.0 else min(15 - math.frexp(r_max)[1], 100)
-    s_w = math.ldexp(1.0, e_s)
-    return w_hi.contiguous(), (r * s_w).to(torch.float16).contiguous(), s_w
-
-
 class RouterWeight:
     """An fp32 router weight ``[N, K]`` split once into bf16 parts, plus workspace.
 
     ``terms``: 3 (default, exact for normal fp32 weights) or 2 (2^-17 |w|, fewer bytes/FLOPs).
-    ``lo_dtype``: ``torch.bfloat16`` (default) or ``torch.float16`` with ``terms=2``: the low
-    term in f16 (2^-20 |w|, two products; see the module docstring).
     ``auto_refresh``: re-split when the source changed in place, instead of raising.
     Keep one ``RouterWeight`` per stream: the split-K workspace is reused by every call.
     Before capturing a CUDA graph or compiling with torch.compile, call
@@ -108,17 +74,11 @@ class RouterWeight:
     every M up to ``max_tokens``, so nothing grows or is looked up inside the capture.
     """
 
-    def __init__(self, w: torch.Tensor, *, terms: int = 3, lo_dtype: torch.dtype = torch.bfloat16,
-                 auto_refresh: bool = False):
+    def __init__(self, w: torch.Tensor, *, terms: int = 3, auto_refresh: bool = False):
         check_tensor("w", w, dtypes=[torch.float32], ndim=2, contiguous=True)
         if terms not in (2, 3):
             raise ValueError(f"terms must be 2 or 3, got {terms!r}")
-        if lo_dtype not in LO_DTYPES:
-            raise ValueError(f"lo_dtype must be torch.bfloat16 or torch.float16, got {lo_dtype!r}")
-        if lo_dtype == torch.float16 and terms != 2:
-            raise ValueError(f"lo_dtype=torch.float16 needs terms=2 (one low term in f16), got terms={terms!r}")
         self.terms = int(terms)
-        self.lo = LO_DTYPES[lo_dtype]
         if w.shape[0] < 1 or w.shape[1] < 1:
             raise ValueError(f"w must have N >= 1 and K >= 1, got shape {tuple(w.shape)}")
         self.auto_refresh = bool(auto_refresh)
@@ -135,13 +95,7 @@ class RouterWeight:
         w = self.source
         if not bool(torch.isfinite(w).all()):
             raise ValueError("w must be finite (NaN/Inf in a router weight)")
-        if self.lo == "f16":
-            w_hi, w_lo, s_w = split_weight_f16(w)
-            self.parts = (w_hi, w_lo)
-            self.lo_inv = 1.0 / (X_LO_SCALE * s_w)  # a power of two
-        else:
-            self.parts = split_weight(w, self.terms)
-            self.lo_inv = 1.0 / LO_SCALE
+        self.parts = split_weight(w, self.terms)
         self.w_hi, self.w_lo = self.parts[0], self.parts[1]
         self.w_lo2 = self.parts[2] if self.terms == 3 else None
         self._version = w._version
@@ -188,16 +142,8 @@ class RouterWeight:
         cfg = self._configs.get(key)
         if cfg is None:
             n, k = self.shape
-            cfg = None
-            if self.lo == "f16" and not batch_invariant:
-                # Where the default weight's table picks a path on the fp32 source (small M), the
-                # split does not enter: the f16 weight runs the same launch (its own table covers
-                # the split-weight path, tuned from M = 16 up).
-                cfg = choose_config(m, n, k, self.device, False, self._facts)
-                cfg = cfg if cfg.path in FP32_SOURCE_PATHS else None
-            if cfg is None:
-                cfg = choose_config(m, n, k, self.device, batch_invariant, self._facts, self.terms, self.lo)
-            cfg = cfg.fit_smem(self.terms, self._smem, self.lo)
+            cfg = choose_config(m, n, k, self.device, batch_invariant, self._facts, self.terms)
+            cfg = cfg.fit_smem(self.terms, self._smem)
             self._configs[key] = cfg
         return cfg
 
@@ -224,7 +170,7 @@ class RouterWeight:
 
     def __repr__(self) -> str:
         n, k = self.shape
-        return (f"RouterWeight(N={n}, K={k}, terms={self.terms}, lo={self.lo}, device={self.device}, "
+        return (f"RouterWeight(N={n}, K={k}, terms={self.terms}, device={self.device}, "
                 f"auto_refresh={self.auto_refresh})")
 
 
@@ -244,10 +190,8 @@ def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
 
 def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
                   out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
-                  block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int,
-                  lo_f16: bool = False, lo_inv: float = 1.0 / LO_SCALE) -> None:
+                  block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int) -> None:
     # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
-    # lo_f16: w_lo is f16 and lo_inv undoes its scale (RouterWeight.lo_inv).
     m, k = x.shape
     n = w_hi.shape[0]
     if m == 0:
@@ -256,10 +200,10 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
     router_gemm_kernel[grid](
         x, w_hi, w_lo, w_lo2, out, part, count,
         m, n, k, k_split, split,
-        x.stride(0), w_hi.stride(0), out.stride(0), lo_inv,
+        x.stride(0), w_hi.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
-        RED_CHUNK=GemmConfig(block_m, block_n, block_k).red_chunk(), LO_F16=lo_f16,
+        RED_CHUNK=GemmConfig(block_m, block_n, block_k).red_chunk(),
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -312,7 +256,7 @@ _router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp3
 
 @_router_gemm_op.register_fake
 def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
-      num_stages, lo_f16=False, lo_inv=1.0 / LO_SCALE):
+      num_stages):
     return None
 
 
@@ -366,7 +310,7 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
                              f"got {config.path!r}")
         # Forced configs: num_stages capped so the pipeline fits in shared memory (a
         # deeper one fails to launch on the GPU; the interpreter would not notice).
-        config = config.fit_smem(w.terms, w._smem, w.lo)
+        config = config.fit_smem(w.terms, w._smem)
     eager = not torch.compiler.is_compiling()
     if config.path == "fp32-simt":
         (_launch_fp32 if eager else _router_gemm_fp32_op)(
@@ -387,19 +331,15 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     part, count = w.workspace(m, config)
     (_launch_split if eager else _router_gemm_op)(
         x, w.w_hi, w.w_lo, w.parts[-1], out, part, count, w.terms, config.block_m, config.block_n,
-        config.block_k, config.split_k, config.num_warps, config.num_stages, w.lo == "f16", w.lo_inv)
+        config.block_k, config.split_k, config.num_warps, config.num_stages)
     return out
 
 
 def _torch_split2(x: torch.Tensor, w: RouterWeight, out: torch.Tensor) -> None:
-    """Plain path: one torch product per split term (bf16; the f16 low term with f16(x 2^-8)),
-    fp32 output (cuBLAS on a GPU)."""
-    xs = [x] * len(w.parts)
-    if w.lo == "f16":
-        xs[1] = (x.float() * X_LO_SCALE).clamp(-F16_MAX, F16_MAX).to(torch.float16)
+    """Plain path: one torch bf16 product per split term, fp32 output (cuBLAS on a GPU)."""
     if x.is_cuda:
-        prods = [torch.mm(a, p.t(), out_dtype=torch.float32) for a, p in zip(xs, w.parts)]
-    else:  # CPU has no mm(out_dtype=): widen first (products of bf16 / f16 are exact in fp32)
-        prods = [torch.mm(a.float(), p.float().t()) for a, p in zip(xs, w.parts)]
+        prods = [torch.mm(x, p.t(), out_dtype=torch.float32) for p in w.parts]
+    else:  # CPU has no mm(out_dtype=): widen first (products of bf16 are exact in fp32)
+        prods = [torch.mm(x.float(), p.float().t()) for p in w.parts]
     lo = prods[1] if w.terms == 2 else torch.add(prods[1], prods[2], alpha=1.0 / LO_SCALE)
-    torch.add(prods[0], lo, alpha=w.lo_inv, out=out)
+    torch.add(prods[0], lo, alpha=1.0 / LO_SCALE, out=out)

@@ -7,12 +7,6 @@ Tensors (row-major, unit stride in the last dimension):
     w_lo     [N, K]            bf16   bf16((w - w_hi) * 256)
     w_lo2    [N, K]            bf16   bf16(((w - w_hi) * 256 - w_lo) * 256)   (read if NUM_TERMS == 3)
     out      [M, N]            fp32   x @ w_hi^T + (x @ w_lo^T + (x @ w_lo2^T) / 256) / 256
-
-LO_F16 (two terms, the low one in f16): ``w_lo [N, K] f16 = f16((w - w_hi) * s_w)`` with a
-power-of-two s_w chosen at split time, and the low product takes ``f16(x * 2^-8)`` (clamped
-to f16's range) in place of x: ``out = x @ w_hi^T + (f16(x 2^-8) @ w_lo^T) * lo_inv``,
-``lo_inv = 2^8 / s_w``. f16 keeps 11 bits of the remainder where bf16 keeps 8: the split is
-within 2^-20 |w| (two bf16 terms: 2^-17) for two products instead of three.
     part     [NUM_SPLITS, M, N] fp32  per-split partial sums (split-K only)
     count    [tiles]           int32  arrivals per output tile; zero between calls
 
@@ -28,13 +22,6 @@ import triton
 import triton.language as tl
 
 from evenflow._kernels.common import arrived_last, dot_operand
-
-# LO_F16: x is scaled by 2^-8 before its f16 cast, so the cast is exact for 2^-9 <= |x| < 2^24
-# (smaller |x| loses low bits in f16's subnormals: at most 2^-17 absolute, on a term that is
-# itself <= 2^-9 of the product); the clamp keeps |x| >= 2^24 finite (that element's low term
-# then saturates; docs/perf-notes/router.md, round R).
-X_LO = tl.constexpr(0.00390625)
-F16_MAX = tl.constexpr(65504.0)
 
 
 @triton.jit
@@ -78,10 +65,10 @@ def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 def router_gemm_kernel(
     p_x, p_whi, p_wlo, p_wlo2, p_out, p_part, p_count,
     M, N, K, K_SPLIT, NUM_SPLITS,
-    stride_xm, stride_wn, stride_om, lo_inv,
+    stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
-    RED_CHUNK: tl.constexpr, LO_F16: tl.constexpr = False,
+    RED_CHUNK: tl.constexpr,
 ):
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
 
@@ -118,20 +105,13 @@ def router_gemm_kernel(
         b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
         b_xd = dot_operand(b_x, DOT_F32)
         acc_nhi = acc_nhi - tl.dot(b_xd, dot_operand(b_wh, DOT_F32))
-        if LO_F16:
-            b_xl = tl.clamp(b_x.to(tl.float32) * X_LO, -F16_MAX, F16_MAX).to(tl.float16)
-            acc_lo = tl.dot(dot_operand(b_xl, DOT_F32), dot_operand(b_wl, DOT_F32), acc_lo)
-        else:
-            acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
+        acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
         if NUM_TERMS == 3:
             b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
             acc_lo2 = tl.dot(b_xd, dot_operand(b_wl2, DOT_F32), acc_lo2)
     if NUM_TERMS == 3:
         acc_lo = acc_lo + acc_lo2 * 0.00390625  # 1/256, exact
-    if LO_F16:
-        b_out = acc_lo * lo_inv - acc_nhi  # lo_inv: a power of two, exact
-    else:
-        b_out = acc_lo * 0.00390625 - acc_nhi
+    b_out = acc_lo * 0.00390625 - acc_nhi
 
     m_out = m_m[:, None] & m_n[None, :]
     o_out = o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
