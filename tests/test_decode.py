@@ -150,6 +150,25 @@ def test_combine_groups_merge_deterministically_and_reset_their_counters(combine
     assert counters() == 0
 
 
+def test_fused_final_merge_of_more_groups_than_one_load_step(device):
+    """The fused merge's last arriver merges an item's groups UG = 16 at a time (8 rows x 64
+    columns): an item of 137 chunks (one tile per bin) is 18 groups of 8, two load steps, the
+    second masked after 2 groups; beside it a 17-chunk item (3 groups, one masked step) and an
+    empty one. Within the rule against the oracle, the same bitwise on a second call, counters
+    back at zero."""
+    from evenflow.attention.decode import FUSED_GROUP_CHUNKS
+
+    assert FUSED_GROUP_CHUNKS == 8  # the chunk counts above are chosen for groups of 8
+    lens = [64 * 136 + 9, 0, 64 * 16 + 1]
+    q, qs, k, v, pt, sl = make_inputs(lens, 1, 8, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(len(lens), 1 << 14, 1, device=device, num_programs=160, min_tiles=1).update(sl)
+    assert int(plan.meta[1]) == 1
+    o1 = check(q, qs, k, v, pt, sl, 1, plan=plan, what="137-chunk item").clone()
+    o2 = check(q, qs, k, v, pt, sl, 1, plan=plan, what="second call")
+    assert torch.equal(o1, o2)
+    assert int(plan.group_count.abs().sum()) + int(plan.combine_count.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_fused_combine_launches_one_kernel_and_matches_the_combine_kernel(kv, device, monkeypatch):
     """The default plan merges split items inside the attention kernel: one launch per call,
