@@ -691,12 +691,10 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_glse, p_count, p
             b_lse2 = tl.where(m_live, b_m + tl.log2(tl.where(m_live, b_l, 1.0)), float("-inf"))
             tl.store(p_glse + o_srow, b_lse2, mask=m_row)
         if arrived_last(p_count + p, n_groups * ND):
-            # [BLOCK_M, DF] column chunks of at most 4096 values, UG groups per load step: 16
-            # where a group is at most 1024 values (the TP8 slice's 16-18 groups in one or two
-            # dependent steps, not two or three; sm_90: 248 registers, no spill, round R8),
-            # else at most 8192 values in flight (64 registers a thread at 4 warps)
+            # [BLOCK_M, DF] column chunks of at most 4096 values, UG groups per load step (at
+            # most 8192 values in flight: 64 registers a thread at 4 warps)
             DF: tl.constexpr = D if BLOCK_M * D <= 4096 else 4096 // BLOCK_M
-            UG: tl.constexpr = 16 if BLOCK_M * DF <= 1024 else 8192 // (BLOCK_M * DF)
+            UG: tl.constexpr = 8 if BLOCK_M * DF <= 1024 else 8192 // (BLOCK_M * DF)
             for f0 in tl.static_range(0, D, DF):
                 o_f = f0 + tl.arange(0, DF)
                 f_m, f_l, f_acc = _merge_chunks(p_po, p_glse, first, p, 0, n_groups, o_m, o_f, m_row,
