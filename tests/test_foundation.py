@@ -150,6 +150,24 @@ def test_timing_on_gpu():
     assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
 
 
+@pytest.mark.gpu
+def test_time_graph_replays_the_agreed_warm_count():
+    """``agree_warm`` sets how many warm replays run (graphs with collectives need the same count on
+    every rank; each rank's own count comes from its own replay time). Counted on the device: one
+    eager call before the capture, then per replay every call of the graph (8 here): two replays
+    to time one, the agreed warm replays, then 1 + reps for the median."""
+    n = torch.zeros((), dtype=torch.int64, device="cuda")
+    seen = []
+
+    def agree(k):
+        seen.append(k)
+        return 7
+
+    H.time_graph([lambda: n.add_(1)], reps=5, agree_warm=agree)
+    assert len(seen) == 1 and seen[0] >= 1
+    assert int(n) == 1 + 8 * (2 + 7 + 1 + 5)
+
+
 # ------------------------------------------------------------------ CLI
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "evenflow.cli", *args], capture_output=True, text=True,

@@ -181,12 +181,16 @@ def capture_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *,
 
 
 def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, reps: int = 30,
-               min_calls: int = 8) -> float:
+               min_calls: int = 8, agree_warm: Callable[[int], int] | None = None) -> float:
     """Median µs per call of a CUDA graph that holds one call per entry of ``fns`` (per input copy or draw).
 
     The list is repeated until the graph holds at least ``min_calls`` calls, so the
     graph launch itself is amortised; with several copies, consecutive calls touch
     different memory, so a case that fits in L2 is not timed from cache.
+    ``agree_warm``: for graphs that hold collectives, maps this process's count of warm
+    replays to the count every process uses (e.g. the max over ranks): each process derives
+    its own from its own replay time, and replays of a graph with an all-reduce in it that
+    differ in number between ranks wait on each other forever.
     """
     g, n_calls = capture_graph(fns, min_calls=min_calls)
     # Warm replays for ~10 ms of GPU time before timing: a point's first impl follows host
@@ -194,15 +198,16 @@ def time_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     # kernel timed later in the same point (router round K4, µs-long calls), which fits a GPU
     # clock still ramping up; a few ms of back-to-back replays settle it. (Round P6: the 1-8% gaps
     # left after that are run-to-run spread; the first-timed row is not consistently the slower.)
-    _warm(g)
+    _warm(g, agree_warm)
     us = _median_ms(g.replay, reps) * 1e3 / n_calls
     del g
     return us
 
 
-def _warm(g: torch.cuda.CUDAGraph) -> None:
+def _warm(g: torch.cuda.CUDAGraph, agree: Callable[[int], int] | None = None) -> None:
     one_us = _median_ms(g.replay, reps=1) * 1e3
-    for _ in range(min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))):
+    n = min(WARM_MAX_REPLAYS, math.ceil(WARM_US / max(one_us, 1.0)))
+    for _ in range(n if agree is None else agree(n)):
         g.replay()
 
 
