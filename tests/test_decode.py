@@ -153,10 +153,10 @@ def test_combine_groups_merge_deterministically_and_reset_their_counters(combine
 def test_fused_final_merge_of_more_groups_than_one_load_step(device):
     """The fused merge's last arriver merges an item's groups UG = 8 at a time (8 rows x 64
     columns): an item of 137 chunks (one tile per bin) is 18 groups of 8, three load steps, the
-    last masked after 2 groups (round S2 measured UG = 16 too: 18 groups in two steps, slower);
-    beside it a 17-chunk item (3 groups, one masked step) and an empty one. Within the rule
-    against the oracle, the same bitwise on a second call, counters back at zero. (A merge that
-    stops after its first step fails here; the older tests, of at most 8 groups, would not see it.)"""
+    last masked after 2 groups; beside it a 17-chunk item (3 groups, one masked step) and an empty
+    one. Within the rule against the oracle, the same bitwise on a second call, counters back at
+    zero. (The older tests take several steps only at UG = 2 (64 rows), all of them full; a merge
+    that drops a partly masked last step fails here alone.)"""
     from evenflow.attention.decode import FUSED_GROUP_CHUNKS
 
     assert FUSED_GROUP_CHUNKS == 8  # the chunk counts above are chosen for groups of 8
