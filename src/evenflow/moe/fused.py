@@ -108,6 +108,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     or EP ranks that see a pair or two), K is split so the weights of the few hit
     experts are streamed by enough programs at once.
 
+    FP8 weights in the default (exact) mode take 32-row tiles (4 warps, 4 stages) above 16 rows
+    per expert, whatever the batch: the tuner's choice at every such point of the tuned table.
+
     ``fast_acc`` (FP8 weights, ``fp8_accum="fast"``): K-steps of at least 32 (fp8 dots), and
     above 16 rows per expert fp8-wgmma tiles (64 rows; 128 past 128 rows in per-tensor mode).
     """
@@ -115,10 +118,15 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     local_pairs = num_tokens * top_k * num_local / e_tot  # expected pairs routed to this rank
     rows = local_pairs / max(num_local, 1)
     fp8 = mode != 0
-    # BLOCK_M < 64 compiles to mma.sync on sm_90 (wgmma needs 64 rows per warpgroup), where fp8
-    # operands are upcast to f16 in registers: at 16 < rows <= 32 (Qwen3 / Hy3 TP8 at T = 512) that
-    # made fp8 compute-bound above its byte floor. fp8 goes straight to 64-row wgmma tiles there.
-    block_m = 16 if rows <= 16 else 64 if fp8 or rows > 32 else 32
+    # FP8 in the exact mode: every dot is an f16 product of exact e4m3 values (rounds F, G). On 64/128-row
+    # tiles (wgmma on sm_90) the upcast operand makes a register -> shared-memory round trip each K step;
+    # 32-row tiles (mma.sync, operands in registers) avoid it. The tuner chose 32 x 64 (per-tensor) / 32 x
+    # 128 (block) gate-up tiles on 4 warps, 4 stages at every fp8 point above 16 rows per expert of all three
+    # benchmark shapes (configs/h200.json, T = 512, 1024, 4096); round S7 measured them 1.59-1.78x faster
+    # than this function's former 64-row choice on the untuned Hy3 TP2 / EP2 shards
+    # (benchmarks/results/h200/history/round-s7). Fast accumulation keeps its fp8-wgmma tiles below.
+    exact_fp8 = fp8 and not fast_acc
+    block_m = 16 if rows <= 16 else 32 if exact_fp8 or rows <= 32 else 64
     if mode == 2:
         cfg = MoEConfig(block_m, 128, 128, 64, 128)
     else:
@@ -132,7 +140,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             _largest_divisor(hidden, (64, 32, 16)),
             _largest_divisor(inter, k_opts),
         )
-    if rows > 32 or (fp8 and fast_acc and rows > 16):
+    if exact_fp8 and rows > 16:
+        cfg = replace(cfg, num_stages=4)
+    elif rows > 32 or (fp8 and rows > 16):
         # Fast accumulation (fp8 weights) takes these fp8-wgmma tiles from 16 rows per expert up:
         # 64 rows (one wgmma M per warpgroup) up to 128 rows, 128 past it (per-tensor; block mode
         # stays at 64 below, since each K block's fresh product tile doubles its accumulator
@@ -148,21 +158,11 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
             num_warps=8,
         )
         block_m = cfg.block_m
-    if fp8 and rows > 16:
-        # sm_90 compile (ptxas -v, round 5): fp8 dots with max_num_imprecise_acc keep a second
-        # accumulator per dot, so gate + up tiles of 64x128 on 4 warps or 128x128 on 8 warps need
-        # > 255 registers: the block-mode gate-up spilled 1.5 KB per thread at T = 512 (0.14 of
-        # floor) and T = 4096 (0.10), per-tensor 368 B at T = 4096. Both fit on 8 warps with
-        # 64-row tiles (block mode, which needs a 128-wide gate-up N block) or 64-wide N blocks.
-        # Round F: per-tensor dots are f16 MMAs of exact e4m3 values now (kernels.py, "f16 products") with
-        # no second accumulator; its 128x64 gate-up compiles to 179 registers (128x128: 255, no
-        # spill). Round G: block mode likewise (each K block's f16-product sum in a fresh fp32 tile,
-        # scaled and added: still a second accumulator). The tile rule stays until the tuner has
-        # measured the alternatives.
-        if mode == 2:
-            cfg = replace(cfg, block_m=64, down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n, num_warps=8)
-        elif cfg.block_m > 64 and not fast_acc:
-            cfg = replace(cfg, gu_block_n=_largest_divisor(inter, (64, 32, 16)))
+    if fp8 and fast_acc and rows > 16 and mode == 2:
+        # sm_90 compile (ptxas -v, round 5): block mode's fresh product tile per K block doubles the
+        # accumulator registers, so its 128-wide gate-up spills at 128 rows (1.5 KB per thread at
+        # T = 512 / 4096 then): 64-row tiles on 8 warps.
+        cfg = replace(cfg, block_m=64, down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n, num_warps=8)
         block_m = cfg.block_m
     busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
     target = 2 * sms
