@@ -177,8 +177,9 @@ _FAST = [
 def test_moe_fast_accum_compiles_to_fp8_wgmma():
     """fp8_accum="fast" on sm_90: the 64/128-row tiles the heuristic gives compile to wgmma on
     e4m3 operands (no f16 MMA, no conversion), with no register spill and within the shared-memory
-    limit; the 16/32-row tiles compile too (mma.sync, no spill). The default mode's 64-row tile is
-    compiled beside them: f16 wgmma (its e4m3 values upcast), the contrast the check must see."""
+    limit; the 16/32-row tiles compile too (mma.sync, no spill). A default-mode 64-row tile (the
+    heuristic's until round S8) is compiled beside them: f16 wgmma (its e4m3 values upcast), the
+    contrast the check must see."""
     from evenflow._compile_check import SHARED_LIMIT, compile_stats
     from evenflow.moe.fused import MoEConfig, choose_config
 
