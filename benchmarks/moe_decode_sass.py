@@ -34,8 +34,8 @@ def main(argv=None) -> None:
     import moe as B
     from evenflow._compile_check import compile_stats, emulate_gpu, record_launches
     from evenflow.moe import fused as F
+    from evenflow.reference.moe import random_moe_weights
 
-    fp8 = torch.float8_e4m3fn
     e_small = 4  # the expert count changes no constexpr; real weight tensors would be gigabytes
     table = os.path.join(F.CONFIG_DIR, "h200.json")
     formats = [f for f in args.formats.split(",") if f]
@@ -45,17 +45,7 @@ def main(argv=None) -> None:
             for fmt, mode in (("bf16", 0), ("fp8_per_tensor", 1), ("fp8_block", 2)):
                 if fmt not in formats or (mode == 2 and i % 128):
                     continue
-                w13, w2 = torch.randn(e_small, 2 * i, h) * 0.02, torch.randn(e_small, h, i) * 0.02
-                if mode == 0:
-                    ew = evenflow.MoEWeights.bf16(w13.bfloat16(), w2.bfloat16())
-                elif mode == 1:
-                    one = torch.ones(e_small)
-                    ew = evenflow.MoEWeights.fp8_per_tensor(w13.to(fp8), w2.to(fp8), one, one, torch.ones(1),
-                                                            torch.ones(1))
-                else:
-                    ew = evenflow.MoEWeights.fp8_block(w13.to(fp8), w2.to(fp8),
-                                                       torch.ones(e_small, 2 * i // 128, h // 128),
-                                                       torch.ones(e_small, h // 128, i // 128))
+                ew = random_moe_weights(fmt, e_small, h, i)
                 for t in (1, 2):
                     kw = dict(num_experts_total=case.num_experts_total)
                     cfg = (F.tuned_config(t, case.top_k, case.num_local, h, i, mode, device=None, path=table, **kw)

@@ -480,7 +480,8 @@ def time_layer(fns, dev, eager: bool = True, collective: bool = True) -> dict:
         dist.barrier()
     # every rank replays the graph (an all-reduce in it, for the layer and all-reduce rows) the same
     # number of times: the warm-up count each rank derives from its own replay time, maxed over ranks
-    us = H.time_graph(fns, agree_warm=(lambda n: int(reduce_time(n, dev, dist.ReduceOp.MAX))) if collective else None)
+    agree_warm = (lambda n: int(reduce_time(n, dev, dist.ReduceOp.MAX))) if collective else None
+    us = H.time_graph(fns, agree_warm=agree_warm)
     if not collective:
         return {"us": us, "us_min": us, "eager_us": H.time_eager(fns, reps=20) if eager else None}
     out = {"us": reduce_time(us, dev, dist.ReduceOp.MAX), "us_min": reduce_time(us, dev, dist.ReduceOp.MIN)}

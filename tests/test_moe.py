@@ -386,7 +386,8 @@ def test_choose_config_fp8_takes_the_tuners_32_row_tiles_above_16_rows():
 
     from evenflow.moe.fused import CONFIG_DIR, MoEConfig
 
-    table = json.load(open(os.path.join(CONFIG_DIR, "h200.json")))["configs"]
+    with open(os.path.join(CONFIG_DIR, "h200.json")) as f:
+        table = json.load(f)["configs"]
     seen = 0
     for key, buckets in table.items():
         m = re.fullmatch(r"E(\d+)/(\d+)-k(\d+)-H(\d+)-I(\d+)-m([12])", key)

@@ -15,6 +15,7 @@ import torch
 import evenflow
 from evenflow import _runtime
 from evenflow._compile_check import compile_launches, emulate_gpu, record_launches
+from evenflow.reference.moe import random_moe_weights
 
 pytestmark = pytest.mark.skipif(not _runtime.interpreting(),
                                 reason="records interpreter launches; on a GPU the real tests compile everything")
@@ -64,18 +65,6 @@ def _router_launches():
             evenflow.route(torch.empty(16, k, dtype=torch.bfloat16), w, 8, scoring=scoring, bias=bias)
 
 
-def _moe_weights(fmt, e, h, i):
-    w13 = torch.randn(e, 2 * i, h) * 0.02
-    w2 = torch.randn(e, h, i) * 0.02
-    if fmt == "bf16":
-        return evenflow.MoEWeights.bf16(w13.bfloat16(), w2.bfloat16())
-    if fmt == "fp8_per_tensor":
-        return evenflow.MoEWeights.fp8_per_tensor(w13.to(FP8), w2.to(FP8), torch.ones(e), torch.ones(e),
-                                                  torch.ones(1), torch.ones(1))
-    return evenflow.MoEWeights.fp8_block(w13.to(FP8), w2.to(FP8), torch.ones(e, 2 * i // 128, h // 128),
-                                         torch.ones(e, h // 128, i // 128))
-
-
 def _moe_launches():
     # Real hidden/intermediate sizes (they set the tiles); few experts, since the
     # expert count changes no constexpr and real weight tensors would be gigabytes.
@@ -85,7 +74,7 @@ def _moe_launches():
         for fmt in ("bf16", "fp8_per_tensor", "fp8_block"):
             if fmt == "fp8_block" and i % 128:
                 continue
-            ew = _moe_weights(fmt, e_local, h, i)
+            ew = random_moe_weights(fmt, e_local, h, i)
             total = e_local * 8 if ep_rank else e_local
             for t in (1, 8, 64, 512, 4096):
                 x = torch.randn(t, h).bfloat16()
@@ -101,7 +90,7 @@ def _moe_launches():
         for fmt, mode in (("bf16", 0), ("fp8_per_tensor", 1), ("fp8_block", 2)):
             if mode == 2 and i % 128:
                 continue
-            ew = _moe_weights(fmt, e_local, h, i)
+            ew = random_moe_weights(fmt, e_local, h, i)
             for t in (1, 2):
                 cfg = choose_config(t, top_k, e_local, h, i, mode)
                 cfg = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), gu_defer=1)
@@ -110,7 +99,7 @@ def _moe_launches():
     # The tiny shapes of tests/test_moe.py run on the GPU too (round B: fp8 K=16 dots failed there),
     # with the split-K configs test_split_k forces.
     for fmt, (h, i) in {"bf16": (64, 32), "fp8_per_tensor": (64, 64), "fp8_block": (256, 128)}.items():
-        ew = _moe_weights(fmt, 6, h, i)
+        ew = random_moe_weights(fmt, 6, h, i)
         for t, k in ((1, 1), (3, 2), (17, 4), (40, 1)):
             x = torch.randn(t, h).bfloat16()
             ids = torch.randint(0, 6, (t, k), dtype=torch.int32)
@@ -124,7 +113,7 @@ def _moe_launches():
                            torch.rand(5, 3), ew, config=cfg)
     # per-tensor fp8 at sizes of 16 (16-deep K steps: f16 MMAs of e4m3 values), as test_moe.py runs them
     for h, i in ((80, 48), (96, 48)):
-        ew = _moe_weights("fp8_per_tensor", 4, h, i)
+        ew = random_moe_weights("fp8_per_tensor", 4, h, i)
         for t in (1, 3, 17):
             cfg = choose_config(t, 2, 4, h, i, 1)
             if h == 96:
@@ -187,7 +176,7 @@ def test_moe_fast_accum_compiles_to_fp8_wgmma():
     cases = [(*c, "fast") for c in _FAST] + [("qwen3 fp8-tensor exact bm64", "fp8_per_tensor", 2048, 768, 512,
                                               [64, 128, 128, 128, 128, 8, 3, 1, 1], "exact")]
     for label, fmt, h, i, t, cfg, accum in cases:
-        ew = _moe_weights(fmt, 4, h, i)
+        ew = random_moe_weights(fmt, 4, h, i)
         if cfg is None:  # the heuristic of the real layer (128 or 192 experts), forced on these 4
             e = 192 if i == 192 else 128
             cfg = choose_config(t, 8, e, h, i, ew.mode, num_experts_total=e, sms=132, fast_acc=accum == "fast")
@@ -234,7 +223,7 @@ def test_deferred_down_activates_each_row_once(fmt):
     for h, i, e in ((2048, 768, 128), (4096, 192, 192), (4096, 1536, 24)):
         if fmt == "fp8_block" and i % 128:
             continue
-        ew = _moe_weights(fmt, 4, h, i)
+        ew = random_moe_weights(fmt, 4, h, i)
         for t in (1, 2):
             cfg = choose_config(t, 8, e, h, i, ew.mode, num_experts_total=e, sms=132)
             cfg = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), gu_defer=1, num_warps=4)

@@ -145,24 +145,19 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     elif rows > 32 or (fp8 and rows > 16):
         # Fast accumulation (fp8 weights) takes these fp8-wgmma tiles from 16 rows per expert up:
         # 64 rows (one wgmma M per warpgroup) up to 128 rows, 128 past it (per-tensor; block mode
-        # stays at 64 below, since each K block's fresh product tile doubles its accumulator
-        # registers); sm_90 compile facts in docs/perf-notes/moe.md, round J.
+        # stays at 64: each K block's fresh product tile doubles its accumulator registers, and its
+        # 128-wide gate-up spilled 1.5 KB per thread at 128 rows, ptxas -v in round 5); sm_90 compile
+        # facts in docs/perf-notes/moe.md, round J.
         # Prefill-sized expert groups (round B: 0.39-0.69x SGLang at T >= 512 with 64-wide N and 4
         # warps): 128-wide N blocks halve the activation re-reads per weight byte, 8 warps give the
         # wgmma M=64 per warpgroup pair enough rows; BLOCK_M 128 once experts see >= 128 rows.
         cfg = replace(
             cfg,
-            block_m=128 if rows > 128 else 64,
+            block_m=128 if rows > 128 and mode != 2 else 64,
             gu_block_n=128 if inter % 128 == 0 else cfg.gu_block_n,
             down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n,
             num_warps=8,
         )
-        block_m = cfg.block_m
-    if fp8 and fast_acc and rows > 16 and mode == 2:
-        # sm_90 compile (ptxas -v, round 5): block mode's fresh product tile per K block doubles the
-        # accumulator registers, so its 128-wide gate-up spills at 128 rows (1.5 KB per thread at
-        # T = 512 / 4096 then): 64-row tiles on 8 warps.
-        cfg = replace(cfg, block_m=64, down_block_n=128 if hidden % 128 == 0 else cfg.down_block_n, num_warps=8)
         block_m = cfg.block_m
     busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
     target = 2 * sms
