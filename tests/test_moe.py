@@ -236,6 +236,59 @@ def test_deferred_split_reduce_equals_last_split(device, fmt, monkeypatch):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=dataclasses.replace(cfg, gu_defer=2))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_persistent_equals_one_program_per_task(device, fmt):
+    """Persistent GEMMs (``persistent=n``: n programs per SM take the used (tile, n-block) tasks in turn
+    in one flattened loop) give the one-program-per-task result bit for bit: with more tasks than
+    programs (several per program), experts left idle, ids routed to other EP ranks, a token listing one
+    expert twice, shared output and routed scaling; with no pair on this rank (no used tile: the loop
+    runs no task and the output is the shared term alone); and the default config's choice
+    (``persistent=None``) follows ``config.persistent``."""
+    from evenflow import _compile_check as CC
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    g = torch.Generator().manual_seed(3)
+    t = 40
+    ids = torch.randint(4, 8, (t, 3), generator=g, dtype=torch.int32)  # rank 1 of 3 owns 4..7
+    ids[::5, 2] = 11  # some pairs on another rank
+    ids[3] = torch.tensor([6, 6, 5])
+    ids[ids == 7] = 4  # local expert 3 idle
+    ids = ids.to(device)
+    w = torch.rand(t, 3, generator=g).to(device)
+    x = torch.randn(t, h, generator=g).bfloat16().to(device)
+    shared = torch.randn(t, h, generator=g).bfloat16().to(device)
+    base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
+    kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.25)
+    for cfg in (dataclasses.replace(base, block_m=16), dataclasses.replace(base, block_m=32)):
+        assert cfg.gu_split_k == cfg.down_split_k == 1
+        ys = {n: evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=False, persistent=n,
+                                    out=poisoned((t, h), torch.bfloat16, device), **kw) for n in (0, 1, 2)}
+        what = f"{fmt} {cfg}"
+        assert torch.equal(ys[1], ys[0]) and torch.equal(ys[2], ys[0]), f"persistent differs: {what}"
+        check_moe(ys[1], x, ids, w, ew, what, ep_rank=1, shared_output=shared, routed_scaling=1.25)
+    # nothing on this rank: no used tile, the persistent loop runs no task
+    far = torch.full_like(ids, 11)
+    y = evenflow.fused_moe(x, far, w, ew, config=cfg, pair_tiles=False, persistent=1,
+                           out=poisoned((t, h), torch.bfloat16, device), **kw)
+    assert torch.equal(y, shared), "no local pair: the output must be the shared term alone"
+    if torch.device(device).type == "cpu":
+        for n in (0, 2):  # persistent=None follows config.persistent; pair tiles never persist
+            with CC.record_launches(execute=True) as launches:
+                evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=n), pair_tiles=False,
+                                   **kw)
+                evenflow.fused_moe(x[:2], ids[:2], w[:2], ew, config=dataclasses.replace(cfg, persistent=n),
+                                   pair_tiles=True, ep_rank=1, num_experts_total=12)
+            gemms = [dict(ln.constexprs) for ln in launches if ln.name in ("moe_gate_up_kernel", "moe_down_kernel")]
+            assert [c["PERSIST"] for c in gemms] == [n > 0, n > 0, False, False], gemms
+    with pytest.raises(ValueError, match="persistent"):
+        evenflow.fused_moe(x, ids, w, ew, persistent=9, **kw)
+    with pytest.raises(TypeError, match="persistent"):
+        evenflow.fused_moe(x, ids, w, ew, persistent=True, **kw)
+    with pytest.raises(ValueError, match="config.persistent"):
+        evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=-1), **kw)
+
+
 class _count_launches:
     """Count the launches of one kernel that evenflow.moe.fused launches (on any device):
     ``with _count_launches(monkeypatch, name) as n: ...`` leaves [count] in n."""

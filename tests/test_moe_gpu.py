@@ -349,6 +349,43 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
             check(outs[True], x, ids, w, ew, ep, what)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "hy3-ep8"])
+def test_persistent_gemms_real_shapes(shape, fmt):
+    """Persistent GEMMs (1 and 2 programs per SM over the used tasks) at T = 512 and 4096 on the
+    chosen configs: bitwise the one-program-per-task result, in a CUDA graph replayed with new routing
+    (the used tile count changes between replays; the last replay puts every pair on one local expert)
+    and eagerly, and within the rule of the oracle."""
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, fmt)
+    kw = dict(ep_rank=ep, num_experts_total=e_tot)
+    for t in (512, 4096):
+        x, ids, w = inputs(shape, t)
+        outs = {n: torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for n in (0, 1, 2)}
+        graphs = {}
+        for n in outs:
+            evenflow.fused_moe(x, ids, w, ew, out=outs[n], persistent=n, **kw)  # compile outside capture
+            torch.cuda.synchronize()
+            graphs[n] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[n]):
+                evenflow.fused_moe(x, ids, w, ew, out=outs[n], persistent=n, **kw)
+        for step in range(3):
+            nx, nids, nw = inputs(shape, t)
+            if step == 2:
+                nids[:, 0] = ep * e + 3  # one local expert takes a pair of every token
+            for dst, v in ((x, nx), (ids, nids), (w, nw)):
+                dst.copy_(v)
+            for n in outs:
+                graphs[n].replay()
+            eager = evenflow.fused_moe(x, ids, w, ew, persistent=1, **kw)
+            torch.cuda.synchronize()
+            what = f"{shape} {fmt} T={t} replay {step}"
+            assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0]), f"persistent differs: {what}"
+            assert torch.equal(eager, outs[0]), f"eager persistent differs from the graph: {what}"
+            if t == 512:
+                check(outs[1], x, ids, w, ew, ep, what)
+
+
 def test_torch_compile_fullgraph():
     ew = weights("qwen3-30b-a3b", "fp8_per_tensor")
     x, ids, w = inputs("qwen3-30b-a3b", 16)

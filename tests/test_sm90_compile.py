@@ -96,6 +96,14 @@ def _moe_launches():
                 cfg = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), gu_defer=1)
                 evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e_local, (t, top_k),
                                    dtype=torch.int32), torch.rand(t, top_k), ew, config=cfg)
+    # Persistent GEMMs (one flattened loop over tasks and K steps) at the large-batch configs
+    for (h, i, _), fmts, batches in ((shapes["qwen3-30b-a3b"], ("bf16", "fp8_per_tensor", "fp8_block"), (512, 4096)),
+                                     (shapes["hy3-tp8"], ("bf16", "fp8_per_tensor"), (4096,))):
+        for fmt in fmts:
+            ew = random_moe_weights(fmt, e_local, h, i)
+            for t in batches:
+                evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e_local, (t, top_k),
+                                   dtype=torch.int32), torch.rand(t, top_k), ew, persistent=1)
     # The tiny shapes of tests/test_moe.py run on the GPU too (round B: fp8 K=16 dots failed there),
     # with the split-K configs test_split_k forces.
     for fmt, (h, i) in {"bf16": (64, 32), "fp8_per_tensor": (64, 64), "fp8_block": (256, 128)}.items():

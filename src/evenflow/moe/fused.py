@@ -48,6 +48,9 @@ PAIR_TILE_MAX_PAIRS = 16
 # reduced-precision accumulation (kernels.py, FAST_ACC). fp8 tl.dot needs K-steps >= 32.
 FP8_ACCUM = ("exact", "fast")
 FAST_ACC_MIN_BLOCK_K = 32
+# MoEConfig.persistent: at most this many resident programs per SM are asked for (more never fit:
+# the GEMM tiles take 10-150 KB of shared memory each).
+MAX_PERSISTENT = 8
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,11 @@ class MoEConfig:
     # where the down GEMM has few K steps and wide N blocks; the tuner decides per point, the
     # heuristic never defers). Tables written before it have 9 values: 0.
     gu_defer: int = 0
+    # > 0: each GEMM that runs index tiles without a K split (larger batches) is launched as this many
+    # programs per SM, which take the used (tile, n-block) tasks in turn in one flattened loop (kernels.py,
+    # PERSIST); 0: one program per task of the upper-bound task map (unused ones exit at once). Pair tiles
+    # and K-split GEMMs always take one program per task. Tables written before it: 0.
+    persistent: int = 0
 
     def as_list(self) -> list[int]:
         return [getattr(self, f.name) for f in fields(self)]
@@ -253,6 +261,9 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         raise ValueError(f"fp8 block mode needs gate-up BLOCK_N/BLOCK_K and down BLOCK_K of 128, got {cfg}")
     if cfg.gu_defer not in (0, 1):
         raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
+    if not 0 <= cfg.persistent <= MAX_PERSISTENT:
+        raise ValueError(f"config.persistent (programs per SM, 0 = one per task) must lie in [0, {MAX_PERSISTENT}], "
+                         f"got {cfg.persistent}")
     if fast_acc and min(cfg.gu_block_k, cfg.down_block_k) < FAST_ACC_MIN_BLOCK_K:
         raise ValueError(f"fp8_accum='fast' runs fp8 dots, whose K-steps must be >= {FAST_ACC_MIN_BLOCK_K} "
                          f"deep; config has gu_block_k={cfg.gu_block_k}, down_block_k={cfg.down_block_k}")
@@ -260,12 +271,15 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1):
+            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
+            persistent: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
     # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
     # -1 as the config says (cfg.gu_defer)
+    # persistent: programs per SM of the GEMMs that run index tiles without a K split (0: one per task),
+    # -1 as the config says (cfg.persistent)
     if defer_split not in (-1, 0, 1):
         raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
     t, h = x.shape
@@ -336,16 +350,25 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     ws13_strides = (ws13.stride(0), ws13.stride(1)) if mode == 2 else (0, 0)
     ws2_strides = (ws2.stride(0), ws2.stride(1)) if mode == 2 else (0, 0)
 
-    moe_gate_up_kernel[(n_tiles, gu_nb, cfg.gu_split_k)](
+    # persistent GEMMs (index tiles, no K split): cfg.persistent programs per SM, at most one per task of
+    # the upper-bound map; each reads the used tile count from the index and loops over the used tasks
+    sms = num_sms(dev)
+    per_sm = cfg.persistent if persistent < 0 else persistent
+    gu_persist = per_sm > 0 and not by_pair and cfg.gu_split_k == 1
+    down_persist = per_sm > 0 and not by_pair and cfg.down_split_k == 1
+    down_nb = h // cfg.down_block_n
+    e_pad = triton.next_power_of_2(e_local)
+    gu_grid = (min(n_tiles * gu_nb, per_sm * sms),) if gu_persist else (n_tiles, gu_nb, cfg.gu_split_k)
+    moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
-        k, i, h, ep_rank * e_local, e_local,
+        k, i, h, ep_rank * e_local, e_local, gu_nb,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        DEFER=defer, **gpu_kw, **pk,
+        DEFER=defer, PERSIST=gu_persist, E_PAD=e_pad if gu_persist else 1, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -355,15 +378,18 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # the tests keep (docs/perf-notes/moe.md, "cost in accuracy").
     pair_dtype = torch.bfloat16 if cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
-    moe_down_kernel[(n_tiles, h // cfg.down_block_n, cfg.down_split_k)](
+    down_grid = (min(n_tiles * down_nb, per_sm * sms),) if down_persist else (n_tiles, down_nb,
+                                                                                     cfg.down_split_k)
+    moe_down_kernel[down_grid](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2, gu_part if defer else dummy, ws13, as13,
-        k, i, ep_rank * e_local, e_local,
+        k, i, ep_rank * e_local, e_local, down_nb,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, **gpu_kw, **pk,
+        GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
+        E_PAD=e_pad if down_persist else 1, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -386,18 +412,18 @@ def _fused_moe_op(
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
-    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1,
+    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
-            defer_split)
+            defer_split, persistent)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1):
+      fp8_accum="exact", defer_split=-1, persistent=-1):
     return None
 
 
@@ -411,7 +437,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              defer_split: bool | None = None):
+              defer_split: bool | None = None, persistent: int | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -447,6 +473,13 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     kernel, but every down N-block program redoes it); ``False``, the gate-up's last split;
     ``None`` (default), the config's ``gu_defer`` (the tuned table's choice per shape and
     batch; the heuristic's is ``False``). Same results bit for bit either way.
+    ``persistent``: programs per SM of the gate-up and down GEMMs wherever they run index tiles
+    without a K split (larger batches): that many programs per SM are launched and take the used
+    (tile, n-block) tasks in turn, in one flattened loop over tasks and K steps; ``0``: one program per
+    task of the upper-bound task map, the unused ones exiting at once; ``None`` (default): the config's
+    ``persistent``. Same results bit for bit either way. A count above what fits on an SM at once
+    (shared memory, registers) is not refused: the programs that do not fit wait for a slot and run
+    their tasks after the others, which is slower, never wrong.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -504,13 +537,17 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
     if defer_split is not None and not isinstance(defer_split, bool):
         raise TypeError(f"defer_split must be a bool or None, got {defer_split!r}")
+    if persistent is not None:
+        check_int("persistent", persistent, 0, MAX_PERSISTENT)
     pdl_arg = -1 if pdl is None else int(pdl)
     defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
+    persist_arg = -1 if persistent is None else persistent
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg)
+        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg,
+                      persist_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg)
     return out

@@ -324,6 +324,16 @@ def _row_pairs(p_sorted, o_m, m_m, PAIR_TILES: tl.constexpr):
 
 
 @triton.jit
+def _used_tiles(p_offsets, num_local, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """Tiles of the task map in use: sum over local experts of ceil(pairs / BLOCK_M). The index build
+    puts them first (tile_expert[t] >= 0 exactly for t below this count)."""
+    o_e = tl.arange(0, E_PAD)
+    m_e = o_e < num_local
+    b_cnt = tl.load(p_offsets + o_e + 1, mask=m_e, other=0) - tl.load(p_offsets + o_e, mask=m_e, other=0)
+    return tl.sum((b_cnt + BLOCK_M - 1) // BLOCK_M, axis=0)
+
+
+@triton.jit
 def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
     """SiLU(gate) * up of fully reduced gate-up sums [rows, cols], as the down GEMM reads it:
     (values, per-row scale). bf16: fp32 values, scale unused; fp8 per-tensor: e4m3 at the
@@ -357,42 +367,15 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_
         tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
 
 
-@triton.jit(do_not_specialize=["top_k", "e_first", "num_local"])
-def moe_gate_up_kernel(
-    p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
-    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
-    top_k, I, K, e_first, num_local,
-    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
-    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
-    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr,
-):
-    """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
-
-    One program per (tile, n-block of I, K split); tokens are read through
-    sorted_pairs (row -> pair -> token), never gathered into a copy.
-
-    SPLIT_K > 1 (decode: too few (tile, n-block) programs to stream the weights at
-    full bandwidth): each split stores its fp32 partial sums of gate and up in
-    ``p_part`` [SPLIT_K, max_tiles * BLOCK_M, 2 * I] (pair tiles: [SPLIT_K, P, 2 * I]),
-    then bumps the arrival counter of its (tile, n-block) in ``p_count`` (zeroed by the
-    index kernel, or by moe_zero_kernel with pair tiles);
-    the split that arrives last sums the partials in split order (deterministic),
-    applies the activation and requantisation, and resets the counter.
-
-    DEFER (pair tiles with SPLIT_K > 1): each split only stores its partials; the down
-    kernel adds them as it loads its operand (``GU_SPLIT``), so no counter, no arrival
-    round trips and no ``inter`` buffer.
-    """
-    tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
-    pdl_enter(PDL)
-    i_tile = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_s = tl.program_id(2)
-    e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
-                             PAIR_TILES)
-    if e < 0:
-        return
+@triton.jit
+def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
+                  p_x, p_xs, p_w, p_ws, p_sorted, p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
+                  top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
+                  stride_osm, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
+                  PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr):
+    """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n``,
+    K split ``i_s``); see moe_gate_up_kernel."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -450,55 +433,91 @@ def moe_gate_up_kernel(
         p_pg = p_part + o_r[:, None] * (2 * I) + o_n[None, :]
         tl.store(p_pg + i_s * stride_ps, acc_g, mask=m_m[:, None])
         tl.store(p_pg + i_s * stride_ps + I, acc_u, mask=m_m[:, None])
-        if DEFER:
-            return
-        p_c = p_count + i_tile * tl.num_programs(1) + i_n
-        # (arrived_last puts a CTA barrier before the release: without it only the thread
-        # that runs the atomic had its partial stores ordered before it)
-        if arrived_last(p_c, SPLIT_K):
-            # split order from a zero tile: moe_down_kernel's GU_SPLIT sum must stay the same
-            red_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            red_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
-                red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
-            _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale,
-                              p_o_scale, stride_om, stride_osm, MODE, FP8_ROUND)
-            tl.store(p_c, 0)
+        if not DEFER:  # DEFER: the partials are the down GEMM's to add
+            p_c = p_count + i_tile * tl.num_programs(1) + i_n
+            # (arrived_last puts a CTA barrier before the release: without it only the thread
+            # that runs the atomic had its partial stores ordered before it)
+            if arrived_last(p_c, SPLIT_K):
+                # split order from a zero tile: moe_down_kernel's GU_SPLIT sum must stay the same
+                red_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                red_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for s in range(0, SPLIT_K):
+                    red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
+                    red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
+                _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale,
+                                  p_o_scale, stride_om, stride_osm, MODE, FP8_ROUND)
+                tl.store(p_c, 0)
 
 
-@triton.jit(do_not_specialize=["top_k", "e_first", "num_local"])
-def moe_down_kernel(
-    p_a, p_as, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
-    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale,
-    top_k, K, e_first, num_local,
-    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps,
+@triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
+def moe_gate_up_kernel(
+    p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
+    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
+    top_k, I, K, e_first, num_local, num_nb,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
-    FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
+    PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
+    E_PAD: tl.constexpr,
 ):
-    """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
+    """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
-    Stored in pair_out's dtype (bf16 with SPLIT_K == 1, else fp32 partial sums); the reduce
-    kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32.
+    One program per (tile, n-block of I, K split); tokens are read through
+    sorted_pairs (row -> pair -> token), never gathered into a copy.
 
-    GU_SPLIT > 0 (pair tiles whose gate-up was K-split GU_SPLIT ways with DEFER): there is no
-    ``inter``; each K step adds the step's gate and up partials of the pair (``p_gpart``
-    [GU_SPLIT, P, 2K], row = pair, in split order as the gate-up's last split would) and
-    applies the activation and requantisation itself (:func:`_activate`, with the gate-up's
-    scales ``p_gws``, ``p_ga_scale``; block mode: one 128-wide group per K step). The partial
-    loads are one [BLOCK_K] row per split, pipelined with the weights like any operand load.
+    SPLIT_K > 1 (decode: too few (tile, n-block) programs to stream the weights at
+    full bandwidth): each split stores its fp32 partial sums of gate and up in
+    ``p_part`` [SPLIT_K, max_tiles * BLOCK_M, 2 * I] (pair tiles: [SPLIT_K, P, 2 * I]),
+    then bumps the arrival counter of its (tile, n-block) in ``p_count`` (zeroed by the
+    index kernel, or by moe_zero_kernel with pair tiles);
+    the split that arrives last sums the partials in split order (deterministic),
+    applies the activation and requantisation, and resets the counter.
+
+    DEFER (pair tiles with SPLIT_K > 1): each split only stores its partials; the down
+    kernel adds them as it loads its operand (``GU_SPLIT``), so no counter, no arrival
+    round trips and no ``inter`` buffer.
+
+    PERSIST (index tiles, no K split; ``num_nb`` n-blocks): a fixed grid of programs takes the
+    used tasks in turn (:func:`_used_tiles`), in the order of the one-program-per-task grid
+    (tiles fastest), in one flattened loop over tasks and K steps (the next task's first
+    loads can overlap this one's last steps and epilogue).
     """
-    tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
-    tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
+    tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
+    tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
     pdl_enter(PDL)
-    i_tile = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_s = tl.program_id(2)
-    e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
-                             PAIR_TILES)
-    if e < 0:
-        return
+    if PERSIST:
+        used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
+        for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
+            i_tile = task % used
+            e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local,
+                                     BLOCK_M, False)
+            _gate_up_tile(e, o_m, m_m, i_tile, task // used, tl.full([], 0, tl.int32), p_x, p_xs, p_w, p_ws, p_sorted,
+                p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, top_k, I, K, stride_xt, stride_xst, stride_we,
+                stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
+                DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
+    else:
+        i_tile = tl.program_id(0)
+        i_n = tl.program_id(1)
+        i_s = tl.program_id(2)
+        e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
+                                 PAIR_TILES)
+        if e < 0:
+            return
+        _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
+            p_out_s, p_a_scale, p_o_scale, p_part, p_count, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn,
+            stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32,
+            FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
+
+
+@triton.jit
+def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
+               p_a, p_as, p_w, p_ws, p_sorted, p_topk_w, p_out, p_a_scale, p_gpart, p_gws, p_ga_scale,
+               K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
+               stride_gps, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PAIR_TILES: tl.constexpr,
+               FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """One task of the down GEMM (tile of local expert ``e``, n-block ``i_n``, K split ``i_s``); see
+    moe_down_kernel."""
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
@@ -561,6 +580,59 @@ def moe_down_kernel(
     acc = acc * b_tw[:, None]
     p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
+
+
+@triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
+def moe_down_kernel(
+    p_a, p_as, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
+    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale,
+    top_k, K, e_first, num_local, num_nb,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps,
+    MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
+    FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
+    E_PAD: tl.constexpr,
+):
+    """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
+
+    Stored in pair_out's dtype (bf16 with SPLIT_K == 1, else fp32 partial sums); the reduce
+    kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32.
+
+    GU_SPLIT > 0 (pair tiles whose gate-up was K-split GU_SPLIT ways with DEFER): there is no
+    ``inter``; each K step adds the step's gate and up partials of the pair (``p_gpart``
+    [GU_SPLIT, P, 2K], row = pair, in split order as the gate-up's last split would) and
+    applies the activation and requantisation itself (:func:`_activate`, with the gate-up's
+    scales ``p_gws``, ``p_ga_scale``; block mode: one 128-wide group per K step). The partial
+    loads are one [BLOCK_K] row per split, pipelined with the weights like any operand load.
+
+    PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction).
+    """
+    tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
+    tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
+    tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
+    pdl_enter(PDL)
+    if PERSIST:
+        used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
+        for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
+            i_tile = task % used
+            e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local,
+                                     BLOCK_M, False)
+            _down_tile(e, o_m, m_m, i_tile, task // used, tl.full([], 0, tl.int32), p_a, p_as, p_w, p_ws, p_sorted,
+                p_topk_w, p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we,
+                stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
+                SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
+    else:
+        i_tile = tl.program_id(0)
+        i_n = tl.program_id(1)
+        i_s = tl.program_id(2)
+        e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
+                                 PAIR_TILES)
+        if e < 0:
+            return
+        _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
+            p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
+            stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32,
+            PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
 
 
 @triton.jit(do_not_specialize=["top_k"])
