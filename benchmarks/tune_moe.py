@@ -130,6 +130,13 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
             out = [lc for label, c in out for lc in ((label, c),) + (
                 ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
     else:
+        if not fast_acc:
+            # wider down-GEMM N blocks on the default's tiles (round T): the down GEMM (K = I, a few K steps a
+            # task) ran at 0.39 of the dense rate in bf16 at Qwen3 T = 4096 against the gate-up's 0.58, and a
+            # wider N block reads each activation tile for more output columns
+            for dn in (128, 256):
+                if dn > d.down_block_n:
+                    out.append((f"default-dn{dn}", r(d, down_block_n=dn)))
         tiles = FAST_TILES if fast_acc else ((64, 128, 128, 8, 4), (32, 64, 64, 4, 4), (64, 64, 128, 4, 4),
                                              (128, 128, 128, 8, 3), (64, 64, 64, 4, 3), (128, 64, 128, 8, 3),
                                              (64, 128, 128, 8, 3), (32, 128, 64, 4, 3), (16, 64, 64, 4, 4),
