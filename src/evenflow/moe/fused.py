@@ -72,7 +72,8 @@ class MoEConfig:
     # > 0: each GEMM that runs index tiles without a K split (larger batches) is launched as this many
     # programs per SM, which take the used (tile, n-block) tasks in turn in one flattened loop (kernels.py,
     # PERSIST); 0: one program per task of the upper-bound task map (unused ones exit at once). Pair tiles
-    # and K-split GEMMs always take one program per task. Tables written before it: 0.
+    # and K-split GEMMs always take one program per task. Tables written before it: 0. Measured slower than
+    # one program per task at 93 of 96 benchmark points (round T3, docs/perf-notes/moe.md): never the default.
     persistent: int = 0
 
     def as_list(self) -> list[int]:
@@ -479,7 +480,8 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     task of the upper-bound task map, the unused ones exiting at once; ``None`` (default): the config's
     ``persistent``. Same results bit for bit either way. A count above what fits on an SM at once
     (shared memory, registers) is not refused: the programs that do not fit wait for a slot and run
-    their tasks after the others, which is slower, never wrong.
+    their tasks after the others, which is slower, never wrong. Measured slower than the default at
+    93 of 96 benchmark points on the H200 (docs/perf-notes/moe.md, round T3).
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
