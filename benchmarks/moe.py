@@ -43,20 +43,20 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
-         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-grid")
+         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
 # evenflow-lastsplit (defer_split=False: a K-split gate-up on pair tiles reduced by its last split, not by the
-# down GEMM's operand load; the deferral's A/B), evenflow-persist1 / -persist2 / -grid (persistent=1, 2, 0: the
-# GEMMs that run index tiles without a K split as 1 or 2 programs per SM looping over the used tasks, or one
-# program per task; the persistent GEMMs' A/B)
+# down GEMM's operand load; the deferral's A/B), evenflow-persist1 / -persist2 (persistent=1, 2: the GEMMs that
+# run index tiles without a K split as 1 or 2 programs per SM looping over the used tasks; the persistent GEMMs'
+# A/B against the default's one program per task)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
                   "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
-                  "evenflow-persist2": {"persistent": 2}, "evenflow-grid": {"persistent": 0}}
+                  "evenflow-persist2": {"persistent": 2}}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

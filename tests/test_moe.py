@@ -240,13 +240,16 @@ def test_deferred_split_reduce_equals_last_split(device, fmt, monkeypatch):
 def test_persistent_equals_one_program_per_task(device, fmt):
     """Persistent GEMMs (``persistent=n``: n programs per SM take the used (tile, n-block) tasks in turn
     in one flattened loop) give the one-program-per-task result bit for bit: with more tasks than
-    programs (several per program), experts left idle, ids routed to other EP ranks, a token listing one
-    expert twice, shared output and routed scaling; with no pair on this rank (no used tile: the loop
-    runs no task and the output is the shared term alone); and the default config's choice
-    (``persistent=None``) follows ``config.persistent``."""
+    programs (several per program), several n-blocks in both GEMMs (16-wide, and block mode's 128-wide
+    gate-up over I = 256), experts left idle, ids routed to other EP ranks, a token listing one expert
+    twice, shared output and routed scaling; with no pair on this rank (no used tile: the loop runs no
+    task and the output is the shared term alone); and the default (``persistent=None``) follows
+    ``config.persistent``, which the keyword overrides."""
     from evenflow import _compile_check as CC
 
     h, i = SIZES[fmt]
+    if fmt == "fp8_block":
+        i = 256  # two 128-wide gate-up n-blocks (block mode pins the gate-up N block to 128)
     ew = random_moe_weights(fmt, 4, h, i, device)
     g = torch.Generator().manual_seed(3)
     t = 40
@@ -260,8 +263,10 @@ def test_persistent_equals_one_program_per_task(device, fmt):
     shared = torch.randn(t, h, generator=g).bfloat16().to(device)
     base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
     kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.25)
-    for cfg in (dataclasses.replace(base, block_m=16), dataclasses.replace(base, block_m=32)):
-        assert cfg.gu_split_k == cfg.down_split_k == 1
+    narrow = {} if fmt == "fp8_block" else {"gu_block_n": 16}
+    for cfg in (dataclasses.replace(base, block_m=16, down_block_n=16, **narrow),
+                dataclasses.replace(base, block_m=32, down_block_n=32, **narrow)):
+        assert cfg.gu_split_k == cfg.down_split_k == 1 and i // cfg.gu_block_n >= 2 and h // cfg.down_block_n >= 2
         ys = {n: evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=False, persistent=n,
                                     out=poisoned((t, h), torch.bfloat16, device), **kw) for n in (0, 1, 2)}
         what = f"{fmt} {cfg}"
@@ -281,12 +286,18 @@ def test_persistent_equals_one_program_per_task(device, fmt):
                                    pair_tiles=True, ep_rank=1, num_experts_total=12)
             gemms = [dict(ln.constexprs) for ln in launches if ln.name in ("moe_gate_up_kernel", "moe_down_kernel")]
             assert [c["PERSIST"] for c in gemms] == [n > 0, n > 0, False, False], gemms
+        with CC.record_launches(execute=True) as launches:  # the keyword overrides the config
+            evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=2), pair_tiles=False,
+                               persistent=0, **kw)
+        assert not any(dict(ln.constexprs).get("PERSIST") for ln in launches)
     with pytest.raises(ValueError, match="persistent"):
         evenflow.fused_moe(x, ids, w, ew, persistent=9, **kw)
     with pytest.raises(TypeError, match="persistent"):
         evenflow.fused_moe(x, ids, w, ew, persistent=True, **kw)
     with pytest.raises(ValueError, match="config.persistent"):
         evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=-1), **kw)
+    with pytest.raises(TypeError, match="config.persistent"):
+        evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=1.5), **kw)
 
 
 class _count_launches:

@@ -354,7 +354,8 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
 def test_persistent_gemms_real_shapes(shape, fmt):
     """Persistent GEMMs (1 and 2 programs per SM over the used tasks) at T = 512 and 4096 on the
     chosen configs: bitwise the one-program-per-task result, in a CUDA graph replayed with new routing
-    (the used tile count changes between replays; the last replay puts every pair on one local expert)
+    (the used tile count changes between replays; in the last one a pair of every token goes to the same
+    local expert)
     and eagerly, and within the rule of the oracle."""
     e, e_tot, ep, k, h, i = SHAPES[shape]
     ew = weights(shape, fmt)

@@ -48,8 +48,8 @@ PAIR_TILE_MAX_PAIRS = 16
 # reduced-precision accumulation (kernels.py, FAST_ACC). fp8 tl.dot needs K-steps >= 32.
 FP8_ACCUM = ("exact", "fast")
 FAST_ACC_MIN_BLOCK_K = 32
-# MoEConfig.persistent: at most this many resident programs per SM are asked for (more never fit:
-# the GEMM tiles take 10-150 KB of shared memory each).
+# MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
+# registers and shared memory leave room for 1-5 resident programs per SM at the measured configs).
 MAX_PERSISTENT = 8
 
 
@@ -72,8 +72,8 @@ class MoEConfig:
     # > 0: each GEMM that runs index tiles without a K split (larger batches) is launched as this many
     # programs per SM, which take the used (tile, n-block) tasks in turn in one flattened loop (kernels.py,
     # PERSIST); 0: one program per task of the upper-bound task map (unused ones exit at once). Pair tiles
-    # and K-split GEMMs always take one program per task. Tables written before it: 0. Measured slower than
-    # one program per task at 93 of 96 benchmark points (round T3, docs/perf-notes/moe.md): never the default.
+    # and K-split GEMMs always take one program per task. Tables written before it: 0. Not faster than one
+    # program per task but at 3 of 96 benchmark points (rounds T3, T6, docs/perf-notes/moe.md): never the default.
     persistent: int = 0
 
     def as_list(self) -> list[int]:
@@ -118,7 +118,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     experts are streamed by enough programs at once.
 
     FP8 weights in the default (exact) mode take 32-row tiles (4 warps, 4 stages) above 16 rows
-    per expert, whatever the batch: the tuner's choice at every such point of the tuned table.
+    per expert, whatever the batch: the tile class the tuner chose at every such point of the tuned
+    table (round S8; since round T4 most of those entries widen the down GEMM's N block, which this
+    function does not).
 
     ``fast_acc`` (FP8 weights, ``fp8_accum="fast"``): K-steps of at least 32 (fp8 dots), and
     above 16 rows per expert fp8-wgmma tiles (64 rows; 128 past 128 rows in per-tensor mode).
@@ -129,11 +131,13 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     fp8 = mode != 0
     # FP8 in the exact mode: every dot is an f16 product of exact e4m3 values (rounds F, G). On 64/128-row
     # tiles (wgmma on sm_90) the upcast operand makes a register -> shared-memory round trip each K step;
-    # 32-row tiles (mma.sync, operands in registers) avoid it. The tuner chose 32 x 64 (per-tensor) / 32 x
-    # 128 (block) gate-up tiles on 4 warps, 4 stages at every fp8 point above 16 rows per expert of all three
-    # benchmark shapes (configs/h200.json, T = 512, 1024, 4096); round S7 measured them 1.59-1.78x faster
+    # 32-row tiles (mma.sync, operands in registers) avoid it. Round S8: the tuner had chosen 32 x 64
+    # (per-tensor) / 32 x 128 (block) gate-up tiles on 4 warps, 4 stages at every fp8 point above 16 rows per
+    # expert of all three benchmark shapes (T = 512, 1024, 4096); round S7 measured them 1.59-1.78x faster
     # than this function's former 64-row choice on the untuned Hy3 TP2 / EP2 shards
-    # (benchmarks/results/h200/history/round-s7). Fast accumulation keeps its fp8-wgmma tiles below.
+    # (benchmarks/results/h200/history/round-s7). Round T4's re-tune kept mma.sync-sized tiles on 4 warps at
+    # every such point (32 rows at all but one, 16 there; a down N block of 128 or 256 at 10 of 15, null
+    # (this function's tile) at 4). Fast accumulation keeps its fp8-wgmma tiles below.
     exact_fp8 = fp8 and not fast_acc
     block_m = 16 if rows <= 16 else 32 if exact_fp8 or rows <= 32 else 64
     if mode == 2:
@@ -246,6 +250,10 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
     ``fast_acc`` (fp8 dots) its K-steps must be >= 32 deep."""
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(cfg).__name__}")
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"config.{f.name} must be an int, got {type(v).__name__}")
     for name in ("block_m", "gu_block_n", "gu_block_k", "down_block_n", "down_block_k", "gu_split_k",
                  "down_split_k"):
         v = getattr(cfg, name)
@@ -351,15 +359,19 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     ws13_strides = (ws13.stride(0), ws13.stride(1)) if mode == 2 else (0, 0)
     ws2_strides = (ws2.stride(0), ws2.stride(1)) if mode == 2 else (0, 0)
 
-    # persistent GEMMs (index tiles, no K split): cfg.persistent programs per SM, at most one per task of
-    # the upper-bound map; each reads the used tile count from the index and loops over the used tasks
-    sms = num_sms(dev)
     per_sm = cfg.persistent if persistent < 0 else persistent
-    gu_persist = per_sm > 0 and not by_pair and cfg.gu_split_k == 1
-    down_persist = per_sm > 0 and not by_pair and cfg.down_split_k == 1
+    sms = num_sms(dev) if per_sm > 0 else 0
+
+    def gemm_launch(split_k: int, nb: int) -> tuple[tuple[int, ...], bool, int]:
+        """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split) as per_sm programs per SM,
+        at most one per task of the upper-bound map, each reading the used tile count from the index and
+        looping over the used tasks; else one program per (tile, n-block, K split) task."""
+        if per_sm > 0 and not by_pair and split_k == 1:
+            return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
+        return (n_tiles, nb, split_k), False, 1
+
     down_nb = h // cfg.down_block_n
-    e_pad = triton.next_power_of_2(e_local)
-    gu_grid = (min(n_tiles * gu_nb, per_sm * sms),) if gu_persist else (n_tiles, gu_nb, cfg.gu_split_k)
+    gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
@@ -369,7 +381,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        DEFER=defer, PERSIST=gu_persist, E_PAD=e_pad if gu_persist else 1, **gpu_kw, **pk,
+        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -379,8 +391,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # the tests keep (docs/perf-notes/moe.md, "cost in accuracy").
     pair_dtype = torch.bfloat16 if cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
-    down_grid = (min(n_tiles * down_nb, per_sm * sms),) if down_persist else (n_tiles, down_nb,
-                                                                                     cfg.down_split_k)
+    down_grid, down_persist, down_e_pad = gemm_launch(cfg.down_split_k, down_nb)
     moe_down_kernel[down_grid](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2, gu_part if defer else dummy, ws13, as13,
@@ -390,7 +401,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
-        E_PAD=e_pad if down_persist else 1, **gpu_kw, **pk,
+        E_PAD=down_e_pad, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -480,8 +491,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     task of the upper-bound task map, the unused ones exiting at once; ``None`` (default): the config's
     ``persistent``. Same results bit for bit either way. A count above what fits on an SM at once
     (shared memory, registers) is not refused: the programs that do not fit wait for a slot and run
-    their tasks after the others, which is slower, never wrong. Measured slower than the default at
-    93 of 96 benchmark points on the H200 (docs/perf-notes/moe.md, round T3).
+    their tasks after the others, which is slower, never wrong. On the H200 it was faster than the
+    default by more than 1% at only 3 of 96 benchmark points and slower at 83, with or without the
+    loop's flattening (docs/perf-notes/moe.md, rounds T3, T6).
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
