@@ -142,6 +142,22 @@ FAST_TILES = {
 }
 
 
+def capture_variants(x, ids, w, ew, knob, values, **kw):
+    """{value: (out, graph)}: ``fused_moe`` captured in one CUDA graph per value of its keyword ``knob``,
+    each compiled by an eager call outside the capture; the graphs read ``x``, ``ids``, ``w`` in place."""
+    t, h = x.shape
+    res = {}
+    for v in values:
+        out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
+        evenflow.fused_moe(x, ids, w, ew, out=out, **{knob: v}, **kw)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            evenflow.fused_moe(x, ids, w, ew, out=out, **{knob: v}, **kw)
+        res[v] = (out, graph)
+    return res
+
+
 def check_fast(y, x, ids, w, ew, ep_rank, what):
     ref = moe_reference(x, ids, w, ew, ep_rank=ep_rank, dtype=torch.float64)
     base = moe_baseline(x, ids, w, ew, fast_accum=True, ep_rank=ep_rank)
@@ -327,20 +343,14 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
         if cfg.gu_split_k == 1:  # the comparison needs a K-split gate-up (pair tiles at T * k <= 16)
             kw["config"] = dataclasses.replace(cfg, gu_split_k=2)
         x, ids, w = inputs(shape, t)
-        outs = {d: torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for d in (True, False)}
-        graphs = {}
-        for d in (True, False):
-            evenflow.fused_moe(x, ids, w, ew, out=outs[d], defer_split=d, **kw)
-            torch.cuda.synchronize()
-            graphs[d] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[d]):
-                evenflow.fused_moe(x, ids, w, ew, out=outs[d], defer_split=d, **kw)
+        cap = capture_variants(x, ids, w, ew, "defer_split", (True, False), **kw)
+        outs = {d: out for d, (out, _) in cap.items()}
         for step in range(3):
             nx, nids, nw = inputs(shape, t)
             for dst, v in ((x, nx), (ids, nids), (w, nw)):
                 dst.copy_(v)
-            for d in (True, False):
-                graphs[d].replay()
+            for _, graph in cap.values():
+                graph.replay()
             eager = evenflow.fused_moe(x, ids, w, ew, **kw)
             torch.cuda.synchronize()
             what = f"{shape} {fmt} T={t} replay {step}"
@@ -362,22 +372,16 @@ def test_persistent_gemms_real_shapes(shape, fmt):
     kw = dict(ep_rank=ep, num_experts_total=e_tot)
     for t in (512, 4096):
         x, ids, w = inputs(shape, t)
-        outs = {n: torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for n in (0, 1, 2)}
-        graphs = {}
-        for n in outs:
-            evenflow.fused_moe(x, ids, w, ew, out=outs[n], persistent=n, **kw)  # compile outside capture
-            torch.cuda.synchronize()
-            graphs[n] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[n]):
-                evenflow.fused_moe(x, ids, w, ew, out=outs[n], persistent=n, **kw)
+        cap = capture_variants(x, ids, w, ew, "persistent", (0, 1, 2), **kw)
+        outs = {n: out for n, (out, _) in cap.items()}
         for step in range(3):
             nx, nids, nw = inputs(shape, t)
             if step == 2:
                 nids[:, 0] = ep * e + 3  # one local expert takes a pair of every token
             for dst, v in ((x, nx), (ids, nids), (w, nw)):
                 dst.copy_(v)
-            for n in outs:
-                graphs[n].replay()
+            for _, graph in cap.values():
+                graph.replay()
             eager = evenflow.fused_moe(x, ids, w, ew, persistent=1, **kw)
             torch.cuda.synchronize()
             what = f"{shape} {fmt} T={t} replay {step}"

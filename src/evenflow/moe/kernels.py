@@ -334,6 +334,16 @@ def _used_tiles(p_offsets, num_local, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr
 
 
 @triton.jit
+def _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
+                     BLOCK_M: tl.constexpr):
+    """Task ``task`` of a persistent GEMM's loop over the ``used`` tiles times the n-blocks, tiles fastest
+    (the one-program-per-task grid's order): (tile, n-block, local expert, rows, row mask)."""
+    i_tile = task % used
+    e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M, False)
+    return i_tile, task // used, e, o_m, m_m
+
+
+@triton.jit
 def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
     """SiLU(gate) * up of fully reduced gate-up sums [rows, cols], as the down GEMM reads it:
     (values, per-row scale). bf16: fp32 values, scale unused; fp8 per-tensor: e4m3 at the
@@ -488,10 +498,9 @@ def moe_gate_up_kernel(
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
-            i_tile = task % used
-            e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local,
-                                     BLOCK_M, False)
-            _gate_up_tile(e, o_m, m_m, i_tile, task // used, tl.full([], 0, tl.int32), p_x, p_xs, p_w, p_ws, p_sorted,
+            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
+                                                         e_first, num_local, BLOCK_M)
+            _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_x, p_xs, p_w, p_ws, p_sorted,
                 p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, top_k, I, K, stride_xt, stride_xst, stride_we,
                 stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
                 DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
@@ -614,10 +623,9 @@ def moe_down_kernel(
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
-            i_tile = task % used
-            e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local,
-                                     BLOCK_M, False)
-            _down_tile(e, o_m, m_m, i_tile, task // used, tl.full([], 0, tl.int32), p_a, p_as, p_w, p_ws, p_sorted,
+            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
+                                                         e_first, num_local, BLOCK_M)
+            _down_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_a, p_as, p_w, p_ws, p_sorted,
                 p_topk_w, p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we,
                 stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
                 SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
