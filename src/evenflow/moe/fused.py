@@ -76,6 +76,13 @@ class MoEConfig:
     # program per task but at 3 of 96 benchmark points (rounds T3, T6, docs/perf-notes/moe.md): never the default.
     persistent: int = 0
 
+    def __post_init__(self):
+        # checked once, where a config is made (table load, heuristic, a caller's replace), not per call
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"config.{f.name} must be an int, got {type(v).__name__}")
+
     def as_list(self) -> list[int]:
         return [getattr(self, f.name) for f in fields(self)]
 
@@ -250,10 +257,6 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
     ``fast_acc`` (fp8 dots) its K-steps must be >= 32 deep."""
     if not isinstance(cfg, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(cfg).__name__}")
-    for f in fields(cfg):
-        v = getattr(cfg, f.name)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"config.{f.name} must be an int, got {type(v).__name__}")
     for name in ("block_m", "gu_block_n", "gu_block_k", "down_block_n", "down_block_k", "gu_split_k",
                  "down_split_k"):
         v = getattr(cfg, name)

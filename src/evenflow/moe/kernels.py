@@ -489,8 +489,9 @@ def moe_gate_up_kernel(
 
     PERSIST (index tiles, no K split; ``num_nb`` n-blocks): a fixed grid of programs takes the
     used tasks in turn (:func:`_used_tiles`), in the order of the one-program-per-task grid
-    (tiles fastest), in one flattened loop over tasks and K steps (the next task's first
-    loads can overlap this one's last steps and epilogue).
+    (tiles fastest), in one flattened loop over tasks and K steps, so that the compiler may start a
+    task's first loads under the previous task's last steps. Measured slower than one program per
+    task (docs/perf-notes/moe.md, rounds T3, T6): opt-in only.
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
