@@ -116,6 +116,15 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
         out += [("st4", r(d, num_stages=4))]
         if mode != 2:
             out += [("gn32", r(d, gu_block_n=32))]
+        else:
+            # block mode on 64-wide gate-up N blocks (round U: twice the programs, each activation group
+            # requantised by its last program); at Qwen3 T = 4 the 128-wide programs left the gate-up at
+            # 0.84 of the copy rate where per-tensor's 64-wide ones ran faster (round L kernel split)
+            gs = d.gu_split_k
+            out += [("gn64", r(d, gu_block_n=64)),
+                    (f"gn64-gs{max(1, gs // 2) if gs > 1 else 2}",
+                     r(d, gu_block_n=64, gu_split_k=max(1, gs // 2) if gs > 1 else 2)),
+                    ("gn64-st4", r(d, gu_block_n=64, num_stages=4))]
         for gs, ds in ((d.gu_split_k * 2, d.down_split_k), (max(1, d.gu_split_k // 2), d.down_split_k),
                        (d.gu_split_k, d.down_split_k * 2), (d.gu_split_k, max(1, d.down_split_k // 2))):
             out.append((f"gs{gs}-ds{ds}", r(d, gu_split_k=gs, down_split_k=ds)))
@@ -137,6 +146,9 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
             for dn in (128, 256):
                 if dn > d.down_block_n:
                     out.append((f"default-dn{dn}", r(d, down_block_n=dn)))
+            if mode == 2:  # block mode's 64-wide gate-up N blocks (round U), per-tensor's tile width
+                out += [("default-gn64", r(d, gu_block_n=64)), ("default-gn64-dn128", r(d, gu_block_n=64,
+                                                                                       down_block_n=128))]
         tiles = FAST_TILES if fast_acc else ((64, 128, 128, 8, 4), (32, 64, 64, 4, 4), (64, 64, 128, 4, 4),
                                              (128, 128, 128, 8, 3), (64, 64, 64, 4, 3), (128, 64, 128, 8, 3),
                                              (64, 128, 128, 8, 3), (32, 128, 64, 4, 3), (16, 64, 64, 4, 4),

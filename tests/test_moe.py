@@ -300,6 +300,44 @@ def test_persistent_equals_one_program_per_task(device, fmt):
         evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=1.5), **kw)
 
 
+@pytest.mark.parametrize("gu_block_n", [64, 32])
+def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
+    """FP8 block mode on gate-up N blocks narrower than an activation group (128 columns, one scale a
+    row): each group is requantised by the last of its programs to finish, from the fp32 activations
+    they left, so the layer gives the 128-wide result bit for bit -- on index tiles and pair tiles,
+    with the gate-up split along K (its last split then joins the group), with a deferred split (the
+    down GEMM activates whole groups itself), persistent programs, ids routed to other EP ranks, an
+    idle expert and a token listing one expert twice; two calls into a dirty pool (the group counters
+    must be zeroed). Quantising each part of a group by its own row maximum fails this test."""
+    h, i = 256, 256  # two activation groups a row, 2 or 4 programs a group
+    ew = random_moe_weights("fp8_block", 4, h, i, device)
+    g = torch.Generator().manual_seed(5)
+    kw = dict(ep_rank=1, num_experts_total=12)  # rank 1 of 3 owns 4..7
+    for t in (2, 19):
+        ids = torch.randint(4, 7, (t, 3), generator=g, dtype=torch.int32)  # local expert 3 idle
+        ids[::4, 2] = 11
+        ids[1] = torch.tensor([6, 6, 5])
+        ids, w = ids.to(device), torch.rand(t, 3, generator=g).to(device)
+        base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
+        for split, pair_tiles, extra in ((1, False, {}), (2, False, {}), (1, True, {}), (2, True, {}),
+                                         (2, True, {"defer_split": True}), (1, False, {"persistent": 1})):
+            if pair_tiles and t * 3 > 16:
+                continue
+            x = torch.randn(t, h, generator=g).bfloat16().to(device)
+            wide = dataclasses.replace(base, gu_block_n=128, gu_split_k=split)
+            narrow = dataclasses.replace(wide, gu_block_n=gu_block_n)
+            y128 = evenflow.fused_moe(x, ids, w, ew, config=wide, pair_tiles=pair_tiles, **extra, **kw)
+            what = f"T={t} split={split} pair_tiles={pair_tiles} {extra} {narrow}"
+            for _ in range(2 if split == 2 else 1):
+                _dirty_pool(device)
+                y = evenflow.fused_moe(x, ids, w, ew, config=narrow, pair_tiles=pair_tiles,
+                                       out=poisoned((t, h), torch.bfloat16, device), **extra, **kw)
+                assert torch.equal(y, y128), f"narrow gate-up N blocks differ from 128-wide: {what}"
+            check_moe(y, x, ids, w, ew, what, ep_rank=1)
+    with pytest.raises(ValueError, match="BLOCK_N of at most 128"):
+        evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(base, gu_block_n=256), **kw)
+
+
 class _count_launches:
     """Count the launches of one kernel that evenflow.moe.fused launches (on any device):
     ``with _count_launches(monkeypatch, name) as n: ...`` leaves [count] in n."""

@@ -116,9 +116,10 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
 
     BLOCK_M follows the expected rows per expert (T*k/E): 16 (tl.dot's minimum) at
     decode, larger when experts see many tokens. N-blocks stay narrow (64) so that
-    each expert's weights are streamed by many programs at once. FP8 block mode
-    pins the gate-up N-block to 128 (one program owns a whole activation group of
-    the intermediate) and K-blocks to 128 (one weight scale per K step).
+    each expert's weights are streamed by many programs at once. In FP8 block mode the
+    heuristic keeps the gate-up N-block at 128 (one program owns a whole activation group
+    of the intermediate; narrower blocks, a tuned choice, requantise each group in its
+    last program) and K-blocks at 128 (one weight scale per K step).
 
     When the expected busy (tile, n-block) programs are fewer than 2 per SM (decode,
     or EP ranks that see a pair or two), K is split so the weights of the few hit
@@ -269,8 +270,9 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         raise ValueError(f"config gate-up tiles do not divide I={inter}, H={hidden}: {cfg}")
     if hidden % cfg.down_block_n or inter % (cfg.down_block_k * cfg.down_split_k):
         raise ValueError(f"config down tiles do not divide H={hidden}, I={inter}: {cfg}")
-    if mode == 2 and (cfg.gu_block_n != 128 or cfg.gu_block_k != 128 or cfg.down_block_k != 128):
-        raise ValueError(f"fp8 block mode needs gate-up BLOCK_N/BLOCK_K and down BLOCK_K of 128, got {cfg}")
+    if mode == 2 and (cfg.gu_block_n > 128 or cfg.gu_block_k != 128 or cfg.down_block_k != 128):
+        raise ValueError(f"fp8 block mode needs gate-up BLOCK_K and down BLOCK_K of 128 and a gate-up BLOCK_N of "
+                         f"at most 128, got {cfg}")
     if cfg.gu_defer not in (0, 1):
         raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
     if not 0 <= cfg.persistent <= MAX_PERSISTENT:
@@ -318,12 +320,19 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # Its cost: every down N-block program re-reads and re-activates the pair's partials in its K
     # loop (round P1: slower wherever the down GEMM has many K steps; docs/perf-notes/moe.md).
     defer = (cfg.gu_defer if defer_split < 0 else defer_split) == 1 and by_pair and cfg.gu_split_k > 1
+    # Block mode on gate-up N blocks narrower than an activation group (128): the group's last program
+    # requantises it from the fp32 activations its programs left in a buffer (one counter per tile and group)
+    group_split = mode == 2 and cfg.gu_block_n < 128 and not defer
+    n_split_counts = n_tiles * gu_nb if cfg.gu_split_k > 1 and not defer else 0
+    n_group_counts = n_tiles * (i // 128) if group_split else 0
     gu_count = gu_part = None
+    if n_split_counts + n_group_counts:
+        # one workspace, zeroed by one kernel: the split counters, then the group counters
+        gu_count = torch.empty(n_split_counts + n_group_counts, dtype=torch.int32, device=dev)
     if cfg.gu_split_k > 1:
-        if not defer:
-            gu_count = torch.empty(n_tiles * gu_nb, dtype=torch.int32, device=dev)
         part_rows = p if by_pair else n_tiles * cfg.block_m  # pair tiles: one row per pair
         gu_part = torch.empty(cfg.gu_split_k, part_rows, 2 * i, dtype=torch.float32, device=dev)
+    h_buf = torch.empty(p, i, dtype=torch.float32, device=dev) if group_split else None
     use_pdl = bool(pdl) if pdl >= 0 else (pdl_supported(dev) and p <= PDL_MAX_PAIRS)
     pk = pdl_kwargs(use_pdl)
     if by_pair:
@@ -379,6 +388,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
+        h_buf if group_split else dummy, gu_count[n_split_counts:] if group_split else dummy,
         k, i, h, ep_rank * e_local, e_local, gu_nb,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,

@@ -344,18 +344,20 @@ def _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets, e_
 
 
 @triton.jit
-def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """SiLU(gate) * up of fully reduced gate-up sums [rows, cols], as the down GEMM reads it:
-    (values, per-row scale). bf16: fp32 values, scale unused; fp8 per-tensor: e4m3 at the
-    static scale ``p_o_scale``; fp8 block: e4m3 with each row's scale over these columns,
-    which must be one whole 128-wide activation group. One definition for both places the
-    activation runs (the gate-up's epilogue, the down GEMM's deferred operand), so the two
-    paths give the same bits."""
+def _silu_mul(acc_g, acc_u, e64, p_ws, p_a_scale, MODE: tl.constexpr):
+    """SiLU(gate) * up in fp32 of fully reduced gate-up sums [rows, cols] (per-tensor fp8: dequantised first)."""
     if MODE == 1:
         deq = tl.load(p_ws + e64) * tl.load(p_a_scale)
         acc_g = acc_g * deq
         acc_u = acc_u * deq
-    b_h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+
+
+@triton.jit
+def _requant(b_h, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """The activation [rows, cols] as the down GEMM reads it: (values, per-row scale). bf16: fp32
+    values, scale unused; fp8 per-tensor: e4m3 at the static scale ``p_o_scale``; fp8 block: e4m3
+    with each row's scale over these columns, which must be one whole 128-wide activation group."""
     b_s = 1.0  # bf16 and per-tensor: no row scale
     if MODE == 1:
         b_h = to_fp8e4(tl.math.div_rn(b_h, tl.load(p_o_scale)), FP8_ROUND)
@@ -366,22 +368,53 @@ def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr,
 
 
 @triton.jit
-def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
-                      stride_om, stride_osm, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants, stored."""
-    b_h, b_s = _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE, FP8_ROUND)
-    p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
-    if MODE == 2:
-        # BLOCK_N == 128: this program owns one whole activation group of each row.
-        tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
+def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """SiLU(gate) * up of fully reduced gate-up sums, requantised (:func:`_requant`). One definition
+    for the places the activation runs (the gate-up's epilogue, the down GEMM's deferred operand),
+    so the paths give the same bits."""
+    return _requant(_silu_mul(acc_g, acc_u, e64, p_ws, p_a_scale, MODE), p_o_scale, MODE, FP8_ROUND)
+
+
+@triton.jit
+def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
+                      p_hbuf, p_gcount, I, stride_om, stride_osm, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      FP8_ROUND: tl.constexpr):
+    """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants, stored.
+
+    Block mode with BLOCK_N < 128: an activation group (128 columns of a row, one scale) spans
+    128 // BLOCK_N programs of the tile. Each stores its fp32 activations in ``p_hbuf`` [pairs, I]
+    and counts in at its (tile, group) counter in ``p_gcount``; the last to arrive reads the whole
+    group back and requantises it, as one 128-wide program would (the same bits), then resets the
+    counter."""
+    if MODE == 2 and BLOCK_N < 128:
+        o_m64 = o_m.to(tl.int64)
+        b_h = _silu_mul(acc_g, acc_u, e64, p_ws, p_a_scale, MODE)
+        tl.store(p_hbuf + o_m64[:, None] * I + o_n[None, :], b_h, mask=m_m[:, None])
+        i_g = (i_n * BLOCK_N) // 128
+        p_c = p_gcount + i_tile * (I // 128) + i_g
+        if arrived_last(p_c, 128 // BLOCK_N):
+            o_g = i_g * 128 + tl.arange(0, 128)
+            b_g = tl.load(p_hbuf + o_m64[:, None] * I + o_g[None, :], mask=m_m[:, None], other=0.0,
+                          cache_modifier=".cg")
+            b_q, b_s = _requant(b_g, p_o_scale, MODE, FP8_ROUND)
+            tl.store(p_out + o_m64[:, None] * stride_om + o_g[None, :], b_q.to(p_out.dtype.element_ty),
+                     mask=m_m[:, None])
+            tl.store(p_out_s + o_m64 * stride_osm + i_g, b_s, mask=m_m)
+            tl.store(p_c, 0)
+    else:
+        b_h, b_s = _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE, FP8_ROUND)
+        p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+        tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
+        if MODE == 2:
+            # BLOCK_N == 128: this program owns one whole activation group of each row.
+            tl.store(p_out_s + o_m.to(tl.int64) * stride_osm + i_n, b_s, mask=m_m)
 
 
 @triton.jit
 def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
                   p_x, p_xs, p_w, p_ws, p_sorted, p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
-                  top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om,
-                  stride_osm, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
+                  stride_wsn, stride_om, stride_osm, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
                   PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr):
     """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n``,
@@ -430,8 +463,8 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
         p_bu += BLOCK_K
 
     if SPLIT_K == 1:
-        _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
-                          stride_om, stride_osm, MODE, FP8_ROUND)
+        _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale,
+                          p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
     else:
         if PAIR_TILES:  # one partial row per pair (row 0; the masked rows address nothing)
             n_rows = tl.num_programs(0)
@@ -454,15 +487,15 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
                 for s in range(0, SPLIT_K):
                     red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
                     red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
-                _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, e64, p_ws, p_out, p_out_s, p_a_scale,
-                                  p_o_scale, stride_om, stride_osm, MODE, FP8_ROUND)
+                _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale,
+                                  p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
                 tl.store(p_c, 0)
 
 
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
 def moe_gate_up_kernel(
     p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
-    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
+    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount,
     top_k, I, K, e_first, num_local, num_nb,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -487,6 +520,11 @@ def moe_gate_up_kernel(
     kernel adds them as it loads its operand (``GU_SPLIT``), so no counter, no arrival
     round trips and no ``inter`` buffer.
 
+    Block mode (MODE 2) with BLOCK_N < 128 (more, smaller programs at decode batches): the
+    128-column activation groups are requantised by the last of their 128 // BLOCK_N programs to
+    finish, through ``p_hbuf`` (fp32 activations [pairs, I]) and the group counters ``p_gcount``
+    [tiles, I // 128] (zeroed like ``p_count``); see :func:`_gate_up_epilogue`.
+
     PERSIST (index tiles, no K split; ``num_nb`` n-blocks): a fixed grid of programs takes the
     used tasks in turn (:func:`_used_tiles`), in the order of the one-program-per-task grid
     (tiles fastest), in one flattened loop over tasks and K steps, so that the compiler may start a
@@ -502,9 +540,9 @@ def moe_gate_up_kernel(
             i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
                                                          e_first, num_local, BLOCK_M)
             _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_x, p_xs, p_w, p_ws, p_sorted,
-                p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, top_k, I, K, stride_xt, stride_xst, stride_we,
-                stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
+                p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt,
+                stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M,
+                BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
     else:
         i_tile = tl.program_id(0)
         i_n = tl.program_id(1)
@@ -514,9 +552,9 @@ def moe_gate_up_kernel(
         if e < 0:
             return
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
-            p_out_s, p_a_scale, p_o_scale, p_part, p_count, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn,
-            stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32,
-            FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
+            p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
+            stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
+            SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
 
 
 @triton.jit
