@@ -415,3 +415,35 @@ def test_opcheck_cuda(fmt):
     if fmt != "bf16":
         utils = utils[1:]  # torch's schema checker has no fp8 arithmetic (see tests/test_moe.py)
     torch.library.opcheck(torch.ops.evenflow.fused_moe_.default, args, test_utils=utils)
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "hy3-ep8"])
+def test_block_mode_narrow_gate_up_real_shapes(shape):
+    """FP8 block mode on 64-wide gate-up N blocks (each 128-column activation group requantised by the last
+    of its two programs) at real shapes, on pair tiles (T = 2), index tiles with a K-split gate-up (T = 4) and
+    without (T = 64, 256, 1024): bitwise the 128-wide result in CUDA graphs replayed with new routing (in the
+    last replay one local expert takes a pair of every token) and eagerly, and within the rule of the oracle."""
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, "fp8_block")
+    kw = dict(ep_rank=ep, num_experts_total=e_tot)
+    for t in (2, 4, 64, 256, 1024):
+        x, ids, w = inputs(shape, t)
+        d = choose_config(t, k, e, h, i, 2, num_experts_total=e_tot)
+        wide = dataclasses.replace(d, gu_block_n=128, gu_split_k=2 if t == 4 else d.gu_split_k)
+        narrow = dataclasses.replace(wide, gu_block_n=64)
+        cap = capture_variants(x, ids, w, ew, "config", (wide, narrow), **kw)
+        for step in range(3):
+            nx, nids, nw = inputs(shape, t)
+            if step == 2:
+                nids[:, 0] = ep * e + 3
+            for dst, v in ((x, nx), (ids, nids), (w, nw)):
+                dst.copy_(v)
+            for _, graph in cap.values():
+                graph.replay()
+            eager = evenflow.fused_moe(x, ids, w, ew, config=narrow, **kw)
+            torch.cuda.synchronize()
+            what = f"{shape} T={t} replay {step} {narrow}"
+            assert torch.equal(cap[narrow][0], cap[wide][0]), f"64-wide gate-up differs from 128-wide: {what}"
+            assert torch.equal(eager, cap[narrow][0]), f"eager differs from the graph: {what}"
+            if step == 1 and t <= 256:
+                check(cap[narrow][0], x, ids, w, ew, ep, what)
