@@ -43,20 +43,21 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
-         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2")
+         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
 # evenflow-lastsplit (defer_split=False: a K-split gate-up on pair tiles reduced by its last split, not by the
 # down GEMM's operand load; the deferral's A/B), evenflow-persist1 / -persist2 (persistent=1, 2: the GEMMs that
 # run index tiles without a K split as 1 or 2 programs per SM looping over the used tasks; the persistent GEMMs'
-# A/B against the default's one program per task)
+# A/B against the default's one program per task), evenflow-serialquant (the fp8 activation quantisation kernel
+# waiting at its top for the index kernel instead of running beside it: evenflow.moe.fused.QUANT_OVERLAP's A/B)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
                   "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
-                  "evenflow-persist2": {"persistent": 2}}
+                  "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False}}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
@@ -285,7 +286,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
 
         if not hasattr(evenflow, "MoEWeights") or not hasattr(evenflow, "fused_moe"):
             raise PeerUnavailable("evenflow.fused_moe / MoEWeights not available in this build")
-        kw = EVENFLOW_KNOBS[name]
+        kw = dict(EVENFLOW_KNOBS[name])
+        overlap = kw.pop("_quant_overlap", None)  # a module switch, not a keyword: set around each call
         if kw.get("fp8_accum") == "fast" and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: fp8_accum='fast' applies to FP8 weights only")
         if w.variant == "bf16":
@@ -296,7 +298,9 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             ew = evenflow.MoEWeights.fp8_block(w.w13, w.w2, w.w13_scale, w.w2_scale)
 
         def bind(x, ids, tw):
-            return lambda: evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)
+            def call():
+                return evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)
+            return call if overlap is None else lambda: _with_quant_overlap(overlap, call)
         return bind
     if name == "sglang-triton":
         from evenflow.bench.peers.sglang import SGLangFusedMoE
@@ -309,6 +313,18 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         return GroupedMMMoE(w.variant, w.w13, w.w2, ep_rank=case.ep_rank, num_experts_total=ntot,
                             **w.kwargs()).bind
     raise ValueError(f"unknown impl {name!r}")
+
+
+def _with_quant_overlap(enabled: bool, fn):
+    """fn() with evenflow.moe.fused.QUANT_OVERLAP set to ``enabled`` (the launches it makes, and so a CUDA
+    graph captured around them, keep that choice)."""
+    from evenflow.moe import fused
+
+    saved, fused.QUANT_OVERLAP = fused.QUANT_OVERLAP, enabled
+    try:
+        return fn()
+    finally:
+        fused.QUANT_OVERLAP = saved
 
 
 # ----------------------------------------------------------------------------- driver

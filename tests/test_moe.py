@@ -338,6 +338,41 @@ def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
         evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(base, gu_block_n=256), **kw)
 
 
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+def test_quant_runs_beside_only_a_kernel_of_the_layer(fmt, monkeypatch):
+    """With PDL the activation quantisation kernel may start beside the kernel ahead of it (OVERLAP) only
+    when that kernel is the layer's own index or zeroing kernel, which waited for the kernels that wrote x;
+    as the layer's first kernel (pair tiles, no K-split counters) it must wait at its top, and it does
+    when PDL is off or ``QUANT_OVERLAP`` is False. The launches an H200 would get, recorded on the CPU."""
+    from evenflow import _compile_check as CC
+    from evenflow.moe import fused
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i)
+    base = choose_config(2, 3, 4, h, i, ew.mode)
+    quant = "moe_group_quant_kernel" if fmt == "fp8_block" else "moe_tensor_quant_kernel"
+    cases = [  # (T, config, pair tiles, pdl, QUANT_OVERLAP) -> the kernel launched before the quantisation
+        ((2, dataclasses.replace(base, gu_split_k=1), True, None, True), None),
+        ((2, dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2), True, None, True),
+         "moe_zero_kernel"),
+        ((40, None, False, None, True), "moe_index_kernel"),
+        ((100, None, False, None, True), "moe_index_place_kernel"),  # the multi-program build (> 256 pairs)
+        ((40, None, False, None, False), "moe_index_kernel"),
+        ((40, None, False, False, True), "moe_index_kernel"),
+    ]
+    for (t, cfg, pair_tiles, pdl, enabled), before in cases:
+        monkeypatch.setattr(fused, "QUANT_OVERLAP", enabled)
+        with CC.emulate_gpu(132), CC.record_launches() as launches:
+            evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 3), dtype=torch.int32),
+                               torch.rand(t, 3), ew, config=cfg, pair_tiles=pair_tiles, pdl=pdl)
+        names = [ln.name for ln in launches]
+        at = names.index(quant)
+        assert (names[at - 1] if at else None) == before, names
+        c = dict(launches[at].constexprs)
+        assert c["PDL"] is (pdl is not False), c
+        assert c["OVERLAP"] is (before is not None and enabled and pdl is not False), (t, pair_tiles, pdl, enabled, c)
+
+
 class _count_launches:
     """Count the launches of one kernel that evenflow.moe.fused launches (on any device):
     ``with _count_launches(monkeypatch, name) as n: ...`` leaves [count] in n."""

@@ -97,13 +97,14 @@ def _moe_launches():
                 evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e_local, (t, top_k),
                                    dtype=torch.int32), torch.rand(t, top_k), ew, config=cfg)
     # Block mode on 64-wide gate-up N blocks (each activation group requantised by its last program), as
-    # the tuner offers them at decode and mid batches: index tiles, with and without a K-split gate-up
+    # the tuner offers them at decode and mid batches: index tiles, with and without a K-split gate-up, and the
+    # persistent loop around them (round U: Triton 3.6 failed to build it flattened)
     h, i, _ = shapes["qwen3-30b-a3b"]
     ew = random_moe_weights("fp8_block", e_local, h, i)
-    for t, gs in ((4, 2), (64, 1), (256, 1)):
+    for t, gs, per_sm in ((4, 2, 0), (64, 1, 0), (256, 1, 0), (256, 1, 1)):
         cfg = dataclasses.replace(choose_config(t, top_k, e_local, h, i, 2), gu_block_n=64, gu_split_k=gs)
         evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e_local, (t, top_k), dtype=torch.int32),
-                           torch.rand(t, top_k), ew, config=cfg, pair_tiles=False)
+                           torch.rand(t, top_k), ew, config=cfg, pair_tiles=False, persistent=per_sm)
     # Persistent GEMMs (one flattened loop over tasks and K steps) at the large-batch configs
     for (h, i, _), fmts, batches in ((shapes["qwen3-30b-a3b"], ("bf16", "fp8_per_tensor", "fp8_block"), (512, 4096)),
                                      (shapes["hy3-tp8"], ("bf16", "fp8_per_tensor"), (4096,))):

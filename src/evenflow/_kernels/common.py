@@ -122,6 +122,29 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
+def pdl_enter_overlapped(PDL: tl.constexpr, OVERLAP: tl.constexpr):
+    """:func:`pdl_enter`, or with ``OVERLAP`` (the kernel reads nothing the kernel ahead of it writes, and
+    that kernel waited at its top for everything before it, so what this one reads is complete): allow
+    the next kernel to launch and start at once, running beside the kernel ahead.
+    :func:`pdl_leave_overlapped` must end such a kernel."""
+    if OVERLAP:
+        if PDL:
+            gdc_launch_dependents()
+    else:
+        pdl_enter(PDL)
+
+
+@triton.jit
+def pdl_leave_overlapped(PDL: tl.constexpr, OVERLAP: tl.constexpr):
+    """At the end of a kernel begun by :func:`pdl_enter_overlapped` with ``OVERLAP``: wait for the kernel
+    ahead to finish before exiting. The kernel after this one waits (its :func:`pdl_enter`) for this one
+    only, and would otherwise read the unfinished kernel's outputs."""
+    if OVERLAP:
+        if PDL:
+            gdc_wait()
+
+
+@triton.jit
 def _read_u64(dep, ASM: tl.constexpr, INTERPRET: tl.constexpr):
     # a 64-bit special register read by ``ASM``; 0 when interpreting (no GPU registers). The asm is
     # volatile (is_pure=False), which keeps it in program order with the kernel's other volatile

@@ -23,7 +23,7 @@ from evenflow.moe.kernels import (
     moe_tensor_quant_kernel,
     moe_zero_kernel,
 )
-from evenflow.moe.quant import MoEWeights, quant_fp8_per_token_group
+from evenflow.moe.quant import MoEWeights, group_quant_buffers, launch_group_quant
 from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
 
 __all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config", "tuned_config"]
@@ -36,6 +36,10 @@ _CONFIG_FILES = {"H200": "h200.json"}
 # pairs: there the launches are a large share of the layer. Above it grids span several
 # waves, and a kernel launched early would hold SM slots the one before it still needs.
 PDL_MAX_PAIRS = 512
+# With PDL, the activation quantisation kernel runs beside the index (or zeroing) kernel ahead of it and waits
+# for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
+# of benchmarks/moe.py's evenflow-serialquant row).
+QUANT_OVERLAP = True
 # Up to this many (token, slot) pairs on 16-row tiles, each pair is a GEMM task of its own
 # ("pair tiles"): no index build (one launch of ~3 us at T = 1, round I1's kernel split) and
 # one dependent load before the weights instead of three. A pair whose expert another pair
@@ -335,6 +339,16 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     h_buf = torch.empty(p, i, dtype=torch.float32, device=dev) if group_split else None
     use_pdl = bool(pdl) if pdl >= 0 else (pdl_supported(dev) and p <= PDL_MAX_PAIRS)
     pk = pdl_kwargs(use_pdl)
+    # The activation quantisation's outputs are allocated before any kernel of the layer is launched: with
+    # PDL its kernel runs beside the index (or zeroing) kernel ahead of it (``overlap``), so its buffers must
+    # not be memory that kernel still uses (the multi-program index build frees a histogram after launching)
+    overlap = QUANT_OVERLAP and use_pdl and not (by_pair and gu_count is None)  # a kernel of ours runs first
+    if mode == 2:
+        xq, xs = group_quant_buffers(x)
+    elif mode == 1:
+        xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), topk_weights
+    else:
+        xq, xs = x, topk_weights
     if by_pair:
         idx = None
         if gu_count is not None:
@@ -348,14 +362,12 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
 
     dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:
-        xq, xs = quant_fp8_per_token_group(x, pdl=use_pdl)
+        launch_group_quant(x, xq, xs, use_pdl, overlap=overlap)
     elif mode == 1:
-        xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
         block_q = min(1024, triton.next_power_of_2(h))
         moe_tensor_quant_kernel[(t, triton.cdiv(h, block_q))](
-            x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, num_warps=4, **pk)
-    else:
-        xq, xs = x, dummy
+            x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, OVERLAP=overlap,
+            num_warps=4, **pk)
     # the intermediate (and block mode's group scales), unless the down GEMM builds its operand itself
     inter = inter_s = dummy
     if not defer:

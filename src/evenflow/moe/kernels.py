@@ -44,6 +44,8 @@ from evenflow._kernels.common import (
     f16_operand,
     layout_barrier_bf16,
     pdl_enter,
+    pdl_enter_overlapped,
+    pdl_leave_overlapped,
     to_fp8e4,
 )
 
@@ -255,10 +257,13 @@ def moe_index_place_kernel(
 @triton.jit
 def moe_group_quant_kernel(
     p_x, p_q, p_s, num_groups, stride_xt, stride_qt, stride_st,
-    GROUPS: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
+    GROUPS: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr,
 ):
-    """x [T, H] -> fp8 q [T, H] and fp32 scale [T, H/128] per 128-wide group of a row."""
-    pdl_enter(PDL)
+    """x [T, H] -> fp8 q [T, H] and fp32 scale [T, H/128] per 128-wide group of a row.
+
+    OVERLAP (with PDL, inside ``fused_moe`` after its index or zeroing kernel, which waited for the
+    kernels that wrote x): runs beside that kernel and waits for it only before exiting."""
+    pdl_enter_overlapped(PDL, OVERLAP)
     i_t = tl.program_id(0).to(tl.int64)
     i_g = tl.program_id(1)
     o_g = i_g * GROUPS + tl.arange(0, GROUPS)
@@ -270,23 +275,26 @@ def moe_group_quant_kernel(
     b_q = to_fp8e4(tl.math.div_rn(b_x, b_s[:, None]), FP8_ROUND)
     tl.store(p_q + i_t * stride_qt + o_g[:, None] * 128 + o_c[None, :], b_q, mask=m_g[:, None])
     tl.store(p_s + i_t * stride_st + o_g, b_s, mask=m_g)
+    pdl_leave_overlapped(PDL, OVERLAP)
 
 
 @triton.jit
 def moe_tensor_quant_kernel(p_x, p_q, p_scale, H, stride_xt, stride_qt, BLOCK_H: tl.constexpr,
-                            FP8_ROUND: tl.constexpr, PDL: tl.constexpr):
+                            FP8_ROUND: tl.constexpr, PDL: tl.constexpr, OVERLAP: tl.constexpr):
     """x [T, H] -> fp8 q = sat_e4m3(x / scale) with one static scale (fp8 per-tensor mode).
 
     Done once per call: quantising inside the GEMM repeated the IEEE division for every
-    n-block program (round B: fp8 per-tensor 2x slower than bf16).
+    n-block program (round B: fp8 per-tensor 2x slower than bf16). OVERLAP: as
+    :func:`moe_group_quant_kernel`.
     """
-    pdl_enter(PDL)
+    pdl_enter_overlapped(PDL, OVERLAP)
     i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     b_x = tl.load(p_x + i_t * stride_xt + o_h, mask=m_h, other=0.0).to(tl.float32)
     b_q = to_fp8e4(tl.math.div_rn(b_x, tl.load(p_scale)), FP8_ROUND)
     tl.store(p_q + i_t * stride_qt + o_h, b_q, mask=m_h)
+    pdl_leave_overlapped(PDL, OVERLAP)
 
 
 @triton.jit(do_not_specialize=["num_zero"])
@@ -536,7 +544,10 @@ def moe_gate_up_kernel(
     pdl_enter(PDL)
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
-        for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
+        # not flattened around block mode's group requantisation (a branch after the K loop): Triton 3.6's
+        # nested-loop fusion then emits invalid IR (scf.if results) and the kernel does not compile
+        for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0),
+                             flatten=not (MODE == 2 and BLOCK_N < 128)):
             i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
                                                          e_first, num_local, BLOCK_M)
             _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_x, p_xs, p_w, p_ws, p_sorted,

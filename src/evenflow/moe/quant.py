@@ -128,13 +128,29 @@ def quant_fp8_per_token_group(x: torch.Tensor, pdl: bool = False) -> tuple[torch
     t, h = x.shape
     if h % 128:
         raise ValueError(f"x's last dimension ({h}) must be a multiple of 128 for per-token-group-128 quantisation")
-    q = torch.empty(t, h, dtype=FP8, device=x.device)
-    s = torch.empty(t, h // 128, dtype=torch.float32, device=x.device)
+    q, s = group_quant_buffers(x)
+    launch_group_quant(x, q, s, pdl)
+    return q, s
+
+
+def group_quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised outputs of :func:`quant_fp8_per_token_group` for a checked ``x`` [T, H]."""
+    t, h = x.shape
+    return (torch.empty(t, h, dtype=FP8, device=x.device),
+            torch.empty(t, h // 128, dtype=torch.float32, device=x.device))
+
+
+def launch_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, pdl: bool, overlap: bool = False) -> None:
+    """The kernel of :func:`quant_fp8_per_token_group` into ``q``, ``s`` (:func:`group_quant_buffers`).
+    ``overlap`` (with ``pdl``): the kernel ahead in the stream waited at its top for the kernels that wrote
+    ``x`` and writes nothing this one reads, so this one runs beside it (``moe_group_quant_kernel``);
+    ``q`` and ``s`` must then not be memory that kernel still uses (allocate them before launching it)."""
+    t, h = x.shape
     if t == 0:
-        return q, s
+        return
     groups = min(triton.next_power_of_2(h // 128), 16)
     moe_group_quant_kernel[(t, triton.cdiv(h // 128, groups))](
         x, q, s, h // 128, x.stride(0), q.stride(0), s.stride(0),
-        GROUPS=groups, FP8_ROUND=fp8_cast_needs_rounding(), num_warps=4, **pdl_kwargs(pdl),
+        GROUPS=groups, FP8_ROUND=fp8_cast_needs_rounding(), OVERLAP=overlap and pdl, num_warps=4,
+        **pdl_kwargs(pdl),
     )
-    return q, s
