@@ -447,3 +447,42 @@ def test_block_mode_narrow_gate_up_real_shapes(shape):
             assert torch.equal(eager, cap[narrow][0]), f"eager differs from the graph: {what}"
             if step == 1 and t <= 256:
                 check(cap[narrow][0], x, ids, w, ew, ep, what)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "hy3-ep8"])
+def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
+    """The activation quantisation started beside the index kernel (PDL, ``QUANT_OVERLAP``) gives the bits
+    of the serial chain, in CUDA graphs replayed with new routing and inputs (T = 4 and 32: the one-program
+    index build; T = 64, 512 pairs, the most PDL chains: the multi-program build, whose histogram is freed
+    after its launch), with and without a K-split gate-up (its counters zeroed by the index kernel)."""
+    from evenflow.moe import fused
+
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, fmt)
+    kw = dict(ep_rank=ep, num_experts_total=e_tot, pair_tiles=False)
+    for t in (4, 32, 64):
+        x, ids, w = inputs(shape, t)
+        d = choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
+        for cfg in (dataclasses.replace(d, gu_split_k=1), dataclasses.replace(d, gu_split_k=2)):
+            res = {}
+            for overlap in (False, True):
+                monkeypatch.setattr(fused, "QUANT_OVERLAP", overlap)
+                out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
+                evenflow.fused_moe(x, ids, w, ew, out=out, config=cfg, **kw)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    evenflow.fused_moe(x, ids, w, ew, out=out, config=cfg, **kw)
+                res[overlap] = (out, graph)
+            for step in range(3):
+                nx, nids, nw = inputs(shape, t)
+                for dst, v in ((x, nx), (ids, nids), (w, nw)):
+                    dst.copy_(v)
+                for _, graph in res.values():
+                    graph.replay()
+                torch.cuda.synchronize()
+                what = f"{shape} {fmt} T={t} replay {step} {cfg}"
+                assert torch.equal(res[True][0], res[False][0]), f"overlapped quantisation differs: {what}"
+                if step == 2 and t == 64:
+                    check(res[True][0], x, ids, w, ew, ep, what)
