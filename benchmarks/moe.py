@@ -51,7 +51,9 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # down GEMM's operand load; the deferral's A/B), evenflow-persist1 / -persist2 (persistent=1, 2: the GEMMs that
 # run index tiles without a K split as 1 or 2 programs per SM looping over the used tasks; the persistent GEMMs'
 # A/B against the default's one program per task), evenflow-serialquant (the fp8 activation quantisation kernel
-# waiting at its top for the index kernel instead of running beside it: evenflow.moe.fused.QUANT_OVERLAP's A/B)
+# waiting at its top for the index kernel instead of running beside it: evenflow.moe.fused.QUANT_OVERLAP's A/B;
+# FP8 only, and the same launches as evenflow wherever the overlap does not apply: past PDL_MAX_PAIRS pairs (no
+# PDL), and on pair tiles with no K-split counters, where the quantisation is the layer's first kernel)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -290,6 +292,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         overlap = kw.pop("_quant_overlap", None)  # a module switch, not a keyword: set around each call
         if kw.get("fp8_accum") == "fast" and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: fp8_accum='fast' applies to FP8 weights only")
+        if overlap is not None and w.variant == "bf16":
+            raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
         if w.variant == "bf16":
             ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
         elif w.variant == "fp8-tensor":

@@ -87,7 +87,7 @@ FORMATS = {
 DEFAULT_FORMATS = "bf16,fp8-tensor,fp8-block"
 # fast accumulation above 16 rows per expert: fp8-wgmma tiles (64/128 rows, 8 warps) first, then
 # the 32-row mma.sync tiles (where Triton computes f16 products) to compare against;
-# (BLOCK_M, gate-up N, down N, warps, stages); block mode pins the gate-up N to 128
+# (BLOCK_M, gate-up N, down N, warps, stages); block mode takes a 128-wide gate-up N in these
 FAST_TILES = ((64, 128, 128, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 8, 4), (128, 128, 128, 8, 4),
               (128, 64, 128, 8, 3), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (32, 128, 64, 4, 4),
               (32, 64, 64, 4, 4))
@@ -118,8 +118,9 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
             out += [("gn32", r(d, gu_block_n=32))]
         else:
             # block mode on 64-wide gate-up N blocks (round U: twice the programs, each activation group
-            # requantised by its last program); at Qwen3 T = 4 the 128-wide programs left the gate-up at
-            # 0.84 of the copy rate where per-tensor's 64-wide ones ran faster (round L kernel split)
+            # requantised by its last program; their +defer twins leave the activation to the down GEMM,
+            # which takes whole groups); at Qwen3 T = 4 the 128-wide programs left the gate-up at 0.84 of the
+            # copy rate where per-tensor's 64-wide ones ran faster (round L kernel split)
             gs = d.gu_split_k
             out += [("gn64", r(d, gu_block_n=64)),
                     (f"gn64-gs{max(1, gs // 2) if gs > 1 else 2}",
@@ -154,7 +155,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
                                              (64, 128, 128, 8, 3), (32, 128, 64, 4, 3), (16, 64, 64, 4, 4),
                                              (128, 64, 64, 4, 3))
         for bm, gn, dn, nw, st in tiles:
-            gn = 128 if mode == 2 else gn
+            gn = 128 if mode == 2 else gn  # block mode's narrow gate-up N: the two default-gn64 rows above only
             if fast_acc and case.inter % gn:  # the wgmma tiles at I = 192 (Hy3 TP8): 64-wide gate-up N
                 gn = 64
             out.append((f"bm{bm}-gn{gn}-dn{dn}-w{nw}-st{st}",

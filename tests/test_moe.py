@@ -249,7 +249,7 @@ def test_persistent_equals_one_program_per_task(device, fmt):
 
     h, i = SIZES[fmt]
     if fmt == "fp8_block":
-        i = 256  # two 128-wide gate-up n-blocks (block mode pins the gate-up N block to 128)
+        i = 256  # two 128-wide gate-up n-blocks (block mode's default gate-up N block)
     ew = random_moe_weights(fmt, 4, h, i, device)
     g = torch.Generator().manual_seed(3)
     t = 40
@@ -375,6 +375,17 @@ def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
         c = dict(launches[at].constexprs)
         assert c["PDL"] is (pdl is not False), c
         assert c["OVERLAP"] is (before is not None and enabled and pdl is not False), (t, pair_tiles, pdl, enabled, c)
+    if fmt == "fp8_block":
+        # its outputs exist before the index build: memory freed after the index kernel's launch (the
+        # multi-program build's histogram) must not become the buffers of a kernel that runs beside it
+        order = []
+        for name in ("group_quant_buffers", "build_moe_index"):
+            real = getattr(fused, name)
+            monkeypatch.setattr(fused, name, lambda *a, _r=real, _n=name, **k: (order.append(_n), _r(*a, **k))[1])
+        with CC.emulate_gpu(132), CC.record_launches():
+            evenflow.fused_moe(torch.randn(100, h).bfloat16(), torch.randint(0, 4, (100, 3), dtype=torch.int32),
+                               torch.rand(100, 3), ew, pair_tiles=False)
+        assert order == ["group_quant_buffers", "build_moe_index"], order
 
 
 class _count_launches:

@@ -453,18 +453,23 @@ def test_block_mode_narrow_gate_up_real_shapes(shape):
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "hy3-ep8"])
 def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
     """The activation quantisation started beside the index kernel (PDL, ``QUANT_OVERLAP``) gives the bits
-    of the serial chain, in CUDA graphs replayed with new routing and inputs (T = 4 and 32: the one-program
-    index build; T = 64, 512 pairs, the most PDL chains: the multi-program build, whose histogram is freed
-    after its launch), with and without a K-split gate-up (its counters zeroed by the index kernel)."""
+    of the serial chain, in CUDA graphs replayed with new routing and inputs (T = 2: pair tiles, beside the
+    zeroing kernel; T = 4 and 32: the one-program index build; T = 64, 512 pairs, the most PDL chains: the
+    multi-program build, whose histogram is freed after its launch), with and without a K-split gate-up (its
+    counters zeroed by the index kernel), and block mode's 64-wide gate-up (group counters after them)."""
     from evenflow.moe import fused
 
     e, e_tot, ep, k, h, i = SHAPES[shape]
     ew = weights(shape, fmt)
-    kw = dict(ep_rank=ep, num_experts_total=e_tot, pair_tiles=False)
-    for t in (4, 32, 64):
+    for t in (2, 4, 32, 64):
         x, ids, w = inputs(shape, t)
         d = choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
-        for cfg in (dataclasses.replace(d, gu_split_k=1), dataclasses.replace(d, gu_split_k=2)):
+        # T = 2: pair tiles with a K-split gate-up (the quantisation beside the zeroing kernel)
+        kw = dict(ep_rank=ep, num_experts_total=e_tot, pair_tiles=t == 2, defer_split=False)
+        cfgs = [dataclasses.replace(d, gu_split_k=2)] + ([dataclasses.replace(d, gu_split_k=1)] if t > 2 else [])
+        if fmt == "fp8_block" and t == 32:  # 64-wide gate-up: group counters after the split counters
+            cfgs.append(dataclasses.replace(d, gu_block_n=64, gu_split_k=2))
+        for cfg in cfgs:
             res = {}
             for overlap in (False, True):
                 monkeypatch.setattr(fused, "QUANT_OVERLAP", overlap)

@@ -3,7 +3,8 @@
 ``dot_operand`` and ``to_fp8e4`` exist for the Triton 3.6 CPU interpreter's defects
 (see ``evenflow._runtime``); on a GPU their constexpr switch is False and they compile
 to nothing. ``arrived_last`` is the one place the "last program to arrive finishes the
-work" pattern orders memory (router split-K, MoE split-K, decode combine groups).
+work" pattern orders memory (router split-K, MoE split-K and block-mode activation groups, decode combine
+groups).
 """
 import triton
 import triton.language as tl
@@ -125,8 +126,11 @@ def pdl_enter(PDL: tl.constexpr):
 def pdl_enter_overlapped(PDL: tl.constexpr, OVERLAP: tl.constexpr):
     """:func:`pdl_enter`, or with ``OVERLAP`` (the kernel reads nothing the kernel ahead of it writes, and
     that kernel waited at its top for everything before it, so what this one reads is complete): allow
-    the next kernel to launch and start at once, running beside the kernel ahead.
-    :func:`pdl_leave_overlapped` must end such a kernel."""
+    the next kernel to launch and start at once, running beside the kernel ahead. Also required with
+    ``OVERLAP``: this kernel writes no memory the kernel ahead reads or writes (allocate its outputs
+    before launching that kernel); every program reaches :func:`pdl_leave_overlapped` (no early return).
+    The kernel after this one sees the outputs of the kernel ahead only through that final wait: its own
+    wait covers this kernel alone."""
     if OVERLAP:
         if PDL:
             gdc_launch_dependents()

@@ -151,7 +151,7 @@ def _fill_unused(p_sorted, start, end, kept, num_pairs, BLOCK_P: tl.constexpr):
 
 @triton.jit
 def _zero_share(p_zero, first, step, num_zero):
-    """Zero p_zero[first + j*step : + 1024] for all j (one program's share of the split-K counters)."""
+    """Zero p_zero[first + j*step : + 1024] for all j (one program's share of the gate-up's counters)."""
     for start in range(first, num_zero, step):
         o_z = start + tl.arange(0, 1024)
         tl.store(p_zero + o_z, tl.zeros([1024], dtype=tl.int32), mask=o_z < num_zero)
@@ -299,7 +299,7 @@ def moe_tensor_quant_kernel(p_x, p_q, p_scale, H, stride_xt, stride_qt, BLOCK_H:
 
 @triton.jit(do_not_specialize=["num_zero"])
 def moe_zero_kernel(p_zero, num_zero, PDL: tl.constexpr):
-    """p_zero[:num_zero] = 0 (the gate-up split-K counters when no index kernel runs)."""
+    """p_zero[:num_zero] = 0 (the gate-up's split-K and activation-group counters when no index kernel runs)."""
     pdl_enter(PDL)
     _zero_share(p_zero, tl.program_id(0) * 1024, tl.num_programs(0) * 1024, num_zero)
 

@@ -56,8 +56,8 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     ``topk_ids`` [T, k] int32/int64 global expert ids; this rank owns experts
     ``[ep_rank * num_local_experts, (ep_rank + 1) * num_local_experts)``; pairs
     routed elsewhere (or to no valid expert) are dropped. ``zero`` (optional, int32,
-    contiguous) is a workspace the same launch fills with zeros (the gate-up
-    split-K counters), saving a memset launch. ``multi_program`` forces the one-program
+    contiguous) is a workspace the same launch fills with zeros (the gate-up's
+    split-K and activation-group counters), saving a memset launch. ``multi_program`` forces the one-program
     (False) or the two-launch (True) build; by default the size decides
     (``MULTI_PROGRAM_PAIRS``). Both give identical results. ``pdl``: launch with
     programmatic dependent launch (see :func:`evenflow.moe.fused.fused_moe`).
