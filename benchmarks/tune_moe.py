@@ -119,8 +119,8 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
         else:
             # block mode on 64-wide gate-up N blocks (round U: twice the programs, each activation group
             # requantised by its last program; their +defer twins leave the activation to the down GEMM,
-            # which takes whole groups); at Qwen3 T = 4 the 128-wide programs left the gate-up at 0.84 of the
-            # copy rate where per-tensor's 64-wide ones ran faster (round L kernel split)
+            # which takes whole groups); tried because per-tensor's 64-wide programs ran Qwen3 T = 4 faster than
+            # block mode's 128-wide ones (T5's record); U1 measured it a win at T = 64 only
             gs = d.gu_split_k
             out += [("gn64", r(d, gu_block_n=64)),
                     (f"gn64-gs{max(1, gs // 2) if gs > 1 else 2}",

@@ -142,20 +142,39 @@ FAST_TILES = {
 }
 
 
-def capture_variants(x, ids, w, ew, knob, values, **kw):
-    """{value: (out, graph)}: ``fused_moe`` captured in one CUDA graph per value of its keyword ``knob``,
-    each compiled by an eager call outside the capture; the graphs read ``x``, ``ids``, ``w`` in place."""
+def capture_graphs(x, calls):
+    """{key: (out, graph)}: each ``calls[key](out)`` (a layer writing into ``out`` [T, H]) captured in a CUDA
+    graph of its own, compiled by an eager call outside the capture; the graphs read their inputs in place."""
     t, h = x.shape
     res = {}
-    for v in values:
+    for key, call in calls.items():
         out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
-        evenflow.fused_moe(x, ids, w, ew, out=out, **{knob: v}, **kw)
+        call(out)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            evenflow.fused_moe(x, ids, w, ew, out=out, **{knob: v}, **kw)
-        res[v] = (out, graph)
+            call(out)
+        res[key] = (out, graph)
     return res
+
+
+def capture_variants(x, ids, w, ew, knob, values, **kw):
+    """{value: (out, graph)}: ``fused_moe`` captured in one CUDA graph per value of its keyword ``knob``
+    (:func:`capture_graphs`); the graphs read ``x``, ``ids``, ``w`` in place."""
+    return capture_graphs(x, {v: functools.partial(lambda out, v: evenflow.fused_moe(
+        x, ids, w, ew, out=out, **{knob: v}, **kw), v=v) for v in values})
+
+
+def replay_with_new_inputs(shape, x, ids, w, graphs, hot_expert=None):
+    """Draw new inputs for ``shape`` into ``x``, ``ids``, ``w`` in place (with ``hot_expert``: a pair of every
+    token on that expert) and replay every graph of ``graphs`` ({key: (out, graph)}) on them."""
+    nx, nids, nw = inputs(shape, x.shape[0])
+    if hot_expert is not None:
+        nids[:, 0] = hot_expert
+    for dst, v in ((x, nx), (ids, nids), (w, nw)):
+        dst.copy_(v)
+    for _, graph in graphs.values():
+        graph.replay()
 
 
 def check_fast(y, x, ids, w, ew, ep_rank, what):
@@ -346,11 +365,7 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
         cap = capture_variants(x, ids, w, ew, "defer_split", (True, False), **kw)
         outs = {d: out for d, (out, _) in cap.items()}
         for step in range(3):
-            nx, nids, nw = inputs(shape, t)
-            for dst, v in ((x, nx), (ids, nids), (w, nw)):
-                dst.copy_(v)
-            for _, graph in cap.values():
-                graph.replay()
+            replay_with_new_inputs(shape, x, ids, w, cap)
             eager = evenflow.fused_moe(x, ids, w, ew, **kw)
             torch.cuda.synchronize()
             what = f"{shape} {fmt} T={t} replay {step}"
@@ -375,13 +390,8 @@ def test_persistent_gemms_real_shapes(shape, fmt):
         cap = capture_variants(x, ids, w, ew, "persistent", (0, 1, 2), **kw)
         outs = {n: out for n, (out, _) in cap.items()}
         for step in range(3):
-            nx, nids, nw = inputs(shape, t)
-            if step == 2:
-                nids[:, 0] = ep * e + 3  # one local expert takes a pair of every token
-            for dst, v in ((x, nx), (ids, nids), (w, nw)):
-                dst.copy_(v)
-            for _, graph in cap.values():
-                graph.replay()
+            # in the last replay one local expert takes a pair of every token
+            replay_with_new_inputs(shape, x, ids, w, cap, hot_expert=ep * e + 3 if step == 2 else None)
             eager = evenflow.fused_moe(x, ids, w, ew, persistent=1, **kw)
             torch.cuda.synchronize()
             what = f"{shape} {fmt} T={t} replay {step}"
@@ -433,13 +443,7 @@ def test_block_mode_narrow_gate_up_real_shapes(shape):
         narrow = dataclasses.replace(wide, gu_block_n=64)
         cap = capture_variants(x, ids, w, ew, "config", (wide, narrow), **kw)
         for step in range(3):
-            nx, nids, nw = inputs(shape, t)
-            if step == 2:
-                nids[:, 0] = ep * e + 3
-            for dst, v in ((x, nx), (ids, nids), (w, nw)):
-                dst.copy_(v)
-            for _, graph in cap.values():
-                graph.replay()
+            replay_with_new_inputs(shape, x, ids, w, cap, hot_expert=ep * e + 3 if step == 2 else None)
             eager = evenflow.fused_moe(x, ids, w, ew, config=narrow, **kw)
             torch.cuda.synchronize()
             what = f"{shape} T={t} replay {step} {narrow}"
@@ -470,22 +474,12 @@ def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
         if fmt == "fp8_block" and t == 32:  # 64-wide gate-up: group counters after the split counters
             cfgs.append(dataclasses.replace(d, gu_block_n=64, gu_split_k=2))
         for cfg in cfgs:
-            res = {}
-            for overlap in (False, True):
+            def layer(out, overlap, cfg=cfg, kw=kw):  # the module switch is read as the launches are made
                 monkeypatch.setattr(fused, "QUANT_OVERLAP", overlap)
-                out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
                 evenflow.fused_moe(x, ids, w, ew, out=out, config=cfg, **kw)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    evenflow.fused_moe(x, ids, w, ew, out=out, config=cfg, **kw)
-                res[overlap] = (out, graph)
+            res = capture_graphs(x, {o: functools.partial(layer, overlap=o) for o in (False, True)})
             for step in range(3):
-                nx, nids, nw = inputs(shape, t)
-                for dst, v in ((x, nx), (ids, nids), (w, nw)):
-                    dst.copy_(v)
-                for _, graph in res.values():
-                    graph.replay()
+                replay_with_new_inputs(shape, x, ids, w, res)
                 torch.cuda.synchronize()
                 what = f"{shape} {fmt} T={t} replay {step} {cfg}"
                 assert torch.equal(res[True][0], res[False][0]), f"overlapped quantisation differs: {what}"

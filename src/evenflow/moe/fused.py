@@ -343,12 +343,13 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # PDL its kernel runs beside the index (or zeroing) kernel ahead of it (``overlap``), so its buffers must
     # not be memory that kernel still uses (the multi-program index build frees a histogram after launching)
     overlap = QUANT_OVERLAP and use_pdl and not (by_pair and gu_count is None)  # a kernel of ours runs first
+    dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:
         xq, xs = group_quant_buffers(x)
     elif mode == 1:
-        xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), topk_weights
+        xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
     else:
-        xq, xs = x, topk_weights
+        xq, xs = x, dummy
     if by_pair:
         idx = None
         if gu_count is not None:
@@ -360,7 +361,6 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # Passed under the interpreter too (it ignores them), so the sm_90 compile check records them.
     gpu_kw = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
-    dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:
         launch_group_quant(x, xq, xs, use_pdl, overlap=overlap)
     elif mode == 1:

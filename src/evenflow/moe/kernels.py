@@ -342,6 +342,17 @@ def _used_tiles(p_offsets, num_local, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr
 
 
 @triton.jit
+def _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local, BLOCK_M: tl.constexpr,
+               PAIR_TILES: tl.constexpr):
+    """This program's task in the one-program-per-task grid (tiles, n-blocks, K splits): (tile, n-block, K
+    split, local expert or -1 for an unused tile, rows, row mask)."""
+    i_tile = tl.program_id(0)
+    e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
+                             PAIR_TILES)
+    return i_tile, tl.program_id(1), tl.program_id(2), e, o_m, m_m
+
+
+@triton.jit
 def _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
                      BLOCK_M: tl.constexpr):
     """Task ``task`` of a persistent GEMM's loop over the ``used`` tiles times the n-blocks, tiles fastest
@@ -555,11 +566,8 @@ def moe_gate_up_kernel(
                 stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M,
                 BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
     else:
-        i_tile = tl.program_id(0)
-        i_n = tl.program_id(1)
-        i_s = tl.program_id(2)
-        e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
-                                 PAIR_TILES)
+        i_tile, i_n, i_s, e, o_m, m_m = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
+                                                   BLOCK_M, PAIR_TILES)
         if e < 0:
             return
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
@@ -680,11 +688,8 @@ def moe_down_kernel(
                 stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
                 SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
     else:
-        i_tile = tl.program_id(0)
-        i_n = tl.program_id(1)
-        i_s = tl.program_id(2)
-        e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
-                                 PAIR_TILES)
+        i_tile, i_n, i_s, e, o_m, m_m = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
+                                                   BLOCK_M, PAIR_TILES)
         if e < 0:
             return
         _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
