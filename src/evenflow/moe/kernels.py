@@ -430,15 +430,6 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out
 
 
 @triton.jit
-def _next_step(i_k, n_k):
-    """The K step whose block scales step ``i_k`` loads for the next one (block mode): loaded a step
-    ahead, the scales' round trip overlaps this step's MMAs instead of standing between the MMAs and the
-    scaled add (Triton's pipeliner leaves scalar loads in the step that uses them). The last step reloads
-    its own: the next split's scales, or past the row's end, are not read."""
-    return tl.minimum(i_k + 1, n_k - 1)
-
-
-@triton.jit
 def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
                   p_x, p_xs, p_w, p_ws, p_sorted, p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
                   p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
@@ -461,19 +452,14 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
     p_a = p_x + tok[:, None] * stride_xt + (k0 + o_k)[None, :]
     p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
     p_bu = p_bg + I * stride_wn
-    n_k = k_split // BLOCK_K
     if MODE == 2:
         p_as = p_xs + tok * stride_xst + k0 // 128
         p_wsg = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
         p_wsu = p_ws + e64 * stride_wse + ((I + i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
-        # the first K block's scales; each step then loads the next step's (see _next_scale)
-        b_xs = tl.load(p_as, mask=m_m, other=0.0)
-        ws_g = tl.load(p_wsg)
-        ws_u = tl.load(p_wsu)
 
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i_k in range(0, n_k):
+    for i_k in range(0, k_split // BLOCK_K):
         b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
         b_g = tl.load(p_bg)
         b_u = tl.load(p_bu)
@@ -485,13 +471,12 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
             acc_g = tl.dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g)
             acc_u = tl.dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u)
         else:  # block scales: each K block's sum in a fresh tile, scaled, added in fp32
+            b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
+            ws_g = tl.load(p_wsg + i_k)
+            ws_u = tl.load(p_wsu + i_k)
             b_a8 = _fp8_operand(b_a, FAST_ACC, DOT_F32)
             acc_g += tl.dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32)) * (b_xs[:, None] * ws_g)
             acc_u += tl.dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32)) * (b_xs[:, None] * ws_u)
-            i_nx = _next_step(i_k, n_k)
-            b_xs = tl.load(p_as + i_nx, mask=m_m, other=0.0)
-            ws_g = tl.load(p_wsg + i_nx)
-            ws_u = tl.load(p_wsu + i_nx)
         p_a += BLOCK_K
         p_bg += BLOCK_K
         p_bu += BLOCK_K
@@ -612,19 +597,15 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
 
     p_x = p_a + o_m64[:, None] * stride_am + (k0 + o_k)[None, :]
     p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
-    n_k = k_split // BLOCK_K
     if MODE == 2:
         p_xs = p_as + o_m64 * stride_asm + k0 // 128
         p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
-        b_bs = tl.load(p_bs)  # the first K block's weight scale; each step loads the next's (see _next_step)
-        if GU_SPLIT == 0:
-            b_xs = tl.load(p_xs, mask=m_m, other=0.0)
 
     if GU_SPLIT > 0:
         p_g = p_gpart + i_tile.to(tl.int64) * (2 * K) + k0 + o_k
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i_k in range(0, n_k):
+    for i_k in range(0, k_split // BLOCK_K):
         if GU_SPLIT > 0:
             # split order from zero, as the gate-up's last split sums them (equal bits)
             b_g = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -646,6 +627,8 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
             p_g += BLOCK_K
         else:
             b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
+            if MODE == 2:
+                b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
         b_b = tl.load(p_b)
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
@@ -653,11 +636,7 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
             acc = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32), acc)
         else:
             b_d = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32))
-            acc += b_d * (b_xs[:, None] * b_bs)
-            i_nx = _next_step(i_k, n_k)
-            b_bs = tl.load(p_bs + i_nx)
-            if GU_SPLIT == 0:
-                b_xs = tl.load(p_xs + i_nx, mask=m_m, other=0.0)
+            acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
         p_x += BLOCK_K
         p_b += BLOCK_K
 
