@@ -102,7 +102,7 @@ DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs 
 def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[str, object]]:
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
     (with ``fast_acc``: that mode's rules, K-steps >= 32)."""
-    from evenflow.moe.fused import check_config, choose_config
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS, check_config, choose_config
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
                       num_experts_total=case.num_experts_total, fast_acc=fast_acc)
@@ -135,11 +135,10 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
         if mode == 0:
             out += [("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
         out += [("dn32", r(d, down_block_n=32)), ("bm32", r(d, block_m=32))]
-        # each K-split candidate also with its partials left to the down GEMM (gu_defer): on pair tiles
-        # since round P, on index tiles since round V (V1: block mode's T = 4 gap to per-tensor mode is the
-        # gate-up's last-split reduction and group requantisation, which deferring removes)
-        out = [lc for label, c in out for lc in ((label, c),) + (
-            ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 else ())]
+        if t * case.top_k <= PAIR_TILE_MAX_PAIRS:
+            # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
+            out = [lc for label, c in out for lc in ((label, c),) + (
+                ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
     else:
         if not fast_acc:
             # wider down-GEMM N blocks on the default's tiles (round T): the down GEMM (K = I, a few K steps a

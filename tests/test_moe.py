@@ -189,59 +189,47 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_deferred_split_reduce_equals_last_split(device, fmt, monkeypatch):
-    """A K-split gate-up can leave the partial sums to the down GEMM, which adds them in split
-    order and applies the activation as it loads its operand (``defer_split=True``, or a config's
-    ``gu_defer``): bit for bit what the gate-up's last split computes (``defer_split=False``), on
-    pair tiles (one row a pair) and on index tiles (several rows a tile, masked rows past an
-    expert's range), with 2- and 4-way gate-up splits, a down split, ids routed to other EP ranks
-    and a token listing one expert twice; no counter is zeroed on that path (no zeroing kernel,
-    no zeroing by the index kernel)."""
+    """Pair tiles with a K-split gate-up can leave the partial sums to the down GEMM, which adds
+    them in split order and applies the activation as it loads its operand (``defer_split=True``,
+    or a config's ``gu_defer``): bit for bit what the gate-up's last split computes
+    (``defer_split=False``), with 2- and 4-way gate-up splits, a down split, ids routed to other
+    EP ranks and a token listing one expert twice; no zeroing kernel runs on that path."""
     from evenflow import _compile_check as CC
 
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)
-    gu_bk = 128 if fmt == "fp8_block" else 16
-    down_bk = 128 if fmt == "fp8_block" else 16
-    g = torch.Generator().manual_seed(3)
-    ids_idx = torch.randint(4, 8, (6, 3), generator=g, dtype=torch.int32)  # rank 1 of 3 owns 4..7
-    ids_idx[::3, 1] = 11
-    ids_idx[2] = torch.tensor([6, 6, 5])
-    cases = [(True, [[5, 5, 1]], 2, 1), (True, [[5, 5, 1], [4, 7, 11]], 4, 2), (False, ids_idx.tolist(), 2, 2),
-             (False, ids_idx[:5].tolist(), 4, 1)]
-    for pair_tiles, ids_list, split, down_split in cases:
-        t = len(ids_list)
-        base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
-        cfg = dataclasses.replace(base, gu_block_k=gu_bk, down_block_k=down_bk,
-                                  gu_split_k=split if h // gu_bk >= split else 2,
-                                  down_split_k=down_split if i // down_bk >= down_split else 1)
+    base = choose_config(2, 3, 4, h, i, ew.mode, num_experts_total=12)
+    gu_bk = base.gu_block_k if fmt == "fp8_block" else 16
+    down_bk = base.down_block_k if fmt == "fp8_block" else 16
+    ids_all = [[5, 5, 1], [4, 7, 11]]  # rank 1 of 3 owns 4..7
+    for t, split, down_split in ((1, 2, 1), (2, 4 if h // gu_bk >= 4 else 2, 2 if i // down_bk >= 2 else 1)):
+        cfg = dataclasses.replace(base, gu_block_k=gu_bk, down_block_k=down_bk, gu_split_k=split,
+                                  down_split_k=down_split)
         x = torch.randn(t, h, device=device).bfloat16()
-        ids, w = routing_from(ids_list, device)
+        ids, w = routing_from(ids_all[:t], device)
         ys = {}
         for defer in (True, False):
             _dirty_pool(device)
-            with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings, \
-                    _index_zeroing(monkeypatch) as index_zero:
+            with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
                 ys[defer] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg,
-                                               pair_tiles=pair_tiles, defer_split=defer,
+                                               pair_tiles=True, defer_split=defer,
                                                out=poisoned((t, h), torch.bfloat16, device))
-            # the path taken: only the last-split reduction has counters to zero (pair tiles: a zeroing
-            # kernel; index tiles: a workspace the index kernel zeroes)
-            assert zeroings == ([0 if defer else 1] if pair_tiles else [0]), (defer, zeroings)
-            assert index_zero == ([] if pair_tiles else [not defer]), (defer, index_zero)
-        what = f"{fmt} T={t} pair_tiles={pair_tiles} {cfg}"
+            # the path taken: only the last-split reduction has counters to zero
+            assert zeroings == [0 if defer else 1], (defer, zeroings)
+        what = f"{fmt} T={t} {cfg}"
         assert torch.equal(ys[True], ys[False]), f"deferred reduction differs from the last split's: {what}"
         check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
-        if torch.device(device).type == "cpu" and pair_tiles:
-            # defer_split=None (default) follows the config: gu_defer=1 defers, the heuristic's 0 does not
-            for gu_defer in (1, 0):
-                with CC.record_launches(execute=True) as launches:
-                    evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, pair_tiles=True,
-                                       config=dataclasses.replace(cfg, gu_defer=gu_defer))
-                names = [ln.name for ln in launches]
-                gu = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
-                dn = dict(next(ln for ln in launches if ln.name == "moe_down_kernel").constexprs)
-                assert ("moe_zero_kernel" in names) == (gu_defer == 0), names
-                assert gu["DEFER"] is bool(gu_defer) and dn["GU_SPLIT"] == cfg.gu_split_k * gu_defer
+    if torch.device(device).type == "cpu":
+        # defer_split=None (default) follows the config: gu_defer=1 defers, the heuristic's 0 does not
+        for gu_defer in (1, 0):
+            with CC.record_launches(execute=True) as launches:
+                evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, pair_tiles=True,
+                                   config=dataclasses.replace(cfg, gu_defer=gu_defer))
+            names = [ln.name for ln in launches]
+            gu = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
+            dn = dict(next(ln for ln in launches if ln.name == "moe_down_kernel").constexprs)
+            assert ("moe_zero_kernel" in names) == (gu_defer == 0), names
+            assert gu["DEFER"] is bool(gu_defer) and dn["GU_SPLIT"] == cfg.gu_split_k * gu_defer
     with pytest.raises(TypeError, match="defer_split"):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, defer_split=1)
     with pytest.raises(ValueError, match="gu_defer"):
@@ -317,8 +305,8 @@ def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
     """FP8 block mode on gate-up N blocks narrower than an activation group (128 columns, one scale a
     row): each group is requantised by the last of its programs to finish, from the fp32 activations
     they left, so the layer gives the 128-wide result bit for bit -- on index tiles and pair tiles,
-    with the gate-up split along K (its last split then joins the group), with a deferred split on pair and
-    index tiles (the down GEMM activates whole groups itself), persistent programs, ids routed to other EP ranks, an
+    with the gate-up split along K (its last split then joins the group), with a deferred split (the
+    down GEMM activates whole groups itself), persistent programs, ids routed to other EP ranks, an
     idle expert and a token listing one expert twice; two calls into a dirty pool (the group counters
     must be zeroed). Quantising each part of a group by its own row maximum fails this test."""
     h, i = 256, 256  # two activation groups a row, 2 or 4 programs a group
@@ -332,8 +320,7 @@ def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
         ids, w = ids.to(device), torch.rand(t, 3, generator=g).to(device)
         base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
         for split, pair_tiles, extra in ((1, False, {}), (2, False, {}), (1, True, {}), (2, True, {}),
-                                         (2, True, {"defer_split": True}), (2, False, {"defer_split": True}),
-                                         (1, False, {"persistent": 1})):
+                                         (2, True, {"defer_split": True}), (1, False, {"persistent": 1})):
             if pair_tiles and t * 3 > 16:
                 continue
             x = torch.randn(t, h, generator=g).bfloat16().to(device)
@@ -424,30 +411,6 @@ class _count_launches:
 
     def __exit__(self, *exc):
         self.mp.setattr(self.fused, self.name, self.real)
-
-
-class _index_zeroing:
-    """``with _index_zeroing(monkeypatch) as z: ...`` leaves in z, for each index build of the layer,
-    whether it was given counters to zero."""
-
-    def __init__(self, monkeypatch):
-        import evenflow.moe.fused as fused
-
-        self.mp, self.fused, self.seen = monkeypatch, fused, []
-
-    def __enter__(self):
-        real, seen = self.fused.build_moe_index, self.seen
-
-        def spy(*args, **kwargs):
-            seen.append(kwargs.get("zero") is not None)
-            return real(*args, **kwargs)
-
-        self.real = real
-        self.mp.setattr(self.fused, "build_moe_index", spy)
-        return self.seen
-
-    def __exit__(self, *exc):
-        self.mp.setattr(self.fused, "build_moe_index", self.real)
 
 
 def _dirty_pool(device):

@@ -99,35 +99,33 @@ def test_tuner_candidates_are_valid():
                     assert {64, 128} <= rows, (case.name, variant, t, rows)
 
 
-def test_tuner_pairs_each_split_config_with_its_deferred_twin():
-    """At decode batches (<= 16 rows per expert: pair tiles and index tiles) every K-split candidate
-    comes with its twin that leaves the gate-up's reduction to the down GEMM (gu_defer=1), right after
-    it; no unsplit candidate and no larger batch gets one; a --max-candidates limit counts a config and
-    its twin as one."""
+def test_tuner_pairs_each_split_pair_tile_config_with_its_deferred_twin():
+    """At pair-tile batches (T * top_k <= 16) every K-split 16-row candidate comes with its twin that
+    leaves the gate-up's reduction to the down GEMM (gu_defer=1), right after it; nowhere else is a
+    deferred candidate offered; a --max-candidates limit counts a config and its twin as one."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import moe as B
     import tune_moe
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
 
-    for case_name, mode in (("hy3-tp8", 1), ("qwen3-30b-a3b", 2)):
-        case = B.CASES[case_name]
-        for t in tune_moe.BUCKETS:
-            cands = tune_moe.candidates(case, mode, t)
-            deferred = [(lab, c) for lab, c in cands if c.gu_defer]
-            assert all(c.gu_split_k > 1 for _, c in deferred), (t, deferred)
-            if t * case.top_k / case.num_experts_total > 16:
-                assert not deferred, t
-                continue
-            splits = [(lab, c) for lab, c in cands if c.gu_split_k > 1 and not c.gu_defer]
-            assert splits and len(deferred) == len(splits), (case_name, t)
-            for i, (lab, c) in enumerate(cands):
-                if c in dict(splits).values():
-                    assert cands[i + 1] == (lab + "+defer", dataclasses.replace(c, gu_defer=1)), (t, lab)
-            first = dict(tune_moe.first_candidates(cands, 3))
-            bases = [lab for lab, _ in cands if not lab.endswith("+defer")]
-            assert [lab for lab in first if not lab.endswith("+defer")] == bases[:3]
-            twins = {lab for lab, _ in cands if lab.endswith("+defer")}
-            assert {lab + "+defer" for lab in bases[:3]} & twins <= set(first), t  # each kept config's twin too
-            assert tune_moe.first_candidates(cands, 0) == cands
+    case = B.CASES["hy3-tp8"]
+    for t in tune_moe.BUCKETS:
+        cands = tune_moe.candidates(case, 1, t)
+        deferred = [(lab, c) for lab, c in cands if c.gu_defer]
+        if t * case.top_k > PAIR_TILE_MAX_PAIRS:
+            assert not deferred, t
+            continue
+        splits = [(lab, c) for lab, c in cands if c.gu_split_k > 1 and c.block_m == 16 and not c.gu_defer]
+        assert splits and len(deferred) == len(splits), t
+        for i, (lab, c) in enumerate(cands):
+            if c in dict(splits).values():
+                assert cands[i + 1] == (lab + "+defer", dataclasses.replace(c, gu_defer=1)), (t, lab)
+        first = dict(tune_moe.first_candidates(cands, 3))
+        bases = [lab for lab, _ in cands if not lab.endswith("+defer")]
+        assert [lab for lab in first if not lab.endswith("+defer")] == bases[:3]
+        twins = {lab for lab, _ in cands if lab.endswith("+defer")}
+        assert {lab + "+defer" for lab in bases[:3]} & twins <= set(first), t  # each kept config's twin too
+        assert tune_moe.first_candidates(cands, 0) == cands
 
 
 def _bench_modules():

@@ -346,8 +346,8 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_deferred_split_reduce_real_shapes(shape, fmt):
-    """At decode batches (T = 1, 2: pair tiles; T = 4: index tiles; a K-split gate-up with the
-    table's or the heuristic's split, or 2) the down GEMM adding the gate-up's partials itself
+    """At decode batches (T = 1, 2: pair tiles, a K-split gate-up with the table's or the
+    heuristic's split, or 2) the down GEMM adding the gate-up's partials itself
     (``defer_split=True``) is bitwise what the gate-up's last split computes
     (``defer_split=False``) and what the default (the config's choice) computes, in a CUDA graph
     replayed with new routing and eagerly, and within the rule of the oracle."""
@@ -356,11 +356,11 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
         pytest.skip("I is not a multiple of 128")
     ew = weights(shape, fmt)
     kw = dict(ep_rank=ep, num_experts_total=e_tot)
-    for t in (1, 2, 4):
+    for t in (1, 2):
         cfg = tuned_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot, device=torch.device("cuda"))
         cfg = cfg or choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
-        kw.pop("config", None)
-        if cfg.gu_split_k == 1:  # the comparison needs a K-split gate-up
+        kw.pop("config", None)  # each batch its own config
+        if cfg.gu_split_k == 1:  # the comparison needs a K-split gate-up (pair tiles at T * k <= 16)
             kw["config"] = dataclasses.replace(cfg, gu_split_k=2)
         x, ids, w = inputs(shape, t)
         cap = capture_variants(x, ids, w, ew, "defer_split", (True, False), **kw)

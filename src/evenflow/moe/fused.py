@@ -69,9 +69,9 @@ class MoEConfig:
     num_stages: int = 3
     gu_split_k: int = 1
     down_split_k: int = 1
-    # 1: a K-split gate-up leaves its partials to the down GEMM (pair tiles since round P: a win only
-    # where the down GEMM has few K steps and wide N blocks; index tiles since round V; the tuner
-    # decides per point, the heuristic never defers). Tables written before it have 9 values: 0.
+    # 1: a K-split gate-up on pair tiles leaves its partials to the down GEMM (round P: a win only
+    # where the down GEMM has few K steps and wide N blocks; the tuner decides per point, the
+    # heuristic never defers). Tables written before it have 9 values: 0.
     gu_defer: int = 0
     # > 0: each GEMM that runs index tiles without a K split (larger batches) is launched as this many
     # programs per SM, which take the used (tile, n-block) tasks in turn in one flattened loop (kernels.py,
@@ -294,7 +294,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
-    # defer_split: a K-split gate-up leaves its partials to the down GEMM: 1 yes, 0 no,
+    # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
     # -1 as the config says (cfg.gu_defer)
     # persistent: programs per SM of the GEMMs that run index tiles without a K split (0: one per task),
     # -1 as the config says (cfg.persistent)
@@ -317,14 +317,13 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     by_pair = bool(pair_tiles) if pair_tiles >= 0 else (p <= PAIR_TILE_MAX_PAIRS and cfg.block_m == 16)
     n_tiles = p if by_pair else max_tiles(p, e_local, cfg.block_m)
     gu_nb = i // cfg.gu_block_n
-    # Deferred reduction (K-split gate-up): the down GEMM adds the gate-up's partials as it loads its
-    # operand, so the gate-up has no arrival counter, no last-split round trips (partial stores, fence,
-    # atomic, partial loads) and no inter store, and no zeroing kernel (or index-kernel zeroing) runs
-    # before it; block mode needs the down's 128-deep K steps to be whole activation groups, and needs no
-    # group requantisation in the gate-up whatever its N block. Its cost: every down N-block program
-    # re-reads and re-activates its rows' partials in its K loop (round P1: slower wherever the down GEMM
-    # has many K steps; docs/perf-notes/moe.md). Pair tiles since round P, index tiles since round V.
-    defer = (cfg.gu_defer if defer_split < 0 else defer_split) == 1 and cfg.gu_split_k > 1
+    # Deferred reduction (pair tiles, K-split gate-up): the down GEMM adds the gate-up's partials
+    # as it loads its operand, so the gate-up has no arrival counter, no last-split round trips
+    # (partial stores, fence, atomic, partial loads) and no inter store, and no zeroing kernel
+    # runs before it; block mode needs the down's 128-deep K steps to be whole activation groups.
+    # Its cost: every down N-block program re-reads and re-activates the pair's partials in its K
+    # loop (round P1: slower wherever the down GEMM has many K steps; docs/perf-notes/moe.md).
+    defer = (cfg.gu_defer if defer_split < 0 else defer_split) == 1 and by_pair and cfg.gu_split_k > 1
     # Block mode on gate-up N blocks narrower than an activation group (128): the group's last program
     # requantises it from the fp32 activations its programs left in a buffer (one counter per tile and group)
     group_split = mode == 2 and cfg.gu_block_n < 128 and not defer
@@ -387,12 +386,11 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     per_sm = cfg.persistent if persistent < 0 else persistent
     sms = num_sms(dev) if per_sm > 0 else 0
 
-    def gemm_launch(split_k: int, nb: int, deferred: bool = False) -> tuple[tuple[int, ...], bool, int]:
-        """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split, no deferred gate-up
-        reduction) as per_sm programs per SM, at most one per task of the upper-bound map, each reading the
-        used tile count from the index and looping over the used tasks; else one program per (tile,
-        n-block, K split) task."""
-        if per_sm > 0 and not by_pair and split_k == 1 and not deferred:
+    def gemm_launch(split_k: int, nb: int) -> tuple[tuple[int, ...], bool, int]:
+        """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split) as per_sm programs per SM,
+        at most one per task of the upper-bound map, each reading the used tile count from the index and
+        looping over the used tasks; else one program per (tile, n-block, K split) task."""
+        if per_sm > 0 and not by_pair and split_k == 1:
             return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
         return (n_tiles, nb, split_k), False, 1
 
@@ -418,7 +416,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # the tests keep (docs/perf-notes/moe.md, "cost in accuracy").
     pair_dtype = torch.bfloat16 if cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
-    down_grid, down_persist, down_e_pad = gemm_launch(cfg.down_split_k, down_nb, deferred=defer)
+    down_grid, down_persist, down_e_pad = gemm_launch(cfg.down_split_k, down_nb)
     moe_down_kernel[down_grid](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2, gu_part if defer else dummy, ws13, as13,
@@ -506,7 +504,7 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     bit for bit (requantisation of the intermediate can round differently). Needs K-steps of
     at least 32: with per-tensor weights, hidden and intermediate sizes that are multiples of 32.
     ValueError for another value, for bf16 weights, or such sizes.
-    ``defer_split``: where the gate-up GEMM is split along K (decode batches), who adds
+    ``defer_split``: where pair tiles split the gate-up GEMM along K (decode batches), who adds
     its partial sums and applies the activation: ``True``, the down GEMM as it loads its
     operand (no arrival counter, no last-split round trips, no intermediate buffer, no zeroing
     kernel, but every down N-block program redoes it); ``False``, the gate-up's last split;

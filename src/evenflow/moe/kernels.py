@@ -535,9 +535,9 @@ def moe_gate_up_kernel(
     the split that arrives last sums the partials in split order (deterministic),
     applies the activation and requantisation, and resets the counter.
 
-    DEFER (SPLIT_K > 1): each split only stores its partials; the down kernel adds them as it
-    loads its operand (``GU_SPLIT``), so no counter, no arrival round trips and no ``inter``
-    buffer (and in block mode no activation group to requantise here, whatever BLOCK_N is).
+    DEFER (pair tiles with SPLIT_K > 1): each split only stores its partials; the down
+    kernel adds them as it loads its operand (``GU_SPLIT``), so no counter, no arrival
+    round trips and no ``inter`` buffer.
 
     Block mode (MODE 2) with BLOCK_N < 128 (more, smaller programs at decode batches): the
     128-column activation groups are requantised by the last of their 128 // BLOCK_N programs to
@@ -550,7 +550,7 @@ def moe_gate_up_kernel(
     task's first loads under the previous task's last steps. Measured slower than one program per
     task (docs/perf-notes/moe.md, rounds T3, T6): opt-in only.
     """
-    tl.static_assert(not DEFER or SPLIT_K > 1, "DEFER: a K split only")
+    tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
     pdl_enter(PDL)
     if PERSIST:
@@ -602,34 +602,21 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
         p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
 
     if GU_SPLIT > 0:
-        if PAIR_TILES:  # the pair's row
-            p_g = p_gpart + i_tile.to(tl.int64) * (2 * K) + k0 + o_k
-        else:  # the tile's rows, where the gate-up's splits stored them
-            o_r = (i_tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-            p_g = p_gpart + o_r[:, None] * (2 * K) + (k0 + o_k)[None, :]
+        p_g = p_gpart + i_tile.to(tl.int64) * (2 * K) + k0 + o_k
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
         if GU_SPLIT > 0:
             # split order from zero, as the gate-up's last split sums them (equal bits)
-            if PAIR_TILES:
-                b_g1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-                b_u1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-                for s in tl.static_range(GU_SPLIT):
-                    b_g1 += tl.load(p_g + s * stride_gps)
-                    b_u1 += tl.load(p_g + s * stride_gps + K)
-                b_g = b_g1[None, :]
-                b_u = b_u1[None, :]
-            else:
-                b_g = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-                b_u = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-                for s in tl.static_range(GU_SPLIT):
-                    b_g += tl.load(p_g + s * stride_gps, mask=m_m[:, None], other=0.0)
-                    b_u += tl.load(p_g + s * stride_gps + K, mask=m_m[:, None], other=0.0)
-            # pair tiles: activated once, as one row, then put on every row of the tile (only row 0 is
-            # stored): on the broadcast tile, block mode's row max and requantisation ran per row of the
-            # tile (round P4, sm_90: 588-1354 -> 328-525 instructions per K step)
-            b_h, b_s = _activate(b_g, b_u, e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
+            b_g = tl.zeros([BLOCK_K], dtype=tl.float32)
+            b_u = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for s in tl.static_range(GU_SPLIT):
+                b_g += tl.load(p_g + s * stride_gps)
+                b_u += tl.load(p_g + s * stride_gps + K)
+            # activated once, as one row, then put on every row of the tile (only row 0 is stored):
+            # on the broadcast tile, block mode's row max and requantisation ran per row of the tile
+            # (round P4, sm_90: 588-1354 -> 328-525 instructions per K step)
+            b_h, b_s = _activate(b_g[None, :], b_u[None, :], e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
             if MODE == 0:
                 # DOT_F32: the interpreter runs this launch (no PTX there); False under emulate_gpu, whose
                 # launches are recorded and compiled, not run
@@ -678,17 +665,16 @@ def moe_down_kernel(
     Stored in pair_out's dtype (bf16 with SPLIT_K == 1, else fp32 partial sums); the reduce
     kernel sums the SPLIT_K slices (in order) with the top-k slots in fp32.
 
-    GU_SPLIT > 0 (the gate-up was K-split GU_SPLIT ways with DEFER): there is no ``inter``;
-    each K step adds the step's gate and up partials of its rows (``p_gpart`` [GU_SPLIT, rows,
-    2K], in split order as the gate-up's last split would; pair tiles: one row per pair, index
-    tiles: the tile's BLOCK_M rows) and applies the activation and requantisation itself
-    (:func:`_activate`, with the gate-up's scales ``p_gws``, ``p_ga_scale``; block mode: one
-    128-wide group per K step). The partial loads are pipelined with the weights like any
-    operand load.
+    GU_SPLIT > 0 (pair tiles whose gate-up was K-split GU_SPLIT ways with DEFER): there is no
+    ``inter``; each K step adds the step's gate and up partials of the pair (``p_gpart``
+    [GU_SPLIT, P, 2K], row = pair, in split order as the gate-up's last split would) and
+    applies the activation and requantisation itself (:func:`_activate`, with the gate-up's
+    scales ``p_gws``, ``p_ga_scale``; block mode: one 128-wide group per K step). The partial
+    loads are one [BLOCK_K] row per split, pipelined with the weights like any operand load.
 
     PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction).
     """
-    tl.static_assert(GU_SPLIT == 0 or not PERSIST, "PERSIST: no deferred gate-up reduction")
+    tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
     tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
     pdl_enter(PDL)
