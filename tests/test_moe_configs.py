@@ -245,6 +245,45 @@ def test_tuner_dry_run_on_cpu(tmp_path, monkeypatch):
         assert entries["8"] is None  # sealed: the bucket-4 entry covers T = 4..7 only
 
 
+def test_tuner_keeps_an_entry_unless_beaten_in_every_head_to_head_timing():
+    _, T, _ = _bench_modules()
+    assert T.keep_incumbent([(84.0, 87.9), (83.5, 88.0)])  # the entry faster: kept
+    assert T.keep_incumbent([(84.0, 83.9), (83.5, 84.1)])  # one timing each way: kept (noise)
+    assert not T.keep_incumbent([(90.0, 84.0), (89.0, 85.5)])  # the new choice faster both times: replaced
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
+@pytest.mark.parametrize("incumbent_faster", [True, False])
+def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch, incumbent_faster):
+    # a table with an entry (2 stages) at T = 1; the stub timer makes the 4-stage candidates 10% faster than the
+    # default, and the existing entry either faster still (kept, with the head-to-head timings recorded) or slower
+    # (replaced by the new winner); an entry the current code refuses is dropped, never kept
+    H, T = _tiny_tuner_case(monkeypatch)
+    old = [16, 64, 64, 64, 64, 4, 2, 1, 1]
+
+    def timer(fns):
+        c = fns[0].__defaults__[1]
+        if c.num_stages == 2:
+            return 80.0 if incumbent_faster else 95.0
+        return 90.0 if c.num_stages == 4 else 100.0
+    monkeypatch.setattr(H, "time_graph", timer)
+    table = tmp_path / "t.json"
+    key = tuned_key(8, 8, 2, 256, 128, 0)
+    table.write_text(json.dumps({"configs": {key: {"1": old, "4": [16, 64, 64, 64, 64, 4, 3, 1, 1, 0, 9]}}}))
+    assert T.main(["--cases", "tiny", "--formats", "bf16", "--buckets", "1,4", "--max-candidates", "3",
+                   "--workers", "1", "--budget-s", "600", "--table", str(table)]) == 0
+    data = json.loads(table.read_text())
+    row = data["timings"][key]["1"]
+    assert row["incumbent"]["config"] == old and len(row["incumbent"]["head_to_head_us"]) == 2
+    if incumbent_faster:
+        assert data["configs"][key]["1"] == old and row["entry"] == "incumbent", row
+    else:
+        assert MoEConfig.from_list(data["configs"][key]["1"]).num_stages == 4 and row["entry"] == "st4", row
+    # T = 4: the old entry (persistent = 9 programs per SM) is refused by check_config: dropped, the new decision stands
+    assert "dropped" in data["timings"][key]["4"]["incumbent"], data["timings"][key]["4"]
+    assert MoEConfig.from_list(data["configs"][key]["4"]).num_stages == 4
+
+
 @pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
 def test_tuner_dry_run_fast_formats_write_their_own_keys(tmp_path, monkeypatch):
     # --formats fp8-tensor-fast,fp8-block-fast: fused_moe(fp8_accum="fast") is timed (the stub
