@@ -34,12 +34,14 @@ fp8 fast accumulation, ``evenflow.reference.moe.moe_fast_accum_baseline``). ``ch
 pick (``default``) is timed first. An entry is written only for a win beyond noise: the fastest
 passing candidate must be at least ``WIN`` (3%) faster than the default, and again when both are
 timed a second time; otherwise the bucket gets null (the heuristic). If the default fails the
-rule, the fastest passing candidate is written. Where the table already has an entry for the point and
-the new decision differs from it, the two (the new choice being the heuristic where the decision is null)
-are timed head to head twice, and the entry stays unless the new choice is faster both times (round V:
-one config's time moved by up to ~5% between tuner runs). Buckets of the full list that this run did not
-measure and that follow an entry get null too, so an entry never covers batches it was not
-measured near.
+rule, the fastest passing candidate is written. That decision then meets the table's existing entry for
+the point, if any and if different: the two (the new choice being the heuristic where the decision is
+null) are timed head to head twice, once in each order, and the entry stays unless the new choice is
+faster both times, by any margin (:func:`keep_incumbent`); where nothing passed the rule, the entry stays
+if it passes it; an entry the current code refuses (``check_config``) or that fails the rule is dropped.
+Existing entries are not precompiled (they compile when first timed). Buckets of the full list
+that this run did not measure and that follow an entry get null too, so an entry never covers
+batches it was not measured near.
 
 Budget (``--budget-s``, the whole run, compiles included, across every case): Triton kernels
 depend on the config and format only (H and I are runtime arguments, all multiples of 16), so
@@ -235,10 +237,9 @@ def decide(tried: dict, confirm: tuple[float, float] | None = None) -> tuple[str
 
 def keep_incumbent(head_to_head: list[tuple[float, float]]) -> bool:
     """Whether a point's existing entry stays: [(incumbent us, new choice us), ...] timed in turn. The new choice
-    (another config, or the heuristic where the new decision is null) replaces it only if faster in every timing:
-    graph-replay times of one config moved by up to ~5% between tuner runs (round V2: Qwen3 bf16 T = 8, 128-deep
-    gate-up K steps 84.0 -> 87.9 us, the entry dropped, the benchmark then 10% slower there), so one pass's
-    reading must not undo an earlier pass's entry on its own."""
+    (another config, or the heuristic where the new decision is null) replaces it only if faster in every timing.
+    Round V2: a pass read one config 5% slower than the pass that had chosen it (Qwen3 bf16 T = 8, 128-deep
+    gate-up K steps, 84.0 -> 87.9 us), dropped that entry, and the benchmark then read 10% slower there."""
     return not all(new < old for old, new in head_to_head)
 
 
@@ -343,7 +344,9 @@ def main(argv=None) -> int:
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     table.update({"device": name, "torch": torch.__version__, "generated_by": "benchmarks/tune_moe.py",
                   "rule": f"fastest config passing evenflow.testing.assert_within_rule if >= {WIN:.0%} faster "
-                          "than choose_config twice, else null (heuristic); keys ending -fast: fp8_accum='fast', "
+                          "than choose_config twice, else null (heuristic); an existing entry stays unless that "
+                          "choice beats it in both of two head-to-head timings (or, nothing passing the rule, if it "
+                          "passes); keys ending -fast: fp8_accum='fast', "
                           "rule baseline evenflow.reference.moe.moe_fast_accum_baseline",
                   "routing": f"benchmarks/moe.py make_routing + expert_bias, seed {args.seed}"})
     configs, timings = table.setdefault("configs", {}), table.setdefault("timings", {})
@@ -427,22 +430,33 @@ def main(argv=None) -> int:
             confirm = (H.time_graph(fns_of(cfg_of["default"])), H.time_graph(fns_of(cfg_of[pick])))
             pick, why = decide(tried, confirm)
         entry = None if pick is None else cfg_of[pick].as_list()
-        # an existing entry stays unless the new choice beats it head to head in both of two timings
+        # an existing entry stays unless the new choice beats it head to head in both of two timings, or, where
+        # nothing passed the rule, if it passes it; one the current code refuses, or that fails the rule, goes
         old = configs.get(key, {}).get(str(t))
         incumbent = None
-        if isinstance(old, list) and (pick is not None or isinstance(tried.get("default"), float)):
-            old_cfg, new_cfg = MoEConfig.from_list(old), cfg_of["default" if pick is None else pick]
-            if old_cfg != new_cfg:
-                try:
-                    check_config(old_cfg, case.hidden, case.inter, mode, fast_acc=fm.fast_acc)
+        if isinstance(old, list):
+            new_label = pick if pick is not None else "default" if isinstance(tried.get("default"), float) else None
+            try:
+                old_cfg = MoEConfig.from_list(old)
+                check_config(old_cfg, case.hidden, case.inter, mode, fast_acc=fm.fast_acc)
+                if new_label is not None and old_cfg == cfg_of[new_label]:
+                    old_cfg = None  # the new choice is the existing entry
+                else:
                     assert_within_rule(fns_of(old_cfg)[0](), ref, base, what=f"{case_name} {variant} T={t} incumbent")
-                    h2h = [(H.time_graph(fns_of(old_cfg)), H.time_graph(fns_of(new_cfg))) for _ in range(2)]
-                    incumbent = {"config": old, "head_to_head_us": [[round(a, 2), round(b, 2)] for a, b in h2h]}
-                    if keep_incumbent(h2h):
-                        pick, entry = "incumbent", old
-                        why = f"incumbent kept ({why}; not faster than it in both head-to-head timings)"
-                except Exception as e:  # an entry the current code refuses or that fails the rule goes
-                    incumbent = {"config": old, "dropped": f"{type(e).__name__}: {str(e)[:160]}"}
+            except Exception as e:
+                incumbent, old_cfg = {"config": old, "dropped": f"{type(e).__name__}: {str(e)[:160]}"}, None
+            if old_cfg is not None and new_label is None:
+                incumbent = {"config": old}
+                pick, entry, why = "incumbent", old, f"incumbent kept ({why}; it passes the rule)"
+            elif old_cfg is not None:
+                new_cfg = cfg_of[new_label]
+                first = (H.time_graph(fns_of(old_cfg)), H.time_graph(fns_of(new_cfg)))
+                new_us = H.time_graph(fns_of(new_cfg))  # the second timing in the other order
+                h2h = [first, (H.time_graph(fns_of(old_cfg)), new_us)]
+                incumbent = {"config": old, "head_to_head_us": [[round(x, 2), round(y, 2)] for x, y in h2h]}
+                if keep_incumbent(h2h):
+                    pick, entry = "incumbent", old
+                    why = f"incumbent kept ({why}; the new choice was not faster in both head-to-head timings)"
         configs.setdefault(key, {})[str(t)] = entry
         measured.add((key, t))
         timings.setdefault(key, {})[str(t)] = {

@@ -2,6 +2,8 @@
 
 * Without CUDA, ``TRITON_INTERPRET=1`` is set *before* triton is imported (by
   anything), so kernels run in the CPU interpreter.
+* In the interpreter, fp32 -> bf16 casts round to nearest even as on a GPU
+  (``tests_support_interp.bf16_round_to_nearest``; the interpreter truncates).
 * ``device`` fixture: "cuda" when present, else "cpu".
 * ``@pytest.mark.gpu``: needs a real GPU (real shapes, CUDA graphs, timings of
   nothing); skipped without CUDA, run on a GPU machine.
@@ -15,6 +17,14 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+
+from evenflow import _runtime  # noqa: E402
+
+if _runtime.interpreting():
+    # the interpreter truncates fp32 -> bf16 casts; make them round to nearest even as on a GPU
+    from tests_support_interp import bf16_round_to_nearest  # noqa: E402
+
+    bf16_round_to_nearest()
 
 
 def pytest_configure(config):

@@ -1,8 +1,10 @@
-"""The Triton 3.6 CPU interpreter's two defects, and proof that our workarounds fix them.
+"""The Triton 3.6 CPU interpreter's three defects, and proof that our workarounds fix them.
 
 Each pair of tests shows the defect exists (so the workaround is needed) and that
 the workaround removes it (so it is sufficient). On a GPU the "defect" tests are
-skipped: the workaround switches are False there.
+skipped: there the fp8 and bf16-dot switches are False and no cast is patched. The
+third defect, fp32 -> bf16 casts that truncate, is worked around for the test session
+(``tests_support_interp``, applied by ``tests/conftest.py``), not inside the kernels.
 """
 import pytest
 import torch
@@ -92,3 +94,54 @@ def test_round_to_fp8_grid_matches_torch(device):
     y = torch.empty_like(x)
     _grid_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
     assert torch.equal(y, x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+
+
+@triton.jit
+def _bf16_store_kernel(x_ptr, y_ptr, z_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(x_ptr + o, mask=m)
+    tl.store(y_ptr + o, x.to(tl.bfloat16), mask=m)  # an explicit cast
+    tl.store(z_ptr + o, x, mask=m)  # the store's own cast into a bf16 tensor
+
+
+def _bf16_inputs(device):
+    # ties to even both ways, a carry into the next binade, past the largest bf16, inf, NaN, zeros, a subnormal,
+    # and a N(0, 1) sweep
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3FFFFFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000, 0x7FC00001,
+                         0xFFC00000, 0x00000000, 0x80000000, 0x00018000], dtype=torch.int64).to(torch.int32)
+    return torch.cat([bits.view(torch.float32).to(device), torch.randn(4096, device=device)])
+
+
+def _bf16_casts(device):
+    x = _bf16_inputs(device)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=device)
+    z = torch.empty_like(y)
+    _bf16_store_kernel[(1,)](x, y, z, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return x, y, z
+
+
+def _same_bf16(a, b):
+    # equal bit for bit, NaNs compared as NaNs
+    return bool(((a.view(torch.int16) == b.view(torch.int16)) | (a.isnan() & b.isnan())).all())
+
+
+@interp_only
+def test_bf16_cast_truncates_without_workaround(device, monkeypatch):
+    from triton.runtime import interpreter as interp
+
+    patched = interp.InterpreterBuilder.cast_impl
+    assert getattr(patched, "evenflow_rne", False), "tests/conftest.py did not apply the bf16 rounding workaround"
+    monkeypatch.setattr(interp.InterpreterBuilder, "cast_impl", patched.truncating)
+    x, y, z = _bf16_casts(device)
+    truncated = (x.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    normal = x.abs() >= torch.finfo(torch.float32).tiny  # (its subnormals come out wrong in yet another way)
+    assert _same_bf16(y[normal], truncated[normal]) and _same_bf16(z[normal], truncated[normal])
+    assert (y != x.to(torch.bfloat16)).sum() > 1000  # about half of the N(0, 1) sweep
+
+
+def test_bf16_cast_rounds_to_nearest_even(device):
+    # in the interpreter with tests/conftest.py's workaround, on a GPU by itself: torch's cast bit for bit
+    x, y, z = _bf16_casts(device)
+    want = x.to(torch.bfloat16)
+    assert _same_bf16(y, want) and _same_bf16(z, want)

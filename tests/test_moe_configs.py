@@ -253,35 +253,59 @@ def test_tuner_keeps_an_entry_unless_beaten_in_every_head_to_head_timing():
 
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
-@pytest.mark.parametrize("incumbent_faster", [True, False])
-def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch, incumbent_faster):
-    # a table with an entry (2 stages) at T = 1; the stub timer makes the 4-stage candidates 10% faster than the
-    # default, and the existing entry either faster still (kept, with the head-to-head timings recorded) or slower
-    # (replaced by the new winner); an entry the current code refuses is dropped, never kept
+@pytest.mark.parametrize("scenario", ["entry-faster", "entry-slower", "null-entry-faster", "null-entry-slower",
+                                      "nothing-passes"])
+def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch, scenario):
+    # A table with an entry (2 stages) at T = 1 and one the current code refuses at T = 4 (persistent = 9).
+    # entry-*: the stub timer makes the 4-stage candidates 10% faster than the default (the new decision: st4)
+    # and the existing entry faster still (kept, with its head-to-head timings) or slower (replaced);
+    # null-*: every candidate as fast as the default (the new decision: null), the entry 1% faster (kept: it is
+    # compared with the heuristic) or 1% slower (replaced by null); nothing-passes: every candidate fails the
+    # rule and the entry passes it (kept, untimed). The refused entry is dropped in every scenario.
+    import evenflow.testing
+
     H, T = _tiny_tuner_case(monkeypatch)
     old = [16, 64, 64, 64, 64, 4, 2, 1, 1]
+    entry_us = {"entry-faster": 80.0, "entry-slower": 95.0, "null-entry-faster": 99.0,
+                "null-entry-slower": 101.0, "nothing-passes": 100.0}[scenario]
 
     def timer(fns):
         c = fns[0].__defaults__[1]
         if c.num_stages == 2:
-            return 80.0 if incumbent_faster else 95.0
-        return 90.0 if c.num_stages == 4 else 100.0
+            return entry_us
+        return 90.0 if c.num_stages == 4 and scenario.startswith("entry") else 100.0
     monkeypatch.setattr(H, "time_graph", timer)
+    if scenario == "nothing-passes":
+        real = evenflow.testing.assert_within_rule
+
+        def rule(out, ref, base, what="output", **kw):
+            if "incumbent" not in what:
+                raise AssertionError(f"{what}: stub rule failure")
+            return real(out, ref, base, what=what, **kw)
+        monkeypatch.setattr(evenflow.testing, "assert_within_rule", rule)
     table = tmp_path / "t.json"
     key = tuned_key(8, 8, 2, 256, 128, 0)
     table.write_text(json.dumps({"configs": {key: {"1": old, "4": [16, 64, 64, 64, 64, 4, 3, 1, 1, 0, 9]}}}))
     assert T.main(["--cases", "tiny", "--formats", "bf16", "--buckets", "1,4", "--max-candidates", "3",
                    "--workers", "1", "--budget-s", "600", "--table", str(table)]) == 0
     data = json.loads(table.read_text())
-    row = data["timings"][key]["1"]
-    assert row["incumbent"]["config"] == old and len(row["incumbent"]["head_to_head_us"]) == 2
-    if incumbent_faster:
-        assert data["configs"][key]["1"] == old and row["entry"] == "incumbent", row
+    row, got = data["timings"][key]["1"], data["configs"][key]["1"]
+    assert row["incumbent"]["config"] == old, row
+    if scenario == "nothing-passes":
+        assert got == old and row["entry"] == "incumbent" and "head_to_head_us" not in row["incumbent"], row
     else:
-        assert MoEConfig.from_list(data["configs"][key]["1"]).num_stages == 4 and row["entry"] == "st4", row
+        assert len(row["incumbent"]["head_to_head_us"]) == 2, row
+        if scenario in ("entry-faster", "null-entry-faster"):
+            assert got == old and row["entry"] == "incumbent", row
+        elif scenario == "entry-slower":
+            assert MoEConfig.from_list(got).num_stages == 4 and row["entry"] == "st4", row
+        else:
+            assert got is None and row["entry"] is None, row
     # T = 4: the old entry (persistent = 9 programs per SM) is refused by check_config: dropped, the new decision stands
     assert "dropped" in data["timings"][key]["4"]["incumbent"], data["timings"][key]["4"]
-    assert MoEConfig.from_list(data["configs"][key]["4"]).num_stages == 4
+    want4 = None if scenario != "entry-faster" and scenario != "entry-slower" else 4
+    got4 = data["configs"][key]["4"]
+    assert (got4 is None) if want4 is None else MoEConfig.from_list(got4).num_stages == 4, got4
 
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")

@@ -360,8 +360,8 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
         cfg = tuned_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot, device=torch.device("cuda"))
         cfg = cfg or choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
         kw.pop("config", None)  # each batch its own config
-        if cfg.gu_split_k == 1:  # the comparison needs a K-split gate-up (pair tiles at T * k <= 16)
-            kw["config"] = dataclasses.replace(cfg, gu_split_k=2)
+        if cfg.gu_split_k == 1 or cfg.block_m != 16:  # the comparison needs a K-split gate-up on pair tiles
+            kw["config"] = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), block_m=16)
         x, ids, w = inputs(shape, t)
         cap = capture_variants(x, ids, w, ew, "defer_split", (True, False), **kw)
         outs = {d: out for d, (out, _) in cap.items()}
