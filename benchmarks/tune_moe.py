@@ -243,6 +243,29 @@ def keep_incumbent(head_to_head: list[tuple[float, float]]) -> bool:
     return not all(new < old for old, new in head_to_head)
 
 
+def meet_incumbent(old: list, new_cfg, fns_of, validate, time_graph) -> tuple[bool, dict]:
+    """(keep, record) for a point's existing entry ``old`` (a config list) against the new decision's config
+    ``new_cfg`` (None where nothing passed the rule). ``validate(cfg, fns)`` raises where the current code refuses
+    the config or its output fails the rule: such an entry is dropped. An entry equal to the new choice needs no
+    comparison; where nothing passed the rule, a valid entry stays untimed; else the two are timed head to head
+    twice, once in each order, and the entry stays unless :func:`keep_incumbent` says otherwise."""
+    from evenflow.moe.fused import MoEConfig
+
+    try:
+        old_cfg = MoEConfig.from_list(old)
+        if old_cfg == new_cfg:
+            return False, None  # the new choice is the existing entry
+        validate(old_cfg, fns_of(old_cfg))
+    except Exception as e:
+        return False, {"config": old, "dropped": f"{type(e).__name__}: {str(e)[:160]}"}
+    if new_cfg is None:
+        return True, {"config": old}
+    first = (time_graph(fns_of(old_cfg)), time_graph(fns_of(new_cfg)))
+    new_us = time_graph(fns_of(new_cfg))  # the second timing in the other order
+    h2h = [first, (time_graph(fns_of(old_cfg)), new_us)]
+    return keep_incumbent(h2h), {"config": old, "head_to_head_us": [[round(x, 2), round(y, 2)] for x, y in h2h]}
+
+
 def seal(configs: dict, buckets=BUCKETS) -> None:
     """Null every bucket of the full list that is absent and follows a config entry, so an entry
     only covers batches up to the next bucket (measured or not)."""
@@ -329,7 +352,7 @@ def _extra(p):
 def main(argv=None) -> int:
     import evenflow
     from evenflow.bench import harness as H
-    from evenflow.moe.fused import MoEConfig, check_config, tuned_key
+    from evenflow.moe.fused import check_config, tuned_key
     from evenflow.reference.moe import moe_baseline, moe_reference, random_moe_weights
     from evenflow.testing import assert_within_rule
 
@@ -430,33 +453,20 @@ def main(argv=None) -> int:
             confirm = (H.time_graph(fns_of(cfg_of["default"])), H.time_graph(fns_of(cfg_of[pick])))
             pick, why = decide(tried, confirm)
         entry = None if pick is None else cfg_of[pick].as_list()
-        # an existing entry stays unless the new choice beats it head to head in both of two timings, or, where
-        # nothing passed the rule, if it passes it; one the current code refuses, or that fails the rule, goes
         old = configs.get(key, {}).get(str(t))
-        incumbent = None
         if isinstance(old, list):
             new_label = pick if pick is not None else "default" if isinstance(tried.get("default"), float) else None
-            try:
-                old_cfg = MoEConfig.from_list(old)
-                check_config(old_cfg, case.hidden, case.inter, mode, fast_acc=fm.fast_acc)
-                if new_label is not None and old_cfg == cfg_of[new_label]:
-                    old_cfg = None  # the new choice is the existing entry
-                else:
-                    assert_within_rule(fns_of(old_cfg)[0](), ref, base, what=f"{case_name} {variant} T={t} incumbent")
-            except Exception as e:
-                incumbent, old_cfg = {"config": old, "dropped": f"{type(e).__name__}: {str(e)[:160]}"}, None
-            if old_cfg is not None and new_label is None:
-                incumbent = {"config": old}
-                pick, entry, why = "incumbent", old, f"incumbent kept ({why}; it passes the rule)"
-            elif old_cfg is not None:
-                new_cfg = cfg_of[new_label]
-                first = (H.time_graph(fns_of(old_cfg)), H.time_graph(fns_of(new_cfg)))
-                new_us = H.time_graph(fns_of(new_cfg))  # the second timing in the other order
-                h2h = [first, (H.time_graph(fns_of(old_cfg)), new_us)]
-                incumbent = {"config": old, "head_to_head_us": [[round(x, 2), round(y, 2)] for x, y in h2h]}
-                if keep_incumbent(h2h):
-                    pick, entry = "incumbent", old
-                    why = f"incumbent kept ({why}; the new choice was not faster in both head-to-head timings)"
+            kept, incumbent = meet_incumbent(
+                old, None if new_label is None else cfg_of[new_label], fns_of,
+                lambda c, fns: (check_config(c, case.hidden, case.inter, mode, fast_acc=fm.fast_acc),
+                                assert_within_rule(fns[0](), ref, base, what=f"{case_name} {variant} T={t} incumbent")),
+                H.time_graph)
+            if kept:
+                pick, entry = "incumbent", old
+                why = (f"incumbent kept ({why}; it passes the rule)" if new_label is None else
+                       f"incumbent kept ({why}; the new choice was not faster in both head-to-head timings)")
+        else:
+            incumbent = None
         configs.setdefault(key, {})[str(t)] = entry
         measured.add((key, t))
         timings.setdefault(key, {})[str(t)] = {

@@ -138,6 +138,8 @@ def test_bf16_cast_truncates_without_workaround(device, monkeypatch):
     normal = x.abs() >= torch.finfo(torch.float32).tiny  # (its subnormals come out wrong in yet another way)
     assert _same_bf16(y[normal], truncated[normal]) and _same_bf16(z[normal], truncated[normal])
     assert (y != x.to(torch.bfloat16)).sum() > 1000  # about half of the N(0, 1) sweep
+    sub = (x != 0) & ~normal  # fp32 subnormals: neither truncated nor rounded
+    assert sub.any() and not _same_bf16(y[sub], truncated[sub]) and not _same_bf16(y[sub], x[sub].to(torch.bfloat16))
 
 
 def test_bf16_cast_rounds_to_nearest_even(device):
