@@ -140,6 +140,12 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
         if mode == 0:
             out += [("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
         out += [("dn32", r(d, down_block_n=32)), ("bm32", r(d, block_m=32))]
+        if mode == 2 and rows >= 4:
+            # 32-row tiles on 64-wide gate-up N blocks (round W): at Qwen3 T = 256 our 16-row tiles read 740 MB
+            # from L2 against SGLang's 550 (V1), and 32 x 128 tiles on 4 warps alone were slower (U1); the pair
+            # keeps the programs' count and halves each expert's weight re-reads
+            out += [("bm32-gn64", r(d, block_m=32, gu_block_n=64)),
+                    ("bm32-gn64-w8", r(d, block_m=32, gu_block_n=64, num_warps=8))]
         if t * case.top_k <= PAIR_TILE_MAX_PAIRS:
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (
@@ -353,7 +359,7 @@ def main(argv=None) -> int:
     import evenflow
     from evenflow.bench import harness as H
     from evenflow.moe.fused import check_config, tuned_key
-    from evenflow.reference.moe import moe_baseline, moe_reference, random_moe_weights
+    from evenflow.reference.moe import moe_rule_terms, random_moe_weights
     from evenflow.testing import assert_within_rule
 
     args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra)
@@ -425,9 +431,9 @@ def main(argv=None) -> int:
         inputs = [tuple(v.to(DEVICE) for v in inp) for inp in point_inputs(case, t, draws, args.seed)]
         kw = {"ep_rank": case.ep_rank, "num_experts_total": case.num_experts_total}
         x0, ids0, tw0 = inputs[0]
-        ref = moe_reference(x0, ids0, tw0, ews[0], dtype=torch.float64, **kw).cpu()
-        # the same math by PyTorch (with its fp8 fast-accumulation GEMMs for the fast formats)
-        base = moe_baseline(x0, ids0, tw0, ews[0], fast_accum=fm.fast_acc, **kw).cpu()
+        # the oracle, the same math by PyTorch (with its fp8 fast-accumulation GEMMs for the fast formats) and
+        # what fp8 requantisation at a rounding midpoint may move (round W: V4's draw failed on one such flip)
+        ref, base, allow = (v.cpu() for v in moe_rule_terms(x0, ids0, tw0, ews[0], fast_accum=fm.fast_acc, **kw))
 
         def fns_of(cfg):
             return [lambda j=j, c=cfg: evenflow.fused_moe(*inputs[j], ews[j % n_rot], config=c, fp8_accum=accum,
@@ -442,7 +448,7 @@ def main(argv=None) -> int:
                 break
             fns = fns_of(cfg)
             try:
-                assert_within_rule(fns[0](), ref, base, what=f"{case_name} {variant} T={t} {label}")
+                assert_within_rule(fns[0](), ref, base, what=f"{case_name} {variant} T={t} {label}", allowance=allow)
                 tried[label] = H.time_graph(fns)
             except Exception as e:  # a failing config is reported, never chosen
                 tried[label] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -459,7 +465,8 @@ def main(argv=None) -> int:
             kept, incumbent = meet_incumbent(
                 old, None if new_label is None else cfg_of[new_label], fns_of,
                 lambda c, fns: (check_config(c, case.hidden, case.inter, mode, fast_acc=fm.fast_acc),
-                                assert_within_rule(fns[0](), ref, base, what=f"{case_name} {variant} T={t} incumbent")),
+                                assert_within_rule(fns[0](), ref, base, what=f"{case_name} {variant} T={t} incumbent",
+                                                   allowance=allow)),
                 H.time_graph)
             if kept:
                 pick, entry = "incumbent", old

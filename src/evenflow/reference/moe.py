@@ -165,6 +165,16 @@ def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: t
     return acc
 
 
+def _fast_gate_up(x, ew):
+    """``gate_up(e, tok)``: the fp32 gate-up product of expert ``e`` for token rows ``tok`` with fp8
+    fast accumulation, on the activations quantised as the kernels quantise them."""
+    if ew.format == "fp8_per_tensor":
+        xq = _fp8_static(x, ew.a13_scale)
+        return lambda e, tok: _fast_mm(xq[tok], ew.w13[e], ew.a13_scale, ew.w13_scale[e])
+    xq, xs = quant_fp8_group(x.float())
+    return lambda e, tok: _fast_block_mm(xq[tok], xs[tok], ew.w13[e], ew.w13_scale[e])
+
+
 def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
                             routed_scaling=1.0) -> torch.Tensor:
     """The tolerance rule's baseline for ``fused_moe(..., fp8_accum="fast")``: the same layer
@@ -184,16 +194,10 @@ def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_expert
     if ew.format not in ("fp8_per_tensor", "fp8_block"):
         raise ValueError(f"moe_fast_accum_baseline needs FP8 weights, got {ew.format}")
     e_local, i_size = ew.num_experts, ew.intermediate_size
-    if ew.format == "fp8_per_tensor":
-        xq = _fp8_static(x, ew.a13_scale)
-    else:
-        xq, xs = quant_fp8_group(x.float())
+    gate_up = _fast_gate_up(x, ew)
 
     def expert(e, tok):
-        if ew.format == "fp8_per_tensor":
-            gu = _fast_mm(xq[tok], ew.w13[e], ew.a13_scale, ew.w13_scale[e])
-        else:
-            gu = _fast_block_mm(xq[tok], xs[tok], ew.w13[e], ew.w13_scale[e])
+        gu = gate_up(e, tok)
         h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
         if ew.format == "fp8_per_tensor":
             return _fast_mm(_fp8_static(h, ew.a2_scale), ew.w2[e], ew.a2_scale, ew.w2_scale[e])
@@ -217,6 +221,83 @@ def moe_baseline(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw) 
         dtype = torch.bfloat16 if ew.format == "bf16" else torch.float32
         base = moe_reference(x, topk_ids, topk_weights, ew, dtype=dtype, **kw)
     return base.to(torch.bfloat16)
+
+
+def _e4m3_values(v: torch.Tensor) -> torch.Tensor:
+    """float64 of the e4m3 values nearest ``v`` (saturating at +-448, as the kernels convert)."""
+    return v.clamp(-FP8_MAX, FP8_MAX).float().to(torch.float8_e4m3fn).double()
+
+
+def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
+                          routed_scaling=1.0, fast_accum: bool = False, factor: float = 2.0) -> torch.Tensor:
+    """[T, H] float64: how far the layer's output may move, element by element, because the FP8
+    formats round the intermediate ``silu(gate) * up`` to e4m3 (zeros for BF16 weights).
+
+    The kernels' fp32 intermediate differs from the oracle's by rounding. Where an element lies
+    within that difference of a midpoint between two e4m3 values, a correct kernel may round it to
+    either one, and the output then moves by one e4m3 step times the scale times the down weights'
+    column: far more than the arithmetic error the tolerance rule bounds (round V4: one element of
+    |h| = 5.54, 2.8e-7 from a midpoint, took a correct layer past the rule). This allowance lets
+    exactly such elements round either way and nothing else:
+
+    - the intermediate's possible deviation, per element: the gate and up products may be off by
+      ``factor`` times the largest error of PyTorch's same-precision product of that expert (fp32
+      sums of the exact fp8 products; with ``fast_accum``, the fast-accumulation GEMM) against
+      float64, carried through ``silu(g) * u`` by its derivatives, plus 4 fp32 units of |h| for
+      the SiLU and the product themselves;
+    - block-128 mode: the group's scale (amax / 448) moves with the group's largest deviation;
+    - the quantised value ``h / scale`` may then end on any e4m3 value between those of
+      ``v - dv`` and ``v + dv``; that span (zero for all but the elements near a midpoint),
+      dequantised, times |down weights| and |top-k weight| * |routed_scaling|, summed over the pairs.
+
+    Pass it to :func:`evenflow.testing.assert_within_rule` as ``allowance``. The activations entering
+    the gate-up GEMM need none: the kernels quantise them with the oracle's exact fp32 operations.
+    """
+    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    if ew.format == "bf16":
+        return y
+    w13, w2 = dequant_weights(ew)
+    e_local, i_size = w13.shape[0], w2.shape[2]
+    if ew.format == "fp8_per_tensor":
+        xq = quant_fp8_static(x.float(), ew.a13_scale)
+    else:
+        xq = dequant_group(*quant_fp8_group(x.float()))
+    fast = _fast_gate_up(x, ew) if fast_accum else None
+    local = topk_ids.long() - ep_rank * e_local
+    for e in range(e_local):
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        if not tok.numel():
+            continue
+        gu64 = xq[tok].double() @ w13[e].double().T
+        gu_same = fast(e, tok) if fast_accum else xq[tok] @ w13[e].T
+        dgu = factor * float((gu_same.double() - gu64).abs().max())
+        g, u = gu64[:, :i_size], gu64[:, i_size:]
+        sg = torch.sigmoid(g)
+        silu = g * sg
+        h = silu * u
+        dh = ((sg * (1 + g * (1 - sg)) * u).abs() + silu.abs()) * dgu + h.abs() * 2.0**-21
+        if ew.format == "fp8_per_tensor":
+            s = ew.a2_scale.double().reshape(())
+            ds_rel = torch.zeros_like(h)
+        else:
+            n = h.shape[0]
+            amax = h.abs().reshape(n, -1, 128).amax(-1).clamp_min(GROUP_AMAX_EPS)
+            s = (amax / FP8_MAX).repeat_interleave(128, 1)
+            ds_rel = (dh.reshape(n, -1, 128).amax(-1) / amax).repeat_interleave(128, 1)
+        v = h / s
+        dv = dh / s + v.abs() * (ds_rel + 2.0**-22)
+        span = (_e4m3_values(v + dv) - _e4m3_values(v - dv)) * s
+        y.index_add_(0, tok, (span @ w2[e].double().abs().T) * topk_weights[tok, slot].double().abs()[:, None])
+    return y * abs(routed_scaling)
+
+
+def moe_rule_terms(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw):
+    """(oracle in float64, the rule's baseline, the requantisation allowance): the three terms of
+    :func:`evenflow.testing.assert_within_rule` for ``fused_moe`` with these arguments (``kw``:
+    ``ep_rank``, ``num_experts_total``, ``shared_output``, ``routed_scaling``)."""
+    ref = moe_reference(x, topk_ids, topk_weights, ew, dtype=torch.float64, **kw)
+    base = moe_baseline(x, topk_ids, topk_weights, ew, fast_accum=fast_accum, **kw)
+    return ref, base, moe_requant_allowance(x, topk_ids, topk_weights, ew, fast_accum=fast_accum, **kw)
 
 
 def moe_index_reference(topk_ids: torch.Tensor, num_local: int, ep_rank: int, block_m: int, max_tiles: int):

@@ -1,0 +1,142 @@
+"""The tolerance rule's fp8 requantisation allowance (``moe_requant_allowance``), against cases built
+to sit on a rounding midpoint and against other correct (and incorrect) implementations of the layer.
+
+The FP8 formats round the intermediate silu(gate) * up to e4m3. An element that lies within fp32
+error of a midpoint between two e4m3 values may round either way in a correct kernel, and one such
+flip can move the output by more than the rule's bound (round V4). The allowance must cover exactly
+that: a flip at a midpoint passes, a rounding-mode defect or a two-step error does not.
+"""
+import pytest
+import torch
+
+from evenflow.moe.quant import MoEWeights
+from evenflow.reference.moe import (
+    dequant_group,
+    dequant_weights,
+    moe_requant_allowance,
+    moe_rule_terms,
+    quant_fp8_group,
+    quant_fp8_static,
+    random_moe_weights,
+    random_routing,
+)
+from evenflow.testing import assert_within_rule
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_allowance_is_zero_for_bf16():
+    ew = random_moe_weights("bf16", 4, 64, 32)
+    x = torch.randn(5, 64).bfloat16()
+    ids, w = random_routing(5, 2, 4)
+    assert not moe_requant_allowance(x, ids, w, ew).any()
+
+
+def _midpoint_layer():
+    """One token, one expert (top-1, weight 1), per-tensor fp8, built so that the intermediate's
+    element 0 lies on the midpoint 12.5 between e4m3 12 and 13 (to fp32 rounding of the scale), and
+    the down weights' column 0 is large: a flip there moves every output by ~a2 * 0.875."""
+    h_size, i_size = 64, 64
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(1, 2 * i_size, h_size, generator=g) * 8).clamp(-448, 448).to(FP8)
+    w13[0, 0, 0], w13[0, i_size, 0] = 128.0, 64.0  # gate 2.0, up 1.0 at scale 2^-6
+    w2 = (torch.randn(1, h_size, i_size, generator=g) * 8).clamp(-448, 448).to(FP8)
+    w2[0, :, 0] = 448.0  # 0.875 at scale 2^-9
+    s13, s2, a13 = torch.tensor([2.0**-6]), torch.tensor([2.0**-9]), torch.tensor([2.0**-6])
+    h0 = float(torch.nn.functional.silu(torch.tensor(2.0, dtype=torch.float64)))  # up = 1.0
+    a2 = torch.tensor([h0 / 12.5], dtype=torch.float32)
+    ew = MoEWeights.fp8_per_tensor(w13, w2, s13, s2, a13, a2)
+    x = torch.zeros(1, h_size)
+    x[0, 0] = 1.0  # 64 in e4m3 at a13 = 2^-6: every gate/up value is one exact product
+    return ew, x.bfloat16(), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+
+
+def _moved(ref, ew, steps):
+    """The layer's output with the intermediate's element 0 moved by ``steps`` e4m3 steps of 1 (between
+    12 and 14 the e4m3 values are the integers), rounded to bf16."""
+    _, w2 = dequant_weights(ew)
+    return (ref + steps * float(ew.a2_scale) * w2[0, :, 0].double()[None, :]).bfloat16()
+
+
+def test_a_flip_at_a_midpoint_needs_the_allowance_and_gets_exactly_it():
+    ew, x, ids, w = _midpoint_layer()
+    ref, base, allowance = moe_rule_terms(x, ids, w, ew)
+    w13, _ = dequant_weights(ew)
+    h_ref = quant_fp8_static(torch.nn.functional.silu(x.float() @ w13[0, :64].T) * (x.float() @ w13[0, 64:].T),
+                             ew.a2_scale)[0, 0] / ew.a2_scale
+    assert float(h_ref) in (12.0, 13.0), h_ref  # the oracle took one side of 12.5
+    other = 1.0 if float(h_ref) == 12.0 else -1.0
+    flipped = _moved(ref, ew, other)
+    # the flip is far beyond the rule's bound, and the allowance covers it element by element
+    with pytest.raises(AssertionError, match="exceeds the rule's bound"):
+        assert_within_rule(flipped, ref, base)
+    assert_within_rule(flipped, ref, base, allowance=allowance)
+    step = float(ew.a2_scale) * 0.875
+    assert torch.allclose(allowance, torch.full_like(allowance, step), rtol=1e-6), "allowance != one flip's effect"
+    # nothing more: two steps (a wrong value, not a rounding choice) still fail
+    with pytest.raises(AssertionError, match="beyond its allowance"):
+        assert_within_rule(_moved(ref, ew, 2 * other), ref, base, allowance=allowance)
+
+
+def _other_kernel(x, ids, w, ew, rounding="nearest"):
+    """The layer as another correct kernel might compute it: gate-up sums in fp32 in 32-deep chunks
+    taken in reverse K order (another summation order than the oracle's and the baseline's), the
+    kernels' activation quantisation, the down GEMM and weighted sum exact, rounded to bf16.
+    ``rounding="toward_zero"``: the intermediate's e4m3 conversion truncates (a defect)."""
+    w13, w2 = dequant_weights(ew)
+    i_size = w2.shape[2]
+    per_tensor = ew.format == "fp8_per_tensor"
+    xq = quant_fp8_static(x.float(), ew.a13_scale) if per_tensor else dequant_group(*quant_fp8_group(x.float()))
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for e in range(w13.shape[0]):
+        tok, slot = torch.nonzero(ids.long() == e, as_tuple=True)
+        if not tok.numel():
+            continue
+        gu = torch.zeros(tok.numel(), 2 * i_size)
+        for k0 in reversed(range(0, xq.shape[1], 32)):
+            gu = gu + xq[tok, k0:k0 + 32] @ w13[e][:, k0:k0 + 32].T
+        h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
+        if per_tensor:
+            scale = ew.a2_scale.float()
+            v = h / scale
+        else:
+            _, gs = quant_fp8_group(h)
+            scale = gs.repeat_interleave(128, 1)
+            v = h / scale
+        q = v.clamp(-448, 448).to(FP8)
+        if rounding == "toward_zero":  # one e4m3 step back toward zero wherever nearest rounded away from it
+            bits = q.view(torch.uint8)
+            away = (q.float().abs() > v.abs()) & ((bits & 0x7F) > 0)
+            q = torch.where(away, bits - 1, bits).view(FP8)
+        y.index_add_(0, tok, ((q.float() * scale).double() @ w2[e].double().T) * w[tok, slot].double()[:, None])
+    return y.bfloat16()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+def test_another_correct_order_passes_and_truncation_fails(fmt):
+    """20 draws: another correct summation order passes with the allowance at every draw; the same
+    kernel with truncating requantisation fails at every draw, allowance or not."""
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        ew = random_moe_weights(fmt, 8, 512, 256, generator=g)
+        x = torch.randn(64, 512, generator=g).bfloat16()
+        ids, w = random_routing(64, 4, 8, generator=g)
+        ref, base, allowance = moe_rule_terms(x, ids, w, ew)
+        assert_within_rule(_other_kernel(x, ids, w, ew), ref, base, allowance=allowance, what=f"seed {seed}")
+        with pytest.raises(AssertionError):
+            assert_within_rule(_other_kernel(x, ids, w, ew, "toward_zero"), ref, base, allowance=allowance)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+def test_allowance_is_sparse(fmt):
+    """At a random draw only the few intermediate elements near a midpoint count: the allowance is zero
+    on most output rows of single-pair tokens, and its largest value stays below the rule's bound."""
+    g = torch.Generator().manual_seed(1)
+    ew = random_moe_weights(fmt, 8, 512, 256, generator=g)
+    x = torch.randn(256, 512, generator=g).bfloat16()
+    ids, w = random_routing(256, 1, 8, generator=g)
+    ref, base, allowance = moe_rule_terms(x, ids, w, ew)
+    rows = int((allowance.amax(1) > 0).sum())
+    assert rows < 256 // 2, f"{rows} of 256 rows have an allowance"
+    from evenflow.testing import error_bound
+    assert float(allowance.max()) < error_bound(ref, base, torch.bfloat16)
