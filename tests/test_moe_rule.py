@@ -25,14 +25,14 @@ from evenflow.testing import assert_within_rule
 FP8 = torch.float8_e4m3fn
 
 
-def test_allowance_is_zero_for_bf16():
-    ew = random_moe_weights("bf16", 4, 64, 32)
-    x = torch.randn(5, 64).bfloat16()
-    ids, w = random_routing(5, 2, 4)
+def test_allowance_is_zero_for_bf16(device):
+    ew = random_moe_weights("bf16", 4, 64, 32, device)
+    x = torch.randn(5, 64, device=device).bfloat16()
+    ids, w = random_routing(5, 2, 4, device)
     assert not moe_requant_allowance(x, ids, w, ew).any()
 
 
-def _midpoint_layer():
+def _midpoint_layer(device):
     """One token, one expert (top-1, weight 1), per-tensor fp8, built so that the intermediate's
     element 0 lies on the midpoint 12.5 between e4m3 12 and 13 (to fp32 rounding of the scale), and
     the down weights' column 0 is large: a flip there moves every output by ~a2 * 0.875."""
@@ -45,10 +45,11 @@ def _midpoint_layer():
     s13, s2, a13 = torch.tensor([2.0**-6]), torch.tensor([2.0**-9]), torch.tensor([2.0**-6])
     h0 = float(torch.nn.functional.silu(torch.tensor(2.0, dtype=torch.float64)))  # up = 1.0
     a2 = torch.tensor([h0 / 12.5], dtype=torch.float32)
-    ew = MoEWeights.fp8_per_tensor(w13, w2, s13, s2, a13, a2)
     x = torch.zeros(1, h_size)
     x[0, 0] = 1.0  # 64 in e4m3 at a13 = 2^-6: every gate/up value is one exact product
-    return ew, x.bfloat16(), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+    ew = MoEWeights.fp8_per_tensor(*(t.to(device) for t in (w13, w2, s13, s2, a13, a2)))
+    ids = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    return ew, x.bfloat16().to(device), ids, torch.ones(1, 1, device=device)
 
 
 def _moved(ref, ew, steps):
@@ -58,8 +59,8 @@ def _moved(ref, ew, steps):
     return (ref + steps * float(ew.a2_scale) * w2[0, :, 0].double()[None, :]).bfloat16()
 
 
-def test_a_flip_at_a_midpoint_needs_the_allowance_and_gets_exactly_it():
-    ew, x, ids, w = _midpoint_layer()
+def test_a_flip_at_a_midpoint_needs_the_allowance_and_gets_exactly_it(device):
+    ew, x, ids, w = _midpoint_layer(device)
     ref, base, allowance = moe_rule_terms(x, ids, w, ew)
     w13, _ = dequant_weights(ew)
     h_ref = quant_fp8_static(torch.nn.functional.silu(x.float() @ w13[0, :64].T) * (x.float() @ w13[0, 64:].T),
@@ -87,12 +88,12 @@ def _other_kernel(x, ids, w, ew, rounding="nearest"):
     i_size = w2.shape[2]
     per_tensor = ew.format == "fp8_per_tensor"
     xq = quant_fp8_static(x.float(), ew.a13_scale) if per_tensor else dequant_group(*quant_fp8_group(x.float()))
-    y = torch.zeros(x.shape, dtype=torch.float64)
+    y = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for e in range(w13.shape[0]):
         tok, slot = torch.nonzero(ids.long() == e, as_tuple=True)
         if not tok.numel():
             continue
-        gu = torch.zeros(tok.numel(), 2 * i_size)
+        gu = torch.zeros(tok.numel(), 2 * i_size, device=x.device)
         for k0 in reversed(range(0, xq.shape[1], 32)):
             gu = gu + xq[tok, k0:k0 + 32] @ w13[e][:, k0:k0 + 32].T
         h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
@@ -113,14 +114,14 @@ def _other_kernel(x, ids, w, ew, rounding="nearest"):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
-def test_another_correct_order_passes_and_truncation_fails(fmt):
+def test_another_correct_order_passes_and_truncation_fails(device, fmt):
     """20 draws: another correct summation order passes with the allowance at every draw; the same
     kernel with truncating requantisation fails at every draw, allowance or not."""
     for seed in range(20):
-        g = torch.Generator().manual_seed(seed)
-        ew = random_moe_weights(fmt, 8, 512, 256, generator=g)
-        x = torch.randn(64, 512, generator=g).bfloat16()
-        ids, w = random_routing(64, 4, 8, generator=g)
+        g = torch.Generator(device=device).manual_seed(seed)
+        ew = random_moe_weights(fmt, 8, 512, 256, device, generator=g)
+        x = torch.randn(64, 512, device=device, generator=g).bfloat16()
+        ids, w = random_routing(64, 4, 8, device, generator=g)
         ref, base, allowance = moe_rule_terms(x, ids, w, ew)
         assert_within_rule(_other_kernel(x, ids, w, ew), ref, base, allowance=allowance, what=f"seed {seed}")
         with pytest.raises(AssertionError):
@@ -128,13 +129,13 @@ def test_another_correct_order_passes_and_truncation_fails(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
-def test_allowance_is_sparse(fmt):
+def test_allowance_is_sparse(device, fmt):
     """At a random draw only the few intermediate elements near a midpoint count: the allowance is zero
     on most output rows of single-pair tokens, and its largest value stays below the rule's bound."""
-    g = torch.Generator().manual_seed(1)
-    ew = random_moe_weights(fmt, 8, 512, 256, generator=g)
-    x = torch.randn(256, 512, generator=g).bfloat16()
-    ids, w = random_routing(256, 1, 8, generator=g)
+    g = torch.Generator(device=device).manual_seed(1)
+    ew = random_moe_weights(fmt, 8, 512, 256, device, generator=g)
+    x = torch.randn(256, 512, device=device, generator=g).bfloat16()
+    ids, w = random_routing(256, 1, 8, device, generator=g)
     ref, base, allowance = moe_rule_terms(x, ids, w, ew)
     rows = int((allowance.amax(1) > 0).sum())
     assert rows < 256 // 2, f"{rows} of 256 rows have an allowance"
