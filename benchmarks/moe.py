@@ -43,8 +43,7 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
-         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant",
-         "evenflow-sepreduce")
+         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
@@ -54,16 +53,13 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # A/B against the default's one program per task), evenflow-serialquant (the fp8 activation quantisation kernel
 # waiting at its top for the index kernel instead of running beside it: evenflow.moe.fused.QUANT_OVERLAP's A/B;
 # FP8 only, and the same launches as evenflow wherever the overlap does not apply: past PDL_MAX_PAIRS pairs (no
-# PDL), and on pair tiles with no K-split counters, where the quantisation is the layer's first kernel),
-# evenflow-sepreduce (fuse_reduce=False: the top-k sum after pair tiles by the reduce kernel, not by the down
-# kernel's last programs; the fused reduction's A/B, the same launches as evenflow on index tiles)
+# PDL), and on pair tiles with no K-split counters, where the quantisation is the layer's first kernel)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
                   "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
-                  "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
-                  "evenflow-sepreduce": {"fuse_reduce": False}}
+                  "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False}}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

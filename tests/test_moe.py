@@ -412,48 +412,6 @@ class _count_launches:
         self.mp.setattr(self.fused, self.name, self.real)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_fused_reduce_equals_the_reduce_kernel(device, fmt, monkeypatch):
-    """With pair tiles the down kernel's last program of each (token, N block) sums the token's top-k
-    pairs (``fuse_reduce``, the default) instead of the reduce kernel: no reduce launch, the result
-    within the rule and, on a CPU, bit for bit the reduce kernel's; with a down split, the deferred
-    gate-up reduction, ids of other EP ranks (a token with none of its own), a repeated expert, a
-    shared output and a routed scaling; the arrival counters come from dirty memory and are zeroed
-    by the gate-up kernel, so a second call gives the same bits."""
-    h, i = SIZES[fmt]
-    ew = random_moe_weights(fmt, 4, h, i, device)
-    base = choose_config(2, 3, 4, h, i, ew.mode, num_experts_total=12)
-    gu_bk = base.gu_block_k if fmt == "fp8_block" else 16
-    down_bk = base.down_block_k if fmt == "fp8_block" else 16
-    ids_all = [[5, 5, 1], [0, 9, 11], [4, 7, 6]]  # rank 1 of 3 owns 4..7; token 1 has none of them
-    for t, split, down_split, defer in ((1, 1, 1, False), (2, 2, 2 if i // down_bk >= 2 else 1, False),
-                                        (3, 2, 1, True)):
-        cfg = dataclasses.replace(base, gu_block_k=gu_bk, down_block_k=down_bk, gu_split_k=split,
-                                  down_split_k=down_split)
-        x = torch.randn(t, h, device=device).bfloat16()
-        ids, w = routing_from(ids_all[:t], device)
-        shared = torch.randn(t, h, device=device).bfloat16()
-        kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.75)
-        ys = {}
-        for fuse in (True, False, True):
-            _dirty_pool(device)
-            with _count_launches(monkeypatch, "moe_reduce_kernel") as reduces:
-                y = evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=True, defer_split=defer,
-                                       fuse_reduce=fuse, out=poisoned((t, h), torch.bfloat16, device), **kw)
-            assert reduces == [0 if fuse else 1], (fuse, reduces)
-            if fuse in ys:
-                assert torch.equal(y, ys[fuse]), "a second fused call differs (counters not zeroed?)"
-            ys[fuse] = y
-        what = f"{fmt} T={t} {cfg} defer={defer}"
-        check_moe(ys[True], x, ids, w, ew, what, **kw)
-        if torch.device(device).type == "cpu":
-            assert torch.equal(ys[True], ys[False]), f"fused reduction differs from the reduce kernel's: {what}"
-        else:
-            check_moe(ys[False], x, ids, w, ew, what, **kw)
-    with pytest.raises(TypeError, match="fuse_reduce"):
-        evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, fuse_reduce=1)
-
-
 def _dirty_pool(device):
     """Leave non-zero bytes in the allocator's free blocks (on a GPU the caching allocator would
     otherwise hand back the previous call's counters, already reset to zero by the last split)."""

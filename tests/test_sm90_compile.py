@@ -96,13 +96,6 @@ def _moe_launches():
                 cfg = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), gu_defer=1)
                 evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e_local, (t, top_k),
                                    dtype=torch.int32), torch.rand(t, top_k), ew, config=cfg)
-    # The reduce kernel after pair tiles, where fused_moe(fuse_reduce=False) keeps it (the default fuses it)
-    for h, i, _ in shapes.values():
-        for fmt in ("bf16", "fp8_per_tensor", "fp8_block"):
-            if fmt == "fp8_block" and i % 128:
-                continue
-            evenflow.fused_moe(torch.randn(1, h).bfloat16(), torch.randint(0, e_local, (1, top_k), dtype=torch.int32),
-                               torch.rand(1, top_k), random_moe_weights(fmt, e_local, h, i), fuse_reduce=False)
     # Block mode on 64-wide gate-up N blocks (each activation group requantised by its last program), as
     # the tuner offers them at decode and mid batches: index tiles, with and without a K-split gate-up, and the
     # persistent loop around them (round U: Triton 3.6 failed to build it flattened)

@@ -47,10 +47,6 @@ QUANT_OVERLAP = True
 # distinct), ~1/16 more weight bytes at T = 2 of top-8 over 128 experts, ~13% at T = 4 (the
 # index pays off from there).
 PAIR_TILE_MAX_PAIRS = 16
-# With pair tiles, the top-k sum is done by the down kernel's last program of each (token, N block)
-# (moe_down_kernel FUSE_REDUCE) instead of the reduce kernel: one launch fewer on the decode path
-# (round W; fused_moe(fuse_reduce=False) and benchmarks/moe.py's evenflow-sepreduce row keep the kernel).
-FUSE_REDUCE_DEFAULT = True
 # fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
 # accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
 # reduced-precision accumulation (kernels.py, FAST_ACC). fp8 tl.dot needs K-steps >= 32.
@@ -294,7 +290,7 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
             pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
-            persistent: int = -1, fuse_reduce: int = -1):
+            persistent: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
@@ -302,12 +298,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # -1 as the config says (cfg.gu_defer)
     # persistent: programs per SM of the GEMMs that run index tiles without a K split (0: one per task),
     # -1 as the config says (cfg.persistent)
-    # fuse_reduce: with pair tiles, the top-k sum done by the down kernel's last programs: 1 yes, 0 no
-    # (the reduce kernel), -1 automatic (FUSE_REDUCE_DEFAULT); index tiles always launch the reduce kernel
     if defer_split not in (-1, 0, 1):
         raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
-    if fuse_reduce not in (-1, 0, 1):
-        raise ValueError(f"fuse_reduce must be -1 (automatic), 0 or 1, got {fuse_reduce!r}")
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -325,10 +317,6 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     by_pair = bool(pair_tiles) if pair_tiles >= 0 else (p <= PAIR_TILE_MAX_PAIRS and cfg.block_m == 16)
     n_tiles = p if by_pair else max_tiles(p, e_local, cfg.block_m)
     gu_nb = i // cfg.gu_block_n
-    down_nb = h // cfg.down_block_n
-    fused_reduce = by_pair and (FUSE_REDUCE_DEFAULT if fuse_reduce < 0 else fuse_reduce == 1)
-    # the down kernel's arrival counters, one per (token, n-block), zeroed by the gate-up kernel
-    r_count = torch.empty(t * down_nb, dtype=torch.int32, device=dev) if fused_reduce else None
     # Deferred reduction (pair tiles, K-split gate-up): the down GEMM adds the gate-up's partials
     # as it loads its operand, so the gate-up has no arrival counter, no last-split round trips
     # (partial stores, fence, atomic, partial loads) and no inter store, and no zeroing kernel
@@ -406,14 +394,14 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
             return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
         return (n_tiles, nb, split_k), False, 1
 
+    down_nb = h // cfg.down_block_n
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
         h_buf if group_split else dummy, gu_count[n_split_counts:] if group_split else dummy,
-        r_count if fused_reduce else dummy,
-        k, i, h, ep_rank * e_local, e_local, gu_nb, r_count.numel() if fused_reduce else 0,
+        k, i, h, ep_rank * e_local, e_local, gu_nb,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
@@ -429,26 +417,22 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     pair_dtype = torch.bfloat16 if cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
     down_grid, down_persist, down_e_pad = gemm_launch(cfg.down_split_k, down_nb)
-    block_k = triton.next_power_of_2(k)
-    shared = shared_output if shared_output is not None else out
     moe_down_kernel[down_grid](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2, gu_part if defer else dummy, ws13, as13,
-        r_count if fused_reduce else dummy, shared, out,
-        k, i, ep_rank * e_local, e_local, down_nb, float(routed_scaling),
+        k, i, ep_rank * e_local, e_local, down_nb,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
-        pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0, shared.stride(0), out.stride(0),
+        pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
-        E_PAD=down_e_pad, FUSE_REDUCE=fused_reduce, HAS_SHARED=shared_output is not None, RED_K=block_k,
-        **gpu_kw, **pk,
+        E_PAD=down_e_pad, **gpu_kw, **pk,
     )
-    if fused_reduce:
-        return
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
+    block_k = triton.next_power_of_2(k)
     block_h = min(1024, triton.next_power_of_2(h), max(32, 8192 // (block_k * cfg.down_split_k)))
+    shared = shared_output if shared_output is not None else out
     moe_reduce_kernel[(t, triton.cdiv(h, block_h))](
         pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
         pair_out.stride(0), pair_out.stride(1), shared.stride(0), out.stride(0),
@@ -466,18 +450,17 @@ def _fused_moe_op(
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
     pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
-    fuse_reduce: int = -1,
 ) -> None:
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
-            defer_split, persistent, fuse_reduce)
+            defer_split, persistent)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1, persistent=-1, fuse_reduce=-1):
+      fp8_accum="exact", defer_split=-1, persistent=-1):
     return None
 
 
@@ -491,7 +474,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              defer_split: bool | None = None, persistent: int | None = None, fuse_reduce: bool | None = None):
+              defer_split: bool | None = None, persistent: int | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -536,11 +519,6 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     their tasks after the others, which is slower, never wrong. On the H200 it was faster than the
     default by more than 1% at only 3 of 96 benchmark points and slower at 83, with or without the
     loop's flattening (docs/perf-notes/moe.md, rounds T3, T6).
-    ``fuse_reduce``: with pair tiles (decode batches), the sum over a token's top-k pairs is done by
-    the last of the down kernel's programs of each (token, N block) to finish instead of a reduce
-    kernel after it: one launch less. ``None`` (default): ``FUSE_REDUCE_DEFAULT``; ``True`` /
-    ``False`` force it (no effect on index tiles). Same results bit for bit on a CPU; on a GPU the
-    fixed summation order is the same, the layout of the sum may differ (each within the rule).
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -604,14 +582,11 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     persist_arg = -1 if persistent is None else persistent
-    if fuse_reduce is not None and not isinstance(fuse_reduce, bool):
-        raise TypeError(f"fuse_reduce must be a bool or None, got {fuse_reduce!r}")
-    fuse_arg = -1 if fuse_reduce is None else int(fuse_reduce)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
         _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg,
-                      persist_arg, fuse_arg)
+                      persist_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, fuse_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg)
     return out

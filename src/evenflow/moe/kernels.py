@@ -514,8 +514,8 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
 def moe_gate_up_kernel(
     p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
-    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, p_rzero,
-    top_k, I, K, e_first, num_local, num_nb, num_rzero,
+    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount,
+    top_k, I, K, e_first, num_local, num_nb,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
@@ -549,18 +549,10 @@ def moe_gate_up_kernel(
     (tiles fastest), in one flattened loop over tasks and K steps, so that the compiler may start a
     task's first loads under the previous task's last steps. Measured slower than one program per
     task (docs/perf-notes/moe.md, rounds T3, T6): opt-in only.
-
-    ``p_rzero[:num_rzero]`` (the down kernel's reduce counters with FUSE_REDUCE; else 0 of them) is
-    zeroed here, the programs sharing it in 1024-wide pieces: the down kernel reads it only after its
-    PDL wait, i.e. after this kernel has finished, and no launch is spent on it.
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
     pdl_enter(PDL)
-    if num_rzero > 0:
-        pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        _zero_share(p_rzero, pid * 1024, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2) * 1024,
-                    num_rzero)
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         # not flattened around block mode's group requantisation (a branch after the K loop): Triton 3.6's
@@ -660,14 +652,13 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
 def moe_down_kernel(
     p_a, p_as, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row, p_topk_w,
-    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, p_rcount, p_shared, p_y,
-    top_k, K, e_first, num_local, num_nb, routed_scaling,
+    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale,
+    top_k, K, e_first, num_local, num_nb,
     stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps,
-    stride_sht, stride_yt,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, FUSE_REDUCE: tl.constexpr, HAS_SHARED: tl.constexpr, RED_K: tl.constexpr,
+    E_PAD: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -682,15 +673,8 @@ def moe_down_kernel(
     loads are one [BLOCK_K] row per split, pipelined with the weights like any operand load.
 
     PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction).
-
-    FUSE_REDUCE (pair tiles: program (pair, n-block, split)): the reduce kernel's work is done here,
-    by the last of a token's ``top_k * SPLIT_K`` programs of an n-block to finish (every program counts
-    itself in at ``p_rcount`` [tokens, n-blocks], those of another rank's pairs too, whose rows are
-    never read), in the reduce kernel's fixed order (:func:`_reduce_token`): one launch less on the
-    decode path. The counters are zeroed by the gate-up kernel and put back to 0 by their last program.
     """
     tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
-    tl.static_assert(not FUSE_REDUCE or (PAIR_TILES and not PERSIST), "FUSE_REDUCE: pair tiles only")
     tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
     pdl_enter(PDL)
@@ -706,27 +690,12 @@ def moe_down_kernel(
     else:
         i_tile, i_n, i_s, e, o_m, m_m = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
                                                    BLOCK_M, PAIR_TILES)
-        if FUSE_REDUCE:
-            if e >= 0:
-                _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
-                    p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we, stride_wn,
-                    stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
-                    SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
-            i_t = i_tile // top_k
-            p_c = p_rcount + i_t * num_nb + i_n
-            if arrived_last(p_c, top_k * SPLIT_K):
-                o_h = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-                _reduce_token(p_out, p_ids, p_shared, p_y, i_t.to(tl.int64), o_h, o_h < num_nb * BLOCK_N, top_k,
-                              e_first, num_local, routed_scaling, stride_os, stride_om, stride_sht, stride_yt,
-                              HAS_SHARED, RED_K, SPLIT_K)
-                tl.store(p_c, 0)
-        else:
-            if e < 0:
-                return
-            _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
-                p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we, stride_wn,
-                stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K,
-                DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
+        if e < 0:
+            return
+        _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
+            p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
+            stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32,
+            PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
 
 
 @triton.jit(do_not_specialize=["top_k"])
@@ -745,28 +714,18 @@ def moe_reduce_kernel(
     tree over the slots, then the splits in turn): deterministic.
     """
     pdl_enter(PDL)
+    i_t = tl.program_id(0).to(tl.int64)
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    _reduce_token(p_pair_out, p_ids, p_shared, p_y, tl.program_id(0).to(tl.int64), o_h, o_h < H, top_k, e_first,
-                  num_local, routed_scaling, stride_ps, stride_pm, stride_sht, stride_yt, HAS_SHARED, BLOCK_K, SPLIT_K)
-
-
-@triton.jit
-def _reduce_token(p_pair_out, p_ids, p_shared, p_y, i_t, o_h, m_h, top_k, e_first, num_local, routed_scaling,
-                  stride_ps, stride_pm, stride_sht, stride_yt, HAS_SHARED: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr):
-    """y[i_t, o_h] = routed_scaling * sum_split sum_slot pair_out[split, i_t*k + slot, o_h] + shared[i_t, o_h]
-    over the token's local pairs, in a fixed order (see moe_reduce_kernel). The pair rows are read past L1
-    (``.cg``): in moe_down_kernel's FUSE_REDUCE other programs wrote them, on other SMs."""
+    m_h = o_h < H
     o_j = tl.arange(0, BLOCK_K)
     pair = i_t * top_k + o_j
     lid = tl.load(p_ids + pair, mask=o_j < top_k, other=0) - e_first  # in the ids' dtype, as _local_ids
     mine = (o_j < top_k) & (lid >= 0) & (lid < num_local)
     p_rows = p_pair_out + pair[:, None] * stride_pm + o_h[None, :]
     m_rows = mine[:, None] & m_h[None, :]
-    acc = tl.zeros(o_h.shape, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
-        acc += tl.sum(tl.load(p_rows + s * stride_ps, mask=m_rows, other=0.0, cache_modifier=".cg").to(tl.float32),
-                      axis=0)
+        acc += tl.sum(tl.load(p_rows + s * stride_ps, mask=m_rows, other=0.0).to(tl.float32), axis=0)
     acc = acc * routed_scaling
     if HAS_SHARED:
         acc += tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)
