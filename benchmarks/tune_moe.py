@@ -140,12 +140,6 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
         if mode == 0:
             out += [("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
         out += [("dn32", r(d, down_block_n=32)), ("bm32", r(d, block_m=32))]
-        if mode == 2 and rows >= 4:
-            # 32-row tiles on 64-wide gate-up N blocks (round W): at Qwen3 T = 256 our 16-row tiles read 740 MB
-            # from L2 against SGLang's 550 (V1), and 32 x 128 tiles on 4 warps alone were slower (U1); the pair
-            # keeps the programs' count and halves each expert's weight re-reads
-            out += [("bm32-gn64", r(d, block_m=32, gu_block_n=64)),
-                    ("bm32-gn64-w8", r(d, block_m=32, gu_block_n=64, num_warps=8))]
         if t * case.top_k <= PAIR_TILE_MAX_PAIRS:
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (

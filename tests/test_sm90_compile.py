@@ -105,10 +105,6 @@ def _moe_launches():
         cfg = dataclasses.replace(choose_config(t, top_k, e_local, h, i, 2), gu_block_n=64, gu_split_k=gs)
         evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e_local, (t, top_k), dtype=torch.int32),
                            torch.rand(t, top_k), ew, config=cfg, pair_tiles=False, persistent=per_sm)
-    for nw in (4, 8):  # with 32-row tiles, as the tuner offers them from 4 rows an expert (round W)
-        cfg = dataclasses.replace(choose_config(256, top_k, e_local, h, i, 2), block_m=32, gu_block_n=64, num_warps=nw)
-        evenflow.fused_moe(torch.randn(256, h).bfloat16(), torch.randint(0, e_local, (256, top_k), dtype=torch.int32),
-                           torch.rand(256, top_k), ew, config=cfg)
     # Persistent GEMMs (one flattened loop over tasks and K steps) at the large-batch configs
     for (h, i, _), fmts, batches in ((shapes["qwen3-30b-a3b"], ("bf16", "fp8_per_tensor", "fp8_block"), (512, 4096)),
                                      (shapes["hy3-tp8"], ("bf16", "fp8_per_tensor"), (4096,))):
