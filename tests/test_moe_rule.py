@@ -11,6 +11,7 @@ import torch
 
 from evenflow.moe.quant import MoEWeights
 from evenflow.reference.moe import (
+    _requant_windows,
     dequant_group,
     dequant_weights,
     moe_requant_allowance,
@@ -67,12 +68,14 @@ def test_a_flip_at_a_midpoint_needs_the_allowance_and_gets_exactly_it(device):
                              ew.a2_scale)[0, 0] / ew.a2_scale
     assert float(h_ref) in (12.0, 13.0), h_ref  # the oracle took one side of 12.5
     other = 1.0 if float(h_ref) == 12.0 else -1.0
+    step = float(ew.a2_scale) * 0.875
+    # the construction needs the baseline on the oracle's side too (else the plain bound already holds the flip)
+    assert float((base.double() - ref).abs().max()) < step / 4, "the baseline rounded the midpoint element otherwise"
     flipped = _moved(ref, ew, other)
     # the flip is far beyond the rule's bound, and the allowance covers it element by element
     with pytest.raises(AssertionError, match="exceeds the rule's bound"):
         assert_within_rule(flipped, ref, base)
     assert_within_rule(flipped, ref, base, allowance=allowance)
-    step = float(ew.a2_scale) * 0.875
     assert torch.allclose(allowance, torch.full_like(allowance, step), rtol=1e-6), "allowance != one flip's effect"
     # nothing more: two steps (a wrong value, not a rounding choice) still fail
     with pytest.raises(AssertionError, match="beyond its allowance"):
@@ -115,8 +118,10 @@ def _other_kernel(x, ids, w, ew, rounding="nearest"):
 
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
 def test_another_correct_order_passes_and_truncation_fails(device, fmt):
-    """20 draws: another correct summation order passes with the allowance at every draw; the same
-    kernel with truncating requantisation fails at every draw, allowance or not."""
+    """20 draws: another correct summation order passes with the allowance at every draw (no false
+    alarm; at these sizes its flips stay below the plain bound too, so this half alone does not show the
+    allowance is needed: the midpoint test above does); the same kernel with truncating requantisation
+    fails at every draw, allowance or not (the allowance does not absorb a rounding-mode defect)."""
     for seed in range(20):
         g = torch.Generator(device=device).manual_seed(seed)
         ew = random_moe_weights(fmt, 8, 512, 256, device, generator=g)
@@ -130,8 +135,10 @@ def test_another_correct_order_passes_and_truncation_fails(device, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
 def test_allowance_is_sparse(device, fmt):
-    """At a random draw only the few intermediate elements near a midpoint count: the allowance is zero
-    on most output rows of single-pair tokens, and its largest value stays below the rule's bound."""
+    """A tripwire for an allowance grown loose: at a random draw only the few intermediate elements near a
+    midpoint count (about 1 in 1,000 here), so most output rows of single-pair tokens get none (45 and 62
+    of 256 on the CPU; a window 4x too wide reaches half). Its size is not bounded: one flip of a large
+    element can exceed the rule's bound (round V4), which is why it exists."""
     g = torch.Generator(device=device).manual_seed(1)
     ew = random_moe_weights(fmt, 8, 512, 256, device, generator=g)
     x = torch.randn(256, 512, device=device, generator=g).bfloat16()
@@ -139,5 +146,71 @@ def test_allowance_is_sparse(device, fmt):
     ref, base, allowance = moe_rule_terms(x, ids, w, ew)
     rows = int((allowance.amax(1) > 0).sum())
     assert rows < 256 // 2, f"{rows} of 256 rows have an allowance"
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+def test_windows_hold_every_perturbation_of_gate_and_up(device, fmt):
+    """The window each intermediate element may round in, against brute force: gate and up moved by
+    anything within their error bound (random points and the four corners), the intermediate and (block
+    mode) the group scale recomputed in float64 from the definition, the e4m3 code reached lies within
+    [code(v - dv), code(v + dv)] for every element. This checks the derivative and the scale term the
+    allowance uses, with the bound inflated 1000x so that the windows are wide enough to matter."""
+    g = torch.Generator(device=device).manual_seed(2)
+    ew = random_moe_weights(fmt, 4, 256, 128, device, generator=g)
+    x = torch.randn(16, 256, device=device, generator=g).bfloat16()
+    ids, _ = random_routing(16, 2, 4, device, generator=g)
+    one = torch.ones((), device=device)
+    checked = 0
+    for _, _, _, gg, uu, dgu, s, v, dv in _requant_windows(x, ids, ew, factor=2000.0):
+        lo, hi = _codes(v - dv, one), _codes(v + dv, one)
+        gen = torch.Generator(device=device).manual_seed(3)
+        corners = [(a, b) for a in (-1.0, 1.0) for b in (-1.0, 1.0)]
+        for i in range(12):
+            if i < 4:
+                dg, du = (torch.full_like(gg, c * dgu) for c in corners[i])
+            else:
+                dg, du = ((torch.rand(gg.shape, device=device, generator=gen, dtype=gg.dtype) * 2 - 1) * dgu
+                          for _ in range(2))
+            h = torch.nn.functional.silu(gg + dg) * (uu + du)
+            if fmt == "fp8_per_tensor":
+                sp = s
+            else:
+                amax = h.abs().reshape(h.shape[0], -1, 128).amax(-1).clamp_min(1e-10)
+                sp = (amax / 448.0).repeat_interleave(128, 1)
+            code = _codes(h / sp, one)
+            bad = (code < torch.minimum(lo, hi)) | (code > torch.maximum(lo, hi))
+            assert not bad.any(), f"{int(bad.sum())} codes outside their window (dgu {dgu:.2e})"
+            checked += code.numel()
+        # the windows are not trivially everything: most elements still have a single code
+        assert float((lo == hi).double().mean()) > 0.5
+    assert checked > 0
+
+
+def _codes(v, one):
+    from evenflow.reference.moe import _fp8_static
+    return _fp8_static(v, one).double()
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+def test_allowance_follows_the_layer(device, fmt):
+    """The allowance scales with |routed_scaling|, moves with the expert ids of another EP rank (the same
+    experts as global ids of rank 2), ignores the shared output (added after, never rounded to fp8), and
+    the baseline's own flips are counted once: the rule's bound is taken net of the allowance."""
+    g = torch.Generator(device=device).manual_seed(4)
+    ew = random_moe_weights(fmt, 4, 256, 128, device, generator=g)
+    x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+    ids, w = random_routing(32, 2, 4, device, generator=g)
+    base_al = moe_requant_allowance(x, ids, w, ew)
+    assert base_al.any(), "the draw has no element near a midpoint; pick another seed"
+    assert torch.allclose(moe_requant_allowance(x, ids, w, ew, routed_scaling=-2.5), 2.5 * base_al)
+    assert torch.equal(moe_requant_allowance(x, ids + 8, w, ew, ep_rank=2, num_experts_total=12), base_al)
+    shared = torch.randn(32, 256, device=device, generator=g).bfloat16()
+    assert torch.equal(moe_requant_allowance(x, ids, w, ew, shared_output=shared), base_al)
     from evenflow.testing import error_bound
-    assert float(allowance.max()) < error_bound(ref, base, torch.bfloat16)
+    ref = torch.zeros(2, 3, dtype=torch.float64)
+    baseline = ref.clone()
+    baseline[0, 1] = 0.5  # the baseline's own flip
+    allow = torch.zeros_like(ref)
+    allow[0, 1] = 0.5
+    assert error_bound(ref, baseline, torch.bfloat16) == 1.0
+    assert error_bound(ref, baseline, torch.bfloat16, allowance=allow) == 0.0

@@ -110,18 +110,23 @@ def moe_dense_reference(x, topk_ids, topk_weights, w13, w2, first_expert: int = 
     return _expert_sum(x, topk_ids.long() - first_expert, topk_weights, w13, w2, dtype)
 
 
+def _activation_quant(ew):
+    """(quant_in, quant_mid): the kernels' quantisation of the activations entering the gate-up and the down
+    GEMM for ``ew``'s format, as fp32 -> dequantised fp32 maps; (None, None) for BF16 weights."""
+    if ew.format == "fp8_per_tensor":
+        return (lambda a: quant_fp8_static(a, ew.a13_scale)), (lambda a: quant_fp8_static(a, ew.a2_scale))
+    if ew.format == "fp8_block":
+        group = lambda a: dequant_group(*quant_fp8_group(a))  # noqa: E731
+        return group, group
+    return None, None
+
+
 def moe_reference(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None,
                   shared_output=None, routed_scaling=1.0, dtype=torch.float64,
                   quantize_activations=True) -> torch.Tensor:
     """The MoE layer of this rank, returned in ``dtype`` (not rounded to bf16)."""
     w13, w2 = dequant_weights(ew)
-    fmt = ew.format if quantize_activations else "bf16"
-    quant_in = quant_mid = None
-    if fmt == "fp8_per_tensor":
-        quant_in = lambda a: quant_fp8_static(a, ew.a13_scale)
-        quant_mid = lambda a: quant_fp8_static(a, ew.a2_scale)
-    elif fmt == "fp8_block":
-        quant_in = quant_mid = lambda a: dequant_group(*quant_fp8_group(a))
+    quant_in, quant_mid = _activation_quant(ew) if quantize_activations else (None, None)
     y = _expert_sum(x, topk_ids.long() - ep_rank * w13.shape[0], topk_weights, w13, w2, dtype,
                     quant_in, quant_mid)
     return _scaled(y, routed_scaling, shared_output).to(dtype)
@@ -223,9 +228,47 @@ def moe_baseline(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw) 
     return base.to(torch.bfloat16)
 
 
-def _e4m3_values(v: torch.Tensor) -> torch.Tensor:
-    """float64 of the e4m3 values nearest ``v`` (saturating at +-448, as the kernels convert)."""
-    return v.clamp(-FP8_MAX, FP8_MAX).float().to(torch.float8_e4m3fn).double()
+def _requant_windows(x, topk_ids, ew, ep_rank=0, fast_accum: bool = False, factor: float = 2.0):
+    """Per local expert with pairs: (e, tok, slot, g, u, dgu, s, v, dv) in float64, where ``g``, ``u`` are the
+    oracle's gate and up values of the rows ``tok``, ``dgu`` = ``factor`` x the largest error of PyTorch's
+    same-precision gate-up product of that expert against them, ``s`` the requantisation scale, ``v`` = h / s
+    the value the kernels round to e4m3, and ``dv`` how far a correct kernel's ``v`` may lie from it (see
+    :func:`moe_requant_allowance`). FP8 formats only."""
+    w13, _ = dequant_weights(ew)
+    e_local, i_size = w13.shape[0], ew.intermediate_size
+    quant_in, _ = _activation_quant(ew)
+    fast = _fast_gate_up(x, ew) if fast_accum else None
+    local = topk_ids.long() - ep_rank * e_local
+    for e in range(e_local):
+        tok, slot = torch.nonzero(local == e, as_tuple=True)
+        if not tok.numel():
+            continue
+        xq = quant_in(x[tok].float())
+        gu64 = xq.double() @ w13[e].double().T
+        gu_same = fast(e, tok) if fast_accum else xq @ w13[e].T
+        dgu = factor * float((gu_same.double() - gu64).abs().max())
+        g, u = gu64[:, :i_size], gu64[:, i_size:]
+        sg = torch.sigmoid(g)
+        silu = g * sg
+        h = silu * u
+        # the gate and up errors to first order, their second-order terms (the cross term silu'(g) dg du and
+        # silu''(g) u dg^2 / 2, |silu''| <= 1/2), and the evaluation of silu(g) * u itself: the kernels' exp
+        # (ex2.approx, relative error below 2^-22, carried into silu times (1 - sigmoid) |g|), their division
+        # and product, and the oracle's rounding of h to fp32 (a unit of 2^-22 or less each)
+        dsilu = sg * (1 + g * (1 - sg))
+        dh = ((dsilu * u).abs() + silu.abs()) * dgu + (dsilu.abs() + u.abs() / 4) * dgu**2 \
+            + h.abs() * (3 + (1 - sg) * g.abs()) * 2.0**-22
+        if ew.format == "fp8_per_tensor":
+            s = ew.a2_scale.double().reshape(())
+            ds_rel = torch.zeros_like(h)
+        else:  # the group scale amax / 448 moves with the group's largest deviation
+            n = h.shape[0]
+            amax = h.abs().reshape(n, -1, 128).amax(-1).clamp_min(GROUP_AMAX_EPS)
+            s = (amax / FP8_MAX).repeat_interleave(128, 1)
+            ds_rel = (dh.reshape(n, -1, 128).amax(-1) / amax).repeat_interleave(128, 1)
+        v = h / s
+        # the fp32 division h / s of the kernels and of the oracle: a unit of 2^-23 each
+        yield e, tok, slot, g, u, dgu, s, v, dh / s + v.abs() * (ds_rel + 2.0**-22)
 
 
 def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
@@ -243,50 +286,25 @@ def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_
     - the intermediate's possible deviation, per element: the gate and up products may be off by
       ``factor`` times the largest error of PyTorch's same-precision product of that expert (fp32
       sums of the exact fp8 products; with ``fast_accum``, the fast-accumulation GEMM) against
-      float64, carried through ``silu(g) * u`` by its derivatives, plus 4 fp32 units of |h| for
-      the SiLU and the product themselves;
+      float64, carried through ``silu(g) * u`` by its derivatives, plus the rounding of the SiLU, the
+      product and the division by the scale themselves (:func:`_requant_windows`);
     - block-128 mode: the group's scale (amax / 448) moves with the group's largest deviation;
     - the quantised value ``h / scale`` may then end on any e4m3 value between those of
       ``v - dv`` and ``v + dv``; that span (zero for all but the elements near a midpoint),
       dequantised, times |down weights| and |top-k weight| * |routed_scaling|, summed over the pairs.
 
-    Pass it to :func:`evenflow.testing.assert_within_rule` as ``allowance``. The activations entering
-    the gate-up GEMM need none: the kernels quantise them with the oracle's exact fp32 operations.
+    ``ep_rank``, ``num_experts_total`` and ``routed_scaling`` as in :func:`moe_reference`;
+    ``shared_output`` is accepted and changes nothing (it is added after, never rounded to fp8).
+    Pass the result to :func:`evenflow.testing.assert_within_rule` as ``allowance``. The activations
+    entering the gate-up GEMM need none: the kernels quantise them with the oracle's exact fp32 operations.
     """
     y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
     if ew.format == "bf16":
         return y
-    w13, w2 = dequant_weights(ew)
-    e_local, i_size = w13.shape[0], w2.shape[2]
-    if ew.format == "fp8_per_tensor":
-        xq = quant_fp8_static(x.float(), ew.a13_scale)
-    else:
-        xq = dequant_group(*quant_fp8_group(x.float()))
-    fast = _fast_gate_up(x, ew) if fast_accum else None
-    local = topk_ids.long() - ep_rank * e_local
-    for e in range(e_local):
-        tok, slot = torch.nonzero(local == e, as_tuple=True)
-        if not tok.numel():
-            continue
-        gu64 = xq[tok].double() @ w13[e].double().T
-        gu_same = fast(e, tok) if fast_accum else xq[tok] @ w13[e].T
-        dgu = factor * float((gu_same.double() - gu64).abs().max())
-        g, u = gu64[:, :i_size], gu64[:, i_size:]
-        sg = torch.sigmoid(g)
-        silu = g * sg
-        h = silu * u
-        dh = ((sg * (1 + g * (1 - sg)) * u).abs() + silu.abs()) * dgu + h.abs() * 2.0**-21
-        if ew.format == "fp8_per_tensor":
-            s = ew.a2_scale.double().reshape(())
-            ds_rel = torch.zeros_like(h)
-        else:
-            n = h.shape[0]
-            amax = h.abs().reshape(n, -1, 128).amax(-1).clamp_min(GROUP_AMAX_EPS)
-            s = (amax / FP8_MAX).repeat_interleave(128, 1)
-            ds_rel = (dh.reshape(n, -1, 128).amax(-1) / amax).repeat_interleave(128, 1)
-        v = h / s
-        dv = dh / s + v.abs() * (ds_rel + 2.0**-22)
-        span = (_e4m3_values(v + dv) - _e4m3_values(v - dv)) * s
+    _, w2 = dequant_weights(ew)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    for e, tok, slot, _, _, _, s, v, dv in _requant_windows(x, topk_ids, ew, ep_rank, fast_accum, factor):
+        span = (_fp8_static(v + dv, one).double() - _fp8_static(v - dv, one).double()) * s
         y.index_add_(0, tok, (span @ w2[e].double().abs().T) * topk_weights[tok, slot].double().abs()[:, None])
     return y * abs(routed_scaling)
 
