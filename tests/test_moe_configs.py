@@ -249,6 +249,7 @@ def test_tuner_keeps_an_entry_unless_beaten_in_every_head_to_head_timing():
     _, T, _ = _bench_modules()
     assert T.keep_incumbent([(84.0, 87.9), (83.5, 88.0)])  # the entry faster: kept
     assert T.keep_incumbent([(84.0, 83.9), (83.5, 84.1)])  # one timing each way: kept (noise)
+    assert T.keep_incumbent([(75.05, 74.69), (75.25, 74.87)])  # faster twice, by 0.5% (W1): inside the noise, kept
     assert not T.keep_incumbent([(90.0, 84.0), (89.0, 85.5)])  # the new choice faster both times: replaced
 
 
@@ -260,14 +261,15 @@ def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch
     # entry-*: the stub timer makes the 4-stage candidates 10% faster than the default (the new decision: st4)
     # and the existing entry faster still (kept, with its head-to-head timings) or slower (replaced);
     # null-*: every candidate as fast as the default (the new decision: null), the entry 1% faster (kept: it is
-    # compared with the heuristic) or 1% slower (replaced by null); nothing-passes: every candidate fails the
-    # rule and the entry passes it (kept, untimed). The refused entry is dropped in every scenario.
+    # compared with the heuristic) or 3% slower (replaced by null: beyond the tuner's REPLACE_MARGIN);
+    # nothing-passes: every candidate fails the rule and the entry passes it (kept, untimed). The refused entry is
+    # dropped in every scenario.
     import evenflow.testing
 
     H, T = _tiny_tuner_case(monkeypatch)
     old = [16, 64, 64, 64, 64, 4, 2, 1, 1]
     entry_us = {"entry-faster": 80.0, "entry-slower": 95.0, "null-entry-faster": 99.0,
-                "null-entry-slower": 101.0, "nothing-passes": 100.0}[scenario]
+                "null-entry-slower": 103.0, "nothing-passes": 100.0}[scenario]
 
     def timer(fns):
         c = fns[0].__defaults__[1]
