@@ -99,17 +99,6 @@ def _expert_sum(x, local_ids, topk_weights, w13, w2, dtype, quant_in=None, quant
     return _routed_sum(x, local_ids, topk_weights, w13.shape[0], expert)
 
 
-def moe_dense_reference(x, topk_ids, topk_weights, w13, w2, first_expert: int = 0,
-                        dtype=torch.float64) -> torch.Tensor:
-    """The routed sum over plain (unquantised) expert weights ``w13`` [E, 2I, H], ``w2`` [E, H, I]
-    whose global ids start at ``first_expert``, computed in ``dtype`` (bf16: the intermediate
-    rounds to bf16 too, as in the kernels); float64 result, before any scaling.
-
-    For tensor-parallel shards (w13/w2 sliced along I) and expert-parallel shards alike.
-    """
-    return _expert_sum(x, topk_ids.long() - first_expert, topk_weights, w13, w2, dtype)
-
-
 def _activation_quant(ew):
     """(quant_in, quant_mid): the kernels' quantisation of the activations entering the gate-up and the down
     GEMM for ``ew``'s format, as fp32 -> dequantised fp32 maps; (None, None) for BF16 weights."""
@@ -228,21 +217,18 @@ def moe_baseline(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw) 
     return base.to(torch.bfloat16)
 
 
-def _requant_windows(x, topk_ids, ew, ep_rank=0, fast_accum: bool = False, factor: float = 2.0):
-    """Per local expert with pairs: (e, tok, slot, g, u, dgu, s, v, dv) in float64, where ``g``, ``u`` are the
-    oracle's gate and up values of the rows ``tok``, ``dgu`` = ``factor`` x the largest error of PyTorch's
-    same-precision gate-up product of that expert against them, ``s`` the requantisation scale, ``v`` = h / s
-    the value the kernels round to e4m3, and ``dv`` how far a correct kernel's ``v`` may lie from it (see
-    :func:`moe_requant_allowance`). FP8 formats only."""
+def requant_window(x, ew, fast_accum: bool = False, factor: float = 2.0):
+    """``window(e, tok)`` -> (g, u, dgu, s, v, dv) in float64 for local expert ``e`` and token rows ``tok``
+    (FP8 formats): ``g``, ``u`` the oracle's gate and up values, ``dgu`` = ``factor`` x the largest error of
+    PyTorch's same-precision gate-up product of that expert against them, ``s`` the requantisation scale,
+    ``v`` = h / s the value the kernels round to e4m3, and ``dv`` how far a correct kernel's ``v`` may lie
+    from it (see :func:`moe_requant_allowance`)."""
     w13, _ = dequant_weights(ew)
-    e_local, i_size = w13.shape[0], ew.intermediate_size
+    i_size = ew.intermediate_size
     quant_in, _ = _activation_quant(ew)
     fast = _fast_gate_up(x, ew) if fast_accum else None
-    local = topk_ids.long() - ep_rank * e_local
-    for e in range(e_local):
-        tok, slot = torch.nonzero(local == e, as_tuple=True)
-        if not tok.numel():
-            continue
+
+    def window(e, tok):
         xq = quant_in(x[tok].float())
         gu64 = xq.double() @ w13[e].double().T
         gu_same = fast(e, tok) if fast_accum else xq @ w13[e].T
@@ -268,7 +254,9 @@ def _requant_windows(x, topk_ids, ew, ep_rank=0, fast_accum: bool = False, facto
             ds_rel = (dh.reshape(n, -1, 128).amax(-1) / amax).repeat_interleave(128, 1)
         v = h / s
         # the fp32 division h / s of the kernels and of the oracle: a unit of 2^-23 each
-        yield e, tok, slot, g, u, dgu, s, v, dh / s + v.abs() * (ds_rel + 2.0**-22)
+        return g, u, dgu, s, v, dh / s + v.abs() * (ds_rel + 2.0**-22)
+
+    return window
 
 
 def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
@@ -287,7 +275,7 @@ def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_
       ``factor`` times the largest error of PyTorch's same-precision product of that expert (fp32
       sums of the exact fp8 products; with ``fast_accum``, the fast-accumulation GEMM) against
       float64, carried through ``silu(g) * u`` by its derivatives, plus the rounding of the SiLU, the
-      product and the division by the scale themselves (:func:`_requant_windows`);
+      product and the division by the scale themselves (:func:`requant_window`);
     - block-128 mode: the group's scale (amax / 448) moves with the group's largest deviation;
     - the quantised value ``h / scale`` may then end on any e4m3 value between those of
       ``v - dv`` and ``v + dv``; that span (zero for all but the elements near a midpoint),
@@ -298,14 +286,18 @@ def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_
     Pass the result to :func:`evenflow.testing.assert_within_rule` as ``allowance``. The activations
     entering the gate-up GEMM need none: the kernels quantise them with the oracle's exact fp32 operations.
     """
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
     if ew.format == "bf16":
-        return y
+        return torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
     _, w2 = dequant_weights(ew)
+    window = requant_window(x, ew, fast_accum, factor)
     one = torch.ones((), dtype=torch.float32, device=x.device)
-    for e, tok, slot, _, _, _, s, v, dv in _requant_windows(x, topk_ids, ew, ep_rank, fast_accum, factor):
+
+    def expert(e, tok):  # the code span each intermediate element may end on, dequantised, through |down|
+        *_, s, v, dv = window(e, tok)
         span = (_fp8_static(v + dv, one).double() - _fp8_static(v - dv, one).double()) * s
-        y.index_add_(0, tok, (span @ w2[e].double().abs().T) * topk_weights[tok, slot].double().abs()[:, None])
+        return span @ w2[e].double().abs().T
+
+    y = _routed_sum(x, topk_ids.long() - ep_rank * ew.num_experts, topk_weights.abs(), ew.num_experts, expert)
     return y * abs(routed_scaling)
 
 
