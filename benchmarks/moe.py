@@ -43,7 +43,8 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
-         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant")
+         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant",
+         "evenflow-zerokernel")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
@@ -53,13 +54,16 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # A/B against the default's one program per task), evenflow-serialquant (the fp8 activation quantisation kernel
 # waiting at its top for the index kernel instead of running beside it: evenflow.moe.fused.QUANT_OVERLAP's A/B;
 # FP8 only, and the same launches as evenflow wherever the overlap does not apply: past PDL_MAX_PAIRS pairs (no
-# PDL), and on pair tiles with no K-split counters, where the quantisation is the layer's first kernel)
+# PDL), and on pair tiles with no K-split counters, where the quantisation is the layer's first kernel),
+# evenflow-zerokernel (a holder without counters, MoEWeights.sharing_weights(counters=False): pair tiles zero a
+# fresh counter buffer with one more kernel each call, as before round X; the kept counters' A/B)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
                   "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
-                  "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False}}
+                  "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
+                  "evenflow-zerokernel": {"_counters": False}}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
@@ -290,6 +294,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             raise PeerUnavailable("evenflow.fused_moe / MoEWeights not available in this build")
         kw = dict(EVENFLOW_KNOBS[name])
         overlap = kw.pop("_quant_overlap", None)  # a module switch, not a keyword: set around each call
+        kept_counters = kw.pop("_counters", True)  # a property of the weight holder, not a keyword
         if kw.get("fp8_accum") == "fast" and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: fp8_accum='fast' applies to FP8 weights only")
         if overlap is not None and w.variant == "bf16":
@@ -300,6 +305,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             ew = evenflow.MoEWeights.fp8_per_tensor(w.w13, w.w2, w.w13_scale, w.w2_scale, w.a13_scale, w.a2_scale)
         else:
             ew = evenflow.MoEWeights.fp8_block(w.w13, w.w2, w.w13_scale, w.w2_scale)
+        if not kept_counters:
+            ew = ew.sharing_weights(counters=False)
 
         def bind(x, ids, tw):
             def call():

@@ -281,6 +281,27 @@ def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, monkeypatch):
     assert [kw.get("fp8_accum") for kw in seen] == ["fast"], "the row must call fused_moe(fp8_accum='fast')"
 
 
+def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):
+    """evenflow-zerokernel (the kept counters' A/B) is a knob row on request that calls fused_moe with a
+    holder keeping no counters (so pair tiles zero a fresh buffer each call), and gives the default row's
+    result bit for bit; the default row's holder keeps them."""
+    assert "evenflow-zerokernel" in bm.IMPLS and "evenflow-zerokernel" not in bm.DEFAULT_IMPLS
+    case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
+    w = bm.make_weights(case, "bf16", device, torch.Generator(device=device).manual_seed(0), std=0.1)
+    gen = _gen(3)
+    ids, tw = bm.make_routing(2, case, gen)
+    x = torch.randn(2, case.hidden, generator=gen).bfloat16()
+    x, ids, tw = x.to(device), ids.to(device), tw.to(device)
+    import evenflow
+
+    holders = []
+    real = evenflow.fused_moe
+    monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **kw: holders.append(a[3]) or real(*a, **kw))
+    ys = [bm.build_impl(name, w, case, None)(x, ids, tw)() for name in ("evenflow", "evenflow-zerokernel")]
+    assert torch.equal(ys[0], ys[1])
+    assert [h.counters is None for h in holders] == [False, True]
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
 def test_decode_sass_script_reports_one_exp_per_row_element(capsys):
     """benchmarks/moe_decode_sass.py compiles the table's bf16 decode launches for sm_90 with the

@@ -160,8 +160,8 @@ def test_split_k(device, fmt, pair_tiles):
 def test_pair_tiles_equal_index_tiles(device, fmt):
     """Pair tiles (each pair its own GEMM task, no index build; the default up to
     PAIR_TILE_MAX_PAIRS pairs) give the index path's result bit for bit -- with a token
-    listing one expert twice, ids routed to other EP ranks, gate-up split K (counters zeroed
-    by moe_zero_kernel) and a 32-row tile -- and both are within the rule of the oracle."""
+    listing one expert twice, ids routed to other EP ranks, gate-up split K (pair tiles count in
+    the holder's counters) and a 32-row tile -- and both are within the rule of the oracle."""
     from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
 
     h, i = SIZES[fmt]
@@ -192,7 +192,8 @@ def test_deferred_split_reduce_equals_last_split(device, fmt, monkeypatch):
     them in split order and applies the activation as it loads its operand (``defer_split=True``,
     or a config's ``gu_defer``): bit for bit what the gate-up's last split computes
     (``defer_split=False``), with 2- and 4-way gate-up splits, a down split, ids routed to other
-    EP ranks and a token listing one expert twice; no zeroing kernel runs on that path."""
+    EP ranks and a token listing one expert twice; no zeroing kernel runs on that path (nor on the
+    last split's with the holder's own counters; a holder without them zeroes a fresh buffer)."""
     from evenflow import _compile_check as CC
 
     h, i = SIZES[fmt]
@@ -208,16 +209,18 @@ def test_deferred_split_reduce_equals_last_split(device, fmt, monkeypatch):
         ids, w = routing_from(ids_all[:t], device)
         ys = {}
         for defer in (True, False):
-            _dirty_pool(device)
-            with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
-                ys[defer] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg,
-                                               pair_tiles=True, defer_split=defer,
-                                               out=poisoned((t, h), torch.bfloat16, device))
-            # the path taken: only the last-split reduction has counters to zero
-            assert zeroings == [0 if defer else 1], (defer, zeroings)
+            for holder in (ew, ew.sharing_weights(counters=False)):
+                _dirty_pool(device)
+                with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
+                    ys[defer, holder.counters is None] = evenflow.fused_moe(
+                        x, ids, w, holder, ep_rank=1, num_experts_total=12, config=cfg, pair_tiles=True,
+                        defer_split=defer, out=poisoned((t, h), torch.bfloat16, device))
+                # the path taken: only the last-split reduction counts, and only a holder without counters zeroes
+                assert zeroings == [int(not defer and holder.counters is None)], (defer, zeroings)
         what = f"{fmt} T={t} {cfg}"
-        assert torch.equal(ys[True], ys[False]), f"deferred reduction differs from the last split's: {what}"
-        check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
+        for key, y in ys.items():
+            assert torch.equal(y, ys[False, False]), f"{key} (deferred, holder without counters) differs: {what}"
+        check_moe(ys[True, False], x, ids, w, ew, what, ep_rank=1)
     if torch.device(device).type == "cpu":
         # defer_split=None (default) follows the config: gu_defer=1 defers, the heuristic's 0 does not
         for gu_defer in (1, 0):
@@ -227,12 +230,85 @@ def test_deferred_split_reduce_equals_last_split(device, fmt, monkeypatch):
             names = [ln.name for ln in launches]
             gu = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
             dn = dict(next(ln for ln in launches if ln.name == "moe_down_kernel").constexprs)
-            assert ("moe_zero_kernel" in names) == (gu_defer == 0), names
+            assert "moe_zero_kernel" not in names, names
             assert gu["DEFER"] is bool(gu_defer) and dn["GU_SPLIT"] == cfg.gu_split_k * gu_defer
     with pytest.raises(TypeError, match="defer_split"):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, defer_split=1)
     with pytest.raises(ValueError, match="gu_defer"):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=dataclasses.replace(cfg, gu_defer=2))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pair_tiles_count_in_the_weights_counters(device, fmt, monkeypatch):
+    """Pair tiles count a K-split gate-up's arrivals (and block mode's narrow N blocks their activation
+    groups') in the holder's own counters (``MoEWeights.counters``) and launch no zeroing kernel; every
+    counter is back to zero after each call, so calls in turn -- other inputs, splits and N blocks --
+    give bit for bit what a holder without counters gives (a fresh buffer in a dirty pool, zeroed by
+    moe_zero_kernel each call). Poisoned counters show exactly which slots a call counts in: each local
+    pair's (pair, N block) slot, raised by its SPLIT_K arrivals (or its group's 128 // BLOCK_N), the rest
+    untouched; once zeroed again, the clean result. Past the counters' size (pair tiles forced at more
+    than 16 pairs) a fresh zeroed buffer is used."""
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    bare = ew.sharing_weights(counters=False)
+    assert bare.counters is None and bare.w13 is ew.w13 and bare.w2 is ew.w2 and bare.format == ew.format
+    assert ew.counters.dtype == torch.int32 and not ew.counters.any()
+    kw = dict(ep_rank=1, num_experts_total=12, pair_tiles=True)  # rank 1 of 3 owns 4..7
+    base = choose_config(2, 3, 4, h, i, ew.mode, num_experts_total=12)
+    split = dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2, gu_defer=0)
+    cfgs = [split]
+    if h // (split.gu_block_k * 4):
+        cfgs.append(dataclasses.replace(split, gu_split_k=4))
+    if fmt == "fp8_block":  # group counters alone, then behind the split counters
+        cfgs += [dataclasses.replace(base, gu_block_n=64, gu_split_k=1), dataclasses.replace(split, gu_block_n=64)]
+    ids_all = [[5, 5, 1], [4, 7, 11]]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        for cfg in cfgs:
+            for t in (1, 2):
+                x = torch.randn(t, h, generator=g).bfloat16().to(device)
+                ids, w = routing_from(ids_all[:t], device)
+                with _count_launches(monkeypatch, "moe_zero_kernel") as kept_zeroings:
+                    y = evenflow.fused_moe(x, ids, w, ew, config=cfg, out=poisoned((t, h), torch.bfloat16, device),
+                                           **kw)
+                assert kept_zeroings == [0] and not ew.counters.any(), (cfg, ew.counters.nonzero())
+                _dirty_pool(device)
+                with _count_launches(monkeypatch, "moe_zero_kernel") as bare_zeroings:
+                    y0 = evenflow.fused_moe(x, ids, w, bare, config=cfg,
+                                            out=poisoned((t, h), torch.bfloat16, device), **kw)
+                assert bare_zeroings == [1], cfg
+                what = f"{fmt} T={t} {cfg}"
+                assert torch.equal(y, y0), f"kept counters differ from zeroed ones: {what}"
+                check_moe(y, x, ids, w, ew, what, ep_rank=1)
+    local = [p for p, e in enumerate(sum(ids_all, [])) if 4 <= e < 8]  # pairs 0, 1, 3, 4
+    x = torch.randn(2, h, generator=g).bfloat16().to(device)
+    ids, w = routing_from(ids_all, device)
+    poison = 1 << 20
+    for cfg in (split, cfgs[-1]):
+        clean = evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw)
+        ew.counters.fill_(poison)
+        evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw)
+        nb, groups = i // cfg.gu_block_n, i // 128
+        expect = torch.full_like(ew.counters, poison)
+        for p in local:
+            if cfg.gu_split_k > 1:  # no split arrives last, so no group counter is reached
+                expect[p * nb:(p + 1) * nb] += cfg.gu_split_k
+            else:
+                expect[p * groups:(p + 1) * groups] += 128 // cfg.gu_block_n
+        assert torch.equal(ew.counters, expect), (cfg, ew.counters[:12 * nb])
+        ew.counters.zero_()
+        assert torch.equal(evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw), clean)
+    t = 6  # 18 pairs: past the counters kept for 16
+    x = torch.randn(t, h, generator=g).bfloat16().to(device)
+    ids, w = random_routing(t, 3, 12, device)
+    narrow = dataclasses.replace(split, gu_block_n=16) if fmt != "fp8_block" else split
+    with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
+        y = evenflow.fused_moe(x, ids, w, ew, config=narrow, **kw)
+    needed = t * 3 * (i // narrow.gu_block_n) + (t * 3 * (i // 128) if narrow.gu_block_n < 128 and fmt == "fp8_block"
+                                                 else 0)
+    assert zeroings == [int(needed > ew.counters.numel())], (needed, ew.counters.numel())
+    assert not ew.counters.any()
+    check_moe(y, x, ids, w, ew, f"{fmt} pair tiles forced at 18 pairs", ep_rank=1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -341,7 +417,8 @@ def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
 def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
     """With PDL the activation quantisation kernel may start beside the kernel ahead of it (OVERLAP) only
     when that kernel is the layer's own index or zeroing kernel, which waited for the kernels that wrote x;
-    as the layer's first kernel (pair tiles, no K-split counters) it must wait at its top, and it does
+    as the layer's first kernel (pair tiles with no K-split counters, or counting in the holder's own) it
+    must wait at its top, and it does
     when PDL is off or ``QUANT_OVERLAP`` is False. The launches an H200 would get, recorded on the CPU
     (the GPU runs of both builds are tests/test_moe_gpu.py's and the benchmark's evenflow-serialquant row)."""
     from evenflow import _compile_check as CC
@@ -352,22 +429,24 @@ def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
 
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i)
+    bare = ew.sharing_weights(counters=False)
     base = choose_config(2, 3, 4, h, i, ew.mode)
+    split = dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2)
     quant = "moe_group_quant_kernel" if fmt == "fp8_block" else "moe_tensor_quant_kernel"
-    cases = [  # (T, config, pair tiles, pdl, QUANT_OVERLAP) -> the kernel launched before the quantisation
-        ((2, dataclasses.replace(base, gu_split_k=1), True, None, True), None),
-        ((2, dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2), True, None, True),
-         "moe_zero_kernel"),
-        ((40, None, False, None, True), "moe_index_kernel"),
-        ((100, None, False, None, True), "moe_index_place_kernel"),  # the multi-program build (> 256 pairs)
-        ((40, None, False, None, False), "moe_index_kernel"),
-        ((40, None, False, False, True), "moe_index_kernel"),
+    cases = [  # (T, config, pair tiles, pdl, QUANT_OVERLAP, holder) -> the kernel launched before the quantisation
+        ((2, dataclasses.replace(base, gu_split_k=1), True, None, True, ew), None),
+        ((2, split, True, None, True, ew), None),
+        ((2, split, True, None, True, bare), "moe_zero_kernel"),
+        ((40, None, False, None, True, ew), "moe_index_kernel"),
+        ((100, None, False, None, True, ew), "moe_index_place_kernel"),  # the multi-program build (> 256 pairs)
+        ((40, None, False, None, False, ew), "moe_index_kernel"),
+        ((40, None, False, False, True, ew), "moe_index_kernel"),
     ]
-    for (t, cfg, pair_tiles, pdl, enabled), before in cases:
+    for (t, cfg, pair_tiles, pdl, enabled, holder), before in cases:
         monkeypatch.setattr(fused, "QUANT_OVERLAP", enabled)
         with CC.emulate_gpu(132), CC.record_launches() as launches:
             evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 3), dtype=torch.int32),
-                               torch.rand(t, 3), ew, config=cfg, pair_tiles=pair_tiles, pdl=pdl)
+                               torch.rand(t, 3), holder, config=cfg, pair_tiles=pair_tiles, pdl=pdl)
         names = [ln.name for ln in launches]
         at = names.index(quant)
         assert (names[at - 1] if at else None) == before, names
@@ -652,7 +731,8 @@ def test_opcheck(device, fmt, fp8_accum):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
 def test_opcheck_deferred_split(device, fmt):
     """The custom op with a 10-value config that defers a K-split gate-up's reduction to the down
-    GEMM (pair tiles), and with defer_split forced either way."""
+    GEMM (pair tiles), and with defer_split forced either way; the last split's way counts in the
+    holder's counters (a mutated argument), which are zero again after every call."""
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)
     x = torch.randn(2, h, device=device).bfloat16()
@@ -666,10 +746,11 @@ def test_opcheck_deferred_split(device, fmt):
     for defer_arg in (-1, 1, 0):
         out = poisoned((2, h), torch.bfloat16, device)
         args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
-                ew.mode, 0, 4, None, 1.0, out, cfg.as_list(), -1, 1, "exact", defer_arg)
+                ew.mode, 0, 4, None, 1.0, out, cfg.as_list(), -1, 1, "exact", defer_arg, -1, ew.counters)
         torch.library.opcheck(op, args, test_utils=utils)  # runs the op on copies of the arguments
         op(*args)
         check_moe(out, x, ids, w, ew, f"{fmt} op defer_split={defer_arg}")
+        assert not ew.counters.any()
 
 
 def test_compiled_calls_go_through_the_custom_op(device):

@@ -45,6 +45,27 @@ def test_weight_checks(device):
     with pytest.raises(TypeError, match="w2_scale"):
         evenflow.MoEWeights.fp8_per_tensor(w13, w2, ones(2), ones(2, dtype=torch.float64),
                                            ones(1), ones(1))
+    with pytest.raises(TypeError, match="counters"):
+        evenflow.MoEWeights("bf16", zeros(2, 64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf), counters=1)
+    ew = evenflow.MoEWeights.bf16(zeros(2, 64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf))
+    with pytest.raises(TypeError, match="counters"):
+        ew.sharing_weights(counters=None)
+
+
+def test_tampered_counters(device, layer):
+    """The holder's counters are written by the kernels: a replaced buffer of another type, shape or
+    device is refused by name rather than written through."""
+    ew, x, ids, w = layer
+    good = ew.counters
+    for bad, err in ((good.long(), TypeError), (good.view(-1, 1), ValueError), (good[::2], ValueError)):
+        ew.counters = bad
+        with pytest.raises(err, match="ew.counters"):
+            evenflow.fused_moe(x, ids, w, ew)
+    if torch.device(device).type == "cuda":
+        ew.counters = good.cpu()
+        with pytest.raises(ValueError, match="ew.counters"):
+            evenflow.fused_moe(x, ids, w, ew)
+    ew.counters = good
 
 
 def test_call_checks(device, layer):

@@ -297,6 +297,40 @@ def test_cuda_graph_changing_routing(fmt):
         check(out, x, ids, w, ew, ep, f"graph replay {step}")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_holders_sharing_weights_on_two_streams(fmt):
+    """Pair tiles count a K-split gate-up's arrivals in the holder's own counters (no zeroing kernel), so
+    calls that run at the same time on two streams take a holder each (``MoEWeights.sharing_weights``: the
+    same weight tensors, counters of its own). 24 decode calls (T = 1, 2, last-split and block mode's
+    narrow N-block configs) issued on two streams with no sync between them give, bit for bit, what a
+    holder without counters gives eagerly (a fresh zeroed buffer each call), within the rule; every
+    counter is zero after."""
+    shape = "qwen3-30b-a3b"  # every pair local: 8-16 pairs, each counting in
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, fmt)
+    ew2, bare = ew.sharing_weights(), ew.sharing_weights(counters=False)
+    assert ew2.w13 is ew.w13 and ew2.counters.data_ptr() != ew.counters.data_ptr()
+    base = choose_config(2, k, e, h, i, ew.mode)
+    cfgs = [dataclasses.replace(base, gu_split_k=4, gu_defer=0)]
+    if fmt == "fp8_block":
+        cfgs.append(dataclasses.replace(cfgs[0], gu_block_n=64))
+    calls = [(inputs(shape, 1 + j % 2), cfgs[j % len(cfgs)]) for j in range(24)]
+    want = [evenflow.fused_moe(x, ids, w, bare, config=cfg) for (x, ids, w), cfg in calls]
+    outs = [torch.empty_like(y) for y in want]
+    for (x, ids, w), cfg in calls:  # compile and warm up before the two streams run
+        evenflow.fused_moe(x, ids, w, ew, config=cfg, check_ids=False)
+    torch.cuda.synchronize()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for j, ((x, ids, w), cfg) in enumerate(calls):
+        with torch.cuda.stream(streams[j % 2]):
+            evenflow.fused_moe(x, ids, w, (ew, ew2)[j % 2], config=cfg, out=outs[j], check_ids=False)
+    torch.cuda.synchronize()
+    for j, ((x, ids, w), cfg) in enumerate(calls):
+        assert torch.equal(outs[j], want[j]), f"call {j} ({cfg}) on stream {j % 2} differs"
+        check(outs[j], x, ids, w, ew, 0, f"call {j}")
+    assert not ew.counters.any() and not ew2.counters.any()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90+")
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -304,9 +338,9 @@ def test_pdl_matches_plain_launches_in_a_graph(fmt):
     """Two stacked layers (the second reads the first's output as its x) with every kernel
     chained by programmatic dependent launch, captured in a graph with routing changed between
     replays, at split-K decode shapes (T = 1, 2) and T = 33: bitwise the plain launches'
-    result. The second layer's first kernel (the index build, the activation quantisation, the
-    pair tiles' counter zeroing, or where the table defers the gate-up's reduction in bf16 the
-    gate-up itself) reads the routing, the first layer's output or nothing, so the first
+    result. The second layer's first kernel (the index build, the activation quantisation, or in bf16
+    on pair tiles the gate-up itself, whose splits count in the holder's counters that the first layer's
+    gate-up put back to zero) reads the routing, the first layer's output or nothing, so the first
     layer's output reaches
     the GEMMs only if every wait in the chain holds (each kernel waits for the one before it,
     which waited for the one before it)."""

@@ -23,7 +23,13 @@ from evenflow.moe.kernels import (
     moe_tensor_quant_kernel,
     moe_zero_kernel,
 )
-from evenflow.moe.quant import MoEWeights, group_quant_buffers, launch_group_quant
+from evenflow.moe.quant import (
+    MIN_GU_BLOCK_N,
+    PAIR_TILE_MAX_PAIRS,
+    MoEWeights,
+    group_quant_buffers,
+    launch_group_quant,
+)
 from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
 
 __all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config", "tuned_config"]
@@ -40,13 +46,6 @@ PDL_MAX_PAIRS = 512
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
 # of benchmarks/moe.py's evenflow-serialquant row).
 QUANT_OVERLAP = True
-# Up to this many (token, slot) pairs on 16-row tiles, each pair is a GEMM task of its own
-# ("pair tiles"): no index build (one launch of ~3 us at T = 1, round I1's kernel split) and
-# one dependent load before the weights instead of three. A pair whose expert another pair
-# of the batch also hits re-reads that expert's weights: none at T = 1 (a token's top-k are
-# distinct), ~1/16 more weight bytes at T = 2 of top-8 over 128 experts, ~13% at T = 4 (the
-# index pays off from there).
-PAIR_TILE_MAX_PAIRS = 16
 # fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
 # accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
 # reduced-precision accumulation (kernels.py, FAST_ACC). fp8 tl.dot needs K-steps >= 32.
@@ -267,7 +266,7 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1):
             raise ValueError(f"config.{name} must be a power of two, got {v}")
-    if cfg.block_m < 16 or cfg.gu_block_n < 16 or cfg.gu_block_k < 16 or cfg.down_block_n < 16 \
+    if cfg.block_m < 16 or cfg.gu_block_n < MIN_GU_BLOCK_N or cfg.gu_block_k < 16 or cfg.down_block_n < 16 \
             or cfg.down_block_k < 16:
         raise ValueError(f"config tiles must be >= 16 (tl.dot), got {cfg}")
     if inter % cfg.gu_block_n or hidden % (cfg.gu_block_k * cfg.gu_split_k):
@@ -290,7 +289,7 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
             pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
-            persistent: int = -1):
+            persistent: int = -1, counters: torch.Tensor | None = None):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
@@ -298,6 +297,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # -1 as the config says (cfg.gu_defer)
     # persistent: programs per SM of the GEMMs that run index tiles without a K split (0: one per task),
     # -1 as the config says (cfg.persistent)
+    # counters: the weights' arrival counters (MoEWeights.counters: zero between calls, each put back by its
+    # last arriver), or None: pair tiles zero a fresh buffer with moe_zero_kernel
     if defer_split not in (-1, 0, 1):
         raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
     t, h = x.shape
@@ -319,8 +320,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     gu_nb = i // cfg.gu_block_n
     # Deferred reduction (pair tiles, K-split gate-up): the down GEMM adds the gate-up's partials
     # as it loads its operand, so the gate-up has no arrival counter, no last-split round trips
-    # (partial stores, fence, atomic, partial loads) and no inter store, and no zeroing kernel
-    # runs before it; block mode needs the down's 128-deep K steps to be whole activation groups.
+    # (partial stores, fence, atomic, partial loads) and no inter store; block mode needs the
+    # down's 128-deep K steps to be whole activation groups.
     # Its cost: every down N-block program re-reads and re-activates the pair's partials in its K
     # loop (round P1: slower wherever the down GEMM has many K steps; docs/perf-notes/moe.md).
     defer = (cfg.gu_defer if defer_split < 0 else defer_split) == 1 and by_pair and cfg.gu_split_k > 1
@@ -330,9 +331,15 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     n_split_counts = n_tiles * gu_nb if cfg.gu_split_k > 1 and not defer else 0
     n_group_counts = n_tiles * (i // 128) if group_split else 0
     gu_count = gu_part = None
-    if n_split_counts + n_group_counts:
-        # one workspace, zeroed by one kernel: the split counters, then the group counters
-        gu_count = torch.empty(n_split_counts + n_group_counts, dtype=torch.int32, device=dev)
+    n_counts = n_split_counts + n_group_counts
+    # Pair tiles count in the weights' own counters where they hold enough (no zeroing kernel: round X); else
+    # one workspace, zeroed by one kernel (or, on index tiles, by the index build): the split counters, then
+    # the group counters
+    kept_counts = by_pair and n_counts > 0 and counters is not None and counters.numel() >= n_counts
+    if kept_counts:
+        gu_count = counters[:n_counts]
+    elif n_counts:
+        gu_count = torch.empty(n_counts, dtype=torch.int32, device=dev)
     if cfg.gu_split_k > 1:
         part_rows = p if by_pair else n_tiles * cfg.block_m  # pair tiles: one row per pair
         gu_part = torch.empty(cfg.gu_split_k, part_rows, 2 * i, dtype=torch.float32, device=dev)
@@ -342,7 +349,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # The activation quantisation's outputs are allocated before any kernel of the layer is launched: with
     # PDL its kernel runs beside the index (or zeroing) kernel ahead of it (``overlap``), so its buffers must
     # not be memory that kernel still uses (the multi-program index build frees a histogram after launching)
-    overlap = QUANT_OVERLAP and use_pdl and not (by_pair and gu_count is None)  # a kernel of ours runs first
+    zero_kernel = by_pair and gu_count is not None and not kept_counts
+    overlap = QUANT_OVERLAP and use_pdl and (zero_kernel or not by_pair)  # a kernel of ours runs first
     dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:
         xq, xs = group_quant_buffers(x)
@@ -352,7 +360,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         xq, xs = x, dummy
     if by_pair:
         idx = None
-        if gu_count is not None:
+        if zero_kernel:
             moe_zero_kernel[(min(8, triton.cdiv(gu_count.numel(), 1024)),)](gu_count, gu_count.numel(), num_warps=4,
                                                                              **pk)
     else:
@@ -441,7 +449,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     )
 
 
-@torch.library.custom_op("evenflow::fused_moe_", mutates_args=("out",))
+@torch.library.custom_op("evenflow::fused_moe_", mutates_args=("out", "counters"))
 def _fused_moe_op(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w2: torch.Tensor,
@@ -450,17 +458,19 @@ def _fused_moe_op(
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
     pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
+    counters: torch.Tensor | None = None,
 ) -> None:
+    # counters: written (each back to 0 by its last arriver), so declared mutated
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
-            defer_split, persistent)
+            defer_split, persistent, counters)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1, persistent=-1):
+      fp8_accum="exact", defer_split=-1, persistent=-1, counters=None):
     return None
 
 
@@ -506,8 +516,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     ValueError for another value, for bf16 weights, or such sizes.
     ``defer_split``: where pair tiles split the gate-up GEMM along K (decode batches), who adds
     its partial sums and applies the activation: ``True``, the down GEMM as it loads its
-    operand (no arrival counter, no last-split round trips, no intermediate buffer, no zeroing
-    kernel, but every down N-block program redoes it); ``False``, the gate-up's last split;
+    operand (no arrival counter, no last-split round trips, no intermediate buffer, but every
+    down N-block program redoes it); ``False``, the gate-up's last split, counting arrivals in
+    ``ew.counters`` (see :class:`MoEWeights`; with none kept, a fresh buffer zeroed by one more kernel);
     ``None`` (default), the config's ``gu_defer`` (the tuned table's choice per shape and
     batch; the heuristic's is ``False``). Same results bit for bit either way.
     ``persistent``: programs per SM of the gate-up and down GEMMs wherever they run index tiles
@@ -558,6 +569,8 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
                      last_dim_contiguous=True)
     dev = check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=ew.w13,
                             shared_output=shared_output)
+    if ew.counters is not None:  # the holder's own buffer; checked since the kernels write it
+        check_tensor("ew.counters", ew.counters, dtypes=[torch.int32], ndim=1, contiguous=True, device=dev)
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     else:
@@ -586,7 +599,7 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
         _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg,
-                      persist_arg)
+                      persist_arg, ew.counters)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, ew.counters)
     return out

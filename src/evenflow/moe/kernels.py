@@ -20,13 +20,15 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 | gu_part         | [S_gu, tiles*BM, 2I]  | fp32         | gate-up split-K partials (S_gu > 1 only); pair     |
 |                 |                       |              | tiles: [S_gu, P, 2I], row = pair id                |
 | gu_count        | [tiles, I/BLOCK_N]    | int32        | split arrivals per (tile, n-block); zeroed by the  |
-|                 |                       |              | index build (pair tiles: by moe_zero_kernel)       |
+|                 |                       |              | index build (pair tiles: MoEWeights.counters, zero |
+|                 |                       |              | between calls, or a buffer moe_zero_kernel zeroes) |
 
 Pair tiles (PAIR_TILES, tiny batches, no index build): task i is pair i alone (row 0 of a
 BLOCK_M-row tile, the other rows masked), its expert read from topk_ids; inter and pair_out
-rows are pair ids. A K-split gate-up on pair tiles is reduced by its last split (gu_count
-zeroed by ``moe_zero_kernel``), or, where the config says so (``gu_defer``), in the down GEMM's
-operand load (DEFER / GU_SPLIT: no inter, no gu_count).
+rows are pair ids. A K-split gate-up on pair tiles is reduced by its last split (gu_count: the
+weights' counters, each put back to 0 by its last arriver, or a buffer ``moe_zero_kernel``
+zeroes), or, where the config says so (``gu_defer``), in the down GEMM's operand load
+(DEFER / GU_SPLIT: no inter, no gu_count).
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
 K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
@@ -299,7 +301,8 @@ def moe_tensor_quant_kernel(p_x, p_q, p_scale, H, stride_xt, stride_qt, BLOCK_H:
 
 @triton.jit(do_not_specialize=["num_zero"])
 def moe_zero_kernel(p_zero, num_zero, PDL: tl.constexpr):
-    """p_zero[:num_zero] = 0 (the gate-up's split-K and activation-group counters when no index kernel runs)."""
+    """p_zero[:num_zero] = 0 (the gate-up's split-K and activation-group counters on pair tiles, where the
+    weights keep no counters of their own or too few)."""
     pdl_enter(PDL)
     _zero_share(p_zero, tl.program_id(0) * 1024, tl.num_programs(0) * 1024, num_zero)
 
@@ -531,7 +534,7 @@ def moe_gate_up_kernel(
     full bandwidth): each split stores its fp32 partial sums of gate and up in
     ``p_part`` [SPLIT_K, max_tiles * BLOCK_M, 2 * I] (pair tiles: [SPLIT_K, P, 2 * I]),
     then bumps the arrival counter of its (tile, n-block) in ``p_count`` (zeroed by the
-    index kernel, or by moe_zero_kernel with pair tiles);
+    index kernel; with pair tiles zero between calls, or zeroed by moe_zero_kernel);
     the split that arrives last sums the partials in split order (deterministic),
     applies the activation and requantisation, and resets the counter.
 

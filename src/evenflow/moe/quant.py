@@ -12,6 +12,21 @@ from evenflow.moe.routing import MAX_EXPERTS
 FP8 = torch.float8_e4m3fn
 FORMATS = ("bf16", "fp8_per_tensor", "fp8_block")
 MODE = {"bf16": 0, "fp8_per_tensor": 1, "fp8_block": 2}
+# Up to this many (token, slot) pairs on 16-row tiles, each pair is a GEMM task of its own
+# ("pair tiles", evenflow.moe.fused): no index build (one launch of ~3 us at T = 1, round I1's kernel split) and
+# one dependent load before the weights instead of three. A pair whose expert another pair
+# of the batch also hits re-reads that expert's weights: none at T = 1 (a token's top-k are
+# distinct), ~1/16 more weight bytes at T = 2 of top-8 over 128 experts, ~13% at T = 4 (the
+# index pays off from there).
+PAIR_TILE_MAX_PAIRS = 16
+# The narrowest gate-up N block a config may take (evenflow.moe.fused.check_config).
+MIN_GU_BLOCK_N = 16
+
+
+def counter_slots(inter: int) -> int:
+    """Arrival counters a pair-tile call may need (intermediate size ``inter``): a K-split gate-up's, one per
+    (pair, N block) on N blocks as narrow as ``MIN_GU_BLOCK_N``, then block mode's, one per (pair, 128-group)."""
+    return PAIR_TILE_MAX_PAIRS * (inter // MIN_GU_BLOCK_N + inter // 128)
 
 
 def _scalar_scale(name: str, s) -> torch.Tensor:
@@ -49,13 +64,33 @@ class MoEWeights:
     ``w13`` [E, 2I, H]: gate rows then up rows; ``w2`` [E, H, I]. Scales are
     dequantisation multipliers (real value = stored value * scale), as in SGLang's
     ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`.
+
+    The holder also keeps the arrival counters of the decode path (``counters``, int32 on the
+    weights' device, a few KB): where pair tiles split the gate-up along K, its splits count in
+    there, and the last to arrive puts the counter back to zero, so no kernel of the call has to
+    zero them first. They are zero between calls, so calls on one holder must not run at the same
+    time (two streams at once); for that, give each stream its own holder over the same weight
+    tensors, :meth:`sharing_weights`. Calls in one stream, and CUDA-graph replays in turn, are fine.
     """
 
-    def __init__(self, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None):
+    def __init__(self, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, *,
+                 counters: bool = True):
         self.format = fmt
         self.w13, self.w2 = w13, w2
         self.w13_scale, self.w2_scale = w13_scale, w2_scale
         self.a13_scale, self.a2_scale = a13_scale, a2_scale
+        if not isinstance(counters, bool):
+            raise TypeError(f"counters must be a bool, got {counters!r}")
+        self.counters = (torch.zeros(counter_slots(w2.shape[2]), dtype=torch.int32, device=w13.device)
+                         if counters else None)
+
+    def sharing_weights(self, counters: bool = True) -> MoEWeights:
+        """A holder over the same weight and scale tensors (no copy) with arrival counters of its own, for
+        calls that run at the same time as this holder's on another stream. ``counters=False``: none kept,
+        so every call whose gate-up counts arrivals zeroes a fresh counter buffer with one more kernel (the
+        behaviour before round X; safe on any number of streams at once)."""
+        return MoEWeights(self.format, self.w13, self.w2, self.w13_scale, self.w2_scale, self.a13_scale,
+                          self.a2_scale, counters=counters)
 
     @property
     def num_experts(self) -> int:
