@@ -719,7 +719,7 @@ def test_opcheck(device, fmt, fp8_accum):
     out = torch.empty(3, h, device=device, dtype=torch.bfloat16)
     shared = torch.randn(3, h, device=device).bfloat16()
     args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
-            ew.mode, 0, 4, shared, 1.5, out, None, -1, -1, fp8_accum)
+            ew.mode, 0, 4, shared, 1.5, out, ew.counters, None, -1, -1, fp8_accum)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if fmt != "bf16":
         # torch's schema checker compares inputs before/after with arithmetic that has no
@@ -746,7 +746,7 @@ def test_opcheck_deferred_split(device, fmt):
     for defer_arg in (-1, 1, 0):
         out = poisoned((2, h), torch.bfloat16, device)
         args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
-                ew.mode, 0, 4, None, 1.0, out, cfg.as_list(), -1, 1, "exact", defer_arg, -1, ew.counters)
+                ew.mode, 0, 4, None, 1.0, out, ew.counters, cfg.as_list(), -1, 1, "exact", defer_arg)
         torch.library.opcheck(op, args, test_utils=utils)  # runs the op on copies of the arguments
         op(*args)
         check_moe(out, x, ids, w, ew, f"{fmt} op defer_split={defer_arg}")

@@ -453,7 +453,7 @@ def test_opcheck_cuda(fmt):
     x, ids, w = inputs("qwen3-30b-a3b", 4)
     out = torch.empty_like(x)
     args = (x, ids, w, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
-            ew.mode, 0, ew.num_experts, None, 1.0, out)
+            ew.mode, 0, ew.num_experts, None, 1.0, out, ew.counters)
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if fmt != "bf16":
         utils = utils[1:]  # torch's schema checker has no fp8 arithmetic (see tests/test_moe.py)

@@ -456,11 +456,11 @@ def _fused_moe_op(
     w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
     a13_scale: torch.Tensor | None, a2_scale: torch.Tensor | None,
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
-    routed_scaling: float, out: torch.Tensor, config: list[int] | None = None, pdl: int = -1,
-    pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
-    counters: torch.Tensor | None = None,
+    routed_scaling: float, out: torch.Tensor, counters: torch.Tensor | None, config: list[int] | None = None,
+    pdl: int = -1, pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
 ) -> None:
-    # counters: written (each back to 0 by its last arriver), so declared mutated
+    # counters (MoEWeights.counters): written, each back to 0 by its last arriver, so declared mutated; passed
+    # always (no default: some torch versions index a mutated argument the caller left to its default)
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
@@ -469,8 +469,8 @@ def _fused_moe_op(
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
-      ep_rank, num_experts_total, shared_output, routed_scaling, out, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1, persistent=-1, counters=None):
+      ep_rank, num_experts_total, shared_output, routed_scaling, out, counters, config=None, pdl=-1, pair_tiles=-1,
+      fp8_accum="exact", defer_split=-1, persistent=-1):
     return None
 
 
@@ -598,8 +598,8 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum, defer_arg,
-                      persist_arg, ew.counters)
+        _fused_moe_op(*args, ew.counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
+                      defer_arg, persist_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
         _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, ew.counters)
     return out
