@@ -216,3 +216,29 @@ def test_allowance_follows_the_layer(device, fmt):
     allow[0, 1] = 0.5
     assert error_bound(ref, baseline, torch.bfloat16) == 1.0
     assert error_bound(ref, baseline, torch.bfloat16, allowance=allow) == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
+def test_shard_allowances_sum_to_the_split_layers(device, fmt):
+    """benchmarks/multigpu.py checks a split layer with the sum of its shards' allowances (each rank
+    requantises its own shard's intermediate). Split by experts (EP2) the sum is the unsplit layer's
+    allowance; split along the intermediate (TP2, whole 128-groups) it is at most that, elementwise (each
+    shard's windows come from its own columns' baseline errors, a subset of the expert's), and not zero."""
+    from evenflow import parallel as par
+
+    g = torch.Generator(device=device).manual_seed(4)
+    ew = random_moe_weights(fmt, 4, 256, 256, device, generator=g)
+    x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+    ids, w = random_routing(32, 2, 4, device, generator=g)
+    full = moe_requant_allowance(x, ids, w, ew)
+    assert full.any(), "the draw has no element near a midpoint; pick another seed"
+    for kind in ("ep", "tp"):
+        parts = []
+        for rank in range(2):
+            shard, ep_rank = par.shard_moe_weights(ew, kind, rank, 2)
+            parts.append(moe_requant_allowance(x, ids, w, shard, ep_rank=ep_rank, num_experts_total=4))
+        total = parts[0] + parts[1]
+        if kind == "ep":
+            torch.testing.assert_close(total, full, rtol=1e-12, atol=0)
+        else:
+            assert total.any() and bool((total <= full * (1 + 1e-12)).all()), (kind, (total - full).max())
