@@ -54,9 +54,10 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # A/B against the default's one program per task), evenflow-serialquant (the fp8 activation quantisation kernel
 # waiting at its top for the index kernel instead of running beside it: evenflow.moe.fused.QUANT_OVERLAP's A/B;
 # FP8 only, and the same launches as evenflow wherever the overlap does not apply: past PDL_MAX_PAIRS pairs (no
-# PDL), and on pair tiles with no K-split counters, where the quantisation is the layer's first kernel),
-# evenflow-zerokernel (a holder without counters, MoEWeights.sharing_weights(counters=False): pair tiles zero a
-# fresh counter buffer with one more kernel each call, as before round X; the kept counters' A/B)
+# PDL), and on pair tiles, where the quantisation is the layer's first kernel unless a zeroing kernel runs: only
+# with a holder without counters or past the counters' 16 pairs), evenflow-zerokernel (a holder without counters,
+# MoEWeights.sharing_weights(counters=False): pair tiles whose gate-up counts arrivals zero a fresh counter buffer
+# with one more kernel each call, as before round X; the kept counters' A/B)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},

@@ -412,8 +412,8 @@ def run_moe(args, shapes, res, checks, ceil, busbw, dev, rank, world, timing: bo
                 base = moe_baseline(x0, ids0, tw0, ew, ep_rank=lay["ep_rank"], num_experts_total=ntot)
                 par.all_reduce(base)
                 # each rank requantises its own shard's intermediate (whole experts, or whole 128-groups of
-                # I), so the split layer's allowance is the sum of the shards' (EP: the unsplit layer's; TP: at
-                # most it, each shard's windows from its own columns' errors; tests/test_moe_rule.py)
+                # I), so the split layer's allowance is the sum of the shards' (EP: the unsplit layer's; TP: about
+                # it, each shard's windows from its own products' errors; tests/test_moe_rule.py)
                 allow = moe_requant_allowance(x0, ids0, tw0, ew, ep_rank=lay["ep_rank"], num_experts_total=ntot)
                 par.all_reduce(allow)
                 fl = moe_floor(kind, ew, shapes, ids0.cpu(), batch, world, ceil, busbw) if timing else None

@@ -283,9 +283,26 @@ def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, monkeypatch):
 
 def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):
     """evenflow-zerokernel (the kept counters' A/B) is a knob row on request that calls fused_moe with a
-    holder keeping no counters (so pair tiles zero a fresh buffer each call), and gives the default row's
-    result bit for bit; the default row's holder keeps them."""
+    holder keeping no counters (so a pair-tile call whose gate-up splits K zeroes a fresh buffer with one more
+    kernel), and gives the default row's result bit for bit; the default row's holder keeps them and launches
+    no zeroing kernel. The heuristic is made to split the gate-up (the tiny case would not)."""
+    import dataclasses
+
+    from evenflow.moe import fused
+
     assert "evenflow-zerokernel" in bm.IMPLS and "evenflow-zerokernel" not in bm.DEFAULT_IMPLS
+    real_choose = fused.choose_config
+    monkeypatch.setattr(fused, "choose_config", lambda *a, **kw: dataclasses.replace(
+        real_choose(*a, **kw), gu_block_k=64, gu_split_k=2, gu_defer=0))
+    zeroings = []
+    real_zero = fused.moe_zero_kernel
+
+    class CountedZero:
+        def __getitem__(self, grid):
+            zeroings.append(grid)
+            return real_zero[grid]
+
+    monkeypatch.setattr(fused, "moe_zero_kernel", CountedZero())
     case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
     w = bm.make_weights(case, "bf16", device, torch.Generator(device=device).manual_seed(0), std=0.1)
     gen = _gen(3)
@@ -297,7 +314,10 @@ def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):
     holders = []
     real = evenflow.fused_moe
     monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **kw: holders.append(a[3]) or real(*a, **kw))
-    ys = [bm.build_impl(name, w, case, None)(x, ids, tw)() for name in ("evenflow", "evenflow-zerokernel")]
+    ys = []
+    for name in ("evenflow", "evenflow-zerokernel"):
+        ys.append(bm.build_impl(name, w, case, None)(x, ids, tw)())
+        assert len(zeroings) == (name == "evenflow-zerokernel"), (name, zeroings)
     assert torch.equal(ys[0], ys[1])
     assert [h.counters is None for h in holders] == [False, True]
 

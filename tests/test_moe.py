@@ -137,7 +137,7 @@ def _split_gu_block_k(base, fmt, h):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_split_k(device, fmt, pair_tiles):
     # Decode configs split K: gate-up partials reduced by the last-arriving split (arrival
-    # counters zeroed by the index kernel, or with pair tiles by moe_zero_kernel), down
+    # counters zeroed by the index kernel, or with pair tiles the holder's own), down
     # partials summed by the reduce kernel.
     # Two calls into poisoned outputs: the counters must be back at zero for the second.
     h, i = SIZES[fmt]
@@ -284,7 +284,7 @@ def test_pair_tiles_count_in_the_weights_counters(device, fmt, monkeypatch):
     x = torch.randn(2, h, generator=g).bfloat16().to(device)
     ids, w = routing_from(ids_all, device)
     poison = 1 << 20
-    for cfg in (split, cfgs[-1]):
+    for cfg in [split] + cfgs[-2:] * (fmt == "fp8_block"):  # block mode: group counters alone, then behind
         clean = evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw)
         ew.counters.fill_(poison)
         evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw)
@@ -298,17 +298,17 @@ def test_pair_tiles_count_in_the_weights_counters(device, fmt, monkeypatch):
         assert torch.equal(ew.counters, expect), (cfg, ew.counters[:12 * nb])
         ew.counters.zero_()
         assert torch.equal(evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw), clean)
-    t = 6  # 18 pairs: past the counters kept for 16
-    x = torch.randn(t, h, generator=g).bfloat16().to(device)
-    ids, w = random_routing(t, 3, 12, device)
-    narrow = dataclasses.replace(split, gu_block_n=16) if fmt != "fp8_block" else split
-    with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
-        y = evenflow.fused_moe(x, ids, w, ew, config=narrow, **kw)
-    needed = t * 3 * (i // narrow.gu_block_n) + (t * 3 * (i // 128) if narrow.gu_block_n < 128 and fmt == "fp8_block"
-                                                 else 0)
-    assert zeroings == [int(needed > ew.counters.numel())], (needed, ew.counters.numel())
-    assert not ew.counters.any()
-    check_moe(y, x, ids, w, ew, f"{fmt} pair tiles forced at 18 pairs", ep_rank=1)
+    # the narrowest gate-up N blocks (16) with a split, and in block mode its group counters: 16 pairs fit
+    # the counters exactly, 18 (pair tiles forced past the default's 16) take a fresh zeroed buffer
+    narrow = dataclasses.replace(split, gu_block_n=16)
+    for t, k in ((4, 4), (6, 3)):
+        x = torch.randn(t, h, generator=g).bfloat16().to(device)
+        ids, w = random_routing(t, k, 12, device)
+        with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
+            y = evenflow.fused_moe(x, ids, w, ew, config=narrow, **kw)
+        assert zeroings == [int(t * k > 16)], (t, k, ew.counters.numel())
+        assert not ew.counters.any()
+        check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {t * k} pairs, {narrow}", ep_rank=1)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -751,6 +751,11 @@ def test_opcheck_deferred_split(device, fmt):
         op(*args)
         check_moe(out, x, ids, w, ew, f"{fmt} op defer_split={defer_arg}")
         assert not ew.counters.any()
+        bare = poisoned((2, h), torch.bfloat16, device)  # no counters kept: a fresh zeroed buffer
+        args = args[:14] + (bare, None) + args[16:]
+        torch.library.opcheck(op, args, test_utils=utils)
+        op(*args)
+        assert torch.equal(bare, out)
 
 
 def test_compiled_calls_go_through_the_custom_op(device):
@@ -775,3 +780,9 @@ def test_compiled_calls_go_through_the_custom_op(device):
     got = layer(x, ids, w)
     assert any("evenflow.fused_moe_" in t for t in seen), seen
     assert torch.equal(got, eager)
+    # a holder built under torch.inference_mode keeps normal counters: the compiled call outside it writes them
+    with torch.inference_mode():
+        ew = random_moe_weights("bf16", 4, h, i, device)
+    assert not ew.counters.is_inference()
+    torch._dynamo.reset()
+    assert torch.equal(layer(x, ids, w), evenflow.fused_moe(x, ids, w, ew, check_ids=False))

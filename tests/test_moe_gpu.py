@@ -447,6 +447,31 @@ def test_torch_compile_fullgraph():
     assert torch.equal(y, evenflow.fused_moe(x, ids, w, ew, shared_output=shared, routed_scaling=1.5))
 
 
+def test_reduce_overhead_compile_keeps_cuda_graphs():
+    """torch.compile(mode="reduce-overhead") of a decode layer whose gate-up counts arrivals in the holder's
+    counters (an input the compiled graph mutates, marked static by the holder): CUDA-graph trees take the
+    graph instead of skipping it, and every call equals eager with the counters zero after."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    shape = "qwen3-30b-a3b"
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, "bf16")
+    cfg = dataclasses.replace(choose_config(2, k, e, h, i, ew.mode), gu_split_k=2, gu_defer=0)
+
+    @torch.compile(mode="reduce-overhead", fullgraph=True)
+    def layer(x, ids, w):
+        return evenflow.fused_moe(x, ids, w, ew, config=cfg, check_ids=False) * 1.0
+
+    for step in range(4):
+        x, ids, w = inputs(shape, 2)
+        y = layer(x, ids, w).clone()
+        assert torch.equal(y, evenflow.fused_moe(x, ids, w, ew, config=cfg)), f"call {step} differs from eager"
+        assert not ew.counters.any()
+    assert not dynamo_counters["inductor"]["cudagraph_skips"], dict(dynamo_counters["inductor"])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_opcheck_cuda(fmt):
     ew = weights("qwen3-30b-a3b", fmt)
@@ -491,17 +516,19 @@ def test_block_mode_narrow_gate_up_real_shapes(shape):
 def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
     """The activation quantisation started beside the index kernel (PDL, ``QUANT_OVERLAP``) gives the bits
     of the serial chain, in CUDA graphs replayed with new routing and inputs (T = 2: pair tiles, beside the
-    zeroing kernel; T = 4 and 32: the one-program index build; T = 64, 512 pairs, the most PDL chains: the
-    multi-program build, whose histogram is freed after its launch), with and without a K-split gate-up (its
-    counters zeroed by the index kernel), and block mode's 64-wide gate-up (group counters after them)."""
+    zeroing kernel of a holder without counters; T = 4 and 32: the one-program index build; T = 64, 512
+    pairs, the most PDL chains: the multi-program build, whose histogram is freed after its launch), with
+    and without a K-split gate-up (its counters zeroed by the index kernel), and block mode's 64-wide
+    gate-up (group counters after them)."""
     from evenflow.moe import fused
 
     e, e_tot, ep, k, h, i = SHAPES[shape]
-    ew = weights(shape, fmt)
     for t in (2, 4, 32, 64):
+        # T = 2: pair tiles with a K-split gate-up; the holder's own counters need no zeroing kernel, one
+        # without them zeroes a fresh buffer, and the quantisation runs beside that kernel
+        ew = weights(shape, fmt).sharing_weights(counters=False) if t == 2 else weights(shape, fmt)
         x, ids, w = inputs(shape, t)
         d = choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
-        # T = 2: pair tiles with a K-split gate-up (the quantisation beside the zeroing kernel)
         kw = dict(ep_rank=ep, num_experts_total=e_tot, pair_tiles=t == 2, defer_split=False)
         cfgs = [dataclasses.replace(d, gu_split_k=2)] + ([dataclasses.replace(d, gu_split_k=1)] if t > 2 else [])
         if fmt == "fp8_block" and t == 32:  # 64-wide gate-up: group counters after the split counters

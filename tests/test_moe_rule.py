@@ -193,17 +193,24 @@ def _codes(v, one):
     return _fp8_static(v, one).double()
 
 
+def _draw_with_an_allowance(device, fmt, inter):
+    """(generator, weights, x, ids, w, allowance) of a 32-token top-2 draw over 4 experts (hidden 256) whose
+    allowance is not zero somewhere (seed 4)."""
+    g = torch.Generator(device=device).manual_seed(4)
+    ew = random_moe_weights(fmt, 4, 256, inter, device, generator=g)
+    x = torch.randn(32, 256, device=device, generator=g).bfloat16()
+    ids, w = random_routing(32, 2, 4, device, generator=g)
+    allowance = moe_requant_allowance(x, ids, w, ew)
+    assert allowance.any(), "the draw has no element near a midpoint; pick another seed"
+    return g, ew, x, ids, w, allowance
+
+
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
 def test_allowance_follows_the_layer(device, fmt):
     """The allowance scales with |routed_scaling|, moves with the expert ids of another EP rank (the same
     experts as global ids of rank 2), ignores the shared output (added after, never rounded to fp8), and
     the baseline's own flips are counted once: the rule's bound is taken net of the allowance."""
-    g = torch.Generator(device=device).manual_seed(4)
-    ew = random_moe_weights(fmt, 4, 256, 128, device, generator=g)
-    x = torch.randn(32, 256, device=device, generator=g).bfloat16()
-    ids, w = random_routing(32, 2, 4, device, generator=g)
-    base_al = moe_requant_allowance(x, ids, w, ew)
-    assert base_al.any(), "the draw has no element near a midpoint; pick another seed"
+    g, ew, x, ids, w, base_al = _draw_with_an_allowance(device, fmt, 128)
     assert torch.allclose(moe_requant_allowance(x, ids, w, ew, routed_scaling=-2.5), 2.5 * base_al)
     assert torch.equal(moe_requant_allowance(x, ids + 8, w, ew, ep_rank=2, num_experts_total=12), base_al)
     shared = torch.randn(32, 256, device=device, generator=g).bfloat16()
@@ -222,16 +229,12 @@ def test_allowance_follows_the_layer(device, fmt):
 def test_shard_allowances_sum_to_the_split_layers(device, fmt):
     """benchmarks/multigpu.py checks a split layer with the sum of its shards' allowances (each rank
     requantises its own shard's intermediate). Split by experts (EP2) the sum is the unsplit layer's
-    allowance; split along the intermediate (TP2, whole 128-groups) it is at most that, elementwise (each
-    shard's windows come from its own columns' baseline errors, a subset of the expert's), and not zero."""
+    allowance; split along the intermediate (TP2, whole 128-groups) each shard's windows come from its own
+    products' baseline errors (another GEMM shape, which may round differently), so the sum is about the
+    layer's, not equal element for element: not zero, and within a factor 1.5 of it in total."""
     from evenflow import parallel as par
 
-    g = torch.Generator(device=device).manual_seed(4)
-    ew = random_moe_weights(fmt, 4, 256, 256, device, generator=g)
-    x = torch.randn(32, 256, device=device, generator=g).bfloat16()
-    ids, w = random_routing(32, 2, 4, device, generator=g)
-    full = moe_requant_allowance(x, ids, w, ew)
-    assert full.any(), "the draw has no element near a midpoint; pick another seed"
+    _, ew, x, ids, w, full = _draw_with_an_allowance(device, fmt, 256)
     for kind in ("ep", "tp"):
         parts = []
         for rank in range(2):
@@ -241,4 +244,4 @@ def test_shard_allowances_sum_to_the_split_layers(device, fmt):
         if kind == "ep":
             torch.testing.assert_close(total, full, rtol=1e-12, atol=0)
         else:
-            assert total.any() and bool((total <= full * (1 + 1e-12)).all()), (kind, (total - full).max())
+            assert total.any() and 1 / 1.5 <= float(total.sum() / full.sum()) <= 1.5, (kind, total.sum(), full.sum())

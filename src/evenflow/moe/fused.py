@@ -491,7 +491,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     [0, num_experts_total); topk_weights [T, k] fp32; ``ew`` an :class:`MoEWeights`
     holding this rank's E_local experts, which are global ids
     [ep_rank*E_local, (ep_rank+1)*E_local); pairs routed to other ranks contribute
-    nothing (the caller all-reduces across EP/TP ranks). Returns y [T, H] bf16.
+    nothing (the caller all-reduces across EP/TP ranks). Returns y [T, H] bf16. Calls on one
+    ``ew`` must run one at a time (it keeps the decode path's arrival counters; see
+    :class:`MoEWeights` and its ``sharing_weights`` for two streams at once).
 
     ``check_ids`` verifies the id range on the host when that is allowed (eager
     mode: one sync); under CUDA-graph capture or torch.compile it is skipped and
@@ -569,8 +571,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
                      last_dim_contiguous=True)
     dev = check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=ew.w13,
                             shared_output=shared_output)
-    if ew.counters is not None:  # the holder's own buffer; checked since the kernels write it
-        check_tensor("ew.counters", ew.counters, dtypes=[torch.int32], ndim=1, contiguous=True, device=dev)
+    counters = getattr(ew, "counters", None)  # (a holder made without __init__ keeps none)
+    if counters is not None:  # the holder's own buffer; checked since the kernels write it
+        check_tensor("ew.counters", counters, dtypes=[torch.int32], ndim=1, contiguous=True, device=dev)
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     else:
@@ -598,8 +601,8 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
-        _fused_moe_op(*args, ew.counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
+        _fused_moe_op(*args, counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
                       defer_arg, persist_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, ew.counters)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters)
     return out

@@ -66,11 +66,14 @@ class MoEWeights:
     ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`.
 
     The holder also keeps the arrival counters of the decode path (``counters``, int32 on the
-    weights' device, a few KB): where pair tiles split the gate-up along K, its splits count in
-    there, and the last to arrive puts the counter back to zero, so no kernel of the call has to
-    zero them first. They are zero between calls, so calls on one holder must not run at the same
-    time (two streams at once); for that, give each stream its own holder over the same weight
-    tensors, :meth:`sharing_weights`. Calls in one stream, and CUDA-graph replays in turn, are fine.
+    weights' device, a few KB): where pair tiles split the gate-up along K (or, in block mode, an
+    activation group over narrow N blocks), its programs count in there, and the last to arrive
+    puts the counter back to zero, so no kernel of the call has to zero them first. They are zero
+    between calls, so calls on one holder must not run at the same time (two streams at once); for
+    that, give each stream its own holder over the same weight tensors, :meth:`sharing_weights`
+    (``copy.copy`` would share the counters). Calls in one stream, and CUDA-graph replays in turn,
+    are fine. A CUDA graph captured with a holder writes its counters: keep the holder alive while
+    the graph may be replayed.
     """
 
     def __init__(self, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, *,
@@ -81,8 +84,14 @@ class MoEWeights:
         self.a13_scale, self.a2_scale = a13_scale, a2_scale
         if not isinstance(counters, bool):
             raise TypeError(f"counters must be a bool, got {counters!r}")
-        self.counters = (torch.zeros(counter_slots(w2.shape[2]), dtype=torch.int32, device=w13.device)
-                         if counters else None)
+        self.counters = None
+        if counters:
+            # a normal tensor even if the holder is built under torch.inference_mode (a compiled call outside
+            # it writes the counters back); static to torch.compile, so that CUDA-graph trees
+            # (mode="reduce-overhead") take its in-place updates instead of skipping the graph
+            with torch.inference_mode(False):
+                self.counters = torch.zeros(counter_slots(w2.shape[2]), dtype=torch.int32, device=w13.device)
+            torch._dynamo.mark_static_address(self.counters)
 
     def sharing_weights(self, counters: bool = True) -> MoEWeights:
         """A holder over the same weight and scale tensors (no copy) with arrival counters of its own, for
