@@ -44,7 +44,7 @@ QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
          "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant",
-         "evenflow-zerokernel", "evenflow-quantkernel")
+         "evenflow-zerokernel")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
@@ -57,16 +57,14 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # PDL), and on pair tiles, where the quantisation is the layer's first kernel unless a zeroing kernel runs: only
 # with a holder without counters or past the counters' 16 pairs), evenflow-zerokernel (a holder without counters,
 # MoEWeights.sharing_weights(counters=False): pair tiles whose gate-up counts arrivals zero a fresh counter buffer
-# with one more kernel each call, as before round X; the kept counters' A/B), evenflow-quantkernel (FP8 only:
-# QUANT_IN_GATE_UP False, the activation quantisation kernel before the gate-up on pair tiles too, as before round X;
-# the A/B of the gate-up quantising its pair's row itself; the same launches as evenflow on index tiles)
+# with one more kernel each call, as before round X; the kept counters' A/B)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
                   "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
                   "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
-                  "evenflow-zerokernel": {"_counters": False}, "evenflow-quantkernel": {"_quant_in_gate_up": False}}
+                  "evenflow-zerokernel": {"_counters": False}}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
@@ -296,13 +294,11 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         if not hasattr(evenflow, "MoEWeights") or not hasattr(evenflow, "fused_moe"):
             raise PeerUnavailable("evenflow.fused_moe / MoEWeights not available in this build")
         kw = dict(EVENFLOW_KNOBS[name])
-        # module switches, not keywords: set around each call
-        switches = {name: kw.pop(key) for key, name in (("_quant_overlap", "QUANT_OVERLAP"),
-                                                         ("_quant_in_gate_up", "QUANT_IN_GATE_UP")) if key in kw}
+        overlap = kw.pop("_quant_overlap", None)  # a module switch, not a keyword: set around each call
         kept_counters = kw.pop("_counters", True)  # a property of the weight holder, not a keyword
         if kw.get("fp8_accum") == "fast" and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: fp8_accum='fast' applies to FP8 weights only")
-        if switches and w.variant == "bf16":
+        if overlap is not None and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
         if w.variant == "bf16":
             ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
@@ -316,7 +312,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         def bind(x, ids, tw):
             def call():
                 return evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)
-            return (lambda: _with_switches(switches, call)) if switches else call
+            return call if overlap is None else lambda: _with_quant_overlap(overlap, call)
         return bind
     if name == "sglang-triton":
         from evenflow.bench.peers.sglang import SGLangFusedMoE
@@ -331,19 +327,16 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
     raise ValueError(f"unknown impl {name!r}")
 
 
-def _with_switches(switches: dict, fn):
-    """fn() with the module switches of evenflow.moe.fused named in ``switches`` set to their values (the
-    launches it makes, and so a CUDA graph captured around them, keep that choice)."""
+def _with_quant_overlap(enabled: bool, fn):
+    """fn() with evenflow.moe.fused.QUANT_OVERLAP set to ``enabled`` (the launches it makes, and so a CUDA
+    graph captured around them, keep that choice)."""
     from evenflow.moe import fused
 
-    saved = {name: getattr(fused, name) for name in switches}
+    saved, fused.QUANT_OVERLAP = fused.QUANT_OVERLAP, enabled
     try:
-        for name, value in switches.items():
-            setattr(fused, name, value)
         return fn()
     finally:
-        for name, value in saved.items():
-            setattr(fused, name, value)
+        fused.QUANT_OVERLAP = saved
 
 
 # ----------------------------------------------------------------------------- driver

@@ -281,36 +281,6 @@ def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, monkeypatch):
     assert [kw.get("fp8_accum") for kw in seen] == ["fast"], "the row must call fused_moe(fp8_accum='fast')"
 
 
-@pytest.mark.parametrize("variant", ["bf16", "fp8-tensor", "fp8-block"])
-def test_quantkernel_row_switches_the_gate_up_quantisation_off(device, variant, monkeypatch):
-    """evenflow-quantkernel (the A/B of the gate-up quantising x itself on pair tiles) calls fused_moe with
-    evenflow.moe.fused.QUANT_IN_GATE_UP False during the call only, and gives the default row's result bit for
-    bit; on bf16 it is an "unavailable" error row (no activation quantisation)."""
-    from evenflow.moe import fused
-
-    assert "evenflow-quantkernel" in bm.IMPLS and "evenflow-quantkernel" not in bm.DEFAULT_IMPLS
-    case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
-    w = bm.make_weights(case, variant, device, torch.Generator(device=device).manual_seed(0), std=0.1)
-    if variant == "bf16":
-        with pytest.raises(PeerUnavailable, match="not applicable to bf16"):
-            bm.build_impl("evenflow-quantkernel", w, case, None)
-        return
-    gen = _gen(3)
-    if variant == "fp8-tensor":
-        bm.calibrate_static_scales(w, case, device, gen, bm.expert_bias(4, _gen(7)), tokens=16)
-    ids, tw = bm.make_routing(1, case, gen)
-    x = torch.randn(1, case.hidden, generator=gen).bfloat16()
-    x, ids, tw = x.to(device), ids.to(device), tw.to(device)
-    import evenflow
-
-    seen = []
-    real = evenflow.fused_moe
-    monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **kw: seen.append(fused.QUANT_IN_GATE_UP) or real(*a, **kw))
-    ys = [bm.build_impl(name, w, case, None)(x, ids, tw)() for name in ("evenflow", "evenflow-quantkernel")]
-    assert seen == [True, False] and fused.QUANT_IN_GATE_UP is True
-    assert torch.equal(ys[0], ys[1])
-
-
 def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):
     """evenflow-zerokernel (the kept counters' A/B) is a knob row on request that calls fused_moe with a
     holder keeping no counters (so a pair-tile call whose gate-up splits K zeroes a fresh buffer with one more

@@ -414,51 +414,12 @@ def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
 
 
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
-def test_quant_in_gate_up_equals_the_quant_kernel(device, fmt, monkeypatch):
-    """On pair tiles the gate-up quantises its pair's row of x itself (``QUANT_IN_GATE_UP``, kernels.py
-    QUANT_X) with the quantisation kernel's operations: bit for bit the layer with that kernel, with and
-    without a K split (last split and deferred), block mode's 64-wide N blocks, a down split, ids routed
-    to other EP ranks, a token listing one expert twice, x rows of very different magnitudes (block mode's
-    group scales) and a shared output; within the rule of the oracle."""
-    from evenflow.moe import fused
-
-    h, i = SIZES[fmt]
-    ew = random_moe_weights(fmt, 4, h, i, device)
-    base = choose_config(2, 3, 4, h, i, ew.mode, num_experts_total=12)
-    split = dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2)
-    cfgs = [dataclasses.replace(base, gu_split_k=1), split, dataclasses.replace(split, gu_defer=1)]
-    if fmt == "fp8_block":  # (I = 128: one down K block, no down split)
-        cfgs.append(dataclasses.replace(split, gu_block_n=64))
-    else:
-        cfgs.append(dataclasses.replace(split, down_block_k=16, down_split_k=2))
-    ids_all = [[5, 5, 1], [4, 7, 11]]  # rank 1 of 3 owns 4..7
-    g = torch.Generator().manual_seed(11)
-    for t in (1, 2):
-        x = torch.randn(t, h, generator=g)
-        x[:, : h // 2] *= 50.0  # groups of very different amax
-        x = x.bfloat16().to(device)
-        ids, w = routing_from(ids_all[:t], device)
-        shared = torch.randn(t, h, generator=g).bfloat16().to(device)
-        for cfg in cfgs:
-            ys = {}
-            for in_gate_up in (True, False):
-                monkeypatch.setattr(fused, "QUANT_IN_GATE_UP", in_gate_up)
-                ys[in_gate_up] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg,
-                                                    shared_output=shared, out=poisoned((t, h), torch.bfloat16, device))
-            what = f"{fmt} T={t} {cfg}"
-            assert torch.equal(ys[True], ys[False]), f"quantised in the gate-up differs from the kernel's: {what}"
-            check_moe(ys[True], x, ids, w, ew, what, ep_rank=1, num_experts_total=12, shared_output=shared)
-
-
-@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
 def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
     """With PDL the activation quantisation kernel may start beside the kernel ahead of it (OVERLAP) only
     when that kernel is the layer's own index or zeroing kernel, which waited for the kernels that wrote x;
     as the layer's first kernel (pair tiles with no K-split counters, or counting in the holder's own) it
     must wait at its top, and it does
-    when PDL is off or ``QUANT_OVERLAP`` is False. On pair tiles that kernel runs only with
-    ``QUANT_IN_GATE_UP`` False (by default the gate-up quantises x itself: no quantisation launch, QUANT_X on
-    the gate-up; index tiles keep the kernel either way). The launches an H200 would get, recorded on the CPU
+    when PDL is off or ``QUANT_OVERLAP`` is False. The launches an H200 would get, recorded on the CPU
     (the GPU runs of both builds are tests/test_moe_gpu.py's and the benchmark's evenflow-serialquant row)."""
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
@@ -481,22 +442,18 @@ def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
         ((40, None, False, None, False, ew), "moe_index_kernel"),
         ((40, None, False, False, True, ew), "moe_index_kernel"),
     ]
-    for in_gate_up in (True, False):
-        monkeypatch.setattr(fused, "QUANT_IN_GATE_UP", in_gate_up)
-        for (t, cfg, pair_tiles, pdl, enabled, holder), before in cases:
-            monkeypatch.setattr(fused, "QUANT_OVERLAP", enabled)
-            with CC.emulate_gpu(132), CC.record_launches() as launches:
-                evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 3), dtype=torch.int32),
-                                   torch.rand(t, 3), holder, config=cfg, pair_tiles=pair_tiles, pdl=pdl)
-            names = [ln.name for ln in launches]
-            gate_up = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
-            assert gate_up["QUANT_X"] is (in_gate_up and pair_tiles), (in_gate_up, t, gate_up)
-            assert (quant in names) is not gate_up["QUANT_X"], names
-            if quant in names:
-                _check_quant_launch(launches, names, quant, before, t, pair_tiles, pdl, enabled)
-    monkeypatch.setattr(fused, "QUANT_IN_GATE_UP", True)
+    for (t, cfg, pair_tiles, pdl, enabled, holder), before in cases:
+        monkeypatch.setattr(fused, "QUANT_OVERLAP", enabled)
+        with CC.emulate_gpu(132), CC.record_launches() as launches:
+            evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 3), dtype=torch.int32),
+                               torch.rand(t, 3), holder, config=cfg, pair_tiles=pair_tiles, pdl=pdl)
+        names = [ln.name for ln in launches]
+        at = names.index(quant)
+        assert (names[at - 1] if at else None) == before, names
+        c = dict(launches[at].constexprs)
+        assert c["PDL"] is (pdl is not False), c
+        assert c["OVERLAP"] is (before is not None and enabled and pdl is not False), (t, pair_tiles, pdl, enabled, c)
     if fmt == "fp8_block":
-
         # its outputs exist before the index build: memory freed after the index kernel's launch (the
         # multi-program build's histogram) must not become the buffers of a kernel that runs beside it
         order = []
@@ -507,16 +464,6 @@ def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
             evenflow.fused_moe(torch.randn(100, h).bfloat16(), torch.randint(0, 4, (100, 3), dtype=torch.int32),
                                torch.rand(100, 3), ew, pair_tiles=False)
         assert order == ["group_quant_buffers", "build_moe_index"], order
-
-
-def _check_quant_launch(launches, names, quant, before, t, pair_tiles, pdl, enabled):
-    """The quantisation kernel follows ``before`` (None: it is the layer's first) and overlaps it only where
-    allowed (see test_quant_runs_beside_only_a_kernel_of_the_layer)."""
-    at = names.index(quant)
-    assert (names[at - 1] if at else None) == before, names
-    c = dict(launches[at].constexprs)
-    assert c["PDL"] is (pdl is not False), c
-    assert c["OVERLAP"] is (before is not None and enabled and pdl is not False), (t, pair_tiles, pdl, enabled, c)
 
 
 class _count_launches:

@@ -447,35 +447,6 @@ def test_torch_compile_fullgraph():
     assert torch.equal(y, evenflow.fused_moe(x, ids, w, ew, shared_output=shared, routed_scaling=1.5))
 
 
-@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_quant_in_gate_up_real_shapes(shape, fmt, monkeypatch):
-    """On pair tiles the gate-up quantises its pair's row of x itself (``QUANT_IN_GATE_UP``): bit for bit the
-    layer with the quantisation kernel, at T = 1 and 2 with the table's configs and with a forced last-split
-    and deferred K split, in CUDA graphs replayed with new routing and inputs; within the rule."""
-    from evenflow.moe import fused
-
-    if fmt == "fp8_block" and shape == "hy3-tp8":
-        pytest.skip("I is not a multiple of 128")
-    e, e_tot, ep, k, h, i = SHAPES[shape]
-    ew = weights(shape, fmt)
-    for t in (1, 2):
-        x, ids, w = inputs(shape, t)
-        d = choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
-        for cfg in (None, dataclasses.replace(d, gu_split_k=4, gu_defer=0), dataclasses.replace(d, gu_split_k=4,
-                                                                                                gu_defer=1)):
-            def layer(out, in_gate_up, cfg=cfg):  # the module switch is read as the launches are made
-                monkeypatch.setattr(fused, "QUANT_IN_GATE_UP", in_gate_up)
-                evenflow.fused_moe(x, ids, w, ew, out=out, config=cfg, ep_rank=ep, num_experts_total=e_tot)
-            res = capture_graphs(x, {q: functools.partial(layer, in_gate_up=q) for q in (False, True)})
-            for step in range(3):
-                replay_with_new_inputs(shape, x, ids, w, res)
-                torch.cuda.synchronize()
-                what = f"{shape} {fmt} T={t} replay {step} {cfg}"
-                assert torch.equal(res[True][0], res[False][0]), f"quantised in the gate-up differs: {what}"
-            check(res[True][0], x, ids, w, ew, ep, what)
-
-
 def test_reduce_overhead_compile_keeps_cuda_graphs():
     """torch.compile(mode="reduce-overhead") of a decode layer whose gate-up counts arrivals in the holder's
     counters (an input the compiled graph mutates, marked static by the holder): CUDA-graph trees take the
@@ -551,7 +522,6 @@ def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
     gate-up (group counters after them)."""
     from evenflow.moe import fused
 
-    monkeypatch.setattr(fused, "QUANT_IN_GATE_UP", False)  # the quantisation kernel on pair tiles too
     e, e_tot, ep, k, h, i = SHAPES[shape]
     for t in (2, 4, 32, 64):
         # T = 2: pair tiles with a K-split gate-up; the holder's own counters need no zeroing kernel, one

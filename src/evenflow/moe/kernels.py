@@ -433,29 +433,12 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out
 
 
 @triton.jit
-def _quant_pair_row(b_x, m_m, p_a_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """A pair tile's A operand from its pair's row of bf16 x, one K step [BLOCK_K] (QUANT_X): quantised with
-    the operations of moe_tensor_quant_kernel (MODE 1: x / the static scale) or moe_group_quant_kernel
-    (MODE 2: one 128-wide group a K step, scale amax / 448), so the bits are theirs; placed in row 0 of an
-    e4m3 [BLOCK_M, BLOCK_K] tile (the masked rows zero). Returns (tile, [BLOCK_M] row scales: MODE 2's group
-    scale, else unused)."""
-    b_x = b_x.to(tl.float32)
-    if MODE == 2:
-        b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_x), axis=0), GROUP_AMAX_EPS), FP8_E4M3_MAX)
-    else:
-        b_s = tl.load(p_a_scale)
-    b_q = to_fp8e4(tl.math.div_rn(b_x, b_s), FP8_ROUND).to(tl.float32)  # on the e4m3 grid: exact both ways
-    b_a = tl.where(m_m[:, None], b_q[None, :], 0.0).to(tl.float8e4nv)
-    return b_a, tl.where(m_m, b_s, 0.0)
-
-
-@triton.jit
 def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
                   p_x, p_xs, p_w, p_ws, p_sorted, p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
                   p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
                   stride_wsn, stride_om, stride_osm, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
-                  PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, QUANT_X: tl.constexpr):
+                  PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr):
     """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n``,
     K split ``i_s``); see moe_gate_up_kernel."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
@@ -470,8 +453,6 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
     k0 = tl.multiple_of(i_s * k_split, BLOCK_K)
 
     p_a = p_x + tok[:, None] * stride_xt + (k0 + o_k)[None, :]
-    if QUANT_X:  # the pair's own row of bf16 x (row 0 of the tile; the other rows are masked)
-        p_xr = p_x + (i_tile // top_k).to(tl.int64) * stride_xt + k0 + o_k
     p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
     p_bu = p_bg + I * stride_wn
     if MODE == 2:
@@ -482,11 +463,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
-        if QUANT_X:
-            b_a, b_xs = _quant_pair_row(tl.load(p_xr), m_m, p_a_scale, MODE, FP8_ROUND)
-            p_xr += BLOCK_K
-        else:
-            b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
+        b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
         b_g = tl.load(p_bg)
         b_u = tl.load(p_bu)
         if MODE == 0:
@@ -497,8 +474,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
             acc_g = tl.dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g)
             acc_u = tl.dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u)
         else:  # block scales: each K block's sum in a fresh tile, scaled, added in fp32
-            if not QUANT_X:
-                b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
+            b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
             b_a8 = _fp8_operand(b_a, FAST_ACC, DOT_F32)
@@ -547,7 +523,7 @@ def moe_gate_up_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, QUANT_X: tl.constexpr,
+    E_PAD: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -576,13 +552,8 @@ def moe_gate_up_kernel(
     (tiles fastest), in one flattened loop over tasks and K steps, so that the compiler may start a
     task's first loads under the previous task's last steps. Measured slower than one program per
     task (docs/perf-notes/moe.md, rounds T3, T6): opt-in only.
-
-    QUANT_X (pair tiles, fp8 modes): ``p_x`` is the bf16 x, and each program quantises its pair's row a
-    K step at a time as the activation quantisation kernel would (:func:`_quant_pair_row`, the same bits),
-    so that kernel is not launched (one launch fewer at decode batches, round X).
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
-    tl.static_assert(not QUANT_X or (PAIR_TILES and MODE != 0), "QUANT_X: pair tiles with fp8 weights only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
     pdl_enter(PDL)
     if PERSIST:
@@ -596,7 +567,7 @@ def moe_gate_up_kernel(
             _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_x, p_xs, p_w, p_ws, p_sorted,
                 p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt,
                 stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M,
-                BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER, QUANT_X)
+                BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
     else:
         i_tile, i_n, i_s, e, o_m, m_m = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
                                                    BLOCK_M, PAIR_TILES)
@@ -605,7 +576,7 @@ def moe_gate_up_kernel(
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
             p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
-            SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER, QUANT_X)
+            SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
 
 
 @triton.jit
