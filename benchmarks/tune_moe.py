@@ -37,11 +37,11 @@ timed a second time; otherwise the bucket gets null (the heuristic). If the defa
 rule, the fastest passing candidate is written. That decision then meets the table's existing entry for
 the point, if any and if different: the two (the new choice being the heuristic where the decision is
 null) are timed head to head twice, once in each order, and the entry stays unless the new choice is
-faster both times, by any margin (:func:`keep_incumbent`); where nothing passed the rule, the entry stays
-if it passes it; an entry the current code refuses (``check_config``) or that fails the rule is dropped.
-Existing entries are not precompiled (they compile when first timed). Buckets of the full list
-that this run did not measure and that follow an entry get null too, so an entry never covers
-batches it was not measured near.
+faster both times by more than ``REPLACE_MARGIN`` (1%, :func:`keep_incumbent`); where nothing passed
+the rule, the entry stays if it passes it; an entry the current code refuses (``check_config``) or
+that fails the rule is dropped. Existing entries are not precompiled (they compile when first
+timed). Buckets of the full list that this run did not measure and that follow an entry get null
+too, so an entry never covers batches it was not measured near.
 
 Budget (``--budget-s``, the whole run, compiles included, across every case): Triton kernels
 depend on the config and format only (H and I are runtime arguments, all multiples of 16), so
@@ -371,8 +371,9 @@ def main(argv=None) -> int:
     table.update({"device": name, "torch": torch.__version__, "generated_by": "benchmarks/tune_moe.py",
                   "rule": f"fastest config passing evenflow.testing.assert_within_rule if >= {WIN:.0%} faster "
                           "than choose_config twice, else null (heuristic); an existing entry stays unless that "
-                          "choice beats it in both of two head-to-head timings (or, nothing passing the rule, if it "
-                          "passes); keys ending -fast: fp8_accum='fast', "
+                          f"choice beats it by more than {REPLACE_MARGIN:.0%} in both of two head-to-head "
+                          "timings (or, nothing passing the rule, if it passes); keys ending -fast: "
+                          "fp8_accum='fast', "
                           "rule baseline evenflow.reference.moe.moe_fast_accum_baseline",
                   "routing": f"benchmarks/moe.py make_routing + expert_bias, seed {args.seed}"})
     configs, timings = table.setdefault("configs", {}), table.setdefault("timings", {})

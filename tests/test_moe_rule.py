@@ -245,3 +245,32 @@ def test_shard_allowances_sum_to_the_split_layers(device, fmt):
             torch.testing.assert_close(total, full, rtol=1e-12, atol=0)
         else:
             assert total.any() and 1 / 1.5 <= float(total.sum() / full.sum()) <= 1.5, (kind, total.sum(), full.sum())
+
+
+def test_rule_check_reports_what_assert_within_rule_raises():
+    """``rule_check`` (the demo's and the 2-GPU benchmark's check) returns, without raising, the failure
+    ``assert_within_rule`` raises, the measured error and the bound: a pass, an error past the bound, one
+    within its allowance, a non-finite output and a shape mismatch."""
+    from evenflow.testing import rule_check
+
+    ref = torch.zeros(2, 3, dtype=torch.float64)
+    base = ref.clone()
+    base[0, 0] = 0.25  # bound 0.5
+    allow = torch.zeros_like(ref)
+    allow[1, 2] = 1.0
+    cases = [(torch.full((2, 3), 0.5), None, ""), (torch.full((2, 3), 0.75), None, "exceeds the rule's bound"),
+             (torch.tensor([[0.5, 0, 0], [0, 0, 1.5]]), allow, ""),
+             (torch.tensor([[0.5, 0, 0], [0, 0, 1.75]]), allow, "beyond its allowance"),
+             (torch.tensor([[float("nan"), 0, 0], [0, 0, 0]]), None, "non-finite"),
+             (torch.zeros(3, 2), None, "shape")]
+    for out, allowance, why in cases:
+        out = out.bfloat16()
+        msg, err, bound = rule_check(out, ref, base, allowance=allowance)
+        assert (why in msg) if why else msg == "", (why, msg)
+        if why in ("", "exceeds the rule's bound"):
+            assert err == float((out.double() - ref).abs().max()) and bound == 0.5, (err, bound)  # ref 0: no ulp term
+        if why:
+            with pytest.raises(AssertionError, match=why):
+                assert_within_rule(out, ref, base, allowance=allowance)
+        else:
+            assert assert_within_rule(out, ref, base, allowance=allowance) == err

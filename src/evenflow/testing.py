@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["assert_within_rule", "assert_exact", "poisoned", "error_bound"]
+__all__ = ["assert_within_rule", "rule_check", "assert_exact", "poisoned", "error_bound"]
 
 _ULP = {
     torch.float64: 2.0**-52,
@@ -56,7 +56,16 @@ def error_bound(ref64: torch.Tensor, baseline: torch.Tensor, out_dtype: torch.dt
 
 def assert_within_rule(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor,
                        factor: float = 2.0, what: str = "output", allowance: torch.Tensor | None = None) -> float:
-    """Assert ``out`` is within the tolerance rule; return the measured error.
+    """Assert ``out`` is within the tolerance rule (:func:`rule_check`); return the measured error."""
+    msg, err, _ = rule_check(out, ref64, baseline, factor, what, allowance)
+    assert not msg, msg
+    return err
+
+
+def rule_check(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor, factor: float = 2.0,
+               what: str = "output", allowance: torch.Tensor | None = None) -> tuple[str, float, float]:
+    """The tolerance rule's check without raising: ("" or why ``out`` fails it, max |out - ref64|, the bound)
+    (NaN where the shapes do not match; the error is NaN where ``out`` is not finite).
 
     ``ref64``: the oracle in float64. ``baseline``: the same math done by PyTorch in
     the precision evenflow works in (e.g. bf16 inputs, fp32 accumulation).
@@ -67,24 +76,30 @@ def assert_within_rule(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.T
     ``|out - ref64| <= bound + allowance``.
     NaN or Inf anywhere in ``out`` fails, whatever the bound.
     """
-    assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}"
-    outd = out.detach().double().cpu()
-    bad = ~torch.isfinite(outd)
-    assert not bad.any(), f"{what}: non-finite values at {torch.nonzero(bad)[:5].tolist()}"
-    diff = (outd - ref64.double().cpu()).abs()
-    err = _max_abs(diff)
+    nan = float("nan")
+    if out.shape != ref64.shape:
+        return f"{what}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}", nan, nan
     if allowance is not None:
-        assert allowance.shape == ref64.shape, f"{what}: allowance shape {tuple(allowance.shape)} != reference's"
+        if allowance.shape != ref64.shape:
+            return f"{what}: allowance shape {tuple(allowance.shape)} != reference's", nan, nan
         if not allowance.any():
             allowance = None  # (bf16 weights: the plain rule, and its message)
     bound = error_bound(ref64, baseline, out.dtype, factor, allowance)
+    outd = out.detach().double().cpu()
+    bad = ~torch.isfinite(outd)
+    if bad.any():
+        return f"{what}: non-finite values at {torch.nonzero(bad)[:5].tolist()}", nan, bound
+    diff = (outd - ref64.double().cpu()).abs()
+    err = _max_abs(diff)
     if allowance is None:
-        assert err <= bound, f"{what}: max abs error {err:.3e} exceeds the rule's bound {bound:.3e}"
+        if err > bound:
+            return f"{what}: max abs error {err:.3e} exceeds the rule's bound {bound:.3e}", err, bound
     else:
         excess = _max_abs((diff - allowance.double().cpu()).clamp_min(0.0))
-        assert excess <= bound, (f"{what}: an element's error beyond its allowance, {excess:.3e}, exceeds the "
-                                 f"rule's bound {bound:.3e} (max abs error {err:.3e})")
-    return err
+        if excess > bound:
+            return (f"{what}: an element's error beyond its allowance, {excess:.3e}, exceeds the rule's bound "
+                    f"{bound:.3e} (max abs error {err:.3e})"), err, bound
+    return "", err, bound
 
 
 def assert_exact(actual: torch.Tensor, expected: torch.Tensor, what: str = "metadata") -> None:

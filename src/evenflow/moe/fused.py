@@ -571,7 +571,7 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
                      last_dim_contiguous=True)
     dev = check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=ew.w13,
                             shared_output=shared_output)
-    counters = getattr(ew, "counters", None)  # (a holder made without __init__ keeps none)
+    counters = ew.counters
     if counters is not None:  # the holder's own buffer; checked since the kernels write it
         check_tensor("ew.counters", counters, dtypes=[torch.int32], ndim=1, contiguous=True, device=dev)
     if out is None:
