@@ -345,14 +345,48 @@ def _used_tiles(p_offsets, num_local, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr
 
 
 @triton.jit
-def _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local, BLOCK_M: tl.constexpr,
-               PAIR_TILES: tl.constexpr):
+def _local_pair(p_ids, slot, num_pairs, e_first, num_local, BLOCK_P: tl.constexpr):
+    """(pair id, local expert or -1) of the ``slot``-th pair, in pair order, routed to this rank's experts: -1
+    past the last. One vector load of the (<= BLOCK_P) ids and a prefix count."""
+    o_p = tl.arange(0, BLOCK_P)
+    lid, mine = _local_ids(p_ids, o_p, num_pairs, e_first, num_local)
+    sel = mine & (tl.cumsum(mine.to(tl.int32), axis=0) == slot + 1)
+    pair = tl.sum(tl.where(sel, o_p, 0), axis=0)
+    e = tl.sum(tl.where(sel, lid, 0), axis=0)
+    return pair, tl.where(tl.sum(sel.to(tl.int32), axis=0) > 0, e, -1)
+
+
+@triton.jit
+def _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local, num_nb, BLOCK_M: tl.constexpr,
+               SPLIT_K: tl.constexpr, PAIR_TILES: tl.constexpr, TILE_MAJOR: tl.constexpr,
+               MAX_PAIRS: tl.constexpr):
     """This program's task in the one-program-per-task grid (tiles, n-blocks, K splits): (tile, n-block, K
-    split, local expert or -1 for an unused tile, rows, row mask)."""
-    i_tile = tl.program_id(0)
-    e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
-                             PAIR_TILES)
-    return i_tile, tl.program_id(1), tl.program_id(2), e, o_m, m_m
+    split, local expert or -1 for an unused tile, rows, row mask, tiles in the grid).
+
+    The GPU starts programs in grid order. TILE_MAJOR (a flat grid): K split fastest, then n-block, then tile,
+    so a (tile, n-block)'s splits start side by side and its last-split reduction does not wait for the final
+    wave, and the used tiles (first in the task map) start before the unused ones; on pair tiles slot j is
+    the j-th pair routed to this rank (:func:`_local_pair`), so the programs of other ranks' pairs come
+    last. Else (grid (tiles, n-blocks, K splits)) the tile fastest and the K split slowest."""
+    if TILE_MAJOR:
+        pid = tl.program_id(0)
+        i_s = pid % SPLIT_K
+        i_n = (pid // SPLIT_K) % num_nb
+        i_tile = pid // (SPLIT_K * num_nb)
+        n_tiles = tl.num_programs(0) // (SPLIT_K * num_nb)
+    else:
+        i_tile = tl.program_id(0)
+        i_n = tl.program_id(1)
+        i_s = tl.program_id(2)
+        n_tiles = tl.num_programs(0)
+    if TILE_MAJOR and PAIR_TILES:
+        i_tile, e = _local_pair(p_ids, i_tile, n_tiles, e_first, num_local, MAX_PAIRS)
+        o_m = i_tile + tl.arange(0, BLOCK_M)
+        m_m = tl.arange(0, BLOCK_M) == 0
+    else:
+        e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
+                                 PAIR_TILES)
+    return i_tile, i_n, i_s, e, o_m, m_m, n_tiles
 
 
 @triton.jit
@@ -433,14 +467,14 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out
 
 
 @triton.jit
-def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
+def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
                   p_x, p_xs, p_w, p_ws, p_sorted, p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
                   p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
                   stride_wsn, stride_om, stride_osm, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
                   PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr):
-    """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n``,
-    K split ``i_s``); see moe_gate_up_kernel."""
+    """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n`` of
+    ``num_nb``, K split ``i_s``, of a grid of ``n_tiles`` tiles); see moe_gate_up_kernel."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -489,17 +523,17 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s,
                           p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
     else:
         if PAIR_TILES:  # one partial row per pair (row 0; the masked rows address nothing)
-            n_rows = tl.num_programs(0)
+            n_rows = n_tiles
             o_r = (i_tile + tl.arange(0, BLOCK_M)).to(tl.int64)
         else:
-            n_rows = tl.num_programs(0) * BLOCK_M
+            n_rows = n_tiles * BLOCK_M
             o_r = (i_tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         stride_ps = n_rows.to(tl.int64) * 2 * I
         p_pg = p_part + o_r[:, None] * (2 * I) + o_n[None, :]
         tl.store(p_pg + i_s * stride_ps, acc_g, mask=m_m[:, None])
         tl.store(p_pg + i_s * stride_ps + I, acc_u, mask=m_m[:, None])
         if not DEFER:  # DEFER: the partials are the down GEMM's to add
-            p_c = p_count + i_tile * tl.num_programs(1) + i_n
+            p_c = p_count + i_tile * num_nb + i_n
             # (arrived_last puts a CTA barrier before the release: without it only the thread
             # that runs the atomic had its partial stores ordered before it)
             if arrived_last(p_c, SPLIT_K):
@@ -523,7 +557,7 @@ def moe_gate_up_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr,
+    E_PAD: tl.constexpr, TILE_MAJOR: tl.constexpr, MAX_PAIRS: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -564,16 +598,17 @@ def moe_gate_up_kernel(
                              flatten=not (MODE == 2 and BLOCK_N < 128)):
             i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
                                                          e_first, num_local, BLOCK_M)
-            _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_x, p_xs, p_w, p_ws, p_sorted,
+            _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), 0, num_nb, p_x, p_xs, p_w, p_ws, p_sorted,
                 p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt,
                 stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M,
                 BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
     else:
-        i_tile, i_n, i_s, e, o_m, m_m = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
-                                                   BLOCK_M, PAIR_TILES)
+        i_tile, i_n, i_s, e, o_m, m_m, n_tiles = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first,
+                                                            num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES,
+                                                            TILE_MAJOR, MAX_PAIRS)
         if e < 0:
             return
-        _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
+        _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
             p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
             SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
@@ -661,7 +696,7 @@ def moe_down_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr,
+    E_PAD: tl.constexpr, TILE_MAJOR: tl.constexpr, MAX_PAIRS: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -691,8 +726,9 @@ def moe_down_kernel(
                 stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
                 SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
     else:
-        i_tile, i_n, i_s, e, o_m, m_m = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
-                                                   BLOCK_M, PAIR_TILES)
+        i_tile, i_n, i_s, e, o_m, m_m, _ = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first,
+                                                      num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES, TILE_MAJOR,
+                                                      MAX_PAIRS)
         if e < 0:
             return
         _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
