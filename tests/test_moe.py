@@ -19,7 +19,7 @@ import triton.language as tl
 
 import evenflow
 from evenflow.moe.fused import choose_config
-from evenflow.moe.kernels import _local_pair
+from evenflow.moe.kernels import _local_pair_task
 from evenflow.reference.moe import (
     moe_reference,
     moe_rule_terms,
@@ -794,55 +794,67 @@ def test_compiled_calls_go_through_the_custom_op(device):
 
 
 @triton.jit
-def _local_pair_probe(p_ids, p_pair, p_e, num_pairs, e_first, num_local, BLOCK_P: tl.constexpr):
-    """Each program: its slot's (pair, local expert) from the kernels' own _local_pair."""
-    slot = tl.program_id(0)
-    pair, e = _local_pair(p_ids, slot, num_pairs, e_first, num_local, BLOCK_P)
-    tl.store(p_pair + slot, pair)
-    tl.store(p_e + slot, e)
+def _local_pair_probe(p_ids, p_out, num_pairs, num_nb, e_first, num_local, SPLIT_K: tl.constexpr,
+                      BLOCK_P: tl.constexpr):
+    """Each program: its flat index's (pair, n-block, K split, local expert) from the kernels' _local_pair_task."""
+    pid = tl.program_id(0)
+    pair, i_n, i_s, e = _local_pair_task(p_ids, pid, num_pairs, num_nb, e_first, num_local, SPLIT_K, BLOCK_P)
+    tl.store(p_out + pid * 4, pair)
+    tl.store(p_out + pid * 4 + 1, i_n)
+    tl.store(p_out + pid * 4 + 2, i_s)
+    tl.store(p_out + pid * 4 + 3, e)
 
 
-def test_local_pair_slots(device):
-    """Tile-major pair tiles (round Y): program slot j takes the j-th pair, in pair order, whose expert is
-    on this rank, and slots past the last take none (-1) -- checked slot by slot against the same list built
-    in Python, with int32 and int64 ids (int64 ids far outside int32 never wrap onto a local expert), no pair
-    local, every pair local and one pair past the others (slot count below the vector's width)."""
+def test_local_pair_tasks(device):
+    """Pair tiles under EP (round Y): the grid's flat index pid takes task (the pid-th of the n local pairs x
+    n-blocks x K splits, local pair fastest), and every pid past n x n-blocks x splits none (expert -1) --
+    checked program by program against the same list built in Python: every (local pair, n-block, split)
+    exactly once, in that order; with int32 and int64 ids (int64 ids far outside int32 never wrap onto a
+    local expert), no pair local, every pair local, and fewer pairs than the vector's width."""
     g = torch.Generator().manual_seed(11)
     cases = [torch.randint(0, 24, (16,), generator=g) for _ in range(4)]
     cases += [torch.arange(16) % 8 + 16, torch.arange(16) % 8 + 8, torch.tensor([9, 3, 2 ** 33 + 9, 15, 8])]
+    e_first, num_local = 8, 8  # rank 1 of 3
     for ids in cases:
         for dtype in (torch.int32, torch.int64):
             if dtype == torch.int32 and ids.max() >= 2 ** 31:
                 continue
             n = ids.numel()
-            e_first, num_local = 8, 8  # rank 1 of 3
             local = [(p, int(v) - e_first) for p, v in enumerate(ids.tolist()) if e_first <= v < e_first + num_local]
-            pair = torch.full((n,), -7, dtype=torch.int32, device=device)
-            e = torch.full((n,), -7, dtype=torch.int32, device=device)
-            _local_pair_probe[(n,)](ids.to(dtype).to(device), pair, e, n, e_first, num_local, BLOCK_P=16)
-            got = list(zip(pair.tolist(), e.tolist()))
-            for j in range(n):
-                if j < len(local):
-                    assert got[j] == local[j], (ids.tolist(), dtype, j, got, local)
-                else:
-                    assert got[j][1] == -1, (ids.tolist(), dtype, j, got)
+            for nb, split in ((1, 1), (3, 2)):
+                want = [(p, i_n, i_s, e) for i_s in range(split) for i_n in range(nb) for p, e in local]
+                got = torch.full((n * nb * split, 4), -7, dtype=torch.int32, device=device)
+                _local_pair_probe[(n * nb * split,)](ids.to(dtype).to(device), got, n, nb, e_first, num_local,
+                                                     SPLIT_K=split, BLOCK_P=16)
+                got = [tuple(r) for r in got.tolist()]
+                what = (ids.tolist(), dtype, nb, split)
+                assert got[:len(want)] == want, what
+                assert all(r[3] == -1 for r in got[len(want):]), what
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_tile_major_equals_tile_fastest(device, fmt, monkeypatch):
-    """The GEMMs' programs in tile-major order (``tile_major=True``, the default: K split fastest, tile
-    slowest, local pairs first on pair tiles) compute the tile-fastest order's result bit for bit: pair
-    tiles with ids routed to other EP ranks (some, all but one, none local), a token listing one expert twice,
-    K-split gate-ups reduced by the last split and by the down GEMM, a K-split down GEMM, narrow gate-up N
-    blocks (block mode's group counters), and index tiles with a K split; shared output and routed scaling
-    on; within the rule of the oracle; counters back to zero after each call."""
+def test_local_first_equals_pair_order(device, fmt):
+    """Pair tiles under expert parallelism with the rank's pairs' programs packed first (``local_first=True``,
+    the default) compute what each pair's programs in place compute (``local_first=False``) bit for bit: ids
+    routed to other EP ranks (some, all but one, none local), a token listing one expert twice, K-split
+    gate-ups reduced by the last split and by the down GEMM, a K-split down GEMM, narrow gate-up N blocks
+    (block mode's group counters); shared output and routed scaling on; within the rule of the oracle;
+    counters back to zero after each call. The packing applies to EP pair tiles only (CPU: launches recorded)."""
     from evenflow import _compile_check as CC
-    from evenflow.moe.fused import TILE_MAJOR_MAX_PAIRS
+    from evenflow.moe.fused import LOCAL_FIRST_MAX_PAIRS
 
     cpu = torch.device(device).type == "cpu"
 
-    def recorded():
-        return CC.record_launches(execute=True) if cpu else contextlib.nullcontext([])
+    def packed_in(fn):
+        """fn's result, and whether its pair-tile GEMMs were launched packed (None on a GPU: not recorded)."""
+        if not cpu:
+            return fn(), None
+        with CC.record_launches(execute=True) as launches:
+            y = fn()
+        flags = {dict(ln.constexprs)["LOCAL_FIRST"] for ln in launches
+                 if ln.name in ("moe_gate_up_kernel", "moe_down_kernel")}
+        assert len(flags) == 1, flags
+        return y, flags.pop()
 
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)
@@ -851,42 +863,38 @@ def test_tile_major_equals_tile_fastest(device, fmt, monkeypatch):
     down_bk = base.down_block_k if fmt == "fp8_block" else 16
     split = dataclasses.replace(base, gu_block_k=gu_bk, gu_split_k=2, down_block_k=down_bk,
                                 down_split_k=2 if i // down_bk >= 2 else 1)
-    narrow = dataclasses.replace(split, gu_block_n=16)
-    configs = [None, split, dataclasses.replace(split, gu_defer=1), narrow]
+    configs = [None, split, dataclasses.replace(split, gu_defer=1), dataclasses.replace(split, gu_block_n=16)]
     routings = ([[5, 5, 1], [4, 7, 11]], [[0, 9, 3], [4, 2, 1]], [[0, 1, 2], [9, 10, 11]])  # rank 1 of 3 owns 4..7
     kw = dict(ep_rank=1, num_experts_total=12, routed_scaling=1.25)
     for ids_list in routings:
         for cfg in configs:
-            for pair_tiles in (True, False):
-                if cfg is not None and cfg.gu_defer and not pair_tiles:
-                    continue
-                t = len(ids_list)
-                x = torch.randn(t, h, device=device).bfloat16()
-                shared = torch.randn(t, h, device=device).bfloat16()
-                ids, w = routing_from(ids_list, device)
-                ys = {}
-                for major in (True, False, None):
-                    _dirty_pool(device)
-                    with recorded() as launches:
-                        ys[major] = evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=pair_tiles,
-                                                       tile_major=major, shared_output=shared,
-                                                       out=poisoned((t, h), torch.bfloat16, device), **kw)
-                    for ln in launches:  # the order asked for reaches both GEMMs (CPU: launches recorded)
-                        if ln.name in ("moe_gate_up_kernel", "moe_down_kernel"):
-                            assert dict(ln.constexprs)["TILE_MAJOR"] is (major is not False), (major, ln.name)
-                    assert not ew.counters.any(), "a counter was left non-zero"
-                what = f"{fmt} ids={ids_list} pair_tiles={pair_tiles} {cfg}"
-                assert torch.equal(ys[True], ys[False]), f"tile-major differs from tile-fastest: {what}"
-                assert torch.equal(ys[None], ys[True]), f"default differs from tile-major: {what}"
-                check_moe(ys[True], x, ids, w, ew, what, ep_rank=1, shared_output=shared, routed_scaling=1.25)
-    # pair tiles forced past TILE_MAJOR_MAX_PAIRS keep the tile-fastest order (each program would load every id)
-    t = TILE_MAJOR_MAX_PAIRS // 2 + 1
-    x = torch.randn(t, h, device=device).bfloat16()
-    ids, w = random_routing(t, 2, 4, device)
-    with recorded() as launches:
-        y = evenflow.fused_moe(x, ids, w, ew, pair_tiles=True)
-    assert all(dict(ln.constexprs)["TILE_MAJOR"] is False for ln in launches
-               if ln.name in ("moe_gate_up_kernel", "moe_down_kernel"))
-    check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {2 * t} pairs")
-    with pytest.raises(TypeError, match="tile_major"):
-        evenflow.fused_moe(x, ids, w, ew, tile_major=1)
+            t = len(ids_list)
+            x = torch.randn(t, h, device=device).bfloat16()
+            shared = torch.randn(t, h, device=device).bfloat16()
+            ids, w = routing_from(ids_list, device)
+            ys = {}
+            for first in (True, False, None):
+                _dirty_pool(device)
+                ys[first], packed = packed_in(lambda: evenflow.fused_moe(
+                    x, ids, w, ew, config=cfg, pair_tiles=True, local_first=first, shared_output=shared,
+                    out=poisoned((t, h), torch.bfloat16, device), **kw))
+                assert packed in (None, first is not False), (first, packed)
+                assert not ew.counters.any(), "a counter was left non-zero"
+            what = f"{fmt} ids={ids_list} {cfg}"
+            assert torch.equal(ys[True], ys[False]), f"local-first differs from pair order: {what}"
+            assert torch.equal(ys[None], ys[True]), f"default differs from local-first: {what}"
+            check_moe(ys[True], x, ids, w, ew, what, ep_rank=1, shared_output=shared, routed_scaling=1.25)
+    if cpu:  # not packed: without EP, on index tiles, past LOCAL_FIRST_MAX_PAIRS pairs
+        x = torch.randn(2, h, device=device).bfloat16()
+        ids, w = routing_from([[0, 1, 2], [3, 2, 1]], device)
+        assert packed_in(lambda: evenflow.fused_moe(x, ids, w, ew, pair_tiles=True))[1] is False
+        assert packed_in(lambda: evenflow.fused_moe(x, ids, w, ew, pair_tiles=False, **kw))[1] is False
+        t = LOCAL_FIRST_MAX_PAIRS // 2 + 1
+        x = torch.randn(t, h, device=device).bfloat16()
+        ids, w = random_routing(t, 2, 12, device)
+        y, packed = packed_in(lambda: evenflow.fused_moe(x, ids, w, ew, pair_tiles=True, ep_rank=1,
+                                                         num_experts_total=12))
+        assert packed is False
+        check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {2 * t} pairs", ep_rank=1)
+    with pytest.raises(TypeError, match="local_first"):
+        evenflow.fused_moe(x, ids, w, ew, local_first=1, **kw)

@@ -408,29 +408,26 @@ def test_deferred_split_reduce_real_shapes(shape, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_tile_major_real_shapes(shape, fmt):
-    """The GEMMs' programs in tile-major order (the default since round Y: K split fastest, tile slowest,
-    local pairs first on pair tiles) compute the tile-fastest order's result bit for bit at T = 1, 2 (pair
-    tiles, the tuned decode configs), 8 and 64 (index tiles), in CUDA graphs replayed with new routing
-    (under EP8 the rank's pair count changes between replays; in the last replay a pair of every token
-    goes to one local expert) and eagerly, within the rule of the oracle, with the holder's counters back
+def test_local_first_real_shapes(fmt):
+    """Hy3 EP8 at T = 1, 2 (pair tiles, the tuned decode configs): the rank's pairs' programs packed first (the
+    default since round Y) compute what each pair's programs in place compute bit for bit, in CUDA graphs
+    replayed with new routing (the rank's pair count changes between replays; in the last one a pair of every
+    token goes to one local expert) and eagerly, within the rule of the oracle, with the holder's counters back
     to zero."""
+    shape = "hy3-ep8"
     e, e_tot, ep, k, h, i = SHAPES[shape]
-    if fmt == "fp8_block" and i % 128:
-        pytest.skip("I is not a multiple of 128")
     ew = weights(shape, fmt)
     kw = dict(ep_rank=ep, num_experts_total=e_tot)
-    for t in (1, 2, 8, 64):
+    for t in (1, 2):
         x, ids, w = inputs(shape, t)
-        cap = capture_variants(x, ids, w, ew, "tile_major", (True, False), **kw)
+        cap = capture_variants(x, ids, w, ew, "local_first", (True, False), **kw)
         outs = {m: out for m, (out, _) in cap.items()}
-        for step in range(3):
-            replay_with_new_inputs(shape, x, ids, w, cap, hot_expert=ep * e + 3 if step == 2 else None)
+        for step in range(4):
+            replay_with_new_inputs(shape, x, ids, w, cap, hot_expert=ep * e + 3 if step == 3 else None)
             eager = evenflow.fused_moe(x, ids, w, ew, **kw)
             torch.cuda.synchronize()
             what = f"{shape} {fmt} T={t} replay {step}"
-            assert torch.equal(outs[True], outs[False]), f"tile-major differs from tile-fastest: {what}"
+            assert torch.equal(outs[True], outs[False]), f"local-first differs from pair order: {what}"
             assert torch.equal(eager, outs[True]), f"eager differs from the graph: {what}"
             assert not ew.counters.any(), f"a counter was left non-zero: {what}"
             check(outs[True], x, ids, w, ew, ep, what)

@@ -54,10 +54,9 @@ FAST_ACC_MIN_BLOCK_K = 32
 # MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
 # registers and shared memory leave room for 1-5 resident programs per SM at the measured configs).
 MAX_PERSISTENT = 8
-# Tile-major grids (round Y): on pair tiles every program loads all the pairs' ids to find its own
-# (the slot-th pair routed to this rank); past this many pairs (pair tiles forced at larger batches)
-# they keep the tile-fastest order.
-TILE_MAJOR_MAX_PAIRS = 256
+# Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
+# all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
+LOCAL_FIRST_MAX_PAIRS = 256
 
 
 @dataclass(frozen=True)
@@ -293,7 +292,7 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
             pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
-            persistent: int = -1, counters: torch.Tensor | None = None, tile_major: int = -1):
+            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
@@ -303,12 +302,12 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # -1 as the config says (cfg.persistent)
     # counters: the weights' arrival counters (MoEWeights.counters: zero between calls, each put back by its
     # last arriver), or None: pair tiles zero a fresh buffer with moe_zero_kernel
-    # tile_major: the order the GEMMs' programs start in (see moe.kernels._grid_task): 1 K split fastest, tile
-    # slowest, local pairs first on pair tiles (up to TILE_MAJOR_MAX_PAIRS pairs); 0 tile fastest; -1 automatic (1)
+    # local_first: pair tiles under expert parallelism (up to LOCAL_FIRST_MAX_PAIRS pairs) start the programs of
+    # this rank's pairs first (moe.kernels._grid_task): 1 yes, 0 no (each pair's programs in place), -1 automatic (1)
     if defer_split not in (-1, 0, 1):
         raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
-    if tile_major not in (-1, 0, 1):
-        raise ValueError(f"tile_major must be -1 (automatic), 0 or 1, got {tile_major!r}")
+    if local_first not in (-1, 0, 1):
+        raise ValueError(f"local_first must be -1 (automatic), 0 or 1, got {local_first!r}")
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -401,9 +400,9 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
 
     per_sm = cfg.persistent if persistent < 0 else persistent
     sms = num_sms(dev) if per_sm > 0 else 0
-    # tile-major grids (round Y); on pair tiles each program finds its local pair among all the pairs' ids
-    major = tile_major != 0 and (not by_pair or p <= TILE_MAJOR_MAX_PAIRS)
-    max_pairs = max(16, triton.next_power_of_2(p)) if major and by_pair else 1
+    # the rank's own pairs' programs first (round Y): pair tiles, only where some pairs may be another rank's
+    packed = local_first != 0 and by_pair and num_experts_total > e_local and p <= LOCAL_FIRST_MAX_PAIRS
+    max_pairs = max(16, triton.next_power_of_2(p)) if packed else 1
 
     def gemm_launch(split_k: int, nb: int) -> tuple[tuple[int, ...], bool, int]:
         """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split) as per_sm programs per SM,
@@ -411,7 +410,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         looping over the used tasks; else one program per (tile, n-block, K split) task."""
         if per_sm > 0 and not by_pair and split_k == 1:
             return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
-        return ((n_tiles * nb * split_k,) if major else (n_tiles, nb, split_k)), False, 1
+        return ((n_tiles * nb * split_k,) if packed else (n_tiles, nb, split_k)), False, 1
 
     down_nb = h // cfg.down_block_n
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
@@ -425,7 +424,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
-        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, TILE_MAJOR=major, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
+        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -445,7 +444,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
-        E_PAD=down_e_pad, TILE_MAJOR=major, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
+        E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -469,20 +468,20 @@ def _fused_moe_op(
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, counters: torch.Tensor | None, config: list[int] | None = None,
     pdl: int = -1, pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
-    tile_major: int = -1,
+    local_first: int = -1,
 ) -> None:
     # counters (MoEWeights.counters): written, each back to 0 by its last arriver, so declared mutated; passed
     # always (no default: some torch versions index a mutated argument the caller left to its default)
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
-            defer_split, persistent, counters, tile_major)
+            defer_split, persistent, counters, local_first)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, counters, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1, persistent=-1, tile_major=-1):
+      fp8_accum="exact", defer_split=-1, persistent=-1, local_first=-1):
     return None
 
 
@@ -496,7 +495,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              defer_split: bool | None = None, persistent: int | None = None, tile_major: bool | None = None):
+              defer_split: bool | None = None, persistent: int | None = None, local_first: bool | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -544,10 +543,10 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     their tasks after the others, which is slower, never wrong. On the H200 it was faster than the
     default by more than 1% at only 3 of 96 benchmark points and slower at 83, with or without the
     loop's flattening (docs/perf-notes/moe.md, rounds T3, T6).
-    ``tile_major``: the order the GPU starts each GEMM's programs in. ``True`` (and the default, None): a
-    (tile, n-block)'s K splits side by side, tile slowest, the task map's used tiles before its unused ones,
-    and on pair tiles (up to ``TILE_MAJOR_MAX_PAIRS`` pairs) the pairs routed to this rank before the others;
-    ``False``: the tile fastest and the K split slowest (before round Y). Same results bit for bit either way
+    ``local_first``: on pair tiles under expert parallelism (``num_experts_total`` above the holder's experts;
+    up to ``LOCAL_FIRST_MAX_PAIRS`` pairs), the GEMMs' grids start the programs of the pairs routed to this
+    rank first and the others (which exit at once) last; ``True`` and the default (None) do, ``False`` keeps each
+    pair's programs in place (before round Y). No effect elsewhere. Same results bit for bit either way
     (docs/perf-notes/moe.md, round Y).
     """
     if not isinstance(ew, MoEWeights):
@@ -611,18 +610,18 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         raise TypeError(f"defer_split must be a bool or None, got {defer_split!r}")
     if persistent is not None:
         check_int("persistent", persistent, 0, MAX_PERSISTENT)
-    if tile_major is not None and not isinstance(tile_major, bool):
-        raise TypeError(f"tile_major must be a bool or None, got {tile_major!r}")
+    if local_first is not None and not isinstance(local_first, bool):
+        raise TypeError(f"local_first must be a bool or None, got {local_first!r}")
     pdl_arg = -1 if pdl is None else int(pdl)
     defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     persist_arg = -1 if persistent is None else persistent
-    major_arg = -1 if tile_major is None else int(tile_major)
+    local_arg = -1 if local_first is None else int(local_first)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
         _fused_moe_op(*args, counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
-                      defer_arg, persist_arg, major_arg)
+                      defer_arg, persist_arg, local_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters, major_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters, local_arg)
     return out

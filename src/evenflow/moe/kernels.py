@@ -345,45 +345,47 @@ def _used_tiles(p_offsets, num_local, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr
 
 
 @triton.jit
-def _local_pair(p_ids, slot, num_pairs, e_first, num_local, BLOCK_P: tl.constexpr):
-    """(pair id, local expert or -1) of the ``slot``-th pair, in pair order, routed to this rank's experts: -1
-    past the last. One vector load of the (<= BLOCK_P) ids and a prefix count."""
+def _local_pair_task(p_ids, pid, num_pairs, num_nb, e_first, num_local, SPLIT_K: tl.constexpr,
+                     BLOCK_P: tl.constexpr):
+    """Task ``pid`` of a pair-tile GEMM whose tasks are the n pairs routed to this rank's experts (in pair order)
+    times ``num_nb`` n-blocks times SPLIT_K K splits, the pair fastest and the K split slowest: (pair id, n-block,
+    K split, local expert), the expert -1 for pid >= n * num_nb * SPLIT_K. One vector load of the (<= BLOCK_P)
+    ids and a prefix count."""
     o_p = tl.arange(0, BLOCK_P)
     lid, mine = _local_ids(p_ids, o_p, num_pairs, e_first, num_local)
-    sel = mine & (tl.cumsum(mine.to(tl.int32), axis=0) == slot + 1)
+    n1 = tl.maximum(tl.sum(mine.to(tl.int32), axis=0), 1)
+    i_n = (pid // n1) % num_nb
+    i_s = pid // (n1 * num_nb)
+    sel = mine & (tl.cumsum(mine.to(tl.int32), axis=0) == pid % n1 + 1)
     pair = tl.sum(tl.where(sel, o_p, 0), axis=0)
     e = tl.sum(tl.where(sel, lid, 0), axis=0)
-    return pair, tl.where(tl.sum(sel.to(tl.int32), axis=0) > 0, e, -1)
+    # none selected: no pair is local (n1 = 1 stands in for n = 0); past the packed tasks: i_s >= SPLIT_K
+    return pair, i_n, i_s, tl.where((tl.sum(sel.to(tl.int32), axis=0) > 0) & (i_s < SPLIT_K), e, -1)
 
 
 @triton.jit
 def _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local, num_nb, BLOCK_M: tl.constexpr,
-               SPLIT_K: tl.constexpr, PAIR_TILES: tl.constexpr, TILE_MAJOR: tl.constexpr,
+               SPLIT_K: tl.constexpr, PAIR_TILES: tl.constexpr, LOCAL_FIRST: tl.constexpr,
                MAX_PAIRS: tl.constexpr):
     """This program's task in the one-program-per-task grid (tiles, n-blocks, K splits): (tile, n-block, K
     split, local expert or -1 for an unused tile, rows, row mask, tiles in the grid).
 
-    The GPU starts programs in grid order. TILE_MAJOR (a flat grid): K split fastest, then n-block, then tile,
-    so a (tile, n-block)'s splits start side by side and its last-split reduction does not wait for the final
-    wave, and the used tiles (first in the task map) start before the unused ones; on pair tiles slot j is
-    the j-th pair routed to this rank (:func:`_local_pair`), so the programs of other ranks' pairs come
-    last. Else (grid (tiles, n-blocks, K splits)) the tile fastest and the K split slowest."""
-    if TILE_MAJOR:
-        pid = tl.program_id(0)
-        i_s = pid % SPLIT_K
-        i_n = (pid // SPLIT_K) % num_nb
-        i_tile = pid // (SPLIT_K * num_nb)
+    The GPU starts programs in grid order: the tile fastest, the K split slowest. LOCAL_FIRST (pair tiles
+    under expert parallelism; a flat grid of the same size): each program counts the n pairs routed to this
+    rank and takes its flat index as (the n local pairs, n-blocks, K splits) in that
+    order, so the working programs are the grid's first and the rest exit; without it most of an EP rank's
+    grid (other ranks' pairs) is interleaved with its work (round Y, docs/perf-notes/moe.md)."""
+    if LOCAL_FIRST:
         n_tiles = tl.num_programs(0) // (SPLIT_K * num_nb)
+        i_tile, i_n, i_s, e = _local_pair_task(p_ids, tl.program_id(0), n_tiles, num_nb, e_first, num_local,
+                                               SPLIT_K, MAX_PAIRS)
+        o_m = i_tile + tl.arange(0, BLOCK_M)
+        m_m = tl.arange(0, BLOCK_M) == 0
     else:
         i_tile = tl.program_id(0)
         i_n = tl.program_id(1)
         i_s = tl.program_id(2)
         n_tiles = tl.num_programs(0)
-    if TILE_MAJOR and PAIR_TILES:
-        i_tile, e = _local_pair(p_ids, i_tile, n_tiles, e_first, num_local, MAX_PAIRS)
-        o_m = i_tile + tl.arange(0, BLOCK_M)
-        m_m = tl.arange(0, BLOCK_M) == 0
-    else:
         e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M,
                                  PAIR_TILES)
     return i_tile, i_n, i_s, e, o_m, m_m, n_tiles
@@ -557,7 +559,7 @@ def moe_gate_up_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, TILE_MAJOR: tl.constexpr, MAX_PAIRS: tl.constexpr,
+    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -605,7 +607,7 @@ def moe_gate_up_kernel(
     else:
         i_tile, i_n, i_s, e, o_m, m_m, n_tiles = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first,
                                                             num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES,
-                                                            TILE_MAJOR, MAX_PAIRS)
+                                                            LOCAL_FIRST, MAX_PAIRS)
         if e < 0:
             return
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
@@ -696,7 +698,7 @@ def moe_down_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, TILE_MAJOR: tl.constexpr, MAX_PAIRS: tl.constexpr,
+    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -727,7 +729,7 @@ def moe_down_kernel(
                 SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
     else:
         i_tile, i_n, i_s, e, o_m, m_m, _ = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first,
-                                                      num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES, TILE_MAJOR,
+                                                      num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES, LOCAL_FIRST,
                                                       MAX_PAIRS)
         if e < 0:
             return
