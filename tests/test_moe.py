@@ -7,7 +7,6 @@ bf16 matmuls with a bf16 intermediate for BF16 weights, fp32 matmuls of the fp8
 values (exact fp8 products, fp32 sums, as tensor cores do) for FP8 weights;
 the baseline output is rounded to bf16 like ours.
 """
-import contextlib
 import dataclasses
 import os
 import re
@@ -810,22 +809,26 @@ def test_local_pair_tasks(device):
     n-blocks x K splits, local pair fastest), and every pid past n x n-blocks x splits none (expert -1) --
     checked program by program against the same list built in Python: every (local pair, n-block, split)
     exactly once, in that order; with int32 and int64 ids (int64 ids far outside int32 never wrap onto a
-    local expert), no pair local, every pair local, and fewer pairs than the vector's width."""
+    local expert), no pair local, every pair local, fewer pairs than the vector's width (local ids past the
+    pair count never taken), and 32- and 256-wide vectors."""
     g = torch.Generator().manual_seed(11)
-    cases = [torch.randint(0, 24, (16,), generator=g) for _ in range(4)]
-    cases += [torch.arange(16) % 8 + 16, torch.arange(16) % 8 + 8, torch.tensor([9, 3, 2 ** 33 + 9, 15, 8])]
+    # (ids, pairs, vector width): the ids past the pair count are local ones the mask must keep out
+    cases = [(torch.randint(0, 24, (16,), generator=g), 16, 16) for _ in range(4)]
+    cases += [(torch.arange(16) % 8 + 16, 16, 16), (torch.arange(16) % 8 + 8, 16, 16),
+              (torch.tensor([9, 3, 2 ** 33 + 9, 15, 8] + [8] * 11), 5, 16),
+              (torch.randint(0, 24, (32,), generator=g), 18, 32), (torch.randint(0, 24, (256,), generator=g), 256, 256)]
     e_first, num_local = 8, 8  # rank 1 of 3
-    for ids in cases:
+    for ids, n, width in cases:
         for dtype in (torch.int32, torch.int64):
             if dtype == torch.int32 and ids.max() >= 2 ** 31:
                 continue
-            n = ids.numel()
-            local = [(p, int(v) - e_first) for p, v in enumerate(ids.tolist()) if e_first <= v < e_first + num_local]
+            local = [(p, int(v) - e_first) for p, v in enumerate(ids[:n].tolist())
+                     if e_first <= v < e_first + num_local]
             for nb, split in ((1, 1), (3, 2)):
                 want = [(p, i_n, i_s, e) for i_s in range(split) for i_n in range(nb) for p, e in local]
                 got = torch.full((n * nb * split, 4), -7, dtype=torch.int32, device=device)
                 _local_pair_probe[(n * nb * split,)](ids.to(dtype).to(device), got, n, nb, e_first, num_local,
-                                                     SPLIT_K=split, BLOCK_P=16)
+                                                     SPLIT_K=split, BLOCK_P=width)
                 got = [tuple(r) for r in got.tolist()]
                 what = (ids.tolist(), dtype, nb, split)
                 assert got[:len(want)] == want, what
@@ -884,6 +887,19 @@ def test_local_first_equals_pair_order(device, fmt):
             assert torch.equal(ys[True], ys[False]), f"local-first differs from pair order: {what}"
             assert torch.equal(ys[None], ys[True]), f"default differs from local-first: {what}"
             check_moe(ys[True], x, ids, w, ew, what, ep_rank=1, shared_output=shared, routed_scaling=1.25)
+    # forced pair tiles past the default's 16 pairs: 18 and (bf16: the vector width does not depend on the format)
+    # LOCAL_FIRST_MAX_PAIRS pairs are still packed (wider id vectors), the same bits as the pair order
+    for t, k in ((6, 3), (LOCAL_FIRST_MAX_PAIRS // 4, 4)) if fmt == "bf16" else ((6, 3),):
+        x = torch.randn(t, h, device=device).bfloat16()
+        ids, w = random_routing(t, k, 12, device)
+        ys = {}
+        for first in (True, False):
+            ys[first], packed = packed_in(lambda: evenflow.fused_moe(x, ids, w, ew, pair_tiles=True, local_first=first,
+                                                                     **kw))
+            assert packed in (None, first), (t * k, first, packed)
+        assert torch.equal(ys[True], ys[False]), f"{fmt}: local-first differs from pair order at {t * k} pairs"
+        check_moe(ys[True], x, ids, w, ew, f"{fmt} packed pair tiles at {t * k} pairs", ep_rank=1,
+                  routed_scaling=1.25)
     if cpu:  # not packed: without EP, on index tiles, past LOCAL_FIRST_MAX_PAIRS pairs
         x = torch.randn(2, h, device=device).bfloat16()
         ids, w = routing_from([[0, 1, 2], [3, 2, 1]], device)

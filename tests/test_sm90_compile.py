@@ -254,3 +254,36 @@ def test_deferred_down_activates_each_row_once(fmt):
         threads = 32 * dict(la.options)["num_warps"]
         exps = s["loops"][0]["ops"].get("MUFU.EX2", 0)
         assert 1 <= exps <= -(-dict(la.constexprs)["BLOCK_K"] // threads), (la.describe(), s["loops"][0])
+
+
+def test_local_first_launch_compiles_without_spill():
+    """The packed EP pair-tile launch (round Y: each program loads every pair's id and prefix-counts the local
+    ones before its first weight load) compiles for sm_90 at the decode configs of the Hy3 EP8 shape, in the
+    three formats, with the gate-up's K split reduced by its last split and by the down GEMM: no register spill,
+    and at most 16 registers a thread more than the same launch without the packing."""
+    import dataclasses
+
+    from evenflow._compile_check import compile_stats
+    from evenflow.moe.fused import choose_config
+
+    h, i, e_local = 4096, 1536, 4
+    pairs = {True: [], False: []}
+    for fmt, mode in (("bf16", 0), ("fp8_per_tensor", 1), ("fp8_block", 2)):
+        ew = random_moe_weights(fmt, e_local, h, i)
+        for t in (1, 2):
+            for defer in (0, 1):
+                cfg = choose_config(t, 8, e_local, h, i, mode, num_experts_total=8 * e_local, sms=132)
+                cfg = dataclasses.replace(cfg, gu_split_k=max(2, cfg.gu_split_k), gu_defer=defer)
+                for first in (True, False):
+                    with emulate_gpu(132), record_launches() as rec:
+                        evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 8 * e_local, (t, 8),
+                                           dtype=torch.int32), torch.rand(t, 8), ew, ep_rank=1,
+                                           num_experts_total=8 * e_local, config=cfg, local_first=first)
+                    pairs[first] += [la for la in rec if la.name in ("moe_gate_up_kernel", "moe_down_kernel")]
+    assert pairs[True] and all(dict(la.constexprs)["LOCAL_FIRST"] for la in pairs[True])
+    assert not any(dict(la.constexprs)["LOCAL_FIRST"] for la in pairs[False])
+    packed, plain = compile_stats(pairs[True]), compile_stats(pairs[False])
+    for la, s, s0 in zip(pairs[True], packed, plain):
+        assert "error" not in s and "error" not in s0, (la.describe(), s.get("error"), s0.get("error"))
+        assert s["spill_bytes"] == 0, (la.describe(), s["regs"], s["spill_bytes"])
+        assert s["regs"] <= s0["regs"] + 16, (la.describe(), s["regs"], s0["regs"])

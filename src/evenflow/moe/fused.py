@@ -407,7 +407,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     def gemm_launch(split_k: int, nb: int) -> tuple[tuple[int, ...], bool, int]:
         """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split) as per_sm programs per SM,
         at most one per task of the upper-bound map, each reading the used tile count from the index and
-        looping over the used tasks; else one program per (tile, n-block, K split) task."""
+        looping over the used tasks; else one program per (tile, n-block, K split) task, on a flat grid when the
+        rank's own pairs are packed first (``packed``)."""
         if per_sm > 0 and not by_pair and split_k == 1:
             return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
         return ((n_tiles * nb * split_k,) if packed else (n_tiles, nb, split_k)), False, 1
@@ -545,9 +546,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     loop's flattening (docs/perf-notes/moe.md, rounds T3, T6).
     ``local_first``: on pair tiles under expert parallelism (``num_experts_total`` above the holder's experts;
     up to ``LOCAL_FIRST_MAX_PAIRS`` pairs), the GEMMs' grids start the programs of the pairs routed to this
-    rank first and the others (which exit at once) last; ``True`` and the default (None) do, ``False`` keeps each
-    pair's programs in place (before round Y). No effect elsewhere. Same results bit for bit either way
-    (docs/perf-notes/moe.md, round Y).
+    rank first and the grid's surplus programs (as many as other ranks' pairs have tasks) exit at once at its end;
+    ``True`` and the default (None) do, ``False`` keeps each pair's programs in place (before round Y). No effect
+    elsewhere. Same results bit for bit either way (docs/perf-notes/moe.md, round Y).
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")

@@ -25,10 +25,11 @@ Data contract (P = T * top_k token-expert pairs; pair p = token * top_k + slot):
 
 Pair tiles (PAIR_TILES, tiny batches, no index build): task i is pair i alone (row 0 of a
 BLOCK_M-row tile, the other rows masked), its expert read from topk_ids; inter and pair_out
-rows are pair ids. A K-split gate-up on pair tiles is reduced by its last split (gu_count: the
-weights' counters, each put back to 0 by its last arriver, or a buffer ``moe_zero_kernel``
-zeroes), or, where the config says so (``gu_defer``), in the down GEMM's operand load
-(DEFER / GU_SPLIT: no inter, no gu_count).
+rows are pair ids. Under expert parallelism (LOCAL_FIRST) the grid is flat and program i takes the
+i-th task of the pairs routed to this rank only (_local_pair_task), so those start first. A K-split
+gate-up on pair tiles is reduced by its last split (gu_count: the weights' counters, each put
+back to 0 by its last arriver, or a buffer ``moe_zero_kernel`` zeroes), or, where the config
+says so (``gu_defer``), in the down GEMM's operand load (DEFER / GU_SPLIT: no inter, no gu_count).
 
 Weights: w13 [E, 2I, H] (gate rows 0..I-1, up rows I..2I-1), w2 [E, H, I], both
 K-contiguous. Scales are dequantisation multipliers (value = stored * scale).
@@ -564,7 +565,9 @@ def moe_gate_up_kernel(
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
     One program per (tile, n-block of I, K split); tokens are read through
-    sorted_pairs (row -> pair -> token), never gathered into a copy.
+    sorted_pairs (row -> pair -> token), never gathered into a copy. LOCAL_FIRST (pair tiles under
+    expert parallelism): a flat grid of the same size whose first programs take the tasks of this
+    rank's pairs and the rest exit (:func:`_grid_task`; MAX_PAIRS: the id vector's width, >= the pairs).
 
     SPLIT_K > 1 (decode: too few (tile, n-block) programs to stream the weights at
     full bandwidth): each split stores its fp32 partial sums of gate and up in
@@ -712,7 +715,8 @@ def moe_down_kernel(
     scales ``p_gws``, ``p_ga_scale``; block mode: one 128-wide group per K step). The partial
     loads are one [BLOCK_K] row per split, pipelined with the weights like any operand load.
 
-    PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction).
+    PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction);
+    LOCAL_FIRST, MAX_PAIRS: as there.
     """
     tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
     tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
