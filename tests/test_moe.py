@@ -791,7 +791,6 @@ def test_compiled_calls_go_through_the_custom_op(device):
     assert torch.equal(layer(x, ids, w), evenflow.fused_moe(x, ids, w, ew, check_ids=False))
 
 
-
 @triton.jit
 def _local_pair_probe(p_ids, p_out, num_pairs, num_nb, e_first, num_local, SPLIT_K: tl.constexpr,
                       BLOCK_P: tl.constexpr):
