@@ -67,7 +67,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe as B  # noqa: E402  (benchmarks/moe.py: cases, routing generator, rotations)
@@ -109,13 +108,7 @@ DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs 
 def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[str, object]]:
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
     (with ``fast_acc``: that mode's rules, K-steps >= 32)."""
-    from evenflow.moe.fused import (
-        DOWN_ROWS_MAX_BLOCK_M,
-        DOWN_ROWS_MAX_K,
-        PAIR_TILE_MAX_PAIRS,
-        check_config,
-        choose_config,
-    )
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS, check_config, choose_config
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
                       num_experts_total=case.num_experts_total, fast_acc=fast_acc)
@@ -176,10 +169,6 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
                           gu_split_k=1, down_split_k=1)))
         if mode == 0 and d.block_m <= 32:  # 128-deep bf16 K tiles at >= 64x128 exceed 227 KB of smem (sm_90)
             out.append(("gk128", r(d, gu_block_k=128, down_block_k=128, num_stages=3)))
-    if (mode != 2 and triton.next_power_of_2(case.inter) <= DOWN_ROWS_MAX_K and d.block_m <= DOWN_ROWS_MAX_BLOCK_M
-            and t * case.top_k > PAIR_TILE_MAX_PAIRS):
-        # the expert-major down GEMM (round Z) is the default's where it applies; its tile-major twin, second
-        out.insert(1, ("default-downtiles", r(d, down_rows=0)))
     seen, valid = set(), []
     for label, c in out:
         try:

@@ -322,8 +322,7 @@ def test_persistent_equals_one_program_per_task(device, fmt):
     gate-up over I = 256), experts left idle, ids routed to other EP ranks, a token listing one expert
     twice, shared output and routed scaling; with no pair on this rank (no used tile: the loop runs no
     task and the output is the shared term alone); and the default (``persistent=None``) follows
-    ``config.persistent``, which the keyword overrides. On the tile-major down GEMM (``down_rows=0``: the
-    expert-major one, round Z, is not a tile loop and takes its place where it applies)."""
+    ``config.persistent``, which the keyword overrides."""
     from evenflow import _compile_check as CC
 
     h, i = SIZES[fmt]
@@ -343,8 +342,8 @@ def test_persistent_equals_one_program_per_task(device, fmt):
     base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
     kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.25)
     narrow = {} if fmt == "fp8_block" else {"gu_block_n": 16}
-    for cfg in (dataclasses.replace(base, block_m=16, down_block_n=16, down_rows=0, **narrow),
-                dataclasses.replace(base, block_m=32, down_block_n=32, down_rows=0, **narrow)):
+    for cfg in (dataclasses.replace(base, block_m=16, down_block_n=16, **narrow),
+                dataclasses.replace(base, block_m=32, down_block_n=32, **narrow)):
         assert cfg.gu_split_k == cfg.down_split_k == 1 and i // cfg.gu_block_n >= 2 and h // cfg.down_block_n >= 2
         ys = {n: evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=False, persistent=n,
                                     out=poisoned((t, h), torch.bfloat16, device), **kw) for n in (0, 1, 2)}
@@ -377,95 +376,6 @@ def test_persistent_equals_one_program_per_task(device, fmt):
         evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=-1), **kw)
     with pytest.raises(TypeError, match="config.persistent"):
         evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=1.5), **kw)
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_down_rows_equals_tile_major(device, fmt):
-    """The expert-major down GEMM (``down_rows=True``: one program per (local expert, n-block) holds its whole-K
-    weight block and loops over the expert's rows) gives the tile-major result bit for bit, with an expert
-    whose rows span several BLOCK_M blocks (the loop must not stop after the first), experts left idle, ids
-    routed to other EP ranks, a token listing one expert twice, shared output and routed scaling, and an
-    intermediate size that is not a power of two (the K step is masked past it); within the rule of the
-    oracle; where no pair is on this rank the output is the shared term alone. It applies to index tiles
-    of at most DOWN_ROWS_MAX_BLOCK_M rows without a down K split, bf16 or per-tensor fp8 and an intermediate of at
-    most DOWN_ROWS_MAX_K rounded up; ``down_rows=None`` follows ``config.down_rows``, which the keyword overrides (CPU: launches recorded)."""
-    from evenflow import _compile_check as CC
-    from evenflow.moe.fused import DOWN_ROWS_MAX_BLOCK_M, DOWN_ROWS_MAX_K
-
-    cpu = torch.device(device).type == "cpu"
-    h, i0 = SIZES[fmt]
-    applies = fmt != "fp8_block"
-    g = torch.Generator().manual_seed(5)
-    t = 40
-    ids = torch.randint(4, 8, (t, 3), generator=g, dtype=torch.int32)  # rank 1 of 3 owns 4..7
-    ids[:, 0] = 5  # local expert 1 takes >= 40 rows: several 16- and 32-row blocks
-    ids[::5, 2] = 11  # some pairs on another rank
-    ids[3] = torch.tensor([6, 6, 5])
-    ids[ids == 7] = 4  # local expert 3 idle
-    ids = ids.to(device)
-    w = torch.rand(t, 3, generator=g).to(device)
-    x = torch.randn(t, h, generator=g).bfloat16().to(device)
-    shared = torch.randn(t, h, generator=g).bfloat16().to(device)
-    kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.25)
-
-    def expert_rows(fn):
-        """fn's result, and whether its down GEMM ran expert-major (None on a GPU: not recorded)."""
-        if not cpu:
-            return fn(), None
-        with CC.record_launches(execute=True) as launches:
-            y = fn()
-        flags = [dict(ln.constexprs)["EXPERT_ROWS"] for ln in launches if ln.name == "moe_down_kernel"]
-        assert len(flags) == 1, flags
-        return y, flags[0]
-
-    ew0 = random_moe_weights(fmt, 4, h, i0, device)
-    for i in ((i0, 48) if applies else (i0,)):
-        ew = ew0 if i == i0 else random_moe_weights(fmt, 4, h, i, device)
-        base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
-        narrow = {} if fmt == "fp8_block" else {"gu_block_n": 16}
-        for cfg in (dataclasses.replace(base, block_m=16, down_block_n=16, **narrow),
-                    dataclasses.replace(base, block_m=32, down_block_n=32, **narrow)):
-            assert cfg.down_split_k == 1 and h // cfg.down_block_n >= 2
-            ys = {}
-            for rows in (True, False):
-                ys[rows], ran = expert_rows(lambda: evenflow.fused_moe(
-                    x, ids, w, ew, config=cfg, pair_tiles=False, down_rows=rows,
-                    out=poisoned((t, h), torch.bfloat16, device), **kw))
-                assert ran in (None, rows and applies), (fmt, i, rows, ran)
-            what = f"{fmt} I={i} {cfg}"
-            assert torch.equal(ys[True], ys[False]), f"expert-major down differs from tile-major: {what}"
-            check_moe(ys[True], x, ids, w, ew, what, ep_rank=1, shared_output=shared, routed_scaling=1.25)
-        far = torch.full_like(ids, 11)  # nothing on this rank: every expert-major program finds no row
-        y = evenflow.fused_moe(x, far, w, ew, config=cfg, pair_tiles=False, down_rows=True,
-                               out=poisoned((t, h), torch.bfloat16, device), **kw)
-        assert torch.equal(y, shared), "no local pair: the output must be the shared term alone"
-    if cpu:
-        for n in (0, 1):  # down_rows=None follows config.down_rows; never on pair tiles or with a down K split
-            c = dataclasses.replace(cfg, down_rows=n)
-            assert expert_rows(lambda: evenflow.fused_moe(x, ids, w, ew, config=c, pair_tiles=False, **kw))[1] \
-                == (n == 1 and applies)
-            assert expert_rows(lambda: evenflow.fused_moe(x[:2], ids[:2], w[:2], ew, config=c, pair_tiles=True,
-                                                          ep_rank=1, num_experts_total=12))[1] is False
-        if applies:  # a down K split: the tile-major GEMM (16-deep steps, two splits of I = 32 or 64)
-            c = dataclasses.replace(cfg, down_rows=1, down_block_k=16, down_split_k=2)
-            assert expert_rows(lambda: evenflow.fused_moe(x, ids, w, ew0, config=c, pair_tiles=False, **kw))[1] \
-                is False
-        assert expert_rows(lambda: evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, down_rows=1),
-                                                      pair_tiles=False, down_rows=False, **kw))[1] is False
-        c = dataclasses.replace(cfg, down_rows=1, block_m=2 * DOWN_ROWS_MAX_BLOCK_M)  # past the mma.sync tiles
-        assert expert_rows(lambda: evenflow.fused_moe(x, ids, w, ew, config=c, pair_tiles=False, **kw))[1] is False
-        if applies:  # past DOWN_ROWS_MAX_K (rounded up) the tile-major GEMM runs
-            big = DOWN_ROWS_MAX_K + 16
-            ewb = random_moe_weights(fmt, 4, 32, big, device)
-            cb = dataclasses.replace(choose_config(t, 3, 4, 32, big, ewb.mode, num_experts_total=12), down_rows=1)
-            y, ran = expert_rows(lambda: evenflow.fused_moe(x[:, :32].contiguous(), ids, w, ewb, config=cb,
-                                                            pair_tiles=False, ep_rank=1, num_experts_total=12))
-            assert ran is False
-            check_moe(y, x[:, :32].contiguous(), ids, w, ewb, f"{fmt} I={big}", ep_rank=1)
-    with pytest.raises(TypeError, match="down_rows"):
-        evenflow.fused_moe(x, ids, w, ew, down_rows=1, **kw)
-    with pytest.raises(ValueError, match="config.down_rows"):
-        evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, down_rows=2), **kw)
 
 
 @pytest.mark.parametrize("gu_block_n", [64, 32])

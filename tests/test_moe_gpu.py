@@ -571,32 +571,3 @@ def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
                 assert torch.equal(res[True][0], res[False][0]), f"overlapped quantisation differs: {what}"
                 if step == 2 and t == 64:
                     check(res[True][0], x, ids, w, ew, ep, what)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor"])
-def test_down_rows_real_shapes(fmt):
-    """Hy3 TP8 (I = 192: one masked 256-deep K step) at T = 64, 512 and 4096 on the tuned or heuristic configs
-    (index tiles): the expert-major down GEMM (round Z) computes what the tile-major one computes bit for bit, in
-    CUDA graphs replayed with new routing (in the last replay a pair of every token on one expert: its rows span
-    many row blocks) and eagerly, within the rule of the oracle; the same on an expert-parallel rank holding 48 of
-    the 192 experts at that intermediate size (rank 2: the other ranks' pairs are dropped)."""
-    for shape, ep_kw, e_local in (("hy3-tp8", {}, None), ("hy3-tp8", {"ep_rank": 2, "num_experts_total": 192}, 48)):
-        e, e_tot, ep, k, h, i = SHAPES[shape]
-        if e_local is None:
-            ew, ep = weights(shape, fmt), 0
-        else:
-            g = torch.Generator(device="cuda").manual_seed(1)
-            ew, ep = random_moe_weights(fmt, e_local, h, i, "cuda", generator=g), ep_kw["ep_rank"]
-        kw = dict(pair_tiles=False, **ep_kw)
-        for t in (64, 512, 4096):
-            x, ids, w = inputs(shape, t)
-            cap = capture_variants(x, ids, w, ew, "down_rows", (True, False), **kw)
-            outs = {m: out for m, (out, _) in cap.items()}
-            for step in range(3):
-                replay_with_new_inputs(shape, x, ids, w, cap, hot_expert=ep * ew.num_experts + 3 if step == 2 else None)
-                eager = evenflow.fused_moe(x, ids, w, ew, down_rows=True, **kw)
-                torch.cuda.synchronize()
-                what = f"{shape} {fmt} T={t} ep={ep} replay {step}"
-                assert torch.equal(outs[True], outs[False]), f"expert-major down differs from tile-major: {what}"
-                assert torch.equal(eager, outs[True]), f"eager differs from the graph: {what}"
-                check(outs[True], x, ids, w, ew, ep, what)

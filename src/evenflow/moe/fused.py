@@ -57,14 +57,6 @@ MAX_PERSISTENT = 8
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
-# MoEConfig.down_rows / fused_moe(down_rows=): the expert-major down GEMM holds a whole-K weight block as an MMA
-# operand in registers across the expert's rows; K rounded up to a power of two is at most this (a [256, 64] f16
-# operand is 64 registers a thread at 4 warps). Larger intermediates keep the tile-major down GEMM.
-DOWN_ROWS_MAX_K = 256
-# ... on row blocks of at most this many rows (mma.sync tiles, operands through registers): at 128 rows a bf16
-# 256-deep step's pipelined A tiles and the weight block need 288 KB of shared memory (sm_90 gives 227), and
-# fast accumulation's 64/128-row tiles are for fp8 wgmma.
-DOWN_ROWS_MAX_BLOCK_M = 32
 
 
 @dataclass(frozen=True)
@@ -89,13 +81,6 @@ class MoEConfig:
     # and K-split GEMMs always take one program per task. Tables written before it: 0. Not faster than one
     # program per task but at 3 of 96 benchmark points (rounds T3, T6, docs/perf-notes/moe.md): never the default.
     persistent: int = 0
-    # 1: the down GEMM runs expert-major where it can (index tiles of at most DOWN_ROWS_MAX_BLOCK_M rows, no down
-    # K split, bf16 or per-tensor fp8, an intermediate of at most DOWN_ROWS_MAX_K once rounded up to a power of
-    # two): one program per (local expert,
-    # n-block) loads its weight block once and loops over the expert's rows, BLOCK_M at a time (kernels.py,
-    # EXPERT_ROWS; down_block_k is then unused: the whole K is one masked step); elsewhere it has no effect.
-    # 0: the tile-major down GEMM. The heuristic and tables written before it: 1 (round Z, docs/perf-notes/moe.md).
-    down_rows: int = 1
 
     def __post_init__(self):
         # checked once, where a config is made (table load, heuristic, a caller's replace), not per call
@@ -296,8 +281,6 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
                          f"at most 128, got {cfg}")
     if cfg.gu_defer not in (0, 1):
         raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
-    if cfg.down_rows not in (0, 1):
-        raise ValueError(f"config.down_rows must be 0 or 1, got {cfg.down_rows}")
     if not 0 <= cfg.persistent <= MAX_PERSISTENT:
         raise ValueError(f"config.persistent (programs per SM, 0 = one per task) must lie in [0, {MAX_PERSISTENT}], "
                          f"got {cfg.persistent}")
@@ -309,8 +292,7 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
             pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
-            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1,
-            down_rows: int = -1):
+            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
@@ -322,14 +304,10 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # last arriver), or None: pair tiles zero a fresh buffer with moe_zero_kernel
     # local_first: pair tiles under expert parallelism (up to LOCAL_FIRST_MAX_PAIRS pairs) start the programs of
     # this rank's pairs first (moe.kernels._grid_task): 1 yes, 0 no (each pair's programs in place), -1 automatic (1)
-    # down_rows: the expert-major down GEMM where it applies (see MoEConfig.down_rows): 1 yes, 0 no, -1 as the
-    # config says (cfg.down_rows)
     if defer_split not in (-1, 0, 1):
         raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
     if local_first not in (-1, 0, 1):
         raise ValueError(f"local_first must be -1 (automatic), 0 or 1, got {local_first!r}")
-    if down_rows not in (-1, 0, 1):
-        raise ValueError(f"down_rows must be -1 (the config's choice), 0 or 1, got {down_rows!r}")
     t, h = x.shape
     k = topk_ids.shape[1]
     e_local, two_i, _ = w13.shape
@@ -436,10 +414,6 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         return ((n_tiles * nb * split_k,) if packed else (n_tiles, nb, split_k)), False, 1
 
     down_nb = h // cfg.down_block_n
-    # expert-major down GEMM (round Z): one program per (local expert, n-block), the whole K in one masked step
-    expert_rows = ((cfg.down_rows if down_rows < 0 else down_rows) == 1 and not by_pair and cfg.down_split_k == 1
-                   and mode != 2 and triton.next_power_of_2(i) <= DOWN_ROWS_MAX_K
-                   and cfg.block_m <= DOWN_ROWS_MAX_BLOCK_M)
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
@@ -461,20 +435,17 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # the tests keep (docs/perf-notes/moe.md, "cost in accuracy").
     pair_dtype = torch.bfloat16 if cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
-    if expert_rows:
-        down_grid, down_persist, down_e_pad, down_bk = (e_local, down_nb), False, 1, triton.next_power_of_2(i)
-    else:
-        (down_grid, down_persist, down_e_pad), down_bk = gemm_launch(cfg.down_split_k, down_nb), cfg.down_block_k
+    down_grid, down_persist, down_e_pad = gemm_launch(cfg.down_split_k, down_nb)
     moe_down_kernel[down_grid](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2, gu_part if defer else dummy, ws13, as13,
         k, i, ep_rank * e_local, e_local, down_nb,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0,
-        MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=down_bk,
+        MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
-        E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, EXPERT_ROWS=expert_rows, **gpu_kw, **pk,
+        E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
@@ -498,20 +469,20 @@ def _fused_moe_op(
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, counters: torch.Tensor | None, config: list[int] | None = None,
     pdl: int = -1, pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
-    local_first: int = -1, down_rows: int = -1,
+    local_first: int = -1,
 ) -> None:
     # counters (MoEWeights.counters): written, each back to 0 by its last arriver, so declared mutated; passed
     # always (no default: some torch versions index a mutated argument the caller left to its default)
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
-            defer_split, persistent, counters, local_first, down_rows)
+            defer_split, persistent, counters, local_first)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, counters, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1, persistent=-1, local_first=-1, down_rows=-1):
+      fp8_accum="exact", defer_split=-1, persistent=-1, local_first=-1):
     return None
 
 
@@ -525,8 +496,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              defer_split: bool | None = None, persistent: int | None = None, local_first: bool | None = None,
-              down_rows: bool | None = None):
+              defer_split: bool | None = None, persistent: int | None = None, local_first: bool | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -579,15 +549,6 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     rank first and the grid's surplus programs (as many as other ranks' pairs have tasks) exit at once at its end;
     ``True`` and the default (None) do, ``False`` keeps each pair's programs in place (before round Y). No effect
     elsewhere. Same results bit for bit either way (docs/perf-notes/moe.md, round Y).
-    ``down_rows``: run the down GEMM expert-major: one program per (local expert, n-block of the hidden size)
-    loads its weight block once and loops over all the expert's rows, where the default grid (one program per
-    tile of an expert's rows and n-block) reads an expert's down weights once per tile. Applies where the layer
-    runs index tiles (above ``PAIR_TILE_MAX_PAIRS`` pairs) of at most ``DOWN_ROWS_MAX_BLOCK_M`` rows without a
-    down K split, with bf16 or per-tensor fp8 weights and an intermediate size of at most ``DOWN_ROWS_MAX_K``
-    (rounded up to a power of two: the whole K is one step, its weight block loaded once and kept on chip), as in
-    tensor-parallel shards; no effect elsewhere.
-    ``None`` (default): the config's ``down_rows`` (the tuned table's choice); ``True`` / ``False`` force it.
-    Same results within the MMA's fp32 accumulation order (docs/perf-notes/moe.md, round Z).
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -652,19 +613,16 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         check_int("persistent", persistent, 0, MAX_PERSISTENT)
     if local_first is not None and not isinstance(local_first, bool):
         raise TypeError(f"local_first must be a bool or None, got {local_first!r}")
-    if down_rows is not None and not isinstance(down_rows, bool):
-        raise TypeError(f"down_rows must be a bool or None, got {down_rows!r}")
     pdl_arg = -1 if pdl is None else int(pdl)
     defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     persist_arg = -1 if persistent is None else persistent
     local_arg = -1 if local_first is None else int(local_first)
-    rows_arg = -1 if down_rows is None else int(down_rows)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
         _fused_moe_op(*args, counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
-                      defer_arg, persist_arg, local_arg, rows_arg)
+                      defer_arg, persist_arg, local_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters, local_arg, rows_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters, local_arg)
     return out

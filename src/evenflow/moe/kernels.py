@@ -683,56 +683,13 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
         p_x += BLOCK_K
         p_b += BLOCK_K
 
-    _down_store(acc, e64, o_m, m_m, o_n, i_s.to(tl.int64) * stride_os, p_ws, p_a_scale, p_sorted, p_topk_w, p_out,
-                stride_om, MODE, PAIR_TILES)
-
-
-@triton.jit
-def _down_store(acc, e64, o_m, m_m, o_n, split_offset, p_ws, p_a_scale, p_sorted, p_topk_w, p_out, stride_om,
-                MODE: tl.constexpr, PAIR_TILES: tl.constexpr):
-    """The down GEMM's epilogue: rows ``o_m`` (mask ``m_m``) of an n-block's sums ``acc``, dequantised
-    (per-tensor fp8), times each pair's top-k weight, stored at the pairs' rows of ``pair_out``."""
     if MODE == 1:
         acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
     acc = acc * b_tw[:, None]
-    p_o = p_out + split_offset + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
-
-
-@triton.jit
-def _down_expert_rows(e, i_n, p_a, p_w, p_ws, p_sorted, p_offsets, p_topk_w, p_out, p_a_scale,
-                      K, stride_am, stride_we, stride_wn, stride_om, MODE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, DOT_F32: tl.constexpr, FAST_ACC: tl.constexpr):
-    """One task of the expert-major down GEMM (EXPERT_ROWS): n-block ``i_n`` of local expert ``e`` over all of
-    the expert's rows. The weight block [K, BLOCK_N] (the whole K: K <= K_PAD, one masked step) is loaded and
-    made an MMA operand once, then the expert's rows pass BLOCK_M at a time: each expert's weights are read
-    from memory once per call, where the tile-major grid reads them once per tile of the expert."""
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    o_k = tl.arange(0, K_PAD)
-    m_k = o_k < K
-    e64 = e.to(tl.int64)
-    row0 = tl.load(p_offsets + e)
-    row_end = tl.load(p_offsets + e + 1)
-    if row_end > row0:
-        b_b = tl.load(p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None],
-                      mask=m_k[:, None], other=0.0)
-        if MODE == 0:
-            b_op = dot_operand(b_b, DOT_F32)
-        else:
-            b_op = _fp8_operand(b_b, FAST_ACC, DOT_F32)
-        for r0 in range(row0, row_end, BLOCK_M):
-            o_m = r0 + tl.arange(0, BLOCK_M)
-            m_m = o_m < row_end
-            b_a = tl.load(p_a + o_m.to(tl.int64)[:, None] * stride_am + o_k[None, :], mask=m_m[:, None] & m_k[None, :],
-                          other=0.0)
-            if MODE == 0:
-                acc = tl.dot(dot_operand(b_a, DOT_F32), b_op)
-            else:
-                acc = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), b_op)
-            _down_store(acc, e64, o_m, m_m, o_n, 0, p_ws, p_a_scale, p_sorted, p_topk_w, p_out, stride_om, MODE,
-                        False)
 
 
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
@@ -744,7 +701,7 @@ def moe_down_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, EXPERT_ROWS: tl.constexpr,
+    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -760,24 +717,12 @@ def moe_down_kernel(
 
     PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction);
     LOCAL_FIRST, MAX_PAIRS: as there.
-
-    EXPERT_ROWS (index tiles, no K split, bf16 or per-tensor fp8, K <= BLOCK_K): expert-major, a grid of
-    (local expert, n-block) whose programs each load their weight block once and loop over all the expert's
-    rows (:func:`_down_expert_rows`; BLOCK_K is K rounded up to a power of two). The tile-major grid re-reads
-    an expert's down weights for each of its tiles; where K is short (a tensor-parallel shard's intermediate)
-    its programs are a few K steps long and those re-reads are most of what they move (round Z).
     """
-    tl.static_assert(not EXPERT_ROWS or (SPLIT_K == 1 and not PAIR_TILES and GU_SPLIT == 0 and MODE != 2
-                                         and not PERSIST), "EXPERT_ROWS: index tiles, no K split, MODE 0 or 1")
     tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
     tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
     pdl_enter(PDL)
-    if EXPERT_ROWS:
-        _down_expert_rows(tl.program_id(0), tl.program_id(1), p_a, p_w, p_ws, p_sorted, p_offsets, p_topk_w, p_out,
-                          p_a_scale, K, stride_am, stride_we, stride_wn, stride_om, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
-                          DOT_F32, FAST_ACC)
-    elif PERSIST:
+    if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
             i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
