@@ -403,35 +403,23 @@ def _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets, e_
 
 
 @triton.jit
-def _act_scales(e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr):
-    """The activation's scalars, (dequantisation of the gate-up sums, requantisation scale): per-tensor fp8 loads
-    them (expert ``e64``'s weight scale times the input's scale, the output's static scale), other modes need none.
-    Loaded before a GEMM's K loop, so their round trips overlap its operand loads instead of following its last
-    step (round Z)."""
+def _silu_mul(acc_g, acc_u, e64, p_ws, p_a_scale, MODE: tl.constexpr):
+    """SiLU(gate) * up in fp32 of fully reduced gate-up sums [rows, cols] (per-tensor fp8: dequantised first)."""
     if MODE == 1:
-        return tl.load(p_ws + e64) * tl.load(p_a_scale), tl.load(p_o_scale)
-    else:
-        return 1.0, 1.0
-
-
-@triton.jit
-def _silu_mul(acc_g, acc_u, deq, MODE: tl.constexpr):
-    """SiLU(gate) * up in fp32 of fully reduced gate-up sums [rows, cols] (per-tensor fp8: dequantised first, by
-    ``deq`` of :func:`_act_scales`)."""
-    if MODE == 1:
+        deq = tl.load(p_ws + e64) * tl.load(p_a_scale)
         acc_g = acc_g * deq
         acc_u = acc_u * deq
     return acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
 
 
 @triton.jit
-def _requant(b_h, osc, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
+def _requant(b_h, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
     """The activation [rows, cols] as the down GEMM reads it: (values, per-row scale). bf16: fp32
-    values, scale unused; fp8 per-tensor: e4m3 at the static scale ``osc`` (:func:`_act_scales`); fp8 block: e4m3
+    values, scale unused; fp8 per-tensor: e4m3 at the static scale ``p_o_scale``; fp8 block: e4m3
     with each row's scale over these columns, which must be one whole 128-wide activation group."""
     b_s = 1.0  # bf16 and per-tensor: no row scale
     if MODE == 1:
-        b_h = to_fp8e4(tl.math.div_rn(b_h, osc), FP8_ROUND)
+        b_h = to_fp8e4(tl.math.div_rn(b_h, tl.load(p_o_scale)), FP8_ROUND)
     elif MODE == 2:
         b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_h), axis=1), GROUP_AMAX_EPS), FP8_E4M3_MAX)
         b_h = to_fp8e4(tl.math.div_rn(b_h, b_s[:, None]), FP8_ROUND)
@@ -439,19 +427,18 @@ def _requant(b_h, osc, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
 
 
 @triton.jit
-def _activate(acc_g, acc_u, deq, osc, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """SiLU(gate) * up of fully reduced gate-up sums, requantised (:func:`_requant`; ``deq``, ``osc`` from
-    :func:`_act_scales`). One definition for the places the activation runs (the gate-up's epilogue, the down
-    GEMM's deferred operand), so the paths give the same bits."""
-    return _requant(_silu_mul(acc_g, acc_u, deq, MODE), osc, MODE, FP8_ROUND)
+def _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """SiLU(gate) * up of fully reduced gate-up sums, requantised (:func:`_requant`). One definition
+    for the places the activation runs (the gate-up's epilogue, the down GEMM's deferred operand),
+    so the paths give the same bits."""
+    return _requant(_silu_mul(acc_g, acc_u, e64, p_ws, p_a_scale, MODE), p_o_scale, MODE, FP8_ROUND)
 
 
 @triton.jit
-def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, deq, osc, p_out, p_out_s,
+def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale, p_o_scale,
                       p_hbuf, p_gcount, I, stride_om, stride_osm, MODE: tl.constexpr, BLOCK_N: tl.constexpr,
                       FP8_ROUND: tl.constexpr):
-    """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants (``deq``, ``osc``:
-    :func:`_act_scales`), stored.
+    """SiLU(gate) * up of fully reduced accumulators, requantised as the down GEMM wants, stored.
 
     Block mode with BLOCK_N < 128: an activation group (128 columns of a row, one scale) spans
     128 // BLOCK_N programs of the tile. Each stores its fp32 activations in ``p_hbuf`` [pairs, I]
@@ -460,7 +447,7 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, deq, osc, p_out,
     counter."""
     if MODE == 2 and BLOCK_N < 128:
         o_m64 = o_m.to(tl.int64)
-        b_h = _silu_mul(acc_g, acc_u, deq, MODE)
+        b_h = _silu_mul(acc_g, acc_u, e64, p_ws, p_a_scale, MODE)
         tl.store(p_hbuf + o_m64[:, None] * I + o_n[None, :], b_h, mask=m_m[:, None])
         i_g = (i_n * BLOCK_N) // 128
         p_c = p_gcount + i_tile * (I // 128) + i_g
@@ -468,13 +455,13 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, deq, osc, p_out,
             o_g = i_g * 128 + tl.arange(0, 128)
             b_g = tl.load(p_hbuf + o_m64[:, None] * I + o_g[None, :], mask=m_m[:, None], other=0.0,
                           cache_modifier=".cg")
-            b_q, b_s = _requant(b_g, osc, MODE, FP8_ROUND)
+            b_q, b_s = _requant(b_g, p_o_scale, MODE, FP8_ROUND)
             tl.store(p_out + o_m64[:, None] * stride_om + o_g[None, :], b_q.to(p_out.dtype.element_ty),
                      mask=m_m[:, None])
             tl.store(p_out_s + o_m64 * stride_osm + i_g, b_s, mask=m_m)
             tl.store(p_c, 0)
     else:
-        b_h, b_s = _activate(acc_g, acc_u, deq, osc, MODE, FP8_ROUND)
+        b_h, b_s = _activate(acc_g, acc_u, e64, p_ws, p_a_scale, p_o_scale, MODE, FP8_ROUND)
         p_o = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
         tl.store(p_o, b_h.to(p_out.dtype.element_ty), mask=m_m[:, None])
         if MODE == 2:
@@ -510,7 +497,6 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
         p_wsg = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
         p_wsu = p_ws + e64 * stride_wse + ((I + i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
 
-    deq, osc = _act_scales(e64, p_ws, p_a_scale, p_o_scale, MODE)  # the epilogue's scalars, issued first
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
@@ -536,8 +522,8 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
         p_bu += BLOCK_K
 
     if SPLIT_K == 1:
-        _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, deq, osc, p_out, p_out_s,
-                          p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
+        _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale,
+                          p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
     else:
         if PAIR_TILES:  # one partial row per pair (row 0; the masked rows address nothing)
             n_rows = n_tiles
@@ -560,8 +546,8 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
                 for s in range(0, SPLIT_K):
                     red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
                     red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
-                _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, i_tile, deq, osc, p_out, p_out_s,
-                                  p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
+                _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale,
+                                  p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
                 tl.store(p_c, 0)
 
 
@@ -660,14 +646,7 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
 
     if GU_SPLIT > 0:
         p_g = p_gpart + i_tile.to(tl.int64) * (2 * K) + k0 + o_k
-        g_deq, g_osc = _act_scales(e64, p_gws, p_ga_scale, p_a_scale, MODE)  # the gate-up's activation scalars
 
-    # the epilogue's loads (pair ids, their top-k weights, the per-tensor dequantisation), issued before the K loop
-    # so their round trips overlap its operand loads instead of following its last step (round Z)
-    pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
-    b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
-    if MODE == 1:
-        dsc = tl.load(p_ws + e64) * tl.load(p_a_scale)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
         if GU_SPLIT > 0:
@@ -680,7 +659,7 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
             # activated once, as one row, then put on every row of the tile (only row 0 is stored):
             # on the broadcast tile, block mode's row max and requantisation ran per row of the tile
             # (round P4, sm_90: 588-1354 -> 328-525 instructions per K step)
-            b_h, b_s = _activate(b_g[None, :], b_u[None, :], g_deq, g_osc, MODE, FP8_ROUND)
+            b_h, b_s = _activate(b_g[None, :], b_u[None, :], e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
             if MODE == 0:
                 # DOT_F32: the interpreter runs this launch (no PTX there); False under emulate_gpu, whose
                 # launches are recorded and compiled, not run
@@ -705,7 +684,9 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
         p_b += BLOCK_K
 
     if MODE == 1:
-        acc = acc * dsc
+        acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
+    pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
+    b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
     acc = acc * b_tw[:, None]
     p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
