@@ -17,8 +17,9 @@ copies, since one draw's pairs on an EP rank are far from their mean there.
 
 Knob rows on request (``--impls``): ``evenflow-nopdl``, ``evenflow-index``, ``evenflow-pairs``
 (``fused_moe(pair_tiles=True)`` at every batch), ``evenflow-lastsplit`` (``fused_moe(defer_split=False)``)
-and ``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation; its
-``max_abs_err``/``cosine`` against the same fp32 oracle are recorded as for every row; on bf16 an
+``evenflow-fastacc`` (``fused_moe(fp8_accum="fast")``, fp8 MMAs with fast accumulation) and
+``evenflow-promoted`` (``fused_moe(fp8_accum="promoted")``, the same MMAs with each K step's sum promoted to
+fp32); their ``max_abs_err``/``cosine`` against the same fp32 oracle are recorded as for every row; on bf16 an
 "unavailable: not applicable to bf16" error row).
 
 Floor (BENCH.md, issue 5): max(bytes / copy bandwidth, FLOPs / matmul rate of the
@@ -43,10 +44,11 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
-         "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant",
+         "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2", "evenflow-serialquant",
          "evenflow-zerokernel", "evenflow-pairorder")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
+# evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
 # evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
 # evenflow-lastsplit (defer_split=False: a K-split gate-up on pair tiles reduced by its last split, not by the
 # down GEMM's operand load; the deferral's A/B), evenflow-persist1 / -persist2 (persistent=1, 2: the GEMMs that
@@ -63,7 +65,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
-                  "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-lastsplit": {"defer_split": False},
+                  "evenflow-fastacc": {"fp8_accum": "fast"}, "evenflow-promoted": {"fp8_accum": "promoted"}, "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
                   "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
                   "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False}}
@@ -298,8 +300,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         kw = dict(EVENFLOW_KNOBS[name])
         overlap = kw.pop("_quant_overlap", None)  # a module switch, not a keyword: set around each call
         kept_counters = kw.pop("_counters", True)  # a property of the weight holder, not a keyword
-        if kw.get("fp8_accum") == "fast" and w.variant == "bf16":
-            raise PeerUnavailable("not applicable to bf16: fp8_accum='fast' applies to FP8 weights only")
+        if kw.get("fp8_accum", "exact") != "exact" and w.variant == "bf16":
+            raise PeerUnavailable(f"not applicable to bf16: fp8_accum={kw['fp8_accum']!r} applies to FP8 weights only")
         if overlap is not None and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
         if w.variant == "bf16":

@@ -4,6 +4,7 @@
                                   [--formats bf16,fp8-tensor,fp8-block] [--buckets 1,8,32,...] [--quick]
                                   [--max-candidates N] [--seed 0] [--table PATH] [--precompile-only]
     python benchmarks/tune_moe.py --formats fp8-tensor-fast,fp8-block-fast   # fused_moe(fp8_accum="fast")
+    python benchmarks/tune_moe.py --formats fp8-tensor-prom,fp8-block-prom   # fused_moe(fp8_accum="promoted")
 
 Points: every case x weight format x batch bucket (default 1, 2, 4, ..., 1024, 4096; formats a
 case does not have, e.g. Hy3 TP8 fp8-block, are left out). A call uses the entry of the largest
@@ -11,7 +12,9 @@ bucket <= its batch; below the first bucket, or where the entry is null, ``choos
 decides. The opt-in fast-accumulation mode (``fp8_accum="fast"``) is tuned as formats of its
 own, ``fp8-tensor-fast`` and ``fp8-block-fast`` (not in the default ``--formats``): its own
 table keys (``tuned_key(..., fast_acc=True)``, suffix ``-fast``), its own candidates (fp8-wgmma
-tiles of 64 and 128 rows first, K-steps >= 32) and its own rule baseline (below).
+tiles of 64 and 128 rows first, K-steps >= 32) and its own rule baseline (below). The opt-in
+``fp8_accum="promoted"`` likewise: ``fp8-tensor-prom`` and ``fp8-block-prom``, keys suffixed ``-prom``,
+the fast mode's candidates, its own baseline.
 
 Workload = the benchmark's (benchmarks/moe.py, imported, not copied): routing from
 ``make_routing`` with the per-expert bias ``expert_bias`` draws first from a CPU generator seeded
@@ -30,7 +33,8 @@ sample).
 A candidate counts only if its output passes the tests' tolerance rule
 (``evenflow.testing.assert_within_rule`` against the fp64 oracle, PyTorch's own bf16/fp32 run as the
 baseline, as in tests/test_moe_gpu.py; for the fast formats the baseline is the same layer with
-fp8 fast accumulation, ``evenflow.reference.moe.moe_fast_accum_baseline``). ``choose_config``'s
+fp8 fast accumulation, ``evenflow.reference.moe.moe_fast_accum_baseline``, with ``promoted=True`` for the
+-prom formats). ``choose_config``'s
 pick (``default``) is timed first. An entry is written only for a win beyond noise: the fastest
 passing candidate must be at least ``WIN`` (3%) faster than the default, and again when both are
 timed a second time; otherwise the bucket gets null (the heuristic). If the default fails the
@@ -80,6 +84,11 @@ class TuneFormat(NamedTuple):
     mode: int       # weight mode (tuned_key)
     variant: str    # benchmarks/moe.py variant: weight bytes, cases that lack the format
     fast_acc: bool  # fused_moe(fp8_accum="fast"): its own table keys, candidates and rule baseline
+    promote: bool = False  # with fast_acc: fp8_accum="promoted" (keys -prom, the fast candidates, its baseline)
+
+    @property
+    def accum(self) -> str:
+        return ("promoted" if self.promote else "fast") if self.fast_acc else "exact"
 
 
 FORMATS = {
@@ -88,6 +97,8 @@ FORMATS = {
     "fp8-block": TuneFormat("fp8_block", 2, "fp8-block", False),
     "fp8-tensor-fast": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", True),
     "fp8-block-fast": TuneFormat("fp8_block", 2, "fp8-block", True),
+    "fp8-tensor-prom": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", True, True),
+    "fp8-block-prom": TuneFormat("fp8_block", 2, "fp8-block", True, True),
 }
 DEFAULT_FORMATS = "bf16,fp8-tensor,fp8-block"
 # fast accumulation above 16 rows per expert: fp8-wgmma tiles (64/128 rows, 8 warps) first, then
@@ -291,12 +302,12 @@ def write_table(table: dict, path: Path) -> str:
 
 
 def _compile_one(job) -> bool:
-    """Compile one (format, config, fast_acc) of fused_moe launches into Triton's disk cache."""
+    """Compile one (format, config, fp8_accum) of fused_moe launches into Triton's disk cache."""
     import evenflow
     from evenflow.moe.fused import MoEConfig
     from evenflow.reference.moe import random_moe_weights, random_routing
 
-    fmt, cfg, fast_acc = job
+    fmt, cfg, accum = job
     h, i = COMPILE_SHAPE
     cache = _compile_one.__dict__.setdefault("ews", {})
     if fmt not in cache:
@@ -304,8 +315,7 @@ def _compile_one(job) -> bool:
     x = torch.randn(16, h, device="cuda").bfloat16()
     ids, tw = random_routing(16, 8, 8, "cuda")
     try:
-        evenflow.fused_moe(x, ids, tw, cache[fmt], config=MoEConfig.from_list(cfg),
-                           fp8_accum="fast" if fast_acc else "exact")
+        evenflow.fused_moe(x, ids, tw, cache[fmt], config=MoEConfig.from_list(cfg), fp8_accum=accum)
         torch.cuda.synchronize()
         return True
     except Exception:  # noqa: BLE001  (the timing pass reports it)
@@ -340,7 +350,8 @@ def _extra(p):
                    help="wall-clock budget (seconds) of the whole run, compiles included, across all cases")
     p.add_argument("--cases", default=",".join(CASES), help="comma-separated case names of benchmarks/moe.py")
     p.add_argument("--formats", default=DEFAULT_FORMATS,
-                   help="comma list of " + ",".join(FORMATS) + " (the -fast ones: fused_moe(fp8_accum='fast'))")
+                   help="comma list of " + ",".join(FORMATS) + " (the -fast ones: fused_moe(fp8_accum='fast'); "
+                        "-prom: fp8_accum='promoted')")
     p.add_argument("--buckets", default=None, help="comma-separated batch buckets (default: all; --quick: a few)")
     p.add_argument("--max-candidates", type=int, default=0, help="time at most N candidates per point (0: all)")
     p.add_argument("--seed", type=int, default=0, help="routing seed, as benchmarks/moe.py --seed")
@@ -373,8 +384,8 @@ def main(argv=None) -> int:
                           "than choose_config twice, else null (heuristic); an existing entry stays unless that "
                           f"choice beats it by more than {REPLACE_MARGIN:.0%} in both of two head-to-head "
                           "timings (or, nothing passing the rule, if it passes); keys ending -fast: "
-                          "fp8_accum='fast', "
-                          "rule baseline evenflow.reference.moe.moe_fast_accum_baseline",
+                          "fp8_accum='fast', -prom: fp8_accum='promoted', "
+                          "rule baseline evenflow.reference.moe.moe_fast_accum_baseline (promoted=True for -prom)",
                   "routing": f"benchmarks/moe.py make_routing + expert_bias, seed {args.seed}"})
     configs, timings = table.setdefault("configs", {}), table.setdefault("timings", {})
     for f in args.formats.split(","):
@@ -389,9 +400,9 @@ def main(argv=None) -> int:
         cands = candidates(B.CASES[case_name], fm.mode, t, fm.fast_acc)
         plan[(case_name, variant, t)] = first_candidates(cands, args.max_candidates)
         for _, cfg in plan[(case_name, variant, t)]:
-            if (fm.fmt, tuple(cfg.as_list()), fm.fast_acc) not in seen:
-                seen.add((fm.fmt, tuple(cfg.as_list()), fm.fast_acc))
-                jobs.append((fm.fmt, cfg.as_list(), fm.fast_acc))
+            if (fm.fmt, tuple(cfg.as_list()), fm.accum) not in seen:
+                seen.add((fm.fmt, tuple(cfg.as_list()), fm.accum))
+                jobs.append((fm.fmt, cfg.as_list(), fm.accum))
     print(f"{len(points)} points, {sum(map(len, plan.values()))} candidates, {len(jobs)} distinct (format, config)",
           flush=True)
     precompile(jobs, args.workers, deadline if args.precompile_only else t0 + PRECOMPILE_SHARE * args.budget_s)
@@ -403,8 +414,9 @@ def main(argv=None) -> int:
         case = B.CASES[case_name]
         fm = FORMATS[variant]
         fmt, mode = fm.fmt, fm.mode
-        accum = "fast" if fm.fast_acc else "exact"
-        key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode, fm.fast_acc)
+        accum = fm.accum
+        key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode, fm.fast_acc,
+                        fm.promote)
         left = deadline - time.time()
         if left <= 0:
             print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: budget spent, skipped", flush=True)
@@ -431,7 +443,8 @@ def main(argv=None) -> int:
         x0, ids0, tw0 = inputs[0]
         # the oracle, the same math by PyTorch (with its fp8 fast-accumulation GEMMs for the fast formats) and
         # what fp8 requantisation at a rounding midpoint may move (round W: V4's draw failed on one such flip)
-        ref, base, allow = (v.cpu() for v in moe_rule_terms(x0, ids0, tw0, ews[0], fast_accum=fm.fast_acc, **kw))
+        ref, base, allow = (v.cpu() for v in moe_rule_terms(x0, ids0, tw0, ews[0],
+                                                            fast_accum=accum if fm.fast_acc else False, **kw))
 
         def fns_of(cfg):
             return [lambda j=j, c=cfg: evenflow.fused_moe(*inputs[j], ews[j % n_rot], config=c, fp8_accum=accum,
@@ -493,7 +506,7 @@ def main(argv=None) -> int:
         print(f"copy: {out / table_path.name}")
     summary(timings, [(f"{c}/{f}", tuned_key(B.CASES[c].num_local, B.CASES[c].num_experts_total, B.CASES[c].top_k,
                                              B.CASES[c].hidden, B.CASES[c].inter, FORMATS[f].mode,
-                                             FORMATS[f].fast_acc), t)
+                                             FORMATS[f].fast_acc, FORMATS[f].promote), t)
                       for c, f, t in points], measured)
     return 0
 

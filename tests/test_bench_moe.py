@@ -249,20 +249,22 @@ def test_cli_filters_parse():
     assert args.batches == [1, 8]
 
 
+@pytest.mark.parametrize("row,accum", [("evenflow-fastacc", "fast"), ("evenflow-promoted", "promoted")])
 @pytest.mark.parametrize("variant", ["bf16", "fp8-tensor", "fp8-block"])
-def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, monkeypatch):
-    """evenflow-fastacc (fused_moe(fp8_accum="fast")) is a knob row on request; on bf16 it is an
-    "unavailable" error row (not applicable), on fp8 it runs and passes the benchmark's own check
-    against its fp32 oracle (whose max_abs_err / cosine the row records, as for every impl)."""
+def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, row, accum, monkeypatch):
+    """evenflow-fastacc (fused_moe(fp8_accum="fast")) and evenflow-promoted (fp8_accum="promoted") are knob rows
+    on request; on bf16 each is an "unavailable" error row (not applicable), on fp8 it runs and passes the
+    benchmark's own check against its fp32 oracle (whose max_abs_err / cosine the row records, as for every
+    impl)."""
     from evenflow.bench import harness as H
 
-    assert "evenflow-fastacc" in bm.IMPLS and "evenflow-fastacc" not in bm.DEFAULT_IMPLS
-    assert bm.EVENFLOW_KNOBS["evenflow-fastacc"] == {"fp8_accum": "fast"}
+    assert row in bm.IMPLS and row not in bm.DEFAULT_IMPLS
+    assert bm.EVENFLOW_KNOBS[row] == {"fp8_accum": accum}
     case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
     w = bm.make_weights(case, variant, device, torch.Generator(device=device).manual_seed(0), std=0.1)
     if variant == "bf16":
         with pytest.raises(PeerUnavailable, match="not applicable to bf16"):
-            bm.build_impl("evenflow-fastacc", w, case, None)
+            bm.build_impl(row, w, case, None)
         return
     gen = _gen(3)
     if variant == "fp8-tensor":
@@ -275,10 +277,10 @@ def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, monkeypatch):
     seen = []
     real = evenflow.fused_moe
     monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
-    fn = bm.build_impl("evenflow-fastacc", w, case, None)(x, ids, tw)
-    chk = H.check_output(fn(), bm.reference_moe(x, ids, tw, w, case), f"fastacc {variant}", rtol=5e-2)
+    fn = bm.build_impl(row, w, case, None)(x, ids, tw)
+    chk = H.check_output(fn(), bm.reference_moe(x, ids, tw, w, case), f"{row} {variant}", rtol=5e-2)
     assert chk["max_abs_err"] >= 0 and chk["cosine"] > 0.999
-    assert [kw.get("fp8_accum") for kw in seen] == ["fast"], "the row must call fused_moe(fp8_accum='fast')"
+    assert [kw.get("fp8_accum") for kw in seen] == [accum], f"the row must call fused_moe(fp8_accum={accum!r})"
 
 
 def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):

@@ -710,10 +710,11 @@ def test_randomised_sweep(device):
         check_moe(y, x, ids, w, ew, f"sweep {fmt} T={t} k={k} E={e}")
 
 
-@pytest.mark.parametrize("fmt,fp8_accum", [(f, "exact") for f in FORMATS] + [(f, "fast") for f in FORMATS[1:]])
+@pytest.mark.parametrize("fmt,fp8_accum", [(f, "exact") for f in FORMATS] + [(f, "fast") for f in FORMATS[1:]]
+                         + [(FORMATS[1], "promoted")])
 def test_opcheck(device, fmt, fp8_accum):
     """The custom op's schema, fake tensor and AOT paths, with every argument set (fp8_accum
-    too: "fast" for the fp8 formats)."""
+    too: "fast" for the fp8 formats, "promoted" for per-tensor)."""
     assert FORMATS[0] == "bf16"
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)

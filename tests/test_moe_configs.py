@@ -60,17 +60,17 @@ def test_no_table_on_cpu():
 
 
 def test_shipped_tables_are_valid():
-    # every entry of every shipped table tiles its own shape (the key names it; "-fast": the
-    # fp8_accum="fast" mode's keys, with that mode's rules)
+    # every entry of every shipped table tiles its own shape (the key names it; "-fast" / "-prom": the
+    # fp8_accum="fast" / "promoted" modes' keys, with those modes' rules)
     for name in os.listdir(CONFIG_DIR) if os.path.isdir(CONFIG_DIR) else []:
         if not name.endswith(".json"):
             continue
         data = json.load(open(os.path.join(CONFIG_DIR, name)))
         for key, buckets in data["configs"].items():
-            m = re.fullmatch(r"E(\d+)/(\d+)-k(\d+)-H(\d+)-I(\d+)-m(\d)(-fast)?", key)
+            m = re.fullmatch(r"E(\d+)/(\d+)-k(\d+)-H(\d+)-I(\d+)-m(\d)(-fast|-prom)?", key)
             assert m, f"{name}: unknown key {key!r}"
             h, i, mode, fast = int(m[4]), int(m[5]), int(m[6]), m[7] is not None
-            assert key == tuned_key(int(m[1]), int(m[2]), int(m[3]), h, i, mode, fast)
+            assert key == tuned_key(int(m[1]), int(m[2]), int(m[3]), h, i, mode, fast, m[7] == "-prom")
             for cfg in buckets.values():
                 if cfg is not None:  # null: the heuristic
                     check_config(MoEConfig.from_list(cfg), h, i, mode, fast_acc=fast)

@@ -1,11 +1,13 @@
-"""fused_moe(fp8_accum="fast"): plumbing, argument rules and tile rules (CPU interpreter; runs on a GPU too).
+"""fused_moe(fp8_accum="fast" / "promoted"): plumbing, argument rules and tile rules (CPU interpreter; runs on a
+GPU too).
 
 The fast mode feeds e4m3 tiles to fp8 MMAs with the hardware's reduced-precision accumulation
 (kernels.py, FAST_ACC). The interpreter computes those dots exactly (fp32 sums), so in the
 interpreter the fast mode must meet the default mode's rule against the same fp32 baseline as
 tests/test_moe.py: this checks the scales, the block-128 promotion and the launcher, not the
 hardware's numerics. Run on a GPU (benchmarks/device.sh runs every tests/test_moe*.py there),
-the fast mode's baseline is its own, ``moe_fast_accum_baseline``, as in tests/test_moe_gpu.py.
+the fast mode's baseline is its own, ``moe_fast_accum_baseline``, as in tests/test_moe_gpu.py (the promoted
+mode's: the same with per-tensor products promoted per 128-deep K block).
 The real shapes against the fast-accumulation baseline (``moe_fast_accum_baseline``:
 ``torch._scaled_mm(use_fast_accum=True)``) are in tests/test_moe_gpu.py; the sm_90 build (fp8
 wgmma, no spills) in tests/test_sm90_compile.py.
@@ -32,14 +34,15 @@ FP8_FORMATS = ["fp8_per_tensor", "fp8_block"]
 SIZES = {"fp8_per_tensor": (64, 64), "fp8_block": (256, 128)}
 
 
-def check_moe(y, x, ids, w, ew, what, fast=False, **kw):
+def check_moe(y, x, ids, w, ew, what, accum="exact", **kw):
     """The rule of tests/test_moe.py: fp64 oracle, baseline fp32 math on the fp8 values (the
-    interpreter's fp8 dots are exact); on a GPU the fast mode's baseline has fast accumulation."""
-    ref, base, allowance = moe_rule_terms(x, ids, w, ew, fast_accum=fast and not _runtime.interpreting(), **kw)
+    interpreter's fp8 dots are exact); on a GPU the fp8-MMA modes' baselines are their own."""
+    fast = False if accum == "exact" or _runtime.interpreting() else accum
+    ref, base, allowance = moe_rule_terms(x, ids, w, ew, fast_accum=fast, **kw)
     return assert_within_rule(y, ref, base, what=what, allowance=allowance)
 
 
-@pytest.mark.parametrize("accum", ["exact", "fast"])
+@pytest.mark.parametrize("accum", ["exact", "promoted", "fast"])
 @pytest.mark.parametrize("ep", [False, True], ids=["no-ep", "ep"])
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
 def test_fast_accum_matches_reference(device, fmt, ep, accum):
@@ -58,14 +61,14 @@ def test_fast_accum_matches_reference(device, fmt, ep, accum):
         out = poisoned((t, h), torch.bfloat16, device)
         y = evenflow.fused_moe(x, ids, w, ew, ep_rank=ep_rank, num_experts_total=e_local * ranks, out=out,
                                fp8_accum=accum)
-        check_moe(y, x, ids, w, ew, f"{fmt} {accum} T={t} ep_rank={ep_rank}", fast=accum == "fast",
-                  ep_rank=ep_rank)
+        check_moe(y, x, ids, w, ew, f"{fmt} {accum} T={t} ep_rank={ep_rank}", accum, ep_rank=ep_rank)
 
 
+@pytest.mark.parametrize("accum", ["fast", "promoted"])
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
-def test_fast_accum_forced_tiles_split_k_and_shared(device, fmt):
-    """Forced configs of the fast mode: 64/128-row tiles, a gate-up and down K split (32-deep
-    per-tensor steps), with shared_output and routed_scaling."""
+def test_fast_accum_forced_tiles_split_k_and_shared(device, fmt, accum):
+    """Forced configs of the fp8-MMA modes: 64/128-row tiles, a gate-up and down K split (32-deep
+    per-tensor steps: promoted per 32 products), with shared_output and routed_scaling."""
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)
     base = choose_config(5, 3, 4, h, i, ew.mode, fast_acc=True)
@@ -83,8 +86,8 @@ def test_fast_accum_forced_tiles_split_k_and_shared(device, fmt):
     for cfg in cfgs:
         check_config(cfg, h, i, ew.mode, fast_acc=True)
         y = evenflow.fused_moe(x, ids, w, ew, shared_output=shared, routed_scaling=1.5, config=cfg,
-                               fp8_accum="fast", out=poisoned((t, h), torch.bfloat16, device))
-        check_moe(y, x, ids, w, ew, f"{fmt} fast {cfg}", fast=True, shared_output=shared, routed_scaling=1.5)
+                               fp8_accum=accum, out=poisoned((t, h), torch.bfloat16, device))
+        check_moe(y, x, ids, w, ew, f"{fmt} {accum} {cfg}", accum, shared_output=shared, routed_scaling=1.5)
 
 
 def test_fast_accum_argument_errors(device):
@@ -96,22 +99,25 @@ def test_fast_accum_argument_errors(device):
             evenflow.fused_moe(x, ids, w, ew8, fp8_accum=bad)
     # bf16 weights: the mode applies to FP8 weights only
     ew16 = random_moe_weights("bf16", 4, 64, 32, device)
-    with pytest.raises(ValueError, match="fp8_accum.*FP8 weights only"):
-        evenflow.fused_moe(x, ids, w, ew16, fp8_accum="fast")
+    for accum in ("fast", "promoted"):
+        with pytest.raises(ValueError, match=f"fp8_accum='{accum}' applies to FP8 weights only"):
+            evenflow.fused_moe(x, ids, w, ew16, fp8_accum=accum)
     evenflow.fused_moe(x, ids, w, ew16, fp8_accum="exact")  # the default is accepted everywhere
     # per-tensor sizes of 16 that are not of 32 (80 x 48): fine by default, refused in fast mode
     ew_16 = random_moe_weights("fp8_per_tensor", 4, 80, 48, device)
     x80 = torch.randn(3, 80, device=device).bfloat16()
-    with pytest.raises(ValueError, match="fp8_accum='fast' needs hidden .80. and intermediate .48."):
-        evenflow.fused_moe(x80, ids, w, ew_16, fp8_accum="fast")
+    for accum in ("fast", "promoted"):
+        with pytest.raises(ValueError, match=f"fp8_accum='{accum}' needs hidden .80. and intermediate .48."):
+            evenflow.fused_moe(x80, ids, w, ew_16, fp8_accum=accum)
     ew_h = random_moe_weights("fp8_per_tensor", 4, 64, 48, device)
     with pytest.raises(ValueError, match="fp8_accum"):
         evenflow.fused_moe(x, ids, w, ew_h, fp8_accum="fast")
     # a forced config with 16-deep K steps: valid by default, refused in fast mode
     cfg = dataclasses.replace(choose_config(3, 2, 4, 64, 64, 1), gu_block_k=16)
     evenflow.fused_moe(x, ids, w, ew8, config=cfg)
-    with pytest.raises(ValueError, match="fp8_accum='fast'.*K-steps"):
-        evenflow.fused_moe(x, ids, w, ew8, config=cfg, fp8_accum="fast")
+    for accum in ("fast", "promoted"):
+        with pytest.raises(ValueError, match="fp8_accum='fast' / 'promoted'.*K-steps"):
+            evenflow.fused_moe(x, ids, w, ew8, config=cfg, fp8_accum=accum)
 
 
 def test_check_config_rejects_16_deep_k_steps_in_fast_mode():
@@ -166,11 +172,14 @@ def test_tuned_lookup_keeps_fast_keys_apart(tmp_path):
                                          tuned_key(8, 8, 2, 256, 128, 1, True): {"64": a.as_list(),
                                                                                  "512": bad.as_list()}}}))
     assert tuned_key(8, 8, 2, 256, 128, 1, True) == tuned_key(8, 8, 2, 256, 128, 1) + "-fast"
+    assert tuned_key(8, 8, 2, 256, 128, 1, True, promote=True) == tuned_key(8, 8, 2, 256, 128, 1) + "-prom"
     _load_tuned.cache_clear()
 
-    def get(t, fast):
-        return tuned_config(t, 2, 8, 256, 128, 1, num_experts_total=8, device=None, path=str(p), fast_acc=fast)
+    def get(t, fast, promote=False):
+        return tuned_config(t, 2, 8, 256, 128, 1, num_experts_total=8, device=None, path=str(p), fast_acc=fast,
+                            promote=promote)
     assert get(100, False) == b and get(100, True) == a
+    assert get(100, True, promote=True) is None  # the promoted mode reads its own keys only
     with pytest.warns(UserWarning, match="ignoring tuned MoE config"):
         assert get(600, True) is None  # the heuristic takes over, never the default mode's entry
     p.write_text(json.dumps({"configs": {tuned_key(8, 8, 2, 256, 128, 1): {"64": b.as_list()}}}))
@@ -181,9 +190,9 @@ def test_tuned_lookup_keeps_fast_keys_apart(tmp_path):
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="records interpreter launches")
 def test_exact_is_the_default_and_builds_the_kernels_with_fast_acc_off():
-    """fp8_accum="exact" (and leaving it out) launches the GEMM kernels with FAST_ACC=False, the
+    """fp8_accum="exact" (and leaving it out) launches the GEMM kernels with FAST_ACC=0, the
     constexpr under which the sm_90 build is the one from before the mode existed (checked by
-    compiling; docs/perf-notes/moe.md, round J); "fast" with FAST_ACC=True."""
+    compiling; docs/perf-notes/moe.md, round J); "fast" with FAST_ACC=1, "promoted" with 2."""
     from evenflow._compile_check import record_launches
 
     for fmt in ("bf16", *FP8_FORMATS):
@@ -191,14 +200,16 @@ def test_exact_is_the_default_and_builds_the_kernels_with_fast_acc_off():
         ew = random_moe_weights(fmt, 4, h, i)
         x = torch.randn(5, h).bfloat16()
         ids, w = random_routing(5, 2, 4)
-        for kw, want in (({}, False), ({"fp8_accum": "exact"}, False), ({"fp8_accum": "fast"}, True)):
+        for kw, want in (({}, 0), ({"fp8_accum": "exact"}, 0), ({"fp8_accum": "fast"}, 1),
+                         ({"fp8_accum": "promoted"}, 2)):
             if fmt == "bf16" and want:
                 continue
             with record_launches(execute=True) as launches:
                 y = evenflow.fused_moe(x, ids, w, ew, **kw)
             gemms = [la for la in launches if la.name in ("moe_gate_up_kernel", "moe_down_kernel")]
             assert len(gemms) == 2
-            assert all(dict(la.constexprs)["FAST_ACC"] == want for la in gemms), (fmt, kw)
+            assert all(type(c) is int and c == want for c in (dict(la.constexprs)["FAST_ACC"] for la in gemms)), \
+                (fmt, kw)
             if not kw:
                 y_default = y
             elif kw["fp8_accum"] == "exact":
@@ -226,6 +237,10 @@ def test_fast_accum_baseline_builder(device, fmt):
     ref = moe_reference(x, ids, w, ew, dtype=torch.float64, **kw)
     base = moe_reference(x, ids, w, ew, dtype=torch.float32, **kw)
     assert_within_rule(got, ref, base, what=f"{fmt} fast baseline on CPU")
+    prom = moe_fast_accum_baseline(x, ids, w, ew, promoted=True, **kw)
+    assert_within_rule(prom, ref, base, what=f"{fmt} promoted baseline on CPU")
+    if fmt == "fp8_block":  # block weights promote per 128 in both modes: the same baseline
+        assert torch.equal(prom, got)
     with pytest.raises(ValueError, match="FP8 weights"):
         moe_fast_accum_baseline(x, ids, w, random_moe_weights("bf16", 3, h, 32))
 

@@ -132,7 +132,8 @@ def test_qwen3_fp8_block_large_batch_within_rule(t, source):
 # block in block mode), not the default mode's fp32 sums, which fast accumulation cannot meet
 # (regression 4: requantisation flips). Same seed rule as the tests above. Tiles: the heuristic,
 # and 64- and 128-row wgmma tiles forced (block mode's 128-row tile spills 76 B on sm_90, so the
-# heuristic never takes it: forced here for its numerics).
+# heuristic never takes it: forced here for its numerics). The tests run fp8_accum="promoted" too (fp8 wgmma,
+# each K step's sum added in fp32; its baseline sums 128-deep fast-accumulation products in fp32).
 FAST_TILES = {
     "default": None,
     "bm64-w8": [64, 128, 128, 128, 128, 8, 3, 1, 1],     # the heuristic's at T = 1024 (fp8 wgmma)
@@ -176,17 +177,21 @@ def replay_with_new_inputs(shape, x, ids, w, graphs, hot_expert=None):
         graph.replay()
 
 
-def check_fast(y, x, ids, w, ew, ep_rank, what):
-    ref, base, allowance = moe_rule_terms(x, ids, w, ew, fast_accum=True, ep_rank=ep_rank)
+def check_fast(y, x, ids, w, ew, ep_rank, what, accum="fast"):
+    ref, base, allowance = moe_rule_terms(x, ids, w, ew, fast_accum=accum, ep_rank=ep_rank)
     err = assert_within_rule(y, ref, base, what=what, allowance=allowance)
-    print(f"{what}: max abs error {err:.3e}, fast baseline's {float((base.double() - ref).abs().max()):.3e}")
+    print(f"{what}: max abs error {err:.3e}, {accum} baseline's {float((base.double() - ref).abs().max()):.3e}")
     return err
 
 
+FP8_MMA_MODES = ["fast", "promoted"]
+
+
+@pytest.mark.parametrize("accum", FP8_MMA_MODES)
 @pytest.mark.parametrize("t", [1024, 4096])
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
 @pytest.mark.parametrize("tile", list(FAST_TILES))
-def test_qwen3_fp8_fast_accum_within_rule(t, fmt, tile):
+def test_qwen3_fp8_fast_accum_within_rule(t, fmt, tile, accum):
     from evenflow.moe.fused import MoEConfig
 
     ew = weights("qwen3-30b-a3b", fmt)
@@ -194,14 +199,15 @@ def test_qwen3_fp8_fast_accum_within_rule(t, fmt, tile):
     x = torch.randn(t, 2048, device="cuda", generator=g).bfloat16()
     ids, w = random_routing(t, 8, 128, "cuda", generator=g)
     cfg = None if FAST_TILES[tile] is None else MoEConfig.from_list(FAST_TILES[tile])
-    y = evenflow.fused_moe(x, ids, w, ew, config=cfg, fp8_accum="fast")
-    check_fast(y, x, ids, w, ew, 0, f"qwen3 {fmt} fast T={t} {tile}")
+    y = evenflow.fused_moe(x, ids, w, ew, config=cfg, fp8_accum=accum)
+    check_fast(y, x, ids, w, ew, 0, f"qwen3 {fmt} {accum} T={t} {tile}", accum)
 
 
 @pytest.mark.parametrize("shape,fmt", [("hy3-tp8", "fp8_per_tensor"), ("hy3-ep8", "fp8_per_tensor"),
                                        ("hy3-ep8", "fp8_block")])
 @pytest.mark.parametrize("t", [1, 1024, 4096])
-def test_hy3_fp8_fast_accum_within_rule(shape, fmt, t):
+@pytest.mark.parametrize("accum", FP8_MMA_MODES)
+def test_hy3_fp8_fast_accum_within_rule(shape, fmt, t, accum):
     """The other benchmark shapes on the heuristic: Hy3 TP8 (I = 192: 64-wide gate-up N, 64-deep
     down K steps) and EP8 (rank 3 of 8), from decode (T = 1: pair tiles, split K) up."""
     e, e_tot, ep, k, h, i = SHAPES[shape]
@@ -209,13 +215,14 @@ def test_hy3_fp8_fast_accum_within_rule(shape, fmt, t):
     g = torch.Generator(device="cuda").manual_seed(1000 + t)
     x = torch.randn(t, h, device="cuda", generator=g).bfloat16()
     ids, w = random_routing(t, k, e_tot, "cuda", generator=g)
-    y = evenflow.fused_moe(x, ids, w, ew, ep_rank=ep, num_experts_total=e_tot, fp8_accum="fast",
+    y = evenflow.fused_moe(x, ids, w, ew, ep_rank=ep, num_experts_total=e_tot, fp8_accum=accum,
                            out=poisoned((t, h), torch.bfloat16, "cuda"))
-    check_fast(y, x, ids, w, ew, ep, f"{shape} {fmt} fast T={t}")
+    check_fast(y, x, ids, w, ew, ep, f"{shape} {fmt} {accum} T={t}", accum)
 
 
+@pytest.mark.parametrize("accum", FP8_MMA_MODES)
 @pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
-def test_cuda_graph_fast_accum(fmt):
+def test_cuda_graph_fast_accum(fmt, accum):
     """fp8_accum="fast" captured in a CUDA graph (T = 512 on Qwen3: the 64-row fp8-wgmma tiles;
     T = 2: pair tiles with split K) and replayed with new inputs: bitwise the eager call, within
     the rule of the fast baseline."""
@@ -225,11 +232,11 @@ def test_cuda_graph_fast_accum(fmt):
     for t in (2, 512):
         x, ids, w = inputs(shape, t)
         out = torch.empty(t, h, device="cuda", dtype=torch.bfloat16)
-        evenflow.fused_moe(x, ids, w, ew, out=out, fp8_accum="fast")  # compile outside capture
+        evenflow.fused_moe(x, ids, w, ew, out=out, fp8_accum=accum)  # compile outside capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            evenflow.fused_moe(x, ids, w, ew, out=out, fp8_accum="fast")
+            evenflow.fused_moe(x, ids, w, ew, out=out, fp8_accum=accum)
         for step in range(3):
             nx, nids, nw = inputs(shape, t)
             x.copy_(nx)
@@ -237,9 +244,9 @@ def test_cuda_graph_fast_accum(fmt):
             w.copy_(nw)
             graph.replay()
             torch.cuda.synchronize()
-            eager = evenflow.fused_moe(x, ids, w, ew, fp8_accum="fast")
+            eager = evenflow.fused_moe(x, ids, w, ew, fp8_accum=accum)
             assert torch.equal(out, eager), f"T={t} replay {step} differs from eager"
-            check_fast(out, x, ids, w, ew, 0, f"{fmt} fast graph T={t} replay {step}")
+            check_fast(out, x, ids, w, ew, 0, f"{fmt} {accum} graph T={t} replay {step}", accum)
 
 
 @pytest.mark.parametrize("t,k,e,ep,bm", [(1024, 8, 128, 0, 64), (4096, 8, 128, 0, 64), (512, 16, 512, 0, 16),

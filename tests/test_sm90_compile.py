@@ -178,6 +178,14 @@ _FAST = [
     ("qwen3 fp8-tensor bm32", "fp8_per_tensor", 2048, 768, 512, [32, 64, 128, 64, 128, 4, 4, 1, 1]),
     ("qwen3 fp8-block bm32", "fp8_block", 2048, 768, 512, [32, 128, 128, 64, 128, 4, 4, 1, 1]),
 ]
+# fp8_accum="promoted": per-tensor heuristic picks (128-row tiles), a 64-row tile with 32-deep steps, and block
+# mode (the fast mode's build).
+_PROMOTED = [
+    ("qwen3 fp8-tensor T=4096", "fp8_per_tensor", 2048, 768, 4096, None),
+    ("hy3-tp8 fp8-tensor T=4096", "fp8_per_tensor", 4096, 192, 4096, None),
+    ("qwen3 fp8-tensor bm64 k32", "fp8_per_tensor", 2048, 768, 512, [64, 128, 32, 128, 32, 8, 3, 1, 1]),
+    ("qwen3 fp8-block T=4096", "fp8_block", 2048, 768, 4096, None),
+]
 
 
 def test_moe_fast_accum_compiles_to_fp8_wgmma():
@@ -185,18 +193,21 @@ def test_moe_fast_accum_compiles_to_fp8_wgmma():
     e4m3 operands (no f16 MMA, no conversion), with no register spill and within the shared-memory
     limit; the 16/32-row tiles compile too (mma.sync, no spill). A default-mode 64-row tile (the
     heuristic's until round S8) is compiled beside them: f16 wgmma (its e4m3 values upcast), the
-    contrast the check must see."""
+    contrast the check must see. fp8_accum="promoted" compiles to the same e4m3 wgmma; in per-tensor
+    mode its K loop adds every accumulator element once per step (one FADD per element and thread:
+    the promotion), where the fast mode's loop has none."""
     from evenflow._compile_check import SHARED_LIMIT, compile_stats
     from evenflow.moe.fused import MoEConfig, choose_config
 
     launches, expect = [], []
-    cases = [(*c, "fast") for c in _FAST] + [("qwen3 fp8-tensor exact bm64", "fp8_per_tensor", 2048, 768, 512,
-                                              [64, 128, 128, 128, 128, 8, 3, 1, 1], "exact")]
+    cases = [(*c, "fast") for c in _FAST] + [(*c, "promoted") for c in _PROMOTED] + [
+        ("qwen3 fp8-tensor exact bm64", "fp8_per_tensor", 2048, 768, 512, [64, 128, 128, 128, 128, 8, 3, 1, 1],
+         "exact")]
     for label, fmt, h, i, t, cfg, accum in cases:
         ew = random_moe_weights(fmt, 4, h, i)
         if cfg is None:  # the heuristic of the real layer (128 or 192 experts), forced on these 4
             e = 192 if i == 192 else 128
-            cfg = choose_config(t, 8, e, h, i, ew.mode, num_experts_total=e, sms=132, fast_acc=accum == "fast")
+            cfg = choose_config(t, 8, e, h, i, ew.mode, num_experts_total=e, sms=132, fast_acc=accum != "exact")
         else:
             cfg = MoEConfig.from_list(cfg)
         with emulate_gpu(132), record_launches() as rec:
@@ -205,22 +216,29 @@ def test_moe_fast_accum_compiles_to_fp8_wgmma():
         for la in rec:
             if la.name in ("moe_gate_up_kernel", "moe_down_kernel") and la not in launches:
                 launches.append(la)
-                expect.append((f"{label} {la.name}", cfg, accum))
+                expect.append((f"{label} {la.name}", cfg, accum, fmt, la.name))
     stats = compile_stats(launches)
     assert len(stats) == len(launches)
-    for (what, cfg, accum), s in zip(expect, stats):
+    for (what, cfg, accum, fmt, name), s in zip(expect, stats):
         assert "error" not in s, s["error"]
         assert s["shared"] <= SHARED_LIMIT[90], (what, s["shared"])
         mma = s["mma"]
         if cfg.block_m >= 64:
-            want = "e4m3.e4m3" if accum == "fast" else "f16.f16"
+            want = "f16.f16" if accum == "exact" else "e4m3.e4m3"
             assert set(mma["wgmma_types"]) == {want} and mma["mma.sync"] == 0, (what, cfg, mma)
         else:
             assert mma["wgmma"] == 0 and mma["mma.sync"] > 0, (what, cfg, mma)
-        if accum == "fast":
+        if accum != "exact":
             assert s["spill_bytes"] == 0, (what, cfg, s["regs"], s["spill_bytes"])
             if cfg.block_m >= 64:  # no e4m3 -> f16 conversions in the K loop
-                assert not any(op.startswith("F2FP") for op in s["loops"][0]["ops"]), (what, s["loops"][0])
+                ops = s["loops"][0]["ops"]
+                assert not any(op.startswith("F2FP") for op in ops), (what, s["loops"][0])
+                if fmt == "fp8_per_tensor":
+                    gate_up = name == "moe_gate_up_kernel"
+                    per_thread = cfg.block_m * (cfg.gu_block_n * 2 if gate_up else cfg.down_block_n) // (
+                        cfg.num_warps * 32)
+                    fadd = sum(v for op, v in ops.items() if op.startswith("FADD"))
+                    assert fadd == (per_thread if accum == "promoted" else 0), (what, cfg, fadd, per_thread)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor", "fp8_block"])

@@ -48,8 +48,10 @@ PDL_MAX_PAIRS = 512
 QUANT_OVERLAP = True
 # fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
 # accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
-# reduced-precision accumulation (kernels.py, FAST_ACC). fp8 tl.dot needs K-steps >= 32.
-FP8_ACCUM = ("exact", "fast")
+# reduced-precision accumulation (kernels.py, FAST_ACC); "promoted" (opt-in) the same fp8 MMAs with
+# each K step's sum (<= 128 products) added to an fp32 accumulator, in per-tensor mode too (FAST_ACC == 2).
+# fp8 tl.dot needs K-steps >= 32. Both fp8-MMA modes share choose_config's rules; each has its table keys.
+FP8_ACCUM = ("exact", "promoted", "fast")
 FAST_ACC_MIN_BLOCK_K = 32
 # MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
 # registers and shared memory leave room for 1-5 resident programs per SM at the measured configs).
@@ -136,7 +138,7 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     table (round S8; since round T4 most of those entries widen the down GEMM's N block, which this
     function does not).
 
-    ``fast_acc`` (FP8 weights, ``fp8_accum="fast"``): K-steps of at least 32 (fp8 dots), and
+    ``fast_acc`` (FP8 weights, ``fp8_accum="fast"`` or ``"promoted"``): K-steps of at least 32 (fp8 dots), and
     above 16 rows per expert fp8-wgmma tiles (64 rows; 128 past 128 rows in per-tensor mode).
     """
     e_tot = num_experts_total or num_local
@@ -197,10 +199,12 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
 
 
 def tuned_key(num_local: int, num_experts_total: int, top_k: int, hidden: int, inter: int, mode: int,
-              fast_acc: bool = False) -> str:
-    """Key of one shape and format in the tuned table; the fast-accumulation mode has its own
-    keys (suffix ``-fast``: formats fp8-tensor-fast / fp8-block-fast of benchmarks/tune_moe.py)."""
-    return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}" + ("-fast" if fast_acc else "")
+              fast_acc: bool = False, promote: bool = False) -> str:
+    """Key of one shape and format in the tuned table; the fp8-MMA modes have their own keys
+    (suffix ``-fast``: formats fp8-tensor-fast / fp8-block-fast of benchmarks/tune_moe.py; ``-prom``
+    with ``promote``, fp8_accum="promoted": fp8-tensor-prom / fp8-block-prom)."""
+    suffix = ("-prom" if promote else "-fast") if fast_acc else ""
+    return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}" + suffix
 
 
 @functools.lru_cache(maxsize=8)
@@ -231,18 +235,19 @@ def _gpu_kind(device) -> str | None:
 
 
 def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
-                 num_experts_total: int, device, path: str | None = None, fast_acc: bool = False) -> MoEConfig | None:
+                 num_experts_total: int, device, path: str | None = None, fast_acc: bool = False,
+                 promote: bool = False) -> MoEConfig | None:
     """The tuned config for this shape at the largest tuned batch bucket <= num_tokens, or None
     (no file for this GPU, shape not tuned, num_tokens below every bucket, or that bucket's entry
     is null: the heuristic was measured and not beaten). An entry that no longer passes
     ``check_config`` is ignored with a warning (the heuristic takes over). ``fast_acc`` looks up
-    the fast-accumulation keys only (never the default mode's entries)."""
+    the fp8-MMA modes' keys only (never the default mode's entries): ``-prom`` with ``promote``, else ``-fast``."""
     if path is None:
         kind = _gpu_kind(device)
         if kind is None:
             return None
         path = os.path.join(CONFIG_DIR, _CONFIG_FILES[kind])
-    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, fast_acc))
+    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, fast_acc, promote))
     if not rows:
         return None
     best = None
@@ -285,17 +290,19 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         raise ValueError(f"config.persistent (programs per SM, 0 = one per task) must lie in [0, {MAX_PERSISTENT}], "
                          f"got {cfg.persistent}")
     if fast_acc and min(cfg.gu_block_k, cfg.down_block_k) < FAST_ACC_MIN_BLOCK_K:
-        raise ValueError(f"fp8_accum='fast' runs fp8 dots, whose K-steps must be >= {FAST_ACC_MIN_BLOCK_K} "
+        raise ValueError(f"fp8_accum='fast' / 'promoted' run fp8 dots, whose K-steps must be >= {FAST_ACC_MIN_BLOCK_K} "
                          f"deep; config has gu_block_k={cfg.gu_block_k}, down_block_k={cfg.down_block_k}")
 
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
             pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
-            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1):
+            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1,
+            promote: bool = False):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
-    # fast_acc: fp8_accum == "fast" (FP8 weights; checked by fused_moe)
+    # fast_acc: fp8_accum is "fast" or "promoted" (FP8 weights; checked by fused_moe): fp8 MMAs
+    # promote: fp8_accum == "promoted" (with fast_acc): each K step's sum promoted to fp32 (kernels.FAST_ACC == 2)
     # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
     # -1 as the config says (cfg.gu_defer)
     # persistent: programs per SM of the GEMMs that run index tiles without a K split (0: one per task),
@@ -317,7 +324,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     dev = x.device
     if cfg is None:
         cfg = tuned_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, device=dev,
-                           fast_acc=fast_acc)
+                           fast_acc=fast_acc, promote=promote)
     if cfg is None:
         cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev),
                             fast_acc=fast_acc)
@@ -415,6 +422,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
 
     down_nb = h // cfg.down_block_n
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
+    acc_kind = (2 if promote else 1) if fast_acc else 0  # kernels.FAST_ACC: exact / fast / promoted
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
@@ -424,7 +432,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
-        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
+        SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
@@ -443,7 +451,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0), w2.stride(1), *ws2_strides,
         pair_out.stride(0), pair_out.stride(1), gu_part.stride(0) if defer else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=fast_acc,
+        SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
         E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
     )
@@ -475,8 +483,8 @@ def _fused_moe_op(
     # always (no default: some torch versions index a mutated argument the caller left to its default)
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
-            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum == "fast",
-            defer_split, persistent, counters, local_first)
+            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum != "exact",
+            defer_split, persistent, counters, local_first, fp8_accum == "promoted")
 
 
 @_fused_moe_op.register_fake
@@ -525,8 +533,12 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     that way, block-128 weights promote to fp32 once per 128-deep block (DeepSeek-V3). It
     matters at large batches (MMA-bound: on sm_90, 64/128-row tiles at twice the f16 rate);
     tiles of 16/32 rows (decode) compute as ``"exact"`` does. Its results are not the default's
-    bit for bit (requantisation of the intermediate can round differently). Needs K-steps of
-    at least 32: with per-tensor weights, hidden and intermediate sizes that are multiples of 32.
+    bit for bit (requantisation of the intermediate can round differently). ``"promoted"`` (opt-in)
+    runs the same fp8 MMAs but adds each K step's sum (at most 128 products, summed by the tensor
+    core) to an fp32 accumulator in per-tensor mode too (block-128 weights: as ``"fast"``): the
+    precision class of DeepSeek-V3's recipe, tested against a baseline that sums 128-deep
+    fast-accumulation products in fp32. Both fp8-MMA modes need K-steps of at least 32: with
+    per-tensor weights, hidden and intermediate sizes that are multiples of 32.
     ValueError for another value, for bf16 weights, or such sizes.
     ``defer_split``: where pair tiles split the gate-up GEMM along K (decode batches), who adds
     its partial sums and applies the activation: ``True``, the down GEMM as it loads its
@@ -576,11 +588,12 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         raise TypeError(f"routed_scaling must be a float, got {type(routed_scaling).__name__}")
     if not isinstance(fp8_accum, str) or fp8_accum not in FP8_ACCUM:
         raise ValueError(f"fp8_accum must be one of {FP8_ACCUM}, got {fp8_accum!r}")
-    fast_acc = fp8_accum == "fast"
+    fast_acc = fp8_accum != "exact"
     if fast_acc and ew.mode == 0:
-        raise ValueError("fp8_accum='fast' applies to FP8 weights only; these are bf16 (use the default 'exact')")
+        raise ValueError(f"fp8_accum={fp8_accum!r} applies to FP8 weights only; these are bf16 (use the default "
+                         "'exact')")
     if fast_acc and (h % FAST_ACC_MIN_BLOCK_K or ew.intermediate_size % FAST_ACC_MIN_BLOCK_K):
-        raise ValueError(f"fp8_accum='fast' needs hidden ({h}) and intermediate ({ew.intermediate_size}) sizes "
+        raise ValueError(f"fp8_accum={fp8_accum!r} needs hidden ({h}) and intermediate ({ew.intermediate_size}) sizes "
                          f"that are multiples of {FAST_ACC_MIN_BLOCK_K} (fp8 dots take K-steps >= "
                          f"{FAST_ACC_MIN_BLOCK_K}); use fp8_accum='exact'")
     if shared_output is not None:
@@ -624,5 +637,6 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         _fused_moe_op(*args, counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
                       defer_arg, persist_arg, local_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters, local_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters, local_arg,
+                fp8_accum == "promoted")
     return out

@@ -78,6 +78,11 @@ GROUP_AMAX_EPS = tl.constexpr(1e-10)
 # f16 itself (exact products): the same numerics as the default there. fp8 tl.dot needs
 # K-steps >= 32 (the launcher never gives FAST_ACC a 16-deep step). Tested against its own
 # baseline (evenflow.reference.moe.moe_fast_accum_baseline), not the default's.
+#
+# FAST_ACC == 2 (``fp8_accum="promoted"``): the same fp8 MMAs, but per-tensor mode's dots take
+# max_num_imprecise_acc=BLOCK_K, so each K step's sum (at most 128 products) is summed by the tensor
+# core into a fresh partial and added to the fp32 accumulator: block mode's promotion, in per-tensor
+# mode too. Block mode is the same build as FAST_ACC == 1 (it already promotes per K step).
 
 
 @triton.jit
@@ -88,6 +93,16 @@ def _fp8_operand(x, FAST_ACC: tl.constexpr, DOT_F32: tl.constexpr):
         return dot_operand(x, DOT_F32)
     else:
         return f16_operand(x, DOT_F32)
+
+
+@triton.jit
+def _acc_dot(a, b, acc, FAST_ACC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + a @ b`` for per-tensor mode's running accumulator: with FAST_ACC == 2 the step's
+    products are summed apart from ``acc`` and added to it in fp32 (see the top)."""
+    if FAST_ACC == 2:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -508,8 +523,8 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
             acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
         elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; the whole K in acc (see the top)
             b_a8 = _fp8_operand(b_a, FAST_ACC, DOT_F32)
-            acc_g = tl.dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g)
-            acc_u = tl.dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u)
+            acc_g = _acc_dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g, FAST_ACC, BLOCK_K)
+            acc_u = _acc_dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u, FAST_ACC, BLOCK_K)
         else:  # block scales: each K block's sum in a fresh tile, scaled, added in fp32
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
@@ -676,7 +691,8 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
         if MODE == 0:
             acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
         elif MODE == 1:
-            acc = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32), acc)
+            acc = _acc_dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32), acc,
+                           FAST_ACC, BLOCK_K)
         else:
             b_d = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32))
             acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))

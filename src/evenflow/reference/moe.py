@@ -8,7 +8,8 @@ rounding), so comparing against this oracle measures the kernels' arithmetic
 error, not the quantisation error that the format itself brings; pass
 ``quantize_activations=False`` for the end-to-end fidelity reference.
 ``moe_fast_accum_baseline`` is the tolerance rule's baseline for the opt-in
-``fp8_accum="fast"`` mode: the same layer through ``torch._scaled_mm(use_fast_accum=True)``.
+``fp8_accum="fast"`` mode: the same layer through ``torch._scaled_mm(use_fast_accum=True)``, and
+with ``promoted=True`` of ``fp8_accum="promoted"`` (those products summed per 128-deep K block in fp32).
 
 The layer computed, for this rank's experts E_loc = [ep_rank*E_local, (ep_rank+1)*E_local):
 
@@ -159,18 +160,31 @@ def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: t
     return acc
 
 
-def _fast_gate_up(x, ew):
+def _promoted_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scaled product with promotion once per 128-deep K block: one fast-accumulation
+    ``_scaled_mm`` per block (the last may be shorter), summed in fp32 in K order, then scaled: the
+    precision class of ``fused_moe(fp8_accum="promoted")``, whose per-tensor kernels promote every K
+    step of at most 128."""
+    acc = torch.zeros(a8.shape[0], b8.shape[0], dtype=torch.float32, device=a8.device)
+    for k0 in range(0, a8.shape[1], 128):
+        acc += _fast_mm(a8[:, k0:k0 + 128], b8[:, k0:k0 + 128])
+    return acc * (scale_a.float().reshape(()) * scale_b.float().reshape(()))
+
+
+def _fast_gate_up(x, ew, promoted: bool = False):
     """``gate_up(e, tok)``: the fp32 gate-up product of expert ``e`` for token rows ``tok`` with fp8
-    fast accumulation, on the activations quantised as the kernels quantise them."""
+    fast accumulation (``promoted``: per-tensor weights promoted once per 128-deep block, as block
+    weights always are), on the activations quantised as the kernels quantise them."""
     if ew.format == "fp8_per_tensor":
         xq = _fp8_static(x, ew.a13_scale)
-        return lambda e, tok: _fast_mm(xq[tok], ew.w13[e], ew.a13_scale, ew.w13_scale[e])
+        mm = _promoted_mm if promoted else _fast_mm
+        return lambda e, tok: mm(xq[tok], ew.w13[e], ew.a13_scale, ew.w13_scale[e])
     xq, xs = quant_fp8_group(x.float())
     return lambda e, tok: _fast_block_mm(xq[tok], xs[tok], ew.w13[e], ew.w13_scale[e])
 
 
 def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
-                            routed_scaling=1.0) -> torch.Tensor:
+                            routed_scaling=1.0, promoted: bool = False) -> torch.Tensor:
     """The tolerance rule's baseline for ``fused_moe(..., fp8_accum="fast")``: the same layer
     computed by PyTorch with fp8 fast accumulation (fp32 result, not rounded to bf16).
 
@@ -184,17 +198,20 @@ def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_expert
     fused MoE; on a CPU ``_scaled_mm`` sums exactly in fp32, so there it equals the default
     mode's baseline up to fp32 rounding order. ``num_experts_total`` is accepted as by
     :func:`moe_reference` (this rank's experts follow from ``ep_rank`` and the weights).
+    ``promoted`` (the baseline of ``fp8_accum="promoted"``): per-tensor products too are summed per
+    128-deep K block and the blocks added in fp32 (:func:`_promoted_mm`); block-128 is unchanged.
     """
     if ew.format not in ("fp8_per_tensor", "fp8_block"):
         raise ValueError(f"moe_fast_accum_baseline needs FP8 weights, got {ew.format}")
     e_local, i_size = ew.num_experts, ew.intermediate_size
-    gate_up = _fast_gate_up(x, ew)
+    gate_up = _fast_gate_up(x, ew, promoted)
+    down_mm = _promoted_mm if promoted else _fast_mm
 
     def expert(e, tok):
         gu = gate_up(e, tok)
         h = torch.nn.functional.silu(gu[:, :i_size]) * gu[:, i_size:]
         if ew.format == "fp8_per_tensor":
-            return _fast_mm(_fp8_static(h, ew.a2_scale), ew.w2[e], ew.a2_scale, ew.w2_scale[e])
+            return down_mm(_fp8_static(h, ew.a2_scale), ew.w2[e], ew.a2_scale, ew.w2_scale[e])
         hq, hs = quant_fp8_group(h)
         return _fast_block_mm(hq, hs, ew.w2[e], ew.w2_scale[e])
 
@@ -202,22 +219,23 @@ def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_expert
     return _scaled(y, routed_scaling, shared_output).float()
 
 
-def moe_baseline(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw) -> torch.Tensor:
+def moe_baseline(x, topk_ids, topk_weights, ew, fast_accum: bool | str = False, **kw) -> torch.Tensor:
     """The tolerance rule's baseline for ``fused_moe``: the same layer done by PyTorch in the
     precision the kernels work in, rounded to bf16 like their output. BF16 weights: bf16
     matmuls with a bf16 intermediate; FP8 weights: fp32 matmuls of the fp8 values (exact
-    products, fp32 sums, as the default mode's f16 MMAs); ``fast_accum`` (FP8 weights, for
-    ``fp8_accum="fast"``): :func:`moe_fast_accum_baseline`. ``kw``: ``ep_rank``,
-    ``num_experts_total``, ``shared_output``, ``routed_scaling``."""
+    products, fp32 sums, as the default mode's f16 MMAs); ``fast_accum`` (FP8 weights): ``True`` or
+    ``"fast"`` for ``fp8_accum="fast"``, ``"promoted"`` for ``fp8_accum="promoted"``:
+    :func:`moe_fast_accum_baseline`. ``kw``: ``ep_rank``, ``num_experts_total``, ``shared_output``,
+    ``routed_scaling``."""
     if fast_accum:
-        base = moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, **kw)
+        base = moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, promoted=fast_accum == "promoted", **kw)
     else:
         dtype = torch.bfloat16 if ew.format == "bf16" else torch.float32
         base = moe_reference(x, topk_ids, topk_weights, ew, dtype=dtype, **kw)
     return base.to(torch.bfloat16)
 
 
-def requant_window(x, ew, fast_accum: bool = False, factor: float = 2.0):
+def requant_window(x, ew, fast_accum: bool | str = False, factor: float = 2.0):
     """``window(e, tok)`` -> (g, u, dgu, s, v, dv) in float64 for local expert ``e`` and token rows ``tok``
     (FP8 formats): ``g``, ``u`` the oracle's gate and up values, ``dgu`` = ``factor`` x the largest error of
     PyTorch's same-precision gate-up product of that expert against them, ``s`` the requantisation scale,
@@ -226,7 +244,7 @@ def requant_window(x, ew, fast_accum: bool = False, factor: float = 2.0):
     w13, _ = dequant_weights(ew)
     i_size = ew.intermediate_size
     quant_in, _ = _activation_quant(ew)
-    fast = _fast_gate_up(x, ew) if fast_accum else None
+    fast = _fast_gate_up(x, ew, fast_accum == "promoted") if fast_accum else None
 
     def window(e, tok):
         xq = quant_in(x[tok].float())
@@ -260,7 +278,7 @@ def requant_window(x, ew, fast_accum: bool = False, factor: float = 2.0):
 
 
 def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
-                          routed_scaling=1.0, fast_accum: bool = False, factor: float = 2.0) -> torch.Tensor:
+                          routed_scaling=1.0, fast_accum: bool | str = False, factor: float = 2.0) -> torch.Tensor:
     """[T, H] float64: how far the layer's output may move, element by element, because the FP8
     formats round the intermediate ``silu(gate) * up`` to e4m3 (zeros for BF16 weights).
 
@@ -273,7 +291,8 @@ def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_
 
     - the intermediate's possible deviation, per element: the gate and up products may be off by
       ``factor`` times the largest error of PyTorch's same-precision product of that expert (fp32
-      sums of the exact fp8 products; with ``fast_accum``, the fast-accumulation GEMM) against
+      sums of the exact fp8 products; with ``fast_accum``, the fast-accumulation GEMM, promoted per
+      128-deep block where it is ``"promoted"``) against
       float64, carried through ``silu(g) * u`` by its derivatives, plus the rounding of the SiLU, the
       product and the division by the scale themselves (:func:`requant_window`);
     - block-128 mode: the group's scale (amax / 448) moves with the group's largest deviation;
@@ -301,9 +320,10 @@ def moe_requant_allowance(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_
     return y * abs(routed_scaling)
 
 
-def moe_rule_terms(x, topk_ids, topk_weights, ew, fast_accum: bool = False, **kw):
+def moe_rule_terms(x, topk_ids, topk_weights, ew, fast_accum: bool | str = False, **kw):
     """(oracle in float64, the rule's baseline, the requantisation allowance): the three terms of
-    :func:`evenflow.testing.assert_within_rule` for ``fused_moe`` with these arguments (``kw``:
+    :func:`evenflow.testing.assert_within_rule` for ``fused_moe`` with these arguments (``fast_accum``
+    as :func:`moe_baseline` takes it; ``kw``:
     ``ep_rank``, ``num_experts_total``, ``shared_output``, ``routed_scaling``)."""
     ref = moe_reference(x, topk_ids, topk_weights, ew, dtype=torch.float64, **kw)
     base = moe_baseline(x, topk_ids, topk_weights, ew, fast_accum=fast_accum, **kw)
