@@ -82,7 +82,10 @@ GROUP_AMAX_EPS = tl.constexpr(1e-10)
 # FAST_ACC == 2 (``fp8_accum="promoted"``): the same fp8 MMAs, but per-tensor mode's dots take
 # max_num_imprecise_acc=BLOCK_K, so each K step's sum (at most 128 products) is summed by the tensor
 # core into a fresh partial and added to the fp32 accumulator: block mode's promotion, in per-tensor
-# mode too. Block mode is the same build as FAST_ACC == 1 (it already promotes per K step).
+# mode too. Block mode is the same build as FAST_ACC == 1 (it already promotes per K step). Against
+# the default's rule (fp32 baseline, with round W's requantisation allowance) it passed at 14 of 15
+# benchmark-shape points and failed at Hy3 TP8 T=4096 (round AA2): opt-in, tested against its own
+# baseline (moe_fast_accum_baseline(promoted=True)).
 
 
 @triton.jit
