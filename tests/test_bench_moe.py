@@ -339,3 +339,40 @@ def test_decode_sass_script_reports_one_exp_per_row_element(capsys):
     for r in rows:
         cells = [c.strip() for c in r]
         assert int(cells[5]) > 0 and cells[8] == "0" and cells[11] == "1", cells
+
+
+def test_plot_fp8_modes(tmp_path):
+    """benchmarks/plot_fp8_modes.py: the points are the fp8 ones with a default and a peer time; each mode's bars are
+    the peer's time over the mode's and the mode's max error over the exact mode's at that point; a PNG is written;
+    a file with no such point is refused."""
+    import json
+
+    spec = importlib.util.spec_from_file_location("plot_fp8_modes", Path(__file__).parent.parent / "benchmarks"
+                                                  / "plot_fp8_modes.py")
+    pm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pm)
+
+    def row(case, variant, batch, impl, us, err=1e-3):
+        return {"case": case, "variant": variant, "batch": batch, "impl": impl, "us": us, "max_abs_err": err}
+
+    rows = [row("q", "fp8-tensor", 512, "evenflow", 200.0, 2e-3), row("q", "fp8-tensor", 512, "sglang-triton", 180.0),
+            row("q", "fp8-tensor", 512, "evenflow-promoted", 150.0, 5e-3),
+            row("q", "fp8-tensor", 512, "evenflow-fastacc", 120.0, 8e-3),
+            row("q", "fp8-block", 512, "evenflow", 300.0),  # no peer time: left out
+            {"case": "q", "variant": "fp8-block", "batch": 512, "impl": "sglang-triton", "error": "unavailable"},
+            row("q", "bf16", 512, "evenflow", 100.0), row("q", "bf16", 512, "sglang-triton", 90.0)]  # not fp8
+    points, by = pm.mode_table(rows)
+    assert points == [("q", "fp8-tensor", 512)]
+    ratios = pm.mode_ratios(points, by)
+    assert list(ratios) == ["exact (default)", "promoted", "fast"]
+    for label, speed, err in (("exact (default)", 180 / 200, 1.0), ("promoted", 180 / 150, 2.5),
+                              ("fast", 180 / 120, 4.0)):
+        (k, s, e), = ratios[label]
+        assert k == 0 and math.isclose(s, speed) and math.isclose(e, err), (label, s, e)
+    res = tmp_path / "moe.json"
+    res.write_text(json.dumps({"header": {"gpu": "test"}, "rows": rows}))
+    png = pm.plot(res)
+    assert png == tmp_path / "moe.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res.write_text(json.dumps({"rows": rows[4:]}))
+    with pytest.raises(ValueError, match="no fp8 point"):
+        pm.plot(res)
