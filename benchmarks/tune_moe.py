@@ -152,6 +152,13 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
         if mode == 0:
             out += [("gk128-st4", r(d, gu_block_k=128, down_block_k=128, num_stages=4))]
         out += [("dn32", r(d, down_block_n=32)), ("bm32", r(d, block_m=32))]
+        # 2 warps a program (round AA4): the down GEMM of a tensor-parallel shard (K = I = 192 at Hy3 TP8: three K
+        # steps a program, 11-17 waves of 16-row tiles, round Z1) is a chain of dependent loads per program; at 2
+        # warps its sm_90 build holds 14 programs an SM by registers instead of 9
+        out += [("w2", r(d, num_warps=2)), ("w2-dn128", r(d, num_warps=2, down_block_n=128)),
+                ("w2-st4", r(d, num_warps=2, num_stages=4))]
+        if mode != 2:
+            out += [("w2-gn32", r(d, num_warps=2, gu_block_n=32))]
         if t * case.top_k <= PAIR_TILE_MAX_PAIRS:
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (

@@ -55,6 +55,17 @@ def test_invalid_entry_is_ignored_loudly(tmp_path):
         assert _get(path, 4) is None
 
 
+def test_check_config_names_bad_warps_and_stages():
+    good = MoEConfig(16, 64, 64, 64, 64)
+    for nw in (1, 2, 4, 8, 16):
+        check_config(dataclasses.replace(good, num_warps=nw), 256, 128, 0)
+    for nw in (0, 3, 32):
+        with pytest.raises(ValueError, match="config.num_warps must be 1, 2, 4, 8 or 16"):
+            check_config(dataclasses.replace(good, num_warps=nw), 256, 128, 0)
+    with pytest.raises(ValueError, match="config.num_stages must be >= 1"):
+        check_config(dataclasses.replace(good, num_stages=0), 256, 128, 0)
+
+
 def test_no_table_on_cpu():
     assert tuned_config(4, 2, 8, 256, 128, 0, num_experts_total=8, device=None) is None
 

@@ -79,6 +79,25 @@ def test_real_shapes(shape, fmt, t):
         assert 1 - cos <= 1.02 * (1 - cos_fmt) + 1e-5
 
 
+@pytest.mark.parametrize("num_warps", [2, 1])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t", [16, 64, 256])
+def test_narrow_warp_tiles_hy3_tp8(t, fmt, num_warps):
+    """The tuner's 2-warp candidates (round AA4) and 1 warp, forced on the heuristic's 16-row tiles at Hy3 TP8
+    (index tiles; pair tiles at T = 16 too), within the rule."""
+    shape = "hy3-tp8"
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    if fmt == "fp8_block":
+        pytest.skip("Hy3 TP8 (I = 192) has no block-128 format")
+    ew = weights(shape, fmt)
+    x, ids, w = inputs(shape, t)
+    cfg = dataclasses.replace(choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot), num_warps=num_warps)
+    for pair_tiles in ((False, True) if t == 16 else (False,)):
+        out = poisoned((t, h), torch.bfloat16, "cuda")
+        y = evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=pair_tiles, out=out)
+        check(y, x, ids, w, ew, ep, f"{shape} {fmt} T={t} {cfg} pair_tiles={pair_tiles}")
+
+
 # Regression 4 (docs/perf-notes/moe.md, round F): round E3's tuner saw the heuristic default for
 # Qwen3 fp8-tensor miss the rule at T=1024 (3.77e-2 > 3.22e-2) and T=4096, on exactly this input
 # (the tuner's seed rule: weights seed 0, x then routing from a CUDA generator seeded 1000 + T),

@@ -284,6 +284,10 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
     if mode == 2 and (cfg.gu_block_n > 128 or cfg.gu_block_k != 128 or cfg.down_block_k != 128):
         raise ValueError(f"fp8 block mode needs gate-up BLOCK_K and down BLOCK_K of 128 and a gate-up BLOCK_N of "
                          f"at most 128, got {cfg}")
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"config.num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
+    if cfg.num_stages < 1:
+        raise ValueError(f"config.num_stages must be >= 1, got {cfg.num_stages}")
     if cfg.gu_defer not in (0, 1):
         raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
     if not 0 <= cfg.persistent <= MAX_PERSISTENT:
