@@ -11,7 +11,7 @@ case does not have, e.g. Hy3 TP8 fp8-block, are left out). A call uses the entry
 bucket <= its batch; below the first bucket, or where the entry is null, ``choose_config``
 decides. The opt-in fast-accumulation mode (``fp8_accum="fast"``) is tuned as formats of its
 own, ``fp8-tensor-fast`` and ``fp8-block-fast`` (not in the default ``--formats``): its own
-table keys (``tuned_key(..., fast_acc=True)``, suffix ``-fast``), its own candidates (fp8-wgmma
+table keys (``tuned_key(..., accum="fast")``, suffix ``-fast``), its own candidates (fp8-wgmma
 tiles of 64 and 128 rows first, K-steps >= 32) and its own rule baseline (below). The opt-in
 ``fp8_accum="promoted"`` likewise: ``fp8-tensor-prom`` and ``fp8-block-prom``, keys suffixed ``-prom``,
 the fast mode's candidates, its own baseline.
@@ -83,22 +83,21 @@ class TuneFormat(NamedTuple):
     fmt: str        # evenflow.MoEWeights format
     mode: int       # weight mode (tuned_key)
     variant: str    # benchmarks/moe.py variant: weight bytes, cases that lack the format
-    fast_acc: bool  # fused_moe(fp8_accum="fast"): its own table keys, candidates and rule baseline
-    promote: bool = False  # with fast_acc: fp8_accum="promoted" (keys -prom, the fast candidates, its baseline)
+    accum: str = "exact"  # fused_moe(fp8_accum=...): "fast" / "promoted" have their own keys and rule baselines
 
     @property
-    def accum(self) -> str:
-        return ("promoted" if self.promote else "fast") if self.fast_acc else "exact"
+    def fast_acc(self) -> bool:  # fp8 MMAs: the fp8-MMA modes' candidates and tile rules
+        return self.accum != "exact"
 
 
 FORMATS = {
-    "bf16": TuneFormat("bf16", 0, "bf16", False),
-    "fp8-tensor": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", False),
-    "fp8-block": TuneFormat("fp8_block", 2, "fp8-block", False),
-    "fp8-tensor-fast": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", True),
-    "fp8-block-fast": TuneFormat("fp8_block", 2, "fp8-block", True),
-    "fp8-tensor-prom": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", True, True),
-    "fp8-block-prom": TuneFormat("fp8_block", 2, "fp8-block", True, True),
+    "bf16": TuneFormat("bf16", 0, "bf16"),
+    "fp8-tensor": TuneFormat("fp8_per_tensor", 1, "fp8-tensor"),
+    "fp8-block": TuneFormat("fp8_block", 2, "fp8-block"),
+    "fp8-tensor-fast": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", "fast"),
+    "fp8-block-fast": TuneFormat("fp8_block", 2, "fp8-block", "fast"),
+    "fp8-tensor-prom": TuneFormat("fp8_per_tensor", 1, "fp8-tensor", "promoted"),
+    "fp8-block-prom": TuneFormat("fp8_block", 2, "fp8-block", "promoted"),
 }
 DEFAULT_FORMATS = "bf16,fp8-tensor,fp8-block"
 # fast accumulation above 16 rows per expert: fp8-wgmma tiles (64/128 rows, 8 warps) first, then
@@ -422,8 +421,7 @@ def main(argv=None) -> int:
         fm = FORMATS[variant]
         fmt, mode = fm.fmt, fm.mode
         accum = fm.accum
-        key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode, fm.fast_acc,
-                        fm.promote)
+        key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode, accum)
         left = deadline - time.time()
         if left <= 0:
             print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: budget spent, skipped", flush=True)
@@ -513,7 +511,7 @@ def main(argv=None) -> int:
         print(f"copy: {out / table_path.name}")
     summary(timings, [(f"{c}/{f}", tuned_key(B.CASES[c].num_local, B.CASES[c].num_experts_total, B.CASES[c].top_k,
                                              B.CASES[c].hidden, B.CASES[c].inter, FORMATS[f].mode,
-                                             FORMATS[f].fast_acc, FORMATS[f].promote), t)
+                                             FORMATS[f].accum), t)
                       for c, f, t in points], measured)
     return 0
 

@@ -81,7 +81,8 @@ def test_shipped_tables_are_valid():
             m = re.fullmatch(r"E(\d+)/(\d+)-k(\d+)-H(\d+)-I(\d+)-m(\d)(-fast|-prom)?", key)
             assert m, f"{name}: unknown key {key!r}"
             h, i, mode, fast = int(m[4]), int(m[5]), int(m[6]), m[7] is not None
-            assert key == tuned_key(int(m[1]), int(m[2]), int(m[3]), h, i, mode, fast, m[7] == "-prom")
+            accum = {None: "exact", "-fast": "fast", "-prom": "promoted"}[m[7]]
+            assert key == tuned_key(int(m[1]), int(m[2]), int(m[3]), h, i, mode, accum)
             for cfg in buckets.values():
                 if cfg is not None:  # null: the heuristic
                     check_config(MoEConfig.from_list(cfg), h, i, mode, fast_acc=fast)
@@ -344,7 +345,7 @@ def test_tuner_dry_run_fast_formats_write_their_own_keys(tmp_path, monkeypatch):
                    "--max-candidates", "2", "--workers", "1", "--budget-s", "600", "--table", str(table)]) == 0
     data = json.loads(table.read_text())
     for mode in (1, 2):
-        key = tuned_key(8, 8, 2, 256, 128, mode, True)
+        key = tuned_key(8, 8, 2, 256, 128, mode, "fast")
         assert key.endswith("-fast") and data["timings"][key]["1"]["default_us"] == 100.0
         assert data["configs"][key]["1"] is None  # no win: the heuristic
     assert data["configs"][keep]["1"] == [16, 64, 128, 64, 128, 4, 3, 1, 1]  # the default mode's entry kept

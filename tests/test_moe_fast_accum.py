@@ -169,15 +169,17 @@ def test_tuned_lookup_keeps_fast_keys_apart(tmp_path):
     bad = MoEConfig(32, 64, 16, 64, 128, 4, 4, 1, 1)  # 16-deep gate-up steps: not for the fast mode
     p = tmp_path / "t.json"
     p.write_text(json.dumps({"configs": {tuned_key(8, 8, 2, 256, 128, 1): {"64": b.as_list()},
-                                         tuned_key(8, 8, 2, 256, 128, 1, True): {"64": a.as_list(),
+                                         tuned_key(8, 8, 2, 256, 128, 1, "fast"): {"64": a.as_list(),
                                                                                  "512": bad.as_list()}}}))
-    assert tuned_key(8, 8, 2, 256, 128, 1, True) == tuned_key(8, 8, 2, 256, 128, 1) + "-fast"
-    assert tuned_key(8, 8, 2, 256, 128, 1, True, promote=True) == tuned_key(8, 8, 2, 256, 128, 1) + "-prom"
+    assert tuned_key(8, 8, 2, 256, 128, 1, "fast") == tuned_key(8, 8, 2, 256, 128, 1) + "-fast"
+    assert tuned_key(8, 8, 2, 256, 128, 1, "promoted") == tuned_key(8, 8, 2, 256, 128, 1) + "-prom"
+    with pytest.raises(ValueError, match="accum must be one of"):
+        tuned_key(8, 8, 2, 256, 128, 1, True)
     _load_tuned.cache_clear()
 
     def get(t, fast, promote=False):
-        return tuned_config(t, 2, 8, 256, 128, 1, num_experts_total=8, device=None, path=str(p), fast_acc=fast,
-                            promote=promote)
+        accum = ("promoted" if promote else "fast") if fast else "exact"
+        return tuned_config(t, 2, 8, 256, 128, 1, num_experts_total=8, device=None, path=str(p), accum=accum)
     assert get(100, False) == b and get(100, True) == a
     assert get(100, True, promote=True) is None  # the promoted mode reads its own keys only
     with pytest.warns(UserWarning, match="ignoring tuned MoE config"):

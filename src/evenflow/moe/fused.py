@@ -52,6 +52,9 @@ QUANT_OVERLAP = True
 # each K step's sum (<= 128 products) added to an fp32 accumulator, in per-tensor mode too (FAST_ACC == 2).
 # fp8 tl.dot needs K-steps >= 32. Both fp8-MMA modes share choose_config's rules; each has its table keys.
 FP8_ACCUM = ("exact", "promoted", "fast")
+# per mode: kernels.FAST_ACC and the tuned table's key suffix
+_ACC_KIND = {"exact": 0, "fast": 1, "promoted": 2}
+_KEY_SUFFIX = {"exact": "", "fast": "-fast", "promoted": "-prom"}
 FAST_ACC_MIN_BLOCK_K = 32
 # MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
 # registers and shared memory leave room for 1-5 resident programs per SM at the measured configs).
@@ -199,12 +202,13 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
 
 
 def tuned_key(num_local: int, num_experts_total: int, top_k: int, hidden: int, inter: int, mode: int,
-              fast_acc: bool = False, promote: bool = False) -> str:
-    """Key of one shape and format in the tuned table; the fp8-MMA modes have their own keys
-    (suffix ``-fast``: formats fp8-tensor-fast / fp8-block-fast of benchmarks/tune_moe.py; ``-prom``
-    with ``promote``, fp8_accum="promoted": fp8-tensor-prom / fp8-block-prom)."""
-    suffix = ("-prom" if promote else "-fast") if fast_acc else ""
-    return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}" + suffix
+              accum: str = "exact") -> str:
+    """Key of one shape and format in the tuned table for ``fused_moe(fp8_accum=accum)``; the fp8-MMA modes
+    have their own keys (suffix ``-fast``: formats fp8-tensor-fast / fp8-block-fast of benchmarks/tune_moe.py;
+    ``-prom``: fp8-tensor-prom / fp8-block-prom)."""
+    if accum not in _KEY_SUFFIX:
+        raise ValueError(f"accum must be one of {FP8_ACCUM}, got {accum!r}")
+    return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}" + _KEY_SUFFIX[accum]
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,19 +239,18 @@ def _gpu_kind(device) -> str | None:
 
 
 def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
-                 num_experts_total: int, device, path: str | None = None, fast_acc: bool = False,
-                 promote: bool = False) -> MoEConfig | None:
+                 num_experts_total: int, device, path: str | None = None, accum: str = "exact") -> MoEConfig | None:
     """The tuned config for this shape at the largest tuned batch bucket <= num_tokens, or None
     (no file for this GPU, shape not tuned, num_tokens below every bucket, or that bucket's entry
     is null: the heuristic was measured and not beaten). An entry that no longer passes
-    ``check_config`` is ignored with a warning (the heuristic takes over). ``fast_acc`` looks up
-    the fp8-MMA modes' keys only (never the default mode's entries): ``-prom`` with ``promote``, else ``-fast``."""
+    ``check_config`` is ignored with a warning (the heuristic takes over). ``accum`` (an ``fp8_accum``
+    value) looks up that mode's keys only (an fp8-MMA mode never reads the default mode's entries)."""
     if path is None:
         kind = _gpu_kind(device)
         if kind is None:
             return None
         path = os.path.join(CONFIG_DIR, _CONFIG_FILES[kind])
-    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, fast_acc, promote))
+    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, accum))
     if not rows:
         return None
     best = None
@@ -257,7 +260,7 @@ def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
     if best is None:
         return None
     try:
-        check_config(best, hidden, inter, mode, fast_acc=fast_acc)
+        check_config(best, hidden, inter, mode, fast_acc=accum != "exact")
     except (TypeError, ValueError) as e:
         warnings.warn(f"ignoring tuned MoE config from {path}: {e}", stacklevel=3)
         return None
@@ -300,13 +303,11 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
-            pdl: int = -1, pair_tiles: int = -1, fast_acc: bool = False, defer_split: int = -1,
-            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1,
-            promote: bool = False):
+            pdl: int = -1, pair_tiles: int = -1, accum: str = "exact", defer_split: int = -1,
+            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
-    # fast_acc: fp8_accum is "fast" or "promoted" (FP8 weights; checked by fused_moe): fp8 MMAs
-    # promote: fp8_accum == "promoted" (with fast_acc): each K step's sum promoted to fp32 (kernels.FAST_ACC == 2)
+    # accum: fp8_accum (FP8 weights for the fp8-MMA modes; checked by fused_moe): kernels.FAST_ACC, table keys
     # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
     # -1 as the config says (cfg.gu_defer)
     # persistent: programs per SM of the GEMMs that run index tiles without a K split (0: one per task),
@@ -326,9 +327,9 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     if t == 0:
         return
     dev = x.device
+    fast_acc = accum != "exact"  # fp8 MMAs: choose_config's rules for them
     if cfg is None:
-        cfg = tuned_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, device=dev,
-                           fast_acc=fast_acc, promote=promote)
+        cfg = tuned_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, device=dev, accum=accum)
     if cfg is None:
         cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev),
                             fast_acc=fast_acc)
@@ -426,7 +427,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
 
     down_nb = h // cfg.down_block_n
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
-    acc_kind = (2 if promote else 1) if fast_acc else 0  # kernels.FAST_ACC: exact / fast / promoted
+    acc_kind = _ACC_KIND[accum]
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
@@ -487,8 +488,8 @@ def _fused_moe_op(
     # always (no default: some torch versions index a mutated argument the caller left to its default)
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
-            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum != "exact",
-            defer_split, persistent, counters, local_first, fp8_accum == "promoted")
+            None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum,
+            defer_split, persistent, counters, local_first)
 
 
 @_fused_moe_op.register_fake
@@ -641,6 +642,5 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         _fused_moe_op(*args, counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
                       defer_arg, persist_arg, local_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fast_acc, defer_arg, persist_arg, counters, local_arg,
-                fp8_accum == "promoted")
+        _launch(*args, config, pdl_arg, pt_arg, fp8_accum, defer_arg, persist_arg, counters, local_arg)
     return out

@@ -147,15 +147,20 @@ def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor | None = 
     return out[:m] * (scale_a.float().reshape(()) * scale_b.float().reshape(()))
 
 
+def _fast_k_blocks(a8: torch.Tensor, b8: torch.Tensor):
+    """(block index, the unscaled fast-accumulation product of that 128-deep K block; the last may be shorter),
+    in K order."""
+    for k0 in range(0, a8.shape[1], 128):
+        yield k0 // 128, _fast_mm(a8[:, k0:k0 + 128], b8[:, k0:k0 + 128])
+
+
 def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
     """Block-128 scaled product: per 128-deep K block, one fast-accumulation ``_scaled_mm`` of
     the e4m3 values with unit scales, times its activation-group scales ``a_s`` [M, K/128] and
     weight-block scales ``b_s`` [N/128, K/128], summed in fp32 in K order (promotion once per
     128: the DeepSeek-V3 recipe the kernels follow with fp8_accum="fast")."""
     acc = torch.zeros(a8.shape[0], b8.shape[0], dtype=torch.float32, device=a8.device)
-    for kb in range(a8.shape[1] // 128):
-        ks = slice(kb * 128, (kb + 1) * 128)
-        part = _fast_mm(a8[:, ks], b8[:, ks])
+    for kb, part in _fast_k_blocks(a8, b8):
         acc += part * (a_s[:, kb, None] * b_s[:, kb].repeat_interleave(128)[None, :])
     return acc
 
@@ -166,8 +171,8 @@ def _promoted_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor, scal
     precision class of ``fused_moe(fp8_accum="promoted")``, whose per-tensor kernels promote every K
     step of at most 128."""
     acc = torch.zeros(a8.shape[0], b8.shape[0], dtype=torch.float32, device=a8.device)
-    for k0 in range(0, a8.shape[1], 128):
-        acc += _fast_mm(a8[:, k0:k0 + 128], b8[:, k0:k0 + 128])
+    for _, part in _fast_k_blocks(a8, b8):
+        acc += part
     return acc * (scale_a.float().reshape(()) * scale_b.float().reshape(()))
 
 
