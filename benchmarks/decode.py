@@ -113,6 +113,12 @@ PLAN_KNOBS = {
     "evenflow-s4": lambda sms: dict(num_stages=4),
     "evenflow-ckernel": lambda sms: dict(combine="kernel"),
     "evenflow-grow150": lambda sms: dict(align_growth=1.5),
+    # the plan without its KV dtype: the Triton kernel at 2 programs an SM for fp8 too (the default
+    # before round AB); and the fp8 Gluon kernel's own knobs (``typed``: built with the KV dtype)
+    "evenflow-triton": lambda sms: dict(),
+    "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms),
+    "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms),
+    "evenflow-g-s3": lambda sms: dict(typed=True, num_stages=3),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
@@ -289,7 +295,9 @@ def evenflow_plan(impl: str, inp: Inputs):
     c = inp.case
     from evenflow._runtime import num_sms
 
-    knobs = PLAN_KNOBS[impl](num_sms(inp.seq_lens.device)) if impl in PLAN_KNOBS else {}
+    knobs = PLAN_KNOBS[impl](num_sms(inp.seq_lens.device)) if impl in PLAN_KNOBS else {"typed": True}
+    if knobs.pop("typed", False):
+        knobs["kv_dtype"] = inp.kv_dtype  # as an engine that knows its cache's dtype builds it
     return DecodePlan(c.batch, inp.page_tables[0].shape[1] * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE,
                       q_len=1, device=inp.seq_lens.device, **knobs).update(inp.seq_lens)
 

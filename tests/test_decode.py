@@ -575,3 +575,69 @@ def test_compiled_calls_go_through_the_custom_ops(device):
     assert any("evenflow.decode_plan_update" in t for t in seen), seen
     assert any("evenflow.decode_attention" in t for t in seen), seen
     assert torch.equal(got, eager)
+
+
+# A plan built for an fp8 cache (DecodePlan(kv_dtype=FP8)): on a GPU (sm_89+) the one-warp Gluon
+# kernel where it applies (bf16 q, d128, page 64 / 128, GQA group x q_len <= 16), with the combine
+# kernel merging split items; elsewhere (and in the interpreter) the Triton kernel on the same bins.
+GLUON_CASES = {
+    # lens, hkv, group, page, q_len, num_programs
+    "g8-p64-skewed": ([700, 64, 0, 65, 130, 1], 2, 8, 64, 1, 5),
+    "g8-one-kv-head-62-chunks": ([64 * 60 + 17, 100, 0], 1, 8, 64, 1, 70),
+    "g16-q1-p128": ([300, 129, 0, 64], 2, 16, 128, 1, 3),
+    "g4-q4-p128": ([257, 4, 0, 190], 2, 4, 128, 4, 4),
+    "g1-q2": ([63, 64, 65, 1], 3, 1, 64, 2, 4),
+    "g2-q3-p64-tile-edges": ([128, 129, 191, 192, 193], 1, 2, 64, 3, 6),
+}
+
+
+@pytest.mark.parametrize("name", list(GLUON_CASES))
+def test_plan_for_an_fp8_cache(name, device):
+    from evenflow.attention.decode import gluon_fp8_supported
+
+    lens, hkv, group, page, q_len, np_ = GLUON_CASES[name]
+    q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, 128, page, q_len, FP8, device=device)
+    plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
+                               num_programs=np_, min_tiles=1, kv_dtype=FP8).update(sl)
+    # the path the call takes: Gluon on a GPU, the Triton kernel in the interpreter
+    assert gluon_fp8_supported(q, k, plan, group * q_len) == (device == "cuda")
+    for ks, vs in ((0.05, torch.tensor([0.025], device=device)), (torch.tensor([0.03], device=device), None)):
+        check(q, qs, k, v, pt, sl, q_len, plan=plan, k_scale=ks, v_scale=vs, what=f"{name} ks={ks} vs={vs}")
+
+
+def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(device):
+    from evenflow.attention.decode import gluon_fp8_supported
+
+    for d, page, qdt in ((64, 64, torch.bfloat16), (128, 16, torch.bfloat16), (128, 64, FP8)):
+        lens = [300, 5, 0]
+        q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, d, page, 1, FP8, qdt, device=device)
+        plan = evenflow.DecodePlan(3, 1 << 12, 2, page_size=page, device=device, num_programs=4, min_tiles=1,
+                                   kv_dtype=FP8).update(sl)
+        assert not gluon_fp8_supported(q, k, plan, 4)
+        check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=0.05, v_scale=0.025, what=f"d{d} p{page} {qdt}")
+    # a Triton launch option or a one-slot ring keeps the Triton kernel too
+    q, qs, k, v, pt, sl = make_inputs([300, 5, 0], 2, 4, 128, 64, 1, FP8, device=device)
+    for kw in (dict(num_warps=4), dict(warp_split=False), dict(num_stages=1), dict(block_n=64)):
+        plan = evenflow.DecodePlan(3, 1 << 12, 2, device=device, num_programs=4, min_tiles=1, kv_dtype=FP8,
+                                   **kw).update(sl)
+        assert not gluon_fp8_supported(q, k, plan, 4), kw
+    plan = evenflow.DecodePlan(3, 1 << 12, 2, device=device, num_programs=4, min_tiles=1).update(sl)
+    assert not gluon_fp8_supported(q, k, plan, 4)  # no kv_dtype given: the Triton kernel, as before
+
+
+def test_plan_kv_dtype_is_checked(device):
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM
+
+    sms = _runtime.num_sms(torch.device(device))
+    assert evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8).num_programs == GLUON_FP8_PROGRAMS_PER_SM * sms
+    assert evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=torch.bfloat16).num_programs == \
+        DEFAULT_PROGRAMS_PER_SM * sms
+    assert evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, num_programs=7).num_programs == 7
+    assert "kv_dtype=torch.float8_e4m3fn" in repr(evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8))
+    for bad in (torch.float16, "fp8", torch.float8_e5m2):
+        with pytest.raises(ValueError, match="kv_dtype"):
+            evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=bad)
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 128, 64, 1, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=FP8).update(sl)
+    with pytest.raises(ValueError, match="plan was built for kv_dtype"):
+        evenflow.decode_attention(q, k, v, pt, sl, plan=plan)

@@ -244,3 +244,79 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
         check(first, None, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} combine={combine}")
         outs[combine] = first.float()
     assert_within_one_ulp(outs["fused"], outs["kernel"], f"{case}: fused against the combine kernel")
+
+
+# Plans built for an fp8 cache run the one-warp Gluon kernel (attention/gluon_kernels.py)
+def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K):
+    from evenflow.attention.decode import gluon_fp8_supported
+
+    plan = evenflow.DecodePlan(len(lens), max_len, hkv, page_size=page, q_len=q_len, device="cuda",
+                               kv_dtype=FP8).update(sl)
+    return plan, gluon_fp8_supported
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gluon_fp8_real_shapes(case):
+    lens = CASES[case]
+    q, qs, k, v, pt, sl = inputs(lens, kv=FP8)
+    plan, supported = _gluon_plan(lens, sl)
+    assert supported(q, k, plan, 8)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out, return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon {case}")
+
+
+@pytest.mark.parametrize("hq,hkv,page,q_len", [(8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4), (16, 1, 128, 1),
+                                               (4, 4, 64, 4), (64, 8, 128, 1)])
+def test_gluon_fp8_shapes(hq, hkv, page, q_len):
+    lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65]
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, page=page, q_len=q_len, kv=FP8)
+    plan, supported = _gluon_plan(lens, sl, hkv=hkv, page=page, q_len=q_len)
+    assert supported(q, k, plan, hq // hkv * q_len)
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02, return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}")
+
+
+def test_gluon_fp8_ignores_nan_bytes_past_each_length():
+    """Rows past a request's length in its last page are never read into the result: the
+    kernel zero-fills them in shared memory, so NaN bytes there (e4m3 0x7F) change nothing."""
+    lens = [4 * K + 5, 700, 63, 1]
+    q, qs, k, v, pt, sl = inputs(lens, kv=FP8, spare_pages=0)
+    plan, _ = _gluon_plan(lens, sl, max_len=8 * K)
+    clean = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02)
+    kn, vn = k.clone(), v.clone()
+    for b, L in enumerate(lens):
+        page, row = int(pt[b, (L - 1) // 64]), (L - 1) % 64 + 1
+        kn.view(torch.uint8)[page, row:] = 0x7F
+        vn.view(torch.uint8)[page, row:] = 0x7F
+    dirty = evenflow.decode_attention(q, kn, vn, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02)
+    assert torch.equal(clean, dirty)
+
+
+def test_gluon_fp8_cuda_graph_changing_lengths():
+    B, max_len = 16, 64 * K
+    big = [64 * K] + [2 * K] * 15
+    q, qs, k, v, pt, sl = inputs(big, kv=FP8, spare_pages=64)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")
+    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", kv_dtype=FP8)
+    s_sl, s_pt, s_q = sl.clone(), pt.clone(), q.clone()
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        plan.update(s_sl)
+        evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for trial, lens in enumerate([big, [3 * K] * 16, [0] * 8 + [60 * K] + [100] * 7, [1] * 16]):
+        s_sl.copy_(torch.tensor(lens, dtype=torch.int32, device="cuda"))
+        s_pt.copy_(torch.randint(0, k.shape[0], pt.shape, dtype=torch.int32, device="cuda"))
+        s_q.copy_(torch.randn(q.shape, device="cuda").to(q.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(out, None, s_q, qs, k, v, s_pt, s_sl, ks=ks, vs=vs, what=f"gluon graph replay {trial}")

@@ -73,6 +73,13 @@ SCENARIOS = {
     "fp8-timeline": dict(lens=BIG, kv=FP8, timeline=True),
     "tp8-slice-timeline": dict(lens=BIG, hq=8, hkv=1, timeline=True),
 }
+# plans built for an fp8 cache: the one-warp Gluon kernel (attention/gluon_kernels.py) + the combine kernel
+GLUON = {
+    "gluon-fp8": dict(lens=BIG, kv=FP8, kv_dtype=FP8),
+    "gluon-fp8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8),
+    "gluon-fp8-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8),
+    "gluon-fp8-g1-s3": dict(lens=[300, 5000], hq=2, hkv=2, kv=FP8, kv_dtype=FP8, num_stages=3),
+}
 
 
 def test_decode_kernels_compile_for_sm90():
@@ -85,6 +92,36 @@ def test_decode_kernels_compile_for_sm90():
             launches += rec
     failures = CC.compile_launches(launches)
     assert not failures, "\n\n".join(failures)
+
+
+def _gluon_stats(name):
+    with CC.emulate_gpu(), CC.record_launches() as rec:
+        _call(**GLUON[name])
+    assert [la.name for la in rec if la.gluon] == ["decode_fp8_kernel"], [la.describe() for la in rec]
+    assert "decode_kernel" not in {la.name for la in rec}
+    assert "combine_kernel" in {la.name for la in rec}  # split items are merged by the combine kernel
+    stats = CC.compile_stats([la for la in rec if la.gluon])
+    assert stats and all("error" not in st for st in stats), stats
+    return stats[0]
+
+
+@pytest.mark.parametrize("name", list(GLUON))
+def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memory(name):
+    """What round AB measured the one-warp kernel for: per 64-token tile, each thread reads K and V
+    from shared memory in 16-byte loads (32 LDS.128: 8 KB each of K and V over 32 lanes), runs 128
+    mma.sync (64 for S, 64 for P V) on f16 values converted in registers (256 F2FP of two e4m3 each),
+    and stores nothing to shared memory (no converted operand goes back); GLUON_FP8_PROGRAMS_PER_SM
+    programs fit an SM (registers, shared memory, no spill)."""
+    from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
+
+    st = _gluon_stats(name)
+    assert st["num_warps"] == 1 and st["spill_bytes"] == 0, st
+    assert st["regs"] * 32 * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
+    tile_loop = next(lp["ops"] for lp in reversed(st["loops"]) if lp["ops"].get("HMMA.16816.F32"))
+    assert tile_loop["HMMA.16816.F32"] == 128, tile_loop
+    assert tile_loop["LDS.128"] == 32 and tile_loop["F2FP.F16.E4M3.UNPACK_B"] == 256, tile_loop
+    assert not [op for op in tile_loop if op.startswith(("STS", "LDSM"))], tile_loop
+    assert tile_loop.get("LDGSTS.E.BYPASS.128", 0) == 32, tile_loop
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice", "bf16-ckernel",

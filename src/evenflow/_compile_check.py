@@ -62,6 +62,7 @@ class Launch:
     constexprs: tuple  # ((param, value), ...)
     options: tuple  # ((option, value), ...)
     aligned: tuple = ()  # params a GPU launch would specialise as divisible by 16
+    gluon: bool = False  # a Gluon kernel (``triton.experimental.gluon``), compiled from its own AST source
 
     def describe(self) -> str:
         consts = ", ".join(f"{k}={v}" for k, v in self.constexprs)
@@ -93,7 +94,7 @@ def _type_of(name: str, v) -> str:
     raise TypeError(f"argument {name}: cannot type {type(v).__name__} for a compile check")
 
 
-def _make_launch(fn, args, kwargs) -> Launch:
+def _make_launch(fn, args, kwargs, gluon: bool = False) -> Launch:
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     values = {}
@@ -121,7 +122,7 @@ def _make_launch(fn, args, kwargs) -> Launch:
             if _divisible_by_16(v):
                 aligned.append(p.name)
     return Launch(fn.__module__, fn.__name__, fn.__code__.co_filename, tuple(signature), tuple(constexprs),
-                  tuple(sorted(options.items())), tuple(aligned))
+                  tuple(sorted(options.items())), tuple(aligned), gluon)
 
 
 def _divisible_by_16(v) -> bool:
@@ -135,13 +136,18 @@ def _divisible_by_16(v) -> bool:
 
 @contextlib.contextmanager
 def record_launches(execute: bool = False):
-    """Record every interpreted kernel launch (and run it only if ``execute``)."""
+    """Record every interpreted kernel launch (and run it only if ``execute``).
+
+    Gluon kernels (which the interpreter cannot run) are recorded too, when a launcher under
+    :func:`emulate_gpu` picks one; with ``execute`` such a launch raises."""
     if not _runtime.interpreting():
         raise RuntimeError("record_launches needs the Triton interpreter (TRITON_INTERPRET=1)")
+    from triton.experimental.gluon._runtime import GluonJITFunction
     from triton.runtime.interpreter import InterpretedFunction
 
     launches: list[Launch] = []
     original = InterpretedFunction.run
+    original_gluon = GluonJITFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
         launches.append(_make_launch(self.fn, args, kwargs))
@@ -149,11 +155,19 @@ def record_launches(execute: bool = False):
             return original(self, *args, grid=grid, warmup=warmup, **kwargs)
         return None
 
+    def run_gluon(self, *args, grid, warmup, **kwargs):
+        launches.append(_make_launch(self.fn, args, kwargs, gluon=True))
+        if execute:
+            raise RuntimeError(f"{self.fn.__name__} is a Gluon kernel: the interpreter cannot run it")
+        return None
+
     InterpretedFunction.run = run
+    GluonJITFunction.run = run_gluon
     try:
         yield launches
     finally:
         InterpretedFunction.run = original
+        GluonJITFunction.run = original_gluon
 
 
 @contextlib.contextmanager
@@ -175,6 +189,7 @@ def _to_json(launches) -> list[dict]:
         seen.add(la)
         out.append({"module": la.module, "name": la.name, "file": la.file, "signature": dict(la.signature),
                     "constexprs": dict(la.constexprs), "options": dict(la.options), "aligned": list(la.aligned),
+                    "gluon": la.gluon,
                     "describe": la.describe()})
     return out
 
@@ -307,7 +322,11 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
             names = list(item["signature"])
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                      if n in item.get("aligned", ()) and n not in plain}
-            src = ASTSource(fn=fn, signature=item["signature"], constexprs=item["constexprs"], attrs=attrs)
+            if item.get("gluon"):
+                from triton.experimental.gluon._runtime import GluonASTSource as source
+            else:
+                source = ASTSource
+            src = source(fn=fn, signature=item["signature"], constexprs=item["constexprs"], attrs=attrs)
             compiled = triton.compile(src, target=target, options=item["options"])
             if stats:
                 regs, spill = _ptxas_usage(compiled.asm["ptx"], arch)

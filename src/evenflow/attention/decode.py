@@ -41,6 +41,11 @@ from evenflow._checks import check_out, check_tensor
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import TILE, DecodePlan, static_splits
 
+try:  # Gluon ships with Triton >= 3.5; without it every call runs the Triton kernels
+    from evenflow.attention import gluon_kernels as GK
+except ImportError:  # pragma: no cover (the pinned Triton has it)
+    GK = None
+
 FP8 = torch.float8_e4m3fn
 _QDT = (torch.bfloat16, FP8)
 _KVDT = (torch.bfloat16, FP8)
@@ -144,6 +149,36 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
     return block_m, max(1, min(8, 8192 // (block_m * head_dim)))
 
 
+# Ring slots (tiles in flight + 1) of the one-warp fp8 kernel: 2 x 16 KB per program, 4 programs
+# an SM. Round AB1 (probe, H200): 2 and 3 slots within 4% of each other, 2 ahead on 3 of 4 cases.
+GLUON_FP8_STAGES = 2
+
+
+def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
+    """Whether a call runs the one-warp Gluon fp8 kernel (``attention/gluon_kernels.py``): a
+    plan built with ``kv_dtype=torch.float8_e4m3fn`` and none of the Triton kernel's launch
+    options or a timeline (``num_stages``, if given, is its ring's slots and must be >= 2),
+    bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, compiled code on a GPU
+    with e4m3 conversions (sm_89+)."""
+    if plan is None or plan.kv_dtype != FP8 or GK is None:
+        return False
+    if _runtime.interpreting() and not _runtime.emulating_gpu():
+        return False  # the interpreter cannot run Gluon; a compile check records what an H200 runs
+    if any(o is not None for o in (plan.num_warps, plan.block_n, plan.max_registers, plan.warp_split, plan.stamps)):
+        return False
+    if plan.num_stages is not None and plan.num_stages < 2:  # the ring needs a slot in flight
+        return False
+    if k_cache.dtype != FP8 or q.dtype != torch.bfloat16:
+        return False
+    if k_cache.shape[3] != 128 or k_cache.shape[1] not in (64, 128):
+        return False
+    if rows > 16:
+        return False
+    if _runtime.interpreting():
+        return True
+    return q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 9)
+
+
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
 # 128 chunks = 16 groups merged in parallel, then 16 group results in 2 steps).
 FUSED_GROUP_CHUNKS = 8
@@ -159,13 +194,14 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
-               prefetch: bool = True, fused: bool = False) -> None:
+               prefetch: bool = True, fused: bool = False, gluon: bool = False) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
     # loads the next item's metadata before the current item's work; fused: the plan path
     # merges split items inside the attention kernel (no combine kernel); stamps: the plan
-    # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None
+    # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None;
+    # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported) and the combine kernel
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -185,27 +221,41 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused = bool(fused) and not is_static
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
-    K.decode_kernel[grid](
-        q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta,
-        out, lse_t, part_o, part_lse,
-        k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
-        part_glse, combine_count, group_count, stamps if stamps is not None else meta,
-        sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
-        q.stride(0), q.stride(1),
-        qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-        PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
-        HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
-        KV_FP8=k_cache.dtype == FP8,
-        NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
-        WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, FUSED=fused,
-        FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll,
-        STAMPS=stamps is not None and not is_static, num_warps=num_warps,
-        **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
-        **_runtime.pdl_kwargs(pdl),
-    )
+    if gluon and not is_static:
+        fused = False
+        GK.decode_fp8_kernel[grid](
+            q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
+            k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
+            sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
+            HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
+            HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
+            num_warps=1,
+        )
+    else:
+        K.decode_kernel[grid](
+            q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta,
+            out, lse_t, part_o, part_lse,
+            k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
+            part_glse, combine_count, group_count, stamps if stamps is not None else meta,
+            sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
+            q.stride(0), q.stride(1),
+            qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
+            PAGE=P, HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
+            HAS_V_SCALE_PTR=v_scale is not None, USE_FP8_DOT=use_fp8_dot, DOT_F32=_runtime.dot_needs_fp32(),
+            KV_FP8=k_cache.dtype == FP8,
+            NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
+            WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, FUSED=fused,
+            FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll,
+            STAMPS=stamps is not None and not is_static, num_warps=num_warps,
+            **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
+            **_runtime.pdl_kwargs(pdl),
+        )
     if fused or (is_static and splits == 1):
         return
     block_c, block_d = _combine_blocks(block_m, D)
@@ -229,7 +279,7 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_glse,
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False):
     return None
 
 
@@ -280,6 +330,8 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
             raise ValueError(f"plan was built for {plan.num_kv_heads} kv heads, k_cache has {Hkv}")
         if plan.page_size != P:
             raise ValueError(f"plan was built for page_size {plan.page_size}, k_cache pages hold {P}")
+        if plan.kv_dtype is not None and plan.kv_dtype != k_cache.dtype:
+            raise ValueError(f"plan was built for kv_dtype {plan.kv_dtype}, k_cache is {k_cache.dtype}")
         if plan.batch is None:
             raise ValueError("plan: call plan.update(seq_lens) before decode_attention")
         if plan.batch != B:
@@ -349,7 +401,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
                    -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused")
+                   plan.combine == "fused", gluon_fp8_supported(q, k_cache, plan, rows))
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -48,10 +48,17 @@ _NO_COST_LIMIT = 2**30
 # to merge, 8-18 us with split items (docs/perf-notes/decode.md).
 COMBINE_MODES = ("fused", "kernel")
 DEFAULT_COMBINE = "fused"
+# Programs per SM of a plan built for an fp8 KV cache (``DecodePlan(kv_dtype=torch.float8_e4m3fn)``),
+# whose bins the one-warp Gluon kernel drains (``attention/gluon_kernels.py``). Round AB1 (H200,
+# graph replay, static split of the probe): ~3.4-3.9 programs an SM ran 8x32K / 64x4K at 0.96-0.97
+# of the copy floor, ~7 an SM at 0.71-0.82 (docs/perf-notes/decode.md).
+GLUON_FP8_PROGRAMS_PER_SM = 4
+KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
-def default_num_programs(device) -> int:
-    return DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(device)
+def default_num_programs(device, kv_dtype: torch.dtype | None = None) -> int:
+    per_sm = GLUON_FP8_PROGRAMS_PER_SM if kv_dtype == torch.float8_e4m3fn else DEFAULT_PROGRAMS_PER_SM
+    return per_sm * _runtime.num_sms(device)
 
 
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
@@ -88,8 +95,17 @@ class DecodePlan:
     step (one small device kernel: no host sync, no allocation, CUDA-graph capturable),
     and pass ``plan=`` to every layer's :func:`evenflow.decode_attention`.
 
+    ``kv_dtype``: the KV cache dtype the plan serves (``None``: not said). With
+    ``torch.float8_e4m3fn`` the plan is sized for the one-warp Gluon fp8 kernel
+    (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
+    (default 2) tiles) and :func:`evenflow.decode_attention` runs that kernel where it applies
+    (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
+    ``block_n``, ``max_registers``, ``warp_split`` or a timeline set), merging split items with the
+    combine kernel whatever ``combine`` says; elsewhere the Triton kernel runs on the same bins.
+    A call whose cache dtype differs from a given ``kv_dtype`` raises.
+
     ``num_programs``: persistent programs of the attention kernel (default
-    ``2 * SMs``). ``min_tiles``: the minimum work per program in 64-token tiles
+    ``2 * SMs``; ``4 * SMs`` with an fp8 ``kv_dtype``). ``min_tiles``: the minimum work per program in 64-token tiles
     (default 8 = 512 tokens), so small batches are not over-split. The budget per program
     is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
     it is then rounded up to a multiple of the shortest non-empty item's tiles when that
@@ -140,8 +156,10 @@ class DecodePlan:
                  pdl: bool | None = None, item_cost: int = DEFAULT_ITEM_COST, warp_split: bool | None = None,
                  align_longer: bool | None = None, prefetch: bool = True,
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
-                 align_growth: float = DEFAULT_ALIGN_GROWTH):
+                 align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
         if page_size not in (16, 32, 64, 128):
@@ -153,7 +171,7 @@ class DecodePlan:
         if dev.type == "cpu" and not _runtime.interpreting():
             raise ValueError("device: kernels run on CUDA here; pass a CUDA device")
         if num_programs is None:
-            num_programs = default_num_programs(dev)
+            num_programs = default_num_programs(dev, kv_dtype)
         check_int("num_programs", num_programs, 1, 1 << 16)
         if min_tiles is None:
             min_tiles = DEFAULT_MIN_TILES
@@ -175,6 +193,7 @@ class DecodePlan:
                              f"({max_tiles} tiles)")
         self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
         self.page_size, self.q_len, self.device = page_size, q_len, dev
+        self.kv_dtype = kv_dtype
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
@@ -293,7 +312,7 @@ class DecodePlan:
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
                 f"warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, combine={self.combine!r}, "
+                f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, "
                 f"device={self.device})")
 
 
