@@ -119,6 +119,7 @@ PLAN_KNOBS = {
     "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms),
     "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms),
     "evenflow-g-s3": lambda sms: dict(typed=True, num_stages=3),
+    "evenflow-g-ckernel": lambda sms: dict(typed=True, combine="kernel"),
 }
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)

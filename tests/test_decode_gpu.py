@@ -212,13 +212,16 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon"], ids=["bf16", "fp8", "fp8-gluon"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv):
     """The default plan merges split items inside the attention kernel; the order in which the
     chunks of an item finish changes from call to call on the GPU, the merge order does not:
     ten graph replays give bitwise-equal outputs and leave every counter at zero, the output
-    is within the rule, and within one bf16 unit in the last place of the combine kernel's."""
+    is within the rule, and within one bf16 unit in the last place of the combine kernel's.
+    ``fp8-gluon``: a plan built for the fp8 cache (the one-warp Gluon kernel and its own merge)."""
+    typed = kv == "fp8-gluon"
+    kv = FP8 if typed else kv
     c = FUSED_CASES[case]
     q, qs, k, v, pt, sl = inputs(c["lens"], hkv=c.get("hkv", 8), hq=c.get("hq", 64), kv=kv)
     ks, vs = (torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")) \
@@ -226,7 +229,7 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     outs = {}
     for combine in ("fused", "kernel"):
         plan = evenflow.DecodePlan(len(sl), max(c["lens"]) + 64, c.get("hkv", 8), device="cuda",
-                                   combine=combine).update(sl)
+                                   combine=combine, kv_dtype=FP8 if typed else None).update(sl)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
         evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
         torch.cuda.synchronize()

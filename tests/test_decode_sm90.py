@@ -79,6 +79,7 @@ GLUON = {
     "gluon-fp8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8),
     "gluon-fp8-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8),
     "gluon-fp8-g1-s3": dict(lens=[300, 5000], hq=2, hkv=2, kv=FP8, kv_dtype=FP8, num_stages=3),
+    "gluon-fp8-ckernel": dict(lens=BIG, kv=FP8, kv_dtype=FP8, combine="kernel"),
 }
 
 
@@ -99,7 +100,8 @@ def _gluon_stats(name):
         _call(**GLUON[name])
     assert [la.name for la in rec if la.gluon] == ["decode_fp8_kernel"], [la.describe() for la in rec]
     assert "decode_kernel" not in {la.name for la in rec}
-    assert "combine_kernel" in {la.name for la in rec}  # split items are merged by the combine kernel
+    # split items merged inside the kernel by default, by the combine kernel when the plan says so
+    assert ("combine_kernel" in {la.name for la in rec}) == (GLUON[name].get("combine") == "kernel")
     stats = CC.compile_stats([la for la in rec if la.gluon])
     assert stats and all("error" not in st for st in stats), stats
     return stats[0]

@@ -152,6 +152,9 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
 # Ring slots (tiles in flight + 1) of the one-warp fp8 kernel: 2 x 16 KB per program, 4 programs
 # an SM. Round AB1 (probe, H200): 2 and 3 slots within 4% of each other, 2 ahead on 3 of 4 cases.
 GLUON_FP8_STAGES = 2
+# Chunks whose partials the one-warp kernel's fused merge loads per step ([16, 64] fp32 each: 32
+# registers a thread), so a group of 8 is two dependent load steps per half of the head dim.
+GLUON_FUSED_UNROLL = 4
 
 
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
@@ -201,7 +204,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # loads the next item's metadata before the current item's work; fused: the plan path
     # merges split items inside the attention kernel (no combine kernel); stamps: the plan
     # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None;
-    # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported) and the combine kernel
+    # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -222,17 +225,17 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
-        fused = False
         GK.decode_fp8_kernel[grid](
             q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
+            part_glse, combine_count, group_count,
             sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
             HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
-            num_warps=1,
+            FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, FUSED_UNROLL=GLUON_FUSED_UNROLL, num_warps=1,
         )
     else:
         K.decode_kernel[grid](

@@ -22,8 +22,11 @@ Scope (``decode.gluon_fp8_supported`` says where it runs; the Triton kernel runs
 else): the plan path, fp8 K/V with per-tensor scales, bf16 q (scaled to f16 per row by a power
 of two, as the Triton kernel does), head_dim 128, page size 64 or 128, GQA group x q_len <= 16.
 It follows the plan contract of :mod:`evenflow.attention.kernels` (bins, finished items in
-place, split chunks in partial slots ``2p`` / ``2p + 1``); split items are merged by
-``kernels.combine_kernel`` after it. No torch logic here.
+place, split chunks in partial slots ``2p`` / ``2p + 1``). Split items are merged as the
+Triton kernel's fused combine does (``FUSED``: the last chunk of each group of ``FUSED_C`` to
+finish merges the group, the last group the item, in a fixed order, counters reset by their
+last arriver), or by ``kernels.combine_kernel`` after it (``DecodePlan(combine="kernel")``).
+No torch logic here.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,6 +56,9 @@ LK = gl.constexpr(gl.DistributedLinearLayout(
 LV = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
     lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[], shape=[64, 128]))
+# fused combine: [16 rows, 64 columns] fp32 blocks of partials, 16 bytes a thread and row
+ML = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))
+MF = gl.constexpr(64)  # columns a merge step holds (two steps cover the head dim)
 
 
 @gluon.jit
@@ -166,14 +172,124 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
 
 
 @gluon.jit
+def _slot(first, p, c):
+    # partial slot of chunk c of the item that starts in bin p (see kernels._combine_slot)
+    return gl.where(c == 0, first, 2 * (p + c))
+
+
+@gluon.jit
+def _arrived_last(p_counter, expected):
+    # every lane's stores before the one atomic (acq_rel at GPU scope); see common.arrived_last
+    gl.thread_barrier()
+    return gl.atomic_add(p_counter, 1, sem="acq_rel") == expected - 1
+
+
+@gluon.jit
+def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE: gl.constexpr,
+           UNROLL: gl.constexpr):
+    """(max, weight sum, weighted sum) of chunks [c_lo, c_hi) of one item, columns [f0, f0 + MF),
+    chunk c in the slot of chunk c * C_STRIDE; UNROLL chunks' loads in flight a step, chunks merged
+    in order (deterministic); ``.cg`` loads (other SMs wrote them; L1 is not coherent)."""
+    o_m = gl.arange(0, 16, layout=gl.SliceLayout(1, ML))
+    o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
+    m_row = o_m < ROWS
+    b_m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ML))
+    b_l = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, ML))
+    acc = gl.zeros([16, MF], gl.float32, layout=ML)
+    for c0 in range(c_lo, c_hi, UNROLL):
+        m_new = b_m
+        for j in gl.static_range(UNROLL):
+            sl = _slot(first, p, (c0 + j) * C_STRIDE).to(gl.int64)
+            lj = gl.load(p_plse + sl * ROWS + o_m, mask=m_row & (c0 + j < c_hi), other=float("-inf"),
+                         cache_modifier=".cg")
+            m_new = gl.maximum(m_new, lj)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a = gl.exp2(b_m - m_safe)
+        acc = acc * a[:, None]
+        b_l = b_l * a
+        for j in gl.static_range(UNROLL):
+            sl = _slot(first, p, (c0 + j) * C_STRIDE).to(gl.int64)
+            live = m_row & (c0 + j < c_hi)
+            w = gl.exp2(gl.load(p_plse + sl * ROWS + o_m, mask=live, other=float("-inf"), cache_modifier=".cg")
+                        - m_safe)
+            oc = gl.load(p_po + (sl * ROWS + o_m)[:, None] * D + o_f[None, :], mask=live[:, None] & (o_f < D)[None, :],
+                         other=0.0, cache_modifier=".cg")
+            acc += oc * w[:, None]
+            b_l += w
+        b_m = m_new
+    return b_m, b_l, acc
+
+
+@gluon.jit
+def _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt,
+                  GROUP: gl.constexpr, Q_LEN: gl.constexpr, HAS_LSE: gl.constexpr):
+    ROWS: gl.constexpr = GROUP * Q_LEN
+    o_m = gl.arange(0, 16, layout=gl.SliceLayout(1, ML))
+    o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
+    m_row = o_m < ROWS
+    live = b_l > 0.0
+    o = gl.where(live[:, None], acc / gl.where(live, b_l, 1.0)[:, None], 0.0)
+    i_tok = b * Q_LEN + o_m // GROUP
+    i_head = h * GROUP + o_m % GROUP
+    po = p_out + (i_tok.to(gl.int64) * stride_ot + i_head * stride_oh)[:, None] + o_f[None, :]
+    gl.store(po, o.to(gl.bfloat16), mask=m_row[:, None] & (o_f < D)[None, :])
+    if HAS_LSE:
+        if f0 == 0:
+            lse = gl.where(live, (b_m + gl.log2(gl.where(live, b_l, 1.0))) * LN2, float("-inf"))
+            gl.store(p_lse + i_tok.to(gl.int64) * stride_lt + i_head, lse, mask=m_row)
+
+
+@gluon.jit
+def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse, stride_ot, stride_oh,
+                   stride_lt, HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, HAS_LSE: gl.constexpr,
+                   FUSED_C: gl.constexpr, UNROLL: gl.constexpr):
+    """Group g (chunks [g * FUSED_C, +FUSED_C)) of the item that starts in bin p, merged by the last
+    of its chunks to finish (see kernels._combine_group): one group finishes the item; else the
+    group's normalised output goes over its first chunk's slot, its LSE to ``p_glse``, and the
+    last group to arrive on the item's counter merges the groups in order."""
+    ROWS: gl.constexpr = GROUP * Q_LEN
+    b = item // HKV
+    h = item % HKV
+    first = 2 * p + 1
+    c_lo = g * FUSED_C
+    c_hi = gl.minimum(n_chunks, c_lo + FUSED_C)
+    n_groups = (n_chunks + FUSED_C - 1) // FUSED_C
+    sl0 = _slot(first, p, c_lo).to(gl.int64)
+    o_m = gl.arange(0, 16, layout=gl.SliceLayout(1, ML))
+    m_row = o_m < ROWS
+    for f0 in gl.static_range(0, D, MF):
+        b_m, b_l, acc = _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, UNROLL)
+        if n_groups == 1:
+            _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN,
+                          HAS_LSE)
+        else:
+            # in place over the columns just read (the group's first chunk: this program is its only reader)
+            live = b_l > 0.0
+            o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
+            o = gl.where(live[:, None], acc / gl.where(live, b_l, 1.0)[:, None], 0.0)
+            gl.store(p_po + (sl0 * ROWS + o_m)[:, None] * D + o_f[None, :], o, mask=m_row[:, None] & (o_f < D)[None, :])
+            if f0 == 0:
+                lse2 = gl.where(live, b_m + gl.log2(gl.where(live, b_l, 1.0)), float("-inf"))
+                gl.store(p_glse + sl0 * ROWS + o_m, lse2, mask=m_row)
+    if n_groups > 1:
+        if _arrived_last(p_count + p, n_groups):
+            for f0 in gl.static_range(0, D, MF):
+                b_m, b_l, acc = _merge(p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, UNROLL)
+                _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP,
+                              Q_LEN, HAS_LSE)
+            gl.store(p_count + p, 0)
+
+
+@gluon.jit
 def decode_fp8_kernel(
     p_q, p_k, p_v, p_pt, p_len, p_tiles, p_req_end, p_prog_start, p_meta,
-    p_out, p_lse, p_po, p_plse, p_ks, p_vs,
+    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount,
     qk_scale_f, v_scale_f, B, max_len, num_pages,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_ptb, stride_ot, stride_oh, stride_lt,
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
+    FUSED: gl.constexpr, FUSED_C: gl.constexpr, FUSED_UNROLL: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -211,6 +327,17 @@ def decode_fp8_kernel(
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                       stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE)
+        if FUSED:
+            if (start < g0) | (start + n > g1):
+                # chunk of an item that starts in bin p_s and spans n_chunks bins: arrive on its group
+                p_s = start // budget
+                n_chunks = (start + n - 1) // budget - p_s + 1
+                g = (pid - p_s) // FUSED_C
+                gslot = _slot(2 * p_s + 1, p_s, g * FUSED_C)
+                if _arrived_last(p_gcount + gslot, gl.minimum(FUSED_C, n_chunks - g * FUSED_C)):
+                    gl.store(p_gcount + gslot, 0)
+                    _combine_group(i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
+                                   stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C, FUSED_UNROLL)
         i += 1
         b = gl.minimum(i, n_items - 1) // HKV
         n = gl.load(p_tiles + b)
