@@ -56,9 +56,10 @@ LK = gl.constexpr(gl.DistributedLinearLayout(
 LV = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
     lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[], shape=[64, 128]))
-# fused combine: [16 rows, 64 columns] fp32 blocks of partials, 16 bytes a thread and row
-ML = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))
-MF = gl.constexpr(64)  # columns a merge step holds (two steps cover the head dim)
+# fused combine: blocks of partials of 16 bytes a thread and row, 32 fp32 a thread a chunk: [8 rows,
+# 128 columns] where the item has at most 8 rows (one pass over the head dim), else [16, 64] (two)
+ML8 = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))
+ML16 = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))
 
 
 @gluon.jit
@@ -186,16 +187,16 @@ def _arrived_last(p_counter, expected):
 
 @gluon.jit
 def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE: gl.constexpr,
-           UNROLL: gl.constexpr):
-    """(max, weight sum, weighted sum) of chunks [c_lo, c_hi) of one item, columns [f0, f0 + MF),
-    chunk c in the slot of chunk c * C_STRIDE; UNROLL chunks' loads in flight a step, chunks merged
-    in order (deterministic); ``.cg`` loads (other SMs wrote them; L1 is not coherent)."""
-    o_m = gl.arange(0, 16, layout=gl.SliceLayout(1, ML))
+           UNROLL: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr):
+    """(max, weight sum, weighted sum) of chunks [c_lo, c_hi) of one item, rows [0, MB), columns
+    [f0, f0 + MF), chunk c in the slot of chunk c * C_STRIDE; UNROLL chunks' loads in flight a step,
+    chunks merged in order (deterministic); ``.cg`` loads (other SMs wrote them; L1 is not coherent)."""
+    o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
     m_row = o_m < ROWS
-    b_m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ML))
-    b_l = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, ML))
-    acc = gl.zeros([16, MF], gl.float32, layout=ML)
+    b_m = gl.full([MB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ML))
+    b_l = gl.full([MB], 0.0, gl.float32, layout=gl.SliceLayout(1, ML))
+    acc = gl.zeros([MB, MF], gl.float32, layout=ML)
     for c0 in range(c_lo, c_hi, UNROLL):
         m_new = b_m
         for j in gl.static_range(UNROLL):
@@ -222,9 +223,10 @@ def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE:
 
 @gluon.jit
 def _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt,
-                  GROUP: gl.constexpr, Q_LEN: gl.constexpr, HAS_LSE: gl.constexpr):
+                  GROUP: gl.constexpr, Q_LEN: gl.constexpr, HAS_LSE: gl.constexpr, MB: gl.constexpr,
+                  MF: gl.constexpr, ML: gl.constexpr):
     ROWS: gl.constexpr = GROUP * Q_LEN
-    o_m = gl.arange(0, 16, layout=gl.SliceLayout(1, ML))
+    o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
     m_row = o_m < ROWS
     live = b_l > 0.0
@@ -248,6 +250,9 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     group's normalised output goes over its first chunk's slot, its LSE to ``p_glse``, and the
     last group to arrive on the item's counter merges the groups in order."""
     ROWS: gl.constexpr = GROUP * Q_LEN
+    MB: gl.constexpr = 8 if ROWS <= 8 else 16
+    MF: gl.constexpr = D if ROWS <= 8 else 64
+    ML: gl.constexpr = ML8 if ROWS <= 8 else ML16
     b = item // HKV
     h = item % HKV
     first = 2 * p + 1
@@ -255,13 +260,13 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     c_hi = gl.minimum(n_chunks, c_lo + FUSED_C)
     n_groups = (n_chunks + FUSED_C - 1) // FUSED_C
     sl0 = _slot(first, p, c_lo).to(gl.int64)
-    o_m = gl.arange(0, 16, layout=gl.SliceLayout(1, ML))
+    o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     m_row = o_m < ROWS
     for f0 in gl.static_range(0, D, MF):
-        b_m, b_l, acc = _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, UNROLL)
+        b_m, b_l, acc = _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, UNROLL, MB, MF, ML)
         if n_groups == 1:
             _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN,
-                          HAS_LSE)
+                          HAS_LSE, MB, MF, ML)
         else:
             # in place over the columns just read (the group's first chunk: this program is its only reader)
             live = b_l > 0.0
@@ -274,9 +279,9 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     if n_groups > 1:
         if _arrived_last(p_count + p, n_groups):
             for f0 in gl.static_range(0, D, MF):
-                b_m, b_l, acc = _merge(p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, UNROLL)
+                b_m, b_l, acc = _merge(p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, UNROLL, MB, MF, ML)
                 _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP,
-                              Q_LEN, HAS_LSE)
+                              Q_LEN, HAS_LSE, MB, MF, ML)
             gl.store(p_count + p, 0)
 
 
