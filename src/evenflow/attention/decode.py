@@ -35,16 +35,21 @@ import math
 from typing import Optional
 
 import torch
+import triton
 
 from evenflow import _runtime
 from evenflow._checks import check_out, check_tensor
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import TILE, DecodePlan, static_splits
 
-try:  # Gluon ships with Triton >= 3.5; without it every call runs the Triton kernels
-    from evenflow.attention import gluon_kernels as GK
-except ImportError:  # pragma: no cover (the pinned Triton has it)
-    GK = None
+# The Gluon kernel is written against Triton 3.6's Gluon (an experimental API that changes between
+# releases); with an older Triton, or none of Gluon, every call runs the Triton kernels.
+GK = None
+if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6):
+    try:
+        from evenflow.attention import gluon_kernels as GK
+    except ImportError:  # pragma: no cover (the pinned Triton has it)
+        GK = None
 
 FP8 = torch.float8_e4m3fn
 _QDT = (torch.bfloat16, FP8)

@@ -28,7 +28,8 @@ def run_demo(ctx) -> list[dict]:
         lens, hq, hkv, case = [300, 64, 0, 130], 8, 2, "tiny 300+64+0+130"
     d, page = 128, 64
     q, k, v, pt, sl = _inputs(lens, hq, hkv, d, page, ctx.device)
-    plan = evenflow.DecodePlan(len(lens), max(lens), hkv, page_size=page, device=ctx.device).update(sl)
+    plan = evenflow.DecodePlan(len(lens), max(lens), hkv, page_size=page, device=ctx.device,
+                               kv_dtype=k.dtype).update(sl)
     out = evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
     ref, _ = ref_attn(q, k, v, pt, sl)
     base, _ = ref_attn(q, k, v, pt, sl, dtype=torch.float32, p_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
