@@ -142,8 +142,12 @@ def record_launches(execute: bool = False):
     :func:`emulate_gpu` picks one; with ``execute`` such a launch raises."""
     if not _runtime.interpreting():
         raise RuntimeError("record_launches needs the Triton interpreter (TRITON_INTERPRET=1)")
-    from triton.experimental.gluon._runtime import GluonJITFunction
     from triton.runtime.interpreter import InterpretedFunction
+
+    try:
+        from triton.experimental.gluon._runtime import GluonJITFunction
+    except ImportError:  # a Triton without Gluon: no Gluon launch to record
+        GluonJITFunction = type("NoGluon", (), {"run": None})
 
     launches: list[Launch] = []
     original = InterpretedFunction.run
