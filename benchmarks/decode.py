@@ -287,8 +287,9 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 # ----------------------------------------------------------------------------- impls
 
 def evenflow_plan(impl: str, inp: Inputs):
-    """The DecodePlan of ``evenflow`` or one of its knob rows (``PLAN_KNOBS``), updated for ``inp``'s
-    lengths; None for ``evenflow-static``."""
+    """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the one-warp Gluon
+    kernel) or one of its knob rows (``PLAN_KNOBS``; ``typed`` ones get the dtype too), updated for
+    ``inp``'s lengths; None for ``evenflow-static``."""
     from evenflow import DecodePlan
 
     if impl == "evenflow-static":

@@ -80,6 +80,20 @@ def pdl_kwargs(pdl: bool) -> dict:
     return {"PDL": bool(pdl), **({"launch_pdl": True} if pdl else {})}
 
 
+def compiled_capability(device=None) -> tuple[int, int] | None:
+    """Compute capability of the GPU that compiled kernels run on: (9, 0) while launches are
+    recorded for an H200 (:func:`emulating_gpu`), None where nothing is compiled (the
+    interpreter, no CUDA, a CPU device)."""
+    if emulating_gpu():
+        return (9, 0)
+    if interpreting() or not torch.cuda.is_available():
+        return None
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(dev)
+
+
 def pdl_supported(device=None) -> bool:
     """Whether kernels may use programmatic dependent launch (sm_90 and later, compiled code).
 
@@ -87,9 +101,5 @@ def pdl_supported(device=None) -> bool:
     finishes, and waits (``griddepcontrol.wait``) before touching memory; this hides the
     launch gap between two kernels of one operator. The interpreter runs no PTX.
     """
-    if emulating_gpu():
-        return True
-    if interpreting() or not torch.cuda.is_available():
-        return False
-    dev = torch.device(device) if device is not None else torch.device("cuda")
-    return torch.cuda.get_device_capability(dev) >= (9, 0)
+    cap = compiled_capability(device)
+    return cap is not None and cap >= (9, 0)

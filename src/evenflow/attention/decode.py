@@ -155,10 +155,13 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
 
 
 # Ring slots (tiles in flight + 1) of the one-warp fp8 kernel: 2 x 16 KB per program, 4 programs
-# an SM. Round AB1 (probe, H200): 2 and 3 slots within 4% of each other, 2 ahead on 3 of 4 cases.
+# an SM. Measured on the H200 (docs/perf-notes/decode.md): the probe's best split per case, round AB1,
+# 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than
+# 2.2% faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time.
 GLUON_FP8_STAGES = 2
-# Chunks whose partials the one-warp kernel's fused merge loads per step ([16, 64] fp32 each: 32
-# registers a thread), so a group of 8 is two dependent load steps per half of the head dim.
+# Chunks whose partials the one-warp kernel's fused merge loads per step (32 fp32 a thread each:
+# [8, 128] blocks for items of <= 8 rows, [16, 64] for more), so a group of 8 is two dependent load
+# steps per pass over the head dim (one pass at <= 8 rows, two above). Not tuned.
 GLUON_FUSED_UNROLL = 4
 
 
@@ -170,8 +173,10 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
     with e4m3 conversions (sm_89+)."""
     if plan is None or plan.kv_dtype != FP8 or GK is None:
         return False
-    if _runtime.interpreting() and not _runtime.emulating_gpu():
-        return False  # the interpreter cannot run Gluon; a compile check records what an H200 runs
+    # compiled code only (the interpreter cannot run Gluon; a compile check records what an H200 runs)
+    cap = _runtime.compiled_capability(q.device)
+    if cap is None or cap < (8, 9):
+        return False
     if any(o is not None for o in (plan.num_warps, plan.block_n, plan.max_registers, plan.warp_split, plan.stamps)):
         return False
     if plan.num_stages is not None and plan.num_stages < 2:  # the ring needs a slot in flight
@@ -180,11 +185,7 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
         return False
     if k_cache.shape[3] != 128 or k_cache.shape[1] not in (64, 128):
         return False
-    if rows > 16:
-        return False
-    if _runtime.interpreting():
-        return True
-    return q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) >= (8, 9)
+    return rows <= 16
 
 
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:

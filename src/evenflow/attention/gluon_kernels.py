@@ -33,6 +33,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from evenflow._kernels.common import arrived_last
+from evenflow.attention import kernels as K
+
 TILE = gl.constexpr(64)
 D = gl.constexpr(128)
 LN2 = gl.constexpr(0.6931471805599453)
@@ -173,19 +176,6 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
 
 
 @gluon.jit
-def _slot(first, p, c):
-    # partial slot of chunk c of the item that starts in bin p (see kernels._combine_slot)
-    return gl.where(c == 0, first, 2 * (p + c))
-
-
-@gluon.jit
-def _arrived_last(p_counter, expected):
-    # every lane's stores before the one atomic (acq_rel at GPU scope); see common.arrived_last
-    gl.thread_barrier()
-    return gl.atomic_add(p_counter, 1, sem="acq_rel") == expected - 1
-
-
-@gluon.jit
 def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE: gl.constexpr,
            UNROLL: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr):
     """(max, weight sum, weighted sum) of chunks [c_lo, c_hi) of one item, rows [0, MB), columns
@@ -200,7 +190,7 @@ def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE:
     for c0 in range(c_lo, c_hi, UNROLL):
         m_new = b_m
         for j in gl.static_range(UNROLL):
-            sl = _slot(first, p, (c0 + j) * C_STRIDE).to(gl.int64)
+            sl = K._combine_slot(first, p, (c0 + j) * C_STRIDE, False).to(gl.int64)
             lj = gl.load(p_plse + sl * ROWS + o_m, mask=m_row & (c0 + j < c_hi), other=float("-inf"),
                          cache_modifier=".cg")
             m_new = gl.maximum(m_new, lj)
@@ -209,7 +199,7 @@ def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE:
         acc = acc * a[:, None]
         b_l = b_l * a
         for j in gl.static_range(UNROLL):
-            sl = _slot(first, p, (c0 + j) * C_STRIDE).to(gl.int64)
+            sl = K._combine_slot(first, p, (c0 + j) * C_STRIDE, False).to(gl.int64)
             live = m_row & (c0 + j < c_hi)
             w = gl.exp2(gl.load(p_plse + sl * ROWS + o_m, mask=live, other=float("-inf"), cache_modifier=".cg")
                         - m_safe)
@@ -259,7 +249,7 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     c_lo = g * FUSED_C
     c_hi = gl.minimum(n_chunks, c_lo + FUSED_C)
     n_groups = (n_chunks + FUSED_C - 1) // FUSED_C
-    sl0 = _slot(first, p, c_lo).to(gl.int64)
+    sl0 = K._combine_slot(first, p, c_lo, False).to(gl.int64)
     o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     m_row = o_m < ROWS
     for f0 in gl.static_range(0, D, MF):
@@ -277,7 +267,7 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
                 lse2 = gl.where(live, b_m + gl.log2(gl.where(live, b_l, 1.0)), float("-inf"))
                 gl.store(p_glse + sl0 * ROWS + o_m, lse2, mask=m_row)
     if n_groups > 1:
-        if _arrived_last(p_count + p, n_groups):
+        if arrived_last(p_count + p, n_groups):
             for f0 in gl.static_range(0, D, MF):
                 b_m, b_l, acc = _merge(p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, UNROLL, MB, MF, ML)
                 _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP,
@@ -309,25 +299,14 @@ def decode_fp8_kernel(
         v_scale = v_scale * gl.load(p_vs)
     k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE, D], SMEM)
     v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE, D], SMEM)
-    total = gl.load(p_meta + 0)
-    budget = gl.load(p_meta + 1)
-    g0 = pid * budget
-    g1 = gl.minimum(g0 + budget, total)
+    # the plan contract's arithmetic is the Triton kernel's own (scalar Triton-lang helpers)
+    g0, g1, i, budget = K._bin_start(p_meta, p_prog_start, pid)
     n_items = B * HKV
-    i = gl.load(p_prog_start + pid)
-    b = gl.minimum(i, n_items - 1) // HKV
-    n = gl.load(p_tiles + b)
-    start = gl.load(p_req_end + b) - (HKV - i % HKV) * n
-    go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+    b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
+    go = K._item_in_bin(i, n_items, start, n, g1)
     while go:
         h = i % HKV
-        len_b = gl.load(p_len + b)
-        # unit u of the item is its tile u; units past its last tile (item_cost) hold no tokens
-        L = gl.minimum(gl.minimum(gl.maximum(len_b, 0), max_len), n * TILE)
-        t0 = gl.maximum(start, g0) - start
-        t1 = gl.minimum(gl.minimum(start + n, g1) - start, (L + TILE - 1) // TILE)
-        is_final = (start >= g0) & (start + n <= g1)
-        slot = 2 * pid + (start >= g0).to(gl.int32)
+        L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, gl.load(p_len + b), max_len, pid)
         _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -335,16 +314,11 @@ def decode_fp8_kernel(
         if FUSED:
             if (start < g0) | (start + n > g1):
                 # chunk of an item that starts in bin p_s and spans n_chunks bins: arrive on its group
-                p_s = start // budget
-                n_chunks = (start + n - 1) // budget - p_s + 1
-                g = (pid - p_s) // FUSED_C
-                gslot = _slot(2 * p_s + 1, p_s, g * FUSED_C)
-                if _arrived_last(p_gcount + gslot, gl.minimum(FUSED_C, n_chunks - g * FUSED_C)):
+                p_s, n_chunks, g, gslot, in_group = K._merge_group_of(start, n, budget, pid, FUSED_C)
+                if arrived_last(p_gcount + gslot, in_group):
                     gl.store(p_gcount + gslot, 0)
                     _combine_group(i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                    stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C, FUSED_UNROLL)
         i += 1
-        b = gl.minimum(i, n_items - 1) // HKV
-        n = gl.load(p_tiles + b)
-        start = gl.load(p_req_end + b) - (HKV - i % HKV) * n
-        go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+        b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
+        go = K._item_in_bin(i, n_items, start, n, g1)

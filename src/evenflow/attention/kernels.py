@@ -150,6 +150,56 @@ def plan_kernel(
 
 
 @triton.jit
+def _bin_start(p_meta, p_prog_start, pid):
+    """Bin ``pid`` of the plan: its global units [g0, g1), its first item and the budget."""
+    total = tl.load(p_meta + 0)
+    budget = tl.load(p_meta + 1)
+    g0 = pid * budget
+    return g0, tl.minimum(g0 + budget, total), tl.load(p_prog_start + pid), budget
+
+
+@triton.jit
+def _item_at(i, n_items, p_tiles, p_req_end, HKV: tl.constexpr):
+    """Item i's request b, its units n and its first global unit (the plan contract's item
+    order: request-outer, kv head inner)."""
+    b = tl.minimum(i, n_items - 1) // HKV
+    n = tl.load(p_tiles + b)
+    return b, n, tl.load(p_req_end + b) - (HKV - i % HKV) * n
+
+
+@triton.jit
+def _item_in_bin(i, n_items, start, n, g1):
+    # a bin walks the items that start inside it; zero-unit items on its end edge belong to it,
+    # so every empty request is finished exactly once
+    return (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+
+
+@triton.jit
+def _chunk_of(start, n, g0, g1, len_b, max_len, pid):
+    """The chunk of an item (first unit ``start``, ``n`` units, length ``len_b``) in bin [g0, g1):
+    its length L (clamped; never more tokens than the plan's units cover), its tiles [t0, t1) (up
+    to its last tile: the item_cost units past it carry no tokens and are not looped over, or the
+    plan's fixed cost would be paid twice, round J), whether it is the whole item, and the
+    partial slot it writes otherwise (2p + 1 where the item starts, 2p in later bins)."""
+    L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len), n * TILE)
+    t0 = tl.maximum(start, g0) - start
+    t1 = tl.minimum(tl.minimum(start + n, g1) - start, (L + TILE - 1) // TILE)
+    is_final = (start >= g0) & (start + n <= g1)
+    return L, t0, t1, is_final, 2 * pid + (start >= g0).to(tl.int32)
+
+
+@triton.jit
+def _merge_group_of(start, n, budget, pid, FUSED_C: tl.constexpr):
+    """For the chunk in bin ``pid`` of a split item: the bin p_s where the item starts, its
+    chunk count, the chunk's merge group g, that group's arrival counter slot and size."""
+    p_s = start // budget
+    n_chunks = (start + n - 1) // budget - p_s + 1
+    g = (pid - p_s) // FUSED_C
+    return p_s, n_chunks, g, _combine_slot(2 * p_s + 1, p_s, g * FUSED_C, False), \
+        tl.minimum(FUSED_C, n_chunks - g * FUSED_C)
+
+
+@triton.jit
 def _first_page(p_ptrow, t0, o_tok, n_end, max_pages, PAGE: tl.constexpr, SCALAR_PAGE: tl.constexpr):
     """Page id of a chunk's first step: one scalar when a step lies in one page, else one per token."""
     if SCALAR_PAGE:
@@ -459,20 +509,12 @@ def decode_kernel(
                 WSPLIT, WS_MIN_TILES,
             )
     else:
-        total = tl.load(p_meta + 0)
-        budget = tl.load(p_meta + 1)
-        g0 = pid * budget
-        g1 = tl.minimum(g0 + budget, total)
+        g0, g1, i, budget = _bin_start(p_meta, p_prog_start, pid)
         n_items = B * HKV
-        i = tl.load(p_prog_start + pid)
-        # walk items while they start inside the bin (zero-tile items on the bin's end
-        # edge belong to it, so every empty request is finished exactly once)
-        b = tl.minimum(i, n_items - 1) // HKV
-        n = tl.load(p_tiles + b)
-        start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
+        b, n, start = _item_at(i, n_items, p_tiles, p_req_end, HKV)
         if PREFETCH:
             len_b = tl.load(p_len + b)
-        go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+        go = _item_in_bin(i, n_items, start, n, g1)
         if STAMPS:
             # what is known before the loop is stored now, so the loop carries fewer registers
             c_meta = clock64(start, DOT_F32)
@@ -505,17 +547,7 @@ def decode_kernel(
                 len_nx = tl.load(p_len + b_nx)
             else:
                 len_b = tl.load(p_len + b)
-            # unit u of the item is its tile u; the units past its last tile (item_cost) hold no
-            # tokens (a chunk of only those is an empty partial, LSE -inf, weighed as nothing).
-            # Never more tokens than the plan's units cover.
-            L = tl.minimum(tl.minimum(tl.maximum(len_b, 0), max_len), n * TILE)
-            t0 = tl.maximum(start, g0) - start
-            # the loop stops at the item's last tile: its item_cost units carry no tokens, and
-            # looping over them would run full (masked) steps that the plan counted as the
-            # item's fixed cost, so they would be paid twice (round J)
-            t1 = tl.minimum(tl.minimum(start + n, g1) - start, (L + TILE - 1) // TILE)
-            is_final = (start >= g0) & (start + n <= g1)
-            slot = 2 * pid + (start >= g0).to(tl.int32)
+            L, t0, t1, is_final, slot = _chunk_of(start, n, g0, g1, len_b, max_len, pid)
             _attend_chunk(
                 b, h, t0, t1, L, is_final, slot,
                 p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse,
@@ -537,11 +569,8 @@ def decode_kernel(
             if FUSED:
                 if (start < g0) | (start + n > g1):
                     # chunk c of an item that starts in bin p_s and spans n_chunks bins
-                    p_s = start // budget
-                    n_chunks = (start + n - 1) // budget - p_s + 1
-                    g = (pid - p_s) // FUSED_C
-                    slot0 = _combine_slot(2 * p_s + 1, p_s, g * FUSED_C, False)
-                    if arrived_last(p_gcount + slot0, tl.minimum(FUSED_C, n_chunks - g * FUSED_C)):
+                    p_s, n_chunks, g, slot0, in_group = _merge_group_of(start, n, budget, pid, FUSED_C)
+                    if arrived_last(p_gcount + slot0, in_group):
                         tl.store(p_gcount + slot0, 0)
                         _combine_group(i, p_s, n_chunks, g, 0, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                        stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, FUSED_M, HAS_LSE,
@@ -557,10 +586,8 @@ def decode_kernel(
                 start = end_nx - (HKV - i % HKV) * n
                 len_b = len_nx
             else:
-                b = tl.minimum(i, n_items - 1) // HKV
-                n = tl.load(p_tiles + b)
-                start = tl.load(p_req_end + b) - (HKV - i % HKV) * n
-            go = (i < n_items) & ((start < g1) | ((start == g1) & (n == 0)))
+                b, n, start = _item_at(i, n_items, p_tiles, p_req_end, HKV)
+            go = _item_in_bin(i, n_items, start, n, g1)
         if STAMPS:
             tl.store(p_row + _T_LAST, s_last)
             tl.store(p_row + _T_SM, sm_id(pid, DOT_F32).to(tl.int64))

@@ -51,7 +51,8 @@ DEFAULT_COMBINE = "fused"
 # Programs per SM of a plan built for an fp8 KV cache (``DecodePlan(kv_dtype=torch.float8_e4m3fn)``),
 # whose bins the one-warp Gluon kernel drains (``attention/gluon_kernels.py``). Round AB1 (H200,
 # graph replay, static split of the probe): ~3.4-3.9 programs an SM ran 8x32K / 64x4K at 0.96-0.97
-# of the copy floor, ~7 an SM at 0.71-0.82 (docs/perf-notes/decode.md).
+# of the copy floor, ~7 an SM at 0.71-0.82; on the plan (AB2, rows evenflow-g-pps3 / -g-pps6) 3 and 6
+# an SM took up to 1.63x and 1.08-1.46x the time of 4 (docs/perf-notes/decode.md).
 GLUON_FP8_PROGRAMS_PER_SM = 4
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
