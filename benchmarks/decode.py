@@ -22,6 +22,7 @@ a small problem first (progress printed), then reused by every case.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import time
@@ -120,7 +121,15 @@ PLAN_KNOBS = {
     "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms),
     "evenflow-g-s3": lambda sms: dict(typed=True, num_stages=3),
     "evenflow-g-ckernel": lambda sms: dict(typed=True, combine="kernel"),
+    # round AC: 2 programs an SM (longer chunks: the TP8 slice); 512 programs (8x32K's budget of 64
+    # tiles, so its items' cuts line up across heads and each item is one merge group of 8 chunks);
+    # the default plan over an HND copy of the cache (each head's page contiguous)
+    "evenflow-g-pps2": lambda sms: dict(typed=True, num_programs=2 * sms),
+    "evenflow-g-np512": lambda sms: dict(typed=True, num_programs=512),
+    "evenflow-g-hnd": lambda sms: dict(typed=True),
 }
+# knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
+HND_IMPLS = {"evenflow-g-hnd"}
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
 IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
 # The rows of record (issue 3 / BENCH.md); the knob rows above run when named in --impls.
@@ -286,6 +295,12 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
 
 # ----------------------------------------------------------------------------- impls
 
+def as_hnd(cache: torch.Tensor) -> torch.Tensor:
+    """The same [pages, page, Hkv, D] values with each head's page contiguous in memory (a strided
+    view of an HND copy), as an engine with an HND cache passes it."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def evenflow_plan(impl: str, inp: Inputs):
     """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the one-warp Gluon
     kernel) or one of its knob rows (``PLAN_KNOBS``; ``typed`` ones get the dtype too), updated for
@@ -328,6 +343,8 @@ def _evenflow_fns(impl: str, inp: Inputs):
     except ImportError as e:
         raise H.PeerUnavailable(f"evenflow decode attention not available: {e}") from e
     extra: dict = {}
+    if impl in HND_IMPLS:
+        inp = dataclasses.replace(inp, k_cache=as_hnd(inp.k_cache), v_cache=as_hnd(inp.v_cache))
     plan = evenflow_plan(impl, inp)
     validate = getattr(evenflow, "validate_inputs", None)  # the launcher's debug check (syncs; set-up only)
     if validate is not None:

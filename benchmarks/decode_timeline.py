@@ -1,6 +1,6 @@
 """Per-program timeline of the decode kernel: where a call's fixed cost goes inside the kernel.
 
-    python benchmarks/decode_timeline.py --out DIR [--cases 64x512,8x32K,...] [--variants bf16,fp8]
+    python benchmarks/decode_timeline.py --out DIR [--cases 64x512,8x32K,...] [--variants bf16,fp8] [--impl ROW]
     python benchmarks/decode_timeline.py --plot DIR/decode_timeline.json      # plot only (no GPU)
 
 For each case, ``evenflow`` (the default plan, the inputs of ``benchmarks/decode.py``) is timed in
@@ -102,11 +102,11 @@ def _median_summary(sums: list[dict]) -> dict:
     return out
 
 
-def run_case(cname: str, vname: str, replays: int, l2: int, ceilings: dict) -> dict:
+def run_case(cname: str, vname: str, replays: int, l2: int, ceilings: dict, impl: str = "evenflow") -> dict:
     case = bench.parse_case(cname)
     dt = VARIANTS[vname]
     inp = bench.make_inputs(case, dt, "cuda", 0, l2)
-    plan = bench.evenflow_plan("evenflow", inp)
+    plan = bench.evenflow_plan(impl, inp)
     fns = bench.evenflow_calls(inp, plan)
     us_default = H.time_graph(fns)
     stamps = plan.record_timeline()
@@ -129,7 +129,7 @@ def run_case(cname: str, vname: str, replays: int, l2: int, ceilings: dict) -> d
     plan.record_timeline(False)
     del g
     fl = H.floor_us(bench.floor_bytes(case, dt), ceilings=ceilings)
-    return {"case": cname, "impl": "evenflow-timeline", "variant": vname, "us": round(us_default, 3),
+    return {"case": cname, "impl": f"{impl}-timeline", "variant": vname, "us": round(us_default, 3),
             "us_stamped": round(us_stamped, 3),
             "floor_us": round(fl, 3), "calls_per_replay": n_calls, "replays": replays,
             "summary": _median_summary(sums), "raw_last_replay": raw}
@@ -183,6 +183,8 @@ def main(argv=None) -> None:
     ap.add_argument("--out", help="directory for decode_timeline.json (and .png)")
     ap.add_argument("--cases", default=",".join(DEFAULT_CASES), help="comma list of decode cases")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ",".join(VARIANTS))
+    ap.add_argument("--impl", default="evenflow",
+                    help="evenflow (default) or a plan knob row of benchmarks/decode.py (e.g. evenflow-triton)")
     ap.add_argument("--replays", type=int, default=9, help="graph replays read back per case (default 9)")
     ap.add_argument("--plot", metavar="JSON", help="only plot an existing decode_timeline.json")
     args = ap.parse_args(argv)
@@ -201,11 +203,13 @@ def main(argv=None) -> None:
             bench.parse_case(c)  # a bad name stops here, before any GPU work
         except ValueError as e:
             raise SystemExit(f"--cases: {e}") from None
+    if args.impl != "evenflow" and args.impl not in bench.PLAN_KNOBS:
+        raise SystemExit(f"--impl: evenflow or one of {', '.join(bench.PLAN_KNOBS)}; got {args.impl!r}")
     variants, l2, ceil = fixed_cost.gpu_setup(args.out, args.variants, "decode_timeline")
     rows = []
     for vname in variants:
         for cname in H.progress(cases, vname):
-            r = run_case(cname, vname, args.replays, l2, ceil)
+            r = run_case(cname, vname, args.replays, l2, ceil, args.impl)
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "raw_last_replay"}), flush=True)
             torch.cuda.empty_cache()

@@ -406,3 +406,25 @@ def test_sm_speed_what_if_on_known_rates():
     assert res["corr"][(("a", "bf16"), ("c", "bf16"))] == pytest.approx(-1.0)
     # shrink 0: every SM at the mean rate, i.e. the even split the kernel has now
     assert S.analyse(rows, shrink=0.0)["what_if"][("a", "bf16")]["cal:c"] == pytest.approx(a["now"])
+
+
+def test_hnd_knob_row_reads_the_same_values_with_each_heads_page_contiguous():
+    """``evenflow-g-hnd`` (round AC): the cache as an engine with an HND layout passes it, the same
+    [pages, page, Hkv, D] values, each head's page one contiguous block; and a decode call on it
+    gives what the NHD cache gives (the interpreter's Triton kernel, a plan without its KV dtype)."""
+    import evenflow
+
+    assert "evenflow-g-hnd" in D.HND_IMPLS and "evenflow-g-hnd" in D.PLAN_KNOBS
+    x = torch.randn(5, 16, 4, 32)
+    h = D.as_hnd(x)
+    assert torch.equal(h, x) and h.shape == x.shape and h.data_ptr() != x.data_ptr()
+    assert h.stride() == (16 * 4 * 32, 32, 16 * 32, 1)  # [pages, Hkv, page, D] in memory
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(6, 16, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16)
+    pt = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    sl = torch.tensor([40, 33], dtype=torch.int32)
+    plan = evenflow.DecodePlan(2, 48, 2, page_size=16, device="cpu", num_programs=3, min_tiles=1).update(sl)
+    a = evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
+    b = evenflow.decode_attention(q, D.as_hnd(k), D.as_hnd(v), pt, sl, plan=plan)
+    assert torch.equal(a, b)

@@ -213,21 +213,30 @@ def test_fused_combine_launches_one_kernel_and_matches_the_combine_kernel(kv, de
     assert_within_one_ulp(outs["fused"], outs["kernel"], "fused against the combine kernel")
 
 
-def test_timeline_build_counts_each_programs_work_and_keeps_results(device):
+@pytest.mark.parametrize("build", ["triton-bf16", "gluon-fp8"])
+def test_timeline_build_counts_each_programs_work_and_keeps_results(device, build):
     """DecodePlan.record_timeline: the STAMPS build writes one row per program. Its counts
     are checked against the reference plan's bins (chunks visited, empty items included;
     real tiles, not item-cost units; one merge per group of 8 chunks of each split item,
     summed over programs since which program merges depends on arrival order), and its
     output is bitwise the default build's. (The interpreter has no timer or SM id: those
-    fields are 0 / -1 here; on a GPU they must come in program order.)"""
+    fields are 0 / -1 here; on a GPU they must come in program order.) ``gluon-fp8``: a plan
+    built for an fp8 cache, whose one-warp Gluon kernel has its own STAMPS build (compiled
+    code only: Gluon has no interpreter)."""
     from evenflow.attention import kernels as K
-    from evenflow.attention.decode import FUSED_GROUP_CHUNKS
+    from evenflow.attention.decode import FUSED_GROUP_CHUNKS, gluon_fp8_supported
     from evenflow.reference.attention import build_plan_ref
 
+    gluon = build == "gluon-fp8"
+    if gluon and device != "cuda":
+        pytest.skip("the Gluon kernel runs as compiled code only (its sm_90 build: tests/test_decode_sm90.py)")
     lens = [64 * 45 + 3, 0, 70, 64 * 3, 1, 64 * 9 + 40]
-    hkv, nprog = 2, 24
-    q, qs, k, v, pt, sl = make_inputs(lens, hkv, 8, 64, 64, 1, device=device)
-    plan = evenflow.DecodePlan(len(lens), 1 << 13, hkv, device=device, num_programs=nprog, min_tiles=1).update(sl)
+    hkv, nprog, d = 2, 24, (128 if gluon else 64)
+    kv = FP8 if gluon else torch.bfloat16
+    q, qs, k, v, pt, sl = make_inputs(lens, hkv, 8, d, 64, 1, kv_dtype=kv, device=device)
+    plan = evenflow.DecodePlan(len(lens), 1 << 13, hkv, device=device, num_programs=nprog, min_tiles=1,
+                               kv_dtype=kv if gluon else None).update(sl)
+    assert gluon_fp8_supported(q, k, plan, 8) == gluon
     base = check(q, qs, k, v, pt, sl, 1, plan=plan, what="default build").clone()
     stamps = plan.record_timeline()
     assert stamps.shape == (nprog, K.STAMP_SLOTS) and stamps.dtype == torch.int64

@@ -168,7 +168,8 @@ GLUON_FUSED_UNROLL = 4
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
     """Whether a call runs the one-warp Gluon fp8 kernel (``attention/gluon_kernels.py``): a
     plan built with ``kv_dtype=torch.float8_e4m3fn`` and none of the Triton kernel's launch
-    options or a timeline (``num_stages``, if given, is its ring's slots and must be >= 2),
+    options (``num_stages``, if given, is its ring's slots and must be >= 2; a timeline,
+    ``DecodePlan.record_timeline``, runs its own STAMPS build),
     bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, compiled code on a GPU
     with e4m3 conversions (sm_89+)."""
     if plan is None or plan.kv_dtype != FP8 or GK is None:
@@ -177,7 +178,7 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
     cap = _runtime.compiled_capability(q.device)
     if cap is None or cap < (8, 9):
         return False
-    if any(o is not None for o in (plan.num_warps, plan.block_n, plan.max_registers, plan.warp_split, plan.stamps)):
+    if any(o is not None for o in (plan.num_warps, plan.block_n, plan.max_registers, plan.warp_split)):
         return False
     if plan.num_stages is not None and plan.num_stages < 2:  # the ring needs a slot in flight
         return False
@@ -234,14 +235,15 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         GK.decode_fp8_kernel[grid](
             q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
-            part_glse, combine_count, group_count,
+            part_glse, combine_count, group_count, stamps if stamps is not None else meta,
             sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
             HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
-            FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, FUSED_UNROLL=GLUON_FUSED_UNROLL, num_warps=1,
+            FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, FUSED_UNROLL=GLUON_FUSED_UNROLL, STAMPS=stamps is not None,
+            num_warps=1,
         )
     else:
         K.decode_kernel[grid](

@@ -33,7 +33,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from evenflow._kernels.common import arrived_last
+from evenflow._kernels.common import arrived_last, clock64, globaltimer_ns
 from evenflow.attention import kernels as K
 
 TILE = gl.constexpr(64)
@@ -278,19 +278,24 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
 @gluon.jit
 def decode_fp8_kernel(
     p_q, p_k, p_v, p_pt, p_len, p_tiles, p_req_end, p_prog_start, p_meta,
-    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount,
+    p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount, p_stamp,
     qk_scale_f, v_scale_f, B, max_len, num_pages,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_ptb, stride_ot, stride_oh, stride_lt,
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
-    FUSED: gl.constexpr, FUSED_C: gl.constexpr, FUSED_UNROLL: gl.constexpr,
+    FUSED: gl.constexpr, FUSED_C: gl.constexpr, FUSED_UNROLL: gl.constexpr, STAMPS: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
     end edge included). ``qk_scale_f`` = sm_scale * log2(e) * python k_scale; ``max_len`` caps
-    every length (min of the plan's max_seq_len and the page table's columns x PAGE)."""
+    every length (min of the plan's max_seq_len and the page table's columns x PAGE).
+    STAMPS (diagnostics): the Triton kernel's timeline build (``kernels.STAMP_FIELDS`` in
+    ``p_stamp``; no PDL wait here, so "after_wait" is the entry)."""
     pid = gl.program_id(0)
+    if STAMPS:
+        c_entry = clock64(pid, False)
+        s_entry = globaltimer_ns(pid, False)
     qk_scale = qk_scale_f
     if HAS_K_SCALE_PTR:
         qk_scale = qk_scale * gl.load(p_ks)
@@ -304,6 +309,9 @@ def decode_fp8_kernel(
     n_items = B * HKV
     b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
     go = K._item_in_bin(i, n_items, start, n, g1)
+    if STAMPS:
+        p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = K._stamps_open(
+            p_stamp, pid, start, s_entry, s_entry, c_entry, c_entry, False)
     while go:
         h = i % HKV
         L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, gl.load(p_len + b), max_len, pid)
@@ -311,6 +319,8 @@ def decode_fp8_kernel(
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                       stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE)
+        if STAMPS:
+            c_last, s_last, s_chunks, s_tiles = K._stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, False)
         if FUSED:
             if (start < g0) | (start + n > g1):
                 # chunk of an item that starts in bin p_s and spans n_chunks bins: arrive on its group
@@ -319,6 +329,11 @@ def decode_fp8_kernel(
                     gl.store(p_gcount + gslot, 0)
                     _combine_group(i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                    stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C, FUSED_UNROLL)
+                    if STAMPS:
+                        s_merge_end, s_merge_ns, s_merges = K._stamps_merge(gslot, s_last, s_merge_ns, s_merges,
+                                                                            False)
         i += 1
         b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
         go = K._item_in_bin(i, n_items, start, n, g1)
+    if STAMPS:
+        K._stamps_close(p_row, pid, i, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end, False)

@@ -517,24 +517,8 @@ def decode_kernel(
         go = _item_in_bin(i, n_items, start, n, g1)
         if STAMPS:
             # what is known before the loop is stored now, so the loop carries fewer registers
-            c_meta = clock64(start, DOT_F32)
-            s_meta = globaltimer_ns(start, DOT_F32)
-            p_row = p_stamp + pid.to(tl.int64) * _STAMP_SLOTS
-            tl.store(p_row + _T_ENTRY, s_entry)
-            tl.store(p_row + _T_WAIT, s_wait)
-            tl.store(p_row + _T_META, s_meta)
-            tl.store(p_row + _C_ENTRY, c_entry)
-            tl.store(p_row + _C_WAIT, c_wait)
-            tl.store(p_row + _C_META, c_meta)
-            tl.store(p_row + _T_FIRST, s_meta * 0)
-            tl.store(p_row + _C_FIRST, c_meta * 0)
-            c_last = c_meta * 0
-            s_last = s_meta * 0
-            s_chunks = s_meta * 0
-            s_tiles = s_meta * 0
-            s_merges = s_meta * 0
-            s_merge_ns = s_meta * 0
-            s_merge_end = s_meta * 0
+            p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = _stamps_open(
+                p_stamp, pid, start, s_entry, s_wait, c_entry, c_wait, DOT_F32)
         while go:
             h = i % HKV
             if PREFETCH:
@@ -559,13 +543,7 @@ def decode_kernel(
                 WSPLIT, WS_MIN_TILES,
             )
             if STAMPS:
-                c_last = clock64(t1, DOT_F32)
-                s_last = globaltimer_ns(t1, DOT_F32)
-                if s_chunks == 0:
-                    tl.store(p_row + _T_FIRST, s_last)
-                    tl.store(p_row + _C_FIRST, c_last)
-                s_chunks += 1
-                s_tiles += tl.maximum(t1 - t0, 0)
+                c_last, s_last, s_chunks, s_tiles = _stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, DOT_F32)
             if FUSED:
                 if (start < g0) | (start + n > g1):
                     # chunk c of an item that starts in bin p_s and spans n_chunks bins
@@ -576,9 +554,8 @@ def decode_kernel(
                                        stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, FUSED_M, HAS_LSE,
                                        FUSED_C, D, FUSED_UNROLL)
                         if STAMPS:
-                            s_merge_end = globaltimer_ns(slot0, DOT_F32)
-                            s_merge_ns += s_merge_end - s_last
-                            s_merges += 1
+                            s_merge_end, s_merge_ns, s_merges = _stamps_merge(slot0, s_last, s_merge_ns, s_merges,
+                                                                              DOT_F32)
             i += 1
             if PREFETCH:
                 b = b_nx
@@ -589,16 +566,64 @@ def decode_kernel(
                 b, n, start = _item_at(i, n_items, p_tiles, p_req_end, HKV)
             go = _item_in_bin(i, n_items, start, n, g1)
         if STAMPS:
-            tl.store(p_row + _T_LAST, s_last)
-            tl.store(p_row + _T_SM, sm_id(pid, DOT_F32).to(tl.int64))
-            tl.store(p_row + _T_CHUNKS, s_chunks)
-            tl.store(p_row + _T_MERGES, s_merges)
-            tl.store(p_row + _T_MERGE_NS, s_merge_ns)
-            tl.store(p_row + _T_TILES, s_tiles)
-            tl.store(p_row + _T_MERGE_END, s_merge_end)
-            tl.store(p_row + _C_LAST, c_last)
-            tl.store(p_row + _C_END, clock64(i, DOT_F32))
-            tl.store(p_row + _T_END, globaltimer_ns(i, DOT_F32))
+            _stamps_close(p_row, pid, i, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end,
+                          DOT_F32)
+
+
+# The STAMPS build's bookkeeping, shared by this kernel and the one-warp Gluon fp8 kernel
+# (attention/gluon_kernels.py): scalar helpers over one program's row of the stamp buffer.
+@triton.jit
+def _stamps_open(p_stamp, pid, start, s_entry, s_wait, c_entry, c_wait, DOT_F32: tl.constexpr):
+    """Store what a program knows once its first item's metadata is in (``start`` read); return
+    its row and the loop's zeroed counters (c_last, s_last, chunks, tiles, merges, merge_ns,
+    merge_end)."""
+    c_meta = clock64(start, DOT_F32)
+    s_meta = globaltimer_ns(start, DOT_F32)
+    p_row = p_stamp + pid.to(tl.int64) * _STAMP_SLOTS
+    tl.store(p_row + _T_ENTRY, s_entry)
+    tl.store(p_row + _T_WAIT, s_wait)
+    tl.store(p_row + _T_META, s_meta)
+    tl.store(p_row + _C_ENTRY, c_entry)
+    tl.store(p_row + _C_WAIT, c_wait)
+    tl.store(p_row + _C_META, c_meta)
+    tl.store(p_row + _T_FIRST, s_meta * 0)
+    tl.store(p_row + _C_FIRST, c_meta * 0)
+    z = s_meta * 0
+    return p_row, z, z, z, z, z, z, z
+
+
+@triton.jit
+def _stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, DOT_F32: tl.constexpr):
+    """After a chunk's attention (tiles [t0, t1)): its end stamps, the first chunk's stored."""
+    c_last = clock64(t1, DOT_F32)
+    s_last = globaltimer_ns(t1, DOT_F32)
+    if s_chunks == 0:
+        tl.store(p_row + _T_FIRST, s_last)
+        tl.store(p_row + _C_FIRST, c_last)
+    return c_last, s_last, s_chunks + 1, s_tiles + tl.maximum(t1 - t0, 0)
+
+
+@triton.jit
+def _stamps_merge(dep, s_last, s_merge_ns, s_merges, DOT_F32: tl.constexpr):
+    """After a group merge (run after ``dep``) that followed the chunk ending at ``s_last``."""
+    s_merge_end = globaltimer_ns(dep, DOT_F32)
+    return s_merge_end, s_merge_ns + (s_merge_end - s_last), s_merges + 1
+
+
+@triton.jit
+def _stamps_close(p_row, pid, i, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end,
+                  DOT_F32: tl.constexpr):
+    """A program's end: the loop's counters, its SM, the end stamps (after ``i``, its last item)."""
+    tl.store(p_row + _T_LAST, s_last)
+    tl.store(p_row + _T_SM, sm_id(pid, DOT_F32).to(tl.int64))
+    tl.store(p_row + _T_CHUNKS, s_chunks)
+    tl.store(p_row + _T_MERGES, s_merges)
+    tl.store(p_row + _T_MERGE_NS, s_merge_ns)
+    tl.store(p_row + _T_TILES, s_tiles)
+    tl.store(p_row + _T_MERGE_END, s_merge_end)
+    tl.store(p_row + _C_LAST, c_last)
+    tl.store(p_row + _C_END, clock64(i, DOT_F32))
+    tl.store(p_row + _T_END, globaltimer_ns(i, DOT_F32))
 
 
 @triton.jit

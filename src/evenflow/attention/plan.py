@@ -101,7 +101,7 @@ class DecodePlan:
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
     (default 2) tiles) and :func:`evenflow.decode_attention` runs that kernel where it applies
     (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
-    ``block_n``, ``max_registers``, ``warp_split`` or a timeline set; ``combine`` as for the Triton
+    ``block_n``, ``max_registers`` or ``warp_split`` set (a timeline runs its own STAMPS build); ``combine`` as for the Triton
     kernel); elsewhere the Triton kernel runs on the same bins.
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
