@@ -68,14 +68,17 @@ def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, 
                     growth=DEFAULT_ALIGN_GROWTH):
     # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
     # shortest items when that item fits and the rounding grows it by at most `growth`; with
-    # align_longer, raised to a shortest item that exceeds it by at most 1/16
+    # align_longer, raised to a shortest item longer than it cut in as many equal chunks as
+    # whole budgets fit in it, when they divide it and that exceeds the budget by at most 1/16
     tiles = units(lens, item_cost, cost_max)
     b0 = max(-(-hkv * sum(tiles) // np_), mt)
     q = min([n for n in tiles if n > 0], default=0)
     if align and 0 < q <= b0 and 16 * (-(-b0 // q) * q) <= int(growth * 16) * b0:
         return -(-b0 // q) * q
-    if align and align_longer and b0 < q and 16 * q <= 17 * b0:
-        return q
+    if align and align_longer and b0 < q:
+        n = q // b0
+        if q % n == 0 and 16 * (q // n) <= 17 * b0:
+            return q // n
     return b0
 
 
@@ -193,6 +196,43 @@ def test_align_longer_keeps_slightly_long_items_whole(lens, np_, budgets, device
             assert cut == 0, "raised budget: every 4K item whole in one bin"
         elif budgets[1] > budgets[0]:
             assert cut > 0
+    assert (got[False], got[True]) == budgets
+
+
+@pytest.mark.parametrize("lens,np_,budgets", [
+    ([32768] * 8, 528, (63, 64)),                  # 8x32K at 132 SMs x 4: 512-tile items in 8 chunks of 64
+    ([32768] * 8, 264, (125, 128)),                # the same at 2 an SM: 4 chunks of 128
+    ([65536] + [4096] * 15, 528, (31, 32)),        # 1x64K+15x4K at 4 an SM: the 4K items in halves
+    ([32768] * 8, 600, (55, 55)),                  # 512 // 55 = 9 does not divide 512: left alone
+    ([32768] * 8, 300, (110, 110)),                # 4 chunks of 128 > 110 * 17/16: left alone
+])
+def test_align_longer_cuts_every_heads_item_at_the_same_tiles(lens, np_, budgets, device):
+    """Round AC: where the shortest item is several budgets long, align_longer raises the budget
+    to that item over n = item // budget chunks if n divides it and that is at most 1/16 more; then
+    uniform items are cut at the same tiles for every head (and every item of 8x32K is one fused
+    merge group of 8 chunks at 4 programs an SM), where the plain budget's cuts drift."""
+    hkv = 8
+    got = {}
+    for longer in (False, True):
+        plan, sl = make_plan(device, lens, hkv, np_, 8, align_longer=longer)
+        d = plan.as_dict()
+        got[longer] = d["meta"][1].item()
+        assert got[longer] == expected_budget(lens, hkv, np_, 8, True, align_longer=longer)
+        bins = walk(d, hkv, np_)
+        assert bins == build_plan_ref(sl, hkv, np_, 8, plan.max_seq_len, align_longer=longer, item_cost=0)[1]
+        shortest = -(-min(lens) // TILE)
+        cuts = {}  # per item of the shortest length: its chunks' (first, end) tiles
+        for chunks in bins:
+            for i, t0, t1 in chunks:
+                if -(-lens[i // hkv] // TILE) == shortest:
+                    cuts.setdefault(i, []).append((t0, t1))
+        same = len({tuple(c) for c in cuts.values()}) == 1
+        if longer and budgets[1] > budgets[0]:
+            assert same, "raised budget: every shortest item cut at the same tiles"
+            n = shortest // budgets[0]
+            assert all(len(c) == n for c in cuts.values())
+        elif budgets[1] > budgets[0]:
+            assert not same, "the plain budget's cuts drift from item to item"
     assert (got[False], got[True]) == budgets
 
 
@@ -373,3 +413,29 @@ def test_plan_opcheck(device):
                           (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4,
                            plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max, 24),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def test_align_longer_random_divisible_items(device):
+    """Seeded mixes whose shortest item is n whole chunks of about one budget (n = 2..8), or one
+    tile off that: device plan == reference bins, and the budget is the rule's (raised to a
+    divisor of the item, or left alone)."""
+    g = torch.Generator().manual_seed(7)
+    raised = 0
+    for trial in range(10):
+        hkv = int(torch.randint(1, 5, (1,), generator=g))
+        d = int(torch.randint(8, 40, (1,), generator=g)) if trial % 4 == 3 else int(torch.randint(17, 40, (1,), generator=g))
+        n = int(torch.randint(2, 9, (1,), generator=g))
+        q = n * d + (trial % 3 == 2)  # every third: not a multiple of n
+        B = int(torch.randint(2, 10, (1,), generator=g))
+        lens = [q * TILE] + [q * TILE * int(torch.randint(1, 3, (1,), generator=g)) for _ in range(B - 1)]
+        total = hkv * sum(units(lens))
+        np_ = -(-total // (d - 1))  # budget d - 1 (or a little less): d is 1/16 above it from d = 17
+        plan, sl = make_plan(device, lens, hkv, np_, 1, align_longer=True)
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True, item_cost=0)
+        for key in ("tiles", "req_end", "prog_start", "meta"):
+            assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
+        assert walk(plan.as_dict(), hkv, np_) == ref_bins
+        budget = plan.as_dict()["meta"][1].item()
+        assert budget == expected_budget(lens, hkv, np_, 1, True, align_longer=True)
+        raised += budget > -(-total // np_)
+    assert raised >= 3, "the sweep must reach the raised case"

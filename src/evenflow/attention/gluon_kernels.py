@@ -63,6 +63,9 @@ LV = gl.constexpr(gl.DistributedLinearLayout(
 # 128 columns] where the item has at most 8 rows (one pass over the head dim), else [16, 64] (two)
 ML8 = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))
 ML16 = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))
+# the merge's first phase: [32 chunks, rows] LSE blocks, a chunk a lane, its rows in registers
+LL8 = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0]))
+LL16 = gl.constexpr(gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0]))
 
 
 @gluon.jit
@@ -177,27 +180,29 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
 
 @gluon.jit
 def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE: gl.constexpr,
-           UNROLL: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr):
+           UNROLL: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr, LL: gl.constexpr):
     """(max, weight sum, weighted sum) of chunks [c_lo, c_hi) of one item, rows [0, MB), columns
-    [f0, f0 + MF), chunk c in the slot of chunk c * C_STRIDE; UNROLL chunks' loads in flight a step,
-    chunks merged in order (deterministic); ``.cg`` loads (other SMs wrote them; L1 is not coherent)."""
+    [f0, f0 + MF), chunk c in the slot of chunk c * C_STRIDE; ``.cg`` loads (other SMs wrote them;
+    L1 is not coherent). Two phases, so that no load waits on another's result: the rows' max
+    over every chunk's LSE, 32 chunks a load (``LL``: a chunk a lane), then UNROLL chunks' LSEs and
+    outputs a step weighted by it, added in chunk order (deterministic) with no rescaling."""
     o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
     m_row = o_m < ROWS
-    b_m = gl.full([MB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ML))
+    o_c = gl.arange(0, 32, layout=gl.SliceLayout(1, LL))
+    o_r = gl.arange(0, MB, layout=gl.SliceLayout(0, LL))
+    b_max = gl.full([MB], float("-inf"), gl.float32, layout=gl.SliceLayout(0, LL))
+    for c0 in range(c_lo, c_hi, 32):
+        sl = K._combine_slot(first, p, (c0 + o_c) * C_STRIDE, False).to(gl.int64)
+        m_c = (c0 + o_c < c_hi)[:, None] & (o_r < ROWS)[None, :]
+        lse = gl.load(p_plse + sl[:, None] * ROWS + o_r[None, :], mask=m_c, other=float("-inf"),
+                      cache_modifier=".cg")
+        b_max = gl.maximum(b_max, gl.max(lse, axis=0))
+    b_m = gl.convert_layout(b_max, gl.SliceLayout(1, ML))
+    m_safe = gl.where(b_m == float("-inf"), 0.0, b_m)
     b_l = gl.full([MB], 0.0, gl.float32, layout=gl.SliceLayout(1, ML))
     acc = gl.zeros([MB, MF], gl.float32, layout=ML)
     for c0 in range(c_lo, c_hi, UNROLL):
-        m_new = b_m
-        for j in gl.static_range(UNROLL):
-            sl = K._combine_slot(first, p, (c0 + j) * C_STRIDE, False).to(gl.int64)
-            lj = gl.load(p_plse + sl * ROWS + o_m, mask=m_row & (c0 + j < c_hi), other=float("-inf"),
-                         cache_modifier=".cg")
-            m_new = gl.maximum(m_new, lj)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        a = gl.exp2(b_m - m_safe)
-        acc = acc * a[:, None]
-        b_l = b_l * a
         for j in gl.static_range(UNROLL):
             sl = K._combine_slot(first, p, (c0 + j) * C_STRIDE, False).to(gl.int64)
             live = m_row & (c0 + j < c_hi)
@@ -207,7 +212,6 @@ def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE:
                          other=0.0, cache_modifier=".cg")
             acc += oc * w[:, None]
             b_l += w
-        b_m = m_new
     return b_m, b_l, acc
 
 
@@ -243,6 +247,7 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     MB: gl.constexpr = 8 if ROWS <= 8 else 16
     MF: gl.constexpr = D if ROWS <= 8 else 64
     ML: gl.constexpr = ML8 if ROWS <= 8 else ML16
+    LL: gl.constexpr = LL8 if ROWS <= 8 else LL16
     b = item // HKV
     h = item % HKV
     first = 2 * p + 1
@@ -253,7 +258,7 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     m_row = o_m < ROWS
     for f0 in gl.static_range(0, D, MF):
-        b_m, b_l, acc = _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, UNROLL, MB, MF, ML)
+        b_m, b_l, acc = _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, UNROLL, MB, MF, ML, LL)
         if n_groups == 1:
             _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN,
                           HAS_LSE, MB, MF, ML)
@@ -269,7 +274,7 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     if n_groups > 1:
         if arrived_last(p_count + p, n_groups):
             for f0 in gl.static_range(0, D, MF):
-                b_m, b_l, acc = _merge(p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, UNROLL, MB, MF, ML)
+                b_m, b_l, acc = _merge(p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, UNROLL, MB, MF, ML, LL)
                 _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP,
                               Q_LEN, HAS_LSE, MB, MF, ML)
             gl.store(p_count + p, 0)

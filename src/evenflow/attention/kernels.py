@@ -112,10 +112,16 @@ def plan_kernel(
         aligned = (budget + shortest - 1) // shortest * shortest
         fits = (shortest <= budget) & (16 * aligned.to(tl.int64) <= grow16 * budget.to(tl.int64))
         if ALIGN_LONGER:
-            # or up to a shortest item at most 1/16 longer than the budget (aligned == shortest)
-            # (shortest stays INT32_MAX when no item is non-empty; int64 products)
-            fits = fits | ((shortest > budget) & (shortest < 2147483647)
-                           & (16 * shortest.to(tl.int64) <= 17 * budget.to(tl.int64)))
+            # or, for a shortest item longer than the budget, up to that item over
+            # n = shortest // budget when n divides it and that is at most 1/16 above the
+            # budget (n = 1: the item itself) (shortest stays INT32_MAX when no item is
+            # non-empty; int64 products)
+            longer = (shortest > budget) & (shortest < 2147483647)
+            n_cut = tl.maximum(shortest // budget, 1)
+            div = shortest // n_cut
+            fits_div = longer & (div * n_cut == shortest) & (16 * div.to(tl.int64) <= 17 * budget.to(tl.int64))
+            aligned = tl.where(fits_div, div, aligned)
+            fits = fits | fits_div
         budget = tl.where(fits, aligned, budget)
     used = (total + budget - 1) // budget
     tl.store(p_meta + 0, total)

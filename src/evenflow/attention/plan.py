@@ -114,9 +114,12 @@ class DecodePlan:
     multiple of 1/16 in [1, 2]), so bins hold whole short items
     instead of cutting them (a cut costs a partial write and a combine merge: 64x512 took
     56 us with budget 11 and 44 us with 16, round E sweep); ``align_longer`` (default:
-    as ``align_items``) also raises the budget to the shortest item when that item is longer
-    than the budget by at most a sixteenth (32x4K: 63 -> 64 tiles, so no item is cut; round
-    I1: 32x4K 150 -> 133 us bf16, 115 -> 91 us fp8, no other case moved by more than 1%).
+    as ``align_items``) also raises the budget, when the shortest item is longer than it, to
+    that item cut in ``n = item // budget`` equal chunks, where ``n`` divides it and that is at
+    most a sixteenth above the budget: ``n = 1``, the item itself (32x4K: 63 -> 64 tiles, so no item is
+    cut; round I1: 32x4K 150 -> 133 us bf16, 115 -> 91 us fp8, no other case moved by more than
+    1%); ``n > 1`` (round AC), cuts that fall at the same tiles of every head's item, each item one
+    merge group where ``n <= 8`` (fp8 8x32K at 4 programs an SM: 63 -> 64 tiles; the same bins at 512 programs took 141 us against 162, AC1).
     ``num_warps`` /
     ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
     (per-thread register cap, 0 = none): launch config of the attention kernel (default:

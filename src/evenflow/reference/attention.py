@@ -121,8 +121,10 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     with ``align_items`` the budget is first rounded up to a multiple of the shortest
     non-empty item's tiles, when that item fits in it and the rounding grows it by at most
     ``align_growth`` (the plan's default 1.25);
-    with ``align_longer`` too, it is raised to that item's tiles when the item is longer than
-    the budget by at most a sixteenth of it (``None``: as ``align_items``, the plan's default).
+    with ``align_longer`` too, when that item is longer than the budget, it is raised to the
+    item's tiles over ``n = item // budget`` (the item cut in ``n`` equal chunks) where ``n``
+    divides it and that is at most a sixteenth above the budget (``n = 1``: the item itself)
+    (``None``: as ``align_items``, the plan's default).
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
@@ -144,8 +146,10 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
             aligned = -(-budget // shortest) * shortest
             if aligned <= align_growth * budget:
                 budget = aligned
-        elif align_longer and 16 * shortest <= 17 * budget:
-            budget = shortest
+        elif align_longer:
+            n = shortest // budget
+            if shortest % n == 0 and 16 * (shortest // n) <= 17 * budget:
+                budget = shortest // n
     used = -(-total // budget)
     bins: list[list[tuple[int, int, int]]] = [[] for _ in range(num_programs)]
     p, room = 0, budget
