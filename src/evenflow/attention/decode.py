@@ -159,10 +159,6 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
 # 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than
 # 2.2% faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time.
 GLUON_FP8_STAGES = 2
-# Chunks whose partials the one-warp kernel's fused merge loads per step (32 fp32 a thread each:
-# [8, 128] blocks for items of <= 8 rows, [16, 64] for more), so a group of 8 is two dependent load
-# steps per pass over the head dim (one pass at <= 8 rows, two above). Not tuned.
-GLUON_FUSED_UNROLL = 4
 
 
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
@@ -242,7 +238,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
             HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
-            FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, FUSED_UNROLL=GLUON_FUSED_UNROLL, STAMPS=stamps is not None,
+            FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None,
             num_warps=1,
         )
     else:

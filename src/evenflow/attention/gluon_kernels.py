@@ -63,9 +63,12 @@ LV = gl.constexpr(gl.DistributedLinearLayout(
 # 128 columns] where the item has at most 8 rows (one pass over the head dim), else [16, 64] (two)
 ML8 = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))
 ML16 = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))
-# the merge's first phase: [32 chunks, rows] LSE blocks, a chunk a lane, its rows in registers
-LL8 = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0]))
-LL16 = gl.constexpr(gl.BlockedLayout([1, 16], [32, 1], [1, 1], [1, 0]))
+# the LSEs of a merge batch, [8 chunks, rows], all in every thread's registers
+LL8 = gl.constexpr(gl.BlockedLayout([8, 8], [1, 32], [1, 1], [1, 0]))
+LL16 = gl.constexpr(gl.BlockedLayout([8, 16], [1, 32], [1, 1], [1, 0]))
+# a merge batch's outputs in the idle K / V ring: [2 chunks, rows, columns] fp32 a ring slot, each
+# thread reading back the 16-byte pieces it copied (no swizzle needed: a warp reads 512 contiguous bytes)
+STAGE = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 
 
 @gluon.jit
@@ -179,39 +182,56 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
 
 
 @gluon.jit
-def _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE: gl.constexpr,
-           UNROLL: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr, LL: gl.constexpr):
+def _stage_chunk(k_s, v_s, j: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr):
+    """Shared-memory block [MB, MF] fp32 (4 KB) for the j-th chunk (0-7) of a merge batch: the
+    idle K / V ring (8 KB a slot, at least 2 slots each) read as 4 KB blocks, K's first four
+    for chunks 0-3, V's for 4-7."""
+    ring = k_s if j < 4 else v_s
+    n: gl.constexpr = ring.shape[0] * 2
+    return ring._reinterpret(gl.float32, [n, MB, MF], STAGE).index(j % 4)
+
+
+@gluon.jit
+def _merge(k_s, v_s, p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE: gl.constexpr,
+           MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr, LL: gl.constexpr):
     """(max, weight sum, weighted sum) of chunks [c_lo, c_hi) of one item, rows [0, MB), columns
-    [f0, f0 + MF), chunk c in the slot of chunk c * C_STRIDE; ``.cg`` loads (other SMs wrote them;
-    L1 is not coherent). Two phases, so that no load waits on another's result: the rows' max
-    over every chunk's LSE, 32 chunks a load (``LL``: a chunk a lane), then UNROLL chunks' LSEs and
-    outputs a step weighted by it, added in chunk order (deterministic) with no rescaling."""
+    [f0, f0 + MF), chunk c in the slot of chunk c * C_STRIDE, in batches of 8 chunks: their
+    outputs copied (cp.async, 16 bytes, L2 only: other SMs wrote them; L1 is not coherent) into
+    the idle K / V ring and their LSEs loaded (``.cg``) together, one memory round trip a batch;
+    then merged in chunk order (deterministic). The ring is free: the chunk before waited for its
+    copies and synchronised; the batch's last barrier frees it again for the next chunk's tiles."""
     o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
     m_row = o_m < ROWS
-    o_c = gl.arange(0, 32, layout=gl.SliceLayout(1, LL))
+    o_c = gl.arange(0, 8, layout=gl.SliceLayout(1, LL))
     o_r = gl.arange(0, MB, layout=gl.SliceLayout(0, LL))
-    b_max = gl.full([MB], float("-inf"), gl.float32, layout=gl.SliceLayout(0, LL))
-    for c0 in range(c_lo, c_hi, 32):
-        sl = K._combine_slot(first, p, (c0 + o_c) * C_STRIDE, False).to(gl.int64)
-        m_c = (c0 + o_c < c_hi)[:, None] & (o_r < ROWS)[None, :]
-        lse = gl.load(p_plse + sl[:, None] * ROWS + o_r[None, :], mask=m_c, other=float("-inf"),
-                      cache_modifier=".cg")
-        b_max = gl.maximum(b_max, gl.max(lse, axis=0))
-    b_m = gl.convert_layout(b_max, gl.SliceLayout(1, ML))
-    m_safe = gl.where(b_m == float("-inf"), 0.0, b_m)
+    b_m = gl.full([MB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ML))
     b_l = gl.full([MB], 0.0, gl.float32, layout=gl.SliceLayout(1, ML))
     acc = gl.zeros([MB, MF], gl.float32, layout=ML)
-    for c0 in range(c_lo, c_hi, UNROLL):
-        for j in gl.static_range(UNROLL):
+    for c0 in range(c_lo, c_hi, 8):
+        for j in gl.static_range(8):
             sl = K._combine_slot(first, p, (c0 + j) * C_STRIDE, False).to(gl.int64)
             live = m_row & (c0 + j < c_hi)
-            w = gl.exp2(gl.load(p_plse + sl * ROWS + o_m, mask=live, other=float("-inf"), cache_modifier=".cg")
-                        - m_safe)
-            oc = gl.load(p_po + (sl * ROWS + o_m)[:, None] * D + o_f[None, :], mask=live[:, None] & (o_f < D)[None, :],
-                         other=0.0, cache_modifier=".cg")
-            acc += oc * w[:, None]
+            cp.async_copy_global_to_shared(_stage_chunk(k_s, v_s, j, MB, MF),
+                                           p_po + (sl * ROWS + o_m)[:, None] * D + o_f[None, :],
+                                           mask=live[:, None] & (o_f < D)[None, :])
+        cp.commit_group()
+        sl8 = K._combine_slot(first, p, (c0 + o_c) * C_STRIDE, False).to(gl.int64)
+        lse = gl.load(p_plse + sl8[:, None] * ROWS + o_r[None, :], mask=(c0 + o_c < c_hi)[:, None] & (o_r < ROWS)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        m_new = gl.maximum(b_m, gl.convert_layout(gl.max(lse, axis=0), gl.SliceLayout(1, ML)))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        a = gl.exp2(b_m - m_safe)
+        acc = acc * a[:, None]
+        b_l = b_l * a
+        wt = gl.exp2(lse - gl.convert_layout(m_safe, gl.SliceLayout(0, LL))[None, :])
+        cp.wait_group(0)
+        for j in gl.static_range(8):
+            w = gl.convert_layout(gl.sum(gl.where((o_c == j)[:, None], wt, 0.0), axis=0), gl.SliceLayout(1, ML))
+            acc += _stage_chunk(k_s, v_s, j, MB, MF).load(ML) * w[:, None]
             b_l += w
+        b_m = m_new
+        gl.thread_barrier()  # every lane has read the batch before the ring is written again
     return b_m, b_l, acc
 
 
@@ -236,9 +256,9 @@ def _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, s
 
 
 @gluon.jit
-def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse, stride_ot, stride_oh,
-                   stride_lt, HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, HAS_LSE: gl.constexpr,
-                   FUSED_C: gl.constexpr, UNROLL: gl.constexpr):
+def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse, stride_ot,
+                   stride_oh, stride_lt, HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr,
+                   HAS_LSE: gl.constexpr, FUSED_C: gl.constexpr):
     """Group g (chunks [g * FUSED_C, +FUSED_C)) of the item that starts in bin p, merged by the last
     of its chunks to finish (see kernels._combine_group): one group finishes the item; else the
     group's normalised output goes over its first chunk's slot, its LSE to ``p_glse``, and the
@@ -258,7 +278,7 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     m_row = o_m < ROWS
     for f0 in gl.static_range(0, D, MF):
-        b_m, b_l, acc = _merge(p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, UNROLL, MB, MF, ML, LL)
+        b_m, b_l, acc = _merge(k_s, v_s, p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, MB, MF, ML, LL)
         if n_groups == 1:
             _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN,
                           HAS_LSE, MB, MF, ML)
@@ -274,7 +294,7 @@ def _combine_group(item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p
     if n_groups > 1:
         if arrived_last(p_count + p, n_groups):
             for f0 in gl.static_range(0, D, MF):
-                b_m, b_l, acc = _merge(p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, UNROLL, MB, MF, ML, LL)
+                b_m, b_l, acc = _merge(k_s, v_s, p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, MB, MF, ML, LL)
                 _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP,
                               Q_LEN, HAS_LSE, MB, MF, ML)
             gl.store(p_count + p, 0)
@@ -289,7 +309,7 @@ def decode_fp8_kernel(
     stride_ptb, stride_ot, stride_oh, stride_lt,
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
-    FUSED: gl.constexpr, FUSED_C: gl.constexpr, FUSED_UNROLL: gl.constexpr, STAMPS: gl.constexpr,
+    FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -332,8 +352,8 @@ def decode_fp8_kernel(
                 p_s, n_chunks, g, gslot, in_group = K._merge_group_of(start, n, budget, pid, FUSED_C)
                 if arrived_last(p_gcount + gslot, in_group):
                     gl.store(p_gcount + gslot, 0)
-                    _combine_group(i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
-                                   stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C, FUSED_UNROLL)
+                    _combine_group(k_s, v_s, i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
+                                   stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C)
                     if STAMPS:
                         s_merge_end, s_merge_ns, s_merges = K._stamps_merge(gslot, s_last, s_merge_ns, s_merges,
                                                                             False)
