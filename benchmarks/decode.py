@@ -129,6 +129,8 @@ PLAN_KNOBS = {
     "evenflow-g-hnd": lambda sms: dict(typed=True),
     # the fp8 plan without align_longer (round AC2's rule off: fp8 8x32K and 1x64K+15x4K get their old budgets)
     "evenflow-g-noalignup": lambda sms: dict(typed=True, align_longer=False),
+    # the Gluon kernel without the next item's metadata loaded ahead (round AC6)
+    "evenflow-g-noprefetch": lambda sms: dict(typed=True, prefetch=False),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

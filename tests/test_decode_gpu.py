@@ -250,11 +250,11 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
 
 
 # Plans built for an fp8 cache run the one-warp Gluon kernel (attention/gluon_kernels.py)
-def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K):
+def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True):
     from evenflow.attention.decode import gluon_fp8_supported
 
     plan = evenflow.DecodePlan(len(lens), max_len, hkv, page_size=page, q_len=q_len, device="cuda",
-                               kv_dtype=FP8).update(sl)
+                               kv_dtype=FP8, prefetch=prefetch).update(sl)
     return plan, gluon_fp8_supported
 
 
@@ -270,12 +270,13 @@ def test_gluon_fp8_real_shapes(case):
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon {case}")
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("hq,hkv,page,q_len", [(8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4), (16, 1, 128, 1),
                                                (4, 4, 64, 4), (64, 8, 128, 1)])
-def test_gluon_fp8_shapes(hq, hkv, page, q_len):
+def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch):
     lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65]
     q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, page=page, q_len=q_len, kv=FP8)
-    plan, supported = _gluon_plan(lens, sl, hkv=hkv, page=page, q_len=q_len)
+    plan, supported = _gluon_plan(lens, sl, hkv=hkv, page=page, q_len=q_len, prefetch=prefetch)
     assert supported(q, k, plan, hq // hkv * q_len)
     o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02, return_lse=True)
     check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}")

@@ -238,7 +238,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
             HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
-            FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None,
+            FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             num_warps=1,
         )
     else:

@@ -119,7 +119,15 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
     i_tok = b * Q_LEN + o_m // GROUP
     i_head = h * GROUP + o_m % GROUP
     pq = p_q + (i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[:, None] + _phys_k(o_k)[None, :]
-    qf = gl.load(pq, mask=m_row[:, None] & (o_k < D)[None, :], other=0.0).to(gl.float32)
+    q_raw = gl.load(pq, mask=m_row[:, None] & (o_k < D)[None, :], other=0.0)
+    # the ring's first tiles are issued while q is in flight: a chunk's start waits on one memory
+    # round trip (the page table's, then its copies), not on q's first (round AC5: q's wait was
+    # ~7% of the TP8 slice's stall samples)
+    p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
+    for s in gl.static_range(STAGES - 1):
+        _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+               stride_vp, stride_vt, stride_vh, PAGE)
+    qf = q_raw.to(gl.float32)
     qmax = gl.max(gl.abs(qf), axis=1)
     e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
     e = gl.minimum(gl.maximum(e, -100.0), 114.0)
@@ -129,10 +137,6 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
     o_r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     vis = L - Q_LEN + o_r // GROUP + 1
 
-    p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
-    for s in gl.static_range(STAGES - 1):
-        _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-               stride_vp, stride_vt, stride_vh, PAGE)
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([16, D], gl.float32, layout=MMA)
@@ -309,7 +313,7 @@ def decode_fp8_kernel(
     stride_ptb, stride_ot, stride_oh, stride_lt,
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
-    FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr,
+    FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -337,9 +341,16 @@ def decode_fp8_kernel(
     if STAMPS:
         p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = K._stamps_open(
             p_stamp, pid, start, s_entry, s_entry, c_entry, c_entry, False)
+    len_b = gl.load(p_len + b)
     while go:
         h = i % HKV
-        L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, gl.load(p_len + b), max_len, pid)
+        L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, len_b, max_len, pid)
+        if PREFETCH:
+            # the next item's metadata loaded before this one's work, as the Triton kernel's PREFETCH
+            # (round I): a bin of short items waits on no metadata round trip between them (costs
+            # the tile loop ~20 of its ~1155 instructions: predicates and addresses kept live)
+            b_nx, n_nx, start_nx = K._item_at(i + 1, n_items, p_tiles, p_req_end, HKV)
+            len_nx = gl.load(p_len + b_nx)
         _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
@@ -358,7 +369,14 @@ def decode_fp8_kernel(
                         s_merge_end, s_merge_ns, s_merges = K._stamps_merge(gslot, s_last, s_merge_ns, s_merges,
                                                                             False)
         i += 1
-        b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
+        if PREFETCH:
+            b = b_nx
+            n = n_nx
+            start = start_nx
+            len_b = len_nx
+        else:
+            b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
+            len_b = gl.load(p_len + b)
         go = K._item_in_bin(i, n_items, start, n, g1)
     if STAMPS:
         K._stamps_close(p_row, pid, i, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end, False)

@@ -137,7 +137,7 @@ class DecodePlan:
     merged once per chunk (``True``; needs ``block_n / num_warps >= 16``, GQA group x q_len
     <= 16 and head_dim <= 128, else ``decode_attention`` raises), or the warps share each
     step's softmax (``False``); default: on for fp8 KV where it can be built, off for bf16.
-    ``prefetch`` (default on): each program loads the next item's tiles, end and length
+    ``prefetch`` (default on; both kernels): each program loads the next item's tiles, end and length
     before the current item's work (``False``: after it, to compare). ``combine``: where
     items cut across bins are merged: ``"fused"`` (default) in the attention kernel, by the
     last of each group of chunks to finish (one kernel per call); ``"kernel"`` in a second,
