@@ -279,6 +279,19 @@ def test_plan_random_sweep(device):
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
 
 
+def _align_longer_plan_matches_reference(device, lens, hkv, np_, trial):
+    """The device plan (min_tiles 1, align_longer, no item cost) against the reference builder,
+    tensors and bins; its budget, checked against the rule restated; returned."""
+    plan, sl = make_plan(device, lens, hkv, np_, 1, align_longer=True)
+    ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True, item_cost=0)
+    for key in ("tiles", "req_end", "prog_start", "meta"):
+        assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
+    assert walk(plan.as_dict(), hkv, np_) == ref_bins
+    budget = plan.as_dict()["meta"][1].item()
+    assert budget == expected_budget(lens, hkv, np_, 1, True, align_longer=True)
+    return budget
+
+
 def test_align_longer_random_near_budget(device):
     """Seeded mixes whose shortest item sits just above the budget (where align_longer acts):
     device plan == reference, and the budget is the rule's."""
@@ -292,13 +305,7 @@ def test_align_longer_random_near_budget(device):
             [q * TILE * int(torch.randint(1, 4, (1,), generator=g)) for _ in range(B - 1)]
         total = hkv * sum(units(lens))
         np_ = -(-total // (q - 1)) + int(torch.randint(0, 3, (1,), generator=g))  # budget q - 1 or a bit less
-        plan, sl = make_plan(device, lens, hkv, np_, 1, align_longer=True)
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True, item_cost=0)
-        for key in ("tiles", "req_end", "prog_start", "meta"):
-            assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
-        assert walk(plan.as_dict(), hkv, np_) == ref_bins
-        budget = plan.as_dict()["meta"][1].item()
-        assert budget == expected_budget(lens, hkv, np_, 1, True, 0, True)
+        budget = _align_longer_plan_matches_reference(device, lens, hkv, np_, trial)
         raised += budget == q > -(-total // np_)
     assert raised >= 2, "the sweep must reach the raised budget"
 
@@ -423,19 +430,14 @@ def test_align_longer_random_divisible_items(device):
     raised = 0
     for trial in range(10):
         hkv = int(torch.randint(1, 5, (1,), generator=g))
-        d = int(torch.randint(8, 40, (1,), generator=g)) if trial % 4 == 3 else int(torch.randint(17, 40, (1,), generator=g))
+        lo = 8 if trial % 4 == 3 else 17  # from 17, d is within 1/16 of d - 1
+        d = int(torch.randint(lo, 40, (1,), generator=g))
         n = int(torch.randint(2, 9, (1,), generator=g))
         q = n * d + (trial % 3 == 2)  # every third: not a multiple of n
         B = int(torch.randint(2, 10, (1,), generator=g))
         lens = [q * TILE] + [q * TILE * int(torch.randint(1, 3, (1,), generator=g)) for _ in range(B - 1)]
         total = hkv * sum(units(lens))
         np_ = -(-total // (d - 1))  # budget d - 1 (or a little less): d is 1/16 above it from d = 17
-        plan, sl = make_plan(device, lens, hkv, np_, 1, align_longer=True)
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True, item_cost=0)
-        for key in ("tiles", "req_end", "prog_start", "meta"):
-            assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
-        assert walk(plan.as_dict(), hkv, np_) == ref_bins
-        budget = plan.as_dict()["meta"][1].item()
-        assert budget == expected_budget(lens, hkv, np_, 1, True, align_longer=True)
+        budget = _align_longer_plan_matches_reference(device, lens, hkv, np_, trial)
         raised += budget > -(-total // np_)
     assert raised >= 3, "the sweep must reach the raised case"

@@ -221,8 +221,9 @@ def _merge(k_s, v_s, p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr,
                                            mask=live[:, None] & (o_f < D)[None, :])
         cp.commit_group()
         sl8 = K._combine_slot(first, p, (c0 + o_c) * C_STRIDE, False).to(gl.int64)
-        lse = gl.load(p_plse + sl8[:, None] * ROWS + o_r[None, :], mask=(c0 + o_c < c_hi)[:, None] & (o_r < ROWS)[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
+        lse = gl.load(p_plse + sl8[:, None] * ROWS + o_r[None, :],
+                      mask=(c0 + o_c < c_hi)[:, None] & (o_r < ROWS)[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
         m_new = gl.maximum(b_m, gl.convert_layout(gl.max(lse, axis=0), gl.SliceLayout(1, ML)))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         a = gl.exp2(b_m - m_safe)

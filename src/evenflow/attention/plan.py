@@ -101,8 +101,8 @@ class DecodePlan:
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
     (default 2) tiles) and :func:`evenflow.decode_attention` runs that kernel where it applies
     (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
-    ``block_n``, ``max_registers`` or ``warp_split`` set (a timeline runs its own STAMPS build); ``combine`` as for the Triton
-    kernel); elsewhere the Triton kernel runs on the same bins.
+    ``block_n``, ``max_registers`` or ``warp_split`` set (a timeline runs its own STAMPS build);
+    ``combine`` as for the Triton kernel); elsewhere the Triton kernel runs on the same bins.
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
     ``num_programs``: persistent programs of the attention kernel (default
@@ -119,7 +119,8 @@ class DecodePlan:
     most a sixteenth above the budget: ``n = 1``, the item itself (32x4K: 63 -> 64 tiles, so no item is
     cut; round I1: 32x4K 150 -> 133 us bf16, 115 -> 91 us fp8, no other case moved by more than
     1%); ``n > 1`` (round AC), cuts that fall at the same tiles of every head's item, each item one
-    merge group where ``n <= 8`` (fp8 8x32K at 4 programs an SM: 63 -> 64 tiles; the same bins at 512 programs took 141 us against 162, AC1).
+    merge group where ``n <= 8`` (fp8 8x32K at 4 programs an SM: 63 -> 64 tiles, 153.0 -> 140.1 us
+    in AC4 against the plan without it).
     ``num_warps`` /
     ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
     (per-thread register cap, 0 = none): launch config of the attention kernel (default:
