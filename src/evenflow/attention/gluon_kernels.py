@@ -120,9 +120,9 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
     i_head = h * GROUP + o_m % GROUP
     pq = p_q + (i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[:, None] + _phys_k(o_k)[None, :]
     q_raw = gl.load(pq, mask=m_row[:, None] & (o_k < D)[None, :], other=0.0)
-    # the ring's first tiles are issued while q is in flight: a chunk's start waits on one memory
-    # round trip (the page table's, then its copies), not on q's first (round AC5: q's wait was
-    # ~7% of the TP8 slice's stall samples)
+    # the ring's first tiles are issued while q is in flight (AC5: waits on q were ~10% of the TP8
+    # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
+    # moved beyond the run's spread), kept as the order with fewer serial round trips
     p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
     for s in gl.static_range(STAGES - 1):
         _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
@@ -348,8 +348,8 @@ def decode_fp8_kernel(
         L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, len_b, max_len, pid)
         if PREFETCH:
             # the next item's metadata loaded before this one's work, as the Triton kernel's PREFETCH
-            # (round I): a bin of short items waits on no metadata round trip between them (costs
-            # the tile loop ~20 of its ~1155 instructions: predicates and addresses kept live)
+            # (round I); here level with prefetch=False within -2.4..+2.1% (AC7, row -g-noprefetch),
+            # at ~20 more of the tile loop's ~1155 instructions (predicates, addresses kept live)
             b_nx, n_nx, start_nx = K._item_at(i + 1, n_items, p_tiles, p_req_end, HKV)
             len_nx = gl.load(p_len + b_nx)
         _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
