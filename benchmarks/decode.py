@@ -305,6 +305,13 @@ def as_hnd(cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+def knob_inputs(impl: str, inp: Inputs) -> Inputs:
+    """``inp`` as the knob row ``impl`` runs it: over an HND copy of the caches for ``HND_IMPLS``."""
+    if impl in HND_IMPLS:
+        return dataclasses.replace(inp, k_cache=as_hnd(inp.k_cache), v_cache=as_hnd(inp.v_cache))
+    return inp
+
+
 def evenflow_plan(impl: str, inp: Inputs):
     """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the one-warp Gluon
     kernel) or one of its knob rows (``PLAN_KNOBS``; ``typed`` ones get the dtype too), updated for
@@ -347,8 +354,7 @@ def _evenflow_fns(impl: str, inp: Inputs):
     except ImportError as e:
         raise H.PeerUnavailable(f"evenflow decode attention not available: {e}") from e
     extra: dict = {}
-    if impl in HND_IMPLS:
-        inp = dataclasses.replace(inp, k_cache=as_hnd(inp.k_cache), v_cache=as_hnd(inp.v_cache))
+    inp = knob_inputs(impl, inp)
     plan = evenflow_plan(impl, inp)
     validate = getattr(evenflow, "validate_inputs", None)  # the launcher's debug check (syncs; set-up only)
     if validate is not None:

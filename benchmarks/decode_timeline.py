@@ -105,7 +105,7 @@ def _median_summary(sums: list[dict]) -> dict:
 def run_case(cname: str, vname: str, replays: int, l2: int, ceilings: dict, impl: str = "evenflow") -> dict:
     case = bench.parse_case(cname)
     dt = VARIANTS[vname]
-    inp = bench.make_inputs(case, dt, "cuda", 0, l2)
+    inp = bench.knob_inputs(impl, bench.make_inputs(case, dt, "cuda", 0, l2))
     plan = bench.evenflow_plan(impl, inp)
     fns = bench.evenflow_calls(inp, plan)
     us_default = H.time_graph(fns)

@@ -415,6 +415,10 @@ def test_hnd_knob_row_reads_the_same_values_with_each_heads_page_contiguous():
     import evenflow
 
     assert "evenflow-g-hnd" in D.HND_IMPLS and "evenflow-g-hnd" in D.PLAN_KNOBS
+    inp = D.Inputs(None, torch.bfloat16, [], [], torch.zeros(1), torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64),
+                   None, None, 1.0)
+    assert D.knob_inputs("evenflow", inp) is inp  # the timeline script and the benchmark take the same inputs
+    assert D.knob_inputs("evenflow-g-hnd", inp).k_cache.stride(2) == 16 * 64
     x = torch.randn(5, 16, 4, 32)
     h = D.as_hnd(x)
     assert torch.equal(h, x) and h.shape == x.shape and h.data_ptr() != x.data_ptr()
