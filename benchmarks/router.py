@@ -12,7 +12,10 @@ so a call never finds its weights in L2 (60 MB).
 
 Floor (issue 4): (weight bytes N*K*4 — fp32, or the two bf16 parts — + x bytes M*K*2
 + output bytes M*N*4) / copy bandwidth + one empty kernel's launch time in a graph,
-both measured in this run.
+both measured in this run. Our kernels launch with programmatic dependent launch (PDL) where
+supported, so back to back in a graph each one's launch overlaps the end of the one ahead; the
+ceilings also carry ``launch_pdl_us``, an empty kernel's time in such a chain, which the floor
+does not use (the issue defines it with a plain launch).
 """
 from __future__ import annotations
 
@@ -36,9 +39,11 @@ QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
 # evenflow-fp32simt (M <= 64): the CUDA-core path on the fp32 weight, forced (the table's
 # config when the table picked it, else the tuner's first candidate); evenflow-fp32splitk
 # (M <= 16): the single-launch split-K CUDA-core path, forced the same way (table's config,
-# else the untuned heuristic's).
-IMPLS = ("evenflow", "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt", "evenflow-fp32splitk",
-         *cublas.PEERS)
+# else the untuned heuristic's); evenflow-nopdl: the default's config and kernel launched without programmatic
+# dependent launch (round AD: the default launches with it where supported, each program asking L2 for its
+# weight lines before the wait); evenflow-noprefetch: with PDL, without those L2 prefetches.
+IMPLS = ("evenflow", "evenflow-nopdl", "evenflow-noprefetch", "evenflow-2term", "evenflow-invariant",
+         "evenflow-fp32simt", "evenflow-fp32splitk", *cublas.PEERS)
 TOP_K = 8
 ROTATE_BYTES = 150 << 20  # > 2x L2
 
@@ -69,6 +74,8 @@ def main() -> int:
     if bad:
         raise SystemExit(f"--impls: unknown {bad} (choose from {', '.join(IMPLS)})")
     ceil = H.measure_ceilings()
+    ceil["launch_pdl_us"] = round(H.empty_launch_pdl_us(), 3)
+    print(f"[ceilings] launch_pdl_us {ceil['launch_pdl_us']}", flush=True)
     res = H.Results("router", ceilings=ceil, out=args.out)
     torch.manual_seed(0)
     for case in cases:
@@ -100,8 +107,11 @@ def main() -> int:
                         if impl == "evenflow-fp32splitk" and cfg.path != "fp32-splitk":
                             cfg = heuristic_splitk_config(m, n, k, torch.cuda.get_device_properties(0)
                                                           .multi_processor_count)
+                        pdl = False if impl == "evenflow-nopdl" else None
+                        pf = False if impl == "evenflow-noprefetch" else None
                         fns = [lambda x=x, rw=rw, o=o, c=cfg: evenflow.router_gemm(x, rw, o, batch_invariant=inv,
-                                                                                     config=c)
+                                                                                     config=c, pdl=pdl,
+                                                                                     prefetch_weights=pf)
                                for x, rw, o in zip(xs, rws, outs)]
                         info = {"config": cfg.to_dict()}
                     else:

@@ -196,7 +196,8 @@ def compile_only() -> int:
            "p_part": "*fp32", "p_count": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
            "NUM_SPLITS": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
-    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32", "RED_CHUNK"):
+    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32", "RED_CHUNK", "PDL",
+              "PREFETCH_W"):
         sig[c] = "constexpr"
     # The divisibility hints a real launch gets (16-byte aligned pointers, N/K/strides multiples
     # of 16 at the BENCH shapes): without them the pipeliner makes no async copies and the
@@ -231,8 +232,9 @@ def compile_only() -> int:
     worst = 0
     for i, (bm, bn, bk, split, even, terms, warps, stages) in enumerate(sorted(combos)):
         cfg = GemmConfig(bm, bn, bk, 1, warps, stages)
+        # PDL and PREFETCH_W: the build an H200 launches (router_gemm's default)
         ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False,
-                  RED_CHUNK=cfg.red_chunk())
+                  RED_CHUNK=cfg.red_chunk(), PDL=True, PREFETCH_W=True)
         ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig, constexprs=ce, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         smem = ck.metadata.shared
@@ -247,7 +249,7 @@ def compile_only() -> int:
     names = list(sig32)
     attrs32 = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a not in ("M",)}
     for bm, bn, bk, even, warps, stages in sorted(simt):
-        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even)
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, PDL=True, PREFETCH_W=True)
         ck = triton.compile(ASTSource(fn=router_gemm_fp32_kernel, signature=sig32, constexprs=ce, attrs=attrs32),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         if ck.metadata.shared > dispatch.SMEM_LIMIT:
@@ -258,12 +260,12 @@ def compile_only() -> int:
     names = list(sigk)
     attrsk = {(names.index(a),): [["tt.divisibility", 16]] for a in names
               if a not in ("M", "K_SPLIT", "NUM_SPLITS")}
-    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "RED_CHUNK", "NUM_STAGES"):
+    for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "RED_CHUNK", "NUM_STAGES", "PDL", "PREFETCH_W"):
         sigk[c] = "constexpr"
     for bm, bn, bk, split, even, warps, stages in sorted(splitk):
         cfg = GemmConfig(bm, bn, bk, 2, warps, stages, "fp32-splitk")
         ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, RED_CHUNK=cfg.red_chunk(),
-                  NUM_STAGES=stages)
+                  NUM_STAGES=stages, PDL=True, PREFETCH_W=True)
         ck = triton.compile(ASTSource(fn=router_gemm_fp32_splitk_kernel, signature=sigk, constexprs=ce,
                                       attrs=attrsk),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})

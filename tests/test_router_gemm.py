@@ -323,7 +323,7 @@ def test_opcheck_router_gemm_op(device):
     out = torch.empty(3, 16, device=device)
     part, count = rw.workspace(3, GemmConfig(16, 16, 16, 2))
     torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
-                          (x, rw.w_hi, rw.w_lo, rw.w_lo2, out, part, count, 3, 16, 16, 16, 2, 4, 1))
+                          (x, rw.w_hi, rw.w_lo, rw.w_lo2, out, part, count, 3, 16, 16, 16, 2, 4, 1, False, False))
 
 
 # ----------------------------------------------------------------------------- fp32-simt (CUDA-core path)
@@ -387,4 +387,24 @@ def test_fp32_simt_from_the_dispatch_table_and_route(device, monkeypatch):
 def test_opcheck_router_gemm_fp32_op(device):
     x, w = _inputs(3, 16, 32, device)
     out = torch.empty(3, 16, device=device)
-    torch.library.opcheck(torch.ops.evenflow.router_gemm_fp32.default, (x, w, out, 4, 2, 16, 4, 1))
+    torch.library.opcheck(torch.ops.evenflow.router_gemm_fp32.default, (x, w, out, 4, 2, 16, 4, 1, False, False))
+
+
+def test_pdl_argument_checked(device):
+    x, w = _inputs(3, 16, 32, device)
+    rw = evenflow.RouterWeight(w)
+    with pytest.raises(TypeError, match="pdl"):
+        evenflow.router_gemm(x, rw, pdl=1)
+    with pytest.raises(TypeError, match="pdl"):
+        evenflow.route(x, rw, 2, pdl="on")
+    with pytest.raises(TypeError, match="prefetch_weights"):
+        evenflow.router_gemm(x, rw, prefetch_weights=0)
+    if not evenflow._runtime.pdl_supported(device):  # the interpreter / a CPU tensor: no PTX to launch with PDL
+        with pytest.raises(ValueError, match="pdl=True"):
+            evenflow.router_gemm(x, rw, pdl=True)
+        with pytest.raises(ValueError, match="prefetch_weights=True"):
+            evenflow.router_gemm(x, rw, prefetch_weights=True)
+        with pytest.raises(ValueError, match="pdl=True"):
+            evenflow.select_experts(torch.randn(3, 16, device=device), 2, pdl=True)
+    # pdl=False and None give the same bits (PDL changes when a kernel starts, not what it computes)
+    assert torch.equal(evenflow.router_gemm(x, rw, pdl=False), evenflow.router_gemm(x, rw))

@@ -214,5 +214,100 @@ def test_opcheck_gpu():
     part, count = rw.workspace(5, cfg)
     out = torch.empty(5, 192, device="cuda")
     torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
-                          (x, rw.w_hi, rw.w_lo, rw.w_lo2, out, part, count, 3, 16, 32, 128, 4, 4, 4))
+                          (x, rw.w_hi, rw.w_lo, rw.w_lo2, out, part, count, 3, 16, 32, 128, 4, 4, 4, True, True))
 
+
+
+@pytest.mark.parametrize("m, cfg", [(1, GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt")),
+                                    (4, GemmConfig(4, 8, 128, 16, 4, 3, "fp32-splitk")),
+                                    (16, GemmConfig(16, 32, 128, 16, 4, 4)), (512, GemmConfig(64, 32, 256, 4, 4, 2))],
+                         ids=["simt-m1", "splitk-m4", "triton-m16", "triton-m512"])
+def test_pdl_chain_in_graph_same_bits(m, cfg):
+    # Round AD: every router kernel launches with programmatic dependent launch by default, waiting at its
+    # top for the kernel ahead. A graph chains, per step, a torch copy writing x, a router GEMM reading it
+    # (split-K counters and partials shared by every step) and a top-k kernel reading the GEMM's logits;
+    # each step's output must be the bits of the same call made eagerly without PDL.
+    k, n = SHAPES["qwen3-30b-a3b"]
+    srcs = [_inputs(m, n, k, seed=200 + i)[0] for i in range(6)]
+    _, w = _inputs(m, n, k)
+    rw = evenflow.RouterWeight(w)
+    rw.workspace(m, cfg)
+    x = torch.empty_like(srcs[0])
+    outs = [torch.empty(m, n, device="cuda") for _ in srcs]
+    ids = [torch.empty(m, 8, dtype=torch.int32, device="cuda") for _ in srcs]
+    wts = [torch.empty(m, 8, device="cuda") for _ in srcs]
+
+    def steps():
+        for i, src in enumerate(srcs):
+            x.copy_(src)
+            evenflow.router_gemm(x, rw, outs[i], config=cfg, pdl=True)
+            evenflow.select_experts(outs[i], 8, out=(ids[i], wts[i]), pdl=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        steps()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        steps()
+    for rep in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, src in enumerate(srcs):
+            want = evenflow.router_gemm(src, rw, config=cfg, pdl=False)
+            assert_exact(outs[i], want, f"rep {rep} step {i} logits")
+            wid, wwt = evenflow.select_experts(want, 8, pdl=False)
+            assert_exact(ids[i], wid, f"rep {rep} step {i} ids")
+            assert_exact(wts[i], wwt, f"rep {rep} step {i} weights")
+
+
+@pytest.mark.parametrize("path", ["fp32-simt", "triton"])
+def test_pdl_weight_prefetch_never_reads_old_weights(path):
+    # Round AD: with PDL each GEMM program asks L2 for its weight lines before waiting for the kernel
+    # ahead. Here the kernel ahead is the copy that writes those weights (a new weight every step of
+    # the graph): the outputs must still be those of the new weights, bit for bit (L2 holds no stale
+    # lines; the prefetch is only a hint). The launchers are called through the custom ops, which take
+    # the weight tensors as they are (no RouterWeight freshness check).
+    k, n = SHAPES["qwen3-30b-a3b"]
+    m = 1 if path == "fp32-simt" else 512
+    x, _ = _inputs(m, n, k)
+    ws = [_inputs(1, n, k, seed=300 + i)[1] for i in range(6)]
+    rws = [evenflow.RouterWeight(w) for w in ws]
+    src = torch.empty_like(ws[0])
+    parts = [torch.empty_like(p) for p in rws[0].parts]
+    cfg = GemmConfig(64, 32, 256, 4, 4, 2)
+    part, count = rws[0].workspace(m, cfg)
+    outs = [torch.empty(m, n, device="cuda") for _ in ws]
+
+    def steps():
+        for i, rw in enumerate(rws):
+            if path == "fp32-simt":
+                src.copy_(rw.source)
+                torch.ops.evenflow.router_gemm_fp32(x, src, outs[i], 1, 1, 2048, 8, 1, True, True)
+            else:
+                for dst, p in zip(parts, rw.parts):
+                    dst.copy_(p)
+                torch.ops.evenflow.router_gemm_split(x, *parts, outs[i], part, count, 3, cfg.block_m, cfg.block_n,
+                                                     cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
+                                                     True, True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        steps()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        steps()
+    for rep in range(3):
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        for i, rw in enumerate(rws):
+            cfg_i = GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt") if path == "fp32-simt" else cfg
+            want = evenflow.router_gemm(x, rw, config=cfg_i, pdl=False, prefetch_weights=False)
+            assert_exact(outs[i], want, f"rep {rep} step {i}")

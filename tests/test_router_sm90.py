@@ -111,3 +111,67 @@ def test_fp32_simt_configs_compile_for_sm90():
                 evenflow.router_gemm(torch.empty(cfg.block_m, k, dtype=torch.bfloat16), rw, config=cfg)
     assert {la.name for la in launches} == {"router_gemm_fp32_kernel"}
     assert not CC.compile_launches(launches)
+
+
+_PTX_WORKER = r"""
+import json, sys, importlib
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+out = []
+for item in json.load(open(sys.argv[1])):
+    fn = getattr(importlib.import_module(item["module"]), item["name"])
+    names = list(item["signature"])
+    plain = {p.name for p in fn.params if p.do_not_specialize}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in item["aligned"] if a not in plain}
+    ck = triton.compile(ASTSource(fn=fn, signature=item["signature"], constexprs=item["constexprs"], attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32), options=item["options"])
+    out.append([item["describe"], ck.asm["ptx"]])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_every_router_kernel_waits_for_the_kernel_ahead_before_touching_memory(tmp_path):
+    # Round AD: on an sm_90 GPU every router launch (the three GEMM paths and the top-k kernel of route)
+    # uses programmatic dependent launch by default; each kernel must then execute griddepcontrol.wait
+    # before its first global load, async copy or atomic (else it could read x or logits the kernel
+    # ahead has not written yet), and signal the next launch. The GEMMs ask L2 for their weight lines
+    # before the wait (prefetch.global.L2, writing no register), and only with PDL unless told.
+    cfgs = [GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt"), GemmConfig(4, 8, 128, 16, 4, 3, "fp32-splitk"),
+            GemmConfig(64, 32, 256, 4, 4, 2)]
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        rw = evenflow.RouterWeight(torch.randn(128, 2048) * 0.02)
+        for cfg in cfgs:
+            evenflow.router_gemm(torch.empty(cfg.block_m, 2048, dtype=torch.bfloat16), rw, config=cfg)
+        evenflow.select_experts(torch.empty(4, 128), 8)
+        evenflow.router_gemm(torch.empty(4, 2048, dtype=torch.bfloat16), rw, config=cfgs[0], pdl=False)
+        evenflow.router_gemm(torch.empty(64, 2048, dtype=torch.bfloat16), rw, config=cfgs[2], prefetch_weights=False)
+    names = [la.name for la in launches]
+    assert names == ["router_gemm_fp32_kernel", "router_gemm_fp32_splitk_kernel", "router_gemm_kernel",
+                     "route_topk_kernel", "router_gemm_fp32_kernel", "router_gemm_kernel"], names
+    pdl = [dict(la.constexprs)["PDL"] for la in launches]
+    assert pdl == [True, True, True, True, False, True], pdl
+    prefetch = [dict(la.constexprs).get("PREFETCH_W", False) for la in launches]
+    assert prefetch == [True, True, True, False, False, False], prefetch
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(CC._to_json(launches)))
+    r = subprocess.run([sys.executable, "-c", _PTX_WORKER, str(path)], env={**os.environ, "TRITON_INTERPRET": "0"},
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    ptxs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(ptxs) == 6
+    for (describe, ptx), on, pf in zip(ptxs, pdl, prefetch):
+        body = ptx[ptx.index(".entry"):]
+        memory = [body.find(op) for op in ("ld.global", "cp.async", "atom.", "red.") if op in body]
+        first = min(memory)
+        wait = body.find("griddepcontrol.wait")
+        if not on:
+            assert wait < 0 and "griddepcontrol" not in body, describe
+        else:
+            assert 0 <= wait < first, describe
+            assert "griddepcontrol.launch_dependents" in body, describe
+        if pf:
+            assert 0 <= body.find("prefetch.global.L2") < wait, describe
+        else:
+            assert "prefetch.global.L2" not in body, describe

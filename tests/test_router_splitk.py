@@ -179,7 +179,7 @@ def test_too_small_workspace_raises(device):
     with pytest.raises(ValueError, match="workspace too small"):
         torch.ops.evenflow.router_gemm_fp32_splitk.default(
             x, w, out, torch.empty(8, device=device), torch.zeros(1, dtype=torch.int32, device=device),
-            4, 4, 16, 4, 4, 2)
+            4, 4, 16, 4, 4, 2, False, False)
 
 
 # ----------------------------------------------------------------------------- batch invariance
@@ -277,7 +277,7 @@ def test_opcheck_router_gemm_fp32_splitk_op(device):
     part, count = rw.workspace(3, cfg)
     out = torch.empty(3, 16, device=device)
     torch.library.opcheck(torch.ops.evenflow.router_gemm_fp32_splitk.default,
-                          (x, w, out, part, count, 4, 4, 16, 2, 4, 3))
+                          (x, w, out, part, count, 4, 4, 16, 2, 4, 3, False, False))
 
 
 def test_tuner_candidates_above_64_rows():

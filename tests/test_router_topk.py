@@ -194,6 +194,6 @@ def test_opcheck_route_topk_op(device):
     bias = torch.randn(24, device=device)
     ids = torch.empty(5, 4, dtype=torch.int32, device=device)
     w = torch.empty(5, 4, device=device)
-    torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, bias, ids, w, 4, True, True, 2.0))
-    torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, None, ids, w, 4, False, False, 1.0))
+    torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, bias, ids, w, 4, True, True, 2.0, False))
+    torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, None, ids, w, 4, False, False, 1.0, False))
 

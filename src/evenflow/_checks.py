@@ -94,13 +94,14 @@ def check_choice(name: str, v, choices: Sequence) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {v!r}")
 
 
-def check_pdl(pdl, device, allow_none: bool = True) -> None:
-    """``pdl`` (programmatic dependent launch) is a bool (or None = automatic, where allowed),
-    and True only where it can run (compiled kernels on an sm_90+ GPU)."""
+def check_pdl(pdl, device, allow_none: bool = True, name: str = "pdl") -> None:
+    """``pdl`` (programmatic dependent launch, or another option that needs what it needs, called
+    ``name``) is a bool (or None = automatic, where allowed), and True only where it can run
+    (compiled kernels on an sm_90+ GPU)."""
     from evenflow._runtime import pdl_supported
 
     if not (isinstance(pdl, bool) or (allow_none and pdl is None)):
-        raise TypeError(f"pdl must be a bool{' or None' if allow_none else ''}, got {pdl!r}")
+        raise TypeError(f"{name} must be a bool{' or None' if allow_none else ''}, got {pdl!r}")
     if pdl and not pdl_supported(device):
-        raise ValueError(f"pdl=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
+        raise ValueError(f"{name}=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
                          f"not {device}" + ("; pass None (automatic) or False" if allow_none else "; pass False"))

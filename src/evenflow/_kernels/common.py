@@ -123,6 +123,17 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs, mask, fallback):
+    """Ask L2 for the line of every pointer of ``ptrs`` (``fallback``, a valid address, where ``mask``
+    is False): ``prefetch.global.L2``, a hint that writes no register and can never make a later load
+    see old data (L2 is where every SM's stores land, so a line fetched early is updated by any store
+    after it). Issued before ``pdl_enter``'s wait, it fetches what the kernel ahead does not write (a
+    weight) while that kernel finishes. Compiled code only (the interpreter runs no PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, fallback)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def pdl_enter_overlapped(PDL: tl.constexpr, OVERLAP: tl.constexpr):
     """:func:`pdl_enter`, or with ``OVERLAP`` (the kernel reads nothing the kernel ahead of it writes, and
     that kernel waited at its top for everything before it, so what this one reads is complete): allow

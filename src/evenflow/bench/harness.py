@@ -262,6 +262,23 @@ def _empty_launch_us() -> float:
     return time_graph([lambda: _empty[(1,)](buf)], min_calls=20)
 
 
+def empty_launch_pdl_us() -> float:
+    """µs per call of an empty Triton kernel in a graph of back-to-back calls launched with programmatic
+    dependent launch, each waiting at its top for the one ahead (``pdl_enter``, as evenflow's kernels do):
+    the launch cost a chain of PDL kernels pays, beside ``launch_us`` (plain launches)."""
+    import triton
+    import triton.language as tl
+
+    from evenflow._kernels.common import pdl_enter
+
+    @triton.jit
+    def _empty_pdl(p, PDL: tl.constexpr):
+        pdl_enter(PDL)
+
+    buf = torch.empty(1, device="cuda")
+    return time_graph([lambda: _empty_pdl[(1,)](buf, PDL=True, launch_pdl=True)], min_calls=20)
+
+
 def measure_ceilings(verbose: bool = True) -> dict:
     """Copy bandwidth (TB/s, read+write), bf16/fp8 dense matmul rates (TFLOP/s), empty-kernel µs."""
     _require_cuda("measure_ceilings")

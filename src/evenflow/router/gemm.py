@@ -31,7 +31,7 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_int, check_out, check_tensor
+from evenflow._checks import check_int, check_out, check_pdl, check_tensor
 from evenflow.router.dispatch import (
     INVARIANT_PATHS,
     GemmConfig,
@@ -190,7 +190,8 @@ def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
 
 def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
                   out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
-                  block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int) -> None:
+                  block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int, pdl: bool,
+                  prefetch_w: bool) -> None:
     # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
     m, k = x.shape
     n = w_hi.shape[0]
@@ -203,14 +204,14 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         x.stride(0), w_hi.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
-        RED_CHUNK=GemmConfig(block_m, block_n, block_k).red_chunk(),
-        num_warps=num_warps, num_stages=num_stages,
+        RED_CHUNK=GemmConfig(block_m, block_n, block_k).red_chunk(), PREFETCH_W=prefetch_w,
+        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 
 def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, part: torch.Tensor,
                         count: torch.Tensor, block_m: int, block_n: int, block_k: int, split_k: int,
-                        num_warps: int, num_stages: int) -> None:
+                        num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool) -> None:
     m, k = x.shape
     n = w.shape[0]
     if m == 0:
@@ -225,21 +226,21 @@ def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, par
         m, n, k, k_split, split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1, EVEN_K=(k % block_k == 0),
-        RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages,
-        num_warps=num_warps, num_stages=num_stages,
+        RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages, PREFETCH_W=prefetch_w,
+        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 
 def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int,
-                 block_k: int, num_warps: int, num_stages: int) -> None:
+                 block_k: int, num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool) -> None:
     m, k = x.shape
     n = w.shape[0]
     if m == 0:
         return
     router_gemm_fp32_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0), PREFETCH_W=prefetch_w,
+        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 
@@ -256,17 +257,17 @@ _router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp3
 
 @_router_gemm_op.register_fake
 def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
-      num_stages):
+      num_stages, pdl, prefetch_w):
     return None
 
 
 @_router_gemm_fp32_op.register_fake
-def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages):
+def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch_w):
     return None
 
 
 @_router_gemm_fp32_splitk_op.register_fake
-def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages):
+def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages, pdl, prefetch_w):
     return None
 
 
@@ -282,13 +283,21 @@ def _check_x(x: torch.Tensor, k: int, device: torch.device, round_x_to_bf16: boo
 
 def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = None, *,
                 batch_invariant: bool = False, round_x_to_bf16: bool = False,
-                config: GemmConfig | None = None) -> torch.Tensor:
+                config: GemmConfig | None = None, pdl: bool | None = None,
+                prefetch_weights: bool | None = None) -> torch.Tensor:
     """fp32 ``x @ w^T`` from bf16 ``x [M, K]`` and a split fp32 weight ``w [N, K]``: fp32 ``[M, N]``.
 
     ``batch_invariant``: row i is bitwise the same whatever M is and whatever the other
     rows hold (one fixed config, fixed K split, no float atomics; paths ``triton`` and
     ``fp32-splitk``).
     ``config``: force a launch configuration (tests, tuning); otherwise the dispatch table.
+    ``pdl``: launch the kernel with programmatic dependent launch (it waits at its top for the
+    kernel ahead, so its launch overlaps that kernel's end; results are the same bits). None
+    (default): on where supported (compiled kernels on sm_90+), True: on (ValueError where not
+    supported), False: off. The cuBLAS paths (``torch-*``) ignore it.
+    ``prefetch_weights``: each program asks L2 for its weight lines before that wait, so the weight
+    reads overlap the kernel ahead too (a hint: L2 never holds stale lines, so this is safe whatever
+    the kernel ahead writes). None (default): with PDL; True needs compiled kernels as PDL does.
     """
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight (split once at load time), got {type(w).__name__}")
@@ -300,8 +309,12 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     else:
         check_out("out", out, (m, n), torch.float32, x.device)
     w.check_fresh()
+    check_pdl(pdl, w.device)
+    check_pdl(prefetch_weights, w.device, name="prefetch_weights")
     if m == 0:
         return out
+    use_pdl = _runtime.pdl_supported(w.device) if pdl is None else pdl
+    pf = use_pdl if prefetch_weights is None else prefetch_weights
     if config is None:
         config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
     else:
@@ -314,13 +327,14 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     eager = not torch.compiler.is_compiling()
     if config.path == "fp32-simt":
         (_launch_fp32 if eager else _router_gemm_fp32_op)(
-            x, w.source, out, config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages)
+            x, w.source, out, config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages,
+            use_pdl, pf)
         return out
     if config.path == "fp32-splitk":
         part, count = w.workspace(m, config)
         (_launch_fp32_splitk if eager else _router_gemm_fp32_splitk_op)(
             x, w.source, out, part, count, config.block_m, config.block_n, config.block_k, config.split_k,
-            config.num_warps, config.num_stages)
+            config.num_warps, config.num_stages, use_pdl, pf)
         return out
     if config.path == "torch-fp32":
         torch.mm(x.float(), w.source.t(), out=out)
@@ -331,7 +345,7 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     part, count = w.workspace(m, config)
     (_launch_split if eager else _router_gemm_op)(
         x, w.w_hi, w.w_lo, w.parts[-1], out, part, count, w.terms, config.block_m, config.block_n,
-        config.block_k, config.split_k, config.num_warps, config.num_stages)
+        config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf)
     return out
 
 

@@ -17,11 +17,18 @@ program finished first), writes ``out`` and puts the counter back to zero, so th
 workspace is ready for the next call or CUDA-graph replay without a memset.
 ``router_gemm_fp32_splitk_kernel`` does the same for small M on CUDA cores from the
 fp32 weight itself (4 bytes a weight, no split of w; docs/perf-notes/router.md, round F).
+
+``PDL`` (every kernel here): launched with programmatic dependent launch, a kernel waits at its
+top for the kernel ahead of it to finish and flush (``pdl_enter``) and then lets the next one
+launch, so the launch of a router call overlaps the end of the kernel before it (round AD).
+``PREFETCH_W`` (the GEMMs, with PDL): before that wait each program asks L2 for the weight lines
+it will read (``prefetch_l2``: a hint, never stale data), so the weight's DRAM reads overlap the
+kernel ahead too; x, which that kernel may write, is read only after the wait.
 """
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import arrived_last, dot_operand
+from evenflow._kernels.common import arrived_last, dot_operand, pdl_enter, prefetch_l2
 
 
 @triton.jit
@@ -61,6 +68,18 @@ def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
     return i_mn, i_s, o_m, o_n, o_k, o_m < M, o_n < N, k_start, k_end
 
 
+@triton.jit
+def _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """L2 prefetch of rows ``o_n`` (where ``m_n``), columns [k_start, k_end) of ``w``: one pointer a
+    128-byte line (``LINE`` elements), BLOCK_K columns a trip."""
+    if BLOCK_K >= LINE:
+        o_l = tl.arange(0, BLOCK_K // LINE) * LINE
+        p_row = p_w + o_n.to(tl.int64)[:, None] * stride_wn
+        for k in range(k_start, k_end, BLOCK_K):
+            o_kl = k + o_l
+            prefetch_l2(p_row + o_kl[None, :], m_n[:, None] & (o_kl < k_end)[None, :], p_w)
+
+
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
 def router_gemm_kernel(
     p_x, p_whi, p_wlo, p_wlo2, p_out, p_part, p_count,
@@ -68,9 +87,15 @@ def router_gemm_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
-    RED_CHUNK: tl.constexpr,
+    RED_CHUNK: tl.constexpr, PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
 ):
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    if PREFETCH_W:
+        _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 64)
+        _prefetch_rows(p_wlo, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 64)
+        if NUM_TERMS == 3:
+            _prefetch_rows(p_wlo2, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 64)
+    pdl_enter(PDL)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]
     o_w = o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]  # [BLOCK_K, BLOCK_N] view of w^T
@@ -132,7 +157,8 @@ def router_gemm_fp32_kernel(
     p_x, p_w, p_out,
     M, N, K,
     stride_xm, stride_wn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_W: tl.constexpr,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight ``w [N, K]``.
 
@@ -150,6 +176,9 @@ def router_gemm_fp32_kernel(
     o_k = tl.arange(0, BLOCK_K)
     m_m = o_m < M
     m_n = o_n < N
+    if PREFETCH_W:
+        _prefetch_rows(p_w, o_n, m_n, stride_wn, 0, K, BLOCK_K, 32)
+    pdl_enter(PDL)
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
     p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
 
@@ -181,6 +210,7 @@ def router_gemm_fp32_splitk_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, RED_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight, K split over the GPU, one launch.
 
@@ -202,6 +232,9 @@ def router_gemm_fp32_splitk_kernel(
     back to 0, so the next call or CUDA-graph replay starts clean without a memset.
     """
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
+    if PREFETCH_W:
+        _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 32)
+    pdl_enter(PDL)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
     p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
@@ -244,7 +277,7 @@ def route_topk_kernel(
     p_logits, p_bias, p_ids, p_weights,
     T, E, stride_lt, routed_scaling,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-    IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Scores, top-k and weights for BLOCK_T tokens; a whole expert row per register tile.
 
@@ -253,6 +286,7 @@ def route_topk_kernel(
     expert id. NaN keys are never selected (ids stay in range) but NaN logits still
     poison the weights, so bad input is visible.
     """
+    pdl_enter(PDL)
     i_t = tl.program_id(0)
     o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
     o_e = tl.arange(0, BLOCK_E)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from evenflow._checks import check_choice, check_int, check_out, check_tensor
+from evenflow import _runtime
+from evenflow._checks import check_choice, check_int, check_out, check_pdl, check_tensor
 from evenflow.router.gemm import RouterWeight, router_gemm
 from evenflow.router.kernels import route_topk_kernel
 
@@ -33,7 +34,7 @@ MAX_TOP_K = 16
 
 
 def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
-                 top_k: int, is_sigmoid: bool, renormalize: bool, routed_scaling: float) -> None:
+                 top_k: int, is_sigmoid: bool, renormalize: bool, routed_scaling: float, pdl: bool) -> None:
     t, e = logits.shape
     if t == 0:
         return
@@ -44,7 +45,7 @@ def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
         t, e, logits.stride(0), float(routed_scaling),
         TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e,
         IS_SIGMOID=is_sigmoid, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
-        num_warps=4,
+        num_warps=4, **_runtime.pdl_kwargs(pdl),
     )
 
 
@@ -54,7 +55,7 @@ _route_topk_op = torch.library.custom_op("evenflow::route_topk", _launch_topk, m
 
 
 @_route_topk_op.register_fake
-def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling):
+def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling, pdl):
     return None
 
 
@@ -73,9 +74,12 @@ def _check_route_args(e: int, top_k, scoring, bias, routed_scaling, device) -> N
 
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
                    renormalize: bool = True, routed_scaling: float = 1.0,
-                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids int32 [T, top_k], weights fp32 [T, top_k]) from fp32 logits [T, E]; rules in the module doc."""
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None, *, pdl: bool | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int32 [T, top_k], weights fp32 [T, top_k]) from fp32 logits [T, E]; rules in the module doc.
+    ``pdl``: programmatic dependent launch, as in :func:`router_gemm` (None: on where supported)."""
     check_tensor("logits", logits, dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
+    check_pdl(pdl, logits.device)
     t, e = logits.shape
     if e < 1:
         raise ValueError("logits must have at least one expert column")
@@ -89,20 +93,23 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", b
         ids = check_out("out[0] (ids)", out[0], (t, top_k), torch.int32, logits.device)
         weights = check_out("out[1] (weights)", out[1], (t, top_k), torch.float32, logits.device)
     (_route_topk_op if torch.compiler.is_compiling() else _launch_topk)(
-        logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize), float(routed_scaling))
+        logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize), float(routed_scaling),
+        _runtime.pdl_supported(logits.device) if pdl is None else pdl)
     return ids, weights
 
 
 def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
           renormalize: bool = True, routed_scaling: float = 1.0, *, batch_invariant: bool = False,
           round_x_to_bf16: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router GEMM (fp32 fidelity) then scoring + top-k: (ids int32 [M, top_k], weights fp32 [M, top_k])."""
+          pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router GEMM (fp32 fidelity) then scoring + top-k: (ids int32 [M, top_k], weights fp32 [M, top_k]).
+    ``pdl``: both kernels with programmatic dependent launch (see :func:`router_gemm`); the top-k
+    kernel's launch then overlaps the GEMM's end."""
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     n, _ = w.shape
     _check_route_args(n, top_k, scoring, bias, routed_scaling, w.device)
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
     logits = router_gemm(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
-                         round_x_to_bf16=round_x_to_bf16)
-    return select_experts(logits, top_k, scoring, bias, renormalize, routed_scaling, out=out)
+                         round_x_to_bf16=round_x_to_bf16, pdl=pdl)
+    return select_experts(logits, top_k, scoring, bias, renormalize, routed_scaling, out=out, pdl=pdl)
