@@ -148,6 +148,23 @@ def test_timing_on_gpu():
     assert set(both) == {"big", "small"} and 20 < both["big"] < 600 and both["small"] < 0.6 * both["big"]
     ceil = H.measure_ceilings(verbose=False)
     assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
+    # an empty kernel chained with PDL (the router benchmark's launch_pdl_us): a launch's cost, not more
+    assert 0.0 < H.empty_launch_pdl_us() < 20
+
+
+def test_empty_pdl_probe_compiles_for_sm90():
+    # the launch-cost probe of PDL chains (harness.empty_launch_pdl_us) builds for the GPU it times:
+    # griddepcontrol in its PTX (round AD1's benchmark died compiling a first version of it)
+    cc = pytest.importorskip("evenflow._compile_check")
+    from evenflow import _runtime
+    from evenflow._kernels.common import empty_pdl_kernel
+
+    if not _runtime.interpreting():
+        pytest.skip("records launches through the interpreter")
+    with cc.emulate_gpu(132), cc.record_launches() as launches:
+        empty_pdl_kernel[(1,)](torch.empty(1), PDL=True, launch_pdl=True)
+    stats = cc.compile_stats(launches)
+    assert len(stats) == 1 and "error" not in stats[0], stats
 
 
 @pytest.mark.gpu

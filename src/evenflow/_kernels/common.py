@@ -123,6 +123,12 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 @triton.jit
+def empty_pdl_kernel(p, PDL: tl.constexpr):
+    """Nothing but :func:`pdl_enter`: the benchmarks' launch-cost probe for chains of PDL kernels."""
+    pdl_enter(PDL)
+
+
+@triton.jit
 def prefetch_l2(ptrs, mask, fallback):
     """Ask L2 for the line of every pointer of ``ptrs`` (``fallback``, a valid address, where ``mask``
     is False): ``prefetch.global.L2``, a hint that writes no register and can never make a later load

@@ -266,17 +266,10 @@ def empty_launch_pdl_us() -> float:
     """µs per call of an empty Triton kernel in a graph of back-to-back calls launched with programmatic
     dependent launch, each waiting at its top for the one ahead (``pdl_enter``, as evenflow's kernels do):
     the launch cost a chain of PDL kernels pays, beside ``launch_us`` (plain launches)."""
-    import triton
-    import triton.language as tl
-
-    from evenflow._kernels.common import pdl_enter
-
-    @triton.jit
-    def _empty_pdl(p, PDL: tl.constexpr):
-        pdl_enter(PDL)
+    from evenflow._kernels.common import empty_pdl_kernel
 
     buf = torch.empty(1, device="cuda")
-    return time_graph([lambda: _empty_pdl[(1,)](buf, PDL=True, launch_pdl=True)], min_calls=20)
+    return time_graph([lambda: empty_pdl_kernel[(1,)](buf, PDL=True, launch_pdl=True)], min_calls=20)
 
 
 def measure_ceilings(verbose: bool = True) -> dict:
