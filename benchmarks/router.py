@@ -19,6 +19,7 @@ does not use (the issue defines it with a plain launch).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
@@ -39,11 +40,11 @@ QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
 # evenflow-fp32simt (M <= 64): the CUDA-core path on the fp32 weight, forced (the table's
 # config when the table picked it, else the tuner's first candidate); evenflow-fp32splitk
 # (M <= 16): the single-launch split-K CUDA-core path, forced the same way (table's config,
-# else the untuned heuristic's); evenflow-nopdl: the default's config and kernel launched without programmatic
-# dependent launch (round AD: the default launches with it where supported, each program asking L2 for its
-# weight lines before the wait); evenflow-noprefetch: with PDL, without those L2 prefetches.
-IMPLS = ("evenflow", "evenflow-nopdl", "evenflow-noprefetch", "evenflow-2term", "evenflow-invariant",
-         "evenflow-fp32simt", "evenflow-fp32splitk", *cublas.PEERS)
+# else the untuned heuristic's); evenflow-nopdl / -pdl / -prefetch: the default's config launched "plain",
+# "pdl" and "pdl-prefetch" (GemmConfig.launch, round AD; the default row launches as its table entry says).
+LAUNCH_ROWS = {"evenflow-nopdl": "plain", "evenflow-pdl": "pdl", "evenflow-prefetch": "pdl-prefetch"}
+IMPLS = ("evenflow", *LAUNCH_ROWS, "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt",
+         "evenflow-fp32splitk", *cublas.PEERS)
 TOP_K = 8
 ROTATE_BYTES = 150 << 20  # > 2x L2
 
@@ -107,11 +108,10 @@ def main() -> int:
                         if impl == "evenflow-fp32splitk" and cfg.path != "fp32-splitk":
                             cfg = heuristic_splitk_config(m, n, k, torch.cuda.get_device_properties(0)
                                                           .multi_processor_count)
-                        pdl = False if impl == "evenflow-nopdl" else None
-                        pf = False if impl == "evenflow-noprefetch" else None
+                        if impl in LAUNCH_ROWS:
+                            cfg = dataclasses.replace(cfg, launch=LAUNCH_ROWS[impl])
                         fns = [lambda x=x, rw=rw, o=o, c=cfg: evenflow.router_gemm(x, rw, o, batch_invariant=inv,
-                                                                                     config=c, pdl=pdl,
-                                                                                     prefetch_weights=pf)
+                                                                                     config=c)
                                for x, rw, o in zip(xs, rws, outs)]
                         info = {"config": cfg.to_dict()}
                     else:

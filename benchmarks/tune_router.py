@@ -39,6 +39,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 if __name__ == "__main__" and "--compile-only" in sys.argv:
@@ -49,7 +50,7 @@ import torch  # noqa: E402
 import evenflow  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 from evenflow.reference import router as R  # noqa: E402
-from evenflow.router.dispatch import GemmConfig  # noqa: E402
+from evenflow.router.dispatch import LAUNCHES, GemmConfig  # noqa: E402
 from evenflow.testing import error_bound  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
@@ -298,6 +299,28 @@ def _time(cfg, xs, rws, outs, ref, bound, inv=False) -> float | None:
         return None
 
 
+def choose_launch(cfg: GemmConfig, xs, rws, outs, rounds: int = 2) -> tuple[GemmConfig, dict]:
+    """``cfg`` with the launch mode (``dispatch.LAUNCHES``) measured fastest here, and each mode's µs.
+
+    Same kernel and bits whatever the mode (PDL changes when a kernel starts, the L2 prefetch is a
+    hint), so no accuracy check; each mode's graph (back-to-back calls on rotated copies, as the
+    benchmark times them) is timed in ``rounds`` passes of interleaved replays
+    (``harness.time_graphs``) and scored by the mean of its medians. Plain paths are returned as
+    they are."""
+    if cfg.path not in ("triton", "fp32-simt", "fp32-splitk"):
+        return cfg, {}
+    modes = {mode: replace(cfg, launch=mode) for mode in LAUNCHES}
+    named = {mode: [lambda x=x, rw=rw, o=o, c=c: evenflow.router_gemm(x, rw, o, config=c)
+                    for x, rw, o in zip(xs, rws, outs)] for mode, c in modes.items()}
+    times = {mode: [] for mode in LAUNCHES}
+    for _ in range(rounds):
+        for mode, us in H.time_graphs(named, rounds=20).items():
+            times[mode].append(us)
+    mean = {mode: sum(ts) / len(ts) for mode, ts in times.items()}
+    mode = min(LAUNCHES, key=lambda m: mean[m])
+    return replace(cfg, launch=mode), {m: round(v, 3) for m, v in mean.items()}
+
+
 def kept_entries(table: dict, redo: set, buckets: tuple | None, tune_invariant: bool) -> tuple[list, list]:
     """(entries, batch-invariant entries) of ``table`` that a run re-tuning the (K, N, terms) in
     ``redo`` keeps: other shapes and term counts, and with ``buckets`` (``--buckets``) the
@@ -319,6 +342,9 @@ def _extra(p):
                    help="wall-clock budget of the timing run (seconds); buckets share what is left")
     p.add_argument("--table", default=None, help="table JSON, read first when it exists and rewritten "
                    "(default src/evenflow/router/configs/<gpu>.json)")
+    p.add_argument("--launch-only", action="store_true",
+                   help="keep every selected entry's config and re-time only its launch mode (plain / pdl / "
+                        "pdl-prefetch)")
     p.add_argument("--buckets", default=None,
                    help=f"comma-separated M buckets to re-tune (of {','.join(map(str, BUCKETS))}); the table's "
                         "other entries are kept")
@@ -344,6 +370,8 @@ def main() -> int:
         Path(evenflow.router.__file__).parent / "configs" / f"{H.gpu_slug(name)}.json")
     table = json.loads(table_path.read_text()) if table_path.is_file() else {}
     redo = {(*CASES[c], terms) for c in cases}
+    if args.launch_only:
+        return launch_only(table, table_path, redo, buckets, name, sms)
     entries, invariant = kept_entries(table, redo, buckets if args.buckets else None, tune_invariant)
     summary = []
     t0 = time.time()
@@ -405,8 +433,10 @@ def main() -> int:
                 print(f"  no working config for {case} M={m}" + (" (previous entry kept)" if old else ""),
                       flush=True)
                 continue
+            cfg, launch_us = choose_launch(best[0], xs, rws, outs)
+            best = (cfg, launch_us.get(cfg.launch, best[1]))
             entries.append({"K": k, "N": n, "terms": terms, "m_max": m, "us": round(best[1], 3),
-                            "config": best[0].to_dict()})
+                            "config": best[0].to_dict(), **({"launch_us": launch_us} if launch_us else {})})
             summary.append((case, m, best[0], best[1]))
             print(f"  best M={m}: {best[0]} {best[1]:.2f} us  (+{time.time() - t0:.0f}s)", flush=True)
             del ws, rws, xs, outs
@@ -419,6 +449,17 @@ def main() -> int:
     entries.sort(key=lambda e: (list(CASES.values()).index((e["K"], e["N"])) if (e["K"], e["N"]) in CASES.values()
                                 else len(CASES), e["K"], e["N"], e.get("terms", 3), e["m_max"]))
     table = {"gpu": name, "sms": sms, "header": H.header(), "entries": entries, "batch_invariant": invariant}
+    _write_table(table, table_path)
+    print("\n| case | M <= | path | BM | BN | BK | split | warps | stages | us |")
+    print("|---" * 10 + "|")
+    for case, m, c, us in summary:
+        print(f"| {case} | {m} | {c.path} | {c.block_m} | {c.block_n} | {c.block_k} | {c.split_k} | "
+              f"{c.num_warps} | {c.num_stages} | {us:.2f} |")
+    print(f"\nwritten: {table_path}")
+    return 0
+
+
+def _write_table(table: dict, table_path: Path) -> None:
     text = json.dumps(table, indent=1) + "\n"
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(text)
@@ -426,11 +467,37 @@ def main() -> int:
         extra = Path(os.environ["OUT"]) / "router-configs"
         extra.mkdir(parents=True, exist_ok=True)
         (extra / table_path.name).write_text(text)
-    print("\n| case | M <= | path | BM | BN | BK | split | warps | stages | us |")
-    print("|---" * 10 + "|")
-    for case, m, c, us in summary:
-        print(f"| {case} | {m} | {c.path} | {c.block_m} | {c.block_n} | {c.block_k} | {c.split_k} | "
-              f"{c.num_warps} | {c.num_stages} | {us:.2f} |")
+
+
+def launch_only(table: dict, table_path: Path, redo: set, buckets: tuple, name: str, sms: int) -> int:
+    """``--launch-only``: each selected entry keeps its config; its launch mode is re-timed (``choose_launch``)."""
+    if not table.get("entries"):
+        raise SystemExit(f"--launch-only: no table entries in {table_path}")
+    torch.manual_seed(0)
+    print("\n| K | N | M <= | path | plain | pdl | pdl-prefetch | chosen |")
+    print("|---" * 8 + "|")
+    for e in H.progress([e for e in table["entries"] if (e["K"], e["N"], e.get("terms", 3)) in redo
+                         and e["m_max"] in buckets], "launch modes"):
+        k, n, m = e["K"], e["N"], e["m_max"]
+        cfg = GemmConfig.from_dict(e["config"])
+        copies = max(1, min(16, math.ceil(ROTATE_BYTES / (n * k * 4 + m * k * 2))))
+        ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+        rws = [evenflow.RouterWeight(w, terms=e.get("terms", 3)) for w in ws]
+        xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+        outs = [torch.empty(m, n, device="cuda") for _ in range(copies)]
+        for rw in rws:
+            rw.workspace(m, cfg.fit_smem(rw.terms))
+        cfg, launch_us = choose_launch(cfg, xs, rws, outs)
+        if launch_us:
+            e["config"] = cfg.to_dict()
+            e["launch_us"] = launch_us
+            print(f"| {k} | {n} | {m} | {cfg.path} | " + " | ".join(f"{launch_us[x]:.2f}" for x in LAUNCHES)
+                  + f" | {cfg.launch} |", flush=True)
+        del ws, rws, xs, outs
+        torch.cuda.empty_cache()
+    table["header"] = H.header()
+    table["gpu"], table["sms"] = name, sms
+    _write_table(table, table_path)
     print(f"\nwritten: {table_path}")
     return 0
 

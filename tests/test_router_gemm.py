@@ -408,3 +408,14 @@ def test_pdl_argument_checked(device):
             evenflow.select_experts(torch.randn(3, 16, device=device), 2, pdl=True)
     # pdl=False and None give the same bits (PDL changes when a kernel starts, not what it computes)
     assert torch.equal(evenflow.router_gemm(x, rw, pdl=False), evenflow.router_gemm(x, rw))
+
+
+def test_launch_mode_is_a_validated_config_field():
+    # GemmConfig.launch (round AD): a table entry's tuned launch mode; anything else is refused by name
+    assert GemmConfig().launch == "pdl"
+    assert GemmConfig.from_dict({**GemmConfig(path="fp32-simt", block_m=1, block_n=1, block_k=64, split_k=1,
+                                              num_stages=1).to_dict(), "launch": "pdl-prefetch"}).launch \
+        == "pdl-prefetch"
+    assert GemmConfig.from_dict({"block_m": 16}).launch == "pdl"  # entries written before round AD
+    with pytest.raises(ValueError, match="config.launch"):
+        GemmConfig(launch="fast")

@@ -223,8 +223,9 @@ def test_opcheck_gpu():
                                     (16, GemmConfig(16, 32, 128, 16, 4, 4)), (512, GemmConfig(64, 32, 256, 4, 4, 2))],
                          ids=["simt-m1", "splitk-m4", "triton-m16", "triton-m512"])
 def test_pdl_chain_in_graph_same_bits(m, cfg):
-    # Round AD: every router kernel launches with programmatic dependent launch by default, waiting at its
-    # top for the kernel ahead. A graph chains, per step, a torch copy writing x, a router GEMM reading it
+    # Round AD: router kernels launch with programmatic dependent launch (the tuned default almost
+    # everywhere), waiting at their top for the kernel ahead, the GEMMs' first row tile asking L2 for the
+    # weight lines before that. A graph chains, per step, a torch copy writing x, a router GEMM reading it
     # (split-K counters and partials shared by every step) and a top-k kernel reading the GEMM's logits;
     # each step's output must be the bits of the same call made eagerly without PDL.
     k, n = SHAPES["qwen3-30b-a3b"]
@@ -240,7 +241,7 @@ def test_pdl_chain_in_graph_same_bits(m, cfg):
     def steps():
         for i, src in enumerate(srcs):
             x.copy_(src)
-            evenflow.router_gemm(x, rw, outs[i], config=cfg, pdl=True)
+            evenflow.router_gemm(x, rw, outs[i], config=cfg, pdl=True, prefetch_weights=True)
             evenflow.select_experts(outs[i], 8, out=(ids[i], wts[i]), pdl=True)
 
     s = torch.cuda.Stream()

@@ -138,15 +138,18 @@ def test_every_router_kernel_waits_for_the_kernel_ahead_before_touching_memory(t
     # before its first global load, async copy or atomic (else it could read x or logits the kernel
     # ahead has not written yet), and signal the next launch. The GEMMs ask L2 for their weight lines
     # before the wait (prefetch.global.L2, writing no register), and only with PDL unless told.
-    cfgs = [GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt"), GemmConfig(4, 8, 128, 16, 4, 3, "fp32-splitk"),
-            GemmConfig(64, 32, 256, 4, 4, 2)]
+    cfgs = [GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt", "pdl-prefetch"),
+            GemmConfig(4, 8, 128, 16, 4, 3, "fp32-splitk", "pdl-prefetch"),
+            GemmConfig(64, 32, 256, 4, 4, 2, launch="pdl-prefetch")]
     with CC.emulate_gpu(132), CC.record_launches() as launches:
         rw = evenflow.RouterWeight(torch.randn(128, 2048) * 0.02)
         for cfg in cfgs:
             evenflow.router_gemm(torch.empty(cfg.block_m, 2048, dtype=torch.bfloat16), rw, config=cfg)
         evenflow.select_experts(torch.empty(4, 128), 8)
-        evenflow.router_gemm(torch.empty(4, 2048, dtype=torch.bfloat16), rw, config=cfgs[0], pdl=False)
-        evenflow.router_gemm(torch.empty(64, 2048, dtype=torch.bfloat16), rw, config=cfgs[2], prefetch_weights=False)
+        # a config's launch "plain", and "pdl" (GemmConfig's default: no prefetch)
+        evenflow.router_gemm(torch.empty(4, 2048, dtype=torch.bfloat16), rw,
+                             config=GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt", "plain"))
+        evenflow.router_gemm(torch.empty(64, 2048, dtype=torch.bfloat16), rw, config=GemmConfig(64, 32, 256, 4, 4, 2))
     names = [la.name for la in launches]
     assert names == ["router_gemm_fp32_kernel", "router_gemm_fp32_splitk_kernel", "router_gemm_kernel",
                      "route_topk_kernel", "router_gemm_fp32_kernel", "router_gemm_kernel"], names

@@ -34,6 +34,13 @@ import torch
 from evenflow._runtime import interpreting, num_sms
 
 PATHS = ("triton", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
+# How a kernel of ours is launched (round AD, docs/perf-notes/router.md): "plain"; "pdl", with programmatic
+# dependent launch (it waits at its top for the kernel ahead, its launch overlapping that kernel's end);
+# "pdl-prefetch", the same with the first row tile's programs asking L2 for the weight lines before the
+# wait. A tuned choice per table entry: in AD1's run PDL took 0.3-0.7 us off most points and added 1-2 us
+# at a few (LongCat-Chat M = 1, 16), the prefetch helped small weights at a few row tiles and hurt large
+# ones. Where supported (compiled kernels on sm_90+); elsewhere every launch is plain.
+LAUNCHES = ("plain", "pdl", "pdl-prefetch")
 # Paths whose one fixed config gives bitwise batch-invariant rows (see the module docstring).
 INVARIANT_PATHS = ("triton", "fp32-splitk")
 # Shared memory one block may use on sm_90 (H100/H200: 227 KB opt-in). The kernels are
@@ -53,10 +60,13 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     path: str = "triton"
+    launch: str = "pdl"
 
     def __post_init__(self):
         if self.path not in PATHS:
             raise ValueError(f"config.path must be one of {PATHS}, got {self.path!r}")
+        if self.launch not in LAUNCHES:
+            raise ValueError(f"config.launch must be one of {LAUNCHES}, got {self.launch!r}")
         if self.path == "fp32-simt":
             # CUDA-core kernel on the fp32 weight: any power-of-two row/column tile, no split-K.
             for name, lo in (("block_m", 1), ("block_n", 1), ("block_k", 16)):

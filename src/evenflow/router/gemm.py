@@ -293,11 +293,13 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     ``config``: force a launch configuration (tests, tuning); otherwise the dispatch table.
     ``pdl``: launch the kernel with programmatic dependent launch (it waits at its top for the
     kernel ahead, so its launch overlaps that kernel's end; results are the same bits). None
-    (default): on where supported (compiled kernels on sm_90+), True: on (ValueError where not
-    supported), False: off. The cuBLAS paths (``torch-*``) ignore it.
-    ``prefetch_weights``: each program asks L2 for its weight lines before that wait, so the weight
-    reads overlap the kernel ahead too (a hint: L2 never holds stale lines, so this is safe whatever
-    the kernel ahead writes). None (default): with PDL; True needs compiled kernels as PDL does.
+    (default): as the config says (``GemmConfig.launch``: the tuned table's choice) where supported
+    (compiled kernels on sm_90+), True: on (ValueError where not supported), False: off. The cuBLAS
+    paths (``torch-*``) ignore it.
+    ``prefetch_weights``: the first row tile's programs ask L2 for their weight lines before that
+    wait, so the weight reads overlap the kernel ahead too (a hint: L2 never holds stale lines, so
+    this is safe whatever the kernel ahead writes). None (default): as the config says, with PDL;
+    True needs compiled kernels as PDL does.
     """
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight (split once at load time), got {type(w).__name__}")
@@ -313,8 +315,6 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     check_pdl(prefetch_weights, w.device, name="prefetch_weights")
     if m == 0:
         return out
-    use_pdl = _runtime.pdl_supported(w.device) if pdl is None else pdl
-    pf = use_pdl if prefetch_weights is None else prefetch_weights
     if config is None:
         config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
     else:
@@ -324,6 +324,9 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
         # Forced configs: num_stages capped so the pipeline fits in shared memory (a
         # deeper one fails to launch on the GPU; the interpreter would not notice).
         config = config.fit_smem(w.terms, w._smem)
+    supported = _runtime.pdl_supported(w.device)
+    use_pdl = (supported and config.launch != "plain") if pdl is None else pdl
+    pf = (use_pdl and config.launch == "pdl-prefetch") if prefetch_weights is None else prefetch_weights
     eager = not torch.compiler.is_compiling()
     if config.path == "fp32-simt":
         (_launch_fp32 if eager else _router_gemm_fp32_op)(

@@ -21,9 +21,10 @@ fp32 weight itself (4 bytes a weight, no split of w; docs/perf-notes/router.md, 
 ``PDL`` (every kernel here): launched with programmatic dependent launch, a kernel waits at its
 top for the kernel ahead of it to finish and flush (``pdl_enter``) and then lets the next one
 launch, so the launch of a router call overlaps the end of the kernel before it (round AD).
-``PREFETCH_W`` (the GEMMs, with PDL): before that wait each program asks L2 for the weight lines
-it will read (``prefetch_l2``: a hint, never stale data), so the weight's DRAM reads overlap the
-kernel ahead too; x, which that kernel may write, is read only after the wait.
+``PREFETCH_W`` (the GEMMs, with PDL): before that wait the programs of the first row tile ask L2
+for the weight lines they will read (``prefetch_l2``: a hint, never stale data; the other row
+tiles read the same lines), so the weight's DRAM reads overlap the kernel ahead too; x, which that
+kernel may write, is read only after the wait.
 """
 import triton
 import triton.language as tl
@@ -91,10 +92,11 @@ def router_gemm_kernel(
 ):
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PREFETCH_W:
-        _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 64)
-        _prefetch_rows(p_wlo, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 64)
+        k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
+        _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
+        _prefetch_rows(p_wlo, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
         if NUM_TERMS == 3:
-            _prefetch_rows(p_wlo2, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 64)
+            _prefetch_rows(p_wlo2, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
     pdl_enter(PDL)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]
@@ -177,7 +179,7 @@ def router_gemm_fp32_kernel(
     m_m = o_m < M
     m_n = o_n < N
     if PREFETCH_W:
-        _prefetch_rows(p_w, o_n, m_n, stride_wn, 0, K, BLOCK_K, 32)
+        _prefetch_rows(p_w, o_n, m_n, stride_wn, 0, tl.where(i_m == 0, K, 0), BLOCK_K, 32)  # first row tile only
     pdl_enter(PDL)
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
     p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
@@ -233,7 +235,8 @@ def router_gemm_fp32_splitk_kernel(
     """
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PREFETCH_W:
-        _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K, 32)
+        k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
+        _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
     pdl_enter(PDL)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
