@@ -45,7 +45,7 @@ QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
          "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2",
-         "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-prefetchdown")
+         "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -61,8 +61,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # MoEWeights.sharing_weights(counters=False): pair tiles whose gate-up counts arrivals zero a fresh counter buffer
 # with one more kernel each call, as before round X; the kept counters' A/B), evenflow-pairorder (local_first=False:
 # on pair tiles under expert parallelism each pair's programs in place in the grid, other ranks' pairs among the
-# rank's own, as before round Y; the local-first packing's A/B; the same launches as evenflow everywhere else),
-# evenflow-prefetchdown (prefetch_down=True: the gate-up's programs ask L2 for their experts' down weights, round AD)
+# rank's own, as before round Y; the local-first packing's A/B; the same launches as evenflow everywhere else)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -70,8 +69,7 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
                   "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
-                  "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False},
-                  "evenflow-prefetchdown": {"prefetch_down": True}}
+                  "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False}}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

@@ -914,39 +914,3 @@ def test_local_first_equals_pair_order(device, fmt):
         check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {2 * t} pairs", ep_rank=1)
     with pytest.raises(TypeError, match="local_first"):
         evenflow.fused_moe(x, ids, w, ew, local_first=1, **kw)
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor", "fp8_block"])
-def test_prefetch_down_build(device, fmt):
-    """Round AD: ``fused_moe(prefetch_down=True)`` builds the gate-up with the down weights' L2 prefetch
-    (PREFETCH_DOWN, a 128-byte line of w2 per pointer: 64 bf16 or 128 fp8 values) on pair and index tiles,
-    not otherwise; the sm_90 build asks L2 with evict_last and spills no more than without it. Refused where
-    it cannot run; the GPU runs of both builds (same bits) are tests/test_moe_gpu.py's."""
-    from evenflow import _compile_check as CC
-    from evenflow.moe import fused
-
-    h, i = SIZES[fmt]
-    x = torch.randn(3, h).bfloat16().to(device)
-    ids = torch.randint(0, 4, (3, 3), dtype=torch.int32, device=device)
-    ew_dev = random_moe_weights(fmt, 4, h, i, device)
-    with pytest.raises(TypeError, match="prefetch_down"):
-        evenflow.fused_moe(x, ids, torch.rand(3, 3, device=device), ew_dev, prefetch_down=1)
-    if not evenflow._runtime.pdl_supported(device):
-        with pytest.raises(ValueError, match="prefetch_down=True"):
-            evenflow.fused_moe(x, ids, torch.rand(3, 3, device=device), ew_dev, prefetch_down=True)
-    if torch.device(device).type != "cpu":
-        return
-    ew = random_moe_weights(fmt, 4, h, i)
-    with CC.emulate_gpu(132), CC.record_launches() as launches:
-        for t, pf in ((2, True), (40, True), (2, False), (40, None)):
-            evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 3), dtype=torch.int32),
-                               torch.rand(t, 3), ew, prefetch_down=pf)
-    gu = [la for la in launches if la.name == "moe_gate_up_kernel"]
-    flags = [(dict(la.constexprs)["PREFETCH_DOWN"], dict(la.constexprs)["W2_LINE"]) for la in gu]
-    line = 64 if fmt == "bf16" else 128
-    assert flags == [(True, line), (True, line), (False, line), (fused.PREFETCH_DOWN_AUTO, line)], flags
-    stats = CC.compile_stats(gu[:3])
-    assert all("error" not in s for s in stats), stats
-    on_pair, on_index, off_pair = stats
-    assert on_pair["prefetch_keep"] > 0 and on_index["prefetch_keep"] > 0 and off_pair["prefetch_keep"] == 0
-    assert on_pair["spill_bytes"] <= off_pair["spill_bytes"], (on_pair, off_pair)

@@ -597,38 +597,3 @@ def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
                 assert torch.equal(res[True][0], res[False][0]), f"overlapped quantisation differs: {what}"
                 if step == 2 and t == 64:
                     check(res[True][0], x, ids, w, ew, ep, what)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="programmatic dependent launch needs sm_90+")
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", ["hy3-tp8", "hy3-ep8"])
-def test_prefetch_down_same_bits_in_a_graph(shape, fmt):
-    """Round AD: the gate-up's programs asking L2 for their experts' down weights (``prefetch_down``) change
-    nothing but timing: at pair tiles (T = 1, 2) and index tiles (T = 4, 64), in a graph replayed with changing
-    routing, the layer's output is the bits of the same layer without it, and within the rule."""
-    e, e_tot, ep, k, h, i = SHAPES[shape]
-    ew = weights(shape, fmt)
-    for t in (1, 2, 4, 64):
-        x, ids, w = inputs(shape, t)
-        outs = {pf: torch.empty(t, h, device="cuda", dtype=torch.bfloat16) for pf in (False, True)}
-        graphs = {}
-        for pf in (False, True):
-            for _ in range(2):  # compile outside capture
-                evenflow.fused_moe(x, ids, w, ew, ep_rank=ep, num_experts_total=e_tot, out=outs[pf],
-                                   prefetch_down=pf)
-            torch.cuda.synchronize()
-            graphs[pf] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[pf]):
-                evenflow.fused_moe(x, ids, w, ew, ep_rank=ep, num_experts_total=e_tot, out=outs[pf],
-                                   prefetch_down=pf, check_ids=False)
-        for step in range(3):
-            sx, sids, sw = inputs(shape, t)
-            for dst, v in ((x, sx), (ids, sids), (w, sw)):
-                dst.copy_(v)
-            for pf in (False, True):
-                outs[pf].fill_(float("nan"))
-                graphs[pf].replay()
-            torch.cuda.synchronize()
-            assert torch.equal(outs[True], outs[False]), f"{shape} {fmt} T={t} replay {step}: prefetch differs"
-            check(outs[True], sx, sids, sw, ew, ep, f"{shape} {fmt} T={t} prefetch replay {step}")

@@ -229,9 +229,9 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
 
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
     ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
-    (SASS instruction counts per loop trip, :func:`sass_loops`), ``mma`` (which MMA
-    instructions the PTX uses, :func:`mma_counts`) and ``prefetch_keep`` (L2 prefetches with
-    the evict_last priority in the PTX); or ``error`` when the launch does not compile.
+    (SASS instruction counts per loop trip, :func:`sass_loops`) and ``mma`` (which MMA
+    instructions the PTX uses, :func:`mma_counts`); or ``error`` when the launch does not
+    compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
 
@@ -337,8 +337,7 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
-                                 "mma": mma_counts(compiled.asm["ptx"]),
-                                 "prefetch_keep": compiled.asm["ptx"].count("prefetch.global.L2::evict_last")})
+                                 "mma": mma_counts(compiled.asm["ptx"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

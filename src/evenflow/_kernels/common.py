@@ -129,33 +129,14 @@ def empty_pdl_kernel(p, PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs, mask, fallback, KEEP: tl.constexpr = False):
+def prefetch_l2(ptrs, mask, fallback):
     """Ask L2 for the line of every pointer of ``ptrs`` (``fallback``, a valid address, where ``mask``
     is False): ``prefetch.global.L2``, a hint that writes no register and can never make a later load
     see old data (L2 is where every SM's stores land, so a line fetched early is updated by any store
     after it). Issued before ``pdl_enter``'s wait, it fetches what the kernel ahead does not write (a
-    weight) while that kernel finishes. ``KEEP``: with the ``evict_last`` priority, for lines wanted
-    after other traffic has streamed through L2. Compiled code only (the interpreter runs no PTX)."""
-    if KEEP:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [tl.where(mask, ptrs, fallback)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [tl.where(mask, ptrs, fallback)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_l2_share(base, n_elems, share, shares, live, LINE: tl.constexpr, BLOCK: tl.constexpr,
-                      KEEP: tl.constexpr = False):
-    """:func:`prefetch_l2` of share ``share`` of ``shares`` of the ``n_elems`` contiguous elements at ``base``
-    (``LINE`` elements a 128-byte line, ``BLOCK`` lines a trip); nothing where ``live`` is False."""
-    n_lines = tl.cdiv(n_elems, LINE)
-    per = tl.cdiv(n_lines, shares)
-    l0 = share * per
-    l1 = tl.minimum(l0 + per, tl.where(live, n_lines, 0))
-    for l in range(l0, l1, BLOCK):
-        o_l = l + tl.arange(0, BLOCK)
-        prefetch_l2(base + o_l.to(tl.int64) * LINE, o_l < l1, base, KEEP)
+    weight) while that kernel finishes. Compiled code only (the interpreter runs no PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, fallback)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -42,9 +42,6 @@ _CONFIG_FILES = {"H200": "h200.json"}
 # pairs: there the launches are a large share of the layer. Above it grids span several
 # waves, and a kernel launched early would hold SM slots the one before it still needs.
 PDL_MAX_PAIRS = 512
-# Whether fused_moe's gate-up prefetches the down GEMM's weights into L2 by default (with PDL): round AD's A/B
-# decides (fused_moe(prefetch_down=...) forces it either way).
-PREFETCH_DOWN_AUTO = False
 # With PDL, the activation quantisation kernel runs beside the index (or zeroing) kernel ahead of it and waits
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
 # of benchmarks/moe.py's evenflow-serialquant row).
@@ -307,8 +304,7 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
 def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out, cfg: MoEConfig | None = None,
             pdl: int = -1, pair_tiles: int = -1, accum: str = "exact", defer_split: int = -1,
-            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1,
-            prefetch_down: int = -1):
+            persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
     # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
     # accum: fp8_accum (FP8 weights for the fp8-MMA modes; checked by fused_moe): kernels.FAST_ACC, table keys
@@ -320,8 +316,6 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # last arriver), or None: pair tiles zero a fresh buffer with moe_zero_kernel
     # local_first: pair tiles under expert parallelism (up to LOCAL_FIRST_MAX_PAIRS pairs) start the programs of
     # this rank's pairs first (moe.kernels._grid_task): 1 yes, 0 no (each pair's programs in place), -1 automatic (1)
-    # prefetch_down: the gate-up's programs ask L2 for their expert's down weights (kernels.PREFETCH_DOWN; needs
-    # compiled kernels and a contiguous w2): 1 yes, 0 no, -1 automatic (PREFETCH_DOWN_AUTO)
     if defer_split not in (-1, 0, 1):
         raise ValueError(f"defer_split must be -1 (the config's choice), 0 or 1, got {defer_split!r}")
     if local_first not in (-1, 0, 1):
@@ -434,20 +428,17 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     down_nb = h // cfg.down_block_n
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
     acc_kind = _ACC_KIND[accum]
-    pf_down = (prefetch_down == 1 or (prefetch_down < 0 and PREFETCH_DOWN_AUTO and use_pdl)) and not gu_persist \
-        and w2.is_contiguous() and pdl_supported(dev)
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
-        h_buf if group_split else dummy, gu_count[n_split_counts:] if group_split else dummy, w2,
+        h_buf if group_split else dummy, gu_count[n_split_counts:] if group_split else dummy,
         k, i, h, ep_rank * e_local, e_local, gu_nb,
         xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
-        inter.stride(0), inter_s.stride(0) if mode == 2 else 0, w2.stride(0),
+        inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
-        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
-        PREFETCH_DOWN=pf_down, W2_LINE=128 // w2.element_size(), **gpu_kw, **pk,
+        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -491,20 +482,20 @@ def _fused_moe_op(
     weight_mode: int, ep_rank: int, num_experts_total: int, shared_output: torch.Tensor | None,
     routed_scaling: float, out: torch.Tensor, counters: torch.Tensor | None, config: list[int] | None = None,
     pdl: int = -1, pair_tiles: int = -1, fp8_accum: str = "exact", defer_split: int = -1, persistent: int = -1,
-    local_first: int = -1, prefetch_down: int = -1,
+    local_first: int = -1,
 ) -> None:
     # counters (MoEWeights.counters): written, each back to 0 by its last arriver, so declared mutated; passed
     # always (no default: some torch versions index a mutated argument the caller left to its default)
     _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum,
-            defer_split, persistent, counters, local_first, prefetch_down)
+            defer_split, persistent, counters, local_first)
 
 
 @_fused_moe_op.register_fake
 def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale, weight_mode,
       ep_rank, num_experts_total, shared_output, routed_scaling, out, counters, config=None, pdl=-1, pair_tiles=-1,
-      fp8_accum="exact", defer_split=-1, persistent=-1, local_first=-1, prefetch_down=-1):
+      fp8_accum="exact", defer_split=-1, persistent=-1, local_first=-1):
     return None
 
 
@@ -518,8 +509,7 @@ def _ids_checkable(t: torch.Tensor) -> bool:
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
-              defer_split: bool | None = None, persistent: int | None = None, local_first: bool | None = None,
-              prefetch_down: bool | None = None):
+              defer_split: bool | None = None, persistent: int | None = None, local_first: bool | None = None):
     """Fused MoE layer of this rank: ``routed_scaling * sum_k w * expert(x) + shared_output``.
 
     x [T, H] bf16; topk_ids [T, k] int32 (int64 accepted) global expert ids in
@@ -576,11 +566,6 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     rank first and the grid's surplus programs (as many as other ranks' pairs have tasks) exit at once at its end;
     ``True`` and the default (None) do, ``False`` keeps each pair's programs in place (before round Y). No effect
     elsewhere. Same results bit for bit either way (docs/perf-notes/moe.md, round Y).
-    ``prefetch_down``: the gate-up GEMM's programs ask L2 for their experts' down-GEMM weights
-    (``prefetch.global.L2::evict_last``, a hint: same results bit for bit), so those weights stream in
-    beside the gate-up's own and the down GEMM finds them in L2; ``None`` (default): ``PREFETCH_DOWN_AUTO``
-    with PDL; ``True`` is refused where it cannot run (compiled kernels on sm_90+). Needs a contiguous ``w2``
-    (else off). Round AD, docs/perf-notes/moe.md.
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
@@ -646,18 +631,16 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         check_int("persistent", persistent, 0, MAX_PERSISTENT)
     if local_first is not None and not isinstance(local_first, bool):
         raise TypeError(f"local_first must be a bool or None, got {local_first!r}")
-    check_pdl(prefetch_down, dev, name="prefetch_down")
     pdl_arg = -1 if pdl is None else int(pdl)
     defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)
     persist_arg = -1 if persistent is None else persistent
     local_arg = -1 if local_first is None else int(local_first)
-    pf_arg = -1 if prefetch_down is None else int(prefetch_down)
     args = (x, topk_ids, topk_weights, ew.w13, ew.w2, ew.w13_scale, ew.w2_scale, ew.a13_scale, ew.a2_scale,
             ew.mode, ep_rank, num_experts_total, shared_output, float(routed_scaling), out)
     if torch.compiler.is_compiling():
         _fused_moe_op(*args, counters, None if config is None else config.as_list(), pdl_arg, pt_arg, fp8_accum,
-                      defer_arg, persist_arg, local_arg, pf_arg)
+                      defer_arg, persist_arg, local_arg)
     else:  # eager: launch directly, torch.library's dispatch costs tens of us per call on the host
-        _launch(*args, config, pdl_arg, pt_arg, fp8_accum, defer_arg, persist_arg, counters, local_arg, pf_arg)
+        _launch(*args, config, pdl_arg, pt_arg, fp8_accum, defer_arg, persist_arg, counters, local_arg)
     return out

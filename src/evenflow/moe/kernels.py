@@ -49,7 +49,6 @@ from evenflow._kernels.common import (
     pdl_enter,
     pdl_enter_overlapped,
     pdl_leave_overlapped,
-    prefetch_l2_share,
     to_fp8e4,
 )
 
@@ -573,14 +572,13 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
 def moe_gate_up_kernel(
     p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
-    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, p_w2,
+    p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount,
     top_k, I, K, e_first, num_local, num_nb,
-    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, stride_w2e,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, PREFETCH_DOWN: tl.constexpr = False,
-    W2_LINE: tl.constexpr = 64,
+    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -611,12 +609,6 @@ def moe_gate_up_kernel(
     (tiles fastest), in one flattened loop over tasks and K steps, so that the compiler may start a
     task's first loads under the previous task's last steps. Measured slower than one program per
     task (docs/perf-notes/moe.md, rounds T3, T6): opt-in only.
-
-    PREFETCH_DOWN (round AD, not with PERSIST): before its tile, each program asks L2 (``evict_last``)
-    for its share (n-block, K split) of its expert's down weights ``p_w2`` (``stride_w2e`` contiguous
-    elements an expert, ``W2_LINE`` a 128-byte line; index tiles: the expert's first tile only), so the
-    down GEMM reads them from L2
-    while this GEMM's own weight stream runs at the same time. A hint: no result depends on it.
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
@@ -639,13 +631,6 @@ def moe_gate_up_kernel(
                                                             LOCAL_FIRST, MAX_PAIRS)
         if e < 0:
             return
-        if PREFETCH_DOWN:
-            if PAIR_TILES:
-                first = True
-            else:
-                first = tl.load(p_tile_row + i_tile) == tl.load(p_offsets + e)
-            prefetch_l2_share(p_w2 + e.to(tl.int64) * stride_w2e, stride_w2e, i_n * SPLIT_K + i_s, num_nb * SPLIT_K,
-                              first, W2_LINE, 128, True)
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
             p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
