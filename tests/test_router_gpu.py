@@ -218,6 +218,30 @@ def test_opcheck_gpu():
 
 
 
+def _graph_of(steps) -> torch.cuda.CUDAGraph:
+    """``steps()`` run once on a side stream (compiles and allocates outside capture), then captured."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        steps()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        steps()
+    return g
+
+
+def _replays(g: torch.cuda.CUDAGraph, outs, reps: int = 3):
+    """Replay ``g`` ``reps`` times, ``outs`` filled with NaN before each (an unwritten output fails); yields
+    the replay's index once it has finished."""
+    for rep in range(reps):
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        yield rep
+
+
 @pytest.mark.parametrize("m, cfg", [(1, GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt")),
                                     (4, GemmConfig(4, 8, 128, 16, 4, 3, "fp32-splitk")),
                                     (16, GemmConfig(16, 32, 128, 16, 4, 4)), (512, GemmConfig(64, 32, 256, 4, 4, 2))],
@@ -244,19 +268,7 @@ def test_pdl_chain_in_graph_same_bits(m, cfg):
             evenflow.router_gemm(x, rw, outs[i], config=cfg, pdl=True, prefetch_weights=True)
             evenflow.select_experts(outs[i], 8, out=(ids[i], wts[i]), pdl=True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        steps()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        steps()
-    for rep in range(3):
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+    for rep in _replays(_graph_of(steps), outs):
         for i, src in enumerate(srcs):
             want = evenflow.router_gemm(src, rw, config=cfg, pdl=False)
             assert_exact(outs[i], want, f"rep {rep} step {i} logits")
@@ -295,19 +307,7 @@ def test_pdl_weight_prefetch_never_reads_old_weights(path):
                                                      cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
                                                      True, True)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        steps()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        steps()
-    for rep in range(3):
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+    for rep in _replays(_graph_of(steps), outs):
         for i, rw in enumerate(rws):
             cfg_i = GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt") if path == "fp32-simt" else cfg
             want = evenflow.router_gemm(x, rw, config=cfg_i, pdl=False, prefetch_weights=False)
