@@ -39,9 +39,10 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 _CONFIG_FILES = {"H200": "h200.json"}
 # Programmatic dependent launch chains the layer's 4-6 kernels (each launched while the one
 # before it drains, waiting for it before its first load) up to this many (token, slot)
-# pairs: there the launches are a large share of the layer. Above it grids span several
-# waves, and a kernel launched early would hold SM slots the one before it still needs.
-PDL_MAX_PAIRS = 512
+# pairs. Round G set 512 (measured at T = 1-64 only: faster at 37 of 40 points); round AD6
+# measured 1024-8192 pairs (T = 128-1024 at top-8, both row orders): 2.5-5.5% less time on the
+# fp8 layers at T = 128-256, 0.5-3.5% at 512-1024, bf16 within -4..+1%. Not measured beyond.
+PDL_MAX_PAIRS = 8192
 # With PDL, the activation quantisation kernel runs beside the index (or zeroing) kernel ahead of it and waits
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
 # of benchmarks/moe.py's evenflow-serialquant row).
