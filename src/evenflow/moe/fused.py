@@ -42,7 +42,7 @@ _CONFIG_FILES = {"H200": "h200.json"}
 # pairs. Round G set 512 (measured at T = 1-64 only: faster at 37 of 40 points); round AD6
 # measured 1024-8192 pairs (T = 128-1024 at top-8, both row orders): less time at 27 of 32
 # points, 2.2-5.5% on every fp8 layer at T = 128-256, at most 0.8% more at three bf16 points
-# (docs/perf-notes/moe.md). Not measured beyond.
+# in both orders (docs/perf-notes/moe.md). Not measured beyond.
 PDL_MAX_PAIRS = 8192
 # With PDL, the activation quantisation kernel runs beside the index (or zeroing) kernel ahead of it and waits
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
