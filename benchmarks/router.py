@@ -75,7 +75,7 @@ def main() -> int:
     if bad:
         raise SystemExit(f"--impls: unknown {bad} (choose from {', '.join(IMPLS)})")
     ceil = H.measure_ceilings()
-    ceil["launch_pdl_us"] = round(H.empty_launch_pdl_us(), 3)
+    ceil["launch_pdl_us"] = round(H.empty_launch_us(pdl=True), 3)
     print(f"[ceilings] launch_pdl_us {ceil['launch_pdl_us']}", flush=True)
     res = H.Results("router", ceilings=ceil, out=args.out)
     torch.manual_seed(0)

@@ -396,7 +396,9 @@ def main() -> int:
             # budget can only replace it by something measured faster in this run.
             old = [GemmConfig.from_dict(e["config"]).fit_smem(terms) for e in table.get("entries", [])
                    if (e["K"], e["N"], e.get("terms", 3), e["m_max"]) == (k, n, terms, m)]
-            incumbent = old[0] if old else None
+            # at the candidates' launch mode (GemmConfig's default): a tile is timed once, whatever mode its entry
+            # had, and the bucket's winner gets its mode from choose_launch afterwards
+            incumbent = replace(old[0], launch=GemmConfig().launch) if old else None
             if incumbent is not None:
                 cands = [incumbent] + [c for c in cands if c != incumbent]
             # JIT first (once per compiled variant, cached after), so a bucket's share of the

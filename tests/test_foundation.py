@@ -149,11 +149,11 @@ def test_timing_on_gpu():
     ceil = H.measure_ceilings(verbose=False)
     assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
     # an empty kernel chained with PDL (the router benchmark's launch_pdl_us): a launch's cost, not more
-    assert 0.0 < H.empty_launch_pdl_us() < 20
+    assert 0.0 < H.empty_launch_us(pdl=True) < 20
 
 
 def test_empty_pdl_probe_compiles_for_sm90():
-    # the launch-cost probe of PDL chains (harness.empty_launch_pdl_us) builds for the GPU it times:
+    # the launch-cost probe of PDL chains (harness.empty_launch_us(pdl=True)) builds for the GPU it times:
     # griddepcontrol in its PTX (round AD1's benchmark died compiling a first version of it)
     cc = pytest.importorskip("evenflow._compile_check")
     from evenflow import _runtime

@@ -124,7 +124,7 @@ def pdl_enter(PDL: tl.constexpr):
 
 @triton.jit
 def empty_pdl_kernel(p, PDL: tl.constexpr):
-    """Nothing but :func:`pdl_enter`: the benchmarks' launch-cost probe for chains of PDL kernels."""
+    """Nothing but :func:`pdl_enter` (nothing at all without PDL): the benchmarks' launch-cost probe."""
     pdl_enter(PDL)
 
 

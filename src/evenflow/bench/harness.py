@@ -251,25 +251,15 @@ def _median_ms(fn: Callable[[], object], reps: int = 20) -> float:
     return ts[len(ts) // 2]
 
 
-def _empty_launch_us() -> float:
-    import triton
-
-    @triton.jit
-    def _empty(p):
-        pass
-
-    buf = torch.empty(1, device="cuda")
-    return time_graph([lambda: _empty[(1,)](buf)], min_calls=20)
-
-
-def empty_launch_pdl_us() -> float:
-    """µs per call of an empty Triton kernel in a graph of back-to-back calls launched with programmatic
-    dependent launch, each waiting at its top for the one ahead (``pdl_enter``, as evenflow's kernels do):
-    the launch cost a chain of PDL kernels pays, beside ``launch_us`` (plain launches)."""
+def empty_launch_us(pdl: bool = False) -> float:
+    """µs per call of an empty Triton kernel in a graph of back-to-back calls (``launch_us``); with ``pdl``,
+    each launched with programmatic dependent launch and waiting at its top for the one ahead (``pdl_enter``,
+    as evenflow's kernels do): the launch cost a chain of PDL kernels pays (``launch_pdl_us``)."""
     from evenflow._kernels.common import empty_pdl_kernel
+    from evenflow._runtime import pdl_kwargs
 
     buf = torch.empty(1, device="cuda")
-    return time_graph([lambda: empty_pdl_kernel[(1,)](buf, PDL=True, launch_pdl=True)], min_calls=20)
+    return time_graph([lambda: empty_pdl_kernel[(1,)](buf, **pdl_kwargs(pdl))], min_calls=20)
 
 
 def measure_ceilings(verbose: bool = True) -> dict:
@@ -298,7 +288,7 @@ def measure_ceilings(verbose: bool = True) -> dict:
         "copy_TBps": round(2 * n / copy_ms / 1e9, 3),
         "bf16_TFLOPs": round(2 * m**3 / bf16_ms / 1e9, 1),
         "fp8_TFLOPs": round(fp8, 1) if fp8 == fp8 else None,
-        "launch_us": round(_empty_launch_us(), 3),
+        "launch_us": round(empty_launch_us(), 3),
     }
     if verbose:
         print(f"[ceilings] {ceil}", flush=True)

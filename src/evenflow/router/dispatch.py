@@ -37,9 +37,10 @@ PATHS = ("triton", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
 # How a kernel of ours is launched (round AD, docs/perf-notes/router.md): "plain"; "pdl", with programmatic
 # dependent launch (it waits at its top for the kernel ahead, its launch overlapping that kernel's end);
 # "pdl-prefetch", the same with the first row tile's programs asking L2 for the weight lines before the
-# wait. A tuned choice per table entry: in AD1's run PDL took 0.3-0.7 us off most points and added 1-2 us
-# at a few (LongCat-Chat M = 1, 16), the prefetch helped small weights at a few row tiles and hurt large
-# ones. Where supported (compiled kernels on sm_90+); elsewhere every launch is plain.
+# wait. A tuned choice per table entry: in AD1's run PDL took 0.34-1.2 us off most points at M <= 512 and
+# slowed LongCat-Chat M = 1, 16 and LongCat-Lite M = 4 by 3-26%; the prefetch helped small weights at one or
+# two row tiles and hurt large ones (docs/perf-notes/router.md). Where supported (compiled kernels on sm_90+);
+# elsewhere every launch is plain.
 LAUNCHES = ("plain", "pdl", "pdl-prefetch")
 # Paths whose one fixed config gives bitwise batch-invariant rows (see the module docstring).
 INVARIANT_PATHS = ("triton", "fp32-splitk")

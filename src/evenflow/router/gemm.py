@@ -88,6 +88,8 @@ class RouterWeight:
         self._logits = torch.empty(0, dtype=torch.float32, device=w.device)
         self._facts = device_facts(w.device)
         self._smem = smem_limit(w.device)
+        # compiled kernels on sm_90+ (programmatic dependent launch): looked up once, not on every call
+        self.pdl_supported = _runtime.pdl_supported(w.device)
         self._configs: dict[tuple[int, bool], GemmConfig] = {}
         self._split()
 
@@ -324,8 +326,7 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
         # Forced configs: num_stages capped so the pipeline fits in shared memory (a
         # deeper one fails to launch on the GPU; the interpreter would not notice).
         config = config.fit_smem(w.terms, w._smem)
-    supported = _runtime.pdl_supported(w.device)
-    use_pdl = (supported and config.launch != "plain") if pdl is None else pdl
+    use_pdl = (w.pdl_supported and config.launch != "plain") if pdl is None else pdl
     pf = (use_pdl and config.launch == "pdl-prefetch") if prefetch_weights is None else prefetch_weights
     eager = not torch.compiler.is_compiling()
     if config.path == "fp32-simt":
