@@ -131,6 +131,12 @@ PLAN_KNOBS = {
     "evenflow-g-noalignup": lambda sms: dict(typed=True, align_longer=False),
     # the Gluon kernel without the next item's metadata loaded ahead (round AC6)
     "evenflow-g-noprefetch": lambda sms: dict(typed=True, prefetch=False),
+    # round AE: the Gluon kernel without PDL (launched plainly, as until round AE); with PDL but reading
+    # nothing before its wait (the next launch let go at once, the SM capped at the plan's programs); with
+    # the early reads but without that cap (an early-launched next call may take more slots on an SM)
+    "evenflow-g-nopdl": lambda sms: dict(typed=True, pdl=False),
+    "evenflow-g-late": lambda sms: dict(typed=True, early_reads=False),
+    "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

@@ -3,8 +3,11 @@ lengths up to 128K, bf16 and fp8 KV, the TP8 slice, CUDA-graph capture with chan
 lengths and page tables, torch.compile(fullgraph=True)."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import evenflow
+from evenflow._kernels.common import globaltimer_ns, pdl_enter
 from evenflow.reference.attention import decode_attention_ref_batched as ref_attn
 from evenflow.testing import assert_within_one_ulp, assert_within_rule, poisoned
 
@@ -324,3 +327,91 @@ def test_gluon_fp8_cuda_graph_changing_lengths():
         g.replay()
         torch.cuda.synchronize()
         check(out, None, s_q, qs, k, v, s_pt, s_sl, ks=ks, vs=vs, what=f"gluon graph replay {trial}")
+
+
+@triton.jit
+def _late_writer(p_q, p_q_src, n_q, p_k, p_v, p_k_src, p_v_src, p_off, n_kv, SLEEP_NS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """A kernel ahead of a decode call under PDL: it waits for the kernel before it, lets the next
+    launch at once, then sleeps ~SLEEP_NS and writes q (all of it) and the K / V bytes at ``p_off``."""
+    pdl_enter(True)
+    t = globaltimer_ns(n_q, False)
+    t_end = t + SLEEP_NS
+    while t < t_end:
+        t = globaltimer_ns(t, False)
+    o = tl.arange(0, BLOCK)
+    for i in range(0, n_q, BLOCK):
+        tl.store(p_q + i + o, tl.load(p_q_src + i + o, mask=i + o < n_q), mask=i + o < n_q)
+    for i in range(0, n_kv, BLOCK):
+        m = i + o < n_kv
+        off = tl.load(p_off + i + o, mask=m, other=0)
+        tl.store(p_k + off, tl.load(p_k_src + i + o, mask=m), mask=m)
+        tl.store(p_v + off, tl.load(p_v_src + i + o, mask=m), mask=m)
+
+
+def _row_bytes(k, pt, lens, positions):
+    """Flat byte offsets into a [pages, page, Hkv, D] fp8 cache of every head's K / V row at each
+    request's token ``positions(L)``."""
+    page, row = k.shape[1], k.shape[2] * k.shape[3]
+    offs = []
+    for b, L in enumerate(lens):
+        for t in positions(L):
+            base = (int(pt[b, t // page]) * page + t % page) * row
+            offs.append(torch.arange(base, base + row, device="cuda"))
+    return torch.cat(offs)
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len):
+    """Round AE: under PDL the one-warp kernel (after the plan's first call) reads the plan and issues its
+    first tiles before waiting for the kernel ahead. Here that kernel lets it launch at once and writes q
+    and every request's new tokens (its last q_len) ~100 us later: the call must see all of them (bits of
+    a plain launch on the final tensors). Sensitivity: where the kernel ahead instead rewrites each
+    request's first 64 tokens (cached tokens, which a decode step never writes), the early reads do see
+    the old bytes (the output differs), and with ``early_reads=False`` they do not."""
+    lens = [5000, 300, 129, 4 * K + 1, 64, 2000, 0, 65, 1, 16 * K]
+    q, _, k, v, pt, sl = inputs(lens, kv=FP8, q_len=q_len)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
+    new_rows = _row_bytes(k, pt, lens, lambda L: range(max(0, L - q_len), L))
+    old_rows = _row_bytes(k, pt, lens, lambda L: range(0, 64) if L - q_len >= 64 else ())
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    q_new = torch.randn_like(q, dtype=torch.float32).to(q.dtype)
+
+    def run(offs, early_reads):
+        kb, vb = k.view(torch.uint8).view(-1), v.view(torch.uint8).view(-1)
+        k_src = (torch.randn(offs.numel(), device="cuda") * 30).to(FP8).view(torch.uint8)
+        v_src = (torch.randn(offs.numel(), device="cuda") * 40).to(FP8).view(torch.uint8)
+        plan = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
+                                   early_reads=early_reads)
+        outs = [torch.empty(q.shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+
+        def step():
+            plan.update(sl)
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=outs[0])
+            _late_writer[(1,)](q, q_new, q.numel(), kb, vb, k_src, v_src, offs, offs.numel(), SLEEP_NS=100_000,
+                               BLOCK=1024, launch_pdl=True)
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=outs[1])
+
+        step()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            step()
+        same = []
+        for _ in range(3):
+            q.copy_(q0), k.copy_(k0), v.copy_(v0)
+            for o in outs:
+                o.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
+                                        pdl=False).update(sl)
+            before = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
+            after = evenflow.decode_attention(q, k, v, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
+            assert torch.equal(outs[0], before)
+            same.append(torch.equal(outs[1], after))
+        return same
+
+    assert run(new_rows, True) == [True] * 3
+    assert run(old_rows, False) == [True] * 3
+    assert run(old_rows, True) == [False] * 3

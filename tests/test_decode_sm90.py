@@ -166,3 +166,59 @@ def test_combine_is_resident_three_per_sm_without_spilling(name):
     for s in stats:
         assert s["regs"] <= _COMBINE_MAX_REGS and s["regs"] * 32 * s["num_warps"] * 3 <= 65536, s
         assert s["spill_bytes"] <= 16, s
+
+
+def test_resident_pad_keeps_an_sm_to_the_plans_programs():
+    """Unused ring slots (16 KB each) for the Gluon kernel under PDL: the fewest that let an sm_90 SM
+    (228 KB, 1 KB reserved a program) hold the plan's programs per SM and not one more; none where no
+    count does both (5 an SM), where the ring alone does (6 an SM, or 3 slots at 4) or where they do not fit (7)."""
+    from evenflow.attention.decode import _GLUON_RING_SLOT, _resident_pad
+
+    with CC.emulate_gpu(132):
+        for per_sm, stages, want in ((4, 2, 1), (3, 2, 2), (2, 2, 3), (4, 3, 0), (5, 2, 0), (6, 2, 0), (7, 2, 0)):
+            pad = _resident_pad(per_sm * 132 - 7, stages, torch.device("cpu"))
+            assert pad == want, (per_sm, stages, pad)
+            block = (stages + pad) * _GLUON_RING_SLOT + 1024
+            if pad:
+                assert per_sm * block <= 233472 < (per_sm + 1) * block, (per_sm, stages, pad)
+
+
+def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes():
+    """Round AE: under PDL the one-warp kernel lets the next launch go at once, and waits for the kernel
+    ahead before its first memory operation in the first call after ``plan.update`` (that kernel may be
+    the update); in later calls it loads the plan's metadata and issues its first chunk's first tiles
+    (cp.async) before the wait, and no store, atomic or reduction precedes it. Its unused ring slot
+    keeps an SM to the plan's 4 programs (5 would fit without it); without PDL nothing of this."""
+    from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
+
+    B, page = len(BIG), 64
+    mp = max(-(-n // page) for n in BIG)
+    with CC.emulate_gpu(), CC.record_launches() as rec:
+        k = torch.empty(B * mp, page, 8, 128, dtype=FP8)
+        pt, sl = torch.zeros(B, mp, dtype=torch.int32), torch.tensor(BIG, dtype=torch.int32)
+        q = torch.empty(B, 64, 128, dtype=torch.bfloat16)
+        for kw in ({}, dict(early_reads=False), dict(resident_cap=False), dict(pdl=False)):
+            plan = evenflow.DecodePlan(B, mp * page, 8, device="cpu", kv_dtype=FP8, **kw).update(sl)
+            for _ in range(2):
+                evenflow.decode_attention(q, k, k, pt, sl, plan=plan, k_scale=torch.ones(1), v_scale=0.5)
+    got = [(c["PDL"], c["EARLY"], c["PAD"]) for c in (dict(la.constexprs) for la in rec if la.gluon)]
+    assert got == [(True, False, 1), (True, True, 1), (True, False, 1), (True, False, 1), (True, False, 0),
+                   (True, True, 0), (False, False, 0), (False, False, 0)], got
+    stats = {s["describe"]: s for s in CC.compile_stats([la for la in rec if la.gluon])}
+    assert len(stats) == 5 and all("error" not in s for s in stats.values()), stats
+    for s in stats.values():
+        m, desc = s["marks"], s["describe"]
+        memory = [m[op] for op in ("ld.global", "cp.async", "atom.", "red.", "st.global") if m[op] >= 0]
+        wait, launch = m["griddepcontrol.wait"], m["griddepcontrol.launch_dependents"]
+        block = s["shared"] + 1024
+        if "PDL=False" in desc:
+            assert wait < 0 and launch < 0, desc
+        elif "EARLY=False" in desc:
+            assert 0 <= launch < wait < min(memory), desc
+        else:
+            assert 0 <= launch < wait and m["cp.async"] < wait and m["ld.global"] < wait, desc
+            assert min(m[op] for op in ("atom.", "st.global") if m[op] >= 0) > wait, desc
+        if "PAD=1" in desc:
+            assert PPS * block <= 233472 < (PPS + 1) * block, desc
+        else:
+            assert (PPS + 1) * block <= 233472, desc

@@ -230,8 +230,8 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
     ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
     (SASS instruction counts per loop trip, :func:`sass_loops`) and ``mma`` (which MMA
-    instructions the PTX uses, :func:`mma_counts`); or ``error`` when the launch does not
-    compile.
+    instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`); or ``error``
+    when the launch does not compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
 
@@ -249,6 +249,18 @@ def mma_counts(ptx: str) -> dict:
     return {"wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync"),
             "wgmma_types": dict(collections.Counter(f"{a}.{b}" for a, b in wg)),
             "mma_sync_types": dict(collections.Counter(f"{a}.{b}" for a, b in ms))}
+
+
+PTX_MARKS = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global", "cp.async", "atom.",
+             "red.", "st.global")
+
+
+def ptx_marks(ptx: str) -> dict:
+    """Where each of ``PTX_MARKS`` first occurs in the kernel body of ``ptx`` (character offset
+    from ``.entry``, -1 if absent): the order of a kernel's PDL wait against its first memory
+    operations, in straight-line code before any loop."""
+    body = ptx[ptx.index(".entry"):]
+    return {m: body.find(m) for m in PTX_MARKS}
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -337,7 +349,7 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
-                                 "mma": mma_counts(compiled.asm["ptx"])})
+                                 "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

@@ -185,6 +185,30 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
     return rows <= 16
 
 
+# Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
+# (CUDA C programming guide, compute capability 9.0); read from the device where torch reports it.
+_SM90_SMEM_PER_SM = 233472
+_SMEM_RESERVED_PER_BLOCK = 1024
+_GLUON_RING_SLOT = 2 * TILE * 128  # one ring slot: a 64-token tile of K and of V, e4m3, d128
+
+
+def _resident_pad(programs: int, stages: int, device: torch.device) -> int:
+    """Unused ring slots for the Gluon kernel under PDL: the fewest that make one program more
+    than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a next call's programs
+    launched early take only the slots this call frees), 0 where no slot count does both."""
+    per_sm = -(-programs // _runtime.num_sms(device))
+    smem = _SM90_SMEM_PER_SM
+    if device.type == "cuda":
+        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", smem)
+    for pad in range(8):
+        block = (stages + pad) * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK
+        if per_sm * block > smem:
+            return 0
+        if (per_sm + 1) * block > smem:
+            return pad
+    return 0
+
+
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
 # 128 chunks = 16 groups merged in parallel, then 16 group results in 2 steps).
 FUSED_GROUP_CHUNKS = 8
@@ -200,14 +224,17 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                k_scale_f: float, v_scale_f: float, sm_scale: float,
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
-               prefetch: bool = True, fused: bool = False, gluon: bool = False) -> None:
+               prefetch: bool = True, fused: bool = False, gluon: bool = False, early: bool = False,
+               resident_cap: bool = True) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
     # loads the next item's metadata before the current item's work; fused: the plan path
     # merges split items inside the attention kernel (no combine kernel); stamps: the plan
     # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None;
-    # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel
+    # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel;
+    # with pdl, early: it reads the plan, page table and cached K / V before its PDL wait (the kernel ahead
+    # did not update the plan), resident_cap: its unused ring slots keep an SM to the plan's programs
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -228,6 +255,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
+        stages = num_stages or GLUON_FP8_STAGES
+        pad = _resident_pad(np_, stages, q.device) if pdl and resident_cap else 0
         GK.decode_fp8_kernel[grid](
             q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
@@ -236,10 +265,10 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-            HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
+            HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=stages,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
-            num_warps=1,
+            EARLY=bool(pdl and early), PAD=pad, num_warps=1, **_runtime.pdl_kwargs(pdl),
         )
     else:
         K.decode_kernel[grid](
@@ -286,7 +315,8 @@ _decode_op = torch.library.custom_op("evenflow::decode_attention",
 def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, part_o, part_lse, part_glse,
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
-      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False):
+      block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False, early=False,
+      resident_cap=True):
     return None
 
 
@@ -400,15 +430,19 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     op = _decode_op if torch.compiler.is_compiling() else _decode_launch
     if plan is not None:
         part_o, part_lse, part_glse = plan.partials(rows, D)
+        pdl = _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl
+        # reads before the PDL wait only where the kernel ahead is not the plan's update (the first call
+        # after update() waits first); under torch.compile the call order is not known here: never
+        early = pdl and plan.early_reads and not plan.fresh and not torch.compiler.is_compiling()
+        plan.fresh = False
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, plan.stamps, q_scale,
                    ks_t, vs_t, ks_f, vs_f,
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
-                   _runtime.pdl_supported(dev) if plan.pdl is None else plan.pdl,
-                   -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused", gluon_fp8_supported(q, k_cache, plan, rows))
+                   pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
+                   plan.combine == "fused", gluon_fp8_supported(q, k_cache, plan, rows), early, plan.resident_cap)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -32,6 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from evenflow._kernels.common import arrived_last, clock64, globaltimer_ns
 from evenflow.attention import kernels as K
@@ -103,13 +104,24 @@ def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, 
 
 
 @gluon.jit
-def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
+def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                 stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, STAGES: gl.constexpr):
+    # a chunk's first STAGES - 1 tiles into ring slots 0 .. STAGES - 2
+    for s in gl.static_range(STAGES - 1):
+        _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+               stride_vp, stride_vt, stride_vh, PAGE)
+
+
+@gluon.jit
+def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued,
                   p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                   stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                   stride_ptb, stride_ot, stride_oh, stride_lt,
                   GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LSE: gl.constexpr):
-    """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``."""
+    """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
+    ``issued``: the ring's first STAGES - 1 tiles are already in flight (:func:`_issue_first`,
+    before the kernel's PDL wait)."""
     ROWS: gl.constexpr = GROUP * Q_LEN
     # q, logical [16 rows, 128 contraction] in the A layout (rows >= ROWS zero), to f16 under a
     # per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone in the score scale)
@@ -124,9 +136,9 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
     # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
     # moved beyond the run's spread), kept as the order with fewer serial round trips
     p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
-    for s in gl.static_range(STAGES - 1):
-        _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-               stride_vp, stride_vt, stride_vh, PAGE)
+    if not issued:
+        _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                     stride_vp, stride_vt, stride_vh, PAGE, STAGES)
     qf = q_raw.to(gl.float32)
     qmax = gl.max(gl.abs(qf), axis=1)
     e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
@@ -315,34 +327,61 @@ def decode_fp8_kernel(
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
     end edge included). ``qk_scale_f`` = sm_scale * log2(e) * python k_scale; ``max_len`` caps
     every length (min of the plan's max_seq_len and the page table's columns x PAGE).
     STAMPS (diagnostics): the Triton kernel's timeline build (``kernels.STAMP_FIELDS`` in
-    ``p_stamp``; no PDL wait here, so "after_wait" is the entry)."""
+    ``p_stamp``).
+
+    PDL (programmatic dependent launch): the next kernel may launch at once (its programs take
+    the SM slots this grid's programs free; ``PAD`` unused ring slots make a program's shared
+    memory so large that an SM holds no more programs than the plan puts on it, so a next call's
+    bins never crowd onto the SMs that finished first, as round N2 saw) and this one waits for
+    the kernel ahead (``gdc_wait``) before reading anything that kernel may write. With EARLY,
+    what it cannot write in a decode step (the plan, seq_lens, the page table, and K / V before
+    each request's last Q_LEN tokens, which the step's KV write adds) is read before that wait:
+    the first item's metadata and its chunk's first tiles; q, the scales and the new tokens' K /
+    V after it (the launcher sets EARLY only where the plan was not updated by the kernel ahead)."""
     pid = gl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
     if STAMPS:
         c_entry = clock64(pid, False)
         s_entry = globaltimer_ns(pid, False)
+    if PDL and not EARLY:
+        gdc_wait()
+    # PAD slots past the ring are never touched (see PDL above)
+    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], SMEM)
+    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], SMEM)
+    # the plan contract's arithmetic is the Triton kernel's own (scalar Triton-lang helpers)
+    g0, g1, i, budget = K._bin_start(p_meta, p_prog_start, pid)
+    n_items = B * HKV
+    b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
+    go = K._item_in_bin(i, n_items, start, n, g1)
+    len_b = gl.load(p_len + b)
+    issued = pid < 0  # False: the first chunk issues its own first tiles
+    if EARLY:
+        # the first chunk's first tiles, if they end before the tokens the kernel ahead may write
+        L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, len_b, max_len, pid)
+        issued = go & ((t0 + STAGES - 1) * TILE <= L - Q_LEN)
+        if issued:
+            _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_pt + b.to(gl.int64) * stride_ptb, i % HKV, num_pages,
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, STAGES)
+        gdc_wait()
+    if STAMPS:
+        s_wait = globaltimer_ns(len_b, False)
+        c_wait = clock64(len_b, False)
+        p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = K._stamps_open(
+            p_stamp, pid, start, s_entry, s_wait, c_entry, c_wait, False)
     qk_scale = qk_scale_f
     if HAS_K_SCALE_PTR:
         qk_scale = qk_scale * gl.load(p_ks)
     v_scale = v_scale_f
     if HAS_V_SCALE_PTR:
         v_scale = v_scale * gl.load(p_vs)
-    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE, D], SMEM)
-    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, TILE, D], SMEM)
-    # the plan contract's arithmetic is the Triton kernel's own (scalar Triton-lang helpers)
-    g0, g1, i, budget = K._bin_start(p_meta, p_prog_start, pid)
-    n_items = B * HKV
-    b, n, start = K._item_at(i, n_items, p_tiles, p_req_end, HKV)
-    go = K._item_in_bin(i, n_items, start, n, g1)
-    if STAMPS:
-        p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = K._stamps_open(
-            p_stamp, pid, start, s_entry, s_entry, c_entry, c_entry, False)
-    len_b = gl.load(p_len + b)
     while go:
         h = i % HKV
         L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, len_b, max_len, pid)
@@ -352,7 +391,7 @@ def decode_fp8_kernel(
             # at ~20 more of the tile loop's ~1155 instructions (predicates, addresses kept live)
             b_nx, n_nx, start_nx = K._item_at(i + 1, n_items, p_tiles, p_req_end, HKV)
             len_nx = gl.load(p_len + b_nx)
-        _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot,
+        _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued,
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                       stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE)
@@ -370,6 +409,7 @@ def decode_fp8_kernel(
                         s_merge_end, s_merge_ns, s_merges = K._stamps_merge(gslot, s_last, s_merge_ns, s_merges,
                                                                             False)
         i += 1
+        issued = pid < 0
         if PREFETCH:
             b = b_nx
             n = n_nx

@@ -143,6 +143,17 @@ class DecodePlan:
     items cut across bins are merged: ``"fused"`` (default) in the attention kernel, by the
     last of each group of chunks to finish (one kernel per call); ``"kernel"`` in a second,
     combine kernel (launched with PDL; to compare).
+    ``early_reads`` / ``resident_cap`` (the fp8 Gluon kernel under PDL, both default on): its
+    programs let the next kernel launch at once and, except in the first call after
+    :meth:`update`, read before waiting for the kernel ahead what a decode step's kernels do not
+    write: the plan, ``seq_lens``, the page table and each request's K / V before its last
+    ``q_len`` tokens (the step's KV write adds those; they, q and the scales are read after the
+    wait), so its first item's metadata and first tiles are in flight while that kernel drains.
+    Nothing launched between ``update`` and that first call, and nothing ahead of a decode call
+    may write a request's cached K / V, its page-table row or ``seq_lens`` (``early_reads=False``:
+    everything after the wait). ``resident_cap``: unused ring slots make each program need
+    more shared memory than an SM holds beside the plan's programs per SM, so the next call's
+    programs take only the slots this call frees (``False``: to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -161,7 +172,8 @@ class DecodePlan:
                  pdl: bool | None = None, item_cost: int = DEFAULT_ITEM_COST, warp_split: bool | None = None,
                  align_longer: bool | None = None, prefetch: bool = True,
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
-                 align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None):
+                 align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
+                 early_reads: bool = True, resident_cap: bool = True):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -227,6 +239,13 @@ class DecodePlan:
         self.warp_split = warp_split
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
+        for name, flag in (("early_reads", early_reads), ("resident_cap", resident_cap)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        self.early_reads, self.resident_cap = early_reads, resident_cap
+        # True until the first decode_attention after update(): that call's kernel may follow the
+        # update's directly, so it reads nothing before its PDL wait (see early_reads)
+        self.fresh = True
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
@@ -253,6 +272,7 @@ class DecodePlan:
            self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
            self.align_longer, self.cost_max, int(self.align_growth * 16))
         self.batch = B
+        self.fresh = True
         return self
 
     @property
