@@ -88,6 +88,16 @@ def summarize(st: dict[str, list[int]]) -> dict:
         "merge_us_med": round(statistics.median(per_merge), 2) if per_merge else None,
         "idle_frac": round(idle, 4),
         "programs_per_sm": sorted({v: sum(1 for c in per_sm.values() if c == v) for v in per_sm.values()}.items()),
+        # under PDL (round AE) programs enter while the call ahead drains; from the first release of the
+        # wait (the call ahead's end): the last release, the attention ends and the kernel's end; and the
+        # share of consecutive programs (bins) placed on the same SM (the plain launch's placement: ~0)
+        "release_spread": round((max(st["after_wait"]) - min(st["after_wait"])) * us, 2),
+        "attn_end_p50_from_release": round(statistics.median(
+            (st["last_end"][p] - min(st["after_wait"])) * us for p in busy), 2) if busy else None,
+        "attn_end_max_from_release": round(max(
+            (st["last_end"][p] - min(st["after_wait"])) * us for p in busy), 2) if busy else None,
+        "end_max_from_release": round((max(st["program_end"]) - min(st["after_wait"])) * us, 2),
+        "adjacent_same_sm": round(sum(sms[p] == sms[p + 1] for p in range(P - 1)) / max(P - 1, 1), 4),
     }
 
 
