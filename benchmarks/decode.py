@@ -137,6 +137,8 @@ PLAN_KNOBS = {
     "evenflow-g-nopdl": lambda sms: dict(typed=True, pdl=False),
     "evenflow-g-late": lambda sms: dict(typed=True, early_reads=False),
     "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False),
+    # round AE5: under PDL, program i on bin i (no stride)
+    "evenflow-g-nospread": lambda sms: dict(typed=True, spread_bins=False),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

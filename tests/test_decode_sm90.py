@@ -222,3 +222,22 @@ def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes():
             assert PPS * block <= 233472 < (PPS + 1) * block, desc
         else:
             assert (PPS + 1) * block <= 233472, desc
+
+
+def test_bin_stride_spreads_consecutive_programs_and_an_sms_programs_over_the_batch():
+    """Round AE5: under PDL the Gluon kernel's program i drains bin i * stride mod programs. The stride is a
+    bijection (prime to the program count) that sends consecutive programs, and the programs a plain launch
+    deals to one SM (i, i + SMs, ...), to bins in different quarters of the batch at 4 programs an SM."""
+    from evenflow.attention.decode import _bin_stride
+
+    with CC.emulate_gpu(132):
+        cpu = torch.device("cpu")
+        assert _bin_stride(264, cpu) == 1 + 132 and _bin_stride(132, cpu) == 1 and _bin_stride(100, cpu) == 1
+        for programs in (528, 527, 396, 1 << 16):
+            a = _bin_stride(programs, cpu)
+            bins = [i * a % programs for i in range(programs)]
+            assert sorted(bins) == list(range(programs)), programs
+        bins = [i * _bin_stride(528, cpu) % 528 for i in range(528)]
+        quarter = [b // 132 for b in bins]
+        assert all(quarter[i] != quarter[i + 1] for i in range(527))
+        assert all(sorted(quarter[s + 132 * j] for j in range(4)) == [0, 1, 2, 3] for s in range(132))

@@ -192,6 +192,19 @@ _SMEM_RESERVED_PER_BLOCK = 1024
 _GLUON_RING_SLOT = 2 * TILE * 128  # one ring slot: a 64-token tile of K and of V, e4m3, d128
 
 
+def _bin_stride(programs: int, device: torch.device) -> int:
+    """Program -> bin stride of the Gluon kernel under PDL (see ``decode_fp8_kernel``): the first integer
+    above ``programs / per_sm`` prime to ``programs`` (per_sm = programs an SM), so that consecutive
+    programs, and the programs a plain launch deals to one SM, take bins ``programs / per_sm`` apart."""
+    per_sm = -(-programs // _runtime.num_sms(device))
+    if per_sm < 2:
+        return 1
+    a = programs // per_sm + 1
+    while math.gcd(a, programs) != 1:
+        a += 1
+    return a
+
+
 def _resident_pad(programs: int, stages: int, device: torch.device) -> int:
     """Unused ring slots for the Gluon kernel under PDL: the fewest that make one program more
     than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a next call's programs
@@ -225,7 +238,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
                prefetch: bool = True, fused: bool = False, gluon: bool = False, early: bool = False,
-               resident_cap: bool = True) -> None:
+               resident_cap: bool = True, spread_bins: bool = True) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
@@ -234,7 +247,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None;
     # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel;
     # with pdl, early: it reads the plan, page table and cached K / V before its PDL wait (the kernel ahead
-    # did not update the plan), resident_cap: its unused ring slots keep an SM to the plan's programs
+    # did not update the plan), resident_cap: its unused ring slots keep an SM to the plan's programs,
+    # spread_bins: its programs take bins a stride apart (_bin_stride)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -257,11 +271,12 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if gluon and not is_static:
         stages = num_stages or GLUON_FP8_STAGES
         pad = _resident_pad(np_, stages, q.device) if pdl and resident_cap else 0
+        stride = _bin_stride(np_, q.device) if pdl and spread_bins else 1
         GK.decode_fp8_kernel[grid](
             q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
             part_glse, combine_count, group_count, stamps if stamps is not None else meta,
-            sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages,
+            sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages, stride,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
@@ -316,7 +331,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False, early=False,
-      resident_cap=True):
+      resident_cap=True, spread_bins=True):
     return None
 
 
@@ -442,7 +457,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused", gluon_fp8_supported(q, k_cache, plan, rows), early, plan.resident_cap)
+                   plan.combine == "fused", gluon_fp8_supported(q, k_cache, plan, rows), early, plan.resident_cap,
+                   plan.spread_bins)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

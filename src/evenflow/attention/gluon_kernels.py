@@ -321,7 +321,7 @@ def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count
 def decode_fp8_kernel(
     p_q, p_k, p_v, p_pt, p_len, p_tiles, p_req_end, p_prog_start, p_meta,
     p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount, p_stamp,
-    qk_scale_f, v_scale_f, B, max_len, num_pages,
+    qk_scale_f, v_scale_f, B, max_len, num_pages, bin_stride,
     stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_ptb, stride_ot, stride_oh, stride_lt,
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
@@ -344,8 +344,14 @@ def decode_fp8_kernel(
     what it cannot write in a decode step (the plan, seq_lens, the page table, and K / V before
     each request's last Q_LEN tokens, which the step's KV write adds) is read before that wait:
     the first item's metadata and its chunk's first tiles; q, the scales and the new tokens' K /
-    V after it (the launcher sets EARLY only where the plan was not updated by the kernel ahead)."""
-    pid = gl.program_id(0)
+    V after it (the launcher sets EARLY only where the plan was not updated by the kernel ahead).
+    ``bin_stride``: program i drains bin ``i * bin_stride mod programs`` (a stride prime to the program
+    count; 1 = bin i). Under PDL a program takes the slot an earlier call's program freed, so the
+    programs of a call are placed in the order the call ahead finished; with bin i for program i an SM
+    then gets bins of one stretch of the batch (round AE4: on 1x128K+31x4K half the SMs held four of
+    the 128K item's chunks, the other half none, and the call ended 6 us later); strided, consecutive
+    programs take bins a quarter of the batch apart."""
+    pid = ((gl.program_id(0).to(gl.int64) * bin_stride) % gl.num_programs(0)).to(gl.int32)  # this program's bin
     if PDL:
         gdc_launch_dependents()
     if STAMPS:

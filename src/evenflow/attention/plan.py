@@ -153,7 +153,10 @@ class DecodePlan:
     may write a request's cached K / V, its page-table row or ``seq_lens`` (``early_reads=False``:
     everything after the wait). ``resident_cap``: unused ring slots make each program need
     more shared memory than an SM holds beside the plan's programs per SM, so the next call's
-    programs take only the slots this call frees (``False``: to compare).
+    programs take only the slots this call frees (``False``: to compare). ``spread_bins``: program i
+    drains bin ``i * stride mod programs`` (a stride prime to the program count, about a quarter of it at
+    4 programs an SM), so the bins an SM gets do not follow the order the call ahead finished in
+    (``False``: bin i, to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -173,7 +176,7 @@ class DecodePlan:
                  align_longer: bool | None = None, prefetch: bool = True,
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
-                 early_reads: bool = True, resident_cap: bool = True):
+                 early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -239,10 +242,10 @@ class DecodePlan:
         self.warp_split = warp_split
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
-        for name, flag in (("early_reads", early_reads), ("resident_cap", resident_cap)):
+        for name, flag in (("early_reads", early_reads), ("resident_cap", resident_cap), ("spread_bins", spread_bins)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
-        self.early_reads, self.resident_cap = early_reads, resident_cap
+        self.early_reads, self.resident_cap, self.spread_bins = early_reads, resident_cap, spread_bins
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
         self.fresh = True
