@@ -149,9 +149,9 @@ class DecodePlan:
     write: the plan, ``seq_lens``, the page table and each request's K / V before its last
     ``q_len`` tokens (the step's KV write adds those; they, q and the scales are read after the
     wait), so its first item's metadata and first tiles are in flight while that kernel drains.
-    Nothing launched between ``update`` and that first call, and nothing ahead of a decode call
-    may write a request's cached K / V, its page-table row or ``seq_lens`` (``early_reads=False``:
-    everything after the wait). ``resident_cap``: unused ring slots make each program need
+    So the kernels run between ``update`` and a later call (the attention prologue, other layers)
+    must leave each request's cached K / V, its page-table row and ``seq_lens`` as they were
+    (``early_reads=False``: everything after the wait). ``resident_cap``: unused ring slots make each program need
     more shared memory than an SM holds beside the plan's programs per SM, so the next call's
     programs take only the slots this call frees (``False``: to compare). ``spread_bins``: program i
     drains bin ``i * stride mod programs`` (a stride prime to the program count, about a quarter of it at
@@ -340,7 +340,8 @@ class DecodePlan:
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
                 f"warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, "
+                f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, pdl={self.pdl}, "
+                f"early_reads={self.early_reads}, resident_cap={self.resident_cap}, spread_bins={self.spread_bins}, "
                 f"device={self.device})")
 
 
