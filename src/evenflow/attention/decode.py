@@ -222,6 +222,15 @@ def _resident_pad(programs: int, stages: int, device: torch.device) -> int:
     return 0
 
 
+def _pdl_layout(plan: DecodePlan, device: torch.device) -> tuple[int, int]:
+    """(``_resident_pad``, ``_bin_stride``) of the Gluon kernel on ``plan``'s programs, worked out on the
+    plan's first PDL call and kept on it (they read device properties; a decode call runs once a layer)."""
+    if plan.pdl_layout is None:
+        plan.pdl_layout = (_resident_pad(plan.num_programs, plan.num_stages or GLUON_FP8_STAGES, device),
+                           _bin_stride(plan.num_programs, device))
+    return plan.pdl_layout
+
+
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
 # 128 chunks = 16 groups merged in parallel, then 16 group results in 2 steps).
 FUSED_GROUP_CHUNKS = 8
@@ -238,7 +247,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
                prefetch: bool = True, fused: bool = False, gluon: bool = False, early: bool = False,
-               resident_cap: bool = True, spread_bins: bool = True) -> None:
+               pad: int = 0, bin_stride: int = 1) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
@@ -247,8 +256,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None;
     # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel;
     # with pdl, early: it reads the plan, page table and cached K / V before its PDL wait (the kernel ahead
-    # did not update the plan), resident_cap: its unused ring slots keep an SM to the plan's programs,
-    # spread_bins: its programs take bins a stride apart (_bin_stride)
+    # did not update the plan); pad: unused ring slots that keep an SM to the plan's programs (_resident_pad);
+    # bin_stride: its programs take bins this stride apart (_bin_stride)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -269,18 +278,15 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
-        stages = num_stages or GLUON_FP8_STAGES
-        pad = _resident_pad(np_, stages, q.device) if pdl and resident_cap else 0
-        stride = _bin_stride(np_, q.device) if pdl and spread_bins else 1
         GK.decode_fp8_kernel[grid](
             q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
             part_glse, combine_count, group_count, stamps if stamps is not None else meta,
-            sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages, stride,
+            sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages, bin_stride,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-            HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=stages,
+            HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             EARLY=bool(pdl and early), PAD=pad, num_warps=1, **_runtime.pdl_kwargs(pdl),
@@ -331,7 +337,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False, early=False,
-      resident_cap=True, spread_bins=True):
+      pad=0, bin_stride=1):
     return None
 
 
@@ -450,6 +456,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         # after update() waits first); under torch.compile the call order is not known here: never
         early = pdl and plan.early_reads and not plan.fresh and not torch.compiler.is_compiling()
         plan.fresh = False
+        gluon = gluon_fp8_supported(q, k_cache, plan, rows)
+        pad, stride = _pdl_layout(plan, dev) if gluon and pdl else (0, 1)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, plan.stamps, q_scale,
                    ks_t, vs_t, ks_f, vs_f,
@@ -457,8 +465,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused", gluon_fp8_supported(q, k_cache, plan, rows), early, plan.resident_cap,
-                   plan.spread_bins)
+                   plan.combine == "fused", gluon, early, pad if plan.resident_cap else 0,
+                   stride if plan.spread_bins else 1)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -382,12 +382,7 @@ def decode_fp8_kernel(
         c_wait = clock64(len_b, False)
         p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = K._stamps_open(
             p_stamp, pid, start, s_entry, s_wait, c_entry, c_wait, False)
-    qk_scale = qk_scale_f
-    if HAS_K_SCALE_PTR:
-        qk_scale = qk_scale * gl.load(p_ks)
-    v_scale = v_scale_f
-    if HAS_V_SCALE_PTR:
-        v_scale = v_scale * gl.load(p_vs)
+    qk_scale, v_scale = K._scales(qk_scale_f, v_scale_f, p_ks, p_vs, HAS_K_SCALE_PTR, HAS_V_SCALE_PTR)
     while go:
         h = i % HKV
         L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, len_b, max_len, pid)

@@ -156,6 +156,19 @@ def plan_kernel(
 
 
 @triton.jit
+def _scales(qk_scale_f, v_scale_f, p_ks, p_vs, HAS_K_SCALE_PTR: tl.constexpr, HAS_V_SCALE_PTR: tl.constexpr):
+    """The score and V scales: the launcher's factors, times the per-tensor K / V scale tensors where
+    the caller passed tensors (both attention kernels)."""
+    qk_scale = qk_scale_f
+    if HAS_K_SCALE_PTR:
+        qk_scale = qk_scale * tl.load(p_ks)
+    v_scale = v_scale_f
+    if HAS_V_SCALE_PTR:
+        v_scale = v_scale * tl.load(p_vs)
+    return qk_scale, v_scale
+
+
+@triton.jit
 def _bin_start(p_meta, p_prog_start, pid):
     """Bin ``pid`` of the plan: its global units [g0, g1), its first item and the budget."""
     total = tl.load(p_meta + 0)
@@ -487,12 +500,7 @@ def decode_kernel(
     if STAMPS:
         c_wait = clock64(pid, DOT_F32)
         s_wait = globaltimer_ns(pid, DOT_F32)
-    qk_scale = qk_scale_f
-    if HAS_K_SCALE_PTR:
-        qk_scale = qk_scale * tl.load(p_ks)
-    v_scale = v_scale_f
-    if HAS_V_SCALE_PTR:
-        v_scale = v_scale * tl.load(p_vs)
+    qk_scale, v_scale = _scales(qk_scale_f, v_scale_f, p_ks, p_vs, HAS_K_SCALE_PTR, HAS_V_SCALE_PTR)
     if IS_STATIC:
         item = pid // splits
         c = pid % splits

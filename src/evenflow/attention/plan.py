@@ -249,6 +249,7 @@ class DecodePlan:
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
         self.fresh = True
+        self.pdl_layout: tuple[int, int] | None = None  # the Gluon kernel's (pad, stride), set on first use
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
