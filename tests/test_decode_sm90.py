@@ -172,7 +172,8 @@ def test_resident_pad_keeps_an_sm_to_the_plans_programs():
     """Unused ring slots (16 KB each) for the Gluon kernel under PDL: the fewest that let an sm_90 SM
     (228 KB, 1 KB reserved a program) hold the plan's programs per SM and not one more; none where no
     count does both (5 an SM), where the ring alone does (6 an SM, or 3 slots at 4) or where they do not fit (7)."""
-    from evenflow.attention.decode import _GLUON_RING_SLOT, _resident_pad
+    from evenflow.attention.plan import _GLUON_RING_SLOT
+    from evenflow.attention.plan import resident_pad as _resident_pad
 
     with CC.emulate_gpu(132):
         for per_sm, stages, want in ((4, 2, 1), (3, 2, 2), (2, 2, 3), (4, 3, 0), (5, 2, 0), (6, 2, 0), (7, 2, 0)):
@@ -228,7 +229,7 @@ def test_bin_stride_spreads_consecutive_programs_and_an_sms_programs_over_the_ba
     """Round AE5: under PDL the Gluon kernel's program i drains bin i * stride mod programs. The stride is a
     bijection (prime to the program count) that sends consecutive programs, and the programs a plain launch
     deals to one SM (i, i + SMs, ...), to bins in different quarters of the batch at 4 programs an SM."""
-    from evenflow.attention.decode import _bin_stride
+    from evenflow.attention.plan import bin_stride as _bin_stride
 
     with CC.emulate_gpu(132):
         cpu = torch.device("cpu")

@@ -40,7 +40,7 @@ import triton
 from evenflow import _runtime
 from evenflow._checks import check_out, check_tensor
 from evenflow.attention import kernels as K
-from evenflow.attention.plan import TILE, DecodePlan, static_splits
+from evenflow.attention.plan import GLUON_FP8_STAGES, TILE, DecodePlan, static_splits
 
 # The Gluon kernel is written against Triton 3.6's Gluon (an experimental API that changes between
 # releases); with an older Triton, or none of Gluon, every call runs the Triton kernels.
@@ -154,13 +154,6 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
     return block_m, max(1, min(8, 8192 // (block_m * head_dim)))
 
 
-# Ring slots (tiles in flight + 1) of the one-warp fp8 kernel: 2 x 16 KB per program, 4 programs
-# an SM. Measured on the H200 (docs/perf-notes/decode.md): the probe's best split per case, round AB1,
-# 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than
-# 2.2% faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time.
-GLUON_FP8_STAGES = 2
-
-
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
     """Whether a call runs the one-warp Gluon fp8 kernel (``attention/gluon_kernels.py``): a
     plan built with ``kv_dtype=torch.float8_e4m3fn`` and none of the Triton kernel's launch
@@ -183,52 +176,6 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
     if k_cache.shape[3] != 128 or k_cache.shape[1] not in (64, 128):
         return False
     return rows <= 16
-
-
-# Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
-# (CUDA C programming guide, compute capability 9.0); read from the device where torch reports it.
-_SM90_SMEM_PER_SM = 233472
-_SMEM_RESERVED_PER_BLOCK = 1024
-_GLUON_RING_SLOT = 2 * TILE * 128  # one ring slot: a 64-token tile of K and of V, e4m3, d128
-
-
-def _bin_stride(programs: int, device: torch.device) -> int:
-    """Program -> bin stride of the Gluon kernel under PDL (see ``decode_fp8_kernel``): the first integer
-    above ``programs / per_sm`` prime to ``programs`` (per_sm = programs an SM), so that consecutive
-    programs, and the programs a plain launch deals to one SM, take bins ``programs / per_sm`` apart."""
-    per_sm = -(-programs // _runtime.num_sms(device))
-    if per_sm < 2:
-        return 1
-    a = programs // per_sm + 1
-    while math.gcd(a, programs) != 1:
-        a += 1
-    return a
-
-
-def _resident_pad(programs: int, stages: int, device: torch.device) -> int:
-    """Unused ring slots for the Gluon kernel under PDL: the fewest that make one program more
-    than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a next call's programs
-    launched early take only the slots this call frees), 0 where no slot count does both."""
-    per_sm = -(-programs // _runtime.num_sms(device))
-    smem = _SM90_SMEM_PER_SM
-    if device.type == "cuda":
-        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", smem)
-    for pad in range(8):
-        block = (stages + pad) * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK
-        if per_sm * block > smem:
-            return 0
-        if (per_sm + 1) * block > smem:
-            return pad
-    return 0
-
-
-def _pdl_layout(plan: DecodePlan, device: torch.device) -> tuple[int, int]:
-    """(``_resident_pad``, ``_bin_stride``) of the Gluon kernel on ``plan``'s programs, worked out on the
-    plan's first PDL call and kept on it (they read device properties; a decode call runs once a layer)."""
-    if plan.pdl_layout is None:
-        plan.pdl_layout = (_resident_pad(plan.num_programs, plan.num_stages or GLUON_FP8_STAGES, device),
-                           _bin_stride(plan.num_programs, device))
-    return plan.pdl_layout
 
 
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
@@ -256,8 +203,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None;
     # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel;
     # with pdl, early: it reads the plan, page table and cached K / V before its PDL wait (the kernel ahead
-    # did not update the plan); pad: unused ring slots that keep an SM to the plan's programs (_resident_pad);
-    # bin_stride: its programs take bins this stride apart (_bin_stride)
+    # did not update the plan); pad: unused ring slots that keep an SM to the plan's programs, bin_stride: its
+    # programs take bins this stride apart (DecodePlan.resident_pad / .bin_stride)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -457,7 +404,6 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         early = pdl and plan.early_reads and not plan.fresh and not torch.compiler.is_compiling()
         plan.fresh = False
         gluon = gluon_fp8_supported(q, k_cache, plan, rows)
-        pad, stride = _pdl_layout(plan, dev) if gluon and pdl else (0, 1)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, plan.stamps, q_scale,
                    ks_t, vs_t, ks_f, vs_f,
@@ -465,8 +411,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0, plan.num_stages or 0,
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused", gluon, early, pad if plan.resident_cap else 0,
-                   stride if plan.spread_bins else 1)
+                   plan.combine == "fused", gluon, early, plan.resident_pad if pdl and plan.resident_cap else 0,
+                   plan.bin_stride if pdl and plan.spread_bins else 1)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -56,6 +56,48 @@ DEFAULT_COMBINE = "fused"
 GLUON_FP8_PROGRAMS_PER_SM = 4
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
+# Ring slots (tiles in flight + 1) of the one-warp fp8 kernel: 2 x 16 KB per program, 4 programs
+# an SM. Measured on the H200 (docs/perf-notes/decode.md): the probe's best split per case, round AB1,
+# 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than
+# 2.2% faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time.
+GLUON_FP8_STAGES = 2
+
+# Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
+# (CUDA C programming guide, compute capability 9.0); read from the device where torch reports it.
+_SM90_SMEM_PER_SM = 233472
+_SMEM_RESERVED_PER_BLOCK = 1024
+_GLUON_RING_SLOT = 2 * TILE * 128  # one ring slot: a 64-token tile of K and of V, e4m3, d128
+
+
+def bin_stride(programs: int, device: torch.device) -> int:
+    """Program -> bin stride of the Gluon kernel under PDL (see ``gluon_kernels.decode_fp8_kernel``): the first integer
+    above ``programs / per_sm`` prime to ``programs`` (per_sm = programs an SM), so that consecutive
+    programs, and the programs a plain launch deals to one SM, take bins ``programs / per_sm`` apart."""
+    per_sm = -(-programs // _runtime.num_sms(device))
+    if per_sm < 2:
+        return 1
+    a = programs // per_sm + 1
+    while math.gcd(a, programs) != 1:
+        a += 1
+    return a
+
+
+def resident_pad(programs: int, stages: int, device: torch.device) -> int:
+    """Unused ring slots for the Gluon kernel under PDL: the fewest that make one program more
+    than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a next call's programs
+    launched early take only the slots this call frees), 0 where no slot count does both."""
+    per_sm = -(-programs // _runtime.num_sms(device))
+    smem = _SM90_SMEM_PER_SM
+    if device.type == "cuda":
+        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", smem)
+    for pad in range(8):
+        block = (stages + pad) * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK
+        if per_sm * block > smem:
+            return 0
+        if (per_sm + 1) * block > smem:
+            return pad
+    return 0
+
 
 def default_num_programs(device, kv_dtype: torch.dtype | None = None) -> int:
     per_sm = GLUON_FP8_PROGRAMS_PER_SM if kv_dtype == torch.float8_e4m3fn else DEFAULT_PROGRAMS_PER_SM
@@ -249,7 +291,10 @@ class DecodePlan:
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
         self.fresh = True
-        self.pdl_layout: tuple[int, int] | None = None  # the Gluon kernel's (pad, stride), set on first use
+        # the Gluon fp8 kernel's layout under PDL, once per plan (device properties): unused ring slots and
+        # the program -> bin stride (decode_attention passes them where its options keep them on)
+        self.resident_pad = resident_pad(num_programs, num_stages or GLUON_FP8_STAGES, dev)
+        self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
