@@ -139,6 +139,14 @@ PLAN_KNOBS = {
     "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False),
     # round AE5: under PDL, program i on bin i (no stride)
     "evenflow-g-nospread": lambda sms: dict(typed=True, spread_bins=False),
+    # round AF: the Triton kernel (bf16 KV; fp8 KV on a plan without its dtype) under PDL as launched until
+    # round AF (waiting at its top, the next launch let go as its programs exit, bin i for program i); with
+    # the next launch let go at its top and the bins strided but its first item's metadata read after the
+    # wait; without the stride; without the early trigger
+    "evenflow-t-wait": lambda sms: dict(launch_next=False, early_reads=False, spread_bins=False),
+    "evenflow-t-late": lambda sms: dict(early_reads=False),
+    "evenflow-t-nospread": lambda sms: dict(spread_bins=False),
+    "evenflow-t-notrigger": lambda sms: dict(launch_next=False),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

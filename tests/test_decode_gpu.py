@@ -415,3 +415,54 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len):
     assert run(new_rows, True) == [True] * 3
     assert run(old_rows, False) == [True] * 3
     assert run(old_rows, True) == [False] * 3
+
+
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_triton_pdl_trigger_and_early_metadata_see_everything_the_kernel_ahead_writes(q_len):
+    """Round AF: under PDL the Triton kernel (bf16 KV) lets the next kernel launch at its top and, after
+    the plan's first call, reads its first item's metadata before waiting for the kernel ahead; it reads
+    no q or K / V before that wait. Here the kernel ahead lets it launch at once and ~100 us later writes
+    q, every request's new tokens and its first 64 cached tokens: both calls of the graph (the first after
+    the update, the second reading early) give the bits of a plain launch on the final tensors, and the
+    calls do let the next launch go (the trigger is in the build, a CPU test of the sm_90 PTX)."""
+    from evenflow.attention.decode import triton_holds_plan
+
+    lens = [5000, 300, 129, 4 * K + 1, 64, 2000, 0, 65, 1, 16 * K]
+    q, _, k, v, pt, sl = inputs(lens, q_len=q_len)
+    rows = _row_bytes(k, pt, lens, lambda L: sorted(set(range(max(0, L - q_len), L)) | set(range(min(L, 64)))))
+    q0, k0, v0 = q.clone(), k.clone(), v.clone()
+    q_new = torch.randn_like(q, dtype=torch.float32).to(q.dtype)
+    kb, vb = k.view(torch.int16).view(-1), v.view(torch.int16).view(-1)
+    k_src = torch.randn(rows.numel(), device="cuda").to(k.dtype).view(torch.int16)
+    v_src = torch.randn(rows.numel(), device="cuda").to(v.dtype).view(torch.int16)
+    plan = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda")
+    assert triton_holds_plan(plan, q.shape[1] // 8 * q_len, 128)
+    outs = [torch.empty(q.shape, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+
+    # what the kernel ahead writes before each call: the first call's inputs as they were, then the new ones
+    srcs = [(q0, k0.view(torch.int16).view(-1)[rows], v0.view(torch.int16).view(-1)[rows]),
+            (q_new, k_src, v_src), (q_new, k_src, v_src)]
+
+    def step():
+        plan.update(sl)
+        for i, (q_s, k_s, v_s) in enumerate(srcs):  # the first call after the update, then two that read early
+            _late_writer[(1,)](q, q_s, q.numel(), kb, vb, k_s, v_s, rows, rows.numel(), SLEEP_NS=100_000,
+                               BLOCK=1024, launch_pdl=True)
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, out=outs[i])
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", pdl=False).update(sl)
+    for _ in range(3):
+        q.copy_(q0), k.copy_(k0), v.copy_(v0)
+        for o in outs:
+            o.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        want0 = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain)
+        want = evenflow.decode_attention(q, k, v, pt, sl, plan=plain)
+        assert torch.equal(outs[0], want0)
+        assert torch.equal(outs[1], want) and torch.equal(outs[2], want)

@@ -242,3 +242,62 @@ def test_bin_stride_spreads_consecutive_programs_and_an_sms_programs_over_the_ba
         quarter = [b // 132 for b in bins]
         assert all(quarter[i] != quarter[i + 1] for i in range(527))
         assert all(sorted(quarter[s + 132 * j] for j in range(4)) == [0, 1, 2, 3] for s in range(132))
+
+
+def test_triton_kernel_pdl_lets_the_next_launch_go_only_where_it_holds_an_sm_to_the_plan():
+    """Round AF: under PDL the Triton kernel's fused plan path lets the next kernel launch at its top
+    (``DecodePlan.launch_next``) and, except in the first call after ``plan.update``, loads its first item's
+    metadata before waiting for the kernel ahead; no store, atomic or reduction precedes the wait, and in
+    the first call nothing does. It lets go only where its build keeps an SM to the plan's 2 programs:
+    the default build at head_dim 128 and a 16-row tile (2 programs fit an SM, 3 do not); not with a
+    launch option of the plan, at head_dim 64 or 256, at a 64-row tile, or without PDL."""
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM as PPS
+
+    B, page = len(BIG), 64
+    mp = max(-(-n // page) for n in BIG)
+    with CC.emulate_gpu(), CC.record_launches() as rec:
+        pt, sl = torch.zeros(B, mp, dtype=torch.int32), torch.tensor(BIG, dtype=torch.int32)
+        for kv in (torch.bfloat16, FP8):
+            k = torch.empty(B * mp, page, 8, 128, dtype=kv)
+            q = torch.empty(B, 64, 128, dtype=torch.bfloat16)
+            sc = dict(k_scale=torch.ones(1), v_scale=0.5) if kv == FP8 else {}
+            kws = ({}, dict(early_reads=False), dict(launch_next=False), dict(pdl=False), dict(num_stages=3))
+            for kw in kws if kv == torch.bfloat16 else ({},):
+                plan = evenflow.DecodePlan(B, mp * page, 8, device="cpu", **kw).update(sl)
+                for _ in range(2):
+                    evenflow.decode_attention(q, k, k, pt, sl, plan=plan, **sc)
+        # the timeline build reads early too; head dims 64 / 256 and a 64-row tile (group 16 x q_len 4) never let go
+        for hq, hkv, d, q_len, timeline in ((64, 8, 128, 1, True), (16, 2, 64, 1, False), (16, 2, 256, 1, False),
+                                            (32, 2, 128, 4, False)):
+            k = torch.empty(2 * 80, page, hkv, d, dtype=torch.bfloat16)
+            q = torch.empty(2 * q_len, hq, d, dtype=torch.bfloat16)
+            plan = evenflow.DecodePlan(2, 80 * page, hkv, q_len=q_len, device="cpu").update(sl[:2].clamp(max=5000))
+            plan.record_timeline(timeline)
+            for _ in range(2):
+                evenflow.decode_attention(q, k, k, pt[:2, :80], sl[:2].clamp(max=5000), plan=plan)
+    got = [(c["PDL"], c["EARLY"], c["TRIGGER"]) for c in (dict(la.constexprs) for la in rec
+                                                         if la.name == "decode_kernel")]
+    T, F = True, False
+    assert got == [(T, F, T), (T, T, T), (T, F, T), (T, F, T), (T, F, F), (T, T, F), (F, F, F), (F, F, F),
+                   (T, F, F), (T, T, F),  # num_stages set: no trigger
+                   (T, F, T), (T, T, T),  # fp8 KV on the Triton kernel (a plan without its KV dtype)
+                   (T, F, T), (T, T, T), (T, F, F), (T, T, F), (T, F, F), (T, T, F), (T, F, F), (T, T, F)], got
+    stats = CC.compile_stats([la for la in rec if la.name == "decode_kernel"])
+    assert all("error" not in s for s in stats), stats
+    for s in stats:
+        m, desc = s["marks"], s["describe"]
+        memory = [m[op] for op in ("ld.global", "cp.async", "atom.", "red.", "st.global") if m[op] >= 0]
+        wait, launch = m["griddepcontrol.wait"], m["griddepcontrol.launch_dependents"]
+        if "PDL=False" in desc:
+            assert wait < 0 and launch < 0, desc
+            continue
+        assert (launch >= 0) == ("TRIGGER=True" in desc) and launch < wait, desc
+        if "EARLY=False" in desc:
+            assert 0 <= wait < min(memory), desc
+        else:
+            assert 0 <= m["ld.global"] < wait, desc
+            assert min(m[op] for op in ("atom.", "st.global", "cp.async") if m[op] >= 0) > wait, desc
+        if "TRIGGER=True" in desc:
+            threads = 32 * s["num_warps"]
+            fits = min(65536 // (s["regs"] * threads), 233472 // (s["shared"] + 1024))
+            assert fits == PPS, (desc, s["regs"], s["shared"])

@@ -40,7 +40,7 @@ import triton
 from evenflow import _runtime
 from evenflow._checks import check_out, check_tensor
 from evenflow.attention import kernels as K
-from evenflow.attention.plan import GLUON_FP8_STAGES, TILE, DecodePlan, static_splits
+from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_STAGES, TILE, DecodePlan, static_splits
 
 # The Gluon kernel is written against Triton 3.6's Gluon (an experimental API that changes between
 # releases); with an older Triton, or none of Gluon, every call runs the Triton kernels.
@@ -194,7 +194,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
                prefetch: bool = True, fused: bool = False, gluon: bool = False, early: bool = False,
-               pad: int = 0, bin_stride: int = 1) -> None:
+               pad: int = 0, bin_stride: int = 1, trigger: bool = False) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
@@ -204,7 +204,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel;
     # with pdl, early: it reads the plan, page table and cached K / V before its PDL wait (the kernel ahead
     # did not update the plan); pad: unused ring slots that keep an SM to the plan's programs, bin_stride: its
-    # programs take bins this stride apart (DecodePlan.resident_pad / .bin_stride)
+    # programs take bins this stride apart (DecodePlan.resident_pad / .bin_stride); trigger: with pdl, the plan
+    # path lets the next kernel launch at its top (DecodePlan.launch_next)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -236,7 +237,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
-            EARLY=bool(pdl and early), PAD=pad, num_warps=1, **_runtime.pdl_kwargs(pdl),
+            EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), num_warps=1,
+            **_runtime.pdl_kwargs(pdl),
         )
     else:
         K.decode_kernel[grid](
@@ -245,7 +247,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
             part_glse, combine_count, group_count, stamps if stamps is not None else meta,
             sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
-            q.stride(0), q.stride(1),
+            1 if is_static else bin_stride, q.stride(0), q.stride(1),
             qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -256,7 +258,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             NUM_STAGES=num_stages or _num_stages(D, k_cache.dtype, block_n), BLOCK_N=block_n,
             WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, FUSED=fused,
             FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll,
-            STAMPS=stamps is not None and not is_static, num_warps=num_warps,
+            STAMPS=stamps is not None and not is_static, TRIGGER=bool(pdl and trigger and fused),
+            EARLY=bool(pdl and early and fused), num_warps=num_warps,
             **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
             **_runtime.pdl_kwargs(pdl),
         )
@@ -284,7 +287,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False, early=False,
-      pad=0, bin_stride=1):
+      pad=0, bin_stride=1, trigger=False):
     return None
 
 
@@ -404,6 +407,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         early = pdl and plan.early_reads and not plan.fresh and not torch.compiler.is_compiling()
         plan.fresh = False
         gluon = gluon_fp8_supported(q, k_cache, plan, rows)
+        # the next kernel let go at the top only where an SM holds no more than the plan's programs
+        trigger = pdl and plan.launch_next and (gluon or triton_holds_plan(plan, rows, D))
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, plan.stamps, q_scale,
                    ks_t, vs_t, ks_f, vs_f,
@@ -412,7 +417,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
                    plan.combine == "fused", gluon, early, plan.resident_pad if pdl and plan.resident_cap else 0,
-                   plan.bin_stride if pdl and plan.spread_bins else 1)
+                   plan.bin_stride if pdl and plan.spread_bins else 1, trigger)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1
@@ -425,6 +430,17 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    float(sm_scale), q_len, splits,
                    max_pages_len, pdl=_runtime.pdl_supported(dev))
     return (out, lse) if return_lse else out
+
+
+def triton_holds_plan(plan: DecodePlan, rows: int, head_dim: int) -> bool:
+    """Whether the Triton kernel's build holds an SM to the plan's programs, so that a next call launched
+    at its top (``DecodePlan.launch_next``) takes only the slots this call frees: the default build
+    (no launch option of the plan set) at head_dim 128 and a 16-row tile (GQA group x q_len <= 16), whose
+    registers (239-248 a thread at 4 warps, sm_90) let 2 programs share an SM and not 3 (a CPU test of
+    the sm_90 builds), on a plan of DEFAULT_PROGRAMS_PER_SM programs an SM."""
+    if any(o is not None for o in (plan.num_warps, plan.num_stages, plan.block_n, plan.max_registers)):
+        return False
+    return head_dim == 128 and _block_m(rows) == 16 and plan.per_sm == DEFAULT_PROGRAMS_PER_SM
 
 
 def _plan_max_regs(plan: DecodePlan, rows: int, head_dim: int, device: torch.device) -> int:

@@ -327,7 +327,7 @@ def decode_fp8_kernel(
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
-    PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -336,7 +336,7 @@ def decode_fp8_kernel(
     STAMPS (diagnostics): the Triton kernel's timeline build (``kernels.STAMP_FIELDS`` in
     ``p_stamp``).
 
-    PDL (programmatic dependent launch): the next kernel may launch at once (its programs take
+    PDL (programmatic dependent launch), TRIGGER: the next kernel may launch at once (its programs take
     the SM slots this grid's programs free; ``PAD`` unused ring slots make a program's shared
     memory so large that an SM holds no more programs than the plan puts on it, so a next call's
     bins never crowd onto the SMs that finished first, as round N2 saw) and this one waits for
@@ -352,7 +352,7 @@ def decode_fp8_kernel(
     the 128K item's chunks, the other half none, and the call ended 6 us later); strided, consecutive
     programs take bins a quarter of the batch apart."""
     pid = ((gl.program_id(0).to(gl.int64) * bin_stride) % gl.num_programs(0)).to(gl.int32)  # this program's bin
-    if PDL:
+    if PDL and TRIGGER:
         gdc_launch_dependents()
     if STAMPS:
         c_entry = clock64(pid, False)

@@ -43,7 +43,7 @@ ranges of its item; partial slot = program; combine program = item.
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from evenflow._kernels.common import (
     arrived_last,
@@ -451,7 +451,7 @@ def decode_kernel(
     p_q, p_qs, p_k, p_v, p_pt, p_len,
     p_tiles, p_req_end, p_prog_start, p_meta,
     p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount, p_stamp,
-    qk_scale_f, v_scale_f, B, splits, max_len, num_pages, max_pages,
+    qk_scale_f, v_scale_f, B, splits, max_len, num_pages, max_pages, bin_stride,
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_ptb, stride_ot, stride_oh, stride_lt,
@@ -461,7 +461,7 @@ def decode_kernel(
     HAS_LSE: tl.constexpr, DOT_F32: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
     PREFETCH: tl.constexpr, FUSED: tl.constexpr, FUSED_C: tl.constexpr, FUSED_M: tl.constexpr,
-    FUSED_UNROLL: tl.constexpr, STAMPS: tl.constexpr,
+    FUSED_UNROLL: tl.constexpr, STAMPS: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -482,26 +482,37 @@ def decode_kernel(
     outside the plan is touched.
     """
     pid = tl.program_id(0)
+    if not IS_STATIC:
+        # plan: this program's bin, ``bin_stride`` apart from the next program's (1 = bin pid; see TRIGGER)
+        pid = ((pid.to(tl.int64) * bin_stride) % tl.num_programs(0)).to(tl.int32)
     if STAMPS:
         c_entry = clock64(pid, DOT_F32)
         s_entry = globaltimer_ns(pid, DOT_F32)
     # Programmatic dependent launch: wait for the kernels before this one (the plan
-    # update, the engine's KV write) before any load. With a combine kernel after this
-    # one, let it be launched now (it waits in turn for this grid, its own gdc_wait).
-    # Fused: no early trigger, so the next kernel launches as this grid's programs exit:
-    # launched early, its programs took the slots of this grid's idle or early-finishing
-    # programs and, when it is the next decode call (back-to-back graph replays), its bins
-    # then sat unevenly on the SMs (round N2: 2x32K+30x4K, 184 bins of 264 programs, +12%).
+    # update, the engine's KV write) before reading what they may write. With a combine
+    # kernel after this one, let it be launched now (it waits in turn for this grid).
+    # Fused, TRIGGER (round AF): let the next kernel launch at the top too. Its programs then
+    # take the slots this grid's programs free, so the launcher sets TRIGGER only where an SM
+    # holds no more programs than the plan puts on it (the default d128 build's registers:
+    # 2), and the plan spreads its bins (``bin_stride``): without either, the next decode call
+    # of back-to-back graph replays had its bins sit unevenly on the SMs (round N2: 2x32K+30x4K,
+    # +12%; the Gluon kernel's round AE4). Without TRIGGER the next kernel launches as this
+    # grid's programs exit. EARLY (fused, PDL; never right after the plan's update): the first
+    # item's metadata and length, which no kernel between the update and this call may
+    # rewrite (the plan contract), are read before the wait.
     if FUSED:
         if PDL:
-            gdc_wait()
+            if TRIGGER:
+                gdc_launch_dependents()
+            if not EARLY:
+                gdc_wait()
     else:
         pdl_enter(PDL)
-    if STAMPS:
+    if STAMPS and not EARLY:
         c_wait = clock64(pid, DOT_F32)
         s_wait = globaltimer_ns(pid, DOT_F32)
-    qk_scale, v_scale = _scales(qk_scale_f, v_scale_f, p_ks, p_vs, HAS_K_SCALE_PTR, HAS_V_SCALE_PTR)
     if IS_STATIC:
+        qk_scale, v_scale = _scales(qk_scale_f, v_scale_f, p_ks, p_vs, HAS_K_SCALE_PTR, HAS_V_SCALE_PTR)
         item = pid // splits
         c = pid % splits
         b = item // HKV
@@ -529,6 +540,12 @@ def decode_kernel(
         if PREFETCH:
             len_b = tl.load(p_len + b)
         go = _item_in_bin(i, n_items, start, n, g1)
+        if EARLY:
+            gdc_wait()
+            if STAMPS:
+                c_wait = clock64(start, DOT_F32)
+                s_wait = globaltimer_ns(start, DOT_F32)
+        qk_scale, v_scale = _scales(qk_scale_f, v_scale_f, p_ks, p_vs, HAS_K_SCALE_PTR, HAS_V_SCALE_PTR)
         if STAMPS:
             # what is known before the loop is stored now, so the loop carries fewer registers
             p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = _stamps_open(

@@ -70,8 +70,8 @@ _GLUON_RING_SLOT = 2 * TILE * 128  # one ring slot: a 64-token tile of K and of 
 
 
 def bin_stride(programs: int, device: torch.device) -> int:
-    """Program -> bin stride of the Gluon kernel under PDL (see ``gluon_kernels.decode_fp8_kernel``): the first integer
-    above ``programs / per_sm`` prime to ``programs`` (per_sm = programs an SM), so that consecutive
+    """Program -> bin stride of the plan's programs under PDL (both kernels; see ``gluon_kernels.decode_fp8_kernel``):
+    the first integer above ``programs / per_sm`` prime to ``programs`` (per_sm = programs an SM), so that consecutive
     programs, and the programs a plain launch deals to one SM, take bins ``programs / per_sm`` apart."""
     per_sm = -(-programs // _runtime.num_sms(device))
     if per_sm < 2:
@@ -185,20 +185,24 @@ class DecodePlan:
     items cut across bins are merged: ``"fused"`` (default) in the attention kernel, by the
     last of each group of chunks to finish (one kernel per call); ``"kernel"`` in a second,
     combine kernel (launched with PDL; to compare).
-    ``early_reads`` / ``resident_cap`` (the fp8 Gluon kernel under PDL, both default on): its
-    programs let the next kernel launch at once and, except in the first call after
-    :meth:`update`, read before waiting for the kernel ahead what a decode step's kernels do not
-    write: the plan, ``seq_lens``, the page table and each request's K / V before its last
-    ``q_len`` tokens (the step's KV write adds those; they, q and the scales are read after the
-    wait), so its first item's metadata and first tiles are in flight while that kernel drains.
+    ``launch_next`` / ``early_reads`` / ``resident_cap`` (under PDL, all default on): the programs
+    let the next kernel launch at once (``launch_next``; the Triton kernel only where its build holds
+    an SM to the plan's programs: the default build at head_dim 128, GQA group x q_len <= 16, 2
+    programs an SM, round AF) and, except in the first call after :meth:`update`, read before
+    waiting for the kernel ahead what a decode step's kernels do not write: the plan, ``seq_lens``,
+    the page table and, in the fp8 Gluon kernel, each request's K / V before its last ``q_len``
+    tokens (the step's KV write adds those; they, q and the scales are read after the wait), so
+    the first item's metadata (and, in the Gluon kernel, its first tiles) are in flight while that
+    kernel drains (the Triton kernel: with the fused combine).
     So the kernels run between ``update`` and a later call (the attention prologue, other layers)
     must leave each request's cached K / V, its page-table row and ``seq_lens`` as they were
-    (``early_reads=False``: everything after the wait). ``resident_cap``: unused ring slots make each program need
-    more shared memory than an SM holds beside the plan's programs per SM, so the next call's
-    programs take only the slots this call frees (``False``: to compare). ``spread_bins``: program i
-    drains bin ``i * stride mod programs`` (a stride prime to the program count, about a quarter of it at
-    4 programs an SM), so the bins an SM gets do not follow the order the call ahead finished in
-    (``False``: bin i, to compare).
+    (``early_reads=False``: everything after the wait). ``resident_cap`` (the Gluon kernel): unused ring
+    slots make each program need more shared memory than an SM holds beside the plan's programs per SM,
+    so the next call's programs take only the slots this call frees (``False``: to compare).
+    ``spread_bins``: program i drains bin ``i * stride mod programs`` (the first stride above programs /
+    programs an SM that is prime to the program count: about a quarter of it at 4 programs an SM, half
+    at 2), so the bins an SM gets do not follow the order the call ahead finished in (``False``: bin i,
+    to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -218,7 +222,8 @@ class DecodePlan:
                  align_longer: bool | None = None, prefetch: bool = True,
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
-                 early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True):
+                 early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
+                 launch_next: bool = True):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -284,10 +289,13 @@ class DecodePlan:
         self.warp_split = warp_split
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
-        for name, flag in (("early_reads", early_reads), ("resident_cap", resident_cap), ("spread_bins", spread_bins)):
+        for name, flag in (("early_reads", early_reads), ("resident_cap", resident_cap), ("spread_bins", spread_bins),
+                           ("launch_next", launch_next)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.early_reads, self.resident_cap, self.spread_bins = early_reads, resident_cap, spread_bins
+        self.launch_next = launch_next
+        self.per_sm = -(-num_programs // _runtime.num_sms(dev))  # programs an SM (the last SMs may hold fewer)
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
         self.fresh = True
@@ -387,7 +395,8 @@ class DecodePlan:
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, pdl={self.pdl}, "
-                f"early_reads={self.early_reads}, resident_cap={self.resident_cap}, spread_bins={self.spread_bins}, "
+                f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
+                f"spread_bins={self.spread_bins}, "
                 f"device={self.device})")
 
 
