@@ -44,6 +44,17 @@ def inputs(lens, hkv=8, hq=64, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=t
     return q, qs, k, v, pt, torch.tensor(lens, dtype=torch.int32, device=dev)
 
 
+def captured(step):
+    """A CUDA graph of ``step``, after one eager run of it (warm-up: compiles, allocates the plan's partial
+    buffers)."""
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return g
+
+
 def check(o, lse, q, qs, k, v, pt, sl, q_len=1, ks=None, vs=None, what=""):
     kw = dict(q_scale=qs, k_scale=ks, v_scale=vs, q_len=q_len)
     ref, ref_lse = ref_attn(q, k, v, pt, sl, **kw)
@@ -140,11 +151,7 @@ def test_cuda_graph_changing_lengths(kv):
         plan.update(s_sl)
         evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
 
-    step()  # warm-up: compiles, allocates the partial buffers
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = captured(step)
     for trial, lens in enumerate([big, [3 * K] * 16, [0] * 8 + [60 * K] + [100] * 7, [1] * 16]):
         num_pages = k.shape[0]
         new_sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
@@ -192,11 +199,7 @@ def test_pdl_matches_plain_launches_in_a_graph():
             plan.update(s_sl)
             evenflow.decode_attention(q_live, k, v, pt, s_sl, plan=plan, out=outs[p])
 
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = captured(step)
     for trial, lens in enumerate([lens0, [32 * K + 50] + [300] * 15, [0] * 15 + [20 * K]]):
         s_sl.copy_(torch.tensor(lens, dtype=torch.int32, device="cuda"))
         q_src.copy_(torch.randn(q.shape, device="cuda").to(q.dtype))
@@ -314,11 +317,7 @@ def test_gluon_fp8_cuda_graph_changing_lengths():
         plan.update(s_sl)
         evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
 
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = captured(step)
     for trial, lens in enumerate([big, [3 * K] * 16, [0] * 8 + [60 * K] + [100] * 7, [1] * 16]):
         s_sl.copy_(torch.tensor(lens, dtype=torch.int32, device="cuda"))
         s_pt.copy_(torch.randint(0, k.shape[0], pt.shape, dtype=torch.int32, device="cuda"))
@@ -392,11 +391,7 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len):
                                BLOCK=1024, launch_pdl=True)
             evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=outs[1])
 
-        step()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            step()
+        g = captured(step)
         same = []
         for _ in range(3):
             q.copy_(q0), k.copy_(k0), v.copy_(v0)
@@ -450,11 +445,7 @@ def test_triton_pdl_trigger_and_early_metadata_see_everything_the_kernel_ahead_w
                                BLOCK=1024, launch_pdl=True)
             evenflow.decode_attention(q, k, v, pt, sl, plan=plan, out=outs[i])
 
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = captured(step)
     plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", pdl=False).update(sl)
     for _ in range(3):
         q.copy_(q0), k.copy_(k0), v.copy_(v0)
