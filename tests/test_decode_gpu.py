@@ -55,6 +55,17 @@ def captured(step):
     return g
 
 
+def replay_fresh(g, outs, restore):
+    """Replay ``g`` once on the inputs as they were (``restore``: (tensor, its first value) pairs), every
+    output NaN-filled first (so a write the graph skips shows)."""
+    for t, t0 in restore:
+        t.copy_(t0)
+    for o in outs:
+        o.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+
+
 def check(o, lse, q, qs, k, v, pt, sl, q_len=1, ks=None, vs=None, what=""):
     kw = dict(q_scale=qs, k_scale=ks, v_scale=vs, q_len=q_len)
     ref, ref_lse = ref_attn(q, k, v, pt, sl, **kw)
@@ -394,11 +405,7 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len):
         g = captured(step)
         same = []
         for _ in range(3):
-            q.copy_(q0), k.copy_(k0), v.copy_(v0)
-            for o in outs:
-                o.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
+            replay_fresh(g, outs, ((q, q0), (k, k0), (v, v0)))
             plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
                                         pdl=False).update(sl)
             before = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
@@ -448,11 +455,7 @@ def test_triton_pdl_trigger_and_early_metadata_see_everything_the_kernel_ahead_w
     g = captured(step)
     plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", pdl=False).update(sl)
     for _ in range(3):
-        q.copy_(q0), k.copy_(k0), v.copy_(v0)
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+        replay_fresh(g, outs, ((q, q0), (k, k0), (v, v0)))
         want0 = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain)
         want = evenflow.decode_attention(q, k, v, pt, sl, plan=plain)
         assert torch.equal(outs[0], want0)
