@@ -509,7 +509,9 @@ def main(argv=None) -> None:
 
 def sweep(args, device, l2: int) -> None:
     t_start = time.time()
-    names = _split(args.cases, CASES, "cases") if args.cases else (QUICK_CASES if args.quick else CASES)
+    # the cases of BENCH.md, and the TP8 slice (8 q / 1 kv heads) of any of them (``tp8:64x4K``)
+    allowed = CASES + [f"tp8:{c}" for c in CASES if not c.startswith("tp8:")]
+    names = _split(args.cases, allowed, "cases") if args.cases else (QUICK_CASES if args.quick else CASES)
     cases = [parse_case(n) for n in names]
     impls = _split(args.impls, IMPLS, "impls")
     variants = _split(args.variants, VARIANTS, "variants")
