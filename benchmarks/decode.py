@@ -147,6 +147,8 @@ PLAN_KNOBS = {
     "evenflow-t-late": lambda sms: dict(early_reads=False),
     "evenflow-t-nospread": lambda sms: dict(spread_bins=False),
     "evenflow-t-notrigger": lambda sms: dict(launch_next=False),
+    # round AF5: the Gluon kernel at one KV head too (an fp8 plan takes it from 2 KV heads)
+    "evenflow-g-force": lambda sms: dict(typed=True, gluon=True),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

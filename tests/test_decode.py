@@ -607,8 +607,8 @@ def test_plan_for_an_fp8_cache(name, device):
     lens, hkv, group, page, q_len, np_ = GLUON_CASES[name]
     q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, 128, page, q_len, FP8, device=device)
     plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
-                               num_programs=np_, min_tiles=1, kv_dtype=FP8).update(sl)
-    # the path the call takes: Gluon on a GPU, the Triton kernel in the interpreter
+                               num_programs=np_, min_tiles=1, kv_dtype=FP8, gluon=True).update(sl)
+    # the path the call takes: Gluon on a GPU (gluon=True: at one KV head too), the Triton kernel in the interpreter
     assert gluon_fp8_supported(q, k, plan, group * q_len) == (device == "cuda")
     for ks, vs in ((0.05, torch.tensor([0.025], device=device)), (torch.tensor([0.03], device=device), None)):
         check(q, qs, k, v, pt, sl, q_len, plan=plan, k_scale=ks, v_scale=vs, what=f"{name} ks={ks} vs={vs}")
@@ -632,6 +632,26 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
         assert not gluon_fp8_supported(q, k, plan, 4), kw
     plan = evenflow.DecodePlan(3, 1 << 12, 2, device=device, num_programs=4, min_tiles=1).update(sl)
     assert not gluon_fp8_supported(q, k, plan, 4)  # no kv_dtype given: the Triton kernel, as before
+
+
+def test_fp8_plan_takes_the_gluon_kernel_from_two_kv_heads(device):
+    """Round AF5: an fp8 plan is built for the Gluon kernel (4 programs an SM) from 2 KV heads; at one KV head
+    (the TP8 slice of most GQA models) for the Triton kernel (2 an SM), unless ``gluon=True``; ``gluon=False``
+    never; a bf16 plan never. Bad values are refused by name."""
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_MIN_KV_HEADS, GLUON_FP8_PROGRAMS_PER_SM
+
+    assert GLUON_FP8_MIN_KV_HEADS == 2
+    sms = _runtime.num_sms(torch.device(device))
+    for hkv, kv, gluon, want in ((1, FP8, None, False), (2, FP8, None, True), (8, FP8, None, True),
+                                 (1, FP8, True, True), (8, FP8, False, False), (1, None, True, False),
+                                 (8, torch.bfloat16, True, False)):
+        plan = evenflow.DecodePlan(2, 100, hkv, device=device, kv_dtype=kv, gluon=gluon)
+        assert plan.takes_gluon == want, (hkv, kv, gluon)
+        pps = GLUON_FP8_PROGRAMS_PER_SM if want else DEFAULT_PROGRAMS_PER_SM
+        assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
+    for bad in (1, "yes"):
+        with pytest.raises(TypeError, match="gluon"):
+            evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, gluon=bad)
 
 
 def test_plan_kv_dtype_is_checked(device):

@@ -246,7 +246,8 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     outs = {}
     for combine in ("fused", "kernel"):
         plan = evenflow.DecodePlan(len(sl), max(c["lens"]) + 64, c.get("hkv", 8), device="cuda",
-                                   combine=combine, kv_dtype=FP8 if typed else None).update(sl)
+                                   combine=combine, kv_dtype=FP8 if typed else None,
+                                   gluon=True if typed else None).update(sl)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
         evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
         torch.cuda.synchronize()
@@ -271,7 +272,7 @@ def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=Tru
     from evenflow.attention.decode import gluon_fp8_supported
 
     plan = evenflow.DecodePlan(len(lens), max_len, hkv, page_size=page, q_len=q_len, device="cuda",
-                               kv_dtype=FP8, prefetch=prefetch).update(sl)
+                               kv_dtype=FP8, prefetch=prefetch, gluon=True).update(sl)  # at one KV head too
     return plan, gluon_fp8_supported
 
 

@@ -54,6 +54,11 @@ DEFAULT_COMBINE = "fused"
 # of the copy floor, ~7 an SM at 0.71-0.82; on the plan (AB2, rows evenflow-g-pps3 / -g-pps6) 3 and 6
 # an SM took up to 1.63x and 1.08-1.46x the time of 4 (docs/perf-notes/decode.md).
 GLUON_FP8_PROGRAMS_PER_SM = 4
+# An fp8 plan takes the Gluon kernel from this many KV heads (``DecodePlan(gluon=None)``). Round AF5 (H200,
+# graph replay, seven cases at 8 q / 1 kv heads, the TP8 slice of each standard case): at one KV head the
+# Triton kernel at 2 programs an SM took 0.85-0.95 of the Gluon kernel's time on five and 1.02 / 1.04 on
+# two (8x32K, 64x4K); geometric mean 0.92. At 8 KV heads the Gluon kernel is 1.12-1.32x faster (AF3).
+GLUON_FP8_MIN_KV_HEADS = 2
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 # Ring slots (tiles in flight + 1) of the one-warp fp8 kernel: 2 x 16 KB per program, 4 programs
@@ -99,8 +104,17 @@ def resident_pad(programs: int, stages: int, device: torch.device) -> int:
     return 0
 
 
-def default_num_programs(device, kv_dtype: torch.dtype | None = None) -> int:
-    per_sm = GLUON_FP8_PROGRAMS_PER_SM if kv_dtype == torch.float8_e4m3fn else DEFAULT_PROGRAMS_PER_SM
+def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | None = None) -> bool:
+    """Whether a plan is built for the one-warp Gluon fp8 kernel: an fp8 ``kv_dtype`` and, unless ``gluon``
+    says, at least GLUON_FP8_MIN_KV_HEADS KV heads (``gluon=False``: never; ``True``: at any count)."""
+    if kv_dtype != torch.float8_e4m3fn or gluon is False:
+        return False
+    return gluon is True or num_kv_heads >= GLUON_FP8_MIN_KV_HEADS
+
+
+def default_num_programs(device, kv_dtype: torch.dtype | None = None, num_kv_heads: int = GLUON_FP8_MIN_KV_HEADS,
+                         gluon: bool | None = None) -> int:
+    per_sm = GLUON_FP8_PROGRAMS_PER_SM if takes_gluon(kv_dtype, num_kv_heads, gluon) else DEFAULT_PROGRAMS_PER_SM
     return per_sm * _runtime.num_sms(device)
 
 
@@ -139,7 +153,9 @@ class DecodePlan:
     and pass ``plan=`` to every layer's :func:`evenflow.decode_attention`.
 
     ``kv_dtype``: the KV cache dtype the plan serves (``None``: not said). With
-    ``torch.float8_e4m3fn`` the plan is sized for the one-warp Gluon fp8 kernel
+    ``torch.float8_e4m3fn`` and at least 2 KV heads (``gluon``: ``None`` = that rule, ``True`` = at any
+    KV-head count, ``False`` = never; at one KV head the Triton kernel was faster on five of seven
+    cases, round AF5) the plan is sized for the one-warp Gluon fp8 kernel
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
     (default 2) tiles) and :func:`evenflow.decode_attention` runs that kernel where it applies
     (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
@@ -148,7 +164,7 @@ class DecodePlan:
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
     ``num_programs``: persistent programs of the attention kernel (default
-    ``2 * SMs``; ``4 * SMs`` with an fp8 ``kv_dtype``). ``min_tiles``: the minimum work per program in 64-token tiles
+    ``2 * SMs``; ``4 * SMs`` for the Gluon kernel). ``min_tiles``: the minimum work per program in 64-token tiles
     (default 8 = 512 tokens), so small batches are not over-split. The budget per program
     is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
     it is then rounded up to a multiple of the shortest non-empty item's tiles when that
@@ -223,7 +239,7 @@ class DecodePlan:
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
-                 launch_next: bool = True):
+                 launch_next: bool = True, gluon: bool | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -237,8 +253,10 @@ class DecodePlan:
             raise ValueError("device: kernels run on the CPU here (Triton interpreter); pass device='cpu'")
         if dev.type == "cpu" and not _runtime.interpreting():
             raise ValueError("device: kernels run on CUDA here; pass a CUDA device")
+        if gluon is not None and not isinstance(gluon, bool):
+            raise TypeError(f"gluon must be a bool or None, got {gluon!r}")
         if num_programs is None:
-            num_programs = default_num_programs(dev, kv_dtype)
+            num_programs = default_num_programs(dev, kv_dtype, num_kv_heads, gluon)
         check_int("num_programs", num_programs, 1, 1 << 16)
         if min_tiles is None:
             min_tiles = DEFAULT_MIN_TILES
@@ -261,6 +279,8 @@ class DecodePlan:
         self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
         self.page_size, self.q_len, self.device = page_size, q_len, dev
         self.kv_dtype = kv_dtype
+        self.gluon = gluon
+        self.takes_gluon = takes_gluon(kv_dtype, num_kv_heads, gluon)  # where the Gluon kernel applies (launcher)
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
@@ -394,7 +414,8 @@ class DecodePlan:
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
                 f"warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, pdl={self.pdl}, "
+                f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
+                f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
                 f"spread_bins={self.spread_bins}, "
                 f"device={self.device})")
