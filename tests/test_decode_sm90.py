@@ -270,21 +270,25 @@ def test_triton_kernel_pdl_lets_the_next_launch_go_only_where_it_holds_an_sm_to_
                 for _ in range(2):
                     evenflow.decode_attention(q, k, k, pt, sl, plan=plan, **sc)
         # the timeline build reads early too; head dims 64 / 256 and a 64-row tile (group 16 x q_len 4) never let go
-        for hq, hkv, d, q_len, timeline in ((64, 8, 128, 1, True), (16, 2, 64, 1, False), (16, 2, 256, 1, False),
-                                            (32, 2, 128, 4, False)):
-            k = torch.empty(2 * 80, page, hkv, d, dtype=torch.bfloat16)
+        # group 1 at page 16 and group 4 x q_len 4 at page 128 (16 rows) let go too, held at 2 an SM
+        for hq, hkv, d, q_len, timeline, page in ((64, 8, 128, 1, True, 64), (16, 2, 64, 1, False, 64),
+                                                  (16, 2, 256, 1, False, 64), (32, 2, 128, 4, False, 64),
+                                                  (16, 16, 128, 1, False, 16), (16, 4, 128, 4, False, 128)):
+            k = torch.empty(2 * 80 * 64 // page, page, hkv, d, dtype=torch.bfloat16)
             q = torch.empty(2 * q_len, hq, d, dtype=torch.bfloat16)
-            plan = evenflow.DecodePlan(2, 80 * page, hkv, q_len=q_len, device="cpu").update(sl[:2].clamp(max=5000))
+            plan = evenflow.DecodePlan(2, 80 * 64, hkv, page_size=page, q_len=q_len,
+                                       device="cpu").update(sl[:2].clamp(max=5000))
             plan.record_timeline(timeline)
             for _ in range(2):
-                evenflow.decode_attention(q, k, k, pt[:2, :80], sl[:2].clamp(max=5000), plan=plan)
+                evenflow.decode_attention(q, k, k, pt[:2, :80 * 64 // page], sl[:2].clamp(max=5000), plan=plan)
     got = [(c["PDL"], c["EARLY"], c["TRIGGER"]) for c in (dict(la.constexprs) for la in rec
                                                          if la.name == "decode_kernel")]
     T, F = True, False
     assert got == [(T, F, T), (T, T, T), (T, F, T), (T, F, T), (T, F, F), (T, T, F), (F, F, F), (F, F, F),
                    (T, F, F), (T, T, F),  # num_stages set: no trigger
                    (T, F, T), (T, T, T),  # fp8 KV on the Triton kernel (a plan without its KV dtype)
-                   (T, F, T), (T, T, T), (T, F, F), (T, T, F), (T, F, F), (T, T, F), (T, F, F), (T, T, F)], got
+                   (T, F, T), (T, T, T), (T, F, F), (T, T, F), (T, F, F), (T, T, F), (T, F, F), (T, T, F),
+                   (T, F, T), (T, T, T), (T, F, T), (T, T, T)], got
     stats = CC.compile_stats([la for la in rec if la.name == "decode_kernel"])
     assert all("error" not in s for s in stats), stats
     for s in stats:
