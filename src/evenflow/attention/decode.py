@@ -437,7 +437,7 @@ def triton_holds_plan(plan: DecodePlan, rows: int, head_dim: int) -> bool:
     """Whether the Triton kernel's build holds an SM to the plan's programs, so that a next call launched
     at its top (``DecodePlan.launch_next``) takes only the slots this call frees: the default build
     (no launch option of the plan set) at head_dim 128 and a 16-row tile (GQA group x q_len <= 16), whose
-    registers (239-248 a thread at 4 warps, sm_90) let 2 programs share an SM and not 3 (a CPU test of
+    registers (216-248 a thread at 4 warps, sm_90) let 2 programs share an SM and not 3 (a CPU test of
     the sm_90 builds), on a plan of DEFAULT_PROGRAMS_PER_SM programs an SM."""
     if any(o is not None for o in (plan.num_warps, plan.num_stages, plan.block_n, plan.max_registers)):
         return False
