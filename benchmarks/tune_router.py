@@ -126,7 +126,7 @@ def simt_candidates(m: int) -> list[GemmConfig]:
         shapes = ((1, 512, 8), (1, 1024, 8), (2, 256, 8))
     out = [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bn, bk, warps in shapes]
     # Round AF: rows over the grid too (BLOCK_M below M: one program per BLOCK_M rows and BLOCK_N weight
-    # rows). At M = 1 a program of the M = 1 shapes is 0.57-0.66 of the floor; at M = 4 and 16 the same
+    # rows). At M = 1 a program of the M = 1 shapes is 0.57-0.66 of the floor (AD2); at M = 4 and 16 the same
     # program, run once per row (tile), reads its weight rows again from L2, not DRAM.
     for sub in (1, 2, 4) if m <= 16 else ():
         if sub < bm:

@@ -40,7 +40,14 @@ import triton
 from evenflow import _runtime
 from evenflow._checks import check_out, check_tensor
 from evenflow.attention import kernels as K
-from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_STAGES, TILE, DecodePlan, static_splits
+from evenflow.attention.plan import (
+    DEFAULT_PROGRAMS_PER_SM,
+    GLUON_FP8_STAGES,
+    TILE,
+    DecodePlan,
+    programs_per_sm,
+    static_splits,
+)
 
 # The Gluon kernel is written against Triton 3.6's Gluon (an experimental API that changes between
 # releases); with an older Triton, or none of Gluon, every call runs the Triton kernels.
@@ -87,8 +94,7 @@ def _max_regs(block_m: int, head_dim: int, block_n: int, num_warps: int, program
     # spill 136-244 bytes under it, so they keep the compiler's choice.
     if block_m > 16 or head_dim > 128 or block_n > TILE:
         return 0
-    per_sm = -(-programs // _runtime.num_sms(device))
-    return min(255, 65536 // (per_sm * 32 * num_warps)) // 8 * 8
+    return min(255, 65536 // (programs_per_sm(programs, device) * 32 * num_warps)) // 8 * 8
 
 
 def _block_n(head_dim: int, kv_dtype: torch.dtype) -> int:
@@ -248,7 +254,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
             part_glse, combine_count, group_count, stamps if stamps is not None else meta,
             sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max(splits, 1), max_len, num_pages, page_table.shape[1],
-            1 if is_static else bin_stride, q.stride(0), q.stride(1),
+            bin_stride, q.stride(0), q.stride(1),
             qs.stride(0) if q_scale is not None else 0, qs.stride(1) if q_scale is not None else 0,
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -74,11 +74,17 @@ _SMEM_RESERVED_PER_BLOCK = 1024
 _GLUON_RING_SLOT = 2 * TILE * 128  # one ring slot: a 64-token tile of K and of V, e4m3, d128
 
 
+def programs_per_sm(programs: int, device: torch.device) -> int:
+    """Programs an SM holds when ``programs`` persistent programs share the device's SMs (the last SMs may
+    hold fewer)."""
+    return -(-programs // _runtime.num_sms(device))
+
+
 def bin_stride(programs: int, device: torch.device) -> int:
     """Program -> bin stride of the plan's programs under PDL (both kernels; see ``gluon_kernels.decode_fp8_kernel``):
     the first integer above ``programs / per_sm`` prime to ``programs`` (per_sm = programs an SM), so that consecutive
     programs, and the programs a plain launch deals to one SM, take bins ``programs / per_sm`` apart."""
-    per_sm = -(-programs // _runtime.num_sms(device))
+    per_sm = programs_per_sm(programs, device)
     if per_sm < 2:
         return 1
     a = programs // per_sm + 1
@@ -91,7 +97,7 @@ def resident_pad(programs: int, stages: int, device: torch.device) -> int:
     """Unused ring slots for the Gluon kernel under PDL: the fewest that make one program more
     than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a next call's programs
     launched early take only the slots this call frees), 0 where no slot count does both."""
-    per_sm = -(-programs // _runtime.num_sms(device))
+    per_sm = programs_per_sm(programs, device)
     smem = _SM90_SMEM_PER_SM
     if device.type == "cuda":
         smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", smem)
@@ -112,9 +118,10 @@ def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | N
     return gluon is True or num_kv_heads >= GLUON_FP8_MIN_KV_HEADS
 
 
-def default_num_programs(device, kv_dtype: torch.dtype | None = None, num_kv_heads: int = GLUON_FP8_MIN_KV_HEADS,
-                         gluon: bool | None = None) -> int:
-    per_sm = GLUON_FP8_PROGRAMS_PER_SM if takes_gluon(kv_dtype, num_kv_heads, gluon) else DEFAULT_PROGRAMS_PER_SM
+def default_num_programs(device, gluon: bool = False) -> int:
+    """Persistent programs of a plan: DEFAULT_PROGRAMS_PER_SM an SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
+    the Gluon kernel (``takes_gluon``)."""
+    per_sm = GLUON_FP8_PROGRAMS_PER_SM if gluon else DEFAULT_PROGRAMS_PER_SM
     return per_sm * _runtime.num_sms(device)
 
 
@@ -255,8 +262,9 @@ class DecodePlan:
             raise ValueError("device: kernels run on CUDA here; pass a CUDA device")
         if gluon is not None and not isinstance(gluon, bool):
             raise TypeError(f"gluon must be a bool or None, got {gluon!r}")
+        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon)
         if num_programs is None:
-            num_programs = default_num_programs(dev, kv_dtype, num_kv_heads, gluon)
+            num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
         if min_tiles is None:
             min_tiles = DEFAULT_MIN_TILES
@@ -280,7 +288,7 @@ class DecodePlan:
         self.page_size, self.q_len, self.device = page_size, q_len, dev
         self.kv_dtype = kv_dtype
         self.gluon = gluon
-        self.takes_gluon = takes_gluon(kv_dtype, num_kv_heads, gluon)  # where the Gluon kernel applies (launcher)
+        self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
@@ -315,7 +323,7 @@ class DecodePlan:
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.early_reads, self.resident_cap, self.spread_bins = early_reads, resident_cap, spread_bins
         self.launch_next = launch_next
-        self.per_sm = -(-num_programs // _runtime.num_sms(dev))  # programs an SM (the last SMs may hold fewer)
+        self.per_sm = programs_per_sm(num_programs, dev)
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
         self.fresh = True
