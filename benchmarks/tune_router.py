@@ -85,6 +85,14 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
                 tiles = math.ceil(m / bm) * math.ceil(n / bn)
                 for split in _splits(tiles, k, bk, 1, sms, 4, per_sm=2.0):
                     out.append(GemmConfig(bm, bn, bk, split, 4, stages))
+        if m <= 16:
+            # Round AG1: 16-wide tiles on 2 warps (Qwen3 M = 16 3.55 -> 3.34 us at split 8, K4096 5.08 -> 4.97),
+            # and fewer splits (LongCat-Chat M = 16: 11.58 -> 10.65 us at split 4, 96 programs).
+            for bn, bk, warps, stages in ((16, 128, 2, 4), (16, 64, 2, 6), (32, 128, 4, 4), (16, 128, 4, 4)):
+                tiles = math.ceil(m / bm) * math.ceil(n / bn)
+                for per_sm in (2.0, 0.75):
+                    for split in _splits(tiles, k, bk, 1, sms, 2, per_sm=per_sm):
+                        out.append(GemmConfig(bm, bn, bk, split, warps, stages))
     else:
         # Round L: K slices down to 256 deep (were >= 8 steps of 64), so a narrow shape at a few
         # hundred rows (Qwen3 2048x128 at M = 512: 16 tiles) can spread over more programs.
@@ -162,7 +170,23 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
             steps = max(1, int(tiles * k_blocks // (per_sm * sms)))
             split = min(256, math.ceil(k_blocks / steps))
             out.append(GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
+    # Round AG1: at M <= 4, fat column tiles with deep K steps and no (or one) split, 16-64 accumulators a
+    # thread. Every column tile reads all of x, so fewer, wider ones cut the L2-to-SM traffic that grows
+    # with M; the split-K grid of 1.5-3 programs an SM above read 4.03 us at K4096 M = 4 where 4 x 2 x 512
+    # at split 1 (96 programs, 8 pipelined steps) read 3.45 (LongCat-Lite 5.10 -> 3.79, LongCat-Chat
+    # 9.17 -> 7.33; docs/perf-notes/router.md, round AG).
+    if bm <= 4:
+        for bn, bk, warps in ((1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 8),
+                              (4, 1024, 8), (1, 2048, 8)):
+            for split in (1, 2):
+                steps = math.ceil(math.ceil(k / bk) / split)
+                out.append(GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
     return _distinct_launches(out, m, n, k, terms)
+
+
+def _short(c: GemmConfig) -> str:
+    return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} "
+            f"stages {c.num_stages}" if c.path in ("triton", "fp32-simt", "fp32-splitk") else c.path)
 
 
 def _distinct_launches(configs, m, n, k, terms):
@@ -429,6 +453,8 @@ def main() -> int:
                     skipped += 1
                     continue
                 us = _time(cfg, xs, rws, outs, ref, bound)
+                if us is not None:  # every candidate's time, for the record (the winner is printed below)
+                    print(f"    {us:7.3f} us  {_short(cfg)}", flush=True)
                 if us is not None and (best is None or us < best[1]):
                     best = (cfg, us)
             for cfg in inv_times if tune_invariant and m in INVARIANT_MS else ():

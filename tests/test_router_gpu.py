@@ -48,6 +48,8 @@ def test_max_abs_error_target_all_m(case, terms):
                                  GemmConfig(64, 64, 64, 1, 4, 3), GemmConfig(128, 64, 64, 2, 8, 3),
                                  GemmConfig(128, 128, 64, 1, 8, 4), GemmConfig(32, 32, 64, 5, 4, 2),
                                  GemmConfig(16, 32, 64, 32, 4, 6),  # small-M kind: wide split, deep pipeline
+                                 # round AG: 16-wide tiles on 2 warps (tuner candidates at M <= 16)
+                                 GemmConfig(16, 16, 128, 8, 2, 4), GemmConfig(16, 16, 64, 16, 2, 6),
                                  # round L kinds at M > 64: 128- and 256-deep K steps with wide splits
                                  GemmConfig(64, 64, 128, 12, 4, 3), GemmConfig(128, 64, 128, 8, 8, 2),
                                  GemmConfig(64, 32, 256, 8, 4, 2), GemmConfig(64, 64, 256, 8, 4, 1),
