@@ -151,7 +151,7 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
     Same effective K slice and tile = same launch: kept once."""
     if m > 16:
         return []
-    from evenflow.router.dispatch import heuristic_splitk_config, n_lanes
+    from evenflow.router.dispatch import heuristic_splitk_config
 
     bm = min(16, 1 << max(0, m - 1).bit_length())
     # (BLOCK_N, BLOCK_K, warps): 32-128 accumulators a thread; more of them raise the FFMA share
@@ -181,18 +181,6 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
             for split in (1, 2):
                 steps = math.ceil(math.ceil(k / bk) / split)
                 out.append(GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
-        # Round AG3: tiles of ceil(split x N / (per x SMs)) columns, any width (3 at LongCat-Lite, 6 and 3 at
-        # LongCat-Chat, 3 at K4096 with split 2): per = 1 or 2 programs on every SM, each reading an equal share
-        # of the weight, where power-of-two tiles leave some SMs a program more than others, or idle.
-        for split, per in ((1, 1), (1, 2), (2, 1)):
-            cols = math.ceil(split * n / (per * sms))
-            lanes = n_lanes(cols)
-            if cols > 1:
-                # <= 64 accumulators a thread at <= 4 register lanes, <= 32 above (64 spilled a few bytes at 8)
-                for bk, warps in ((256, 4), (512, 4), (1024, 8), (128, 8)):
-                    if bm * lanes * bk <= (64 if lanes <= 4 else 32) * 32 * warps:
-                        steps = math.ceil(math.ceil(k / bk) / split)
-                        out.append(GemmConfig(bm, cols, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
     return _distinct_launches(out, m, n, k, terms)
 
 

@@ -81,20 +81,17 @@ class GemmConfig:
             return
         if self.path == "fp32-splitk":
             # CUDA-core kernel on the fp32 weight, split-K reduced in the same launch. The
-            # register block BLOCK_M x n_lanes x BLOCK_K holds one fp32 accumulator per
-            # element: more than 128 of them per thread would spill. A column tile may be any
-            # width (round AG): its register extent is the next power of two.
-            for name, lo in (("block_m", 1), ("block_k", 16)):
+            # register block BLOCK_M x BLOCK_N x BLOCK_K holds one fp32 accumulator per
+            # element: more than 128 of them per thread would spill.
+            for name, lo in (("block_m", 1), ("block_n", 1), ("block_k", 16)):
                 v = getattr(self, name)
                 if v < lo or v & (v - 1):
                     raise ValueError(f"config.{name} must be a power of two >= {lo} for fp32-splitk, got {v}")
-            if self.block_n < 1:
-                raise ValueError(f"config.block_n must be >= 1 for fp32-splitk, got {self.block_n}")
             self._check_launch_knobs()
-            per_thread = self.block_m * self.n_lanes * self.block_k // (32 * self.num_warps)
+            per_thread = self.block_m * self.block_n * self.block_k // (32 * self.num_warps)
             if per_thread > 128:
                 raise ValueError(
-                    f"fp32-splitk register block {self.block_m}x{self.n_lanes}x{self.block_k} at "
+                    f"fp32-splitk register block {self.block_m}x{self.block_n}x{self.block_k} at "
                     f"{self.num_warps} warps is {per_thread} fp32 accumulators a thread (at most 128)")
             return
         if self.path != "triton":
@@ -104,12 +101,6 @@ class GemmConfig:
             if v < 16 or v & (v - 1):
                 raise ValueError(f"config.{name} must be a power of two >= 16 (tl.dot minimum), got {v}")
         self._check_launch_knobs()
-
-    @property
-    def n_lanes(self) -> int:
-        """Register extent of a column tile: ``block_n`` rounded up to a power of two (the same for
-        every path but fp32-splitk, whose tiles may be any width, the lanes past ``block_n`` masked)."""
-        return n_lanes(self.block_n)
 
     def _check_launch_knobs(self) -> None:
         # split-K, warps and stages: the same limits for every Triton path
@@ -124,7 +115,7 @@ class GemmConfig:
         """Shared memory of one pipeline stage: the x tile and ``terms`` weight tiles, bf16
         (fp32-splitk: the x tile, bf16, and one fp32 weight tile)."""
         if self.path == "fp32-splitk":
-            return self.block_m * self.block_k * 2 + self.n_lanes * self.block_k * 4
+            return self.block_m * self.block_k * 2 + self.block_n * self.block_k * 4
         return (self.block_m * self.block_k + terms * self.block_n * self.block_k) * 2
 
     def smem_bytes(self, terms: int, num_stages: int | None = None) -> int:
@@ -158,7 +149,7 @@ class GemmConfig:
         large ones (each partial in flight holds BLOCK_M x BLOCK_N fp32 in registers; <= 64
         registers per thread at 4 warps)."""
         if self.path == "fp32-splitk":
-            return splitk_red_chunk(self.block_m, self.n_lanes, self.num_warps)
+            return splitk_red_chunk(self.block_m, self.block_n, self.num_warps)
         return max(1, min(8, 8192 // (self.block_m * self.block_n)))
 
     def workspace_sizes(self, m: int, n: int, k: int) -> tuple[int, int]:
@@ -170,8 +161,8 @@ class GemmConfig:
         if split <= 1:
             return 0, 0
         tiles = _cdiv(m, self.block_m) * _cdiv(n, self.block_n)
-        if self.path == "fp32-splitk":  # tile-major, padded to whole register tiles
-            return tiles * split * self.block_m * self.n_lanes, tiles
+        if self.path == "fp32-splitk":  # tile-major, padded to whole tiles
+            return tiles * split * self.block_m * self.block_n, tiles
         return split * m * n, tiles
 
     def to_dict(self) -> dict:
@@ -180,11 +171,6 @@ class GemmConfig:
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
         return cls(**{k: d[k] for k in d if k in cls.__dataclass_fields__})
-
-
-def n_lanes(block_n: int) -> int:
-    """``block_n`` rounded up to a power of two: the register extent of a column tile."""
-    return 1 << max(0, block_n - 1).bit_length()
 
 
 def splitk_red_chunk(block_m: int, block_n: int, num_warps: int) -> int:

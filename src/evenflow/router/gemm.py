@@ -37,7 +37,6 @@ from evenflow.router.dispatch import (
     GemmConfig,
     choose_config,
     device_facts,
-    n_lanes,
     smem_limit,
     splitk_red_chunk,
 )
@@ -220,18 +219,17 @@ def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, par
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
-    lanes = n_lanes(block_n)  # a tile may be any width: its register extent is a power of two
-    if split > 1 and (part.numel() < grid[0] * split * block_m * lanes or count.numel() < grid[0]):
+    if split > 1 and (part.numel() < grid[0] * split * block_m * block_n or count.numel() < grid[0]):
         # never index past the workspace (a caller passing its own, e.g. through the custom op)
         raise ValueError(f"split-K workspace too small: {part.numel()} partials / {count.numel()} counters for "
-                         f"{grid[0] * split * block_m * lanes} / {grid[0]} (size it with RouterWeight.workspace)")
+                         f"{grid[0] * split * block_m * block_n} / {grid[0]} (size it with RouterWeight.workspace)")
     router_gemm_fp32_splitk_kernel[grid](
         x, w, out, part, count,
         m, n, k, k_split, split,
         x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=lanes, BLOCK_K=block_k, HAS_SPLIT=split > 1, EVEN_K=(k % block_k == 0),
-        RED_CHUNK=splitk_red_chunk(block_m, lanes, num_warps), NUM_STAGES=num_stages, PREFETCH_W=prefetch_w,
-        COLS=block_n, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1, EVEN_K=(k % block_k == 0),
+        RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages, PREFETCH_W=prefetch_w,
+        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 

@@ -52,17 +52,13 @@ def _sum_splits(p_split0, split_stride, m_tile, NUM_SPLITS: tl.constexpr, RED_CH
 
 
 @triton.jit
-def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                COLS: tl.constexpr):
-    """This program's output tile (grid axis 0, N fastest) and K slice [k_start, k_end) (axis 1).
-    A tile holds COLS <= BLOCK_N columns (BLOCK_N: the power-of-two register extent; the lanes past
-    COLS are masked off, so a tile may be 3 or 6 columns wide)."""
+def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's output tile (grid axis 0, N fastest) and K slice [k_start, k_end) (axis 1)."""
     i_mn = tl.program_id(0)
     i_s = tl.program_id(1)
-    num_n = tl.cdiv(N, COLS)
+    num_n = tl.cdiv(N, BLOCK_N)
     o_m = (i_mn // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_c = tl.arange(0, BLOCK_N)
-    o_n = (i_mn % num_n) * COLS + o_c
+    o_n = (i_mn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_k = tl.arange(0, BLOCK_K)
     # K_SPLIT is a multiple of BLOCK_K (launch_shape) but not specialised (do_not_specialize):
     # without the hint the compiler cannot prove 16-byte alignment of `p + k` and Triton's
@@ -70,10 +66,7 @@ def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
     # sm_90 TTGIR had no async copies at all).
     k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    m_n = o_n < N
-    if COLS < BLOCK_N:
-        m_n = m_n & (o_c < COLS)
-    return i_mn, i_s, o_m, o_n, o_k, o_m < M, m_n, k_start, k_end
+    return i_mn, i_s, o_m, o_n, o_k, o_m < M, o_n < N, k_start, k_end
 
 
 @triton.jit
@@ -97,8 +90,7 @@ def router_gemm_kernel(
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
     RED_CHUNK: tl.constexpr, PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
 ):
-    i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                                      BLOCK_N)
+    i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PREFETCH_W:
         k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
         _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
@@ -220,14 +212,12 @@ def router_gemm_fp32_splitk_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, RED_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_W: tl.constexpr, COLS: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight, K split over the GPU, one launch.
 
     Grid: (row tiles x column tiles, NUM_SPLITS). Program (i_mn, i_s) owns the output tile
-    i_mn (BLOCK_M rows of x, COLS <= BLOCK_N rows of w) and the K slice [i_s K_SPLIT, (i_s+1) K_SPLIT).
-    COLS need not be a power of two (round AG: ceil(N / SMs) columns a tile gives every SM one
-    program's bytes); the register block is BLOCK_N wide, its lanes past COLS masked off.
+    i_mn (BLOCK_M rows of x, BLOCK_N rows of w) and the K slice [i_s K_SPLIT, (i_s+1) K_SPLIT).
 
         part   [tiles, NUM_SPLITS, BLOCK_M, BLOCK_N] fp32   tile-major, padded: no masks
         count  [tiles]                              int32  arrivals; zero between calls
@@ -243,10 +233,9 @@ def router_gemm_fp32_splitk_kernel(
     (the result never depends on arrival order), stores the tile and puts the counter
     back to 0, so the next call or CUDA-graph replay starts clean without a memset.
     """
-    i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K,
-                                                                      COLS)
+    i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PREFETCH_W:
-        k_pf = tl.where(i_mn < tl.cdiv(N, COLS), k_end, k_start)  # the first row tile only (else no trip)
+        k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
         _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
     pdl_enter(PDL)
 
