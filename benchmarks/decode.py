@@ -149,6 +149,8 @@ PLAN_KNOBS = {
     "evenflow-t-notrigger": lambda sms: dict(launch_next=False),
     # round AF5: the Gluon kernel at one KV head too (an fp8 plan takes it from 2 KV heads)
     "evenflow-g-force": lambda sms: dict(typed=True, gluon=True),
+    # round AG4: an fp8 plan on the Triton kernel whatever the KV heads (the tp2: / tp4: slices' A/B)
+    "evenflow-t-force": lambda sms: dict(typed=True, gluon=False),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}
@@ -511,15 +513,16 @@ def main(argv=None) -> None:
 
 def sweep(args, device, l2: int) -> None:
     t_start = time.time()
-    # the cases of BENCH.md, and the TP8 slice (8 q / 1 kv heads) of any of them (``tp8:64x4K``)
-    allowed = CASES + [f"tp8:{c}" for c in CASES if not c.startswith("tp8:")]
+    # the cases of BENCH.md, and the TP8 slice (8 q / 1 kv heads) of any of them (``tp8:64x4K``), or the TP4 / TP2
+    # slice (16 / 2, 32 / 4 heads: ``tp4:64x4K``)
+    allowed = CASES + [f"tp{n}:{c}" for n in (2, 4, 8) for c in CASES if not c.startswith("tp8:")]
     names = _split(args.cases, allowed, "cases") if args.cases else (QUICK_CASES if args.quick else CASES)
     cases = [parse_case(n) for n in names]
     impls = _split(args.impls, IMPLS, "impls")
     variants = _split(args.variants, VARIANTS, "variants")
 
     ceil = H.measure_ceilings()
-    meta = {"heads": "64 q / 8 kv (tp8: 8 / 1)", "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
+    meta = {"heads": "64 q / 8 kv (tpN: 64 / N q, 8 / N kv)", "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
             "q_dtype": "bf16", "out_dtype": "bf16", "flashinfer": fi_peer.version() or "not installed",
             "us": "CUDA-graph replay, median per call", "eager_us": "eager, L2 flushed, median",
             "floor": "(2 * live tokens * Hkv * D * kv bytes + B * Hq * D * 4) / copy_TBps"}
