@@ -182,12 +182,6 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
             for split in (1, 2):
                 steps = math.ceil(math.ceil(k / bk) / split)
                 out.append(GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
-    # Round AG4: the fat tiles with rows over the grid too (BLOCK_M 1 or 2 below M = 4): smaller programs, each
-    # re-reading its weight columns from L2 (round AG3: several small programs an SM beat one large one)
-    for sub in (1, 2) if bm == 4 else ():
-        for bn, bk in ((2, 512), (2, 1024), (1, 1024)):
-            steps = math.ceil(k / bk)
-            out.append(GemmConfig(sub, bn, bk, 1, 4, 3 if steps <= 2 else 5, "fp32-splitk"))
     return _distinct_launches(out, m, n, k, terms)
 
 

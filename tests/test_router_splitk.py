@@ -304,11 +304,9 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
             cands = tuner.candidates(m, n, k, 132)
             assert cands[0] == dispatch.heuristic_splitk_config(m, n, k, 132)
             sk = [c for c in cands if c.path == "fp32-splitk"]
-            # 1.5 and 3 programs an SM for each register block; at M <= 4 also the fat tiles (round AG2), at M = 4
-            # with rows over the grid too (BLOCK_M 1 and 2, round AG4)
+            # 1.5 and 3 programs an SM for each register block; at M <= 4 also the fat tiles (round AG2)
             bm = min(16, 1 << (m - 1).bit_length())
-            assert 4 <= len(sk) <= (12 if m > 4 else 36)
-            assert all(c.block_m == bm or (m == 4 and c.block_m in (1, 2)) for c in sk)
+            assert 4 <= len(sk) <= (12 if m > 4 else 28) and all(c.block_m == bm for c in sk)
         assert not [c for c in tuner.candidates(64, n, k, 132) if c.path == "fp32-splitk"]
     # --buckets 1,4,16 on K4096: its other buckets, other shapes and the invariant entries stay
     e = [{"K": 4096, "N": 192, "terms": 3, "m_max": mm, "config": {}} for mm in (1, 4, 16, 64, 8192)]
