@@ -151,9 +151,6 @@ PLAN_KNOBS = {
     "evenflow-g-force": lambda sms: dict(typed=True, gluon=True),
     # round AG4: an fp8 plan on the Triton kernel whatever the KV heads (the tp2: / tp4: slices' A/B)
     "evenflow-t-force": lambda sms: dict(typed=True, gluon=False),
-    # round AG7: a fused merge's arrivals release, only the last arriver acquires (both kernels: the plan's
-    # kernel for the variant's KV dtype)
-    "evenflow-rel": lambda sms: dict(typed=True, release_arrivals=True),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

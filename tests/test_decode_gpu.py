@@ -267,44 +267,6 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     assert_within_one_ulp(outs["fused"], outs["kernel"], f"{case}: fused against the combine kernel")
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon"], ids=["bf16", "fp8", "fp8-gluon"])
-@pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_release_arrivals_give_the_default_bits(case, kv):
-    """``DecodePlan(release_arrivals=True)`` (round AG7): the merge's arrivals release and only the last arriver
-    acquires. Ten graph replays (lengths changing between them) give bitwise the default plan's output for the
-    same lengths, every counter back at zero."""
-    typed = kv == "fp8-gluon"
-    kv = FP8 if typed else kv
-    c = FUSED_CASES[case]
-    hkv, hq = c.get("hkv", 8), c.get("hq", 64)
-    q, qs, k, v, pt, sl = inputs(c["lens"], hkv=hkv, hq=hq, kv=kv)
-    ks, vs = (torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")) \
-        if kv == FP8 else (None, None)
-    plans, outs, graphs = {}, {}, {}
-    s_sl = sl.clone()
-    for rel in (False, True):
-        plans[rel] = evenflow.DecodePlan(len(sl), max(c["lens"]) + 64, hkv, device="cuda", release_arrivals=rel,
-                                         kv_dtype=FP8 if typed else None, gluon=True if typed else None)
-        outs[rel] = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
-
-        def step(p=plans[rel], o=outs[rel]):
-            p.update(s_sl)
-            evenflow.decode_attention(q, k, v, pt, s_sl, plan=p, k_scale=ks, v_scale=vs, out=o)
-        graphs[rel] = captured(step)
-    g = torch.Generator().manual_seed(7)
-    for trial in range(10):
-        # each length shrinks by up to a quarter (the page table covers the original lengths)
-        s_sl.copy_((sl.cpu() - (torch.rand(len(sl), generator=g) * 0.25 * sl.cpu()).int()).to("cuda"))
-        for rel in (False, True):
-            outs[rel].fill_(float("nan"))
-            graphs[rel].replay()
-        torch.cuda.synchronize()
-        assert torch.equal(outs[True], outs[False]), f"replay {trial}: release-only arrivals change the output"
-        for p in plans.values():
-            assert int(p.group_count.abs().sum()) + int(p.combine_count.abs().sum()) == 0
-    check(outs[True], None, q, qs, k, v, pt, s_sl, ks=ks, vs=vs, what=f"{case} release_arrivals")
-
-
 # Plans built for an fp8 cache run the one-warp Gluon kernel (attention/gluon_kernels.py)
 def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True):
     from evenflow.attention.decode import gluon_fp8_supported

@@ -308,24 +308,3 @@ def test_triton_kernel_pdl_lets_the_next_launch_go_only_where_it_holds_an_sm_to_
             threads = 32 * s["num_warps"]
             fits = min(65536 // (s["regs"] * threads), 233472 // (s["shared"] + 1024))
             assert fits == PPS, (desc, s["regs"], s["shared"])
-
-
-def test_release_arrivals_acquire_only_in_the_last_arriver():
-    """Round AG7: with ``DecodePlan(release_arrivals=True)`` a fused merge's group arrival is a release atomic and
-    the last arriver's acquire a fence after it (predicated on being last), in both kernels; the default build
-    keeps the acq_rel atomic and no fence."""
-    with CC.emulate_gpu(), CC.record_launches() as rec:
-        for rel in (False, True):
-            _call(BIG, release_arrivals=rel)                            # bf16: the Triton kernel
-            _call(BIG, kv=FP8, kv_dtype=FP8, release_arrivals=rel)      # fp8: the Gluon kernel
-    attn = [la for la in rec if la.name in ("decode_kernel", "decode_fp8_kernel")]
-    got = sorted((la.gluon, dict(la.constexprs)["REL_ARRIVE"]) for la in attn)
-    assert got == [(False, False), (False, True), (True, False), (True, True)], got
-    stats = CC.compile_stats(attn)
-    assert len(stats) == 4 and all("error" not in s for s in stats), stats
-    for s in stats:
-        m, desc = s["marks"], s["describe"]
-        if "REL_ARRIVE=True" in desc:
-            assert m[".release."] >= 0 and m["fence.acq_rel.gpu"] > m[".release."], desc
-        else:
-            assert m[".acq_rel."] >= 0 and m["fence.acq_rel.gpu"] < 0 and m[".release."] < 0, desc

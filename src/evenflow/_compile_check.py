@@ -252,7 +252,7 @@ def mma_counts(ptx: str) -> dict:
 
 
 PTX_MARKS = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global", "cp.async", "atom.",
-             "red.", "st.global", "fence.acq_rel.gpu", ".acq_rel.", ".release.")
+             "red.", "st.global")
 
 
 def ptx_marks(ptx: str) -> dict:

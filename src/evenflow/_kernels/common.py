@@ -98,7 +98,7 @@ def layout_barrier_bf16(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def arrived_last(p_counter, expected, RELEASE_ONLY: tl.constexpr = False):
+def arrived_last(p_counter, expected):
     """Count this program in at ``p_counter``; True in the one that arrives ``expected``-th.
 
     The atomic is executed by one thread, and a release orders only that thread's own
@@ -106,18 +106,9 @@ def arrived_last(p_counter, expected, RELEASE_ONLY: tl.constexpr = False):
     program leaves for the last one) happen before it. acq_rel at GPU scope then makes all
     arrivals' stores visible to the last one, which must read them with ``.cg`` loads (L1 is
     not coherent across SMs) and put the counter back to 0 for the next call / graph replay.
-    ``RELEASE_ONLY`` (compiled code only): the atomic releases, and only the last arriver acquires, by a
-    ``fence.acq_rel.gpu`` after the atomic it observed (PTX's acquire pattern), so the programs that do not
-    merge skip the acquire (decode round AG: an opt-in plan knob, measured against the default).
     """
     tl.debug_barrier()
-    if RELEASE_ONLY:
-        last = (tl.atomic_add(p_counter, 1, sem="release") == expected - 1).to(tl.int32)
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p fence.acq_rel.gpu; mov.b32 $0, $1; }", "=r,r", [last],
-            dtype=tl.int32, is_pure=False, pack=1) != 0
-    else:
-        return tl.atomic_add(p_counter, 1, sem="acq_rel") == expected - 1
+    return tl.atomic_add(p_counter, 1, sem="acq_rel") == expected - 1
 
 
 @triton.jit

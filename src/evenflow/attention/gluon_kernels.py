@@ -328,7 +328,6 @@ def decode_fp8_kernel(
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
     PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr,
-    REL_ARRIVE: gl.constexpr = False,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -403,7 +402,7 @@ def decode_fp8_kernel(
             if (start < g0) | (start + n > g1):
                 # chunk of an item that starts in bin p_s and spans n_chunks bins: arrive on its group
                 p_s, n_chunks, g, gslot, in_group = K._merge_group_of(start, n, budget, pid, FUSED_C)
-                if arrived_last(p_gcount + gslot, in_group, REL_ARRIVE):
+                if arrived_last(p_gcount + gslot, in_group):
                     gl.store(p_gcount + gslot, 0)
                     _combine_group(k_s, v_s, i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                    stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C)

@@ -462,7 +462,6 @@ def decode_kernel(
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
     PREFETCH: tl.constexpr, FUSED: tl.constexpr, FUSED_C: tl.constexpr, FUSED_M: tl.constexpr,
     FUSED_UNROLL: tl.constexpr, STAMPS: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
-    REL_ARRIVE: tl.constexpr = False,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -580,7 +579,7 @@ def decode_kernel(
                 if (start < g0) | (start + n > g1):
                     # chunk c of an item that starts in bin p_s and spans n_chunks bins
                     p_s, n_chunks, g, slot0, in_group = _merge_group_of(start, n, budget, pid, FUSED_C)
-                    if arrived_last(p_gcount + slot0, in_group, REL_ARRIVE):
+                    if arrived_last(p_gcount + slot0, in_group):
                         tl.store(p_gcount + slot0, 0)
                         _combine_group(i, p_s, n_chunks, g, 0, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                        stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, FUSED_M, HAS_LSE,
