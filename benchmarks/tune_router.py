@@ -319,8 +319,7 @@ def _time(cfg, xs, rws, outs, ref, bound, inv=False) -> float | None:
     would accept its output. (cuBLAS bf16 products accumulate on tensor cores without
     round-to-nearest, ~1e-5 at K=4096: the plain ``torch-split2`` path fails this.)
     """
-    fns = [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, o, batch_invariant=inv, config=cfg)
-           for x, rw, o in zip(xs, rws, outs)]
+    fns = _calls(cfg, xs, rws, outs, inv)
     try:
         out = fns[0]()
         err = (out.double() - ref).abs().max().item()
@@ -333,21 +332,29 @@ def _time(cfg, xs, rws, outs, ref, bound, inv=False) -> float | None:
         return None
 
 
+def _calls(cfg: GemmConfig, xs, rws, outs, inv: bool = False) -> list:
+    """One ``router_gemm`` call with ``cfg`` per rotated input copy (the graph the tuner and the benchmark time)."""
+    return [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, o, batch_invariant=inv, config=cfg)
+            for x, rw, o in zip(xs, rws, outs)]
+
+
+def _interleaved(configs: dict, xs, rws, outs, passes: int = 2) -> list[dict]:
+    """Each named config's µs in ``passes`` passes of interleaved replays (``harness.time_graphs``)."""
+    named = {name: _calls(c, xs, rws, outs) for name, c in configs.items()}
+    return [H.time_graphs(named, rounds=20) for _ in range(passes)]
+
+
 def confirm_challenger(incumbent: GemmConfig, best: tuple[GemmConfig, float], xs, rws, outs,
                        margin: float = REPLACE_MARGIN) -> tuple[GemmConfig, float]:
     """``best`` (config, µs) if it beats the table's ``incumbent`` again, timed beside it in interleaved replays
     (two passes, as ``choose_launch`` times), by more than ``margin`` both times; else the incumbent. One timing
     each ranks configs within ~3% of each other by chance: round AG3's re-tune replaced K4096 M = 4's entry on
     a 1.6% lead, and the record then read the new one 10% slower than the old one had read in AG2's."""
-    named = {name: [lambda x=x, rw=rw, o=o, c=c: evenflow.router_gemm(x, rw, o, config=c)
-                    for x, rw, o in zip(xs, rws, outs)] for name, c in (("old", incumbent), ("new", best[0]))}
-    wins, us = 0, {}
-    for _ in range(2):
-        us = H.time_graphs(named, rounds=20)
-        wins += us["new"] < us["old"] * (1 - margin)
+    passes = _interleaved({"old": incumbent, "new": best[0]}, xs, rws, outs)
+    wins = sum(us["new"] < us["old"] * (1 - margin) for us in passes)
     print(f"    challenger {_short(best[0])} against the table's {_short(incumbent)}: "
           f"{'replaces it' if wins == 2 else 'kept out'} ({wins}/2 passes faster by > {margin:.0%})", flush=True)
-    return best if wins == 2 else (incumbent, us["old"])
+    return best if wins == 2 else (incumbent, passes[-1]["old"])
 
 
 def choose_launch(cfg: GemmConfig, xs, rws, outs, rounds: int = 2) -> tuple[GemmConfig, dict]:
@@ -360,14 +367,8 @@ def choose_launch(cfg: GemmConfig, xs, rws, outs, rounds: int = 2) -> tuple[Gemm
     they are."""
     if cfg.path not in ("triton", "fp32-simt", "fp32-splitk"):
         return cfg, {}
-    modes = {mode: replace(cfg, launch=mode) for mode in LAUNCHES}
-    named = {mode: [lambda x=x, rw=rw, o=o, c=c: evenflow.router_gemm(x, rw, o, config=c)
-                    for x, rw, o in zip(xs, rws, outs)] for mode, c in modes.items()}
-    times = {mode: [] for mode in LAUNCHES}
-    for _ in range(rounds):
-        for mode, us in H.time_graphs(named, rounds=20).items():
-            times[mode].append(us)
-    mean = {mode: sum(ts) / len(ts) for mode, ts in times.items()}
+    passes = _interleaved({mode: replace(cfg, launch=mode) for mode in LAUNCHES}, xs, rws, outs, rounds)
+    mean = {mode: sum(us[mode] for us in passes) / len(passes) for mode in LAUNCHES}
     mode = min(LAUNCHES, key=lambda m: mean[m])
     return replace(cfg, launch=mode), {m: round(v, 3) for m, v in mean.items()}
 
