@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import evenflow  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 from evenflow.reference import router as R  # noqa: E402
-from evenflow.router.dispatch import LAUNCHES, GemmConfig  # noqa: E402
+from evenflow.router.dispatch import KERNEL_PATHS, LAUNCHES, GemmConfig  # noqa: E402
 from evenflow.testing import error_bound  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
@@ -94,6 +94,17 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
                 for per_sm in (2.0, 0.75):
                     for split in _splits(tiles, k, bk, 1, sms, 2, per_sm=per_sm):
                         out.append(GemmConfig(bm, bn, bk, split, warps, stages))
+        # Round AH: at M <= 16 the same tiles on the fp32 weight split in registers (4 bytes a weight read, not
+        # 6: small M streams W), timed first, and wider ones on 8 warps (a stage holds 4 bytes a weight, not 6);
+        # <= 64 weights a thread a K step (16 x 64 x 256 on 4 warps, 128 of them, spilled 240 bytes on sm_90).
+        if m <= 16:
+            wide = []
+            for bn, bk, warps, stages in ((64, 128, 8, 4), (128, 64, 8, 4)):
+                tiles = math.ceil(m / bm) * math.ceil(n / bn)
+                wide += [GemmConfig(bm, bn, bk, split, warps, stages)
+                         for split in _splits(tiles, k, bk, 1, sms, 2, 2.0)]
+            out = [replace(c, path="fp32-tc") for c in out + wide
+                   if c.block_n * c.block_k <= 64 * 32 * c.num_warps] + out
     else:
         # Round L: K slices down to 256 deep (were >= 8 steps of 64), so a narrow shape at a few
         # hundred rows (Qwen3 2048x128 at M = 512: 16 tiles) can spread over more programs.
@@ -187,7 +198,7 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
 
 def _short(c: GemmConfig) -> str:
     return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} "
-            f"stages {c.num_stages}" if c.path in ("triton", "fp32-simt", "fp32-splitk") else c.path)
+            f"stages {c.num_stages}" if c.path in KERNEL_PATHS else c.path)
 
 
 def _distinct_launches(configs, m, n, k, terms):
@@ -232,7 +243,7 @@ def compile_only() -> int:
            "NUM_SPLITS": "i32",
            "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
     for c in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SPLIT", "EVEN_K", "NUM_TERMS", "DOT_F32", "RED_CHUNK", "PDL",
-              "PREFETCH_W"):
+              "PREFETCH_W", "W_FP32"):
         sig[c] = "constexpr"
     # The divisibility hints a real launch gets (16-byte aligned pointers, N/K/strides multiples
     # of 16 at the BENCH shapes): without them the pipeliner makes no async copies and the
@@ -256,21 +267,22 @@ def compile_only() -> int:
                                 kk % c.block_k == 0, c.num_warps, c.num_stages)
                                for c in cfgs if c.path == "fp32-splitk"}
                     for c in cfgs:
-                        if c.path != "triton":
+                        if c.path not in dispatch.TC_PATHS:
                             continue
                         c = c.fit_smem(terms)
                         _, split, _ = launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)
                         combos.add((c.block_m, c.block_n, c.block_k, split > 1, kk % c.block_k == 0, terms,
-                                    c.num_warps, c.num_stages))
+                                    c.num_warps, c.num_stages, c.path == "fp32-tc"))
     print(f"compiling {len(combos)} router GEMM variants for sm_90", flush=True)
     t0 = time.time()
     worst = 0
-    for i, (bm, bn, bk, split, even, terms, warps, stages) in enumerate(sorted(combos)):
-        cfg = GemmConfig(bm, bn, bk, 1, warps, stages)
+    for i, (bm, bn, bk, split, even, terms, warps, stages, w_fp32) in enumerate(sorted(combos)):
+        cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "fp32-tc" if w_fp32 else "triton")
         # PDL and PREFETCH_W: the build an H200 launches (router_gemm's default)
         ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False,
-                  RED_CHUNK=cfg.red_chunk(), PDL=True, PREFETCH_W=True)
-        ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig, constexprs=ce, attrs=attrs),
+                  RED_CHUNK=cfg.red_chunk(), PDL=True, PREFETCH_W=True, W_FP32=w_fp32)
+        sig_w = {**sig, "p_whi": "*fp32", "p_wlo": "*fp32", "p_wlo2": "*fp32"} if w_fp32 else sig
+        ck = triton.compile(ASTSource(fn=router_gemm_kernel, signature=sig_w, constexprs=ce, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         smem = ck.metadata.shared
         worst = max(worst, smem)
@@ -365,7 +377,7 @@ def choose_launch(cfg: GemmConfig, xs, rws, outs, rounds: int = 2) -> tuple[Gemm
     benchmark times them) is timed in ``rounds`` passes of interleaved replays
     (``harness.time_graphs``) and scored by the mean of its medians. Plain paths are returned as
     they are."""
-    if cfg.path not in ("triton", "fp32-simt", "fp32-splitk"):
+    if cfg.path not in KERNEL_PATHS:
         return cfg, {}
     passes = _interleaved({mode: replace(cfg, launch=mode) for mode in LAUNCHES}, xs, rws, outs, rounds)
     mean = {mode: sum(us[mode] for us in passes) / len(passes) for mode in LAUNCHES}
@@ -456,7 +468,7 @@ def main() -> int:
             # JIT first (once per compiled variant, cached after), so a bucket's share of the
             # budget is spent on timings, not on compiling the candidates that come last.
             for cfg in cands:
-                if cfg.path in ("triton", "fp32-simt", "fp32-splitk"):
+                if cfg.path in KERNEL_PATHS:
                     try:
                         evenflow.router_gemm(xs[0], rws[0], outs[0], config=cfg)
                     except Exception:  # reported by _time below
@@ -467,7 +479,7 @@ def main() -> int:
             for cfg in cands:
                 # Over this bucket's share: no more kernel configs (best-first order, so the
                 # likely winners were timed); the plain paths (last) are always timed.
-                if (cfg.path in ("triton", "fp32-splitk") and cfg != incumbent and best is not None
+                if (cfg.path in ("triton", "fp32-tc", "fp32-splitk") and cfg != incumbent and best is not None
                         and time.time() - t_bucket > share):
                     skipped += 1
                     continue

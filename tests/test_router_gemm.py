@@ -11,6 +11,7 @@ the worst-case fp32 summation of K exact bf16 products (hi and lo accumulators, 
 lo one scaled by 1/256, plus the epilogue add), u = 2^-24.
 """
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import evenflow
 from evenflow.reference import router as R
 from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
+from evenflow.router.gemm import split_weight
 from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
 from tests_support_router import router_inputs, run_fp32_config
 
@@ -115,9 +117,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("path", ["triton", "fp32-tc"])
 @pytest.mark.parametrize("terms", [3, 2])
 @pytest.mark.parametrize("m,n,k,cfg", CASES, ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-s{c[3].split_k}" for c in CASES])
-def test_router_gemm_matches_fp64(device, m, n, k, cfg, terms):
+def test_router_gemm_matches_fp64(device, m, n, k, cfg, terms, path):
+    cfg = replace(cfg, path=path)
     x, w = _inputs(m, n, k, device)
     rw = evenflow.RouterWeight(w, terms=terms)
     out = poisoned((m, n), torch.float32, device)
@@ -128,6 +132,50 @@ def test_router_gemm_matches_fp64(device, m, n, k, cfg, terms):
         assert int(rw._count.abs().sum()) == 0
         again = evenflow.router_gemm(x, rw, config=cfg)
         assert torch.equal(again, out), "split-K result not deterministic"
+    if path == "fp32-tc":  # the split in registers is the stored split: the same products and sums
+        stored = evenflow.router_gemm(x, rw, config=replace(cfg, path="triton"))
+        assert torch.equal(out, stored), "fp32-tc differs from the stored split at the same config"
+
+
+def _tie_weights(n, k, device):
+    """fp32 weights [n, k] where the in-register split meets every rounding case: random values, and bit
+    patterns whose low 16 bits make a tie at the high part's rounding (0x8000, to even up and down), ties at
+    the low part's (9 significant bits ending in 1: 0x0101 << j, and their negatives after the high part
+    rounds up), a carry into the exponent (mantissa all ones) and exact bf16 values (no remainder)."""
+    g = torch.Generator().manual_seed(7)
+    lows = [0x8000, 0x0101, 0x0103, 0x0202, 0x4040, 0x10000 - 0x0101, 0x10000 - 0x0103, 0xFFFF, 0x7FFF, 0x0000,
+            0x0001, 0x8001]
+    count = n * k
+    sign = torch.randint(0, 2, (count,), generator=g, dtype=torch.int64)
+    exp = torch.randint(100, 130, (count,), generator=g, dtype=torch.int64)    # 2^-27 .. 2^2
+    mant = torch.randint(0, 1 << 7, (count,), generator=g, dtype=torch.int64)
+    low = torch.tensor(lows, dtype=torch.int64)[torch.randint(0, len(lows), (count,), generator=g)]
+    bits = (sign << 31) | (exp << 23) | (mant << 16) | low
+    bits = torch.where(torch.rand(count, generator=g) < 0.05, torch.full_like(bits, 0x3F7FFFFF), bits)
+    w = bits.to(torch.int32).view(torch.float32).view(n, k)
+    rnd = torch.randn(n, k, generator=g) * 0.02
+    w = torch.where(torch.rand(n, k, generator=g) < 0.25, rnd, w)
+    return w.to(device)
+
+
+@pytest.mark.parametrize("terms", [3, 2])
+def test_fp32_tc_split_in_registers_is_exact(device, terms):
+    # x = the identity: out[i, n] is then w[n, i] through the split alone (one nonzero product a sum), so it
+    # must be w itself with three terms (exact for normal fp32 weights) and w_hi + w_lo / 256 with two, as
+    # split_weight rounds them (torch's casts, nearest even), tie patterns included.
+    k, n = 96, 40
+    w = _tie_weights(n, k, device)
+    x = torch.eye(k, device=device, dtype=torch.bfloat16)
+    rw = evenflow.RouterWeight(w, terms=terms)
+    for cfg in (GemmConfig(16, 16, 32, 2, 4, 1, "fp32-tc"), GemmConfig(32, 32, 64, 1, 4, 1, "fp32-tc")):
+        out = evenflow.router_gemm(x, rw, config=cfg)
+        if terms == 3:
+            want = w.t()
+        else:
+            hi, lo = split_weight(w, 2)
+            want = (hi.float() + lo.float() / 256).t()
+        bad = (out != want).sum().item()
+        assert bad == 0, f"{cfg}: {bad} of {out.numel()} weights not reproduced by the in-register split"
 
 
 @pytest.mark.parametrize("splits", [8, 11, 19])
@@ -192,9 +240,10 @@ def test_plain_paths(device, path, terms):
 # ----------------------------------------------------------------------------- batch invariance
 
 
-def test_batch_invariant_rows_bitwise(device):
+@pytest.mark.parametrize("path", ["triton", "fp32-tc"])
+def test_batch_invariant_rows_bitwise(device, path):
     n, k = 24, 96
-    cfg = GemmConfig(16, 16, 32, 2, 4, 1)  # split-K too: the reduction order must not depend on M
+    cfg = GemmConfig(16, 16, 32, 2, 4, 1, path)  # split-K too: the reduction order must not depend on M
     x, w = _inputs(37, n, k, device)
     rw = evenflow.RouterWeight(w)
     full = evenflow.router_gemm(x, rw, batch_invariant=True, config=cfg)

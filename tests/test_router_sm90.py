@@ -178,3 +178,41 @@ def test_every_router_kernel_waits_for_the_kernel_ahead_before_touching_memory(t
             assert 0 <= body.find("prefetch.global.L2") < wait, describe
         else:
             assert "prefetch.global.L2" not in body, describe
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_fp32_tc_builds_split_pairs_in_registers_without_spills():
+    # Round AH: the fp32-tc path (the split-weight kernel reading the fp32 weight, split in registers) at every
+    # tile the tuner offers up to M = 64, at the four benchmark shapes: it must build for sm_90 within shared
+    # memory, with no spill, its K loop streaming through cp.async (LDGSTS), and its conversions packed two
+    # values an instruction (F2FP ... PACK_AB): no single-value F2F, which runs at the conversion unit's
+    # quarter rate (Triton's own casts gave two a weight: docs/perf-notes/router.md, round AH).
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import tune_router as tuner
+
+    from evenflow.router.gemm import launch_shape
+
+    todo = {}
+    for n, k in ((192, 4096), (768, 6144), (384, 3072), (128, 2048)):
+        for m in (1, 4, 16):
+            for c in tuner.candidates(m, n, k, 132, plain=False):
+                if c.path == "fp32-tc":
+                    split = launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[1] > 1
+                    todo.setdefault((c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, split), (c, m, n, k))
+    assert len(todo) >= 8, todo
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        rws = {}
+        for c, m, n, k in todo.values():
+            rw = rws.setdefault((n, k), evenflow.RouterWeight(torch.randn(n, k) * 0.02))
+            evenflow.router_gemm(torch.empty(m, k, dtype=torch.bfloat16), rw, config=c)
+    assert {dict(la.constexprs)["W_FP32"] for la in launches} == {True}
+    stats = CC.compile_stats(launches)
+    errors = [s["error"] for s in stats if "error" in s]
+    assert not errors, "\n\n".join(errors)
+    for s in stats:
+        assert s["spill_bytes"] == 0 and s["shared"] <= SMEM_LIMIT, s["describe"]
+        loop = max(s["loops"], key=lambda lp: lp["ops"].get("HMMA.16816.F32.BF16", 0))
+        ops = loop["ops"]
+        assert any(op.startswith("LDGSTS") for op in ops), f"{s['describe']}: K loop not pipelined"
+        assert not [op for op in ops if op.startswith("F2F.")], f"{s['describe']}: single conversions {ops}"
+        assert ops.get("F2FP.BF16.F32.PACK_AB", 0) > 0, s["describe"]

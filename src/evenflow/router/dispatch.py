@@ -14,7 +14,9 @@ up to its own; M beyond the last entry uses the last one. ``path`` is ``triton``
 split-weight kernel), ``fp32-simt`` (our CUDA-core kernel on the original fp32 weight, for
 small M, one program per column tile streams all of K), ``fp32-splitk`` (the same math with K
 split over the GPU and the partials summed in split order inside the same launch; the
-untuned default for M <= 16), ``torch-fp32`` (cuBLAS FP32 on the source weight) or
+untuned default for M <= 16), ``fp32-tc`` (the split-weight kernel reading the fp32 weight and
+splitting each tile in registers: the same configs and output bits as ``triton``, 4 bytes a
+weight read instead of 2 per term; round AH), ``torch-fp32`` (cuBLAS FP32 on the source weight) or
 ``torch-split2`` (two or three torch bf16 products of the split, one per term) — the last
 two are "plain paths" kept for shapes where the tuner measured them faster.
 Batch-invariant mode uses one config per (K, N) for every M and never a plain path
@@ -33,7 +35,12 @@ import torch
 
 from evenflow._runtime import interpreting, num_sms
 
-PATHS = ("triton", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
+PATHS = ("triton", "fp32-tc", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
+# Paths of the split-weight tensor-core kernel: from the stored bf16 parts, or from the fp32 weight split in
+# registers (round AH); the same configs, products and output bits, 4 bytes a weight read instead of 2 x terms.
+TC_PATHS = ("triton", "fp32-tc")
+# Paths that launch a kernel of ours (the others are cuBLAS): launch modes, config checks, tuning.
+KERNEL_PATHS = ("triton", "fp32-tc", "fp32-simt", "fp32-splitk")
 # How a kernel of ours is launched (round AD, docs/perf-notes/router.md): "plain"; "pdl", with programmatic
 # dependent launch (it waits at its top for the kernel ahead, its launch overlapping that kernel's end);
 # "pdl-prefetch", the same with the first row tile's programs asking L2 for the weight lines before the
@@ -43,7 +50,7 @@ PATHS = ("triton", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
 # elsewhere every launch is plain.
 LAUNCHES = ("plain", "pdl", "pdl-prefetch")
 # Paths whose one fixed config gives bitwise batch-invariant rows (see the module docstring).
-INVARIANT_PATHS = ("triton", "fp32-splitk")
+INVARIANT_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # Shared memory one block may use on sm_90 (H100/H200: 227 KB opt-in). The kernels are
 # tuned and compile-checked for sm_90; other GPUs with less are capped by their own value
 # (``smem_limit``).
@@ -94,7 +101,7 @@ class GemmConfig:
                     f"fp32-splitk register block {self.block_m}x{self.block_n}x{self.block_k} at "
                     f"{self.num_warps} warps is {per_thread} fp32 accumulators a thread (at most 128)")
             return
-        if self.path != "triton":
+        if self.path not in TC_PATHS:
             return
         for name in ("block_m", "block_n", "block_k"):
             v = getattr(self, name)
@@ -113,8 +120,8 @@ class GemmConfig:
 
     def stage_bytes(self, terms: int) -> int:
         """Shared memory of one pipeline stage: the x tile and ``terms`` weight tiles, bf16
-        (fp32-splitk: the x tile, bf16, and one fp32 weight tile)."""
-        if self.path == "fp32-splitk":
+        (fp32-splitk, fp32-tc: the x tile, bf16, and one fp32 weight tile)."""
+        if self.path in ("fp32-splitk", "fp32-tc"):
             return self.block_m * self.block_k * 2 + self.block_n * self.block_k * 4
         return (self.block_m * self.block_k + terms * self.block_n * self.block_k) * 2
 
@@ -135,7 +142,7 @@ class GemmConfig:
         Raises ValueError when even one stage does not fit (the tile itself is too big).
         Plain paths and fp32-simt are returned unchanged.
         """
-        if self.path not in ("triton", "fp32-splitk"):
+        if self.path not in ("triton", "fp32-tc", "fp32-splitk"):
             return self
         if self.smem_bytes(terms, 1) > limit:
             raise ValueError(
@@ -154,7 +161,7 @@ class GemmConfig:
 
     def workspace_sizes(self, m: int, n: int, k: int) -> tuple[int, int]:
         """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K."""
-        if self.path not in ("triton", "fp32-splitk"):
+        if self.path not in ("triton", "fp32-tc", "fp32-splitk"):
             return 0, 0
         k_split = _cdiv(_cdiv(k, self.split_k), self.block_k) * self.block_k
         split = _cdiv(k, k_split)

@@ -193,8 +193,9 @@ def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
 def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
                   out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
                   block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int, pdl: bool,
-                  prefetch_w: bool) -> None:
+                  prefetch_w: bool, w_fp32: bool = False) -> None:
     # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
+    # w_fp32 (path fp32-tc): w_hi is the fp32 weight, split in registers; w_lo / w_lo2 are never read.
     m, k = x.shape
     n = w_hi.shape[0]
     if m == 0:
@@ -206,7 +207,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         x.stride(0), w_hi.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
-        RED_CHUNK=GemmConfig(block_m, block_n, block_k).red_chunk(), PREFETCH_W=prefetch_w,
+        RED_CHUNK=GemmConfig(block_m, block_n, block_k).red_chunk(), PREFETCH_W=prefetch_w, W_FP32=w_fp32,
         num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
@@ -259,7 +260,7 @@ _router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp3
 
 @_router_gemm_op.register_fake
 def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
-      num_stages, pdl, prefetch_w):
+      num_stages, pdl, prefetch_w, w_fp32=False):
     return None
 
 
@@ -347,9 +348,13 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
         _torch_split2(x, w, out)
         return out
     part, count = w.workspace(m, config)
+    if config.path == "fp32-tc":  # the fp32 source, split in registers (same terms, same bits)
+        parts = (w.source, w.source, w.source)
+    else:
+        parts = (w.w_hi, w.w_lo, w.parts[-1])
     (_launch_split if eager else _router_gemm_op)(
-        x, w.w_hi, w.w_lo, w.parts[-1], out, part, count, w.terms, config.block_m, config.block_n,
-        config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf)
+        x, *parts, out, part, count, w.terms, config.block_m, config.block_n,
+        config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf, config.path == "fp32-tc")
     return out
 
 

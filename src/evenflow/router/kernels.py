@@ -81,6 +81,51 @@ def _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K: tl.constex
             prefetch_l2(p_row + o_kl[None, :], m_n[:, None] & (o_kl < k_end)[None, :], p_w)
 
 
+@triton.jit
+def _round_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 value, ties to even, as fp32 (finite ``x``): integer ops on
+    the bits, exact in the interpreter too (whose fp32 -> bf16 casts truncate)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_and_rest(x):
+    """(bf16(x), round to nearest even; x - bf16(x) in fp32, exact), two values an instruction: one
+    ``cvt.rn.bf16x2.f32`` per pair (Triton's casts convert a value at a time, at the conversion unit's
+    quarter rate, when the bf16 value is widened again), the widening two integer ops."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 h0, h1; "
+        "cvt.rn.bf16x2.f32 $0, $4, $3; "
+        "shl.b32 h0, $0, 16; and.b32 h1, $0, 0xFFFF0000; "
+        "sub.rn.f32 $1, $3, h0; sub.rn.f32 $2, $4, h1; }",
+        "=r,=r,=r,r,r", [x], dtype=(tl.bfloat16, tl.float32), is_pure=True, pack=2)
+
+
+@triton.jit
+def _split_in_registers(w, NUM_TERMS: tl.constexpr, INTERPRET: tl.constexpr):
+    """bf16 (hi, lo, lo2) of an fp32 weight tile: ``split_weight``'s parts with lo scaled by 2^-8 and lo2 by
+    2^-16 (lo2 = lo when NUM_TERMS == 2). Every step but the roundings is exact, and a power-of-two scale
+    commutes with them (bf16 has fp32's exponent range), so the products and their fp32 sums are the stored
+    split's times 2^-8 / 2^-16, bit for bit; the caller leaves out the epilogue's 1/256 factors."""
+    if INTERPRET:
+        hi_f = _round_bf16(w)
+        r = w - hi_f  # exact
+        lo_f = _round_bf16(r)
+        hi = hi_f.to(tl.bfloat16)  # exact casts: the values are bf16 values already
+        lo = lo_f.to(tl.bfloat16)
+        lo2 = lo
+        if NUM_TERMS == 3:
+            lo2 = _round_bf16(r - lo_f).to(tl.bfloat16)
+    else:
+        hi, r = _bf16_and_rest(w)
+        lo, r2 = _bf16_and_rest(r)
+        lo2 = lo
+        if NUM_TERMS == 3:
+            lo2 = r2.to(tl.bfloat16)  # packed pairs: nothing widens it again
+    return hi, lo, lo2
+
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
 def router_gemm_kernel(
     p_x, p_whi, p_wlo, p_wlo2, p_out, p_part, p_count,
@@ -88,15 +133,28 @@ def router_gemm_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
-    RED_CHUNK: tl.constexpr, PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
+    RED_CHUNK: tl.constexpr, PDL: tl.constexpr, PREFETCH_W: tl.constexpr, W_FP32: tl.constexpr,
 ):
+    """The split-weight GEMM on tensor cores (see the module docstring for the tensors).
+
+    W_FP32 (path ``fp32-tc``): ``p_whi`` is the fp32 weight itself (``p_wlo`` / ``p_wlo2`` unused)
+    and every K step splits its tile in registers as ``split_weight`` does (round to nearest
+    even, the same exact fp32 steps; the low terms scaled by powers of two, which the epilogue
+    leaves out), so the output is the same bits as the stored split's at the same config, for 4
+    bytes a weight read instead of 2 x NUM_TERMS (docs/perf-notes/router.md, round AH). DOT_F32 is
+    True exactly when the interpreter runs the kernel; the split then takes integer rounding
+    instead of the inline PTX.
+    """
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PREFETCH_W:
         k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
-        _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
-        _prefetch_rows(p_wlo, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
-        if NUM_TERMS == 3:
-            _prefetch_rows(p_wlo2, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
+        if W_FP32:
+            _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
+        else:
+            _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
+            _prefetch_rows(p_wlo, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
+            if NUM_TERMS == 3:
+                _prefetch_rows(p_wlo2, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
     pdl_enter(PDL)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]
@@ -128,17 +186,26 @@ def router_gemm_kernel(
             m_xk = m_m[:, None] & m_k[None, :]
             m_wk = m_k[:, None] & m_n[None, :]
         b_x = tl.load(p_xb + k, mask=m_xk, other=0.0)
-        b_wh = tl.load(p_whb + k, mask=m_wk, other=0.0)
-        b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
+        if W_FP32:
+            b_wh, b_wl, b_wl2 = _split_in_registers(tl.load(p_whb + k, mask=m_wk, other=0.0), NUM_TERMS, DOT_F32)
+        else:
+            b_wh = tl.load(p_whb + k, mask=m_wk, other=0.0)
+            b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
         b_xd = dot_operand(b_x, DOT_F32)
         acc_nhi = acc_nhi - tl.dot(b_xd, dot_operand(b_wh, DOT_F32))
         acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
         if NUM_TERMS == 3:
-            b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
+            if not W_FP32:
+                b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
             acc_lo2 = tl.dot(b_xd, dot_operand(b_wl2, DOT_F32), acc_lo2)
-    if NUM_TERMS == 3:
-        acc_lo = acc_lo + acc_lo2 * 0.00390625  # 1/256, exact
-    b_out = acc_lo * 0.00390625 - acc_nhi
+    if W_FP32:  # the low terms come pre-scaled (_split_in_registers)
+        if NUM_TERMS == 3:
+            acc_lo = acc_lo + acc_lo2
+        b_out = acc_lo - acc_nhi
+    else:
+        if NUM_TERMS == 3:
+            acc_lo = acc_lo + acc_lo2 * 0.00390625  # 1/256, exact
+        b_out = acc_lo * 0.00390625 - acc_nhi
 
     m_out = m_m[:, None] & m_n[None, :]
     o_out = o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
