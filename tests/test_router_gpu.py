@@ -9,6 +9,7 @@ import evenflow
 from evenflow.reference import router as R
 from evenflow.router.dispatch import GemmConfig
 from evenflow.testing import assert_exact, assert_within_rule
+from tests_support_router import load_tuner
 
 pytestmark = pytest.mark.gpu
 
@@ -69,13 +70,36 @@ def test_forced_configs_tails(cfg, terms):
                            what=f"{cfg} M{m} N{n} K{k}")
 
 
+def _fp32_tc_configs():
+    tuner = load_tuner()
+    return sorted({c for k, n in SHAPES.values() for m in (1, 4, 16) for c in tuner.candidates(m, n, k, 132, False)
+                   if c.path == "fp32-tc"}, key=str)
+
+
+@pytest.mark.parametrize("terms", [3, 2])
+def test_fp32_tc_is_the_stored_split_bit_for_bit(terms):
+    # Round AH: every fp32-tc tile the tuner offers, at the four shapes (M = 1, 16 and 37, a row tile and a
+    # row past it), with K / N tails, under each launch mode: the same bits as the stored split's kernel at the
+    # same config (the split in registers is split_weight's; its pre-scaled low terms leave the sums as they
+    # were), and within the rule against fp64.
+    from dataclasses import replace
+    cfgs = _fp32_tc_configs()
+    assert len(cfgs) >= 8
+    shapes = list(SHAPES.values()) + [(4100, 200)]
+    for i, cfg in enumerate(cfgs):
+        k, n = shapes[i % len(shapes)]
+        for m in (1, 16, 37):
+            x, w = _inputs(m, n, k, seed=i + m)
+            rw = evenflow.RouterWeight(w, terms=terms)
+            out = torch.full((m, n), float("nan"), device="cuda")
+            evenflow.router_gemm(x, rw, out, config=replace(cfg, launch=("plain", "pdl", "pdl-prefetch")[i % 3]))
+            stored = evenflow.router_gemm(x, rw, config=replace(cfg, path="triton"))
+            assert_exact(out, stored, what=f"{cfg} M{m} N{n} K{k}")
+            assert_within_rule(out, R.router_logits_fp64(x, w), R.split_logits_fp32(x, *rw.parts),
+                               what=f"{cfg} M{m} N{n} K{k}")
+
 def _simt_configs():
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tune_router.py"
-    spec = importlib.util.spec_from_file_location("tune_router", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_tuner()
     return sorted({c for m in (1, 4, 16, 64) for c in mod.simt_candidates(m)}, key=str)
 
 

@@ -18,6 +18,7 @@ import torch
 import evenflow
 from evenflow import _runtime
 from evenflow.router.dispatch import SMEM_LIMIT, GemmConfig
+from tests_support_router import load_tuner
 
 CC = pytest.importorskip("evenflow._compile_check")
 
@@ -187,10 +188,9 @@ def test_fp32_tc_builds_split_pairs_in_registers_without_spills():
     # memory, with no spill, its K loop streaming through cp.async (LDGSTS), and its conversions packed two
     # values an instruction (F2FP ... PACK_AB): no single-value F2F, which runs at the conversion unit's
     # quarter rate (Triton's own casts gave two a weight: docs/perf-notes/router.md, round AH).
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import tune_router as tuner
-
     from evenflow.router.gemm import launch_shape
+
+    tuner = load_tuner()
 
     todo = {}
     for n, k in ((192, 4096), (768, 6144), (384, 3072), (128, 2048)):

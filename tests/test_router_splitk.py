@@ -20,8 +20,6 @@ What is checked, and why:
 * GPU (``@pytest.mark.gpu``): real shapes, 1e-4 and the rule, determinism under contention,
   CUDA-graph capture and replay with changing inputs, flips vs cuBLAS FP32.
 """
-import importlib.util
-import pathlib
 
 import pytest
 import torch
@@ -33,7 +31,7 @@ from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
 from evenflow.router.gemm import launch_shape
 from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
-from tests_support_router import router_inputs, run_fp32_config
+from tests_support_router import load_tuner, router_inputs, run_fp32_config
 
 
 def _cfg(bm, bn, bk, split, warps=4, stages=3):
@@ -284,7 +282,7 @@ def test_tuner_candidates_above_64_rows():
     """From a few hundred rows up the tuner offers 64-, 128- and 256-deep K steps with K slices
     of at least 256 (round L), shared memory within a block's limit for three weight parts, and
     L4's pick for Qwen3 at M = 512 (64x64, 128-deep steps, split 6) among them."""
-    tuner = _tuner()
+    tuner = load_tuner()
     for k, n in SHAPES.values():
         for m in (128, 512, 2048):
             tri = [c for c in tuner.candidates(m, n, k, 132) if c.path == "triton"]
@@ -298,7 +296,7 @@ def test_tuner_candidates_above_64_rows():
 
 
 def test_tuner_offers_splitk_first_and_merges_bucket_runs():
-    tuner = _tuner()
+    tuner = load_tuner()
     for k, n in SHAPES.values():
         for m in (1, 4, 16):
             cands = tuner.candidates(m, n, k, 132)
@@ -307,7 +305,13 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
             # 1.5 and 3 programs an SM for each register block; at M <= 4 also the fat tiles (round AG2)
             bm = min(16, 1 << (m - 1).bit_length())
             assert 4 <= len(sk) <= (12 if m > 4 else 28) and all(c.block_m == bm for c in sk)
-        assert not [c for c in tuner.candidates(64, n, k, 132) if c.path == "fp32-splitk"]
+            # round AH: an fp32-tc twin of every tensor tile of <= 64 weights a thread a K step, and no other
+            fits = lambda c: c.block_n * c.block_k <= 64 * 32 * c.num_warps  # noqa: E731
+            tile = lambda c: (c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps)  # noqa: E731
+            tc = [c for c in cands if c.path == "fp32-tc"]
+            assert {tile(c) for c in cands if c.path == "triton" and fits(c)} <= {tile(c) for c in tc}
+            assert tc and all(fits(c) for c in tc)
+        assert not [c for c in tuner.candidates(64, n, k, 132) if c.path in ("fp32-splitk", "fp32-tc")]
     # --buckets 1,4,16 on K4096: its other buckets, other shapes and the invariant entries stay
     e = [{"K": 4096, "N": 192, "terms": 3, "m_max": mm, "config": {}} for mm in (1, 4, 16, 64, 8192)]
     e += [{"K": 2048, "N": 128, "terms": 3, "m_max": 1, "config": {}},
@@ -325,18 +329,10 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
 # ----------------------------------------------------------------------------- sm_90 compile
 
 
-def _tuner():
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tune_router.py"
-    spec = importlib.util.spec_from_file_location("tune_router", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _all_splitk_configs():
     """One (config, M, N, K) per compiled variant the tuner or the heuristic can launch at the
     standard shapes (the split count and M are runtime arguments: one compile covers them)."""
-    tuner = _tuner()
+    tuner = load_tuner()
     out = {}
     for k, n in SHAPES.values():
         for m in (1, 2, 4, 8, 16):
@@ -383,7 +379,7 @@ def test_gpu_every_candidate_real_shapes(case):
     # Every config the tuner may pick at M <= 16 (and the heuristic's), at the real shape or
     # with K/N tails: within 1e-4 and the rule against PyTorch's fp32 GEMM, deterministic,
     # counters back at zero, nothing written outside the output (NaN-poisoned).
-    tuner = _tuner()
+    tuner = load_tuner()
     k, n = SHAPES[case] if case != "tails" else (4100, 200)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     x_all, w = _inputs(16, n, k, "cuda", seed=3)

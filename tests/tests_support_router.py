@@ -1,4 +1,7 @@
-"""Shared by the router GEMM tests: inputs, and one checked call of a forced fp32 path."""
+"""Shared by the router GEMM tests: inputs, one checked call of a forced fp32 path, the tuner module."""
+import importlib.util
+import pathlib
+
 import torch
 
 import evenflow
@@ -22,3 +25,12 @@ def run_fp32_config(x, w, cfg, what):
     assert_fp32_gemm_within_bound(out, x, w, what)
     assert torch.equal(out, evenflow.router_gemm(x, rw, config=cfg)), f"{what}: not deterministic"
     return rw
+
+
+def load_tuner():
+    """``benchmarks/tune_router.py`` as a module (its candidate lists are what the tests build and compile)."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tune_router.py"
+    spec = importlib.util.spec_from_file_location("tune_router", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
