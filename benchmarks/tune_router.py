@@ -104,7 +104,7 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
                 wide += [GemmConfig(bm, bn, bk, split, warps, stages)
                          for split in _splits(tiles, k, bk, 1, sms, 2, 2.0)]
             out = [replace(c, path="fp32-tc") for c in out + wide
-                   if c.block_n * c.block_k <= 64 * 32 * c.num_warps] + out
+                   if c.block_n * c.block_k <= 64 * 32 * c.num_warps] + _balanced_tc(m, n, k, sms) + out
     else:
         # Round L: K slices down to 256 deep (were >= 8 steps of 64), so a narrow shape at a few
         # hundred rows (Qwen3 2048x128 at M = 512: 16 tiles) can spread over more programs.
@@ -124,6 +124,26 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
     out = splitk_candidates(m, n, k, sms, terms) + _distinct_launches(out, m, n, k, terms) + simt_candidates(m)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
+    return out
+
+
+def _balanced_tc(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
+    """fp32-tc tiles at splits that make the programs a whole number (1-3) of them an SM, within a column tile
+    of it (round AH1's LongCat-Chat M = 16 pick ran 192 programs, 1.45 an SM: an SM streamed one or two K
+    slices; the split list of ``_splits`` has no 11 or 22)."""
+    from evenflow.router.gemm import launch_shape
+
+    out = []
+    bm = 16
+    for bn, bk, warps, stages in ((32, 64, 4, 6), (32, 128, 4, 4), (16, 128, 2, 4), (16, 64, 2, 6)):
+        tiles = math.ceil(m / bm) * math.ceil(n / bn)
+        for per_sm in (1, 2, 3):
+            split = round(per_sm * sms / tiles)
+            if split < 2:
+                continue
+            eff = launch_shape(m, n, k, bm, bn, bk, split)[1]
+            if abs(tiles * eff - per_sm * sms) <= tiles:
+                out.append(GemmConfig(bm, bn, bk, split, warps, stages, "fp32-tc"))
     return out
 
 

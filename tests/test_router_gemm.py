@@ -178,15 +178,16 @@ def test_fp32_tc_split_in_registers_is_exact(device, terms):
         assert bad == 0, f"{cfg}: {bad} of {out.numel()} weights not reproduced by the in-register split"
 
 
-@pytest.mark.parametrize("splits", [8, 11, 19])
-def test_split_k_reduction_in_chunks_is_the_in_order_sum(device, splits):
-    # The last program sums the partials RED_CHUNK (8 for this tile) at a time: one full
+@pytest.mark.parametrize("warps,chunk,splits", [(2, 8, 8), (2, 8, 11), (2, 8, 19), (4, 16, 16), (4, 16, 23),
+                                                 (4, 16, 35)])
+def test_split_k_reduction_in_chunks_is_the_in_order_sum(device, warps, chunk, splits):
+    # The last program sums the partials RED_CHUNK (8 for this tile on 2 warps, 16 on 4) at a time: one full
     # chunk, a chunk and a partial one, two and a partial one. The output must be bitwise
     # the fp32 sum of the split partials taken one at a time in split order (what the
     # unchunked loop computed), for every tile; and within the rule against fp64.
     m, n, k = 3, 40, 16 * splits
-    cfg = GemmConfig(16, 32, 16, splits, 4, 1)
-    assert cfg.red_chunk() == 8
+    cfg = GemmConfig(16, 32, 16, splits, warps, 1)
+    assert cfg.red_chunk() == chunk
     x, w = _inputs(m, n, k, device)
     rw = evenflow.RouterWeight(w)
     out = poisoned((m, n), torch.float32, device)

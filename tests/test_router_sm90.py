@@ -46,9 +46,17 @@ def test_fit_smem_caps_stages_to_the_limit():
 
 
 def test_red_chunk_bounds_registers():
-    assert GemmConfig(16, 32, 128).red_chunk() == 8
+    # <= 64 registers a thread of partials in flight, <= 16 partials
+    assert GemmConfig(16, 32, 128).red_chunk() == 16
+    assert GemmConfig(16, 16, 128, num_warps=2).red_chunk() == 16
+    assert GemmConfig(16, 32, 128, num_warps=2).red_chunk() == 8
     assert GemmConfig(64, 64, 64).red_chunk() == 2
+    assert GemmConfig(128, 64, 64, num_warps=8).red_chunk() == 2
     assert GemmConfig(128, 128, 64).red_chunk() == 1
+    for c in (GemmConfig(bm, bn, 64, num_warps=w) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128)
+              for w in (2, 4, 8)):
+        assert 1 <= c.red_chunk() <= 16
+        assert c.red_chunk() == 1 or c.red_chunk() * c.block_m * c.block_n <= 64 * 32 * c.num_warps, c
 
 
 _WORKER = r"""

@@ -152,12 +152,13 @@ class GemmConfig:
         return self if stages == self.num_stages else replace(self, num_stages=stages)
 
     def red_chunk(self) -> int:
-        """Split-K partials the last program loads per round trip: 8 for small tiles, fewer for
-        large ones (each partial in flight holds BLOCK_M x BLOCK_N fp32 in registers; <= 64
-        registers per thread at 4 warps)."""
+        """Split-K partials the last program loads per round trip: up to 16, as many as keep them within 64
+        registers a thread (each partial in flight holds BLOCK_M x BLOCK_N fp32 over the program's threads).
+        Until round AH at most 8 (and counted for 4 warps): 16 x 32 tiles at 9-16 splits, the M = 16 kind,
+        paid a second dependent L2 round trip. The order of the sum, and so its bits, does not depend on it."""
         if self.path == "fp32-splitk":
             return splitk_red_chunk(self.block_m, self.block_n, self.num_warps)
-        return max(1, min(8, 8192 // (self.block_m * self.block_n)))
+        return max(1, min(16, 64 * 32 * self.num_warps // (self.block_m * self.block_n)))
 
     def workspace_sizes(self, m: int, n: int, k: int) -> tuple[int, int]:
         """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K."""
