@@ -121,6 +121,11 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
             for split in _splits(tiles, k, bk, 256 // bk, sms, 4):
                 out.append(GemmConfig(bm, bn, bk, split, warps, stages))
 
+    if 16 < m <= 512:
+        # Round AH: the fp32 weight split in registers where small M streams W (at M = 64-256 LongCat-Chat's
+        # stored split, 28 MB, against 19 MB); from BLOCK_M = 64 the converted terms go through shared memory for
+        # wgmma. <= 32 weights a thread a K step (64 x 32 x 256 on 4 warps, 64 of them, spilled 248 bytes).
+        out = [replace(c, path="fp32-tc") for c in out if c.block_n * c.block_k <= 32 * 32 * c.num_warps] + out
     out = splitk_candidates(m, n, k, sms, terms) + _distinct_launches(out, m, n, k, terms) + simt_candidates(m)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]

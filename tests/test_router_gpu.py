@@ -71,9 +71,15 @@ def test_forced_configs_tails(cfg, terms):
 
 
 def _fp32_tc_configs():
+    """One fp32-tc config the tuner offers per build (tile, warps, stages, split or not), M = 1-256 candidates."""
     tuner = load_tuner()
-    return sorted({c for k, n in SHAPES.values() for m in (1, 4, 16) for c in tuner.candidates(m, n, k, 132, False)
-                   if c.path == "fp32-tc"}, key=str)
+    builds = {}
+    for k, n in SHAPES.values():
+        for m in (1, 4, 16, 64, 256):
+            for c in tuner.candidates(m, n, k, 132, False):
+                if c.path == "fp32-tc":
+                    builds.setdefault((c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.split_k > 1), c)
+    return sorted(builds.values(), key=str)
 
 
 @pytest.mark.parametrize("terms", [3, 2])

@@ -131,10 +131,16 @@ class GemmConfig:
         Measured on the sm_90 compile with a real launch's divisibility hints (perf notes,
         round 4): the wgmma tiles (BLOCK_M >= 64) take num_stages x stage_bytes, the mma.sync
         tiles (num_stages - 1) x stage_bytes; the epilogue's scratch reuses the same space.
-        The estimate is num_stages x stage_bytes for both (1 stage: one set of tiles).
+        The estimate is num_stages x stage_bytes for both (1 stage: one set of tiles), plus for
+        fp32-tc the staging tile of its converted weight (BLOCK_N x BLOCK_K bf16, one term at a time):
+        wgmma reads its second operand from shared memory, so from BLOCK_M = 64 the split terms go
+        through it (sm_90 build, round AH: 4-16 KB above the stages).
         """
         stages = self.num_stages if num_stages is None else num_stages
-        return max(1, stages) * self.stage_bytes(terms)
+        return max(1, stages) * self.stage_bytes(terms) + self._staging_bytes()
+
+    def _staging_bytes(self) -> int:
+        return self.block_n * self.block_k * 2 if self.path == "fp32-tc" else 0
 
     def fit_smem(self, terms: int, limit: int = SMEM_LIMIT) -> GemmConfig:
         """This config with ``num_stages`` lowered until its shared memory fits ``limit`` bytes.
@@ -148,7 +154,7 @@ class GemmConfig:
             raise ValueError(
                 f"config {self.block_m}x{self.block_n}x{self.block_k} with {terms} weight terms needs "
                 f"{self.smem_bytes(terms, 1)} B of shared memory for one stage, more than {limit} B")
-        stages = min(self.num_stages, limit // self.stage_bytes(terms))
+        stages = min(self.num_stages, (limit - self._staging_bytes()) // self.stage_bytes(terms))
         return self if stages == self.num_stages else replace(self, num_stages=stages)
 
     def red_chunk(self) -> int:
