@@ -311,7 +311,14 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
             tc = [c for c in cands if c.path == "fp32-tc"]
             assert {tile(c) for c in cands if c.path == "triton" and fits(c)} <= {tile(c) for c in tc}
             assert tc and all(fits(c) for c in tc)
-        assert not [c for c in tuner.candidates(64, n, k, 132) if c.path in ("fp32-splitk", "fp32-tc")]
+        assert not [c for c in tuner.candidates(64, n, k, 132) if c.path == "fp32-splitk"]
+        # round AH3: fp32-tc twins up to M = 512 at <= 32 weights a thread a K step, none beyond
+        for m in (64, 512):
+            cands = tuner.candidates(m, n, k, 132)
+            tc = [c for c in cands if c.path == "fp32-tc"]
+            assert {tile(c) for c in cands if c.path == "triton" and c.block_n * c.block_k <= 32 * 32 * c.num_warps} \
+                == {tile(c) for c in tc}
+        assert not [c for c in tuner.candidates(1024, n, k, 132) if c.path == "fp32-tc"]
     # --buckets 1,4,16 on K4096: its other buckets, other shapes and the invariant entries stay
     e = [{"K": 4096, "N": 192, "terms": 3, "m_max": mm, "config": {}} for mm in (1, 4, 16, 64, 8192)]
     e += [{"K": 2048, "N": 128, "terms": 3, "m_max": 1, "config": {}},

@@ -1,0 +1,40 @@
+"""The router benchmark's floor: its launch term is the lowest of the run's empty-kernel readings (round AH)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from evenflow.bench import harness as H
+
+_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(_DIR))  # the script imports tune_router from its own folder
+    spec = importlib.util.spec_from_file_location("evenflow_bench_router_script", _DIR / "router.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("tune_router", None)
+
+
+def test_floors_take_the_lowest_launch_reading(bench, monkeypatch):
+    ceil = {"copy_TBps": 4.0, "bf16_TFLOPs": 800.0, "launch_us": 0.95}
+    res = H.Results("router", ceilings=ceil)
+    m, n, k = 4, 128, 2048
+    first = H.floor_us(bytes_moved=bench._call_bytes(m, n, k), ceilings=ceil) + ceil["launch_us"]
+    res.add(case="qwen3-30b-a3b", impl="evenflow", us=2.0, floor_us=first, M=m, K=k, N=n)
+    res.add_error(case="qwen3-30b-a3b", impl="cublas-tf32", error="no peer", M=m)
+    readings = iter([0.70, 0.80])
+    monkeypatch.setattr(H, "empty_launch_us", lambda pdl=False: next(readings))
+    bench._lowest_launch(res, ceil)
+    assert ceil["launch_us_readings"] == [0.95, 0.70, 0.80] and ceil["launch_us"] == 0.70
+    assert res.ceilings is ceil  # the file's ceilings say which launch the floors carry
+    row = res.rows[0]
+    bytes_us = n * k * 4 + m * k * 2 + m * n * 4
+    assert bytes_us == bench._call_bytes(m, n, k)
+    assert row["floor_us"] == pytest.approx(bytes_us / 4.0e6 + 0.70, abs=1e-3)  # 4 TB/s = 4e6 bytes a µs
+    assert row["frac_of_floor"] == pytest.approx(row["floor_us"] / 2.0, abs=1e-4)
+    assert row["floor_us"] < first and "floor_us" not in res.rows[1]
