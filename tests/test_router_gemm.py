@@ -374,6 +374,9 @@ def test_opcheck_router_gemm_op(device):
     part, count = rw.workspace(3, GemmConfig(16, 16, 16, 2))
     torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
                           (x, rw.w_hi, rw.w_lo, rw.w_lo2, out, part, count, 3, 16, 16, 16, 2, 4, 1, False, False))
+    # fp32-tc: the same op on the fp32 source (its last argument)
+    torch.library.opcheck(torch.ops.evenflow.router_gemm_split.default,
+                          (x, w, w, w, out, part, count, 3, 16, 16, 16, 2, 4, 1, False, False, True))
 
 
 # ----------------------------------------------------------------------------- fp32-simt (CUDA-core path)

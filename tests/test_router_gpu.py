@@ -244,6 +244,22 @@ def test_torch_compile_fullgraph():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
+def test_torch_compile_fullgraph_fp32_tc():
+    # the fp32-tc path through the custom op (LongCat-Chat M = 16 takes it from the table since round AH)
+    k, n = SHAPES["longcat-chat"]
+    x, w = _inputs(16, n, k)
+    rw = evenflow.RouterWeight(w)
+    cfg = GemmConfig(16, 32, 64, 11, 4, 6, "fp32-tc")
+    rw.workspace(16, cfg)
+
+    def f(x):
+        return evenflow.router_gemm(x, rw, config=cfg)
+
+    got = torch.compile(f, fullgraph=True)(x)
+    assert torch.equal(got, f(x))
+    assert torch.equal(got, evenflow.router_gemm(x, rw, config=GemmConfig(16, 32, 64, 11, 4, 6)))
+
+
 def test_opcheck_gpu():
     x, w = _inputs(5, 192, 512)
     rw = evenflow.RouterWeight(w)
