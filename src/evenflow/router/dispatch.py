@@ -161,7 +161,8 @@ class GemmConfig:
         """Split-K partials the last program loads per round trip: up to 16, as many as keep them within 64
         registers a thread (each partial in flight holds BLOCK_M x BLOCK_N fp32 over the program's threads).
         Until round AH at most 8 (and counted for 4 warps): 16 x 32 tiles at 9-16 splits, the M = 16 kind,
-        paid a second dependent L2 round trip. The order of the sum, and so its bits, does not depend on it."""
+        paid a second dependent L2 round trip. The order of the sum, and so its bits, does not depend on it.
+        The launcher caps it at the split count rounded up to a power of two (no masked-off loads to carry)."""
         if self.path == "fp32-splitk":
             return splitk_red_chunk(self.block_m, self.block_n, self.num_warps)
         return max(1, min(16, 64 * 32 * self.num_warps // (self.block_m * self.block_n)))
