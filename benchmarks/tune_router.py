@@ -143,7 +143,7 @@ def _balanced_tc(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
     for bn, bk, warps, stages in ((32, 64, 4, 6), (32, 128, 4, 4), (16, 128, 2, 4), (16, 64, 2, 6)):
         tiles = math.ceil(m / bm) * math.ceil(n / bn)
         for per_sm in (1, 2, 3):
-            split = round(per_sm * sms / tiles)
+            split = min(256, round(per_sm * sms / tiles))
             if split < 2:
                 continue
             eff = launch_shape(m, n, k, bm, bn, bk, split)[1]
@@ -303,7 +303,8 @@ def compile_only() -> int:
     worst = 0
     for i, (bm, bn, bk, split, even, terms, warps, stages, w_fp32) in enumerate(sorted(combos)):
         cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "fp32-tc" if w_fp32 else "triton")
-        # PDL and PREFETCH_W: the build an H200 launches (router_gemm's default)
+        # PDL and PREFETCH_W: the build an H200 launches (router_gemm's default); RED_CHUNK uncapped, the largest
+        # the launcher uses for this tile (it caps it at the split count rounded up to a power of two)
         ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False,
                   RED_CHUNK=cfg.red_chunk(), PDL=True, PREFETCH_W=True, W_FP32=w_fp32)
         sig_w = {**sig, "p_whi": "*fp32", "p_wlo": "*fp32", "p_wlo2": "*fp32"} if w_fp32 else sig

@@ -15,12 +15,16 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import evenflow
+from evenflow._runtime import dot_needs_fp32
 from evenflow.reference import router as R
 from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
 from evenflow.router.gemm import split_weight
+from evenflow.router.kernels import _split_in_registers
 from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
 from tests_support_router import router_inputs, run_fp32_config
 
@@ -158,6 +162,34 @@ def _tie_weights(n, k, device):
     return w.to(device)
 
 
+@triton.jit
+def _split_probe(p_w, p_hi, p_lo, p_lo2, N: tl.constexpr, NUM_TERMS: tl.constexpr, INTERPRET: tl.constexpr):
+    o = tl.arange(0, N)
+    hi, lo, lo2 = _split_in_registers(tl.load(p_w + o), NUM_TERMS, INTERPRET)
+    tl.store(p_hi + o, hi)
+    tl.store(p_lo + o, lo)
+    tl.store(p_lo2 + o, lo2)
+
+
+@pytest.mark.parametrize("terms", [3, 2])
+def test_fp32_tc_split_parts_are_split_weights(device, terms):
+    # The split's own parts, bit for bit, against split_weight's (torch's casts, nearest even) with the low terms
+    # scaled by 2^-8 / 2^-16 (exact in bf16 here): every tie pattern of _tie_weights included, where a product
+    # test cannot see which way a tie went (w - hi is exact in bf16 at a high-part tie, so hi + lo/256 is w either
+    # way). The interpreter runs the integer rounding, a GPU the inline PTX.
+    w = _tie_weights(64, 128, device).reshape(-1)
+    n = w.numel()
+    got = [torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16) for _ in range(3)]
+    _split_probe[(1,)](w, *got, N=n, NUM_TERMS=terms, INTERPRET=dot_needs_fp32())  # True in the interpreter
+    want = split_weight(w, terms)
+    assert torch.equal(got[0], want[0]), "hi"
+    assert torch.equal(got[1], (want[1].float() * 2.0**-8).to(torch.bfloat16)), "lo"
+    if terms == 3:
+        assert torch.equal(got[2], (want[2].float() * 2.0**-16).to(torch.bfloat16)), "lo2"
+    else:
+        assert torch.equal(got[2], got[1])
+
+
 @pytest.mark.parametrize("terms", [3, 2])
 def test_fp32_tc_split_in_registers_is_exact(device, terms):
     # x = the identity: out[i, n] is then w[n, i] through the split alone (one nonzero product a sum), so it
@@ -176,6 +208,11 @@ def test_fp32_tc_split_in_registers_is_exact(device, terms):
             want = (hi.float() + lo.float() / 256).t()
         bad = (out != want).sum().item()
         assert bad == 0, f"{cfg}: {bad} of {out.numel()} weights not reproduced by the in-register split"
+    # and with random x, bit for bit the stored split's kernel at the same config
+    xr = torch.randn(20, k, device=device).to(torch.bfloat16)
+    for cfg in (GemmConfig(16, 16, 32, 3, 4, 1, "fp32-tc"), GemmConfig(32, 32, 64, 1, 4, 1, "fp32-tc")):
+        assert torch.equal(evenflow.router_gemm(xr, rw, config=cfg),
+                           evenflow.router_gemm(xr, rw, config=replace(cfg, path="triton"))), cfg
 
 
 @pytest.mark.parametrize("warps,chunk,splits", [(2, 8, 8), (2, 8, 11), (2, 8, 19), (4, 16, 16), (4, 16, 23),

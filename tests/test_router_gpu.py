@@ -109,6 +109,7 @@ def test_fp32_tc_is_the_stored_split_bit_for_bit(terms):
             bound = ((2.0**-17 if terms == 2 else 0.0) + (k + 2) * 2.0**-24) * mag
             assert err.max().item() <= 1e-4 and bool((err <= bound).all()), f"{cfg} M{m} N{n} K{k}: {err.max():.2e}"
 
+
 def _simt_configs():
     mod = load_tuner()
     return sorted({c for m in (1, 4, 16, 64) for c in mod.simt_candidates(m)}, key=str)

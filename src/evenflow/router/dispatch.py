@@ -20,8 +20,8 @@ weight read instead of 2 per term; round AH), ``torch-fp32`` (cuBLAS FP32 on the
 ``torch-split2`` (two or three torch bf16 products of the split, one per term) — the last
 two are "plain paths" kept for shapes where the tuner measured them faster.
 Batch-invariant mode uses one config per (K, N) for every M and never a plain path
-(cuBLAS picks its own kernels by M); ``triton`` and ``fp32-splitk`` qualify (with a fixed
-config, a row's arithmetic depends neither on M nor on the other rows).
+(cuBLAS picks its own kernels by M); ``triton``, ``fp32-tc`` and ``fp32-splitk`` qualify (with a
+fixed config, a row's arithmetic depends neither on M nor on the other rows).
 """
 from __future__ import annotations
 
@@ -162,7 +162,8 @@ class GemmConfig:
         registers a thread (each partial in flight holds BLOCK_M x BLOCK_N fp32 over the program's threads).
         Until round AH at most 8 (and counted for 4 warps): 16 x 32 tiles at 9-16 splits, the M = 16 kind,
         paid a second dependent L2 round trip. The order of the sum, and so its bits, does not depend on it.
-        The launcher caps it at the split count rounded up to a power of two (no masked-off loads to carry)."""
+        The launcher caps it at the split count rounded up to a power of two (8 splits: 8, not 16 with eight
+        masked-off loads; 11 splits still take 16)."""
         if self.path == "fp32-splitk":
             return splitk_red_chunk(self.block_m, self.block_n, self.num_warps)
         return max(1, min(16, 64 * 32 * self.num_warps // (self.block_m * self.block_n)))

@@ -207,7 +207,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         x.stride(0), w_hi.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
-        # never more partials a round trip than there are splits (AH5: 16 for 8 splits read 1% slower than 8)
+        # at most the split count rounded up to a power of two (AH5: 16 for 8 splits read 1% slower than 8)
         RED_CHUNK=min(GemmConfig(block_m, block_n, block_k, num_warps=num_warps).red_chunk(),
                       triton.next_power_of_2(split)),
         PREFETCH_W=prefetch_w, W_FP32=w_fp32,
@@ -294,8 +294,8 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     """fp32 ``x @ w^T`` from bf16 ``x [M, K]`` and a split fp32 weight ``w [N, K]``: fp32 ``[M, N]``.
 
     ``batch_invariant``: row i is bitwise the same whatever M is and whatever the other
-    rows hold (one fixed config, fixed K split, no float atomics; paths ``triton`` and
-    ``fp32-splitk``).
+    rows hold (one fixed config, fixed K split, no float atomics; paths ``triton``, ``fp32-tc``
+    and ``fp32-splitk``).
     ``config``: force a launch configuration (tests, tuning); otherwise the dispatch table.
     ``pdl``: launch the kernel with programmatic dependent launch (it waits at its top for the
     kernel ahead, so its launch overlaps that kernel's end; results are the same bits). None

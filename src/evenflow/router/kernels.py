@@ -107,8 +107,11 @@ def _bf16_and_rest(x):
 def _split_in_registers(w, NUM_TERMS: tl.constexpr, INTERPRET: tl.constexpr):
     """bf16 (hi, lo, lo2) of an fp32 weight tile: ``split_weight``'s parts with lo scaled by 2^-8 and lo2 by
     2^-16 (lo2 = lo when NUM_TERMS == 2). Every step but the roundings is exact, and a power-of-two scale
-    commutes with them (bf16 has fp32's exponent range), so the products and their fp32 sums are the stored
-    split's times 2^-8 / 2^-16, bit for bit; the caller leaves out the epilogue's 1/256 factors."""
+    commutes with them while the values stay in fp32's normal range (bf16 has fp32's exponent range), so the
+    products and their fp32 sums are the stored split's times 2^-8 / 2^-16, bit for bit, for weights whose
+    remainders stay normal (|w| above ~2^-100: a router weight is ~1e-2; far below, the low terms reach the
+    subnormals and the two splits can differ in their last bits); the caller leaves out the epilogue's 1/256
+    factors. INTERPRET: the integer rounding (the interpreter runs no PTX, and its casts truncate)."""
     if INTERPRET:
         hi_f = _round_bf16(w)
         r = w - hi_f  # exact
@@ -126,6 +129,7 @@ def _split_in_registers(w, NUM_TERMS: tl.constexpr, INTERPRET: tl.constexpr):
             lo2 = r2.to(tl.bfloat16)  # packed pairs: nothing widens it again
     return hi, lo, lo2
 
+
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
 def router_gemm_kernel(
     p_x, p_whi, p_wlo, p_wlo2, p_out, p_part, p_count,
@@ -142,8 +146,9 @@ def router_gemm_kernel(
     even, the same exact fp32 steps; the low terms scaled by powers of two, which the epilogue
     leaves out), so the output is the same bits as the stored split's at the same config, for 4
     bytes a weight read instead of 2 x NUM_TERMS (docs/perf-notes/router.md, round AH). DOT_F32 is
-    True exactly when the interpreter runs the kernel; the split then takes integer rounding
-    instead of the inline PTX.
+    True when the interpreter runs the kernel; the split then takes integer rounding instead of the
+    inline PTX. (Launches recorded for an emulated GPU, ``_compile_check.emulate_gpu``, carry False,
+    as a GPU's do: they are compiled, not run; run in the interpreter they would reach the PTX.)
     """
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PREFETCH_W:
