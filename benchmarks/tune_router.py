@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import evenflow  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 from evenflow.reference import router as R  # noqa: E402
-from evenflow.router.dispatch import KERNEL_PATHS, LAUNCHES, GemmConfig  # noqa: E402
+from evenflow.router.dispatch import KERNEL_PATHS, LAUNCHES, SPLIT_K_PATHS, GemmConfig  # noqa: E402
 from evenflow.testing import error_bound  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
@@ -304,7 +304,7 @@ def compile_only() -> int:
     for i, (bm, bn, bk, split, even, terms, warps, stages, w_fp32) in enumerate(sorted(combos)):
         cfg = GemmConfig(bm, bn, bk, 1, warps, stages, "fp32-tc" if w_fp32 else "triton")
         # PDL and PREFETCH_W: the build an H200 launches (router_gemm's default); RED_CHUNK uncapped, the largest
-        # the launcher uses for this tile (it caps it at the split count rounded up to a power of two)
+        # the launcher uses for this tile (red_chunk(split) caps it at the split count rounded up to a power of two)
         ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_SPLIT=split, EVEN_K=even, NUM_TERMS=terms, DOT_F32=False,
                   RED_CHUNK=cfg.red_chunk(), PDL=True, PREFETCH_W=True, W_FP32=w_fp32)
         sig_w = {**sig, "p_whi": "*fp32", "p_wlo": "*fp32", "p_wlo2": "*fp32"} if w_fp32 else sig
@@ -505,7 +505,7 @@ def main() -> int:
             for cfg in cands:
                 # Over this bucket's share: no more kernel configs (best-first order, so the
                 # likely winners were timed); the plain paths (last) are always timed.
-                if (cfg.path in ("triton", "fp32-tc", "fp32-splitk") and cfg != incumbent and best is not None
+                if (cfg.path in SPLIT_K_PATHS and cfg != incumbent and best is not None
                         and time.time() - t_bucket > share):
                     skipped += 1
                     continue

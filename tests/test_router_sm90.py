@@ -53,6 +53,9 @@ def test_red_chunk_bounds_registers():
     assert GemmConfig(64, 64, 64).red_chunk() == 2
     assert GemmConfig(128, 64, 64, num_warps=8).red_chunk() == 2
     assert GemmConfig(128, 128, 64).red_chunk() == 1
+    # a launch's split count caps it at its next power of two (round AH5)
+    assert [GemmConfig(16, 32, 128).red_chunk(s) for s in (1, 2, 3, 8, 11, 16, 40)] == [1, 2, 4, 8, 16, 16, 16]
+    assert GemmConfig(64, 64, 64).red_chunk(16) == 2
     for c in (GemmConfig(bm, bn, 64, num_warps=w) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128)
               for w in (2, 4, 8)):
         assert 1 <= c.red_chunk() <= 16

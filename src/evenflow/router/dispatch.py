@@ -41,6 +41,8 @@ PATHS = ("triton", "fp32-tc", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-s
 TC_PATHS = ("triton", "fp32-tc")
 # Paths that launch a kernel of ours (the others are cuBLAS): launch modes, config checks, tuning.
 KERNEL_PATHS = ("triton", "fp32-tc", "fp32-simt", "fp32-splitk")
+# Paths whose kernels pipeline K through shared memory and may split it (a split-K workspace).
+SPLIT_K_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # How a kernel of ours is launched (round AD, docs/perf-notes/router.md): "plain"; "pdl", with programmatic
 # dependent launch (it waits at its top for the kernel ahead, its launch overlapping that kernel's end);
 # "pdl-prefetch", the same with the first row tile's programs asking L2 for the weight lines before the
@@ -148,7 +150,7 @@ class GemmConfig:
         Raises ValueError when even one stage does not fit (the tile itself is too big).
         Plain paths and fp32-simt are returned unchanged.
         """
-        if self.path not in ("triton", "fp32-tc", "fp32-splitk"):
+        if self.path not in SPLIT_K_PATHS:
             return self
         if self.smem_bytes(terms, 1) > limit:
             raise ValueError(
@@ -157,20 +159,21 @@ class GemmConfig:
         stages = min(self.num_stages, (limit - self._staging_bytes()) // self.stage_bytes(terms))
         return self if stages == self.num_stages else replace(self, num_stages=stages)
 
-    def red_chunk(self) -> int:
+    def red_chunk(self, splits: int | None = None) -> int:
         """Split-K partials the last program loads per round trip: up to 16, as many as keep them within 64
         registers a thread (each partial in flight holds BLOCK_M x BLOCK_N fp32 over the program's threads).
         Until round AH at most 8 (and counted for 4 warps): 16 x 32 tiles at 9-16 splits, the M = 16 kind,
         paid a second dependent L2 round trip. The order of the sum, and so its bits, does not depend on it.
-        The launcher caps it at the split count rounded up to a power of two (8 splits: 8, not 16 with eight
-        masked-off loads; 11 splits still take 16)."""
+        ``splits`` (a launch's effective split count) caps it at that count rounded up to a power of two (8
+        splits: 8, not 16 with eight masked-off loads, 1% faster in round AH5; 11 splits still take 16)."""
         if self.path == "fp32-splitk":
             return splitk_red_chunk(self.block_m, self.block_n, self.num_warps)
-        return max(1, min(16, 64 * 32 * self.num_warps // (self.block_m * self.block_n)))
+        chunk = max(1, min(16, 64 * 32 * self.num_warps // (self.block_m * self.block_n)))
+        return chunk if splits is None else min(chunk, 1 << max(0, splits - 1).bit_length())
 
     def workspace_sizes(self, m: int, n: int, k: int) -> tuple[int, int]:
         """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K."""
-        if self.path not in ("triton", "fp32-tc", "fp32-splitk"):
+        if self.path not in SPLIT_K_PATHS:
             return 0, 0
         k_split = _cdiv(_cdiv(k, self.split_k), self.block_k) * self.block_k
         split = _cdiv(k, k_split)
