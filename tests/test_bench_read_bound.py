@@ -26,13 +26,13 @@ bm = sys.modules.get("bench_moe") or _load("moe", "bench_moe")
 
 @pytest.mark.parametrize("shape", rb.SHAPES, ids=[s[0] for s in rb.SHAPES])
 @pytest.mark.parametrize("n", [1, 4095, 2 * 4096 + 17, 3 * 16384 + 5])
-def test_read_kernel_sums_every_element_once(shape, n):
+def test_read_kernel_sums_every_element_once(shape, n, device):
     sms = 2
     g = torch.Generator().manual_seed(n)
     # values small enough that no partial overflows int32 (the GPU wraps; the interpreter raises)
-    buf = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int32, generator=g)
+    buf = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int32, generator=g).to(device)
     grid = rb.read_grid(n, shape[1], shape[2], sms)
-    out = torch.full((grid + 3,), 12345, dtype=torch.int32)
+    out = torch.full((grid + 3,), 12345, dtype=torch.int32, device=device)
     rb.launch_read(buf, out, shape, False, sms)
     assert int(out[:grid].long().sum()) == int(buf.long().sum())
     assert out[grid:].tolist() == [12345] * 3, "a program past the grid wrote"
