@@ -269,7 +269,8 @@ def test_cuda_graph_fast_accum(fmt, accum):
 
 
 @pytest.mark.parametrize("t,k,e,ep,bm", [(1024, 8, 128, 0, 64), (4096, 8, 128, 0, 64), (512, 16, 512, 0, 16),
-                                         (1024, 8, 24, 3, 32), (7, 8, 128, 0, 16), (16384, 8, 128, 0, 128)])
+                                         (1024, 8, 24, 3, 32), (7, 8, 128, 0, 16), (16384, 8, 128, 0, 128),
+                                         (512, 8, 192, 0, 16), (300, 8, 128, 0, 16)])
 @pytest.mark.parametrize("multi_program", [None, False, True])
 def test_index_real_sizes(t, k, e, ep, bm, multi_program):
     ranks = 8 if ep else 1

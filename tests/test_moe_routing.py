@@ -73,6 +73,26 @@ def test_index_multi_program_many_chunks(device):
         assert_exact(x, y, name)
 
 
+@pytest.mark.parametrize("chunk", [128, 256, 384])
+def test_index_chunk_sizes_agree(device, chunk):
+    # 700 pairs in chunks of 128 (6, the last partial), 256 or 384: the same index as one program, exactly
+    g = torch.Generator().manual_seed(5)
+    ids = torch.multinomial(torch.linspace(1, 6, 20), 700, replacement=True, generator=g)
+    ids = ids.view(140, 5).to(torch.int32).to(device)
+    a = build_moe_index(ids, 10, 1, 16, multi_program=False)
+    b = build_moe_index(ids, 10, 1, 16, multi_program=True, chunk=chunk)
+    for x, y, name in zip(a[:5], b[:5], ("counts", "offsets", "sorted_pairs", "tile_expert", "tile_row")):
+        assert_exact(x, y, name)
+    check_index(ids, 10, 1, 16, True)
+
+
+@pytest.mark.parametrize("chunk,err", [(64, ValueError), (200, ValueError), (0, ValueError), (128.0, TypeError)])
+def test_index_rejects_a_bad_chunk(device, chunk, err):
+    ids = torch.randint(0, 8, (30, 3), dtype=torch.int32, device=device)
+    with pytest.raises(err, match="chunk"):
+        build_moe_index(ids, 8, 0, 16, multi_program=True, chunk=chunk)
+
+
 def test_index_multi_program_zeroes_workspace(device):
     zero = torch.full((37,), 5, dtype=torch.int32, device=device)
     build_moe_index(torch.randint(0, 8, (30, 3), dtype=torch.int32, device=device), 8, 0, 16, zero=zero,

@@ -24,6 +24,10 @@ MAX_TOP_K = 16
 MULTI_PROGRAM_PAIRS = 256
 _CHUNK = 256
 _BLOCK = 128  # pairs per step of a program (= 32 * num_warps), and tiles per task-map step
+# Up to SMALL_CHUNK_PAIRS pairs the chunks are _BLOCK pairs, one scatter step a program (round AI: each step
+# is a serial chain of global loads, histogram, sort and gather); past it _CHUNK, so the place kernel's sum
+# over every chunk's histogram stays one load step
+SMALL_CHUNK_PAIRS = 4096
 # the chunk kernels walk whole _BLOCK steps and mask only the total pair count, not the chunk end
 assert _CHUNK % _BLOCK == 0
 
@@ -50,7 +54,7 @@ def max_tiles(num_pairs: int, num_local: int, block_m: int) -> int:
 
 def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int = 0,
                     block_m: int = 16, zero: torch.Tensor | None = None,
-                    multi_program: bool | None = None, pdl: bool = False) -> MoEIndex:
+                    multi_program: bool | None = None, pdl: bool = False, chunk: int | None = None) -> MoEIndex:
     """Lay out the (token, slot) pairs routed to this rank's experts by expert.
 
     ``topk_ids`` [T, k] int32/int64 global expert ids; this rank owns experts
@@ -60,7 +64,9 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     split-K and activation-group counters), saving a memset launch. ``multi_program`` forces the one-program
     (False) or the two-launch (True) build; by default the size decides
     (``MULTI_PROGRAM_PAIRS``). Both give identical results. ``pdl``: launch with
-    programmatic dependent launch (see :func:`evenflow.moe.fused.fused_moe`).
+    programmatic dependent launch (see :func:`evenflow.moe.fused.fused_moe`). ``chunk``: pairs a
+    program of the two-launch build handles, a multiple of 128 (default: 128 up to
+    ``SMALL_CHUNK_PAIRS`` pairs, else 256); any chunk gives the same index.
     """
     check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
     check_int("num_local_experts", num_local_experts, 1, MAX_EXPERTS)
@@ -73,6 +79,11 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     if zero is not None:
         check_tensor("zero", zero, dtypes=[torch.int32], contiguous=True, device=dev)
     num_pairs = topk_ids.numel()
+    if chunk is None:
+        chunk = _BLOCK if num_pairs <= SMALL_CHUNK_PAIRS else _CHUNK
+    check_int("chunk", chunk, _BLOCK)
+    if chunk % _BLOCK:
+        raise ValueError(f"chunk must be a multiple of {_BLOCK}, got {chunk}")
     n_tiles = max_tiles(num_pairs, num_local_experts, block_m)
     counts = torch.empty(num_local_experts, dtype=torch.int32, device=dev)
     offsets = torch.empty(num_local_experts + 1, dtype=torch.int32, device=dev)
@@ -94,15 +105,15 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
             E_PAD=e_pad, BLOCK_P=_BLOCK, BLOCK_T=_BLOCK, BLOCK_M=block_m, num_warps=4, **pdl_kwargs(pdl),
         )
     else:
-        chunks = triton.cdiv(num_pairs, _CHUNK)
+        chunks = triton.cdiv(num_pairs, chunk)
         hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
         moe_index_hist_kernel[(chunks,)](topk_ids, hist, zero_buf, num_pairs, e_first, num_local_experts, num_zero,
-                                         E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=_CHUNK, num_warps=4,
+                                         E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=chunk, num_warps=4,
                                          **pdl_kwargs(pdl))
         moe_index_place_kernel[(chunks,)](
             topk_ids, hist, counts, offsets, sorted_pairs, tile_expert, tile_row,
             num_pairs, chunks, e_first, num_local_experts, n_tiles,
-            E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=_CHUNK, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=_BLOCK,
+            E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=chunk, BLOCK_C=max(1, 8192 // e_pad), BLOCK_T=_BLOCK,
             BLOCK_M=block_m, num_warps=4, **pdl_kwargs(pdl),
         )
     return MoEIndex(counts, offsets, sorted_pairs, tile_expert, tile_row, block_m)
