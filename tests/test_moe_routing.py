@@ -45,9 +45,9 @@ def check_index(ids, e_local, ep_rank, block_m, multi_program=None):
     (33, 4, 4, 32),     # > 2 blocks of 64 pairs: running cursors across blocks
     (50, 2, 3, 64),
     (4, 16, 512, 16),   # E = 512 (histogram of 1024 bins), top-k 16
-    (4, 8, 128, 16),    # 32 pairs: the largest one-warp build (SMALL_INDEX_PAIRS)
-    (33, 1, 192, 16),   # 33 pairs: the smallest four-warp one-program build
-    (3, 7, 5, 16),      # 21 pairs on 5 experts, one warp, several pairs a tile
+    (4, 8, 128, 16),    # 32 pairs: a decode step of 4 tokens at top-8
+    (33, 1, 192, 16),   # 33 pairs on 192 experts: one past a 32-pair block
+    (3, 7, 5, 16),      # 21 pairs on 5 experts, several pairs a tile
 ])
 @pytest.mark.parametrize("multi_program", [False, True])
 def test_index_matches_reference(device, t, k, e, block_m, multi_program):

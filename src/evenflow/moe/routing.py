@@ -28,10 +28,6 @@ _BLOCK = 128  # pairs per step of a program (= 32 * num_warps), and tiles per ta
 # is a serial chain of global loads, histogram, sort and gather); past it _CHUNK, so the place kernel's sum
 # over every chunk's histogram stays one load step
 SMALL_CHUNK_PAIRS = 4096
-# Up to SMALL_INDEX_PAIRS pairs (T <= 4 at top-8) the one-program build runs on one warp, 32 pairs a step: its
-# histograms, sort and scans are then shuffles inside the warp, not rounds of shared memory between barriers
-# (round AI); past it, four warps and 128 pairs a step
-SMALL_INDEX_PAIRS = 32
 # the chunk kernels walk whole _BLOCK steps and mask only the total pair count, not the chunk end
 assert _CHUNK % _BLOCK == 0
 
@@ -94,9 +90,8 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     sorted_pairs = torch.empty(num_pairs, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=dev)
-    # 4 warps (1 for the smallest one-program builds); every histogram input ([BLOCK_P] pair ids, 32 a warp;
-    # [E_PAD] tile ends, >= 128) has at least one element a thread, so no element is replicated across threads;
-    # tile-end histograms have BLOCK_T bins.
+    # 4 warps; every histogram input ([BLOCK_P] pair ids, [E_PAD] tile ends) has >= 128 elements
+    # so no element is replicated across threads; tile-end histograms have BLOCK_T bins.
     e_pad = max(_BLOCK, triton.next_power_of_2(num_local_experts))
     zero_buf = zero if zero is not None else counts
     num_zero = 0 if zero is None else zero.numel()
@@ -104,11 +99,10 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     if multi_program is None:
         multi_program = num_pairs > MULTI_PROGRAM_PAIRS
     if not multi_program or num_pairs == 0:
-        warps = 1 if num_pairs <= SMALL_INDEX_PAIRS else 4
         moe_index_kernel[(1,)](
             topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, zero_buf,
             num_pairs, e_first, num_local_experts, n_tiles, num_zero,
-            E_PAD=e_pad, BLOCK_P=32 * warps, BLOCK_T=_BLOCK, BLOCK_M=block_m, num_warps=warps, **pdl_kwargs(pdl),
+            E_PAD=e_pad, BLOCK_P=_BLOCK, BLOCK_T=_BLOCK, BLOCK_M=block_m, num_warps=4, **pdl_kwargs(pdl),
         )
     else:
         chunks = triton.cdiv(num_pairs, chunk)
