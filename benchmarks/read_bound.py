@@ -1,6 +1,6 @@
-"""Read bound: the share of its floor a point can reach at all, measured on the point's own bytes.
+"""Read bound: the share of its floor the simplest read of a point's own bytes reaches, as a bound on targets.
 
-    python benchmarks/read_bound.py [--quick] [--from DIR] [--ops moe,decode] [--out DIR]
+    python benchmarks/read_bound.py [--quick] [--from DIR] [--ops moe,decode] [--out DIR] [--no-plot]
 
 A ``frac_of_floor`` target asks for a time near bytes / copy bandwidth. At a few MB that time is a few
 microseconds, and a kernel launch, the first DRAM round trip and the ramp of the memory system to full
@@ -20,9 +20,11 @@ that does nothing but read the floor's bytes once takes:
 
 ``read-once`` rows: that time, this run's floor for the same bytes, and ``frac_of_floor`` = floor /
 time: the most of the floor a kernel that reads the point's bytes once, launched in either way, reached
-in this run. A target above it is out of reach for the point, unless a kernel reads memory faster than
+in this run. A target above it is out of reach for the point unless some kernel reads memory faster than
 these (BENCH.md: plain Triton streaming reads reach 4.3-4.6 TB/s against a 4.2-4.3 copy) or reads
-before the kernel ahead ends (which an operator whose addresses come from that kernel cannot).
+before the kernel ahead ends (which an operator whose addresses come from that kernel cannot); it is
+a measured bound, not a proof. The floor counts output bytes written too, which the read kernel reads
+instead (the same count).
 MoE rows also get ``read-chain2``: the same bytes read by two kernels chained under PDL, 2/3 then
 1/3 (an expert's gate-up and down weights), the second waiting for the first, as a layer's down GEMM
 waits for its activations. Every row carries the source file's ``evenflow`` figure
@@ -39,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from evenflow._checks import check_tensor
 from evenflow._kernels.common import pdl_enter
-from evenflow._runtime import num_sms, pdl_kwargs
+from evenflow._runtime import num_sms, pdl_kwargs, pdl_supported
 from evenflow.bench import harness as H
 
 # a point is (op, case, variant, batch or None, bytes, copies, record frac, record source digest)
@@ -62,8 +65,9 @@ def read_sum_kernel(p_buf, p_out, n, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
     pid = tl.program_id(0)
     o = tl.arange(0, BLOCK)
     if STRIDED:
+        # int64 offsets: the last step past n must not wrap (the launcher also bounds n + grid * BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        for start in range(pid.to(tl.int64) * BLOCK, n, tl.num_programs(0) * BLOCK):
             acc += tl.load(p_buf + start + o, mask=start + o < n, other=0)
         tl.store(p_out + pid, tl.sum(acc, axis=0))
     else:
@@ -72,32 +76,49 @@ def read_sum_kernel(p_buf, p_out, n, BLOCK: tl.constexpr, STRIDED: tl.constexpr,
 
 
 def read_grid(n: int, block: int, per_sm: int, sms: int) -> int:
-    """Programs of one read of ``n`` elements: one a block, or ``per_sm`` an SM (never more than blocks)."""
+    """Programs of one read of ``n`` >= 1 elements: one a block, or ``per_sm`` an SM, never more than blocks."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
     blocks = triton.cdiv(n, block)
-    return blocks if per_sm == 0 else max(1, min(blocks, per_sm * sms))
+    return blocks if per_sm == 0 else min(blocks, per_sm * sms)
+
+
+def check_int32_offsets(n: int, grid: int, block: int) -> None:
+    """The block kernel's offsets are int32 (pid * BLOCK + arange): n plus a grid's step must fit."""
+    if n + grid * block > 2**31 - 1:
+        raise ValueError(f"buf: {n} int32 elements; at most 2^31 - 1 - {grid * block} with this shape")
 
 
 def launch_read(buf: torch.Tensor, out: torch.Tensor, shape: tuple, pdl: bool, sms: int) -> None:
-    """One read of all of ``buf`` (int32, contiguous) with ``shape`` from SHAPES; partials into ``out``."""
+    """One read of all of ``buf`` (int32, 1-D, contiguous) with ``shape`` from SHAPES; partials into ``out``."""
+    check_tensor("buf", buf, dtypes=[torch.int32], ndim=1, contiguous=True)
+    check_tensor("out", out, dtypes=[torch.int32], ndim=1, contiguous=True, device=buf.device)
     _, block, per_sm, warps = shape
     n = buf.numel()
-    if n >= 2**31 - 2 * block:
-        raise ValueError(f"buf: {n} int32 elements, at most 2^31 - {2 * block} (int32 offsets)")
     grid = read_grid(n, block, per_sm, sms)
+    check_int32_offsets(n, grid, block)
     if out.numel() < grid:
         raise ValueError(f"out: {out.numel()} partials for a grid of {grid}")
     read_sum_kernel[(grid,)](buf, out, n, BLOCK=block, STRIDED=per_sm > 0, num_warps=warps, **pdl_kwargs(pdl))
 
 
-def _moe_compute_us(row: dict, case, ceilings: dict) -> float:
-    rate = ceilings["bf16_TFLOPs" if row["variant"] == "bf16" else "fp8_TFLOPs"]
-    return 6 * case.hidden * case.inter * row["mean_local_pairs"] / (rate * 1e12) * 1e6
+def _field(row: dict, key: str, where: str):
+    if row.get(key) is None:
+        what = "/".join(str(row.get(k)) for k in ("case", "variant", "batch") if k in row)
+        raise ValueError(f"{where}: row {what} has no {key!r}")
+    return row[key]
 
 
 def points_from_results(results_dir: Path, ops=OPS, moe_cases: dict | None = None) -> list[dict]:
     """The ``evenflow`` rows of the result files to bound (see the module docstring), as dicts with
     op, case, variant, batch, bytes, copies, record_frac, record_sha; compute-bound MoE rows get
-    ``skip`` (why) instead of being timed."""
+    ``skip`` (why) and ``bytes`` None instead of being timed. ``moe_cases``: the MoE benchmark's cases
+    (``benchmarks/moe.py``'s CASES), required with "moe" in ``ops``."""
+    bad = [o for o in ops if o not in OPS]
+    if bad:
+        raise ValueError(f"ops: unknown {bad}; choose from {OPS}")
+    if "moe" in ops and not moe_cases:
+        raise ValueError("moe_cases: the MoE benchmark's cases are needed to tell compute-bound MoE rows apart")
     pts = []
     if "decode" in ops:
         data = json.loads((results_dir / DECODE_FILE).read_text())
@@ -105,7 +126,7 @@ def points_from_results(results_dir: Path, ops=OPS, moe_cases: dict | None = Non
             if r.get("impl") != "evenflow" or "us" not in r:
                 continue
             pts.append(dict(op="decode", case=r["case"], variant=r["variant"], batch=None,
-                            bytes=int(r["floor_bytes"]), copies=int(r.get("rotations", 1)),
+                            bytes=int(_field(r, "floor_bytes", DECODE_FILE)), copies=int(r.get("rotations", 1)),
                             record_frac=r["frac_of_floor"], record_sha=data["header"].get("source_sha1")))
     if "moe" in ops:
         data = json.loads((results_dir / MOE_FILE).read_text())
@@ -113,14 +134,19 @@ def points_from_results(results_dir: Path, ops=OPS, moe_cases: dict | None = Non
         for r in data["rows"]:
             if r.get("impl") != "evenflow" or "us" not in r:
                 continue
-            pt = dict(op="moe", case=r["case"], variant=r["variant"], batch=int(r["batch"]),
-                      bytes=int(round(r["floor_us"] * ceil["copy_TBps"] * 1e6)), copies=int(r.get("rotated", 1)),
-                      record_frac=r["frac_of_floor"], record_sha=data["header"].get("source_sha1"))
-            case = (moe_cases or {}).get(r["case"])
+            floor = _field(r, "floor_us", MOE_FILE)
+            pt = dict(op="moe", case=r["case"], variant=r["variant"], batch=int(_field(r, "batch", MOE_FILE)),
+                      bytes=int(round(floor * _field(ceil, "copy_TBps", MOE_FILE + " ceilings") * 1e6)),
+                      copies=int(r.get("rotated", 1)), record_frac=r["frac_of_floor"],
+                      record_sha=data["header"].get("source_sha1"))
+            case = moe_cases.get(r["case"])
             if case is None:
                 raise ValueError(f"{MOE_FILE}: case {r['case']!r} not among the MoE benchmark's cases")
-            if _moe_compute_us(r, case, ceil) >= 0.999 * r["floor_us"]:
+            rate = _field(ceil, "bf16_TFLOPs" if r["variant"] == "bf16" else "fp8_TFLOPs", MOE_FILE + " ceilings")
+            flops_us = 6 * case.hidden * case.inter * _field(r, "mean_local_pairs", MOE_FILE) / (rate * 1e12) * 1e6
+            if flops_us >= 0.999 * floor:  # the floor is a FLOP time there: no bytes to read
                 pt["skip"] = "compute-bound floor (FLOPs at the matmul rate), no read bound"
+                pt["bytes"] = None
             pts.append(pt)
     return pts
 
@@ -130,21 +156,22 @@ def _buffers(nbytes: int, copies: int, device) -> list[torch.Tensor]:
     return [torch.ones(n, dtype=torch.int32, device=device) for _ in range(copies)]
 
 
-def time_read(bufs: list[torch.Tensor], shapes, sms: int) -> tuple[float, str]:
-    """(µs, shape/launch) of the fastest single-kernel read of each of ``bufs`` in turn (graph replay)."""
+def time_read(bufs: list[torch.Tensor], shapes, sms: int, pdls=(False, True)) -> tuple[float, str]:
+    """(µs, shape/launch) of the fastest single-kernel read of each of ``bufs`` in turn (graph replay), over
+    ``shapes`` and the launches ``pdls`` (PDL only where the GPU has it)."""
     out = torch.empty(max(read_grid(bufs[0].numel(), s[1], s[2], sms) for s in shapes), dtype=torch.int32,
                       device=bufs[0].device)
     best = (math.inf, "")
     for shape in shapes:
-        for pdl in (False, True):
+        for pdl in pdls:
             us = H.time_graph([lambda b=b: launch_read(b, out, shape, pdl, sms) for b in bufs])
             best = min(best, (us, f"{shape[0]} {'pdl' if pdl else 'plain'}"))
     return best
 
 
-def time_chain(bufs: list[torch.Tensor], shapes, sms: int) -> tuple[float, str]:
-    """(µs, shape) of the fastest two-kernel read under PDL: each copy's first CHAIN_SPLIT, then the
-    rest, the second kernel waiting for the first."""
+def time_chain(bufs: list[torch.Tensor], shapes, sms: int, pdl: bool = True) -> tuple[float, str]:
+    """(µs, shape) of the fastest two-kernel read (under PDL where the GPU has it): each copy's first
+    CHAIN_SPLIT, then the rest, the second kernel waiting for the first."""
     n = bufs[0].numel()
     cut = max(1, min(n - 1, int(n * CHAIN_SPLIT))) if n > 1 else 1
     parts = [(b[:cut], b[cut:] if n > 1 else b) for b in bufs]
@@ -152,20 +179,20 @@ def time_chain(bufs: list[torch.Tensor], shapes, sms: int) -> tuple[float, str]:
     best = (math.inf, "")
     for shape in shapes:
         def call(a, b, shape=shape):
-            launch_read(a, out, shape, True, sms)
-            launch_read(b, out, shape, True, sms)
+            launch_read(a, out, shape, pdl, sms)
+            launch_read(b, out, shape, pdl, sms)
         us = H.time_graph([lambda a=a, b=b: call(a, b) for a, b in parts])
-        best = min(best, (us, f"{shape[0]} pdl"))
+        best = min(best, (us, f"{shape[0]} {'pdl' if pdl else 'plain'}"))
     return best
 
 
-def check_read(sms: int, device) -> None:
-    """Every shape sums a buffer exactly (int32, wrapping) before anything is timed."""
+def check_read(sms: int, device, pdls=(False, True)) -> None:
+    """Every shape and launch sums a buffer exactly before anything is timed."""
     buf = torch.randint(-1000, 1000, (3 * 16384 * sms + 12345,), dtype=torch.int32, device=device)
     want = int(buf.long().sum())
     out = torch.empty(read_grid(buf.numel(), 2048, 0, sms), dtype=torch.int32, device=device)
     for shape in SHAPES:
-        for pdl in (False, True):
+        for pdl in pdls:
             out.zero_()
             launch_read(buf, out, shape, pdl, sms)
             got = int(out[:read_grid(buf.numel(), shape[1], shape[2], sms)].long().sum())
@@ -186,7 +213,7 @@ def plot(rows: list[dict], path: Path) -> None:
             continue
         mb = [r["bytes"] / 1e6 for r in sel]
         ax.scatter(mb, [r["frac_of_floor"] for r in sel], marker="^", color="tab:blue",
-                   label="read-once (this run): the most a point can reach")
+                   label="read-once (this run): the simplest read of the point's bytes")
         ax.scatter(mb, [r["record_frac"] for r in sel], marker="o", facecolors="none", edgecolors="tab:red",
                    label="evenflow (its result file's run)")
         if op == "moe":
@@ -226,15 +253,17 @@ def main(argv=None) -> None:
     dev = torch.device("cuda")
     sms = num_sms(dev)
     shapes = QUICK_SHAPES if p.quick else SHAPES
-    check_read(sms, dev)
+    pdls = (False, True) if pdl_supported(dev) else (False,)
+    check_read(sms, dev, pdls)
     ceil = H.measure_ceilings()
     res = H.Results("read_bound", ceilings=ceil, out=p.out, meta={
         "source_files": {op: f"{src.name}/{MOE_FILE if op == 'moe' else DECODE_FILE}" for op in ops},
         "read": "int32 loads summed in registers; best of " + ", ".join(s[0] for s in shapes)
                 + " x (plain, pdl launch); graph replay cycling the row's copies",
-        "frac_of_floor": "floor (this run's copy_TBps) / read time: the most of the floor the point's bytes "
-                         "allow a kernel launched in these ways"})
-    labels = [f"{pt['op']} {pt['case']} {pt['variant']} {pt['batch'] or ''} {pt['bytes'] / 1e6:.1f} MB" for pt in pts]
+        "frac_of_floor": "floor (this run's copy_TBps) / read time: what the simplest read of the point's "
+                         "bytes reached, launched in these ways"})
+    labels = [f"{pt['op']} {pt['case']} {pt['variant']} {pt['batch'] or ''} "
+              + (f"{pt['bytes'] / 1e6:.1f} MB" if pt["bytes"] else "(skipped)") for pt in pts]
     for i, _ in enumerate(H.progress(labels, "read bound")):
         pt = pts[i]
         common = dict(op=pt["op"], case=pt["case"], variant=pt["variant"],
@@ -246,10 +275,10 @@ def main(argv=None) -> None:
             continue
         fl = H.floor_us(pt["bytes"], ceilings=ceil)
         bufs = _buffers(pt["bytes"], pt["copies"], dev)
-        us, how = time_read(bufs, shapes, sms)
+        us, how = time_read(bufs, shapes, sms, pdls)
         res.add(impl="read-once", us=us, floor_us=fl, read=how, **common)
         if pt["op"] == "moe":
-            us2, how2 = time_chain(bufs, shapes, sms)
+            us2, how2 = time_chain(bufs, shapes, sms, pdl=len(pdls) > 1)
             res.add(impl="read-chain2", us=us2, floor_us=fl, read=how2, **common)
         del bufs
         torch.cuda.empty_cache()

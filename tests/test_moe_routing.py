@@ -63,7 +63,7 @@ def test_index_expert_parallel(device, multi_program):
 
 
 def test_index_multi_program_many_chunks(device):
-    # 700 pairs: 3 chunks of 256 (the last one partial), skewed routing so experts span chunks,
+    # 700 pairs: 6 chunks of 128 by default (the last one partial), skewed routing so experts span chunks,
     # EP rank 1 (half the pairs dropped); the default size rule and both builds agree.
     g = torch.Generator().manual_seed(11)
     ids = torch.multinomial(torch.linspace(1, 6, 20), 700 // 5 * 5, replacement=True, generator=g)

@@ -18,15 +18,15 @@ from evenflow.moe.kernels import moe_index_hist_kernel, moe_index_kernel, moe_in
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
-# Above this many pairs the index is built by two launches of one program per _CHUNK pairs
+# Above this many pairs the index is built by two launches of one program per chunk of pairs
 # (per-chunk counts; per-chunk prefix + scatter + task-map share) instead of one program
 # walking every block in turn (docs/perf-notes/moe.md, round 5).
 MULTI_PROGRAM_PAIRS = 256
 _CHUNK = 256
 _BLOCK = 128  # pairs per step of a program (= 32 * num_warps), and tiles per task-map step
 # Up to SMALL_CHUNK_PAIRS pairs the chunks are _BLOCK pairs, one scatter step a program (round AI: each step
-# is a serial chain of global loads, histogram, sort and gather); past it _CHUNK, so the place kernel's sum
-# over every chunk's histogram stays one load step
+# is a serial chain of global loads, histogram, sort and gather); past it _CHUNK, half the chunks for the place
+# kernel's sum over every chunk's histogram (one load step of 8192 // E_PAD chunks)
 SMALL_CHUNK_PAIRS = 4096
 # the chunk kernels walk whole _BLOCK steps and mask only the total pair count, not the chunk end
 assert _CHUNK % _BLOCK == 0
