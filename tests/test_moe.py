@@ -445,9 +445,6 @@ def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
         ((40, None, False, None, False, ew), "moe_index_kernel"),
         ((40, None, False, False, True, ew), "moe_index_kernel"),
     ]
-    # (pair tiles quantise in the gate-up by default since round AI: off here, so the kernel runs and its
-    # launch can be checked; test_pair_tiles_quantise_in_the_gate_up covers the default)
-    monkeypatch.setattr(fused, "QUANT_IN_PAIRS", False)
     for (t, cfg, pair_tiles, pdl, enabled, holder), before in cases:
         monkeypatch.setattr(fused, "QUANT_OVERLAP", enabled)
         with CC.emulate_gpu(132), CC.record_launches() as launches:
@@ -470,51 +467,6 @@ def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
             evenflow.fused_moe(torch.randn(100, h).bfloat16(), torch.randint(0, 4, (100, 3), dtype=torch.int32),
                                torch.rand(100, 3), ew, pair_tiles=False)
         assert order == ["group_quant_buffers", "build_moe_index"], order
-
-
-@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
-def test_pair_tiles_quantise_in_the_gate_up(device, fmt, monkeypatch):
-    """On pair tiles the fp8 gate-up reads x in bf16 and quantises its row itself (``QUANT_IN_PAIRS``): no
-    quantisation kernel is launched, and the output is bit for bit the one with the quantisation kernel, with
-    and without a K-split gate-up (reduced by its last split or by the down GEMM), a split down GEMM, ids routed
-    to other EP ranks, a token listing one expert twice, and rows of large and tiny magnitude (block mode's
-    per-group scales); on index tiles the kernel still runs."""
-    from evenflow.moe import fused
-
-    h, i = SIZES[fmt]
-    ew = random_moe_weights(fmt, 4, h, i, device)
-    base = choose_config(2, 3, 4, h, i, ew.mode, num_experts_total=12)
-    gu_bk = _split_gu_block_k(base, fmt, h)
-    down_bk = base.down_block_k if fmt == "fp8_block" else 16
-    configs = [dataclasses.replace(base, gu_split_k=1),
-               dataclasses.replace(base, gu_block_k=gu_bk, gu_split_k=2, gu_defer=0),
-               dataclasses.replace(base, gu_block_k=gu_bk, gu_split_k=2, gu_defer=1, down_block_k=down_bk,
-                                   down_split_k=2 if i // down_bk >= 2 else 1)]
-    ids_all = [[5, 5, 1], [4, 7, 11]]  # rank 1 of 3 owns 4..7
-    quant = "moe_tensor_quant_kernel" if fmt == "fp8_per_tensor" else "launch_group_quant"
-    counted = _count_launches if fmt == "fp8_per_tensor" else _count_calls
-    for t in (1, 2):
-        x = torch.randn(t, h, device=device)
-        x[0, : h // 2] *= 1e-3  # a row whose groups differ in scale by 1000x
-        x = x.bfloat16()
-        ids, w = routing_from(ids_all[:t], device)
-        for cfg in configs:
-            ys = {}
-            for quant_in in (True, False):
-                monkeypatch.setattr(fused, "QUANT_IN_PAIRS", quant_in)
-                with counted(monkeypatch, quant) as launched:
-                    ys[quant_in] = evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=12, config=cfg,
-                                                      pair_tiles=True, out=poisoned((t, h), torch.bfloat16, device))
-                assert launched == [int(not quant_in)], (quant_in, launched)
-            what = f"{fmt} T={t} {cfg}"
-            assert torch.equal(ys[True], ys[False]), f"quantised in the gate-up differs: {what}"
-            check_moe(ys[True], x, ids, w, ew, what, ep_rank=1)
-    monkeypatch.setattr(fused, "QUANT_IN_PAIRS", True)
-    with counted(monkeypatch, quant) as launched:
-        evenflow.fused_moe(torch.randn(5, h, device=device).bfloat16(),
-                           torch.randint(0, 4, (5, 3), dtype=torch.int32, device=device),
-                           torch.rand(5, 3, device=device), ew, pair_tiles=False)
-    assert launched == [1], "index tiles quantise x in their own kernel"
 
 
 class _count_launches:
@@ -540,21 +492,6 @@ class _count_launches:
 
     def __exit__(self, *exc):
         self.mp.setattr(self.fused, self.name, self.real)
-
-
-class _count_calls(_count_launches):
-    """:class:`_count_launches` for a launcher function of evenflow.moe.fused (called, not indexed by a grid)."""
-
-    def __enter__(self):
-        real, n = getattr(self.fused, self.name), self.n
-
-        def counted(*args, **kw):
-            n[0] += 1
-            return real(*args, **kw)
-
-        self.real = real
-        self.mp.setattr(self.fused, self.name, counted)
-        return self.n
 
 
 def _dirty_pool(device):

@@ -48,10 +48,6 @@ PDL_MAX_PAIRS = 8192
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
 # of benchmarks/moe.py's evenflow-serialquant row).
 QUANT_OVERLAP = True
-# Pair tiles in fp8 modes: the gate-up quantises its token row itself (``QUANT_IN``: the same fp8 values and
-# group scales as the quantisation kernels, one element a thread) and the layer launches no quantisation
-# kernel, which on pair tiles was its first kernel, ahead of the gate-up (round AI)
-QUANT_IN_PAIRS = True
 # fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
 # accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
 # reduced-precision accumulation (kernels.py, FAST_ACC); "promoted" (opt-in) the same fp8 MMAs with
@@ -377,13 +373,12 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     zero_kernel = by_pair and gu_count is not None and not kept_counts
     overlap = QUANT_OVERLAP and use_pdl and (zero_kernel or not by_pair)  # a kernel of ours runs first
     dummy = topk_weights  # stands in for pointers a mode does not read
-    quant_in = QUANT_IN_PAIRS and by_pair and mode != 0 and (mode == 1 or cfg.gu_block_k == 128)
-    if quant_in or mode == 0:
-        xq, xs = x, dummy
-    elif mode == 2:
+    if mode == 2:
         xq, xs = group_quant_buffers(x)
-    else:
+    elif mode == 1:
         xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
+    else:
+        xq, xs = x, dummy
     if by_pair:
         idx = None
         if zero_kernel:
@@ -395,9 +390,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # Passed under the interpreter too (it ignores them), so the sm_90 compile check records them.
     gpu_kw = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
-    if quant_in:
-        pass  # the gate-up quantises x's rows itself
-    elif mode == 2:
+    if mode == 2:
         launch_group_quant(x, xq, xs, use_pdl, overlap=overlap)
     elif mode == 1:
         block_q = min(1024, triton.next_power_of_2(h))
@@ -443,12 +436,11 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         gu_part if gu_part is not None else dummy, gu_count if gu_count is not None else dummy,
         h_buf if group_split else dummy, gu_count[n_split_counts:] if group_split else dummy,
         k, i, h, ep_rank * e_local, e_local, gu_nb,
-        xq.stride(0), xs.stride(0) if mode == 2 and not quant_in else 0, w13.stride(0), w13.stride(1), *ws13_strides,
+        xq.stride(0), xs.stride(0) if mode == 2 else 0, w13.stride(0), w13.stride(1), *ws13_strides,
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
-        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, QUANT_IN=quant_in,
-        **gpu_kw, **pk,
+        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB

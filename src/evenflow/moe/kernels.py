@@ -488,29 +488,12 @@ def _gate_up_epilogue(acc_g, acc_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out
 
 
 @triton.jit
-def _quantised_pair_row(p_row, p_a_scale, BLOCK_M: tl.constexpr, MODE: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """A pair tile's operand from the bf16 token row ``p_row`` [BLOCK_K] (row 0 of the tile; the masked rows
-    zero) and, in block mode, its scale: the same fp8 values and scale as the quantisation kernels give
-    (:func:`moe_tensor_quant_kernel`: x / the static scale; :func:`moe_group_quant_kernel`: the row's
-    128-column group over max(|x|, eps) / 448), one element a thread instead of a kernel of its own."""
-    b_x = tl.load(p_row).to(tl.float32)
-    if MODE == 1:
-        b_s = tl.load(p_a_scale)
-    else:
-        b_s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(b_x), axis=0), GROUP_AMAX_EPS), FP8_E4M3_MAX)
-    b_q = to_fp8e4(tl.math.div_rn(b_x, b_s), FP8_ROUND).to(tl.float32)
-    first = tl.arange(0, BLOCK_M) == 0
-    b_a = to_fp8e4(tl.where(first[:, None], b_q[None, :], 0.0), FP8_ROUND)  # exact: e4m3 values and zeros
-    return b_a, tl.where(first, b_s, 0.0)
-
-
-@triton.jit
 def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
                   p_x, p_xs, p_w, p_ws, p_sorted, p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count,
                   p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
                   stride_wsn, stride_om, stride_osm, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
-                  PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, QUANT_IN: tl.constexpr):
+                  PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr):
     """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n`` of
     ``num_nb``, K split ``i_s``, of a grid of ``n_tiles`` tiles); see moe_gate_up_kernel."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
@@ -535,12 +518,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
-        if QUANT_IN:  # pair tiles in fp8 modes: x read in bf16, its one row quantised here
-            # (row 0 is pair i_tile, of token i_tile // top_k)
-            b_a, b_xs = _quantised_pair_row(p_x + (i_tile // top_k).to(tl.int64) * stride_xt + k0 + i_k * BLOCK_K
-                                            + o_k, p_a_scale, BLOCK_M, MODE, FP8_ROUND)
-        else:
-            b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
+        b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
         b_g = tl.load(p_bg)
         b_u = tl.load(p_bu)
         if MODE == 0:
@@ -551,8 +529,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
             acc_g = _acc_dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g, FAST_ACC, BLOCK_K)
             acc_u = _acc_dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u, FAST_ACC, BLOCK_K)
         else:  # block scales: each K block's sum in a fresh tile, scaled, added in fp32
-            if not QUANT_IN:
-                b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
+            b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
             b_a8 = _fp8_operand(b_a, FAST_ACC, DOT_F32)
@@ -601,7 +578,7 @@ def moe_gate_up_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, QUANT_IN: tl.constexpr,
+    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -635,8 +612,6 @@ def moe_gate_up_kernel(
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
-    tl.static_assert(not QUANT_IN or (PAIR_TILES and MODE != 0 and (MODE == 1 or BLOCK_K == 128)),
-                     "QUANT_IN: pair tiles in an fp8 mode (block mode on 128-deep K steps)")
     pdl_enter(PDL)
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
@@ -649,7 +624,7 @@ def moe_gate_up_kernel(
             _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), 0, num_nb, p_x, p_xs, p_w, p_ws, p_sorted,
                 p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt,
                 stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M,
-                BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER, False)
+                BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
     else:
         i_tile, i_n, i_s, e, o_m, m_m, n_tiles = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first,
                                                             num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES,
@@ -659,7 +634,7 @@ def moe_gate_up_kernel(
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
             p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
-            SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER, QUANT_IN)
+            SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER)
 
 
 @triton.jit
