@@ -44,7 +44,8 @@ def test_read_grid_reaches_every_element_and_no_program_is_idle(n, block, per_sm
     # the programs' blocks (block i, i + grid, ...) cover [0, n) and every program has a block of its own
     sms = 132
     grid = rb.read_grid(n, block, per_sm, sms)
-    starts = [p * block + j * grid * block for p in range(grid) for j in range(n)
+    steps = math.ceil(n / (grid * block))
+    starts = [p * block + j * grid * block for p in range(grid) for j in range(steps)
               if p * block + j * grid * block < n] if per_sm else [p * block for p in range(grid)]
     assert sorted(starts) == list(range(0, n, block))
     assert grid <= math.ceil(n / block)
