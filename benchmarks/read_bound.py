@@ -156,41 +156,41 @@ def _buffers(nbytes: int, copies: int, device) -> list[torch.Tensor]:
     return [torch.ones(n, dtype=torch.int32, device=device) for _ in range(copies)]
 
 
-def time_read(bufs: list[torch.Tensor], shapes, sms: int, pdls=(False, True)) -> tuple[float, str]:
-    """(µs, shape/launch) of the fastest single-kernel read of each of ``bufs`` in turn (graph replay), over
-    ``shapes`` and the launches ``pdls`` (PDL only where the GPU has it)."""
-    out = torch.empty(max(read_grid(bufs[0].numel(), s[1], s[2], sms) for s in shapes), dtype=torch.int32,
-                      device=bufs[0].device)
+def _partials(n: int, shapes, sms: int, device) -> torch.Tensor:
+    """A partials buffer large enough for a read of ``n`` elements with any of ``shapes``."""
+    return torch.empty(max(read_grid(n, s[1], s[2], sms) for s in shapes), dtype=torch.int32, device=device)
+
+
+def fastest_read(copies: list[list[torch.Tensor]], shapes, sms: int, pdls=(False, True)) -> tuple[float, str]:
+    """(µs, shape and launch) of the fastest way, over ``shapes`` and the launches ``pdls`` (PDL only where the
+    GPU has it), to read each copy's buffers one kernel after another (graph replay, one call a copy: a
+    read-once of one buffer, or a chain of dependent reads of its parts)."""
+    out = _partials(max(b.numel() for c in copies for b in c), shapes, sms, copies[0][0].device)
     best = (math.inf, "")
     for shape in shapes:
         for pdl in pdls:
-            us = H.time_graph([lambda b=b: launch_read(b, out, shape, pdl, sms) for b in bufs])
+            def call(bufs, shape=shape, pdl=pdl):
+                for b in bufs:
+                    launch_read(b, out, shape, pdl, sms)
+            us = H.time_graph([lambda c=c: call(c) for c in copies])
             best = min(best, (us, f"{shape[0]} {'pdl' if pdl else 'plain'}"))
     return best
 
 
-def time_chain(bufs: list[torch.Tensor], shapes, sms: int, pdl: bool = True) -> tuple[float, str]:
-    """(µs, shape) of the fastest two-kernel read (under PDL where the GPU has it): each copy's first
-    CHAIN_SPLIT, then the rest, the second kernel waiting for the first."""
-    n = bufs[0].numel()
-    cut = max(1, min(n - 1, int(n * CHAIN_SPLIT))) if n > 1 else 1
-    parts = [(b[:cut], b[cut:] if n > 1 else b) for b in bufs]
-    out = torch.empty(max(read_grid(n, s[1], s[2], sms) for s in shapes), dtype=torch.int32, device=bufs[0].device)
-    best = (math.inf, "")
-    for shape in shapes:
-        def call(a, b, shape=shape):
-            launch_read(a, out, shape, pdl, sms)
-            launch_read(b, out, shape, pdl, sms)
-        us = H.time_graph([lambda a=a, b=b: call(a, b) for a, b in parts])
-        best = min(best, (us, f"{shape[0]} {'pdl' if pdl else 'plain'}"))
-    return best
+def chain_parts(buf: torch.Tensor) -> list[torch.Tensor]:
+    """``buf`` as a MoE layer reads it: the first CHAIN_SPLIT (gate-up weights), then the rest (down)."""
+    n = buf.numel()
+    if n < 2:
+        return [buf]
+    cut = max(1, min(n - 1, int(n * CHAIN_SPLIT)))
+    return [buf[:cut], buf[cut:]]
 
 
 def check_read(sms: int, device, pdls=(False, True)) -> None:
     """Every shape and launch sums a buffer exactly before anything is timed."""
     buf = torch.randint(-1000, 1000, (3 * 16384 * sms + 12345,), dtype=torch.int32, device=device)
     want = int(buf.long().sum())
-    out = torch.empty(read_grid(buf.numel(), 2048, 0, sms), dtype=torch.int32, device=device)
+    out = _partials(buf.numel(), SHAPES, sms, device)
     for shape in SHAPES:
         for pdl in pdls:
             out.zero_()
@@ -239,10 +239,7 @@ def main(argv=None) -> None:
                         help="folder of moe.json / decode.json (default: this GPU's results folder)"),
         ap.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))))
     H._require_cuda("read_bound")
-    ops = tuple(o for o in p.ops.split(",") if o)
-    bad = [o for o in ops if o not in OPS]
-    if bad:
-        raise SystemExit(f"--ops: unknown {bad}; choose from {OPS}")
+    ops = tuple(o for o in p.ops.split(",") if o)  # checked by points_from_results
     src = Path(p.src) if p.src else H.results_dir(None)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import moe as bench_moe  # the MoE benchmark's cases (hidden, intermediate sizes)
@@ -259,7 +256,8 @@ def main(argv=None) -> None:
     res = H.Results("read_bound", ceilings=ceil, out=p.out, meta={
         "source_files": {op: f"{src.name}/{MOE_FILE if op == 'moe' else DECODE_FILE}" for op in ops},
         "read": "int32 loads summed in registers; best of " + ", ".join(s[0] for s in shapes)
-                + " x (plain, pdl launch); graph replay cycling the row's copies",
+                + f" x ({', '.join('pdl' if x else 'plain' for x in pdls)} launch); graph replay cycling the "
+                  "row's copies",
         "frac_of_floor": "floor (this run's copy_TBps) / read time: what the simplest read of the point's "
                          "bytes reached, launched in these ways"})
     labels = [f"{pt['op']} {pt['case']} {pt['variant']} {pt['batch'] or ''} "
@@ -275,21 +273,20 @@ def main(argv=None) -> None:
             continue
         fl = H.floor_us(pt["bytes"], ceilings=ceil)
         bufs = _buffers(pt["bytes"], pt["copies"], dev)
-        us, how = time_read(bufs, shapes, sms, pdls)
+        us, how = fastest_read([[b] for b in bufs], shapes, sms, pdls)
         res.add(impl="read-once", us=us, floor_us=fl, read=how, **common)
-        if pt["op"] == "moe":
-            us2, how2 = time_chain(bufs, shapes, sms, pdl=len(pdls) > 1)
+        if pt["op"] == "moe":  # the second kernel waits for the first: under PDL where there is PDL
+            us2, how2 = fastest_read([chain_parts(b) for b in bufs], shapes, sms, pdls[-1:])
             res.add(impl="read-chain2", us=us2, floor_us=fl, read=how2, **common)
         del bufs
         torch.cuda.empty_cache()
     path = res.finish(plot=False, columns=["op", "case", "variant", "batch", "impl", "us", "floor_us",
                                             "frac_of_floor", "record_frac", "bytes", "copies", "read"])
-    if not p.no_plot:
+    if not p.no_plot:  # finish() printed the table
         try:
             plot(res.rows, path.with_suffix(".png"))
         except ImportError as e:
             print(f"[read_bound] no plot: {e}", file=sys.stderr)
-    print(res.markdown(["op", "case", "variant", "batch", "impl", "us", "frac_of_floor", "record_frac"]))
 
 
 if __name__ == "__main__":

@@ -163,3 +163,13 @@ def test_points_of_the_committed_records_reproduce_their_floors():
         assert p["bytes"] / (dcopy * 1e6) == pytest.approx(r["floor_us"], rel=2e-3)
     # batch <= 512 MoE floors are bytes-bound (only large batches may be compute-bound)
     assert all("skip" not in p for p in pts if p["op"] == "moe" and p["batch"] <= 512)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4096 * 3 + 1])
+def test_chain_parts_split_the_buffer_two_to_one_with_nothing_lost(n):
+    buf = torch.arange(n, dtype=torch.int32)
+    parts = rb.chain_parts(buf)
+    assert torch.equal(torch.cat(parts), buf), "the parts are the buffer, in order, once"
+    assert all(p.numel() > 0 for p in parts) and len(parts) == (1 if n < 2 else 2)
+    if n > 3:
+        assert abs(parts[0].numel() / n - rb.CHAIN_SPLIT) <= 1 / n
