@@ -7,6 +7,7 @@ bf16 matmuls with a bf16 intermediate for BF16 weights, fp32 matmuls of the fp8
 values (exact fp8 products, fp32 sums, as tensor cores do) for FP8 weights;
 the baseline output is rounded to bf16 like ours.
 """
+import contextlib
 import dataclasses
 import os
 import re
@@ -378,6 +379,69 @@ def test_persistent_equals_one_program_per_task(device, fmt):
         evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, persistent=1.5), **kw)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_down_n_groups_equal_one_n_block_a_program(device, fmt, monkeypatch):
+    """A down program looping over ``down_n_group`` n-blocks of its tile (round AJ) gives the one-n-block
+    result bit for bit (each n-block's K steps in the same order into a fresh accumulator): on index tiles with
+    experts idle, pairs on other EP ranks, shared output and routed scaling; on pair tiles packed rank-first; with
+    a K-split down GEMM (fp32 partials); with the gate-up's partials reduced in the down operand load; in the
+    persistent loop; the grid along N shrinks by the group; groups that do not divide the n-blocks are refused."""
+    from evenflow import _compile_check as CC
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    g = torch.Generator().manual_seed(5)
+    t = 24
+    ids = torch.randint(4, 8, (t, 3), generator=g, dtype=torch.int32)  # rank 1 of 3 owns 4..7
+    ids[::5, 2] = 11
+    ids[3] = torch.tensor([6, 6, 5])
+    ids[ids == 7] = 4  # local expert 3 idle
+    ids = ids.to(device)
+    w = torch.rand(t, 3, generator=g).to(device)
+    x = torch.randn(t, h, generator=g).bfloat16().to(device)
+    shared = torch.randn(t, h, generator=g).bfloat16().to(device)
+    kw = dict(ep_rank=1, num_experts_total=12)
+    dn_n = 64 if fmt == "fp8_block" else 16  # four n-blocks: groups of 2 and 4
+    dn_k = 128 if fmt == "fp8_block" else 16 if fmt == "bf16" else 32
+    base = dataclasses.replace(choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12), block_m=16,
+                               down_block_n=dn_n, down_block_k=dn_k)
+    assert h // dn_n == 4
+    gu_bk = _split_gu_block_k(base, fmt, h)
+    down_split = 2 if i % (2 * dn_k) == 0 else 1
+    runs = [  # (what, config, tokens, extra keywords)
+        ("index tiles", base, t, dict(pair_tiles=False, shared_output=shared, routed_scaling=1.25)),
+        ("pair tiles", base, 4, dict(pair_tiles=True)),
+        ("down K split", dataclasses.replace(base, down_split_k=down_split), t, dict(pair_tiles=False)),
+        ("deferred gate-up", dataclasses.replace(base, gu_block_k=gu_bk, gu_split_k=2, gu_defer=1), 2,
+         dict(pair_tiles=True)),
+        ("persistent", dataclasses.replace(base, persistent=1), t, dict(pair_tiles=False)),
+    ]
+    for what, cfg, tt, extra in runs:
+        ys = {}
+        for n_group in (1, 2, 4):
+            c = dataclasses.replace(cfg, down_n_group=n_group)
+            ys[n_group] = evenflow.fused_moe(x[:tt], ids[:tt], w[:tt], ew, config=c,
+                                             out=poisoned((tt, h), torch.bfloat16, device), **kw, **extra)
+        label = f"{fmt} {what} {cfg}"
+        assert torch.equal(ys[2], ys[1]) and torch.equal(ys[4], ys[1]), f"n-groups differ: {label}"
+        sh = extra.get("shared_output")
+        check_moe(ys[4], x[:tt], ids[:tt], w[:tt], ew, label, ep_rank=1,
+                  **({} if sh is None else dict(shared_output=sh[:tt], routed_scaling=1.25)))
+    cpu = torch.device(device).type == "cpu"
+    for n_group in (1, 4):  # the grid along N counts groups; the kernel gets the group as N_GROUP
+        counted = _count_launches(monkeypatch, "moe_down_kernel")
+        with counted, (CC.record_launches(execute=True) if cpu else contextlib.nullcontext([])) as launches:
+            evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(base, down_n_group=n_group),
+                               pair_tiles=False, **kw)
+        assert counted.grids[0][1] == 4 // n_group, counted.grids
+        if cpu:
+            dn = next(ln for ln in launches if ln.name == "moe_down_kernel")
+            assert dict(dn.constexprs)["N_GROUP"] == n_group, dn.constexprs
+    for bad in (3, 8, 0):
+        with pytest.raises(ValueError, match="down_n_group"):
+            evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(base, down_n_group=bad), **kw)
+
+
 @pytest.mark.parametrize("gu_block_n", [64, 32])
 def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
     """FP8 block mode on gate-up N blocks narrower than an activation group (128 columns, one scale a
@@ -471,19 +535,20 @@ def test_quant_runs_beside_only_a_kernel_of_the_layer(device, fmt, monkeypatch):
 
 class _count_launches:
     """Count the launches of one kernel that evenflow.moe.fused launches (on any device):
-    ``with _count_launches(monkeypatch, name) as n: ...`` leaves [count] in n."""
+    ``with _count_launches(monkeypatch, name) as n: ...`` leaves [count] in n, and the grids in ``.grids``."""
 
     def __init__(self, monkeypatch, name):
         import evenflow.moe.fused as fused
 
-        self.mp, self.fused, self.name, self.n = monkeypatch, fused, name, [0]
+        self.mp, self.fused, self.name, self.n, self.grids = monkeypatch, fused, name, [0], []
 
     def __enter__(self):
-        real, n = getattr(self.fused, self.name), self.n
+        real, n, grids = getattr(self.fused, self.name), self.n, self.grids
 
         class Counted:
             def __getitem__(self, grid):
                 n[0] += 1
+                grids.append(grid)
                 return real[grid]
 
         self.real = real

@@ -88,6 +88,11 @@ class MoEConfig:
     # and K-split GEMMs always take one program per task. Tables written before it: 0. Not faster than one
     # program per task but at 3 of 96 benchmark points (rounds T3, T6, docs/perf-notes/moe.md): never the default.
     persistent: int = 0
+    # The down GEMM's n-blocks a program takes in one loop (power of two dividing H / down_block_n; round AJ):
+    # at few K steps a program (Hy3 TP8: K = I = 192, three 64-deep steps) each program is mostly prologue and
+    # epilogue, and the grid is several waves of such programs. 1: one n-block a program (tables written before
+    # it).
+    down_n_group: int = 1
 
     def __post_init__(self):
         # checked once, where a config is made (table load, heuristic, a caller's replace), not per call
@@ -295,6 +300,10 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         raise ValueError(f"config.num_stages must be >= 1, got {cfg.num_stages}")
     if cfg.gu_defer not in (0, 1):
         raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
+    if cfg.down_n_group < 1 or cfg.down_n_group & (cfg.down_n_group - 1) \
+            or (hidden // cfg.down_block_n) % cfg.down_n_group:
+        raise ValueError(f"config.down_n_group must be a power of two dividing H / down_block_n = "
+                         f"{hidden // cfg.down_block_n}, got {cfg.down_n_group}")
     if not 0 <= cfg.persistent <= MAX_PERSISTENT:
         raise ValueError(f"config.persistent (programs per SM, 0 = one per task) must lie in [0, {MAX_PERSISTENT}], "
                          f"got {cfg.persistent}")
@@ -427,7 +436,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
             return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
         return ((n_tiles * nb * split_k,) if packed else (n_tiles, nb, split_k)), False, 1
 
-    down_nb = h // cfg.down_block_n
+    down_nb = h // (cfg.down_block_n * cfg.down_n_group)  # tasks along N: groups of down_n_group n-blocks
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
     acc_kind = _ACC_KIND[accum]
     moe_gate_up_kernel[gu_grid](
@@ -460,7 +469,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
-        E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
+        E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, N_GROUP=cfg.down_n_group, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)

@@ -638,15 +638,68 @@ def moe_gate_up_kernel(
 
 
 @triton.jit
-def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
+def _down_step(acc, i_k, p_x, p_xs, p_b, p_bs, p_g, m_m, e64, p_w, p_gws, p_ga_scale, p_a_scale, K, stride_gps,
+               MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+               FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """One K step of a down task: acc + its [BLOCK_M, BLOCK_K] operand (loaded from ``p_x``, or with GU_SPLIT
+    built from the gate-up's partials at ``p_g``) times the weight tile at ``p_b``; block mode scales the step's
+    product by the row scales at ``p_xs`` (K group ``i_k``) and the weight block's at ``p_bs``."""
+    if GU_SPLIT > 0:
+        # split order from zero, as the gate-up's last split sums them (equal bits)
+        b_g = tl.zeros([BLOCK_K], dtype=tl.float32)
+        b_u = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for s in tl.static_range(GU_SPLIT):
+            b_g += tl.load(p_g + s * stride_gps)
+            b_u += tl.load(p_g + s * stride_gps + K)
+        # activated once, as one row, then put on every row of the tile (only row 0 is stored):
+        # on the broadcast tile, block mode's row max and requantisation ran per row of the tile
+        # (round P4, sm_90: 588-1354 -> 328-525 instructions per K step)
+        b_h, b_s = _activate(b_g[None, :], b_u[None, :], e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
+        if MODE == 0:
+            # DOT_F32: the interpreter runs this launch (no PTX there); False under emulate_gpu, whose
+            # launches are recorded and compiled, not run
+            b_h = layout_barrier_bf16(b_h.to(p_w.dtype.element_ty), DOT_F32)
+        b_a = tl.broadcast_to(b_h, (BLOCK_M, BLOCK_K))
+        if MODE == 2:
+            b_xs = tl.broadcast_to(b_s, (BLOCK_M,))
+    else:
+        b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
+        if MODE == 2:
+            b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
+    b_b = tl.load(p_b)
+    if MODE == 0:
+        acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
+    elif MODE == 1:
+        acc = _acc_dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32), acc,
+                       FAST_ACC, BLOCK_K)
+    else:
+        b_d = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32))
+        acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
+    return acc
+
+
+@triton.jit
+def _down_store(acc, o_n, m_m, pair, i_s, e64, p_ws, p_a_scale, p_topk_w, p_out, stride_os, stride_om,
+                MODE: tl.constexpr):
+    """The down task's epilogue: per-tensor dequantisation, times the pair's top-k weight, stored to
+    pair_out[i_s, pair, o_n] (row-masked)."""
+    if MODE == 1:
+        acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
+    b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
+    acc = acc * b_tw[:, None]
+    p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
+    tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
+
+
+@triton.jit
+def _down_tile(e, o_m, m_m, i_tile, i_g, i_s,
                p_a, p_as, p_w, p_ws, p_sorted, p_topk_w, p_out, p_a_scale, p_gpart, p_gws, p_ga_scale,
                K, stride_am, stride_asm, stride_we, stride_wn, stride_wse, stride_wsn, stride_os, stride_om,
                stride_gps, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PAIR_TILES: tl.constexpr,
-               FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """One task of the down GEMM (tile of local expert ``e``, n-block ``i_n``, K split ``i_s``); see
-    moe_down_kernel."""
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+               FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, N_GROUP: tl.constexpr):
+    """One task of the down GEMM (tile of local expert ``e``, n-blocks ``i_g * N_GROUP`` .. ``+ N_GROUP - 1``,
+    K split ``i_s``); see moe_down_kernel."""
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     o_m64 = o_m.to(tl.int64)
@@ -655,60 +708,51 @@ def _down_tile(e, o_m, m_m, i_tile, i_n, i_s,
     # K // SPLIT_K loses K's 16-divisibility and every fp8 load of the K loop became a
     # byte load that the pipeliner refuses (sm_90 TTGIR: no async copies at SPLIT_K >= 8).
     k0 = tl.multiple_of(i_s * k_split, BLOCK_K)
+    n_k = k_split // BLOCK_K
 
     p_x = p_a + o_m64[:, None] * stride_am + (k0 + o_k)[None, :]
-    p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
+    p_xs = p_as
+    p_bs = p_ws
+    p_g = p_gpart
     if MODE == 2:
         p_xs = p_as + o_m64 * stride_asm + k0 // 128
-        p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
-
     if GU_SPLIT > 0:
         p_g = p_gpart + i_tile.to(tl.int64) * (2 * K) + k0 + o_k
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i_k in range(0, k_split // BLOCK_K):
-        if GU_SPLIT > 0:
-            # split order from zero, as the gate-up's last split sums them (equal bits)
-            b_g = tl.zeros([BLOCK_K], dtype=tl.float32)
-            b_u = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for s in tl.static_range(GU_SPLIT):
-                b_g += tl.load(p_g + s * stride_gps)
-                b_u += tl.load(p_g + s * stride_gps + K)
-            # activated once, as one row, then put on every row of the tile (only row 0 is stored):
-            # on the broadcast tile, block mode's row max and requantisation ran per row of the tile
-            # (round P4, sm_90: 588-1354 -> 328-525 instructions per K step)
-            b_h, b_s = _activate(b_g[None, :], b_u[None, :], e64, p_gws, p_ga_scale, p_a_scale, MODE, FP8_ROUND)
-            if MODE == 0:
-                # DOT_F32: the interpreter runs this launch (no PTX there); False under emulate_gpu, whose
-                # launches are recorded and compiled, not run
-                b_h = layout_barrier_bf16(b_h.to(p_w.dtype.element_ty), DOT_F32)
-            b_a = tl.broadcast_to(b_h, (BLOCK_M, BLOCK_K))
-            if MODE == 2:
-                b_xs = tl.broadcast_to(b_s, (BLOCK_M,))
+    if N_GROUP == 1:
+        o_n = i_g * BLOCK_N + tl.arange(0, BLOCK_N)
+        p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
+        if MODE == 2:
+            p_bs = p_ws + e64 * stride_wse + ((i_g * BLOCK_N) // 128) * stride_wsn + k0 // 128
+        for i_k in range(0, n_k):
+            acc = _down_step(acc, i_k, p_x, p_xs, p_b, p_bs, p_g, m_m, e64, p_w, p_gws, p_ga_scale, p_a_scale, K,
+                             stride_gps, MODE, BLOCK_M, BLOCK_K, DOT_F32, FAST_ACC, GU_SPLIT, FP8_ROUND)
+            p_x += BLOCK_K
+            p_b += BLOCK_K
             p_g += BLOCK_K
-        else:
-            b_a = tl.load(p_x, mask=m_m[:, None], other=0.0)
+        pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
+        _down_store(acc, o_n, m_m, pair, i_s, e64, p_ws, p_a_scale, p_topk_w, p_out, stride_os, stride_om, MODE)
+    else:
+        # N_GROUP n-blocks of one tile in one loop of N_GROUP * n_k steps (round AJ: at K = 192 a task is three
+        # steps, too few for the pipeline to fill; the operand rows are the same for every n-block, re-read
+        # from L1 / L2), each n-block stored after its last K step
+        pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
+        p_b0 = p_w + e64 * stride_we + (k0 + o_k)[:, None]
+        for step in range(0, N_GROUP * n_k):
+            i_k = step % n_k
+            i_n = i_g * N_GROUP + step // n_k
+            o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            p_b = p_b0 + o_n[None, :].to(tl.int64) * stride_wn + i_k * BLOCK_K
             if MODE == 2:
-                b_xs = tl.load(p_xs + i_k, mask=m_m, other=0.0)
-        b_b = tl.load(p_b)
-        if MODE == 0:
-            acc = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), acc)
-        elif MODE == 1:
-            acc = _acc_dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32), acc,
-                           FAST_ACC, BLOCK_K)
-        else:
-            b_d = tl.dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_b, FAST_ACC, DOT_F32))
-            acc += b_d * (b_xs[:, None] * tl.load(p_bs + i_k))
-        p_x += BLOCK_K
-        p_b += BLOCK_K
-
-    if MODE == 1:
-        acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
-    pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
-    b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
-    acc = acc * b_tw[:, None]
-    p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
-    tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
+                p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
+            acc = _down_step(acc, i_k, p_x + i_k * BLOCK_K, p_xs, p_b, p_bs, p_g + i_k * BLOCK_K, m_m, e64, p_w,
+                             p_gws, p_ga_scale, p_a_scale, K, stride_gps, MODE, BLOCK_M, BLOCK_K, DOT_F32, FAST_ACC,
+                             GU_SPLIT, FP8_ROUND)
+            if i_k == n_k - 1:
+                _down_store(acc, o_n, m_m, pair, i_s, e64, p_ws, p_a_scale, p_topk_w, p_out, stride_os, stride_om,
+                            MODE)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
@@ -720,7 +764,7 @@ def moe_down_kernel(
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
-    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr,
+    E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, N_GROUP: tl.constexpr,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -733,6 +777,9 @@ def moe_down_kernel(
     applies the activation and requantisation itself (:func:`_activate`, with the gate-up's
     scales ``p_gws``, ``p_ga_scale``; block mode: one 128-wide group per K step). The partial
     loads are one [BLOCK_K] row per split, pipelined with the weights like any operand load.
+
+    N_GROUP: a task is N_GROUP consecutive n-blocks of its tile, run as one loop of N_GROUP times the K steps
+    (``num_nb`` counts those groups: H / (BLOCK_N * N_GROUP)); 1: one n-block, the loop of round AI and before.
 
     PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction);
     LOCAL_FIRST, MAX_PAIRS: as there.
@@ -749,7 +796,7 @@ def moe_down_kernel(
             _down_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_a, p_as, p_w, p_ws, p_sorted,
                 p_topk_w, p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we,
                 stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
-                SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
+                SPLIT_K, DOT_F32, PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND, N_GROUP)
     else:
         i_tile, i_n, i_s, e, o_m, m_m, _ = _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first,
                                                       num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES, LOCAL_FIRST,
@@ -759,7 +806,7 @@ def moe_down_kernel(
         _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
             p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32,
-            PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND)
+            PAIR_TILES, FAST_ACC, GU_SPLIT, FP8_ROUND, N_GROUP)
 
 
 @triton.jit(do_not_specialize=["top_k"])
