@@ -679,14 +679,19 @@ def _down_step(acc, i_k, p_x, p_xs, p_b, p_bs, p_g, m_m, e64, p_w, p_gws, p_ga_s
 
 
 @triton.jit
-def _down_store(acc, o_n, m_m, pair, i_s, e64, p_ws, p_a_scale, p_topk_w, p_out, stride_os, stride_om,
-                MODE: tl.constexpr):
-    """The down task's epilogue: per-tensor dequantisation, times the pair's top-k weight, stored to
-    pair_out[i_s, pair, o_n] (row-masked)."""
-    if MODE == 1:
-        acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
+def _down_scale(m_m, pair, e64, p_ws, p_a_scale, p_topk_w, MODE: tl.constexpr):
+    """The down task's row multipliers: the pair's top-k weight, times per-tensor mode's dequantisation."""
     b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
-    acc = acc * b_tw[:, None]
+    if MODE == 1:
+        b_tw = b_tw * (tl.load(p_ws + e64) * tl.load(p_a_scale))
+    return b_tw
+
+
+@triton.jit
+def _down_store(acc, o_n, m_m, pair, i_s, b_rs, p_out, stride_os, stride_om):
+    """The down task's epilogue: each row times its multiplier ``b_rs`` (:func:`_down_scale`), stored to
+    pair_out[i_s, pair, o_n] (row-masked)."""
+    acc = acc * b_rs[:, None]
     p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
 
@@ -700,6 +705,7 @@ def _down_tile(e, o_m, m_m, i_tile, i_g, i_s,
                FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, N_GROUP: tl.constexpr):
     """One task of the down GEMM (tile of local expert ``e``, n-blocks ``i_g * N_GROUP`` .. ``+ N_GROUP - 1``,
     K split ``i_s``); see moe_down_kernel."""
+    o_n = i_g * (N_GROUP * BLOCK_N) + tl.arange(0, BLOCK_N)  # the (first) n-block's columns
     o_k = tl.arange(0, BLOCK_K)
     e64 = e.to(tl.int64)
     o_m64 = o_m.to(tl.int64)
@@ -708,51 +714,57 @@ def _down_tile(e, o_m, m_m, i_tile, i_g, i_s,
     # K // SPLIT_K loses K's 16-divisibility and every fp8 load of the K loop became a
     # byte load that the pipeliner refuses (sm_90 TTGIR: no async copies at SPLIT_K >= 8).
     k0 = tl.multiple_of(i_s * k_split, BLOCK_K)
-    n_k = k_split // BLOCK_K
 
     p_x = p_a + o_m64[:, None] * stride_am + (k0 + o_k)[None, :]
+    p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
     p_xs = p_as
     p_bs = p_ws
     p_g = p_gpart
     if MODE == 2:
         p_xs = p_as + o_m64 * stride_asm + k0 // 128
+        p_bs = p_ws + e64 * stride_wse + ((i_g * N_GROUP * BLOCK_N) // 128) * stride_wsn + k0 // 128
+
     if GU_SPLIT > 0:
         p_g = p_gpart + i_tile.to(tl.int64) * (2 * K) + k0 + o_k
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if N_GROUP == 1:
-        o_n = i_g * BLOCK_N + tl.arange(0, BLOCK_N)
-        p_b = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
-        if MODE == 2:
-            p_bs = p_ws + e64 * stride_wse + ((i_g * BLOCK_N) // 128) * stride_wsn + k0 // 128
-        for i_k in range(0, n_k):
+        for i_k in range(0, k_split // BLOCK_K):
             acc = _down_step(acc, i_k, p_x, p_xs, p_b, p_bs, p_g, m_m, e64, p_w, p_gws, p_ga_scale, p_a_scale, K,
                              stride_gps, MODE, BLOCK_M, BLOCK_K, DOT_F32, FAST_ACC, GU_SPLIT, FP8_ROUND)
+            p_g += BLOCK_K
             p_x += BLOCK_K
             p_b += BLOCK_K
-            p_g += BLOCK_K
+        if MODE == 1:
+            acc = acc * (tl.load(p_ws + e64) * tl.load(p_a_scale))
         pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
-        _down_store(acc, o_n, m_m, pair, i_s, e64, p_ws, p_a_scale, p_topk_w, p_out, stride_os, stride_om, MODE)
+        b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
+        _down_store(acc, o_n, m_m, pair, i_s, b_tw, p_out, stride_os, stride_om)
     else:
         # N_GROUP n-blocks of one tile in one loop of N_GROUP * n_k steps (round AJ: at K = 192 a task is three
         # steps, too few for the pipeline to fill; the operand rows are the same for every n-block, re-read
         # from L1 / L2), each n-block stored after its last K step
+        n_k = k_split // BLOCK_K
         pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
-        p_b0 = p_w + e64 * stride_we + (k0 + o_k)[:, None]
+        b_rs = _down_scale(m_m, pair, e64, p_ws, p_a_scale, p_topk_w, MODE)  # loaded once, not per n-block
+        # the pointers move by one K step, and at an n-block's last step back to k0 (the operand) or on to the
+        # next n-block's first (the weights): scalar steps, the tiles' addresses never recomputed
+        back = (n_k - 1) * BLOCK_K
         for step in range(0, N_GROUP * n_k):
             i_k = step % n_k
-            i_n = i_g * N_GROUP + step // n_k
-            o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            p_b = p_b0 + o_n[None, :].to(tl.int64) * stride_wn + i_k * BLOCK_K
             if MODE == 2:
-                p_bs = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
-            acc = _down_step(acc, i_k, p_x + i_k * BLOCK_K, p_xs, p_b, p_bs, p_g + i_k * BLOCK_K, m_m, e64, p_w,
-                             p_gws, p_ga_scale, p_a_scale, K, stride_gps, MODE, BLOCK_M, BLOCK_K, DOT_F32, FAST_ACC,
-                             GU_SPLIT, FP8_ROUND)
-            if i_k == n_k - 1:
-                _down_store(acc, o_n, m_m, pair, i_s, e64, p_ws, p_a_scale, p_topk_w, p_out, stride_os, stride_om,
-                            MODE)
+                p_bs = p_ws + e64 * stride_wse + (((i_g * N_GROUP + step // n_k) * BLOCK_N) // 128) * stride_wsn \
+                    + k0 // 128
+            acc = _down_step(acc, i_k, p_x, p_xs, p_b, p_bs, p_g, m_m, e64, p_w, p_gws, p_ga_scale, p_a_scale, K,
+                             stride_gps, MODE, BLOCK_M, BLOCK_K, DOT_F32, FAST_ACC, GU_SPLIT, FP8_ROUND)
+            last = i_k == n_k - 1
+            p_x += tl.where(last, -back, BLOCK_K)
+            p_g += tl.where(last, -back, BLOCK_K)
+            p_b += tl.where(last, BLOCK_N * stride_wn - back, BLOCK_K)
+            if last:
+                _down_store(acc, o_n, m_m, pair, i_s, b_rs, p_out, stride_os, stride_om)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                o_n += BLOCK_N
 
 
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
