@@ -115,9 +115,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs the timer
 
 
-def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[str, object]]:
+def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) -> list[tuple[str, object]]:
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
-    (with ``fast_acc``: that mode's rules, K-steps >= 32)."""
+    (with ``fast_acc``: that mode's rules, K-steps >= 32). ``incumbent``: the table's entry for the point (a
+    MoEConfig) or None; its down GEMM over several n-blocks a program is offered too."""
     from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS, check_config, choose_config
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
@@ -186,6 +187,15 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False) -> list[tuple[st
                           gu_split_k=1, down_split_k=1)))
         if mode == 0 and d.block_m <= 32:  # 128-deep bf16 K tiles at >= 64x128 exceed 227 KB of smem (sm_90)
             out.append(("gk128", r(d, gu_block_k=128, down_block_k=128, num_stages=3)))
+    if t * case.top_k > PAIR_TILE_MAX_PAIRS:
+        # the down GEMM over 2, 4 or 8 n-blocks a program (round AJ: 4-7% off Hy3 TP8 at T >= 512, where K = I = 192
+        # leaves a program three K steps; slower at every pair-tile point measured, AJ1), on the table's entry and
+        # on the default's tiles, next to the default: one knob on the two configs already known best here, so a
+        # --max-candidates limit keeps them
+        groups = (2, 4, 8)
+        grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in (("incumbent", incumbent), ("default", d))
+                   if b is not None and b.down_n_group == 1 for g in groups]
+        out[1:1] = grouped
     seen, valid = set(), []
     for label, c in out:
         try:
@@ -372,7 +382,7 @@ def _extra(p):
 def main(argv=None) -> int:
     import evenflow
     from evenflow.bench import harness as H
-    from evenflow.moe.fused import check_config, tuned_key
+    from evenflow.moe.fused import MoEConfig, check_config, tuned_key
     from evenflow.reference.moe import moe_rule_terms, random_moe_weights
     from evenflow.testing import assert_within_rule
 
@@ -403,7 +413,16 @@ def main(argv=None) -> int:
     jobs, seen = [], set()
     for case_name, variant, t in points:
         fm = FORMATS[variant]
-        cands = candidates(B.CASES[case_name], fm.mode, t, fm.fast_acc)
+        cs = B.CASES[case_name]
+        old = configs.get(tuned_key(cs.num_local, cs.num_experts_total, cs.top_k, cs.hidden, cs.inter, fm.mode,
+                                    fm.accum), {}).get(str(t))
+        incumbent = None
+        if isinstance(old, list):
+            try:
+                incumbent = MoEConfig.from_list(old)
+            except (TypeError, ValueError):  # an entry the current code refuses: dropped when the point is timed
+                pass
+        cands = candidates(cs, fm.mode, t, fm.fast_acc, incumbent)
         plan[(case_name, variant, t)] = first_candidates(cands, args.max_candidates)
         for _, cfg in plan[(case_name, variant, t)]:
             if (fm.fmt, tuple(cfg.as_list()), fm.accum) not in seen:

@@ -111,6 +111,32 @@ def test_tuner_candidates_are_valid():
                     assert {64, 128} <= rows, (case.name, variant, t, rows)
 
 
+def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
+    """Past the pair-tile range the tuner times the default's and the table entry's down GEMM over 2, 4 and 8
+    n-blocks a program (where they tile H), and the main loop hands it the point's entry; at pair-tile batches
+    (where R > 1 measured slower at every point, round AJ1) it offers none."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import moe as B
+    import tune_moe
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
+
+    case = B.CASES["hy3-tp8"]
+    entry = MoEConfig(32, 64, 128, 256, 64)  # 16 n-blocks of 256 over H = 4096
+    for t in (512, 4096):
+        cands = dict(tune_moe.candidates(case, 1, t, incumbent=entry))
+        d = cands["default"]
+        for g in (2, 4, 8):
+            assert cands[f"incumbent-dg{g}"] == dataclasses.replace(entry, down_n_group=g)
+            assert cands[f"default-dg{g}"] == dataclasses.replace(d, down_n_group=g)
+        assert not any("dg" in label for label in dict(tune_moe.candidates(case, 1, t)) if "incumbent" in label)
+    small = next(t for t in tune_moe.BUCKETS if t * case.top_k <= PAIR_TILE_MAX_PAIRS)
+    assert not any("-dg" in label for label, _ in tune_moe.candidates(case, 1, small, incumbent=entry))
+    # a group that does not divide H's n-blocks is never offered (check_config refuses it)
+    narrow = dict(tune_moe.candidates(B.CASES["qwen3-30b-a3b"], 0, 4096,
+                                      incumbent=MoEConfig(128, 128, 64, 512, 64)))  # 4 n-blocks of 512
+    assert "incumbent-dg4" in narrow and "incumbent-dg8" not in narrow
+
+
 def test_tuner_pairs_each_split_pair_tile_config_with_its_deferred_twin():
     """At pair-tile batches (T * top_k <= 16) every K-split 16-row candidate comes with its twin that
     leaves the gate-up's reduction to the down GEMM (gu_defer=1), right after it; nowhere else is a
@@ -320,6 +346,29 @@ def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch
     want4 = None if scenario != "entry-faster" and scenario != "entry-slower" else 4
     got4 = data["configs"][key]["4"]
     assert (got4 is None) if want4 is None else MoEConfig.from_list(got4).num_stages == 4, got4
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
+def test_tuner_dry_run_times_the_entrys_down_n_groups(tmp_path, monkeypatch):
+    # Past the pair-tile range the main loop hands candidates() the point's entry: with --max-candidates 2 the
+    # default and the entry over 2 n-blocks a program are timed; the stub timer makes the latter 10% faster than
+    # the default and than the entry itself, so it is written (after beating the entry head to head)
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
+
+    H, T = _tiny_tuner_case(monkeypatch)
+    t = PAIR_TILE_MAX_PAIRS  # top-2: 2 * PAIR_TILE_MAX_PAIRS pairs, index tiles
+    old = [16, 64, 64, 64, 64, 4, 2, 1, 1]
+    monkeypatch.setattr(H, "time_graph", lambda fns: 90.0 if fns[0].__defaults__[1].down_n_group == 2 else 100.0)
+    table = tmp_path / "t.json"
+    key = tuned_key(8, 8, 2, 256, 128, 0)
+    table.write_text(json.dumps({"configs": {key: {str(t): old}}}))
+    assert T.main(["--cases", "tiny", "--formats", "bf16", "--buckets", str(t), "--max-candidates", "2",
+                   "--workers", "1", "--budget-s", "600", "--table", str(table)]) == 0
+    data = json.loads(table.read_text())
+    row, got = data["timings"][key][str(t)], data["configs"][key][str(t)]
+    assert set(row["tried"]) == {"default", "incumbent-dg2"}, row
+    assert row["entry"] == "incumbent-dg2" and len(row["incumbent"]["head_to_head_us"]) == 2, row
+    assert MoEConfig.from_list(got) == dataclasses.replace(MoEConfig.from_list(old), down_n_group=2), got
 
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")

@@ -487,6 +487,32 @@ def test_persistent_gemms_real_shapes(shape, fmt):
                 check(outs[1], x, ids, w, ew, ep, what)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor"])
+@pytest.mark.parametrize("shape", ["hy3-tp8", "qwen3-30b-a3b"])
+def test_down_n_groups_real_shapes(shape, fmt):
+    """The down GEMM over 2 / 4 / 8 n-blocks a program (``MoEConfig.down_n_group``) at T = 16, 256 and 1024 on the
+    chosen config's tiles: bitwise the one-n-block result (per-tensor mode's scale and the top-k weight applied in
+    the same order), in a CUDA graph replayed with new routing, and within the rule of the oracle."""
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, fmt)
+    kw = dict(ep_rank=ep, num_experts_total=e_tot)
+    for t in (16, 256, 1024):
+        base = tuned_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot, device=torch.device("cuda")) \
+            or choose_config(t, k, e, h, i, ew.mode, num_experts_total=e_tot)
+        x, ids, w = inputs(shape, t)
+        cfgs = {r: dataclasses.replace(base, down_n_group=r) for r in (1, 2, 4, 8)}
+        cap = capture_graphs(x, {r: functools.partial(lambda out, c: evenflow.fused_moe(
+            x, ids, w, ew, out=out, config=c, **kw), c=c) for r, c in cfgs.items()})
+        outs = {r: out for r, (out, _) in cap.items()}
+        for step in range(2):
+            replay_with_new_inputs(shape, x, ids, w, cap)
+            torch.cuda.synchronize()
+            what = f"{shape} {fmt} T={t} replay {step} {base}"
+            for r in (2, 4, 8):
+                assert torch.equal(outs[r], outs[1]), f"down_n_group={r} differs: {what}"
+        check(outs[8], x, ids, w, ew, ep, what)
+
+
 def test_torch_compile_fullgraph():
     ew = weights("qwen3-30b-a3b", "fp8_per_tensor")
     x, ids, w = inputs("qwen3-30b-a3b", 16)

@@ -679,19 +679,11 @@ def _down_step(acc, i_k, p_x, p_xs, p_b, p_bs, p_g, m_m, e64, p_w, p_gws, p_ga_s
 
 
 @triton.jit
-def _down_scale(m_m, pair, e64, p_ws, p_a_scale, p_topk_w, MODE: tl.constexpr):
-    """The down task's row multipliers: the pair's top-k weight, times per-tensor mode's dequantisation."""
-    b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
-    if MODE == 1:
-        b_tw = b_tw * (tl.load(p_ws + e64) * tl.load(p_a_scale))
-    return b_tw
-
-
-@triton.jit
-def _down_store(acc, o_n, m_m, pair, i_s, b_rs, p_out, stride_os, stride_om):
-    """The down task's epilogue: each row times its multiplier ``b_rs`` (:func:`_down_scale`), stored to
-    pair_out[i_s, pair, o_n] (row-masked)."""
-    acc = acc * b_rs[:, None]
+def _down_store(acc, o_n, m_m, pair, i_s, b_tw, p_out, stride_os, stride_om):
+    """The down task's epilogue (after per-tensor mode's dequantisation, which the caller applies first: the same
+    bits whatever the loop): each row times its top-k weight ``b_tw``, stored to pair_out[i_s, pair, o_n]
+    (row-masked)."""
+    acc = acc * b_tw[:, None]
     p_o = p_out + i_s.to(tl.int64) * stride_os + pair.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=m_m[:, None])
 
@@ -746,7 +738,11 @@ def _down_tile(e, o_m, m_m, i_tile, i_g, i_s,
         # from L1 / L2), each n-block stored after its last K step
         n_k = k_split // BLOCK_K
         pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
-        b_rs = _down_scale(m_m, pair, e64, p_ws, p_a_scale, p_topk_w, MODE)  # loaded once, not per n-block
+        # loaded once, not per n-block
+        b_scale = 1.0
+        if MODE == 1:
+            b_scale = tl.load(p_ws + e64) * tl.load(p_a_scale)
+        b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
         # the pointers move by one K step, and at an n-block's last step back to k0 (the operand) or on to the
         # next n-block's first (the weights): scalar steps, the tiles' addresses never recomputed
         back = (n_k - 1) * BLOCK_K
@@ -762,7 +758,9 @@ def _down_tile(e, o_m, m_m, i_tile, i_g, i_s,
             p_g += tl.where(last, -back, BLOCK_K)
             p_b += tl.where(last, BLOCK_N * stride_wn - back, BLOCK_K)
             if last:
-                _down_store(acc, o_n, m_m, pair, i_s, b_rs, p_out, stride_os, stride_om)
+                if MODE == 1:
+                    acc = acc * b_scale
+                _down_store(acc, o_n, m_m, pair, i_s, b_tw, p_out, stride_os, stride_om)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 o_n += BLOCK_N
 
