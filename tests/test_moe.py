@@ -680,7 +680,7 @@ def test_choose_config_fp8_takes_the_tuners_32_row_tiles_above_16_rows():
     three benchmark shapes the tuner picked mma.sync-sized tiles on 4 warps (<= 32 rows, never the
     64/128-row wgmma tiles the heuristic gave before round S8), and wherever it picked 32 rows, the
     heuristic's tile in every field but the down GEMM's N block (round T4 widened it to 128 or 256 at
-    10 of the 12 points it re-tuned; round S7 measured the 32-row tiles 1.59-1.78x faster than the
+    10 of the 12 points it re-tuned) and n-group (round AJ3: 8 n-blocks a program at Hy3 TP8 T >= 512; round S7 measured the 32-row tiles 1.59-1.78x faster than the
     former 64-row choice on two untuned shapes). bf16 keeps 32 rows up to 32 rows per expert, then
     64/128-row wgmma tiles; at 16 rows and below, 16."""
     import json
@@ -703,7 +703,9 @@ def test_choose_config_fp8_takes_the_tuners_32_row_tiles_above_16_rows():
             seen += 1
             if entry.block_m == 32:
                 got = choose_config(int(t), k, e_loc, h, i, mode, num_experts_total=e_tot, sms=132)
-                assert got == dataclasses.replace(entry, down_block_n=got.down_block_n), (key, t, got, entry)
+                # the down GEMM's N block and n-group are the tuner's (rounds T4, AJ3), the rest the heuristic's
+                assert got == dataclasses.replace(entry, down_block_n=got.down_block_n,
+                                                  down_n_group=got.down_n_group), (key, t, got, entry)
                 same_tile += 1
     assert seen >= 11 and same_tile >= 10, (seen, same_tile)  # T = 512, 1024, 4096 of the fp8 keys
     # the tiles round S7 timed (history/round-s7) on the untuned Hy3 EP2 / TP2 shards at T = 512
