@@ -191,10 +191,9 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         # the down GEMM over 2, 4 or 8 n-blocks a program (round AJ: 4-7% off Hy3 TP8 at T >= 512, where K = I = 192
         # leaves a program three K steps; slower at every pair-tile point measured, AJ1), on the table's entry and
         # on the default's tiles, next to the default: one knob on the two configs already known best here, so a
-        # --max-candidates limit keeps them
-        groups = (2, 4, 8)
+        # --max-candidates limit keeps them (the other groups of 1, 2, 4, 8: the default has its own since AJ7)
         grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in (("incumbent", incumbent), ("default", d))
-                   if b is not None and b.down_n_group == 1 for g in groups]
+                   if b is not None for g in (1, 2, 4, 8) if g != b.down_n_group]
         out[1:1] = grouped
     seen, valid = set(), []
     for label, c in out:

@@ -674,6 +674,33 @@ def test_choose_config_split_keeps_long_k_slices(mode):
     assert choose_config(1, 8, 192, 4096, 192, 1, sms=132).gu_split_k == 8
 
 
+def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps():
+    """The heuristic gives a down program 8 n-blocks above 16 rows per expert and 4 from 8 rows where the down GEMM
+    has at most FEW_DOWN_K_STEPS K steps and no K split (round AJ7: tensor-parallel shards with small I), the largest
+    power of two up to that dividing the n-blocks; 1 elsewhere: many K steps (Qwen3-30B, Hy3 EP8), few rows, a K
+    split, the fp8-MMA modes."""
+    from evenflow.moe.fused import FEW_DOWN_K_STEPS
+
+    def group(t, e, h, i, mode, **kw):
+        return choose_config(t, 8, e, h, i, mode, num_experts_total=e, sms=132, **kw)
+
+    for mode in (0, 1):
+        for e, h, i in ((192, 4096, 192), (128, 4096, 192), (256, 7168, 256)):
+            for t in (1, 16, 64, 256, 512, 1024, 4096):
+                c = group(t, e, h, i, mode)
+                rows = t * 8 / e
+                steps = i // (c.down_block_k * c.down_split_k)
+                assert steps <= FEW_DOWN_K_STEPS
+                want = 1 if rows < 8 or c.down_split_k > 1 else 8 if rows > 16 else 4
+                assert c.down_n_group == want and (h // c.down_block_n) % want == 0, (e, h, i, mode, t, c)
+            assert group(4096, e, h, i, mode, fast_acc=mode == 1).down_n_group == (8 if mode == 0 else 1)
+        for e, h, i in ((128, 2048, 768), (24, 4096, 1536)):  # 6-24 K steps: never grouped
+            assert all(group(t, e, h, i, mode).down_n_group == 1 for t in (16, 256, 1024, 4096))
+    # the largest power of two up to the rule's that divides the n-blocks: H = 4160 (65 n-blocks of 64) takes 1
+    assert group(4096, 192, 4160, 192, 0).down_n_group == 1
+    assert group(4096, 192, 4096 + 2048 + 64 * 4, 192, 1).down_n_group == 4  # 100 n-blocks of 64: 4
+
+
 def test_choose_config_fp8_takes_the_tuners_32_row_tiles_above_16_rows():
     """FP8 (exact mode) above 16 rows per expert: 32-row tiles on 4 warps, 4 stages, at every batch.
     The committed H200 table is the evidence: at every fp8 point above 16 rows per expert of the

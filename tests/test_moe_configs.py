@@ -125,10 +125,14 @@ def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
     for t in (512, 4096):
         cands = dict(tune_moe.candidates(case, 1, t, incumbent=entry))
         d = cands["default"]
-        for g in (2, 4, 8):
-            assert cands[f"incumbent-dg{g}"] == dataclasses.replace(entry, down_n_group=g)
-            assert cands[f"default-dg{g}"] == dataclasses.replace(d, down_n_group=g)
-        assert not any("dg" in label for label in dict(tune_moe.candidates(case, 1, t)) if "incumbent" in label)
+        assert d.down_n_group == 8  # the heuristic's own group here (round AJ7)
+        for g in (1, 2, 4, 8):  # every other group of the entry and of the default
+            assert (f"incumbent-dg{g}" in cands) == (g != 1) and (f"default-dg{g}" in cands) == (g != 8)
+            if g != 1:
+                assert cands[f"incumbent-dg{g}"] == dataclasses.replace(entry, down_n_group=g)
+            if g != 8:
+                assert cands[f"default-dg{g}"] == dataclasses.replace(d, down_n_group=g)
+        assert not any(label.startswith("incumbent") for label in dict(tune_moe.candidates(case, 1, t)))
     small = next(t for t in tune_moe.BUCKETS if t * case.top_k <= PAIR_TILE_MAX_PAIRS)
     assert not any("-dg" in label for label, _ in tune_moe.candidates(case, 1, small, incumbent=entry))
     # a group that does not divide H's n-blocks is never offered (check_config refuses it)

@@ -201,11 +201,33 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     busy_tiles = max(1, min(num_local, math.ceil(local_pairs)), math.ceil(local_pairs / block_m))
     target = 2 * sms
     eb = 1 if fp8 else 2
-    return replace(
+    cfg = replace(
         cfg,
         gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target, eb),
         down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target, eb),
     )
+    return replace(cfg, down_n_group=_down_n_group(cfg, rows, hidden, inter, fast_acc))
+
+
+# Round AJ (docs/perf-notes/moe.md): where the down GEMM has at most this many K steps a task (a tensor-parallel
+# shard's small I), choose_config gives a program several n-blocks of its tile (MoEConfig.down_n_group).
+FEW_DOWN_K_STEPS = 4
+
+
+def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc: bool) -> int:
+    """The heuristic's down n-group: 8 n-blocks a program above 16 rows per expert, 4 from 8 rows, where the down
+    GEMM has at most FEW_DOWN_K_STEPS K steps and no K split (the largest power of two up to that dividing the
+    n-blocks); else 1. Round AJ7 measured it on the heuristic's tiles of two untuned shards (Qwen3-235B-A22B and
+    DeepSeek-V3 at TP8, two to four K steps), as layer time over R = 1's: fp8 0.83-0.92 above 16 rows per expert and
+    0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.00 above 16 and 0.95-1.00 at 8-16; R = 8 at 8 rows 1.01-1.02 (so 4
+    there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not in the fp8-MMA modes (their wgmma tiles were
+    not measured with it)."""
+    if fast_acc or cfg.down_split_k > 1 or rows < 8 or inter // cfg.down_block_k > FEW_DOWN_K_STEPS:
+        return 1
+    g = 8 if rows > 16 else 4
+    while (hidden // cfg.down_block_n) % g:
+        g //= 2
+    return g
 
 
 def tuned_key(num_local: int, num_experts_total: int, top_k: int, hidden: int, inter: int, mode: int,
