@@ -707,8 +707,9 @@ def test_choose_config_fp8_takes_the_tuners_32_row_tiles_above_16_rows():
     three benchmark shapes the tuner picked mma.sync-sized tiles on 4 warps (<= 32 rows, never the
     64/128-row wgmma tiles the heuristic gave before round S8), and wherever it picked 32 rows, the
     heuristic's tile in every field but the down GEMM's N block (round T4 widened it to 128 or 256 at
-    10 of the 12 points it re-tuned) and n-group (round AJ3: 8 n-blocks a program at Hy3 TP8 T >= 512; round S7 measured the 32-row tiles 1.59-1.78x faster than the
-    former 64-row choice on two untuned shapes). bf16 keeps 32 rows up to 32 rows per expert, then
+    10 of the 12 points it re-tuned) and n-group (round AJ3: 8 n-blocks a program at Hy3 TP8 T >= 512;
+    round S7 measured the 32-row tiles 1.59-1.78x faster than the former 64-row choice on two untuned
+    shapes). bf16 keeps 32 rows up to 32 rows per expert, then
     64/128-row wgmma tiles; at 16 rows and below, 16."""
     import json
 
