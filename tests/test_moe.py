@@ -678,7 +678,7 @@ def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps(
     """The heuristic gives a down program 8 n-blocks above 16 rows per expert and 4 from 8 rows where the down GEMM
     has at most FEW_DOWN_K_STEPS K steps and no K split (round AJ7: tensor-parallel shards with small I), the largest
     power of two up to that dividing the n-blocks; 1 elsewhere: many K steps (Qwen3-30B, Hy3 EP8), few rows, a K
-    split, the fp8-MMA modes."""
+    split, the fp8-MMA modes' wgmma tiles (above 16 rows; at 8-16 rows they take the exact mode's config)."""
     from evenflow.moe.fused import FEW_DOWN_K_STEPS
 
     def group(t, e, h, i, mode, **kw):
@@ -694,6 +694,10 @@ def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps(
                 want = 1 if rows < 8 or c.down_split_k > 1 else 8 if rows > 16 else 4
                 assert c.down_n_group == want and (h // c.down_block_n) % want == 0, (e, h, i, mode, t, c)
             assert group(4096, e, h, i, mode, fast_acc=mode == 1).down_n_group == (8 if mode == 0 else 1)
+            if mode == 1:  # 8-16 rows: the exact mode's config, R = 4 included
+                t = 12 * e // 8
+                exact = group(t, e, h, i, 1)
+                assert group(t, e, h, i, 1, fast_acc=True) == exact and exact.down_n_group == 4
         for e, h, i in ((128, 2048, 768), (24, 4096, 1536)):  # 6-24 K steps: never grouped
             assert all(group(t, e, h, i, mode).down_n_group == 1 for t in (16, 256, 1024, 4096))
     # the largest power of two up to the rule's that divides the n-blocks: H = 4160 (65 n-blocks of 64) takes 1

@@ -220,9 +220,10 @@ def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc
     n-blocks); else 1. Round AJ7 measured it on the heuristic's tiles of two untuned shards (Qwen3-235B-A22B and
     DeepSeek-V3 at TP8, two to four K steps), as layer time over R = 1's: fp8 0.83-0.92 above 16 rows per expert and
     0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.00 above 16 and 0.95-1.00 at 8-16; R = 8 at 8 rows 1.01-1.02 (so 4
-    there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not in the fp8-MMA modes (their wgmma tiles were
-    not measured with it)."""
-    if fast_acc or cfg.down_split_k > 1 or rows < 8 or inter // cfg.down_block_k > FEW_DOWN_K_STEPS:
+    there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on the fp8-MMA modes' wgmma tiles (above 16
+    rows: not measured with it); at 8-16 rows those modes take the exact mode's config, R included (the same
+    mma.sync tiles, choose_config's docstring)."""
+    if (fast_acc and rows > 16) or cfg.down_split_k > 1 or rows < 8 or inter // cfg.down_block_k > FEW_DOWN_K_STEPS:
         return 1
     g = 8 if rows > 16 else 4
     while (hidden // cfg.down_block_n) % g:
