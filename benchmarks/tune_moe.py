@@ -119,7 +119,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
     (with ``fast_acc``: that mode's rules, K-steps >= 32). ``incumbent``: the table's entry for the point (a
     MoEConfig) or None; its down GEMM over several n-blocks a program is offered too."""
-    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS, check_config, choose_config
+    from evenflow.moe.fused import FEW_DOWN_K_STEPS, PAIR_TILE_MAX_PAIRS, check_config, choose_config
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
                       num_experts_total=case.num_experts_total, fast_acc=fast_acc)
@@ -187,13 +187,14 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
                           gu_split_k=1, down_split_k=1)))
         if mode == 0 and d.block_m <= 32:  # 128-deep bf16 K tiles at >= 64x128 exceed 227 KB of smem (sm_90)
             out.append(("gk128", r(d, gu_block_k=128, down_block_k=128, num_stages=3)))
-    if t * case.top_k > PAIR_TILE_MAX_PAIRS:
-        # the down GEMM over 2, 4 or 8 n-blocks a program (round AJ: 4-7% off Hy3 TP8 at T >= 512, where K = I = 192
-        # leaves a program three K steps; slower at every pair-tile point measured, AJ1), on the table's entry and
-        # on the default's tiles, next to the default: one knob on the two configs already known best here, so a
-        # --max-candidates limit keeps them (the other groups of 1, 2, 4, 8: the default has its own since AJ7)
+    if t * case.top_k > PAIR_TILE_MAX_PAIRS and rows >= 8:
+        # the down GEMM over 1, 2, 4 or 8 n-blocks a program (round AJ: where a config's down GEMM has few K steps and
+        # experts see >= 8 rows, 2-17% off the layer, AJ3 / AJ7; no gain, or slower, with many K steps or fewer rows,
+        # AJ1 / AJ2), on the table's entry and on the default's tiles, next to the default: one knob on the two configs
+        # already known best here, so a --max-candidates limit keeps them (the default has its own group since AJ7)
         grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in (("incumbent", incumbent), ("default", d))
-                   if b is not None for g in (1, 2, 4, 8) if g != b.down_n_group]
+                   if b is not None and case.inter // (b.down_block_k * b.down_split_k) <= FEW_DOWN_K_STEPS
+                   for g in (1, 2, 4, 8) if g != b.down_n_group]
         out[1:1] = grouped
     seen, valid = set(), []
     for label, c in out:

@@ -315,6 +315,20 @@ def test_pair_tiles_count_in_the_weights_counters(device, fmt, monkeypatch):
         check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {t * k} pairs, {narrow}", ep_rank=1)
 
 
+def _rank1_batch(t, h, seed, device):
+    """(ids, weights, x, shared output) of a T-token top-3 batch on rank 1 of 3 (local experts 4..7): some pairs on
+    another rank, a token listing one expert twice, local expert 3 idle."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 8, (t, 3), generator=g, dtype=torch.int32)
+    ids[::5, 2] = 11  # some pairs on another rank
+    ids[3] = torch.tensor([6, 6, 5])
+    ids[ids == 7] = 4  # local expert 3 idle
+    w = torch.rand(t, 3, generator=g)
+    x = torch.randn(t, h, generator=g).bfloat16()
+    shared = torch.randn(t, h, generator=g).bfloat16()
+    return ids.to(device), w.to(device), x.to(device), shared.to(device)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_persistent_equals_one_program_per_task(device, fmt):
     """Persistent GEMMs (``persistent=n``: n programs per SM take the used (tile, n-block) tasks in turn
@@ -330,16 +344,8 @@ def test_persistent_equals_one_program_per_task(device, fmt):
     if fmt == "fp8_block":
         i = 256  # two 128-wide gate-up n-blocks (block mode's default gate-up N block)
     ew = random_moe_weights(fmt, 4, h, i, device)
-    g = torch.Generator().manual_seed(3)
     t = 40
-    ids = torch.randint(4, 8, (t, 3), generator=g, dtype=torch.int32)  # rank 1 of 3 owns 4..7
-    ids[::5, 2] = 11  # some pairs on another rank
-    ids[3] = torch.tensor([6, 6, 5])
-    ids[ids == 7] = 4  # local expert 3 idle
-    ids = ids.to(device)
-    w = torch.rand(t, 3, generator=g).to(device)
-    x = torch.randn(t, h, generator=g).bfloat16().to(device)
-    shared = torch.randn(t, h, generator=g).bfloat16().to(device)
+    ids, w, x, shared = _rank1_batch(t, h, 3, device)
     base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
     kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.25)
     narrow = {} if fmt == "fp8_block" else {"gu_block_n": 16}
@@ -388,30 +394,21 @@ def test_down_n_groups_equal_one_n_block_a_program(device, fmt, monkeypatch):
     persistent loop; the grid along N shrinks by the group; groups that do not divide the n-blocks are refused."""
     from evenflow import _compile_check as CC
 
-    h, i = SIZES[fmt]
+    h, i = SIZES[fmt][0], 256 if fmt == "fp8_block" else 64  # the down GEMM's K: two 128-deep steps or four 16-deep
     ew = random_moe_weights(fmt, 4, h, i, device)
-    g = torch.Generator().manual_seed(5)
     t = 24
-    ids = torch.randint(4, 8, (t, 3), generator=g, dtype=torch.int32)  # rank 1 of 3 owns 4..7
-    ids[::5, 2] = 11
-    ids[3] = torch.tensor([6, 6, 5])
-    ids[ids == 7] = 4  # local expert 3 idle
-    ids = ids.to(device)
-    w = torch.rand(t, 3, generator=g).to(device)
-    x = torch.randn(t, h, generator=g).bfloat16().to(device)
-    shared = torch.randn(t, h, generator=g).bfloat16().to(device)
+    ids, w, x, shared = _rank1_batch(t, h, 5, device)
     kw = dict(ep_rank=1, num_experts_total=12)
     dn_n = 64 if fmt == "fp8_block" else 16  # four n-blocks: groups of 2 and 4
-    dn_k = 128 if fmt == "fp8_block" else 16 if fmt == "bf16" else 32
+    dn_k = 128 if fmt == "fp8_block" else 16
     base = dataclasses.replace(choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12), block_m=16,
-                               down_block_n=dn_n, down_block_k=dn_k)
-    assert h // dn_n == 4
+                               down_block_n=dn_n, down_block_k=dn_k, down_n_group=1)
+    assert h // dn_n == 4 and i // dn_k >= 2
     gu_bk = _split_gu_block_k(base, fmt, h)
-    down_split = 2 if i % (2 * dn_k) == 0 else 1
     runs = [  # (what, config, tokens, extra keywords)
         ("index tiles", base, t, dict(pair_tiles=False, shared_output=shared, routed_scaling=1.25)),
         ("pair tiles", base, 4, dict(pair_tiles=True)),
-        ("down K split", dataclasses.replace(base, down_split_k=down_split), t, dict(pair_tiles=False)),
+        ("down K split", dataclasses.replace(base, down_split_k=2), t, dict(pair_tiles=False)),
         ("deferred gate-up", dataclasses.replace(base, gu_block_k=gu_bk, gu_split_k=2, gu_defer=1), 2,
          dict(pair_tiles=True)),
         ("persistent", dataclasses.replace(base, persistent=1), t, dict(pair_tiles=False)),
@@ -646,6 +643,13 @@ def test_config_checks(device):
         evenflow.fused_moe(x, ids, w, ew, config=dataclasses.replace(cfg, block_m=24))
     with pytest.raises(TypeError, match="config"):
         evenflow.fused_moe(x, ids, w, ew, config=(16, 16))
+    # block mode: one weight-scale block (128 wide) a down N block
+    hb, ib = SIZES["fp8_block"]
+    ewb = random_moe_weights("fp8_block", 4, hb, ib, device)
+    xb = torch.randn(3, hb, device=device).bfloat16()
+    cb = choose_config(3, 2, 4, hb, ib, 2)
+    with pytest.raises(ValueError, match="down_block_n of at most 128"):
+        evenflow.fused_moe(xb, ids, w, ewb, config=dataclasses.replace(cb, down_block_n=256))
 
 
 def test_choose_config_splits_k_only_when_programs_are_few():
@@ -700,6 +704,10 @@ def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps(
                 assert group(t, e, h, i, 1, fast_acc=True) == exact and exact.down_n_group == 4
         for e, h, i in ((128, 2048, 768), (24, 4096, 1536)):  # 6-24 K steps: never grouped
             assert all(group(t, e, h, i, mode).down_n_group == 1 for t in (16, 256, 1024, 4096))
+    # as measured (round AJ7 / AJ3): Hy3 TP8 T = 128 / 256 / 512 -> 1 / 4 / 8; DeepSeek-V3 TP8 T = 256 -> 4
+    assert [choose_config(t, 8, 192, 4096, 192, 1, num_experts_total=192).down_n_group for t in (128, 256, 512)] == [
+        1, 4, 8]
+    assert choose_config(256, 8, 256, 7168, 256, 2, num_experts_total=256).down_n_group == 4
     # the largest power of two up to the rule's that divides the n-blocks: H = 4160 (65 n-blocks of 64) takes 1
     assert group(4096, 192, 4160, 192, 0).down_n_group == 1
     assert group(4096, 192, 4096 + 2048 + 64 * 4, 192, 1).down_n_group == 4  # 100 n-blocks of 64: 4

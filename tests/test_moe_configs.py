@@ -112,9 +112,9 @@ def test_tuner_candidates_are_valid():
 
 
 def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
-    """Past the pair-tile range the tuner times the default's and the table entry's down GEMM over 2, 4 and 8
-    n-blocks a program (where they tile H), and the main loop hands it the point's entry; at pair-tile batches
-    (where R > 1 measured slower at every point, round AJ1) it offers none."""
+    """Past the pair-tile range, from 8 rows per expert and where a config's down GEMM has at most FEW_DOWN_K_STEPS K
+    steps, the tuner times the default's and the table entry's down GEMM over each other group of 1, 2, 4 and 8
+    n-blocks a program (where they tile H); elsewhere (round AJ1 / AJ2: no gain) it offers none."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import moe as B
     import tune_moe
@@ -134,10 +134,12 @@ def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
                 assert cands[f"default-dg{g}"] == dataclasses.replace(d, down_n_group=g)
         assert not any(label.startswith("incumbent") for label in dict(tune_moe.candidates(case, 1, t)))
     small = next(t for t in tune_moe.BUCKETS if t * case.top_k <= PAIR_TILE_MAX_PAIRS)
-    assert not any("-dg" in label for label, _ in tune_moe.candidates(case, 1, small, incumbent=entry))
+    # none at pair tiles, below 8 rows per expert (Hy3 TP8 T = 128: 5.3), or where the down GEMM has more than
+    # FEW_DOWN_K_STEPS K steps (Qwen3-30B: I = 768, 12 of 64 in bf16)
+    for c, t in ((case, small), (case, 128), (B.CASES["qwen3-30b-a3b"], 4096)):
+        assert not any("-dg" in label for label, _ in tune_moe.candidates(c, 0, t, incumbent=entry)), (c.name, t)
     # a group that does not divide H's n-blocks is never offered (check_config refuses it)
-    narrow = dict(tune_moe.candidates(B.CASES["qwen3-30b-a3b"], 0, 4096,
-                                      incumbent=MoEConfig(128, 128, 64, 512, 64)))  # 4 n-blocks of 512
+    narrow = dict(tune_moe.candidates(case, 0, 4096, incumbent=MoEConfig(128, 64, 64, 1024, 64)))  # 4 n-blocks
     assert "incumbent-dg4" in narrow and "incumbent-dg8" not in narrow
 
 
@@ -354,13 +356,14 @@ def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
 def test_tuner_dry_run_times_the_entrys_down_n_groups(tmp_path, monkeypatch):
-    # Past the pair-tile range the main loop hands candidates() the point's entry: with --max-candidates 2 the
+    # Past the pair-tile range (from 8 rows per expert, the entry's down GEMM two K steps) the main loop hands
+    # candidates() the point's entry: with --max-candidates 2 the
     # default and the entry over 2 n-blocks a program are timed; the stub timer makes the latter 10% faster than
     # the default and than the entry itself, so it is written (after beating the entry head to head)
     from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
 
     H, T = _tiny_tuner_case(monkeypatch)
-    t = PAIR_TILE_MAX_PAIRS  # top-2: 2 * PAIR_TILE_MAX_PAIRS pairs, index tiles
+    t = 2 * PAIR_TILE_MAX_PAIRS  # top-2 over 8 experts: 4 * PAIR_TILE_MAX_PAIRS pairs (index tiles), 8 rows an expert
     old = [16, 64, 64, 64, 64, 4, 2, 1, 1]
     monkeypatch.setattr(H, "time_graph", lambda fns: 90.0 if fns[0].__defaults__[1].down_n_group == 2 else 100.0)
     table = tmp_path / "t.json"

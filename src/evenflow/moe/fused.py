@@ -150,6 +150,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
 
     ``fast_acc`` (FP8 weights, ``fp8_accum="fast"`` or ``"promoted"``): K-steps of at least 32 (fp8 dots), and
     above 16 rows per expert fp8-wgmma tiles (64 rows; 128 past 128 rows in per-tensor mode).
+
+    Where the down GEMM has few K steps (a tensor-parallel shard's small I), a down program takes several n-blocks
+    of its tile from 8 rows per expert (:func:`_down_n_group`, round AJ).
     """
     e_tot = num_experts_total or num_local
     local_pairs = num_tokens * top_k * num_local / e_tot  # expected pairs routed to this rank
@@ -219,10 +222,10 @@ def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc
     GEMM has at most FEW_DOWN_K_STEPS K steps and no K split (the largest power of two up to that dividing the
     n-blocks); else 1. Round AJ7 measured it on the heuristic's tiles of two untuned shards (Qwen3-235B-A22B and
     DeepSeek-V3 at TP8, two to four K steps), as layer time over R = 1's: fp8 0.83-0.92 above 16 rows per expert and
-    0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.00 above 16 and 0.95-1.00 at 8-16; R = 8 at 8 rows 1.01-1.02 (so 4
-    there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on the fp8-MMA modes' wgmma tiles (above 16
-    rows: not measured with it); at 8-16 rows those modes take the exact mode's config, R included (the same
-    mma.sync tiles, choose_config's docstring)."""
+    0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.01 above 16 and 0.93-1.00 at 8-16; R = 8 at 8 rows 0.91-1.02 (Qwen3-235B
+    1.01-1.02, so 4 there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on the fp8-MMA modes' wgmma
+    tiles (above 16 rows: not measured with it); at 8-16 rows those modes take the exact mode's config, R included
+    (the same mma.sync tiles, choose_config's docstring)."""
     if (fast_acc and rows > 16) or cfg.down_split_k > 1 or rows < 8 or inter // cfg.down_block_k > FEW_DOWN_K_STEPS:
         return 1
     g = 8 if rows > 16 else 4
@@ -317,6 +320,10 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
     if mode == 2 and (cfg.gu_block_n > 128 or cfg.gu_block_k != 128 or cfg.down_block_k != 128):
         raise ValueError(f"fp8 block mode needs gate-up BLOCK_K and down BLOCK_K of 128 and a gate-up BLOCK_N of "
                          f"at most 128, got {cfg}")
+    if mode == 2 and cfg.down_block_n > 128:
+        # the down GEMM applies one 128x128 weight block's scale to a whole N block (kernels.py, _down_tile)
+        raise ValueError(f"fp8 block mode needs config.down_block_n of at most 128 (one weight-scale block), got "
+                         f"{cfg.down_block_n}")
     if cfg.num_warps not in (1, 2, 4, 8, 16):
         raise ValueError(f"config.num_warps must be 1, 2, 4, 8 or 16, got {cfg.num_warps}")
     if cfg.num_stages < 1:

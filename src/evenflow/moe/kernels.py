@@ -743,8 +743,9 @@ def _down_tile(e, o_m, m_m, i_tile, i_g, i_s,
         if MODE == 1:
             b_scale = tl.load(p_ws + e64) * tl.load(p_a_scale)
         b_tw = tl.load(p_topk_w + pair, mask=m_m, other=0.0)
-        # the pointers move by one K step, and at an n-block's last step back to k0 (the operand) or on to the
-        # next n-block's first (the weights): scalar steps, the tiles' addresses never recomputed
+        # the tile pointers move by one K step, and at an n-block's last step back to k0 (the operand) or on to the
+        # next n-block's first (the weights): scalar steps, the tiles' addresses never recomputed (block mode's
+        # scalar weight-scale pointer is, from the step's n-block)
         back = (n_k - 1) * BLOCK_K
         for step in range(0, N_GROUP * n_k):
             i_k = step % n_k
