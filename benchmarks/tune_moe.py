@@ -119,7 +119,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
     (with ``fast_acc``: that mode's rules, K-steps >= 32). ``incumbent``: the table's entry for the point (a
     MoEConfig) or None; its down GEMM over several n-blocks a program is offered too."""
-    from evenflow.moe.fused import FEW_DOWN_K_STEPS, PAIR_TILE_MAX_PAIRS, check_config, choose_config
+    from evenflow.moe.fused import FEW_DOWN_K_STEPS, PAIR_TILE_MAX_PAIRS, check_config, choose_config, down_k_steps
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
                       num_experts_total=case.num_experts_total, fast_acc=fast_acc)
@@ -193,7 +193,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         # AJ1 / AJ2), on the table's entry and on the default's tiles, next to the default: one knob on the two configs
         # already known best here, so a --max-candidates limit keeps them (the default has its own group since AJ7)
         grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in (("incumbent", incumbent), ("default", d))
-                   if b is not None and case.inter // (b.down_block_k * b.down_split_k) <= FEW_DOWN_K_STEPS
+                   if b is not None and down_k_steps(b, case.inter) <= FEW_DOWN_K_STEPS
                    for g in (1, 2, 4, 8) if g != b.down_n_group]
         out[1:1] = grouped
     seen, valid = set(), []
@@ -206,6 +206,13 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             seen.add(c)
             valid.append((label, c))
     return valid
+
+
+def point_key(case, fm) -> str:
+    """The tuned table's key of ``case`` in format ``fm`` (a FORMATS entry)."""
+    from evenflow.moe.fused import tuned_key
+
+    return tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, fm.mode, fm.accum)
 
 
 def first_candidates(cands: list[tuple[str, object]], n: int) -> list[tuple[str, object]]:
@@ -382,7 +389,7 @@ def _extra(p):
 def main(argv=None) -> int:
     import evenflow
     from evenflow.bench import harness as H
-    from evenflow.moe.fused import MoEConfig, check_config, tuned_key
+    from evenflow.moe.fused import MoEConfig, check_config
     from evenflow.reference.moe import moe_rule_terms, random_moe_weights
     from evenflow.testing import assert_within_rule
 
@@ -414,8 +421,7 @@ def main(argv=None) -> int:
     for case_name, variant, t in points:
         fm = FORMATS[variant]
         cs = B.CASES[case_name]
-        old = configs.get(tuned_key(cs.num_local, cs.num_experts_total, cs.top_k, cs.hidden, cs.inter, fm.mode,
-                                    fm.accum), {}).get(str(t))
+        old = configs.get(point_key(cs, fm), {}).get(str(t))
         incumbent = None
         if isinstance(old, list):
             try:
@@ -440,7 +446,7 @@ def main(argv=None) -> int:
         fm = FORMATS[variant]
         fmt, mode = fm.fmt, fm.mode
         accum = fm.accum
-        key = tuned_key(case.num_local, case.num_experts_total, case.top_k, case.hidden, case.inter, mode, accum)
+        key = point_key(case, fm)
         left = deadline - time.time()
         if left <= 0:
             print(f"[{time.time() - t0:5.0f}s] {case_name} {variant} T={t}: budget spent, skipped", flush=True)
@@ -528,10 +534,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / table_path.name).write_text(text)
         print(f"copy: {out / table_path.name}")
-    summary(timings, [(f"{c}/{f}", tuned_key(B.CASES[c].num_local, B.CASES[c].num_experts_total, B.CASES[c].top_k,
-                                             B.CASES[c].hidden, B.CASES[c].inter, FORMATS[f].mode,
-                                             FORMATS[f].accum), t)
-                      for c, f, t in points], measured)
+    summary(timings, [(f"{c}/{f}", point_key(B.CASES[c], FORMATS[f]), t) for c, f, t in points], measured)
     return 0
 
 

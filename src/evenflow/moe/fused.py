@@ -217,6 +217,11 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
 FEW_DOWN_K_STEPS = 4
 
 
+def down_k_steps(cfg: MoEConfig, inter: int) -> int:
+    """K steps a down-GEMM task runs under ``cfg`` (K = I, split down_split_k ways, down_block_k deep)."""
+    return inter // (cfg.down_block_k * cfg.down_split_k)
+
+
 def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc: bool) -> int:
     """The heuristic's down n-group: 8 n-blocks a program above 16 rows per expert, 4 from 8 rows, where the down
     GEMM has at most FEW_DOWN_K_STEPS K steps and no K split (the largest power of two up to that dividing the
@@ -226,7 +231,7 @@ def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc
     1.01-1.02, so 4 there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on the fp8-MMA modes' wgmma
     tiles (above 16 rows: not measured with it); at 8-16 rows those modes take the exact mode's config, R included
     (the same mma.sync tiles, choose_config's docstring)."""
-    if (fast_acc and rows > 16) or cfg.down_split_k > 1 or rows < 8 or inter // cfg.down_block_k > FEW_DOWN_K_STEPS:
+    if (fast_acc and rows > 16) or cfg.down_split_k > 1 or rows < 8 or down_k_steps(cfg, inter) > FEW_DOWN_K_STEPS:
         return 1
     g = 8 if rows > 16 else 4
     while (hidden // cfg.down_block_n) % g:
