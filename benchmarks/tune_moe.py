@@ -188,10 +188,11 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         if mode == 0 and d.block_m <= 32:  # 128-deep bf16 K tiles at >= 64x128 exceed 227 KB of smem (sm_90)
             out.append(("gk128", r(d, gu_block_k=128, down_block_k=128, num_stages=3)))
     if t * case.top_k > PAIR_TILE_MAX_PAIRS and rows >= 8:
-        # the down GEMM over 1, 2, 4 or 8 n-blocks a program (round AJ: where a config's down GEMM has few K steps and
-        # experts see >= 8 rows, 2-17% off the layer, AJ3 / AJ7; no gain, or slower, with many K steps or fewer rows,
-        # AJ1 / AJ2), on the table's entry and on the default's tiles, next to the default: one knob on the two configs
-        # already known best here, so a --max-candidates limit keeps them (the default has its own group since AJ7)
+        # the down GEMM over 1, 2, 4 or 8 n-blocks a program (round AJ: where a config's down GEMM has few K steps
+        # and experts see >= 8 rows, up to 17% off the layer, AJ3 / AJ7; no gain, or slower, with many K steps or
+        # fewer rows, AJ1 / AJ2), on the table's entry and on the default's tiles, next to the default: one knob on
+        # the two configs already known best here, so a --max-candidates limit keeps them (the default has its own
+        # group since AJ7)
         grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in (("incumbent", incumbent), ("default", d))
                    if b is not None and down_k_steps(b, case.inter) <= FEW_DOWN_K_STEPS
                    for g in (1, 2, 4, 8) if g != b.down_n_group]

@@ -226,8 +226,8 @@ def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc
     """The heuristic's down n-group: 8 n-blocks a program above 16 rows per expert, 4 from 8 rows, where the down
     GEMM has at most FEW_DOWN_K_STEPS K steps and no K split (the largest power of two up to that dividing the
     n-blocks); else 1. Round AJ7 measured it on the heuristic's tiles of two untuned shards (Qwen3-235B-A22B and
-    DeepSeek-V3 at TP8, two to four K steps), as layer time over R = 1's: fp8 0.83-0.92 above 16 rows per expert and
-    0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.01 above 16 and 0.93-1.00 at 8-16; R = 8 at 8 rows 0.91-1.02 (Qwen3-235B
+    DeepSeek-V3 at TP8, two to four K steps), as layer time over R = 1's: fp8 0.83-0.90 above 16 rows per expert and
+    0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.01 above 16 and 0.93-1.00 at 8-16; R = 8 at 8 rows 0.89-1.02 (Qwen3-235B
     1.01-1.02, so 4 there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on the fp8-MMA modes' wgmma
     tiles (above 16 rows: not measured with it); at 8-16 rows those modes take the exact mode's config, R included
     (the same mma.sync tiles, choose_config's docstring)."""
