@@ -151,6 +151,12 @@ PLAN_KNOBS = {
     "evenflow-g-force": lambda sms: dict(typed=True, gluon=True),
     # round AG4: an fp8 plan on the Triton kernel whatever the KV heads (the tp2: / tp4: slices' A/B)
     "evenflow-t-force": lambda sms: dict(typed=True, gluon=False),
+    # round AK: the default plan (typed: fp8 on the Gluon kernel from 2 KV heads) with whole short items per bin only
+    # where that grows the budget by at most 1/8, or not at all (align_growth 1.125 / 1.0; the default 1.25 gives fp8
+    # 2x64K+30x1K a budget of 48 for its raw 39, 106 of 528 programs without a bin), and with 4 units per short item
+    "evenflow-grow112": lambda sms: dict(typed=True, align_growth=1.125),
+    "evenflow-grow100": lambda sms: dict(typed=True, align_growth=1.0),
+    "evenflow-g-cost4": lambda sms: dict(typed=True, item_cost=4),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}
