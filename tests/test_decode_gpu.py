@@ -300,6 +300,85 @@ def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch):
     check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}")
 
 
+CHUNK_PREFETCH_CASES = {
+    **CASES,
+    # bins of many short items (budget 36 at 4 programs an SM: nine 128-token items a bin) and of cut items
+    "96x128+8x4K": [128] * 96 + [4 * K] * 8,
+    "2x32K+30x4K": [32 * K] * 2 + [4 * K] * 30,
+}
+
+
+@pytest.mark.parametrize("case", list(CHUNK_PREFETCH_CASES))
+def test_gluon_fp8_chunk_prefetch_is_bitwise_the_default(case):
+    """``DecodePlan(chunk_prefetch=True)``: each program issues its bin's next chunk's first tile during the
+    current chunk's last, into the ring slot after it, and waits for it before a merge stages partials there.
+    Same tiles, same order of every sum: outputs and LSEs bit for bit those of the default plan, in graph
+    replays of three back-to-back calls under PDL (the early first tiles of the later calls, round AE), with
+    lengths and page tables changed between replays; and within the rule of the oracle."""
+    lens = CHUNK_PREFETCH_CASES[case]
+    q, qs, k, v, pt, sl = inputs(lens, kv=FP8, spare_pages=64)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")
+    max_len = max(lens) + 64
+    s_sl, s_pt = sl.clone(), pt.clone()
+    runs = {}
+    for on in (False, True):
+        plan = evenflow.DecodePlan(len(lens), max_len, 8, device="cuda", kv_dtype=FP8, chunk_prefetch=on)
+        outs = [torch.empty(q.shape, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+        lses = [torch.empty(q.shape[:2], dtype=torch.float32, device="cuda") for _ in range(3)]
+
+        def step():
+            plan.update(s_sl)
+            for o, lo in zip(outs, lses):
+                evenflow.decode_attention(q, k, v, s_pt, s_sl, plan=plan, k_scale=ks, v_scale=vs, out=o, lse=lo,
+                                          return_lse=True)
+
+        s_sl.copy_(sl)
+        s_pt.copy_(pt)
+        g = captured(step)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        got = []
+        for trial in range(3):
+            if trial == 0:
+                s_sl.copy_(sl)
+                s_pt.copy_(pt)
+            else:  # the same lengths shuffled over the batch, and fresh page tables
+                s_sl.copy_(sl[torch.randperm(len(lens), device="cuda", generator=gen)])
+                s_pt.copy_(torch.randint(0, k.shape[0], pt.shape, dtype=torch.int32, device="cuda", generator=gen))
+            for o, lo in zip(outs, lses):
+                o.fill_(float("nan"))
+                lo.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(outs[0], o) and torch.equal(lses[0], lo) for o, lo in zip(outs[1:], lses[1:]))
+            got.append((outs[0].clone(), lses[0].clone(), s_sl.clone(), s_pt.clone()))
+        assert int(plan.group_count.abs().sum()) + int(plan.combine_count.abs().sum()) == 0
+        runs[on] = got
+    for trial, ((o0, l0, sl0, pt0), (o1, l1, sl1, pt1)) in enumerate(zip(runs[False], runs[True])):
+        assert torch.equal(sl0, sl1) and torch.equal(pt0, pt1)
+        assert torch.equal(o0, o1), f"{case} replay {trial}: chunk_prefetch changed the output"
+        assert torch.equal(l0.nan_to_num(), l1.nan_to_num()), f"{case} replay {trial}: chunk_prefetch changed the LSE"
+    o, lse, sl1, pt1 = runs[True][-1]
+    check(o, lse, q, qs, k, v, pt1, sl1, ks=ks, vs=vs, what=f"gluon chunk_prefetch {case}")
+
+
+@pytest.mark.parametrize("hq,hkv,page,q_len", [(8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4), (16, 1, 128, 1),
+                                               (4, 4, 64, 4), (64, 8, 128, 1)])
+def test_gluon_fp8_chunk_prefetch_shapes(hq, hkv, page, q_len):
+    """chunk_prefetch at every group, q_len and page size the Gluon kernel takes, on a batch of short,
+    empty, one-past-a-tile and long items: bit for bit the default plan's output and LSE, within the rule."""
+    lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65] + [100, 0, 129, 1] * 6
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, page=page, q_len=q_len, kv=FP8)
+    res = []
+    for on in (False, True):
+        plan = evenflow.DecodePlan(len(lens), 128 * K, hkv, page_size=page, q_len=q_len, device="cuda",
+                                   kv_dtype=FP8, gluon=True, chunk_prefetch=on).update(sl)
+        res.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02,
+                                             return_lse=True))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    check(*res[1], q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02,
+          what=f"gluon chunk_prefetch hq{hq} hkv{hkv} p{page} q{q_len}")
+
+
 def test_gluon_fp8_ignores_nan_bytes_past_each_length():
     """Rows past a request's length in its last page are never read into the result: the
     kernel zero-fills them in shared memory, so NaN bytes there (e4m3 0x7F) change nothing."""
