@@ -157,10 +157,6 @@ PLAN_KNOBS = {
     "evenflow-grow112": lambda sms: dict(typed=True, align_growth=1.125),
     "evenflow-grow100": lambda sms: dict(typed=True, align_growth=1.0),
     "evenflow-g-cost4": lambda sms: dict(typed=True, item_cost=4),
-    # round AK2: the Gluon kernel issuing a bin's next chunk's first tile during the current chunk's last
-    # (DecodePlan.chunk_prefetch), with the default 2 units a short item and with none
-    "evenflow-g-next": lambda sms: dict(typed=True, chunk_prefetch=True),
-    "evenflow-g-next-cost0": lambda sms: dict(typed=True, chunk_prefetch=True, item_cost=0),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

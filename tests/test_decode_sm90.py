@@ -83,10 +83,6 @@ GLUON = {
     "gluon-fp8-g1-s3": dict(lens=[300, 5000], hq=2, hkv=2, kv=FP8, kv_dtype=FP8, num_stages=3),
     "gluon-fp8-ckernel": dict(lens=BIG, kv=FP8, kv_dtype=FP8, combine="kernel"),
     "gluon-fp8-noprefetch": dict(lens=[300, 5000, 0, 65], hq=16, hkv=2, kv=FP8, kv_dtype=FP8, prefetch=False),
-    # round AK: a bin's next chunk's first tile issued during the current chunk's last (DecodePlan.chunk_prefetch)
-    "gluon-fp8-next": dict(lens=BIG, kv=FP8, kv_dtype=FP8, chunk_prefetch=True),
-    "gluon-fp8-next-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8,
-                                      chunk_prefetch=True),
     # its timeline build (DecodePlan.record_timeline): the same tile loop, still resident at 4 an SM
     "gluon-fp8-timeline": dict(lens=BIG, kv=FP8, kv_dtype=FP8, timeline=True),
     "gluon-fp8-tp8-slice-timeline": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True,

@@ -366,10 +366,10 @@ def test_plan_update_reuses_workspace_and_clamps(device):
 def test_plan_repr_names_its_options(device):
     r = repr(evenflow.DecodePlan(4, 100, 2, device=device, num_programs=3, item_cost=1, align_longer=True,
                                  warp_split=False, prefetch=False, align_growth=1.25, early_reads=False,
-                                 spread_bins=False, chunk_prefetch=True))
+                                 spread_bins=False))
     for part in ("max_batch=4", "num_programs=3", "item_cost=1", "align_longer=True", "warp_split=False",
                  "prefetch=False", "align_growth=1.25", "pdl=None", "early_reads=False", "resident_cap=True",
-                 "spread_bins=False", "chunk_prefetch=True"):
+                 "spread_bins=False"):
         assert part in r, (part, r)
 
 
@@ -398,7 +398,7 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, device=device, align_longer=1)
     with pytest.raises(TypeError, match="warp_split"):
         evenflow.DecodePlan(4, 100, 2, device=device, warp_split=1)
-    for name in ("early_reads", "resident_cap", "spread_bins", "launch_next", "chunk_prefetch"):
+    for name in ("early_reads", "resident_cap", "spread_bins", "launch_next"):
         with pytest.raises(TypeError, match=f"{name} must be a bool"):
             evenflow.DecodePlan(4, 100, 2, device=device, **{name: 1})
     for bad in (0.9, 2.5, 1.3):

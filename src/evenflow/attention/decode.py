@@ -201,7 +201,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
                prefetch: bool = True, fused: bool = False, gluon: bool = False, early: bool = False,
-               pad: int = 0, bin_stride: int = 1, trigger: bool = False, next_tile: bool = False) -> None:
+               pad: int = 0, bin_stride: int = 1, trigger: bool = False) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
@@ -212,9 +212,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # with pdl, early: it reads the plan, page table and cached K / V before its PDL wait (the kernel ahead
     # did not update the plan); pad: unused ring slots that keep an SM to the plan's programs, bin_stride: its
     # programs take bins this stride apart (DecodePlan.resident_pad / .bin_stride); trigger: with pdl, the plan
-    # path lets the next kernel launch at its top (DecodePlan.launch_next); next_tile: the Gluon kernel issues
-    # a bin's next chunk's first tile during the current chunk's last (DecodePlan.chunk_prefetch; with prefetch,
-    # 2 ring slots)
+    # path lets the next kernel launch at its top (DecodePlan.launch_next)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -235,7 +233,6 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
-        stages = num_stages or GLUON_FP8_STAGES
         GK.decode_fp8_kernel[grid](
             q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
@@ -244,11 +241,10 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
-            HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=stages,
+            HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES,
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
-            EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger),
-            NEXT=bool(next_tile and prefetch and stages == 2), num_warps=1,
+            EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), num_warps=1,
             **_runtime.pdl_kwargs(pdl),
         )
     else:
@@ -298,7 +294,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False, early=False,
-      pad=0, bin_stride=1, trigger=False, next_tile=False):
+      pad=0, bin_stride=1, trigger=False):
     return None
 
 
@@ -428,7 +424,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
                    plan.combine == "fused", gluon, early, plan.resident_pad if pdl and plan.resident_cap else 0,
-                   plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.chunk_prefetch)
+                   plan.bin_stride if pdl and plan.spread_bins else 1, trigger)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -113,19 +113,15 @@ def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp
 
 
 @gluon.jit
-def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued, base,
+def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued,
                   p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                   stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                  stride_ptb, stride_ot, stride_oh, stride_lt, h_nx, t0_nx, t1_nx, L_nx, p_ptrow_nx,
+                  stride_ptb, stride_ot, stride_oh, stride_lt,
                   GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LSE: gl.constexpr, NEXT: gl.constexpr):
+                  HAS_LSE: gl.constexpr):
     """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
     ``issued``: the ring's first STAGES - 1 tiles are already in flight (:func:`_issue_first`,
-    before the kernel's PDL wait, into slots 0 ..; or, with NEXT, the chunk before issued this
-    chunk's first tile into slot ``base``). NEXT (STAGES == 2): the last iteration issues the next
-    chunk's first tile (item head ``h_nx``, tiles [t0_nx, t1_nx), length ``L_nx``, page-table row
-    ``p_ptrow_nx``; none where t1_nx == t0_nx) instead of a zero-filled one past this chunk, so the
-    next chunk's first tile is in flight through this chunk's last tile, store and arrival."""
+    before the kernel's PDL wait)."""
     ROWS: gl.constexpr = GROUP * Q_LEN
     # q, logical [16 rows, 128 contraction] in the A layout (rows >= ROWS zero), to f16 under a
     # per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone in the score scale)
@@ -159,21 +155,11 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued, base,
     o_tok = gl.arange(0, TILE, layout=gl.SliceLayout(0, MMA))
     for t in range(t0, t1):
         j = t - t0
-        if NEXT:
-            # past this chunk's last tile: the next chunk's first (zero-filled where there is none)
-            past = t + 1 >= t1
-            _issue(k_s, v_s, (j + base + 1) % 2, gl.where(past, t0_nx, t + 1), gl.where(past, t1_nx, t1),
-                   gl.where(past, L_nx, L), p_k, p_v, gl.where(past, p_ptrow_nx, p_ptrow), gl.where(past, h_nx, h),
-                   num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE)
-            cp.wait_group(1)
-            gl.thread_barrier()
-            buf = (j + base) % 2
-        else:
-            _issue(k_s, v_s, (j + STAGES - 1) % STAGES, t + STAGES - 1, t1, L, p_k, p_v, p_ptrow, h, num_pages,
-                   stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE)
-            cp.wait_group(STAGES - 1)
-            gl.thread_barrier()
-            buf = j % STAGES
+        _issue(k_s, v_s, (j + STAGES - 1) % STAGES, t + STAGES - 1, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE)
+        cp.wait_group(STAGES - 1)
+        gl.thread_barrier()
+        buf = j % STAGES
         kf = k_s.index(buf).load(LK).to(gl.float16)
         kt = gl.reshape(gl.permute(kf, [1, 0]), [4, 2, 2, 2, 2, 2, TILE])
         kt = gl.convert_layout(gl.reshape(gl.permute(kt, [1, 2, 3, 4, 0, 5, 6]), [D, TILE]), LB, assert_trivial=True)
@@ -189,14 +175,7 @@ def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued, base,
         acc = mma_v2(gl.convert_layout(p.to(gl.float16), LA), vl, acc * alpha[:, None])
         m_i = m_new
         gl.thread_barrier()  # every lane is done with slot `buf` before the next issue refills it
-    if NEXT:
-        # the next chunk's first tile stays in flight (the chunk after this one starts on it; a merge or
-        # a chunk that issues its own first tiles waits for it first); a zero-filled one (no next chunk)
-        # or an empty chunk's ring is drained here as below
-        if (t1 <= t0) | (t1_nx <= t0_nx):
-            cp.wait_group(0)
-    else:
-        cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
+    cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
     gl.thread_barrier()
 
     live = l_i > 0.0
@@ -348,7 +327,7 @@ def decode_fp8_kernel(
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
-    PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr, NEXT: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -371,12 +350,7 @@ def decode_fp8_kernel(
     programs of a call are placed in the order the call ahead finished; with bin i for program i an SM
     then gets bins of one stretch of the batch (round AE4: on 1x128K+31x4K half the SMs held four of
     the 128K item's chunks, the other half none, and the call ended 6 us later); strided, consecutive
-    programs take bins a quarter of the batch apart.
-    NEXT (with PREFETCH and STAGES == 2; ``DecodePlan(chunk_prefetch=True)``): a chunk's last tile
-    iteration issues the next chunk's first tile into the ring (see :func:`_attend_chunk`), so a
-    bin of several chunks does not stop streaming between them; a chunk whose program merges a
-    group after it first waits for that tile (the merge stages partials in the ring), and the
-    next chunk issues its first tile again."""
+    programs take bins a quarter of the batch apart."""
     pid = ((gl.program_id(0).to(gl.int64) * bin_stride) % gl.num_programs(0)).to(gl.int32)  # this program's bin
     if PDL and TRIGGER:
         gdc_launch_dependents()
@@ -409,7 +383,6 @@ def decode_fp8_kernel(
         p_row, c_last, s_last, s_chunks, s_tiles, s_merges, s_merge_ns, s_merge_end = K._stamps_open(
             p_stamp, pid, start, s_entry, s_wait, c_entry, c_wait, False)
     qk_scale, v_scale = K._scales(qk_scale_f, v_scale_f, p_ks, p_vs, HAS_K_SCALE_PTR, HAS_V_SCALE_PTR)
-    base = pid * 0  # ring slot of the chunk's first tile (NEXT; else always 0)
     while go:
         h = i % HKV
         L, t0, t1, is_final, slot = K._chunk_of(start, n, g0, g1, len_b, max_len, pid)
@@ -419,25 +392,10 @@ def decode_fp8_kernel(
             # at ~20 more of the tile loop's ~1155 instructions (predicates, addresses kept live)
             b_nx, n_nx, start_nx = K._item_at(i + 1, n_items, p_tiles, p_req_end, HKV)
             len_nx = gl.load(p_len + b_nx)
-        h_nx = (i + 1) % HKV
-        t0_nx = pid * 0
-        t1_nx = pid * 0
-        L_nx = pid * 0
-        p_ptrow_nx = p_pt
-        if NEXT:
-            # the next chunk of this bin (none: no tiles), whose first tile this chunk's last iteration issues
-            L_nx, t0_nx, t1_nx, _f_nx, _s_nx = K._chunk_of(start_nx, n_nx, g0, g1, len_nx, max_len, pid)
-            t1_nx = gl.where(K._item_in_bin(i + 1, n_items, start_nx, n_nx, g1), t1_nx, t0_nx)
-            p_ptrow_nx = p_pt + b_nx.to(gl.int64) * stride_ptb
-        _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued, base,
+        _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued,
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                      stride_ptb, stride_ot, stride_oh, stride_lt, h_nx, t0_nx, t1_nx, L_nx, p_ptrow_nx,
-                      GROUP, Q_LEN, PAGE, STAGES, HAS_LSE, NEXT)
-        if NEXT:
-            # the next chunk's first tile is in flight, in the slot after this chunk's last
-            ahead = (t1 > t0) & (t1_nx > t0_nx)
-            base = gl.where(ahead, (base + t1 - t0) % 2, 0)
+                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE)
         if STAMPS:
             c_last, s_last, s_chunks, s_tiles = K._stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, False)
         if FUSED:
@@ -446,23 +404,13 @@ def decode_fp8_kernel(
                 p_s, n_chunks, g, gslot, in_group = K._merge_group_of(start, n, budget, pid, FUSED_C)
                 if arrived_last(p_gcount + gslot, in_group):
                     gl.store(p_gcount + gslot, 0)
-                    if NEXT:
-                        # the merge stages partials in the ring: the next chunk's first tile lands first,
-                        # and that chunk issues its first tile again after
-                        cp.wait_group(0)
-                        gl.thread_barrier()
-                        ahead = pid < 0
-                        base = pid * 0
                     _combine_group(k_s, v_s, i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                    stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C)
                     if STAMPS:
                         s_merge_end, s_merge_ns, s_merges = K._stamps_merge(gslot, s_last, s_merge_ns, s_merges,
                                                                             False)
         i += 1
-        if NEXT:
-            issued = ahead
-        else:
-            issued = pid < 0
+        issued = pid < 0
         if PREFETCH:
             b = b_nx
             n = n_nx

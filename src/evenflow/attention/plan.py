@@ -226,9 +226,6 @@ class DecodePlan:
     programs an SM that is prime to the program count: about a quarter of it at 4 programs an SM, half
     at 2), so the bins an SM gets do not follow the order the call ahead finished in (``False``: bin i,
     to compare).
-    ``chunk_prefetch`` (the Gluon kernel, with ``prefetch`` and a ring of 2 slots, the default; default off):
-    each program issues its bin's next chunk's first tile during the current chunk's last one, so a bin of
-    several chunks (short items) streams through the chunk boundaries; the same outputs bit for bit.
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
     bounds) and flagged; :meth:`clamped` (host sync) or
@@ -249,7 +246,7 @@ class DecodePlan:
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
-                 launch_next: bool = True, gluon: bool | None = None, chunk_prefetch: bool = False):
+                 launch_next: bool = True, gluon: bool | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -321,12 +318,11 @@ class DecodePlan:
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
         for name, flag in (("early_reads", early_reads), ("resident_cap", resident_cap), ("spread_bins", spread_bins),
-                           ("launch_next", launch_next), ("chunk_prefetch", chunk_prefetch)):
+                           ("launch_next", launch_next)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.early_reads, self.resident_cap, self.spread_bins = early_reads, resident_cap, spread_bins
         self.launch_next = launch_next
-        self.chunk_prefetch = chunk_prefetch
         self.per_sm = programs_per_sm(num_programs, dev)
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
@@ -429,7 +425,7 @@ class DecodePlan:
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
                 f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
-                f"spread_bins={self.spread_bins}, chunk_prefetch={self.chunk_prefetch}, "
+                f"spread_bins={self.spread_bins}, "
                 f"device={self.device})")
 
 
