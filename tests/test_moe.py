@@ -251,7 +251,7 @@ def test_pair_tiles_count_in_the_weights_counters(device, fmt, monkeypatch):
     moe_zero_kernel each call). Poisoned counters show exactly which slots a call counts in: each local
     pair's (pair, N block) slot, raised by its SPLIT_K arrivals (or its group's 128 // BLOCK_N), the rest
     untouched; once zeroed again, the clean result. Past the counters' size (pair tiles forced at more
-    than 16 pairs) a fresh zeroed buffer is used."""
+    than PAIR_TILE_MAX_PAIRS pairs) a fresh zeroed buffer is used."""
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)
     bare = ew.sharing_weights(counters=False)
@@ -302,15 +302,17 @@ def test_pair_tiles_count_in_the_weights_counters(device, fmt, monkeypatch):
         assert torch.equal(ew.counters, expect), (cfg, ew.counters[:12 * nb])
         ew.counters.zero_()
         assert torch.equal(evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw), clean)
-    # the narrowest gate-up N blocks (16) with a split, and in block mode its group counters: 16 pairs fit
-    # the counters exactly, 18 (pair tiles forced past the default's 16) take a fresh zeroed buffer
+    # the narrowest gate-up N blocks (16) with a split, and in block mode its group counters: PAIR_TILE_MAX_PAIRS
+    # (32) pairs fit the counters exactly, 33 (pair tiles forced past the default's range) take a fresh zeroed buffer
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
+
     narrow = dataclasses.replace(split, gu_block_n=16)
-    for t, k in ((4, 4), (6, 3)):
+    for t, k in ((PAIR_TILE_MAX_PAIRS // 4, 4), (PAIR_TILE_MAX_PAIRS // 3 + 1, 3)):
         x = torch.randn(t, h, generator=g).bfloat16().to(device)
         ids, w = random_routing(t, k, 12, device)
         with _count_launches(monkeypatch, "moe_zero_kernel") as zeroings:
             y = evenflow.fused_moe(x, ids, w, ew, config=narrow, **kw)
-        assert zeroings == [int(t * k > 16)], (t, k, ew.counters.numel())
+        assert zeroings == [int(t * k > PAIR_TILE_MAX_PAIRS)], (t, k, ew.counters.numel())
         assert not ew.counters.any()
         check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {t * k} pairs, {narrow}", ep_rank=1)
 
@@ -566,7 +568,8 @@ def _dirty_pool(device):
 
 def test_pair_tiles_default_range(device, monkeypatch):
     """The default takes pair tiles (no index build) up to PAIR_TILE_MAX_PAIRS pairs on 16-row
-    tiles, and the index build past it or on larger tiles."""
+    tiles, and the index build past it, on larger tiles, or where the config keeps index tiles (``index_tiles``,
+    the tuner's choice per point)."""
     import evenflow.moe.fused as fused
 
     calls = []
@@ -577,7 +580,8 @@ def test_pair_tiles_default_range(device, monkeypatch):
     k = 4
     t_max = fused.PAIR_TILE_MAX_PAIRS // k
     for t, cfg, indexed in ((1, None, False), (t_max, None, False), (t_max + 1, None, True),
-                            (1, dataclasses.replace(choose_config(1, k, 6, h, i, 0), block_m=32), True)):
+                            (1, dataclasses.replace(choose_config(1, k, 6, h, i, 0), block_m=32), True),
+                            (t_max, dataclasses.replace(choose_config(t_max, k, 6, h, i, 0), index_tiles=1), True)):
         calls.clear()
         x = torch.randn(t, h, device=device).bfloat16()
         ids, w = random_routing(t, k, 6, device)
@@ -994,9 +998,9 @@ def test_local_first_equals_pair_order(device, fmt):
             assert torch.equal(ys[True], ys[False]), f"local-first differs from pair order: {what}"
             assert torch.equal(ys[None], ys[True]), f"default differs from local-first: {what}"
             check_moe(ys[True], x, ids, w, ew, what, ep_rank=1, shared_output=shared, routed_scaling=1.25)
-    # forced pair tiles past the default's 16 pairs: 18 and (bf16: the vector width does not depend on the format)
-    # LOCAL_FIRST_MAX_PAIRS pairs are still packed (wider id vectors), the same bits as the pair order
-    for t, k in ((6, 3), (LOCAL_FIRST_MAX_PAIRS // 4, 4)) if fmt == "bf16" else ((6, 3),):
+    # forced pair tiles past the default's PAIR_TILE_MAX_PAIRS: 33 and (bf16: the vector width does not depend on the
+    # format) LOCAL_FIRST_MAX_PAIRS pairs are still packed (wider id vectors), the same bits as the pair order
+    for t, k in ((11, 3), (LOCAL_FIRST_MAX_PAIRS // 4, 4)) if fmt == "bf16" else ((11, 3),):
         x = torch.randn(t, h, device=device).bfloat16()
         ids, w = random_routing(t, k, 12, device)
         ys = {}

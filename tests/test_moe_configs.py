@@ -159,7 +159,8 @@ def test_tuner_pairs_each_split_pair_tile_config_with_its_deferred_twin():
         if t * case.top_k > PAIR_TILE_MAX_PAIRS:
             assert not deferred, t
             continue
-        splits = [(lab, c) for lab, c in cands if c.gu_split_k > 1 and c.block_m == 16 and not c.gu_defer]
+        splits = [(lab, c) for lab, c in cands if c.gu_split_k > 1 and c.block_m == 16 and not c.gu_defer
+                  and not c.index_tiles]
         assert splits and len(deferred) == len(splits), t
         for i, (lab, c) in enumerate(cands):
             if c in dict(splits).values():
@@ -354,6 +355,41 @@ def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch
     assert (got4 is None) if want4 is None else MoEConfig.from_list(got4).num_stages == 4, got4
 
 
+def test_tuner_offers_index_tiles_at_pair_tile_batches():
+    """In the part of the pair-tile range that round AK added (PAIR_TILE_MAX_PAIRS / 2 < T * top_k <=
+    PAIR_TILE_MAX_PAIRS, on 16-row tiles) the tuner times the default's and the table entry's twins on index tiles
+    (``index_tiles``) right after the default (an entry that keeps index tiles: its pair-tile twin); below it (round
+    I3's range) and past it none is offered."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import moe as B
+    import tune_moe
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
+
+    for name in ("hy3-tp8", "qwen3-30b-a3b"):
+        case = B.CASES[name]
+        for mode in (0, 1, 2) if name != "hy3-tp8" else (0, 1):  # Hy3 TP8's I = 192 has no 128-deep blocks
+            for t in tune_moe.BUCKETS:
+                d = dict(tune_moe.candidates(case, mode, t))["default"]
+                entry = dataclasses.replace(d, num_stages=d.num_stages + 1)
+                kept = dataclasses.replace(entry, index_tiles=1)
+                for inc, label, twin in ((entry, "incumbent-index", kept), (kept, "incumbent-pairs", entry)):
+                    cands = tune_moe.candidates(case, mode, t, incumbent=inc)
+                    got = dict(cands)
+                    labels = [lab for lab, _ in cands if not lab.endswith("+defer")]
+                    if PAIR_TILE_MAX_PAIRS // 2 < t * case.top_k <= PAIR_TILE_MAX_PAIRS and d.block_m == 16:
+                        assert labels[:3] == ["default", label, "default-index"], (name, mode, t)
+                        assert got[label] == twin and got["default-index"] == dataclasses.replace(d, index_tiles=1)
+                    else:
+                        assert not [lab for lab in labels if lab.endswith(("-index", "-pairs"))], (name, mode, t)
+
+
+def test_config_index_tiles_is_checked():
+    with pytest.raises(ValueError, match="index_tiles"):
+        check_config(MoEConfig(16, 64, 64, 64, 64, index_tiles=2), 256, 128, 0)
+    assert MoEConfig.from_list(MoEConfig(16, 64, 64, 64, 64, index_tiles=1).as_list()).index_tiles == 1
+    assert MoEConfig.from_list([16, 64, 64, 64, 64, 4, 3, 1, 1, 0, 0, 1]).index_tiles == 0  # a table row before it
+
+
 @pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
 def test_tuner_dry_run_times_the_entrys_down_n_groups(tmp_path, monkeypatch):
     # Past the pair-tile range (from 8 rows per expert, the entry's down GEMM two K steps) the main loop hands
@@ -363,7 +399,7 @@ def test_tuner_dry_run_times_the_entrys_down_n_groups(tmp_path, monkeypatch):
     from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
 
     H, T = _tiny_tuner_case(monkeypatch)
-    t = 2 * PAIR_TILE_MAX_PAIRS  # top-2 over 8 experts: 4 * PAIR_TILE_MAX_PAIRS pairs (index tiles), 8 rows an expert
+    t = PAIR_TILE_MAX_PAIRS  # top-2 over 8 experts: 2 * PAIR_TILE_MAX_PAIRS pairs (index tiles), 8 rows an expert
     old = [16, 64, 64, 64, 64, 4, 2, 1, 1]
     monkeypatch.setattr(H, "time_graph", lambda fns: 90.0 if fns[0].__defaults__[1].down_n_group == 2 else 100.0)
     table = tmp_path / "t.json"

@@ -93,6 +93,10 @@ class MoEConfig:
     # epilogue, and the grid is several waves of such programs. 1: one n-block a program (tables written before
     # it).
     down_n_group: int = 1
+    # 1: index tiles (the index build) where the launcher's rule takes pair tiles (at most PAIR_TILE_MAX_PAIRS pairs on
+    # 16-row tiles): the tuner's choice per point (round AK: at 32 pairs pair tiles were faster on 7 of 9 benchmark
+    # series, not on Qwen3 fp8-tensor). 0: the rule (tables written before it).
+    index_tiles: int = 0
 
     def __post_init__(self):
         # checked once, where a config is made (table load, heuristic, a caller's replace), not per call
@@ -335,6 +339,8 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         raise ValueError(f"config.num_stages must be >= 1, got {cfg.num_stages}")
     if cfg.gu_defer not in (0, 1):
         raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
+    if cfg.index_tiles not in (0, 1):
+        raise ValueError(f"config.index_tiles must be 0 or 1, got {cfg.index_tiles}")
     if cfg.down_n_group < 1 or cfg.down_n_group & (cfg.down_n_group - 1) \
             or (hidden // cfg.down_block_n) % cfg.down_n_group:
         raise ValueError(f"config.down_n_group must be a power of two dividing H / down_block_n = "
@@ -352,7 +358,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
             pdl: int = -1, pair_tiles: int = -1, accum: str = "exact", defer_split: int = -1,
             persistent: int = -1, counters: torch.Tensor | None = None, local_first: int = -1):
     # pdl: 1 on, 0 off, -1 automatic (on where supported, up to PDL_MAX_PAIRS pairs)
-    # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles)
+    # pair_tiles: 1 on, 0 off, -1 automatic (up to PAIR_TILE_MAX_PAIRS pairs on 16-row tiles, unless the config says
+    # index tiles: cfg.index_tiles)
     # accum: fp8_accum (FP8 weights for the fp8-MMA modes; checked by fused_moe): kernels.FAST_ACC, table keys
     # defer_split: a K-split gate-up on pair tiles leaves its partials to the down GEMM: 1 yes, 0 no,
     # -1 as the config says (cfg.gu_defer)
@@ -380,7 +387,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         cfg = choose_config(t, k, e_local, h, i, mode, num_experts_total=num_experts_total, sms=num_sms(dev),
                             fast_acc=fast_acc)
     p = t * k
-    by_pair = bool(pair_tiles) if pair_tiles >= 0 else (p <= PAIR_TILE_MAX_PAIRS and cfg.block_m == 16)
+    by_pair = bool(pair_tiles) if pair_tiles >= 0 else (p <= PAIR_TILE_MAX_PAIRS and cfg.block_m == 16
+                                                         and not cfg.index_tiles)
     n_tiles = p if by_pair else max_tiles(p, e_local, cfg.block_m)
     gu_nb = i // cfg.gu_block_n
     # Deferred reduction (pair tiles, K-split gate-up): the down GEMM adds the gate-up's partials
@@ -574,8 +582,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     programmatic dependent launch; default (None): on sm_90+ up to ``PDL_MAX_PAIRS``
     token-expert pairs, ``False`` to compare; ``True`` is refused where it cannot run.
     ``pair_tiles``: each (token, slot) pair a GEMM task of its own, with no index build;
-    default (None): up to ``PAIR_TILE_MAX_PAIRS`` pairs on 16-row tiles; ``True`` / ``False``
-    force it (same results: one row per tile instead of an expert's rows together).
+    default (None): up to ``PAIR_TILE_MAX_PAIRS`` (32) pairs on 16-row tiles, unless the tuned config keeps index
+    tiles there (``MoEConfig.index_tiles``); ``True`` / ``False`` force it (same results: one row per tile instead
+    of an expert's rows together).
     ``fp8_accum`` (FP8 weights only): ``"exact"`` (default) computes every fp8 product exactly
     (f16 MMAs of the e4m3 values) and accumulates in fp32, within the tolerance rule of an
     fp32-accumulation baseline. ``"fast"`` (opt-in) runs fp8 tensor-core MMAs with the
