@@ -49,7 +49,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
-# evenflow-pairs (pair tiles at every batch, past the default's 16 pairs),
+# evenflow-pairs (pair tiles at every batch, past the default's PAIR_TILE_MAX_PAIRS, 32 since round AK),
 # evenflow-lastsplit (defer_split=False: a K-split gate-up on pair tiles reduced by its last split, not by the
 # down GEMM's operand load; the deferral's A/B), evenflow-persist1 / -persist2 (persistent=1, 2: the GEMMs that
 # run index tiles without a K split as 1 or 2 programs per SM looping over the used tasks; the persistent GEMMs'
@@ -57,11 +57,12 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # waiting at its top for the index kernel instead of running beside it: evenflow.moe.fused.QUANT_OVERLAP's A/B;
 # FP8 only, and the same launches as evenflow wherever the overlap does not apply: past PDL_MAX_PAIRS pairs (no
 # PDL), and on pair tiles, where the quantisation is the layer's first kernel unless a zeroing kernel runs: only
-# with a holder without counters or past the counters' 16 pairs), evenflow-zerokernel (a holder without counters,
-# MoEWeights.sharing_weights(counters=False): pair tiles whose gate-up counts arrivals zero a fresh counter buffer
-# with one more kernel each call, as before round X; the kept counters' A/B), evenflow-pairorder (local_first=False:
-# on pair tiles under expert parallelism each pair's programs in place in the grid, other ranks' pairs among the
-# rank's own, as before round Y; the local-first packing's A/B; the same launches as evenflow everywhere else)
+# with a holder without counters or past the counters' PAIR_TILE_MAX_PAIRS), evenflow-zerokernel (a holder without
+# counters, MoEWeights.sharing_weights(counters=False): pair tiles whose gate-up counts arrivals zero a fresh counter
+# buffer with one more kernel each call, as before round X; the kept counters' A/B), evenflow-pairorder
+# (local_first=False: on pair tiles under expert parallelism each pair's programs in place in the grid, other ranks'
+# pairs among the rank's own, as before round Y; the local-first packing's A/B; the same launches as evenflow
+# everywhere else)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},

@@ -115,6 +115,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = "cuda"  # a CPU dry run of the whole loop (tests) sets "cpu" and stubs the timer
 
 
+# The pair-tile range of rounds I3-AJ (pairs); round AK extended it to PAIR_TILE_MAX_PAIRS, and past this the tuner also
+# times index tiles (MoEConfig.index_tiles) at pair-tile batches.
+I3_PAIR_TILE_PAIRS = 16
+
+
 def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) -> list[tuple[str, object]]:
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
     (with ``fast_acc``: that mode's rules, K-steps >= 32). ``incumbent``: the table's entry for the point (a
@@ -163,14 +168,16 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (
                 ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
-            if t * case.top_k > PAIR_TILE_MAX_PAIRS // 2:
+            if t * case.top_k > I3_PAIR_TILE_PAIRS:
                 # the index build instead of pair tiles, in the range round AK gave pair tiles (at 32 pairs they were
-                # slower on one benchmark series of nine; up to 16, round I3's range, faster), on the table's entry
-                # and on the default's tiles, next to the default (and its +defer twin)
+                # slower on one benchmark series of eight; up to 16, round I3's range, faster), on the table's entry
+                # and on the default's tiles, next to the default (and its +defer twin); an index-tile twin defers
+                # nothing (the deferral is a pair-tile path), so it takes gu_defer = 0
                 at = 2 if len(out) > 1 and out[1][0] == "default+defer" else 1
-                out[at:at] = [(f"{label}-{'pairs' if b.index_tiles else 'index'}", r(b, index_tiles=1 - b.index_tiles))
-                            for label, b in (("incumbent", incumbent), ("default", d))
-                            if b is not None and b.block_m == 16]
+                out[at:at] = [(f"{label}-pairs", r(b, index_tiles=0)) if b.index_tiles else
+                              (f"{label}-index", r(b, index_tiles=1, gu_defer=0))
+                              for label, b in (("incumbent", incumbent), ("default", d))
+                              if b is not None and b.block_m == 16]
     else:
         if not fast_acc:
             # wider down-GEMM N blocks on the default's tiles (round T): the down GEMM (K = I, a few K steps a

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 import evenflow
-from evenflow.moe.fused import choose_config
+from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS, choose_config
 from evenflow.moe.kernels import _local_pair_task
 from evenflow.reference.moe import (
     moe_reference,
@@ -166,8 +166,6 @@ def test_pair_tiles_equal_index_tiles(device, fmt):
     PAIR_TILE_MAX_PAIRS pairs) give the index path's result bit for bit -- with a token
     listing one expert twice, ids routed to other EP ranks, gate-up split K (pair tiles count in
     the holder's counters) and a 32-row tile -- and both are within the rule of the oracle."""
-    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
-
     h, i = SIZES[fmt]
     ew = random_moe_weights(fmt, 4, h, i, device)
     ids_all = [[5, 5, 1], [4, 7, 11], [6, 4, 5], [0, 2, 3]]  # rank 1 of 3 owns 4..7
@@ -304,8 +302,6 @@ def test_pair_tiles_count_in_the_weights_counters(device, fmt, monkeypatch):
         assert torch.equal(evenflow.fused_moe(x, ids, w, ew, config=cfg, **kw), clean)
     # the narrowest gate-up N blocks (16) with a split, and in block mode its group counters: PAIR_TILE_MAX_PAIRS
     # (32) pairs fit the counters exactly, 33 (pair tiles forced past the default's range) take a fresh zeroed buffer
-    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
-
     narrow = dataclasses.replace(split, gu_block_n=16)
     for t, k in ((PAIR_TILE_MAX_PAIRS // 4, 4), (PAIR_TILE_MAX_PAIRS // 3 + 1, 3)):
         x = torch.randn(t, h, generator=g).bfloat16().to(device)
@@ -462,7 +458,7 @@ def test_block_mode_narrow_gate_up_equals_128_wide(device, gu_block_n):
         base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
         for split, pair_tiles, extra in ((1, False, {}), (2, False, {}), (1, True, {}), (2, True, {}),
                                          (2, True, {"defer_split": True}), (1, False, {"persistent": 1})):
-            if pair_tiles and t * 3 > 16:
+            if pair_tiles and t * 3 > PAIR_TILE_MAX_PAIRS:
                 continue
             x = torch.randn(t, h, generator=g).bfloat16().to(device)
             wide = dataclasses.replace(base, gu_block_n=128, gu_split_k=split)
@@ -607,14 +603,16 @@ def test_int64_ids_past_int32_are_dropped(device, pair_tiles):
 
 
 def test_pair_tiles_forced_past_the_default_range(device):
-    # 27 pairs (the default takes the index there); forced on, every pair is still its own task
+    # one pair past PAIR_TILE_MAX_PAIRS (the default takes the index there); forced on, every pair is still its own task
     h, i = SIZES["bf16"]
     ew = random_moe_weights("bf16", 6, h, i, device)
-    x = torch.randn(9, h, device=device).bfloat16()
-    ids, w = random_routing(9, 3, 6, device)
+    t = PAIR_TILE_MAX_PAIRS // 3 + 1
+    assert t * 3 > PAIR_TILE_MAX_PAIRS
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = random_routing(t, 3, 6, device)
     y = evenflow.fused_moe(x, ids, w, ew, pair_tiles=True)
     assert torch.equal(y, evenflow.fused_moe(x, ids, w, ew, pair_tiles=False))
-    check_moe(y, x, ids, w, ew, "pair tiles forced at 27 pairs")
+    check_moe(y, x, ids, w, ew, f"pair tiles forced at {t * 3} pairs")
 
 
 @pytest.mark.parametrize("t", [1, 3, 17], ids=["pair-tiles", "T3", "T17"])
@@ -998,9 +996,11 @@ def test_local_first_equals_pair_order(device, fmt):
             assert torch.equal(ys[True], ys[False]), f"local-first differs from pair order: {what}"
             assert torch.equal(ys[None], ys[True]), f"default differs from local-first: {what}"
             check_moe(ys[True], x, ids, w, ew, what, ep_rank=1, shared_output=shared, routed_scaling=1.25)
-    # forced pair tiles past the default's PAIR_TILE_MAX_PAIRS: 33 and (bf16: the vector width does not depend on the
-    # format) LOCAL_FIRST_MAX_PAIRS pairs are still packed (wider id vectors), the same bits as the pair order
-    for t, k in ((11, 3), (LOCAL_FIRST_MAX_PAIRS // 4, 4)) if fmt == "bf16" else ((11, 3),):
+    # 24 pairs (the default's pair tiles, a 32-wide id vector), forced pair tiles one pair past PAIR_TILE_MAX_PAIRS (64
+    # wide) and (bf16: the vector width does not depend on the format) LOCAL_FIRST_MAX_PAIRS pairs are still packed,
+    # the same bits as the pair order
+    past = (PAIR_TILE_MAX_PAIRS // 3 + 1, 3)
+    for t, k in ((8, 3), past, (LOCAL_FIRST_MAX_PAIRS // 4, 4)) if fmt == "bf16" else ((8, 3), past):
         x = torch.randn(t, h, device=device).bfloat16()
         ids, w = random_routing(t, k, 12, device)
         ys = {}

@@ -144,7 +144,8 @@ def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
 
 
 def test_tuner_pairs_each_split_pair_tile_config_with_its_deferred_twin():
-    """At pair-tile batches (T * top_k <= 16) every K-split 16-row candidate comes with its twin that
+    """At pair-tile batches (T * top_k <= PAIR_TILE_MAX_PAIRS) every K-split 16-row pair-tile candidate comes with its
+    twin that
     leaves the gate-up's reduction to the down GEMM (gu_defer=1), right after it; nowhere else is a
     deferred candidate offered; a --max-candidates limit counts a config and its twin as one."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
@@ -381,6 +382,11 @@ def test_tuner_offers_index_tiles_at_pair_tile_batches():
                         assert got[label] == twin and got["default-index"] == dataclasses.replace(d, index_tiles=1)
                     else:
                         assert not [lab for lab in labels if lab.endswith(("-index", "-pairs"))], (name, mode, t)
+                if PAIR_TILE_MAX_PAIRS // 2 < t * case.top_k <= PAIR_TILE_MAX_PAIRS and d.block_m == 16:
+                    # an entry that defers its gate-up reduction (a pair-tile path): its index-tile twin defers nothing
+                    deferring = dataclasses.replace(entry, gu_split_k=2, gu_defer=1)
+                    got = dict(tune_moe.candidates(case, mode, t, incumbent=deferring))
+                    assert got["incumbent-index"] == dataclasses.replace(deferring, index_tiles=1, gu_defer=0)
 
 
 def test_config_index_tiles_is_checked():

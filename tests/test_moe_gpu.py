@@ -30,7 +30,7 @@ SHAPES = {
     "hy3-ep8": (24, 192, 3, 8, 4096, 1536),
 }
 FORMATS = ["bf16", "fp8_per_tensor", "fp8_block"]
-BATCHES = [1, 4, 8, 128, 1024]  # 4: 32 pairs, pair tiles since round AK (the tuned entry's choice)
+BATCHES = [1, 4, 8, 128, 1024]  # 4: 32 pairs, pair tiles since round AK (Qwen3 fp8-tensor's entry keeps index tiles)
 
 
 @functools.lru_cache(maxsize=4)
@@ -567,16 +567,17 @@ def test_opcheck_cuda(fmt):
 @pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "hy3-ep8"])
 def test_block_mode_narrow_gate_up_real_shapes(shape):
     """FP8 block mode on 64-wide gate-up N blocks (each 128-column activation group requantised by the last
-    of its two programs) at real shapes, on pair tiles (T = 2), index tiles with a K-split gate-up (T = 4) and
-    without (T = 64, 256, 1024): bitwise the 128-wide result in CUDA graphs replayed with new routing (in the
-    last replay one local expert takes a pair of every token) and eagerly, and within the rule of the oracle."""
+    of its two programs) at real shapes, on pair tiles (T = 2), index tiles with a K-split gate-up (T = 4, where the
+    default takes pair tiles since round AK: ``index_tiles``) and without (T = 64, 256, 1024): bitwise the 128-wide
+    result in CUDA graphs replayed with new routing (in the last replay one local expert takes a pair of every token)
+    and eagerly, and within the rule of the oracle."""
     e, e_tot, ep, k, h, i = SHAPES[shape]
     ew = weights(shape, "fp8_block")
     kw = dict(ep_rank=ep, num_experts_total=e_tot)
     for t in (2, 4, 64, 256, 1024):
         x, ids, w = inputs(shape, t)
         d = choose_config(t, k, e, h, i, 2, num_experts_total=e_tot)
-        wide = dataclasses.replace(d, gu_block_n=128, gu_split_k=2 if t == 4 else d.gu_split_k)
+        wide = dataclasses.replace(d, gu_block_n=128, gu_split_k=2 if t == 4 else d.gu_split_k, index_tiles=int(t == 4))
         narrow = dataclasses.replace(wide, gu_block_n=64)
         cap = capture_variants(x, ids, w, ew, "config", (wide, narrow), **kw)
         for step in range(3):

@@ -94,7 +94,7 @@ class MoEConfig:
     # it).
     down_n_group: int = 1
     # 1: index tiles (the index build) where the launcher's rule takes pair tiles (at most PAIR_TILE_MAX_PAIRS pairs on
-    # 16-row tiles): the tuner's choice per point (round AK: at 32 pairs pair tiles were faster on 7 of 9 benchmark
+    # 16-row tiles): the tuner's choice per point (round AK: at 32 pairs pair tiles were faster on 6 of the 8 benchmark
     # series, not on Qwen3 fp8-tensor). 0: the rule (tables written before it).
     index_tiles: int = 0
 

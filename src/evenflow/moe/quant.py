@@ -18,8 +18,9 @@ MODE = {"bf16": 0, "fp8_per_tensor": 1, "fp8_block": 2}
 # of the batch also hits re-reads that expert's weights: none at T = 1 (a token's top-k are
 # distinct), ~1/16 more weight bytes at T = 2 of top-8 over 128 experts, ~13% at T = 4. Measured (H200, graph
 # replay, the tuned entries' tiles, docs/perf-notes/moe.md round AK3): at 32 pairs (T = 4 of top-8) pair tiles took
-# 0.85-0.96 of the index path's time on 7 of 9 benchmark series and 1.5-2.2% more on one (Qwen3 fp8-tensor, whose
-# table entry keeps index tiles: MoEConfig.index_tiles); at 64 pairs 1.01-1.35x on 8 of 9, at 128 1.1-1.5x on all.
+# 0.85-0.96 of the index path's time on 6 of the 8 benchmark series, level on one, 1.5-2.2% more on one (Qwen3
+# fp8-tensor, whose table entry keeps index tiles: MoEConfig.index_tiles); at 64 pairs 1.01-1.35x on all 8, at 128
+# 1.1-1.5x; on two untuned TP8 shards and at 24 pairs 0.93-0.985 on 16 of 18 points (round AK6).
 # Round I3 set 16; round AK raised it to 32.
 PAIR_TILE_MAX_PAIRS = 32
 # The narrowest gate-up N block a config may take (evenflow.moe.fused.check_config).
