@@ -131,6 +131,8 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
     r = dataclasses.replace
     rows = t * case.top_k / case.num_experts_total
     out = [("default", d)]
+    # the two configs known best at the point, whose one-knob twins (index tiles, down n-groups) go next to the default
+    known = [(label, b) for label, b in (("incumbent", incumbent), ("default", d)) if b is not None]
     if rows <= 16:
         # decode / small batch: bound by streaming the hit experts' weights
         if mode == 0:
@@ -176,8 +178,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
                 at = 2 if len(out) > 1 and out[1][0] == "default+defer" else 1
                 out[at:at] = [(f"{label}-pairs", r(b, index_tiles=0)) if b.index_tiles else
                               (f"{label}-index", r(b, index_tiles=1, gu_defer=0))
-                              for label, b in (("incumbent", incumbent), ("default", d))
-                              if b is not None and b.block_m == 16]
+                              for label, b in known if b.block_m == 16]
     else:
         if not fast_acc:
             # wider down-GEMM N blocks on the default's tiles (round T): the down GEMM (K = I, a few K steps a
@@ -208,9 +209,8 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         # fewer rows, AJ1 / AJ2), on the table's entry and on the default's tiles, next to the default: one knob on
         # the two configs already known best here, so a --max-candidates limit keeps them (the default has its own
         # group since AJ7)
-        grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in (("incumbent", incumbent), ("default", d))
-                   if b is not None and down_k_steps(b, case.inter) <= FEW_DOWN_K_STEPS
-                   for g in (1, 2, 4, 8) if g != b.down_n_group]
+        grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in known
+                   if down_k_steps(b, case.inter) <= FEW_DOWN_K_STEPS for g in (1, 2, 4, 8) if g != b.down_n_group]
         out[1:1] = grouped
     seen, valid = set(), []
     for label, c in out:

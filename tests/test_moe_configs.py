@@ -357,7 +357,7 @@ def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch
 
 
 def test_tuner_offers_index_tiles_at_pair_tile_batches():
-    """In the part of the pair-tile range that round AK added (PAIR_TILE_MAX_PAIRS / 2 < T * top_k <=
+    """In the part of the pair-tile range that round AK added (I3_PAIR_TILE_PAIRS < T * top_k <=
     PAIR_TILE_MAX_PAIRS, on 16-row tiles) the tuner times the default's and the table entry's twins on index tiles
     (``index_tiles``) right after the default (an entry that keeps index tiles: its pair-tile twin); below it (round
     I3's range) and past it none is offered."""
@@ -377,12 +377,12 @@ def test_tuner_offers_index_tiles_at_pair_tile_batches():
                     cands = tune_moe.candidates(case, mode, t, incumbent=inc)
                     got = dict(cands)
                     labels = [lab for lab, _ in cands if not lab.endswith("+defer")]
-                    if PAIR_TILE_MAX_PAIRS // 2 < t * case.top_k <= PAIR_TILE_MAX_PAIRS and d.block_m == 16:
+                    if tune_moe.I3_PAIR_TILE_PAIRS < t * case.top_k <= PAIR_TILE_MAX_PAIRS and d.block_m == 16:
                         assert labels[:3] == ["default", label, "default-index"], (name, mode, t)
                         assert got[label] == twin and got["default-index"] == dataclasses.replace(d, index_tiles=1)
                     else:
                         assert not [lab for lab in labels if lab.endswith(("-index", "-pairs"))], (name, mode, t)
-                if PAIR_TILE_MAX_PAIRS // 2 < t * case.top_k <= PAIR_TILE_MAX_PAIRS and d.block_m == 16:
+                if tune_moe.I3_PAIR_TILE_PAIRS < t * case.top_k <= PAIR_TILE_MAX_PAIRS and d.block_m == 16:
                     # an entry that defers its gate-up reduction (a pair-tile path): its index-tile twin defers nothing
                     deferring = dataclasses.replace(entry, gu_split_k=2, gu_defer=1)
                     got = dict(tune_moe.candidates(case, mode, t, incumbent=deferring))
