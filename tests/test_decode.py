@@ -522,6 +522,9 @@ def test_bad_arguments(device):
         evenflow.DecodePlan(2, 1000, 2, device=device, pdl=1)
     with pytest.raises(ValueError, match="combine must be one of"):
         evenflow.DecodePlan(2, 1000, 2, device=device, combine="both")
+    for bad in (0, 3, 4, 2.0, True):
+        with pytest.raises(ValueError, match="gluon_warps must be one of"):
+            evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=bad)
     if _runtime.interpreting():
         with pytest.raises(ValueError, match="pdl=True"):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)

@@ -229,15 +229,18 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon"], ids=["bf16", "fp8", "fp8-gluon"])
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2"],
+                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv):
     """The default plan merges split items inside the attention kernel; the order in which the
     chunks of an item finish changes from call to call on the GPU, the merge order does not:
     ten graph replays give bitwise-equal outputs and leave every counter at zero, the output
     is within the rule, and within one bf16 unit in the last place of the combine kernel's.
-    ``fp8-gluon``: a plan built for the fp8 cache (the one-warp Gluon kernel and its own merge)."""
-    typed = kv == "fp8-gluon"
+    ``fp8-gluon``: a plan built for the fp8 cache (the Gluon kernel and its own merge; ``-w2``: two warps a
+    program)."""
+    typed = kv in ("fp8-gluon", "fp8-gluon-w2")
+    warps = 2 if kv == "fp8-gluon-w2" else 1
     kv = FP8 if typed else kv
     c = FUSED_CASES[case]
     q, qs, k, v, pt, sl = inputs(c["lens"], hkv=c.get("hkv", 8), hq=c.get("hq", 64), kv=kv)
@@ -247,7 +250,7 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     for combine in ("fused", "kernel"):
         plan = evenflow.DecodePlan(len(sl), max(c["lens"]) + 64, c.get("hkv", 8), device="cuda",
                                    combine=combine, kv_dtype=FP8 if typed else None,
-                                   gluon=True if typed else None).update(sl)
+                                   gluon=True if typed else None, gluon_warps=warps).update(sl)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
         evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
         torch.cuda.synchronize()
@@ -268,19 +271,25 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
 
 
 # Plans built for an fp8 cache run the one-warp Gluon kernel (attention/gluon_kernels.py)
-def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True):
+# (round AL: ``gluon_warps`` 1 or 2 warps a program)
+WARPS = pytest.mark.parametrize("warps", [1, 2], ids=["w1", "w2"])
+
+
+def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1):
     from evenflow.attention.decode import gluon_fp8_supported
 
     plan = evenflow.DecodePlan(len(lens), max_len, hkv, page_size=page, q_len=q_len, device="cuda",
-                               kv_dtype=FP8, prefetch=prefetch, gluon=True).update(sl)  # at one KV head too
+                               kv_dtype=FP8, prefetch=prefetch, gluon=True,  # at one KV head too
+                               gluon_warps=warps).update(sl)
     return plan, gluon_fp8_supported
 
 
+@WARPS
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_fp8_real_shapes(case):
+def test_gluon_fp8_real_shapes(case, warps):
     lens = CASES[case]
     q, qs, k, v, pt, sl = inputs(lens, kv=FP8)
-    plan, supported = _gluon_plan(lens, sl)
+    plan, supported = _gluon_plan(lens, sl, warps=warps)
     assert supported(q, k, plan, 8)
     ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
     out = poisoned(q.shape, torch.bfloat16, "cuda")
@@ -291,21 +300,23 @@ def test_gluon_fp8_real_shapes(case):
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
 @pytest.mark.parametrize("hq,hkv,page,q_len", [(8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4), (16, 1, 128, 1),
                                                (4, 4, 64, 4), (64, 8, 128, 1)])
-def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch):
+@WARPS
+def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch, warps):
     lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65]
     q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, page=page, q_len=q_len, kv=FP8)
-    plan, supported = _gluon_plan(lens, sl, hkv=hkv, page=page, q_len=q_len, prefetch=prefetch)
+    plan, supported = _gluon_plan(lens, sl, hkv=hkv, page=page, q_len=q_len, prefetch=prefetch, warps=warps)
     assert supported(q, k, plan, hq // hkv * q_len)
     o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02, return_lse=True)
     check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}")
 
 
-def test_gluon_fp8_ignores_nan_bytes_past_each_length():
+@WARPS
+def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
     """Rows past a request's length in its last page are never read into the result: the
     kernel zero-fills them in shared memory, so NaN bytes there (e4m3 0x7F) change nothing."""
     lens = [4 * K + 5, 700, 63, 1]
     q, qs, k, v, pt, sl = inputs(lens, kv=FP8, spare_pages=0)
-    plan, _ = _gluon_plan(lens, sl, max_len=8 * K)
+    plan, _ = _gluon_plan(lens, sl, max_len=8 * K, warps=warps)
     clean = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02)
     kn, vn = k.clone(), v.clone()
     for b, L in enumerate(lens):
@@ -316,12 +327,13 @@ def test_gluon_fp8_ignores_nan_bytes_past_each_length():
     assert torch.equal(clean, dirty)
 
 
-def test_gluon_fp8_cuda_graph_changing_lengths():
+@WARPS
+def test_gluon_fp8_cuda_graph_changing_lengths(warps):
     B, max_len = 16, 64 * K
     big = [64 * K] + [2 * K] * 15
     q, qs, k, v, pt, sl = inputs(big, kv=FP8, spare_pages=64)
     ks, vs = torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")
-    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", kv_dtype=FP8)
+    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", kv_dtype=FP8, gluon_warps=warps)
     s_sl, s_pt, s_q = sl.clone(), pt.clone(), q.clone()
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
 
@@ -372,8 +384,9 @@ def _row_bytes(k, pt, lens, positions):
     return torch.cat(offs)
 
 
+@WARPS
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len):
+def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len, warps):
     """Round AE: under PDL the one-warp kernel (after the plan's first call) reads the plan and issues its
     first tiles before waiting for the kernel ahead. Here that kernel lets it launch at once and writes q
     and every request's new tokens (its last q_len) ~100 us later: the call must see all of them (bits of
@@ -393,7 +406,7 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len):
         k_src = (torch.randn(offs.numel(), device="cuda") * 30).to(FP8).view(torch.uint8)
         v_src = (torch.randn(offs.numel(), device="cuda") * 40).to(FP8).view(torch.uint8)
         plan = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
-                                   early_reads=early_reads)
+                                   early_reads=early_reads, gluon_warps=warps)
         outs = [torch.empty(q.shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
 
         def step():
@@ -408,7 +421,7 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len):
         for _ in range(3):
             replay_fresh(g, outs, ((q, q0), (k, k0), (v, v0)))
             plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
-                                        pdl=False).update(sl)
+                                        pdl=False, gluon_warps=warps).update(sl)
             before = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
             after = evenflow.decode_attention(q, k, v, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
             assert torch.equal(outs[0], before)

@@ -87,6 +87,12 @@ GLUON = {
     "gluon-fp8-timeline": dict(lens=BIG, kv=FP8, kv_dtype=FP8, timeline=True),
     "gluon-fp8-tp8-slice-timeline": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True,
                                          timeline=True),
+    # two warps a program, each taking half of every tile (round AL)
+    "gluon-fp8-w2": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=2),
+    "gluon-fp8-w2-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True, gluon_warps=2),
+    "gluon-fp8-w2-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8,
+                                    gluon_warps=2),
+    "gluon-fp8-w2-nopdl": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=2, pdl=False),
 }
 
 
@@ -120,17 +126,21 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     from shared memory in 16-byte loads (32 LDS.128: 8 KB each of K and V over 32 lanes), runs 128
     mma.sync (64 for S, 64 for P V) on f16 values converted in registers (256 F2FP of two e4m3 each),
     and stores nothing to shared memory (no converted operand goes back); GLUON_FP8_PROGRAMS_PER_SM
-    programs fit an SM (registers, shared memory, no spill)."""
+    programs fit an SM (registers, shared memory, no spill), and (under PDL, ``resident_pad``) no more.
+    At W warps a program (``gluon_warps``) each warp does 1 / W of that per tile."""
     from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
 
+    w = GLUON[name].get("gluon_warps", 1)
     st = _gluon_stats(name)
-    assert st["num_warps"] == 1 and st["spill_bytes"] == 0, st
-    assert st["regs"] * 32 * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
+    assert st["num_warps"] == w and st["spill_bytes"] == 0, st
+    assert st["regs"] * 32 * w * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
+    if GLUON[name].get("pdl", True):
+        assert (st["shared"] + 1024) * (PPS + 1) > 233472, st
     tile_loop = next(lp["ops"] for lp in reversed(st["loops"]) if lp["ops"].get("HMMA.16816.F32"))
-    assert tile_loop["HMMA.16816.F32"] == 128, tile_loop
-    assert tile_loop["LDS.128"] == 32 and tile_loop["F2FP.F16.E4M3.UNPACK_B"] == 256, tile_loop
+    assert tile_loop["HMMA.16816.F32"] == 128 // w, tile_loop
+    assert tile_loop["LDS.128"] == 32 // w and tile_loop["F2FP.F16.E4M3.UNPACK_B"] == 256 // w, tile_loop
     assert not [op for op in tile_loop if op.startswith(("STS", "LDSM"))], tile_loop
-    assert tile_loop.get("LDGSTS.E.BYPASS.128", 0) == 32, tile_loop
+    assert tile_loop.get("LDGSTS.E.BYPASS.128", 0) == 32 // w, tile_loop
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice", "fp8-tp8-slice-typed",

@@ -41,32 +41,91 @@ TILE = gl.constexpr(64)
 D = gl.constexpr(128)
 LN2 = gl.constexpr(0.6931471805599453)
 
-# mma.sync m16n8k16 on one warp: S [16 rows, 64 tokens] and O [16 rows, 128 columns]
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
-LA = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
-LB = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
-# cp.async of a [64 tokens, 128 d] byte tile: 16 bytes a thread, 4 rows x 8 chunks a warp instruction
-CP = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0]))
+# The program's W warps (``WARPS``: 1, 2 or 4) split every 64-token tile: warp w takes its tokens
+# [w * TW, (w + 1) * TW), TW = 64 / W, with its own online softmax (max, sum, output), merged once per
+# chunk. Every per-tile tensor has a leading warp dimension of size W (the warp bases of its layout),
+# so the MMAs are batched over the warps: each warp's work is the one-warp kernel's on fewer tokens,
+# and no value crosses warps inside the tile loop. The layouts below are built for a given W.
+
+
+@gluon.constexpr_function
+def _warp_bases(W, rank):
+    # the leading dimension (size W) over the warps
+    return [[1 << i] + [0] * (rank - 1) for i in range(W.bit_length() - 1)]
+
+
+@gluon.constexpr_function
+def _mma(W):
+    # mma.sync m16n8k16 batched over the warps: S [W, 16 rows, TW tokens], O [W, 16 rows, 128 columns]
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+
+
+@gluon.constexpr_function
+def _operand(W, index):
+    return gl.DotOperandLayout(operand_index=index, parent=_mma(W), k_width=2)
+
+
+@gluon.constexpr_function
+def _cp(W):
+    # cp.async of a tile [W, TW tokens, 128 d] bytes: 16 bytes a thread, 4 rows x 8 chunks a warp
+    # instruction, warp w copying the rows it will read
+    return gl.BlockedLayout([1, 1, 16], [1, 4, 8], [W, 1, 1], [2, 1, 0])
+
+
 # 16-byte chunks XOR-swizzled by row: the loads below read 8 chunks of 4 rows (V) or 4 chunks of
 # 8 rows (K) per instruction, 4 wavefronts for 512 bytes either way
-SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
-# K tile [64 tok, 128 d] as loaded: registers d bits 0-4 (32 contiguous bytes), token bits 3-5;
-# lanes d bits 5-6, token bits 0-2: mma B's register / lane split once d is read through _phys_k
-LK = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [8, 0], [16, 0], [32, 0]],
-    lane_bases=[[0, 32], [0, 64], [1, 0], [2, 0], [4, 0]], warp_bases=[], block_bases=[], shape=[64, 128]))
-# V tile [64 tok, 128 d] as loaded: registers d bits 0-3 (16 contiguous bytes), token bits 0, 3-5;
-# lanes token bits 1-2, d bits 4-6: mma B's lanes once the columns are read through _phys_v
-LV = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [1, 0], [8, 0], [16, 0], [32, 0]],
-    lane_bases=[[2, 0], [4, 0], [0, 16], [0, 32], [0, 64]], warp_bases=[], block_bases=[], shape=[64, 128]))
-# fused combine: blocks of partials of 16 bytes a thread and row, 32 fp32 a thread a chunk: [8 rows,
-# 128 columns] where the item has at most 8 rows (one pass over the head dim), else [16, 64] (two)
-ML8 = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))
-ML16 = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))
-# the LSEs of a merge batch, [8 chunks, rows], all in every thread's registers
-LL8 = gl.constexpr(gl.BlockedLayout([8, 8], [1, 32], [1, 1], [1, 0]))
-LL16 = gl.constexpr(gl.BlockedLayout([8, 16], [1, 32], [1, 1], [1, 0]))
+SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[2, 1, 0]))
+
+
+@gluon.constexpr_function
+def _lk(W):
+    # K tile [W, TW tok, 128 d] as loaded: registers d bits 0-4 (32 contiguous bytes), token bits 3 and
+    # up; lanes d bits 5-6, token bits 0-2: mma B's register / lane split once d is read through _phys_k
+    tw = 64 // W
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]] + [[0, b, 0] for b in (8, 16, 32) if b < tw],
+        lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=_warp_bases(W, 3),
+        block_bases=[], shape=[W, tw, 128])
+
+
+@gluon.constexpr_function
+def _lv(W):
+    # V tile [W, TW tok, 128 d] as loaded: registers d bits 0-3 (16 contiguous bytes), token bits 0 and 3
+    # up; lanes token bits 1-2, d bits 4-6: mma B's lanes once the columns are read through _phys_v
+    tw = 64 // W
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0]] + [[0, b, 0] for b in (8, 16, 32) if b < tw],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=_warp_bases(W, 3),
+        block_bases=[], shape=[W, tw, 128])
+
+
+@gluon.constexpr_function
+def _ml(W, rows):
+    # fused combine: blocks of partials of 16 bytes a thread and row, 32 fp32 a thread a chunk: [8 rows,
+    # 128 columns] where the item has at most 8 rows (one pass over the head dim), else [16, 64] (two);
+    # the warps split the rows
+    if rows <= 8:
+        return gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])
+    return gl.BlockedLayout([1, 4], [2, 16], [W, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _ll(W, rows):
+    # the LSEs of a merge batch, [8 chunks, rows], all in every thread's registers
+    return gl.BlockedLayout([8, 8 if rows <= 8 else 16], [1, 32], [1, W], [1, 0])
+
+
+@gluon.constexpr_function
+def _lsum(W):
+    # the W warps' weighted outputs [W, 16, 128] read back from shared memory, a thread holding every
+    # warp's value of its 4 columns: the sum over the warps is in registers
+    return gl.BlockedLayout([W, 1, 4], [1, 2, 16], [1, W, 1], [2, 1, 0])
+
+
+# the warps' outputs [W, 16, 128] fp32 after a chunk: 16-byte chunks XOR-swizzled by row, so the MMA
+# layout's stores (8 rows, 4 columns a warp instruction) spread over the banks
+OSTAGE = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0]))
+
 # a merge batch's outputs in the idle K / V ring: [2 chunks, rows, columns] fp32 a ring slot, each
 # thread reading back the 16-byte pieces it copied (no swizzle needed: a warp reads 512 contiguous bytes)
 STAGE = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
@@ -86,18 +145,22 @@ def _phys_v(n):
 
 @gluon.jit
 def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-           stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr):
+           stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, W: gl.constexpr):
     """cp.async of tile t's K and V rows into ring slot ``buf`` (one commit group). Rows past the
     item's length and tiles past the chunk (t >= t1) are zero-filled, never read from memory."""
+    TW: gl.constexpr = TILE // W
+    CP: gl.constexpr = _cp(W)
     live = t < t1
     page = gl.load(p_ptrow + (t * TILE) // PAGE, mask=live, other=0)
     page = gl.minimum(gl.maximum(page, 0), num_pages - 1).to(gl.int64)
-    o_t = gl.arange(0, TILE, layout=gl.SliceLayout(1, CP))
-    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, CP))
-    row = (t * TILE) % PAGE + o_t
-    m = (live & (t * TILE + o_t < L))[:, None] & (o_d < D)[None, :]
-    pk = p_k + (page * stride_kp + h * stride_kh) + row[:, None] * stride_kt + o_d[None, :]
-    pv = p_v + (page * stride_vp + h * stride_vh) + row[:, None] * stride_vt + o_d[None, :]
+    o_w = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, CP)))
+    o_t = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(2, CP)))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, CP)))
+    tok = o_w[:, None] * TW + o_t[None, :]  # [W, TW]: the tile's token of each row
+    row = ((t * TILE) % PAGE + tok)[:, :, None]
+    m = (live & (t * TILE + tok < L))[:, :, None] & (o_d < D)[None, None, :]
+    pk = p_k + (page * stride_kp + h * stride_kh) + row * stride_kt + o_d[None, None, :]
+    pv = p_v + (page * stride_vp + h * stride_vh) + row * stride_vt + o_d[None, None, :]
     cp.async_copy_global_to_shared(k_s.index(buf), pk, mask=m)
     cp.async_copy_global_to_shared(v_s.index(buf), pv, mask=m)
     cp.commit_group()
@@ -105,94 +168,123 @@ def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, 
 
 @gluon.jit
 def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                 stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, STAGES: gl.constexpr):
+                 stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr):
     # a chunk's first STAGES - 1 tiles into ring slots 0 .. STAGES - 2
     for s in gl.static_range(STAGES - 1):
         _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-               stride_vp, stride_vt, stride_vh, PAGE)
+               stride_vp, stride_vt, stride_vh, PAGE, W)
 
 
 @gluon.jit
-def _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued,
+def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
                   p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                   stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                   stride_ptb, stride_ot, stride_oh, stride_lt,
                   GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LSE: gl.constexpr):
+                  HAS_LSE: gl.constexpr, W: gl.constexpr):
     """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
     ``issued``: the ring's first STAGES - 1 tiles are already in flight (:func:`_issue_first`,
-    before the kernel's PDL wait)."""
+    before the kernel's PDL wait). Each warp runs its own softmax over its TW tokens of every tile;
+    the W states are merged after the last tile."""
     ROWS: gl.constexpr = GROUP * Q_LEN
-    # q, logical [16 rows, 128 contraction] in the A layout (rows >= ROWS zero), to f16 under a
-    # per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone in the score scale)
-    o_m = gl.arange(0, 16, layout=gl.SliceLayout(1, LA))
-    o_k = gl.arange(0, D, layout=gl.SliceLayout(0, LA))
+    TW: gl.constexpr = TILE // W
+    MMA: gl.constexpr = _mma(W)
+    LA: gl.constexpr = _operand(W, 0)
+    LB: gl.constexpr = _operand(W, 1)
+    # q, logical [W, 16 rows, 128 contraction] in the A layout (rows >= ROWS zero; every warp holds the
+    # same q), to f16 under a per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone
+    # in the score scale)
+    o_qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))
+    o_m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
+    o_k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
     m_row = o_m < ROWS
     i_tok = b * Q_LEN + o_m // GROUP
     i_head = h * GROUP + o_m % GROUP
-    pq = p_q + (i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[:, None] + _phys_k(o_k)[None, :]
-    q_raw = gl.load(pq, mask=m_row[:, None] & (o_k < D)[None, :], other=0.0)
+    pq = p_q + ((i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[None, :, None] + _phys_k(o_k)[None, None, :]
+                + (o_qw * 0)[:, None, None])
+    q_raw = gl.load(pq, mask=m_row[None, :, None] & (o_k < D)[None, None, :], other=0.0)
     # the ring's first tiles are issued while q is in flight (AC5: waits on q were ~10% of the TP8
     # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
     # moved beyond the run's spread), kept as the order with fewer serial round trips
     p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
     if not issued:
         _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                     stride_vp, stride_vt, stride_vh, PAGE, STAGES)
+                     stride_vp, stride_vt, stride_vh, PAGE, STAGES, W)
     qf = q_raw.to(gl.float32)
-    qmax = gl.max(gl.abs(qf), axis=1)
+    qmax = gl.max(gl.abs(qf), axis=2)
     e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
     e = gl.minimum(gl.maximum(e, -100.0), 114.0)
-    q_a = (qf * gl.exp2(-e)[:, None]).to(gl.float16)
-    rs = gl.convert_layout(qk_scale * gl.exp2(e), gl.SliceLayout(1, MMA))
+    q_a = (qf * gl.exp2(-e)[:, :, None]).to(gl.float16)
+    rs = gl.convert_layout(qk_scale * gl.exp2(e), gl.SliceLayout(2, MMA))
     # row m = r * GROUP + g sees the item's first L - Q_LEN + r + 1 tokens
-    o_r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    o_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
     vis = L - Q_LEN + o_r // GROUP + 1
+    # the tile's token of each score column: warp w's TW tokens
+    o_sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+    o_tok = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+    tok = o_sw[:, None, None] * TW + o_tok[None, None, :]
 
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
-    l_i = gl.full([16], 0.0, gl.float32, layout=gl.SliceLayout(1, MMA))
-    acc = gl.zeros([16, D], gl.float32, layout=MMA)
-    o_tok = gl.arange(0, TILE, layout=gl.SliceLayout(0, MMA))
+    m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
+    l_i = gl.full([W, 16], 0.0, gl.float32, layout=gl.SliceLayout(2, MMA))
+    acc = gl.zeros([W, 16, D], gl.float32, layout=MMA)
     for t in range(t0, t1):
         j = t - t0
         _issue(k_s, v_s, (j + STAGES - 1) % STAGES, t + STAGES - 1, t1, L, p_k, p_v, p_ptrow, h, num_pages,
-               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE)
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
         cp.wait_group(STAGES - 1)
         gl.thread_barrier()
         buf = j % STAGES
-        kf = k_s.index(buf).load(LK).to(gl.float16)
-        kt = gl.reshape(gl.permute(kf, [1, 0]), [4, 2, 2, 2, 2, 2, TILE])
-        kt = gl.convert_layout(gl.reshape(gl.permute(kt, [1, 2, 3, 4, 0, 5, 6]), [D, TILE]), LB, assert_trivial=True)
-        sc = mma_v2(q_a, kt, gl.zeros([16, TILE], gl.float32, layout=MMA))
-        sc = gl.where((t * TILE + o_tok)[None, :] < vis[:, None], sc * rs[:, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        kf = k_s.index(buf).load(_lk(W)).to(gl.float16)
+        kt = gl.reshape(gl.permute(kf, [0, 2, 1]), [W, 4, 2, 2, 2, 2, 2, TW])
+        kt = gl.convert_layout(gl.reshape(gl.permute(kt, [0, 2, 3, 4, 5, 1, 6, 7]), [W, D, TW]), LB,
+                               assert_trivial=True)
+        sc = mma_v2(q_a, kt, gl.zeros([W, 16, TW], gl.float32, layout=MMA))
+        sc = gl.where(t * TILE + tok < vis[None, :, None], sc * rs[:, :, None], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=2))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        vf = v_s.index(buf).load(LV).to(gl.float16)
-        vl = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(vf, [TILE, 8, 16]), [0, 2, 1]), [TILE, D]), LB)
-        acc = mma_v2(gl.convert_layout(p.to(gl.float16), LA), vl, acc * alpha[:, None])
+        p = gl.exp2(sc - m_safe[:, :, None])
+        l_i = l_i * alpha + gl.sum(p, axis=2)
+        vf = v_s.index(buf).load(_lv(W)).to(gl.float16)
+        vl = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(vf, [W, TW, 8, 16]), [0, 1, 3, 2]), [W, TW, D]), LB)
+        acc = mma_v2(gl.convert_layout(p.to(gl.float16), LA), vl, acc * alpha[:, :, None])
         m_i = m_new
         gl.thread_barrier()  # every lane is done with slot `buf` before the next issue refills it
     cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
     gl.thread_barrier()
 
-    live = l_i > 0.0
-    b_o = gl.where(live[:, None], acc * (v_scale / gl.where(live, l_i, 1.0))[:, None], 0.0)
-    lse2 = gl.where(live, m_i + gl.log2(gl.where(live, l_i, 1.0)), float("-inf"))
-    o_n = gl.arange(0, D, layout=gl.SliceLayout(0, MMA))
-    m_out = o_r < ROWS
+    # the warps' states merged (a warp that saw no token has max -inf and weight 0): the weighted
+    # outputs through ``o_s`` [W, 16, 128] fp32 (W > 1), summed in a fixed order
+    m_c = gl.max(m_i, axis=0)
+    m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
+    wt = gl.exp2(m_i - m_cs[None, :])
+    OL: gl.constexpr = gl.SliceLayout(0, MMA) if W == 1 else gl.SliceLayout(0, _lsum(W))  # merged [16, D]
+    RL: gl.constexpr = gl.SliceLayout(1, OL)
+    l_c = gl.convert_layout(gl.sum(l_i * wt, axis=0), RL)
+    m_c = gl.convert_layout(m_c, RL)
+    if W == 1:
+        o_c = gl.sum(acc * wt[:, :, None], axis=0)
+    else:
+        o_s.store(acc * wt[:, :, None])
+        gl.thread_barrier()
+        o_c = gl.sum(o_s.load(_lsum(W)), axis=0)
+        gl.thread_barrier()  # every warp has read it before the next chunk writes it again
+    live = l_c > 0.0
+    b_o = gl.where(live[:, None], o_c * (v_scale / gl.where(live, l_c, 1.0))[:, None], 0.0)
+    lse2 = gl.where(live, m_c + gl.log2(gl.where(live, l_c, 1.0)), float("-inf"))
+    o_r2 = gl.arange(0, 16, layout=RL)
+    o_n = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
+    m_out = o_r2 < ROWS
     col = _phys_v(o_n)
     if is_final:
-        o_tok_r = b * Q_LEN + o_r // GROUP
-        o_head = h * GROUP + o_r % GROUP
+        o_tok_r = b * Q_LEN + o_r2 // GROUP
+        o_head = h * GROUP + o_r2 % GROUP
         po = p_out + (o_tok_r.to(gl.int64) * stride_ot + o_head * stride_oh)[:, None] + col[None, :]
         gl.store(po, b_o.to(gl.bfloat16), mask=m_out[:, None] & (o_n < D)[None, :])
         if HAS_LSE:
             gl.store(p_lse + o_tok_r.to(gl.int64) * stride_lt + o_head, lse2 * LN2, mask=m_out)
     else:
-        o_prow = slot.to(gl.int64) * ROWS + o_r
+        o_prow = slot.to(gl.int64) * ROWS + o_r2
         gl.store(p_po + o_prow[:, None] * D + col[None, :], b_o, mask=m_out[:, None] & (o_n < D)[None, :])
         gl.store(p_plse + o_prow, lse2, mask=m_out)
 
@@ -275,7 +367,7 @@ def _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, s
 @gluon.jit
 def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse, stride_ot,
                    stride_oh, stride_lt, HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr,
-                   HAS_LSE: gl.constexpr, FUSED_C: gl.constexpr):
+                   HAS_LSE: gl.constexpr, FUSED_C: gl.constexpr, W: gl.constexpr):
     """Group g (chunks [g * FUSED_C, +FUSED_C)) of the item that starts in bin p, merged by the last
     of its chunks to finish (see kernels._combine_group): one group finishes the item; else the
     group's normalised output goes over its first chunk's slot, its LSE to ``p_glse``, and the
@@ -283,8 +375,8 @@ def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count
     ROWS: gl.constexpr = GROUP * Q_LEN
     MB: gl.constexpr = 8 if ROWS <= 8 else 16
     MF: gl.constexpr = D if ROWS <= 8 else 64
-    ML: gl.constexpr = ML8 if ROWS <= 8 else ML16
-    LL: gl.constexpr = LL8 if ROWS <= 8 else LL16
+    ML: gl.constexpr = _ml(W, ROWS)
+    LL: gl.constexpr = _ll(W, ROWS)
     b = item // HKV
     h = item % HKV
     first = 2 * p + 1
@@ -327,7 +419,7 @@ def decode_fp8_kernel(
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
-    PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr,
+    PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr, WARPS: gl.constexpr,
 ):
     """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -360,8 +452,13 @@ def decode_fp8_kernel(
     if PDL and not EARLY:
         gdc_wait()
     # PAD slots past the ring are never touched (see PDL above)
-    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], SMEM)
-    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], SMEM)
+    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
+    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
+    if WARPS > 1:
+        # where the warps' outputs meet after a chunk (16 KB at 2 warps: it counts as a ring slot for PAD)
+        o_s = gl.allocate_shared_memory(gl.float32, [WARPS, 16, D], OSTAGE)
+    else:
+        o_s = k_s  # not used
     # the plan contract's arithmetic is the Triton kernel's own (scalar Triton-lang helpers)
     g0, g1, i, budget = K._bin_start(p_meta, p_prog_start, pid)
     n_items = B * HKV
@@ -375,7 +472,7 @@ def decode_fp8_kernel(
         issued = go & ((t0 + STAGES - 1) * TILE <= L - Q_LEN)
         if issued:
             _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_pt + b.to(gl.int64) * stride_ptb, i % HKV, num_pages,
-                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, STAGES)
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, STAGES, WARPS)
         gdc_wait()
     if STAMPS:
         s_wait = globaltimer_ns(len_b, False)
@@ -392,10 +489,10 @@ def decode_fp8_kernel(
             # at ~20 more of the tile loop's ~1155 instructions (predicates, addresses kept live)
             b_nx, n_nx, start_nx = K._item_at(i + 1, n_items, p_tiles, p_req_end, HKV)
             len_nx = gl.load(p_len + b_nx)
-        _attend_chunk(k_s, v_s, b, h, t0, t1, L, is_final, slot, issued,
+        _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE)
+                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE, WARPS)
         if STAMPS:
             c_last, s_last, s_chunks, s_tiles = K._stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, False)
         if FUSED:
@@ -405,7 +502,7 @@ def decode_fp8_kernel(
                 if arrived_last(p_gcount + gslot, in_group):
                     gl.store(p_gcount + gslot, 0)
                     _combine_group(k_s, v_s, i, p_s, n_chunks, g, p_po, p_plse, p_glse, p_count, p_out, p_lse,
-                                   stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C)
+                                   stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, HAS_LSE, FUSED_C, WARPS)
                     if STAMPS:
                         s_merge_end, s_merge_ns, s_merges = K._stamps_merge(gslot, s_last, s_merge_ns, s_merges,
                                                                             False)

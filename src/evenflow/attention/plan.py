@@ -67,6 +67,10 @@ KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 # 2.2% faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time.
 GLUON_FP8_STAGES = 2
 
+# Warps of a Gluon fp8 program, which split each 64-token tile (``DecodePlan(gluon_warps=)``; round AL).
+GLUON_FP8_WARPS = 1
+GLUON_FP8_WARP_COUNTS = (1, 2)
+
 # Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
 # (CUDA C programming guide, compute capability 9.0); read from the device where torch reports it.
 _SM90_SMEM_PER_SM = 233472
@@ -246,7 +250,7 @@ class DecodePlan:
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
-                 launch_next: bool = True, gluon: bool | None = None):
+                 launch_next: bool = True, gluon: bool | None = None, gluon_warps: int = GLUON_FP8_WARPS):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -289,6 +293,9 @@ class DecodePlan:
         self.kv_dtype = kv_dtype
         self.gluon = gluon
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
+        if type(gluon_warps) is not int or gluon_warps not in GLUON_FP8_WARP_COUNTS:
+            raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
+        self.gluon_warps = gluon_warps
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
@@ -329,7 +336,8 @@ class DecodePlan:
         self.fresh = True
         # the Gluon fp8 kernel's layout under PDL, once per plan (device properties): unused ring slots and
         # the program -> bin stride (decode_attention passes them where its options keep them on)
-        self.resident_pad = resident_pad(num_programs, num_stages or GLUON_FP8_STAGES, dev)
+        # (at more than one warp a program, the warps' output buffer counts as one more ring slot)
+        self.resident_pad = resident_pad(num_programs, (num_stages or GLUON_FP8_STAGES) + (gluon_warps > 1), dev)
         self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
@@ -423,6 +431,7 @@ class DecodePlan:
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
+                f"gluon_warps={self.gluon_warps}, "
                 f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
                 f"spread_bins={self.spread_bins}, "
