@@ -157,9 +157,11 @@ PLAN_KNOBS = {
     "evenflow-grow112": lambda sms: dict(typed=True, align_growth=1.125),
     "evenflow-grow100": lambda sms: dict(typed=True, align_growth=1.0),
     "evenflow-g-cost4": lambda sms: dict(typed=True, item_cost=4),
-    # round AL: the Gluon kernel at two warps a program, each taking half of every tile; the same at 3 ring slots
-    # (64 KB a program: 3 programs an SM), and forced at one KV head too
+    # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
+    # same at 3 ring slots (64 KB a program: 3 programs an SM), and forced at one KV head too; the one-warp kernel
     "evenflow-g-w2": lambda sms: dict(typed=True, gluon_warps=2),
+    "evenflow-g-w1": lambda sms: dict(typed=True, gluon_warps=1),
+    "evenflow-g-w1-force": lambda sms: dict(typed=True, gluon_warps=1, gluon=True),
     "evenflow-g-w2-s3": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, num_programs=3 * sms),
     "evenflow-g-w2-force": lambda sms: dict(typed=True, gluon_warps=2, gluon=True),
 }

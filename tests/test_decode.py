@@ -221,7 +221,7 @@ def test_timeline_build_counts_each_programs_work_and_keeps_results(device, buil
     summed over programs since which program merges depends on arrival order), and its
     output is bitwise the default build's. (The interpreter has no timer or SM id: those
     fields are 0 / -1 here; on a GPU they must come in program order.) ``gluon-fp8``: a plan
-    built for an fp8 cache, whose one-warp Gluon kernel has its own STAMPS build (compiled
+    built for an fp8 cache, whose Gluon kernel has its own STAMPS build (compiled
     code only: Gluon has no interpreter)."""
     from evenflow.attention import kernels as K
     from evenflow.attention.decode import FUSED_GROUP_CHUNKS, gluon_fp8_supported
@@ -589,7 +589,7 @@ def test_compiled_calls_go_through_the_custom_ops(device):
     assert torch.equal(got, eager)
 
 
-# A plan built for an fp8 cache (DecodePlan(kv_dtype=FP8)): on a GPU (sm_89+) the one-warp Gluon
+# A plan built for an fp8 cache (DecodePlan(kv_dtype=FP8)): on a GPU (sm_89+) the Gluon
 # kernel where it applies (bf16 q, d128, page 64 / 128, GQA group x q_len <= 16), with the combine
 # kernel merging split items; elsewhere (and in the interpreter) the Triton kernel on the same bins.
 GLUON_CASES = {

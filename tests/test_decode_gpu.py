@@ -270,7 +270,7 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     assert_within_one_ulp(outs["fused"], outs["kernel"], f"{case}: fused against the combine kernel")
 
 
-# Plans built for an fp8 cache run the one-warp Gluon kernel (attention/gluon_kernels.py)
+# Plans built for an fp8 cache run the Gluon kernel (attention/gluon_kernels.py)
 # (round AL: ``gluon_warps`` 1 or 2 warps a program)
 WARPS = pytest.mark.parametrize("warps", [1, 2], ids=["w1", "w2"])
 
@@ -387,7 +387,7 @@ def _row_bytes(k, pt, lens, positions):
 @WARPS
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len, warps):
-    """Round AE: under PDL the one-warp kernel (after the plan's first call) reads the plan and issues its
+    """Round AE: under PDL the Gluon kernel (after the plan's first call) reads the plan and issues its
     first tiles before waiting for the kernel ahead. Here that kernel lets it launch at once and writes q
     and every request's new tokens (its last q_len) ~100 us later: the call must see all of them (bits of
     a plain launch on the final tensors). Sensitivity: where the kernel ahead instead rewrites each

@@ -161,7 +161,7 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
 
 
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
-    """Whether a call runs the one-warp Gluon fp8 kernel (``attention/gluon_kernels.py``): a
+    """Whether a call runs the Gluon fp8 kernel (``attention/gluon_kernels.py``): a
     plan built with ``kv_dtype=torch.float8_e4m3fn`` for it (``DecodePlan.takes_gluon``: from 2 KV heads,
     or as its ``gluon`` says) and none of the Triton kernel's launch
     options (``num_stages``, if given, is its ring's slots and must be >= 2; a timeline,
@@ -208,7 +208,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # loads the next item's metadata before the current item's work; fused: the plan path
     # merges split items inside the attention kernel (no combine kernel); stamps: the plan
     # path's per-program timeline buffer [programs, K.STAMP_SLOTS] int64 (diagnostics), or None;
-    # gluon: the plan path runs the one-warp fp8 kernel (gluon_fp8_supported), fused or with the combine kernel;
+    # gluon: the plan path runs the Gluon fp8 kernel (gluon_fp8_supported), fused or with the combine kernel;
     # with pdl, early: it reads the plan, page table and cached K / V before its PDL wait (the kernel ahead
     # did not update the plan); pad: unused ring slots that keep an SM to the plan's programs, bin_stride: its
     # programs take bins this stride apart (DecodePlan.resident_pad / .bin_stride); trigger: with pdl, the plan

@@ -1,4 +1,4 @@
-"""Gluon kernel of paged decode attention over an fp8 e4m3 KV cache: one warp per program.
+"""Gluon kernel of paged decode attention over an fp8 e4m3 KV cache: 1 or 2 warps per program.
 
 Gluon is Triton's lower-level language (``triton.experimental.gluon``, in the Triton wheel):
 layouts, shared memory and the MMA are written out instead of inferred. It is used here for
@@ -16,7 +16,10 @@ SM for every change tried in rounds F-M. Here nothing converted goes back to sha
   d-bytes of each of its tokens. The output columns are permuted (``_phys_v``, undone at the
   store), so after the conversion only an in-thread re-pairing of two tokens' values is left.
 * P stays in registers: the accumulator layout of S is the A operand layout of P V.
-* One warp per program: no cross-warp max or sum; a one-warp barrier guards the cp.async ring.
+* No cross-warp max or sum inside the tile loop: each of a program's ``WARPS`` warps (``DecodePlan.gluon_warps``)
+  takes its 64 / WARPS tokens of every tile with its own online softmax (round AL: at one warp a program, the
+  loop's dependency chain set the pace of short items and tails), and the warps' states are merged once per
+  chunk; a CTA barrier guards the cp.async ring.
 
 Scope (``decode.gluon_fp8_supported`` says where it runs; the Triton kernel runs everywhere
 else): the plan path, fp8 K/V with per-tensor scales, bf16 q (scaled to f16 per row by a power
@@ -44,7 +47,7 @@ LN2 = gl.constexpr(0.6931471805599453)
 # The program's W warps (``WARPS``: 1, 2 or 4) split every 64-token tile: warp w takes its tokens
 # [w * TW, (w + 1) * TW), TW = 64 / W, with its own online softmax (max, sum, output), merged once per
 # chunk. Every per-tile tensor has a leading warp dimension of size W (the warp bases of its layout),
-# so the MMAs are batched over the warps: each warp's work is the one-warp kernel's on fewer tokens,
+# so the MMAs are batched over the warps: each warp's work is a one-warp program's on fewer tokens,
 # and no value crosses warps inside the tile loop. The layouts below are built for a given W.
 
 
@@ -421,7 +424,7 @@ def decode_fp8_kernel(
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
     PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr, WARPS: gl.constexpr,
 ):
-    """Persistent plan program (one warp): drain bin ``pid`` of the plan (see
+    """Persistent plan program (``WARPS`` warps): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
     end edge included). ``qk_scale_f`` = sm_scale * log2(e) * python k_scale; ``max_len`` caps
     every length (min of the plan's max_seq_len and the page table's columns x PAGE).

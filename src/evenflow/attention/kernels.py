@@ -601,7 +601,7 @@ def decode_kernel(
                           DOT_F32)
 
 
-# The STAMPS build's bookkeeping, shared by this kernel and the one-warp Gluon fp8 kernel
+# The STAMPS build's bookkeeping, shared by this kernel and the Gluon fp8 kernel
 # (attention/gluon_kernels.py): scalar helpers over one program's row of the stamp buffer.
 @triton.jit
 def _stamps_open(p_stamp, pid, start, s_entry, s_wait, c_entry, c_wait, DOT_F32: tl.constexpr):

@@ -49,7 +49,7 @@ _NO_COST_LIMIT = 2**30
 COMBINE_MODES = ("fused", "kernel")
 DEFAULT_COMBINE = "fused"
 # Programs per SM of a plan built for an fp8 KV cache (``DecodePlan(kv_dtype=torch.float8_e4m3fn)``),
-# whose bins the one-warp Gluon kernel drains (``attention/gluon_kernels.py``). Round AB1 (H200,
+# whose bins the Gluon kernel drains (``attention/gluon_kernels.py``). Round AB1 (H200,
 # graph replay, static split of the probe): ~3.4-3.9 programs an SM ran 8x32K / 64x4K at 0.96-0.97
 # of the copy floor, ~7 an SM at 0.71-0.82; on the plan (AB2, rows evenflow-g-pps3 / -g-pps6) 3 and 6
 # an SM took up to 1.63x and 1.08-1.46x the time of 4 (docs/perf-notes/decode.md).
@@ -61,14 +61,18 @@ GLUON_FP8_PROGRAMS_PER_SM = 4
 GLUON_FP8_MIN_KV_HEADS = 2
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
-# Ring slots (tiles in flight + 1) of the one-warp fp8 kernel: 2 x 16 KB per program, 4 programs
+# Ring slots (tiles in flight + 1) of the Gluon fp8 kernel: 2 x 16 KB per program, 4 programs
 # an SM. Measured on the H200 (docs/perf-notes/decode.md): the probe's best split per case, round AB1,
 # 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than
 # 2.2% faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time.
 GLUON_FP8_STAGES = 2
 
-# Warps of a Gluon fp8 program, which split each 64-token tile (``DecodePlan(gluon_warps=)``; round AL).
-GLUON_FP8_WARPS = 1
+# Warps of a Gluon fp8 program, each taking its half of every 64-token tile with its own online softmax
+# (``DecodePlan(gluon_warps=)``). Round AL1 (H200, graph replay, two passes against the one-warp kernel in one
+# run, docs/perf-notes/decode.md): 2 warps took 0.83-0.87 of the time on 64x512 and 1x32K+63x512, 0.92-0.95 on
+# the other mixes and 32x4K, 0.98-1.01 on the long uniform cases, and on the TP8 slice (1 KV head, forced) 0.87
+# of the Triton kernel's. 4 warps do not fit: 16 warps an SM leave a thread 128 registers (the build needs ~200).
+GLUON_FP8_WARPS = 2
 GLUON_FP8_WARP_COUNTS = (1, 2)
 
 # Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
@@ -115,7 +119,7 @@ def resident_pad(programs: int, stages: int, device: torch.device) -> int:
 
 
 def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | None = None) -> bool:
-    """Whether a plan is built for the one-warp Gluon fp8 kernel: an fp8 ``kv_dtype`` and, unless ``gluon``
+    """Whether a plan is built for the Gluon fp8 kernel: an fp8 ``kv_dtype`` and, unless ``gluon``
     says, at least GLUON_FP8_MIN_KV_HEADS KV heads (``gluon=False``: never; ``True``: at any count)."""
     if kv_dtype != torch.float8_e4m3fn or gluon is False:
         return False
@@ -166,9 +170,11 @@ class DecodePlan:
     ``kv_dtype``: the KV cache dtype the plan serves (``None``: not said). With
     ``torch.float8_e4m3fn`` and at least 2 KV heads (``gluon``: ``None`` = that rule, ``True`` = at any
     KV-head count, ``False`` = never; at one KV head the Triton kernel was faster on five of seven
-    cases, round AF5) the plan is sized for the one-warp Gluon fp8 kernel
+    cases, round AF5) the plan is sized for the Gluon fp8 kernel
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
-    (default 2) tiles) and :func:`evenflow.decode_attention` runs that kernel where it applies
+    (default 2) tiles, ``gluon_warps`` warps a program (default 2, each taking half of every tile, with their
+    16 KB output buffer in place of a third ring slot: 1 where ``num_stages`` > 2; 1 = the one-warp kernel of
+    rounds AB-AK)) and :func:`evenflow.decode_attention` runs that kernel where it applies
     (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
     ``block_n``, ``max_registers`` or ``warp_split`` set (a timeline runs its own STAMPS build);
     ``combine`` as for the Triton kernel); elsewhere the Triton kernel runs on the same bins.
@@ -250,7 +256,7 @@ class DecodePlan:
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
-                 launch_next: bool = True, gluon: bool | None = None, gluon_warps: int = GLUON_FP8_WARPS):
+                 launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -293,6 +299,9 @@ class DecodePlan:
         self.kv_dtype = kv_dtype
         self.gluon = gluon
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
+        if gluon_warps is None:
+            # a third ring slot beside the warps' output buffer would leave an SM 3 programs: 1 warp there
+            gluon_warps = GLUON_FP8_WARPS if (num_stages or GLUON_FP8_STAGES) <= GLUON_FP8_STAGES else 1
         if type(gluon_warps) is not int or gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
         self.gluon_warps = gluon_warps
