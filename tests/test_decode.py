@@ -637,19 +637,21 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
     assert not gluon_fp8_supported(q, k, plan, 4)  # no kv_dtype given: the Triton kernel, as before
 
 
-def test_fp8_plan_takes_the_gluon_kernel_from_two_kv_heads(device):
-    """Round AF5: an fp8 plan is built for the Gluon kernel (4 programs an SM) from 2 KV heads; at one KV head
-    (the TP8 slice of most GQA models) for the Triton kernel (2 an SM), unless ``gluon=True``; ``gluon=False``
-    never; a bf16 plan never. Bad values are refused by name."""
+def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
+    """An fp8 plan is built for the Gluon kernel (4 programs an SM) at any KV-head count at 2 warps a program (the
+    default, round AL2), from 2 KV heads at 1 (round AF5: at one KV head, the TP8 slice of most GQA models, the
+    Triton kernel at 2 an SM), unless ``gluon=True``; ``gluon=False`` never; a bf16 plan never. Bad values are
+    refused by name."""
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_MIN_KV_HEADS, GLUON_FP8_PROGRAMS_PER_SM
 
-    assert GLUON_FP8_MIN_KV_HEADS == 2
+    assert GLUON_FP8_MIN_KV_HEADS == {1: 2, 2: 1}
     sms = _runtime.num_sms(torch.device(device))
-    for hkv, kv, gluon, want in ((1, FP8, None, False), (2, FP8, None, True), (8, FP8, None, True),
-                                 (1, FP8, True, True), (8, FP8, False, False), (1, None, True, False),
-                                 (8, torch.bfloat16, True, False)):
-        plan = evenflow.DecodePlan(2, 100, hkv, device=device, kv_dtype=kv, gluon=gluon)
-        assert plan.takes_gluon == want, (hkv, kv, gluon)
+    for hkv, kv, gluon, warps, want in ((1, FP8, None, 1, False), (2, FP8, None, 1, True), (8, FP8, None, 1, True),
+                                        (1, FP8, None, None, True), (1, FP8, None, 2, True),
+                                        (1, FP8, True, 1, True), (8, FP8, False, None, False),
+                                        (1, None, True, None, False), (8, torch.bfloat16, True, None, False)):
+        plan = evenflow.DecodePlan(2, 100, hkv, device=device, kv_dtype=kv, gluon=gluon, gluon_warps=warps)
+        assert plan.takes_gluon == want, (hkv, kv, gluon, warps)
         pps = GLUON_FP8_PROGRAMS_PER_SM if want else DEFAULT_PROGRAMS_PER_SM
         assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
     for bad in (1, "yes"):

@@ -68,8 +68,9 @@ SCENARIOS = {
     "tp8-slice-ckernel": dict(lens=BIG, hq=8, hkv=1, combine="kernel"),
     "d256-p128-g16-q4-ckernel": dict(lens=[300, 5000], hq=32, hkv=2, d=256, page=128, q_len=4, combine="kernel"),
     "fp8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8),
-    # an fp8 plan at one KV head: the Triton kernel (round AF5; DecodePlan.takes_gluon)
-    "fp8-tp8-slice-typed": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8),
+    # an fp8 plan at one KV head with one warp a Gluon program: the Triton kernel (round AF5; DecodePlan.takes_gluon;
+    # at the default two warps the Gluon kernel runs there, round AL2)
+    "fp8-tp8-slice-typed-w1": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon_warps=1),
     # the diagnostic timeline build (DecodePlan.record_timeline)
     "bf16-timeline": dict(lens=BIG, timeline=True),
     "fp8-timeline": dict(lens=BIG, kv=FP8, timeline=True),
@@ -78,7 +79,7 @@ SCENARIOS = {
 # plans built for an fp8 cache: the Gluon kernel (attention/gluon_kernels.py) + the combine kernel
 GLUON = {
     "gluon-fp8": dict(lens=BIG, kv=FP8, kv_dtype=FP8),
-    "gluon-fp8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True),
+    "gluon-fp8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8),  # any KV-head count at 2 warps
     "gluon-fp8-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8),
     "gluon-fp8-g1-s3": dict(lens=[300, 5000], hq=2, hkv=2, kv=FP8, kv_dtype=FP8, num_stages=3),
     "gluon-fp8-ckernel": dict(lens=BIG, kv=FP8, kv_dtype=FP8, combine="kernel"),
@@ -145,8 +146,9 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     assert tile_loop.get("LDGSTS.E.BYPASS.128", 0) == 32 // w, tile_loop
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice", "fp8-tp8-slice-typed",
-                                  "bf16-ckernel", "bf16-timeline", "fp8-timeline", "tp8-slice-timeline"])
+@pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice",
+                                  "fp8-tp8-slice-typed-w1", "bf16-ckernel", "bf16-timeline", "fp8-timeline",
+                                  "tp8-slice-timeline"])
 def test_default_programs_are_resident_on_sm90(name):
     """The persistent grid is sized as DEFAULT_PROGRAMS_PER_SM programs per SM, and the plan
     assumes they all run at once: registers, shared memory (plus the 1 KB the hardware

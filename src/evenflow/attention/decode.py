@@ -162,8 +162,8 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
 
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
     """Whether a call runs the Gluon fp8 kernel (``attention/gluon_kernels.py``): a
-    plan built with ``kv_dtype=torch.float8_e4m3fn`` for it (``DecodePlan.takes_gluon``: from 2 KV heads,
-    or as its ``gluon`` says) and none of the Triton kernel's launch
+    plan built with ``kv_dtype=torch.float8_e4m3fn`` for it (``DecodePlan.takes_gluon``: at any KV-head count
+    at 2 warps a program, from 2 KV heads at 1, or as its ``gluon`` says) and none of the Triton kernel's launch
     options (``num_stages``, if given, is its ring's slots and must be >= 2; a timeline,
     ``DecodePlan.record_timeline``, runs its own STAMPS build),
     bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, compiled code on a GPU

@@ -54,11 +54,13 @@ DEFAULT_COMBINE = "fused"
 # of the copy floor, ~7 an SM at 0.71-0.82; on the plan (AB2, rows evenflow-g-pps3 / -g-pps6) 3 and 6
 # an SM took up to 1.63x and 1.08-1.46x the time of 4 (docs/perf-notes/decode.md).
 GLUON_FP8_PROGRAMS_PER_SM = 4
-# An fp8 plan takes the Gluon kernel from this many KV heads (``DecodePlan(gluon=None)``). Round AF5 (H200,
-# graph replay, seven cases at 8 q / 1 kv heads, the TP8 slice of each standard case): at one KV head the
-# Triton kernel at 2 programs an SM took 0.85-0.95 of the Gluon kernel's time on five and 1.02 / 1.04 on
-# two (8x32K, 64x4K); geometric mean 0.92. At 8 KV heads the Gluon kernel is 1.12-1.32x faster (AF3).
-GLUON_FP8_MIN_KV_HEADS = 2
+# An fp8 plan takes the Gluon kernel from this many KV heads (``DecodePlan(gluon=None)``), by warps a program.
+# One warp: round AF5 (H200, graph replay, seven cases at 8 q / 1 kv heads, the TP8 slice of each standard case):
+# at one KV head the Triton kernel at 2 programs an SM took 0.85-0.95 of the Gluon kernel's time on five and
+# 1.02 / 1.04 on two (8x32K, 64x4K); geometric mean 0.92. At 8 KV heads the Gluon kernel is 1.12-1.32x faster
+# (AF3). Two warps: round AL2 (the same seven slices, two passes), the Gluon kernel took 0.77-0.99 of the
+# Triton kernel's time on all seven in both, so every fp8 plan takes it.
+GLUON_FP8_MIN_KV_HEADS = {1: 2, 2: 1}
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 # Ring slots (tiles in flight + 1) of the Gluon fp8 kernel: 2 x 16 KB per program, 4 programs
@@ -118,12 +120,14 @@ def resident_pad(programs: int, stages: int, device: torch.device) -> int:
     return 0
 
 
-def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | None = None) -> bool:
-    """Whether a plan is built for the Gluon fp8 kernel: an fp8 ``kv_dtype`` and, unless ``gluon``
-    says, at least GLUON_FP8_MIN_KV_HEADS KV heads (``gluon=False``: never; ``True``: at any count)."""
+def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | None = None,
+                warps: int = GLUON_FP8_WARPS) -> bool:
+    """Whether a plan is built for the Gluon fp8 kernel at ``warps`` warps a program: an fp8 ``kv_dtype`` and,
+    unless ``gluon`` says, at least GLUON_FP8_MIN_KV_HEADS[warps] KV heads (``gluon=False``: never; ``True``: at
+    any count)."""
     if kv_dtype != torch.float8_e4m3fn or gluon is False:
         return False
-    return gluon is True or num_kv_heads >= GLUON_FP8_MIN_KV_HEADS
+    return gluon is True or num_kv_heads >= GLUON_FP8_MIN_KV_HEADS[warps]
 
 
 def default_num_programs(device, gluon: bool = False) -> int:
@@ -168,9 +172,10 @@ class DecodePlan:
     and pass ``plan=`` to every layer's :func:`evenflow.decode_attention`.
 
     ``kv_dtype``: the KV cache dtype the plan serves (``None``: not said). With
-    ``torch.float8_e4m3fn`` and at least 2 KV heads (``gluon``: ``None`` = that rule, ``True`` = at any
-    KV-head count, ``False`` = never; at one KV head the Triton kernel was faster on five of seven
-    cases, round AF5) the plan is sized for the Gluon fp8 kernel
+    ``torch.float8_e4m3fn`` (``gluon``: ``None`` = the rule ``GLUON_FP8_MIN_KV_HEADS``: any KV-head count at 2 warps
+    a program, round AL2; from 2 KV heads at 1, since at one KV head the Triton kernel was faster than the one-warp
+    kernel on five of seven cases, round AF5; ``True`` = at any KV-head count, ``False`` = never) the plan is sized
+    for the Gluon fp8 kernel
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
     (default 2) tiles, ``gluon_warps`` warps a program (default 2, each taking half of every tile, with their
     16 KB output buffer in place of a third ring slot: 1 where ``num_stages`` > 2; 1 = the one-warp kernel of
@@ -272,7 +277,12 @@ class DecodePlan:
             raise ValueError("device: kernels run on CUDA here; pass a CUDA device")
         if gluon is not None and not isinstance(gluon, bool):
             raise TypeError(f"gluon must be a bool or None, got {gluon!r}")
-        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon)
+        if gluon_warps is None:
+            # a third ring slot beside the warps' output buffer would leave an SM 3 programs: 1 warp there
+            gluon_warps = GLUON_FP8_WARPS if (num_stages or GLUON_FP8_STAGES) <= GLUON_FP8_STAGES else 1
+        if type(gluon_warps) is not int or gluon_warps not in GLUON_FP8_WARP_COUNTS:
+            raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
+        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
@@ -299,11 +309,6 @@ class DecodePlan:
         self.kv_dtype = kv_dtype
         self.gluon = gluon
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
-        if gluon_warps is None:
-            # a third ring slot beside the warps' output buffer would leave an SM 3 programs: 1 warp there
-            gluon_warps = GLUON_FP8_WARPS if (num_stages or GLUON_FP8_STAGES) <= GLUON_FP8_STAGES else 1
-        if type(gluon_warps) is not int or gluon_warps not in GLUON_FP8_WARP_COUNTS:
-            raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
         self.gluon_warps = gluon_warps
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
