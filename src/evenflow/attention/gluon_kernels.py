@@ -44,11 +44,12 @@ TILE = gl.constexpr(64)
 D = gl.constexpr(128)
 LN2 = gl.constexpr(0.6931471805599453)
 
-# The program's W warps (``WARPS``: 1, 2 or 4) split every 64-token tile: warp w takes its tokens
-# [w * TW, (w + 1) * TW), TW = 64 / W, with its own online softmax (max, sum, output), merged once per
-# chunk. Every per-tile tensor has a leading warp dimension of size W (the warp bases of its layout),
-# so the MMAs are batched over the warps: each warp's work is a one-warp program's on fewer tokens,
-# and no value crosses warps inside the tile loop. The layouts below are built for a given W.
+# The program's W warps (``WARPS``: 1 or 2; 4 would leave a thread too few registers at 4 programs an SM)
+# split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW), TW = 64 / W, with its own
+# online softmax (max, sum, output), merged once per chunk. Every per-tile tensor has a leading warp
+# dimension of size W (the warp bases of its layout), so the MMAs are batched over the warps: each warp's
+# work is a one-warp program's on fewer tokens, and no value crosses warps inside the tile loop. The
+# layouts below are built for a given W.
 
 
 @gluon.constexpr_function
