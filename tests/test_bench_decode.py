@@ -11,11 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from evenflow import _runtime
 from evenflow.bench.harness import PeerUnavailable, floor_us
 from evenflow.bench.peers import flashinfer as fi_peer
 from evenflow.reference.attention import POOL_SLACK, shuffled_page_tables
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
+# where the tests that launch kernels run them: the interpreter's CPU tensors, or a GPU's
+_DEV = "cpu" if _runtime.interpreting() else "cuda"
 
 
 def _load(name):
@@ -298,7 +301,7 @@ def test_evenflow_calls_compute_the_benchmark_reference(impl):
     the case's attention, as the benchmark's reference computes it; the plan is the row's (the
     knob row's align_growth, none for the static split)."""
     case = D.Case("t", (130, 1, 640, 0), 16, 2)
-    inp = D.make_inputs(case, torch.bfloat16, "cpu", seed=4, l2_bytes=1 << 20)
+    inp = D.make_inputs(case, torch.bfloat16, _DEV, seed=4, l2_bytes=1 << 20)
     plan = D.evenflow_plan(impl, inp)
     if impl == "evenflow-static":
         assert plan is None
@@ -426,9 +429,10 @@ def test_hnd_knob_row_reads_the_same_values_with_each_heads_page_contiguous():
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(6, 16, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
     q = torch.randn(2, 4, 64, generator=gen).to(torch.bfloat16)
-    pt = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
-    sl = torch.tensor([40, 33], dtype=torch.int32)
-    plan = evenflow.DecodePlan(2, 48, 2, page_size=16, device="cpu", num_programs=3, min_tiles=1).update(sl)
+    k, v, q = k.to(_DEV), v.to(_DEV), q.to(_DEV)
+    pt = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=_DEV)
+    sl = torch.tensor([40, 33], dtype=torch.int32, device=_DEV)
+    plan = evenflow.DecodePlan(2, 48, 2, page_size=16, device=_DEV, num_programs=3, min_tiles=1).update(sl)
     a = evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
     b = evenflow.decode_attention(q, D.as_hnd(k), D.as_hnd(v), pt, sl, plan=plan)
     assert torch.equal(a, b)
