@@ -115,10 +115,12 @@ PLAN_KNOBS = {
     "evenflow-ckernel": lambda sms: dict(combine="kernel"),
     "evenflow-grow150": lambda sms: dict(align_growth=1.5),
     # the plan without its KV dtype: the Triton kernel at 2 programs an SM for fp8 too (the default
-    # before round AB); and the fp8 Gluon kernel's own knobs (``typed``: built with the KV dtype)
+    # before round AB); and the fp8 Gluon kernel's own knobs (``typed``: built with the KV dtype; those that need
+    # one warp a program, as measured before round AL, pin it: 6 two-warp programs fit no SM, and at two warps the
+    # output buffer caps an SM whatever resident_cap says)
     "evenflow-triton": lambda sms: dict(),
-    "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms),
-    "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms),
+    "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms, gluon_warps=1),
+    "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms, gluon_warps=1),
     "evenflow-g-s3": lambda sms: dict(typed=True, num_stages=3),
     "evenflow-g-ckernel": lambda sms: dict(typed=True, combine="kernel"),
     # round AC: 2 programs an SM (longer chunks: the TP8 slice); 512 programs (8x32K's budget of 64
@@ -136,7 +138,7 @@ PLAN_KNOBS = {
     # the early reads but without that cap (an early-launched next call may take more slots on an SM)
     "evenflow-g-nopdl": lambda sms: dict(typed=True, pdl=False),
     "evenflow-g-late": lambda sms: dict(typed=True, early_reads=False),
-    "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False),
+    "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False, gluon_warps=1),
     # round AE5: under PDL, program i on bin i (no stride)
     "evenflow-g-nospread": lambda sms: dict(typed=True, spread_bins=False),
     # round AF: the Triton kernel (bf16 KV; fp8 KV on a plan without its dtype) under PDL as launched until
@@ -147,7 +149,8 @@ PLAN_KNOBS = {
     "evenflow-t-late": lambda sms: dict(early_reads=False),
     "evenflow-t-nospread": lambda sms: dict(spread_bins=False),
     "evenflow-t-notrigger": lambda sms: dict(launch_next=False),
-    # round AF5: the Gluon kernel at one KV head too (an fp8 plan takes it from 2 KV heads)
+    # round AF5: the Gluon kernel at one KV head too (then an fp8 plan took it from 2 KV heads; since round AL2, at two
+    # warps a program, at any count, so this row is the default's there)
     "evenflow-g-force": lambda sms: dict(typed=True, gluon=True),
     # round AG4: an fp8 plan on the Triton kernel whatever the KV heads (the tp2: / tp4: slices' A/B)
     "evenflow-t-force": lambda sms: dict(typed=True, gluon=False),
@@ -346,7 +349,7 @@ def knob_inputs(impl: str, inp: Inputs) -> Inputs:
 
 
 def evenflow_plan(impl: str, inp: Inputs):
-    """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the one-warp Gluon
+    """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the Gluon
     kernel) or one of its knob rows (``PLAN_KNOBS``; ``typed`` ones get the dtype too), updated for
     ``inp``'s lengths; None for ``evenflow-static``."""
     from evenflow import DecodePlan

@@ -522,9 +522,17 @@ def test_bad_arguments(device):
         evenflow.DecodePlan(2, 1000, 2, device=device, pdl=1)
     with pytest.raises(ValueError, match="combine must be one of"):
         evenflow.DecodePlan(2, 1000, 2, device=device, combine="both")
-    for bad in (0, 3, 4, 2.0, True):
+    for bad in (0, 3, 4):
         with pytest.raises(ValueError, match="gluon_warps must be one of"):
             evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=bad)
+    for bad in (2.0, True, "2"):
+        with pytest.raises(TypeError, match="gluon_warps must be an int"):
+            evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=bad)
+    with pytest.raises(TypeError, match="num_stages"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, num_stages="3")
+    # two warps beside a third ring slot leave an SM 3 programs: refused unless the program count is given
+    with pytest.raises(ValueError, match="gluon_warps=2 with num_stages=3"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=2, num_stages=3)
     if _runtime.interpreting():
         with pytest.raises(ValueError, match="pdl=True"):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
@@ -654,6 +662,18 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
         assert plan.takes_gluon == want, (hkv, kv, gluon, warps)
         pps = GLUON_FP8_PROGRAMS_PER_SM if want else DEFAULT_PROGRAMS_PER_SM
         assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
+        assert f"gluon_warps={warps or 2}" in repr(plan), repr(plan)
+    # the default warps: 2 at the default 2 ring slots, 1 beside a third (an SM then still holds 4 programs);
+    # at 4 programs an SM the two-warp output buffer takes the unused ring slot's place (no pad), at one warp the
+    # slot pads: 49 KB a program either way
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=3).gluon_warps == 1
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=2).gluon_warps == 2
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=3, gluon_warps=2,
+                               num_programs=3 * sms).gluon_warps == 2
+    w2 = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8)
+    w1 = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1)
+    assert w2.per_sm == w1.per_sm == GLUON_FP8_PROGRAMS_PER_SM == 4
+    assert (w2.resident_pad, w1.resident_pad) == (0, 1)
     for bad in (1, "yes"):
         with pytest.raises(TypeError, match="gluon"):
             evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, gluon=bad)

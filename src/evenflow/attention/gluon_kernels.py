@@ -105,7 +105,7 @@ def _lv(W):
 
 @gluon.constexpr_function
 def _ml(W, rows):
-    # fused combine: blocks of partials of 16 bytes a thread and row, 32 fp32 a thread a chunk: [8 rows,
+    # fused combine: blocks of partials of 16 bytes a thread and row, 32 / W fp32 a thread a chunk: [8 rows,
     # 128 columns] where the item has at most 8 rows (one pass over the head dim), else [16, 64] (two);
     # the warps split the rows
     if rows <= 8:

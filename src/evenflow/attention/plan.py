@@ -236,7 +236,8 @@ class DecodePlan:
     must leave each request's cached K / V, its page-table row and ``seq_lens`` as they were
     (``early_reads=False``: everything after the wait). ``resident_cap`` (the Gluon kernel): unused ring
     slots make each program need more shared memory than an SM holds beside the plan's programs per SM,
-    so the next call's programs take only the slots this call frees (``False``: to compare).
+    so the next call's programs take only the slots this call frees (``False``: to compare; at two warps a
+    program the warps' output buffer always does this, so there it changes nothing).
     ``spread_bins``: program i drains bin ``i * stride mod programs`` (the first stride above programs /
     programs an SM that is prime to the program count: about a quarter of it at 4 programs an SM, half
     at 2), so the bins an SM gets do not follow the order the call ahead finished in (``False``: bin i,
@@ -277,11 +278,20 @@ class DecodePlan:
             raise ValueError("device: kernels run on CUDA here; pass a CUDA device")
         if gluon is not None and not isinstance(gluon, bool):
             raise TypeError(f"gluon must be a bool or None, got {gluon!r}")
+        if num_stages is not None:
+            check_int("num_stages", num_stages, 1, 6)
+        wide_ring = (num_stages or GLUON_FP8_STAGES) > GLUON_FP8_STAGES
         if gluon_warps is None:
             # a third ring slot beside the warps' output buffer would leave an SM 3 programs: 1 warp there
-            gluon_warps = GLUON_FP8_WARPS if (num_stages or GLUON_FP8_STAGES) <= GLUON_FP8_STAGES else 1
-        if type(gluon_warps) is not int or gluon_warps not in GLUON_FP8_WARP_COUNTS:
+            gluon_warps = 1 if wide_ring else GLUON_FP8_WARPS
+        if type(gluon_warps) is not int:
+            raise TypeError(f"gluon_warps must be an int or None, got {gluon_warps!r}")
+        if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
+        if gluon_warps > 1 and wide_ring and num_programs is None:
+            raise ValueError(f"gluon_warps={gluon_warps} with num_stages={num_stages}: the ring and the warps' output "
+                             f"buffer hold an SM to 3 programs, fewer than the default num_programs plans for; pass "
+                             f"num_programs (at most 3 an SM) or gluon_warps=1")
         gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
@@ -291,8 +301,6 @@ class DecodePlan:
         check_int("min_tiles", min_tiles, 1)
         if num_warps is not None and num_warps not in (2, 4, 8):
             raise ValueError(f"num_warps must be one of [2, 4, 8] or None, got {num_warps!r}")
-        if num_stages is not None:
-            check_int("num_stages", num_stages, 1, 6)
         if block_n is not None and block_n not in (TILE, 2 * TILE):
             raise ValueError(f"block_n must be one of [{TILE}, {2 * TILE}] or None, got {block_n!r}")
         if max_registers is not None and max_registers != 0:
