@@ -185,7 +185,7 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
                   stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                   stride_ptb, stride_ot, stride_oh, stride_lt,
                   GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LSE: gl.constexpr, W: gl.constexpr, VMERGE: gl.constexpr):
+                  HAS_LSE: gl.constexpr, W: gl.constexpr):
     """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
     ``issued``: the ring's first STAGES - 1 tiles are already in flight (:func:`_issue_first`,
     before the kernel's PDL wait). Each warp runs its own softmax over its TW tokens of every tile;
@@ -262,78 +262,22 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
     m_c = gl.max(m_i, axis=0)
     m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
     wt = gl.exp2(m_i - m_cs[None, :])
-    if not VMERGE:
-        OL: gl.constexpr = gl.SliceLayout(0, MMA) if W == 1 else gl.SliceLayout(0, _lsum(W))  # merged [16, D]
-        RL: gl.constexpr = gl.SliceLayout(1, OL)
-        l_c = gl.convert_layout(gl.sum(l_i * wt, axis=0), RL)
-        m_c = gl.convert_layout(m_c, RL)
-        if W == 1:
-            o_c = gl.sum(acc * wt[:, :, None], axis=0)
-        else:
-            o_s.store(acc * wt[:, :, None])
-            gl.thread_barrier()
-            o_c = gl.sum(o_s.load(_lsum(W)), axis=0)
-            gl.thread_barrier()  # every warp has read it before the next chunk writes it again
-        live = l_c > 0.0
-        b_o = gl.where(live[:, None], o_c * (v_scale / gl.where(live, l_c, 1.0))[:, None], 0.0)
-        lse2 = gl.where(live, m_c + gl.log2(gl.where(live, l_c, 1.0)), float("-inf"))
-        o_r2 = gl.arange(0, 16, layout=RL)
-        o_n = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
-        m_out = o_r2 < ROWS
-        col = _phys_v(o_n)
-        if is_final:
-            o_tok_r = b * Q_LEN + o_r2 // GROUP
-            o_head = h * GROUP + o_r2 % GROUP
-            po = p_out + (o_tok_r.to(gl.int64) * stride_ot + o_head * stride_oh)[:, None] + col[None, :]
-            gl.store(po, b_o.to(gl.bfloat16), mask=m_out[:, None] & (o_n < D)[None, :])
-            if HAS_LSE:
-                gl.store(p_lse + o_tok_r.to(gl.int64) * stride_lt + o_head, lse2 * LN2, mask=m_out)
-        else:
-            o_prow = slot.to(gl.int64) * ROWS + o_r2
-            gl.store(p_po + o_prow[:, None] * D + col[None, :], b_o, mask=m_out[:, None] & (o_n < D)[None, :])
-            gl.store(p_plse + o_prow, lse2, mask=m_out)
-    else:
-        # three ring slots at two warps (no room for ``o_s``): the weighted outputs meet in V's slot 0 (8 KB, idle
-        # after the chunk), 64 columns at a time
-        NS: gl.constexpr = v_s.shape[0]
-        stage = v_s._reinterpret(gl.float32, [NS, W, 16, D // 2], OSTAGE).index(0)
-        halves = gl.permute(gl.reshape(acc * wt[:, :, None], [W, 16, 2, D // 2]), [0, 1, 3, 2])
-        lo, hi = gl.split(halves)
-        o_lo = _warp_sum(stage, lo, W)
-        o_hi = _warp_sum(stage, hi, W)
-        _finish_cols(o_lo, 0, l_i, m_i, wt, m_c, b, h, is_final, slot, p_out, p_lse, p_po, p_plse, v_scale,
-                     stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, HAS_LSE)
-        _finish_cols(o_hi, D // 2, l_i, m_i, wt, m_c, b, h, is_final, slot, p_out, p_lse, p_po, p_plse, v_scale,
-                     stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, HAS_LSE)
-
-
-@gluon.jit
-def _warp_sum(stage, x, W: gl.constexpr):
-    """x [W, 16, C] summed over its warp dimension through the shared block ``stage`` (every warp writes its slice,
-    reads back all W values of its columns): a fixed order."""
-    stage.store(x)
-    gl.thread_barrier()
-    y = gl.sum(stage.load(_lsum(W)), axis=0)
-    gl.thread_barrier()  # every warp has read it before it is written again
-    return y
-
-
-@gluon.jit
-def _finish_cols(o_c, c0, l_i, m_i, wt, m_c, b, h, is_final, slot, p_out, p_lse, p_po, p_plse, v_scale,
-                 stride_ot, stride_oh, stride_lt, GROUP: gl.constexpr, Q_LEN: gl.constexpr, HAS_LSE: gl.constexpr):
-    """Columns [c0, c0 + C) of a chunk's merged output ``o_c`` [16, C]: normalised and stored finished, or as the
-    partial slot's (the LSE with the first columns)."""
-    ROWS: gl.constexpr = GROUP * Q_LEN
-    OL: gl.constexpr = o_c.type.layout
+    OL: gl.constexpr = gl.SliceLayout(0, MMA) if W == 1 else gl.SliceLayout(0, _lsum(W))  # merged [16, D]
     RL: gl.constexpr = gl.SliceLayout(1, OL)
-    C: gl.constexpr = o_c.shape[1]
     l_c = gl.convert_layout(gl.sum(l_i * wt, axis=0), RL)
     m_c = gl.convert_layout(m_c, RL)
+    if W == 1:
+        o_c = gl.sum(acc * wt[:, :, None], axis=0)
+    else:
+        o_s.store(acc * wt[:, :, None])
+        gl.thread_barrier()
+        o_c = gl.sum(o_s.load(_lsum(W)), axis=0)
+        gl.thread_barrier()  # every warp has read it before the next chunk writes it again
     live = l_c > 0.0
     b_o = gl.where(live[:, None], o_c * (v_scale / gl.where(live, l_c, 1.0))[:, None], 0.0)
     lse2 = gl.where(live, m_c + gl.log2(gl.where(live, l_c, 1.0)), float("-inf"))
     o_r2 = gl.arange(0, 16, layout=RL)
-    o_n = c0 + gl.arange(0, C, layout=gl.SliceLayout(0, OL))
+    o_n = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
     m_out = o_r2 < ROWS
     col = _phys_v(o_n)
     if is_final:
@@ -342,13 +286,11 @@ def _finish_cols(o_c, c0, l_i, m_i, wt, m_c, b, h, is_final, slot, p_out, p_lse,
         po = p_out + (o_tok_r.to(gl.int64) * stride_ot + o_head * stride_oh)[:, None] + col[None, :]
         gl.store(po, b_o.to(gl.bfloat16), mask=m_out[:, None] & (o_n < D)[None, :])
         if HAS_LSE:
-            if c0 == 0:
-                gl.store(p_lse + o_tok_r.to(gl.int64) * stride_lt + o_head, lse2 * LN2, mask=m_out)
+            gl.store(p_lse + o_tok_r.to(gl.int64) * stride_lt + o_head, lse2 * LN2, mask=m_out)
     else:
         o_prow = slot.to(gl.int64) * ROWS + o_r2
         gl.store(p_po + o_prow[:, None] * D + col[None, :], b_o, mask=m_out[:, None] & (o_n < D)[None, :])
-        if c0 == 0:
-            gl.store(p_plse + o_prow, lse2, mask=m_out)
+        gl.store(p_plse + o_prow, lse2, mask=m_out)
 
 
 @gluon.jit
@@ -516,9 +458,7 @@ def decode_fp8_kernel(
     # PAD slots past the ring are never touched (see PDL above)
     k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
     v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
-    # at 2 warps beside 3 ring slots the warps' outputs meet in the idle V ring (an SM holds 4 such programs)
-    VMERGE: gl.constexpr = WARPS > 1 and STAGES > 2
-    if WARPS > 1 and not VMERGE:
+    if WARPS > 1:
         # where the warps' outputs meet after a chunk (16 KB at 2 warps: it counts as a ring slot for PAD)
         o_s = gl.allocate_shared_memory(gl.float32, [WARPS, 16, D], OSTAGE)
     else:
@@ -556,8 +496,7 @@ def decode_fp8_kernel(
         _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE, WARPS,
-                      VMERGE)
+                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE, WARPS)
         if STAMPS:
             c_last, s_last, s_chunks, s_tiles = K._stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, False)
         if FUSED:
