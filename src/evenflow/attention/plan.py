@@ -288,11 +288,11 @@ class DecodePlan:
             raise TypeError(f"gluon_warps must be an int or None, got {gluon_warps!r}")
         if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
-        if gluon_warps > 1 and wide_ring and num_programs is None:
+        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
+        if gluon_plan and gluon_warps > 1 and wide_ring and num_programs is None:
             raise ValueError(f"gluon_warps={gluon_warps} with num_stages={num_stages}: the ring and the warps' output "
                              f"buffer hold an SM to 3 programs, fewer than the default num_programs plans for; pass "
                              f"num_programs (at most 3 an SM) or gluon_warps=1")
-        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
