@@ -44,7 +44,7 @@ TILE = gl.constexpr(64)
 D = gl.constexpr(128)
 LN2 = gl.constexpr(0.6931471805599453)
 
-# The program's W warps (``WARPS``: 1 or 2; 4 would leave a thread too few registers at 4 programs an SM)
+# The program's W warps (``WARPS``: 1 or 2; at 4, 16 warps an SM would leave a thread at most 128 registers)
 # split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW), TW = 64 / W, with its own
 # online softmax (max, sum, output), merged once per chunk. Every per-tile tensor has a leading warp
 # dimension of size W (the warp bases of its layout), so the MMAs are batched over the warps: each warp's
@@ -82,25 +82,29 @@ SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, or
 
 
 @gluon.constexpr_function
-def _lk(W):
-    # K tile [W, TW tok, 128 d] as loaded: registers d bits 0-4 (32 contiguous bytes), token bits 3 and
-    # up; lanes d bits 5-6, token bits 0-2: mma B's register / lane split once d is read through _phys_k
+def _tile_layout(W, reg_bases, lane_bases):
+    # a K or V tile [W, TW tokens, 128 d] as loaded: the given register and lane bases, then the token bits from 3
+    # up in registers (as many as TW = 64 / W has), the leading dimension over the warps
     tw = 64 // W
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]] + [[0, b, 0] for b in (8, 16, 32) if b < tw],
-        lane_bases=[[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]], warp_bases=_warp_bases(W, 3),
-        block_bases=[], shape=[W, tw, 128])
+        reg_bases=reg_bases + [[0, b, 0] for b in (8, 16, 32) if b < tw], lane_bases=lane_bases,
+        warp_bases=_warp_bases(W, 3), block_bases=[], shape=[W, tw, 128])
+
+
+@gluon.constexpr_function
+def _lk(W):
+    # K: registers d bits 0-4 (32 contiguous bytes); lanes d bits 5-6, token bits 0-2: mma B's register / lane
+    # split once d is read through _phys_k
+    return _tile_layout(W, [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16]],
+                        [[0, 0, 32], [0, 0, 64], [0, 1, 0], [0, 2, 0], [0, 4, 0]])
 
 
 @gluon.constexpr_function
 def _lv(W):
-    # V tile [W, TW tok, 128 d] as loaded: registers d bits 0-3 (16 contiguous bytes), token bits 0 and 3
-    # up; lanes token bits 1-2, d bits 4-6: mma B's lanes once the columns are read through _phys_v
-    tw = 64 // W
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0]] + [[0, b, 0] for b in (8, 16, 32) if b < tw],
-        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]], warp_bases=_warp_bases(W, 3),
-        block_bases=[], shape=[W, tw, 128])
+    # V: registers d bits 0-3 (16 contiguous bytes) and token bit 0; lanes token bits 1-2, d bits 4-6: mma B's
+    # lanes once the columns are read through _phys_v
+    return _tile_layout(W, [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0]],
+                        [[0, 2, 0], [0, 4, 0], [0, 0, 16], [0, 0, 32], [0, 0, 64]])
 
 
 @gluon.constexpr_function

@@ -73,7 +73,8 @@ GLUON_FP8_STAGES = 2
 # (``DecodePlan(gluon_warps=)``). Round AL1 (H200, graph replay, two passes against the one-warp kernel in one
 # run, docs/perf-notes/decode.md): 2 warps took 0.83-0.87 of the time on 64x512 and 1x32K+63x512, 0.92-0.95 on
 # the other mixes and 32x4K, 0.98-1.01 on the long uniform cases, and on the TP8 slice (1 KV head, forced) 0.87
-# of the Triton kernel's. 4 warps do not fit: 16 warps an SM leave a thread 128 registers (the build needs ~200).
+# of the Triton kernel's. 4 warps would make 16 warps an SM at 4 programs, at most 128 registers a thread (65,536 /
+# (16 x 32)); the 2-warp build takes 184-231 (sm_90, history/round-al1/sm90_stats.log).
 GLUON_FP8_WARPS = 2
 GLUON_FP8_WARP_COUNTS = (1, 2)
 
