@@ -166,6 +166,8 @@ PLAN_KNOBS = {
     "evenflow-g-w1": lambda sms: dict(typed=True, gluon_warps=1),
     "evenflow-g-w1-force": lambda sms: dict(typed=True, gluon_warps=1, gluon=True),
     "evenflow-g-w2-s3": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, num_programs=3 * sms),
+    # round AM1: two warps beside 3 ring slots at 4 programs an SM (the warps' outputs meet in K's idle slots 0-1)
+    "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3),
     "evenflow-g-w2-force": lambda sms: dict(typed=True, gluon_warps=2, gluon=True),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)

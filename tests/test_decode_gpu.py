@@ -229,8 +229,8 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2"],
-                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2"])
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2", "fp8-gluon-w2s3"],
+                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2", "fp8-gluon-w2s3"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv):
     """The default plan merges split items inside the attention kernel; the order in which the
@@ -238,9 +238,9 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     ten graph replays give bitwise-equal outputs and leave every counter at zero, the output
     is within the rule, and within one bf16 unit in the last place of the combine kernel's.
     ``fp8-gluon``: a plan built for the fp8 cache (the Gluon kernel and its own merge; ``-w2``: two warps a
-    program)."""
-    typed = kv in ("fp8-gluon", "fp8-gluon-w2")
-    warps = 2 if kv == "fp8-gluon-w2" else 1
+    program, ``-w2s3``: beside 3 ring slots)."""
+    typed = kv in ("fp8-gluon", "fp8-gluon-w2", "fp8-gluon-w2s3")
+    warps = {"fp8-gluon-w2": 2, "fp8-gluon-w2s3": "2s3"}.get(kv, 1)
     kv = FP8 if typed else kv
     c = FUSED_CASES[case]
     q, qs, k, v, pt, sl = inputs(c["lens"], hkv=c.get("hkv", 8), hq=c.get("hq", 64), kv=kv)
@@ -250,7 +250,7 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     for combine in ("fused", "kernel"):
         plan = evenflow.DecodePlan(len(sl), max(c["lens"]) + 64, c.get("hkv", 8), device="cuda",
                                    combine=combine, kv_dtype=FP8 if typed else None,
-                                   gluon=True if typed else None, gluon_warps=warps).update(sl)
+                                   gluon=True if typed else None, **_wk(warps)).update(sl)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
         evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
         torch.cuda.synchronize()
@@ -271,8 +271,14 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
 
 
 # Plans built for an fp8 cache run the Gluon kernel (attention/gluon_kernels.py)
-# (round AL: ``gluon_warps`` 1 or 2 warps a program)
-WARPS = pytest.mark.parametrize("warps", [1, 2], ids=["w1", "w2"])
+# (round AL: ``gluon_warps`` 1 or 2 warps a program; round AM: 2 warps beside 3 ring slots, their outputs
+# meeting in the idle ring)
+WARPS = pytest.mark.parametrize("warps", [1, 2, "2s3"], ids=["w1", "w2", "w2s3"])
+
+
+def _wk(warps):
+    """Plan arguments of a ``WARPS`` value."""
+    return dict(gluon_warps=2, num_stages=3) if warps == "2s3" else dict(gluon_warps=warps)
 
 
 def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1):
@@ -280,7 +286,7 @@ def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=Tru
 
     plan = evenflow.DecodePlan(len(lens), max_len, hkv, page_size=page, q_len=q_len, device="cuda",
                                kv_dtype=FP8, prefetch=prefetch, gluon=True,  # at one KV head too
-                               gluon_warps=warps).update(sl)
+                               **_wk(warps)).update(sl)
     return plan, gluon_fp8_supported
 
 
@@ -333,7 +339,7 @@ def test_gluon_fp8_cuda_graph_changing_lengths(warps):
     big = [64 * K] + [2 * K] * 15
     q, qs, k, v, pt, sl = inputs(big, kv=FP8, spare_pages=64)
     ks, vs = torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")
-    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", kv_dtype=FP8, gluon_warps=warps)
+    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", kv_dtype=FP8, **_wk(warps))
     s_sl, s_pt, s_q = sl.clone(), pt.clone(), q.clone()
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
 
@@ -406,7 +412,7 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len, warp
         k_src = (torch.randn(offs.numel(), device="cuda") * 30).to(FP8).view(torch.uint8)
         v_src = (torch.randn(offs.numel(), device="cuda") * 40).to(FP8).view(torch.uint8)
         plan = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
-                                   early_reads=early_reads, gluon_warps=warps)
+                                   early_reads=early_reads, **_wk(warps))
         outs = [torch.empty(q.shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
 
         def step():
@@ -421,7 +427,7 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len, warp
         for _ in range(3):
             replay_fresh(g, outs, ((q, q0), (k, k0), (v, v0)))
             plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
-                                        pdl=False, gluon_warps=warps).update(sl)
+                                        pdl=False, **_wk(warps)).update(sl)
             before = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
             after = evenflow.decode_attention(q, k, v, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
             assert torch.equal(outs[0], before)

@@ -94,6 +94,10 @@ GLUON = {
     "gluon-fp8-w1-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True, gluon_warps=1),
     "gluon-fp8-w1-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8,
                                     gluon_warps=1),
+    # two warps beside 3 ring slots, their outputs meeting in the idle ring: still 4 an SM (round AM)
+    "gluon-fp8-w2-s3": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=2, num_stages=3),
+    "gluon-fp8-w2-s3-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
+                                       kv_dtype=FP8, gluon_warps=2, num_stages=3),
 }
 
 

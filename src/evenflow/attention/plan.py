@@ -290,10 +290,6 @@ class DecodePlan:
         if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
         gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
-        if gluon_plan and gluon_warps > 1 and wide_ring and num_programs is None:
-            raise ValueError(f"gluon_warps={gluon_warps} with num_stages={num_stages}: the ring and the warps' output "
-                             f"buffer hold an SM to 3 programs, fewer than the default num_programs plans for; pass "
-                             f"num_programs (at most 3 an SM) or gluon_warps=1")
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
@@ -359,8 +355,10 @@ class DecodePlan:
         self.fresh = True
         # the Gluon fp8 kernel's layout under PDL, once per plan (device properties): unused ring slots and
         # the program -> bin stride (decode_attention passes them where its options keep them on)
-        # (at more than one warp a program, the warps' output buffer counts as one more ring slot)
-        self.resident_pad = resident_pad(num_programs, (num_stages or GLUON_FP8_STAGES) + (gluon_warps > 1), dev)
+        # (at more than one warp a program beside 2 ring slots, the warps' output buffer counts as one more slot;
+        # beside 3 or more they meet in the idle ring)
+        stages = num_stages or GLUON_FP8_STAGES
+        self.resident_pad = resident_pad(num_programs, stages + (gluon_warps > 1 and stages <= 2), dev)
         self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
