@@ -168,6 +168,9 @@ PLAN_KNOBS = {
     "evenflow-g-w2-s3": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, num_programs=3 * sms),
     # round AM1: two warps beside 3 ring slots at 4 programs an SM (the warps' outputs meet in K's idle slots 0-1)
     "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3),
+    # round AM2: as -pps4, chunks of at most 8 / 16 tiles read 2 tiles ahead, longer ones 1 (two tile loops)
+    "evenflow-g-w2-s3-d8": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
+    "evenflow-g-w2-s3-d16": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=16),
     "evenflow-g-w2-force": lambda sms: dict(typed=True, gluon_warps=2, gluon=True),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)

@@ -530,6 +530,18 @@ def test_bad_arguments(device):
             evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=bad)
     with pytest.raises(TypeError, match="num_stages"):
         evenflow.DecodePlan(2, 1000, 2, device=device, num_stages="3")
+    # how far the Gluon kernel's ring reads ahead on short chunks: a plan for that kernel with a ring of 3 or more
+    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*num_stages=None"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, deep_ring_tiles=8)
+    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*takes_gluon=False"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, num_stages=3, deep_ring_tiles=8)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="deep_ring_tiles"):
+            evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, num_stages=3,
+                                deep_ring_tiles=bad)
+    with pytest.raises(TypeError, match="deep_ring_tiles"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, num_stages=3,
+                            deep_ring_tiles=8.0)
     if _runtime.interpreting():
         with pytest.raises(ValueError, match="pdl=True"):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)

@@ -272,13 +272,13 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
 
 # Plans built for an fp8 cache run the Gluon kernel (attention/gluon_kernels.py)
 # (round AL: ``gluon_warps`` 1 or 2 warps a program; round AM: 2 warps beside 3 ring slots, their outputs
-# meeting in the idle ring)
+# meeting in the idle ring, chunks of at most 8 tiles reading 2 tiles ahead and longer ones 1: both tile loops)
 WARPS = pytest.mark.parametrize("warps", [1, 2, "2s3"], ids=["w1", "w2", "w2s3"])
 
 
 def _wk(warps):
     """Plan arguments of a ``WARPS`` value."""
-    return dict(gluon_warps=2, num_stages=3) if warps == "2s3" else dict(gluon_warps=warps)
+    return dict(gluon_warps=2, num_stages=3, deep_ring_tiles=8) if warps == "2s3" else dict(gluon_warps=warps)
 
 
 def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1):

@@ -94,10 +94,12 @@ GLUON = {
     "gluon-fp8-w1-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True, gluon_warps=1),
     "gluon-fp8-w1-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8,
                                     gluon_warps=1),
-    # two warps beside 3 ring slots, their outputs meeting in the idle ring: still 4 an SM (round AM)
+    # two warps beside 3 ring slots, their outputs meeting in the idle ring: still 4 an SM (round AM); with
+    # deep_ring_tiles, two tile loops (2 tiles ahead on short chunks, 1 on the others)
     "gluon-fp8-w2-s3": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=2, num_stages=3),
-    "gluon-fp8-w2-s3-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
-                                       kv_dtype=FP8, gluon_warps=2, num_stages=3),
+    "gluon-fp8-w2-s3-d8": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
+    "gluon-fp8-w2-s3-d8-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
+                                          kv_dtype=FP8, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
 }
 
 

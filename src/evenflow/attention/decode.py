@@ -201,7 +201,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                q_len: int, splits: int, max_len: int, num_warps: int = 0, num_stages: int = 0,
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
                prefetch: bool = True, fused: bool = False, gluon: bool = False, early: bool = False,
-               pad: int = 0, bin_stride: int = 1, trigger: bool = False, gluon_warps: int = 1) -> None:
+               pad: int = 0, bin_stride: int = 1, trigger: bool = False, gluon_warps: int = 1,
+               short_tiles: int = 0) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
@@ -213,7 +214,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # did not update the plan); pad: unused ring slots that keep an SM to the plan's programs, bin_stride: its
     # programs take bins this stride apart (DecodePlan.resident_pad / .bin_stride); trigger: with pdl, the plan
     # path lets the next kernel launch at its top (DecodePlan.launch_next); gluon_warps: the Gluon kernel's warps a
-    # program (DecodePlan.gluon_warps)
+    # program (DecodePlan.gluon_warps); short_tiles: its chunks of at most this many tiles read the whole ring ahead,
+    # longer ones a tile fewer (DecodePlan.deep_ring_tiles; 0 = every chunk the whole ring)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -246,7 +248,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), WARPS=gluon_warps,
-            num_warps=gluon_warps,
+            SHORT_TILES=short_tiles, num_warps=gluon_warps,
             **_runtime.pdl_kwargs(pdl),
         )
     else:
@@ -296,7 +298,7 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False, early=False,
-      pad=0, bin_stride=1, trigger=False, gluon_warps=1):
+      pad=0, bin_stride=1, trigger=False, gluon_warps=1, short_tiles=0):
     return None
 
 
@@ -426,7 +428,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
                    plan.combine == "fused", gluon, early, plan.resident_pad if pdl and plan.resident_cap else 0,
-                   plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.gluon_warps)
+                   plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.gluon_warps,
+                   plan.deep_ring_tiles or 0)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -175,71 +175,42 @@ def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, 
 
 
 @gluon.jit
-def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                 stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr):
-    # a chunk's first STAGES - 1 tiles into ring slots 0 .. STAGES - 2
-    for s in gl.static_range(STAGES - 1):
-        _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-               stride_vp, stride_vt, stride_vh, PAGE, W)
+def _deep(t0, t1, SHORT_TILES: gl.constexpr):
+    """Whether chunk [t0, t1) keeps STAGES - 1 tiles ahead (else STAGES - 2): every chunk where SHORT_TILES is 0,
+    else chunks of at most SHORT_TILES tiles (``DecodePlan.deep_ring_tiles``)."""
+    if SHORT_TILES > 0:
+        return t1 - t0 <= SHORT_TILES
+    else:
+        return True
 
 
 @gluon.jit
-def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
-                  p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
-                  stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                  stride_ptb, stride_ot, stride_oh, stride_lt,
-                  GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LSE: gl.constexpr, W: gl.constexpr):
-    """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
-    ``issued``: the ring's first STAGES - 1 tiles are already in flight (:func:`_issue_first`,
-    before the kernel's PDL wait). Each warp runs its own softmax over its TW tokens of every tile;
-    the W states are merged after the last tile."""
-    ROWS: gl.constexpr = GROUP * Q_LEN
+def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                 stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr, deep):
+    # a chunk's first STAGES - 1 tiles into ring slots 0 .. STAGES - 2 (STAGES - 2 where not ``deep``)
+    for s in gl.static_range(STAGES - 1):
+        if s < STAGES - 2:
+            _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                   stride_vp, stride_vt, stride_vh, PAGE, W)
+        elif deep:
+            _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                   stride_vp, stride_vt, stride_vh, PAGE, W)
+
+
+@gluon.jit
+def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+           stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+           PAGE: gl.constexpr, STAGES: gl.constexpr, LOOK: gl.constexpr, W: gl.constexpr):
+    """The tile loop over [t0, t1): tile t in ring slot (t - t0) % STAGES, LOOK tiles issued ahead of it."""
     TW: gl.constexpr = TILE // W
     MMA: gl.constexpr = _mma(W)
     LA: gl.constexpr = _operand(W, 0)
     LB: gl.constexpr = _operand(W, 1)
-    # q, logical [W, 16 rows, 128 contraction] in the A layout (rows >= ROWS zero; every warp holds the
-    # same q), to f16 under a per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone
-    # in the score scale)
-    o_qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))
-    o_m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
-    o_k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
-    m_row = o_m < ROWS
-    i_tok = b * Q_LEN + o_m // GROUP
-    i_head = h * GROUP + o_m % GROUP
-    pq = p_q + ((i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[None, :, None] + _phys_k(o_k)[None, None, :]
-                + (o_qw * 0)[:, None, None])
-    q_raw = gl.load(pq, mask=m_row[None, :, None] & (o_k < D)[None, None, :], other=0.0)
-    # the ring's first tiles are issued while q is in flight (AC5: waits on q were ~10% of the TP8
-    # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
-    # moved beyond the run's spread), kept as the order with fewer serial round trips
-    p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
-    if not issued:
-        _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                     stride_vp, stride_vt, stride_vh, PAGE, STAGES, W)
-    qf = q_raw.to(gl.float32)
-    qmax = gl.max(gl.abs(qf), axis=2)
-    e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
-    e = gl.minimum(gl.maximum(e, -100.0), 114.0)
-    q_a = (qf * gl.exp2(-e)[:, :, None]).to(gl.float16)
-    rs = gl.convert_layout(qk_scale * gl.exp2(e), gl.SliceLayout(2, MMA))
-    # row m = r * GROUP + g sees the item's first L - Q_LEN + r + 1 tokens
-    o_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
-    vis = L - Q_LEN + o_r // GROUP + 1
-    # the tile's token of each score column: warp w's TW tokens
-    o_sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
-    o_tok = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-    tok = o_sw[:, None, None] * TW + o_tok[None, None, :]
-
-    m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
-    l_i = gl.full([W, 16], 0.0, gl.float32, layout=gl.SliceLayout(2, MMA))
-    acc = gl.zeros([W, 16, D], gl.float32, layout=MMA)
     for t in range(t0, t1):
         j = t - t0
-        _issue(k_s, v_s, (j + STAGES - 1) % STAGES, t + STAGES - 1, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+        _issue(k_s, v_s, (j + LOOK) % STAGES, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
-        cp.wait_group(STAGES - 1)
+        cp.wait_group(LOOK)
         gl.thread_barrier()
         buf = j % STAGES
         kf = k_s.index(buf).load(_lk(W)).to(gl.float16)
@@ -258,6 +229,73 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
         acc = mma_v2(gl.convert_layout(p.to(gl.float16), LA), vl, acc * alpha[:, :, None])
         m_i = m_new
         gl.thread_barrier()  # every lane is done with slot `buf` before the next issue refills it
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
+                  p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
+                  stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                  stride_ptb, stride_ot, stride_oh, stride_lt,
+                  GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                  HAS_LSE: gl.constexpr, W: gl.constexpr, SHORT_TILES: gl.constexpr):
+    """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
+    ``issued``: the ring's first STAGES - 1 tiles are already in flight (:func:`_issue_first`,
+    before the kernel's PDL wait). Each warp runs its own softmax over its TW tokens of every tile;
+    the W states are merged after the last tile."""
+    ROWS: gl.constexpr = GROUP * Q_LEN
+    TW: gl.constexpr = TILE // W
+    MMA: gl.constexpr = _mma(W)
+    LA: gl.constexpr = _operand(W, 0)
+    # q, logical [W, 16 rows, 128 contraction] in the A layout (rows >= ROWS zero; every warp holds the
+    # same q), to f16 under a per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone
+    # in the score scale)
+    o_qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))
+    o_m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
+    o_k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
+    m_row = o_m < ROWS
+    i_tok = b * Q_LEN + o_m // GROUP
+    i_head = h * GROUP + o_m % GROUP
+    pq = p_q + ((i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[None, :, None] + _phys_k(o_k)[None, None, :]
+                + (o_qw * 0)[:, None, None])
+    q_raw = gl.load(pq, mask=m_row[None, :, None] & (o_k < D)[None, None, :], other=0.0)
+    # the ring's first tiles are issued while q is in flight (AC5: waits on q were ~10% of the TP8
+    # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
+    # moved beyond the run's spread), kept as the order with fewer serial round trips
+    p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
+    if not issued:
+        _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                     stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES))
+    qf = q_raw.to(gl.float32)
+    qmax = gl.max(gl.abs(qf), axis=2)
+    e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
+    e = gl.minimum(gl.maximum(e, -100.0), 114.0)
+    q_a = (qf * gl.exp2(-e)[:, :, None]).to(gl.float16)
+    rs = gl.convert_layout(qk_scale * gl.exp2(e), gl.SliceLayout(2, MMA))
+    # row m = r * GROUP + g sees the item's first L - Q_LEN + r + 1 tokens
+    o_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+    vis = L - Q_LEN + o_r // GROUP + 1
+    # the tile's token of each score column: warp w's TW tokens
+    o_sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+    o_tok = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+    tok = o_sw[:, None, None] * TW + o_tok[None, None, :]
+
+    m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
+    l_i = gl.full([W, 16], 0.0, gl.float32, layout=gl.SliceLayout(2, MMA))
+    acc = gl.zeros([W, 16, D], gl.float32, layout=MMA)
+    if SHORT_TILES > 0:
+        if _deep(t0, t1, SHORT_TILES):
+            m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                                   num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
+                                   STAGES, STAGES - 1, W)
+        else:
+            m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                                   num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
+                                   STAGES, STAGES - 2, W)
+    else:
+        m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                               num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
+                               STAGES, STAGES - 1, W)
     cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
     gl.thread_barrier()
 
@@ -428,6 +466,7 @@ def decode_fp8_kernel(
     HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
     PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr, WARPS: gl.constexpr,
+    SHORT_TILES: gl.constexpr,
 ):
     """Persistent plan program (``WARPS`` warps): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -488,7 +527,8 @@ def decode_fp8_kernel(
         issued = go & ((t0 + STAGES - 1) * TILE <= L - Q_LEN)
         if issued:
             _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_pt + b.to(gl.int64) * stride_ptb, i % HKV, num_pages,
-                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, STAGES, WARPS)
+                         stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, STAGES, WARPS,
+                         _deep(t0, t1, SHORT_TILES))
         gdc_wait()
     if STAMPS:
         s_wait = globaltimer_ns(len_b, False)
@@ -508,7 +548,8 @@ def decode_fp8_kernel(
         _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
                       p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE, WARPS)
+                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE, WARPS,
+                      SHORT_TILES)
         if STAMPS:
             c_last, s_last, s_chunks, s_tiles = K._stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, False)
         if FUSED:

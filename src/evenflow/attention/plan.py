@@ -263,7 +263,8 @@ class DecodePlan:
                  item_cost_max_tiles: int | None = DEFAULT_ITEM_COST_MAX_TILES, combine: str = DEFAULT_COMBINE,
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
-                 launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None):
+                 launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
+                 deep_ring_tiles: int | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -290,6 +291,12 @@ class DecodePlan:
         if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
         gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
+        if deep_ring_tiles is not None:
+            check_int("deep_ring_tiles", deep_ring_tiles, 1, 1 << 16)
+            if not gluon_plan or (num_stages or GLUON_FP8_STAGES) < 3:
+                raise ValueError(f"deep_ring_tiles={deep_ring_tiles} sets how far the Gluon fp8 kernel's ring reads "
+                                 f"ahead: it needs a plan for that kernel (kv_dtype=torch.float8_e4m3fn) with "
+                                 f"num_stages >= 3, got takes_gluon={gluon_plan}, num_stages={num_stages}")
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
@@ -315,6 +322,7 @@ class DecodePlan:
         self.gluon = gluon
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
         self.gluon_warps = gluon_warps
+        self.deep_ring_tiles = deep_ring_tiles
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
@@ -452,7 +460,7 @@ class DecodePlan:
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
-                f"gluon_warps={self.gluon_warps}, "
+                f"gluon_warps={self.gluon_warps}, deep_ring_tiles={self.deep_ring_tiles}, "
                 f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
                 f"spread_bins={self.spread_bins}, "
