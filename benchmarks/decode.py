@@ -116,12 +116,12 @@ PLAN_KNOBS = {
     "evenflow-grow150": lambda sms: dict(align_growth=1.5),
     # the plan without its KV dtype: the Triton kernel at 2 programs an SM for fp8 too (the default
     # before round AB); and the fp8 Gluon kernel's own knobs (``typed``: built with the KV dtype; those that need
-    # one warp a program, as measured before round AL, pin it: 6 two-warp programs fit no SM, and at two warps the
-    # output buffer caps an SM whatever resident_cap says)
+    # one warp a program, as measured before round AL, pin it, at 2 ring slots as then (since round AM the default
+    # is 3): 6 two-warp programs fit no SM, and at two warps 48 KB a program caps an SM whatever resident_cap says)
     "evenflow-triton": lambda sms: dict(),
-    "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms, gluon_warps=1),
-    "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms, gluon_warps=1),
-    "evenflow-g-s3": lambda sms: dict(typed=True, num_stages=3),
+    "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms, gluon_warps=1, num_stages=2),
+    "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms, gluon_warps=1, num_stages=2),
+    "evenflow-g-s3": lambda sms: dict(typed=True, num_stages=3, gluon_warps=1),
     "evenflow-g-ckernel": lambda sms: dict(typed=True, combine="kernel"),
     # round AC: 2 programs an SM (longer chunks: the TP8 slice); 512 programs (8x32K's budget of 64
     # tiles, so its items' cuts line up across heads and each item is one merge group of 8 chunks);
@@ -138,7 +138,7 @@ PLAN_KNOBS = {
     # the early reads but without that cap (an early-launched next call may take more slots on an SM)
     "evenflow-g-nopdl": lambda sms: dict(typed=True, pdl=False),
     "evenflow-g-late": lambda sms: dict(typed=True, early_reads=False),
-    "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False, gluon_warps=1),
+    "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False, gluon_warps=1, num_stages=2),
     # round AE5: under PDL, program i on bin i (no stride)
     "evenflow-g-nospread": lambda sms: dict(typed=True, spread_bins=False),
     # round AF: the Triton kernel (bf16 KV; fp8 KV on a plan without its dtype) under PDL as launched until
@@ -161,14 +161,17 @@ PLAN_KNOBS = {
     "evenflow-grow100": lambda sms: dict(typed=True, align_growth=1.0),
     "evenflow-g-cost4": lambda sms: dict(typed=True, item_cost=4),
     # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
-    # same at 3 ring slots (64 KB a program: 3 programs an SM), and forced at one KV head too; the one-warp kernel
+    # same at 3 ring slots at 3 programs an SM, and forced at one KV head too; the one-warp kernel (of rounds
+    # AB-AK: 2 ring slots)
     "evenflow-g-w2": lambda sms: dict(typed=True, gluon_warps=2),
-    "evenflow-g-w1": lambda sms: dict(typed=True, gluon_warps=1),
-    "evenflow-g-w1-force": lambda sms: dict(typed=True, gluon_warps=1, gluon=True),
+    "evenflow-g-w1": lambda sms: dict(typed=True, gluon_warps=1, num_stages=2),
+    "evenflow-g-w1-force": lambda sms: dict(typed=True, gluon_warps=1, gluon=True, num_stages=2),
     "evenflow-g-w2-s3": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, num_programs=3 * sms),
-    # round AM1: two warps beside 3 ring slots at 4 programs an SM (the warps' outputs meet in K's idle slots 0-1)
-    "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3),
-    # round AM2: as -pps4, chunks of at most 8 / 16 tiles read 2 tiles ahead, longer ones 1 (two tile loops)
+    # round AM: the default of rounds AL-AM1 (two warps beside 2 ring slots and a 16 KB output buffer); two warps
+    # beside 3 ring slots at 4 programs an SM (their outputs meet in K's idle slots 0-1), every chunk 2 tiles ahead
+    # (AM1); chunks of at most 8 / 16 tiles 2 tiles ahead, longer ones 1 (AM2; 16: the default since AM2)
+    "evenflow-g-w2-s2": lambda sms: dict(typed=True, gluon_warps=2, num_stages=2),
+    "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=0),
     "evenflow-g-w2-s3-d8": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
     "evenflow-g-w2-s3-d16": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=16),
     "evenflow-g-w2-force": lambda sms: dict(typed=True, gluon_warps=2, gluon=True),

@@ -530,18 +530,19 @@ def test_bad_arguments(device):
             evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=bad)
     with pytest.raises(TypeError, match="num_stages"):
         evenflow.DecodePlan(2, 1000, 2, device=device, num_stages="3")
-    # how far the Gluon kernel's ring reads ahead on short chunks: a plan for that kernel with a ring of 3 or more
-    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*num_stages=None"):
-        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, deep_ring_tiles=8)
+    # which chunks the Gluon kernel's ring reads 2 tiles ahead: only on a plan for that kernel with 3 or more slots
+    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*num_stages=2"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, num_stages=2, deep_ring_tiles=8)
     with pytest.raises(ValueError, match="deep_ring_tiles=8 .*takes_gluon=False"):
         evenflow.DecodePlan(2, 1000, 2, device=device, num_stages=3, deep_ring_tiles=8)
-    for bad in (0, -1):
-        with pytest.raises(ValueError, match="deep_ring_tiles"):
-            evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, num_stages=3,
-                                deep_ring_tiles=bad)
+    with pytest.raises(ValueError, match="deep_ring_tiles must be >= 0"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, deep_ring_tiles=-1)
     with pytest.raises(TypeError, match="deep_ring_tiles"):
-        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, num_stages=3,
-                            deep_ring_tiles=8.0)
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, deep_ring_tiles=8.0)
+    # two warps beside a fourth ring slot leave an SM 3 programs: refused unless the program count is given
+    with pytest.raises(ValueError, match="gluon_warps=2 with num_stages=4"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=2, num_stages=4, kv_dtype=torch.float8_e4m3fn)
+    evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=2, num_stages=4)  # no Gluon kernel there: no refusal
     if _runtime.interpreting():
         with pytest.raises(ValueError, match="pdl=True"):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
@@ -659,7 +660,12 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     default, round AL2), from 2 KV heads at 1 (round AF5: at one KV head, the TP8 slice of most GQA models, the
     Triton kernel at 2 an SM), unless ``gluon=True``; ``gluon=False`` never; a bf16 plan never. Bad values are
     refused by name."""
-    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_MIN_KV_HEADS, GLUON_FP8_PROGRAMS_PER_SM
+    from evenflow.attention.plan import (
+        DEFAULT_PROGRAMS_PER_SM,
+        GLUON_FP8_DEEP_TILES,
+        GLUON_FP8_MIN_KV_HEADS,
+        GLUON_FP8_PROGRAMS_PER_SM,
+    )
 
     assert GLUON_FP8_MIN_KV_HEADS == {1: 2, 2: 1}
     sms = _runtime.num_sms(torch.device(device))
@@ -672,18 +678,26 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
         pps = GLUON_FP8_PROGRAMS_PER_SM if want else DEFAULT_PROGRAMS_PER_SM
         assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
         assert f"gluon_warps={warps or 2}" in repr(plan), repr(plan)
-    # the default warps: 2 at the default 2 ring slots, 1 beside a third (an SM then still holds 4 programs);
-    # at 4 programs an SM the two-warp output buffer takes the unused ring slot's place (no pad), at one warp the
-    # slot pads: 49 KB a program either way
-    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=3).gluon_warps == 1
-    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=2).gluon_warps == 2
-    # two warps beside 3 ring slots: their outputs meet in the idle ring (no buffer, no pad: 48 KB a program)
-    w2s3 = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=3, gluon_warps=2)
-    assert (w2s3.per_sm, w2s3.resident_pad) == (GLUON_FP8_PROGRAMS_PER_SM, 0)
+    # the default warps: 2 at 2 or 3 ring slots (the default 3), 1 beside a fourth (an SM then still holds 4
+    # programs); at two warps the outputs meet in the idle ring (3 slots) or in a 16 KB buffer in the unused slot's
+    # place (2 slots), no pad; at one warp the fourth slot pads: 49 KB a program either way. Chunks of at most 16
+    # tiles read 2 tiles ahead by default at two warps beside 3 slots; at one warp, or 2 slots, one loop
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8)
+    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.resident_pad) == (2, GLUON_FP8_DEEP_TILES, 0) == (2, 16, 0)
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=2)
+    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.resident_pad) == (2, 0, 0)
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1)
+    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.resident_pad) == (1, 0, 0)
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=4)
+    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.per_sm) == (1, 0, GLUON_FP8_PROGRAMS_PER_SM)
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, deep_ring_tiles=0)
+    assert (plan.gluon_warps, plan.deep_ring_tiles) == (2, 0) and "deep_ring_tiles=0" in repr(plan)
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon=False).deep_ring_tiles == 0
     w2 = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8)
     w1 = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1)
     assert w2.per_sm == w1.per_sm == GLUON_FP8_PROGRAMS_PER_SM == 4
-    assert (w2.resident_pad, w1.resident_pad) == (0, 1)
+    assert (w2.resident_pad, w1.resident_pad) == (0, 0)
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1, num_stages=2).resident_pad == 1
     for bad in (1, "yes"):
         with pytest.raises(TypeError, match="gluon"):
             evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, gluon=bad)

@@ -229,18 +229,18 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2", "fp8-gluon-w2s3"],
-                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2", "fp8-gluon-w2s3"])
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2"],
+                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv):
     """The default plan merges split items inside the attention kernel; the order in which the
     chunks of an item finish changes from call to call on the GPU, the merge order does not:
     ten graph replays give bitwise-equal outputs and leave every counter at zero, the output
     is within the rule, and within one bf16 unit in the last place of the combine kernel's.
-    ``fp8-gluon``: a plan built for the fp8 cache (the Gluon kernel and its own merge; ``-w2``: two warps a
-    program, ``-w2s3``: beside 3 ring slots)."""
-    typed = kv in ("fp8-gluon", "fp8-gluon-w2", "fp8-gluon-w2s3")
-    warps = {"fp8-gluon-w2": 2, "fp8-gluon-w2s3": "2s3"}.get(kv, 1)
+    ``fp8-gluon``: a plan built for the fp8 cache (the Gluon kernel and its own merge; one warp a program, ``-w2``:
+    two warps, the default, ``-w2s2``: two warps beside 2 ring slots)."""
+    typed = kv in ("fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2")
+    warps = {"fp8-gluon-w2s2": "2s2", "fp8-gluon-w2": 2}.get(kv, 1)
     kv = FP8 if typed else kv
     c = FUSED_CASES[case]
     q, qs, k, v, pt, sl = inputs(c["lens"], hkv=c.get("hkv", 8), hq=c.get("hq", 64), kv=kv)
@@ -271,14 +271,15 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
 
 
 # Plans built for an fp8 cache run the Gluon kernel (attention/gluon_kernels.py)
-# (round AL: ``gluon_warps`` 1 or 2 warps a program; round AM: 2 warps beside 3 ring slots, their outputs
-# meeting in the idle ring, chunks of at most 8 tiles reading 2 tiles ahead and longer ones 1: both tile loops)
-WARPS = pytest.mark.parametrize("warps", [1, 2, "2s3"], ids=["w1", "w2", "w2s3"])
+# (round AL: ``gluon_warps`` 1 or 2 warps a program; round AM: the default, 2 warps beside 3 ring slots, their
+# outputs meeting in the idle ring, chunks of at most 16 tiles reading 2 tiles ahead and longer ones 1: both tile
+# loops; ``2s2``: 2 warps beside 2 slots and a 16 KB output buffer, the default of round AL; 1 warp at 2 slots)
+WARPS = pytest.mark.parametrize("warps", [1, "2s2", 2], ids=["w1", "w2s2", "w2"])
 
 
 def _wk(warps):
     """Plan arguments of a ``WARPS`` value."""
-    return dict(gluon_warps=2, num_stages=3, deep_ring_tiles=8) if warps == "2s3" else dict(gluon_warps=warps)
+    return dict(gluon_warps=2 if warps == "2s2" else warps, num_stages=None if warps == 2 else 2)
 
 
 def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1):

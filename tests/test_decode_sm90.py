@@ -91,15 +91,17 @@ GLUON = {
     # the default's two warps a program without PDL (no resident pad), and the one-warp kernel (round AL)
     "gluon-fp8-nopdl": dict(lens=BIG, kv=FP8, kv_dtype=FP8, pdl=False),
     "gluon-fp8-w1": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=1),
+    "gluon-fp8-w1-s2": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=1, num_stages=2),
     "gluon-fp8-w1-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True, gluon_warps=1),
     "gluon-fp8-w1-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8, kv_dtype=FP8,
                                     gluon_warps=1),
-    # two warps beside 3 ring slots, their outputs meeting in the idle ring: still 4 an SM (round AM); with
-    # deep_ring_tiles, two tile loops (2 tiles ahead on short chunks, 1 on the others)
-    "gluon-fp8-w2-s3": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=2, num_stages=3),
-    "gluon-fp8-w2-s3-d8": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
-    "gluon-fp8-w2-s3-d8-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
-                                          kv_dtype=FP8, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
+    # two warps beside 3 ring slots, their outputs meeting in the idle ring, every chunk 2 tiles ahead (one tile
+    # loop; the default since round AM has two, for short and long chunks); two warps beside 2 slots and a 16 KB
+    # output buffer (the default of round AL): still 4 an SM
+    "gluon-fp8-w2-s3-deep": dict(lens=BIG, kv=FP8, kv_dtype=FP8, deep_ring_tiles=0),
+    "gluon-fp8-w2-s2": dict(lens=BIG, kv=FP8, kv_dtype=FP8, num_stages=2),
+    "gluon-fp8-w2-s2-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
+                                       kv_dtype=FP8, num_stages=2),
 }
 
 
@@ -138,8 +140,8 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
     from evenflow.attention.plan import GLUON_FP8_WARPS
 
-    # the default: 2 warps at 2 ring slots, 1 beside a third
-    w = GLUON[name].get("gluon_warps", GLUON_FP8_WARPS if GLUON[name].get("num_stages", 2) <= 2 else 1)
+    # the default: 2 warps at 2 or 3 ring slots (3 the default), 1 beside a fourth
+    w = GLUON[name].get("gluon_warps", GLUON_FP8_WARPS if GLUON[name].get("num_stages", 3) <= 3 else 1)
     st = _gluon_stats(name)
     assert st["num_warps"] == w and st["spill_bytes"] == 0, st
     assert st["regs"] * 32 * w * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
@@ -207,14 +209,15 @@ def test_resident_pad_keeps_an_sm_to_the_plans_programs():
                 assert per_sm * block <= 233472 < (per_sm + 1) * block, (per_sm, stages, pad)
 
 
-@pytest.mark.parametrize("warps", [1, 2])
-def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps):
+@pytest.mark.parametrize("warps,stages", [(1, 2), (2, 2), (2, None)], ids=["w1s2", "w2s2", "w2"])
+def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps, stages):
     """Round AE: under PDL the Gluon kernel lets the next launch go at once, and waits for the kernel
     ahead before its first memory operation in the first call after ``plan.update`` (that kernel may be
     the update); in later calls it loads the plan's metadata and issues its first chunk's first tiles
     (cp.async) before the wait, and no store, atomic or reduction precedes it. At one warp a program its
-    unused ring slot keeps an SM to the plan's 4 programs (5 would fit without it); at two (round AL) the
-    warps' output buffer does, with or without PDL; without PDL nothing else of this."""
+    unused ring slot keeps an SM to the plan's 4 programs (5 would fit without it) at 2 ring slots; at two (round AL)
+    the warps' output buffer does beside 2 slots, and since round AM the third slot (the default), with or without
+    PDL; without PDL nothing else of this."""
     from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
 
     B, page = len(BIG), 64
@@ -224,7 +227,8 @@ def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps):
         pt, sl = torch.zeros(B, mp, dtype=torch.int32), torch.tensor(BIG, dtype=torch.int32)
         q = torch.empty(B, 64, 128, dtype=torch.bfloat16)
         for kw in ({}, dict(early_reads=False), dict(resident_cap=False), dict(pdl=False)):
-            plan = evenflow.DecodePlan(B, mp * page, 8, device="cpu", kv_dtype=FP8, gluon_warps=warps, **kw).update(sl)
+            plan = evenflow.DecodePlan(B, mp * page, 8, device="cpu", kv_dtype=FP8, gluon_warps=warps,
+                                       num_stages=stages, **kw).update(sl)
             for _ in range(2):
                 evenflow.decode_attention(q, k, k, pt, sl, plan=plan, k_scale=torch.ones(1), v_scale=0.5)
     got = [(c["PDL"], c["EARLY"], c["PAD"]) for c in (dict(la.constexprs) for la in rec if la.gluon)]
@@ -232,7 +236,7 @@ def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps):
     assert got == [(True, False, pad), (True, True, pad), (True, False, pad), (True, False, pad), (True, False, 0),
                    (True, True, 0), (False, False, 0), (False, False, 0)], got
     stats = {s["describe"]: s for s in CC.compile_stats([la for la in rec if la.gluon])}
-    assert len(stats) == (5 if warps == 1 else 3) and all("error" not in s for s in stats.values()), stats
+    assert len(stats) == (5 if pad else 3) and all("error" not in s for s in stats.values()), stats
     for s in stats.values():
         m, desc = s["marks"], s["describe"]
         memory = [m[op] for op in ("ld.global", "cp.async", "atom.", "red.", "st.global") if m[op] >= 0]

@@ -176,8 +176,9 @@ def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, 
 
 @gluon.jit
 def _deep(t0, t1, SHORT_TILES: gl.constexpr):
-    """Whether chunk [t0, t1) keeps STAGES - 1 tiles ahead (else STAGES - 2): every chunk where SHORT_TILES is 0,
-    else chunks of at most SHORT_TILES tiles (``DecodePlan.deep_ring_tiles``)."""
+    """Whether chunk [t0, t1) runs on the whole ring, STAGES - 1 tiles ahead (else on its first STAGES - 1 slots, a
+    tile fewer ahead): every chunk where SHORT_TILES is 0, else chunks of at most SHORT_TILES tiles
+    (``DecodePlan.deep_ring_tiles``)."""
     if SHORT_TILES > 0:
         return t1 - t0 <= SHORT_TILES
     else:
@@ -200,19 +201,21 @@ def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp
 @gluon.jit
 def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages,
            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-           PAGE: gl.constexpr, STAGES: gl.constexpr, LOOK: gl.constexpr, W: gl.constexpr):
-    """The tile loop over [t0, t1): tile t in ring slot (t - t0) % STAGES, LOOK tiles issued ahead of it."""
+           PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr):
+    """The tile loop over [t0, t1) on the ring's first RING slots: tile t in slot (t - t0) % RING, RING - 1 tiles
+    issued ahead of it."""
+    LOOK: gl.constexpr = RING - 1
     TW: gl.constexpr = TILE // W
     MMA: gl.constexpr = _mma(W)
     LA: gl.constexpr = _operand(W, 0)
     LB: gl.constexpr = _operand(W, 1)
     for t in range(t0, t1):
         j = t - t0
-        _issue(k_s, v_s, (j + LOOK) % STAGES, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+        _issue(k_s, v_s, (j + LOOK) % RING, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
         cp.wait_group(LOOK)
         gl.thread_barrier()
-        buf = j % STAGES
+        buf = j % RING
         kf = k_s.index(buf).load(_lk(W)).to(gl.float16)
         kt = gl.reshape(gl.permute(kf, [0, 2, 1]), [W, 4, 2, 2, 2, 2, 2, TW])
         kt = gl.convert_layout(gl.reshape(gl.permute(kt, [0, 2, 3, 4, 5, 1, 6, 7]), [W, D, TW]), LB,
@@ -287,15 +290,15 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
         if _deep(t0, t1, SHORT_TILES):
             m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                    num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
-                                   STAGES, STAGES - 1, W)
+                                   STAGES, W)
         else:
             m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                    num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
-                                   STAGES, STAGES - 2, W)
+                                   STAGES - 1, W)
     else:
         m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
-                               STAGES, STAGES - 1, W)
+                               STAGES, W)
     cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
     gl.thread_barrier()
 

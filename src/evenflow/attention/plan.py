@@ -63,11 +63,17 @@ GLUON_FP8_PROGRAMS_PER_SM = 4
 GLUON_FP8_MIN_KV_HEADS = {1: 2, 2: 1}
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
-# Ring slots (tiles in flight + 1) of the Gluon fp8 kernel: 2 x 16 KB per program, 4 programs
-# an SM. Measured on the H200 (docs/perf-notes/decode.md): the probe's best split per case, round AB1,
-# 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than
-# 2.2% faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time.
-GLUON_FP8_STAGES = 2
+# Ring slots (tiles in flight + 1) of the Gluon fp8 kernel: 3 x 16 KB per program, 4 programs an SM.
+# Measured on the H200 (docs/perf-notes/decode.md): at one warp a program, the probe's best split per case, round
+# AB1, 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than 2.2%
+# faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time: 2 slots until round AM. At two warps
+# (round AM1, A/B in one run, two passes) a second tile in flight on every chunk took 3.6-4.1% off 64x512 and cost
+# 1-5% on the cases of long chunks; so since round AM the ring has 3 slots and only chunks of at most
+# GLUON_FP8_DEEP_TILES tiles read 2 tiles ahead, longer ones 1 on two of the slots (``DecodePlan(deep_ring_tiles=)``;
+# AM2, 16: 64x512 0.95, 1x32K+63x512 0.97, 2x64K+30x1K 0.99 of the 2-slot kernel's time, the uniform long cases
+# 1.00-1.01). At one warp a program (two tile loops would spill) every chunk reads the whole ring ahead.
+GLUON_FP8_STAGES = 3
+GLUON_FP8_DEEP_TILES = 16
 
 # Warps of a Gluon fp8 program, each taking its half of every 64-token tile with its own online softmax
 # (``DecodePlan(gluon_warps=)``). Round AL1 (H200, graph replay, two passes against the one-warp kernel in one
@@ -178,9 +184,12 @@ class DecodePlan:
     kernel on five of seven cases, round AF5; ``True`` = at any KV-head count, ``False`` = never) the plan is sized
     for the Gluon fp8 kernel
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
-    (default 2) tiles, ``gluon_warps`` warps a program (default 2, each taking half of every tile, with their
-    16 KB output buffer in place of a third ring slot: 1 where ``num_stages`` > 2; 1 = the one-warp kernel of
-    rounds AB-AK)) and :func:`evenflow.decode_attention` runs that kernel where it applies
+    (default 3) tiles, ``gluon_warps`` warps a program (default 2, each taking half of every tile, their outputs
+    merged after each chunk in the idle ring, or beside a 2-slot ring in a 16 KB buffer: 1 where ``num_stages`` > 3;
+    1 = the one-warp kernel of rounds AB-AK); ``deep_ring_tiles``: chunks of at most that many tiles read
+    ``num_stages`` - 1 tiles ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2;
+    0 = every chunk the whole ring, the default at one warp; only on such a plan)) and
+    :func:`evenflow.decode_attention` runs that kernel where it applies
     (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
     ``block_n``, ``max_registers`` or ``warp_split`` set (a timeline runs its own STAMPS build);
     ``combine`` as for the Triton kernel); elsewhere the Triton kernel runs on the same bins.
@@ -282,21 +291,29 @@ class DecodePlan:
             raise TypeError(f"gluon must be a bool or None, got {gluon!r}")
         if num_stages is not None:
             check_int("num_stages", num_stages, 1, 6)
-        wide_ring = (num_stages or GLUON_FP8_STAGES) > GLUON_FP8_STAGES
+        stages = num_stages or GLUON_FP8_STAGES
         if gluon_warps is None:
-            # a third ring slot beside the warps' output buffer would leave an SM 3 programs: 1 warp there
-            gluon_warps = 1 if wide_ring else GLUON_FP8_WARPS
+            # 2 warps beside 2 ring slots meet in a 16 KB buffer, beside 3 in the idle ring: 48 KB a program either
+            # way; a fourth slot would leave an SM 3 two-warp programs, so 1 warp there
+            gluon_warps = 1 if stages > GLUON_FP8_STAGES else GLUON_FP8_WARPS
         if type(gluon_warps) is not int:
             raise TypeError(f"gluon_warps must be an int or None, got {gluon_warps!r}")
         if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
         gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
-        if deep_ring_tiles is not None:
-            check_int("deep_ring_tiles", deep_ring_tiles, 1, 1 << 16)
-            if not gluon_plan or (num_stages or GLUON_FP8_STAGES) < 3:
-                raise ValueError(f"deep_ring_tiles={deep_ring_tiles} sets how far the Gluon fp8 kernel's ring reads "
-                                 f"ahead: it needs a plan for that kernel (kv_dtype=torch.float8_e4m3fn) with "
-                                 f"num_stages >= 3, got takes_gluon={gluon_plan}, num_stages={num_stages}")
+        if gluon_plan and gluon_warps > 1 and stages > GLUON_FP8_STAGES and num_programs is None:
+            raise ValueError(f"gluon_warps={gluon_warps} with num_stages={num_stages}: the ring holds an SM to fewer "
+                             f"programs than the default num_programs plans for; pass num_programs (at most 3 an SM) "
+                             f"or gluon_warps=1")
+        if deep_ring_tiles is None:
+            # at one warp the second tile loop would spill (sm_90: 255 registers, 8-12 bytes): one loop, all deep
+            deep_ring_tiles = GLUON_FP8_DEEP_TILES if gluon_plan and stages >= 3 and gluon_warps > 1 else 0
+        else:
+            check_int("deep_ring_tiles", deep_ring_tiles, 0, 1 << 16)
+            if not gluon_plan or stages < 3:
+                raise ValueError(f"deep_ring_tiles={deep_ring_tiles} sets which chunks the Gluon fp8 kernel's ring "
+                                 f"reads 2 tiles ahead: it needs a plan for that kernel (kv_dtype=torch.float8_e4m3fn) "
+                                 f"with num_stages >= 3, got takes_gluon={gluon_plan}, num_stages={num_stages}")
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
@@ -365,7 +382,6 @@ class DecodePlan:
         # the program -> bin stride (decode_attention passes them where its options keep them on)
         # (at more than one warp a program beside 2 ring slots, the warps' output buffer counts as one more slot;
         # beside 3 or more they meet in the idle ring)
-        stages = num_stages or GLUON_FP8_STAGES
         self.resident_pad = resident_pad(num_programs, stages + (gluon_warps > 1 and stages <= 2), dev)
         self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
