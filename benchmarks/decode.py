@@ -116,11 +116,11 @@ PLAN_KNOBS = {
     "evenflow-grow150": lambda sms: dict(align_growth=1.5),
     # the plan without its KV dtype: the Triton kernel at 2 programs an SM for fp8 too (the default
     # before round AB); and the fp8 Gluon kernel's own knobs (``typed``: built with the KV dtype; those that need
-    # one warp a program, as measured before round AL, pin it, at 2 ring slots as then (since round AM the default
-    # is 3): 6 two-warp programs fit no SM, and at two warps 48 KB a program caps an SM whatever resident_cap says)
+    # one warp a program, as measured before round AL, pin it: 6 two-warp programs fit no SM, and at two warps the
+    # output buffer (or, since round AM, the third ring slot) caps an SM whatever resident_cap says)
     "evenflow-triton": lambda sms: dict(),
-    "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms, gluon_warps=1, num_stages=2),
-    "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms, gluon_warps=1, num_stages=2),
+    "evenflow-g-pps3": lambda sms: dict(typed=True, num_programs=3 * sms, gluon_warps=1),
+    "evenflow-g-pps6": lambda sms: dict(typed=True, num_programs=6 * sms, gluon_warps=1),
     "evenflow-g-s3": lambda sms: dict(typed=True, num_stages=3, gluon_warps=1),
     "evenflow-g-ckernel": lambda sms: dict(typed=True, combine="kernel"),
     # round AC: 2 programs an SM (longer chunks: the TP8 slice); 512 programs (8x32K's budget of 64
@@ -138,7 +138,7 @@ PLAN_KNOBS = {
     # the early reads but without that cap (an early-launched next call may take more slots on an SM)
     "evenflow-g-nopdl": lambda sms: dict(typed=True, pdl=False),
     "evenflow-g-late": lambda sms: dict(typed=True, early_reads=False),
-    "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False, gluon_warps=1, num_stages=2),
+    "evenflow-g-nocap": lambda sms: dict(typed=True, resident_cap=False, gluon_warps=1),
     # round AE5: under PDL, program i on bin i (no stride)
     "evenflow-g-nospread": lambda sms: dict(typed=True, spread_bins=False),
     # round AF: the Triton kernel (bf16 KV; fp8 KV on a plan without its dtype) under PDL as launched until
@@ -161,15 +161,18 @@ PLAN_KNOBS = {
     "evenflow-grow100": lambda sms: dict(typed=True, align_growth=1.0),
     "evenflow-g-cost4": lambda sms: dict(typed=True, item_cost=4),
     # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
-    # same at 3 ring slots at 3 programs an SM, and forced at one KV head too; the one-warp kernel (of rounds
-    # AB-AK: 2 ring slots)
+    # same at 3 ring slots at 3 programs an SM, every chunk 2 tiles ahead (in round AL beside a 16 KB output buffer,
+    # since round AM with the outputs in the ring: 48 KB, padded to 64 under PDL), and forced at one KV head too; the
+    # one-warp kernel of rounds AB-AK
     "evenflow-g-w2": lambda sms: dict(typed=True, gluon_warps=2),
-    "evenflow-g-w1": lambda sms: dict(typed=True, gluon_warps=1, num_stages=2),
-    "evenflow-g-w1-force": lambda sms: dict(typed=True, gluon_warps=1, gluon=True, num_stages=2),
-    "evenflow-g-w2-s3": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, num_programs=3 * sms),
+    "evenflow-g-w1": lambda sms: dict(typed=True, gluon_warps=1),
+    "evenflow-g-w1-force": lambda sms: dict(typed=True, gluon_warps=1, gluon=True),
+    "evenflow-g-w2-s3": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, num_programs=3 * sms,
+                                         deep_ring_tiles=0),
     # round AM: the default of rounds AL-AM1 (two warps beside 2 ring slots and a 16 KB output buffer); two warps
     # beside 3 ring slots at 4 programs an SM (their outputs meet in K's idle slots 0-1), every chunk 2 tiles ahead
-    # (AM1); chunks of at most 8 / 16 tiles 2 tiles ahead, longer ones 1 (AM2; 16: the default since AM2)
+    # (AM1); chunks of at most 8 / 16 tiles 2 tiles ahead, longer ones 1 (AM2; 16: the default since AM2). On a bf16
+    # cache (no Gluon kernel) these rows are the default plan (``deep_ring_tiles`` dropped)
     "evenflow-g-w2-s2": lambda sms: dict(typed=True, gluon_warps=2, num_stages=2),
     "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=0),
     "evenflow-g-w2-s3-d8": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
@@ -370,6 +373,8 @@ def evenflow_plan(impl: str, inp: Inputs):
     knobs = PLAN_KNOBS[impl](num_sms(inp.seq_lens.device)) if impl in PLAN_KNOBS else {"typed": True}
     if knobs.pop("typed", False):
         knobs["kv_dtype"] = inp.kv_dtype  # as an engine that knows its cache's dtype builds it
+    if knobs.get("kv_dtype") != torch.float8_e4m3fn:
+        knobs.pop("deep_ring_tiles", None)  # the Gluon fp8 kernel's knob: the plan refuses it elsewhere
     return DecodePlan(c.batch, inp.page_tables[0].shape[1] * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE,
                       q_len=1, device=inp.seq_lens.device, **knobs).update(inp.seq_lens)
 

@@ -530,19 +530,28 @@ def test_bad_arguments(device):
             evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=bad)
     with pytest.raises(TypeError, match="num_stages"):
         evenflow.DecodePlan(2, 1000, 2, device=device, num_stages="3")
-    # which chunks the Gluon kernel's ring reads 2 tiles ahead: only on a plan for that kernel with 3 or more slots
+    # which chunks the Gluon kernel's ring reads 2 tiles ahead: only on a plan for that kernel at two warps with 3
+    # or more slots (0, every chunk the whole ring, is accepted anywhere: it changes nothing there)
+    fp8 = torch.float8_e4m3fn
     with pytest.raises(ValueError, match="deep_ring_tiles=8 .*num_stages=2"):
-        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, num_stages=2, deep_ring_tiles=8)
-    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*takes_gluon=False"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=fp8, num_stages=2, deep_ring_tiles=8)
+    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*kv_dtype=None"):
         evenflow.DecodePlan(2, 1000, 2, device=device, num_stages=3, deep_ring_tiles=8)
+    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*gluon=False"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=fp8, gluon=False, deep_ring_tiles=8)
+    with pytest.raises(ValueError, match="deep_ring_tiles=8 .*gluon_warps=1"):
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=fp8, gluon_warps=1, num_stages=3, deep_ring_tiles=8)
+    evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=fp8, num_stages=2, deep_ring_tiles=0)
     with pytest.raises(ValueError, match="deep_ring_tiles must be >= 0"):
-        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, deep_ring_tiles=-1)
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=fp8, deep_ring_tiles=-1)
     with pytest.raises(TypeError, match="deep_ring_tiles"):
-        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=torch.float8_e4m3fn, deep_ring_tiles=8.0)
-    # two warps beside a fourth ring slot leave an SM 3 programs: refused unless the program count is given
-    with pytest.raises(ValueError, match="gluon_warps=2 with num_stages=4"):
-        evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=2, num_stages=4, kv_dtype=torch.float8_e4m3fn)
-    evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=2, num_stages=4)  # no Gluon kernel there: no refusal
+        evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=fp8, deep_ring_tiles=8.0)
+    # 4 ring slots (64 KB a program at one warp or two) leave an SM 3 programs: refused unless the program count is
+    # given; no Gluon kernel, no refusal
+    for warps in (1, 2):
+        with pytest.raises(ValueError, match="num_stages=4: the Gluon kernel's 4 ring slots .* 3 programs"):
+            evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=warps, num_stages=4, kv_dtype=fp8)
+    evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=2, num_stages=4)
     if _runtime.interpreting():
         with pytest.raises(ValueError, match="pdl=True"):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
@@ -678,26 +687,24 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
         pps = GLUON_FP8_PROGRAMS_PER_SM if want else DEFAULT_PROGRAMS_PER_SM
         assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
         assert f"gluon_warps={warps or 2}" in repr(plan), repr(plan)
-    # the default warps: 2 at 2 or 3 ring slots (the default 3), 1 beside a fourth (an SM then still holds 4
-    # programs); at two warps the outputs meet in the idle ring (3 slots) or in a 16 KB buffer in the unused slot's
-    # place (2 slots), no pad; at one warp the fourth slot pads: 49 KB a program either way. Chunks of at most 16
-    # tiles read 2 tiles ahead by default at two warps beside 3 slots; at one warp, or 2 slots, one loop
+    # the default: two warps beside 3 ring slots, their outputs meeting in the idle ring (48 KB a program, no pad),
+    # chunks of at most 16 tiles reading 2 tiles ahead; two warps beside 2 slots and a 16 KB output buffer (48 KB, no
+    # pad); one warp beside 2 slots (round AB's best), whose unused slot pads it to 49 KB, one tile loop
+    sms4 = GLUON_FP8_PROGRAMS_PER_SM
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8)
-    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.resident_pad) == (2, GLUON_FP8_DEEP_TILES, 0) == (2, 16, 0)
+    assert (plan.gluon_warps, plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad, plan.per_sm) == \
+        (2, 3, GLUON_FP8_DEEP_TILES, 0, sms4) and GLUON_FP8_DEEP_TILES == 16 and sms4 == 4
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=2)
-    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.resident_pad) == (2, 0, 0)
+    assert (plan.gluon_warps, plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad) == (2, 2, 0, 0)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1)
-    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.resident_pad) == (1, 0, 0)
-    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=4)
-    assert (plan.gluon_warps, plan.deep_ring_tiles, plan.per_sm) == (1, 0, GLUON_FP8_PROGRAMS_PER_SM)
+    assert (plan.gluon_warps, plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad) == (1, 2, 0, 1)
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1, num_stages=3)
+    assert (plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad) == (3, 0, 0)
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=4, num_programs=3 * sms)
+    assert (plan.gluon_warps, plan.gluon_stages, plan.deep_ring_tiles, plan.per_sm) == (2, 4, 16, 3)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, deep_ring_tiles=0)
     assert (plan.gluon_warps, plan.deep_ring_tiles) == (2, 0) and "deep_ring_tiles=0" in repr(plan)
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon=False).deep_ring_tiles == 0
-    w2 = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8)
-    w1 = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1)
-    assert w2.per_sm == w1.per_sm == GLUON_FP8_PROGRAMS_PER_SM == 4
-    assert (w2.resident_pad, w1.resident_pad) == (0, 0)
-    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1, num_stages=2).resident_pad == 1
     for bad in (1, "yes"):
         with pytest.raises(TypeError, match="gluon"):
             evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, gluon=bad)

@@ -273,13 +273,14 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
 # Plans built for an fp8 cache run the Gluon kernel (attention/gluon_kernels.py)
 # (round AL: ``gluon_warps`` 1 or 2 warps a program; round AM: the default, 2 warps beside 3 ring slots, their
 # outputs meeting in the idle ring, chunks of at most 16 tiles reading 2 tiles ahead and longer ones 1: both tile
-# loops; ``2s2``: 2 warps beside 2 slots and a 16 KB output buffer, the default of round AL; 1 warp at 2 slots)
+# loops; ``2s2``: 2 warps beside 2 slots and a 16 KB output buffer, the default of round AL; 1 warp, at its default
+# 2 slots)
 WARPS = pytest.mark.parametrize("warps", [1, "2s2", 2], ids=["w1", "w2s2", "w2"])
 
 
 def _wk(warps):
     """Plan arguments of a ``WARPS`` value."""
-    return dict(gluon_warps=2 if warps == "2s2" else warps, num_stages=None if warps == 2 else 2)
+    return dict(gluon_warps=2, num_stages=2) if warps == "2s2" else dict(gluon_warps=warps)
 
 
 def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1):

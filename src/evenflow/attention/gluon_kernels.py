@@ -243,9 +243,9 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
                   GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
                   HAS_LSE: gl.constexpr, W: gl.constexpr, SHORT_TILES: gl.constexpr):
     """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
-    ``issued``: the ring's first STAGES - 1 tiles are already in flight (:func:`_issue_first`,
-    before the kernel's PDL wait). Each warp runs its own softmax over its TW tokens of every tile;
-    the W states are merged after the last tile."""
+    ``issued``: the chunk's first tiles are already in flight (:func:`_issue_first`, before the kernel's
+    PDL wait: STAGES - 1 of them, STAGES - 2 on a chunk that runs a tile fewer ahead, ``_deep``). Each warp runs
+    its own softmax over its TW tokens of every tile; the W states are merged after the last tile."""
     ROWS: gl.constexpr = GROUP * Q_LEN
     TW: gl.constexpr = TILE // W
     MMA: gl.constexpr = _mma(W)
@@ -317,7 +317,7 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
         o_s.store(acc * wt[:, :, None])
         gl.thread_barrier()
         o_c = gl.sum(o_s.load(_lsum(W)), axis=0)
-        gl.thread_barrier()  # every warp has read it before the next chunk writes it again
+        gl.thread_barrier()  # every warp has read it before it is written again (the next chunk, or a merge's copies)
     live = l_c > 0.0
     b_o = gl.where(live[:, None], o_c * (v_scale / gl.where(live, l_c, 1.0))[:, None], 0.0)
     lse2 = gl.where(live, m_c + gl.log2(gl.where(live, l_c, 1.0)), float("-inf"))
@@ -503,8 +503,8 @@ def decode_fp8_kernel(
         gdc_wait()
     # PAD slots past the ring are never touched (see PDL above)
     if WARPS > 1 and STAGES > 2:
-        # two warps beside 3 ring slots (no room for an output buffer at 4 programs an SM): the warps' outputs
-        # [W, 16, 128] fp32 meet in K's ring slots 0-1 (16 KB, idle after a chunk: the loop's last wait and
+        # two warps beside 3 or more ring slots (at 3, no room for an output buffer at 4 programs an SM): the warps'
+        # outputs [W, 16, 128] fp32 meet in K's ring slots 0-1 (16 KB, idle after a chunk: the loop's last wait and
         # barrier), one store / load round as with the buffer below
         k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
         v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)

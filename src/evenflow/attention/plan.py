@@ -63,16 +63,16 @@ GLUON_FP8_PROGRAMS_PER_SM = 4
 GLUON_FP8_MIN_KV_HEADS = {1: 2, 2: 1}
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
-# Ring slots (tiles in flight + 1) of the Gluon fp8 kernel: 3 x 16 KB per program, 4 programs an SM.
-# Measured on the H200 (docs/perf-notes/decode.md): at one warp a program, the probe's best split per case, round
-# AB1, 2 and 3 slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than 2.2%
-# faster and took up to 8% (AB2) / 12.5% (AB3, the fused merge) more time: 2 slots until round AM. At two warps
-# (round AM1, A/B in one run, two passes) a second tile in flight on every chunk took 3.6-4.1% off 64x512 and cost
-# 1-5% on the cases of long chunks; so since round AM the ring has 3 slots and only chunks of at most
-# GLUON_FP8_DEEP_TILES tiles read 2 tiles ahead, longer ones 1 on two of the slots (``DecodePlan(deep_ring_tiles=)``;
-# AM2, 16: 64x512 0.95, 1x32K+63x512 0.97, 2x64K+30x1K 0.99 of the 2-slot kernel's time, the uniform long cases
-# 1.00-1.01). At one warp a program (two tile loops would spill) every chunk reads the whole ring ahead.
-GLUON_FP8_STAGES = 3
+# Ring slots (tiles in flight + 1) of the Gluon fp8 kernel by warps a program, 16 KB each, 4 programs an SM.
+# Measured on the H200 (docs/perf-notes/decode.md): at one warp, the probe's best split per case, round AB1, 2 and 3
+# slots within 4% of each other; on the plan (row evenflow-g-s3) 3 slots were never more than 2.2% faster and took
+# up to 8% (AB2) / 12.5% (AB3, the fused merge) more time: 2 slots. At two warps (round AM1, A/B in one run, two
+# passes) a second tile in flight on every chunk took 3.6-4.1% off 64x512 and cost 1-5% on the cases of long
+# chunks; so since round AM their ring has 3 slots and only chunks of at most GLUON_FP8_DEEP_TILES tiles read 2
+# tiles ahead, longer ones 1 on two of the slots (``DecodePlan(deep_ring_tiles=)``; AM2, 16: 64x512 0.95,
+# 1x32K+63x512 0.97, 2x64K+30x1K 0.99 of the 2-slot kernel's time, the long cases 1.004-1.014). At one warp two
+# tile loops would spill (sm_90: 255 registers, 8-12 bytes): one loop there, every chunk the whole ring ahead.
+GLUON_FP8_STAGES = {1: 2, 2: 3}
 GLUON_FP8_DEEP_TILES = 16
 
 # Warps of a Gluon fp8 program, each taking its half of every 64-token tile with its own online softmax
@@ -110,14 +110,23 @@ def bin_stride(programs: int, device: torch.device) -> int:
     return a
 
 
+def _smem_per_sm(device: torch.device) -> int:
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", _SM90_SMEM_PER_SM)
+    return _SM90_SMEM_PER_SM
+
+
+def gluon_programs_fit(ring: int, device: torch.device) -> int:
+    """Gluon fp8 programs an SM holds at ``ring`` 16 KB slots of shared memory a program (1 KB reserved each)."""
+    return _smem_per_sm(device) // (ring * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK)
+
+
 def resident_pad(programs: int, stages: int, device: torch.device) -> int:
     """Unused ring slots for the Gluon kernel under PDL: the fewest that make one program more
     than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a next call's programs
     launched early take only the slots this call frees), 0 where no slot count does both."""
     per_sm = programs_per_sm(programs, device)
-    smem = _SM90_SMEM_PER_SM
-    if device.type == "cuda":
-        smem = getattr(torch.cuda.get_device_properties(device), "shared_memory_per_multiprocessor", smem)
+    smem = _smem_per_sm(device)
     for pad in range(8):
         block = (stages + pad) * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK
         if per_sm * block > smem:
@@ -183,12 +192,13 @@ class DecodePlan:
     a program, round AL2; from 2 KV heads at 1, since at one KV head the Triton kernel was faster than the one-warp
     kernel on five of seven cases, round AF5; ``True`` = at any KV-head count, ``False`` = never) the plan is sized
     for the Gluon fp8 kernel
-    (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ring of ``num_stages``
-    (default 3) tiles, ``gluon_warps`` warps a program (default 2, each taking half of every tile, their outputs
-    merged after each chunk in the idle ring, or beside a 2-slot ring in a 16 KB buffer: 1 where ``num_stages`` > 3;
-    1 = the one-warp kernel of rounds AB-AK); ``deep_ring_tiles``: chunks of at most that many tiles read
-    ``num_stages`` - 1 tiles ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2;
-    0 = every chunk the whole ring, the default at one warp; only on such a plan)) and
+    (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ``gluon_warps`` warps a program (default 2,
+    each taking half of every tile, their outputs merged after each chunk in the idle ring, or beside a 2-slot ring
+    in a 16 KB buffer; 1 = the one-warp kernel of rounds AB-AK), a ring of ``num_stages`` tiles (default 3 at two
+    warps, 2 at one: ``GLUON_FP8_STAGES``; more slots than leave an SM 4 programs are refused unless
+    ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
+    ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
+    whole ring, the only choice at one warp; a positive value only on such a plan)) and
     :func:`evenflow.decode_attention` runs that kernel where it applies
     (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
     ``block_n``, ``max_registers`` or ``warp_split`` set (a timeline runs its own STAMPS build);
@@ -246,8 +256,9 @@ class DecodePlan:
     must leave each request's cached K / V, its page-table row and ``seq_lens`` as they were
     (``early_reads=False``: everything after the wait). ``resident_cap`` (the Gluon kernel): unused ring
     slots make each program need more shared memory than an SM holds beside the plan's programs per SM,
-    so the next call's programs take only the slots this call frees (``False``: to compare; at two warps a
-    program the warps' output buffer always does this, so there it changes nothing).
+    so the next call's programs take only the slots this call frees (``False``: to compare; where a program's
+    ring and output buffer already fill an SM at the plan's programs, as at two warps or at 3 slots, it changes
+    nothing).
     ``spread_bins``: program i drains bin ``i * stride mod programs`` (the first stride above programs /
     programs an SM that is prime to the program count: about a quarter of it at 4 programs an SM, half
     at 2), so the bins an SM gets do not follow the order the call ahead finished in (``False``: bin i,
@@ -291,29 +302,31 @@ class DecodePlan:
             raise TypeError(f"gluon must be a bool or None, got {gluon!r}")
         if num_stages is not None:
             check_int("num_stages", num_stages, 1, 6)
-        stages = num_stages or GLUON_FP8_STAGES
         if gluon_warps is None:
-            # 2 warps beside 2 ring slots meet in a 16 KB buffer, beside 3 in the idle ring: 48 KB a program either
-            # way; a fourth slot would leave an SM 3 two-warp programs, so 1 warp there
-            gluon_warps = 1 if stages > GLUON_FP8_STAGES else GLUON_FP8_WARPS
+            gluon_warps = GLUON_FP8_WARPS
         if type(gluon_warps) is not int:
             raise TypeError(f"gluon_warps must be an int or None, got {gluon_warps!r}")
         if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
         gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
-        if gluon_plan and gluon_warps > 1 and stages > GLUON_FP8_STAGES and num_programs is None:
-            raise ValueError(f"gluon_warps={gluon_warps} with num_stages={num_stages}: the ring holds an SM to fewer "
-                             f"programs than the default num_programs plans for; pass num_programs (at most 3 an SM) "
-                             f"or gluon_warps=1")
+        # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
+        # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
+        stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
+        ring = stages + (gluon_warps > 1 and stages <= 2)
+        if gluon_plan and num_programs is None and gluon_programs_fit(ring, dev) < GLUON_FP8_PROGRAMS_PER_SM:
+            raise ValueError(f"num_stages={num_stages}: the Gluon kernel's {ring} ring slots of 16 KB leave an SM "
+                             f"{gluon_programs_fit(ring, dev)} programs, fewer than the default num_programs plans "
+                             f"({GLUON_FP8_PROGRAMS_PER_SM} an SM); pass num_programs or a smaller num_stages")
         if deep_ring_tiles is None:
-            # at one warp the second tile loop would spill (sm_90: 255 registers, 8-12 bytes): one loop, all deep
             deep_ring_tiles = GLUON_FP8_DEEP_TILES if gluon_plan and stages >= 3 and gluon_warps > 1 else 0
         else:
             check_int("deep_ring_tiles", deep_ring_tiles, 0, 1 << 16)
-            if not gluon_plan or stages < 3:
-                raise ValueError(f"deep_ring_tiles={deep_ring_tiles} sets which chunks the Gluon fp8 kernel's ring "
-                                 f"reads 2 tiles ahead: it needs a plan for that kernel (kv_dtype=torch.float8_e4m3fn) "
-                                 f"with num_stages >= 3, got takes_gluon={gluon_plan}, num_stages={num_stages}")
+            if deep_ring_tiles and not (gluon_plan and stages >= 3 and gluon_warps > 1):
+                raise ValueError(f"deep_ring_tiles={deep_ring_tiles} picks the chunks that the Gluon fp8 kernel's "
+                                 f"ring reads num_stages - 1 tiles ahead (longer ones a tile fewer): it needs a plan "
+                                 f"for that kernel (kv_dtype=torch.float8_e4m3fn) at gluon_warps=2 (at one warp the "
+                                 f"second tile loop spills) with num_stages >= 3; got kv_dtype={kv_dtype}, "
+                                 f"gluon={gluon}, gluon_warps={gluon_warps}, num_stages={num_stages}")
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
@@ -340,6 +353,7 @@ class DecodePlan:
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
         self.gluon_warps = gluon_warps
         self.deep_ring_tiles = deep_ring_tiles
+        self.gluon_stages = stages  # the Gluon kernel's ring slots (num_stages, else its default at these warps)
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
         # kernel launch config of the attention kernel (None: the launcher's choice)
@@ -382,7 +396,7 @@ class DecodePlan:
         # the program -> bin stride (decode_attention passes them where its options keep them on)
         # (at more than one warp a program beside 2 ring slots, the warps' output buffer counts as one more slot;
         # beside 3 or more they meet in the idle ring)
-        self.resident_pad = resident_pad(num_programs, stages + (gluon_warps > 1 and stages <= 2), dev)
+        self.resident_pad = resident_pad(num_programs, ring, dev)
         self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
