@@ -502,21 +502,18 @@ def decode_fp8_kernel(
     if PDL and not EARLY:
         gdc_wait()
     # PAD slots past the ring are never touched (see PDL above)
+    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
+    v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
     if WARPS > 1 and STAGES > 2:
         # two warps beside 3 or more ring slots (at 3, no room for an output buffer at 4 programs an SM): the warps'
         # outputs [W, 16, 128] fp32 meet in K's ring slots 0-1 (16 KB, idle after a chunk: the loop's last wait and
         # barrier), one store / load round as with the buffer below
-        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
-        v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
         o_s = k_s._reinterpret(gl.float32, [WARPS, 16, D], OSTAGE)
+    elif WARPS > 1:
+        # where the warps' outputs meet after a chunk (16 KB at 2 warps: it counts as a ring slot for PAD)
+        o_s = gl.allocate_shared_memory(gl.float32, [WARPS, 16, D], OSTAGE)
     else:
-        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
-        v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
-        if WARPS > 1:
-            # where the warps' outputs meet after a chunk (16 KB at 2 warps: it counts as a ring slot for PAD)
-            o_s = gl.allocate_shared_memory(gl.float32, [WARPS, 16, D], OSTAGE)
-        else:
-            o_s = k_s  # not used
+        o_s = k_s  # not used
     # the plan contract's arithmetic is the Triton kernel's own (scalar Triton-lang helpers)
     g0, g1, i, budget = K._bin_start(p_meta, p_prog_start, pid)
     n_items = B * HKV
