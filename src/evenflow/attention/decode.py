@@ -430,7 +430,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
                    plan.combine == "fused", gluon, early, plan.resident_pad if pdl and plan.resident_cap else 0,
                    plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.gluon_warps,
-                   plan.deep_ring_tiles or 0)
+                   plan.deep_ring_tiles)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -286,6 +286,8 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
     m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
     l_i = gl.full([W, 16], 0.0, gl.float32, layout=gl.SliceLayout(2, MMA))
     acc = gl.zeros([W, 16, D], gl.float32, layout=MMA)
+    # the whole ring on a deep chunk, else its first STAGES - 1 slots; the constexpr branch keeps builds without
+    # SHORT_TILES to one loop (``_deep``'s constant is not a constexpr here: the shallow loop would be built too)
     if SHORT_TILES > 0:
         if _deep(t0, t1, SHORT_TILES):
             m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,

@@ -116,9 +116,14 @@ def _smem_per_sm(device: torch.device) -> int:
     return _SM90_SMEM_PER_SM
 
 
+def _gluon_block(slots: int) -> int:
+    """Shared memory of one Gluon fp8 program at ``slots`` 16 KB slots, with the 1 KB each program reserves."""
+    return slots * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK
+
+
 def gluon_programs_fit(ring: int, device: torch.device) -> int:
-    """Gluon fp8 programs an SM holds at ``ring`` 16 KB slots of shared memory a program (1 KB reserved each)."""
-    return _smem_per_sm(device) // (ring * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK)
+    """Gluon fp8 programs an SM holds at ``ring`` 16 KB slots of shared memory a program."""
+    return _smem_per_sm(device) // _gluon_block(ring)
 
 
 def resident_pad(programs: int, stages: int, device: torch.device) -> int:
@@ -128,7 +133,7 @@ def resident_pad(programs: int, stages: int, device: torch.device) -> int:
     per_sm = programs_per_sm(programs, device)
     smem = _smem_per_sm(device)
     for pad in range(8):
-        block = (stages + pad) * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK
+        block = _gluon_block(stages + pad)
         if per_sm * block > smem:
             return 0
         if (per_sm + 1) * block > smem:
@@ -313,15 +318,17 @@ class DecodePlan:
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
         ring = stages + (gluon_warps > 1 and stages <= 2)
-        if gluon_plan and num_programs is None and gluon_programs_fit(ring, dev) < GLUON_FP8_PROGRAMS_PER_SM:
+        fit = gluon_programs_fit(ring, dev)
+        if gluon_plan and num_programs is None and fit < GLUON_FP8_PROGRAMS_PER_SM:
             raise ValueError(f"num_stages={num_stages}: the Gluon kernel's {ring} ring slots of 16 KB leave an SM "
-                             f"{gluon_programs_fit(ring, dev)} programs, fewer than the default num_programs plans "
+                             f"{fit} programs, fewer than the default num_programs plans "
                              f"({GLUON_FP8_PROGRAMS_PER_SM} an SM); pass num_programs or a smaller num_stages")
+        two_loops = gluon_plan and stages >= 3 and gluon_warps > 1  # where the kernel may read ahead by chunk length
         if deep_ring_tiles is None:
-            deep_ring_tiles = GLUON_FP8_DEEP_TILES if gluon_plan and stages >= 3 and gluon_warps > 1 else 0
+            deep_ring_tiles = GLUON_FP8_DEEP_TILES if two_loops else 0
         else:
             check_int("deep_ring_tiles", deep_ring_tiles, 0, 1 << 16)
-            if deep_ring_tiles and not (gluon_plan and stages >= 3 and gluon_warps > 1):
+            if deep_ring_tiles and not two_loops:
                 raise ValueError(f"deep_ring_tiles={deep_ring_tiles} picks the chunks that the Gluon fp8 kernel's "
                                  f"ring reads num_stages - 1 tiles ahead (longer ones a tile fewer): it needs a plan "
                                  f"for that kernel (kv_dtype=torch.float8_e4m3fn) at gluon_warps=2 (at one warp the "
@@ -394,8 +401,6 @@ class DecodePlan:
         self.fresh = True
         # the Gluon fp8 kernel's layout under PDL, once per plan (device properties): unused ring slots and
         # the program -> bin stride (decode_attention passes them where its options keep them on)
-        # (at more than one warp a program beside 2 ring slots, the warps' output buffer counts as one more slot;
-        # beside 3 or more they meet in the idle ring)
         self.resident_pad = resident_pad(num_programs, ring, dev)
         self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
