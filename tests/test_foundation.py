@@ -148,8 +148,9 @@ def test_timing_on_gpu():
     assert set(both) == {"big", "small"} and 20 < both["big"] < 600 and both["small"] < 0.6 * both["big"]
     ceil = H.measure_ceilings(verbose=False)
     assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
-    # the copy ceiling is warmed before it is timed: a second reading in the same process agrees within 2% (round
-    # AN1's cold reading was 6% under the machine's warmed copy, AN2; AN2's warmed readings agreed within 0.05%)
+    # the copy ceiling is warmed and the best of several readings: a second call in the same process agrees within
+    # 2% (round AN1's cold reading was 6% under the machine's warmed copy, AN2; one reading after 300 ms of copies
+    # still moved 2.8% between two calls, AN4)
     again = H.measure_ceilings(verbose=False)["copy_TBps"]
     assert abs(again - ceil["copy_TBps"]) < 0.02 * ceil["copy_TBps"], (ceil["copy_TBps"], again)
     # an empty kernel chained with PDL (the router benchmark's launch_pdl_us): a launch's cost, not more
