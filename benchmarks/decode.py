@@ -16,6 +16,12 @@ The dynamic plan's own cost (``plan.update``, once per decode step, shared by al
 layers) is ``plan_us`` on the ``evenflow`` rows; FlashInfer's host-side ``plan()`` is
 ``plan_host_us`` (wall clock) on its rows. Neither is in ``us``.
 
+``read-once`` rows (a default row since round AN): the case's floor bytes, one buffer a rotation, read once by
+the read-bound kernel (benchmarks/read_bound.py) in this run; every evenflow row carries ``vs_read_once`` = that
+time / its own, a ratio to what this machine's memory gives a plain read, which does not move with the machine as
+``frac_of_floor`` does (the copy ceiling does not follow the kernels' speed from machine to machine, rounds AN1 /
+AN3).
+
 FlashInfer JIT-builds its kernels on first use (minutes): every impl is built once on
 a small problem first (progress printed), then reused by every case.
 """
@@ -24,15 +30,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
+from evenflow import _runtime
 from evenflow.bench import harness as H
 from evenflow.bench.peers import flashinfer as fi_peer
 from evenflow.reference.attention import shuffled_page_tables
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import read_bound as rb  # noqa: E402  (benchmarks/read_bound.py: the read kernel of the read-once rows)
 
 PAGE_SIZE = 64
 HEAD_DIM = 128
@@ -182,9 +194,17 @@ PLAN_KNOBS = {
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
-IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS)
-# The rows of record (issue 3 / BENCH.md); the knob rows above run when named in --impls.
-DEFAULT_IMPLS = ["evenflow", "evenflow-static"] + list(fi_peer.DECODE_IMPLS)
+# read-once: the case's floor bytes (as many copies as its rotations) read once by the read-bound kernel
+# (benchmarks/read_bound.py, its 16 KB and 64 KB block shapes, launched as the attention kernels are), in this run:
+# the machine's own read rate beside the kernels. Every evenflow row then carries ``vs_read_once`` (that read's time
+# over the row's: 1.0 = as fast as the plain read). Why: the memory-bound kernels' speed differs by ~5% between the
+# machines a run lands on while the copy ceiling does not follow (rounds AN1 / AN3), so `frac_of_floor` moves with
+# the machine and this ratio should not.
+READ_IMPL = "read-once"
+READ_SHAPES = tuple(sh for sh in rb.SHAPES if sh[0] in ("block16k", "block64k"))
+IMPLS = EVENFLOW_IMPLS + list(fi_peer.DECODE_IMPLS) + [READ_IMPL]
+# The rows of record (issue 3 / BENCH.md) and the read-once reference; the knob rows above run when named in --impls.
+DEFAULT_IMPLS = ["evenflow", "evenflow-static"] + list(fi_peer.DECODE_IMPLS) + [READ_IMPL]
 # Issue 3's named mixed cases where bf16 must beat the best FlashInfer by >= 2.5x.
 BF16_2P5X_CASES = {"1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K", "2x32K+30x4K"}
 
@@ -430,6 +450,19 @@ def _flashinfer_fns(impl: str, inp: Inputs):
     return fns, extra
 
 
+def measure_read_once(nbytes: int, copies: int, device) -> dict:
+    """The read-once row's fields: µs of the fastest READ_SHAPES read of ``copies`` buffers of ``nbytes`` each (graph
+    replay, one read a copy, as the case's rotations), launched with PDL where the GPU has it (the attention kernels'
+    launch), and which read that was."""
+    bufs = rb._buffers(nbytes, copies, device)
+    us, how = rb.fastest_read([[b] for b in bufs], READ_SHAPES, _runtime.num_sms(device), _read_pdls(device))
+    return {"us": us, "read": how}
+
+
+def _read_pdls(device) -> tuple[bool, ...]:
+    return (True,) if _runtime.pdl_supported(device) else (False,)
+
+
 def build_fns(impl: str, inp: Inputs):
     return _evenflow_fns(impl, inp) if impl in EVENFLOW_IMPLS else _flashinfer_fns(impl, inp)
 
@@ -459,7 +492,7 @@ def warm_up(impls, variants, device, seed: int) -> dict:
     """Build (JIT-compile) and check every FlashInfer impl once per KV dtype; {(impl, variant): error}."""
     failed: dict = {}
     case = Case("warm-up 2x(100,700)", (100, 700), *FULL_HEADS)
-    todo = [(i, v) for v in variants for i in impls if i not in EVENFLOW_IMPLS]
+    todo = [(i, v) for v in variants for i in impls if i not in EVENFLOW_IMPLS and i != READ_IMPL]
     for impl, variant in H.progress(todo, "decode warm-up (FlashInfer JIT build)"):
         t0 = time.time()
         try:
@@ -496,8 +529,8 @@ def _split(arg: str, allowed, what: str) -> list[str]:
 def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple[str, list[dict]]:
     """Markdown table of evenflow vs static vs best FlashInfer per case, and issue 3's target checks."""
     by = {(r["case"], r.get("variant"), r["impl"]): r for r in rows}
-    lines = ["| case | variant | evenflow µs | frac_of_floor | static µs | best FlashInfer | µs | "
-             "x vs best peer | x vs static | plan µs |", "|" + "---|" * 10]
+    lines = ["| case | variant | evenflow µs | frac_of_floor | vs read-once | static µs | best FlashInfer | µs | "
+             "x vs best peer | x vs static | plan µs |", "|" + "---|" * 11]
     targets: list[dict] = []
 
     def target(what, ok, value):
@@ -513,7 +546,8 @@ def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple
             def f(x, fmt="{:.1f}"):
                 return fmt.format(x) if isinstance(x, (int, float)) else "-"
             lines.append(f"| {c.name} | {v} | {f(ours.get('us'))} | {f(ours.get('frac_of_floor'), '{:.2f}')} | "
-                         f"{f(static.get('us'))} | {best.get('impl', '-')} | {f(best.get('us'))} | "
+                         f"{f(ours.get('vs_read_once'), '{:.2f}')} | {f(static.get('us'))} | "
+                         f"{best.get('impl', '-')} | {f(best.get('us'))} | "
                          f"{f(ours.get('speedup_vs_best_peer'), '{:.2f}')} | "
                          f"{f(ours.get('speedup_vs_static'), '{:.2f}')} | {f(ours.get('plan_us'), '{:.2f}')} |")
             if "us" not in ours:
@@ -559,6 +593,11 @@ def sweep(args, device, l2: int) -> None:
 
     failed = warm_up(impls, variants, device, args.seed)
     meta["peer_build_failures"] = {f"{i} {v}": e for (i, v), e in failed.items()}
+    if READ_IMPL in impls:
+        rb.check_read(_runtime.num_sms(device), device, _read_pdls(device))  # every read shape sums exactly first
+        meta[READ_IMPL] = ("the case's floor bytes read once (int32 loads summed in registers; the faster of "
+                           + ", ".join(sh[0] for sh in READ_SHAPES) + ", launched with PDL where there is PDL), "
+                           "graph replay cycling its rotations; vs_read_once = that time / the row's")
 
     work = {f"{c.name} {v}": (c, v) for v in variants for c in cases}
     for label in H.progress(list(work), "decode"):
@@ -584,7 +623,8 @@ def sweep(args, device, l2: int) -> None:
                 errors[impl] = f"build failed: {failed[(impl, v)]}"
                 continue
             try:
-                got[impl] = measure(impl, inp, refs)
+                got[impl] = (measure_read_once(fb, inp.rotations, device) if impl == READ_IMPL
+                             else measure(impl, inp, refs))
                 print(f"    {impl:16s} {got[impl]['us']:9.2f} us  ({fl / got[impl]['us']:.2f} of floor)", flush=True)
                 torch.cuda.synchronize()
             except Exception as e:  # incl. a CUDA fault: later cases then fail fast, results still written
@@ -602,6 +642,8 @@ def sweep(args, device, l2: int) -> None:
                 extra["speedup_vs_best_peer"] = peer_us[best_peer] / us
             if impl == "evenflow" and "evenflow-static" in got:
                 extra["speedup_vs_static"] = got["evenflow-static"]["us"] / us
+            if impl in EVENFLOW_IMPLS and READ_IMPL in got:
+                extra["vs_read_once"] = got[READ_IMPL]["us"] / us
             res.add(case=c.name, variant=v, impl=impl, us=us, floor_us=fl, **common, **extra)
         del inp, refs
         with contextlib.suppress(Exception):
@@ -612,8 +654,8 @@ def sweep(args, device, l2: int) -> None:
     meta["wall_s"] = round(time.time() - t_start, 1)
     res.finish(x="case", group="variant", plot=not args.no_plot,
                columns=["case", "variant", "impl", "us", "eager_us", "floor_us", "frac_of_floor",
-                        "speedup_vs_best_peer", "speedup_vs_static", "plan_us", "plan_host_us", "rotations",
-                        "error"])
+                        "speedup_vs_best_peer", "speedup_vs_static", "vs_read_once", "plan_us", "plan_host_us",
+                        "rotations", "read", "error"])
     print("\n## evenflow vs FlashInfer vs static\n\n" + table)
     ok = sum(t["ok"] for t in targets)
     print(f"\n## issue 3 targets: {ok}/{len(targets)} met")

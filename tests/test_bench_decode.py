@@ -262,7 +262,8 @@ def test_summarize_targets():
     cases = [D.parse_case("1x128K+31x4K"), D.parse_case("64x512")]
     rows = [
         {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "evenflow", "us": 100.0, "frac_of_floor": 0.9,
-         "speedup_vs_best_peer": 3.0, "speedup_vs_static": 2.5},
+         "speedup_vs_best_peer": 3.0, "speedup_vs_static": 2.5, "vs_read_once": 0.96},
+        {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "read-once", "us": 96.0},
         {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "evenflow-static", "us": 250.0},
         {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "flashinfer-tc", "us": 300.0},
         {"case": "1x128K+31x4K", "variant": "bf16-kv", "impl": "flashinfer-fa3", "error": "build failed"},
@@ -280,7 +281,59 @@ def test_summarize_targets():
         "64x512 bf16-kv: frac_of_floor >= 0.75": False,
         "64x512 bf16-kv: not slower than flashinfer-cuda": False,
     }
-    assert "| 1x128K+31x4K | bf16-kv | 100.0 | 0.90 | 250.0 | flashinfer-tc | 300.0 | 3.00 | 2.50 |" in table
+    assert "| 1x128K+31x4K | bf16-kv | 100.0 | 0.90 | 0.96 | 250.0 | flashinfer-tc | 300.0 | 3.00 | 2.50 |" in table
+    assert "| 64x512 | bf16-kv | 50.0 | 0.70 | - | - | flashinfer-cuda | 45.0 | 0.90 | - |" in table
+
+
+def test_read_once_reads_every_byte_of_every_rotation(monkeypatch):
+    """The read-once row (round AN): measure_read_once reads ``copies`` buffers that hold the case's floor bytes, each
+    whole, one read a copy, and reports the fastest of its shapes. Here the graph timer runs each call once (the
+    interpreted kernel on the CPU, the compiled one on a GPU) and hands out a time by shape; the partials it wrote
+    must sum to the elements read."""
+    nbytes, copies = 3 * 16384 * 4 + 4 * 17 + 2, 3  # not a whole number of int32 elements or of blocks
+    seen = []
+
+    def fake_time_graph(fns):
+        for fn in fns:
+            fn()
+        seen.append(len(fns))
+        return 10.0 - len(seen)  # the later shape reads faster here
+
+    launched = []
+    real_launch = D.rb.launch_read
+
+    def spy_launch(buf, out, shape, pdl, sms):
+        real_launch(buf, out, shape, pdl, sms)
+        grid = D.rb.read_grid(buf.numel(), shape[1], shape[2], sms)
+        launched.append((buf.numel(), shape[0], int(out[:grid].long().sum())))
+
+    monkeypatch.setattr(D.rb.H, "time_graph", fake_time_graph)
+    monkeypatch.setattr(D.rb, "launch_read", spy_launch)
+    got = D.measure_read_once(nbytes, copies, torch.device(_DEV))
+    n = math.ceil(nbytes / 4)
+    assert seen == [copies] * len(D.READ_SHAPES)
+    assert [s[0] for s in D.READ_SHAPES] == ["block16k", "block64k"]
+    assert launched == [(n, s[0], n) for s in D.READ_SHAPES for _ in range(copies)]  # buffers of ones: sum = n
+    assert got["us"] == 10.0 - len(D.READ_SHAPES) and got["read"].startswith(D.READ_SHAPES[-1][0])
+    assert "read-once" in D.DEFAULT_IMPLS and "read-once" not in fi_peer.DECODE_IMPLS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or _runtime.interpreting(), reason="times on a GPU")
+def test_sweep_writes_read_once_rows_and_the_ratio_to_them(tmp_path):
+    """On a GPU the sweep's read-once row times the case's floor bytes and every evenflow row carries its time over
+    the row's (``vs_read_once``)."""
+    import json
+
+    D.main(["--cases", "64x512", "--impls", "evenflow,read-once", "--variants", "bf16-kv", "--out", str(tmp_path),
+            "--no-plot"])
+    rows = json.loads((tmp_path / "decode.json").read_text())["rows"]
+    by = {r["impl"]: r for r in rows}
+    ours, read = by["evenflow"], by["read-once"]
+    assert read["floor_bytes"] == ours["floor_bytes"] == D.floor_bytes(D.parse_case("64x512"), torch.bfloat16)
+    assert read["read"].split()[0] in {s[0] for s in D.READ_SHAPES} and read["us"] > 0
+    assert ours["vs_read_once"] == pytest.approx(read["us"] / ours["us"], rel=1e-3)
+    # a plain read of the bytes is no slower than a kernel that also computes on them, and not absurdly faster
+    assert 0.3 < ours["vs_read_once"] < 1.2
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
