@@ -167,6 +167,11 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         if mode != 2:
             out += [("w2-gn32", r(d, num_warps=2, gu_block_n=32))]
         if t * case.top_k <= PAIR_TILE_MAX_PAIRS:
+            # the down GEMM over 2 or 4 n-blocks a program on pair tiles (round AK9, Hy3 TP8 T = 4, every output bitwise
+            # one n-block's: 2 level in bf16 and fp8-tensor, 4 3.5-4% faster in bf16 and 16% slower in fp8-tensor, 8
+            # slower in both): a per-point choice, on the two known configs, after the other candidates (one point's
+            # gain so far: a --max-candidates limit drops them first)
+            out += _n_grouped(known, (1, 2, 4), case.inter, down_k_steps, FEW_DOWN_K_STEPS)
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (
                 ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
@@ -209,9 +214,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         # fewer rows, AJ1 / AJ2), on the table's entry and on the default's tiles, next to the default: one knob on
         # the two configs already known best here, so a --max-candidates limit keeps them (the default has its own
         # group since AJ7)
-        grouped = [(f"{label}-dg{g}", r(b, down_n_group=g)) for label, b in known
-                   if down_k_steps(b, case.inter) <= FEW_DOWN_K_STEPS for g in (1, 2, 4, 8) if g != b.down_n_group]
-        out[1:1] = grouped
+        out[1:1] = _n_grouped(known, (1, 2, 4, 8), case.inter, down_k_steps, FEW_DOWN_K_STEPS)
     seen, valid = set(), []
     for label, c in out:
         try:
@@ -222,6 +225,13 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             seen.add(c)
             valid.append((label, c))
     return valid
+
+
+def _n_grouped(known, groups, inter: int, down_k_steps, few: int) -> list[tuple[str, object]]:
+    """Each known config's down GEMM over each other of ``groups`` n-blocks a program, where it has at most ``few``
+    K steps (``{label}-dg{g}``; groups that do not tile H are dropped later by check_config)."""
+    return [(f"{label}-dg{g}", dataclasses.replace(b, down_n_group=g)) for label, b in known
+            if down_k_steps(b, inter) <= few for g in groups if g != b.down_n_group]
 
 
 def point_key(case, fm) -> str:

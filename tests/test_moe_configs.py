@@ -114,7 +114,8 @@ def test_tuner_candidates_are_valid():
 def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
     """Past the pair-tile range, from 8 rows per expert and where a config's down GEMM has at most FEW_DOWN_K_STEPS K
     steps, the tuner times the default's and the table entry's down GEMM over each other group of 1, 2, 4 and 8
-    n-blocks a program (where they tile H); elsewhere (round AJ1 / AJ2: no gain) it offers none."""
+    n-blocks a program (where they tile H); on pair tiles, with the same K-step rule, over 2 and 4 (round AK9);
+    elsewhere (round AJ1 / AJ2: no gain) it offers none."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import moe as B
     import tune_moe
@@ -133,10 +134,29 @@ def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
             if g != 8:
                 assert cands[f"default-dg{g}"] == dataclasses.replace(d, down_n_group=g)
         assert not any(label.startswith("incumbent") for label in dict(tune_moe.candidates(case, 1, t)))
-    small = next(t for t in tune_moe.BUCKETS if t * case.top_k <= PAIR_TILE_MAX_PAIRS)
-    # none at pair tiles, below 8 rows per expert (Hy3 TP8 T = 128: 5.3), or where the down GEMM has more than
-    # FEW_DOWN_K_STEPS K steps (Qwen3-30B: I = 768, 12 of 64 in bf16)
-    for c, t in ((case, small), (case, 128), (B.CASES["qwen3-30b-a3b"], 4096)):
+    # on pair tiles (round AK9): groups of 2 and 4, never 8, of the default and the entry, after every other candidate;
+    # a K-split one with its own +defer twin after it
+    for t in (tt for tt in tune_moe.BUCKETS if tt * case.top_k <= PAIR_TILE_MAX_PAIRS):
+        for mode in (0, 1):
+            cands = tune_moe.candidates(case, mode, t, incumbent=entry)
+            by = dict(cands)
+            d = by["default"]
+            for who, base in (("default", d), ("incumbent", entry)):
+                for g in (2, 4, 8):
+                    assert (f"{who}-dg{g}" in by) == (g != 8), (t, mode, who, g)
+                    if g != 8:
+                        assert by[f"{who}-dg{g}"] == dataclasses.replace(base, down_n_group=g)
+            labels = [label for label, _ in cands]
+            first = min(i for i, x in enumerate(labels) if "-dg" in x)
+            assert all("-dg" in x for x in labels[first:]), labels
+            for i, (label, c) in enumerate(cands):
+                if "-dg" in label and c.gu_split_k > 1 and c.block_m == 16 and not c.gu_defer:
+                    assert cands[i + 1] == (f"{label}+defer", dataclasses.replace(c, gu_defer=1)), label
+    # none below 8 rows per expert past the pair tiles (Hy3 TP8 T = 128: 5.3), or where the down GEMM has more than
+    # FEW_DOWN_K_STEPS K steps (Qwen3-30B: I = 768, 12 of 64 in bf16, at pair tiles too)
+    qwen = B.CASES["qwen3-30b-a3b"]
+    small = next(t for t in tune_moe.BUCKETS if t * qwen.top_k <= PAIR_TILE_MAX_PAIRS)
+    for c, t in ((case, 128), (qwen, 4096), (qwen, small)):
         assert not any("-dg" in label for label, _ in tune_moe.candidates(c, 0, t, incumbent=entry)), (c.name, t)
     # a group that does not divide H's n-blocks is never offered (check_config refuses it)
     narrow = dict(tune_moe.candidates(case, 0, 4096, incumbent=MoEConfig(128, 64, 64, 1024, 64)))  # 4 n-blocks
