@@ -43,7 +43,8 @@ from evenflow.bench import harness as H
 from evenflow.bench.peers import flashinfer as fi_peer
 from evenflow.reference.attention import shuffled_page_tables
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import read_bound as rb  # noqa: E402  (benchmarks/read_bound.py: the read kernel of the read-once rows)
 
 PAGE_SIZE = 64
@@ -454,7 +455,7 @@ def measure_read_once(nbytes: int, copies: int, device) -> dict:
     """The read-once row's fields: µs of the fastest READ_SHAPES read of ``copies`` buffers of ``nbytes`` each (graph
     replay, one read a copy, as the case's rotations), launched with PDL where the GPU has it (the attention kernels'
     launch), and which read that was."""
-    bufs = rb._buffers(nbytes, copies, device)
+    bufs = rb.buffers(nbytes, copies, device)
     us, how = rb.fastest_read([[b] for b in bufs], READ_SHAPES, _runtime.num_sms(device), _read_pdls(device))
     return {"us": us, "read": how}
 
@@ -594,7 +595,10 @@ def sweep(args, device, l2: int) -> None:
     failed = warm_up(impls, variants, device, args.seed)
     meta["peer_build_failures"] = {f"{i} {v}": e for (i, v), e in failed.items()}
     if READ_IMPL in impls:
-        rb.check_read(_runtime.num_sms(device), device, _read_pdls(device))  # every read shape sums exactly first
+        try:  # every read shape sums a buffer exactly before it is timed; a failure makes error rows, as a peer's
+            rb.check_read(_runtime.num_sms(device), device, _read_pdls(device), READ_SHAPES)
+        except Exception as e:
+            failed.update({(READ_IMPL, v): f"read check: {_reason(e)}" for v in variants})
         meta[READ_IMPL] = ("the case's floor bytes read once (int32 loads summed in registers; the faster of "
                            + ", ".join(sh[0] for sh in READ_SHAPES) + ", launched with PDL where there is PDL), "
                            "graph replay cycling its rotations; vs_read_once = that time / the row's")

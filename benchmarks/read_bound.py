@@ -151,7 +151,8 @@ def points_from_results(results_dir: Path, ops=OPS, moe_cases: dict | None = Non
     return pts
 
 
-def _buffers(nbytes: int, copies: int, device) -> list[torch.Tensor]:
+def buffers(nbytes: int, copies: int, device) -> list[torch.Tensor]:
+    """``copies`` int32 buffers of ones holding at least ``nbytes`` each (the decode benchmark's read-once rows too)."""
     n = max(1, math.ceil(nbytes / 4))
     return [torch.ones(n, dtype=torch.int32, device=device) for _ in range(copies)]
 
@@ -186,12 +187,12 @@ def chain_parts(buf: torch.Tensor) -> list[torch.Tensor]:
     return [buf[:cut], buf[cut:]]
 
 
-def check_read(sms: int, device, pdls=(False, True)) -> None:
-    """Every shape and launch sums a buffer exactly before anything is timed."""
+def check_read(sms: int, device, pdls=(False, True), shapes=SHAPES) -> None:
+    """Every shape of ``shapes`` and launch sums a buffer exactly before anything is timed."""
     buf = torch.randint(-1000, 1000, (3 * 16384 * sms + 12345,), dtype=torch.int32, device=device)
     want = int(buf.long().sum())
-    out = _partials(buf.numel(), SHAPES, sms, device)
-    for shape in SHAPES:
+    out = _partials(buf.numel(), shapes, sms, device)
+    for shape in shapes:
         for pdl in pdls:
             out.zero_()
             launch_read(buf, out, shape, pdl, sms)
@@ -272,7 +273,7 @@ def main(argv=None) -> None:
             res.add_error(impl="read-once", error=pt["skip"], **common)
             continue
         fl = H.floor_us(pt["bytes"], ceilings=ceil)
-        bufs = _buffers(pt["bytes"], pt["copies"], dev)
+        bufs = buffers(pt["bytes"], pt["copies"], dev)
         us, how = fastest_read([[b] for b in bufs], shapes, sms, pdls)
         res.add(impl="read-once", us=us, floor_us=fl, read=how, **common)
         if pt["op"] == "moe":  # the second kernel waits for the first: under PDL where there is PDL

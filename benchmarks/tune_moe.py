@@ -167,10 +167,11 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         if mode != 2:
             out += [("w2-gn32", r(d, num_warps=2, gu_block_n=32))]
         if t * case.top_k <= PAIR_TILE_MAX_PAIRS:
-            # the down GEMM over 2 or 4 n-blocks a program on pair tiles (round AK9, Hy3 TP8 T = 4, every output bitwise
-            # one n-block's: 2 level in bf16 and fp8-tensor, 4 3.5-4% faster in bf16 and 16% slower in fp8-tensor, 8
-            # slower in both): a per-point choice, on the two known configs, after the other candidates (one point's
-            # gain so far: a --max-candidates limit drops them first)
+            # the down GEMM over 1, 2 or 4 n-blocks a program on pair tiles (round AK9, Hy3 TP8 T = 4, every output
+            # bitwise one n-block's: 2 level in bf16 and fp8-tensor, 4 3.5-4% faster in bf16 and 16% slower in
+            # fp8-tensor, 8 slower in both): a per-point choice, each known config at the other groups (an entry tuned
+            # to 4 is timed at 1 and 2 again), after the other candidates (one point's gain so far: a --max-candidates
+            # limit drops them first)
             out += _n_grouped(known, (1, 2, 4), case.inter, down_k_steps, FEW_DOWN_K_STEPS)
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (

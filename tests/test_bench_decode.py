@@ -332,7 +332,8 @@ def test_sweep_writes_read_once_rows_and_the_ratio_to_them(tmp_path):
     assert read["floor_bytes"] == ours["floor_bytes"] == D.floor_bytes(D.parse_case("64x512"), torch.bfloat16)
     assert read["read"].split()[0] in {s[0] for s in D.READ_SHAPES} and read["us"] > 0
     assert ours["vs_read_once"] == pytest.approx(read["us"] / ours["us"], rel=1e-3)
-    # a plain read of the bytes is no slower than a kernel that also computes on them, and not absurdly faster
+    # a plain read of the bytes is not slower than a kernel that also computes on them (1.2: room for the run's noise)
+    # and not absurdly faster
     assert 0.3 < ours["vs_read_once"] < 1.2
 
 

@@ -114,7 +114,8 @@ def test_tuner_candidates_are_valid():
 def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
     """Past the pair-tile range, from 8 rows per expert and where a config's down GEMM has at most FEW_DOWN_K_STEPS K
     steps, the tuner times the default's and the table entry's down GEMM over each other group of 1, 2, 4 and 8
-    n-blocks a program (where they tile H); on pair tiles, with the same K-step rule, over 2 and 4 (round AK9);
+    n-blocks a program (where they tile H); on pair tiles, with the same K-step rule, over each other of 1, 2 and 4
+    (round AK9);
     elsewhere (round AJ1 / AJ2: no gain) it offers none."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import moe as B
@@ -152,6 +153,11 @@ def test_tuner_offers_down_n_groups_of_the_default_and_the_entry():
             for i, (label, c) in enumerate(cands):
                 if "-dg" in label and c.gu_split_k > 1 and c.block_m == 16 and not c.gu_defer:
                     assert cands[i + 1] == (f"{label}+defer", dataclasses.replace(c, gu_defer=1)), label
+    # an entry already grouped at pair tiles is offered at the other groups, 1 and 2, never 8
+    t4 = max(tt for tt in tune_moe.BUCKETS if tt * case.top_k <= PAIR_TILE_MAX_PAIRS)
+    by4 = dict(tune_moe.candidates(case, 0, t4, incumbent=dataclasses.replace(entry, down_n_group=4)))
+    assert [g for g in (1, 2, 4, 8) if f"incumbent-dg{g}" in by4] == [1, 2]
+    assert by4["incumbent-dg1"] == entry
     # none below 8 rows per expert past the pair tiles (Hy3 TP8 T = 128: 5.3), or where the down GEMM has more than
     # FEW_DOWN_K_STEPS K steps (Qwen3-30B: I = 768, 12 of 64 in bf16, at pair tiles too)
     qwen = B.CASES["qwen3-30b-a3b"]

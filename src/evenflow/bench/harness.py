@@ -5,7 +5,8 @@ What it guarantees:
 * Ceilings measured in the same run: device copy bandwidth (read + write bytes of a
   large device-to-device copy), dense bf16 and fp8 matmul rates, and the cost of an
   empty kernel inside a CUDA graph. Floors are computed from these, never from
-  datasheets.
+  datasheets. The copy is timed after COPY_WARM_MS of copies, as the best of COPY_READINGS medians (round AN: a
+  cold single median read up to 6% under the machine's warmed copy).
 * Timings are medians. ``time_graph`` captures one call per rotated input copy in a
   single CUDA graph and divides the replay time by the number of calls: that is how
   serving engines run decode-step operators, and rotation keeps a case that fits in
@@ -158,7 +159,8 @@ def time_eager(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
 WARM_US = 10_000.0  # GPU time of warm replays before a graph is timed
 WARM_MAX_REPLAYS = 200  # at most this many of them (µs-long graphs would otherwise take thousands)
 COPY_WARM_MS = 1000.0  # GPU time of copies measure_ceilings runs before it times the copy ceiling
-COPY_READINGS = 5  # medians of 20 copies each; the ceiling is the best of them
+COPY_READINGS = 5  # medians of COPY_REPS copies each; the copy ceiling is the best of them
+COPY_REPS = 20
 
 
 def capture_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *,
@@ -277,7 +279,7 @@ def measure_ceilings(verbose: bool = True) -> dict:
     # as this figure.
     for _ in range(max(1, math.ceil(COPY_WARM_MS / _median_ms(copy, reps=3)))):
         copy()
-    copy_ms = min(_median_ms(copy, reps=20) for _ in range(COPY_READINGS))
+    copy_ms = min(_median_ms(copy, reps=COPY_REPS) for _ in range(COPY_READINGS))
     src = dst = None  # release 2 GiB before the matmuls
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
