@@ -12,7 +12,8 @@ k/v_cache        [num_pages, P, Hkv, D]       bf16 or fp8 e4m3 (NHD; any strides
                                               last stride, so HND views ``x.transpose(1, 2)`` of
                                               a [num_pages, Hkv, P, D] cache work)
 k/v_scale        float or fp32 tensor [1]     per-tensor dequant scale (tensor: graph-friendly,
-                                              read on the device)
+                                              read on the device), applied to any cache dtype:
+                                              K = stored K * k_scale
 page_table       [B, max_pages]               int32, pages in any order
 seq_lens         [B]                          int32, cached tokens including the new ones
 out              [B * q_len, Hq, D]           bf16

@@ -50,6 +50,8 @@ LO_SCALE = 256.0
 def split_weight(w: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, ...]:
     """(w_hi, w_lo) or, with ``terms=3``, (w_hi, w_lo, w_lo2) of an fp32 weight; bf16, w's shape.
 
+    The default is DESIGN.md's two-term split; :class:`RouterWeight` takes three terms unless told otherwise.
+
     Every step is exact in fp32 except the bf16 roundings (see module docstring).
     """
     if terms not in (2, 3):
