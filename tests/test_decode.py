@@ -504,17 +504,17 @@ def test_bad_arguments(device):
         da(q, k, v, pt.long(), sl, plan=plan)
     with pytest.raises(ValueError, match="v_cache"):
         da(q, k, v[:, :32], pt, sl, plan=plan)
-    with pytest.raises(ValueError, match="multiple"):
+    with pytest.raises(ValueError, match=r"q heads \(3\) must be a multiple 1..16 of the kv heads \(2\)"):
         da(q[:, :3], k, v, pt, sl, plan=plan)
     with pytest.raises(ValueError, match="q_scale is required"):
         da(q.to(FP8), k, v, pt, sl, plan=plan)
     with pytest.raises(ValueError, match="plan was built for 4 kv heads"):
         da(q, k, v, pt, sl, plan=evenflow.DecodePlan(2, 1000, 4, device=device).update(sl))
-    with pytest.raises(ValueError, match="batch"):
+    with pytest.raises(ValueError, match="plan was last updated for batch 2, seq_lens has 1"):
         da(q[:1], k, v, pt[:1], sl[:1], plan=plan)
     with pytest.raises(ValueError, match="k_scale"):
         da(q, k, v, pt, sl, plan=plan, k_scale=torch.ones(2, device=device))
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match=r"out must have shape \(2, 4, 64\)"):
         da(q, k, v, pt, sl, plan=plan, out=torch.empty(2, 4, 32, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="unit stride"):
         da(q, k.transpose(2, 3), v.transpose(2, 3), pt, sl, plan=plan)
@@ -555,6 +555,54 @@ def test_bad_arguments(device):
     if _runtime.interpreting():
         with pytest.raises(ValueError, match="pdl=True"):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
+
+
+def test_every_argument_check_names_its_argument(device):
+    """Each of decode_attention's host-side checks not covered above raises the right error naming the argument."""
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 2, device=device).update(sl)
+    da = evenflow.decode_attention
+    cases = [  # (error, message pattern, call)
+        (ValueError, "k_scale must be a finite positive number, got 0", lambda: da(q, k, v, pt, sl, k_scale=0.0)),
+        (ValueError, "v_scale must be a finite positive number, got nan",
+         lambda: da(q, k, v, pt, sl, v_scale=float("nan"))),
+        (TypeError, "k_scale must be a float or a float32 tensor", lambda: da(q, k, v, pt, sl, k_scale="1")),
+        (TypeError, "v_scale must have dtype in", lambda: da(q, k, v, pt, sl, v_scale=torch.ones(
+            1, dtype=torch.float64, device=device))),
+        (ValueError, r"v_scale must hold one element", lambda: da(q, k, v, pt, sl, v_scale=torch.ones(
+            2, device=device))),
+        (ValueError, r"page size \(dim 1\) must be one of \[16, 32, 64, 128\], got 8",
+         lambda: da(q, k[:, :8], v[:, :8], pt, sl)),
+        (ValueError, r"head_dim must be one of \[64, 128, 256\], got 32",
+         lambda: da(q[..., :32], k[..., :32], v[..., :32], pt, sl)),
+        (ValueError, "q head_dim 32 != k_cache head_dim 64", lambda: da(q[..., :32], k, v, pt, sl)),
+        (TypeError, "plan must be a DecodePlan or None, got str", lambda: da(q, k, v, pt, sl, plan="plan")),
+        (ValueError, "plan was built for page_size 32, k_cache pages hold 64",
+         lambda: da(q, k, v, pt, sl, plan=evenflow.DecodePlan(2, 1000, 2, page_size=32, device=device).update(sl))),
+        (ValueError, r"call plan.update\(seq_lens\) before decode_attention",
+         lambda: da(q, k, v, pt, sl, plan=evenflow.DecodePlan(2, 1000, 2, device=device))),
+        (ValueError, r"q rows \(3\) must be q_len \* batch", lambda: da(torch.cat([q, q[:1]]), k, v, pt, sl)),
+        (ValueError, "q_scale is only used with an fp8 q", lambda: da(q, k, v, pt, sl, q_scale=torch.ones(
+            2, 4, device=device))),
+        (ValueError, r"q_scale must have shape \(2, 4\)", lambda: da(q.to(FP8), k, v, pt, sl, q_scale=torch.ones(
+            2, 3, device=device))),
+        (TypeError, "sm_scale must be a finite float", lambda: da(q, k, v, pt, sl, sm_scale="0.1")),
+        (TypeError, "sm_scale must be a finite float", lambda: da(q, k, v, pt, sl, sm_scale=float("inf"))),
+        (TypeError, "out must have dtype in", lambda: da(q, k, v, pt, sl, out=torch.empty(
+            2, 4, 64, device=device))),
+        (TypeError, "return_lse must be a bool, got int", lambda: da(q, k, v, pt, sl, return_lse=1)),
+        (ValueError, r"lse must have shape \(2, 4\)", lambda: da(q, k, v, pt, sl, return_lse=True, lse=torch.empty(
+            2, 3, device=device))),
+        (ValueError, "lse is given but return_lse is False", lambda: da(q, k, v, pt, sl, lse=torch.empty(
+            2, 4, device=device))),
+        (ValueError, "page_table must have 2 rows", lambda: da(q, k, v, pt[:1], sl)),
+    ]
+    for err, pattern, call in cases:
+        with pytest.raises(err, match=pattern):
+            call()
+    # the same call with good arguments runs (the checks above fail on their argument alone)
+    out, lse = da(q, k, v, pt, sl, plan=plan, k_scale=0.5, v_scale=torch.ones(1, device=device), return_lse=True)
+    assert out.shape == (2, 4, 64) and lse.shape == (2, 4)
 
 
 def test_opcheck(device):

@@ -70,9 +70,9 @@ def test_tampered_counters(device, layer):
 
 def test_call_checks(device, layer):
     ew, x, ids, w = layer
-    with pytest.raises(TypeError, match="ew"):
+    with pytest.raises(TypeError, match="ew must be"):
         evenflow.fused_moe(x, ids, w, (ew.w13, ew.w2))
-    with pytest.raises(TypeError, match="x"):
+    with pytest.raises(TypeError, match="x must have dtype"):
         evenflow.fused_moe(x.float(), ids, w, ew)
     with pytest.raises(ValueError, match="hidden size"):
         evenflow.fused_moe(x[:, :32], ids, w, ew)
@@ -101,8 +101,19 @@ def test_call_checks(device, layer):
         evenflow.fused_moe(x, ids, w, ew, num_experts_total=1024)
     with pytest.raises(ValueError, match="shared_output"):
         evenflow.fused_moe(x, ids, w, ew, shared_output=x[:2])
-    with pytest.raises(TypeError, match="routed_scaling"):
+    with pytest.raises(TypeError, match="routed_scaling must be a float"):
         evenflow.fused_moe(x, ids, w, ew, routed_scaling="2")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="routed_scaling must be finite"):
+            evenflow.fused_moe(x, ids, w, ew, routed_scaling=bad)
+    with pytest.raises(TypeError, match="check_ids must be a bool, got int"):
+        evenflow.fused_moe(x, ids, w, ew, check_ids=1)
+    with pytest.raises(ValueError, match="ep_rank must be >= 0"):
+        evenflow.fused_moe(x, ids, w, ew, ep_rank=-1)
+    with pytest.raises(TypeError, match="shared_output must have dtype"):
+        evenflow.fused_moe(x, ids, w, ew, shared_output=x.half())
+    with pytest.raises(TypeError, match="out must have dtype"):
+        evenflow.fused_moe(x, ids, w, ew, out=torch.empty(x.shape, device=device))
     with pytest.raises(ValueError, match="out"):
         evenflow.fused_moe(x, ids, w, ew, out=torch.empty(3, 32, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="x is on meta"):

@@ -335,6 +335,10 @@ def test_bad_inputs_raise_clear_errors(device):
     x = torch.randn(3, 32, device=device).to(torch.bfloat16)
     with pytest.raises(TypeError, match="w must be"):
         evenflow.router_gemm(x, w)
+    with pytest.raises(TypeError, match="config must be an evenflow.GemmConfig or None, got tuple"):
+        evenflow.router_gemm(x, rw, config=(16, 16, 32))
+    with pytest.raises(TypeError, match="batch_invariant must be a bool, got int"):
+        evenflow.router_gemm(x, rw, batch_invariant=1)
     with pytest.raises(TypeError, match="round_x_to_bf16"):
         evenflow.router_gemm(x.float(), rw)
     with pytest.raises(TypeError, match="x must have dtype"):

@@ -178,6 +178,21 @@ def test_route_bad_inputs(device):
         evenflow.select_experts(torch.zeros(2, 8, device=device), 2,
                                 out=(torch.empty(2, 3, dtype=torch.int32, device=device),
                                      torch.empty(2, 2, device=device)))
+    with pytest.raises(TypeError, match=r"out must be a pair \(ids, weights\)"):
+        evenflow.select_experts(torch.zeros(2, 8, device=device), 2, out=torch.empty(2, 2, device=device))
+    with pytest.raises(ValueError, match="logits must have at least one expert column"):
+        evenflow.select_experts(torch.zeros(2, 0, device=device), 1)
+    with pytest.raises(TypeError, match="routed_scaling must be a float, got str"):
+        evenflow.route(x, rw, 2, routed_scaling="2.5")
+    for bad in (float("nan"), float("-inf")):
+        with pytest.raises(ValueError, match="routed_scaling must be finite"):
+            evenflow.route(x, rw, 2, routed_scaling=bad)
+    with pytest.raises(TypeError, match="renormalize must be a bool, got int"):
+        evenflow.route(x, rw, 2, renormalize=1)
+    with pytest.raises(TypeError, match="batch_invariant must be a bool, got str"):
+        evenflow.route(x, rw, 2, batch_invariant="yes")
+    with pytest.raises(TypeError, match="w must be an evenflow.RouterWeight"):
+        evenflow.route(x, torch.randn(16, 32, device=device), 2)
 
 
 def test_batch_invariant_route(device):

@@ -1,6 +1,7 @@
 """Argument checks for launchers. Every failure names the argument it is about."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -68,6 +69,22 @@ def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: 
     if not out.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return out
+
+
+def check_bool(name: str, v) -> bool:
+    """``v`` a bool (not a truthy int, string or tensor); returns it."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+    return v
+
+
+def check_scaling(name: str, v) -> float:
+    """``v`` a finite real number (a bool is refused); returns it as a float."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v!r}")
+    return float(v)
 
 
 def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:

@@ -400,13 +400,15 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         out = torch.empty(B * q_len, Hq, D, dtype=torch.bfloat16, device=dev)
     else:
         check_out("out", out, [B * q_len, Hq, D], torch.bfloat16, dev)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if return_lse:
         if lse is None:
             lse = torch.empty(B * q_len, Hq, dtype=torch.float32, device=dev)
         else:
             check_out("lse", lse, [B * q_len, Hq], torch.float32, dev)
-    else:
-        lse = None
+    elif lse is not None:
+        raise ValueError("lse is given but return_lse is False: pass return_lse=True to have it filled")
     P = k_cache.shape[1]
     rows = (Hq // Hkv) * q_len
     max_pages_len = page_table.shape[1] * P

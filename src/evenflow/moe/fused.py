@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 import triton
 
-from evenflow._checks import check_int, check_out, check_pdl, check_same_device, check_tensor
+from evenflow._checks import check_bool, check_int, check_out, check_pdl, check_same_device, check_scaling, check_tensor
 from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, num_sms, pdl_kwargs, pdl_supported
 from evenflow.moe.kernels import (
     moe_down_kernel,
@@ -644,8 +644,8 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     if (ep_rank + 1) * e_local > num_experts_total:
         raise ValueError(f"ep_rank {ep_rank} with {e_local} local experts needs num_experts_total >= "
                          f"{(ep_rank + 1) * e_local}, got {num_experts_total}")
-    if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, (int, float)):
-        raise TypeError(f"routed_scaling must be a float, got {type(routed_scaling).__name__}")
+    check_scaling("routed_scaling", routed_scaling)
+    check_bool("check_ids", check_ids)
     if not isinstance(fp8_accum, str) or fp8_accum not in FP8_ACCUM:
         raise ValueError(f"fp8_accum must be one of {FP8_ACCUM}, got {fp8_accum!r}")
     fast_acc = fp8_accum != "exact"

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_int, check_out, check_pdl, check_tensor
+from evenflow._checks import check_bool, check_int, check_out, check_pdl, check_tensor
 from evenflow.router.dispatch import (
     INVARIANT_PATHS,
     GemmConfig,
@@ -310,6 +310,7 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight (split once at load time), got {type(w).__name__}")
     n, k = w.shape
+    check_bool("batch_invariant", batch_invariant)
     x = _check_x(x, k, w.device, round_x_to_bf16)
     m = x.shape[0]
     if out is None:
@@ -324,6 +325,8 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if config is None:
         config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
     else:
+        if not isinstance(config, GemmConfig):
+            raise TypeError(f"config must be an evenflow.GemmConfig or None, got {type(config).__name__}")
         if batch_invariant and config.path not in INVARIANT_PATHS:
             raise ValueError(f"config.path must be one of {INVARIANT_PATHS} in batch-invariant mode, "
                              f"got {config.path!r}")

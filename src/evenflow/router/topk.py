@@ -23,7 +23,7 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_choice, check_int, check_out, check_pdl, check_tensor
+from evenflow._checks import check_bool, check_choice, check_int, check_out, check_pdl, check_scaling, check_tensor
 from evenflow.router.gemm import RouterWeight, router_gemm
 from evenflow.router.kernels import route_topk_kernel
 
@@ -68,8 +68,7 @@ def _check_route_args(e: int, top_k, scoring, bias, routed_scaling, device) -> N
         if scoring != "sigmoid":
             raise ValueError("bias is only used with scoring='sigmoid' (selection-only expert bias)")
         check_tensor("bias", bias, dtypes=[torch.float32], shape=[e], device=device, contiguous=True)
-    if isinstance(routed_scaling, bool) or not isinstance(routed_scaling, (int, float)):
-        raise TypeError(f"routed_scaling must be a float, got {type(routed_scaling).__name__}")
+    check_scaling("routed_scaling", routed_scaling)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
@@ -80,6 +79,7 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", b
     ``pdl``: programmatic dependent launch, as in :func:`router_gemm` (None: on where supported)."""
     check_tensor("logits", logits, dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
     check_pdl(pdl, logits.device)
+    check_bool("renormalize", renormalize)
     t, e = logits.shape
     if e < 1:
         raise ValueError("logits must have at least one expert column")
