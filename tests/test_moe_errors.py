@@ -50,6 +50,26 @@ def test_weight_checks(device):
     ew = evenflow.MoEWeights.bf16(zeros(2, 64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf))
     with pytest.raises(TypeError, match="counters"):
         ew.sharing_weights(counters=None)
+    with pytest.raises(TypeError, match="w13 must be a torch.Tensor, got list"):
+        evenflow.MoEWeights.bf16([0.0], zeros(2, 32, 32, dtype=bf))
+    with pytest.raises(ValueError, match="w13 must be 3-D"):
+        evenflow.MoEWeights.bf16(zeros(64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf))
+    with pytest.raises(ValueError, match="odd second dim 33"):
+        evenflow.MoEWeights.bf16(zeros(2, 33, 32, dtype=bf), zeros(2, 32, 16, dtype=bf))
+
+
+def test_helper_checks(device):
+    """The exported helpers name what they refuse: the MoE index's tile rows, rank and experts, the activation
+    quantisation's group width."""
+    ids = torch.zeros(3, 2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="block_m must be a power of two, got 24"):
+        evenflow.build_moe_index(ids, 4, block_m=24)
+    with pytest.raises(ValueError, match="ep_rank must be >= 0, got -1"):
+        evenflow.build_moe_index(ids, 4, ep_rank=-1)
+    with pytest.raises(ValueError, match="num_local_experts must be >= 1, got 0"):
+        evenflow.build_moe_index(ids, 0)
+    with pytest.raises(ValueError, match=r"last dimension \(100\) must be a multiple of 128"):
+        evenflow.quant_fp8_per_token_group(torch.zeros(2, 100, dtype=torch.bfloat16, device=device))
 
 
 def test_tampered_counters(device, layer):

@@ -137,6 +137,19 @@ def test_split_range_and_bad_arguments():
         par.head_ranges(8, 1, 0, 2)  # Hy3 has 8 kv heads: TP16 would have to replicate them
     with pytest.raises(ValueError, match="multiple"):
         par.head_ranges(6, 4, 0, 2)
+    with pytest.raises(TypeError, match="num_q_heads must be an int, got float"):
+        par.head_ranges(8.0, 4, 0, 2)
+    with pytest.raises(ValueError, match="num_kv_heads must be >= 1, got 0"):
+        par.head_ranges(8, 0, 0, 2)
+    q, kv = torch.zeros(2, 8, 16), torch.zeros(3, 4, 2, 16)
+    with pytest.raises(TypeError, match="k_cache must be a torch.Tensor"):
+        par.shard_attention_heads(q, None, kv, 0, 2)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        par.shard_attention_heads(q[0], kv, kv, 0, 2)
+    with pytest.raises(ValueError, match="k_cache and v_cache must be 4-D .* of one shape"):
+        par.shard_attention_heads(q, kv, kv[:2], 0, 2)
+    with pytest.raises(ValueError, match="q head_dim 8 != k_cache head_dim 16"):
+        par.shard_attention_heads(q[..., :8], kv, kv, 0, 2)
 
 
 def test_ep_shards_are_expert_slices():
@@ -284,6 +297,10 @@ def test_collectives_need_a_process_group(monkeypatch):
         par.all_gather_heads(torch.zeros(1, 2, 3))
     with pytest.raises(TypeError, match="t must"):
         par.all_reduce([1.0])
+    with pytest.raises(TypeError, match="o must be a torch.Tensor, got list"):
+        par.all_gather_heads([1.0])
+    with pytest.raises(ValueError, match=r"o must be a 3-D tensor \[T, H_local, D\], got shape \(1, 2\)"):
+        par.all_gather_heads(torch.zeros(1, 2))
     for k in par.NO_MULTICAST_ENV:
         monkeypatch.setenv(k, "1" if k == "NCCL_NVLS_ENABLE" else "0")
     par.disable_multicast()

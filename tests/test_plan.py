@@ -411,7 +411,25 @@ def test_plan_bad_arguments(device):
             evenflow.DecodePlan(4, 100, 2, device=device, align_growth=bad)
     with pytest.raises(TypeError, match="prefetch"):
         evenflow.DecodePlan(4, 100, 2, device=device, prefetch=1)
+    for kw, err, pattern in (
+            (dict(max_seq_len=100.0), TypeError, "max_seq_len must be an int, got float"),
+            (dict(max_seq_len=0), ValueError, "max_seq_len must be >= 1"),
+            (dict(num_kv_heads=2.0), TypeError, "num_kv_heads must be an int, got float"),
+            (dict(num_kv_heads=257), ValueError, "num_kv_heads must be <= 256"),
+            (dict(min_tiles=0), ValueError, "min_tiles must be >= 1, got 0"),
+            (dict(item_cost="1"), TypeError, "item_cost must be an int, got str"),
+            (dict(max_registers=300), ValueError, "max_registers must be <= 255, got 300"),
+            (dict(align_items=1), TypeError, "align_items must be a bool, got 1"),
+            (dict(kv_dtype=torch.float16), ValueError, "kv_dtype must be one of"),
+            (dict(gluon=1), TypeError, "gluon must be a bool or None")):
+        with pytest.raises(err, match=pattern):
+            evenflow.DecodePlan(**{**dict(max_batch=4, max_seq_len=100, num_kv_heads=2, device=device), **kw})
+    elsewhere = "cuda" if torch.device(device).type == "cpu" else "cpu"
+    with pytest.raises(ValueError, match="device: kernels run on"):
+        evenflow.DecodePlan(4, 100, 2, device=elsewhere)
     plan = evenflow.DecodePlan(4, 100, 2, device=device)
+    with pytest.raises(ValueError, match="seq_lens is on meta"):
+        plan.update(torch.ones(2, dtype=torch.int32, device="meta"))
     with pytest.raises(TypeError, match="seq_lens"):
         plan.update(torch.tensor([1, 2], dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="batch"):

@@ -355,6 +355,8 @@ def test_bad_inputs_raise_clear_errors(device):
         evenflow.router_gemm(x, rw, out=torch.empty(3, 16, device=device, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="w must have dtype"):
         evenflow.RouterWeight(w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"w must have N >= 1 and K >= 1, got shape \(0, 32\)"):
+        evenflow.RouterWeight(torch.zeros(0, 32, device=device))
     with pytest.raises(ValueError, match="finite"):
         evenflow.RouterWeight(torch.full((4, 4), float("nan"), device=device))
     with pytest.raises(ValueError, match="contiguous"):

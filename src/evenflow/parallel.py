@@ -36,6 +36,7 @@ import os
 
 import torch
 
+from evenflow._checks import check_int
 from evenflow.moe.quant import MoEWeights, moe_weight_dims
 
 __all__ = [
@@ -173,8 +174,7 @@ def head_ranges(num_q_heads: int, num_kv_heads: int, tp_rank: int,
                 tp_size: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """``((q_lo, q_hi), (kv_lo, kv_hi))`` of rank ``tp_rank``: whole GQA groups per rank."""
     for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
+        check_int(name, v, 1)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     kv = split_range(num_kv_heads, tp_rank, tp_size, "num_kv_heads")
@@ -233,9 +233,10 @@ def all_reduce(t: torch.Tensor, group=None, *, accumulate_fp32: bool = False) ->
 
 def all_gather_heads(o: torch.Tensor, group=None) -> torch.Tensor:
     """Concatenate every rank's ``o [T, H_local, D]`` along heads, in rank order -> ``[T, n*H_local, D]``."""
-    if not isinstance(o, torch.Tensor) or o.dim() != 3:
-        raise ValueError(f"o must be a 3-D tensor [T, H_local, D], got "
-                         f"{tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__}")
+    if not isinstance(o, torch.Tensor):
+        raise TypeError(f"o must be a torch.Tensor, got {type(o).__name__}")
+    if o.dim() != 3:
+        raise ValueError(f"o must be a 3-D tensor [T, H_local, D], got shape {tuple(o.shape)}")
     dist = _dist()
     n = dist.get_world_size(group)
     parts = [torch.empty_like(o) for _ in range(n)]
