@@ -278,8 +278,8 @@ def test_fastacc_row_is_opt_in_and_fp8_only(device, variant, row, accum, monkeyp
     real = evenflow.fused_moe
     monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     fn = bm.build_impl(row, w, case, None)(x, ids, tw)
-    chk = H.check_output(fn(), bm.reference_moe(x, ids, tw, w, case), f"{row} {variant}", rtol=5e-2)
-    assert 0 <= chk["max_abs_err"] < float("inf") and chk["cosine"] > 0.999  # check_output raised past the rule
+    # check_output raises where the row's output is not finite, past rtol, or under its cosine floor (0.999)
+    H.check_output(fn(), bm.reference_moe(x, ids, tw, w, case), f"{row} {variant}", rtol=5e-2)
     assert [kw.get("fp8_accum") for kw in seen] == [accum], f"the row must call fused_moe(fp8_accum={accum!r})"
 
 

@@ -586,8 +586,9 @@ def test_every_argument_check_names_its_argument(device):
             2, 4, device=device))),
         (ValueError, r"q_scale must have shape \(2, 4\)", lambda: da(q.to(FP8), k, v, pt, sl, q_scale=torch.ones(
             2, 3, device=device))),
-        (TypeError, "sm_scale must be a finite float", lambda: da(q, k, v, pt, sl, sm_scale="0.1")),
-        (TypeError, "sm_scale must be a finite float", lambda: da(q, k, v, pt, sl, sm_scale=float("inf"))),
+        (TypeError, "sm_scale must be a float, got str", lambda: da(q, k, v, pt, sl, sm_scale="0.1")),
+        (ValueError, "sm_scale must be finite, got inf", lambda: da(q, k, v, pt, sl, sm_scale=float("inf"))),
+        (ValueError, "sm_scale must be finite", lambda: da(q, k, v, pt, sl, sm_scale=10**400)),
         (TypeError, "out must have dtype in", lambda: da(q, k, v, pt, sl, out=torch.empty(
             2, 4, 64, device=device))),
         (TypeError, "return_lse must be a bool, got int", lambda: da(q, k, v, pt, sl, return_lse=1)),

@@ -82,9 +82,13 @@ def check_scaling(name: str, v) -> float:
     """``v`` a finite real number (a bool is refused); returns it as a float."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(v).__name__}")
-    if not math.isfinite(v):
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
         raise ValueError(f"{name} must be finite, got {v!r}")
-    return float(v)
+    return f
 
 
 def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:

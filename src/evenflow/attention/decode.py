@@ -39,7 +39,7 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_out, check_tensor
+from evenflow._checks import check_bool, check_out, check_scaling, check_tensor
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import (
     DEFAULT_PROGRAMS_PER_SM,
@@ -392,23 +392,19 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     dev = q.device
     ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
     vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(sm_scale):
-        raise TypeError(f"sm_scale must be a finite float, got {sm_scale!r}")
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else check_scaling("sm_scale", sm_scale)
+    check_bool("return_lse", return_lse)
+    if lse is not None and not return_lse:
+        raise ValueError("lse is given but return_lse is False: pass return_lse=True to have it filled")
     if out is None:
         out = torch.empty(B * q_len, Hq, D, dtype=torch.bfloat16, device=dev)
     else:
         check_out("out", out, [B * q_len, Hq, D], torch.bfloat16, dev)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     if return_lse:
         if lse is None:
             lse = torch.empty(B * q_len, Hq, dtype=torch.float32, device=dev)
         else:
             check_out("lse", lse, [B * q_len, Hq], torch.float32, dev)
-    elif lse is not None:
-        raise ValueError("lse is given but return_lse is False: pass return_lse=True to have it filled")
     P = k_cache.shape[1]
     rows = (Hq // Hkv) * q_len
     max_pages_len = page_table.shape[1] * P

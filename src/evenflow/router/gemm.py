@@ -320,13 +320,13 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     w.check_fresh()
     check_pdl(pdl, w.device)
     check_pdl(prefetch_weights, w.device, name="prefetch_weights")
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"config must be an evenflow.GemmConfig or None, got {type(config).__name__}")
     if m == 0:
         return out
     if config is None:
         config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
     else:
-        if not isinstance(config, GemmConfig):
-            raise TypeError(f"config must be an evenflow.GemmConfig or None, got {type(config).__name__}")
         if batch_invariant and config.path not in INVARIANT_PATHS:
             raise ValueError(f"config.path must be one of {INVARIANT_PATHS} in batch-invariant mode, "
                              f"got {config.path!r}")

@@ -109,6 +109,7 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     n, _ = w.shape
     _check_route_args(n, top_k, scoring, bias, routed_scaling, w.device)
+    check_bool("renormalize", renormalize)  # before the router GEMM launches (select_experts checks it too)
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
     logits = router_gemm(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
                          round_x_to_bf16=round_x_to_bf16, pdl=pdl)
