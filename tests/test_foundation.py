@@ -1,6 +1,7 @@
 """The shared foundation: argument checks, the tolerance rule, the harness's result files, the CLI."""
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -148,13 +149,21 @@ def test_timing_on_gpu():
     assert set(both) == {"big", "small"} and 20 < both["big"] < 600 and both["small"] < 0.6 * both["big"]
     ceil = H.measure_ceilings(verbose=False)
     assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
-    # the copy ceiling is warmed and the best of several readings: a second call in the same process agrees within
-    # 2% (round AN1's cold reading was 6% under the machine's warmed copy, AN2; one reading after 300 ms of copies
-    # still moved 2.8% between two calls, AN4)
-    again = H.measure_ceilings(verbose=False)["copy_TBps"]
-    assert abs(again - ceil["copy_TBps"]) < 0.02 * ceil["copy_TBps"], (ceil["copy_TBps"], again)
     # an empty kernel chained with PDL (the router benchmark's launch_pdl_us): a launch's cost, not more
     assert 0.0 < H.empty_launch_us(pdl=True) < 20
+
+
+@pytest.mark.gpu
+def test_copy_ceiling_is_reproducible_on_an_idle_gpu():
+    """The copy ceiling is warmed and the best of several readings: a second call in the same process agrees within
+    2% (round AN1's cold reading was 6% under the machine's warmed copy, AN2; one reading after 300 ms of copies
+    still moved 2.8% between two calls, AN4). A property of a GPU nothing else runs on, as the benchmarks have it:
+    under pytest-xdist other workers' kernels share the GPU, so there it does not apply."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("other test workers share the GPU: run this test in a session of its own (no -n)")
+    first = H.measure_ceilings(verbose=False)["copy_TBps"]
+    again = H.measure_ceilings(verbose=False)["copy_TBps"]
+    assert abs(again - first) < 0.02 * first, (first, again)
 
 
 def test_empty_pdl_probe_compiles_for_sm90():
