@@ -124,7 +124,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
     """(label, MoEConfig) to time at batch t, most promising first; all pass check_config
     (with ``fast_acc``: that mode's rules, K-steps >= 32). ``incumbent``: the table's entry for the point (a
     MoEConfig) or None; its down GEMM over several n-blocks a program is offered too."""
-    from evenflow.moe.fused import FEW_DOWN_K_STEPS, PAIR_TILE_MAX_PAIRS, check_config, choose_config, down_k_steps
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS, check_config, choose_config
 
     d = choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, mode,
                       num_experts_total=case.num_experts_total, fast_acc=fast_acc)
@@ -172,7 +172,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             # fp8-tensor, 8 slower in both): a per-point choice, each known config at the other groups (an entry tuned
             # to 4 is timed at 1 and 2 again), after the other candidates (one point's gain so far: a --max-candidates
             # limit drops them first)
-            out += _n_grouped(known, (1, 2, 4), case.inter, down_k_steps, FEW_DOWN_K_STEPS)
+            out += _n_grouped(known, (1, 2, 4), case.inter)
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (
                 ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
@@ -215,7 +215,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         # fewer rows, AJ1 / AJ2), on the table's entry and on the default's tiles, next to the default: one knob on
         # the two configs already known best here, so a --max-candidates limit keeps them (the default has its own
         # group since AJ7)
-        out[1:1] = _n_grouped(known, (1, 2, 4, 8), case.inter, down_k_steps, FEW_DOWN_K_STEPS)
+        out[1:1] = _n_grouped(known, (1, 2, 4, 8), case.inter)
     seen, valid = set(), []
     for label, c in out:
         try:
@@ -228,11 +228,13 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
     return valid
 
 
-def _n_grouped(known, groups, inter: int, down_k_steps, few: int) -> list[tuple[str, object]]:
-    """Each known config's down GEMM over each other of ``groups`` n-blocks a program, where it has at most ``few``
-    K steps (``{label}-dg{g}``; groups that do not tile H are dropped later by check_config)."""
+def _n_grouped(known, groups, inter: int) -> list[tuple[str, object]]:
+    """Each known config's down GEMM over each other of ``groups`` n-blocks a program, where it has at most
+    FEW_DOWN_K_STEPS K steps (``{label}-dg{g}``; groups that do not tile H are dropped later by check_config)."""
+    from evenflow.moe.fused import FEW_DOWN_K_STEPS, down_k_steps
+
     return [(f"{label}-dg{g}", dataclasses.replace(b, down_n_group=g)) for label, b in known
-            if down_k_steps(b, inter) <= few for g in groups if g != b.down_n_group]
+            if down_k_steps(b, inter) <= FEW_DOWN_K_STEPS for g in groups if g != b.down_n_group]
 
 
 def point_key(case, fm) -> str:

@@ -591,7 +591,7 @@ def test_every_argument_check_names_its_argument(device):
         (ValueError, "sm_scale must be finite", lambda: da(q, k, v, pt, sl, sm_scale=10**400)),
         (TypeError, "out must have dtype in", lambda: da(q, k, v, pt, sl, out=torch.empty(
             2, 4, 64, device=device))),
-        (TypeError, "return_lse must be a bool, got int", lambda: da(q, k, v, pt, sl, return_lse=1)),
+        (TypeError, "return_lse must be a bool, got 1", lambda: da(q, k, v, pt, sl, return_lse=1)),
         (ValueError, r"lse must have shape \(2, 4\)", lambda: da(q, k, v, pt, sl, return_lse=True, lse=torch.empty(
             2, 3, device=device))),
         (ValueError, "lse is given but return_lse is False", lambda: da(q, k, v, pt, sl, lse=torch.empty(

@@ -71,10 +71,10 @@ def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: 
     return out
 
 
-def check_bool(name: str, v) -> bool:
-    """``v`` a bool (not a truthy int, string or tensor); returns it."""
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+def check_bool(name: str, v, allow_none: bool = False):
+    """``v`` a bool (not a truthy int, string or tensor), or None where ``allow_none``; returns it."""
+    if not (isinstance(v, bool) or (allow_none and v is None)):
+        raise TypeError(f"{name} must be a bool{' or None' if allow_none else ''}, got {v!r}")
     return v
 
 
@@ -121,8 +121,7 @@ def check_pdl(pdl, device, allow_none: bool = True, name: str = "pdl") -> None:
     (compiled kernels on an sm_90+ GPU)."""
     from evenflow._runtime import pdl_supported
 
-    if not (isinstance(pdl, bool) or (allow_none and pdl is None)):
-        raise TypeError(f"{name} must be a bool{' or None' if allow_none else ''}, got {pdl!r}")
+    check_bool(name, pdl, allow_none)
     if pdl and not pdl_supported(device):
         raise ValueError(f"{name}=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
                          f"not {device}" + ("; pass None (automatic) or False" if allow_none else "; pass False"))

@@ -14,7 +14,7 @@ import math
 import torch
 
 from evenflow import _runtime
-from evenflow._checks import check_int, check_pdl, check_sixteenths, check_tensor
+from evenflow._checks import check_bool, check_int, check_pdl, check_sixteenths, check_tensor
 from evenflow.attention import kernels as K
 
 TILE = 64
@@ -303,8 +303,7 @@ class DecodePlan:
             raise ValueError("device: kernels run on the CPU here (Triton interpreter); pass device='cpu'")
         if dev.type == "cpu" and not _runtime.interpreting():
             raise ValueError("device: kernels run on CUDA here; pass a CUDA device")
-        if gluon is not None and not isinstance(gluon, bool):
-            raise TypeError(f"gluon must be a bool or None, got {gluon!r}")
+        check_bool("gluon", gluon, allow_none=True)
         if num_stages is not None:
             check_int("num_stages", num_stages, 1, 6)
         if gluon_warps is None:
@@ -366,33 +365,25 @@ class DecodePlan:
         # kernel launch config of the attention kernel (None: the launcher's choice)
         self.num_warps, self.num_stages, self.block_n = num_warps, num_stages, block_n
         self.max_registers = max_registers
-        if not isinstance(align_items, bool):
-            raise TypeError(f"align_items must be a bool, got {align_items!r}")
-        self.align_items = align_items
+        self.align_items = check_bool("align_items", align_items)
         if align_longer is None:
             align_longer = align_items
-        if not isinstance(align_longer, bool):
-            raise TypeError(f"align_longer must be a bool or None, got {align_longer!r}")
+        check_bool("align_longer", align_longer)
         if align_longer and not align_items:
             raise ValueError("align_longer=True extends align_items; it needs align_items=True")
         self.align_longer = align_longer
         check_sixteenths("align_growth", align_growth, 1.0, 2.0)
         self.align_growth = float(align_growth)
-        if not isinstance(prefetch, bool):
-            raise TypeError(f"prefetch must be a bool, got {prefetch!r}")
-        self.prefetch = prefetch
+        self.prefetch = check_bool("prefetch", prefetch)
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {list(COMBINE_MODES)}, got {combine!r}")
         self.combine = combine
-        if warp_split is not None and not isinstance(warp_split, bool):
-            raise TypeError(f"warp_split must be a bool or None, got {warp_split!r}")
-        self.warp_split = warp_split
+        self.warp_split = check_bool("warp_split", warp_split, allow_none=True)
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
         for name, flag in (("early_reads", early_reads), ("resident_cap", resident_cap), ("spread_bins", spread_bins),
                            ("launch_next", launch_next)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {flag!r}")
+            check_bool(name, flag)
         self.early_reads, self.resident_cap, self.spread_bins = early_reads, resident_cap, spread_bins
         self.launch_next = launch_next
         self.per_sm = programs_per_sm(num_programs, dev)
@@ -466,8 +457,7 @@ class DecodePlan:
         they were captured with, so the plan keeps the one buffer (zeroed when turned on again)
         for as long as it lives: a graph captured with the timeline on never writes freed
         memory."""
-        if not isinstance(on, bool):
-            raise TypeError(f"on must be a bool, got {on!r}")
+        check_bool("on", on)
         if on:
             if self._stamp_buffer is None:
                 self._stamp_buffer = torch.zeros(self.num_programs, K.STAMP_SLOTS, dtype=torch.int64,

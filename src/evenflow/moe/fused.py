@@ -678,14 +678,11 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     if config is not None:
         check_config(config, h, ew.intermediate_size, ew.mode, fast_acc=fast_acc)
     check_pdl(pdl, dev)
-    if pair_tiles is not None and not isinstance(pair_tiles, bool):
-        raise TypeError(f"pair_tiles must be a bool or None, got {pair_tiles!r}")
-    if defer_split is not None and not isinstance(defer_split, bool):
-        raise TypeError(f"defer_split must be a bool or None, got {defer_split!r}")
+    check_bool("pair_tiles", pair_tiles, allow_none=True)
+    check_bool("defer_split", defer_split, allow_none=True)
     if persistent is not None:
         check_int("persistent", persistent, 0, MAX_PERSISTENT)
-    if local_first is not None and not isinstance(local_first, bool):
-        raise TypeError(f"local_first must be a bool or None, got {local_first!r}")
+    check_bool("local_first", local_first, allow_none=True)
     pdl_arg = -1 if pdl is None else int(pdl)
     defer_arg = -1 if defer_split is None else int(defer_split)
     pt_arg = -1 if pair_tiles is None else int(pair_tiles)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from evenflow._checks import check_pdl, check_same_device, check_tensor
+from evenflow._checks import check_bool, check_pdl, check_same_device, check_tensor
 from evenflow._runtime import fp8_cast_needs_rounding, pdl_kwargs
 from evenflow.moe.kernels import moe_group_quant_kernel
 from evenflow.moe.routing import MAX_EXPERTS
@@ -86,8 +86,7 @@ class MoEWeights:
         self.w13, self.w2 = w13, w2
         self.w13_scale, self.w2_scale = w13_scale, w2_scale
         self.a13_scale, self.a2_scale = a13_scale, a2_scale
-        if not isinstance(counters, bool):
-            raise TypeError(f"counters must be a bool, got {counters!r}")
+        check_bool("counters", counters)
         self.counters = None
         if counters:
             # a normal tensor even if the holder is built under torch.inference_mode (a compiled call outside

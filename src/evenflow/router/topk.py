@@ -59,7 +59,7 @@ def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling
     return None
 
 
-def _check_route_args(e: int, top_k, scoring, bias, routed_scaling, device) -> None:
+def _check_route_args(e: int, top_k, scoring, bias, renormalize, routed_scaling, device) -> None:
     check_choice("scoring", scoring, ("softmax", "sigmoid"))
     if e > MAX_EXPERTS:
         raise ValueError(f"number of experts must be <= {MAX_EXPERTS}, got {e}")
@@ -68,6 +68,7 @@ def _check_route_args(e: int, top_k, scoring, bias, routed_scaling, device) -> N
         if scoring != "sigmoid":
             raise ValueError("bias is only used with scoring='sigmoid' (selection-only expert bias)")
         check_tensor("bias", bias, dtypes=[torch.float32], shape=[e], device=device, contiguous=True)
+    check_bool("renormalize", renormalize)
     check_scaling("routed_scaling", routed_scaling)
 
 
@@ -79,11 +80,10 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", b
     ``pdl``: programmatic dependent launch, as in :func:`router_gemm` (None: on where supported)."""
     check_tensor("logits", logits, dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
     check_pdl(pdl, logits.device)
-    check_bool("renormalize", renormalize)
     t, e = logits.shape
     if e < 1:
         raise ValueError("logits must have at least one expert column")
-    _check_route_args(e, top_k, scoring, bias, routed_scaling, logits.device)
+    _check_route_args(e, top_k, scoring, bias, renormalize, routed_scaling, logits.device)
     if out is None:
         ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
         weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
@@ -108,8 +108,7 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     n, _ = w.shape
-    _check_route_args(n, top_k, scoring, bias, routed_scaling, w.device)
-    check_bool("renormalize", renormalize)  # before the router GEMM launches (select_experts checks it too)
+    _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device)  # before the GEMM launches
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
     logits = router_gemm(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
                          round_x_to_bf16=round_x_to_bf16, pdl=pdl)
