@@ -5,8 +5,8 @@ What it guarantees:
 * Ceilings measured in the same run: device copy bandwidth (read + write bytes of a
   large device-to-device copy), dense bf16 and fp8 matmul rates, and the cost of an
   empty kernel inside a CUDA graph. Floors are computed from these, never from
-  datasheets. The copy is timed after COPY_WARM_MS of copies, as the best of COPY_READINGS medians (round AN: a
-  cold single median read up to 6% under the machine's warmed copy).
+  datasheets. The copy is timed after COPY_WARM_MS of copies, as the best of COPY_READINGS medians (round AN: one
+  cold median scattered by ~2% on a fresh machine, and one run's read 3.94 TB/s, 6% under later calls' 4.21).
 * Timings are medians. ``time_graph`` captures one call per rotated input copy in a
   single CUDA graph and divides the replay time by the number of calls: that is how
   serving engines run decode-step operators, and rotation keeps a case that fits in
@@ -274,9 +274,9 @@ def measure_ceilings(verbose: bool = True) -> dict:
     dst = torch.empty_like(src)
     copy = lambda: dst.copy_(src)  # noqa: E731
     # Copy for COPY_WARM_MS of GPU time, then keep the best of COPY_READINGS medians: at the top of a process the copy
-    # read as low as 3.94 TB/s (round AN1) where the same machine's copy after ~2 s of copies read 4.21 (AN2), and
-    # one median after 300 ms of copies still scattered by 2.8% between two calls (AN4); the floor is only as good
-    # as this figure.
+    # read as low as 3.94 TB/s (round AN1), where another call's copy read 4.13-4.20 cold and 4.21 after ~2 s of
+    # copies (AN2), and one median after 300 ms of copies still scattered by 2.8% between two calls (AN4); the floor
+    # is only as good as this figure.
     for _ in range(max(1, math.ceil(COPY_WARM_MS / _median_ms(copy, reps=3)))):
         copy()
     copy_ms = min(_median_ms(copy, reps=COPY_REPS) for _ in range(COPY_READINGS))
