@@ -5,6 +5,7 @@ inputs, unnormalised probabilities rounded to bf16 before the product with V (th
 feeds P to a bf16 tensor-core dot), output rounded to bf16.
 """
 import math
+import warnings
 
 import pytest
 import torch
@@ -695,6 +696,7 @@ def test_plan_for_an_fp8_cache(name, device):
 
 def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(device):
     from evenflow.attention.decode import gluon_fp8_supported
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM
 
     for d, page, qdt in ((64, 64, torch.bfloat16), (128, 16, torch.bfloat16), (128, 64, FP8)):
         lens = [300, 5, 0]
@@ -702,13 +704,27 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
         plan = evenflow.DecodePlan(3, 1 << 12, 2, page_size=page, device=device, num_programs=4, min_tiles=1,
                                    kv_dtype=FP8).update(sl)
         assert not gluon_fp8_supported(q, k, plan, 4)
-        check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=0.05, v_scale=0.025, what=f"d{d} p{page} {qdt}")
+        assert plan.takes_gluon == (page != 16)  # a page of 16 tokens: a plan for the Triton kernel
+        # on a GPU a plan built for the Gluon kernel says once that this call runs the Triton one (the interpreter
+        # runs no Gluon: nothing to say)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=0.05, v_scale=0.025, what=f"d{d} p{page} {qdt}")
+        said = [str(w.message) for w in said if "built for the Gluon fp8 kernel" in str(w.message)]
+        assert len(said) == (device == "cuda" and plan.takes_gluon), said
     # a Triton launch option or a one-slot ring keeps the Triton kernel too
     q, qs, k, v, pt, sl = make_inputs([300, 5, 0], 2, 4, 128, 64, 1, FP8, device=device)
-    for kw in (dict(num_warps=4), dict(warp_split=False), dict(num_stages=1), dict(block_n=64)):
+    sms = _runtime.num_sms(torch.device(device))
+    for kw in (dict(num_warps=4), dict(warp_split=False), dict(num_stages=1), dict(block_n=64),
+               dict(max_registers=168)):
         plan = evenflow.DecodePlan(3, 1 << 12, 2, device=device, num_programs=4, min_tiles=1, kv_dtype=FP8,
                                    **kw).update(sl)
         assert not gluon_fp8_supported(q, k, plan, 4), kw
+        # such a plan is built for the Triton kernel (its default program count), and gluon=True is refused by name
+        assert not plan.takes_gluon and evenflow.DecodePlan(3, 1 << 12, 2, device=device, kv_dtype=FP8,
+                                                            **kw).num_programs == DEFAULT_PROGRAMS_PER_SM * sms, kw
+        with pytest.raises(ValueError, match=f"gluon=True.*{next(iter(kw))}"):
+            evenflow.DecodePlan(3, 1 << 12, 2, device=device, kv_dtype=FP8, gluon=True, **kw)
     plan = evenflow.DecodePlan(3, 1 << 12, 2, device=device, num_programs=4, min_tiles=1).update(sl)
     assert not gluon_fp8_supported(q, k, plan, 4)  # no kv_dtype given: the Triton kernel, as before
 
@@ -757,6 +773,15 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     for bad in (1, "yes"):
         with pytest.raises(TypeError, match="gluon"):
             evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, gluon=bad)
+    # the Gluon kernel reads pages of 64 or 128 tokens: an fp8 plan at 16 or 32 is built for the Triton kernel that
+    # runs its calls (round AO), and gluon=True there is refused by name
+    for page, want in ((16, False), (32, False), (64, True), (128, True)):
+        plan = evenflow.DecodePlan(2, 256, 8, page_size=page, device=device, kv_dtype=FP8)
+        pps = GLUON_FP8_PROGRAMS_PER_SM if want else DEFAULT_PROGRAMS_PER_SM
+        assert (plan.takes_gluon, plan.num_programs, plan.deep_ring_tiles > 0) == (want, pps * sms, want), page
+    for page in (16, 32):
+        with pytest.raises(ValueError, match=f"gluon=True.*page_size={page}"):
+            evenflow.DecodePlan(2, 256, 8, page_size=page, device=device, kv_dtype=FP8, gluon=True)
 
 
 def test_plan_kv_dtype_is_checked(device):

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not _runtime.interpreting(), reason="records lau
 
 
 def _call(lens, hq=64, hkv=8, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=torch.bfloat16, hnd=False,
-          static=False, timeline=False, **plan_kw):
+          static=False, timeline=False, calls=1, **plan_kw):
     B = len(lens)
     mp = max(1, max(-(-n // page) for n in lens))
     shape = (B * mp, hkv, page, d) if hnd else (B * mp, page, hkv, d)
@@ -37,7 +37,8 @@ def _call(lens, hq=64, hkv=8, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=to
         plan = evenflow.DecodePlan(B, mp * page, hkv, page_size=page, q_len=q_len, device="cpu", **plan_kw)
         plan.update(sl)
         plan.record_timeline(timeline)
-    evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, return_lse=True, **sc)
+    for _ in range(calls):
+        evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, return_lse=True, **sc)
 
 
 BIG = [128 * K] + [4 * K] * 31
@@ -341,3 +342,41 @@ def test_triton_kernel_pdl_lets_the_next_launch_go_only_where_it_holds_an_sm_to_
             threads = 32 * s["num_warps"]
             fits = min(65536 // (s["regs"] * threads), 233472 // (s["shared"] + 1024))
             assert fits == PPS, (desc, s["regs"], s["shared"])
+
+
+# calls a plan built for the Gluon fp8 kernel cannot run it on (DecodePlan(kv_dtype=FP8) at 8 KV heads): fp8 q,
+# head_dim 64, GQA group x q_len 32
+TRITON_ON_GLUON_PLAN = {
+    "fp8-q": dict(qdt=FP8),
+    "d64": dict(d=64),
+    "g16-q2": dict(hq=128, q_len=2),
+}
+
+
+@pytest.mark.parametrize("name", list(TRITON_ON_GLUON_PLAN))
+def test_triton_kernel_on_a_plan_built_for_gluon_warns_once_and_builds_unspilled(name):
+    """Such a call runs the Triton kernel on bins sized for 4 programs an SM. Round AO's compile found it capped for
+    4 an SM (128 registers: 532 bytes of spill a thread with fp8 q); it now builds as on its own plan (capped for 2
+    an SM, no spill), and the first call on the plan says so once, naming the reason and ``gluon=False``; a plan
+    built with ``gluon=False`` runs the same call without a word."""
+    import warnings
+
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM as PPS
+
+    kw = dict(lens=[8 * K, 300, 0, 65], kv=FP8, kv_dtype=FP8, **TRITON_ON_GLUON_PLAN[name])
+    reason = {"fp8-q": "q is torch.float8_e4m3fn", "d64": "head_dim is 64", "g16-q2": "GQA group x q_len is 32"}[name]
+    with CC.emulate_gpu(), CC.record_launches() as rec:
+        with pytest.warns(RuntimeWarning, match=f"built for the Gluon fp8 kernel.*{reason}.*gluon=False") as got:
+            _call(**kw, calls=2)
+        assert len([w for w in got if w.category is RuntimeWarning]) == 1  # two calls, one plan
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            _call(**kw, gluon=False)
+    names = [la.name for la in rec]
+    assert "decode_fp8_kernel" not in names and names.count("decode_kernel") == 3, names
+    on_gluon, again, on_own = [la for la in rec if la.name == "decode_kernel"]
+    assert again.options == on_gluon.options  # (the second call reads early: other constexprs)
+    assert dict(on_gluon.options).get("maxnreg") == dict(on_own.options).get("maxnreg"), (on_gluon, on_own)
+    (st,) = CC.compile_stats([on_gluon])
+    assert "error" not in st and st["spill_bytes"] <= 32, st
+    assert st["regs"] * 32 * st["num_warps"] * PPS <= 65536, st

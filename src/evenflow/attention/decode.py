@@ -33,6 +33,7 @@ sync); the kernels clamp them so nothing is read out of bounds, and
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -43,6 +44,7 @@ from evenflow._checks import check_bool, check_out, check_scaling, check_tensor
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import (
     DEFAULT_PROGRAMS_PER_SM,
+    GLUON_FP8_PAGE_SIZES,
     GLUON_FP8_STAGES,
     TILE,
     DecodePlan,
@@ -161,29 +163,53 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
     return block_m, max(1, min(8, 8192 // (block_m * head_dim)))
 
 
-def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
-    """Whether a call runs the Gluon fp8 kernel (``attention/gluon_kernels.py``): a
+def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None,
+                      rows: int) -> tuple[str, bool] | None:
+    """Why a call does not run the Gluon fp8 kernel (``attention/gluon_kernels.py``), or None where it does: a
     plan built with ``kv_dtype=torch.float8_e4m3fn`` for it (``DecodePlan.takes_gluon``: at any KV-head count
-    at 2 warps a program, from 2 KV heads at 1, or as its ``gluon`` says) and none of the Triton kernel's launch
-    options (``num_stages``, if given, is its ring's slots and must be >= 2; a timeline,
-    ``DecodePlan.record_timeline``, runs its own STAMPS build),
-    bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, compiled code on a GPU
-    with e4m3 conversions (sm_89+)."""
-    if plan is None or not plan.takes_gluon or GK is None:
-        return False
+    at 2 warps a program, from 2 KV heads at 1, or as its ``gluon`` says; pages of 64 or 128 tokens; none of the
+    Triton kernel's launch options, where ``num_stages``, if given, is the ring's slots and must be >= 2; a
+    timeline, ``DecodePlan.record_timeline``, runs its own STAMPS build), bf16 q, an fp8 cache, head_dim 128,
+    GQA group x q_len <= 16, compiled code on a GPU with e4m3 conversions (sm_89+). The flag says whether the
+    reason is the call's (its q, cache or GQA group: a plan built for the Gluon kernel then runs the Triton one),
+    not the plan's or the machine's."""
+    if plan is None or not plan.takes_gluon:
+        return "no plan built for it", False
+    if GK is None:
+        return f"Triton {triton.__version__} has no Gluon (3.6 or later)", False
     # compiled code only (the interpreter cannot run Gluon; a compile check records what an H200 runs)
     cap = _runtime.compiled_capability(q.device)
     if cap is None or cap < (8, 9):
-        return False
-    if any(o is not None for o in (plan.num_warps, plan.block_n, plan.max_registers, plan.warp_split)):
-        return False
-    if plan.num_stages is not None and plan.num_stages < 2:  # the ring needs a slot in flight
-        return False
-    if k_cache.dtype != FP8 or q.dtype != torch.bfloat16:
-        return False
-    if k_cache.shape[3] != 128 or k_cache.shape[1] not in (64, 128):
-        return False
-    return rows <= 16
+        return "no compiled code with e4m3 conversions (sm_89 or later)", False
+    if k_cache.dtype != FP8:
+        return f"the cache is {k_cache.dtype}, not float8_e4m3fn", True
+    if q.dtype != torch.bfloat16:
+        return f"q is {q.dtype}, not bfloat16", True
+    if k_cache.shape[3] != 128:
+        return f"head_dim is {k_cache.shape[3]}, not 128", True
+    if k_cache.shape[1] not in GLUON_FP8_PAGE_SIZES:  # (decode_attention refuses a cache of another page size)
+        return f"the cache's pages hold {k_cache.shape[1]} tokens", True
+    if rows > 16:
+        return f"GQA group x q_len is {rows}, over 16", True
+    return None
+
+
+def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
+    """Whether a call runs the Gluon fp8 kernel (``gluon_fp8_refusal`` says why not)."""
+    return gluon_fp8_refusal(q, k_cache, plan, rows) is None
+
+
+def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str) -> None:
+    """Once a plan: its bins were sized for the Gluon kernel (GLUON_FP8_PROGRAMS_PER_SM programs an SM) and this call
+    runs the Triton kernel, which holds DEFAULT_PROGRAMS_PER_SM an SM: the output is right, the schedule is not the
+    one the plan was built for (its programs run in two rounds)."""
+    if plan.warned_kernel:
+        return
+    plan.warned_kernel = True
+    warnings.warn(f"decode_attention: this plan was built for the Gluon fp8 kernel ({plan.per_sm} programs an SM), "
+                  f"which does not run this call ({reason}); the Triton kernel runs the plan's bins at "
+                  f"{DEFAULT_PROGRAMS_PER_SM} programs an SM instead. Build the plan with gluon=False for such calls.",
+                  RuntimeWarning, stacklevel=3)
 
 
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
@@ -416,7 +442,10 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         # after update() waits first); under torch.compile the call order is not known here: never
         early = pdl and plan.early_reads and not plan.fresh and not torch.compiler.is_compiling()
         plan.fresh = False
-        gluon = gluon_fp8_supported(q, k_cache, plan, rows)
+        refusal = gluon_fp8_refusal(q, k_cache, plan, rows)
+        gluon = refusal is None
+        if refusal is not None and refusal[1] and not torch.compiler.is_compiling():
+            _warn_triton_on_a_gluon_plan(plan, refusal[0])
         # the next kernel let go at the top only where an SM holds no more than the plan's programs
         trigger = pdl and plan.launch_next and (gluon or triton_holds_plan(plan, rows, D))
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
@@ -460,7 +489,10 @@ def _plan_max_regs(plan: DecodePlan, rows: int, head_dim: int, device: torch.dev
         return plan.max_registers
     if _runtime.interpreting() and not _runtime.emulating_gpu():
         return 0  # the interpreter has no registers (an sm_90 compile check still sees the cap)
-    return _max_regs(_block_m(rows), head_dim, plan.block_n or TILE, plan.num_warps or 4, plan.num_programs, device)
+    # a plan built for the Gluon kernel (4 programs an SM) whose call runs the Triton kernel: capped for its own 2 an
+    # SM (at 4, 128 registers: 500-532 bytes of spill a thread in the sm_90 build, round AO)
+    programs = DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(device) if plan.takes_gluon else plan.num_programs
+    return _max_regs(_block_m(rows), head_dim, plan.block_n or TILE, plan.num_warps or 4, programs, device)
 
 
 def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None) -> None:

@@ -61,6 +61,10 @@ GLUON_FP8_PROGRAMS_PER_SM = 4
 # (AF3). Two warps: round AL2 (the same seven slices, two passes), the Gluon kernel took 0.77-0.99 of the
 # Triton kernel's time on all seven in both, so every fp8 plan takes it.
 GLUON_FP8_MIN_KV_HEADS = {1: 2, 2: 1}
+# Page sizes the Gluon fp8 kernel reads (a 64-token tile from one page); an fp8 plan at other page sizes is built
+# for the Triton kernel, which runs those calls (round AO: sized for Gluon, the Triton kernel ran its 4 programs an
+# SM under a 128-register cap, 500 bytes of spill a thread in the sm_90 build).
+GLUON_FP8_PAGE_SIZES = (64, 128)
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 # Ring slots (tiles in flight + 1) of the Gluon fp8 kernel by warps a program, 16 KB each, 4 programs an SM.
@@ -142,11 +146,11 @@ def resident_pad(programs: int, stages: int, device: torch.device) -> int:
 
 
 def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | None = None,
-                warps: int = GLUON_FP8_WARPS) -> bool:
-    """Whether a plan is built for the Gluon fp8 kernel at ``warps`` warps a program: an fp8 ``kv_dtype`` and,
-    unless ``gluon`` says, at least GLUON_FP8_MIN_KV_HEADS[warps] KV heads (``gluon=False``: never; ``True``: at
-    any count)."""
-    if kv_dtype != torch.float8_e4m3fn or gluon is False:
+                warps: int = GLUON_FP8_WARPS, page_size: int = 64) -> bool:
+    """Whether a plan is built for the Gluon fp8 kernel at ``warps`` warps a program: an fp8 ``kv_dtype``, a page
+    size the kernel reads (GLUON_FP8_PAGE_SIZES) and, unless ``gluon`` says, at least GLUON_FP8_MIN_KV_HEADS[warps]
+    KV heads (``gluon=False``: never; ``True``: at any count)."""
+    if kv_dtype != torch.float8_e4m3fn or gluon is False or page_size not in GLUON_FP8_PAGE_SIZES:
         return False
     return gluon is True or num_kv_heads >= GLUON_FP8_MIN_KV_HEADS[warps]
 
@@ -312,7 +316,18 @@ class DecodePlan:
             raise TypeError(f"gluon_warps must be an int or None, got {gluon_warps!r}")
         if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
-        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps)
+        if gluon is True and kv_dtype == torch.float8_e4m3fn and page_size not in GLUON_FP8_PAGE_SIZES:
+            raise ValueError(f"gluon=True asks for the Gluon fp8 kernel, which reads pages of "
+                             f"{' or '.join(map(str, GLUON_FP8_PAGE_SIZES))} tokens; got page_size={page_size}")
+        # the Triton kernel's launch options: a plan given any is built for that kernel (round AO; before, sized for
+        # the Gluon one at 4 programs an SM, the Triton kernel ran its bins under a register cap for 4)
+        triton_options = [f"{n}={v!r}" for n, v in (("num_warps", num_warps), ("block_n", block_n),
+                                                    ("max_registers", max_registers), ("warp_split", warp_split))
+                          if v is not None] + (["num_stages=1"] if num_stages == 1 else [])
+        if gluon is True and kv_dtype == torch.float8_e4m3fn and triton_options:
+            raise ValueError(f"gluon=True asks for the Gluon fp8 kernel; {', '.join(triton_options)} are the Triton "
+                             f"kernel's launch options")
+        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size) and not triton_options
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
@@ -390,6 +405,9 @@ class DecodePlan:
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
         self.fresh = True
+        # set by the first call that runs the Triton kernel on a plan built for the Gluon one (decode_attention
+        # warns once a plan)
+        self.warned_kernel = False
         # the Gluon fp8 kernel's layout under PDL, once per plan (device properties): unused ring slots and
         # the program -> bin stride (decode_attention passes them where its options keep them on)
         self.resident_pad = resident_pad(num_programs, ring, dev)
