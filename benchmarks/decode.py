@@ -56,7 +56,13 @@ MAX_ROTATIONS = 16
 CASES = ["64x512", "32x4K", "8x32K", "1x32K+63x512", "2x64K+30x1K", "1x128K+31x4K",
          "64x4K", "32x128+32x4K", "2x32K+30x4K", "1x64K+15x4K", "tp8:1x128K+31x4K"]
 QUICK_CASES = ["8x32K", "1x32K+63x512", "1x128K+31x4K", "tp8:1x128K+31x4K"]
-VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
+VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn, "fp8-kv-fp8-q": torch.float8_e4m3fn}
+# q's dtype by variant (bf16 elsewhere): fp8-kv-fp8-q is the fp8 KV cache with an fp8 e4m3 q and its per-token-per-head
+# dequant scale (DESIGN.md's q_scale, HPC-Ops' decode API); not a BENCH.md variant, so not run by default and not
+# among issue 3's targets (round AO)
+Q_DTYPES = {"fp8-kv-fp8-q": torch.float8_e4m3fn}
+DEFAULT_VARIANTS = ["bf16-kv", "fp8-kv"]
+TARGET_VARIANTS = ("bf16-kv", "fp8-kv")
 # evenflow-n128: the dynamic plan with two 64-token tiles per loop iteration (block_n=128)
 # at 2 programs/SM (its sm_90 build needs ~250 registers/thread); a candidate for fp8 KV
 # measured beside the default (docs/perf-notes/decode.md).
@@ -261,14 +267,17 @@ def parse_case(name: str) -> Case:
 
 def floor_bytes(case: Case, kv_dtype: torch.dtype, head_dim: int = HEAD_DIM,
                 q_dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes a decode step must move: K and V of every live token once, q read, o written.
+    """Bytes a decode step must move: K and V of every live token once, q read (and an fp8 q's fp32 scale per token
+    and head), o written.
 
-    Live tokens, not whole pages (a partly filled last page is not charged in full);
-    the page table and per-tensor scales (a few KB) are left out.
+    Live tokens, not whole pages (a partly filled last page is not charged in full); the page table (its used
+    entries, 4 bytes a page: 1/16,384 of a bf16 page's K and V bytes at 8 KV heads) and the per-tensor K / V scales
+    are left out.
     """
     kv = 2 * case.tokens * case.num_kv_heads * head_dim * kv_dtype.itemsize
     qo = case.batch * case.num_q_heads * head_dim * (q_dtype.itemsize + out_dtype.itemsize)
-    return kv + qo
+    q_scales = case.batch * case.num_q_heads * 4 if q_dtype == torch.float8_e4m3fn else 0
+    return kv + qo + q_scales
 
 
 def rotations_for(bytes_per_copy: int, l2_bytes: int, factor: int = L2_ROTATE_FACTOR,
@@ -285,7 +294,7 @@ def rotations_for(bytes_per_copy: int, l2_bytes: int, factor: int = L2_ROTATE_FA
 class Inputs:
     case: Case
     kv_dtype: torch.dtype
-    qs: list  # [rotations] of [B, Hq, D] bf16
+    qs: list  # [rotations] of [B, Hq, D] bf16, or fp8 e4m3 with q_scales
     page_tables: list  # [rotations] of [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32
     k_cache: torch.Tensor  # [pool_pages, P, Hkv, D]
@@ -293,6 +302,7 @@ class Inputs:
     k_scale: torch.Tensor | None  # one-element fp32 (fp8 KV only)
     v_scale: torch.Tensor | None
     sm_scale: float
+    q_scales: list | None = None  # [rotations] of [B, Hq] fp32 (fp8 q only)
 
     @property
     def rotations(self) -> int:
@@ -310,15 +320,26 @@ def _random_cache(pages: int, hkv: int, dtype: torch.dtype, device, gen) -> torc
     return cache
 
 
-def make_inputs(case: Case, kv_dtype: torch.dtype, device, seed: int, l2_bytes: int) -> Inputs:
+def make_inputs(case: Case, kv_dtype: torch.dtype, device, seed: int, l2_bytes: int,
+                q_dtype: torch.dtype = torch.bfloat16) -> Inputs:
+    """Random inputs of ``case``, ``rotations_for`` copies of q and the page tables; an fp8 ``q_dtype`` quantises
+    each (token, head) row of the same random q by its max |q| / 448 (the row's scale in ``q_scales``)."""
+    if q_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+        raise ValueError(f"q_dtype must be bfloat16 or float8_e4m3fn, got {q_dtype}")
     gen = torch.Generator(device=device).manual_seed(seed)
     cpu_gen = torch.Generator().manual_seed(seed)
-    rot = rotations_for(floor_bytes(case, kv_dtype), l2_bytes)
+    rot = rotations_for(floor_bytes(case, kv_dtype, q_dtype=q_dtype), l2_bytes)
     tables, pool = shuffled_page_tables(case.lengths, PAGE_SIZE, rot, cpu_gen)
     k = _random_cache(pool, case.num_kv_heads, kv_dtype, device, gen)
     v = _random_cache(pool, case.num_kv_heads, kv_dtype, device, gen)
-    qs = [torch.randn(case.batch, case.num_q_heads, HEAD_DIM, generator=gen, device=device,
-                      dtype=torch.float32).to(torch.bfloat16) for _ in range(rot)]
+    q32 = [torch.randn(case.batch, case.num_q_heads, HEAD_DIM, generator=gen, device=device,
+                       dtype=torch.float32) for _ in range(rot)]
+    q_scales = None
+    if q_dtype == torch.float8_e4m3fn:
+        q_scales = [q.abs().amax(-1).clamp_min(1e-12) / 448.0 for q in q32]
+        qs = [(q / s[..., None]).to(q_dtype) for q, s in zip(q32, q_scales)]
+    else:
+        qs = [q.to(torch.bfloat16) for q in q32]
     ks = vs = None
     if kv_dtype == torch.float8_e4m3fn:
         s = 0.25 + 0.5 * torch.rand(2, generator=cpu_gen)
@@ -326,11 +347,16 @@ def make_inputs(case: Case, kv_dtype: torch.dtype, device, seed: int, l2_bytes: 
         vs = s[1:].to(device=device, dtype=torch.float32)
     return Inputs(case, kv_dtype, qs, [t.to(device) for t in tables.unbind(0)],
                   torch.tensor(case.lengths, dtype=torch.int32, device=device), k, v, ks, vs,
-                  1.0 / math.sqrt(HEAD_DIM))
+                  1.0 / math.sqrt(HEAD_DIM), q_scales)
+
+
+def q_scale_of(inp: Inputs, r: int):
+    """Rotation ``r``'s q scales (None for a bf16 q)."""
+    return inp.q_scales[r] if inp.q_scales is not None else None
 
 
 def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: float, k_scale=None,
-                     v_scale=None) -> torch.Tensor:
+                     v_scale=None, q_scale=None) -> torch.Tensor:
     """Plain fp32 decode attention over a paged cache, one request at a time: ``[B, Hq, D]`` fp32.
 
     Deliberately simple (gather the request's pages, softmax(q K^T * scale) V); the
@@ -359,7 +385,8 @@ def reference_decode(q, k_cache, v_cache, page_table, seq_lens, *, sm_scale: flo
             continue
         pages = page_table[b, :(n + P - 1) // P].long()
         kk, vv = gather(k_cache, pages, n) * ks, gather(v_cache, pages, n) * vs
-        qb = q[b].float().view(hkv, g, d)
+        qb = q[b].float() * (q_scale[b][:, None] if q_scale is not None else 1.0)
+        qb = qb.view(hkv, g, d)
         p = torch.softmax(torch.einsum("hgd,nhd->hgn", qb, kk) * sm_scale, dim=-1)
         out[b] = torch.einsum("hgn,nhd->hgd", p, vv).reshape(hq, d)
     return out
@@ -381,9 +408,10 @@ def knob_inputs(impl: str, inp: Inputs) -> Inputs:
 
 
 def evenflow_plan(impl: str, inp: Inputs):
-    """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the Gluon
-    kernel) or one of its knob rows (``PLAN_KNOBS``; ``typed`` ones get the dtype too), updated for
-    ``inp``'s lengths; None for ``evenflow-static``."""
+    """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the Gluon kernel where the
+    call is in its scope: with a bf16 q, or an fp8 q where ``decode.GLUON_FP8_Q``) or one of its knob rows
+    (``PLAN_KNOBS``; ``typed`` ones get the dtype too), updated for ``inp``'s lengths; None for
+    ``evenflow-static``."""
     from evenflow import DecodePlan
 
     if impl == "evenflow-static":
@@ -408,8 +436,8 @@ def evenflow_calls(inp: Inputs, plan) -> list:
     out = torch.empty(c.batch, c.num_q_heads, HEAD_DIM, dtype=torch.bfloat16, device=inp.seq_lens.device)
 
     def bind(r):
-        q, pt = inp.qs[r], inp.page_tables[r]
-        return lambda: decode_attention(q, inp.k_cache, inp.v_cache, pt, inp.seq_lens, plan=plan,
+        q, qs, pt = inp.qs[r], q_scale_of(inp, r), inp.page_tables[r]
+        return lambda: decode_attention(q, inp.k_cache, inp.v_cache, pt, inp.seq_lens, plan=plan, q_scale=qs,
                                         k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale,
                                         out=out)
 
@@ -429,15 +457,34 @@ def _evenflow_fns(impl: str, inp: Inputs):
     validate = getattr(evenflow, "validate_inputs", None)  # the launcher's debug check (syncs; set-up only)
     if validate is not None:
         for r in range(inp.rotations):
-            validate(inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens, plan=plan)
+            validate(inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens, plan=plan,
+                     q_scale=q_scale_of(inp, r))
+    extra["kernel"] = kernel_of(inp, plan)
     if plan is not None:
         extra["plan_us"] = H.time_graph([lambda: plan.update(inp.seq_lens)])
         extra["plan_eager_us"] = H.time_eager([lambda: plan.update(inp.seq_lens)])
     return evenflow_calls(inp, plan), extra
 
 
+def kernel_of(inp: Inputs, plan) -> str:
+    """Which attention kernel an evenflow row's calls run: ``gluon`` (the fp8 Gluon kernel), ``triton`` (the plan's
+    Triton kernel) or ``static`` (no plan)."""
+    from evenflow.attention.decode import gluon_fp8_supported
+
+    if plan is None:
+        return "static"
+    rows = inp.case.num_q_heads // inp.case.num_kv_heads
+    return "gluon" if gluon_fp8_supported(inp.qs[0], inp.k_cache, plan, rows) else "triton"
+
+
+FI_FP8_Q = ("not run: this benchmark drives FlashInfer's decode with a bf16 q only (an fp8 q with a scale per token "
+            "and head is not passed to it)")
+
+
 def _flashinfer_fns(impl: str, inp: Inputs):
     c = inp.case
+    if inp.q_scales is not None:
+        raise H.PeerUnavailable(FI_FP8_Q)
     fns, extra = [], {}
     for r in range(inp.rotations):
         w = fi_peer.FlashInferDecode(impl, inp.page_tables[r], inp.seq_lens, num_q_heads=c.num_q_heads,
@@ -494,12 +541,16 @@ def warm_up(impls, variants, device, seed: int) -> dict:
     failed: dict = {}
     case = Case("warm-up 2x(100,700)", (100, 700), *FULL_HEADS)
     todo = [(i, v) for v in variants for i in impls if i not in EVENFLOW_IMPLS and i != READ_IMPL]
+    for impl, variant in [t for t in todo if q_dtype_of(t[1]) != torch.bfloat16]:  # nothing to build for these
+        failed[(impl, variant)] = FI_FP8_Q
+        todo.remove((impl, variant))
     for impl, variant in H.progress(todo, "decode warm-up (FlashInfer JIT build)"):
         t0 = time.time()
         try:
-            inp = make_inputs(case, VARIANTS[variant], device, seed, l2_bytes=0)
+            inp = make_inputs(case, VARIANTS[variant], device, seed, l2_bytes=0, q_dtype=q_dtype_of(variant))
             ref = reference_decode(inp.qs[0], inp.k_cache, inp.v_cache, inp.page_tables[0], inp.seq_lens,
-                                   sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale)
+                                   sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale,
+                                   q_scale=q_scale_of(inp, 0))
             fns, _ = build_fns(impl, inp)
             H.check_output(fns[0](), ref, f"warm-up {impl} {variant}")
             print(f"    built {impl} {variant} in {time.time() - t0:.0f}s", flush=True)
@@ -515,8 +566,16 @@ def warm_up(impls, variants, device, seed: int) -> dict:
 def _add_args(p) -> None:
     p.add_argument("--cases", default=None, help="comma-separated case names (default: all, or --quick's)")
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, from {IMPLS}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {list(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, from {list(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gluon-fp8-q", action="store_true",
+                   help="run fp8 q on the Gluon fp8 kernel (decode.GLUON_FP8_Q, off by default until its GPU tests "
+                        "pass; the fp8-kv-fp8-q variant's evenflow rows otherwise run the Triton kernel)")
+
+
+def q_dtype_of(variant: str) -> torch.dtype:
+    return Q_DTYPES.get(variant, torch.bfloat16)
 
 
 def _split(arg: str, allowed, what: str) -> list[str]:
@@ -551,6 +610,8 @@ def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple
                          f"{best.get('impl', '-')} | {f(best.get('us'))} | "
                          f"{f(ours.get('speedup_vs_best_peer'), '{:.2f}')} | "
                          f"{f(ours.get('speedup_vs_static'), '{:.2f}')} | {f(ours.get('plan_us'), '{:.2f}')} |")
+            if v not in TARGET_VARIANTS:  # issue 3's targets are for bf16 q over bf16 and fp8 KV
+                continue
             if "us" not in ours:
                 target(f"{c.name} {v}: evenflow ran", False, ours.get("error", "not run"))
                 continue
@@ -584,12 +645,19 @@ def sweep(args, device, l2: int) -> None:
     cases = [parse_case(n) for n in names]
     impls = _split(args.impls, IMPLS, "impls")
     variants = _split(args.variants, VARIANTS, "variants")
+    if getattr(args, "gluon_fp8_q", False):
+        from evenflow.attention import decode as decode_launcher
+
+        decode_launcher.GLUON_FP8_Q = True  # for this process: the run's rows say which kernel ran (``kernel``)
 
     ceil = H.measure_ceilings()
     meta = {"heads": "64 q / 8 kv (tpN: 64 / N q, 8 / N kv)", "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
-            "q_dtype": "bf16", "out_dtype": "bf16", "flashinfer": fi_peer.version() or "not installed",
+            "q_dtype": "bf16 (fp8-kv-fp8-q: fp8 e4m3, an fp32 scale per token and head)", "out_dtype": "bf16",
+            "flashinfer": fi_peer.version() or "not installed",
             "us": "CUDA-graph replay, median per call", "eager_us": "eager, L2 flushed, median",
-            "floor": "(2 * live tokens * Hkv * D * kv bytes + B * Hq * D * 4) / copy_TBps"}
+            "gluon_fp8_q": bool(getattr(args, "gluon_fp8_q", False)),
+            "floor": "(2 * live tokens * Hkv * D * kv bytes + B * Hq * D * (q bytes + 2) [+ B * Hq * 4 for an fp8 "
+                     "q's scales]) / copy_TBps"}
     res = H.Results("decode", ceilings=ceil, out=args.out, meta=meta)
 
     failed = warm_up(impls, variants, device, args.seed)
@@ -606,17 +674,18 @@ def sweep(args, device, l2: int) -> None:
     work = {f"{c.name} {v}": (c, v) for v in variants for c in cases}
     for label in H.progress(list(work), "decode"):
         c, v = work[label]
-        kv_dtype = VARIANTS[v]
+        kv_dtype, q_dtype = VARIANTS[v], q_dtype_of(v)
         try:
-            inp = make_inputs(c, kv_dtype, device, args.seed, l2)
+            inp = make_inputs(c, kv_dtype, device, args.seed, l2, q_dtype=q_dtype)
             refs = [reference_decode(inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens,
-                                     sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale)
+                                     sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale,
+                                     q_scale=q_scale_of(inp, r))
                     for r in range(inp.rotations)]
         except Exception as e:
             for impl in impls:
                 res.add_error(case=c.name, variant=v, impl=impl, error=f"inputs: {_reason(e)}")
             continue
-        fb = floor_bytes(c, kv_dtype)
+        fb = floor_bytes(c, kv_dtype, q_dtype=q_dtype)
         fl = H.floor_us(bytes_moved=fb, ceilings=ceil)
         common = {"batch": c.batch, "tokens": c.tokens, "q_heads": c.num_q_heads, "kv_heads": c.num_kv_heads,
                   "rotations": inp.rotations, "floor_bytes": fb}
@@ -624,7 +693,8 @@ def sweep(args, device, l2: int) -> None:
         errors: dict[str, str] = {}
         for impl in impls:
             if (impl, v) in failed:
-                errors[impl] = f"build failed: {failed[(impl, v)]}"
+                why = failed[(impl, v)]
+                errors[impl] = why if why.startswith("not run") else f"build failed: {why}"
                 continue
             try:
                 got[impl] = (measure_read_once(fb, inp.rotations, device) if impl == READ_IMPL
@@ -659,7 +729,7 @@ def sweep(args, device, l2: int) -> None:
     res.finish(x="case", group="variant", plot=not args.no_plot,
                columns=["case", "variant", "impl", "us", "eager_us", "floor_us", "frac_of_floor",
                         "speedup_vs_best_peer", "speedup_vs_static", "vs_read_once", "plan_us", "plan_host_us",
-                        "rotations", "read", "error"])
+                        "rotations", "read", "kernel", "error"])
     print("\n## evenflow vs FlashInfer vs static\n\n" + table)
     ok = sum(t["ok"] for t in targets)
     print(f"\n## issue 3 targets: {ok}/{len(targets)} met")

@@ -66,7 +66,8 @@ def main(argv=None) -> None:
     ceil = H.measure_ceilings(verbose=False)
     res = H.Results("sweep_decode", ceilings=ceil, out=args.out, meta={"sms": sms})
     t_start = time.time()
-    for name, (variant, kv_dtype) in H.progress(list(itertools.product(CASES, D.VARIANTS.items())), "sweep"):
+    variants = [(v, D.VARIANTS[v]) for v in D.DEFAULT_VARIANTS]  # bf16 q (the fp8-q variant: benchmarks/decode.py)
+    for name, (variant, kv_dtype) in H.progress(list(itertools.product(CASES, variants)), "sweep"):
         case = D.parse_case(name)
         inp = D.make_inputs(case, kv_dtype, device, seed=0, l2_bytes=l2)
         refs = [D.reference_decode(inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens,

@@ -47,7 +47,10 @@ BENCH_CASES = ["64x512", "32x4K", "8x32K", "1x32K+63x512", "2x64K+30x1K", "1x128
 def test_standard_case_names_match_bench_md():
     assert D.CASES == BENCH_CASES
     assert set(D.QUICK_CASES) <= set(D.CASES)
-    assert set(D.VARIANTS) == {"bf16-kv", "fp8-kv"}
+    assert set(D.VARIANTS) == {"bf16-kv", "fp8-kv", "fp8-kv-fp8-q"}
+    # BENCH.md's two variants run by default and carry issue 3's targets; the fp8-q one (round AO) is extra
+    assert D.DEFAULT_VARIANTS == ["bf16-kv", "fp8-kv"] and D.TARGET_VARIANTS == ("bf16-kv", "fp8-kv")
+    assert [D.q_dtype_of(v) for v in D.VARIANTS] == [torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn]
 
 
 @pytest.mark.parametrize("name,lengths,heads", [
@@ -95,6 +98,9 @@ def test_floor_bytes_by_hand():
     # Live tokens, not pages: 100 tokens are charged as 100, not as 2 pages of 64.
     odd = D.parse_case("1x100")
     assert D.floor_bytes(odd, torch.bfloat16) == 100 * 8 * 128 * 4 + 64 * 128 * 4
+    # an fp8 q: one byte a value, and its fp32 scale per token and head
+    assert D.floor_bytes(odd, torch.float8_e4m3fn, q_dtype=torch.float8_e4m3fn) == \
+        100 * 8 * 128 * 2 + 64 * 128 * 3 + 64 * 4
 
 
 def test_floor_us_from_bytes():
@@ -176,6 +182,26 @@ def test_make_inputs_small(kv_dtype):
     else:
         assert inp.k_scale is None and inp.v_scale is None
     assert inp.sm_scale == pytest.approx(128 ** -0.5)
+
+
+def test_make_inputs_fp8_q_quantises_the_same_q_per_row():
+    """The fp8-kv-fp8-q variant's q: the bf16 variant's random q (same seed), each (token, head) row scaled by its
+    max |q| / 448 into e4m3, so every row's largest value is 448 and q x scale is the bf16 q within e4m3's
+    rounding (half an ulp: 2^-4 of the value)."""
+    case = D.Case("t", (100, 700, 64), 16, 2)
+    fp8 = torch.float8_e4m3fn
+    a = D.make_inputs(case, fp8, "cpu", seed=3, l2_bytes=4 << 20)
+    b = D.make_inputs(case, fp8, "cpu", seed=3, l2_bytes=4 << 20, q_dtype=fp8)
+    assert a.q_scales is None and D.q_scale_of(a, 0) is None and b.rotations == a.rotations > 1
+    assert torch.equal(a.k_cache.float(), b.k_cache.float()) and torch.equal(a.page_tables[1], b.page_tables[1])
+    for r in range(b.rotations):
+        q, s = b.qs[r], D.q_scale_of(b, r)
+        assert q.dtype == fp8 and q.shape == (3, 16, 128) and s.dtype == torch.float32 and s.shape == (3, 16)
+        assert (q.float().abs().amax(-1) == 448).all()
+        deq, want = q.float() * s[..., None], a.qs[r].float()
+        assert ((deq - want).abs() <= want.abs() * 2 ** -4 + want.abs().amax(-1, keepdim=True) * 2 ** -9).all()
+    with pytest.raises(ValueError, match="q_dtype"):
+        D.make_inputs(case, fp8, "cpu", seed=3, l2_bytes=0, q_dtype=torch.float16)
 
 
 # ----------------------------------------------------------------------------- the benchmark's reference
@@ -337,15 +363,19 @@ def test_sweep_writes_read_once_rows_and_the_ratio_to_them(tmp_path):
     assert 0.3 < ours["vs_read_once"] < 1.2
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_reference_decode_agrees_with_project_oracle(kv_dtype):
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(torch.bfloat16, torch.bfloat16),
+                                             (torch.float8_e4m3fn, torch.bfloat16),
+                                             (torch.float8_e4m3fn, torch.float8_e4m3fn)])
+def test_reference_decode_agrees_with_project_oracle(kv_dtype, q_dtype):
     from evenflow.reference.attention import decode_attention_ref
 
     case = D.Case("t", (130, 1, 64), 16, 2)
-    inp = D.make_inputs(case, kv_dtype, "cpu", seed=9, l2_bytes=0)
+    inp = D.make_inputs(case, kv_dtype, "cpu", seed=9, l2_bytes=0, q_dtype=q_dtype)
     args = (inp.qs[0], inp.k_cache, inp.v_cache, inp.page_tables[0], inp.seq_lens)
-    ours = D.reference_decode(*args, sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale)
-    oracle, _ = decode_attention_ref(*args, k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale)
+    qs = D.q_scale_of(inp, 0)
+    ours = D.reference_decode(*args, sm_scale=inp.sm_scale, k_scale=inp.k_scale, v_scale=inp.v_scale, q_scale=qs)
+    oracle, _ = decode_attention_ref(*args, q_scale=qs, k_scale=inp.k_scale, v_scale=inp.v_scale,
+                                     sm_scale=inp.sm_scale)
     assert (ours.double() - oracle).abs().max() < 1e-5
 
 
@@ -499,3 +529,41 @@ def test_hnd_knob_row_reads_the_same_values_with_each_heads_page_contiguous():
     a = evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
     b = evenflow.decode_attention(q, D.as_hnd(k), D.as_hnd(v), pt, sl, plan=plan)
     assert torch.equal(a, b)
+
+
+def test_fp8_q_variant_calls_compute_the_reference_and_skip_flashinfer(monkeypatch):
+    """The fp8-kv-fp8-q variant (round AO): evenflow's calls pass each rotation's q scales and match the fp64
+    oracle under the decode tests' rule; FlashInfer's rows are refused as not run (it is driven with a bf16 q only);
+    the summary lists the variant's rows without counting them in issue 3's targets."""
+    from evenflow.attention import decode
+    from evenflow.reference.attention import decode_attention_ref
+    from evenflow.testing import assert_within_rule
+
+    monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # (the default until the Gluon fp8-q path's GPU tests pass)
+    fp8 = torch.float8_e4m3fn
+    case = D.Case("t", (130, 1, 640, 0), 16, 2)
+    inp = D.make_inputs(case, fp8, _DEV, seed=4, l2_bytes=1 << 20, q_dtype=fp8)
+    plan = D.evenflow_plan("evenflow", inp)
+    # the row says which kernel ran: here the Triton kernel (fp8 q off the Gluon kernel; the interpreter has none)
+    assert D.kernel_of(inp, plan) == "triton" and D.kernel_of(inp, None) == "static"
+    calls = D.evenflow_calls(inp, plan)
+    assert len(calls) == inp.rotations > 1
+    for r, call in enumerate(calls):
+        got = call()
+        args = (inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens)
+        kw = dict(q_scale=D.q_scale_of(inp, r), k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale)
+        ref, _ = decode_attention_ref(*args, **kw)
+        base, _ = decode_attention_ref(*args, **kw, dtype=torch.float32, p_dtype=torch.bfloat16,
+                                       out_dtype=torch.bfloat16)
+        assert_within_rule(got, ref, base, what=f"fp8 q rotation {r}")
+    with pytest.raises(D.H.PeerUnavailable, match="bf16 q only"):
+        D.build_fns("flashinfer-tc", inp)
+    # the warm-up builds nothing for the variant and hands the reason on (rows: "not run: ...", not "build failed")
+    assert D.warm_up(["flashinfer-tc", "evenflow"], ["fp8-kv-fp8-q"], _DEV, 0) == {
+        ("flashinfer-tc", "fp8-kv-fp8-q"): D.FI_FP8_Q}
+    assert D.FI_FP8_Q.startswith("not run")
+    cases = [D.parse_case("64x512")]
+    rows = [{"case": "64x512", "variant": "fp8-kv-fp8-q", "impl": "evenflow", "us": 20.0, "frac_of_floor": 0.5},
+            {"case": "64x512", "variant": "fp8-kv-fp8-q", "impl": "flashinfer-tc", "error": "not run"}]
+    table, targets = D.summarize(rows, cases, ["fp8-kv-fp8-q"])
+    assert targets == [] and "| 64x512 | fp8-kv-fp8-q | 20.0 | 0.50 |" in table

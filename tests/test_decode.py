@@ -694,24 +694,31 @@ def test_plan_for_an_fp8_cache(name, device):
         check(q, qs, k, v, pt, sl, q_len, plan=plan, k_scale=ks, v_scale=vs, what=f"{name} ks={ks} vs={vs}")
 
 
-def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(device):
+def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(device, monkeypatch):
+    from evenflow.attention import decode
     from evenflow.attention.decode import gluon_fp8_supported
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM
 
+    monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # an fp8 q stays on the Triton kernel until its GPU tests pass
+    cap = _runtime.compiled_capability(torch.device(device))
+    gluon_here = decode.GK is not None and cap is not None and cap >= (8, 9)  # where a Gluon kernel could run at all
     for d, page, qdt in ((64, 64, torch.bfloat16), (128, 16, torch.bfloat16), (128, 64, FP8)):
         lens = [300, 5, 0]
         q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, d, page, 1, FP8, qdt, device=device)
-        plan = evenflow.DecodePlan(3, 1 << 12, 2, page_size=page, device=device, num_programs=4, min_tiles=1,
-                                   kv_dtype=FP8).update(sl)
+        # the interpreter: 4 programs (1 an SM of its 4); a GPU: the plan's default, 4 an SM
+        plan = evenflow.DecodePlan(3, 1 << 12, 2, page_size=page, device=device,
+                                   num_programs=4 if device == "cpu" else None, min_tiles=1, kv_dtype=FP8).update(sl)
         assert not gluon_fp8_supported(q, k, plan, 4)
         assert plan.takes_gluon == (page != 16)  # a page of 16 tokens: a plan for the Triton kernel
-        # on a GPU a plan built for the Gluon kernel says once that this call runs the Triton one (the interpreter
-        # runs no Gluon: nothing to say)
+        # a plan built for the Gluon kernel at more programs an SM than the Triton kernel holds says once that this
+        # call runs the Triton one (the interpreter runs no Gluon: nothing to say)
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=0.05, v_scale=0.025, what=f"d{d} p{page} {qdt}")
+            check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=0.05, v_scale=0.025, what=f"d{d} p{page} {qdt} again")
         said = [str(w.message) for w in said if "built for the Gluon fp8 kernel" in str(w.message)]
-        assert len(said) == (device == "cuda" and plan.takes_gluon), said
+        want = gluon_here and plan.takes_gluon and plan.per_sm > DEFAULT_PROGRAMS_PER_SM
+        assert len(said) == want and all("gluon=False" in m for m in said), said
     # a Triton launch option or a one-slot ring keeps the Triton kernel too
     q, qs, k, v, pt, sl = make_inputs([300, 5, 0], 2, 4, 128, 64, 1, FP8, device=device)
     sms = _runtime.num_sms(torch.device(device))

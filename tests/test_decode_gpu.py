@@ -318,6 +318,26 @@ def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch, warps):
     check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}")
 
 
+@pytest.mark.parametrize("hq,hkv,page,q_len", [(64, 8, 64, 1), (8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4)])
+@WARPS
+def test_gluon_fp8_kernel_with_fp8_q(hq, hkv, page, q_len, warps, monkeypatch):
+    """fp8 q with its per-token-per-head scale on the Gluon kernel (``decode.GLUON_FP8_Q``, round AO: built and
+    compile-checked on the CPU, off until this test has passed on a GPU): within the tolerance rule of the fp64
+    reference, and the scale read per row (rows of one token and of one head get different scales here)."""
+    from evenflow.attention import decode
+
+    monkeypatch.setattr(decode, "GLUON_FP8_Q", True)
+    lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65]
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, page=page, q_len=q_len, kv=FP8, qdt=FP8)
+    assert qs.unique().numel() > qs.shape[1]  # scales differ between tokens and between heads
+    plan, supported = _gluon_plan(lens, sl, hkv=hkv, page=page, q_len=q_len, warps=warps)
+    assert supported(q, k, plan, hq // hkv * q_len)
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=0.03, v_scale=0.02, out=out,
+                                       return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon fp8 q hq{hq} hkv{hkv} p{page}")
+
+
 @WARPS
 def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
     """Rows past a request's length in its last page are never read into the result: the

@@ -163,16 +163,22 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
     return block_m, max(1, min(8, 8192 // (block_m * head_dim)))
 
 
+# An fp8 q (with its per-token-per-head q_scale) on the Gluon fp8 kernel: built and checked in the sm_90 compile test
+# (round AO, on the CPU), not yet run on a GPU, so off; until then such calls run the Triton kernel. Turned on where
+# its GPU tests pass (tests/test_decode_gpu.py runs them with this set).
+GLUON_FP8_Q = False
+
+
 def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None,
                       rows: int) -> tuple[str, bool] | None:
     """Why a call does not run the Gluon fp8 kernel (``attention/gluon_kernels.py``), or None where it does: a
     plan built with ``kv_dtype=torch.float8_e4m3fn`` for it (``DecodePlan.takes_gluon``: at any KV-head count
     at 2 warps a program, from 2 KV heads at 1, or as its ``gluon`` says; pages of 64 or 128 tokens; none of the
     Triton kernel's launch options, where ``num_stages``, if given, is the ring's slots and must be >= 2; a
-    timeline, ``DecodePlan.record_timeline``, runs its own STAMPS build), bf16 q, an fp8 cache, head_dim 128,
-    GQA group x q_len <= 16, compiled code on a GPU with e4m3 conversions (sm_89+). The flag says whether the
-    reason is the call's (its q, cache or GQA group: a plan built for the Gluon kernel then runs the Triton one),
-    not the plan's or the machine's."""
+    timeline, ``DecodePlan.record_timeline``, runs its own STAMPS build), bf16 q (or fp8 q where GLUON_FP8_Q), an
+    fp8 cache, head_dim 128, GQA group x q_len <= 16, compiled code on a GPU with e4m3 conversions (sm_89+). The
+    flag says whether the reason is the call's (its q, cache or GQA group: a plan built for the Gluon kernel then
+    runs the Triton one), not the plan's or the machine's."""
     if plan is None or not plan.takes_gluon:
         return "no plan built for it", False
     if GK is None:
@@ -183,7 +189,7 @@ def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan |
         return "no compiled code with e4m3 conversions (sm_89 or later)", False
     if k_cache.dtype != FP8:
         return f"the cache is {k_cache.dtype}, not float8_e4m3fn", True
-    if q.dtype != torch.bfloat16:
+    if q.dtype != torch.bfloat16 and not (q.dtype == FP8 and GLUON_FP8_Q):
         return f"q is {q.dtype}, not bfloat16", True
     if k_cache.shape[3] != 128:
         return f"head_dim is {k_cache.shape[3]}, not 128", True
@@ -203,7 +209,7 @@ def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str) -> None:
     """Once a plan: its bins were sized for the Gluon kernel (GLUON_FP8_PROGRAMS_PER_SM programs an SM) and this call
     runs the Triton kernel, which holds DEFAULT_PROGRAMS_PER_SM an SM: the output is right, the schedule is not the
     one the plan was built for (its programs run in two rounds)."""
-    if plan.warned_kernel:
+    if plan.warned_kernel or plan.per_sm <= DEFAULT_PROGRAMS_PER_SM:  # (at most 2 an SM: one round, nothing to say)
         return
     plan.warned_kernel = True
     warnings.warn(f"decode_attention: this plan was built for the Gluon fp8 kernel ({plan.per_sm} programs an SM), "
@@ -264,15 +270,18 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
         GK.decode_fp8_kernel[grid](
-            q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t, part_o, part_lse,
+            q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t,
+            part_o, part_lse,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,
             part_glse, combine_count, group_count, stamps if stamps is not None else meta,
             sm_scale * _LOG2E * k_scale_f, v_scale_f, B, max_len, num_pages, bin_stride,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q.stride(0), q.stride(1), qs.stride(0) if q_scale is not None else 0,
+            qs.stride(1) if q_scale is not None else 0, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             page_table.stride(0), out.stride(0), out.stride(1), lse_t.stride(0) if has_lse else 0,
             HKV=Hkv, GROUP=G, Q_LEN=q_len, PAGE=P, STAGES=num_stages or GLUON_FP8_STAGES[gluon_warps],
-            HAS_K_SCALE_PTR=k_scale is not None, HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
+            HAS_Q_SCALE=q_scale is not None, HAS_K_SCALE_PTR=k_scale is not None,
+            HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), WARPS=gluon_warps,
             SHORT_TILES=short_tiles, num_warps=gluon_warps,
@@ -489,10 +498,11 @@ def _plan_max_regs(plan: DecodePlan, rows: int, head_dim: int, device: torch.dev
         return plan.max_registers
     if _runtime.interpreting() and not _runtime.emulating_gpu():
         return 0  # the interpreter has no registers (an sm_90 compile check still sees the cap)
-    # a plan built for the Gluon kernel (4 programs an SM) whose call runs the Triton kernel: capped for its own 2 an
-    # SM (at 4, 128 registers: 500-532 bytes of spill a thread in the sm_90 build, round AO)
-    programs = DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(device) if plan.takes_gluon else plan.num_programs
-    return _max_regs(_block_m(rows), head_dim, plan.block_n or TILE, plan.num_warps or 4, programs, device)
+    # on a plan built for the Gluon kernel (4 programs an SM) whose call runs the Triton kernel, capped for at most
+    # its own 2 an SM (DecodePlan.triton_programs; at 4, 128 registers: 500-532 bytes of spill a thread in the sm_90
+    # build, round AO)
+    return _max_regs(_block_m(rows), head_dim, plan.block_n or TILE, plan.num_warps or 4, plan.triton_programs,
+                     device)
 
 
 def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None) -> None:

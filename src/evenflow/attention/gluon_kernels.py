@@ -23,7 +23,8 @@ SM for every change tried in rounds F-M. Here nothing converted goes back to sha
 
 Scope (``decode.gluon_fp8_supported`` says where it runs; the Triton kernel runs everywhere
 else): the plan path, fp8 K/V with per-tensor scales, bf16 q (scaled to f16 per row by a power
-of two, as the Triton kernel does), head_dim 128, page size 64 or 128, GQA group x q_len <= 16.
+of two, as the Triton kernel does) or, where ``decode.GLUON_FP8_Q`` lets it, fp8 q with its per-token-per-head
+scale folded into the row's score scale, head_dim 128, page size 64 or 128, GQA group x q_len <= 16.
 It follows the plan contract of :mod:`evenflow.attention.kernels` (bins, finished items in
 place, split chunks in partial slots ``2p`` / ``2p + 1``). Split items are merged as the
 Triton kernel's fused combine does (``FUSED``: the last chunk of each group of ``FUSED_C`` to
@@ -237,11 +238,11 @@ def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_pt
 
 @gluon.jit
 def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
-                  p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
-                  stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                  stride_ptb, stride_ot, stride_oh, stride_lt,
+                  p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
+                  stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp,
+                  stride_vt, stride_vh, stride_ptb, stride_ot, stride_oh, stride_lt,
                   GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LSE: gl.constexpr, W: gl.constexpr, SHORT_TILES: gl.constexpr):
+                  HAS_LSE: gl.constexpr, W: gl.constexpr, SHORT_TILES: gl.constexpr, HAS_Q_SCALE: gl.constexpr):
     """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
     ``issued``: the chunk's first tiles are already in flight (:func:`_issue_first`, before the kernel's
     PDL wait: STAGES - 1 of them, STAGES - 2 on a chunk that runs a tile fewer ahead, ``_deep``). Each warp runs
@@ -262,6 +263,8 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
     pq = p_q + ((i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[None, :, None] + _phys_k(o_k)[None, None, :]
                 + (o_qw * 0)[:, None, None])
     q_raw = gl.load(pq, mask=m_row[None, :, None] & (o_k < D)[None, None, :], other=0.0)
+    if HAS_Q_SCALE:  # fp8 q: its per-token-per-head dequant scale, loaded beside q
+        q_sc = gl.load(p_qs + i_tok.to(gl.int64) * stride_qst + i_head * stride_qsh, mask=m_row, other=0.0)
     # the ring's first tiles are issued while q is in flight (AC5: waits on q were ~10% of the TP8
     # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
     # moved beyond the run's spread), kept as the order with fewer serial round trips
@@ -273,8 +276,11 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
     qmax = gl.max(gl.abs(qf), axis=2)
     e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
     e = gl.minimum(gl.maximum(e, -100.0), 114.0)
-    q_a = (qf * gl.exp2(-e)[:, :, None]).to(gl.float16)
-    rs = gl.convert_layout(qk_scale * gl.exp2(e), gl.SliceLayout(2, MMA))
+    q_a = (qf * gl.exp2(-e)[:, :, None]).to(gl.float16)  # an fp8 q's values are exact in f16 under that power of two
+    row_scale = qk_scale * gl.exp2(e)
+    if HAS_Q_SCALE:  # the row's scores times its q scale, as in the Triton kernel
+        row_scale = row_scale * q_sc[None, :]
+    rs = gl.convert_layout(row_scale, gl.SliceLayout(2, MMA))
     # row m = r * GROUP + g sees the item's first L - Q_LEN + r + 1 tokens
     o_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
     vis = L - Q_LEN + o_r // GROUP + 1
@@ -462,13 +468,13 @@ def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count
 
 @gluon.jit
 def decode_fp8_kernel(
-    p_q, p_k, p_v, p_pt, p_len, p_tiles, p_req_end, p_prog_start, p_meta,
+    p_q, p_qs, p_k, p_v, p_pt, p_len, p_tiles, p_req_end, p_prog_start, p_meta,
     p_out, p_lse, p_po, p_plse, p_ks, p_vs, p_glse, p_count, p_gcount, p_stamp,
     qk_scale_f, v_scale_f, B, max_len, num_pages, bin_stride,
-    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_ptb, stride_ot, stride_oh, stride_lt,
     HKV: gl.constexpr, GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-    HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
+    HAS_Q_SCALE: gl.constexpr, HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
     PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr, WARPS: gl.constexpr,
     SHORT_TILES: gl.constexpr,
@@ -548,10 +554,10 @@ def decode_fp8_kernel(
             b_nx, n_nx, start_nx = K._item_at(i + 1, n_items, p_tiles, p_req_end, HKV)
             len_nx = gl.load(p_len + b_nx)
         _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
-                      p_q, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
-                      stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                      stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES, HAS_LSE, WARPS,
-                      SHORT_TILES)
+                      p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
+                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp,
+                      stride_vt, stride_vh, stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES,
+                      HAS_LSE, WARPS, SHORT_TILES, HAS_Q_SCALE)
         if STAMPS:
             c_last, s_last, s_chunks, s_tiles = K._stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, False)
         if FUSED:

@@ -199,8 +199,10 @@ class DecodePlan:
     ``kv_dtype``: the KV cache dtype the plan serves (``None``: not said). With
     ``torch.float8_e4m3fn`` (``gluon``: ``None`` = the rule ``GLUON_FP8_MIN_KV_HEADS``: any KV-head count at 2 warps
     a program, round AL2; from 2 KV heads at 1, since at one KV head the Triton kernel was faster than the one-warp
-    kernel on five of seven cases, round AF5; ``True`` = at any KV-head count, ``False`` = never) the plan is sized
-    for the Gluon fp8 kernel
+    kernel on five of seven cases, round AF5; ``True`` = at any KV-head count, ``False`` = never), a page size of 64
+    or 128 tokens and none of the Triton kernel's launch options (``num_warps``, ``block_n``, ``max_registers``,
+    ``warp_split``, ``num_stages=1``: such a plan is built for the Triton kernel, and ``gluon=True`` with one of them
+    or another page size raises), the plan is sized for the Gluon fp8 kernel
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ``gluon_warps`` warps a program (default 2,
     each taking half of every tile, their outputs merged after each chunk in the idle ring, or beside a 2-slot ring
     in a 16 KB buffer; 1 = the one-warp kernel of rounds AB-AK), a ring of ``num_stages`` tiles (default 3 at two
@@ -208,10 +210,11 @@ class DecodePlan:
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
     whole ring, the only choice at one warp; a positive value only on such a plan)) and
-    :func:`evenflow.decode_attention` runs that kernel where it applies
-    (bf16 q, head_dim 128, page size 64 or 128, GQA group x q_len <= 16, none of ``num_warps``,
-    ``block_n``, ``max_registers`` or ``warp_split`` set (a timeline runs its own STAMPS build);
-    ``combine`` as for the Triton kernel); elsewhere the Triton kernel runs on the same bins.
+    :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, head_dim 128, GQA group x
+    q_len <= 16; a timeline runs its own STAMPS build; ``combine`` as for the Triton kernel); other calls run the
+    Triton kernel on the same bins, its register cap set for its own DEFAULT_PROGRAMS_PER_SM programs an SM (so an
+    SM runs the plan's bins in two rounds), and the first such call on the plan warns once (round AO: build the plan
+    with ``gluon=False`` for them).
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
     ``num_programs``: persistent programs of the attention kernel (default
@@ -346,8 +349,10 @@ class DecodePlan:
                 raise ValueError(f"deep_ring_tiles={deep_ring_tiles} picks the chunks that the Gluon fp8 kernel's "
                                  f"ring reads num_stages - 1 tiles ahead (longer ones a tile fewer): it needs a plan "
                                  f"for that kernel (kv_dtype=torch.float8_e4m3fn) at gluon_warps=2 (at one warp the "
-                                 f"second tile loop spills) with num_stages >= 3; got kv_dtype={kv_dtype}, "
-                                 f"gluon={gluon}, gluon_warps={gluon_warps}, num_stages={num_stages}")
+                                 f"second tile loop spills) with num_stages >= 3, pages of 64 or 128 tokens and no "
+                                 f"Triton launch option; got kv_dtype={kv_dtype}, gluon={gluon}, "
+                                 f"gluon_warps={gluon_warps}, num_stages={num_stages}, page_size={page_size}"
+                                 + (f", {', '.join(triton_options)}" if triton_options else ""))
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
@@ -402,6 +407,10 @@ class DecodePlan:
         self.early_reads, self.resident_cap, self.spread_bins = early_reads, resident_cap, spread_bins
         self.launch_next = launch_next
         self.per_sm = programs_per_sm(num_programs, dev)
+        # the programs the Triton kernel's register cap is set for (decode._plan_max_regs): the plan's, or on a plan
+        # built for the Gluon kernel (a call that kernel does not take) at most its own DEFAULT_PROGRAMS_PER_SM an SM
+        self.triton_programs = (min(num_programs, DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(dev)) if gluon_plan
+                                else num_programs)
         # True until the first decode_attention after update(): that call's kernel may follow the
         # update's directly, so it reads nothing before its PDL wait (see early_reads)
         self.fresh = True
