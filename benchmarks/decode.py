@@ -271,8 +271,8 @@ def floor_bytes(case: Case, kv_dtype: torch.dtype, head_dim: int = HEAD_DIM,
     and head), o written.
 
     Live tokens, not whole pages (a partly filled last page is not charged in full); the page table (its used
-    entries, 4 bytes a page: 1/16,384 of a bf16 page's K and V bytes at 8 KV heads) and the per-tensor K / V scales
-    are left out.
+    entries, 4 bytes a page: 1/65,536 of a bf16 page's K and V bytes at 8 KV heads, 1/8,192 at one) and the
+    per-tensor K / V scales are left out.
     """
     kv = 2 * case.tokens * case.num_kv_heads * head_dim * kv_dtype.itemsize
     qo = case.batch * case.num_q_heads * head_dim * (q_dtype.itemsize + out_dtype.itemsize)

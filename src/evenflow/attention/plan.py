@@ -212,9 +212,9 @@ class DecodePlan:
     whole ring, the only choice at one warp; a positive value only on such a plan)) and
     :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, head_dim 128, GQA group x
     q_len <= 16; a timeline runs its own STAMPS build; ``combine`` as for the Triton kernel); other calls run the
-    Triton kernel on the same bins, its register cap set for its own DEFAULT_PROGRAMS_PER_SM programs an SM (so an
-    SM runs the plan's bins in two rounds), and the first such call on the plan warns once (round AO: build the plan
-    with ``gluon=False`` for them).
+    Triton kernel on the same bins, its register cap set for at most its own DEFAULT_PROGRAMS_PER_SM programs an SM
+    (so an SM runs a plan of more in two rounds), and on such a plan the first of those calls warns once (round AO:
+    build the plan with ``gluon=False`` for them).
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
     ``num_programs``: persistent programs of the attention kernel (default
