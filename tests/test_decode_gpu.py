@@ -414,20 +414,32 @@ def _row_bytes(k, pt, lens, positions):
 
 @WARPS
 @pytest.mark.parametrize("q_len", [1, 2])
-def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len, warps):
+@pytest.mark.parametrize("qdt", ["bf16", "fp8"])
+def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(qdt, q_len, warps, monkeypatch):
     """Round AE: under PDL the Gluon kernel (after the plan's first call) reads the plan and issues its
     first tiles before waiting for the kernel ahead. Here that kernel lets it launch at once and writes q
     and every request's new tokens (its last q_len) ~100 us later: the call must see all of them (bits of
     a plain launch on the final tensors). Sensitivity: where the kernel ahead instead rewrites each
     request's first 64 tokens (cached tokens, which a decode step never writes), the early reads do see
-    the old bytes (the output differs), and with ``early_reads=False`` they do not."""
+    the old bytes (the output differs), and with ``early_reads=False`` they do not. With an fp8 q (round AO,
+    ``decode.GLUON_FP8_Q`` on here) a second kernel ahead rewrites q's scales late too."""
+    from evenflow.attention import decode
+
+    fp8_q = qdt == "fp8"
+    monkeypatch.setattr(decode, "GLUON_FP8_Q", fp8_q)
     lens = [5000, 300, 129, 4 * K + 1, 64, 2000, 0, 65, 1, 16 * K]
-    q, _, k, v, pt, sl = inputs(lens, kv=FP8, q_len=q_len)
+    q, qs, k, v, pt, sl = inputs(lens, kv=FP8, q_len=q_len, qdt=FP8 if fp8_q else torch.bfloat16)
     ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
     new_rows = _row_bytes(k, pt, lens, lambda L: range(max(0, L - q_len), L))
     old_rows = _row_bytes(k, pt, lens, lambda L: range(0, 64) if L - q_len >= 64 else ())
     q0, k0, v0 = q.clone(), k.clone(), v.clone()
     q_new = torch.randn_like(q, dtype=torch.float32).to(q.dtype)
+    restore = [(q, q0), (k, k0), (v, v0)]
+    if fp8_q:
+        qs0, qs_new = qs.clone(), qs * (0.5 + torch.rand_like(qs))
+        restore.append((qs, qs0))
+    else:
+        qs0 = qs_new = None
 
     def run(offs, early_reads):
         kb, vb = k.view(torch.uint8).view(-1), v.view(torch.uint8).view(-1)
@@ -435,23 +447,27 @@ def test_gluon_fp8_pdl_early_reads_skip_what_the_kernel_ahead_writes(q_len, warp
         v_src = (torch.randn(offs.numel(), device="cuda") * 40).to(FP8).view(torch.uint8)
         plan = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
                                    early_reads=early_reads, **_wk(warps))
+        assert decode.gluon_fp8_supported(q, k, plan, 8 * q_len)
         outs = [torch.empty(q.shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
 
         def step():
             plan.update(sl)
-            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=outs[0])
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=outs[0])
             _late_writer[(1,)](q, q_new, q.numel(), kb, vb, k_src, v_src, offs, offs.numel(), SLEEP_NS=100_000,
                                BLOCK=1024, launch_pdl=True)
-            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=outs[1])
+            if fp8_q:  # q's scales, written by a second kernel ahead (K / V: nothing)
+                _late_writer[(1,)](qs, qs_new, qs.numel(), kb, vb, k_src, v_src, offs, 0, SLEEP_NS=100_000,
+                                   BLOCK=1024, launch_pdl=True)
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=outs[1])
 
         g = captured(step)
         same = []
         for _ in range(3):
-            replay_fresh(g, outs, ((q, q0), (k, k0), (v, v0)))
+            replay_fresh(g, outs, restore)
             plain = evenflow.DecodePlan(len(lens), 16 * K + 64, 8, q_len=q_len, device="cuda", kv_dtype=FP8,
                                         pdl=False, **_wk(warps)).update(sl)
-            before = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
-            after = evenflow.decode_attention(q, k, v, pt, sl, plan=plain, k_scale=ks, v_scale=vs)
+            before = evenflow.decode_attention(q0, k0, v0, pt, sl, plan=plain, q_scale=qs0, k_scale=ks, v_scale=vs)
+            after = evenflow.decode_attention(q, k, v, pt, sl, plan=plain, q_scale=qs, k_scale=ks, v_scale=vs)
             assert torch.equal(outs[0], before)
             same.append(torch.equal(outs[1], after))
         return same
