@@ -540,10 +540,9 @@ def warm_up(impls, variants, device, seed: int) -> dict:
     """Build (JIT-compile) and check every FlashInfer impl once per KV dtype; {(impl, variant): error}."""
     failed: dict = {}
     case = Case("warm-up 2x(100,700)", (100, 700), *FULL_HEADS)
-    todo = [(i, v) for v in variants for i in impls if i not in EVENFLOW_IMPLS and i != READ_IMPL]
-    for impl, variant in [t for t in todo if q_dtype_of(t[1]) != torch.bfloat16]:  # nothing to build for these
-        failed[(impl, variant)] = FI_FP8_Q
-        todo.remove((impl, variant))
+    peers = [(i, v) for v in variants for i in impls if i not in EVENFLOW_IMPLS and i != READ_IMPL]
+    failed.update({t: FI_FP8_Q for t in peers if q_dtype_of(t[1]) != torch.bfloat16})  # nothing to build for these
+    todo = [t for t in peers if t not in failed]
     for impl, variant in H.progress(todo, "decode warm-up (FlashInfer JIT build)"):
         t0 = time.time()
         try:

@@ -319,17 +319,16 @@ class DecodePlan:
             raise TypeError(f"gluon_warps must be an int or None, got {gluon_warps!r}")
         if gluon_warps not in GLUON_FP8_WARP_COUNTS:
             raise ValueError(f"gluon_warps must be one of {list(GLUON_FP8_WARP_COUNTS)}, got {gluon_warps!r}")
-        if gluon is True and kv_dtype == torch.float8_e4m3fn and page_size not in GLUON_FP8_PAGE_SIZES:
-            raise ValueError(f"gluon=True asks for the Gluon fp8 kernel, which reads pages of "
-                             f"{' or '.join(map(str, GLUON_FP8_PAGE_SIZES))} tokens; got page_size={page_size}")
         # the Triton kernel's launch options: a plan given any is built for that kernel (round AO; before, sized for
         # the Gluon one at 4 programs an SM, the Triton kernel ran its bins under a register cap for 4)
         triton_options = [f"{n}={v!r}" for n, v in (("num_warps", num_warps), ("block_n", block_n),
                                                     ("max_registers", max_registers), ("warp_split", warp_split))
                           if v is not None] + (["num_stages=1"] if num_stages == 1 else [])
-        if gluon is True and kv_dtype == torch.float8_e4m3fn and triton_options:
-            raise ValueError(f"gluon=True asks for the Gluon fp8 kernel; {', '.join(triton_options)} are the Triton "
-                             f"kernel's launch options")
+        other_page = [f"page_size={page_size}"] if page_size not in GLUON_FP8_PAGE_SIZES else []
+        if gluon is True and kv_dtype == torch.float8_e4m3fn and (other_page or triton_options):
+            raise ValueError(f"gluon=True asks for the Gluon fp8 kernel, which reads pages of "
+                             f"{' or '.join(map(str, GLUON_FP8_PAGE_SIZES))} tokens and takes none of the Triton "
+                             f"kernel's launch options; got {', '.join(other_page + triton_options)}")
         gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size) and not triton_options
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
