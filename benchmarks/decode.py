@@ -568,9 +568,9 @@ def _add_args(p) -> None:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, from {list(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gluon-fp8-q", action="store_true",
-                   help="run fp8 q on the Gluon fp8 kernel (decode.GLUON_FP8_Q, off by default until its GPU tests "
-                        "pass; the fp8-kv-fp8-q variant's evenflow rows otherwise run the Triton kernel)")
+    p.add_argument("--triton-fp8-q", action="store_true",
+                   help="run fp8 q on the Triton kernel (decode.GLUON_FP8_Q off for this process; by default the "
+                        "fp8-kv-fp8-q variant's evenflow rows run the Gluon fp8 kernel where a call is in its scope)")
 
 
 def q_dtype_of(variant: str) -> torch.dtype:
@@ -644,17 +644,17 @@ def sweep(args, device, l2: int) -> None:
     cases = [parse_case(n) for n in names]
     impls = _split(args.impls, IMPLS, "impls")
     variants = _split(args.variants, VARIANTS, "variants")
-    if getattr(args, "gluon_fp8_q", False):
-        from evenflow.attention import decode as decode_launcher
+    from evenflow.attention import decode as decode_launcher
 
-        decode_launcher.GLUON_FP8_Q = True  # for this process: the run's rows say which kernel ran (``kernel``)
+    if getattr(args, "triton_fp8_q", False):
+        decode_launcher.GLUON_FP8_Q = False  # for this process: the run's rows say which kernel ran (``kernel``)
 
     ceil = H.measure_ceilings()
     meta = {"heads": "64 q / 8 kv (tpN: 64 / N q, 8 / N kv)", "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
             "q_dtype": "bf16 (fp8-kv-fp8-q: fp8 e4m3, an fp32 scale per token and head)", "out_dtype": "bf16",
             "flashinfer": fi_peer.version() or "not installed",
             "us": "CUDA-graph replay, median per call", "eager_us": "eager, L2 flushed, median",
-            "gluon_fp8_q": bool(getattr(args, "gluon_fp8_q", False)),
+            "gluon_fp8_q": bool(decode_launcher.GLUON_FP8_Q),
             "floor": "(2 * live tokens * Hkv * D * kv bytes + B * Hq * D * (q bytes + 2) [+ B * Hq * 4 for an fp8 "
                      "q's scales]) / copy_TBps"}
     res = H.Results("decode", ceilings=ceil, out=args.out, meta=meta)

@@ -531,25 +531,37 @@ def test_hnd_knob_row_reads_the_same_values_with_each_heads_page_contiguous():
     assert torch.equal(a, b)
 
 
-def test_fp8_q_variant_calls_compute_the_reference_and_skip_flashinfer(monkeypatch):
+@pytest.mark.parametrize("gluon_fp8_q", [True, False])
+def test_fp8_q_variant_calls_compute_the_reference_and_skip_flashinfer(gluon_fp8_q, monkeypatch):
     """The fp8-kv-fp8-q variant (round AO): evenflow's calls pass each rotation's q scales and match the fp64
-    oracle under the decode tests' rule; FlashInfer's rows are refused as not run (it is driven with a bf16 q only);
-    the summary lists the variant's rows without counting them in issue 3's targets."""
+    oracle under the decode tests' rule, on the Gluon kernel (``decode.GLUON_FP8_Q``, the default since round AP)
+    where it can run and on the Triton kernel with the switch off; FlashInfer's rows are refused as not run (it is
+    driven with a bf16 q only)."""
+    import warnings
+
     from evenflow.attention import decode
     from evenflow.reference.attention import decode_attention_ref
     from evenflow.testing import assert_within_rule
 
-    monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # (the default until the Gluon fp8-q path's GPU tests pass)
+    monkeypatch.setattr(decode, "GLUON_FP8_Q", gluon_fp8_q)
     fp8 = torch.float8_e4m3fn
     case = D.Case("t", (130, 1, 640, 0), 16, 2)
     inp = D.make_inputs(case, fp8, _DEV, seed=4, l2_bytes=1 << 20, q_dtype=fp8)
     plan = D.evenflow_plan("evenflow", inp)
-    # the row says which kernel ran: here the Triton kernel (fp8 q off the Gluon kernel; the interpreter has none)
-    assert D.kernel_of(inp, plan) == "triton" and D.kernel_of(inp, None) == "static"
+    cap = _runtime.compiled_capability(inp.k_cache.device)
+    gluon_here = decode.GK is not None and cap is not None and cap >= (8, 9)  # (the interpreter runs no Gluon)
+    # the row says which kernel ran
+    assert D.kernel_of(inp, plan) == ("gluon" if gluon_here and gluon_fp8_q else "triton")
+    assert D.kernel_of(inp, None) == "static"
     calls = D.evenflow_calls(inp, plan)
     assert len(calls) == inp.rotations > 1
     for r, call in enumerate(calls):
-        got = call()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            got = call()
+        # the switch off on a GPU: the Gluon-sized plan runs the Triton kernel and says so, once a plan
+        said = [w for w in said if "built for the Gluon fp8 kernel" in str(w.message)]
+        assert len(said) == (gluon_here and not gluon_fp8_q and r == 0), [str(w.message) for w in said]
         args = (inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens)
         kw = dict(q_scale=D.q_scale_of(inp, r), k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale)
         ref, _ = decode_attention_ref(*args, **kw)

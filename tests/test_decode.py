@@ -699,7 +699,7 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
     from evenflow.attention.decode import gluon_fp8_supported
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM
 
-    monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # an fp8 q stays on the Triton kernel until its GPU tests pass
+    monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # the switch off: an fp8 q runs the Triton kernel
     cap = _runtime.compiled_capability(torch.device(device))
     gluon_here = decode.GK is not None and cap is not None and cap >= (8, 9)  # where a Gluon kernel could run at all
     for d, page, qdt in ((64, 64, torch.bfloat16), (128, 16, torch.bfloat16), (128, 64, FP8)):

@@ -126,7 +126,7 @@ def test_decode_kernels_compile_for_sm90():
 def _gluon_stats(name, monkeypatch):
     from evenflow.attention import decode
 
-    # an fp8 q takes the Gluon kernel where GLUON_FP8_Q is on (off until its GPU tests have run)
+    # an fp8 q takes the Gluon kernel where GLUON_FP8_Q is on (the default since round AP)
     monkeypatch.setattr(decode, "GLUON_FP8_Q", GLUON[name].get("qdt") == FP8)
     with CC.emulate_gpu(), CC.record_launches() as rec:
         _call(**GLUON[name])
@@ -373,7 +373,7 @@ def test_triton_kernel_on_a_plan_built_for_gluon_warns_once_and_builds_unspilled
     from evenflow.attention import decode
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM as PPS
 
-    monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # an fp8 q stays on the Triton kernel until its GPU tests pass
+    monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # the switch off: an fp8 q runs the Triton kernel
     kw = dict(lens=[8 * K, 300, 0, 65], kv=FP8, kv_dtype=FP8, **TRITON_ON_GLUON_PLAN[name])
     reason = {"fp8-q": "q is torch.float8_e4m3fn", "d64": "head_dim is 64", "g16-q2": "GQA group x q_len is 32"}[name]
     with CC.emulate_gpu(), CC.record_launches() as rec:

@@ -163,10 +163,10 @@ def _fused_blocks(rows: int, head_dim: int) -> tuple[int, int]:
     return block_m, max(1, min(8, 8192 // (block_m * head_dim)))
 
 
-# An fp8 q (with its per-token-per-head q_scale) on the Gluon fp8 kernel: built and checked in the sm_90 compile test
-# (round AO, on the CPU), not yet run on a GPU, so off; until then such calls run the Triton kernel. Turned on where
-# its GPU tests pass (tests/test_decode_gpu.py runs them with this set).
-GLUON_FP8_Q = False
+# An fp8 q (with its per-token-per-head q_scale) on the Gluon fp8 kernel: built in round AO, on since its GPU tests
+# passed on an H200 (round AP: tests/test_decode_gpu.py's fp8-q cases). Set False to run such calls on the Triton
+# kernel (the tests of that path do).
+GLUON_FP8_Q = True
 
 
 def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None,
