@@ -736,6 +736,54 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
     assert not gluon_fp8_supported(q, k, plan, 4)  # no kv_dtype given: the Triton kernel, as before
 
 
+def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(device):
+    """Round AP: a plan given ``head_dim`` / ``num_q_heads`` outside the Gluon kernel's scope (head_dim other than
+    128, GQA group x q_len over 16) is built for the Triton kernel from the start: its default program count, no
+    warning, the output right; inside the scope the hints change nothing. ``gluon=True`` with such a shape, bad
+    values and calls of another shape are refused by name."""
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM
+
+    sms = _runtime.num_sms(torch.device(device))
+    for hkv, hq, d, q_len, gluon_shape in ((2, 4, 64, 1, False), (2, 4, 256, 1, False), (2, 32, 128, 2, False),
+                                           (2, 32, 128, 1, True), (2, 16, 128, 4, False), (1, 4, 128, 4, True),
+                                           (2, 4, 128, 1, True)):
+        kw = dict(q_len=q_len, device=device, kv_dtype=FP8)
+        told = evenflow.DecodePlan(3, 1 << 12, hkv, num_q_heads=hq, head_dim=d, **kw)
+        assert told.takes_gluon == gluon_shape, (hkv, hq, d, q_len)
+        pps = GLUON_FP8_PROGRAMS_PER_SM if gluon_shape else DEFAULT_PROGRAMS_PER_SM
+        assert told.num_programs == pps * sms, (hkv, hq, d, q_len)
+        assert told.triton_programs == min(told.num_programs, DEFAULT_PROGRAMS_PER_SM * sms)
+        assert f"num_q_heads={hq}, head_dim={d}" in repr(told)
+        assert evenflow.DecodePlan(3, 1 << 12, hkv, **kw).takes_gluon  # not told: sized for the Gluon kernel
+        if not gluon_shape:
+            with pytest.raises(ValueError, match="gluon=True.*" + (f"head_dim={d}" if d != 128 else
+                                                                   f"num_q_heads={hq} .GQA group x q_len")):
+                evenflow.DecodePlan(3, 1 << 12, hkv, num_q_heads=hq, head_dim=d, gluon=True, **kw)
+    # the calls on such a plan: right, and silent (it is the Triton kernel's own plan)
+    for d, group, q_len in ((64, 2, 1), (128, 16, 2)):
+        lens = [300, 5, 0, 70]
+        q, qs, k, v, pt, sl = make_inputs(lens, 2, group, d, 64, q_len, FP8, device=device)
+        plan = evenflow.DecodePlan(4, 1 << 12, 2, q_len=q_len, device=device, min_tiles=1, kv_dtype=FP8,
+                                   num_q_heads=2 * group, head_dim=d).update(sl)
+        assert not plan.takes_gluon
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            check(q, qs, k, v, pt, sl, q_len, plan=plan, k_scale=0.05, v_scale=0.025, what=f"told d{d} g{group}")
+    # bad values, and calls of another shape than the plan was told
+    for bad, match in ((dict(num_q_heads=3), "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
+                       (dict(num_q_heads=34), "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
+                       (dict(num_q_heads=0), "num_q_heads"), (dict(num_q_heads=4.0), "num_q_heads"),
+                       (dict(head_dim=96), r"head_dim must be one of \[64, 128, 256\] or None, got 96")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            evenflow.DecodePlan(3, 1 << 12, 2, device=device, **bad)
+    q, qs, k, v, pt, sl = make_inputs([300, 5], 2, 4, 128, 64, 1, FP8, device=device)
+    for told, match in ((dict(num_q_heads=16), "plan was built for num_q_heads=16, q has 8 heads"),
+                        (dict(head_dim=64), "plan was built for head_dim=64, k_cache has head_dim 128")):
+        plan = evenflow.DecodePlan(2, 1 << 12, 2, device=device, **told).update(sl)
+        with pytest.raises(ValueError, match=match):
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.05, v_scale=0.025)
+
+
 def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     """An fp8 plan is built for the Gluon kernel (4 programs an SM) at any KV-head count at 2 warps a program (the
     default, round AL2), from 2 KV heads at 1 (round AF5: at one KV head, the TP8 slice of most GQA models, the

@@ -391,3 +391,21 @@ def test_triton_kernel_on_a_plan_built_for_gluon_warns_once_and_builds_unspilled
     (st,) = CC.compile_stats([on_gluon])
     assert "error" not in st and st["spill_bytes"] == 0, st
     assert st["regs"] * 32 * st["num_warps"] * PPS <= 65536, st
+
+
+@pytest.mark.parametrize("name", ["d64", "g16-q2"])
+def test_plan_told_a_shape_outside_gluon_runs_the_triton_kernel_as_on_its_own_plan(name):
+    """Round AP: told the calls' head_dim and q heads, an fp8 plan whose calls the Gluon kernel does not take is the
+    Triton kernel's own plan: the same launch as ``gluon=False`` builds, and no warning."""
+    import warnings
+
+    kw = dict(lens=[8 * K, 300, 0, 65], kv=FP8, kv_dtype=FP8, **TRITON_ON_GLUON_PLAN[name])
+    told = dict(head_dim=kw.get("d", 128), num_q_heads=kw.get("hq", 64))
+    with CC.emulate_gpu(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with CC.record_launches() as rec_told:
+            _call(**kw, **told)
+        with CC.record_launches() as rec_own:
+            _call(**kw, gluon=False)
+    assert [la.describe() for la in rec_told] == [la.describe() for la in rec_own]
+    assert [la.name for la in rec_told].count("decode_kernel") == 1

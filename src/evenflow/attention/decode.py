@@ -44,8 +44,12 @@ from evenflow._checks import check_bool, check_out, check_scaling, check_tensor
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import (
     DEFAULT_PROGRAMS_PER_SM,
+    GLUON_FP8_HEAD_DIM,
+    GLUON_FP8_MAX_ROWS,
     GLUON_FP8_PAGE_SIZES,
     GLUON_FP8_STAGES,
+    HEAD_DIMS,
+    MAX_GQA_GROUP,
     TILE,
     DecodePlan,
     programs_per_sm,
@@ -191,12 +195,12 @@ def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan |
         return f"the cache is {k_cache.dtype}, not float8_e4m3fn", True
     if q.dtype != torch.bfloat16 and not (q.dtype == FP8 and GLUON_FP8_Q):
         return f"q is {q.dtype}, not bfloat16", True
-    if k_cache.shape[3] != 128:
-        return f"head_dim is {k_cache.shape[3]}, not 128", True
+    if k_cache.shape[3] != GLUON_FP8_HEAD_DIM:
+        return f"head_dim is {k_cache.shape[3]}, not {GLUON_FP8_HEAD_DIM}", True
     if k_cache.shape[1] not in GLUON_FP8_PAGE_SIZES:  # (decode_attention refuses a cache of another page size)
         return f"the cache's pages hold {k_cache.shape[1]} tokens", True
-    if rows > 16:
-        return f"GQA group x q_len is {rows}, over 16", True
+    if rows > GLUON_FP8_MAX_ROWS:
+        return f"GQA group x q_len is {rows}, over {GLUON_FP8_MAX_ROWS}", True
     return None
 
 
@@ -212,10 +216,13 @@ def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str) -> None:
     if plan.warned_kernel or plan.per_sm <= DEFAULT_PROGRAMS_PER_SM:  # (at most 2 an SM: one round, nothing to say)
         return
     plan.warned_kernel = True
+    # a plan told the calls' head_dim and q heads is built for the Triton kernel where those are outside the Gluon
+    # kernel's scope (round AP)
+    told = "" if plan.head_dim is not None and plan.num_q_heads is not None else " (or with head_dim= and num_q_heads=)"
     warnings.warn(f"decode_attention: this plan was built for the Gluon fp8 kernel ({plan.per_sm} programs an SM), "
                   f"which does not run this call ({reason}); the Triton kernel runs the plan's bins at "
-                  f"{DEFAULT_PROGRAMS_PER_SM} programs an SM instead. Build the plan with gluon=False for such calls.",
-                  RuntimeWarning, stacklevel=3)
+                  f"{DEFAULT_PROGRAMS_PER_SM} programs an SM instead. Build the plan with gluon=False{told} for such "
+                  f"calls.", RuntimeWarning, stacklevel=3)
 
 
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
@@ -367,13 +374,13 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
     num_pages, P, Hkv, D = k_cache.shape
     if P not in (16, 32, 64, 128):
         raise ValueError(f"k_cache page size (dim 1) must be one of [16, 32, 64, 128], got {P}")
-    if D not in (64, 128, 256):
-        raise ValueError(f"head_dim must be one of [64, 128, 256], got {D}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)}, got {D}")
     if q.shape[2] != D:
         raise ValueError(f"q head_dim {q.shape[2]} != k_cache head_dim {D}")
     Hq = q.shape[1]
-    if Hq % Hkv != 0 or not 1 <= Hq // Hkv <= 16:
-        raise ValueError(f"q heads ({Hq}) must be a multiple 1..16 of the kv heads ({Hkv})")
+    if Hq % Hkv != 0 or not 1 <= Hq // Hkv <= MAX_GQA_GROUP:
+        raise ValueError(f"q heads ({Hq}) must be a multiple 1..{MAX_GQA_GROUP} of the kv heads ({Hkv})")
     if num_pages < 1:
         raise ValueError("k_cache must hold at least one page")
     if page_table.shape[1] < 1:
@@ -383,6 +390,10 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
             raise TypeError(f"plan must be a DecodePlan or None, got {type(plan).__name__}")
         if plan.num_kv_heads != Hkv:
             raise ValueError(f"plan was built for {plan.num_kv_heads} kv heads, k_cache has {Hkv}")
+        if plan.num_q_heads is not None and plan.num_q_heads != Hq:
+            raise ValueError(f"plan was built for num_q_heads={plan.num_q_heads}, q has {Hq} heads")
+        if plan.head_dim is not None and plan.head_dim != D:
+            raise ValueError(f"plan was built for head_dim={plan.head_dim}, k_cache has head_dim {D}")
         if plan.page_size != P:
             raise ValueError(f"plan was built for page_size {plan.page_size}, k_cache pages hold {P}")
         if plan.kv_dtype is not None and plan.kv_dtype != k_cache.dtype:

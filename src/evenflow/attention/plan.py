@@ -65,7 +65,13 @@ GLUON_FP8_MIN_KV_HEADS = {1: 2, 2: 1}
 # for the Triton kernel, which runs those calls (round AO: sized for Gluon, the Triton kernel ran its 4 programs an
 # SM under a 128-register cap, 500 bytes of spill a thread in the sm_90 build).
 GLUON_FP8_PAGE_SIZES = (64, 128)
+# The head dim and the q rows a KV head (GQA group x q_len: one 16-row MMA tile) the Gluon fp8 kernel takes; a plan
+# told its calls' shape outside them (``head_dim``, ``num_q_heads``) is built for the Triton kernel (round AP).
+GLUON_FP8_HEAD_DIM = 128
+GLUON_FP8_MAX_ROWS = 16
 KV_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+HEAD_DIMS = (64, 128, 256)
+MAX_GQA_GROUP = 16
 
 # Ring slots (tiles in flight + 1) of the Gluon fp8 kernel by warps a program, 16 KB each, 4 programs an SM.
 # Measured on the H200 (docs/perf-notes/decode.md): at one warp, the probe's best split per case, round AB1, 2 and 3
@@ -210,11 +216,15 @@ class DecodePlan:
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
     whole ring, the only choice at one warp; a positive value only on such a plan)) and
-    :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, head_dim 128, GQA group x
-    q_len <= 16; a timeline runs its own STAMPS build; ``combine`` as for the Triton kernel); other calls run the
-    Triton kernel on the same bins, its register cap set for at most its own DEFAULT_PROGRAMS_PER_SM programs an SM
-    (so an SM runs a plan of more in two rounds), and on such a plan the first of those calls warns once (round AO:
-    build the plan with ``gluon=False`` for them).
+    :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, or fp8 q with its scales
+    where ``decode.GLUON_FP8_Q``, on since round AP; head_dim 128, GQA group x q_len <= 16; a timeline runs its own
+    STAMPS build; ``combine`` as for the Triton kernel); other calls run the Triton kernel on the same bins, its
+    register cap set for at most its own DEFAULT_PROGRAMS_PER_SM programs an SM (so an SM runs a plan of more in two
+    rounds: round AP4 measured 1.02-1.21x the time of a plan built for the Triton kernel), and on such a plan the
+    first of those calls warns once (round AO: build the plan with ``gluon=False`` for them).
+    ``num_q_heads`` / ``head_dim`` (optional, round AP): the calls' q heads and head dim. Where given, a call with
+    others raises, and an fp8 plan whose calls the Gluon kernel does not take (head_dim other than 128, GQA group x
+    ``q_len`` over 16) is built for the Triton kernel from the start (``gluon=True`` with them raises).
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
     ``num_programs``: persistent programs of the attention kernel (default
@@ -296,7 +306,7 @@ class DecodePlan:
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
-                 deep_ring_tiles: int | None = None):
+                 deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -305,6 +315,13 @@ class DecodePlan:
         if page_size not in (16, 32, 64, 128):
             raise ValueError(f"page_size must be one of [16, 32, 64, 128], got {page_size!r}")
         check_int("q_len", q_len, 1, 4)
+        if num_q_heads is not None:
+            check_int("num_q_heads", num_q_heads, 1, 256 * MAX_GQA_GROUP)
+            if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GQA_GROUP:
+                raise ValueError(f"num_q_heads must be num_kv_heads ({num_kv_heads}) times a GQA group of 1-"
+                                 f"{MAX_GQA_GROUP}, got {num_q_heads}")
+        if head_dim is not None and head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)} or None, got {head_dim!r}")
         dev = torch.device(device)
         if dev.type == "cuda" and _runtime.interpreting():
             raise ValueError("device: kernels run on the CPU here (Triton interpreter); pass device='cpu'")
@@ -325,11 +342,19 @@ class DecodePlan:
                                                     ("max_registers", max_registers), ("warp_split", warp_split))
                           if v is not None] + (["num_stages=1"] if num_stages == 1 else [])
         other_page = [f"page_size={page_size}"] if page_size not in GLUON_FP8_PAGE_SIZES else []
-        if gluon is True and kv_dtype == torch.float8_e4m3fn and (other_page or triton_options):
+        # the calls' shape, where the plan is told it (round AP): one the Gluon kernel does not take makes a plan
+        # for the Triton kernel, so those calls do not run it on bins sized for the Gluon kernel's programs
+        other_shape = ([f"head_dim={head_dim}"] if head_dim not in (None, GLUON_FP8_HEAD_DIM) else []) + (
+            [f"num_q_heads={num_q_heads} (GQA group x q_len {num_q_heads // num_kv_heads * q_len})"]
+            if num_q_heads is not None and num_q_heads // num_kv_heads * q_len > GLUON_FP8_MAX_ROWS else [])
+        if gluon is True and kv_dtype == torch.float8_e4m3fn and (other_page or triton_options or other_shape):
             raise ValueError(f"gluon=True asks for the Gluon fp8 kernel, which reads pages of "
-                             f"{' or '.join(map(str, GLUON_FP8_PAGE_SIZES))} tokens and takes none of the Triton "
-                             f"kernel's launch options; got {', '.join(other_page + triton_options)}")
-        gluon_plan = takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size) and not triton_options
+                             f"{' or '.join(map(str, GLUON_FP8_PAGE_SIZES))} tokens, head_dim "
+                             f"{GLUON_FP8_HEAD_DIM} and GQA group x q_len <= {GLUON_FP8_MAX_ROWS}, and takes none of "
+                             f"the Triton kernel's launch options; got "
+                             f"{', '.join(other_page + other_shape + triton_options)}")
+        gluon_plan = (takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size) and not triton_options
+                      and not other_shape)
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
@@ -374,6 +399,7 @@ class DecodePlan:
         self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
         self.page_size, self.q_len, self.device = page_size, q_len, dev
         self.kv_dtype = kv_dtype
+        self.num_q_heads, self.head_dim = num_q_heads, head_dim  # the calls' shape, where given (None: not said)
         self.gluon = gluon
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
         self.gluon_warps = gluon_warps
@@ -512,6 +538,7 @@ class DecodePlan:
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
                 f"gluon_warps={self.gluon_warps}, deep_ring_tiles={self.deep_ring_tiles}, "
+                f"num_q_heads={self.num_q_heads}, head_dim={self.head_dim}, "
                 f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
                 f"spread_bins={self.spread_bins}, "
