@@ -322,8 +322,8 @@ def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch, warps):
 @pytest.mark.parametrize("hq,hkv,page,q_len", [(64, 8, 64, 1), (8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4)])
 @WARPS
 def test_gluon_fp8_kernel_with_fp8_q(hq, hkv, page, q_len, warps, monkeypatch):
-    """fp8 q with its per-token-per-head scale on the Gluon kernel (``decode.GLUON_FP8_Q``, round AO: built and
-    compile-checked on the CPU, off until this test has passed on a GPU): within the tolerance rule of the fp64
+    """fp8 q with its per-token-per-head scale on the Gluon kernel (``decode.GLUON_FP8_Q``, round AO; on by default
+    since this test passed on a GPU, round AP1): within the tolerance rule of the fp64
     reference, and the scale read per row (rows of one token and of one head get different scales here)."""
     from evenflow.attention import decode
 
