@@ -569,8 +569,10 @@ def _add_args(p) -> None:
                    help=f"comma-separated, from {list(VARIANTS)} (default: {','.join(DEFAULT_VARIANTS)})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--triton-fp8-q", action="store_true",
-                   help="run fp8 q on the Triton kernel (decode.GLUON_FP8_Q off for this process; by default the "
-                        "fp8-kv-fp8-q variant's evenflow rows run the Gluon fp8 kernel where a call is in its scope)")
+                   help="run fp8 q on the Triton kernel (decode.GLUON_FP8_Q off for this process): the fp8-kv-fp8-q "
+                        "variant's evenflow rows then run it on the plan sized for the Gluon kernel (capped, two "
+                        "rounds an SM, one warning); evenflow-t-force rows run it on its own plan. By default those "
+                        "evenflow rows run the Gluon fp8 kernel where a call is in its scope")
 
 
 def q_dtype_of(variant: str) -> torch.dtype:

@@ -756,10 +756,14 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
         assert f"num_q_heads={hq}, head_dim={d}" in repr(told)
         assert evenflow.DecodePlan(3, 1 << 12, hkv, **kw).takes_gluon  # not told: sized for the Gluon kernel
         if not gluon_shape:
-            with pytest.raises(ValueError, match="gluon=True.*" + (f"head_dim={d}" if d != 128 else
-                                                                   f"num_q_heads={hq} .GQA group x q_len")):
+            named = f"head_dim={d}" if d != 128 else f"num_q_heads={hq} .GQA group x q_len"
+            with pytest.raises(ValueError, match="gluon=True.*" + named):
                 evenflow.DecodePlan(3, 1 << 12, hkv, num_q_heads=hq, head_dim=d, gluon=True, **kw)
-    # the calls on such a plan: right, and silent (it is the Triton kernel's own plan)
+            # the Gluon kernel's read-ahead knob on such a plan names the told shape as the reason
+            with pytest.raises(ValueError, match="deep_ring_tiles=16 .*no told shape outside.*" + named):
+                evenflow.DecodePlan(3, 1 << 12, hkv, num_q_heads=hq, head_dim=d, deep_ring_tiles=16, **kw)
+    # the calls on such a plan: right, and silent (it is the Triton kernel's own plan; the warning can only come on a
+    # GPU, where a Gluon-sized plan would run the Triton kernel: the interpreter runs no Gluon kernel at all)
     for d, group, q_len in ((64, 2, 1), (128, 16, 2)):
         lens = [300, 5, 0, 70]
         q, qs, k, v, pt, sl = make_inputs(lens, 2, group, d, 64, q_len, FP8, device=device)
@@ -770,11 +774,15 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
             warnings.simplefilter("error", RuntimeWarning)
             check(q, qs, k, v, pt, sl, q_len, plan=plan, k_scale=0.05, v_scale=0.025, what=f"told d{d} g{group}")
     # bad values, and calls of another shape than the plan was told
-    for bad, match in ((dict(num_q_heads=3), "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
-                       (dict(num_q_heads=34), "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
-                       (dict(num_q_heads=0), "num_q_heads"), (dict(num_q_heads=4.0), "num_q_heads"),
-                       (dict(head_dim=96), r"head_dim must be one of \[64, 128, 256\] or None, got 96")):
-        with pytest.raises((ValueError, TypeError), match=match):
+    for bad, err, match in (
+            (dict(num_q_heads=3), ValueError, "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
+            (dict(num_q_heads=34), ValueError, "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
+            (dict(num_q_heads=0), ValueError, "num_q_heads must be >= 1"),
+            (dict(num_q_heads=4.0), TypeError, "num_q_heads must be an int"),
+            (dict(head_dim=128.0), TypeError, "head_dim must be an int"),
+            (dict(head_dim=True), TypeError, "head_dim must be an int"),
+            (dict(head_dim=96), ValueError, r"head_dim must be one of \[64, 128, 256\] or None, got 96")):
+        with pytest.raises(err, match=match):
             evenflow.DecodePlan(3, 1 << 12, 2, device=device, **bad)
     q, qs, k, v, pt, sl = make_inputs([300, 5], 2, 4, 128, 64, 1, FP8, device=device)
     for told, match in ((dict(num_q_heads=16), "plan was built for num_q_heads=16, q has 8 heads"),

@@ -123,11 +123,9 @@ def test_decode_kernels_compile_for_sm90():
     assert not failures, "\n\n".join(failures)
 
 
-def _gluon_stats(name, monkeypatch):
-    from evenflow.attention import decode
-
-    # an fp8 q takes the Gluon kernel where GLUON_FP8_Q is on (the default since round AP)
-    monkeypatch.setattr(decode, "GLUON_FP8_Q", GLUON[name].get("qdt") == FP8)
+def _gluon_stats(name):
+    # an fp8 q takes the Gluon kernel by default (decode.GLUON_FP8_Q, on since round AP; the flag is not set here, so
+    # the fp8-q builds below also check that default)
     with CC.emulate_gpu(), CC.record_launches() as rec:
         _call(**GLUON[name])
     assert [la.name for la in rec if la.gluon] == ["decode_fp8_kernel"], [la.describe() for la in rec]
@@ -140,7 +138,7 @@ def _gluon_stats(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", list(GLUON))
-def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memory(name, monkeypatch):
+def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memory(name):
     """What round AB measured the one-warp kernel for: per 64-token tile, each thread reads K and V
     from shared memory in 16-byte loads (32 LDS.128: 8 KB each of K and V over 32 lanes), runs 128
     mma.sync (64 for S, 64 for P V) on f16 values converted in registers (256 F2FP of two e4m3 each),
@@ -151,7 +149,7 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     from evenflow.attention.plan import GLUON_FP8_WARPS
 
     w = GLUON[name].get("gluon_warps", GLUON_FP8_WARPS)
-    st = _gluon_stats(name, monkeypatch)
+    st = _gluon_stats(name)
     assert st["num_warps"] == w and st["spill_bytes"] == 0, st
     assert st["regs"] * 32 * w * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
     if GLUON[name].get("pdl", True):
@@ -375,9 +373,13 @@ def test_triton_kernel_on_a_plan_built_for_gluon_warns_once_and_builds_unspilled
 
     monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # the switch off: an fp8 q runs the Triton kernel
     kw = dict(lens=[8 * K, 300, 0, 65], kv=FP8, kv_dtype=FP8, **TRITON_ON_GLUON_PLAN[name])
-    reason = {"fp8-q": "q is torch.float8_e4m3fn", "d64": "head_dim is 64", "g16-q2": "GQA group x q_len is 32"}[name]
+    # the reason, and what the plan could have been told instead of gluon=False (nothing, for a q dtype)
+    reason, told = {
+        "fp8-q": (r"q is torch.float8_e4m3fn, not bfloat16 \(decode.GLUON_FP8_Q is off\)", r"gluon=False for"),
+        "d64": ("head_dim is 64", r"gluon=False \(or told the calls' head_dim=64\) for"),
+        "g16-q2": ("GQA group x q_len is 32", r"gluon=False \(or told the calls' num_q_heads=128\) for")}[name]
     with CC.emulate_gpu(), CC.record_launches() as rec:
-        with pytest.warns(RuntimeWarning, match=f"built for the Gluon fp8 kernel.*{reason}.*gluon=False") as got:
+        with pytest.warns(RuntimeWarning, match=f"built for the Gluon fp8 kernel.*{reason}.*{told}") as got:
             _call(**kw, calls=2)
         assert len([w for w in got if w.category is RuntimeWarning]) == 1  # two calls, one plan
         with warnings.catch_warnings():

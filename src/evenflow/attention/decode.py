@@ -194,7 +194,7 @@ def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan |
     if k_cache.dtype != FP8:
         return f"the cache is {k_cache.dtype}, not float8_e4m3fn", True
     if q.dtype != torch.bfloat16 and not (q.dtype == FP8 and GLUON_FP8_Q):
-        return f"q is {q.dtype}, not bfloat16", True
+        return f"q is {q.dtype}, not bfloat16" + (" (decode.GLUON_FP8_Q is off)" if q.dtype == FP8 else ""), True
     if k_cache.shape[3] != GLUON_FP8_HEAD_DIM:
         return f"head_dim is {k_cache.shape[3]}, not {GLUON_FP8_HEAD_DIM}", True
     if k_cache.shape[1] not in GLUON_FP8_PAGE_SIZES:  # (decode_attention refuses a cache of another page size)
@@ -209,16 +209,19 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
     return gluon_fp8_refusal(q, k_cache, plan, rows) is None
 
 
-def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str) -> None:
+def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     """Once a plan: its bins were sized for the Gluon kernel (GLUON_FP8_PROGRAMS_PER_SM programs an SM) and this call
     runs the Triton kernel, which holds DEFAULT_PROGRAMS_PER_SM an SM: the output is right, the schedule is not the
     one the plan was built for (its programs run in two rounds)."""
     if plan.warned_kernel or plan.per_sm <= DEFAULT_PROGRAMS_PER_SM:  # (at most 2 an SM: one round, nothing to say)
         return
     plan.warned_kernel = True
-    # a plan told the calls' head_dim and q heads is built for the Triton kernel where those are outside the Gluon
-    # kernel's scope (round AP)
-    told = "" if plan.head_dim is not None and plan.num_q_heads is not None else " (or with head_dim= and num_q_heads=)"
+    # where the reason is the call's shape, a plan told it (round AP) is built for the Triton kernel
+    told = [f"{name}={value}" for name, value, out, known in (
+        ("head_dim", k_cache.shape[3], k_cache.shape[3] != GLUON_FP8_HEAD_DIM, plan.head_dim),
+        ("num_q_heads", q.shape[1], q.shape[1] // k_cache.shape[2] * plan.q_len > GLUON_FP8_MAX_ROWS,
+         plan.num_q_heads)) if out and known is None]
+    told = f" (or told the calls' {' and '.join(told)})" if told else ""
     warnings.warn(f"decode_attention: this plan was built for the Gluon fp8 kernel ({plan.per_sm} programs an SM), "
                   f"which does not run this call ({reason}); the Triton kernel runs the plan's bins at "
                   f"{DEFAULT_PROGRAMS_PER_SM} programs an SM instead. Build the plan with gluon=False{told} for such "
@@ -465,7 +468,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         refusal = gluon_fp8_refusal(q, k_cache, plan, rows)
         gluon = refusal is None
         if refusal is not None and refusal[1] and not torch.compiler.is_compiling():
-            _warn_triton_on_a_gluon_plan(plan, refusal[0])
+            _warn_triton_on_a_gluon_plan(plan, refusal[0], q, k_cache)
         # the next kernel let go at the top only where an SM holds no more than the plan's programs
         trigger = pdl and plan.launch_next and (gluon or triton_holds_plan(plan, rows, D))
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,

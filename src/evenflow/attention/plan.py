@@ -320,8 +320,10 @@ class DecodePlan:
             if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > MAX_GQA_GROUP:
                 raise ValueError(f"num_q_heads must be num_kv_heads ({num_kv_heads}) times a GQA group of 1-"
                                  f"{MAX_GQA_GROUP}, got {num_q_heads}")
-        if head_dim is not None and head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)} or None, got {head_dim!r}")
+        if head_dim is not None:
+            check_int("head_dim", head_dim, 1)
+            if head_dim not in HEAD_DIMS:
+                raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)} or None, got {head_dim!r}")
         dev = torch.device(device)
         if dev.type == "cuda" and _runtime.interpreting():
             raise ValueError("device: kernels run on the CPU here (Triton interpreter); pass device='cpu'")
@@ -373,10 +375,11 @@ class DecodePlan:
                 raise ValueError(f"deep_ring_tiles={deep_ring_tiles} picks the chunks that the Gluon fp8 kernel's "
                                  f"ring reads num_stages - 1 tiles ahead (longer ones a tile fewer): it needs a plan "
                                  f"for that kernel (kv_dtype=torch.float8_e4m3fn) at gluon_warps=2 (at one warp the "
-                                 f"second tile loop spills) with num_stages >= 3, pages of 64 or 128 tokens and no "
-                                 f"Triton launch option; got kv_dtype={kv_dtype}, gluon={gluon}, "
+                                 f"second tile loop spills) with num_stages >= 3, pages of 64 or 128 tokens, no "
+                                 f"Triton launch option and no told shape outside the kernel's (head_dim 128, GQA "
+                                 f"group x q_len <= {GLUON_FP8_MAX_ROWS}); got kv_dtype={kv_dtype}, gluon={gluon}, "
                                  f"gluon_warps={gluon_warps}, num_stages={num_stages}, page_size={page_size}"
-                                 + (f", {', '.join(triton_options)}" if triton_options else ""))
+                                 + "".join(f", {o}" for o in other_shape + triton_options))
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
         check_int("num_programs", num_programs, 1, 1 << 16)
