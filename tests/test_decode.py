@@ -739,8 +739,8 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
 def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(device):
     """Round AP: a plan given ``head_dim`` / ``num_q_heads`` outside the Gluon kernel's scope (head_dim other than
     128, GQA group x q_len over 16) is built for the Triton kernel from the start: its default program count, no
-    warning, the output right; inside the scope the hints change nothing. ``gluon=True`` with such a shape, bad
-    values and calls of another shape are refused by name."""
+    warning, the output right; inside the scope the hints change nothing. ``gluon=True`` with such a shape and calls
+    of another shape are refused by name."""
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM
 
     sms = _runtime.num_sms(torch.device(device))
@@ -773,17 +773,7 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             check(q, qs, k, v, pt, sl, q_len, plan=plan, k_scale=0.05, v_scale=0.025, what=f"told d{d} g{group}")
-    # bad values, and calls of another shape than the plan was told
-    for bad, err, match in (
-            (dict(num_q_heads=3), ValueError, "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
-            (dict(num_q_heads=34), ValueError, "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
-            (dict(num_q_heads=0), ValueError, "num_q_heads must be >= 1"),
-            (dict(num_q_heads=4.0), TypeError, "num_q_heads must be an int"),
-            (dict(head_dim=128.0), TypeError, "head_dim must be an int"),
-            (dict(head_dim=True), TypeError, "head_dim must be an int"),
-            (dict(head_dim=96), ValueError, r"head_dim must be one of \[64, 128, 256\] or None, got 96")):
-        with pytest.raises(err, match=match):
-            evenflow.DecodePlan(3, 1 << 12, 2, device=device, **bad)
+    # calls of another shape than the plan was told (bad values of the keywords: test_plan.py's argument table)
     q, qs, k, v, pt, sl = make_inputs([300, 5], 2, 4, 128, 64, 1, FP8, device=device)
     for told, match in ((dict(num_q_heads=16), "plan was built for num_q_heads=16, q has 8 heads"),
                         (dict(head_dim=64), "plan was built for head_dim=64, k_cache has head_dim 128")):

@@ -421,7 +421,14 @@ def test_plan_bad_arguments(device):
             (dict(max_registers=300), ValueError, "max_registers must be <= 255, got 300"),
             (dict(align_items=1), TypeError, "align_items must be a bool, got 1"),
             (dict(kv_dtype=torch.float16), ValueError, "kv_dtype must be one of"),
-            (dict(gluon=1), TypeError, "gluon must be a bool or None")):
+            (dict(gluon=1), TypeError, "gluon must be a bool or None"),
+            (dict(num_q_heads=3), ValueError, "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
+            (dict(num_q_heads=34), ValueError, "num_q_heads must be num_kv_heads .2. times a GQA group of 1-16"),
+            (dict(num_q_heads=0), ValueError, "num_q_heads must be >= 1"),
+            (dict(num_q_heads=4.0), TypeError, "num_q_heads must be an int"),
+            (dict(head_dim=128.0), TypeError, "head_dim must be an int"),
+            (dict(head_dim=True), TypeError, "head_dim must be an int"),
+            (dict(head_dim=96), ValueError, r"head_dim must be one of \[64, 128, 256\] or None, got 96")):
         with pytest.raises(err, match=pattern):
             evenflow.DecodePlan(**{**dict(max_batch=4, max_seq_len=100, num_kv_heads=2, device=device), **kw})
     elsewhere = "cuda" if torch.device(device).type == "cpu" else "cpu"
