@@ -535,8 +535,11 @@ def attention_bind(impl: str, q, k, v, table, lens, shapes, scales):
     if impl == "evenflow":
         import evenflow
 
+        # the plan a user builds (README): told the cache's dtype (an fp8 cache: the Gluon kernel where it applies;
+        # before round AP this benchmark's plans ran the Triton kernel on fp8 caches) and the calls' shape
         plan = evenflow.DecodePlan(len(lens), table.shape[1] * shapes["page"], k.shape[2],
-                                   page_size=shapes["page"], device=q.device)
+                                   page_size=shapes["page"], device=q.device, kv_dtype=k.dtype,
+                                   num_q_heads=q.shape[1], head_dim=q.shape[2])
         plan.update(lens)
         out = torch.empty_like(q)
         return lambda: evenflow.decode_attention(q, k, v, table, lens, plan=plan, k_scale=ks, v_scale=vs, out=out)

@@ -531,6 +531,30 @@ def test_hnd_knob_row_reads_the_same_values_with_each_heads_page_contiguous():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_multigpu_attention_runs_the_plan_a_user_builds(kv, monkeypatch):
+    """benchmarks/multigpu.py's evenflow attention rows (round AP): the plan is told the cache's dtype and the calls'
+    shape, as README's API shows, and the output is within the tolerance rule of the fp64 oracle."""
+    import evenflow
+    from evenflow.testing import assert_within_rule
+
+    M = _load("multigpu")
+    built = []
+
+    class Recorded(evenflow.DecodePlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(evenflow, "DecodePlan", Recorded)
+    q, k, v, table, lens, scales = M.attention_inputs([300, 5, 0, 130], M.TINY, _DEV, seed=1, kv=kv)
+    got = M.attention_bind("evenflow", q, k, v, table, lens, M.TINY, scales)()
+    (plan,) = built
+    assert (plan.kv_dtype, plan.num_q_heads, plan.head_dim) == (k.dtype, q.shape[1], q.shape[2])
+    ref, base = M.attention_ref(q, k, v, table, lens, scales)
+    assert_within_rule(got, ref, base, what=f"multigpu attention {kv}")
+
+
 @pytest.mark.parametrize("gluon_fp8_q", [True, False])
 def test_fp8_q_variant_calls_compute_the_reference_and_skip_flashinfer(gluon_fp8_q, monkeypatch):
     """The fp8-kv-fp8-q variant (round AO): evenflow's calls pass each rotation's q scales and match the fp64
