@@ -573,8 +573,7 @@ def test_fp8_q_variant_calls_compute_the_reference_and_skip_flashinfer(gluon_fp8
     case = D.Case("t", (130, 1, 640, 0), 16, 2)
     inp = D.make_inputs(case, fp8, _DEV, seed=4, l2_bytes=1 << 20, q_dtype=fp8)
     plan = D.evenflow_plan("evenflow", inp)
-    cap = _runtime.compiled_capability(inp.k_cache.device)
-    gluon_here = decode.GK is not None and cap is not None and cap >= (8, 9)  # (the interpreter runs no Gluon)
+    gluon_here = decode.gluon_fp8_machine_refusal(inp.k_cache.device) is None  # (the interpreter runs no Gluon)
     # the row says which kernel ran
     assert D.kernel_of(inp, plan) == ("gluon" if gluon_here and gluon_fp8_q else "triton")
     assert D.kernel_of(inp, None) == "static"

@@ -700,8 +700,7 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM
 
     monkeypatch.setattr(decode, "GLUON_FP8_Q", False)  # the switch off: an fp8 q runs the Triton kernel
-    cap = _runtime.compiled_capability(torch.device(device))
-    gluon_here = decode.GK is not None and cap is not None and cap >= (8, 9)  # where a Gluon kernel could run at all
+    gluon_here = decode.gluon_fp8_machine_refusal(device) is None  # where a Gluon kernel could run at all
     for d, page, qdt in ((64, 64, torch.bfloat16), (128, 16, torch.bfloat16), (128, 64, FP8)):
         lens = [300, 5, 0]
         q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, d, page, 1, FP8, qdt, device=device)

@@ -52,6 +52,7 @@ from evenflow.attention.plan import (
     MAX_GQA_GROUP,
     TILE,
     DecodePlan,
+    gluon_fp8_shape_misses,
     programs_per_sm,
     static_splits,
 )
@@ -185,22 +186,31 @@ def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan |
     runs the Triton one), not the plan's or the machine's."""
     if plan is None or not plan.takes_gluon:
         return "no plan built for it", False
-    if GK is None:
-        return f"Triton {triton.__version__} has no Gluon (3.6 or later)", False
-    # compiled code only (the interpreter cannot run Gluon; a compile check records what an H200 runs)
-    cap = _runtime.compiled_capability(q.device)
-    if cap is None or cap < (8, 9):
-        return "no compiled code with e4m3 conversions (sm_89 or later)", False
+    machine = gluon_fp8_machine_refusal(q.device)
+    if machine is not None:
+        return machine, False
     if k_cache.dtype != FP8:
         return f"the cache is {k_cache.dtype}, not float8_e4m3fn", True
     if q.dtype != torch.bfloat16 and not (q.dtype == FP8 and GLUON_FP8_Q):
         return f"q is {q.dtype}, not bfloat16" + (" (decode.GLUON_FP8_Q is off)" if q.dtype == FP8 else ""), True
-    if k_cache.shape[3] != GLUON_FP8_HEAD_DIM:
+    head_out, rows_out = gluon_fp8_shape_misses(k_cache.shape[3], rows)
+    if head_out:
         return f"head_dim is {k_cache.shape[3]}, not {GLUON_FP8_HEAD_DIM}", True
     if k_cache.shape[1] not in GLUON_FP8_PAGE_SIZES:  # (decode_attention refuses a cache of another page size)
         return f"the cache's pages hold {k_cache.shape[1]} tokens", True
-    if rows > GLUON_FP8_MAX_ROWS:
+    if rows_out:
         return f"GQA group x q_len is {rows}, over {GLUON_FP8_MAX_ROWS}", True
+    return None
+
+
+def gluon_fp8_machine_refusal(device) -> str | None:
+    """Why the Gluon fp8 kernel cannot run on ``device`` at all (no Gluon in this Triton; no compiled code with e4m3
+    conversions, sm_89+: the interpreter cannot run Gluon, a compile check records what an H200 runs), or None."""
+    if GK is None:
+        return f"Triton {triton.__version__} has no Gluon (3.6 or later)"
+    cap = _runtime.compiled_capability(torch.device(device))
+    if cap is None or cap < (8, 9):
+        return "no compiled code with e4m3 conversions (sm_89 or later)"
     return None
 
 
@@ -209,18 +219,17 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
     return gluon_fp8_refusal(q, k_cache, plan, rows) is None
 
 
-def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str, num_q_heads: int, head_dim: int, rows: int) -> None:
     """Once a plan: its bins were sized for the Gluon kernel (GLUON_FP8_PROGRAMS_PER_SM programs an SM) and this call
     runs the Triton kernel, which holds DEFAULT_PROGRAMS_PER_SM an SM: the output is right, the schedule is not the
     one the plan was built for (its programs run in two rounds)."""
     if plan.warned_kernel or plan.per_sm <= DEFAULT_PROGRAMS_PER_SM:  # (at most 2 an SM: one round, nothing to say)
         return
     plan.warned_kernel = True
-    # where the reason is the call's shape, a plan told it (round AP) is built for the Triton kernel
-    told = [f"{name}={value}" for name, value, out, known in (
-        ("head_dim", k_cache.shape[3], k_cache.shape[3] != GLUON_FP8_HEAD_DIM, plan.head_dim),
-        ("num_q_heads", q.shape[1], q.shape[1] // k_cache.shape[2] * plan.q_len > GLUON_FP8_MAX_ROWS,
-         plan.num_q_heads)) if out and known is None]
+    # where the reason is the call's shape, a plan told it (round AP) is built for the Triton kernel (this plan was not
+    # told it: a told shape outside the scope makes a Triton plan, and a call of another shape than told raises)
+    head_out, rows_out = gluon_fp8_shape_misses(head_dim, rows)
+    told = [s for s, out in ((f"head_dim={head_dim}", head_out), (f"num_q_heads={num_q_heads}", rows_out)) if out]
     told = f" (or told the calls' {' and '.join(told)})" if told else ""
     warnings.warn(f"decode_attention: this plan was built for the Gluon fp8 kernel ({plan.per_sm} programs an SM), "
                   f"which does not run this call ({reason}); the Triton kernel runs the plan's bins at "
@@ -468,7 +477,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         refusal = gluon_fp8_refusal(q, k_cache, plan, rows)
         gluon = refusal is None
         if refusal is not None and refusal[1] and not torch.compiler.is_compiling():
-            _warn_triton_on_a_gluon_plan(plan, refusal[0], q, k_cache)
+            _warn_triton_on_a_gluon_plan(plan, refusal[0], Hq, D, rows)
         # the next kernel let go at the top only where an SM holds no more than the plan's programs
         trigger = pdl and plan.launch_next and (gluon or triton_holds_plan(plan, rows, D))
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,

@@ -161,6 +161,14 @@ def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | N
     return gluon is True or num_kv_heads >= GLUON_FP8_MIN_KV_HEADS[warps]
 
 
+def gluon_fp8_shape_misses(head_dim: int | None, rows: int | None) -> tuple[bool, bool]:
+    """Whether a call's head dim, and its q rows a KV head (GQA group x q_len), lie outside the Gluon fp8 kernel's
+    scope (GLUON_FP8_HEAD_DIM, GLUON_FP8_MAX_ROWS); None: not known, so not outside. The one place that scope is
+    written: the plan (told a shape), the launcher's refusal and its warning all ask here."""
+    return (head_dim is not None and head_dim != GLUON_FP8_HEAD_DIM,
+            rows is not None and rows > GLUON_FP8_MAX_ROWS)
+
+
 def default_num_programs(device, gluon: bool = False) -> int:
     """Persistent programs of a plan: DEFAULT_PROGRAMS_PER_SM an SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
     the Gluon kernel (``takes_gluon``)."""
@@ -346,9 +354,10 @@ class DecodePlan:
         other_page = [f"page_size={page_size}"] if page_size not in GLUON_FP8_PAGE_SIZES else []
         # the calls' shape, where the plan is told it (round AP): one the Gluon kernel does not take makes a plan
         # for the Triton kernel, so those calls do not run it on bins sized for the Gluon kernel's programs
-        other_shape = ([f"head_dim={head_dim}"] if head_dim not in (None, GLUON_FP8_HEAD_DIM) else []) + (
-            [f"num_q_heads={num_q_heads} (GQA group x q_len {num_q_heads // num_kv_heads * q_len})"]
-            if num_q_heads is not None and num_q_heads // num_kv_heads * q_len > GLUON_FP8_MAX_ROWS else [])
+        rows = None if num_q_heads is None else num_q_heads // num_kv_heads * q_len
+        head_out, rows_out = gluon_fp8_shape_misses(head_dim, rows)
+        other_shape = ([f"head_dim={head_dim}"] if head_out else []) + (
+            [f"num_q_heads={num_q_heads} (GQA group x q_len {rows})"] if rows_out else [])
         if gluon is True and kv_dtype == torch.float8_e4m3fn and (other_page or triton_options or other_shape):
             raise ValueError(f"gluon=True asks for the Gluon fp8 kernel, which reads pages of "
                              f"{' or '.join(map(str, GLUON_FP8_PAGE_SIZES))} tokens, head_dim "
@@ -376,9 +385,10 @@ class DecodePlan:
                                  f"ring reads num_stages - 1 tiles ahead (longer ones a tile fewer): it needs a plan "
                                  f"for that kernel (kv_dtype=torch.float8_e4m3fn) at gluon_warps=2 (at one warp the "
                                  f"second tile loop spills) with num_stages >= 3, pages of 64 or 128 tokens, no "
-                                 f"Triton launch option and no told shape outside the kernel's (head_dim 128, GQA "
-                                 f"group x q_len <= {GLUON_FP8_MAX_ROWS}); got kv_dtype={kv_dtype}, gluon={gluon}, "
-                                 f"gluon_warps={gluon_warps}, num_stages={num_stages}, page_size={page_size}"
+                                 f"Triton launch option and no told shape outside the kernel's (head_dim "
+                                 f"{GLUON_FP8_HEAD_DIM}, GQA group x q_len <= {GLUON_FP8_MAX_ROWS}); got "
+                                 f"kv_dtype={kv_dtype}, gluon={gluon}, gluon_warps={gluon_warps}, "
+                                 f"num_stages={num_stages}, page_size={page_size}"
                                  + "".join(f", {o}" for o in other_shape + triton_options))
         if num_programs is None:
             num_programs = default_num_programs(dev, gluon_plan)
