@@ -197,6 +197,11 @@ PLAN_KNOBS = {
     "evenflow-g-w2-s3-d8": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
     "evenflow-g-w2-s3-d16": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=16),
     "evenflow-g-w2-force": lambda sms: dict(typed=True, gluon_warps=2, gluon=True),
+    # round AQ: no work units for short items (fp8 32x128+32x4K: budget 32, every 4K item cut in two halves that line
+    # up, all 528 programs busy, where the default's units round the budget to 36: 484 bins, items in up to 3 chunks);
+    # 544 programs (the same budget of 32 with the units, 16 bins more than an SM's 4 programs hold at once)
+    "evenflow-g-cost0": lambda sms: dict(typed=True, item_cost=0),
+    "evenflow-g-np544": lambda sms: dict(typed=True, num_programs=544),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}
