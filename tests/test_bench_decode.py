@@ -409,6 +409,25 @@ def test_evenflow_calls_compute_the_benchmark_reference(impl):
         assert (want.double().cpu() - ref.cpu()).abs().max() < 1e-5, (impl, r)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
+    """Every knob row (``PLAN_KNOBS``) builds a plan for both cache dtypes (a row the plan refuses would only fail
+    on the GPU, mid-run), and the plan holds the row's keywords: its program count, item cost and KV dtype."""
+    from evenflow._runtime import num_sms
+    from evenflow.attention.plan import DEFAULT_ITEM_COST
+
+    case = D.Case("t", (130, 1, 640, 0), 16, 2)
+    inp = D.make_inputs(case, kv_dtype, _DEV, seed=4, l2_bytes=1 << 20)
+    for impl, knobs in D.PLAN_KNOBS.items():
+        kw = knobs(num_sms(inp.seq_lens.device))
+        plan = D.evenflow_plan(impl, inp)
+        assert plan.batch == case.batch, impl
+        assert plan.kv_dtype == (kv_dtype if kw.get("typed") else None), impl
+        if "num_programs" in kw:
+            assert plan.num_programs == kw["num_programs"], impl
+        assert plan.item_cost == kw.get("item_cost", DEFAULT_ITEM_COST), impl
+
+
 def test_plan_model_reads_every_tile_once_under_every_option():
     """The plan cost model (benchmarks/plan_model.py) prices the tiles the kernel reads: over all
     bins they are each item's ceil(len / 64) tiles, whatever item_cost or align_longer shifts
