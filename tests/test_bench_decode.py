@@ -428,6 +428,26 @@ def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
         assert plan.item_cost == kw.get("item_cost", DEFAULT_ITEM_COST), impl
 
 
+def test_replot_draws_a_result_file_again_on_its_benchmarks_axes(tmp_path, capsys):
+    """benchmarks/replot.py: a decode result file plotted again beside it, and a file of no known benchmark refused
+    by name."""
+    from evenflow.bench.harness import Results
+
+    rp = _load("replot")
+    res = Results("decode", ceilings={}, out=tmp_path)
+    for variant in ("bf16-kv", "fp8-kv"):
+        res.add(case="64x512", variant=variant, impl="evenflow", us=20.0, floor_us=17.0)
+    path = res.finish(plot=False)
+    assert not (tmp_path / "decode.png").exists()
+    assert rp.main([str(path)]) == 0
+    assert (tmp_path / "decode.png").read_bytes()[:4] == b"\x89PNG"
+    other = tmp_path / "sweep.json"
+    other.write_text(path.read_text())
+    with pytest.raises(SystemExit):
+        rp.main([str(other)])
+    assert "no plot axes known for 'sweep'" in capsys.readouterr().err
+
+
 def test_plan_model_reads_every_tile_once_under_every_option():
     """The plan cost model (benchmarks/plan_model.py) prices the tiles the kernel reads: over all
     bins they are each item's ceil(len / 64) tiles, whatever item_cost or align_longer shifts

@@ -118,6 +118,50 @@ def test_results_file_follows_the_schema(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_impl_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
+    """A plot's panels (one a variant) list their impls in their own order and some lack a few; each impl's bars
+    still take one colour in every panel, and no two impls share one."""
+    import matplotlib.axes
+
+    res = H.Results("colours", ceilings={}, out=tmp_path)
+    for impl in ("evenflow", "flashinfer-tc", "read-once"):
+        res.add(case="a", variant="bf16-kv", impl=impl, us=10.0, floor_us=5.0)
+    for impl in ("read-once", "evenflow"):  # another order, flashinfer-tc missing
+        res.add(case="a", variant="fp8-kv", impl=impl, us=10.0, floor_us=5.0)
+    seen = []
+    real_bar = matplotlib.axes.Axes.bar
+
+    def bar(ax, *args, **kw):
+        seen.append((kw.get("label"), kw.get("color")))
+        return real_bar(ax, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", bar)
+    res.plot(x="case", group="variant", y="us", logy=True)
+    by_impl = {}
+    for label, color in seen:
+        if label != "floor":
+            by_impl.setdefault(label, set()).add(tuple(color))
+    assert set(by_impl) == {"evenflow", "flashinfer-tc", "read-once"}
+    assert all(len(c) == 1 for c in by_impl.values()), by_impl  # one colour an impl across the two panels
+    assert len({next(iter(c)) for c in by_impl.values()}) == 3  # and three distinct colours
+    many = H.impl_colors([{"impl": f"i{k}"} for k in range(25)])
+    assert len(set(list(many.values())[:20])) == 20
+
+
+def test_a_result_file_reads_back_and_plots_again(tmp_path):
+    res = H.Results("again", ceilings={"copy_TBps": 4.2}, out=tmp_path, meta={"targets": []})
+    res.add(case="a", variant="v", impl="evenflow", us=10.0, floor_us=5.0)
+    path = res.finish(plot=False)
+    back = H.Results.load(path)
+    assert back.name == "again" and back.rows == res.rows and back.header == res.header
+    assert back.ceilings == {"copy_TBps": 4.2} and back.meta == {"targets": []}
+    png = back.plot(x="case", group="variant", y="us", logy=True)
+    assert png == tmp_path / "again.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="path: .*other.json is not a result file"):
+        H.Results.load(tmp_path / "other.json")
+
+
 def test_check_output_catches_bad_outputs():
     ref = torch.randn(100)
     H.check_output(ref + 1e-4, ref, "ok")

@@ -361,6 +361,19 @@ def parse_args(description: str, argv: Sequence[str] | None = None,
 _REQUIRED = ("case", "impl")
 
 
+def impl_colors(rows: Sequence[dict]) -> dict[str, tuple]:
+    """A colour for each row's ``impl``, in order of first appearance over all the rows (so an impl keeps its colour
+    in every panel of a plot): matplotlib's tab10, then tab20's light shades, then grey."""
+    import matplotlib
+
+    shades = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])
+    order: list[str] = []
+    for r in rows:
+        if r["impl"] not in order:
+            order.append(r["impl"])
+    return {impl: shades[i] if i < len(shades) else (0.5, 0.5, 0.5) for i, impl in enumerate(order)}
+
+
 class Results:
     """Collects rows and writes ``<name>.json`` (BENCH.md schema), ``<name>.md`` and ``<name>.png``."""
 
@@ -432,6 +445,19 @@ class Results:
         print(f"\n## {self.name} ({hdr['gpu']})\n\n{md}\n\nwritten: {path}", flush=True)
         return path
 
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Results:
+        """A result file (``<name>.json``) read back, to plot it again: its rows, header, ceilings and meta as
+        written; ``out`` is the file's folder, so :meth:`plot` writes ``<name>.png`` beside it."""
+        path = Path(path)
+        data = json.loads(path.read_text())
+        for key in ("header", "rows"):
+            if key not in data:
+                raise ValueError(f"path: {path} is not a result file (no {key!r})")
+        res = cls(path.stem, ceilings=data.get("ceilings"), out=path.parent, meta=data.get("meta"))
+        res.header, res.rows = data["header"], data["rows"]
+        return res
+
     def plot(self, *, x: str, group: str | None, y: str, logy: bool) -> Path:
         import matplotlib
 
@@ -441,6 +467,7 @@ class Results:
         ok = [r for r in self.rows if y in r]
         if not ok:
             raise ImportError("nothing to plot: every row is an error row")
+        colors = impl_colors(ok)  # one colour an impl in every panel
         groups = sorted({r.get(group, "") for r in ok}) if group else [""]
         fig, axes = plt.subplots(len(groups), 1, figsize=(max(8, 0.6 * len({r[x] for r in ok}) + 4),
                                                           4 * len(groups)), squeeze=False)
@@ -457,7 +484,8 @@ class Results:
             w = 0.8 / max(1, len(impls) + 1)
             for j, impl in enumerate(impls):
                 vals = {r[x]: r[y] for r in rows if r["impl"] == impl}
-                ax.bar([i + j * w for i in range(len(xs))], [vals.get(c, 0) for c in xs], w, label=impl)
+                ax.bar([i + j * w for i in range(len(xs))], [vals.get(c, 0) for c in xs], w, label=impl,
+                       color=colors[impl])
             floors = {}
             for r in rows:
                 if "floor_us" in r:
