@@ -363,10 +363,12 @@ _REQUIRED = ("case", "impl")
 
 def impl_colors(rows: Sequence[dict]) -> dict[str, tuple]:
     """A colour for each row's ``impl``, in order of first appearance over all the rows (so an impl keeps its colour
-    in every panel of a plot): matplotlib's tab10, then tab20's light shades, then grey."""
+    in every panel of a plot): matplotlib's tab10, then tab20's light shades, their greys left out (the floor's bar is
+    grey), then grey."""
     import matplotlib
 
-    shades = list(matplotlib.colormaps["tab10"].colors) + list(matplotlib.colormaps["tab20"].colors[1::2])
+    tab10, tab20 = matplotlib.colormaps["tab10"].colors, matplotlib.colormaps["tab20"].colors
+    shades = [c for i, c in enumerate(tab10) if i != 7] + [c for i, c in enumerate(tab20[1::2]) if i != 7]
     order: list[str] = []
     for r in rows:
         if r["impl"] not in order:
