@@ -199,9 +199,9 @@ PLAN_KNOBS = {
     "evenflow-g-w2-force": lambda sms: dict(typed=True, gluon_warps=2, gluon=True),
     # round AQ: no work units for short items (fp8 32x128+32x4K: budget 32, every 4K item cut in two halves that line
     # up, all 528 programs busy, where the default's units round the budget to 36: 484 bins, items in up to 3 chunks);
-    # 544 programs (the same budget of 32 with the units, 16 bins more than an SM's 4 programs hold at once)
+    # 16 programs more than the SMs hold at 4 an SM (544 on an H200's 132: the budget of 32 with the units)
     "evenflow-g-cost0": lambda sms: dict(typed=True, item_cost=0),
-    "evenflow-g-np544": lambda sms: dict(typed=True, num_programs=544),
+    "evenflow-g-np544": lambda sms: dict(typed=True, num_programs=4 * sms + 16),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

@@ -1,6 +1,7 @@
-"""Plot a result file again from its JSON (no GPU): ``<name>.png`` beside ``<name>.json``, with the axes its
-benchmark script plots it on. For a plot made by an older harness (colours: since round AQ one an impl in every
-panel).
+"""Draw a result file's plot again from its JSON, on the axes its benchmark script plots it on (no GPU needed).
+
+``<name>.png`` is written beside ``<name>.json``. Plots drawn before round AQ could give an impl a different colour
+in each panel; a plot drawn again has one colour an impl.
 
     python benchmarks/replot.py benchmarks/results/h200/decode.json [more.json ...]
 """
@@ -12,20 +13,25 @@ from pathlib import Path
 
 from evenflow.bench.harness import Results
 
-# the x axis and panel key each benchmark's ``Results.finish`` plots with
-AXES = {"decode": ("case", "variant"), "moe": ("batch", "series"), "router": ("M", "case"), "multigpu": ("x", "plot")}
+# the x axis and panel key of each script's ``Results.finish`` call (tests/test_bench_decode.py checks them against
+# the scripts): decode.py, moe.py, router.py, multigpu.py, sweep_moe.py (its index sweep and its config sweep)
+AXES = {"decode": ("case", "variant"), "moe": ("batch", "series"), "router": ("M", "case"), "multigpu": ("x", "plot"),
+        "moe_index": ("batch", "case"), "moe_sweep": ("case", "variant")}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", help="result files (<name>.json) of " + ", ".join(AXES))
     args = p.parse_args(argv)
+    for f in args.files:  # every name checked before anything is drawn
+        if Path(f).stem not in AXES:
+            p.error(f"files: {f}: no plot axes known for {Path(f).stem!r} (one of {', '.join(AXES)})")
     for f in args.files:
-        name = Path(f).stem
-        if name not in AXES:
-            p.error(f"files: {f}: no plot axes known for {name!r} (one of {', '.join(AXES)})")
-        x, group = AXES[name]
-        print(Results.load(f).plot(x=x, group=group, y="us", logy=True))
+        x, group = AXES[Path(f).stem]
+        try:
+            print(Results.load(f).plot(x=x, group=group, y="us", logy=True))
+        except (ValueError, ImportError) as e:
+            p.error(f"files: {f}: {e}")
     return 0
 
 

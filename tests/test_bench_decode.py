@@ -412,7 +412,8 @@ def test_evenflow_calls_compute_the_benchmark_reference(impl):
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
     """Every knob row (``PLAN_KNOBS``) builds a plan for both cache dtypes (a row the plan refuses would only fail
-    on the GPU, mid-run), and the plan holds the row's keywords: its program count, item cost and KV dtype."""
+    on the GPU, mid-run), the plan holds each of the row's keywords as given (``deep_ring_tiles``, the Gluon fp8
+    kernel's, is dropped for a bf16 cache) and a ``typed`` row's plan the cache's dtype."""
     from evenflow._runtime import num_sms
     from evenflow.attention.plan import DEFAULT_ITEM_COST
 
@@ -422,9 +423,10 @@ def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
         kw = knobs(num_sms(inp.seq_lens.device))
         plan = D.evenflow_plan(impl, inp)
         assert plan.batch == case.batch, impl
-        assert plan.kv_dtype == (kv_dtype if kw.get("typed") else None), impl
-        if "num_programs" in kw:
-            assert plan.num_programs == kw["num_programs"], impl
+        assert plan.kv_dtype == (kv_dtype if kw.pop("typed", False) else None), impl
+        if kv_dtype != torch.float8_e4m3fn:
+            kw.pop("deep_ring_tiles", None)
+        assert {k: getattr(plan, k) for k in kw} == kw, impl
         assert plan.item_cost == kw.get("item_cost", DEFAULT_ITEM_COST), impl
 
 
@@ -443,9 +445,50 @@ def test_replot_draws_a_result_file_again_on_its_benchmarks_axes(tmp_path, capsy
     assert (tmp_path / "decode.png").read_bytes()[:4] == b"\x89PNG"
     other = tmp_path / "sweep.json"
     other.write_text(path.read_text())
+    (tmp_path / "decode.png").unlink()
     with pytest.raises(SystemExit):
-        rp.main([str(other)])
+        rp.main([str(path), str(other)])  # every name is checked before anything is drawn
     assert "no plot axes known for 'sweep'" in capsys.readouterr().err
+    assert not (tmp_path / "decode.png").exists()
+    (tmp_path / "moe.json").write_text('{"header": {}, "rows": [{"case": "a"}]}')
+    with pytest.raises(SystemExit):
+        rp.main([str(tmp_path / "moe.json")])
+    assert "row 0 has no 'impl'" in capsys.readouterr().err
+
+
+def test_replot_axes_are_the_scripts_own():
+    """replot.AXES against each benchmark script's ``Results("<name>", ...)`` and the ``.finish(x=, group=)`` call after
+    it (``Results.finish``'s defaults where a keyword is left out); scripts that write no plot (``plot=False``) need
+    no entry."""
+    import ast
+    import inspect
+
+    from evenflow.bench.harness import Results
+
+    rp = _load("replot")
+    sig = inspect.signature(Results.finish).parameters
+    found = {}
+    for script in sorted(_SCRIPT.parent.glob("*.py")):
+        names, finishes = [], []
+        for node in ast.walk(ast.parse(script.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if fname == "Results" and node.args and isinstance(node.args[0], ast.Constant):
+                names.append((node.lineno, node.args[0].value))
+            elif fname == "finish":
+                kw = {k.arg: k.value for k in node.keywords}
+                if isinstance(kw.get("plot"), ast.Constant) and kw["plot"].value is False:
+                    continue
+                axes = tuple(kw[a].value if a in kw else sig[a].default for a in ("x", "group"))
+                finishes.append((node.lineno, axes))
+        for line, axes in finishes:
+            name = max((n for n in names if n[0] < line), default=(0, None))[1]
+            if name is not None:
+                found[name] = axes
+    assert found and set(found) <= set(rp.AXES), (found, rp.AXES)
+    assert all(rp.AXES[n] == axes for n, axes in found.items()), (found, rp.AXES)
 
 
 def test_plan_model_reads_every_tile_once_under_every_option():

@@ -144,23 +144,31 @@ def test_an_impl_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
     assert set(by_impl) == {"evenflow", "flashinfer-tc", "read-once"}
     assert all(len(c) == 1 for c in by_impl.values()), by_impl  # one colour an impl across the two panels
     assert len({next(iter(c)) for c in by_impl.values()}) == 3  # and three distinct colours
-    many = H.impl_colors([{"impl": f"i{k}"} for k in range(25)])
-    assert len(set(list(many.values())[:18])) == 18  # tab10 and tab20's light shades, their greys out
-    assert all(len(set(c)) > 1 for c in list(many.values())[:18])  # no grey (the floor's bar is grey)
+    many = list(H.impl_colors([{"impl": f"i{k}"} for k in range(25)]).values())
+    assert len(set(many[:18])) == 18  # tab10 and tab20's light shades, their greys out
+    assert all(len(set(c)) > 1 for c in many)  # no grey (the floor's bar is grey), past 18 either
+    assert many[18:] == many[:7]  # past 18 the list starts again
+    with pytest.raises(ValueError, match="rows: row 1 has no 'impl'"):
+        H.impl_colors([{"impl": "a"}, {"case": "b"}])
 
 
 def test_a_result_file_reads_back_and_plots_again(tmp_path):
+    """``Results.load``: a written file's rows (an error row among them), header, ceilings and meta as written, and
+    a plot of it; a file that is not a result file, or a row without its keys, refused naming the path."""
     res = H.Results("again", ceilings={"copy_TBps": 4.2}, out=tmp_path, meta={"targets": []})
     res.add(case="a", variant="v", impl="evenflow", us=10.0, floor_us=5.0)
+    res.add_error(case="a", variant="v", impl="peer", error="not installed")
     path = res.finish(plot=False)
     back = H.Results.load(path)
     assert back.name == "again" and back.rows == res.rows and back.header == res.header
     assert back.ceilings == {"copy_TBps": 4.2} and back.meta == {"targets": []}
     png = back.plot(x="case", group="variant", y="us", logy=True)
     assert png == tmp_path / "again.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
-    with pytest.raises(ValueError, match="path: .*other.json is not a result file"):
-        H.Results.load(tmp_path / "other.json")
+    for text, why in (('{"rows": []}', "is not a result file"), ('{"header": {}, "rows": {}}', "is not a result file"),
+                      ("[1, 2", "is not JSON"), ('{"header": {}, "rows": [{"impl": "x"}]}', "row 0 has no 'case'")):
+        (tmp_path / "other.json").write_text(text)
+        with pytest.raises(ValueError, match=f"path: .*other.json:? {why}"):
+            H.Results.load(tmp_path / "other.json")
 
 
 def test_check_output_catches_bad_outputs():

@@ -364,16 +364,16 @@ _REQUIRED = ("case", "impl")
 def impl_colors(rows: Sequence[dict]) -> dict[str, tuple]:
     """A colour for each row's ``impl``, in order of first appearance over all the rows (so an impl keeps its colour
     in every panel of a plot): matplotlib's tab10, then tab20's light shades, their greys left out (the floor's bar is
-    grey), then grey."""
+    grey); past those 18 the list starts again."""
     import matplotlib
 
     tab10, tab20 = matplotlib.colormaps["tab10"].colors, matplotlib.colormaps["tab20"].colors
     shades = [c for i, c in enumerate(tab10) if i != 7] + [c for i, c in enumerate(tab20[1::2]) if i != 7]
-    order: list[str] = []
-    for r in rows:
-        if r["impl"] not in order:
-            order.append(r["impl"])
-    return {impl: shades[i] if i < len(shades) else (0.5, 0.5, 0.5) for i, impl in enumerate(order)}
+    for i, r in enumerate(rows):
+        if "impl" not in r:
+            raise ValueError(f"rows: row {i} has no 'impl'")
+    order = list(dict.fromkeys(r["impl"] for r in rows))
+    return {impl: shades[i % len(shades)] for i, impl in enumerate(order)}
 
 
 class Results:
@@ -450,14 +450,23 @@ class Results:
     @classmethod
     def load(cls, path: str | os.PathLike) -> Results:
         """A result file (``<name>.json``) read back, to plot it again: its rows, header, ceilings and meta as
-        written; ``out`` is the file's folder, so :meth:`plot` writes ``<name>.png`` beside it."""
+        written (nothing measured or queried: no GPU needed); ``out`` is the file's folder, so :meth:`plot` writes
+        ``<name>.png`` beside it."""
         path = Path(path)
-        data = json.loads(path.read_text())
-        for key in ("header", "rows"):
-            if key not in data:
-                raise ValueError(f"path: {path} is not a result file (no {key!r})")
-        res = cls(path.stem, ceilings=data.get("ceilings"), out=path.parent, meta=data.get("meta"))
-        res.header, res.rows = data["header"], data["rows"]
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"path: {path} is not JSON ({e})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("header"), dict) or \
+                not isinstance(data.get("rows"), list):
+            raise ValueError(f"path: {path} is not a result file (a header object and a list of rows)")
+        for i, r in enumerate(data["rows"]):
+            missing = [k for k in _REQUIRED if not isinstance(r, dict) or k not in r]
+            if missing:
+                raise ValueError(f"path: {path}: row {i} has no {missing[0]!r}")
+        res = cls.__new__(cls)  # not __init__: it would measure this machine's header
+        res.name, res.out, res.header, res.rows = path.stem, path.parent, data["header"], data["rows"]
+        res.ceilings, res.meta = data.get("ceilings") or {}, data.get("meta") or {}
         return res
 
     def plot(self, *, x: str, group: str | None, y: str, logy: bool) -> Path:
@@ -500,7 +509,7 @@ class Results:
             ax.set_ylabel(f"{y} (lower is better)" if y == "us" else y)
             if logy:
                 ax.set_yscale("log")
-            ax.set_title(f"{self.name} {gname} — {self.header['gpu']}")
+            ax.set_title(f"{self.name} {gname} — {self.header.get('gpu', '')}")
             ax.legend(fontsize=7, ncol=3)
         fig.tight_layout()
         path = self.out / f"{self.name}.png"
