@@ -282,6 +282,41 @@ def test_flashinfer_missing_becomes_peer_unavailable(monkeypatch):
                                  kv_dtype=torch.bfloat16)
 
 
+def test_flashinfer_fa3_unsupported_dtypes_are_refused_before_any_build(monkeypatch):
+    """The fa3 row asks FlashInfer's own ``utils.is_fa3_backend_supported`` first: where it says no (fp8 KV with a
+    bf16 q in 0.7.2), the row is unavailable at once with that reason, and no wrapper is built (no ~80 s JIT build
+    that fails); the other rows and a FlashInfer without the function go on to build."""
+    import types
+
+    asked, built = [], []
+
+    def supported(pos, fp16_qk, custom_mask, dtype_q, dtype_kv):
+        asked.append((dtype_q, dtype_kv))
+        return not (dtype_kv == torch.float8_e4m3fn and dtype_q != torch.float8_e4m3fn)
+
+    class Wrapper:
+        def __init__(self, *a, **kw):
+            built.append(kw["backend"])
+            raise RuntimeError("no GPU kernels here")
+
+    fake = types.SimpleNamespace(utils=types.SimpleNamespace(is_fa3_backend_supported=supported),
+                                 BatchDecodeWithPagedKVCacheWrapper=Wrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(fi_peer, "WORKSPACE_BYTES", 1024)
+    pt, sl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    kw = dict(num_q_heads=8, num_kv_heads=1, head_dim=128, page_size=64, q_dtype=torch.bfloat16)
+    with pytest.raises(PeerUnavailable, match="flashinfer-fa3: FlashInfer's is_fa3_backend_supported is False"):
+        fi_peer.FlashInferDecode("flashinfer-fa3", pt, sl, kv_dtype=torch.float8_e4m3fn, **kw)
+    assert asked == [(torch.bfloat16, torch.float8_e4m3fn)] and built == []
+    for impl, kv in (("flashinfer-fa3", torch.bfloat16), ("flashinfer-tc", torch.float8_e4m3fn)):
+        with pytest.raises(PeerUnavailable, match="build/plan failed"):  # went on to build (the fake fails)
+            fi_peer.FlashInferDecode(impl, pt, sl, kv_dtype=kv, **kw)
+    assert built == ["fa3", "fa2"]
+    fake.utils = types.SimpleNamespace()  # no such function: built as before
+    with pytest.raises(PeerUnavailable, match="build/plan failed"):
+        fi_peer.FlashInferDecode("flashinfer-fa3", pt, sl, kv_dtype=torch.float8_e4m3fn, **kw)
+
+
 # ----------------------------------------------------------------------------- target summary
 
 def test_summarize_targets():

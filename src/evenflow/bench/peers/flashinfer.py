@@ -110,6 +110,22 @@ def _as_float(name: str, s) -> float | None:
     return float(s)
 
 
+def _check_fa3_dtypes(fi, impl: str, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """:class:`PeerUnavailable` where FlashInfer's own ``utils.is_fa3_backend_supported`` says its FA3 kernel takes no
+    such q / KV dtypes (0.7.2: an fp8 KV cache needs an fp8 q), before a JIT build that fails after ~80 s (round AO1's
+    log: ninja failed on fp8 KV with a bf16 q). A FlashInfer without that function is built as before."""
+    check = getattr(getattr(fi, "utils", None), "is_fa3_backend_supported", None)
+    if check is None:
+        return
+    try:  # (pos_encoding_mode NONE, no fp16 QK reductions, no custom mask) as a decode call plans it
+        ok = check(0, False, False, q_dtype, kv_dtype)
+    except TypeError:  # another signature: leave the answer to the build
+        return
+    if not ok:
+        raise PeerUnavailable(f"{impl}: FlashInfer's is_fa3_backend_supported is False for q {q_dtype} with KV "
+                              f"{kv_dtype} (its FA3 kernel takes an fp8 KV cache only with an fp8 q)")
+
+
 class FlashInferDecode:
     """One FlashInfer decode wrapper planned for one batch (page table + lengths).
 
@@ -128,6 +144,8 @@ class FlashInferDecode:
         self.batch = int(page_table.shape[0])
         self.kv_dtype = kv_dtype
         cfg = DECODE_IMPLS[impl]
+        if cfg["backend"] == "fa3":
+            _check_fa3_dtypes(fi, impl, q_dtype, kv_dtype)
         indptr, indices, last = paged_kv_layout(page_table, seq_lens, page_size)
         self.layout = (indptr, indices, last)
         dev = page_table.device
