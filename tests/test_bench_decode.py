@@ -284,7 +284,7 @@ def test_flashinfer_missing_becomes_peer_unavailable(monkeypatch):
 
 def test_flashinfer_fa3_unsupported_dtypes_are_refused_before_any_build(monkeypatch):
     """The fa3 row asks FlashInfer's own ``utils.is_fa3_backend_supported`` first: where it says no (fp8 KV with a
-    bf16 q in 0.7.2), the row is unavailable at once with that reason, and no wrapper is built (no ~80 s JIT build
+    bf16 q in 0.7.2), the row is unavailable at once with that reason, and no wrapper is built (no 50-80 s JIT build
     that fails); the other rows and a FlashInfer without the function go on to build."""
     import types
 

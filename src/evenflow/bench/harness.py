@@ -380,13 +380,14 @@ class Results:
     """Collects rows and writes ``<name>.json`` (BENCH.md schema), ``<name>.md`` and ``<name>.png``."""
 
     def __init__(self, name: str, *, ceilings: dict | None, out: str | os.PathLike | None = None,
-                 meta: dict | None = None):
+                 meta: dict | None = None, recorded: dict | None = None):
+        # recorded: a written file's header and rows (``load``), kept as they are; else this machine's header, no rows
         self.name = name
         self.ceilings = ceilings or {}
         self.out = results_dir(out)
         self.meta = meta or {}
-        self.rows: list[dict] = []
-        self.header = header()
+        self.rows: list[dict] = list(recorded["rows"]) if recorded else []
+        self.header = recorded["header"] if recorded else header()
 
     def add(self, *, case: str, impl: str, us: float, floor_us: float | None = None, **extra) -> dict:
         if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
@@ -464,10 +465,7 @@ class Results:
             missing = [k for k in _REQUIRED if not isinstance(r, dict) or k not in r]
             if missing:
                 raise ValueError(f"path: {path}: row {i} has no {missing[0]!r}")
-        res = cls.__new__(cls)  # not __init__: it would measure this machine's header
-        res.name, res.out, res.header, res.rows = path.stem, path.parent, data["header"], data["rows"]
-        res.ceilings, res.meta = data.get("ceilings") or {}, data.get("meta") or {}
-        return res
+        return cls(path.stem, ceilings=data.get("ceilings"), out=path.parent, meta=data.get("meta"), recorded=data)
 
     def plot(self, *, x: str, group: str | None, y: str, logy: bool) -> Path:
         import matplotlib

@@ -112,8 +112,9 @@ def _as_float(name: str, s) -> float | None:
 
 def _check_fa3_dtypes(fi, impl: str, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
     """:class:`PeerUnavailable` where FlashInfer's own ``utils.is_fa3_backend_supported`` says its FA3 kernel takes no
-    such q / KV dtypes (0.7.2: an fp8 KV cache needs an fp8 q), before a JIT build that fails after ~80 s (round AO1's
-    log: ninja failed on fp8 KV with a bf16 q). A FlashInfer without that function is built as before."""
+    such q / KV dtypes (0.7.2: an fp8 KV cache needs an fp8 q), before a JIT build that fails (fp8 KV with a bf16 q:
+    ninja failed after 50-80 s in every decode record's log since round F3). A FlashInfer without that function is
+    built as before."""
     check = getattr(getattr(fi, "utils", None), "is_fa3_backend_supported", None)
     if check is None:
         return
