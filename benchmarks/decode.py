@@ -202,6 +202,10 @@ PLAN_KNOBS = {
     # 16 programs more than the SMs hold at 4 an SM (544 on an H200's 132: the budget of 32 with the units)
     "evenflow-g-cost0": lambda sms: dict(typed=True, item_cost=0),
     "evenflow-g-np544": lambda sms: dict(typed=True, num_programs=4 * sms + 16),
+    # round AR: the warpgroup form (``gluon_warps=4``): an fp8 q's scores on wgmma, a warp's softmax over 16 tokens of
+    # each tile; the plan's bins as the default's (4 programs an SM, 3 ring slots). Calls it does not take (a bf16 q)
+    # run the two-warp form on those bins, so on the other variants this row is the default plan
+    "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

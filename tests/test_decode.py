@@ -523,7 +523,7 @@ def test_bad_arguments(device):
         evenflow.DecodePlan(2, 1000, 2, device=device, pdl=1)
     with pytest.raises(ValueError, match="combine must be one of"):
         evenflow.DecodePlan(2, 1000, 2, device=device, combine="both")
-    for bad in (0, 3, 4):
+    for bad in (0, 3, 8):
         with pytest.raises(ValueError, match="gluon_warps must be one of"):
             evenflow.DecodePlan(2, 1000, 2, device=device, gluon_warps=bad)
     for bad in (2.0, True, "2"):
@@ -793,7 +793,7 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
         GLUON_FP8_PROGRAMS_PER_SM,
     )
 
-    assert GLUON_FP8_MIN_KV_HEADS == {1: 2, 2: 1}
+    assert GLUON_FP8_MIN_KV_HEADS == {1: 2, 2: 1, 4: 1}
     sms = _runtime.num_sms(torch.device(device))
     for hkv, kv, gluon, warps, want in ((1, FP8, None, 1, False), (2, FP8, None, 1, True), (8, FP8, None, 1, True),
                                         (1, FP8, None, None, True), (1, FP8, None, 2, True),
@@ -821,6 +821,10 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     assert (plan.gluon_warps, plan.gluon_stages, plan.deep_ring_tiles, plan.per_sm) == (2, 4, 16, 3)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, deep_ring_tiles=0)
     assert (plan.gluon_warps, plan.deep_ring_tiles) == (2, 0) and "deep_ring_tiles=0" in repr(plan)
+    # the warpgroup form (round AR): the default's ring, bins and reading ahead, at one KV head too
+    plan = evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8, gluon_warps=4)
+    assert (plan.takes_gluon, plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad, plan.per_sm) == \
+        (True, 3, GLUON_FP8_DEEP_TILES, 0, sms4) and "gluon_warps=4" in repr(plan)
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon=False).deep_ring_tiles == 0
     for bad in (1, "yes"):
         with pytest.raises(TypeError, match="gluon"):

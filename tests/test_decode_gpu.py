@@ -161,7 +161,7 @@ def test_cuda_graph_changing_lengths(kv):
 
     def step():
         plan.update(s_sl)
-        evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
+        evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out)
 
     g = captured(step)
     for trial, lens in enumerate([big, [3 * K] * 16, [0] * 8 + [60 * K] + [100] * 7, [1] * 16]):
@@ -275,8 +275,9 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
 # (round AL: ``gluon_warps`` 1 or 2 warps a program; round AM: the default, 2 warps beside 3 ring slots, their
 # outputs meeting in the idle ring, chunks of at most 16 tiles reading 2 tiles ahead and longer ones 1: both tile
 # loops; ``2s2``: 2 warps beside 2 slots and a 16 KB output buffer, the default of round AL; 1 warp, at its default
-# 2 slots)
-WARPS = pytest.mark.parametrize("warps", [1, "2s2", 2], ids=["w1", "w2s2", "w2"])
+# 2 slots; round AR: 4, the warpgroup form, which runs calls with an fp8 q of at most 8 rows a KV head on wgmma
+# scores and the plan's other calls on two warps: the tests below give it an fp8 q where they can)
+WARPS = pytest.mark.parametrize("warps", [1, "2s2", 2, 4], ids=["w1", "w2s2", "w2", "wg"])
 
 
 def _wk(warps):
@@ -319,7 +320,8 @@ def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch, warps):
     check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}")
 
 
-@pytest.mark.parametrize("hq,hkv,page,q_len", [(64, 8, 64, 1), (8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4)])
+@pytest.mark.parametrize("hq,hkv,page,q_len", [(64, 8, 64, 1), (8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4),
+                                               (16, 4, 64, 1), (12, 4, 128, 2), (8, 8, 64, 1)])
 @WARPS
 def test_gluon_fp8_kernel_with_fp8_q(hq, hkv, page, q_len, warps, monkeypatch):
     """fp8 q with its per-token-per-head scale on the Gluon kernel (``decode.GLUON_FP8_Q``, round AO; on by default
@@ -339,20 +341,34 @@ def test_gluon_fp8_kernel_with_fp8_q(hq, hkv, page, q_len, warps, monkeypatch):
     check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon fp8 q hq{hq} hkv{hkv} p{page}")
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_gluon_warpgroup_fp8_q_real_shapes(case):
+    """The warpgroup form (round AR) on every standard case with an fp8 q, against the fp64 reference."""
+    lens = CASES[case]
+    q, qs, k, v, pt, sl = inputs(lens, kv=FP8, qdt=FP8)
+    plan, supported = _gluon_plan(lens, sl, warps=4)
+    assert supported(q, k, plan, 8)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
+                                       return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon warpgroup fp8 q {case}")
+
+
 @WARPS
 def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
     """Rows past a request's length in its last page are never read into the result: the
     kernel zero-fills them in shared memory, so NaN bytes there (e4m3 0x7F) change nothing."""
     lens = [4 * K + 5, 700, 63, 1]
-    q, qs, k, v, pt, sl = inputs(lens, kv=FP8, spare_pages=0)
+    q, qs, k, v, pt, sl = inputs(lens, kv=FP8, spare_pages=0, qdt=FP8 if warps == 4 else torch.bfloat16)
     plan, _ = _gluon_plan(lens, sl, max_len=8 * K, warps=warps)
-    clean = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02)
+    clean = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=0.03, v_scale=0.02)
     kn, vn = k.clone(), v.clone()
     for b, L in enumerate(lens):
         page, row = int(pt[b, (L - 1) // 64]), (L - 1) % 64 + 1
         kn.view(torch.uint8)[page, row:] = 0x7F
         vn.view(torch.uint8)[page, row:] = 0x7F
-    dirty = evenflow.decode_attention(q, kn, vn, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02)
+    dirty = evenflow.decode_attention(q, kn, vn, pt, sl, plan=plan, q_scale=qs, k_scale=0.03, v_scale=0.02)
     assert torch.equal(clean, dirty)
 
 
@@ -360,7 +376,7 @@ def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
 def test_gluon_fp8_cuda_graph_changing_lengths(warps):
     B, max_len = 16, 64 * K
     big = [64 * K] + [2 * K] * 15
-    q, qs, k, v, pt, sl = inputs(big, kv=FP8, spare_pages=64)
+    q, qs, k, v, pt, sl = inputs(big, kv=FP8, spare_pages=64, qdt=FP8 if warps == 4 else torch.bfloat16)
     ks, vs = torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")
     plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", kv_dtype=FP8, **_wk(warps))
     s_sl, s_pt, s_q = sl.clone(), pt.clone(), q.clone()
@@ -368,7 +384,7 @@ def test_gluon_fp8_cuda_graph_changing_lengths(warps):
 
     def step():
         plan.update(s_sl)
-        evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
+        evenflow.decode_attention(s_q, k, v, s_pt, s_sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out)
 
     g = captured(step)
     for trial, lens in enumerate([big, [3 * K] * 16, [0] * 8 + [60 * K] + [100] * 7, [1] * 16]):

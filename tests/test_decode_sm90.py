@@ -108,7 +108,30 @@ GLUON = {
     "gluon-fp8-fp8-q": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8),
     "gluon-fp8-fp8-q-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
                                        kv_dtype=FP8, qdt=FP8),
+    # the warpgroup form (gluon_warps=4, round AR): an fp8 q of at most 8 rows a KV head on wgmma scores; the plan's
+    # other calls (a bf16 q, 16 rows) run two warps a program on its bins
+    "gluon-fp8-wg-fp8-q": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4),
+    "gluon-fp8-wg-fp8-q-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4),
+    "gluon-fp8-wg-fp8-q-p128-g2-q2": dict(lens=[300, 5000, 0, 65], hq=8, hkv=4, page=128, q_len=2, kv=FP8,
+                                          kv_dtype=FP8, qdt=FP8, gluon_warps=4),
+    "gluon-fp8-wg-fp8-q-ckernel": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4, combine="kernel"),
+    "gluon-fp8-wg-fp8-q-timeline": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4, timeline=True),
+    "gluon-fp8-wg-bf16-q": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=4),
+    "gluon-fp8-wg-fp8-q-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, q_len=4, kv=FP8, kv_dtype=FP8, qdt=FP8,
+                                     gluon_warps=4),
 }
+
+
+def _gluon_warps(kw):
+    """Warps of the Gluon program a GLUON scenario launches: the plan's, but two where a warpgroup plan's call is not
+    the form's (a bf16 q, or more than 8 q rows a KV head)."""
+    from evenflow.attention.plan import GLUON_FP8_WARPS, GLUON_FP8_WG_ROWS
+
+    w = kw.get("gluon_warps", GLUON_FP8_WARPS)
+    rows = kw.get("hq", 64) // kw.get("hkv", 8) * kw.get("q_len", 1)
+    if w == 4 and not (kw.get("qdt") == FP8 and rows <= GLUON_FP8_WG_ROWS):
+        return 2
+    return w
 
 
 def test_decode_kernels_compile_for_sm90():
@@ -144,13 +167,16 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     mma.sync (64 for S, 64 for P V) on f16 values converted in registers (256 F2FP of two e4m3 each),
     and stores nothing to shared memory (no converted operand goes back); GLUON_FP8_PROGRAMS_PER_SM
     programs fit an SM (registers, shared memory, no spill), and (under PDL, ``resident_pad``) no more.
-    At W warps a program (``gluon_warps``) each warp does 1 / W of that per tile."""
+    At W warps a program (``gluon_warps``) each warp does 1 / W of that per tile. The warpgroup form (W = 4, round
+    AR) instead runs the tile's scores as 4 ``QGMMA.64`` (e4m3 K and q from shared memory, no conversion of K) and
+    each warp its 16 tokens' P V as 8 ``mma.sync`` on V converted in registers (32 F2FP, 4 LDS.128): under its cap
+    of 128 registers (16 warps an SM) ptxas spills a few bytes outside the tile loops (12-40 in round AR's build),
+    none inside them."""
     from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
-    from evenflow.attention.plan import GLUON_FP8_WARPS
 
-    w = GLUON[name].get("gluon_warps", GLUON_FP8_WARPS)
+    w = _gluon_warps(GLUON[name])
     st = _gluon_stats(name)
-    assert st["num_warps"] == w and st["spill_bytes"] == 0, st
+    assert st["num_warps"] == w and st["spill_bytes"] <= (64 if w == 4 else 0), st
     assert st["regs"] * 32 * w * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
     if GLUON[name].get("pdl", True):
         assert (st["shared"] + 1024) * (PPS + 1) > 233472, st
@@ -160,7 +186,15 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     deep = GLUON[name].get("deep_ring_tiles", 16 if w > 1 and GLUON[name].get("num_stages", 3) >= 3 else 0)
     n_tile = 2 if deep else 1
     tile_loops = [lp["ops"] for lp in loops[:n_tile]]
-    assert len(tile_loops) == n_tile and all(lp["ops"]["HMMA.16816.F32"] >= n_tile * 128 // w for lp in loops[n_tile:])
+    per_tile = 8 if w == 4 else 128 // w
+    assert len(tile_loops) == n_tile and all(lp["ops"]["HMMA.16816.F32"] >= n_tile * per_tile for lp in loops[n_tile:])
+    if w == 4:
+        for tile_loop in tile_loops:
+            assert tile_loop["QGMMA.64"] == 4 and tile_loop["HMMA.16816.F32"] == 8, tile_loop
+            assert tile_loop["LDS.128"] == 4 and tile_loop["F2FP.F16.E4M3.UNPACK_B"] == 32, tile_loop
+            assert not [op for op in tile_loop if op.startswith(("STS", "LDSM", "LDL", "STL"))], tile_loop
+            assert tile_loop.get("LDGSTS.E.BYPASS.128", 0) == 8, tile_loop
+        return
     for tile_loop in tile_loops:
         assert tile_loop["HMMA.16816.F32"] == 128 // w, tile_loop
         assert tile_loop["LDS.128"] == 32 // w and tile_loop["F2FP.F16.E4M3.UNPACK_B"] == 256 // w, tile_loop
@@ -223,7 +257,7 @@ def test_resident_pad_keeps_an_sm_to_the_plans_programs():
                 assert per_sm * block <= 233472 < (per_sm + 1) * block, (per_sm, stages, pad)
 
 
-@pytest.mark.parametrize("warps,stages", [(1, 2), (2, 2), (2, None)], ids=["w1s2", "w2s2", "w2"])
+@pytest.mark.parametrize("warps,stages", [(1, 2), (2, 2), (2, None), (4, None)], ids=["w1s2", "w2s2", "w2", "wg"])
 def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps, stages):
     """Round AE: under PDL the Gluon kernel lets the next launch go at once, and waits for the kernel
     ahead before its first memory operation in the first call after ``plan.update`` (that kernel may be
@@ -231,7 +265,7 @@ def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps, s
     (cp.async) before the wait, and no store, atomic or reduction precedes it. At one warp a program its
     unused ring slot keeps an SM to the plan's 4 programs (5 would fit without it) at 2 ring slots; at two (round AL)
     the warps' output buffer does beside 2 slots, and since round AM the third slot (the default), with or without
-    PDL; without PDL nothing else of this."""
+    PDL; without PDL nothing else of this. The warpgroup form (round AR, an fp8 q) the same, its q beside the ring."""
     from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
 
     B, page = len(BIG), 64
@@ -239,12 +273,14 @@ def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps, s
     with CC.emulate_gpu(), CC.record_launches() as rec:
         k = torch.empty(B * mp, page, 8, 128, dtype=FP8)
         pt, sl = torch.zeros(B, mp, dtype=torch.int32), torch.tensor(BIG, dtype=torch.int32)
-        q = torch.empty(B, 64, 128, dtype=torch.bfloat16)
+        q = torch.empty(B, 64, 128, dtype=FP8 if warps == 4 else torch.bfloat16)
+        qs = torch.ones(B, 64) if warps == 4 else None
         for kw in ({}, dict(early_reads=False), dict(resident_cap=False), dict(pdl=False)):
             plan = evenflow.DecodePlan(B, mp * page, 8, device="cpu", kv_dtype=FP8, gluon_warps=warps,
                                        num_stages=stages, **kw).update(sl)
             for _ in range(2):
-                evenflow.decode_attention(q, k, k, pt, sl, plan=plan, k_scale=torch.ones(1), v_scale=0.5)
+                evenflow.decode_attention(q, k, k, pt, sl, plan=plan, q_scale=qs, k_scale=torch.ones(1), v_scale=0.5)
+    assert {dict(la.constexprs)["WARPS"] for la in rec if la.gluon} == {warps}
     got = [(c["PDL"], c["EARLY"], c["PAD"]) for c in (dict(la.constexprs) for la in rec if la.gluon)]
     pad = 1 if warps == 1 else 0
     assert got == [(True, False, pad), (True, True, pad), (True, False, pad), (True, False, pad), (True, False, 0),
@@ -263,7 +299,7 @@ def test_gluon_fp8_kernel_pdl_waits_before_what_the_kernel_ahead_writes(warps, s
         else:
             assert 0 <= launch < wait and m["cp.async"] < wait and m["ld.global"] < wait, desc
             assert min(m[op] for op in ("atom.", "st.global") if m[op] >= 0) > wait, desc
-        if "PAD=1" in desc or warps == 2:
+        if "PAD=1" in desc or warps > 1:
             assert PPS * block <= 233472 < (PPS + 1) * block, desc
         else:
             assert (PPS + 1) * block <= 233472, desc

@@ -355,8 +355,13 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "
                                 f"sm_{arch} gives a block at most {SHARED_LIMIT.get(arch, SHARED_LIMIT[90])} B")
         except Exception as e:  # report every failure, not just the first
-            msg = str(e).strip().splitlines()
-            text = f"{item['describe']}: {type(e).__name__}: " + "\n".join(msg[-12:])
+            msg = str(e).strip().splitlines()[-12:]
+            inner = e  # a CompilationError names the call site; what failed is in its innermost cause
+            while (inner.__cause__ or inner.__context__) is not None:
+                inner = inner.__cause__ or inner.__context__
+            if inner is not e:
+                msg += [f"caused by {type(inner).__name__}:"] + str(inner).strip().splitlines()[-12:]
+            text = f"{item['describe']}: {type(e).__name__}: " + "\n".join(msg)
             failures.append({"describe": item["describe"], "error": text} if stats else text)
     print(json.dumps(failures))
 

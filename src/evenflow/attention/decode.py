@@ -48,6 +48,7 @@ from evenflow.attention.plan import (
     GLUON_FP8_MAX_ROWS,
     GLUON_FP8_PAGE_SIZES,
     GLUON_FP8_STAGES,
+    GLUON_FP8_WG_ROWS,
     HEAD_DIMS,
     MAX_GQA_GROUP,
     TILE,
@@ -288,6 +289,10 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
+        # the warpgroup form (gluon_warps 4) takes an fp8 q of at most GLUON_FP8_WG_ROWS rows a KV head; the plan's
+        # other calls run the two-warp form on the same bins (the same ring and programs an SM)
+        if gluon_warps == 4 and not (q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS):
+            gluon_warps = 2
         GK.decode_fp8_kernel[grid](
             q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t,
             part_o, part_lse,
@@ -303,7 +308,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=FUSED_GROUP_CHUNKS, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), WARPS=gluon_warps,
-            SHORT_TILES=short_tiles, num_warps=gluon_warps,
+            SHORT_TILES=short_tiles, num_warps=gluon_warps, **({"maxnreg": 128} if gluon_warps == 4 else {}),
             **_runtime.pdl_kwargs(pdl),
         )
     else:

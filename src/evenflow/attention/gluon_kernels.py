@@ -36,6 +36,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from evenflow._kernels.common import arrived_last, clock64, globaltimer_ns
@@ -120,7 +121,10 @@ def _ml(W, rows):
 
 @gluon.constexpr_function
 def _ll(W, rows):
-    # the LSEs of a merge batch, [8 chunks, rows], all in every thread's registers
+    # the LSEs of a merge batch, [8 chunks, rows], all in every thread's registers; at 4 warps (the warpgroup form,
+    # 16 warps an SM: at most 128 registers a thread) a thread holds one row's 8 chunks
+    if W == 4:
+        return gl.BlockedLayout([8, 1], [1, 32], [1, W], [1, 0])
     return gl.BlockedLayout([8, 8 if rows <= 8 else 16], [1, 32], [1, W], [1, 0])
 
 
@@ -138,6 +142,18 @@ OSTAGE = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, o
 # a merge batch's outputs in the idle K / V ring: [2 chunks, rows, columns] fp32 a ring slot, each
 # thread reading back the 16-byte pieces it copied (no swizzle needed: a warp reads 512 contiguous bytes)
 STAGE = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+
+# The warpgroup form (``WARPS`` 4, round AR: fp8 q, GQA group x q_len <= WG_N): the scores of a tile as
+# S^T = K q^T on one warpgroup MMA (``wgmma``, e4m3 x e4m3 from shared memory, no conversion), K's ring slots and q
+# in 128-byte-swizzled shared memory; warp w's accumulator rows are the tile's tokens [16 w, 16 w + 16), so each
+# warp keeps its online softmax over those 16 tokens, and O^T += V^T P^T by ``mma.sync`` per warp (V converted in
+# registers as above, read through ``_lv``: its registers are V^T's A fragment; P^T from the S^T fragment).
+WG_N = gl.constexpr(8)  # wgmma's N: the rows of q a KV head (padded to 8)
+KSW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))  # a slot's rank
+QSW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+# cp.async of a K tile [64 tokens, 128 d] into the swizzled slot, and q [8 rows, 128 d]: 16 bytes a thread
+CPK = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
+WG_ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32]))
 
 
 @gluon.jit
@@ -168,9 +184,17 @@ def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, 
     tok = o_w[:, None] * TW + o_t[None, :]  # [W, TW]: the tile's token of each row
     row = ((t * TILE) % PAGE + tok)[:, :, None]
     m = (live & (t * TILE + tok < L))[:, :, None] & (o_d < D)[None, None, :]
-    pk = p_k + (page * stride_kp + h * stride_kh) + row * stride_kt + o_d[None, None, :]
+    if W == 4:  # K as wgmma reads it: the slot [64 tokens, 128 d], 128-byte swizzled
+        k_t = gl.arange(0, TILE, layout=gl.SliceLayout(1, CPK))
+        k_d = gl.arange(0, D, layout=gl.SliceLayout(0, CPK))
+        k_m = (live & (t * TILE + k_t < L))[:, None] & (k_d < D)[None, :]
+        pk = (p_k + (page * stride_kp + h * stride_kh) + ((t * TILE) % PAGE + k_t)[:, None] * stride_kt
+              + k_d[None, :])
+        cp.async_copy_global_to_shared(k_s.index(buf), pk, mask=k_m)
+    else:
+        pk = p_k + (page * stride_kp + h * stride_kh) + row * stride_kt + o_d[None, None, :]
+        cp.async_copy_global_to_shared(k_s.index(buf), pk, mask=m)
     pv = p_v + (page * stride_vp + h * stride_vh) + row * stride_vt + o_d[None, None, :]
-    cp.async_copy_global_to_shared(k_s.index(buf), pk, mask=m)
     cp.async_copy_global_to_shared(v_s.index(buf), pv, mask=m)
     cp.commit_group()
 
@@ -237,7 +261,45 @@ def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_pt
 
 
 @gluon.jit
-def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
+def _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+              stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+              PAGE: gl.constexpr, RING: gl.constexpr):
+    """The warpgroup form's tile loop (see ``_tiles``): per tile S^T [64 tokens, 8 rows] = K q^T on ``wgmma``,
+    seen per warp as [4 warps, 16 tokens, 8 rows]; each warp's softmax over its 16 tokens; O^T [4, 128, 8] += V^T
+    P^T per warp."""
+    LOOK: gl.constexpr = RING - 1
+    W: gl.constexpr = 4
+    TW: gl.constexpr = TILE // W
+    MMA: gl.constexpr = _mma(W)
+    LA: gl.constexpr = _operand(W, 0)
+    LB: gl.constexpr = _operand(W, 1)
+    for t in range(t0, t1):
+        j = t - t0
+        _issue(k_s, v_s, (j + LOOK) % RING, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
+        cp.wait_group(LOOK)
+        fence_async_shared()  # this thread's copies, before the async proxy (wgmma) reads them
+        gl.thread_barrier()
+        buf = j % RING
+        st = warpgroup_mma(k_s.index(buf), q_s.permute((1, 0)), gl.zeros([TILE, WG_N], gl.float32, layout=WG_ACC))
+        st = gl.convert_layout(gl.reshape(st, [W, TW, WG_N]), MMA)
+        st = gl.where(t * TILE + tok < vis[None, None, :], st * rs[None, None, :], float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(st, axis=1))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(st - m_safe[:, None, :])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        vf = v_s.index(buf).load(_lv(W)).to(gl.float16)
+        vn = gl.reshape(gl.permute(gl.reshape(vf, [W, TW, 8, 16]), [0, 1, 3, 2]), [W, TW, D])  # columns n
+        acc = mma_v2(gl.convert_layout(gl.permute(vn, [0, 2, 1]), LA), gl.convert_layout(p.to(gl.float16), LB),
+                     acc * alpha[:, None, :])
+        m_i = m_new
+        gl.thread_barrier()  # every warp is done with slot `buf` (and q) before the next issue refills it
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
                   p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                   stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp,
                   stride_vt, stride_vh, stride_ptb, stride_ot, stride_oh, stride_lt,
@@ -246,90 +308,137 @@ def _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
     """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
     ``issued``: the chunk's first tiles are already in flight (:func:`_issue_first`, before the kernel's
     PDL wait: STAGES - 1 of them, STAGES - 2 on a chunk that runs a tile fewer ahead, ``_deep``). Each warp runs
-    its own softmax over its TW tokens of every tile; the W states are merged after the last tile."""
+    its own softmax over its TW tokens of every tile; the W states are merged after the last tile. At W = 4 (the
+    warpgroup form: an fp8 q, at most WG_N rows) q goes to ``q_s`` as it is and the tiles run ``_tiles_wg``."""
     ROWS: gl.constexpr = GROUP * Q_LEN
-    TW: gl.constexpr = TILE // W
+    NR: gl.constexpr = WG_N if W == 4 else 16  # rows of the MMAs (ROWS padded)
     MMA: gl.constexpr = _mma(W)
-    LA: gl.constexpr = _operand(W, 0)
-    # q, logical [W, 16 rows, 128 contraction] in the A layout (rows >= ROWS zero; every warp holds the
-    # same q), to f16 under a per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone
-    # in the score scale)
-    o_qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))
-    o_m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
-    o_k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
-    m_row = o_m < ROWS
-    i_tok = b * Q_LEN + o_m // GROUP
-    i_head = h * GROUP + o_m % GROUP
-    pq = p_q + ((i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[None, :, None] + _phys_k(o_k)[None, None, :]
-                + (o_qw * 0)[:, None, None])
-    q_raw = gl.load(pq, mask=m_row[None, :, None] & (o_k < D)[None, None, :], other=0.0)
-    if HAS_Q_SCALE:  # fp8 q: its per-token-per-head dequant scale, loaded beside q
-        q_sc = gl.load(p_qs + i_tok.to(gl.int64) * stride_qst + i_head * stride_qsh, mask=m_row, other=0.0)
-    # the ring's first tiles are issued while q is in flight (AC5: waits on q were ~10% of the TP8
-    # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
-    # moved beyond the run's spread), kept as the order with fewer serial round trips
     p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
-    if not issued:
-        _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                     stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES))
-    qf = q_raw.to(gl.float32)
-    qmax = gl.max(gl.abs(qf), axis=2)
-    e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
-    e = gl.minimum(gl.maximum(e, -100.0), 114.0)
-    q_a = (qf * gl.exp2(-e)[:, :, None]).to(gl.float16)  # an fp8 q's values are exact in f16 under that power of two
-    row_scale = qk_scale * gl.exp2(e)
-    if HAS_Q_SCALE:  # the row's scores times its q scale, as in the Triton kernel
-        row_scale = row_scale * q_sc[None, :]
-    rs = gl.convert_layout(row_scale, gl.SliceLayout(2, MMA))
-    # row m = r * GROUP + g sees the item's first L - Q_LEN + r + 1 tokens
-    o_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
-    vis = L - Q_LEN + o_r // GROUP + 1
-    # the tile's token of each score column: warp w's TW tokens
-    o_sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
-    o_tok = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-    tok = o_sw[:, None, None] * TW + o_tok[None, None, :]
+    if W == 4:
+        # q [8 rows, 128 d] fp8 as given (rows >= ROWS zero) into q_s (the loop's last barrier: no warp reads it);
+        # the row's score scale carries its q scale
+        o_m = gl.arange(0, NR, layout=gl.SliceLayout(1, CPK))
+        o_k = gl.arange(0, D, layout=gl.SliceLayout(0, CPK))
+        i_tok = b * Q_LEN + o_m // GROUP
+        i_head = h * GROUP + o_m % GROUP
+        q_raw = gl.load(p_q + (i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[:, None] + o_k[None, :],
+                        mask=(o_m < ROWS)[:, None] & (o_k < D)[None, :], other=0.0)
+        RW: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, MMA))  # a row's value in [W, TW, NR]
+        o_rw = gl.arange(0, NR, layout=RW)
+        rs = gl.full([NR], 1.0, gl.float32, layout=RW) * qk_scale
+        if HAS_Q_SCALE:
+            rs = rs * gl.load(p_qs + (b * Q_LEN + o_rw // GROUP).to(gl.int64) * stride_qst
+                              + (h * GROUP + o_rw % GROUP) * stride_qsh, mask=o_rw < ROWS, other=0.0)
+        if not issued:
+            _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                         stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES))
+        q_s.store(q_raw)
+        fence_async_shared()
+        gl.thread_barrier()
+        vis = L - Q_LEN + o_rw // GROUP + 1
+        o_sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+        o_tok = gl.arange(0, TILE // W, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+        tok = (o_sw[:, None] * (TILE // W) + o_tok[None, :])[:, :, None]  # [W, TW, 1]
+        m_i = gl.full([W, NR], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_i = gl.full([W, NR], 0.0, gl.float32, layout=gl.SliceLayout(1, MMA))
+        acc = gl.zeros([W, D, NR], gl.float32, layout=MMA)  # O^T a warp
+        if SHORT_TILES > 0:
+            if _deep(t0, t1, SHORT_TILES):
+                m_i, l_i, acc = _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow,
+                                          h, num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                          stride_vh, PAGE, STAGES)
+            else:
+                m_i, l_i, acc = _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow,
+                                          h, num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                          stride_vh, PAGE, STAGES - 1)
+        else:
+            m_i, l_i, acc = _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                                      num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                      PAGE, STAGES)
+    else:
+        TW: gl.constexpr = TILE // W
+        LA: gl.constexpr = _operand(W, 0)
+        # q, logical [W, 16 rows, 128 contraction] in the A layout (rows >= ROWS zero; every warp holds the
+        # same q), to f16 under a per-row power of two that puts the row's max |q| in (2^13, 2^14] (undone
+        # in the score scale)
+        o_qw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, LA)))
+        o_m = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
+        o_k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
+        m_row = o_m < ROWS
+        i_tok = b * Q_LEN + o_m // GROUP
+        i_head = h * GROUP + o_m % GROUP
+        pq = p_q + ((i_tok.to(gl.int64) * stride_qt + i_head * stride_qh)[None, :, None]
+                    + _phys_k(o_k)[None, None, :] + (o_qw * 0)[:, None, None])
+        q_raw = gl.load(pq, mask=m_row[None, :, None] & (o_k < D)[None, None, :], other=0.0)
+        if HAS_Q_SCALE:  # fp8 q: its per-token-per-head dequant scale, loaded beside q
+            q_sc = gl.load(p_qs + i_tok.to(gl.int64) * stride_qst + i_head * stride_qsh, mask=m_row, other=0.0)
+        # the ring's first tiles are issued while q is in flight (AC5: waits on q were ~10% of the TP8
+        # slice's stall samples); measured level with issuing them after q's conversion (AC7: no case
+        # moved beyond the run's spread), kept as the order with fewer serial round trips
+        if not issued:
+            _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                         stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES))
+        qf = q_raw.to(gl.float32)
+        qmax = gl.max(gl.abs(qf), axis=2)
+        e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
+        e = gl.minimum(gl.maximum(e, -100.0), 114.0)
+        q_a = (qf * gl.exp2(-e)[:, :, None]).to(gl.float16)  # an fp8 q's values are exact in f16 under that power
+        row_scale = qk_scale * gl.exp2(e)
+        if HAS_Q_SCALE:  # the row's scores times its q scale, as in the Triton kernel
+            row_scale = row_scale * q_sc[None, :]
+        rs = gl.convert_layout(row_scale, gl.SliceLayout(2, MMA))
+        # row m = r * GROUP + g sees the item's first L - Q_LEN + r + 1 tokens
+        o_r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+        vis = L - Q_LEN + o_r // GROUP + 1
+        # the tile's token of each score column: warp w's TW tokens
+        o_sw = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+        o_tok = gl.arange(0, TW, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+        tok = o_sw[:, None, None] * TW + o_tok[None, None, :]
 
-    m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
-    l_i = gl.full([W, 16], 0.0, gl.float32, layout=gl.SliceLayout(2, MMA))
-    acc = gl.zeros([W, 16, D], gl.float32, layout=MMA)
-    # the whole ring on a deep chunk, else its first STAGES - 1 slots; the constexpr branch keeps builds without
-    # SHORT_TILES to one loop (``_deep``'s constant is not a constexpr here: the shallow loop would be built too)
-    if SHORT_TILES > 0:
-        if _deep(t0, t1, SHORT_TILES):
-            m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
-                                   num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
-                                   STAGES, W)
+        m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
+        l_i = gl.full([W, 16], 0.0, gl.float32, layout=gl.SliceLayout(2, MMA))
+        acc = gl.zeros([W, 16, D], gl.float32, layout=MMA)
+        # the whole ring on a deep chunk, else its first STAGES - 1 slots; the constexpr branch keeps builds without
+        # SHORT_TILES to one loop (``_deep``'s constant is not a constexpr here: the shallow loop would be built too)
+        if SHORT_TILES > 0:
+            if _deep(t0, t1, SHORT_TILES):
+                m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                                       num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                       PAGE, STAGES, W)
+            else:
+                m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                                       num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+                                       PAGE, STAGES - 1, W)
         else:
             m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                    num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
-                                   STAGES - 1, W)
-    else:
-        m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
-                               num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
-                               STAGES, W)
+                                   STAGES, W)
     cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
     gl.thread_barrier()
 
     # the warps' states merged (a warp that saw no token has max -inf and weight 0): the weighted
-    # outputs through ``o_s`` [W, 16, 128] fp32 (W > 1), summed in a fixed order
+    # outputs through ``o_s`` [W, NR, 128] fp32 (W > 1), summed in a fixed order
     m_c = gl.max(m_i, axis=0)
     m_cs = gl.where(m_c == float("-inf"), 0.0, m_c)
     wt = gl.exp2(m_i - m_cs[None, :])
-    OL: gl.constexpr = gl.SliceLayout(0, MMA) if W == 1 else gl.SliceLayout(0, _lsum(W))  # merged [16, D]
+    OL: gl.constexpr = gl.SliceLayout(0, MMA) if W == 1 else gl.SliceLayout(0, _lsum(W))  # merged [NR, D]
     RL: gl.constexpr = gl.SliceLayout(1, OL)
     l_c = gl.convert_layout(gl.sum(l_i * wt, axis=0), RL)
     m_c = gl.convert_layout(m_c, RL)
     if W == 1:
         o_c = gl.sum(acc * wt[:, :, None], axis=0)
     else:
-        o_s.store(acc * wt[:, :, None])
+        if W == 4:
+            o_s.store(gl.permute(acc * wt[:, None, :], [0, 2, 1]))  # O^T back to [W, rows, columns]
+        else:
+            o_s.store(acc * wt[:, :, None])
         gl.thread_barrier()
         o_c = gl.sum(o_s.load(_lsum(W)), axis=0)
         gl.thread_barrier()  # every warp has read it before it is written again (the next chunk, or a merge's copies)
     live = l_c > 0.0
     b_o = gl.where(live[:, None], o_c * (v_scale / gl.where(live, l_c, 1.0))[:, None], 0.0)
     lse2 = gl.where(live, m_c + gl.log2(gl.where(live, l_c, 1.0)), float("-inf"))
-    o_r2 = gl.arange(0, 16, layout=RL)
+    o_r2 = gl.arange(0, NR, layout=RL)
     o_n = gl.arange(0, D, layout=gl.SliceLayout(0, OL))
     m_out = o_r2 < ROWS
     col = _phys_v(o_n)
@@ -510,9 +619,17 @@ def decode_fp8_kernel(
     if PDL and not EARLY:
         gdc_wait()
     # PAD slots past the ring are never touched (see PDL above)
-    k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
+    if WARPS == 4:  # the warpgroup form: K's slots as wgmma reads them, and q
+        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], KSW)
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [WG_N, D], QSW)
+    else:
+        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
+        q_s = k_s  # not used
     v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
-    if WARPS > 1 and STAGES > 2:
+    if WARPS == 4:
+        # the warpgroup's outputs [4, 8, 128] fp32 meet in K's ring slots 0-1 (16 KB), as at two warps below
+        o_s = k_s._reinterpret(gl.float32, [WARPS, WG_N, D], OSTAGE)
+    elif WARPS > 1 and STAGES > 2:
         # two warps beside 3 or more ring slots (at 3, no room for an output buffer at 4 programs an SM): the warps'
         # outputs [W, 16, 128] fp32 meet in K's ring slots 0-1 (16 KB, idle after a chunk: the loop's last wait and
         # barrier), one store / load round as with the buffer below
@@ -553,7 +670,7 @@ def decode_fp8_kernel(
             # at ~20 more of the tile loop's ~1155 instructions (predicates, addresses kept live)
             b_nx, n_nx, start_nx = K._item_at(i + 1, n_items, p_tiles, p_req_end, HKV)
             len_nx = gl.load(p_len + b_nx)
-        _attend_chunk(k_s, v_s, o_s, b, h, t0, t1, L, is_final, slot, issued,
+        _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
                       p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp,
                       stride_vt, stride_vh, stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES,

@@ -60,7 +60,7 @@ GLUON_FP8_PROGRAMS_PER_SM = 4
 # 1.02 / 1.04 on two (8x32K, 64x4K); geometric mean 0.92. At 8 KV heads the Gluon kernel is 1.12-1.32x faster
 # (AF3). Two warps: round AL2 (the same seven slices, two passes), the Gluon kernel took 0.77-0.99 of the
 # Triton kernel's time on all seven in both, so every fp8 plan takes it.
-GLUON_FP8_MIN_KV_HEADS = {1: 2, 2: 1}
+GLUON_FP8_MIN_KV_HEADS = {1: 2, 2: 1, 4: 1}
 # Page sizes the Gluon fp8 kernel reads (a 64-token tile from one page); an fp8 plan at other page sizes is built
 # for the Triton kernel, which runs those calls (round AO: sized for Gluon, the Triton kernel ran its 4 programs an
 # SM under a 128-register cap, 500 bytes of spill a thread in the sm_90 build).
@@ -82,7 +82,7 @@ MAX_GQA_GROUP = 16
 # tiles ahead, longer ones 1 on two of the slots (``DecodePlan(deep_ring_tiles=)``; AM2, 16: 64x512 0.95,
 # 1x32K+63x512 0.97, 2x64K+30x1K 0.99 of the 2-slot kernel's time, the long cases 1.004-1.014). At one warp two
 # tile loops would spill (sm_90: 255 registers, 8-12 bytes): one loop there, every chunk the whole ring ahead.
-GLUON_FP8_STAGES = {1: 2, 2: 3}
+GLUON_FP8_STAGES = {1: 2, 2: 3, 4: 3}
 GLUON_FP8_DEEP_TILES = 16
 
 # Warps of a Gluon fp8 program, each taking its half of every 64-token tile with its own online softmax
@@ -92,7 +92,12 @@ GLUON_FP8_DEEP_TILES = 16
 # of the Triton kernel's. 4 warps would make 16 warps an SM at 4 programs, at most 128 registers a thread (65,536 /
 # (16 x 32)); the 2-warp build takes 184-231 (sm_90, history/round-al1/sm90_stats.log).
 GLUON_FP8_WARPS = 2
-GLUON_FP8_WARP_COUNTS = (1, 2)
+# Four warps (round AR) is the warpgroup form: the scores of an fp8 q on ``wgmma`` (e4m3 from shared memory, N = 8,
+# no conversion of K), each warp's softmax over 16 tokens of a tile, its P V on ``mma.sync`` (sm_90: see
+# tests/test_decode_sm90.py for its registers and instructions); it takes calls with an fp8 q and at most
+# GLUON_FP8_WG_ROWS q rows a KV head; the plan's other calls (bf16 q, more rows) run the two-warp form on its bins.
+GLUON_FP8_WARP_COUNTS = (1, 2, 4)
+GLUON_FP8_WG_ROWS = 8
 
 # Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
 # (CUDA C programming guide, compute capability 9.0); read from the device where torch reports it.
