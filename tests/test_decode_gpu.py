@@ -66,11 +66,14 @@ def replay_fresh(g, outs, restore):
     torch.cuda.synchronize()
 
 
-def check(o, lse, q, qs, k, v, pt, sl, q_len=1, ks=None, vs=None, what=""):
+def check(o, lse, q, qs, k, v, pt, sl, q_len=1, ks=None, vs=None, what="", fp8_scores=False):
+    """``o`` / ``lse`` within the tolerance rule of the fp64 reference; the baseline is PyTorch in fp32 with bf16 P
+    and output, its scores from PyTorch's fp8 GEMM with fast accumulation where the kernel's are an fp8 MMA's
+    (``fp8_scores``: the Gluon kernel's warpgroup form)."""
     kw = dict(q_scale=qs, k_scale=ks, v_scale=vs, q_len=q_len)
     ref, ref_lse = ref_attn(q, k, v, pt, sl, **kw)
     base, base_lse = ref_attn(q, k, v, pt, sl, dtype=torch.float32, p_dtype=torch.bfloat16,
-                              out_dtype=torch.bfloat16, **kw)
+                              out_dtype=torch.bfloat16, fp8_scores=fp8_scores, **kw)
     assert_within_rule(o, ref, base, what=what)
     if lse is not None:  # -inf exactly where no token is seen; elsewhere the tolerance rule, as the CPU tests
         dead = torch.isinf(ref_lse)
@@ -285,6 +288,13 @@ def _wk(warps):
     return dict(gluon_warps=2, num_stages=2) if warps == "2s2" else dict(gluon_warps=warps)
 
 
+def _wg_form(warps, q, rows):
+    """Whether a call runs the warpgroup form (its scores an fp8 MMA's: ``check(..., fp8_scores=True)``)."""
+    from evenflow.attention.plan import GLUON_FP8_WG_ROWS
+
+    return warps == 4 and q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS
+
+
 def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1):
     from evenflow.attention.decode import gluon_fp8_supported
 
@@ -338,7 +348,30 @@ def test_gluon_fp8_kernel_with_fp8_q(hq, hkv, page, q_len, warps, monkeypatch):
     out = poisoned(q.shape, torch.bfloat16, "cuda")
     o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=0.03, v_scale=0.02, out=out,
                                        return_lse=True)
-    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon fp8 q hq{hq} hkv{hkv} p{page}")
+    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon fp8 q hq{hq} hkv{hkv} p{page}",
+          fp8_scores=_wg_form(warps, q, hq // hkv * q_len))
+
+
+def test_fp8_fast_scores_baseline_is_the_tensor_cores_accumulation():
+    """The warpgroup form's same-precision baseline (``decode_attention_ref_batched(fp8_scores=True)``): PyTorch's
+    fp8 GEMM with fast accumulation. Against exact products (fp64) its error is not zero (the tensor cores keep fewer
+    bits than fp32 while they accumulate) yet small beside the products' magnitude, and the promoted GEMM
+    (``use_fast_accum=False``) is no worse."""
+    from evenflow.reference.attention import _fp8_fast_scores
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    a = (torch.randn(8, 128, device="cuda", generator=g) * 100).clamp(-448, 448).to(FP8)
+    b = (torch.randn(4096, 128, device="cuda", generator=g) * 30).clamp(-448, 448).to(FP8)
+    exact = a.double() @ b.double().t()
+    mag = a.double().abs() @ b.double().abs().t()
+    fast = _fp8_fast_scores(a, b).double()
+    err = ((fast - exact).abs() / mag).max().item()
+    assert 0 < err < 2.0**-10, err
+    one = torch.ones((), device="cuda")
+    pa = torch.zeros(16, 128, dtype=FP8, device="cuda")
+    pa[:8] = a
+    promoted = torch._scaled_mm(pa, b.t(), one, one, out_dtype=torch.float32)[:8].double()
+    assert ((promoted - exact).abs() / mag).max().item() <= err
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -352,7 +385,7 @@ def test_gluon_warpgroup_fp8_q_real_shapes(case):
     out = poisoned(q.shape, torch.bfloat16, "cuda")
     o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
                                        return_lse=True)
-    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon warpgroup fp8 q {case}")
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon warpgroup fp8 q {case}", fp8_scores=True)
 
 
 @WARPS
@@ -394,7 +427,8 @@ def test_gluon_fp8_cuda_graph_changing_lengths(warps):
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        check(out, None, s_q, qs, k, v, s_pt, s_sl, ks=ks, vs=vs, what=f"gluon graph replay {trial}")
+        check(out, None, s_q, qs, k, v, s_pt, s_sl, ks=ks, vs=vs, what=f"gluon graph replay {trial}",
+              fp8_scores=_wg_form(warps, q, 8))
 
 
 @triton.jit
