@@ -354,17 +354,17 @@ def test_gluon_fp8_kernel_with_fp8_q(hq, hkv, page, q_len, warps, monkeypatch):
 
 def test_fp8_fast_scores_baseline_is_the_tensor_cores_accumulation():
     """The warpgroup form's same-precision baseline (``decode_attention_ref_batched(fp8_scores=True)``): PyTorch's
-    fp8 GEMM with fast accumulation. Against exact products (fp64) its error is not zero (the tensor cores keep fewer
-    bits than fp32 while they accumulate) yet small beside the products' magnitude, and the promoted GEMM
-    (``use_fast_accum=False``) is no worse."""
-    from evenflow.reference.attention import _fp8_fast_scores
+    fp8 GEMM with fast accumulation (``reference.moe.fast_mm``, the fused MoE's fast-mode baseline too). Against
+    exact products (fp64) its error is not zero (the tensor cores keep fewer bits than fp32 while they accumulate)
+    yet small beside the products' magnitude, and the promoted GEMM (``use_fast_accum=False``) is no worse."""
+    from evenflow.reference.moe import fast_mm
 
     g = torch.Generator(device="cuda").manual_seed(3)
     a = (torch.randn(8, 128, device="cuda", generator=g) * 100).clamp(-448, 448).to(FP8)
     b = (torch.randn(4096, 128, device="cuda", generator=g) * 30).clamp(-448, 448).to(FP8)
     exact = a.double() @ b.double().t()
     mag = a.double().abs() @ b.double().abs().t()
-    fast = _fp8_fast_scores(a, b).double()
+    fast = fast_mm(a, b).double()
     err = ((fast - exact).abs() / mag).max().item()
     assert 0 < err < 2.0**-10, err
     one = torch.ones((), device="cuda")

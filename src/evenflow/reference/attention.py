@@ -6,6 +6,7 @@ import math
 import torch
 
 from evenflow._checks import check_sixteenths
+from evenflow.reference.moe import fast_mm
 
 TILE = 64
 POOL_SLACK = 0.25  # shuffled page pools hold 25% more pages than the requests use
@@ -187,27 +188,16 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     return plan, bins
 
 
-def _fp8_fast_scores(rows: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """rows [R, D] and k [L, D], both e4m3 -> their products [R, L] in fp32 from cuBLAS's fp8 GEMM with fast
-    accumulation (``torch._scaled_mm(..., use_fast_accum=True)``: the tensor cores' own accumulation, never promoted;
-    R and L padded with zero rows to the multiples of 16 it takes)."""
-    R, L, D = rows.shape[0], k.shape[0], rows.shape[1]
-    a = torch.zeros(-(-R // 16) * 16, D, dtype=rows.dtype, device=rows.device)
-    b = torch.zeros(-(-L // 16) * 16, D, dtype=k.dtype, device=k.device)
-    a[:R], b[:L] = rows, k
-    one = torch.ones((), device=rows.device)
-    return torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.float32, use_fast_accum=True)[:R, :L]
-
-
 def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_scale=None, k_scale=None,
                                  v_scale=None, sm_scale=None, q_len=None, dtype=torch.float64, p_dtype=None,
                                  out_dtype=None, fp8_scores=False):
     """Same math as :func:`decode_attention_ref`, looping over requests only and staying on
     the inputs' device (for real shapes on a GPU). Tests check it against the simple one.
 
-    ``fp8_scores``: the scores of an e4m3 q and cache as PyTorch's fp8 GEMM computes them on the tensor cores
-    (:func:`_fp8_fast_scores`), then scaled in ``dtype``: the same-precision baseline of a kernel whose scores are
-    an fp8 MMA's (the Gluon kernel's warpgroup form, which ``wgmma`` accumulates the same way); CUDA only."""
+    ``fp8_scores``: the scores of an e4m3 q and cache as PyTorch's fp8 GEMM with fast accumulation computes them
+    on the tensor cores (:func:`evenflow.reference.moe.fast_mm`), then scaled in ``dtype``: the same-precision
+    baseline of a kernel whose scores are an fp8 MMA's (the Gluon kernel's warpgroup form, which ``wgmma``
+    accumulates the same way); CUDA only."""
     B, q_len, Hq, D, P, Hkv, G = _dims(q, k_cache, seq_lens, q_len)
     dev = q.device
     if sm_scale is None:
@@ -240,7 +230,7 @@ def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_sc
         if fp8_scores:
             q8 = q[b * q_len:(b + 1) * q_len].view(q_len, Hkv, G, D)
             k8 = k_cache[pages, tok % P]
-            s = torch.stack([_fp8_fast_scores(q8[:, h].reshape(q_len * G, D), k8[:, h]).view(q_len, G, L)
+            s = torch.stack([fast_mm(q8[:, h].reshape(q_len * G, D), k8[:, h]).view(q_len, G, L)
                              for h in range(Hkv)], 1).to(dtype)
             qs = 1.0 if q_scale is None else q_scale[b * q_len:(b + 1) * q_len].to(dtype).view(q_len, Hkv, G, 1)
             s = scale(s * qs, k_scale) * sm_scale

@@ -124,34 +124,38 @@ def moe_reference(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=No
 
 # ---------------------------------------------------------------- baseline of fp8_accum="fast"
 
-def _fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor | None = None,
+def fast_mm(a8: torch.Tensor, b8: torch.Tensor, scale_a: torch.Tensor | None = None,
              scale_b: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 ``scale_a * scale_b * (a8 @ b8.T)`` of e4m3 ``a8`` [M, K] and ``b8`` [N, K] by
     ``torch._scaled_mm(..., use_fast_accum=True)``: on sm_90 an fp8 tensor-core GEMM that
     accumulates with the hardware's reduced precision over the whole K (on a CPU, exact products
-    and fp32 sums); without scales, the plain product. Rows are padded to a multiple of 16 with
-    zeros (a row's result depends on that row only)."""
-    m = a8.shape[0]
-    pad = -m % 16
-    a8 = a8.contiguous()
-    if pad:
-        a8 = torch.cat([a8.view(torch.uint8), a8.new_zeros(pad, a8.shape[1], dtype=torch.uint8)]).view(a8.dtype)
+    and fp32 sums); without scales, the plain product. Rows of both are padded to a multiple of 16
+    with zeros (an output depends on its own row and column only)."""
+    m, n = a8.shape[0], b8.shape[0]
+
+    def padded(x, rows):
+        x = x.contiguous()
+        if -rows % 16:
+            x = torch.cat([x.view(torch.uint8), x.new_zeros(-rows % 16, x.shape[1], dtype=torch.uint8)]).view(x.dtype)
+        return x
+
     # Unit scales in fresh tensors, the scales applied after in fp32 (one more rounding): on the
     # H200 cuBLASLt answered CUBLAS_STATUS_NOT_SUPPORTED for the per-tensor calls that passed
     # views such as w13_scale[e] (4 * e bytes into its storage) as scale pointers, and ran every
     # call with freshly allocated unit scales (round J4).
     one = torch.ones((), dtype=torch.float32, device=a8.device)
-    out = torch._scaled_mm(a8, b8.contiguous().t(), one, one, out_dtype=torch.float32, use_fast_accum=True)
+    out = torch._scaled_mm(padded(a8, m), padded(b8, n).t(), one, one, out_dtype=torch.float32,
+                           use_fast_accum=True)[:m, :n]
     if scale_a is None:
-        return out[:m]
-    return out[:m] * (scale_a.float().reshape(()) * scale_b.float().reshape(()))
+        return out
+    return out * (scale_a.float().reshape(()) * scale_b.float().reshape(()))
 
 
 def _fast_k_blocks(a8: torch.Tensor, b8: torch.Tensor):
     """(block index, the unscaled fast-accumulation product of that 128-deep K block; the last may be shorter),
     in K order."""
     for k0 in range(0, a8.shape[1], 128):
-        yield k0 // 128, _fast_mm(a8[:, k0:k0 + 128], b8[:, k0:k0 + 128])
+        yield k0 // 128, fast_mm(a8[:, k0:k0 + 128], b8[:, k0:k0 + 128])
 
 
 def _fast_block_mm(a8: torch.Tensor, a_s: torch.Tensor, b8: torch.Tensor, b_s: torch.Tensor) -> torch.Tensor:
@@ -182,7 +186,7 @@ def _fast_gate_up(x, ew, promoted: bool = False):
     weights always are), on the activations quantised as the kernels quantise them."""
     if ew.format == "fp8_per_tensor":
         xq = _fp8_static(x, ew.a13_scale)
-        mm = _promoted_mm if promoted else _fast_mm
+        mm = _promoted_mm if promoted else fast_mm
         return lambda e, tok: mm(xq[tok], ew.w13[e], ew.a13_scale, ew.w13_scale[e])
     xq, xs = quant_fp8_group(x.float())
     return lambda e, tok: _fast_block_mm(xq[tok], xs[tok], ew.w13[e], ew.w13_scale[e])
@@ -210,7 +214,7 @@ def moe_fast_accum_baseline(x, topk_ids, topk_weights, ew, ep_rank=0, num_expert
         raise ValueError(f"moe_fast_accum_baseline needs FP8 weights, got {ew.format}")
     e_local, i_size = ew.num_experts, ew.intermediate_size
     gate_up = _fast_gate_up(x, ew, promoted)
-    down_mm = _promoted_mm if promoted else _fast_mm
+    down_mm = _promoted_mm if promoted else fast_mm
 
     def expert(e, tok):
         gu = gate_up(e, tok)
