@@ -191,7 +191,7 @@ PLAN_KNOBS = {
     # round AM: the default of rounds AL-AM1 (two warps beside 2 ring slots and a 16 KB output buffer); two warps
     # beside 3 ring slots at 4 programs an SM (their outputs meet in K's idle slots 0-1), every chunk 2 tiles ahead
     # (AM1); chunks of at most 8 / 16 tiles 2 tiles ahead, longer ones 1 (AM2; 16: the default since AM2). On a bf16
-    # cache (no Gluon kernel) these rows are the default plan (``deep_ring_tiles`` dropped)
+    # cache (no Gluon kernel) these rows are the default plan (``deep_ring_tiles`` dropped, as ``merge_chunks`` below)
     "evenflow-g-w2-s2": lambda sms: dict(typed=True, gluon_warps=2, num_stages=2),
     "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=0),
     "evenflow-g-w2-s3-d8": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
@@ -206,6 +206,8 @@ PLAN_KNOBS = {
     # each tile; the plan's bins as the default's (4 programs an SM, 3 ring slots). Calls it does not take (a bf16 q)
     # run the two-warp form on those bins, so on the other variants this row is the default plan
     "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
+    # round AR: the fused merge reading 12 chunks a round trip, in groups of 12 (8 by default)
+    "evenflow-g-mb12": lambda sms: dict(typed=True, merge_chunks=12),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}
@@ -432,7 +434,8 @@ def evenflow_plan(impl: str, inp: Inputs):
     if knobs.pop("typed", False):
         knobs["kv_dtype"] = inp.kv_dtype  # as an engine that knows its cache's dtype builds it
     if knobs.get("kv_dtype") != torch.float8_e4m3fn:
-        knobs.pop("deep_ring_tiles", None)  # the Gluon fp8 kernel's knob: the plan refuses it elsewhere
+        for gluon_only in ("deep_ring_tiles", "merge_chunks"):  # the Gluon fp8 kernel's knobs: refused elsewhere
+            knobs.pop(gluon_only, None)
     return DecodePlan(c.batch, inp.page_tables[0].shape[1] * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE,
                       q_len=1, device=inp.seq_lens.device, **knobs).update(inp.seq_lens)
 

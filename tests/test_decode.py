@@ -821,6 +821,20 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     assert (plan.gluon_warps, plan.gluon_stages, plan.deep_ring_tiles, plan.per_sm) == (2, 4, 16, 3)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, deep_ring_tiles=0)
     assert (plan.gluon_warps, plan.deep_ring_tiles) == (2, 0) and "deep_ring_tiles=0" in repr(plan)
+    # the fused merge's batch (round AR): 12 chunks only where the Gluon kernel's ring holds them (3 or more slots)
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=12).merge_chunks == 12
+    assert "merge_chunks=8" in repr(evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8))
+    for kw in (dict(kv_dtype=FP8, num_stages=2), dict(kv_dtype=FP8, gluon=False), dict(), dict(kv_dtype=FP8,
+                                                                                                  gluon_warps=1)):
+        with pytest.raises(ValueError, match="merge_chunks=12 stages that many chunks"):
+            evenflow.DecodePlan(2, 100, 8, device=device, merge_chunks=12, **kw)
+    with pytest.raises(ValueError, match="merge_chunks=12 with gluon_warps=4"):
+        evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, merge_chunks=12)
+    for bad in (0, 10, 16):
+        with pytest.raises(ValueError, match="merge_chunks must be"):
+            evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=bad)
+    with pytest.raises(TypeError, match="merge_chunks"):
+        evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=12.0)
     # the warpgroup form (round AR): the default's ring, bins and reading ahead, at one KV head too
     plan = evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8, gluon_warps=4)
     assert (plan.takes_gluon, plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad, plan.per_sm) == \

@@ -233,8 +233,8 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2"],
-                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2"])
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12"],
+                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv):
     """The default plan merges split items inside the attention kernel; the order in which the
@@ -242,9 +242,11 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     ten graph replays give bitwise-equal outputs and leave every counter at zero, the output
     is within the rule, and within one bf16 unit in the last place of the combine kernel's.
     ``fp8-gluon``: a plan built for the fp8 cache (the Gluon kernel and its own merge; one warp a program, ``-w2``:
-    two warps, the default, ``-w2s2``: two warps beside 2 ring slots)."""
-    typed = kv in ("fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2")
-    warps = {"fp8-gluon-w2s2": "2s2", "fp8-gluon-w2": 2}.get(kv, 1)
+    two warps, the default, ``-w2s2``: two warps beside 2 ring slots, ``-mb12``: two warps merging 12 chunks a round
+    trip in groups of 12, round AR: the TP8 slice's 256-chunk item in 22 groups)."""
+    typed = kv in ("fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12")
+    warps = {"fp8-gluon-w2s2": "2s2", "fp8-gluon-w2": 2, "fp8-gluon-mb12": 2}.get(kv, 1)
+    extra = dict(merge_chunks=12) if kv == "fp8-gluon-mb12" else {}
     kv = FP8 if typed else kv
     c = FUSED_CASES[case]
     q, qs, k, v, pt, sl = inputs(c["lens"], hkv=c.get("hkv", 8), hq=c.get("hq", 64), kv=kv)
@@ -254,7 +256,8 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     for combine in ("fused", "kernel"):
         plan = evenflow.DecodePlan(len(sl), max(c["lens"]) + 64, c.get("hkv", 8), device="cuda",
                                    combine=combine, kv_dtype=FP8 if typed else None,
-                                   gluon=True if typed else None, **_wk(warps)).update(sl)
+                                   gluon=True if typed else None, **_wk(warps),
+                                   **(extra if combine == "fused" else {})).update(sl)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
         evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
         torch.cuda.synchronize()
@@ -295,12 +298,12 @@ def _wg_form(warps, q, rows):
     return warps == 4 and q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS
 
 
-def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1):
+def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=True, warps=1, **kw):
     from evenflow.attention.decode import gluon_fp8_supported
 
     plan = evenflow.DecodePlan(len(lens), max_len, hkv, page_size=page, q_len=q_len, device="cuda",
                                kv_dtype=FP8, prefetch=prefetch, gluon=True,  # at one KV head too
-                               **_wk(warps)).update(sl)
+                               **_wk(warps), **kw).update(sl)
     return plan, gluon_fp8_supported
 
 

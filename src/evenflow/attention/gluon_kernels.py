@@ -120,11 +120,12 @@ def _ml(W, rows):
 
 
 @gluon.constexpr_function
-def _ll(W, rows):
-    # the LSEs of a merge batch, [8 chunks, rows], all in every thread's registers; at 4 warps (the warpgroup form,
-    # 16 warps an SM: at most 128 registers a thread) a thread holds one row's 8 chunks
-    if W == 4:
-        return gl.BlockedLayout([8, 1], [1, 32], [1, W], [1, 0])
+def _ll(W, rows, nb):
+    # the LSEs of a merge batch, [8 or 16 chunks (``nb`` padded), rows]: at 8 chunks and 1-2 warps all in every
+    # thread's registers; at 4 warps (the warpgroup form, 16 warps an SM: at most 128 registers a thread) or 12 chunks
+    # a thread holds one row's chunks
+    if W == 4 or nb > 8:
+        return gl.BlockedLayout([8 if nb <= 8 else 16, 1], [1, 32], [1, W], [1, 0])
     return gl.BlockedLayout([8, 8 if rows <= 8 else 16], [1, 32], [1, W], [1, 0])
 
 
@@ -456,43 +457,46 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
 
 
 @gluon.jit
-def _stage_chunk(k_s, v_s, j: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr):
-    """Shared-memory block [MB, MF] fp32 (4 KB) for the j-th chunk (0-7) of a merge batch: the
-    idle K / V ring (8 KB a slot, at least 2 slots each) read as 4 KB blocks, K's first four
-    for chunks 0-3, V's for 4-7."""
-    ring = k_s if j < 4 else v_s
+def _stage_chunk(k_s, v_s, j: gl.constexpr, NB: gl.constexpr, MB: gl.constexpr, MF: gl.constexpr):
+    """Shared-memory block [MB, MF] fp32 (4 KB) for the j-th chunk of a merge batch of NB (8, or 12 on a ring of 3
+    or more slots): the idle K / V ring (8 KB a slot) read as 4 KB blocks, K's first NB / 2 for chunks
+    0 .. NB / 2 - 1, V's for the rest."""
+    HALF: gl.constexpr = NB // 2
+    ring = k_s if j < HALF else v_s
     n: gl.constexpr = ring.shape[0] * 2
-    return ring._reinterpret(gl.float32, [n, MB, MF], STAGE).index(j % 4)
+    return ring._reinterpret(gl.float32, [n, MB, MF], STAGE).index(j % HALF)
 
 
 @gluon.jit
 def _merge(k_s, v_s, p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr, C_STRIDE: gl.constexpr,
-           MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr, LL: gl.constexpr):
+           MB: gl.constexpr, MF: gl.constexpr, ML: gl.constexpr, LL: gl.constexpr, NB: gl.constexpr):
     """(max, weight sum, weighted sum) of chunks [c_lo, c_hi) of one item, rows [0, MB), columns
-    [f0, f0 + MF), chunk c in the slot of chunk c * C_STRIDE, in batches of 8 chunks: their
+    [f0, f0 + MF), chunk c in the slot of chunk c * C_STRIDE, in batches of NB chunks: their
     outputs copied (cp.async, 16 bytes, L2 only: other SMs wrote them; L1 is not coherent) into
     the idle K / V ring and their LSEs loaded (``.cg``) together, one memory round trip a batch;
     then merged in chunk order (deterministic). The ring is free: the chunk before waited for its
     copies and synchronised; the batch's last barrier frees it again for the next chunk's tiles."""
+    NBP: gl.constexpr = 8 if NB <= 8 else 16  # the LSE batch's rows (a power of two; those past NB masked)
     o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     o_f = f0 + gl.arange(0, MF, layout=gl.SliceLayout(0, ML))
     m_row = o_m < ROWS
-    o_c = gl.arange(0, 8, layout=gl.SliceLayout(1, LL))
+    o_c = gl.arange(0, NBP, layout=gl.SliceLayout(1, LL))
     o_r = gl.arange(0, MB, layout=gl.SliceLayout(0, LL))
     b_m = gl.full([MB], float("-inf"), gl.float32, layout=gl.SliceLayout(1, ML))
     b_l = gl.full([MB], 0.0, gl.float32, layout=gl.SliceLayout(1, ML))
     acc = gl.zeros([MB, MF], gl.float32, layout=ML)
-    for c0 in range(c_lo, c_hi, 8):
-        for j in gl.static_range(8):
-            sl = K._combine_slot(first, p, (c0 + j) * C_STRIDE, False).to(gl.int64)
-            live = m_row & (c0 + j < c_hi)
-            cp.async_copy_global_to_shared(_stage_chunk(k_s, v_s, j, MB, MF),
-                                           p_po + (sl * ROWS + o_m)[:, None] * D + o_f[None, :],
-                                           mask=live[:, None] & (o_f < D)[None, :])
+    for c0 in range(c_lo, c_hi, NB):
+        for j in gl.static_range(NB):
+            if c0 + j < c_hi:  # a batch's chunks past the last are neither copied nor read (no zero-fill)
+                sl = K._combine_slot(first, p, (c0 + j) * C_STRIDE, False).to(gl.int64)
+                cp.async_copy_global_to_shared(_stage_chunk(k_s, v_s, j, NB, MB, MF),
+                                               p_po + (sl * ROWS + o_m)[:, None] * D + o_f[None, :],
+                                               mask=m_row[:, None] & (o_f < D)[None, :])
         cp.commit_group()
+        in_batch = (o_c < NB) & (c0 + o_c < c_hi)
         sl8 = K._combine_slot(first, p, (c0 + o_c) * C_STRIDE, False).to(gl.int64)
         lse = gl.load(p_plse + sl8[:, None] * ROWS + o_r[None, :],
-                      mask=(c0 + o_c < c_hi)[:, None] & (o_r < ROWS)[None, :], other=float("-inf"),
+                      mask=in_batch[:, None] & (o_r < ROWS)[None, :], other=float("-inf"),
                       cache_modifier=".cg")
         m_new = gl.maximum(b_m, gl.convert_layout(gl.max(lse, axis=0), gl.SliceLayout(1, ML)))
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -501,10 +505,11 @@ def _merge(k_s, v_s, p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS: gl.constexpr,
         b_l = b_l * a
         wt = gl.exp2(lse - gl.convert_layout(m_safe, gl.SliceLayout(0, LL))[None, :])
         cp.wait_group(0)
-        for j in gl.static_range(8):
-            w = gl.convert_layout(gl.sum(gl.where((o_c == j)[:, None], wt, 0.0), axis=0), gl.SliceLayout(1, ML))
-            acc += _stage_chunk(k_s, v_s, j, MB, MF).load(ML) * w[:, None]
-            b_l += w
+        for j in gl.static_range(NB):
+            if c0 + j < c_hi:
+                w = gl.convert_layout(gl.sum(gl.where((o_c == j)[:, None], wt, 0.0), axis=0), gl.SliceLayout(1, ML))
+                acc += _stage_chunk(k_s, v_s, j, NB, MB, MF).load(ML) * w[:, None]
+                b_l += w
         b_m = m_new
         gl.thread_barrier()  # every lane has read the batch before the ring is written again
     return b_m, b_l, acc
@@ -542,7 +547,7 @@ def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count
     MB: gl.constexpr = 8 if ROWS <= 8 else 16
     MF: gl.constexpr = D if ROWS <= 8 else 64
     ML: gl.constexpr = _ml(W, ROWS)
-    LL: gl.constexpr = _ll(W, ROWS)
+    LL: gl.constexpr = _ll(W, ROWS, FUSED_C)
     b = item // HKV
     h = item % HKV
     first = 2 * p + 1
@@ -553,7 +558,7 @@ def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count
     o_m = gl.arange(0, MB, layout=gl.SliceLayout(1, ML))
     m_row = o_m < ROWS
     for f0 in gl.static_range(0, D, MF):
-        b_m, b_l, acc = _merge(k_s, v_s, p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, MB, MF, ML, LL)
+        b_m, b_l, acc = _merge(k_s, v_s, p_po, p_plse, first, p, c_lo, c_hi, f0, ROWS, 1, MB, MF, ML, LL, FUSED_C)
         if n_groups == 1:
             _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN,
                           HAS_LSE, MB, MF, ML)
@@ -569,7 +574,8 @@ def _combine_group(k_s, v_s, item, p, n_chunks, g, p_po, p_plse, p_glse, p_count
     if n_groups > 1:
         if arrived_last(p_count + p, n_groups):
             for f0 in gl.static_range(0, D, MF):
-                b_m, b_l, acc = _merge(k_s, v_s, p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, MB, MF, ML, LL)
+                b_m, b_l, acc = _merge(k_s, v_s, p_po, p_glse, first, p, 0, n_groups, f0, ROWS, FUSED_C, MB, MF, ML, LL,
+                                       FUSED_C)
                 _store_merged(p_out, p_lse, b, h, b_m, b_l, acc, f0, stride_ot, stride_oh, stride_lt, GROUP,
                               Q_LEN, HAS_LSE, MB, MF, ML)
             gl.store(p_count + p, 0)

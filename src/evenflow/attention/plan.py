@@ -98,6 +98,13 @@ GLUON_FP8_WARPS = 2
 # GLUON_FP8_WG_ROWS q rows a KV head; the plan's other calls (bf16 q, more rows) run the two-warp form on its bins.
 GLUON_FP8_WARP_COUNTS = (1, 2, 4)
 GLUON_FP8_WG_ROWS = 8
+# Chunks the Gluon kernel's fused merge reads together (one memory round trip) and merges as one group
+# (``DecodePlan(merge_chunks=)``, round AR): 8, or 12 where the ring has 3 or more slots (12 outputs of 4 KB in its
+# 48 KB). An item cut in n chunks is merged in groups of that many, then the groups: the last chunk to finish waits
+# for ceil(c / m) + ceil(ceil(n / c) / m) round trips (c the group size, m the batch): 5 at 8 for the TP8 slice's
+# 256 chunks, 3 at 12.
+GLUON_MERGE_CHUNKS = 8
+GLUON_MERGE_CHUNK_COUNTS = (8, 12)
 
 # Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
 # (CUDA C programming guide, compute capability 9.0); read from the device where torch reports it.
@@ -228,7 +235,11 @@ class DecodePlan:
     warps, 2 at one: ``GLUON_FP8_STAGES``; more slots than leave an SM 4 programs are refused unless
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
-    whole ring, the only choice at one warp; a positive value only on such a plan)) and
+    whole ring, the only choice at one warp; a positive value only on such a plan); ``gluon_warps=4`` (round AR,
+    opt-in) is the warpgroup form: calls with an fp8 q of at most 8 rows a KV head get their scores from ``wgmma``
+    (the tensor cores' fp8 accumulation: LSEs ~1e-4 off exact scores, as PyTorch's fp8 GEMM with fast accumulation),
+    the plan's other calls run two warps on the same bins; ``merge_chunks`` (8, or 12 on 3 or more ring slots):
+    chunks the fused merge reads in one round trip and merges as a group) and
     :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, or fp8 q with its scales
     where ``decode.GLUON_FP8_Q``, on since round AP; head_dim 128, GQA group x q_len <= 16; a timeline runs its own
     STAMPS build; ``combine`` as for the Triton kernel); other calls run the Triton kernel on the same bins, its
@@ -319,7 +330,8 @@ class DecodePlan:
                  align_growth: float = DEFAULT_ALIGN_GROWTH, kv_dtype: torch.dtype | None = None,
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
-                 deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None):
+                 deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
+                 merge_chunks: int = GLUON_MERGE_CHUNKS):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -422,6 +434,19 @@ class DecodePlan:
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
         self.gluon_warps = gluon_warps
         self.deep_ring_tiles = deep_ring_tiles
+        check_int("merge_chunks", merge_chunks, 1, 1 << 16)
+        if merge_chunks not in GLUON_MERGE_CHUNK_COUNTS:
+            raise ValueError(f"merge_chunks must be one of {list(GLUON_MERGE_CHUNK_COUNTS)}, got {merge_chunks}")
+        if merge_chunks > 8 and not (gluon_plan and stages >= 3):
+            raise ValueError(f"merge_chunks={merge_chunks} stages that many chunks' outputs (4 KB each) in the Gluon "
+                             f"fp8 kernel's idle ring: it needs a plan for that kernel (kv_dtype=torch.float8_e4m3fn) "
+                             f"with 3 or more ring slots; got kv_dtype={kv_dtype}, gluon={gluon}, "
+                             f"num_stages={num_stages} ({stages} slots)"
+                             + "".join(f", {o}" for o in other_shape + triton_options))
+        if merge_chunks > 8 and gluon_warps == 4:
+            raise ValueError(f"merge_chunks={merge_chunks} with gluon_warps=4: the warpgroup form's build under its "
+                             f"128-register cap spills 120 bytes with a 12-chunk merge (round AR); use merge_chunks=8")
+        self.merge_chunks = merge_chunks
         self.gluon_stages = stages  # the Gluon kernel's ring slots (num_stages, else its default at these warps)
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
@@ -556,6 +581,7 @@ class DecodePlan:
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
                 f"gluon_warps={self.gluon_warps}, deep_ring_tiles={self.deep_ring_tiles}, "
+                f"merge_chunks={self.merge_chunks}, "
                 f"num_q_heads={self.num_q_heads}, head_dim={self.head_dim}, "
                 f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
