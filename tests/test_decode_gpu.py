@@ -377,12 +377,14 @@ def test_fp8_fast_scores_baseline_is_the_tensor_cores_accumulation():
     assert ((promoted - exact).abs() / mag).max().item() <= err
 
 
+@pytest.mark.parametrize("merge_chunks", [8, 12], ids=["mb8", "mb12"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_gluon_warpgroup_fp8_q_real_shapes(case):
-    """The warpgroup form (round AR) on every standard case with an fp8 q, against the fp64 reference."""
+def test_gluon_warpgroup_fp8_q_real_shapes(case, merge_chunks):
+    """The warpgroup form (round AR) on every standard case with an fp8 q, against the fp64 reference; its fused
+    merge reading 8 or 12 chunks a round trip."""
     lens = CASES[case]
     q, qs, k, v, pt, sl = inputs(lens, kv=FP8, qdt=FP8)
-    plan, supported = _gluon_plan(lens, sl, warps=4)
+    plan, supported = _gluon_plan(lens, sl, warps=4, merge_chunks=merge_chunks)
     assert supported(q, k, plan, 8)
     ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
     out = poisoned(q.shape, torch.bfloat16, "cuda")

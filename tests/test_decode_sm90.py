@@ -124,6 +124,7 @@ GLUON = {
     "gluon-fp8-mb12-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, merge_chunks=12),
     "gluon-fp8-mb12-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
                                       kv_dtype=FP8, merge_chunks=12),
+    "gluon-fp8-wg-fp8-q-mb12": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4, merge_chunks=12),
 }
 
 

@@ -443,9 +443,6 @@ class DecodePlan:
                              f"with 3 or more ring slots; got kv_dtype={kv_dtype}, gluon={gluon}, "
                              f"num_stages={num_stages} ({stages} slots)"
                              + "".join(f", {o}" for o in other_shape + triton_options))
-        if merge_chunks > 8 and gluon_warps == 4:
-            raise ValueError(f"merge_chunks={merge_chunks} with gluon_warps=4: the warpgroup form's build under its "
-                             f"128-register cap spills 120 bytes with a 12-chunk merge (round AR); use merge_chunks=8")
         self.merge_chunks = merge_chunks
         self.gluon_stages = stages  # the Gluon kernel's ring slots (num_stages, else its default at these warps)
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
