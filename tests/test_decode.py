@@ -633,6 +633,28 @@ def test_batched_reference_matches_simple_reference():
     torch.testing.assert_close(bl, al, rtol=1e-12, atol=1e-12)
 
 
+def test_fp8_score_baseline_takes_each_rows_head_and_scales():
+    """The warpgroup form's baseline (``fp8_scores=True``: the scores from ``reference.moe.fast_mm``, then q's per
+    row, k's and the softmax scales) computes the same attention as the plain fp32 baseline where the fp8 GEMM is
+    exact (on the CPU: exact products, fp32 sums): GQA 3, q_len 3, a scale per token and head, a tensor k scale. A
+    head, row or scale taken wrong moves it by O(1); the two sum orders differ by fp32 rounding."""
+    q, qs, k, v, pt, sl = make_inputs([70, 0, 3, 130], 2, 3, 64, 16, 3, kv_dtype=FP8, q_dtype=FP8)
+    from evenflow.reference.attention import decode_attention_ref_batched
+
+    assert qs.unique().numel() > qs.shape[1]  # scales differ between tokens and between heads
+    kw = dict(q_scale=qs, k_scale=torch.tensor([0.5]), v_scale=0.25, sm_scale=0.2, q_len=3, dtype=torch.float32)
+    ref, ref_lse = decode_attention_ref_batched(q, k, v, pt, sl, **{**kw, "dtype": torch.float64})
+    plain, plain_lse = decode_attention_ref_batched(q, k, v, pt, sl, **kw)
+    fp8, fp8_lse = decode_attention_ref_batched(q, k, v, pt, sl, fp8_scores=True, **kw)
+    live = ~torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(fp8_lse), ~live)
+    for got, base, want in ((fp8, plain, ref), (fp8_lse[live], plain_lse[live], ref_lse[live])):
+        err, base_err = (got.double() - want).abs().max().item(), (base.double() - want).abs().max().item()
+        assert err <= 4 * base_err + 1e-6 * want.abs().max().item(), (err, base_err)
+    with pytest.raises(ValueError, match="fp8_scores needs an e4m3 q and cache"):
+        decode_attention_ref_batched(q.float(), k, v, pt, sl, fp8_scores=True, **kw)
+
+
 def test_demo_runs_at_tiny_shapes(device):
     import types
 
@@ -824,10 +846,17 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     # the fused merge's batch (round AR): 12 chunks only where the Gluon kernel's ring holds them (3 or more slots)
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=12).merge_chunks == 12
     assert "merge_chunks=8" in repr(evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8))
-    for kw in (dict(kv_dtype=FP8, num_stages=2), dict(kv_dtype=FP8, gluon=False), dict(), dict(kv_dtype=FP8,
-                                                                                                  gluon_warps=1)):
-        with pytest.raises(ValueError, match="merge_chunks=12 stages that many chunks"):
+    for kw, named in ((dict(kv_dtype=FP8, num_stages=2), "num_stages=2 .2 slots."),
+                      (dict(kv_dtype=FP8, gluon=False), "gluon=False"), (dict(), "kv_dtype=None"),
+                      (dict(kv_dtype=FP8, gluon_warps=1), "gluon_warps=1"),
+                      (dict(kv_dtype=FP8, page_size=16), "page_size=16"),
+                      (dict(kv_dtype=FP8, combine="kernel"), "combine='kernel'")):
+        with pytest.raises(ValueError, match=f"merge_chunks=12 stages that many chunks.*{named}"):
             evenflow.DecodePlan(2, 100, 8, device=device, merge_chunks=12, **kw)
+    with pytest.raises(ValueError, match="gluon_warps=4 .the warpgroup form. needs a ring of 3 or more slots"):
+        evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="gluon_warps=4 .the warpgroup form. takes calls of at most 8 q rows"):
+        evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, num_q_heads=128)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, merge_chunks=12)
     assert plan.merge_chunks == 12
     for bad in (0, 10, 16):

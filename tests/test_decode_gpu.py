@@ -233,8 +233,10 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12"],
-                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12"])
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12",
+                                "fp8-q-gluon-wg"],
+                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12",
+                              "fp8-q-gluon-wg"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv):
     """The default plan merges split items inside the attention kernel; the order in which the
@@ -243,13 +245,15 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     is within the rule, and within one bf16 unit in the last place of the combine kernel's.
     ``fp8-gluon``: a plan built for the fp8 cache (the Gluon kernel and its own merge; one warp a program, ``-w2``:
     two warps, the default, ``-w2s2``: two warps beside 2 ring slots, ``-mb12``: two warps merging 12 chunks a round
-    trip in groups of 12, round AR: the TP8 slice's 256-chunk item in 22 groups)."""
-    typed = kv in ("fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12")
-    warps = {"fp8-gluon-w2s2": "2s2", "fp8-gluon-w2": 2, "fp8-gluon-mb12": 2}.get(kv, 1)
+    trip in groups of 12, round AR: the TP8 slice's 256-chunk item in 22 groups; ``fp8-q-gluon-wg``: the warpgroup
+    form with an fp8 q, round AR, its own merge of its warps and chunks)."""
+    typed = kv in ("fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12", "fp8-q-gluon-wg")
+    warps = {"fp8-gluon-w2s2": "2s2", "fp8-gluon-w2": 2, "fp8-gluon-mb12": 2, "fp8-q-gluon-wg": 4}.get(kv, 1)
     extra = dict(merge_chunks=12) if kv == "fp8-gluon-mb12" else {}
+    qdt = FP8 if kv == "fp8-q-gluon-wg" else torch.bfloat16
     kv = FP8 if typed else kv
     c = FUSED_CASES[case]
-    q, qs, k, v, pt, sl = inputs(c["lens"], hkv=c.get("hkv", 8), hq=c.get("hq", 64), kv=kv)
+    q, qs, k, v, pt, sl = inputs(c["lens"], hkv=c.get("hkv", 8), hq=c.get("hq", 64), kv=kv, qdt=qdt)
     ks, vs = (torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")) \
         if kv == FP8 else (None, None)
     outs = {}
@@ -259,11 +263,11 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
                                    gluon=True if typed else None, **_wk(warps),
                                    **(extra if combine == "fused" else {})).update(sl)
         out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
-        evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
+        evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out)
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out)
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out)
         first = None
         for _ in range(10):
             out.fill_(float("nan"))
@@ -272,7 +276,8 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
             first = out.clone() if first is None else first
             assert torch.equal(out, first), f"{combine}: replays differ"
         assert int(plan.group_count.abs().sum()) + int(plan.combine_count.abs().sum()) == 0
-        check(first, None, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} combine={combine}")
+        check(first, None, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"{case} combine={combine}",
+              fp8_scores=_wg_form(warps, q, c.get("hq", 64) // c.get("hkv", 8)))
         outs[combine] = first.float()
     assert_within_one_ulp(outs["fused"], outs["kernel"], f"{case}: fused against the combine kernel")
 
@@ -310,14 +315,16 @@ def _gluon_plan(lens, sl, hkv=8, page=64, q_len=1, max_len=128 * K, prefetch=Tru
 @WARPS
 @pytest.mark.parametrize("case", list(CASES))
 def test_gluon_fp8_real_shapes(case, warps):
+    """Every standard case on each Gluon form (the warpgroup form with an fp8 q, which it takes)."""
     lens = CASES[case]
-    q, qs, k, v, pt, sl = inputs(lens, kv=FP8)
+    q, qs, k, v, pt, sl = inputs(lens, kv=FP8, qdt=FP8 if warps == 4 else torch.bfloat16)
     plan, supported = _gluon_plan(lens, sl, warps=warps)
     assert supported(q, k, plan, 8)
     ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
     out = poisoned(q.shape, torch.bfloat16, "cuda")
-    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=ks, v_scale=vs, out=out, return_lse=True)
-    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon {case}")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
+                                       return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon {case}", fp8_scores=_wg_form(warps, q, 8))
 
 
 @pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
@@ -325,12 +332,17 @@ def test_gluon_fp8_real_shapes(case, warps):
                                                (4, 4, 64, 4), (64, 8, 128, 1)])
 @WARPS
 def test_gluon_fp8_shapes(hq, hkv, page, q_len, prefetch, warps):
+    """GQA groups, pages, q_len and the prefetch on each Gluon form (an fp8 q at 4 warps: the warpgroup form where
+    the rows a KV head are at most 8, two warps on its bins elsewhere)."""
     lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65]
-    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, page=page, q_len=q_len, kv=FP8)
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, page=page, q_len=q_len, kv=FP8,
+                                 qdt=FP8 if warps == 4 else torch.bfloat16)
     plan, supported = _gluon_plan(lens, sl, hkv=hkv, page=page, q_len=q_len, prefetch=prefetch, warps=warps)
     assert supported(q, k, plan, hq // hkv * q_len)
-    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.03, v_scale=0.02, return_lse=True)
-    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=0.03, v_scale=0.02,
+                                       return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=0.03, vs=0.02, what=f"gluon hq{hq} hkv{hkv} p{page} q{q_len}",
+          fp8_scores=_wg_form(warps, q, hq // hkv * q_len))
 
 
 @pytest.mark.parametrize("hq,hkv,page,q_len", [(64, 8, 64, 1), (8, 1, 64, 1), (32, 4, 128, 2), (16, 4, 64, 4),

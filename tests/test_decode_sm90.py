@@ -125,6 +125,9 @@ GLUON = {
     "gluon-fp8-mb12-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
                                       kv_dtype=FP8, merge_chunks=12),
     "gluon-fp8-wg-fp8-q-mb12": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4, merge_chunks=12),
+    "gluon-fp8-wg-fp8-q-noprefetch": dict(lens=[300, 5000, 0, 65], hq=16, hkv=2, kv=FP8, kv_dtype=FP8, qdt=FP8,
+                                          gluon_warps=4, prefetch=False),
+    "gluon-fp8-w1-s3-mb12": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=1, num_stages=3, merge_chunks=12),
 }
 
 
@@ -176,13 +179,13 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     At W warps a program (``gluon_warps``) each warp does 1 / W of that per tile. The warpgroup form (W = 4, round
     AR) instead runs the tile's scores as 4 ``QGMMA.64`` (e4m3 K and q from shared memory, no conversion of K) and
     each warp its 16 tokens' P V as 8 ``mma.sync`` on V converted in registers (32 F2FP, 4 LDS.128): under its cap
-    of 128 registers (16 warps an SM) ptxas spills a few bytes outside the tile loops (12-40 in round AR's build),
-    none inside them."""
+    of 128 registers (16 warps an SM) ptxas spills a few bytes outside the tile loops (12-48 in round AR's builds, 48
+    the timeline build's: the bound here), none inside them."""
     from evenflow.attention.plan import GLUON_FP8_PROGRAMS_PER_SM as PPS
 
     w = _gluon_warps(GLUON[name])
     st = _gluon_stats(name)
-    assert st["num_warps"] == w and st["spill_bytes"] <= (64 if w == 4 else 0), st
+    assert st["num_warps"] == w and st["spill_bytes"] <= (48 if w == 4 else 0), st
     assert st["regs"] * 32 * w * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
     if GLUON[name].get("pdl", True):
         assert (st["shared"] + 1024) * (PPS + 1) > 233472, st
@@ -206,6 +209,20 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
         assert tile_loop["LDS.128"] == 32 // w and tile_loop["F2FP.F16.E4M3.UNPACK_B"] == 256 // w, tile_loop
         assert not [op for op in tile_loop if op.startswith(("STS", "LDSM"))], tile_loop
         assert tile_loop.get("LDGSTS.E.BYPASS.128", 0) == 32 // w, tile_loop
+
+
+def test_warpgroup_form_runs_only_where_wgmma_is_compiled(monkeypatch):
+    """``gluon_warps=4``'s fp8-q calls take the warpgroup form only in a build for sm_90 (``wgmma`` is Hopper's): at
+    another compiled capability with e4m3 conversions (sm_89, sm_100) the plan's calls run two warps on its bins."""
+    from evenflow import _runtime as R
+
+    got = {}
+    for cap in ((9, 0), (8, 9), (10, 0)):
+        monkeypatch.setattr(R, "compiled_capability", lambda device=None, cap=cap: cap)
+        with CC.emulate_gpu(), CC.record_launches() as rec:
+            _call(lens=[300, 5000], kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4)
+        got[cap] = [dict(la.constexprs)["WARPS"] for la in rec if la.gluon]
+    assert got == {(9, 0): [4], (8, 9): [2], (10, 0): [2]}, got
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice",

@@ -356,9 +356,13 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                                 f"sm_{arch} gives a block at most {SHARED_LIMIT.get(arch, SHARED_LIMIT[90])} B")
         except Exception as e:  # report every failure, not just the first
             msg = str(e).strip().splitlines()[-12:]
-            inner = e  # a CompilationError names the call site; what failed is in its innermost cause
-            while (inner.__cause__ or inner.__context__) is not None:
-                inner = inner.__cause__ or inner.__context__
+            inner, seen = e, {id(e)}  # a CompilationError names the call site; what failed is its innermost cause
+            while True:
+                nxt = inner.__cause__ or (None if inner.__suppress_context__ else inner.__context__)
+                if nxt is None or id(nxt) in seen:
+                    break
+                inner = nxt
+                seen.add(id(nxt))
             if inner is not e:
                 msg += [f"caused by {type(inner).__name__}:"] + str(inner).strip().splitlines()[-12:]
             text = f"{item['describe']}: {type(e).__name__}: " + "\n".join(msg)

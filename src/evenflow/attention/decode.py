@@ -179,7 +179,7 @@ def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan |
                       rows: int) -> tuple[str, bool] | None:
     """Why a call does not run the Gluon fp8 kernel (``attention/gluon_kernels.py``), or None where it does: a
     plan built with ``kv_dtype=torch.float8_e4m3fn`` for it (``DecodePlan.takes_gluon``: at any KV-head count
-    at 2 warps a program, from 2 KV heads at 1, or as its ``gluon`` says; pages of 64 or 128 tokens; none of the
+    at 2 or 4 warps a program, from 2 KV heads at 1, or as its ``gluon`` says; pages of 64 or 128 tokens; none of the
     Triton kernel's launch options, where ``num_stages``, if given, is the ring's slots and must be >= 2; a
     timeline, ``DecodePlan.record_timeline``, runs its own STAMPS build), bf16 q (or fp8 q where GLUON_FP8_Q), an
     fp8 cache, head_dim 128, GQA group x q_len <= 16, compiled code on a GPU with e4m3 conversions (sm_89+). The
@@ -213,6 +213,15 @@ def gluon_fp8_machine_refusal(device) -> str | None:
     if cap is None or cap < (8, 9):
         return "no compiled code with e4m3 conversions (sm_89 or later)"
     return None
+
+
+def warpgroup_form_runs(q: torch.Tensor, rows: int) -> bool:
+    """Whether a call on a plan with ``gluon_warps=4`` runs the warpgroup form (round AR): an fp8 q of at most
+    GLUON_FP8_WG_ROWS rows a KV head, compiled for sm_90 (``wgmma`` is Hopper's: sm_89 has no warpgroup MMA, and
+    sm_100 builds of Triton 3.6's Gluon take its own MMA). Else the plan's calls run the two-warp form on the same
+    bins (the same ring and programs an SM)."""
+    cap = _runtime.compiled_capability(q.device)
+    return q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS and cap is not None and cap[0] == 9
 
 
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
@@ -290,9 +299,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
-        # the warpgroup form (gluon_warps 4) takes an fp8 q of at most GLUON_FP8_WG_ROWS rows a KV head; the plan's
-        # other calls run the two-warp form on the same bins (the same ring and programs an SM)
-        if gluon_warps == 4 and not (q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS):
+        if gluon_warps == 4 and not warpgroup_form_runs(q, rows):
             gluon_warps = 2
         GK.decode_fp8_kernel[grid](
             q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t,

@@ -1,4 +1,5 @@
-"""Gluon kernel of paged decode attention over an fp8 e4m3 KV cache: 1 or 2 warps per program.
+"""Gluon kernel of paged decode attention over an fp8 e4m3 KV cache: 1, 2 or 4 warps per program (4: the warpgroup
+form for an fp8 q, below).
 
 Gluon is Triton's lower-level language (``triton.experimental.gluon``, in the Triton wheel):
 layouts, shared memory and the MMA are written out instead of inferred. It is used here for
@@ -46,10 +47,10 @@ TILE = gl.constexpr(64)
 D = gl.constexpr(128)
 LN2 = gl.constexpr(0.6931471805599453)
 
-# The program's W warps (``WARPS``: 1 or 2; at 4, 16 warps an SM would leave a thread at most 128 registers)
-# split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW), TW = 64 / W, with its own
-# online softmax (max, sum, output), merged once per chunk. Every per-tile tensor has a leading warp
-# dimension of size W (the warp bases of its layout), so the MMAs are batched over the warps: each warp's
+# The program's W warps (``WARPS``: 1, 2 or 4; at 4, 16 warps an SM leave a thread at most 128 registers, and the
+# scores are the warpgroup form's, below) split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW),
+# TW = 64 / W, with its own online softmax (max, sum, output), merged once per chunk. Every per-tile tensor has a
+# leading warp dimension of size W (the warp bases of its layout), so the MMAs are batched over the warps: each warp's
 # work is a one-warp program's on fewer tokens, and no value crosses warps inside the tile loop. The
 # layouts below are built for a given W.
 
@@ -62,7 +63,8 @@ def _warp_bases(W, rank):
 
 @gluon.constexpr_function
 def _mma(W):
-    # mma.sync m16n8k16 batched over the warps: S [W, 16 rows, TW tokens], O [W, 16 rows, 128 columns]
+    # mma.sync m16n8k16 batched over the warps: S [W, 16 rows, TW tokens], O [W, 16 rows, 128 columns] (the
+    # warpgroup form: S^T [4, 16 tokens, 8 rows], O^T [4, 128 columns, 8 rows])
     return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
 
 
@@ -131,13 +133,13 @@ def _ll(W, rows, nb):
 
 @gluon.constexpr_function
 def _lsum(W):
-    # the W warps' weighted outputs [W, 16, 128] read back from shared memory, a thread holding every
-    # warp's value of its 4 columns: the sum over the warps is in registers
+    # the W warps' weighted outputs [W, 16 rows (8 at W = 4), 128] read back from shared memory, a thread holding
+    # every warp's value of its 4 columns: the sum over the warps is in registers
     return gl.BlockedLayout([W, 1, 4], [1, 2, 16], [1, W, 1], [2, 1, 0])
 
 
-# the warps' outputs [W, 16, 128] fp32 after a chunk: 16-byte chunks XOR-swizzled by row, so the MMA
-# layout's stores (8 rows, 4 columns a warp instruction) spread over the banks
+# the warps' outputs [W, 16, 128] fp32 ([4, 8, 128] at W = 4) after a chunk: 16-byte chunks XOR-swizzled by row, so
+# the MMA layout's stores (8 rows, 4 columns a warp instruction) spread over the banks
 OSTAGE = gl.constexpr(gl.SwizzledSharedLayout(vec=4, per_phase=1, max_phase=8, order=[2, 1, 0]))
 
 # a merge batch's outputs in the idle K / V ring: [2 chunks, rows, columns] fp32 a ring slot, each
@@ -150,8 +152,8 @@ STAGE = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, or
 # warp keeps its online softmax over those 16 tokens, and O^T += V^T P^T by ``mma.sync`` per warp (V converted in
 # registers as above, read through ``_lv``: its registers are V^T's A fragment; P^T from the S^T fragment).
 WG_N = gl.constexpr(8)  # wgmma's N: the rows of q a KV head (padded to 8)
-KSW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))  # a slot's rank
-QSW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+# K's ring slots ([slots, 64, 128]: the layout of one slot, rank 2) and q [8, 128]
+KQ_SW = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 # cp.async of a K tile [64 tokens, 128 d] into the swizzled slot, and q [8 rows, 128 d]: 16 bytes a thread
 CPK = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
 WG_ACC = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32]))
@@ -617,6 +619,10 @@ def decode_fp8_kernel(
     then gets bins of one stretch of the batch (round AE4: on 1x128K+31x4K half the SMs held four of
     the 128K item's chunks, the other half none, and the call ended 6 us later); strided, consecutive
     programs take bins a quarter of the batch apart."""
+    if WARPS == 4:
+        gl.static_assert(GROUP * Q_LEN <= WG_N, "the warpgroup form takes at most 8 q rows a KV head")
+    # a merge batch's chunk outputs (4 KB each) fit the K and V rings (two 4 KB blocks a slot each)
+    gl.static_assert(FUSED_C <= 4 * (STAGES + PAD), "merge batch larger than the idle ring")
     pid = ((gl.program_id(0).to(gl.int64) * bin_stride) % gl.num_programs(0)).to(gl.int32)  # this program's bin
     if PDL and TRIGGER:
         gdc_launch_dependents()
@@ -627,8 +633,8 @@ def decode_fp8_kernel(
         gdc_wait()
     # PAD slots past the ring are never touched (see PDL above)
     if WARPS == 4:  # the warpgroup form: K's slots as wgmma reads them, and q
-        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], KSW)
-        q_s = gl.allocate_shared_memory(gl.float8e4nv, [WG_N, D], QSW)
+        k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], KQ_SW)
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [WG_N, D], KQ_SW)
     else:
         k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
         q_s = k_s  # not used

@@ -139,7 +139,9 @@ def _smem_per_sm(device: torch.device) -> int:
 
 
 def _gluon_block(slots: int) -> int:
-    """Shared memory of one Gluon fp8 program at ``slots`` 16 KB slots, with the 1 KB each program reserves."""
+    """Shared memory of one Gluon fp8 program at ``slots`` 16 KB slots, with the 1 KB each program reserves (the
+    warpgroup form's 1 KB of q is not counted: at 2-5 slots it changes no count of programs an SM holds, and
+    tests/test_decode_sm90.py checks the compiled builds' shared memory)."""
     return slots * _GLUON_RING_SLOT + _SMEM_RESERVED_PER_BLOCK
 
 
@@ -386,6 +388,11 @@ class DecodePlan:
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
+        if gluon_warps == 4 and stages < 3:
+            # its outputs meet in K's idle slots, so 2 slots would let 6 programs onto an SM, while the plan's other
+            # calls (two warps beside 2 slots) need a 16 KB buffer more: no pad fits both
+            raise ValueError(f"gluon_warps=4 (the warpgroup form) needs a ring of 3 or more slots, got "
+                             f"num_stages={num_stages}")
         ring = stages + (gluon_warps > 1 and stages <= 2)
         fit = gluon_programs_fit(ring, dev)
         if gluon_plan and num_programs is None and fit < GLUON_FP8_PROGRAMS_PER_SM:
@@ -400,8 +407,8 @@ class DecodePlan:
             if deep_ring_tiles and not two_loops:
                 raise ValueError(f"deep_ring_tiles={deep_ring_tiles} picks the chunks that the Gluon fp8 kernel's "
                                  f"ring reads num_stages - 1 tiles ahead (longer ones a tile fewer): it needs a plan "
-                                 f"for that kernel (kv_dtype=torch.float8_e4m3fn) at gluon_warps=2 (at one warp the "
-                                 f"second tile loop spills) with num_stages >= 3, pages of 64 or 128 tokens, no "
+                                 f"for that kernel (kv_dtype=torch.float8_e4m3fn) at gluon_warps=2 or 4 (at one warp "
+                                 f"the second tile loop spills) with num_stages >= 3, pages of 64 or 128 tokens, no "
                                  f"Triton launch option and no told shape outside the kernel's (head_dim "
                                  f"{GLUON_FP8_HEAD_DIM}, GQA group x q_len <= {GLUON_FP8_MAX_ROWS}); got "
                                  f"kv_dtype={kv_dtype}, gluon={gluon}, gluon_warps={gluon_warps}, "
@@ -434,16 +441,6 @@ class DecodePlan:
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
         self.gluon_warps = gluon_warps
         self.deep_ring_tiles = deep_ring_tiles
-        check_int("merge_chunks", merge_chunks, 1, 1 << 16)
-        if merge_chunks not in GLUON_MERGE_CHUNK_COUNTS:
-            raise ValueError(f"merge_chunks must be one of {list(GLUON_MERGE_CHUNK_COUNTS)}, got {merge_chunks}")
-        if merge_chunks > 8 and not (gluon_plan and stages >= 3):
-            raise ValueError(f"merge_chunks={merge_chunks} stages that many chunks' outputs (4 KB each) in the Gluon "
-                             f"fp8 kernel's idle ring: it needs a plan for that kernel (kv_dtype=torch.float8_e4m3fn) "
-                             f"with 3 or more ring slots; got kv_dtype={kv_dtype}, gluon={gluon}, "
-                             f"num_stages={num_stages} ({stages} slots)"
-                             + "".join(f", {o}" for o in other_shape + triton_options))
-        self.merge_chunks = merge_chunks
         self.gluon_stages = stages  # the Gluon kernel's ring slots (num_stages, else its default at these warps)
         self.num_programs, self.min_tiles, self.item_cost = num_programs, min_tiles, item_cost
         self.item_cost_max_tiles = item_cost_max_tiles
@@ -463,6 +460,22 @@ class DecodePlan:
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {list(COMBINE_MODES)}, got {combine!r}")
         self.combine = combine
+        check_int("merge_chunks", merge_chunks, 1, 1 << 16)
+        if merge_chunks not in GLUON_MERGE_CHUNK_COUNTS:
+            raise ValueError(f"merge_chunks must be one of {list(GLUON_MERGE_CHUNK_COUNTS)}, got {merge_chunks}")
+        if merge_chunks > 8 and not (gluon_plan and stages >= 3 and combine == "fused"):
+            raise ValueError(f"merge_chunks={merge_chunks} stages that many chunks' outputs (4 KB each) in the Gluon "
+                             f"fp8 kernel's idle ring for its fused merge: it needs a plan for that kernel "
+                             f"(kv_dtype=torch.float8_e4m3fn, pages of 64 or 128 tokens, from "
+                             f"{GLUON_FP8_MIN_KV_HEADS[gluon_warps]} KV heads at gluon_warps={gluon_warps} unless "
+                             f"gluon=True) with 3 or more ring slots and combine='fused'; got kv_dtype={kv_dtype}, "
+                             f"gluon={gluon}, gluon_warps={gluon_warps}, num_kv_heads={num_kv_heads}, "
+                             f"num_stages={num_stages} ({stages} slots), combine={combine!r}"
+                             + "".join(f", {o}" for o in other_page + other_shape + triton_options))
+        if gluon_warps == 4 and rows is not None and rows > GLUON_FP8_WG_ROWS:
+            raise ValueError(f"gluon_warps=4 (the warpgroup form) takes calls of at most {GLUON_FP8_WG_ROWS} q rows a "
+                             f"KV head; num_q_heads={num_q_heads} with q_len={q_len} gives {rows}")
+        self.merge_chunks = merge_chunks
         self.warp_split = check_bool("warp_split", warp_split, allow_none=True)
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it

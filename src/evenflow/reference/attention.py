@@ -197,14 +197,13 @@ def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_sc
     ``fp8_scores``: the scores of an e4m3 q and cache as PyTorch's fp8 GEMM with fast accumulation computes them
     on the tensor cores (:func:`evenflow.reference.moe.fast_mm`), then scaled in ``dtype``: the same-precision
     baseline of a kernel whose scores are an fp8 MMA's (the Gluon kernel's warpgroup form, which ``wgmma``
-    accumulates the same way); CUDA only."""
+    accumulates the same way); on a CPU the products are exact and summed in fp32."""
     B, q_len, Hq, D, P, Hkv, G = _dims(q, k_cache, seq_lens, q_len)
     dev = q.device
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
-    if fp8_scores and not (q.dtype == k_cache.dtype == torch.float8_e4m3fn and dev.type == "cuda"):
-        raise ValueError(f"fp8_scores needs an e4m3 q and cache on a CUDA device, got q {q.dtype}, "
-                         f"cache {k_cache.dtype} on {dev}")
+    if fp8_scores and not q.dtype == k_cache.dtype == torch.float8_e4m3fn:
+        raise ValueError(f"fp8_scores needs an e4m3 q and cache, got q {q.dtype}, cache {k_cache.dtype}")
 
     def scale(x, s):
         x = x.to(dtype)
@@ -224,10 +223,8 @@ def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_sc
             continue
         tok = torch.arange(L, device=dev)
         pages = page_table[b].long()[tok // P]
-        k = scale(k_cache[pages, tok % P], k_scale)  # [L, Hkv, D]
-        v = scale(v_cache[pages, tok % P], v_scale)
-        rows = qd[b * q_len:(b + 1) * q_len].view(q_len, Hkv, G, D)
-        if fp8_scores:
+        v = scale(v_cache[pages, tok % P], v_scale)  # [L, Hkv, D]
+        if fp8_scores:  # the e4m3 values' products by the fp8 GEMM, then q's, k's and the softmax scales
             q8 = q[b * q_len:(b + 1) * q_len].view(q_len, Hkv, G, D)
             k8 = k_cache[pages, tok % P]
             s = torch.stack([fast_mm(q8[:, h].reshape(q_len * G, D), k8[:, h]).view(q_len, G, L)
@@ -235,7 +232,8 @@ def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_sc
             qs = 1.0 if q_scale is None else q_scale[b * q_len:(b + 1) * q_len].to(dtype).view(q_len, Hkv, G, 1)
             s = scale(s * qs, k_scale) * sm_scale
         else:
-            s = torch.einsum("rhgd,lhd->rhgl", rows, k) * sm_scale
+            rows = qd[b * q_len:(b + 1) * q_len].view(q_len, Hkv, G, D)
+            s = torch.einsum("rhgd,lhd->rhgl", rows, scale(k_cache[pages, tok % P], k_scale)) * sm_scale
         vis = L - q_len + torch.arange(q_len, device=dev) + 1
         s = s.masked_fill(tok[None, None, None, :] >= vis[:, None, None, None], float("-inf"))
         m = s.amax(-1, keepdim=True)
