@@ -227,23 +227,35 @@ def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp
 
 
 @gluon.jit
+def _next_tile(k_s, v_s, t, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+               stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr):
+    """A tile loop's step t over [t0, t1) on the ring's first RING slots: issue tile t + RING - 1 into its slot, wait
+    for tile t's copies and return its slot (tile t in slot (t - t0) % RING). In the warpgroup form (W = 4) each
+    thread's copies are fenced before the barrier, since ``wgmma`` reads shared memory through the async proxy."""
+    LOOK: gl.constexpr = RING - 1
+    j = t - t0
+    _issue(k_s, v_s, (j + LOOK) % RING, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+           stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
+    cp.wait_group(LOOK)
+    if W == 4:
+        fence_async_shared()
+    gl.thread_barrier()
+    return j % RING
+
+
+@gluon.jit
 def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages,
            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
            PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr):
     """The tile loop over [t0, t1) on the ring's first RING slots: tile t in slot (t - t0) % RING, RING - 1 tiles
     issued ahead of it."""
-    LOOK: gl.constexpr = RING - 1
     TW: gl.constexpr = TILE // W
     MMA: gl.constexpr = _mma(W)
     LA: gl.constexpr = _operand(W, 0)
     LB: gl.constexpr = _operand(W, 1)
     for t in range(t0, t1):
-        j = t - t0
-        _issue(k_s, v_s, (j + LOOK) % RING, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
-               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
-        cp.wait_group(LOOK)
-        gl.thread_barrier()
-        buf = j % RING
+        buf = _next_tile(k_s, v_s, t, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                         stride_vp, stride_vt, stride_vh, PAGE, RING, W)
         kf = k_s.index(buf).load(_lk(W)).to(gl.float16)
         kt = gl.reshape(gl.permute(kf, [0, 2, 1]), [W, 4, 2, 2, 2, 2, 2, TW])
         kt = gl.convert_layout(gl.reshape(gl.permute(kt, [0, 2, 3, 4, 5, 1, 6, 7]), [W, D, TW]), LB,
@@ -270,20 +282,14 @@ def _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p
     """The warpgroup form's tile loop (see ``_tiles``): per tile S^T [64 tokens, 8 rows] = K q^T on ``wgmma``,
     seen per warp as [4 warps, 16 tokens, 8 rows]; each warp's softmax over its 16 tokens; O^T [4, 128, 8] += V^T
     P^T per warp."""
-    LOOK: gl.constexpr = RING - 1
     W: gl.constexpr = 4
     TW: gl.constexpr = TILE // W
     MMA: gl.constexpr = _mma(W)
     LA: gl.constexpr = _operand(W, 0)
     LB: gl.constexpr = _operand(W, 1)
     for t in range(t0, t1):
-        j = t - t0
-        _issue(k_s, v_s, (j + LOOK) % RING, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
-               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
-        cp.wait_group(LOOK)
-        fence_async_shared()  # this thread's copies, before the async proxy (wgmma) reads them
-        gl.thread_barrier()
-        buf = j % RING
+        buf = _next_tile(k_s, v_s, t, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
+                         stride_vp, stride_vt, stride_vh, PAGE, RING, W)
         st = warpgroup_mma(k_s.index(buf), q_s.permute((1, 0)), gl.zeros([TILE, WG_N], gl.float32, layout=WG_ACC))
         st = gl.convert_layout(gl.reshape(st, [W, TW, WG_N]), MMA)
         st = gl.where(t * TILE + tok < vis[None, None, :], st * rs[None, None, :], float("-inf"))
