@@ -855,6 +855,7 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
             evenflow.DecodePlan(2, 100, 8, device=device, merge_chunks=12, **kw)
     with pytest.raises(ValueError, match="gluon_warps=4 .the warpgroup form. needs a ring of 3 or more slots"):
         evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, num_stages=2)
+    evenflow.DecodePlan(2, 100, 8, device=device, gluon_warps=4, num_stages=2)  # no Gluon kernel: nothing to refuse
     with pytest.raises(ValueError, match="gluon_warps=4 .the warpgroup form. takes calls of at most 8 q rows"):
         evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, num_q_heads=128)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, merge_chunks=12)

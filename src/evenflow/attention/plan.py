@@ -238,10 +238,11 @@ class DecodePlan:
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
     whole ring, the only choice at one warp; a positive value only on such a plan); ``gluon_warps=4`` (round AR,
-    opt-in) is the warpgroup form: calls with an fp8 q of at most 8 rows a KV head get their scores from ``wgmma``
-    (the tensor cores' fp8 accumulation: LSEs ~1e-4 off exact scores, as PyTorch's fp8 GEMM with fast accumulation),
-    the plan's other calls run two warps on the same bins; ``merge_chunks`` (8, or 12 on 3 or more ring slots):
-    chunks the fused merge reads in one round trip and merges as a group) and
+    opt-in; sm_90 builds, 3 or more ring slots) is the warpgroup form: calls with an fp8 q of at most 8 rows a KV
+    head get their scores from ``wgmma`` (the tensor cores' fp8 accumulation: LSEs 7.5e-5 - 5.7e-4 off exact scores
+    in round AR's tests, as PyTorch's fp8 GEMM with fast accumulation), the plan's other calls run two warps on the
+    same bins; ``merge_chunks`` (8, or 12 on 3 or more ring slots with the fused merge): chunks the fused merge reads
+    in one round trip and merges as a group) and
     :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, or fp8 q with its scales
     where ``decode.GLUON_FP8_Q``, on since round AP; head_dim 128, GQA group x q_len <= 16; a timeline runs its own
     STAMPS build; ``combine`` as for the Triton kernel); other calls run the Triton kernel on the same bins, its
@@ -388,7 +389,7 @@ class DecodePlan:
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
-        if gluon_warps == 4 and stages < 3:
+        if gluon_plan and gluon_warps == 4 and stages < 3:
             # its outputs meet in K's idle slots, so 2 slots would let 6 programs onto an SM, while the plan's other
             # calls (two warps beside 2 slots) need a 16 KB buffer more: no pad fits both
             raise ValueError(f"gluon_warps=4 (the warpgroup form) needs a ring of 3 or more slots, got "
