@@ -467,6 +467,39 @@ def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
         assert plan.item_cost == kw.get("item_cost", DEFAULT_ITEM_COST), impl
 
 
+def test_ab_table_gives_each_passs_speed_ups_within_that_pass(tmp_path, capsys):
+    """benchmarks/ab_table.py over the files of an A/B run's passes: per point of the first, each impl's µs and
+    frac_of_floor there, then its speed-up over the first impl within each pass; a point a pass holds as an error
+    shows "—"; an impl the first file does not have is refused by name."""
+    from evenflow.bench.harness import Results
+
+    ab = _load("ab_table")
+    paths = []
+    for i, (base_us, knob_us) in enumerate(((20.0, 16.0), (25.0, 50.0))):
+        res = Results("decode", ceilings={}, out=tmp_path / f"p{i + 1}")
+        for variant in ("bf16-kv", "fp8-kv"):
+            res.add(case="64x512", variant=variant, impl="evenflow", us=base_us, floor_us=10.0)
+            if variant == "bf16-kv" or i == 0:
+                res.add(case="64x512", variant=variant, impl="evenflow-g-wg", us=knob_us, floor_us=10.0)
+            else:
+                res.add_error(case="64x512", variant=variant, impl="evenflow-g-wg", error="boom")
+        paths.append(str(res.finish(plot=False)))
+    capsys.readouterr()
+    ab.main(paths)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith("| speed-up of evenflow-g-wg over evenflow (p1) | speed-up of evenflow-g-wg over "
+                             "evenflow (p2) |")
+    bf16 = next(ln for ln in lines if "bf16-kv" in ln).strip("| ").split(" | ")
+    assert bf16[3:] == ["20.0 (0.50)", "16.0 (0.62)", "1.250", "0.500"]
+    fp8 = next(ln for ln in lines if "fp8-kv" in ln).strip("| ").split(" | ")
+    assert fp8[5:] == ["1.250", "—"]  # pass 2's knob row is an error
+    ab.main(paths[:1])  # one file: one speed-up column, no pass tags
+    assert capsys.readouterr().out.splitlines()[0].endswith("| speed-up of evenflow-g-wg over evenflow |")
+    with pytest.raises(SystemExit):
+        ab.main(paths + ["--impls", "evenflow,evenflow-x"])
+    assert "impls: evenflow-x not in" in capsys.readouterr().err
+
+
 def test_replot_draws_a_result_file_again_on_its_benchmarks_axes(tmp_path, capsys):
     """benchmarks/replot.py: a decode result file plotted again beside it, and a file of no known benchmark refused
     by name."""
