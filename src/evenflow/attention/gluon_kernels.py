@@ -308,6 +308,23 @@ def _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p
 
 
 @gluon.jit
+def _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages,
+               stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+               PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr):
+    """The tile loop of W warps on the ring's first RING slots: the warpgroup form's (``q_op``: q in shared memory)
+    at W = 4, else the one or two warps' (``q_op``: q's MMA operand in registers)."""
+    if W == 4:
+        m_i, l_i, acc = _tiles_wg(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                                  num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
+                                  RING)
+    else:
+        m_i, l_i, acc = _tiles(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+                               num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
+                               RING, W)
+    return m_i, l_i, acc
+
+
+@gluon.jit
 def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
                   p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                   stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp,
@@ -351,19 +368,7 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
         m_i = gl.full([W, NR], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
         l_i = gl.full([W, NR], 0.0, gl.float32, layout=gl.SliceLayout(1, MMA))
         acc = gl.zeros([W, D, NR], gl.float32, layout=MMA)  # O^T a warp
-        if SHORT_TILES > 0:
-            if _deep(t0, t1, SHORT_TILES):
-                m_i, l_i, acc = _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow,
-                                          h, num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                          stride_vh, PAGE, STAGES)
-            else:
-                m_i, l_i, acc = _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow,
-                                          h, num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                          stride_vh, PAGE, STAGES - 1)
-        else:
-            m_i, l_i, acc = _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
-                                      num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                      PAGE, STAGES)
+        q_op = q_s
     else:
         TW: gl.constexpr = TILE // W
         LA: gl.constexpr = _operand(W, 0)
@@ -407,19 +412,20 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
         m_i = gl.full([W, 16], float("-inf"), gl.float32, layout=gl.SliceLayout(2, MMA))
         l_i = gl.full([W, 16], 0.0, gl.float32, layout=gl.SliceLayout(2, MMA))
         acc = gl.zeros([W, 16, D], gl.float32, layout=MMA)
-        # the whole ring on a deep chunk, else its first STAGES - 1 slots; the constexpr branch keeps builds without
-        # SHORT_TILES to one loop (``_deep``'s constant is not a constexpr here: the shallow loop would be built too)
-        if SHORT_TILES > 0:
-            if _deep(t0, t1, SHORT_TILES):
-                m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+        q_op = q_a
+    # the whole ring on a deep chunk, else its first STAGES - 1 slots; the constexpr branch keeps builds without
+    # SHORT_TILES to one loop (``_deep``'s constant is not a constexpr here: the shallow loop would be built too)
+    if SHORT_TILES > 0:
+        if _deep(t0, t1, SHORT_TILES):
+            m_i, l_i, acc = _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                        num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                                        PAGE, STAGES, W)
-            else:
-                m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+        else:
+            m_i, l_i, acc = _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                        num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
                                        PAGE, STAGES - 1, W)
-        else:
-            m_i, l_i, acc = _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
+    else:
+        m_i, l_i, acc = _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                    num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
                                    STAGES, W)
     cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
