@@ -206,10 +206,11 @@ PLAN_KNOBS = {
     # each tile; the plan's bins as the default's (4 programs an SM, 3 ring slots). Calls it does not take (a bf16 q)
     # run the two-warp form on those bins, so on the other variants this row is the default plan
     "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
-    # round AR: the fused merge reading 12 chunks a round trip, in groups of 12 (8 by default), at two warps and in
-    # the warpgroup form
+    # round AR: the fused merge reading 12 chunks a round trip, in groups of 12 (the two-warp default since round AS,
+    # 8 in the warpgroup form), at two warps and in the warpgroup form; round AS: 8 at two warps (rounds AB-AR)
     "evenflow-g-mb12": lambda sms: dict(typed=True, merge_chunks=12),
     "evenflow-g-wg-mb12": lambda sms: dict(typed=True, gluon_warps=4, merge_chunks=12),
+    "evenflow-g-mb8": lambda sms: dict(typed=True, merge_chunks=8),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}

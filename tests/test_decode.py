@@ -843,9 +843,17 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     assert (plan.gluon_warps, plan.gluon_stages, plan.deep_ring_tiles, plan.per_sm) == (2, 4, 16, 3)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, deep_ring_tiles=0)
     assert (plan.gluon_warps, plan.deep_ring_tiles) == (2, 0) and "deep_ring_tiles=0" in repr(plan)
-    # the fused merge's batch (round AR): 12 chunks only where the Gluon kernel's ring holds them (3 or more slots)
+    # the fused merge's batch (round AR): 12 chunks only where the Gluon kernel's ring holds them (3 or more slots);
+    # by default (round AS) on two-warp plans there, 8 everywhere else
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=12).merge_chunks == 12
-    assert "merge_chunks=8" in repr(evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8))
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=8).merge_chunks == 8
+    assert "merge_chunks=12" in repr(evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8))
+    assert evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8, gluon=True).merge_chunks == 12
+    for kw in (dict(), dict(kv_dtype=torch.bfloat16), dict(kv_dtype=FP8, gluon_warps=1),
+               dict(kv_dtype=FP8, gluon_warps=4), dict(kv_dtype=FP8, num_stages=2), dict(kv_dtype=FP8, gluon=False),
+               dict(kv_dtype=FP8, combine="kernel"), dict(kv_dtype=FP8, page_size=32),
+               dict(kv_dtype=FP8, head_dim=64), dict(kv_dtype=FP8, num_warps=4)):
+        assert evenflow.DecodePlan(2, 100, 8, device=device, **kw).merge_chunks == 8, kw
     for kw, named in ((dict(kv_dtype=FP8, num_stages=2), "num_stages=2 .2 slots."),
                       (dict(kv_dtype=FP8, gluon=False), "gluon=False"), (dict(), "kv_dtype=None"),
                       (dict(kv_dtype=FP8, gluon_warps=1), "gluon_warps=1"),

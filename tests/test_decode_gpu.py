@@ -233,9 +233,9 @@ FUSED_CASES = {
 }
 
 
-@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12",
+@pytest.mark.parametrize("kv", [torch.bfloat16, FP8, "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb8",
                                 "fp8-q-gluon-wg"],
-                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12",
+                         ids=["bf16", "fp8", "fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb8",
                               "fp8-q-gluon-wg"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv):
@@ -244,12 +244,13 @@ def test_fused_combine_is_deterministic_and_matches_the_combine_kernel(case, kv)
     ten graph replays give bitwise-equal outputs and leave every counter at zero, the output
     is within the rule, and within one bf16 unit in the last place of the combine kernel's.
     ``fp8-gluon``: a plan built for the fp8 cache (the Gluon kernel and its own merge; one warp a program, ``-w2``:
-    two warps, the default, ``-w2s2``: two warps beside 2 ring slots, ``-mb12``: two warps merging 12 chunks a round
-    trip in groups of 12, round AR: the TP8 slice's 256-chunk item in 22 groups; ``fp8-q-gluon-wg``: the warpgroup
-    form with an fp8 q, round AR, its own merge of its warps and chunks)."""
-    typed = kv in ("fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb12", "fp8-q-gluon-wg")
-    warps = {"fp8-gluon-w2s2": "2s2", "fp8-gluon-w2": 2, "fp8-gluon-mb12": 2, "fp8-q-gluon-wg": 4}.get(kv, 1)
-    extra = dict(merge_chunks=12) if kv == "fp8-gluon-mb12" else {}
+    two warps, the default, merging 12 chunks a round trip in groups of 12 since round AS (the TP8 slice's 256-chunk
+    item in 22 groups), ``-w2s2``: two warps beside 2 ring slots (8 chunks a round trip), ``-mb8``: two warps merging
+    8 chunks a round trip in groups of 8, the default of rounds AB-AR; ``fp8-q-gluon-wg``: the warpgroup form with an
+    fp8 q, round AR, its own merge of its warps and chunks, 8 chunks a round trip)."""
+    typed = kv in ("fp8-gluon", "fp8-gluon-w2s2", "fp8-gluon-w2", "fp8-gluon-mb8", "fp8-q-gluon-wg")
+    warps = {"fp8-gluon-w2s2": "2s2", "fp8-gluon-w2": 2, "fp8-gluon-mb8": 2, "fp8-q-gluon-wg": 4}.get(kv, 1)
+    extra = dict(merge_chunks=8) if kv == "fp8-gluon-mb8" else {}
     qdt = FP8 if kv == "fp8-q-gluon-wg" else torch.bfloat16
     kv = FP8 if typed else kv
     c = FUSED_CASES[case]

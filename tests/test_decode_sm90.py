@@ -119,11 +119,12 @@ GLUON = {
     "gluon-fp8-wg-bf16-q": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=4),
     "gluon-fp8-wg-fp8-q-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, q_len=4, kv=FP8, kv_dtype=FP8, qdt=FP8,
                                      gluon_warps=4),
-    # the fused merge reading 12 chunks a round trip (DecodePlan(merge_chunks=12), round AR)
-    "gluon-fp8-mb12": dict(lens=BIG, kv=FP8, kv_dtype=FP8, merge_chunks=12),
-    "gluon-fp8-mb12-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, merge_chunks=12),
-    "gluon-fp8-mb12-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
-                                      kv_dtype=FP8, merge_chunks=12),
+    # the fused merge reading 12 chunks a round trip (DecodePlan(merge_chunks=12), round AR; the two-warp default
+    # since round AS, so the scenarios above build it) and 8 (the default of rounds AB-AR, kept for the other forms)
+    "gluon-fp8-mb8": dict(lens=BIG, kv=FP8, kv_dtype=FP8, merge_chunks=8),
+    "gluon-fp8-mb8-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, merge_chunks=8),
+    "gluon-fp8-mb8-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
+                                     kv_dtype=FP8, merge_chunks=8),
     "gluon-fp8-wg-fp8-q-mb12": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4, merge_chunks=12),
     "gluon-fp8-wg-fp8-q-noprefetch": dict(lens=[300, 5000, 0, 65], hq=16, hkv=2, kv=FP8, kv_dtype=FP8, qdt=FP8,
                                           gluon_warps=4, prefetch=False),

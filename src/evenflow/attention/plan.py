@@ -102,8 +102,11 @@ GLUON_FP8_WG_ROWS = 8
 # (``DecodePlan(merge_chunks=)``, round AR): 8, or 12 where the ring has 3 or more slots (12 outputs of 4 KB in its
 # 48 KB). An item cut in n chunks is merged in groups of that many, then the groups: the last chunk to finish waits
 # for ceil(c / m) + ceil(ceil(n / c) / m) round trips (c the group size, m the batch): 5 at 8 for the TP8 slice's
-# 256 chunks, 3 at 12.
+# 256 chunks, 3 at 12. Default (round AS): 12 on a two-warp plan with 3 or more slots and the fused merge (AR5, A/B
+# in one run, two passes: 0.907-0.941 of the 8-chunk merge's time on the fp8 TP8 slice, 0.992-1.016 on 2x64K+30x1K
+# and 64x512), 8 elsewhere (the warpgroup form took 0.97-1.10 of its 8-chunk time at 12, AR5; one warp unmeasured).
 GLUON_MERGE_CHUNKS = 8
+GLUON_MERGE_CHUNKS_DEEP = 12
 GLUON_MERGE_CHUNK_COUNTS = (8, 12)
 
 # Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
@@ -241,8 +244,8 @@ class DecodePlan:
     opt-in; sm_90 builds, 3 or more ring slots) is the warpgroup form: calls with an fp8 q of at most 8 rows a KV
     head get their scores from ``wgmma`` (the tensor cores' fp8 accumulation: LSEs 7.5e-5 - 5.7e-4 off exact scores
     in round AR's tests, as PyTorch's fp8 GEMM with fast accumulation), the plan's other calls run two warps on the
-    same bins; ``merge_chunks`` (8, or 12 on 3 or more ring slots with the fused merge): chunks the fused merge reads
-    in one round trip and merges as a group) and
+    same bins; ``merge_chunks`` (8, or 12 on 3 or more ring slots with the fused merge; default 12 there at two
+    warps, round AS, else 8): chunks the fused merge reads in one round trip and merges as a group) and
     :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, or fp8 q with its scales
     where ``decode.GLUON_FP8_Q``, on since round AP; head_dim 128, GQA group x q_len <= 16; a timeline runs its own
     STAMPS build; ``combine`` as for the Triton kernel); other calls run the Triton kernel on the same bins, its
@@ -334,7 +337,7 @@ class DecodePlan:
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
                  deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
-                 merge_chunks: int = GLUON_MERGE_CHUNKS):
+                 merge_chunks: int | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
@@ -461,10 +464,13 @@ class DecodePlan:
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {list(COMBINE_MODES)}, got {combine!r}")
         self.combine = combine
+        deep_merge = gluon_plan and stages >= 3 and combine == "fused"  # the ring holds 12 chunks' outputs
+        if merge_chunks is None:
+            merge_chunks = GLUON_MERGE_CHUNKS_DEEP if deep_merge and gluon_warps == 2 else GLUON_MERGE_CHUNKS
         check_int("merge_chunks", merge_chunks, 1, 1 << 16)
         if merge_chunks not in GLUON_MERGE_CHUNK_COUNTS:
             raise ValueError(f"merge_chunks must be one of {list(GLUON_MERGE_CHUNK_COUNTS)}, got {merge_chunks}")
-        if merge_chunks > 8 and not (gluon_plan and stages >= 3 and combine == "fused"):
+        if merge_chunks > GLUON_MERGE_CHUNKS and not deep_merge:
             raise ValueError(f"merge_chunks={merge_chunks} stages that many chunks' outputs (4 KB each) in the Gluon "
                              f"fp8 kernel's idle ring for its fused merge: it needs a plan for that kernel "
                              f"(kv_dtype=torch.float8_e4m3fn, pages of 64 or 128 tokens, from "
