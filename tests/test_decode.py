@@ -255,7 +255,8 @@ def test_timeline_build_counts_each_programs_work_and_keeps_results(device, buil
     for b in bins:
         for i, t, e in b:
             chunks_of[i] = chunks_of.get(i, 0) + (e > t)
-    want_merges = sum(-(-c // FUSED_GROUP_CHUNKS) for c in chunks_of.values() if c > 1)
+    group = plan.merge_chunks if gluon else FUSED_GROUP_CHUNKS  # the Gluon merge's groups: 12 since round AS
+    want_merges = sum(-(-c // group) for c in chunks_of.values() if c > 1)
     assert f["chunks"].tolist() == want_chunks
     assert f["tiles"].tolist() == want_tiles
     assert int(f["merges"].sum()) == want_merges > 1
