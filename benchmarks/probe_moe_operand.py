@@ -13,6 +13,12 @@ conversions; this probe measures it on the GEMM alone before the MoE kernels are
     python benchmarks/probe_moe_operand.py [--out DIR] [--cases ...]
     TRITON_INTERPRET=0 python benchmarks/probe_moe_operand.py --sm90-stats   # CPU: the sm_90 build
 
+Round AS added the swap written in Gluon (``gluon_rs_kernel``, formulations ``gluon-rs-*``): Triton-lang's swapped
+build issues each register-operand ``wgmma`` behind its own warpgroup fence and wait (16-32 ``WARPGROUP`` fences and
+waits a K step in the sm_90 loops above), which round H measured as no faster than the row tiles; in Gluon the
+step's MMAs go out as one asynchronous group, one left in flight while the next step's weights are loaded and
+converted (one arrive and one wait a step).
+
 Every expert gets the same row count (a batched GEMM: no routing, no index), Qwen3-30B-A3B
 sizes: gate-up N = 2 * 768, K = 2048; down N = 2048, K = 768. Rows (BENCH.md schema): one per
 case x formulation, ``us`` (graph replay), ``frac_of_floor`` against the larger of bytes / copy
@@ -29,6 +35,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from evenflow._kernels.common import f16_operand
 
@@ -69,6 +79,63 @@ def gemm_kernel(p_x, p_w, p_o, R, N, K,
         tl.store(p_oe + o_m[:, None] * N + o_n[None, :], acc)
 
 
+@gluon.jit
+def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
+                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+    """o[e, m, n] = sum_k x[e, m, k] w[e, n, k] with f16 products, swapped (o^T = w x^T) on one warpgroup (round
+    AS): the weight tile [BN, BK] (e4m3) is read from shared memory straight into ``wgmma``'s register operand
+    layout and converted there (operand A, no converted copy stored), x [BM, BK] (f16, exact e4m3 values) is
+    operand B from 128-byte-swizzled shared memory; both arrive by cp.async in a ring of STAGES slots filled
+    STAGES - 2 steps ahead. Each step's MMA runs asynchronously beside the next step's load and conversion: the
+    wait keeps one MMA in flight, and its register operand alive until it is done (``deps``)."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+    AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
+    WCP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16 e4m3 a thread, 4 threads a row
+    XCP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 8 f16 a thread, 8 threads a row
+    W_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BK, element_bitwidth=8, rank=2)
+    X_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # a warp stores 128 n of one m
+    gl.static_assert(BK * 2 == 128, "x rows of BK f16 are the 128-byte swizzle's width")
+    e = gl.program_id(0).to(gl.int64)
+    m0 = gl.program_id(1) * BM
+    n0 = gl.program_id(2) * BN
+    w_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, BK], W_SL)
+    x_s = gl.allocate_shared_memory(gl.float16, [STAGES, BM, BK], X_SL)
+    w_r = gl.arange(0, BN, layout=gl.SliceLayout(1, WCP))
+    w_k = gl.arange(0, BK, layout=gl.SliceLayout(0, WCP))
+    x_r = gl.arange(0, BM, layout=gl.SliceLayout(1, XCP))
+    x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, XCP))
+    p_wt = p_w + e * N * K + (n0 + w_r).to(gl.int64)[:, None] * K + w_k[None, :]
+    p_xt = p_x + e * R * K + (m0 + x_r).to(gl.int64)[:, None] * K + x_k[None, :]
+    steps = K // BK
+    w_all = (w_r[:, None] < BN) & (w_k[None, :] < BK)  # full-shape masks, ANDed with "step in range"
+    x_all = (x_r[:, None] < BM) & (x_k[None, :] < BK)
+    for s in gl.static_range(STAGES - 2):
+        cp.async_copy_global_to_shared(w_s.index(s), p_wt + s * BK, mask=w_all & (s < steps))
+        cp.async_copy_global_to_shared(x_s.index(s), p_xt + s * BK, mask=x_all & (s < steps))
+        cp.commit_group()
+    acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
+    a_prev = gl.zeros([BN, BK], gl.float16, layout=AOP)
+    for i in range(steps):
+        cp.wait_group(STAGES - 3)  # step i's copies have landed (one group a step, issued STAGES - 2 ahead)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's copies visible, every warp past step i - 1's loads and MMA i - 2
+        j = i + STAGES - 2  # its slot held step i - 2, whose MMA every warp has waited for
+        cp.async_copy_global_to_shared(w_s.index(j % STAGES), p_wt + j * BK, mask=w_all & (j < steps))
+        cp.async_copy_global_to_shared(x_s.index(j % STAGES), p_xt + j * BK, mask=x_all & (j < steps))
+        cp.commit_group()
+        a = w_s.index(i % STAGES).load(AOP).to(gl.float16)
+        acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])  # MMA i - 1 done
+        a_prev = a
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    cp.wait_group(0)
+    o = gl.convert_layout(acc, OUT)
+    o_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, OUT))
+    o_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OUT))
+    gl.store(p_o + e * R * N + o_m.to(gl.int64)[None, :] * N + o_n[:, None], o)
+
+
 @dataclass(frozen=True)
 class Formulation:
     swap: bool  # weights as the MMA's rows; activations stored as f16 (exact e4m3 values)
@@ -77,6 +144,7 @@ class Formulation:
     block_k: int
     num_warps: int
     num_stages: int
+    gluon: bool = False  # gluon_rs_kernel (swapped, the weight as wgmma's register operand; round AS)
 
 
 FORMULATIONS = {
@@ -89,6 +157,10 @@ FORMULATIONS = {
     "swapped-bm64-w4": Formulation(True, 64, 128, 128, 4, 3),
     "swapped-bm128-w8": Formulation(True, 128, 128, 128, 8, 3),
     "swapped-bm256-w8": Formulation(True, 256, 128, 64, 8, 3),
+    # the same swap in Gluon (round AS): one warpgroup, the MMA asynchronous beside the next step's conversion
+    "gluon-rs-bn128-bm128": Formulation(True, 128, 128, 64, 4, 4, gluon=True),
+    "gluon-rs-bn128-bm64": Formulation(True, 64, 128, 64, 4, 4, gluon=True),
+    "gluon-rs-bn64-bm128": Formulation(True, 128, 64, 64, 4, 4, gluon=True),
 }
 
 # name: (experts, rows per expert, N, K). Rows per expert = T * top_k / E at Qwen3 (E 128, top-8).
@@ -120,8 +192,12 @@ def run_formulation(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     kw = {} if dot_f32 else {"num_warps": f.num_warps, "num_stages": f.num_stages}
 
     def launch():
-        gemm_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k, SWAP=f.swap,
-                          DOT_F32=dot_f32, **kw)
+        if f.gluon:
+            gluon_rs_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k,
+                                  STAGES=f.num_stages, num_warps=f.num_warps)
+        else:
+            gemm_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k, SWAP=f.swap,
+                              DOT_F32=dot_f32, **kw)
         return out
     return launch
 
@@ -131,27 +207,62 @@ def sm90_stats() -> list[str]:
     TRITON_INTERPRET=0) and describe one K step of its loop: registers, shared memory, SASS
     instructions, shared-memory stores (an operand sent back through shared memory), e4m3
     conversions, and which tensor-core instruction it got."""
+
+
+    lines = []
+    for name, st in sm90_builds().items():
+        count = lambda prefix: sum(v for op, v in st["loop"].items() if op.startswith(prefix))  # noqa: E731, B023
+        lines.append(f"{name:20s} regs {st['regs']} spill {st['spill']} shared {st['shared'] // 1024} KB "
+                     f"loop {st['instructions']} STS {count('STS')} LDS {count('LDS')} F2FP {count('F2FP')} "
+                     f"MMA {count('HGMMA') or count('HMMA')} WARPGROUP {count('WARPGROUP')} {st['mma']}"
+                     + "".join(f"\n    ptxas: {w}" for w in st["ptxas_warnings"]))
+    return lines
+
+
+def sm90_builds(names=None) -> dict[str, dict]:
+    """Each formulation's sm_90 build (CPU, TRITON_INTERPRET=0): registers, spill bytes, shared memory, its K
+    loop's SASS (instructions and opcode counts), PTX MMA counts, and ptxas' warnings (a wgmma pipeline that ptxas
+    serialises says so there)."""
+    import os
+    import subprocess
+    import tempfile
+
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     from evenflow._compile_check import _ptxas_usage, mma_counts, sass_loops
 
-    lines = []
-    for name, f in FORMULATIONS.items():
+    out = {}
+    for name in names or FORMULATIONS:
+        f = FORMULATIONS[name]
         sig = {"p_x": "*fp16" if f.swap else "*fp8e4nv", "p_w": "*fp8e4nv", "p_o": "*fp32",
-               "R": "i32", "N": "i32", "K": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr",
-               "SWAP": "constexpr", "DOT_F32": "constexpr"}
-        src = ASTSource(fn=gemm_kernel, signature=sig, attrs={(i,): [["tt.divisibility", 16]] for i in range(6)},
-                        constexprs={"BM": f.block_m, "BN": f.block_n, "BK": f.block_k, "SWAP": f.swap,
-                                    "DOT_F32": False})
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": f.num_warps, "num_stages": f.num_stages})
+               "R": "i32", "N": "i32", "K": "i32", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"}
+        consts = {"BM": f.block_m, "BN": f.block_n, "BK": f.block_k}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
+        if f.gluon:
+            sig["STAGES"] = "constexpr"
+            src = GluonASTSource(fn=gluon_rs_kernel, signature=sig, attrs=attrs,
+                                 constexprs={**consts, "STAGES": f.num_stages})
+            options = {"num_warps": f.num_warps}
+        else:
+            sig.update(SWAP="constexpr", DOT_F32="constexpr")
+            src = ASTSource(fn=gemm_kernel, signature=sig, attrs=attrs,
+                            constexprs={**consts, "SWAP": f.swap, "DOT_F32": False})
+            options = {"num_warps": f.num_warps, "num_stages": f.num_stages}
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         regs, spill = _ptxas_usage(c.asm["ptx"], 90)
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, "k.ptx"), "w") as fh:
+                fh.write(c.asm["ptx"])
+            r = subprocess.run([ptxas, "--gpu-name=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
+                               capture_output=True, text=True)
         loop = (sass_loops(c.asm["cubin"]) or [{"instructions": 0, "ops": {}}])[0]
-        count = lambda prefix: sum(v for op, v in loop["ops"].items() if op.startswith(prefix))  # noqa: E731
-        lines.append(f"{name:18s} regs {regs} spill {spill} shared {c.metadata.shared // 1024} KB "
-                     f"loop {loop['instructions']} STS {count('STS')} F2FP {count('F2FP')} {mma_counts(c.asm['ptx'])}")
-    return lines
+        out[name] = {"regs": regs, "spill": spill, "shared": c.metadata.shared, "instructions": loop["instructions"],
+                     "loop": loop["ops"], "mma": mma_counts(c.asm["ptx"]),
+                     "ptxas_warnings": [ln.strip() for ln in r.stderr.splitlines() if "arning" in ln]}
+    return out
 
 
 def main(argv=None) -> None:
@@ -161,11 +272,18 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--sm90-stats", action="store_true",
                    help="compile for sm_90 on this machine and print the loop statistics (no GPU; TRITON_INTERPRET=0)")
+    p.add_argument("--sm90-json", default=None, metavar="NAMES",
+                   help="compile these formulations (comma list) for sm_90 and print sm90_builds() as JSON (no GPU)")
     p.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
     p.add_argument("--impls", default=",".join(FORMULATIONS), help="comma list of " + ",".join(FORMULATIONS))
     args = p.parse_args(argv)
     if args.sm90_stats:
         print("\n".join(sm90_stats()))
+        return
+    if args.sm90_json:
+        import json
+
+        print(json.dumps(sm90_builds(args.sm90_json.split(","))))
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/probe_moe_operand.py needs a CUDA GPU (or --sm90-stats)")
