@@ -207,8 +207,6 @@ def sm90_stats() -> list[str]:
     TRITON_INTERPRET=0) and describe one K step of its loop: registers, shared memory, SASS
     instructions, shared-memory stores (an operand sent back through shared memory), e4m3
     conversions, and which tensor-core instruction it got."""
-
-
     lines = []
     for name, st in sm90_builds().items():
         count = lambda prefix: sum(v for op, v in st["loop"].items() if op.startswith(prefix))  # noqa: E731, B023
