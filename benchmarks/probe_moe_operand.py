@@ -81,7 +81,8 @@ def gemm_kernel(p_x, p_w, p_o, R, N, K,
 
 @gluon.jit
 def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
-                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr):
+                    BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                    SYNC: gl.constexpr = False, W_PLAIN: gl.constexpr = False, OUT_ACC: gl.constexpr = False):
     """o[e, m, n] = sum_k x[e, m, k] w[e, n, k] with f16 products, swapped (o^T = w x^T) on one warpgroup (round
     AS): the weight tile [BN, BK] (e4m3) is read from shared memory straight into ``wgmma``'s register operand
     layout and converted there (operand A, no converted copy stored), x [BM, BK] (f16, exact e4m3 values) is
@@ -92,7 +93,12 @@ def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     WCP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16 e4m3 a thread, 4 threads a row
     XCP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 8 f16 a thread, 8 threads a row
-    W_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BK, element_bitwidth=8, rank=2)
+    # (diagnostic switches, round AS5: SYNC waits for each step's MMAs, W_PLAIN keeps the weights unswizzled, OUT_ACC
+    # stores from the accumulator's layout)
+    if W_PLAIN:
+        W_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    else:
+        W_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BK, element_bitwidth=8, rank=2)
     X_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # a warp stores 128 n of one m
     gl.static_assert(BK * 2 == 128, "x rows of BK f16 are the 128-byte swizzle's width")
@@ -125,15 +131,24 @@ def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
         cp.async_copy_global_to_shared(x_s.index(j % STAGES), p_xt + j * BK, mask=x_all & (j < steps))
         cp.commit_group()
         a = w_s.index(i % STAGES).load(AOP).to(gl.float16)
-        acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-        acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])  # MMA i - 1 done
-        a_prev = a
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        if SYNC:
+            acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc)
+        else:
+            acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])  # MMA i - 1 done
+            a_prev = a
+    if not SYNC:
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
-    o = gl.convert_layout(acc, OUT)
-    o_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, OUT))
-    o_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OUT))
-    gl.store(p_o + e * R * N + o_m.to(gl.int64)[None, :] * N + o_n[:, None], o)
+    if OUT_ACC:
+        a_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, ACC))
+        a_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, ACC))
+        gl.store(p_o + e * R * N + a_m.to(gl.int64)[None, :] * N + a_n[:, None], acc)
+    else:
+        o = gl.convert_layout(acc, OUT)
+        o_n = n0 + gl.arange(0, BN, layout=gl.SliceLayout(1, OUT))
+        o_m = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, OUT))
+        gl.store(p_o + e * R * N + o_m.to(gl.int64)[None, :] * N + o_n[:, None], o)
 
 
 @dataclass(frozen=True)
