@@ -80,6 +80,28 @@ def gemm_kernel(p_x, p_w, p_o, R, N, K,
 
 
 @gluon.jit
+def _rs_step(i, acc, a_held, w_s, x_s, p_wt, p_xt, w_all, x_all, steps,
+             AOP: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, SYNC: gl.constexpr):
+    # K step i of gluon_rs_kernel: wait for its copies, refill the slot of step i - 2 with step i + STAGES - 2, load
+    # and convert its weights into the register operand, issue its MMAs; ``a_held``: the other register set, the
+    # operand of step i - 1's MMAs, kept unmodified until the wait says they are done
+    cp.wait_group(STAGES - 3)  # step i's copies have landed (one group a step, issued STAGES - 2 ahead)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's copies visible, every warp past step i - 1's loads and MMA i - 2
+    j = i + STAGES - 2  # its slot held step i - 2, whose MMA every warp has waited for
+    cp.async_copy_global_to_shared(w_s.index(j % STAGES), p_wt + j * BK, mask=w_all & (j < steps))
+    cp.async_copy_global_to_shared(x_s.index(j % STAGES), p_xt + j * BK, mask=x_all & (j < steps))
+    cp.commit_group()
+    a = w_s.index(i % STAGES).load(AOP).to(gl.float16)
+    if SYNC:
+        acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc)
+    else:
+        acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc, is_async=True)
+        acc, a_held = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_held])  # MMA i - 1 done
+    return acc, a, a_held
+
+
+@gluon.jit
 def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     SYNC: gl.constexpr = False, W_PLAIN: gl.constexpr = False, OUT_ACC: gl.constexpr = False):
@@ -87,14 +109,16 @@ def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
     AS): the weight tile [BN, BK] (e4m3) is read from shared memory straight into ``wgmma``'s register operand
     layout and converted there (operand A, no converted copy stored), x [BM, BK] (f16, exact e4m3 values) is
     operand B from 128-byte-swizzled shared memory; both arrive by cp.async in a ring of STAGES slots filled
-    STAGES - 2 steps ahead. Each step's MMA runs asynchronously beside the next step's load and conversion: the
-    wait keeps one MMA in flight, and its register operand alive until it is done (``deps``)."""
+    STAGES - 2 steps ahead. Each step's MMAs run asynchronously beside the next step's load and conversion: the
+    wait keeps one step in flight. A register operand may not be written while its MMA runs (PTX), and a loop
+    redefines its values in the same registers each trip, so the steps alternate between two register sets (the
+    loop runs two steps a trip; an even number of K steps): round AS5 ran a one-set loop, which failed its GPU
+    tests. (Diagnostic switches: SYNC waits for each step's MMAs, W_PLAIN keeps the weights unswizzled, OUT_ACC
+    stores from the accumulator's layout.)"""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     WCP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16 e4m3 a thread, 4 threads a row
     XCP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 8 f16 a thread, 8 threads a row
-    # (diagnostic switches, round AS5: SYNC waits for each step's MMAs, W_PLAIN keeps the weights unswizzled, OUT_ACC
-    # stores from the accumulator's layout)
     if W_PLAIN:
         W_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     else:
@@ -102,6 +126,7 @@ def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
     X_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # a warp stores 128 n of one m
     gl.static_assert(BK * 2 == 128, "x rows of BK f16 are the 128-byte swizzle's width")
+    gl.static_assert(STAGES >= 3, "the ring is filled STAGES - 2 steps ahead")
     e = gl.program_id(0).to(gl.int64)
     m0 = gl.program_id(1) * BM
     n0 = gl.program_id(2) * BN
@@ -113,30 +138,20 @@ def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
     x_k = gl.arange(0, BK, layout=gl.SliceLayout(0, XCP))
     p_wt = p_w + e * N * K + (n0 + w_r).to(gl.int64)[:, None] * K + w_k[None, :]
     p_xt = p_x + e * R * K + (m0 + x_r).to(gl.int64)[:, None] * K + x_k[None, :]
-    steps = K // BK
     w_all = (w_r[:, None] < BN) & (w_k[None, :] < BK)  # full-shape masks, ANDed with "step in range"
     x_all = (x_r[:, None] < BM) & (x_k[None, :] < BK)
+    steps = K // BK
     for s in gl.static_range(STAGES - 2):
         cp.async_copy_global_to_shared(w_s.index(s), p_wt + s * BK, mask=w_all & (s < steps))
         cp.async_copy_global_to_shared(x_s.index(s), p_xt + s * BK, mask=x_all & (s < steps))
         cp.commit_group()
     acc = gl.zeros([BN, BM], gl.float32, layout=ACC)
-    a_prev = gl.zeros([BN, BK], gl.float16, layout=AOP)
-    for i in range(steps):
-        cp.wait_group(STAGES - 3)  # step i's copies have landed (one group a step, issued STAGES - 2 ahead)
-        fence_async_shared()
-        gl.thread_barrier()  # every warp's copies visible, every warp past step i - 1's loads and MMA i - 2
-        j = i + STAGES - 2  # its slot held step i - 2, whose MMA every warp has waited for
-        cp.async_copy_global_to_shared(w_s.index(j % STAGES), p_wt + j * BK, mask=w_all & (j < steps))
-        cp.async_copy_global_to_shared(x_s.index(j % STAGES), p_xt + j * BK, mask=x_all & (j < steps))
-        cp.commit_group()
-        a = w_s.index(i % STAGES).load(AOP).to(gl.float16)
-        if SYNC:
-            acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc)
-        else:
-            acc = warpgroup_mma(a, x_s.index(i % STAGES).permute((1, 0)), acc, is_async=True)
-            acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=[acc, a_prev])  # MMA i - 1 done
-            a_prev = a
+    a0 = gl.zeros([BN, BK], gl.float16, layout=AOP)
+    a1 = gl.zeros([BN, BK], gl.float16, layout=AOP)
+    for t in range(steps // 2):
+        acc, a0, a1 = _rs_step(2 * t, acc, a1, w_s, x_s, p_wt, p_xt, w_all, x_all, steps, AOP, BK, STAGES, SYNC)
+        acc, a1, a0 = _rs_step(2 * t + 1, acc, a0, w_s, x_s, p_wt, p_xt, w_all, x_all, steps, AOP, BK, STAGES,
+                               SYNC)
     if not SYNC:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
@@ -201,6 +216,8 @@ def run_formulation(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     n = w.shape[1]
     if r % f.block_m or n % f.block_n or k % f.block_k:
         raise ValueError(f"{name}: tiles {f.block_m}x{f.block_n}x{f.block_k} do not divide R={r} N={n} K={k}")
+    if f.gluon and (k // f.block_k) % 2:
+        raise ValueError(f"{name}: K={k} is an odd number of {f.block_k}-deep steps (the Gluon loop runs two a trip)")
     xs = x.to(torch.float16) if f.swap else x  # exact: every e4m3 value is an f16
     out = out if out is not None else torch.empty(e, r, n, dtype=torch.float32, device=x.device)
     grid = (e, r // f.block_m, n // f.block_n)
