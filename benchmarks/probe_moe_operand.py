@@ -104,27 +104,28 @@ def _rs_step(i, acc, a_held, w_s, x_s, p_wt, p_xt, w_all, x_all, steps,
 @gluon.jit
 def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                    SYNC: gl.constexpr = False, W_PLAIN: gl.constexpr = False, OUT_ACC: gl.constexpr = False):
-    """o[e, m, n] = sum_k x[e, m, k] w[e, n, k] with f16 products, swapped (o^T = w x^T) on one warpgroup (round
-    AS): the weight tile [BN, BK] (e4m3) is read from shared memory straight into ``wgmma``'s register operand
-    layout and converted there (operand A, no converted copy stored), x [BM, BK] (f16, exact e4m3 values) is
-    operand B from 128-byte-swizzled shared memory; both arrive by cp.async in a ring of STAGES slots filled
-    STAGES - 2 steps ahead. Each step's MMAs run asynchronously beside the next step's load and conversion: the
-    wait keeps one step in flight. A register operand may not be written while its MMA runs (PTX), and a loop
-    redefines its values in the same registers each trip, so the steps alternate between two register sets (the
-    loop runs two steps a trip; an even number of K steps): round AS5 ran a one-set loop, which failed its GPU
-    tests. (Diagnostic switches: SYNC waits for each step's MMAs, W_PLAIN keeps the weights unswizzled, OUT_ACC
-    stores from the accumulator's layout.)"""
-    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+                    SYNC: gl.constexpr = False, W_PLAIN: gl.constexpr = False, OUT_ACC: gl.constexpr = False,
+                    WARPS: gl.constexpr = 4):
+    """o[e, m, n] = sum_k x[e, m, k] w[e, n, k] with f16 products, swapped (o^T = w x^T) on WARPS / 4 warpgroups
+    (round AS; each warpgroup 64 of every 64 x WARPS / 4 weight rows): the weight tile [BN, BK] (e4m3) is read from
+    shared memory straight into ``wgmma``'s register operand layout and converted there (operand A, no converted
+    copy stored), x [BM, BK] (f16, exact e4m3 values) is operand B from 128-byte-swizzled shared memory; both arrive
+    by cp.async in a ring of STAGES slots filled STAGES - 2 steps ahead. Each step's MMAs run asynchronously beside
+    the next step's load and conversion: the wait keeps one step in flight. A register operand may not be written
+    while its MMA runs (PTX), and a loop redefines its values in the same registers each trip, so the steps
+    alternate between two register sets (the loop runs two steps a trip; an even number of K steps): round AS5 ran a
+    one-set loop, which failed its GPU tests. (Diagnostic switches: SYNC waits for each step's MMAs, W_PLAIN keeps
+    the weights unswizzled, OUT_ACC stores from the accumulator's layout.)"""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    WCP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # 16 e4m3 a thread, 4 threads a row
-    XCP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])  # 8 f16 a thread, 8 threads a row
+    WCP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])  # 16 e4m3 a thread, 4 threads a row
+    XCP: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # 8 f16 a thread, 8 threads a row
     if W_PLAIN:
         W_SL: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     else:
         W_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BK, element_bitwidth=8, rank=2)
     X_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, 4], [0, 1])  # a warp stores 128 n of one m
+    OUT: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, WARPS], [0, 1])  # a warp stores 128 n of one m
     gl.static_assert(BK * 2 == 128, "x rows of BK f16 are the 128-byte swizzle's width")
     gl.static_assert(STAGES >= 3, "the ring is filled STAGES - 2 steps ahead")
     e = gl.program_id(0).to(gl.int64)
@@ -191,6 +192,8 @@ FORMULATIONS = {
     "gluon-rs-bn128-bm128": Formulation(True, 128, 128, 64, 4, 4, gluon=True),
     "gluon-rs-bn128-bm64": Formulation(True, 64, 128, 64, 4, 4, gluon=True),
     "gluon-rs-bn64-bm128": Formulation(True, 128, 64, 64, 4, 4, gluon=True),
+    # two warpgroups on 256 weight rows: half the activation bytes a FLOP of the 128-row tile (AS5's arithmetic)
+    "gluon-rs-bn256-bm128-w8": Formulation(True, 128, 256, 64, 8, 4, gluon=True),
 }
 
 # name: (experts, rows per expert, N, K). Rows per expert = T * top_k / E at Qwen3 (E 128, top-8).
@@ -226,7 +229,7 @@ def run_formulation(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     def launch():
         if f.gluon:
             gluon_rs_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k,
-                                  STAGES=f.num_stages, num_warps=f.num_warps)
+                                  STAGES=f.num_stages, WARPS=f.num_warps, num_warps=f.num_warps)
         else:
             gemm_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k, SWAP=f.swap,
                               DOT_F32=dot_f32, **kw)
@@ -271,9 +274,11 @@ def sm90_builds(names=None) -> dict[str, dict]:
         consts = {"BM": f.block_m, "BN": f.block_n, "BK": f.block_k}
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}
         if f.gluon:
-            sig["STAGES"] = "constexpr"
+            sig.update(STAGES="constexpr", SYNC="constexpr", W_PLAIN="constexpr", OUT_ACC="constexpr",
+                       WARPS="constexpr")
             src = GluonASTSource(fn=gluon_rs_kernel, signature=sig, attrs=attrs,
-                                 constexprs={**consts, "STAGES": f.num_stages})
+                                 constexprs={**consts, "STAGES": f.num_stages, "SYNC": False, "W_PLAIN": False,
+                                             "OUT_ACC": False, "WARPS": f.num_warps})
             options = {"num_warps": f.num_warps}
         else:
             sig.update(SWAP="constexpr", DOT_F32="constexpr")
