@@ -2,7 +2,7 @@
 passes of one A/B run.
 
     python benchmarks/ab_table.py benchmarks/results/h200/decode.json [--impls a,b,c]
-    python benchmarks/ab_table.py p1/decode.json p2/decode.json --impls evenflow,evenflow-g-mb12
+    python benchmarks/ab_table.py p1/decode.json p2/decode.json --impls evenflow,evenflow-g-mb8
 
 One line per measured point (case, variant and the batch or M where the file has them) of the first file, one
 column per impl (its µs and frac_of_floor there), then each impl's speed-up over the first (its µs / theirs: above 1

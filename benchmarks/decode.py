@@ -206,6 +206,8 @@ PLAN_KNOBS = {
     # each tile; the plan's bins as the default's (4 programs an SM, 3 ring slots). Calls it does not take (a bf16 q)
     # run the two-warp form on those bins, so on the other variants this row is the default plan
     "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
+    # (Since round AS every two-warp row above with 3 or more ring slots merges 12 chunks a round trip, the default's
+    # batch, where it ran 8 when it was measured: the rows compare one knob against today's default.)
     # round AR: the fused merge reading 12 chunks a round trip, in groups of 12 (the two-warp default since round AS,
     # 8 in the warpgroup form), at two warps and in the warpgroup form; round AS: 8 at two warps (rounds AB-AR)
     "evenflow-g-mb12": lambda sms: dict(typed=True, merge_chunks=12),

@@ -113,9 +113,10 @@ def gluon_rs_kernel(p_x, p_w, p_o, R, N, K,
     by cp.async in a ring of STAGES slots filled STAGES - 2 steps ahead. Each step's MMAs run asynchronously beside
     the next step's load and conversion: the wait keeps one step in flight. A register operand may not be written
     while its MMA runs (PTX), and a loop redefines its values in the same registers each trip, so the steps
-    alternate between two register sets (the loop runs two steps a trip; an even number of K steps): round AS5 ran a
-    one-set loop, which failed its GPU tests. (Diagnostic switches: SYNC waits for each step's MMAs, W_PLAIN keeps
-    the weights unswizzled, OUT_ACC stores from the accumulator's layout.)"""
+    alternate between two register sets (the loop runs two steps a trip: K must be an even number of BK steps, which
+    ``run_formulation`` checks; an odd last step after the loop made ptxas spill 88 bytes at BN = BM = 128): round
+    AS5 ran a one-set loop, which failed its GPU tests. (Diagnostic switches: SYNC waits for each step's MMAs,
+    W_PLAIN keeps the weights unswizzled, OUT_ACC stores from the accumulator's layout.)"""
     ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BM, 16])
     AOP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
     WCP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [WARPS, 1], [1, 0])  # 16 e4m3 a thread, 4 threads a row
@@ -252,6 +253,79 @@ def sm90_stats() -> list[str]:
     return lines
 
 
+def sass_main_loop(cubin: bytes) -> list[tuple[str, str]]:
+    """(opcode, operands) of each SASS instruction of ``cubin``'s largest loop body (branch target to backward
+    branch; predicates dropped)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as fh:
+            fh.write(cubin)
+        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+    insts = []  # (address, opcode, operands)
+    for line in text.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        if m:
+            insts.append((int(m.group(1), 16), m.group(2), m.group(3).strip()))
+    best = []
+    for addr, op, args in insts:
+        tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if tgt and int(tgt.group(1), 16) < addr:
+            body = [(o, a) for ad, o, a in insts if int(tgt.group(1), 16) <= ad <= addr]
+            best = body if len(body) > len(best) else best
+    return best
+
+
+def _regs_written(op: str, args: str) -> set[int]:
+    # general registers an ordinary SASS instruction writes: its first operand where that is a register, 2 or 4 of
+    # them for .64 / .WIDE / .128 forms (stores, branches and barriers write none: their first operand is not one)
+    import re
+
+    m = re.match(r"R(\d+)\b", args)
+    if not m:
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_register_hazards(loop: list[tuple[str, str]]) -> list[str]:
+    """Writes to a register an unfinished ``wgmma`` reads (its A operand, where it comes from registers: 4 from the
+    second operand) or accumulates in (N / 2 from the first, for an m64nNk f32 MMA), in a loop body run twice (the
+    second trip sees what the back edge carries): each ``HGMMA`` joins the group the next one marked ``gsb0``
+    closes, ``WARPGROUP.DEPBAR.LE gsb0, k`` retires all but the newest k groups. PTX forbids such writes (the MMA
+    may read the register after it); ptxas does not always keep them apart (round AS5)."""
+    import re
+
+    flying, building, found = [], set(), []
+    for trip in (1, 2):
+        for op, args in loop:
+            if op.startswith("HGMMA"):  # "HGMMA.64" + "x128x16.F32 R24, R88, gdesc[UR16], R24, gsb0"
+                shape, _, rest = args.partition(" ")
+                n = int(re.match(r"x(\d+)x", shape).group(1))
+                ops = [x.strip() for x in rest.split(",")]
+                d = int(ops[0][1:])
+                building |= set(range(d, d + n // 2))
+                if ops[1].startswith("R"):  # A from registers (else a shared-memory descriptor)
+                    a = int(ops[1][1:])
+                    building |= set(range(a, a + 4))
+                if "gsb0" in args:
+                    flying.append(building)
+                    building = set()
+            elif op.startswith("WARPGROUP.DEPBAR"):
+                keep = int(re.search(r"0x([0-9a-f]+)", args).group(1), 16)
+                flying = flying[len(flying) - keep:] if keep else []
+            else:
+                hit = _regs_written(op, args) & set().union(building, *flying)
+                if hit and trip == 2:
+                    found.append(f"{op} {args}: writes R{min(hit)} of an unfinished wgmma")
+    return found
+
+
 def sm90_builds(names=None) -> dict[str, dict]:
     """Each formulation's sm_90 build (CPU, TRITON_INTERPRET=0): registers, spill bytes, shared memory, its K
     loop's SASS (instructions and opcode counts), PTX MMA counts, and ptxas' warnings (a wgmma pipeline that ptxas
@@ -294,9 +368,14 @@ def sm90_builds(names=None) -> dict[str, dict]:
             r = subprocess.run([ptxas, "--gpu-name=sm_90a", os.path.join(d, "k.ptx"), "-o", os.path.join(d, "k.o")],
                                capture_output=True, text=True)
         loop = (sass_loops(c.asm["cubin"]) or [{"instructions": 0, "ops": {}}])[0]
+        body = sass_main_loop(c.asm["cubin"])
+        # ptxas reports a serialised wgmma pipeline as an info line (C7510-C7520, "Potential Performance Loss")
+        notes = [ln.strip() for ln in r.stderr.splitlines()
+                 if "arning" in ln or "Potential Performance Loss" in ln or "serialized" in ln or "(C75" in ln]
         out[name] = {"regs": regs, "spill": spill, "shared": c.metadata.shared, "instructions": loop["instructions"],
-                     "loop": loop["ops"], "mma": mma_counts(c.asm["ptx"]),
-                     "ptxas_warnings": [ln.strip() for ln in r.stderr.splitlines() if "arning" in ln]}
+                     "loop": loop["ops"], "mma": mma_counts(c.asm["ptx"]), "ptxas_warnings": notes,
+                     "depbars": [a for o, a in body if o.startswith("WARPGROUP.DEPBAR")],
+                     "hazards": wgmma_register_hazards(body)}
     return out
 
 

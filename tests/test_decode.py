@@ -218,7 +218,8 @@ def test_fused_combine_launches_one_kernel_and_matches_the_combine_kernel(kv, de
 def test_timeline_build_counts_each_programs_work_and_keeps_results(device, build):
     """DecodePlan.record_timeline: the STAMPS build writes one row per program. Its counts
     are checked against the reference plan's bins (chunks visited, empty items included;
-    real tiles, not item-cost units; one merge per group of 8 chunks of each split item,
+    real tiles, not item-cost units; one merge per group of chunks of each split item, 8 a group for the Triton
+    kernel and the plan's ``merge_chunks`` (12 since round AS) for the Gluon one,
     summed over programs since which program merges depends on arrival order), and its
     output is bitwise the default build's. (The interpreter has no timer or SM id: those
     fields are 0 / -1 here; on a GPU they must come in program order.) ``gluon-fp8``: a plan
@@ -850,6 +851,10 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=8).merge_chunks == 8
     assert "merge_chunks=12" in repr(evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8))
     assert evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8, gluon=True).merge_chunks == 12
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, num_stages=4,
+                               num_programs=3 * sms).merge_chunks == 12  # two warps, 4 slots
+    assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1,
+                               num_stages=3).merge_chunks == 8  # one warp: 12 allowed, not the default
     for kw in (dict(), dict(kv_dtype=torch.bfloat16), dict(kv_dtype=FP8, gluon_warps=1),
                dict(kv_dtype=FP8, gluon_warps=4), dict(kv_dtype=FP8, num_stages=2), dict(kv_dtype=FP8, gluon=False),
                dict(kv_dtype=FP8, combine="kernel"), dict(kv_dtype=FP8, page_size=32),
