@@ -254,31 +254,10 @@ def sm90_stats() -> list[str]:
 
 
 def sass_main_loop(cubin: bytes) -> list[tuple[str, str]]:
-    """(opcode, operands) of each SASS instruction of ``cubin``'s largest loop body (branch target to backward
-    branch; predicates dropped)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
+    """(opcode, operands) of each SASS instruction of ``cubin``'s largest loop body."""
+    from evenflow._compile_check import sass_loop_bodies
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as fh:
-            fh.write(cubin)
-        text = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-    insts = []  # (address, opcode, operands)
-    for line in text.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
-        if m:
-            insts.append((int(m.group(1), 16), m.group(2), m.group(3).strip()))
-    best = []
-    for addr, op, args in insts:
-        tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
-        if tgt and int(tgt.group(1), 16) < addr:
-            body = [(o, a) for ad, o, a in insts if int(tgt.group(1), 16) <= ad <= addr]
-            best = body if len(body) > len(best) else best
-    return best
+    return (sass_loop_bodies(cubin) or [[]])[0]
 
 
 def _regs_written(op: str, args: str) -> set[int]:

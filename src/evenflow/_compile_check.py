@@ -281,14 +281,10 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return (int(regs[-1]) if regs else -1), (int(spill[-1]) if spill else 0)
 
 
-def sass_loops(cubin: bytes) -> list[dict]:
-    """The loops of a cubin's SASS: one dict per backward branch, largest first.
-
-    ``instructions``: SASS instructions from the branch target to the branch (one trip of the
-    loop body, the branch included); ``ops``: how many of them each opcode is (``LDS.U8``,
-    ``HMMA.16816.F32``, ...). This is what an issue-bound loop's speed depends on.
-    """
-    import collections
+def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
+    """The loops of a cubin's SASS, largest first: one list per backward branch of its body's
+    instructions from the branch target to the branch, each as (opcode, operands), predicates
+    dropped (the opcode stops at the first lower-case letter: ``HGMMA.64`` + ``x128x16.F32 R24, ...``)."""
     import re
 
     import triton
@@ -299,18 +295,31 @@ def sass_loops(cubin: bytes) -> list[dict]:
         with open(src, "wb") as f:
             f.write(cubin)
         text = subprocess.run([tool, "-sass", src], capture_output=True, text=True, check=True).stdout
-    insts = []  # (address, opcode, branch target or None)
+    insts = []  # (address, opcode, operands)
     for line in text.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
         if m:
-            tgt = re.search(r"0x([0-9a-f]+)", m.group(3)) if m.group(2).startswith("BRA") else None
-            insts.append((int(m.group(1), 16), m.group(2), int(tgt.group(1), 16) if tgt else None))
+            insts.append((int(m.group(1), 16), m.group(2), m.group(3).strip()))
     loops = []
-    for addr, _, tgt in insts:
-        if tgt is not None and tgt < addr:
-            body = [op for a, op, _ in insts if tgt <= a <= addr]
-            loops.append({"instructions": len(body), "ops": dict(collections.Counter(body).most_common())})
-    return sorted(loops, key=lambda x: -x["instructions"])
+    for addr, op, args in insts:
+        tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if tgt is not None and int(tgt.group(1), 16) < addr:
+            start = int(tgt.group(1), 16)
+            loops.append([(o, a) for ad, o, a in insts if start <= ad <= addr])
+    return sorted(loops, key=lambda body: -len(body))
+
+
+def sass_loops(cubin: bytes) -> list[dict]:
+    """The loops of a cubin's SASS: one dict per backward branch, largest first.
+
+    ``instructions``: SASS instructions from the branch target to the branch (one trip of the
+    loop body, the branch included); ``ops``: how many of them each opcode is (``LDS.U8``,
+    ``HMMA.16816.F32``, ...). This is what an issue-bound loop's speed depends on.
+    """
+    import collections
+
+    return [{"instructions": len(body), "ops": dict(collections.Counter(op for op, _ in body).most_common())}
+            for body in sass_loop_bodies(cubin)]
 
 
 def _compile_main(path: str, arch: int, stats: bool = False) -> None:
