@@ -244,6 +244,19 @@ def _next_tile(k_s, v_s, t, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_k
 
 
 @gluon.jit
+def _softmax_step(s, m_i, l_i, AXIS: gl.constexpr):
+    """One tile of the online softmax, per warp and q row: the scores ``s`` (log2 units, masked to -inf) reduced
+    over their tokens' axis AXIS against the running max ``m_i`` and sum ``l_i``. Returns the new max, the old
+    state's rescale ``alpha``, the tile's probabilities and the new sum (a row with no score yet keeps max -inf and
+    gets zero probabilities, never NaN)."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=AXIS))
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_safe)
+    p = gl.exp2(s - gl.expand_dims(m_safe, AXIS))
+    return m_new, alpha, p, l_i * alpha + gl.sum(p, axis=AXIS)
+
+
+@gluon.jit
 def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages,
            stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
            PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr):
@@ -262,11 +275,7 @@ def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_pt
                                assert_trivial=True)
         sc = mma_v2(q_a, kt, gl.zeros([W, 16, TW], gl.float32, layout=MMA))
         sc = gl.where(t * TILE + tok < vis[None, :, None], sc * rs[:, :, None], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sc, axis=2))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(sc - m_safe[:, :, None])
-        l_i = l_i * alpha + gl.sum(p, axis=2)
+        m_new, alpha, p, l_i = _softmax_step(sc, m_i, l_i, 2)
         vf = v_s.index(buf).load(_lv(W)).to(gl.float16)
         vl = gl.convert_layout(gl.reshape(gl.permute(gl.reshape(vf, [W, TW, 8, 16]), [0, 1, 3, 2]), [W, TW, D]), LB)
         acc = mma_v2(gl.convert_layout(p.to(gl.float16), LA), vl, acc * alpha[:, :, None])
@@ -293,11 +302,7 @@ def _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p
         st = warpgroup_mma(k_s.index(buf), q_s.permute((1, 0)), gl.zeros([TILE, WG_N], gl.float32, layout=WG_ACC))
         st = gl.convert_layout(gl.reshape(st, [W, TW, WG_N]), MMA)
         st = gl.where(t * TILE + tok < vis[None, None, :], st * rs[None, None, :], float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(st, axis=1))
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(st - m_safe[:, None, :])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_new, alpha, p, l_i = _softmax_step(st, m_i, l_i, 1)
         vf = v_s.index(buf).load(_lv(W)).to(gl.float16)
         vn = gl.reshape(gl.permute(gl.reshape(vf, [W, TW, 8, 16]), [0, 1, 3, 2]), [W, TW, D])  # columns n
         acc = mma_v2(gl.convert_layout(gl.permute(vn, [0, 2, 1]), LA), gl.convert_layout(p.to(gl.float16), LB),
