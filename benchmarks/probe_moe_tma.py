@@ -120,6 +120,15 @@ def _named():
         out[f"tmaw-{tile}-p"] = Formulation(bm, bn, bk, w, s, True, 0, persistent=True)
         out[f"tma2-{tile}-p"] = Formulation(bm, bn, bk, w, s, True, 2, persistent=True)
         out[f"tma2-{tile}-pws"] = Formulation(bm, bn, bk, w, s, True, 2, persistent=True, warp_specialize=True)
+    # round AT3: persistence without TMA; a fourth stage; 64-row tiles (T = 1024: 64 rows an expert; the table's
+    # bf16 tile there is 64 x (64 + 64) on 4 warps at 4 stages)
+    out["ptr-bm128-bn256-w8-p"] = Formulation(128, 256, 64, 8, 3, False, 0, persistent=True)
+    out["tmaw-bm128-bn256-w8-s4-p"] = Formulation(128, 256, 64, 8, 4, True, 0, persistent=True)
+    for tile, (bm, bn, bk, w, s) in {"bm64-bn128-w4": (64, 128, 64, 4, 4), "bm64-bn256-w4": (64, 256, 64, 4, 4),
+                                    "bm64-bn256-w8": (64, 256, 64, 8, 4)}.items():
+        out[f"ptr-{tile}"] = Formulation(bm, bn, bk, w, s, False, 0)
+        out[f"ptr-{tile}-p"] = Formulation(bm, bn, bk, w, s, False, 0, persistent=True)
+        out[f"tmaw-{tile}-p"] = Formulation(bm, bn, bk, w, s, True, 0, persistent=True)
     return out
 
 
@@ -130,6 +139,7 @@ CASES = {
     "qwen3-gate-up-T4096": (128, 256, 1536, 2048),
     "qwen3-down-T4096": (128, 256, 2048, 768),
     "qwen3-gate-up-T1024": (128, 64, 1536, 2048),
+    "qwen3-down-T1024": (128, 64, 2048, 768),
 }
 
 
