@@ -411,16 +411,13 @@ def _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local, 
 
 
 @triton.jit
-def _persistent_task(task, num_nb, p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
+def _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
                      BLOCK_M: tl.constexpr):
-    """Task ``task`` of a persistent GEMM's loop over the used tiles times the ``num_nb`` n-blocks, n-blocks fastest:
-    (tile, n-block, local expert, rows, row mask). The programs running at once then share few tiles' rows and
-    experts' weights (one tile's n-blocks side by side), which L2 holds; with the tiles fastest (the
-    one-program-per-task grid's order, rounds T3-T6) they spread over as many tiles as programs, and each tile's
-    rows came back from memory for every n-block (round AT)."""
-    i_tile = task // num_nb
+    """Task ``task`` of a persistent GEMM's loop over the ``used`` tiles times the n-blocks, tiles fastest
+    (the one-program-per-task grid's order): (tile, n-block, local expert, rows, row mask)."""
+    i_tile = task % used
     e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M, False)
-    return i_tile, task % num_nb, e, o_m, m_m
+    return i_tile, task // used, e, o_m, m_m
 
 
 @triton.jit
@@ -608,10 +605,11 @@ def moe_gate_up_kernel(
     [tiles, I // 128] (zeroed like ``p_count``); see :func:`_gate_up_epilogue`.
 
     PERSIST (index tiles, no K split; ``num_nb`` n-blocks): a fixed grid of programs takes the
-    used tasks in turn (:func:`_used_tiles`), n-blocks fastest (:func:`_persistent_task`), in one flattened
-    loop over tasks and K steps, so that the compiler may start a task's first loads under the previous
-    task's last steps. Measured slower than one program per task in the grid's order (tiles fastest;
-    docs/perf-notes/moe.md, rounds T3, T6); the n-block order since round AT.
+    used tasks in turn (:func:`_used_tiles`), in the order of the one-program-per-task grid
+    (tiles fastest), in one flattened loop over tasks and K steps, so that the compiler may start a
+    task's first loads under the previous task's last steps. Measured slower than one program per
+    task (docs/perf-notes/moe.md, rounds T3, T6), and slower still walking the n-blocks fastest (round AT4):
+    opt-in only.
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
@@ -622,7 +620,7 @@ def moe_gate_up_kernel(
         # nested-loop fusion then emits invalid IR (scf.if results) and the kernel does not compile
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0),
                              flatten=not (MODE == 2 and BLOCK_N < 128)):
-            i_tile, i_n, e, o_m, m_m = _persistent_task(task, num_nb, p_ids, p_tile_expert, p_tile_row, p_offsets,
+            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
                                                          e_first, num_local, BLOCK_M)
             _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), 0, num_nb, p_x, p_xs, p_w, p_ws, p_sorted,
                 p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt,
@@ -805,7 +803,7 @@ def moe_down_kernel(
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
-            i_tile, i_n, e, o_m, m_m = _persistent_task(task, num_nb, p_ids, p_tile_expert, p_tile_row, p_offsets,
+            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
                                                          e_first, num_local, BLOCK_M)
             _down_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_a, p_as, p_w, p_ws, p_sorted,
                 p_topk_w, p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we,
