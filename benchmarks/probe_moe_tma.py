@@ -47,52 +47,79 @@ def _tile_coords(tile, R, N, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _tile(e, m0, n0, p_x, x_desc, p_idx, w_desc, p_w, p_o, R, N, K, BM: tl.constexpr, BN: tl.constexpr,
-          BK: tl.constexpr, W_TMA: tl.constexpr, X_MODE: tl.constexpr, STAGES: tl.constexpr, DOT_F32: tl.constexpr):
-    # one output tile: its K loop (pipelined at STAGES; 0: left to an enclosing flattened loop), then its store
+def _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, W_TMA: tl.constexpr, X_MODE: tl.constexpr, STAGES: tl.constexpr, GU: tl.constexpr,
+          RAG: tl.constexpr, DOT_F32: tl.constexpr):
+    # one output tile: its K loop (pipelined at STAGES; 0: left to an enclosing flattened loop), then its store.
+    # GU: the gate-up's shape, two accumulators (weight rows c0.. and N / 2 + c0.., c0 = n0 / 2) and SiLU(gate) * up
+    # stored as [rows, N / 2]; RAG: expert e has cnt[e] <= R rows, the rest masked (loads and stores)
+    BW: tl.constexpr = BN // 2 if GU else BN
+    c0 = n0 // 2 if GU else n0
     o_m = m0 + tl.arange(0, BM)
-    o_n = n0 + tl.arange(0, BN)
+    o_c = c0 + tl.arange(0, BW)
     o_k = tl.arange(0, BK)
     e64 = e.to(tl.int64)
+    m_m = o_m < tl.load(p_cnt + e) if RAG else o_m < R
     if X_MODE == 0:  # gathered: the rows of token ids idx[e, m]
-        tok = tl.load(p_idx + e64 * R + o_m).to(tl.int64)
+        tok = tl.load(p_idx + e64 * R + o_m, mask=m_m, other=0).to(tl.int64)
         p_a = p_x + tok[:, None] * K + o_k[None, :]
     else:
         p_a = p_x + (e64 * R + o_m)[:, None] * K + o_k[None, :]
-    p_b = p_w + (e64 * N + o_n)[None, :] * K + o_k[:, None]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    p_b = p_w + (e64 * N + o_c)[None, :] * K + o_k[:, None]
+    p_bu = p_b + (N // 2) * K
+    acc = tl.zeros([BM, BW], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BW], dtype=tl.float32)
     for k in tl.range(0, K, BK, num_stages=STAGES if STAGES > 0 else None):
         if X_MODE == 2:
             a = x_desc.load([(e * R + m0).to(tl.int32), k])
+        elif RAG:
+            a = tl.load(p_a + k, mask=m_m[:, None], other=0.0)
         else:
             a = tl.load(p_a + k)
+        a = dot_operand(a, DOT_F32)
         if W_TMA:
-            b = w_desc.load([(e * N + n0).to(tl.int32), k]).T
+            b = w_desc.load([(e * N + c0).to(tl.int32), k]).T
         else:
             b = tl.load(p_b + k)
-        acc = tl.dot(dot_operand(a, DOT_F32), dot_operand(b, DOT_F32), acc)
-    tl.store(p_o + (e64 * R + o_m)[:, None] * N + o_n[None, :], acc.to(p_o.dtype.element_ty))
+        acc = tl.dot(a, dot_operand(b, DOT_F32), acc)
+        if GU:
+            if W_TMA:
+                bu = w_desc.load([(e * N + N // 2 + c0).to(tl.int32), k]).T
+            else:
+                bu = tl.load(p_bu + k)
+            acc_u = tl.dot(a, dot_operand(bu, DOT_F32), acc_u)
+    if GU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    NO: tl.constexpr = 2 if GU else 1
+    p_out = p_o + (e64 * R + o_m)[:, None] * (N // NO) + o_c[None, :]
+    if RAG:
+        tl.store(p_out, acc.to(p_o.dtype.element_ty), mask=m_m[:, None])
+    else:
+        tl.store(p_out, acc.to(p_o.dtype.element_ty))
 
 
 @triton.jit
-def bmm_kernel(p_x, x_desc, p_idx, w_desc, p_w, p_o, R, N, K, BM: tl.constexpr, BN: tl.constexpr,
+def bmm_kernel(p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, W_TMA: tl.constexpr, X_MODE: tl.constexpr, STAGES: tl.constexpr,
-               DOT_F32: tl.constexpr):
+               GU: tl.constexpr, RAG: tl.constexpr, DOT_F32: tl.constexpr):
     """o[e * R + m, n] = sum_k x[row(e, m), k] w[e * N + n, k]; one program a (expert, row block, column block)."""
     e, m0, n0 = _tile_coords(tl.program_id(0), R, N, BM, BN)
-    _tile(e, m0, n0, p_x, x_desc, p_idx, w_desc, p_w, p_o, R, N, K, BM, BN, BK, W_TMA, X_MODE, STAGES, DOT_F32)
+    _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM, BN, BK, W_TMA, X_MODE, STAGES, GU,
+          RAG, DOT_F32)
 
 
 @triton.jit
-def bmm_persistent_kernel(p_x, x_desc, p_idx, w_desc, p_w, p_o, R, N, K, num_tiles, BM: tl.constexpr,
+def bmm_persistent_kernel(p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, num_tiles, BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr, W_TMA: tl.constexpr, X_MODE: tl.constexpr,
-                          STAGES: tl.constexpr, WS: tl.constexpr, DOT_F32: tl.constexpr):
+                          STAGES: tl.constexpr, GU: tl.constexpr, RAG: tl.constexpr, WS: tl.constexpr,
+                          DOT_F32: tl.constexpr):
     """The same product, each program taking tiles pid, pid + programs, ... (the tile loop flattened with the K
     loop and pipelined across tiles; ``WS``: Triton's warp specialisation of it)."""
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=STAGES, flatten=True,
                          warp_specialize=WS):
         e, m0, n0 = _tile_coords(tile, R, N, BM, BN)
-        _tile(e, m0, n0, p_x, x_desc, p_idx, w_desc, p_w, p_o, R, N, K, BM, BN, BK, W_TMA, X_MODE, 0, DOT_F32)
+        _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM, BN, BK, W_TMA, X_MODE, 0, GU,
+              RAG, DOT_F32)
 
 
 @dataclass(frozen=True)
@@ -106,6 +133,8 @@ class Formulation:
     x_mode: int  # 0: rows gathered through a token index (pointer loads); 1: by expert, pointer loads; 2: TMA
     persistent: bool = False
     warp_specialize: bool = False
+    gate_up: bool = False  # the gate-up's two accumulators and SiLU(gate) * up epilogue (round AT5)
+    ragged: bool = False  # experts' row counts below R, masked rows (round AT5)
 
 
 def _named():
@@ -129,6 +158,12 @@ def _named():
         out[f"ptr-{tile}"] = Formulation(bm, bn, bk, w, s, False, 0)
         out[f"ptr-{tile}-p"] = Formulation(bm, bn, bk, w, s, False, 0, persistent=True)
         out[f"tmaw-{tile}-p"] = Formulation(bm, bn, bk, w, s, True, 0, persistent=True)
+    # round AT5: the MoE gate-up's structure, step by step (gu: two accumulators and the SiLU epilogue; gur: and
+    # ragged experts, masked rows)
+    for kind, gu, rag in (("gu", True, False), ("gur", True, True), ("r", False, True)):
+        for sfx, per in (("", False), ("-p", True)):
+            out[f"ptr-{kind}-bm128-bn256-w8{sfx}"] = Formulation(128, 256, 64, 8, 3, False, 0, persistent=per,
+                                                                 gate_up=gu, ragged=rag)
     return out
 
 
@@ -153,8 +188,30 @@ def make_inputs(e: int, r: int, n: int, k: int, device, gen):
     return x, idx, x[idx.flatten().long()].contiguous(), w
 
 
+def row_counts(e: int, r: int, device) -> torch.Tensor:
+    """Rows of each expert for the ragged formulations: r, r - 16, r - 32, r - 48 in turn (a partial last tile)."""
+    return (r - 16 * (torch.arange(e, device=device, dtype=torch.int32) % 4)).clamp(min=0)
+
+
+def reference(name: str, x_e, w, e: int, r: int, dtype=torch.float64) -> torch.Tensor:
+    """What ``name`` computes, in ``dtype`` ([e * r, n] or, for the gate-up ones, [e * r, n / 2]); rows past a ragged
+    expert's count are 0 (the kernel writes none: compare against an output zeroed first)."""
+    f = FORMULATIONS[name]
+    k = x_e.shape[1]
+    n = w.shape[0] // e
+    o = torch.bmm(x_e.view(e, r, k).to(dtype), w.view(e, n, k).to(dtype).mT)
+    if f.gate_up:
+        g, u = o[..., :n // 2], o[..., n // 2:]
+        o = g / (1 + torch.exp(-g)) * u
+    if f.ragged:
+        keep = torch.arange(r, device=o.device)[None, :] < row_counts(e, r, o.device)[:, None]
+        o = o * keep[..., None]
+    return o.reshape(e * r, -1)
+
+
 def run_formulation(name: str, x, idx, x_e, w, out=None, num_sms: int | None = None):
-    """A zero-argument launcher of ``name`` writing bf16 ``out`` [e * r, n]."""
+    """A zero-argument launcher of ``name`` writing bf16 ``out`` ([e * r, n], or [e * r, n / 2] for the gate-up
+    formulations; ragged ones leave the rows past each expert's count as they were)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     f = FORMULATIONS[name]
@@ -163,24 +220,26 @@ def run_formulation(name: str, x, idx, x_e, w, out=None, num_sms: int | None = N
     n = w.shape[0] // e
     if r % f.block_m or n % f.block_n or k % f.block_k:
         raise ValueError(f"{name}: tiles {f.block_m}x{f.block_n}x{f.block_k} do not divide R={r} N={n} K={k}")
-    out = out if out is not None else torch.empty(e * r, n, dtype=torch.bfloat16, device=x.device)
-    w_desc = TensorDescriptor.from_tensor(w, [f.block_n, f.block_k]) if f.w_tma else w
+    if out is None:
+        out = torch.zeros(e * r, n // 2 if f.gate_up else n, dtype=torch.bfloat16, device=x.device)
+    w_desc = TensorDescriptor.from_tensor(w, [f.block_n // (2 if f.gate_up else 1), f.block_k]) if f.w_tma else w
     x_desc = TensorDescriptor.from_tensor(x_e, [f.block_m, f.block_k]) if f.x_mode == 2 else x_e
     p_x = x if f.x_mode == 0 else x_e
+    cnt = row_counts(e, r, x.device)
     tiles = e * (r // f.block_m) * (n // f.block_n)
     common = dict(BM=f.block_m, BN=f.block_n, BK=f.block_k, W_TMA=f.w_tma, X_MODE=f.x_mode, STAGES=f.num_stages,
-                  DOT_F32=dot_needs_fp32(), num_warps=f.num_warps)
+                  GU=f.gate_up, RAG=f.ragged, DOT_F32=dot_needs_fp32(), num_warps=f.num_warps)
     if f.persistent:
         sms = num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count
         grid = (min(tiles, sms),)
 
         def launch():
-            bmm_persistent_kernel[grid](p_x, x_desc, idx, w_desc, w, out, r, n, k, tiles, WS=f.warp_specialize,
-                                        **common)
+            bmm_persistent_kernel[grid](p_x, x_desc, idx, cnt, w_desc, w, out, r, n, k, tiles,
+                                        WS=f.warp_specialize, **common)
             return out
     else:
         def launch():
-            bmm_kernel[(tiles,)](p_x, x_desc, idx, w_desc, w, out, r, n, k, **common)
+            bmm_kernel[(tiles,)](p_x, x_desc, idx, cnt, w_desc, w, out, r, n, k, **common)
             return out
     return launch
 
@@ -197,11 +256,12 @@ def sm90_builds(names=None) -> dict[str, dict]:
     for name in names or FORMULATIONS:
         f = FORMULATIONS[name]
         desc = lambda rows: f"tensordesc<bf16[{rows}, {f.block_k}]>"  # noqa: E731
+        w_rows = f.block_n // (2 if f.gate_up else 1)
         sig = {"p_x": "*bf16", "x_desc": desc(f.block_m) if f.x_mode == 2 else "*bf16", "p_idx": "*i32",
-               "w_desc": desc(f.block_n) if f.w_tma else "*bf16", "p_w": "*bf16", "p_o": "*bf16",
+               "p_cnt": "*i32", "w_desc": desc(w_rows) if f.w_tma else "*bf16", "p_w": "*bf16", "p_o": "*bf16",
                "R": "i32", "N": "i32", "K": "i32"}
         consts = dict(BM=f.block_m, BN=f.block_n, BK=f.block_k, W_TMA=f.w_tma, X_MODE=f.x_mode,
-                      STAGES=f.num_stages, DOT_F32=False)
+                      STAGES=f.num_stages, GU=f.gate_up, RAG=f.ragged, DOT_F32=False)
         fn = bmm_kernel
         if f.persistent:
             sig["num_tiles"] = "i32"
@@ -209,7 +269,7 @@ def sm90_builds(names=None) -> dict[str, dict]:
             fn = bmm_persistent_kernel
         sig.update({c: "constexpr" for c in consts})
         names_ = list(sig)
-        aligned = [a for a in ("p_x", "x_desc", "p_idx", "w_desc", "p_w", "p_o", "R", "N", "K")
+        aligned = [a for a in ("p_x", "x_desc", "p_idx", "p_cnt", "w_desc", "p_w", "p_o", "R", "N", "K")
                    if not sig[a].startswith("tensordesc")]  # as a GPU launch specialises them (16-byte multiples)
         attrs = {(names_.index(a),): [["tt.divisibility", 16]] for a in aligned}
         c = triton.compile(ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=consts),
@@ -254,13 +314,14 @@ def main(argv=None) -> None:
     for case in args.cases.split(","):
         e, r, n, k = CASES[case]
         x, idx, x_e, w = make_inputs(e, r, n, k, "cuda", gen)
-        ref = torch.bmm(x_e.view(e, r, k).float(), w.view(e, n, k).float().mT).view(e * r, n)
         flops = 2.0 * e * r * n * k
         fl = H.floor_us(2 * (e * n * k + e * r * k + e * r * n), flops, ceilings=ceil, rate="bf16_TFLOPs")
         for impl in args.impls.split(","):
             try:
                 fn = run_formulation(impl, x, idx, x_e, w)
-                err = float((fn().float() - ref).abs().max())
+                err = float((fn().float() - reference(impl, x_e, w, e, r, torch.float32)).abs().max())
+                # (the gate-up formulations write half the output bytes and the ragged ones skip up to 48 rows an
+                # expert: the floor stays the plain GEMM's, so fractions compare times)
                 res.add(case=case, impl=impl, us=H.time_graph([fn]), floor_us=fl, max_abs_err=err,
                         rows_per_expert=r, n=n, k=k)
             except Exception as exc:  # a formulation that does not build is a row, not a crash

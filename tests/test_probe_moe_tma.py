@@ -28,10 +28,29 @@ def test_formulation_matches_fp64(name, device):
     x, idx, x_e, w = probe.make_inputs(e, r, n, k, device, gen)
     assert torch.equal(x_e, x[idx.flatten().long()])  # the by-expert layout holds the gathered rows
     out = probe.run_formulation(name, x, idx, x_e, w, num_sms=3)()
-    xs, ws = x_e.view(e, r, k), w.view(e, n, k)
-    ref = torch.bmm(xs.double(), ws.double().mT).view(e * r, n)
-    base = torch.bmm(xs.float(), ws.float().mT).to(torch.bfloat16).view(e * r, n)  # bf16 in and out, fp32 sums
+    ref = probe.reference(name, x_e, w, e, r)
+    base = probe.reference(name, x_e, w, e, r, torch.float32).to(torch.bfloat16)  # bf16 in and out, fp32 sums
     assert_within_rule(out, ref, base, what=name)
+    if f.ragged:  # the rows past each expert's count were never written (the output starts at zero)
+        past = torch.arange(r, device=device)[None, :] >= probe.row_counts(e, r, device)[:, None]
+        assert past.any() and not out.view(e, r, -1)[past].any()
+
+
+def test_reference_is_the_gate_up_and_ragged_product():
+    """The probe's reference, independently: a gate-up formulation's output is SiLU(x Wg^T) * (x Wu^T) of the
+    weight's two halves, a ragged one zero past each expert's count, by explicit loops over experts and rows."""
+    gen = torch.Generator().manual_seed(3)
+    e, r, n, k = 4, 64, 32, 16
+    x, idx, x_e, w = probe.make_inputs(e, r, n, k, "cpu", gen)
+    got = probe.reference("ptr-gur-bm128-bn256-w8", x_e, w, e, r)
+    cnt = probe.row_counts(e, r, "cpu").tolist()
+    assert cnt == [64, 48, 32, 16]
+    for i in range(e):
+        wg, wu = w[i * n:i * n + n // 2].double(), w[i * n + n // 2:(i + 1) * n].double()
+        for m in range(r):
+            row = x_e[i * r + m].double()
+            want = torch.nn.functional.silu(wg @ row) * (wu @ row) if m < cnt[i] else torch.zeros(n // 2).double()
+            torch.testing.assert_close(got[i * r + m], want, rtol=1e-12, atol=1e-12)
 
 
 def test_tiles_must_divide(device):
