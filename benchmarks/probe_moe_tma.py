@@ -51,10 +51,11 @@ def _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM: t
           BK: tl.constexpr, W_TMA: tl.constexpr, X_MODE: tl.constexpr, STAGES: tl.constexpr, GU: tl.constexpr,
           RAG: tl.constexpr, DOT_F32: tl.constexpr):
     # one output tile: its K loop (pipelined at STAGES; 0: left to an enclosing flattened loop), then its store.
-    # GU: the gate-up's shape, two accumulators (weight rows c0.. and N / 2 + c0.., c0 = n0 / 2) and SiLU(gate) * up
-    # stored as [rows, N / 2]; RAG: expert e has cnt[e] <= R rows, the rest masked (loads and stores)
-    BW: tl.constexpr = BN // 2 if GU else BN
-    c0 = n0 // 2 if GU else n0
+    # GU: the gate-up's shape, SiLU(gate) * up stored as [rows, N / 2]: 1, two accumulators (weight rows c0.. and
+    # N / 2 + c0.., c0 = n0 / 2); 2, one accumulator over weight rows n0.. that interleave gate and up rows (gate j,
+    # up j at 2j, 2j + 1), split in registers; RAG: expert e has cnt[e] <= R rows, the rest masked (loads, stores)
+    BW: tl.constexpr = BN // 2 if GU == 1 else BN
+    c0 = n0 // 2 if GU == 1 else n0
     o_m = m0 + tl.arange(0, BM)
     o_c = c0 + tl.arange(0, BW)
     o_k = tl.arange(0, BK)
@@ -82,16 +83,20 @@ def _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM: t
         else:
             b = tl.load(p_b + k)
         acc = tl.dot(a, dot_operand(b, DOT_F32), acc)
-        if GU:
+        if GU == 1:
             if W_TMA:
                 bu = w_desc.load([(e * N + N // 2 + c0).to(tl.int32), k]).T
             else:
                 bu = tl.load(p_bu + k)
             acc_u = tl.dot(a, dot_operand(bu, DOT_F32), acc_u)
-    if GU:
+    if GU == 1:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    elif GU == 2:
+        g, u = acc.reshape([BM, BN // 2, 2]).split()
+        acc = g / (1.0 + tl.exp(-g)) * u
     NO: tl.constexpr = 2 if GU else 1
-    p_out = p_o + (e64 * R + o_m)[:, None] * (N // NO) + o_c[None, :]
+    o_o = n0 // NO + tl.arange(0, BN // NO)
+    p_out = p_o + (e64 * R + o_m)[:, None] * (N // NO) + o_o[None, :]
     if RAG:
         tl.store(p_out, acc.to(p_o.dtype.element_ty), mask=m_m[:, None])
     else:
@@ -112,14 +117,21 @@ def bmm_kernel(p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM: tl.cons
 def bmm_persistent_kernel(p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, num_tiles, BM: tl.constexpr,
                           BN: tl.constexpr, BK: tl.constexpr, W_TMA: tl.constexpr, X_MODE: tl.constexpr,
                           STAGES: tl.constexpr, GU: tl.constexpr, RAG: tl.constexpr, WS: tl.constexpr,
-                          DOT_F32: tl.constexpr):
-    """The same product, each program taking tiles pid, pid + programs, ... (the tile loop flattened with the K
-    loop and pipelined across tiles; ``WS``: Triton's warp specialisation of it)."""
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=STAGES, flatten=True,
-                         warp_specialize=WS):
-        e, m0, n0 = _tile_coords(tile, R, N, BM, BN)
-        _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM, BN, BK, W_TMA, X_MODE, 0, GU,
-              RAG, DOT_F32)
+                          FLAT: tl.constexpr, DOT_F32: tl.constexpr):
+    """The same product, each program taking tiles pid, pid + programs, ... (FLAT: the tile loop flattened with
+    the K loop and pipelined across tiles, ``WS`` Triton's warp specialisation of it; else each tile's K loop
+    pipelined on its own)."""
+    if FLAT:
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), num_stages=STAGES, flatten=True,
+                             warp_specialize=WS):
+            e, m0, n0 = _tile_coords(tile, R, N, BM, BN)
+            _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM, BN, BK, W_TMA, X_MODE, 0, GU,
+                  RAG, DOT_F32)
+    else:
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            e, m0, n0 = _tile_coords(tile, R, N, BM, BN)
+            _tile(e, m0, n0, p_x, x_desc, p_idx, p_cnt, w_desc, p_w, p_o, R, N, K, BM, BN, BK, W_TMA, X_MODE, STAGES,
+                  GU, RAG, DOT_F32)
 
 
 @dataclass(frozen=True)
@@ -133,8 +145,9 @@ class Formulation:
     x_mode: int  # 0: rows gathered through a token index (pointer loads); 1: by expert, pointer loads; 2: TMA
     persistent: bool = False
     warp_specialize: bool = False
-    gate_up: bool = False  # the gate-up's two accumulators and SiLU(gate) * up epilogue (round AT5)
+    gate_up: int = 0  # the gate-up's SiLU(gate) * up epilogue: 1 two accumulators (AT5), 2 one, interleaved (AT6)
     ragged: bool = False  # experts' row counts below R, masked rows (round AT5)
+    flat: bool = True  # persistent: the tile loop flattened with the K loop (False: AT6)
 
 
 def _named():
@@ -160,10 +173,13 @@ def _named():
         out[f"tmaw-{tile}-p"] = Formulation(bm, bn, bk, w, s, True, 0, persistent=True)
     # round AT5: the MoE gate-up's structure, step by step (gu: two accumulators and the SiLU epilogue; gur: and
     # ragged experts, masked rows)
-    for kind, gu, rag in (("gu", True, False), ("gur", True, True), ("r", False, True)):
+    for kind, gu, rag in (("gu", 1, False), ("gur", 1, True), ("r", 0, True), ("gui", 2, False)):
         for sfx, per in (("", False), ("-p", True)):
             out[f"ptr-{kind}-bm128-bn256-w8{sfx}"] = Formulation(128, 256, 64, 8, 3, False, 0, persistent=per,
                                                                  gate_up=gu, ragged=rag)
+    # round AT6: the two-accumulator gate-up persistent without the flattening
+    out["ptr-gu-bm128-bn256-w8-pnf"] = Formulation(128, 256, 64, 8, 3, False, 0, persistent=True, gate_up=1,
+                                                   flat=False)
     return out
 
 
@@ -201,7 +217,7 @@ def reference(name: str, x_e, w, e: int, r: int, dtype=torch.float64) -> torch.T
     n = w.shape[0] // e
     o = torch.bmm(x_e.view(e, r, k).to(dtype), w.view(e, n, k).to(dtype).mT)
     if f.gate_up:
-        g, u = o[..., :n // 2], o[..., n // 2:]
+        g, u = (o[..., :n // 2], o[..., n // 2:]) if f.gate_up == 1 else (o[..., 0::2], o[..., 1::2])
         o = g / (1 + torch.exp(-g)) * u
     if f.ragged:
         keep = torch.arange(r, device=o.device)[None, :] < row_counts(e, r, o.device)[:, None]
@@ -222,7 +238,7 @@ def run_formulation(name: str, x, idx, x_e, w, out=None, num_sms: int | None = N
         raise ValueError(f"{name}: tiles {f.block_m}x{f.block_n}x{f.block_k} do not divide R={r} N={n} K={k}")
     if out is None:
         out = torch.zeros(e * r, n // 2 if f.gate_up else n, dtype=torch.bfloat16, device=x.device)
-    w_desc = TensorDescriptor.from_tensor(w, [f.block_n // (2 if f.gate_up else 1), f.block_k]) if f.w_tma else w
+    w_desc = TensorDescriptor.from_tensor(w, [f.block_n // (2 if f.gate_up == 1 else 1), f.block_k]) if f.w_tma else w
     x_desc = TensorDescriptor.from_tensor(x_e, [f.block_m, f.block_k]) if f.x_mode == 2 else x_e
     p_x = x if f.x_mode == 0 else x_e
     cnt = row_counts(e, r, x.device)
@@ -235,7 +251,7 @@ def run_formulation(name: str, x, idx, x_e, w, out=None, num_sms: int | None = N
 
         def launch():
             bmm_persistent_kernel[grid](p_x, x_desc, idx, cnt, w_desc, w, out, r, n, k, tiles,
-                                        WS=f.warp_specialize, **common)
+                                        WS=f.warp_specialize, FLAT=f.flat, **common)
             return out
     else:
         def launch():
@@ -256,7 +272,7 @@ def sm90_builds(names=None) -> dict[str, dict]:
     for name in names or FORMULATIONS:
         f = FORMULATIONS[name]
         desc = lambda rows: f"tensordesc<bf16[{rows}, {f.block_k}]>"  # noqa: E731
-        w_rows = f.block_n // (2 if f.gate_up else 1)
+        w_rows = f.block_n // (2 if f.gate_up == 1 else 1)
         sig = {"p_x": "*bf16", "x_desc": desc(f.block_m) if f.x_mode == 2 else "*bf16", "p_idx": "*i32",
                "p_cnt": "*i32", "w_desc": desc(w_rows) if f.w_tma else "*bf16", "p_w": "*bf16", "p_o": "*bf16",
                "R": "i32", "N": "i32", "K": "i32"}
@@ -266,6 +282,7 @@ def sm90_builds(names=None) -> dict[str, dict]:
         if f.persistent:
             sig["num_tiles"] = "i32"
             consts["WS"] = f.warp_specialize
+            consts["FLAT"] = f.flat
             fn = bmm_persistent_kernel
         sig.update({c: "constexpr" for c in consts})
         names_ = list(sig)

@@ -38,7 +38,8 @@ def test_formulation_matches_fp64(name, device):
 
 def test_reference_is_the_gate_up_and_ragged_product():
     """The probe's reference, independently: a gate-up formulation's output is SiLU(x Wg^T) * (x Wu^T) of the
-    weight's two halves, a ragged one zero past each expert's count, by explicit loops over experts and rows."""
+    weight's two halves (or its interleaved rows), a ragged one zero past each expert's count, by explicit loops
+    over experts and rows."""
     gen = torch.Generator().manual_seed(3)
     e, r, n, k = 4, 64, 32, 16
     x, idx, x_e, w = probe.make_inputs(e, r, n, k, "cpu", gen)
@@ -50,6 +51,14 @@ def test_reference_is_the_gate_up_and_ragged_product():
         for m in range(r):
             row = x_e[i * r + m].double()
             want = torch.nn.functional.silu(wg @ row) * (wu @ row) if m < cnt[i] else torch.zeros(n // 2).double()
+            torch.testing.assert_close(got[i * r + m], want, rtol=1e-12, atol=1e-12)
+    # interleaved weights: gate j and up j are an expert's rows 2j and 2j + 1; every row written
+    got = probe.reference("ptr-gui-bm128-bn256-w8", x_e, w, e, r)
+    for i in range(e):
+        wi = w[i * n:(i + 1) * n].double()
+        for m in (0, r - 1):
+            row = x_e[i * r + m].double()
+            want = torch.nn.functional.silu(wi[0::2] @ row) * (wi[1::2] @ row)
             torch.testing.assert_close(got[i * r + m], want, rtol=1e-12, atol=1e-12)
 
 
