@@ -45,7 +45,7 @@ QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
          "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2",
-         "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder")
+         "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -62,7 +62,8 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # buffer with one more kernel each call, as before round X; the kept counters' A/B), evenflow-pairorder
 # (local_first=False: on pair tiles under expert parallelism each pair's programs in place in the grid, other ranks'
 # pairs among the rank's own, as before round Y; the local-first packing's A/B; the same launches as evenflow
-# everywhere else)
+# everywhere else), evenflow-gu2dot (bf16's gate-up as two dots a K step, gate and up, as before round AT:
+# evenflow.moe.fused.GU_ONE_DOT's A/B; bf16 only)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -70,7 +71,10 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   "evenflow-lastsplit": {"defer_split": False},
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
                   "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
-                  "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False}}
+                  "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False},
+                  "evenflow-gu2dot": {"_gu_one_dot": False}}
+# knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
+MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
@@ -300,12 +304,14 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         if not hasattr(evenflow, "MoEWeights") or not hasattr(evenflow, "fused_moe"):
             raise PeerUnavailable("evenflow.fused_moe / MoEWeights not available in this build")
         kw = dict(EVENFLOW_KNOBS[name])
-        overlap = kw.pop("_quant_overlap", None)  # a module switch, not a keyword: set around each call
+        switches = {MODULE_SWITCHES[k]: kw.pop(k) for k in list(kw) if k in MODULE_SWITCHES}  # set around each call
         kept_counters = kw.pop("_counters", True)  # a property of the weight holder, not a keyword
         if kw.get("fp8_accum", "exact") != "exact" and w.variant == "bf16":
             raise PeerUnavailable(f"not applicable to bf16: fp8_accum={kw['fp8_accum']!r} applies to FP8 weights only")
-        if overlap is not None and w.variant == "bf16":
+        if "QUANT_OVERLAP" in switches and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
+        if "GU_ONE_DOT" in switches and w.variant != "bf16":
+            raise PeerUnavailable("not applicable to fp8 weights: the one-dot gate-up is bf16's")
         if w.variant == "bf16":
             ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
         elif w.variant == "fp8-tensor":
@@ -318,7 +324,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         def bind(x, ids, tw):
             def call():
                 return evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)
-            return call if overlap is None else lambda: _with_quant_overlap(overlap, call)
+            return call if not switches else lambda: _with_switches(switches, call)
         return bind
     if name == "sglang-triton":
         from evenflow.bench.peers.sglang import SGLangFusedMoE
@@ -333,16 +339,19 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
     raise ValueError(f"unknown impl {name!r}")
 
 
-def _with_quant_overlap(enabled: bool, fn):
-    """fn() with evenflow.moe.fused.QUANT_OVERLAP set to ``enabled`` (the launches it makes, and so a CUDA
-    graph captured around them, keep that choice)."""
+def _with_switches(switches: dict, fn):
+    """fn() with the module switches of evenflow.moe.fused named in ``switches`` set to their values (the launches
+    it makes, and so a CUDA graph captured around them, keep that choice)."""
     from evenflow.moe import fused
 
-    saved, fused.QUANT_OVERLAP = fused.QUANT_OVERLAP, enabled
+    saved = {name: getattr(fused, name) for name in switches}
+    for name, value in switches.items():
+        setattr(fused, name, value)
     try:
         return fn()
     finally:
-        fused.QUANT_OVERLAP = saved
+        for name, value in saved.items():
+            setattr(fused, name, value)
 
 
 # ----------------------------------------------------------------------------- driver

@@ -325,6 +325,36 @@ def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
+def test_module_switch_rows_launch_what_they_name_and_restore_the_switch():
+    """The rows that set a module switch of evenflow.moe.fused around each call: evenflow-gu2dot launches bf16's
+    gate-up as two dots (ONE_DOT off) where evenflow launches one, with the same output, and the switch is back at
+    its value after the call; a row is refused where its switch does not apply (gu2dot on fp8 weights,
+    serialquant on bf16)."""
+    from evenflow import _compile_check as CC
+    from evenflow.moe import fused
+
+    case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
+    gen = _gen(5)
+    ids, tw = bm.make_routing(40, case, gen)
+    x = torch.randn(40, case.hidden, generator=gen).bfloat16()
+    assert set(bm.MODULE_SWITCHES.values()) <= set(vars(fused))
+    before = {name: getattr(fused, name) for name in bm.MODULE_SWITCHES.values()}
+    w = bm.make_weights(case, "bf16", "cpu", torch.Generator().manual_seed(0), std=0.1)
+    ys, seen = [], []
+    for name in ("evenflow", "evenflow-gu2dot"):
+        with CC.record_launches(execute=True) as launches:
+            ys.append(bm.build_impl(name, w, case, None)(x, ids, tw)())
+        seen.append([dict(ln.constexprs)["ONE_DOT"] for ln in launches if ln.name == "moe_gate_up_kernel"])
+        assert {n: getattr(fused, n) for n in before} == before, name
+    assert seen == [[True], [False]], seen
+    assert torch.equal(ys[0], ys[1])
+    for variant, row in (("fp8-tensor", "evenflow-gu2dot"), ("bf16", "evenflow-serialquant")):
+        w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
+        with pytest.raises(PeerUnavailable, match="not applicable"):
+            bm.build_impl(row, w, case, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
 def test_decode_sass_script_reports_one_exp_per_row_element(capsys):
     """benchmarks/moe_decode_sass.py compiles the table's bf16 decode launches for sm_90 with the
     deferred reduction forced on and prints their loop statistics: every deferred down launch

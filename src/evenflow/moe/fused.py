@@ -48,6 +48,10 @@ PDL_MAX_PAIRS = 8192
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
 # of benchmarks/moe.py's evenflow-serialquant row).
 QUANT_OVERLAP = True
+# bf16 weights: the gate-up GEMM takes the gate and up n-blocks of a task as one MMA of twice the width a K step
+# (kernels._gate_up_tile's ONE_DOT; round AT). False: two dots a step, as before round AT (the A/B of
+# benchmarks/moe.py's evenflow-gu2dot row).
+GU_ONE_DOT = True
 # fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
 # accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
 # reduced-precision accumulation (kernels.py, FAST_ACC); "promoted" (opt-in) the same fp8 MMAs with
@@ -492,7 +496,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         inter.stride(0), inter_s.stride(0) if mode == 2 else 0,
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
-        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, **gpu_kw, **pk,
+        DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
+        ONE_DOT=mode == 0 and GU_ONE_DOT, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
