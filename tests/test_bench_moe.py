@@ -325,13 +325,19 @@ def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
-def test_module_switch_rows_launch_what_they_name_and_restore_the_switch():
+def test_module_switch_rows_launch_what_they_name_and_restore_the_switch(monkeypatch):
     """The rows that set a module switch of evenflow.moe.fused around each call: evenflow-gu2dot launches bf16's
-    gate-up as two dots (ONE_DOT off) where evenflow launches one, with the same output, and the switch is back at
-    its value after the call; a row is refused where its switch does not apply (gu2dot on fp8 weights,
-    serialquant on bf16)."""
+    gate-up as two dots (ONE_DOT off) where evenflow launches one (on a 64-row tile, which the heuristic is made to
+    pick), with the same output, and the switch is back at its value after the call; a row is refused where its
+    switch does not apply (gu2dot on fp8 weights, serialquant on bf16)."""
+    import dataclasses
+
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
+
+    real_choose = fused.choose_config
+    monkeypatch.setattr(fused, "choose_config", lambda *a, **kw: dataclasses.replace(
+        real_choose(*a, **kw), block_m=fused.GU_ONE_DOT_MIN_ROWS))
 
     case = bm.MoECase("tiny128", 4, 4, 2, 128, 128)
     gen = _gen(5)

@@ -328,11 +328,12 @@ def _rank1_batch(t, h, seed, device):
 
 
 def test_one_dot_gate_up_equals_two_dots(device, monkeypatch):
-    """bf16's gate-up as one MMA of twice the width a K step (``fused.GU_ONE_DOT``, the default since round AT:
-    the gate and up weight rows interleaved in one tile, the accumulator split back after the loop) gives the
-    two-dot result bit for bit on every path that runs it: index tiles with several n-blocks (16 and 32 rows),
-    persistent, pair tiles, a K-split gate-up reduced by its last split and one deferred to the down GEMM; and
-    it is what the default launches (the switch off launches two dots; fp8 weights never take it)."""
+    """bf16's gate-up as one MMA of twice the width a K step (``fused.GU_ONE_DOT``, the default since round AT on
+    tiles of ``GU_ONE_DOT_MIN_ROWS`` rows and more: the gate and up weight rows interleaved in one tile, the
+    accumulator split back after the loop) gives the two-dot result bit for bit on every path that runs it: index
+    tiles of 64 and 128 rows with several n-blocks, persistent, and a K-split gate-up reduced by its last split;
+    and it is what the default launches there, not on smaller tiles (pair tiles, 16 and 32 rows) nor for fp8
+    weights; the switch off launches two dots everywhere."""
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
 
@@ -342,28 +343,33 @@ def test_one_dot_gate_up_equals_two_dots(device, monkeypatch):
     kw = dict(ep_rank=1, num_experts_total=12)
     ids, w, x, _ = _rank1_batch(40, h, 3, device)
     narrow = dict(gu_block_n=16, down_block_n=16)
-    split = dataclasses.replace(base, gu_block_k=16, gu_split_k=2, **narrow)
-    runs = [(x, ids, w, dict(config=dataclasses.replace(base, block_m=bm, **narrow), pair_tiles=False,
-                             persistent=per)) for bm in (16, 32) for per in (0, 1)]
-    runs += [(x[:4], ids[:4], w[:4], dict(config=split, pair_tiles=True, defer_split=d)) for d in (False, True)]
-    runs += [(x[:8], ids[:8], w[:8], dict(config=split, pair_tiles=False))]
-    for xr, idr, wr, opts in runs:
+    runs = [dict(config=dataclasses.replace(base, block_m=bm, **narrow), pair_tiles=False, persistent=per)
+            for bm in (64, 128) for per in (0, 1)]
+    runs.append(dict(config=dataclasses.replace(base, block_m=64, gu_block_k=16, gu_split_k=2, **narrow),
+                     pair_tiles=False))
+    for opts in runs:
         ys = {}
         for one in (True, False):
             monkeypatch.setattr(fused, "GU_ONE_DOT", one)
             _dirty_pool(device)
-            ys[one] = evenflow.fused_moe(xr, idr, wr, ew, out=poisoned((len(xr), h), torch.bfloat16, device),
+            ys[one] = evenflow.fused_moe(x, ids, w, ew, out=poisoned((len(x), h), torch.bfloat16, device),
                                          **opts, **kw)
         assert torch.equal(ys[True], ys[False]), f"one dot differs from two: {opts}"
-        check_moe(ys[True], xr, idr, wr, ew, f"one dot {opts}", ep_rank=1)
+        check_moe(ys[True], x, ids, w, ew, f"one dot {opts}", ep_rank=1)
     if torch.device(device).type == "cpu":
+        fp8 = random_moe_weights("fp8_per_tensor", 4, 64, 64, device)
         for one in (True, False):
             monkeypatch.setattr(fused, "GU_ONE_DOT", one)
-            for holder in (ew, random_moe_weights("fp8_per_tensor", 4, 64, 64, device)):
+            for holder, bm, pairs in ((ew, 64, False), (ew, 128, False), (ew, 32, False), (ew, 16, True),
+                                      (fp8, 64, False)):
+                cfg = dataclasses.replace(choose_config(40, 3, 4, 64, holder.intermediate_size, holder.mode,
+                                                        num_experts_total=12), block_m=bm)
                 with CC.record_launches(execute=False) as launches:
-                    evenflow.fused_moe(x, ids, w, holder, **kw)
+                    evenflow.fused_moe(x[:4] if pairs else x, ids[:4] if pairs else ids, w[:4] if pairs else w,
+                                       holder, config=cfg, pair_tiles=pairs, **kw)
                 gu = [dict(ln.constexprs) for ln in launches if ln.name == "moe_gate_up_kernel"]
-                assert [c["ONE_DOT"] for c in gu] == [one and holder.mode == 0], gu
+                want = one and holder.mode == 0 and bm >= fused.GU_ONE_DOT_MIN_ROWS
+                assert [c["ONE_DOT"] for c in gu] == [want], (one, holder.mode, bm, gu)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
