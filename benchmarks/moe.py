@@ -45,7 +45,8 @@ QUICK_BATCHES = (1, 32, 1024)
 VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
          "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2",
-         "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot")
+         "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot",
+         "evenflow-fastacc-gu2dot", "evenflow-promoted-gu2dot")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -62,8 +63,9 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # buffer with one more kernel each call, as before round X; the kept counters' A/B), evenflow-pairorder
 # (local_first=False: on pair tiles under expert parallelism each pair's programs in place in the grid, other ranks'
 # pairs among the rank's own, as before round Y; the local-first packing's A/B; the same launches as evenflow
-# everywhere else), evenflow-gu2dot (bf16's gate-up as two dots a K step, gate and up, as before round AT:
-# evenflow.moe.fused.GU_ONE_DOT's A/B; bf16 only)
+# everywhere else), evenflow-gu2dot / -fastacc-gu2dot / -promoted-gu2dot (the gate-up as two dots a K step, gate
+# and up, as before round AT: evenflow.moe.fused.GU_ONE_DOT's A/B; bf16 and fp8-tensor, which take one dot on tiles
+# of 64 rows and more; the same launches as evenflow, -fastacc, -promoted on smaller tiles)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -72,7 +74,9 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
                   "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
                   "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False},
-                  "evenflow-gu2dot": {"_gu_one_dot": False}}
+                  "evenflow-gu2dot": {"_gu_one_dot": False},
+                  "evenflow-fastacc-gu2dot": {"fp8_accum": "fast", "_gu_one_dot": False},
+                  "evenflow-promoted-gu2dot": {"fp8_accum": "promoted", "_gu_one_dot": False}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT"}
 MAX_ROTATE = 4
@@ -310,8 +314,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             raise PeerUnavailable(f"not applicable to bf16: fp8_accum={kw['fp8_accum']!r} applies to FP8 weights only")
         if "QUANT_OVERLAP" in switches and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
-        if "GU_ONE_DOT" in switches and w.variant != "bf16":
-            raise PeerUnavailable("not applicable to fp8 weights: the one-dot gate-up is bf16's")
+        if "GU_ONE_DOT" in switches and w.variant == "fp8-block":
+            raise PeerUnavailable("not applicable to fp8-block: its gate-up takes two dots (gate and up scales)")
         if w.variant == "bf16":
             ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
         elif w.variant == "fp8-tensor":

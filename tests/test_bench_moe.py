@@ -329,7 +329,7 @@ def test_module_switch_rows_launch_what_they_name_and_restore_the_switch(monkeyp
     """The rows that set a module switch of evenflow.moe.fused around each call: evenflow-gu2dot launches bf16's
     gate-up as two dots (ONE_DOT off) where evenflow launches one (on a 64-row tile, which the heuristic is made to
     pick), with the same output, and the switch is back at its value after the call; a row is refused where its
-    switch does not apply (gu2dot on fp8 weights, serialquant on bf16)."""
+    switch does not apply (gu2dot on block-scaled fp8 weights, serialquant on bf16)."""
     import dataclasses
 
     from evenflow import _compile_check as CC
@@ -354,7 +354,7 @@ def test_module_switch_rows_launch_what_they_name_and_restore_the_switch(monkeyp
         assert {n: getattr(fused, n) for n in before} == before, name
     assert seen == [[True], [False]], seen
     assert torch.equal(ys[0], ys[1])
-    for variant, row in (("fp8-tensor", "evenflow-gu2dot"), ("bf16", "evenflow-serialquant")):
+    for variant, row in (("fp8-block", "evenflow-gu2dot"), ("bf16", "evenflow-serialquant")):
         w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
         with pytest.raises(PeerUnavailable, match="not applicable"):
             bm.build_impl(row, w, case, None)

@@ -328,12 +328,13 @@ def _rank1_batch(t, h, seed, device):
 
 
 def test_one_dot_gate_up_equals_two_dots(device, monkeypatch):
-    """bf16's gate-up as one MMA of twice the width a K step (``fused.GU_ONE_DOT``, the default since round AT on
+    """The gate-up as one MMA of twice the width a K step (``fused.GU_ONE_DOT``, the default since round AT on
     tiles of ``GU_ONE_DOT_MIN_ROWS`` rows and more: the gate and up weight rows interleaved in one tile, the
-    accumulator split back after the loop) gives the two-dot result bit for bit on every path that runs it: index
-    tiles of 64 and 128 rows with several n-blocks, persistent, and a K-split gate-up reduced by its last split;
-    and it is what the default launches there, not on smaller tiles (pair tiles, 16 and 32 rows) nor for fp8
-    weights; the switch off launches two dots everywhere."""
+    accumulator split back after the loop) gives the two-dot result bit for bit on every path that runs it: bf16
+    index tiles of 64 and 128 rows with several n-blocks, persistent, and a K-split gate-up reduced by its last
+    split; per-tensor fp8 in its three accumulation modes; and it is what the default launches there, not on
+    smaller tiles (pair tiles, 16 and 32 rows) nor for block-scaled fp8 (gate and up scales differ); the switch
+    off launches two dots everywhere."""
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
 
@@ -356,19 +357,31 @@ def test_one_dot_gate_up_equals_two_dots(device, monkeypatch):
                                          **opts, **kw)
         assert torch.equal(ys[True], ys[False]), f"one dot differs from two: {opts}"
         check_moe(ys[True], x, ids, w, ew, f"one dot {opts}", ep_rank=1)
+    # per-tensor fp8 in its three accumulation modes (one scale for gate and up), 64-row tiles
+    fp8 = random_moe_weights("fp8_per_tensor", 4, 64, 64, device)
+    for accum in fused.FP8_ACCUM:
+        cfg = dataclasses.replace(choose_config(40, 3, 4, 64, 64, fp8.mode, num_experts_total=12,
+                                                fast_acc=accum != "exact"), block_m=64, gu_block_n=16)
+        ys = {}
+        for one in (True, False):
+            monkeypatch.setattr(fused, "GU_ONE_DOT", one)
+            ys[one] = evenflow.fused_moe(x, ids, w, fp8, config=cfg, pair_tiles=False, fp8_accum=accum, **kw)
+        assert torch.equal(ys[True], ys[False]), f"fp8 {accum}: one dot differs from two"
     if torch.device(device).type == "cpu":
-        fp8 = random_moe_weights("fp8_per_tensor", 4, 64, 64, device)
+        block = random_moe_weights("fp8_block", 4, 256, 128, device)
+        xb = torch.randn(40, 256, device=device).bfloat16()
         for one in (True, False):
             monkeypatch.setattr(fused, "GU_ONE_DOT", one)
             for holder, bm, pairs in ((ew, 64, False), (ew, 128, False), (ew, 32, False), (ew, 16, True),
-                                      (fp8, 64, False)):
-                cfg = dataclasses.replace(choose_config(40, 3, 4, 64, holder.intermediate_size, holder.mode,
-                                                        num_experts_total=12), block_m=bm)
+                                      (fp8, 64, False), (fp8, 32, False), (block, 64, False)):
+                xh = xb if holder is block else x
+                cfg = dataclasses.replace(choose_config(40, 3, 4, holder.hidden_size, holder.intermediate_size,
+                                                        holder.mode, num_experts_total=12), block_m=bm)
                 with CC.record_launches(execute=False) as launches:
-                    evenflow.fused_moe(x[:4] if pairs else x, ids[:4] if pairs else ids, w[:4] if pairs else w,
+                    evenflow.fused_moe(xh[:4] if pairs else xh, ids[:4] if pairs else ids, w[:4] if pairs else w,
                                        holder, config=cfg, pair_tiles=pairs, **kw)
                 gu = [dict(ln.constexprs) for ln in launches if ln.name == "moe_gate_up_kernel"]
-                want = one and holder.mode == 0 and bm >= fused.GU_ONE_DOT_MIN_ROWS
+                want = one and holder.mode < 2 and bm >= fused.GU_ONE_DOT_MIN_ROWS
                 assert [c["ONE_DOT"] for c in gu] == [want], (one, holder.mode, bm, gu)
 
 

@@ -48,7 +48,8 @@ PDL_MAX_PAIRS = 8192
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
 # of benchmarks/moe.py's evenflow-serialquant row).
 QUANT_OVERLAP = True
-# bf16 weights: the gate-up GEMM takes the gate and up n-blocks of a task as one MMA of twice the width a K step
+# bf16 and per-tensor fp8 weights (one scale for gate and up; block mode keeps two dots, its scales differ): the
+# gate-up GEMM takes the gate and up n-blocks of a task as one MMA of twice the width a K step
 # (kernels._gate_up_tile's ONE_DOT; round AT) on tiles of at least GU_ONE_DOT_MIN_ROWS rows. AT7's A/B on every bf16
 # point of the three shapes, two passes: 1.00-1.05x at T >= 512 (64- and 128-row tiles), none under 0.999; on the
 # 16-row tiles of T <= 256 no gain and a few points 1-2% slower (Hy3 TP8 T = 128 0.979 in both passes), so those
@@ -500,7 +501,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
-        ONE_DOT=mode == 0 and GU_ONE_DOT and cfg.block_m >= GU_ONE_DOT_MIN_ROWS, **gpu_kw, **pk,
+        ONE_DOT=GU_ONE_DOT and cfg.block_m >= GU_ONE_DOT_MIN_ROWS and mode < 2, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB

@@ -497,11 +497,11 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
     """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n`` of
     ``num_nb``, K split ``i_s``, of a grid of ``n_tiles`` tiles); see moe_gate_up_kernel.
 
-    ONE_DOT (bf16): the gate and up n-blocks as one [BLOCK_K, 2 * BLOCK_N] weight tile whose columns alternate
-    gate row n and up row I + n, one MMA of twice the width a K step (which reads the activation tile once where
-    two dots read it twice), the accumulator split back into gate and up columns in registers after the loop:
-    each output is the same sum of the same products as with two dots. Round AT6's probe: 1.09x the two-dot
-    gate-up at Qwen3 T = 4096 on 128 x (128 + 128) tiles."""
+    ONE_DOT (bf16, per-tensor fp8): the gate and up n-blocks as one [BLOCK_K, 2 * BLOCK_N] weight tile whose
+    columns alternate gate row n and up row I + n, one MMA of twice the width a K step (which reads the activation
+    tile once where two dots read it twice), the accumulator split back into gate and up columns in registers
+    after the loop: each output is the same sum of the same products as with two dots. Round AT6's probe: 1.09x
+    the two-dot gate-up at Qwen3 T = 4096 on 128 x (128 + 128) bf16 tiles."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -515,7 +515,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
 
     p_a = p_x + tok[:, None] * stride_xt + (k0 + o_k)[None, :]
     if ONE_DOT:
-        tl.static_assert(MODE == 0, "ONE_DOT: bf16 weights")
+        tl.static_assert(MODE < 2, "ONE_DOT: bf16 or per-tensor fp8 weights (one scale for gate and up)")
         o_j = tl.arange(0, 2 * BLOCK_N)
         row = i_n * BLOCK_N + o_j // 2 + (o_j % 2) * I  # column 2n: gate row n, 2n + 1: up row I + n
         p_bg = p_w + e64 * stride_we + row[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
@@ -532,8 +532,11 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
     for i_k in range(0, k_split // BLOCK_K):
         b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
         b_g = tl.load(p_bg)
-        if ONE_DOT:
+        if ONE_DOT and MODE == 0:
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
+        elif ONE_DOT:  # per-tensor fp8 (see MODE == 1 below)
+            acc_g = _acc_dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g,
+                             FAST_ACC, BLOCK_K)
         elif MODE == 0:
             b_u = tl.load(p_bu)
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
@@ -622,7 +625,8 @@ def moe_gate_up_kernel(
     finish, through ``p_hbuf`` (fp32 activations [pairs, I]) and the group counters ``p_gcount``
     [tiles, I // 128] (zeroed like ``p_count``); see :func:`_gate_up_epilogue`.
 
-    ONE_DOT (bf16 only): the gate and up n-blocks as one MMA of twice the width a K step (:func:`_gate_up_tile`).
+    ONE_DOT (bf16, per-tensor fp8): the gate and up n-blocks as one MMA of twice the width a K step
+    (:func:`_gate_up_tile`).
 
     PERSIST (index tiles, no K split; ``num_nb`` n-blocks): a fixed grid of programs takes the
     used tasks in turn (:func:`_used_tiles`), in the order of the one-program-per-task grid
