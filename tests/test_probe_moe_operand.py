@@ -1,9 +1,7 @@
 """The operand-order probe's GEMM kernels compute the product they claim (interpreter at the
 probe's own tile sizes, and on a GPU when present), so its timings compare equal work; its Gluon
 kernel's sm_90 build is what it was written to be (CPU)."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -15,6 +13,7 @@ from evenflow.testing import assert_within_rule
 HERE = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path.insert(0, HERE)
 import probe_moe_operand as probe  # noqa: E402
+from tests_support_probes import sm90_builds_of  # noqa: E402
 
 GLUON = [n for n, f in probe.FORMULATIONS.items() if f.gluon]
 
@@ -72,11 +71,7 @@ def test_gluon_swap_issues_each_steps_mmas_as_one_asynchronous_group():
     in its builds), its share of the weights converted in registers (BN x BK / (256 x G) ``F2FP`` a thread a step:
     two e4m3 each) and nothing stored to shared memory; no spill, no ptxas warning or serialisation note, and an SM
     holds two warpgroups (two 4-warp programs, or one of 8)."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "probe_moe_operand.py"), "--sm90-json", ",".join(GLUON)],
-                       env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    builds = json.loads(r.stdout.strip().splitlines()[-1])
+    builds = sm90_builds_of(os.path.join(HERE, "probe_moe_operand.py"), GLUON)
     for name in GLUON:
         f, st = probe.FORMULATIONS[name], builds[name]
         ops = st["loop"]

@@ -1,8 +1,6 @@
 """The TMA probe's GEMM kernels compute the product they claim (interpreter at small tiles' multiples, and on a
 GPU when present), so its timings compare equal work; its sm_90 builds load what each name says by TMA (CPU)."""
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,6 +12,7 @@ from evenflow.testing import assert_within_rule
 HERE = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path.insert(0, HERE)
 import probe_moe_tma as probe  # noqa: E402
+from tests_support_probes import sm90_builds_of  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(probe.FORMULATIONS))
@@ -74,11 +73,7 @@ def test_builds_load_by_tma_what_their_names_say():
     pointer copy left), none in ``ptr-*`` (its copies ``LDGSTS``); each loop has its MMAs on ``wgmma``; no spill and
     shared memory within an SM's 227 KB."""
     names = list(probe.FORMULATIONS)
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "probe_moe_tma.py"), "--sm90-json", ",".join(names)],
-                       env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, r.stderr[-3000:]
-    builds = json.loads(r.stdout.strip().splitlines()[-1])
+    builds = sm90_builds_of(os.path.join(HERE, "probe_moe_tma.py"), names)
     for name in names:
         f, st = probe.FORMULATIONS[name], builds[name]
         ops = st["loop"]
