@@ -64,8 +64,9 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # (local_first=False: on pair tiles under expert parallelism each pair's programs in place in the grid, other ranks'
 # pairs among the rank's own, as before round Y; the local-first packing's A/B; the same launches as evenflow
 # everywhere else), evenflow-gu2dot / -fastacc-gu2dot / -promoted-gu2dot (the gate-up as two dots a K step, gate
-# and up, as before round AT: evenflow.moe.fused.GU_ONE_DOT's A/B; bf16 and fp8-tensor, which take one dot on tiles
-# of 64 rows and more; the same launches as evenflow, -fastacc, -promoted on smaller tiles)
+# and up, as before round AT: evenflow.moe.fused.GU_ONE_DOT's A/B; bf16, and fp8-tensor in the fp8-MMA modes, which
+# take one dot on index tiles of 64 rows and more; the same launches as evenflow, -fastacc, -promoted on smaller
+# tiles)
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -316,6 +317,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-block":
             raise PeerUnavailable("not applicable to fp8-block: its gate-up takes two dots (gate and up scales)")
+        if "GU_ONE_DOT" in switches and w.variant == "fp8-tensor" and kw.get("fp8_accum", "exact") == "exact":
+            raise PeerUnavailable("not applicable to fp8-tensor's exact mode: its gate-up takes two dots")
         if w.variant == "bf16":
             ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
         elif w.variant == "fp8-tensor":

@@ -14,7 +14,11 @@ formulation in one run beside cuBLAS's bf16 ``bmm``:
 - ``tma2-*``: both by TMA on activations already laid out by expert (no gather: the bound a gather-free layout
   would reach);
 - ``*-p``: persistent (one program an SM walking the tiles), ``*-pws``: persistent with Triton's warp
-  specialisation (producer warps issue the loads).
+  specialisation (producer warps issue the loads), ``*-pnf``: persistent without flattening the K loop into the
+  tile loop;
+- the MoE gate-up's shape, step by step: ``ptr-gu-*`` two accumulators (gate and up weight rows) and the
+  SiLU(gate) * up epilogue, ``ptr-gui-*`` one accumulator over interleaved gate / up rows split after the loop,
+  ``ptr-r-*`` ragged experts (masked rows), ``ptr-gur-*`` both.
 
     python benchmarks/probe_moe_tma.py [--out DIR] [--cases ...] [--impls ...]
 

@@ -328,8 +328,9 @@ def test_zerokernel_row_takes_a_holder_without_counters(device, monkeypatch):
 def test_module_switch_rows_launch_what_they_name_and_restore_the_switch(monkeypatch):
     """The rows that set a module switch of evenflow.moe.fused around each call: evenflow-gu2dot launches bf16's
     gate-up as two dots (ONE_DOT off) where evenflow launches one (on a 64-row tile, which the heuristic is made to
-    pick), with the same output, and the switch is back at its value after the call; a row is refused where its
-    switch does not apply (gu2dot on block-scaled fp8 weights, serialquant on bf16)."""
+    pick), -fastacc-gu2dot and -promoted-gu2dot likewise for per-tensor fp8 in those modes, with the same output,
+    and the switch is back at its value after each call; a row is refused where its switch does not apply (gu2dot on
+    block-scaled fp8 and on per-tensor fp8's exact mode, serialquant on bf16)."""
     import dataclasses
 
     from evenflow import _compile_check as CC
@@ -345,16 +346,22 @@ def test_module_switch_rows_launch_what_they_name_and_restore_the_switch(monkeyp
     x = torch.randn(40, case.hidden, generator=gen).bfloat16()
     assert set(bm.MODULE_SWITCHES.values()) <= set(vars(fused))
     before = {name: getattr(fused, name) for name in bm.MODULE_SWITCHES.values()}
-    w = bm.make_weights(case, "bf16", "cpu", torch.Generator().manual_seed(0), std=0.1)
-    ys, seen = [], []
-    for name in ("evenflow", "evenflow-gu2dot"):
-        with CC.record_launches(execute=True) as launches:
-            ys.append(bm.build_impl(name, w, case, None)(x, ids, tw)())
-        seen.append([dict(ln.constexprs)["ONE_DOT"] for ln in launches if ln.name == "moe_gate_up_kernel"])
-        assert {n: getattr(fused, n) for n in before} == before, name
-    assert seen == [[True], [False]], seen
-    assert torch.equal(ys[0], ys[1])
-    for variant, row in (("fp8-block", "evenflow-gu2dot"), ("bf16", "evenflow-serialquant")):
+    for variant, rows in (("bf16", ("evenflow", "evenflow-gu2dot")),
+                          ("fp8-tensor", ("evenflow-fastacc", "evenflow-fastacc-gu2dot")),
+                          ("fp8-tensor", ("evenflow-promoted", "evenflow-promoted-gu2dot"))):
+        w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
+        if variant == "fp8-tensor":
+            bm.calibrate_static_scales(w, case, "cpu", _gen(1), bm.expert_bias(case.num_experts_total, _gen(2)))
+        ys, seen = [], []
+        for name in rows:
+            with CC.record_launches(execute=True) as launches:
+                ys.append(bm.build_impl(name, w, case, None)(x, ids, tw)())
+            seen.append([dict(ln.constexprs)["ONE_DOT"] for ln in launches if ln.name == "moe_gate_up_kernel"])
+            assert {n: getattr(fused, n) for n in before} == before, name
+        assert seen == [[True], [False]], (rows, seen)
+        assert torch.equal(ys[0], ys[1]), rows
+    for variant, row in (("fp8-block", "evenflow-gu2dot"), ("fp8-tensor", "evenflow-gu2dot"),
+                         ("bf16", "evenflow-serialquant")):
         w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
         with pytest.raises(PeerUnavailable, match="not applicable"):
             bm.build_impl(row, w, case, None)

@@ -328,61 +328,72 @@ def _rank1_batch(t, h, seed, device):
 
 
 def test_one_dot_gate_up_equals_two_dots(device, monkeypatch):
-    """The gate-up as one MMA of twice the width a K step (``fused.GU_ONE_DOT``, the default since round AT on
-    tiles of ``GU_ONE_DOT_MIN_ROWS`` rows and more: the gate and up weight rows interleaved in one tile, the
-    accumulator split back after the loop) gives the two-dot result bit for bit on every path that runs it: bf16
-    index tiles of 64 and 128 rows with several n-blocks, persistent, and a K-split gate-up reduced by its last
-    split; per-tensor fp8 in its three accumulation modes; and it is what the default launches there, not on
-    smaller tiles (pair tiles, 16 and 32 rows) nor for block-scaled fp8 (gate and up scales differ); the switch
-    off launches two dots everywhere."""
+    """The gate-up as one MMA of twice the width a K step (``fused.GU_ONE_DOT``, the default since round AT on index
+    tiles of ``GU_ONE_DOT_MIN_ROWS`` rows and more, for bf16 and per-tensor fp8's fp8-MMA modes: the gate and up
+    weight rows interleaved in one tile, the accumulator split back after the loop) gives the two-dot result bit for
+    bit, over several K steps: bf16 index tiles of 64 and 128 rows with several n-blocks, persistent (tasks crossing
+    experts), a K-split gate-up reduced by its last split, a 128 x (128 + 128) tile on 8 warps (the T = 4096 table
+    entry's), and per-tensor fp8 in the fast and promoted modes; and it is what the default launches there, not on
+    pair tiles, smaller tiles, the exact fp8 mode, block-scaled fp8 or a promoted tile whose one dot would hold more
+    than ``GU_ONE_DOT_PROMOTED_MAX_ACC`` accumulator values a thread; the switch off launches two dots everywhere."""
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
 
-    h, i = 64, 48  # three 16-wide gate-up n-blocks
+    h, i = 64, 48  # three 16-wide gate-up n-blocks, four 16-deep K steps
     ew = random_moe_weights("bf16", 4, h, i, device)
     base = choose_config(40, 3, 4, h, i, ew.mode, num_experts_total=12)
     kw = dict(ep_rank=1, num_experts_total=12)
     ids, w, x, _ = _rank1_batch(40, h, 3, device)
-    narrow = dict(gu_block_n=16, down_block_n=16)
-    runs = [dict(config=dataclasses.replace(base, block_m=bm, **narrow), pair_tiles=False, persistent=per)
+    narrow = dict(gu_block_n=16, gu_block_k=16, down_block_n=16)
+    runs = [(ew, x, dict(config=dataclasses.replace(base, block_m=bm, **narrow), pair_tiles=False, persistent=per))
             for bm in (64, 128) for per in (0, 1)]
-    runs.append(dict(config=dataclasses.replace(base, block_m=64, gu_block_k=16, gu_split_k=2, **narrow),
-                     pair_tiles=False))
-    for opts in runs:
+    runs.append((ew, x, dict(config=dataclasses.replace(base, block_m=64, gu_split_k=2, **narrow), pair_tiles=False)))
+    wide = random_moe_weights("bf16", 4, 128, 256, device)  # the T = 4096 tile: 128 rows, 2 x 128 columns, 8 warps
+    xw = torch.randn(40, 128, device=device).bfloat16()
+    cfg_w = dataclasses.replace(choose_config(40, 3, 4, 128, 256, 0, num_experts_total=12), block_m=128,
+                                gu_block_n=128, gu_block_k=64, num_warps=8, num_stages=3)
+    runs.append((wide, xw, dict(config=cfg_w, pair_tiles=False)))
+    fp8 = random_moe_weights("fp8_per_tensor", 4, 64, 64, device)
+    for accum in ("fast", "promoted"):  # two 32-deep K steps (the fp8 MMAs' least)
+        cfg = dataclasses.replace(choose_config(40, 3, 4, 64, 64, fp8.mode, num_experts_total=12, fast_acc=True),
+                                  block_m=64, gu_block_n=16, gu_block_k=fused.FAST_ACC_MIN_BLOCK_K)
+        runs.append((fp8, x, dict(config=cfg, pair_tiles=False, fp8_accum=accum)))
+    for holder, xr, opts in runs:
+        assert opts["config"].gu_block_k < holder.hidden_size // opts["config"].gu_split_k  # several K steps a task
         ys = {}
         for one in (True, False):
             monkeypatch.setattr(fused, "GU_ONE_DOT", one)
             _dirty_pool(device)
-            ys[one] = evenflow.fused_moe(x, ids, w, ew, out=poisoned((len(x), h), torch.bfloat16, device),
-                                         **opts, **kw)
+            ys[one] = evenflow.fused_moe(xr, ids, w, holder, out=poisoned((len(xr), holder.hidden_size),
+                                                                          torch.bfloat16, device), **opts, **kw)
         assert torch.equal(ys[True], ys[False]), f"one dot differs from two: {opts}"
-        check_moe(ys[True], x, ids, w, ew, f"one dot {opts}", ep_rank=1)
-    # per-tensor fp8 in its three accumulation modes (one scale for gate and up), 64-row tiles
-    fp8 = random_moe_weights("fp8_per_tensor", 4, 64, 64, device)
-    for accum in fused.FP8_ACCUM:
-        cfg = dataclasses.replace(choose_config(40, 3, 4, 64, 64, fp8.mode, num_experts_total=12,
-                                                fast_acc=accum != "exact"), block_m=64, gu_block_n=16)
-        ys = {}
-        for one in (True, False):
-            monkeypatch.setattr(fused, "GU_ONE_DOT", one)
-            ys[one] = evenflow.fused_moe(x, ids, w, fp8, config=cfg, pair_tiles=False, fp8_accum=accum, **kw)
-        assert torch.equal(ys[True], ys[False]), f"fp8 {accum}: one dot differs from two"
+        if holder.mode == 0:
+            check_moe(ys[True], xr, ids, w, holder, f"one dot {opts}", ep_rank=1)
     if torch.device(device).type == "cpu":
         block = random_moe_weights("fp8_block", 4, 256, 128, device)
         xb = torch.randn(40, 256, device=device).bfloat16()
         for one in (True, False):
             monkeypatch.setattr(fused, "GU_ONE_DOT", one)
-            for holder, bm, pairs in ((ew, 64, False), (ew, 128, False), (ew, 32, False), (ew, 16, True),
-                                      (fp8, 64, False), (fp8, 32, False), (block, 64, False)):
+            for holder, bm, pairs, accum in ((ew, 64, False, "exact"), (ew, 128, False, "exact"),
+                                             (ew, 32, False, "exact"), (ew, 16, True, "exact"), (ew, 64, True, "exact"),
+                                             (fp8, 64, False, "fast"), (fp8, 64, False, "promoted"),
+                                             (fp8, 64, False, "exact"), (fp8, 32, False, "fast"),
+                                             (fp8, 128, False, "promoted"), (block, 64, False, "fast")):
                 xh = xb if holder is block else x
                 cfg = dataclasses.replace(choose_config(40, 3, 4, holder.hidden_size, holder.intermediate_size,
-                                                        holder.mode, num_experts_total=12), block_m=bm)
+                                                        holder.mode, num_experts_total=12, fast_acc=accum != "exact"),
+                                          block_m=bm)
                 with CC.record_launches(execute=False) as launches:
                     evenflow.fused_moe(xh[:4] if pairs else xh, ids[:4] if pairs else ids, w[:4] if pairs else w,
-                                       holder, config=cfg, pair_tiles=pairs, **kw)
+                                       holder, config=cfg, pair_tiles=pairs, fp8_accum=accum, **kw)
                 gu = [dict(ln.constexprs) for ln in launches if ln.name == "moe_gate_up_kernel"]
-                want = one and holder.mode < 2 and bm >= fused.GU_ONE_DOT_MIN_ROWS
-                assert [c["ONE_DOT"] for c in gu] == [want], (one, holder.mode, bm, gu)
+                acc_values = cfg.block_m * 2 * cfg.gu_block_n // (32 * cfg.num_warps)  # a thread's, of one dot
+                want = (one and not pairs and bm >= fused.GU_ONE_DOT_MIN_ROWS
+                        and (holder.mode == 0 or (holder.mode == 1 and accum != "exact"))
+                        and (accum != "promoted" or acc_values <= fused.GU_ONE_DOT_PROMOTED_MAX_ACC))
+                assert [c["ONE_DOT"] for c in gu] == [want], (one, holder.mode, bm, pairs, accum, gu)
+                if accum == "promoted":  # the 64-row tile takes one dot, the 128-row one (128 values a thread) two
+                    assert want == (one and bm == 64), (bm, acc_values)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -78,7 +78,7 @@ def test_builds_load_by_tma_what_their_names_say():
         f, st = probe.FORMULATIONS[name], builds[name]
         ops = st["loop"]
         count = lambda prefix: sum(v for op, v in ops.items() if op.startswith(prefix))  # noqa: E731, B023
-        assert count("UTMALDG") == f.w_tma + (f.x_mode == 2), (name, ops)
+        assert count("UTMALDG") == f.w_tma * (2 if f.gate_up == 1 else 1) + (f.x_mode == 2), (name, ops)
         assert (count("LDGSTS") > 0) == (f.x_mode != 2), (name, ops)
         assert count("HGMMA") > 0, (name, ops)
         assert st["spill"] == 0 and st["shared"] <= 232448, (name, st)

@@ -48,14 +48,17 @@ PDL_MAX_PAIRS = 8192
 # for it only before exiting (round U). False: it waits at its top like every other kernel of the layer (the A/B
 # of benchmarks/moe.py's evenflow-serialquant row).
 QUANT_OVERLAP = True
-# bf16 and per-tensor fp8 weights (one scale for gate and up; block mode keeps two dots, its scales differ): the
-# gate-up GEMM takes the gate and up n-blocks of a task as one MMA of twice the width a K step
-# (kernels._gate_up_tile's ONE_DOT; round AT) on tiles of at least GU_ONE_DOT_MIN_ROWS rows. AT7's A/B on every bf16
-# point of the three shapes, two passes: 1.00-1.05x at T >= 512 (64- and 128-row tiles), none under 0.999; on the
-# 16-row tiles of T <= 256 no gain and a few points 1-2% slower (Hy3 TP8 T = 128 0.979 in both passes), so those
-# keep the two dots. False: two dots everywhere, as before round AT (benchmarks/moe.py's evenflow-gu2dot row).
+# bf16 weights and per-tensor fp8 in the fp8-MMA modes ("fast", "promoted"; one scale for gate and up): the gate-up
+# GEMM takes the gate and up n-blocks of a task as one MMA of twice the width a K step (kernels._gate_up_tile's
+# ONE_DOT; round AT) on index tiles of at least GU_ONE_DOT_MIN_ROWS rows. AT7's A/B on every bf16 point of the three
+# shapes, two passes: 1.00-1.05x at T >= 512 (64- and 128-row tiles), none under 0.999; on the 16-row tiles of
+# T <= 256 no gain and a few points 1-3% slower (Hy3 TP8 T = 128 0.979 in both passes), so those keep the two dots.
+# AT8, the fp8-MMA modes at T = 512-4096: fast 0.998-1.037x, promoted 0.997-1.020x. Block mode keeps two dots (gate
+# and up scales differ), and so does the exact fp8 mode, whose tiles stop at 32 rows (not measured at 64).
+# False: two dots everywhere, as before round AT (benchmarks/moe.py's evenflow-gu2dot rows).
 GU_ONE_DOT = True
 GU_ONE_DOT_MIN_ROWS = 64
+GU_ONE_DOT_PROMOTED_MAX_ACC = 64  # accumulator values a thread (see the launcher: larger promoted builds spill)
 # fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
 # accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
 # reduced-precision accumulation (kernels.py, FAST_ACC); "promoted" (opt-in) the same fp8 MMAs with
@@ -490,6 +493,14 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     down_nb = h // (cfg.down_block_n * cfg.down_n_group)  # tasks along N: groups of down_n_group n-blocks
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
     acc_kind = _ACC_KIND[accum]
+    # (pair tiles are 16 rows; a caller's wider pair tiles keep two dots, as the exact fp8 mode does: both unmeasured;
+    # the promoted mode sums each K step apart from the accumulator, so one dot doubles that partial too: at more
+    # than GU_ONE_DOT_PROMOTED_MAX_ACC accumulator values a thread its build spills, e.g. 436 B on the heuristic's
+    # 128 x (128 + 128) tile on 8 warps, and it keeps two dots)
+    one_dot = (GU_ONE_DOT and not by_pair and cfg.block_m >= GU_ONE_DOT_MIN_ROWS
+               and (mode == 0 or (mode == 1 and acc_kind != 0))
+               and (acc_kind != 2
+                    or cfg.block_m * 2 * cfg.gu_block_n <= GU_ONE_DOT_PROMOTED_MAX_ACC * 32 * cfg.num_warps))
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
@@ -501,7 +512,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
-        ONE_DOT=GU_ONE_DOT and cfg.block_m >= GU_ONE_DOT_MIN_ROWS and mode < 2, **gpu_kw, **pk,
+        ONE_DOT=one_dot, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB

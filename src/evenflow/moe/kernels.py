@@ -498,10 +498,10 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
     ``num_nb``, K split ``i_s``, of a grid of ``n_tiles`` tiles); see moe_gate_up_kernel.
 
     ONE_DOT (bf16, per-tensor fp8): the gate and up n-blocks as one [BLOCK_K, 2 * BLOCK_N] weight tile whose
-    columns alternate gate row n and up row I + n, one MMA of twice the width a K step (which reads the activation
-    tile once where two dots read it twice), the accumulator split back into gate and up columns in registers
-    after the loop: each output is the same sum of the same products as with two dots. Round AT6's probe: 1.09x
-    the two-dot gate-up at Qwen3 T = 4096 on 128 x (128 + 128) bf16 tiles."""
+    columns alternate gate row n and up row I + n, one MMA of twice the width a K step (the activation tile is
+    loaded once either way; the MMAs read it from shared memory once a step, not twice), the accumulator split
+    back into gate and up columns after the loop: each output is the same sum of the same products as with two
+    dots. Round AT6's probe: 1.09x the two-dot gate-up at Qwen3 T = 4096 on 128 x (128 + 128) bf16 tiles."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -519,16 +519,17 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
         o_j = tl.arange(0, 2 * BLOCK_N)
         row = i_n * BLOCK_N + o_j // 2 + (o_j % 2) * I  # column 2n: gate row n, 2n + 1: up row I + n
         p_bg = p_w + e64 * stride_we + row[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
+        acc_g = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
     else:
         p_bg = p_w + e64 * stride_we + o_n[None, :].to(tl.int64) * stride_wn + (k0 + o_k)[:, None]
-    p_bu = p_bg + I * stride_wn
+        p_bu = p_bg + I * stride_wn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MODE == 2:
         p_as = p_xs + tok * stride_xst + k0 // 128
         p_wsg = p_ws + e64 * stride_wse + ((i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
         p_wsu = p_ws + e64 * stride_wse + ((I + i_n * BLOCK_N) // 128) * stride_wsn + k0 // 128
 
-    acc_g = tl.zeros([BLOCK_M, 2 * BLOCK_N if ONE_DOT else BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for i_k in range(0, k_split // BLOCK_K):
         b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
         b_g = tl.load(p_bg)
@@ -556,8 +557,9 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
             acc_u += tl.dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32)) * (b_xs[:, None] * ws_u)
         p_a += BLOCK_K
         p_bg += BLOCK_K
-        p_bu += BLOCK_K
-    if ONE_DOT:  # back to gate and up columns (each thread holds its columns in pairs: no data movement)
+        if not ONE_DOT:
+            p_bu += BLOCK_K
+    if ONE_DOT:  # back to gate and up columns (an MMA accumulator's thread holds its columns in pairs)
         acc_g, acc_u = acc_g.reshape([BLOCK_M, BLOCK_N, 2]).split()
 
     if SPLIT_K == 1:
