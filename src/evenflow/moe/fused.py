@@ -58,7 +58,7 @@ QUANT_OVERLAP = True
 # False: two dots everywhere, as before round AT (benchmarks/moe.py's evenflow-gu2dot rows).
 GU_ONE_DOT = True
 GU_ONE_DOT_MIN_ROWS = 64
-GU_ONE_DOT_PROMOTED_MAX_ACC = 64  # accumulator values a thread (see the launcher: larger promoted builds spill)
+GU_ONE_DOT_PROMOTED_MAX_ACC = 64  # accumulator values a thread (see _gate_up_one_dot: larger promoted builds spill)
 # fused_moe(fp8_accum=...): "exact" (default) takes f16 products of the e4m3 values with fp32
 # accumulation; "fast" (opt-in, FP8 weights) feeds e4m3 tiles to fp8 wgmma with the hardware's
 # reduced-precision accumulation (kernels.py, FAST_ACC); "promoted" (opt-in) the same fp8 MMAs with
@@ -141,6 +141,20 @@ def _split_k(k_dim: int, block_k: int, programs: int, target: int, elem_bytes: i
            and k_dim // (2 * s) >= min_depth):
         s *= 2
     return s
+
+
+def _gate_up_one_dot(cfg: MoEConfig, mode: int, acc_kind: int, pair_tiles: bool) -> bool:
+    """Whether the gate-up runs as one MMA of twice the width (``GU_ONE_DOT``, above): index tiles of
+    ``GU_ONE_DOT_MIN_ROWS`` rows and more, bf16 or per-tensor fp8 in an fp8-MMA mode. Pair tiles (16 rows; a caller's
+    wider ones) and the exact fp8 mode keep two dots (unmeasured). The promoted mode sums each K step apart from the
+    accumulator, so one dot doubles that partial too: past ``GU_ONE_DOT_PROMOTED_MAX_ACC`` accumulator values a
+    thread its build spills (436 B on the heuristic's 128 x (128 + 128) tile on 8 warps) and it keeps two dots."""
+    if not GU_ONE_DOT or pair_tiles or cfg.block_m < GU_ONE_DOT_MIN_ROWS:
+        return False
+    if not (mode == 0 or (mode == 1 and acc_kind != 0)):
+        return False
+    acc_values = cfg.block_m * 2 * cfg.gu_block_n // (32 * cfg.num_warps)
+    return acc_kind != 2 or acc_values <= GU_ONE_DOT_PROMOTED_MAX_ACC
 
 
 def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
@@ -493,14 +507,6 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     down_nb = h // (cfg.down_block_n * cfg.down_n_group)  # tasks along N: groups of down_n_group n-blocks
     gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
     acc_kind = _ACC_KIND[accum]
-    # (pair tiles are 16 rows; a caller's wider pair tiles keep two dots, as the exact fp8 mode does: both unmeasured;
-    # the promoted mode sums each K step apart from the accumulator, so one dot doubles that partial too: at more
-    # than GU_ONE_DOT_PROMOTED_MAX_ACC accumulator values a thread its build spills, e.g. 436 B on the heuristic's
-    # 128 x (128 + 128) tile on 8 warps, and it keeps two dots)
-    one_dot = (GU_ONE_DOT and not by_pair and cfg.block_m >= GU_ONE_DOT_MIN_ROWS
-               and (mode == 0 or (mode == 1 and acc_kind != 0))
-               and (acc_kind != 2
-                    or cfg.block_m * 2 * cfg.gu_block_n <= GU_ONE_DOT_PROMOTED_MAX_ACC * 32 * cfg.num_warps))
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
         inter, inter_s, as13, as2,
@@ -512,7 +518,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
-        ONE_DOT=one_dot, **gpu_kw, **pk,
+        ONE_DOT=_gate_up_one_dot(cfg, mode, acc_kind, by_pair), **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB

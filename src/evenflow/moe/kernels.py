@@ -532,23 +532,19 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
 
     for i_k in range(0, k_split // BLOCK_K):
         b_a = tl.load(p_a, mask=m_m[:, None], other=0.0)
-        b_g = tl.load(p_bg)
-        if ONE_DOT and MODE == 0:
-            acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
-        elif ONE_DOT:  # per-tensor fp8 (see MODE == 1 below)
-            acc_g = _acc_dot(_fp8_operand(b_a, FAST_ACC, DOT_F32), _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g,
-                             FAST_ACC, BLOCK_K)
-        elif MODE == 0:
+        b_g = tl.load(p_bg)  # ONE_DOT: gate and up columns interleaved, acc_g holds both
+        if not ONE_DOT:
             b_u = tl.load(p_bu)
+        if MODE == 0:
             acc_g = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_g, DOT_F32), acc_g)
-            acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
+            if not ONE_DOT:
+                acc_u = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_u, DOT_F32), acc_u)
         elif MODE == 1:  # x quantised once by moe_tensor_quant_kernel; the whole K in acc (see the top)
-            b_u = tl.load(p_bu)
             b_a8 = _fp8_operand(b_a, FAST_ACC, DOT_F32)
             acc_g = _acc_dot(b_a8, _fp8_operand(b_g, FAST_ACC, DOT_F32), acc_g, FAST_ACC, BLOCK_K)
-            acc_u = _acc_dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u, FAST_ACC, BLOCK_K)
+            if not ONE_DOT:
+                acc_u = _acc_dot(b_a8, _fp8_operand(b_u, FAST_ACC, DOT_F32), acc_u, FAST_ACC, BLOCK_K)
         else:  # block scales: each K block's sum in a fresh tile, scaled, added in fp32
-            b_u = tl.load(p_bu)
             b_xs = tl.load(p_as + i_k, mask=m_m, other=0.0)
             ws_g = tl.load(p_wsg + i_k)
             ws_u = tl.load(p_wsu + i_k)
