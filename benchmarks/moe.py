@@ -46,7 +46,8 @@ VARIANTS = ("bf16", "fp8-tensor", "fp8-block")
 IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "evenflow-index", "evenflow-fastacc",
          "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2",
          "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot",
-         "evenflow-fastacc-gu2dot", "evenflow-promoted-gu2dot")
+         "evenflow-fastacc-gu2dot", "evenflow-promoted-gu2dot", "evenflow-persistdown1", "evenflow-persistdown2",
+         "evenflow-persistdown1n", "evenflow-persistdown2n")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -66,7 +67,9 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # everywhere else), evenflow-gu2dot / -fastacc-gu2dot / -promoted-gu2dot (the gate-up as two dots a K step, gate
 # and up, as before round AT: evenflow.moe.fused.GU_ONE_DOT's A/B; bf16, and fp8-tensor in the fp8-MMA modes, which
 # take one dot on index tiles of 64 rows and more; the same launches as evenflow, -fastacc, -promoted on smaller
-# tiles)
+# tiles), evenflow-persistdown1 / -persistdown2 (persistent=1, 2 for the down GEMM alone, the gate-up one program
+# per task: evenflow.moe.fused.PERSIST_GEMMS), -persistdown1n / -persistdown2n (the same, the down loop taking a
+# tile's n-blocks in turn: PERSIST_DOWN_N_FASTEST))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -77,9 +80,13 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False},
                   "evenflow-gu2dot": {"_gu_one_dot": False},
                   "evenflow-fastacc-gu2dot": {"fp8_accum": "fast", "_gu_one_dot": False},
-                  "evenflow-promoted-gu2dot": {"fp8_accum": "promoted", "_gu_one_dot": False}}
+                  "evenflow-promoted-gu2dot": {"fp8_accum": "promoted", "_gu_one_dot": False},
+                  **{f"evenflow-persistdown{n}{o}": {"persistent": n, "_persist_gemms": ("down",),
+                                                     "_persist_n_fastest": o == "n"}
+                     for n in (1, 2) for o in ("", "n")}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
-MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT"}
+MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
+                   "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

@@ -212,12 +212,17 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
     # with M; the split-K grid of 1.5-3 programs an SM above read 4.03 us at K4096 M = 4 where 4 x 2 x 512
     # at split 1 (96 programs, 8 pipelined steps) read 3.45 (LongCat-Lite 5.10 -> 3.79, LongCat-Chat
     # 9.17 -> 7.33; docs/perf-notes/router.md, round AG).
+    # Round AU: the same tiles on 2 warps (AG2: 4 warps read 3.31 against 8 warps' 3.52 us at K4096 M = 4, so fewer
+    # threads a tile were not yet explored below 4), 2048-deep steps on 4 warps (Qwen3's K in one step), and a
+    # pipeline as deep as a slice of 5-8 steps (every step's loads issued up front: steps + 1 stages, where 5 stages
+    # leave some to later; LongCat-Lite's 4 x 2 x 512 pick has 6).
     if bm <= 4:
         for bn, bk, warps in ((1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 8),
-                              (4, 1024, 8), (1, 2048, 8)):
+                              (4, 1024, 8), (1, 2048, 8), (2, 512, 2), (2, 1024, 2), (2, 2048, 4)):
             for split in (1, 2):
                 steps = math.ceil(math.ceil(k / bk) / split)
-                out.append(GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
+                for stages in (3 if steps <= 2 else 5,) + ((steps + 1,) if 5 <= steps <= 8 else ()):
+                    out.append(GemmConfig(bm, bn, bk, split, warps, stages, "fp32-splitk"))
     return _distinct_launches(out, m, n, k, terms)
 
 

@@ -397,6 +397,42 @@ def test_one_dot_gate_up_equals_two_dots(device, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_persistent_down_alone_equals_one_program_per_task(device, fmt, monkeypatch):
+    """The down GEMM persistent alone (``fused.PERSIST_GEMMS = ("down",)``, round AU's knob), its loop taking the
+    tiles in turn or a tile's n-blocks in turn (``PERSIST_DOWN_N_FASTEST``): bit for bit one program per task, with
+    several tasks a program, several n-blocks and n-block groups, idle experts, other ranks' ids, shared output and
+    routed scaling; the gate-up launched one program per task."""
+    from evenflow import _compile_check as CC
+    from evenflow.moe import fused
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    t = 40
+    ids, w, x, shared = _rank1_batch(t, h, 3, device)
+    base = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
+    kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.25, pair_tiles=False)
+    cfgs = [dataclasses.replace(base, block_m=16, down_block_n=16),
+            dataclasses.replace(base, block_m=32, down_block_n=16, down_n_group=2)]
+    monkeypatch.setattr(fused, "PERSIST_GEMMS", ("down",))
+    for cfg in cfgs:
+        assert cfg.down_split_k == 1 and h // (cfg.down_block_n * cfg.down_n_group) >= 2, cfg
+        ref = evenflow.fused_moe(x, ids, w, ew, config=cfg, persistent=0, **kw)
+        check_moe(ref, x, ids, w, ew, f"{fmt} {cfg}", ep_rank=1, shared_output=shared, routed_scaling=1.25)
+        for n_fastest in (False, True):
+            monkeypatch.setattr(fused, "PERSIST_DOWN_N_FASTEST", n_fastest)
+            for n in (1, 2):
+                y = evenflow.fused_moe(x, ids, w, ew, config=cfg, persistent=n,
+                                       out=poisoned((t, h), torch.bfloat16, device), **kw)
+                assert torch.equal(y, ref), f"{fmt} {cfg} persistent={n} n_fastest={n_fastest}"
+    if torch.device(device).type == "cpu":
+        with CC.record_launches(execute=True) as launches:
+            evenflow.fused_moe(x, ids, w, ew, config=cfgs[0], persistent=1, **kw)
+        by_name = {ln.name: dict(ln.constexprs) for ln in launches}
+        assert not by_name["moe_gate_up_kernel"]["PERSIST"] and by_name["moe_down_kernel"]["PERSIST"]
+        assert by_name["moe_down_kernel"]["N_FASTEST"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_persistent_equals_one_program_per_task(device, fmt):
     """Persistent GEMMs (``persistent=n``: n programs per SM take the used (tile, n-block) tasks in turn
     in one flattened loop) give the one-program-per-task result bit for bit: with more tasks than

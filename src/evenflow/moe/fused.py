@@ -69,6 +69,12 @@ FP8_ACCUM = ("exact", "promoted", "fast")
 _ACC_KIND = {"exact": 0, "fast": 1, "promoted": 2}
 _KEY_SUFFIX = {"exact": "", "fast": "-fast", "promoted": "-prom"}
 FAST_ACC_MIN_BLOCK_K = 32
+# The GEMMs a persistent count applies to (MoEConfig.persistent, fused_moe(persistent=)): both (rounds T, AT); a
+# module switch for the down GEMM alone (round AU's knob rows: the probe's persistent loop kept its gain on the down's
+# one-accumulator shape and lost it on the gate-up's, AT5), and the down loop's task order (n-blocks of a tile in
+# turn: PERSIST_DOWN_N_FASTEST; AT4's kernel split read that order's down GEMM 1.15x faster at Qwen3 bf16 T = 4096).
+PERSIST_GEMMS = ("gate_up", "down")
+PERSIST_DOWN_N_FASTEST = False
 # MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
 # registers and shared memory leave room for 1-5 resident programs per SM at the measured configs).
 MAX_PERSISTENT = 8
@@ -495,17 +501,17 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     packed = local_first != 0 and by_pair and num_experts_total > e_local and p <= LOCAL_FIRST_MAX_PAIRS
     max_pairs = max(16, triton.next_power_of_2(p)) if packed else 1
 
-    def gemm_launch(split_k: int, nb: int) -> tuple[tuple[int, ...], bool, int]:
-        """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split) as per_sm programs per SM,
-        at most one per task of the upper-bound map, each reading the used tile count from the index and
-        looping over the used tasks; else one program per (tile, n-block, K split) task, on a flat grid when the
-        rank's own pairs are packed first (``packed``)."""
-        if per_sm > 0 and not by_pair and split_k == 1:
+    def gemm_launch(split_k: int, nb: int, gemm: str) -> tuple[tuple[int, ...], bool, int]:
+        """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split, a GEMM of ``PERSIST_GEMMS``)
+        as per_sm programs per SM, at most one per task of the upper-bound map, each reading the used tile count
+        from the index and looping over the used tasks; else one program per (tile, n-block, K split) task, on a
+        flat grid when the rank's own pairs are packed first (``packed``)."""
+        if per_sm > 0 and not by_pair and split_k == 1 and gemm in PERSIST_GEMMS:
             return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
         return ((n_tiles * nb * split_k,) if packed else (n_tiles, nb, split_k)), False, 1
 
     down_nb = h // (cfg.down_block_n * cfg.down_n_group)  # tasks along N: groups of down_n_group n-blocks
-    gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb)
+    gu_grid, gu_persist, gu_e_pad = gemm_launch(cfg.gu_split_k, gu_nb, "gate_up")
     acc_kind = _ACC_KIND[accum]
     moe_gate_up_kernel[gu_grid](
         xq, xs, w13, ws13, topk_ids, *ix,
@@ -528,7 +534,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # the tests keep (docs/perf-notes/moe.md, "cost in accuracy").
     pair_dtype = torch.bfloat16 if cfg.down_split_k == 1 else torch.float32
     pair_out = torch.empty(cfg.down_split_k, p, h, dtype=pair_dtype, device=dev)
-    down_grid, down_persist, down_e_pad = gemm_launch(cfg.down_split_k, down_nb)
+    down_grid, down_persist, down_e_pad = gemm_launch(cfg.down_split_k, down_nb, "down")
     moe_down_kernel[down_grid](
         inter, inter_s, w2, ws2, topk_ids, *ix, topk_weights,
         pair_out, as2, gu_part if defer else dummy, ws13, as13,
@@ -538,7 +544,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
-        E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, N_GROUP=cfg.down_n_group, **gpu_kw, **pk,
+        E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, N_GROUP=cfg.down_n_group,
+        N_FASTEST=down_persist and PERSIST_DOWN_N_FASTEST, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)

@@ -411,13 +411,19 @@ def _grid_task(p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local, 
 
 
 @triton.jit
-def _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
-                     BLOCK_M: tl.constexpr):
-    """Task ``task`` of a persistent GEMM's loop over the ``used`` tiles times the n-blocks, tiles fastest
-    (the one-program-per-task grid's order): (tile, n-block, local expert, rows, row mask)."""
-    i_tile = task % used
+def _persistent_task(task, used, num_nb, p_ids, p_tile_expert, p_tile_row, p_offsets, e_first, num_local,
+                     BLOCK_M: tl.constexpr, N_FASTEST: tl.constexpr):
+    """Task ``task`` of a persistent GEMM's loop over the ``used`` tiles times the ``num_nb`` n-blocks, tiles
+    fastest (the one-program-per-task grid's order) or, with N_FASTEST, a tile's n-blocks in turn: (tile,
+    n-block, local expert, rows, row mask)."""
+    if N_FASTEST:
+        i_tile = task // num_nb
+        i_n = task % num_nb
+    else:
+        i_tile = task % used
+        i_n = task // used
     e, o_m, m_m = _tile_rows(p_ids, p_tile_expert, p_tile_row, p_offsets, i_tile, e_first, num_local, BLOCK_M, False)
-    return i_tile, task // used, e, o_m, m_m
+    return i_tile, i_n, e, o_m, m_m
 
 
 @triton.jit
@@ -642,8 +648,8 @@ def moe_gate_up_kernel(
         # nested-loop fusion then emits invalid IR (scf.if results) and the kernel does not compile
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0),
                              flatten=not (MODE == 2 and BLOCK_N < 128)):
-            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
-                                                         e_first, num_local, BLOCK_M)
+            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, num_nb, p_ids, p_tile_expert, p_tile_row,
+                                                         p_offsets, e_first, num_local, BLOCK_M, False)
             _gate_up_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), 0, num_nb, p_x, p_xs, p_w, p_ws, p_sorted,
                 p_out, p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt,
                 stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M,
@@ -799,6 +805,7 @@ def moe_down_kernel(
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
     E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, N_GROUP: tl.constexpr,
+    N_FASTEST: tl.constexpr = False,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -815,8 +822,9 @@ def moe_down_kernel(
     N_GROUP: a task is N_GROUP consecutive n-blocks of its tile, run as one loop of N_GROUP times the K steps
     (``num_nb`` counts those groups: H / (BLOCK_N * N_GROUP)); 1: one n-block, the loop of round AI and before.
 
-    PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction);
-    LOCAL_FIRST, MAX_PAIRS: as there.
+    PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction); N_FASTEST: the
+    persistent loop takes a tile's n-blocks (or n-block groups) in turn instead of the tiles (round AU's knob; the
+    gate-up's loop keeps the grid's order). LOCAL_FIRST, MAX_PAIRS: as there.
     """
     tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
     tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
@@ -825,8 +833,8 @@ def moe_down_kernel(
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
-            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, p_ids, p_tile_expert, p_tile_row, p_offsets,
-                                                         e_first, num_local, BLOCK_M)
+            i_tile, i_n, e, o_m, m_m = _persistent_task(task, used, num_nb, p_ids, p_tile_expert, p_tile_row,
+                                                         p_offsets, e_first, num_local, BLOCK_M, N_FASTEST)
             _down_tile(e, o_m, m_m, i_tile, i_n, tl.full([], 0, tl.int32), p_a, p_as, p_w, p_ws, p_sorted,
                 p_topk_w, p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we,
                 stride_wn, stride_wse, stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
