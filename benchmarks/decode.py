@@ -146,6 +146,9 @@ PLAN_KNOBS = {
     # tiles, so its items' cuts line up across heads and each item is one merge group of 8 chunks);
     # the default plan over an HND copy of the cache (each head's page contiguous)
     "evenflow-g-pps2": lambda sms: dict(typed=True, num_programs=2 * sms),
+    # round AU: 4 programs an SM, the Gluon plan's default at every KV-head count before round AU made it 2 at one KV
+    # head (two warps)
+    "evenflow-g-pps4": lambda sms: dict(typed=True, num_programs=4 * sms),
     "evenflow-g-np512": lambda sms: dict(typed=True, num_programs=512),
     "evenflow-g-hnd": lambda sms: dict(typed=True),
     # the fp8 plan without align_longer (round AC2's rule off: fp8 8x32K and 1x64K+15x4K get their old budgets)

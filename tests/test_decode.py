@@ -764,7 +764,11 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
     128, GQA group x q_len over 16) is built for the Triton kernel from the start: its default program count, no
     warning, the output right; inside the scope the hints change nothing. ``gluon=True`` with such a shape and calls
     of another shape are refused by name."""
-    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM
+    from evenflow.attention.plan import (
+        DEFAULT_PROGRAMS_PER_SM,
+        GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM,
+        GLUON_FP8_PROGRAMS_PER_SM,
+    )
 
     sms = _runtime.num_sms(torch.device(device))
     for hkv, hq, d, q_len, gluon_shape in ((2, 4, 64, 1, False), (2, 4, 256, 1, False), (2, 32, 128, 2, False),
@@ -773,7 +777,8 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
         kw = dict(q_len=q_len, device=device, kv_dtype=FP8)
         told = evenflow.DecodePlan(3, 1 << 12, hkv, num_q_heads=hq, head_dim=d, **kw)
         assert told.takes_gluon == gluon_shape, (hkv, hq, d, q_len)
-        pps = GLUON_FP8_PROGRAMS_PER_SM if gluon_shape else DEFAULT_PROGRAMS_PER_SM
+        pps = DEFAULT_PROGRAMS_PER_SM if not gluon_shape else (
+            GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if hkv == 1 else GLUON_FP8_PROGRAMS_PER_SM)
         assert told.num_programs == pps * sms, (hkv, hq, d, q_len)
         assert told.triton_programs == min(told.num_programs, DEFAULT_PROGRAMS_PER_SM * sms)
         assert f"num_q_heads={hq}, head_dim={d}" in repr(told)
@@ -806,14 +811,15 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
 
 
 def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
-    """An fp8 plan is built for the Gluon kernel (4 programs an SM) at any KV-head count at 2 warps a program (the
-    default, round AL2), from 2 KV heads at 1 (round AF5: at one KV head, the TP8 slice of most GQA models, the
-    Triton kernel at 2 an SM), unless ``gluon=True``; ``gluon=False`` never; a bf16 plan never. Bad values are
-    refused by name."""
+    """An fp8 plan is built for the Gluon kernel (4 programs an SM; at one KV head and two warps 2, round AU) at any
+    KV-head count at 2 warps a program (the default, round AL2), from 2 KV heads at 1 (round AF5: at one KV head, the
+    TP8 slice of most GQA models, the Triton kernel at 2 an SM), unless ``gluon=True``; ``gluon=False`` never; a bf16
+    plan never. Bad values are refused by name."""
     from evenflow.attention.plan import (
         DEFAULT_PROGRAMS_PER_SM,
         GLUON_FP8_DEEP_TILES,
         GLUON_FP8_MIN_KV_HEADS,
+        GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM,
         GLUON_FP8_PROGRAMS_PER_SM,
     )
 
@@ -825,9 +831,16 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
                                         (1, None, True, None, False), (8, torch.bfloat16, True, None, False)):
         plan = evenflow.DecodePlan(2, 100, hkv, device=device, kv_dtype=kv, gluon=gluon, gluon_warps=warps)
         assert plan.takes_gluon == want, (hkv, kv, gluon, warps)
-        pps = GLUON_FP8_PROGRAMS_PER_SM if want else DEFAULT_PROGRAMS_PER_SM
+        pps = DEFAULT_PROGRAMS_PER_SM if not want else (
+            GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if hkv == 1 and (warps or 2) == 2 else GLUON_FP8_PROGRAMS_PER_SM)
         assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
+        assert plan.per_sm == pps, (hkv, warps, plan.per_sm)
         assert f"gluon_warps={warps or 2}" in repr(plan), repr(plan)
+    # one KV head, two warps: 2 programs an SM, each padded from 3 ring slots to 5 (81 KB: two fit an SM's 228 KB, a
+    # third launched early by the next call does not)
+    plan = evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8)
+    assert (plan.per_sm, plan.gluon_stages, plan.resident_pad) == (2, 3, 2) and GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM == 2
+    assert evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8, num_programs=4 * sms).per_sm == 4
     # the default: two warps beside 3 ring slots, their outputs meeting in the idle ring (48 KB a program, no pad),
     # chunks of at most 16 tiles reading 2 tiles ahead; two warps beside 2 slots and a 16 KB output buffer (48 KB, no
     # pad); one warp beside 2 slots (round AB's best), whose unused slot pads it to 49 KB, one tile loop

@@ -425,13 +425,17 @@ def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
     assert torch.equal(clean, dirty)
 
 
+@pytest.mark.parametrize("hkv", [8, 1])
 @WARPS
-def test_gluon_fp8_cuda_graph_changing_lengths(warps):
+def test_gluon_fp8_cuda_graph_changing_lengths(warps, hkv):
+    """A captured update + call replayed on new lengths, pages and q; at one KV head too (the default two-warp plan
+    there holds 2 programs an SM since round AU, one warp and the warpgroup form 4, with gluon=True)."""
     B, max_len = 16, 64 * K
     big = [64 * K] + [2 * K] * 15
-    q, qs, k, v, pt, sl = inputs(big, kv=FP8, spare_pages=64, qdt=FP8 if warps == 4 else torch.bfloat16)
+    q, qs, k, v, pt, sl = inputs(big, hkv=hkv, hq=8 * hkv, kv=FP8, spare_pages=64,
+                                 qdt=FP8 if warps == 4 else torch.bfloat16)
     ks, vs = torch.tensor([1 / 30], device="cuda"), torch.tensor([1 / 40], device="cuda")
-    plan = evenflow.DecodePlan(B, max_len, 8, device="cuda", kv_dtype=FP8, **_wk(warps))
+    plan = evenflow.DecodePlan(B, max_len, hkv, device="cuda", kv_dtype=FP8, gluon=True, **_wk(warps))
     s_sl, s_pt, s_q = sl.clone(), pt.clone(), q.clone()
     out = torch.empty(q.shape, dtype=torch.bfloat16, device="cuda")
 
