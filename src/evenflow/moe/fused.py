@@ -648,7 +648,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     (shared memory, registers) is not refused: the programs that do not fit wait for a slot and run
     their tasks after the others, which is slower, never wrong. On the H200 it was faster than the
     default by more than 1% at only 3 of 96 benchmark points and slower at 83, with or without the
-    loop's flattening (docs/perf-notes/moe.md, rounds T3, T6).
+    loop's flattening (docs/perf-notes/moe.md, rounds T3, T6). The module switch ``PERSIST_GEMMS``
+    (``("down",)``) applies the count to the down GEMM alone, and ``PERSIST_DOWN_N_FASTEST`` walks its
+    tasks a tile's n-blocks first: slower still but at one benchmark point (round AU2).
     ``local_first``: on pair tiles under expert parallelism (``num_experts_total`` above the holder's experts;
     up to ``LOCAL_FIRST_MAX_PAIRS`` pairs), the GEMMs' grids start the programs of the pairs routed to this
     rank first and the grid's surplus programs (as many as other ranks' pairs have tasks) exit at once at its end;
