@@ -194,9 +194,11 @@ PLAN_KNOBS = {
     # round AM: the default of rounds AL-AM1 (two warps beside 2 ring slots and a 16 KB output buffer); two warps
     # beside 3 ring slots at 4 programs an SM (their outputs meet in K's idle slots 0-1), every chunk 2 tiles ahead
     # (AM1); chunks of at most 8 / 16 tiles 2 tiles ahead, longer ones 1 (AM2; 16: the default since AM2). On a bf16
-    # cache (no Gluon kernel) these rows are the default plan (``deep_ring_tiles`` dropped, as ``merge_chunks`` below)
+    # cache (no Gluon kernel) these rows are the default plan (``deep_ring_tiles`` dropped, as ``merge_chunks`` below).
+    # At one KV head those without num_programs take that count's default: 2 an SM since round AU
     "evenflow-g-w2-s2": lambda sms: dict(typed=True, gluon_warps=2, num_stages=2),
-    "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=0),
+    "evenflow-g-w2-s3-pps4": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=0,
+                                              num_programs=4 * sms),
     "evenflow-g-w2-s3-d8": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=8),
     "evenflow-g-w2-s3-d16": lambda sms: dict(typed=True, gluon_warps=2, num_stages=3, deep_ring_tiles=16),
     "evenflow-g-w2-force": lambda sms: dict(typed=True, gluon_warps=2, gluon=True),
@@ -206,8 +208,9 @@ PLAN_KNOBS = {
     "evenflow-g-cost0": lambda sms: dict(typed=True, item_cost=0),
     "evenflow-g-np544": lambda sms: dict(typed=True, num_programs=4 * sms + 16),
     # round AR: the warpgroup form (``gluon_warps=4``): an fp8 q's scores on wgmma, a warp's softmax over 16 tokens of
-    # each tile; the plan's bins as the default's (4 programs an SM, 3 ring slots). Calls it does not take (a bf16 q)
-    # run the two-warp form on those bins, so on the other variants this row is the default plan
+    # each tile; the plan's bins as the default's at 8 KV heads (4 programs an SM, 3 ring slots; at one KV head 4, where
+    # the two-warp default holds 2 since round AU). Calls it does not take (a bf16 q) run the two-warp form on those
+    # bins, so on the other variants this row is the default plan at 8 KV heads
     "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
     # (Since round AS every two-warp row above with 3 or more ring slots merges 12 chunks a round trip, the default's
     # batch, where it ran 8 when it was measured: the rows compare one knob against today's default.)

@@ -742,6 +742,15 @@ def test_plan_for_an_fp8_cache_outside_the_gluon_scope_runs_the_triton_kernel(de
         said = [str(w.message) for w in said if "built for the Gluon fp8 kernel" in str(w.message)]
         want = gluon_here and plan.takes_gluon and plan.per_sm > DEFAULT_PROGRAMS_PER_SM
         assert len(said) == want and all("gluon=False" in m for m in said), said
+    # one KV head, two warps: the plan holds 2 programs an SM (round AU), as many as the Triton kernel, so a call the
+    # Gluon kernel does not take (here an fp8 q with the switch off) runs the plan's bins in one round, unsaid
+    q, qs, k, v, pt, sl = make_inputs([300, 5, 0], 1, 4, 128, 64, 1, FP8, FP8, device=device)
+    plan = evenflow.DecodePlan(3, 1 << 12, 1, device=device, min_tiles=1, kv_dtype=FP8).update(sl)
+    assert plan.takes_gluon and plan.per_sm == DEFAULT_PROGRAMS_PER_SM and plan.triton_programs == plan.num_programs
+    assert not gluon_fp8_supported(q, k, plan, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        check(q, qs, k, v, pt, sl, 1, plan=plan, k_scale=0.05, v_scale=0.025, what="one KV head, fp8 q, Triton")
     # a Triton launch option or a one-slot ring keeps the Triton kernel too
     q, qs, k, v, pt, sl = make_inputs([300, 5, 0], 2, 4, 128, 64, 1, FP8, device=device)
     sms = _runtime.num_sms(torch.device(device))

@@ -186,7 +186,7 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     from evenflow.attention.plan import GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM
 
     w = _gluon_warps(GLUON[name])
-    one_head = GLUON[name].get("hkv", 8) == 1 and w == 2
+    one_head = GLUON[name].get("hkv", 8) == 1 and GLUON[name].get("gluon_warps", 2) == 2
     PPS = GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if one_head else GLUON_FP8_PROGRAMS_PER_SM
     st = _gluon_stats(name)
     assert st["num_warps"] == w and st["spill_bytes"] <= (48 if w == 4 else 0), st

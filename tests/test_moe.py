@@ -425,11 +425,14 @@ def test_persistent_down_alone_equals_one_program_per_task(device, fmt, monkeypa
                                        out=poisoned((t, h), torch.bfloat16, device), **kw)
                 assert torch.equal(y, ref), f"{fmt} {cfg} persistent={n} n_fastest={n_fastest}"
     if torch.device(device).type == "cpu":
-        with CC.record_launches(execute=True) as launches:
-            evenflow.fused_moe(x, ids, w, ew, config=cfgs[0], persistent=1, **kw)
-        by_name = {ln.name: dict(ln.constexprs) for ln in launches}
-        assert not by_name["moe_gate_up_kernel"]["PERSIST"] and by_name["moe_down_kernel"]["PERSIST"]
-        assert by_name["moe_down_kernel"]["N_FASTEST"]
+        for n, n_fastest in ((1, True), (1, False), (0, True)):
+            monkeypatch.setattr(fused, "PERSIST_DOWN_N_FASTEST", n_fastest)
+            with CC.record_launches(execute=True) as launches:
+                evenflow.fused_moe(x, ids, w, ew, config=cfgs[0], persistent=n, **kw)
+            by_name = {ln.name: dict(ln.constexprs) for ln in launches}
+            assert not by_name["moe_gate_up_kernel"]["PERSIST"] and by_name["moe_down_kernel"]["PERSIST"] == (n > 0)
+            # the order switch reaches only a persistent down loop
+            assert by_name["moe_down_kernel"]["N_FASTEST"] == (n > 0 and n_fastest), (n, n_fastest)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

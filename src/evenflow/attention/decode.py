@@ -230,7 +230,7 @@ def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan
 
 
 def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str, num_q_heads: int, head_dim: int, rows: int) -> None:
-    """Once a plan: its bins were sized for the Gluon kernel (GLUON_FP8_PROGRAMS_PER_SM programs an SM) and this call
+    """Once a plan: its bins were sized for the Gluon kernel (``plan.per_sm`` programs an SM) and this call
     runs the Triton kernel, which holds DEFAULT_PROGRAMS_PER_SM an SM: the output is right, the schedule is not the
     one the plan was built for (its programs run in two rounds)."""
     if plan.warned_kernel or plan.per_sm <= DEFAULT_PROGRAMS_PER_SM:  # (at most 2 an SM: one round, nothing to say)
@@ -534,9 +534,9 @@ def _plan_max_regs(plan: DecodePlan, rows: int, head_dim: int, device: torch.dev
         return plan.max_registers
     if _runtime.interpreting() and not _runtime.emulating_gpu():
         return 0  # the interpreter has no registers (an sm_90 compile check still sees the cap)
-    # on a plan built for the Gluon kernel (4 programs an SM) whose call runs the Triton kernel, capped for at most
-    # its own 2 an SM (DecodePlan.triton_programs; at 4, 128 registers: 500-532 bytes of spill a thread in the sm_90
-    # build, round AO)
+    # on a plan built for the Gluon kernel (4 programs an SM; 2 at one KV head) whose call runs the Triton kernel,
+    # capped for at most its own 2 an SM (DecodePlan.triton_programs; at 4, 128 registers: 500-532 bytes of spill a
+    # thread in the sm_90 build, round AO)
     return _max_regs(_block_m(rows), head_dim, plan.block_n or TILE, plan.num_warps or 4, plan.triton_programs,
                      device)
 

@@ -244,10 +244,11 @@ class DecodePlan:
     or 128 tokens and none of the Triton kernel's launch options (``num_warps``, ``block_n``, ``max_registers``,
     ``warp_split``, ``num_stages=1``: such a plan is built for the Triton kernel, and ``gluon=True`` with one of them
     or another page size raises), the plan is sized for the Gluon fp8 kernel
-    (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs, ``gluon_warps`` warps a program (default 2,
+    (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs (2 x SMs at one KV head and two warps, round AU:
+    ``GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM``), ``gluon_warps`` warps a program (default 2,
     each taking half of every tile, their outputs merged after each chunk in the idle ring, or beside a 2-slot ring
     in a 16 KB buffer; 1 = the one-warp kernel of rounds AB-AK), a ring of ``num_stages`` tiles (default 3 at two
-    warps, 2 at one: ``GLUON_FP8_STAGES``; more slots than leave an SM 4 programs are refused unless
+    warps, 2 at one: ``GLUON_FP8_STAGES``; more slots than leave an SM the default count of programs are refused unless
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
     whole ring, the only choice at one warp; a positive value only on such a plan); ``gluon_warps=4`` (round AR,
@@ -260,15 +261,16 @@ class DecodePlan:
     where ``decode.GLUON_FP8_Q``, on since round AP; head_dim 128, GQA group x q_len <= 16; a timeline runs its own
     STAMPS build; ``combine`` as for the Triton kernel); other calls run the Triton kernel on the same bins, its
     register cap set for at most its own DEFAULT_PROGRAMS_PER_SM programs an SM (so an SM runs a plan of more in two
-    rounds: round AP4 measured 1.02-1.21x the time of a plan built for the Triton kernel), and on such a plan the
-    first of those calls warns once (round AO: build the plan with ``gluon=False`` for them).
+    rounds: round AP4 measured 1.02-1.21x the time of a plan built for the Triton kernel), and on such a plan of more
+    than 2 programs an SM the first of those calls warns once (round AO: build the plan with ``gluon=False`` for them).
     ``num_q_heads`` / ``head_dim`` (optional, round AP): the calls' q heads and head dim. Where given, a call with
     others raises, and an fp8 plan whose calls the Gluon kernel does not take (head_dim other than 128, GQA group x
     ``q_len`` over 16) is built for the Triton kernel from the start (``gluon=True`` with them raises).
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
     ``num_programs``: persistent programs of the attention kernel (default
-    ``2 * SMs``; ``4 * SMs`` for the Gluon kernel). ``min_tiles``: the minimum work per program in 64-token tiles
+    ``2 * SMs``; ``4 * SMs`` for the Gluon kernel, ``2 * SMs`` there at one KV head and two warps). ``min_tiles``:
+    the minimum work per program in 64-token tiles
     (default 8 = 512 tokens), so small batches are not over-split. The budget per program
     is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
     it is then rounded up to a multiple of the shortest non-empty item's tiles when that
