@@ -54,10 +54,11 @@ DEFAULT_COMBINE = "fused"
 # of the copy floor, ~7 an SM at 0.71-0.82; on the plan (AB2, rows evenflow-g-pps3 / -g-pps6) 3 and 6
 # an SM took up to 1.63x and 1.08-1.46x the time of 4 (docs/perf-notes/decode.md).
 GLUON_FP8_PROGRAMS_PER_SM = 4
-# ... and of a two-warp Gluon plan at one KV head (the TP8 slice of most GQA models), round AU: there a long item is
-# cut into twice the chunks at 4 an SM, and its merge's extra round trip costs more than 2 programs an SM lose in
-# streaming (round AU2, fp8 tp8:1x128K+31x4K: 26.6 against 28.3 us, 1.064x / 1.056x in two passes; AU3 the TP8 slices
-# of the other standard cases; docs/perf-notes/decode.md). One warp and the warpgroup form keep 4 (not measured).
+# ... and of a two-warp Gluon plan at one KV head (the TP8 slice of most GQA models), round AU. AU3's A/B on the TP8
+# slices of the 10 standard cases (H200, fp8 KV, two passes): 1.18-1.35x at four where the minimum-work floor leaves
+# the same busy bins at either count (by inference 4 an SM crowds them onto fewer SMs), 1.04-1.05x on the record's
+# 1x128K+31x4K (its long item in half the chunks), level on four, 0.95-0.96x on 2x32K+30x4K (its budget rounds from 8
+# to 12 tiles at 264 programs); docs/perf-notes/decode.md. One warp and the warpgroup form keep 4 (not measured).
 GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM = 2
 # An fp8 plan takes the Gluon kernel from this many KV heads (``DecodePlan(gluon=None)``), by warps a program.
 # One warp: round AF5 (H200, graph replay, seven cases at 8 q / 1 kv heads, the TP8 slice of each standard case):
@@ -191,16 +192,20 @@ def gluon_fp8_shape_misses(head_dim: int | None, rows: int | None) -> tuple[bool
             rows is not None and rows > GLUON_FP8_MAX_ROWS)
 
 
-def default_num_programs(device, gluon: bool = False, num_kv_heads: int = 0, gluon_warps: int = GLUON_FP8_WARPS) -> int:
-    """Persistent programs of a plan: DEFAULT_PROGRAMS_PER_SM an SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
+def default_programs_per_sm(gluon: bool = False, num_kv_heads: int = 0, gluon_warps: int = GLUON_FP8_WARPS) -> int:
+    """Persistent programs an SM of a plan: DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
     the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two warps."""
     if not gluon:
-        per_sm = DEFAULT_PROGRAMS_PER_SM
-    elif num_kv_heads == 1 and gluon_warps == 2:
-        per_sm = GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM
-    else:
-        per_sm = GLUON_FP8_PROGRAMS_PER_SM
-    return per_sm * _runtime.num_sms(device)
+        return DEFAULT_PROGRAMS_PER_SM
+    if num_kv_heads == 1 and gluon_warps == 2:
+        return GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM
+    return GLUON_FP8_PROGRAMS_PER_SM
+
+
+def default_num_programs(device, gluon: bool = False) -> int:
+    """Persistent programs of a plan (``gluon``: one for the Gluon kernel at several KV heads):
+    ``default_programs_per_sm`` times the SMs."""
+    return default_programs_per_sm(gluon) * _runtime.num_sms(device)
 
 
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
@@ -411,7 +416,7 @@ class DecodePlan:
                              f"num_stages={num_stages}")
         ring = stages + (gluon_warps > 1 and stages <= 2)
         fit = gluon_programs_fit(ring, dev)
-        default_per_sm = default_num_programs(dev, gluon_plan, num_kv_heads, gluon_warps) // _runtime.num_sms(dev)
+        default_per_sm = default_programs_per_sm(gluon_plan, num_kv_heads, gluon_warps)
         if gluon_plan and num_programs is None and fit < default_per_sm:
             raise ValueError(f"num_stages={num_stages}: the Gluon kernel's {ring} ring slots of 16 KB leave an SM "
                              f"{fit} programs, fewer than the default num_programs plans "
