@@ -212,8 +212,8 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
     # with M; the split-K grid of 1.5-3 programs an SM above read 4.03 us at K4096 M = 4 where 4 x 2 x 512
     # at split 1 (96 programs, 8 pipelined steps) read 3.45 (LongCat-Lite 5.10 -> 3.79, LongCat-Chat
     # 9.17 -> 7.33; docs/perf-notes/router.md, round AG).
-    # Round AU: the same tiles on 2 warps (AG2: 4 warps read 3.31 against 8 warps' 3.52 us at K4096 M = 4, so fewer
-    # threads a tile were not yet explored below 4), 2048-deep steps on 4 warps (Qwen3's K in one step), and a
+    # Round AU: the same tiles on 2 warps (AG2's tuner log: 4 x 2 x 1024 on 4 warps 3.31 against 3.52 us on 8 at K4096
+    # M = 4, and fewer threads a tile were not yet tried), 2048-deep steps on 4 warps (Qwen3's K in one step), and a
     # pipeline as deep as a slice of 5-8 steps (every step's loads issued up front: steps + 1 stages, where 5 stages
     # leave some to later; LongCat-Lite's 4 x 2 x 512 pick has 6).
     if bm <= 4:

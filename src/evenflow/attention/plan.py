@@ -193,7 +193,7 @@ def gluon_fp8_shape_misses(head_dim: int | None, rows: int | None) -> tuple[bool
             rows is not None and rows > GLUON_FP8_MAX_ROWS)
 
 
-def default_programs_per_sm(gluon: bool = False, num_kv_heads: int = 0, gluon_warps: int = GLUON_FP8_WARPS) -> int:
+def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int) -> int:
     """Persistent programs an SM of a plan: DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
     the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two warps."""
     if not gluon:
@@ -203,10 +203,9 @@ def default_programs_per_sm(gluon: bool = False, num_kv_heads: int = 0, gluon_wa
     return GLUON_FP8_PROGRAMS_PER_SM
 
 
-def default_num_programs(device, gluon: bool = False) -> int:
-    """Persistent programs of a plan (``gluon``: one for the Gluon kernel at several KV heads):
-    ``default_programs_per_sm`` times the SMs."""
-    return default_programs_per_sm(gluon) * _runtime.num_sms(device)
+def default_num_programs(device) -> int:
+    """Persistent programs of a plan for the Triton kernel: DEFAULT_PROGRAMS_PER_SM times the SMs."""
+    return DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(device)
 
 
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
