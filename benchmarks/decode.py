@@ -149,6 +149,9 @@ PLAN_KNOBS = {
     # round AU: 4 programs an SM, the Gluon plan's default at every KV-head count before round AU made it 2 at one KV
     # head (two warps)
     "evenflow-g-pps4": lambda sms: dict(typed=True, num_programs=4 * sms),
+    # round AV: deeper rings for the one-KV-head plan's 2 programs an SM (4, 5, 6 slots of 16 KB: still 2 an SM; at
+    # more KV heads, 4 an SM, these rings do not fit and the plan refuses them: error rows)
+    **{f"evenflow-g2-s{n}": (lambda sms, n=n: dict(typed=True, num_stages=n)) for n in (4, 5, 6)},
     "evenflow-g-np512": lambda sms: dict(typed=True, num_programs=512),
     "evenflow-g-hnd": lambda sms: dict(typed=True),
     # the fp8 plan without align_longer (round AC2's rule off: fp8 8x32K and 1x64K+15x4K get their old budgets)

@@ -370,6 +370,22 @@ def test_gluon_fp8_kernel_with_fp8_q(hq, hkv, page, q_len, warps, monkeypatch):
           fp8_scores=_wg_form(warps, q, hq // hkv * q_len))
 
 
+@pytest.mark.parametrize("qdt", [torch.bfloat16, FP8], ids=["bf16-q", "fp8-q"])
+@pytest.mark.parametrize("stages", [4, 5, 6])
+def test_gluon_fp8_deeper_rings_at_one_kv_head(stages, qdt):
+    """Round AV's knob rows: the one-KV-head plan (2 two-warp programs an SM) on rings of 4-6 slots, reading up to
+    ``stages`` - 1 tiles ahead on chunks of at most 16 tiles and a tile fewer on longer ones; an empty request and
+    lengths one past a tile among them; against the fp64 reference."""
+    lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65, 17 * K]
+    q, qs, k, v, pt, sl = inputs(lens, hkv=1, hq=8, kv=FP8, qdt=qdt)
+    plan, supported = _gluon_plan(lens, sl, hkv=1, warps=2, num_stages=stages)
+    assert plan.gluon_stages == stages and plan.per_sm == 2 and supported(q, k, plan, 8)
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=0.03, v_scale=0.02, out=out,
+                                       return_lse=True)
+    check(o, lse, q, qs, k, v, pt, sl, ks=0.03, vs=0.02, what=f"gluon tp8 slice s{stages} {qdt}")
+
+
 def test_fp8_fast_scores_baseline_is_the_tensor_cores_accumulation():
     """The warpgroup form's same-precision baseline (``decode_attention_ref_batched(fp8_scores=True)``): PyTorch's
     fp8 GEMM with fast accumulation (``reference.moe.fast_mm``, the fused MoE's fast-mode baseline too). Against

@@ -129,6 +129,9 @@ GLUON = {
     "gluon-fp8-wg-fp8-q-noprefetch": dict(lens=[300, 5000, 0, 65], hq=16, hkv=2, kv=FP8, kv_dtype=FP8, qdt=FP8,
                                           gluon_warps=4, prefetch=False),
     "gluon-fp8-w1-s3-mb12": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=1, num_stages=3, merge_chunks=12),
+    # deeper rings at one KV head (round AV: 2 programs an SM leave room for 4-6 slots; the knob rows
+    # evenflow-g2-s4 / -s5 / -s6 of benchmarks/decode.py)
+    **{f"gluon-fp8-tp8-slice-s{n}": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, num_stages=n) for n in (4, 5, 6)},
 }
 
 
