@@ -221,6 +221,9 @@ PLAN_KNOBS = {
     # 8 in the warpgroup form), at two warps and in the warpgroup form; round AS: 8 at two warps (rounds AB-AR)
     "evenflow-g-mb12": lambda sms: dict(typed=True, merge_chunks=12),
     "evenflow-g-wg-mb12": lambda sms: dict(typed=True, gluon_warps=4, merge_chunks=12),
+    # round AV: the warpgroup form at 2 programs an SM (its fp8-q calls: 4 warps a program, each with half the two-warp
+    # form's chain a tile), the one-KV-head count of the two-warp default
+    "evenflow-g-wg-pps2": lambda sms: dict(typed=True, gluon_warps=4, num_programs=2 * sms),
     "evenflow-g-mb8": lambda sms: dict(typed=True, merge_chunks=8),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
