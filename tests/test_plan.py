@@ -398,7 +398,15 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, device=device, align_longer=1)
     with pytest.raises(TypeError, match="warp_split"):
         evenflow.DecodePlan(4, 100, 2, device=device, warp_split=1)
-    for name in ("early_reads", "resident_cap", "spread_bins", "launch_next"):
+    # four warps on mma.sync (round AV) is a form of the Gluon fp8 plan at gluon_warps=4 only
+    with pytest.raises(ValueError, match="warpgroup_mma=False"):
+        evenflow.DecodePlan(4, 100, 2, device=device, kv_dtype=torch.float8_e4m3fn, warpgroup_mma=False)
+    with pytest.raises(ValueError, match="warpgroup_mma=False"):
+        evenflow.DecodePlan(4, 100, 2, device=device, gluon_warps=4, warpgroup_mma=False)  # no fp8 cache: Triton
+    plan = evenflow.DecodePlan(4, 100, 2, device=device, kv_dtype=torch.float8_e4m3fn, gluon_warps=4,
+                               warpgroup_mma=False, num_q_heads=32, q_len=1)  # 16 rows: past the warpgroup form's 8
+    assert not plan.warpgroup_mma and "warpgroup_mma=False" in repr(plan)
+    for name in ("early_reads", "resident_cap", "spread_bins", "launch_next", "warpgroup_mma"):
         with pytest.raises(TypeError, match=f"{name} must be a bool"):
             evenflow.DecodePlan(4, 100, 2, device=device, **{name: 1})
     for bad in (0.9, 2.5, 1.3):

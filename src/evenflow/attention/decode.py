@@ -264,7 +264,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                block_n: int = 0, max_regs: int = 0, pdl: bool = False, warp_split: int = -1,
                prefetch: bool = True, fused: bool = False, gluon: bool = False, early: bool = False,
                pad: int = 0, bin_stride: int = 1, trigger: bool = False, gluon_warps: int = 1,
-               short_tiles: int = 0, merge_chunks: int = FUSED_GROUP_CHUNKS) -> None:
+               short_tiles: int = 0, merge_chunks: int = FUSED_GROUP_CHUNKS, warpgroup_mma: bool = True) -> None:
     # num_warps / num_stages / block_n: 0 = the launcher's choice (a DecodePlan may override
     # them); max_regs: register cap per thread, 0 = none; pdl: programmatic dependent launch;
     # warp_split: 1 = on, 0 = off, -1 = the launcher's choice; prefetch: the persistent loop
@@ -278,7 +278,9 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # path lets the next kernel launch at its top (DecodePlan.launch_next); gluon_warps: the Gluon kernel's warps a
     # program (DecodePlan.gluon_warps); short_tiles: its chunks of at most this many tiles read the whole ring ahead,
     # longer ones a tile fewer (DecodePlan.deep_ring_tiles; 0 = every chunk the whole ring); merge_chunks: the Gluon
-    # kernel's fused-merge batch and group (DecodePlan.merge_chunks; the Triton kernel's groups are FUSED_GROUP_CHUNKS)
+    # kernel's fused-merge batch and group (DecodePlan.merge_chunks; the Triton kernel's groups are FUSED_GROUP_CHUNKS);
+    # warpgroup_mma: at gluon_warps=4, the calls warpgroup_form_runs takes run the warpgroup form and the others two
+    # warps; False: every call runs four warps on mma.sync (DecodePlan.warpgroup_mma)
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -299,7 +301,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
-        if gluon_warps == 4 and not warpgroup_form_runs(q, rows):
+        wg = gluon_warps == 4 and warpgroup_mma and warpgroup_form_runs(q, rows)
+        if gluon_warps == 4 and warpgroup_mma and not wg:
             gluon_warps = 2
         GK.decode_fp8_kernel[grid](
             q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t,
@@ -316,7 +319,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=merge_chunks, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), WARPS=gluon_warps,
-            SHORT_TILES=short_tiles, num_warps=gluon_warps, **({"maxnreg": 128} if gluon_warps == 4 else {}),
+            SHORT_TILES=short_tiles, WG=wg, num_warps=gluon_warps, **({"maxnreg": 128} if wg else {}),
             **_runtime.pdl_kwargs(pdl),
         )
     else:
@@ -366,7 +369,8 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
       combine_count, group_count, out, lse, stamps,
       q_scale, k_scale, v_scale, k_scale_f, v_scale_f, sm_scale, q_len, splits, max_len, num_warps=0, num_stages=0,
       block_n=0, max_regs=0, pdl=False, warp_split=-1, prefetch=True, fused=False, gluon=False, early=False,
-      pad=0, bin_stride=1, trigger=False, gluon_warps=1, short_tiles=0, merge_chunks=FUSED_GROUP_CHUNKS):
+      pad=0, bin_stride=1, trigger=False, gluon_warps=1, short_tiles=0, merge_chunks=FUSED_GROUP_CHUNKS,
+      warpgroup_mma=True):
     return None
 
 
@@ -503,7 +507,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
                    plan.combine == "fused", gluon, early, plan.resident_pad if pdl and plan.resident_cap else 0,
                    plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.gluon_warps,
-                   plan.deep_ring_tiles, plan.merge_chunks)
+                   plan.deep_ring_tiles, plan.merge_chunks, plan.warpgroup_mma)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

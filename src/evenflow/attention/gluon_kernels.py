@@ -133,8 +133,8 @@ def _ll(W, rows, nb):
 
 @gluon.constexpr_function
 def _lsum(W):
-    # the W warps' weighted outputs [W, 16 rows (8 at W = 4), 128] read back from shared memory, a thread holding
-    # every warp's value of its 4 columns: the sum over the warps is in registers
+    # the W warps' weighted outputs [W, 16 rows (8 in the warpgroup form), 128] read back from shared memory, a
+    # thread holding every warp's value of its 4 columns: the sum over the warps is in registers
     return gl.BlockedLayout([W, 1, 4], [1, 2, 16], [1, W, 1], [2, 1, 0])
 
 
@@ -173,9 +173,10 @@ def _phys_v(n):
 
 @gluon.jit
 def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-           stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, W: gl.constexpr):
+           stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, W: gl.constexpr, WG: gl.constexpr):
     """cp.async of tile t's K and V rows into ring slot ``buf`` (one commit group). Rows past the
-    item's length and tiles past the chunk (t >= t1) are zero-filled, never read from memory."""
+    item's length and tiles past the chunk (t >= t1) are zero-filled, never read from memory. ``WG``: the
+    warpgroup form's K slot (swizzled for ``wgmma``)."""
     TW: gl.constexpr = TILE // W
     CP: gl.constexpr = _cp(W)
     live = t < t1
@@ -187,7 +188,7 @@ def _issue(k_s, v_s, buf, t, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, 
     tok = o_w[:, None] * TW + o_t[None, :]  # [W, TW]: the tile's token of each row
     row = ((t * TILE) % PAGE + tok)[:, :, None]
     m = (live & (t * TILE + tok < L))[:, :, None] & (o_d < D)[None, None, :]
-    if W == 4:  # K as wgmma reads it: the slot [64 tokens, 128 d], 128-byte swizzled
+    if WG:  # K as wgmma reads it: the slot [64 tokens, 128 d], 128-byte swizzled
         k_t = gl.arange(0, TILE, layout=gl.SliceLayout(1, CPK))
         k_d = gl.arange(0, D, layout=gl.SliceLayout(0, CPK))
         k_m = (live & (t * TILE + k_t < L))[:, None] & (k_d < D)[None, :]
@@ -215,29 +216,32 @@ def _deep(t0, t1, SHORT_TILES: gl.constexpr):
 
 @gluon.jit
 def _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                 stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr, deep):
+                 stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, STAGES: gl.constexpr, W: gl.constexpr, deep,
+                 WG: gl.constexpr):
     # a chunk's first STAGES - 1 tiles into ring slots 0 .. STAGES - 2 (STAGES - 2 where not ``deep``)
     for s in gl.static_range(STAGES - 1):
         if s < STAGES - 2:
             _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                   stride_vp, stride_vt, stride_vh, PAGE, W)
+                   stride_vp, stride_vt, stride_vh, PAGE, W, WG)
         elif deep:
             _issue(k_s, v_s, s, t0 + s, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                   stride_vp, stride_vt, stride_vh, PAGE, W)
+                   stride_vp, stride_vt, stride_vh, PAGE, W, WG)
 
 
 @gluon.jit
 def _next_tile(k_s, v_s, t, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-               stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr):
+               stride_vp, stride_vt, stride_vh, PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr,
+               WG: gl.constexpr):
     """A tile loop's step t over [t0, t1) on the ring's first RING slots: issue tile t + RING - 1 into its slot, wait
     for tile t's copies and return its slot (tile t in slot (t - t0) % RING). In the warpgroup form (W = 4) each
-    thread's copies are fenced before the barrier, since ``wgmma`` reads shared memory through the async proxy."""
+    thread's copies are fenced before the barrier, since ``wgmma`` reads shared memory through the async proxy
+    (``WG``)."""
     LOOK: gl.constexpr = RING - 1
     j = t - t0
     _issue(k_s, v_s, (j + LOOK) % RING, t + LOOK, t1, L, p_k, p_v, p_ptrow, h, num_pages,
-           stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W)
+           stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, W, WG)
     cp.wait_group(LOOK)
-    if W == 4:
+    if WG:
         fence_async_shared()
     gl.thread_barrier()
     return j % RING
@@ -268,7 +272,7 @@ def _tiles(k_s, v_s, q_a, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_pt
     LB: gl.constexpr = _operand(W, 1)
     for t in range(t0, t1):
         buf = _next_tile(k_s, v_s, t, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                         stride_vp, stride_vt, stride_vh, PAGE, RING, W)
+                         stride_vp, stride_vt, stride_vh, PAGE, RING, W, False)
         kf = k_s.index(buf).load(_lk(W)).to(gl.float16)
         kt = gl.reshape(gl.permute(kf, [0, 2, 1]), [W, 4, 2, 2, 2, 2, 2, TW])
         kt = gl.convert_layout(gl.reshape(gl.permute(kt, [0, 2, 3, 4, 5, 1, 6, 7]), [W, D, TW]), LB,
@@ -298,7 +302,7 @@ def _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p
     LB: gl.constexpr = _operand(W, 1)
     for t in range(t0, t1):
         buf = _next_tile(k_s, v_s, t, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                         stride_vp, stride_vt, stride_vh, PAGE, RING, W)
+                         stride_vp, stride_vt, stride_vh, PAGE, RING, W, True)
         st = warpgroup_mma(k_s.index(buf), q_s.permute((1, 0)), gl.zeros([TILE, WG_N], gl.float32, layout=WG_ACC))
         st = gl.convert_layout(gl.reshape(st, [W, TW, WG_N]), MMA)
         st = gl.where(t * TILE + tok < vis[None, None, :], st * rs[None, None, :], float("-inf"))
@@ -315,10 +319,10 @@ def _tiles_wg(k_s, v_s, q_s, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p
 @gluon.jit
 def _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages,
                stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-               PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr):
-    """The tile loop of W warps on the ring's first RING slots: the warpgroup form's (``q_op``: q in shared memory)
-    at W = 4, else the one or two warps' (``q_op``: q's MMA operand in registers)."""
-    if W == 4:
+               PAGE: gl.constexpr, RING: gl.constexpr, W: gl.constexpr, WG: gl.constexpr):
+    """The tile loop of W warps on the ring's first RING slots: the warpgroup form's (``WG``; ``q_op``: q in shared
+    memory), else the one, two or four warps' on ``mma.sync`` (``q_op``: q's MMA operand in registers)."""
+    if WG:
         m_i, l_i, acc = _tiles_wg(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                   num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
                                   RING)
@@ -335,17 +339,18 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
                   stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp,
                   stride_vt, stride_vh, stride_ptb, stride_ot, stride_oh, stride_lt,
                   GROUP: gl.constexpr, Q_LEN: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
-                  HAS_LSE: gl.constexpr, W: gl.constexpr, SHORT_TILES: gl.constexpr, HAS_Q_SCALE: gl.constexpr):
+                  HAS_LSE: gl.constexpr, W: gl.constexpr, SHORT_TILES: gl.constexpr, HAS_Q_SCALE: gl.constexpr,
+                  WG: gl.constexpr):
     """Online softmax of item (b, h)'s tiles [t0, t1); finish in place or write partial ``slot``.
     ``issued``: the chunk's first tiles are already in flight (:func:`_issue_first`, before the kernel's
     PDL wait: STAGES - 1 of them, STAGES - 2 on a chunk that runs a tile fewer ahead, ``_deep``). Each warp runs
-    its own softmax over its TW tokens of every tile; the W states are merged after the last tile. At W = 4 (the
-    warpgroup form: an fp8 q, at most WG_N rows) q goes to ``q_s`` as it is and the tiles run ``_tiles_wg``."""
+    its own softmax over its TW tokens of every tile; the W states are merged after the last tile. In the warpgroup
+    form (``WG``: 4 warps, an fp8 q, at most WG_N rows) q goes to ``q_s`` as it is and the tiles run ``_tiles_wg``."""
     ROWS: gl.constexpr = GROUP * Q_LEN
-    NR: gl.constexpr = WG_N if W == 4 else 16  # rows of the MMAs (ROWS padded)
+    NR: gl.constexpr = WG_N if WG else 16  # rows of the MMAs (ROWS padded)
     MMA: gl.constexpr = _mma(W)
     p_ptrow = p_pt + b.to(gl.int64) * stride_ptb
-    if W == 4:
+    if WG:
         # q [8 rows, 128 d] fp8 as given (rows >= ROWS zero) into q_s (the loop's last barrier: no warp reads it);
         # the row's score scale carries its q scale
         o_m = gl.arange(0, NR, layout=gl.SliceLayout(1, CPK))
@@ -362,7 +367,7 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
                               + (h * GROUP + o_rw % GROUP) * stride_qsh, mask=o_rw < ROWS, other=0.0)
         if not issued:
             _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                         stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES))
+                         stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES), WG)
         q_s.store(q_raw)
         fence_async_shared()
         gl.thread_barrier()
@@ -396,7 +401,7 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
         # moved beyond the run's spread), kept as the order with fewer serial round trips
         if not issued:
             _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_ptrow, h, num_pages, stride_kp, stride_kt, stride_kh,
-                         stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES))
+                         stride_vp, stride_vt, stride_vh, PAGE, STAGES, W, _deep(t0, t1, SHORT_TILES), WG)
         qf = q_raw.to(gl.float32)
         qmax = gl.max(gl.abs(qf), axis=2)
         e = gl.where(qmax > 0.0, gl.ceil(gl.log2(gl.where(qmax > 0.0, qmax, 1.0))) - 14.0, 0.0)
@@ -424,15 +429,15 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
         if _deep(t0, t1, SHORT_TILES):
             m_i, l_i, acc = _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                        num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                       PAGE, STAGES, W)
+                                       PAGE, STAGES, W, WG)
         else:
             m_i, l_i, acc = _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                        num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
-                                       PAGE, STAGES - 1, W)
+                                       PAGE, STAGES - 1, W, WG)
     else:
         m_i, l_i, acc = _tile_loop(k_s, v_s, q_op, rs, vis, tok, m_i, l_i, acc, t0, t1, L, p_k, p_v, p_ptrow, h,
                                    num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE,
-                                   STAGES, W)
+                                   STAGES, W, WG)
     cp.wait_group(0)  # the tail's zero-fill copies land before the next chunk reuses the ring
     gl.thread_barrier()
 
@@ -448,7 +453,7 @@ def _attend_chunk(k_s, v_s, o_s, q_s, b, h, t0, t1, L, is_final, slot, issued,
     if W == 1:
         o_c = gl.sum(acc * wt[:, :, None], axis=0)
     else:
-        if W == 4:
+        if WG:
             o_s.store(gl.permute(acc * wt[:, None, :], [0, 2, 1]))  # O^T back to [W, rows, columns]
         else:
             o_s.store(acc * wt[:, :, None])
@@ -612,7 +617,7 @@ def decode_fp8_kernel(
     HAS_Q_SCALE: gl.constexpr, HAS_K_SCALE_PTR: gl.constexpr, HAS_V_SCALE_PTR: gl.constexpr, HAS_LSE: gl.constexpr,
     FUSED: gl.constexpr, FUSED_C: gl.constexpr, STAMPS: gl.constexpr, PREFETCH: gl.constexpr,
     PDL: gl.constexpr, EARLY: gl.constexpr, PAD: gl.constexpr, TRIGGER: gl.constexpr, WARPS: gl.constexpr,
-    SHORT_TILES: gl.constexpr,
+    SHORT_TILES: gl.constexpr, WG: gl.constexpr,
 ):
     """Persistent plan program (``WARPS`` warps): drain bin ``pid`` of the plan (see
     ``kernels.decode_kernel``'s walk: the items that start inside the bin, zero-tile items on its
@@ -636,7 +641,8 @@ def decode_fp8_kernel(
     then gets bins of one stretch of the batch (round AE4: on 1x128K+31x4K half the SMs held four of
     the 128K item's chunks, the other half none, and the call ended 6 us later); strided, consecutive
     programs take bins a quarter of the batch apart."""
-    if WARPS == 4:
+    if WG:
+        gl.static_assert(WARPS == 4, "the warpgroup form is 4 warps")
         gl.static_assert(GROUP * Q_LEN <= WG_N, "the warpgroup form takes at most 8 q rows a KV head")
     # a merge batch's chunk outputs (4 KB each) fit the K and V rings (two 4 KB blocks a slot each)
     gl.static_assert(FUSED_C <= 4 * (STAGES + PAD), "merge batch larger than the idle ring")
@@ -649,20 +655,25 @@ def decode_fp8_kernel(
     if PDL and not EARLY:
         gdc_wait()
     # PAD slots past the ring are never touched (see PDL above)
-    if WARPS == 4:  # the warpgroup form: K's slots as wgmma reads them, and q
+    if WG:  # the warpgroup form: K's slots as wgmma reads them, and q
         k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], KQ_SW)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [WG_N, D], KQ_SW)
+    elif WARPS == 4 and STAGES > 2 and STAGES + PAD < 4:
+        # four warps on mma.sync (round AV): their outputs [4, 16, 128] fp32 (32 KB) meet in K's ring, so it holds
+        # at least 4 slots
+        k_s = gl.allocate_shared_memory(gl.float8e4nv, [4, WARPS, TILE // WARPS, D], SMEM)
+        q_s = k_s  # not used
     else:
         k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
         q_s = k_s  # not used
     v_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
-    if WARPS == 4:
+    if WG:
         # the warpgroup's outputs [4, 8, 128] fp32 meet in K's ring slots 0-1 (16 KB), as at two warps below
         o_s = k_s._reinterpret(gl.float32, [WARPS, WG_N, D], OSTAGE)
     elif WARPS > 1 and STAGES > 2:
         # two warps beside 3 or more ring slots (at 3, no room for an output buffer at 4 programs an SM): the warps'
         # outputs [W, 16, 128] fp32 meet in K's ring slots 0-1 (16 KB, idle after a chunk: the loop's last wait and
-        # barrier), one store / load round as with the buffer below
+        # barrier), one store / load round as with the buffer below; four warps on mma.sync in its slots 0-3
         o_s = k_s._reinterpret(gl.float32, [WARPS, 16, D], OSTAGE)
     elif WARPS > 1:
         # where the warps' outputs meet after a chunk (16 KB at 2 warps: it counts as a ring slot for PAD)
@@ -683,7 +694,7 @@ def decode_fp8_kernel(
         if issued:
             _issue_first(k_s, v_s, t0, t1, L, p_k, p_v, p_pt + b.to(gl.int64) * stride_ptb, i % HKV, num_pages,
                          stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, PAGE, STAGES, WARPS,
-                         _deep(t0, t1, SHORT_TILES))
+                         _deep(t0, t1, SHORT_TILES), WG)
         gdc_wait()
     if STAMPS:
         s_wait = globaltimer_ns(len_b, False)
@@ -704,7 +715,7 @@ def decode_fp8_kernel(
                       p_q, p_qs, p_k, p_v, p_pt, p_out, p_lse, p_po, p_plse, qk_scale, v_scale, num_pages,
                       stride_qt, stride_qh, stride_qst, stride_qsh, stride_kp, stride_kt, stride_kh, stride_vp,
                       stride_vt, stride_vh, stride_ptb, stride_ot, stride_oh, stride_lt, GROUP, Q_LEN, PAGE, STAGES,
-                      HAS_LSE, WARPS, SHORT_TILES, HAS_Q_SCALE)
+                      HAS_LSE, WARPS, SHORT_TILES, HAS_Q_SCALE, WG)
         if STAMPS:
             c_last, s_last, s_chunks, s_tiles = K._stamps_chunk(p_row, t0, t1, s_chunks, s_tiles, False)
         if FUSED:

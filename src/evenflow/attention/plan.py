@@ -260,7 +260,9 @@ class DecodePlan:
     opt-in; sm_90 builds, 3 or more ring slots) is the warpgroup form: calls with an fp8 q of at most 8 rows a KV
     head get their scores from ``wgmma`` (the tensor cores' fp8 accumulation: LSEs 7.5e-5 - 5.7e-4 off exact scores
     in round AR's tests, as PyTorch's fp8 GEMM with fast accumulation), the plan's other calls run two warps on the
-    same bins; ``merge_chunks`` (8, or 12 on 3 or more ring slots with the fused merge; default 12 there at two
+    same bins; with ``warpgroup_mma=False`` (round AV, opt-in) every call runs four warps a program on ``mma.sync``
+    instead (exact f16 products, 16 tokens a warp a tile);
+    ``merge_chunks`` (8, or 12 on 3 or more ring slots with the fused merge; default 12 there at two
     warps, round AS, else 8): chunks the fused merge reads in one round trip and merges as a group) and
     :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, or fp8 q with its scales
     where ``decode.GLUON_FP8_Q``, on since round AP; head_dim 128, GQA group x q_len <= 16; a timeline runs its own
@@ -354,8 +356,9 @@ class DecodePlan:
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
                  deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
-                 merge_chunks: int | None = None):
+                 merge_chunks: int | None = None, warpgroup_mma: bool = True):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
+        check_bool("warpgroup_mma", warpgroup_mma)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
         check_int("max_seq_len", max_seq_len, 1)
@@ -497,10 +500,16 @@ class DecodePlan:
                              f"gluon={gluon}, gluon_warps={gluon_warps}, num_kv_heads={num_kv_heads}, "
                              f"num_stages={num_stages} ({stages} slots), combine={combine!r}"
                              + "".join(f", {o}" for o in other_page + other_shape + triton_options))
-        if gluon_warps == 4 and rows is not None and rows > GLUON_FP8_WG_ROWS:
+        if not warpgroup_mma and (gluon_warps != 4 or not gluon_plan or stages < 3):
+            raise ValueError(f"warpgroup_mma=False runs every call of a Gluon fp8 plan on four warps of mma.sync: it "
+                             f"needs gluon_warps=4, a plan for the Gluon kernel and 3 or more ring slots; got "
+                             f"gluon_warps={gluon_warps}, Gluon plan {gluon_plan}, num_stages={num_stages} "
+                             f"({stages} slots)")
+        if gluon_warps == 4 and warpgroup_mma and rows is not None and rows > GLUON_FP8_WG_ROWS:
             raise ValueError(f"gluon_warps=4 (the warpgroup form) takes calls of at most {GLUON_FP8_WG_ROWS} q rows a "
                              f"KV head; num_q_heads={num_q_heads} with q_len={q_len} gives {rows}")
         self.merge_chunks = merge_chunks
+        self.warpgroup_mma = warpgroup_mma
         self.warp_split = check_bool("warp_split", warp_split, allow_none=True)
         check_pdl(pdl, dev)
         self.pdl = pdl  # programmatic dependent launch; None: where the GPU supports it
@@ -616,7 +625,7 @@ class DecodePlan:
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
                 f"gluon_warps={self.gluon_warps}, deep_ring_tiles={self.deep_ring_tiles}, "
-                f"merge_chunks={self.merge_chunks}, "
+                f"merge_chunks={self.merge_chunks}, warpgroup_mma={self.warpgroup_mma}, "
                 f"num_q_heads={self.num_q_heads}, head_dim={self.head_dim}, "
                 f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
