@@ -835,13 +835,13 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     assert GLUON_FP8_MIN_KV_HEADS == {1: 2, 2: 1, 4: 1}
     sms = _runtime.num_sms(torch.device(device))
     for hkv, kv, gluon, warps, want in ((1, FP8, None, 1, False), (2, FP8, None, 1, True), (8, FP8, None, 1, True),
-                                        (1, FP8, None, None, True), (1, FP8, None, 2, True),
+                                        (1, FP8, None, None, True), (1, FP8, None, 2, True), (1, FP8, None, 4, True),
                                         (1, FP8, True, 1, True), (8, FP8, False, None, False),
                                         (1, None, True, None, False), (8, torch.bfloat16, True, None, False)):
         plan = evenflow.DecodePlan(2, 100, hkv, device=device, kv_dtype=kv, gluon=gluon, gluon_warps=warps)
         assert plan.takes_gluon == want, (hkv, kv, gluon, warps)
         pps = DEFAULT_PROGRAMS_PER_SM if not want else (
-            GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if hkv == 1 and (warps or 2) == 2 else GLUON_FP8_PROGRAMS_PER_SM)
+            GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if hkv == 1 and (warps or 2) in (2, 4) else GLUON_FP8_PROGRAMS_PER_SM)
         assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
         assert plan.per_sm == pps, (hkv, warps, plan.per_sm)
         assert f"gluon_warps={warps or 2}" in repr(plan), repr(plan)

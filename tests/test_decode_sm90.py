@@ -191,12 +191,13 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     each warp its 16 tokens' P V as 8 ``mma.sync`` on V converted in registers (32 F2FP, 4 LDS.128): under its cap
     of 128 registers (16 warps an SM) ptxas spills a few bytes outside the tile loops (12-48 in round AR's builds, 48
     the timeline build's: the bound here), none inside them. A two-warp plan at one KV head holds
-    GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM an SM (round AU), and its pad keeps the SM to that many."""
+    GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM an SM (round AU; a four-warp one since round AV), and its pad keeps the SM to
+    that many."""
     from evenflow.attention.plan import GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM
 
     w = _gluon_warps(GLUON[name])
     wg = w == 4 and GLUON[name].get("warpgroup_mma", True)  # the warpgroup form (else mma.sync at any W)
-    one_head = GLUON[name].get("hkv", 8) == 1 and GLUON[name].get("gluon_warps", 2) == 2
+    one_head = GLUON[name].get("hkv", 8) == 1 and GLUON[name].get("gluon_warps", 2) in (2, 4)
     PPS = GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if one_head else GLUON_FP8_PROGRAMS_PER_SM
     if "num_programs" in GLUON[name]:
         PPS = GLUON[name]["num_programs"] // 132

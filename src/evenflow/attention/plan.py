@@ -59,7 +59,10 @@ GLUON_FP8_PROGRAMS_PER_SM = 4
 # the same busy bins at either count (spread over the SMs alike; where the 272-464 more idle programs at 4 an SM cost
 # the time is not measured), 1.04-1.05x on the record's 1x128K+31x4K (its long item in half the chunks), 1.00-1.03x on
 # 2x64K+30x1K, level on three, 0.95-0.96x on 2x32K+30x4K (its budget rounds from 8 to 12 tiles at 264 programs);
-# docs/perf-notes/decode.md. One warp and the warpgroup form keep 4 (not measured).
+# docs/perf-notes/decode.md. Round AV2's timelines: at 4 an SM the dispatcher puts up to 4 busy programs on one SM
+# while others hold none, and a program's tile time grows with the busy programs beside it; 2 an SM caps that at 2.
+# The four-warp plans (``gluon_warps=4``) take the same count since round AV4 (the warpgroup form at 2 an SM ran the
+# fp8-q TP8 slices 1.02-1.24x faster than at 4, every slice in both passes); one warp keeps 4 (not measured).
 GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM = 2
 # An fp8 plan takes the Gluon kernel from this many KV heads (``DecodePlan(gluon=None)``), by warps a program.
 # One warp: round AF5 (H200, graph replay, seven cases at 8 q / 1 kv heads, the TP8 slice of each standard case):
@@ -195,10 +198,11 @@ def gluon_fp8_shape_misses(head_dim: int | None, rows: int | None) -> tuple[bool
 
 def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int) -> int:
     """Persistent programs an SM of a plan: DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
-    the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two warps."""
+    the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two or four
+    warps."""
     if not gluon:
         return DEFAULT_PROGRAMS_PER_SM
-    if num_kv_heads == 1 and gluon_warps == 2:
+    if num_kv_heads == 1 and gluon_warps in (2, 4):
         return GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM
     return GLUON_FP8_PROGRAMS_PER_SM
 
