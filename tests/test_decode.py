@@ -901,10 +901,13 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
             evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=bad)
     with pytest.raises(TypeError, match="merge_chunks"):
         evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, merge_chunks=12.0)
-    # the warpgroup form (round AR): the default's ring, bins and reading ahead, at one KV head too
+    # the warpgroup form (round AR): the default's ring, bins and reading ahead, at one KV head too, where since
+    # round AV it holds the two-warp default's 2 programs an SM (padded the same: 5 slots)
     plan = evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8, gluon_warps=4)
     assert (plan.takes_gluon, plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad, plan.per_sm) == \
-        (True, 3, GLUON_FP8_DEEP_TILES, 0, sms4) and "gluon_warps=4" in repr(plan)
+        (True, 3, GLUON_FP8_DEEP_TILES, 2, GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM) and "gluon_warps=4" in repr(plan)
+    plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4)
+    assert (plan.resident_pad, plan.per_sm) == (0, sms4)
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon=False).deep_ring_tiles == 0
     for bad in (1, "yes"):
         with pytest.raises(TypeError, match="gluon"):
