@@ -889,7 +889,8 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
                       (dict(kv_dtype=FP8, combine="kernel"), "combine='kernel'")):
         with pytest.raises(ValueError, match=f"merge_chunks=12 stages that many chunks.*{named}"):
             evenflow.DecodePlan(2, 100, 8, device=device, merge_chunks=12, **kw)
-    with pytest.raises(ValueError, match="gluon_warps=4 .the warpgroup form. needs a ring of 3 or more slots"):
+    with pytest.raises(ValueError,
+                       match="gluon_warps=4 .four warps a program: the warpgroup form.*needs a ring of 3 or more"):
         evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, num_stages=2)
     evenflow.DecodePlan(2, 100, 8, device=device, gluon_warps=4, num_stages=2)  # no Gluon kernel: nothing to refuse
     with pytest.raises(ValueError, match="gluon_warps=4 .the warpgroup form. takes calls of at most 8 q rows"):
@@ -907,7 +908,16 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     assert (plan.takes_gluon, plan.gluon_stages, plan.deep_ring_tiles, plan.resident_pad, plan.per_sm) == \
         (True, 3, GLUON_FP8_DEEP_TILES, 2, GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM) and "gluon_warps=4" in repr(plan)
     plan = evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4)
-    assert (plan.resident_pad, plan.per_sm) == (0, sms4)
+    assert (plan.resident_pad, plan.per_sm, plan.min_pad) == (0, sms4, 0)
+    # four warps on mma.sync (round AV): 2 an SM at any KV-head count (its registers), its 3-slot ring padded to the
+    # 4 slots where the warps' outputs meet, without PDL too; under PDL the pad that keeps an SM to 2 (5 slots)
+    for hkv in (1, 8):
+        plan = evenflow.DecodePlan(2, 100, hkv, device=device, kv_dtype=FP8, gluon_warps=4, warpgroup_mma=False,
+                                   gluon=True)
+        assert (plan.per_sm, plan.gluon_stages, plan.min_pad, plan.resident_pad) == (2, 3, 1, 2), hkv
+    with pytest.raises(ValueError, match="gluon_warps=4"):
+        evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=4, warpgroup_mma=False,
+                            num_stages=2)
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon=False).deep_ring_tiles == 0
     for bad in (1, "yes"):
         with pytest.raises(TypeError, match="gluon"):

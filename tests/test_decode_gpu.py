@@ -387,17 +387,15 @@ def test_gluon_fp8_deeper_rings_at_one_kv_head(stages, qdt):
 
 
 @pytest.mark.parametrize("qdt", [torch.bfloat16, FP8], ids=["bf16-q", "fp8-q"])
-@pytest.mark.parametrize("hq,hkv,q_len,pps", [(8, 1, 1, 2), (16, 1, 1, 2), (32, 4, 2, 2), (64, 8, 1, 4)])
-def test_gluon_fp8_four_warps_on_mma_sync(hq, hkv, q_len, pps, qdt):
+@pytest.mark.parametrize("hq,hkv,q_len", [(8, 1, 1), (16, 1, 1), (32, 4, 2), (64, 8, 1)])
+def test_gluon_fp8_four_warps_on_mma_sync(hq, hkv, q_len, qdt):
     """``DecodePlan(gluon_warps=4, warpgroup_mma=False)`` (round AV): every call on four warps of mma.sync, 16
-    tokens a warp a tile (exact products: the two-warp form's tolerance, not the warpgroup form's), at 2 programs
-    an SM and at 4 (8 KV heads), bf16 q and fp8 q, up to 16 q rows a KV head; against the fp64 reference."""
+    tokens a warp a tile (exact products: the two-warp form's tolerance, not the warpgroup form's), at its 2
+    programs an SM, bf16 q and fp8 q, up to 16 q rows a KV head; against the fp64 reference."""
     lens = [128 * K, 3, 0, 4 * K + 1, 700, 64, 65, 17 * K]
     q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=hq, q_len=q_len, kv=FP8, qdt=qdt)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan, supported = _gluon_plan(lens, sl, hkv=hkv, q_len=q_len, warps=4, warpgroup_mma=False,
-                                  num_programs=pps * sms, merge_chunks=12)
-    assert supported(q, k, plan, hq // hkv * q_len) and plan.per_sm == pps
+    plan, supported = _gluon_plan(lens, sl, hkv=hkv, q_len=q_len, warps=4, warpgroup_mma=False, merge_chunks=12)
+    assert supported(q, k, plan, hq // hkv * q_len) and plan.per_sm == 2
     out = poisoned(q.shape, torch.bfloat16, "cuda")
     o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=0.03, v_scale=0.02, out=out,
                                        return_lse=True)

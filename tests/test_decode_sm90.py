@@ -132,13 +132,17 @@ GLUON = {
     # deeper rings at one KV head (round AV: 2 programs an SM leave room for 4-6 slots; the knob rows
     # evenflow-g2-s4 / -s5 / -s6 of benchmarks/decode.py)
     **{f"gluon-fp8-tp8-slice-s{n}": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, num_stages=n) for n in (4, 5, 6)},
-    # four warps a program on mma.sync (DecodePlan(gluon_warps=4, warpgroup_mma=False), round AV) at 2 an SM, bf16 q
-    # and fp8 q (both take it), and at 4 an SM (8 KV heads; its outputs meet in K's ring, which holds 4 slots there)
+    # four warps a program on mma.sync (DecodePlan(gluon_warps=4, warpgroup_mma=False), round AV), 2 an SM at every
+    # KV-head count, bf16 q and fp8 q (both take it); without PDL its 3-slot ring is padded to the 4 slots where the
+    # warps' outputs meet
     "gluon-fp8-mma4-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, gluon=True, gluon_warps=4,
-                                     warpgroup_mma=False, num_programs=264, merge_chunks=12),
+                                     warpgroup_mma=False, merge_chunks=12),
     "gluon-fp8-mma4-tp8-slice-fp8-q": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon=True,
-                                           gluon_warps=4, warpgroup_mma=False, num_programs=264, merge_chunks=12),
+                                           gluon_warps=4, warpgroup_mma=False, merge_chunks=12),
+    "gluon-fp8-mma4": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=4, warpgroup_mma=False),
+    "gluon-fp8-mma4-nopdl": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=4, warpgroup_mma=False, pdl=False),
 }
+SMS = 132  # CC.emulate_gpu's SMs
 
 
 def _gluon_warps(kw):
@@ -193,23 +197,23 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     the timeline build's: the bound here), none inside them. A two-warp plan at one KV head holds
     GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM an SM (round AU; a four-warp one since round AV), and its pad keeps the SM to
     that many."""
-    from evenflow.attention.plan import GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM
+    from evenflow.attention.plan import default_programs_per_sm
 
-    w = _gluon_warps(GLUON[name])
-    wg = w == 4 and GLUON[name].get("warpgroup_mma", True)  # the warpgroup form (else mma.sync at any W)
-    one_head = GLUON[name].get("hkv", 8) == 1 and GLUON[name].get("gluon_warps", 2) in (2, 4)
-    PPS = GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if one_head else GLUON_FP8_PROGRAMS_PER_SM
-    if "num_programs" in GLUON[name]:
-        PPS = GLUON[name]["num_programs"] // 132
+    kw = GLUON[name]
+    w = _gluon_warps(kw)
+    wg = w == 4 and kw.get("warpgroup_mma", True)  # the warpgroup form (else mma.sync at any W)
+    PPS = default_programs_per_sm(True, kw.get("hkv", 8), kw.get("gluon_warps", 2), kw.get("warpgroup_mma", True))
+    if "num_programs" in kw:
+        PPS = kw["num_programs"] // SMS
     st = _gluon_stats(name)
     assert st["num_warps"] == w and st["spill_bytes"] <= (48 if wg else 0), st
     assert st["regs"] * 32 * w * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st
-    if GLUON[name].get("pdl", True):
+    if kw.get("pdl", True):
         assert (st["shared"] + 1024) * (PPS + 1) > 233472, st
     # the innermost loops with MMAs are the tile loops (since round AM the default has two: short and long chunks);
     # every other loop with MMAs (a SASS loop body holds the loops nested in it) holds all of them
     loops = sorted((lp for lp in st["loops"] if lp["ops"].get("HMMA.16816.F32")), key=lambda lp: lp["instructions"])
-    deep = GLUON[name].get("deep_ring_tiles", 16 if w > 1 and GLUON[name].get("num_stages", 3) >= 3 else 0)
+    deep = kw.get("deep_ring_tiles", 16 if w > 1 and kw.get("num_stages", 3) >= 3 else 0)
     n_tile = 2 if deep else 1
     tile_loops = [lp["ops"] for lp in loops[:n_tile]]
     per_tile = 8 if wg else 128 // w

@@ -505,7 +505,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.gluon_stages if gluon else (plan.num_stages or 0),
                    plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
-                   plan.combine == "fused", gluon, early, plan.resident_pad if pdl and plan.resident_cap else 0,
+                   plan.combine == "fused", gluon, early,
+                   plan.resident_pad if pdl and plan.resident_cap else plan.min_pad,
                    plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.gluon_warps,
                    plan.deep_ring_tiles, plan.merge_chunks, plan.warpgroup_mma)
     else:

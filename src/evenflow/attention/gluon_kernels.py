@@ -658,11 +658,6 @@ def decode_fp8_kernel(
     if WG:  # the warpgroup form: K's slots as wgmma reads them, and q
         k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, TILE, D], KQ_SW)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [WG_N, D], KQ_SW)
-    elif WARPS == 4 and STAGES > 2 and STAGES + PAD < 4:
-        # four warps on mma.sync (round AV): their outputs [4, 16, 128] fp32 (32 KB) meet in K's ring, so it holds
-        # at least 4 slots
-        k_s = gl.allocate_shared_memory(gl.float8e4nv, [4, WARPS, TILE // WARPS, D], SMEM)
-        q_s = k_s  # not used
     else:
         k_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES + PAD, WARPS, TILE // WARPS, D], SMEM)
         q_s = k_s  # not used
@@ -673,7 +668,9 @@ def decode_fp8_kernel(
     elif WARPS > 1 and STAGES > 2:
         # two warps beside 3 or more ring slots (at 3, no room for an output buffer at 4 programs an SM): the warps'
         # outputs [W, 16, 128] fp32 meet in K's ring slots 0-1 (16 KB, idle after a chunk: the loop's last wait and
-        # barrier), one store / load round as with the buffer below; four warps on mma.sync in its slots 0-3
+        # barrier), one store / load round as with the buffer below; four warps on mma.sync (round AV) in its slots
+        # 0-3 (the plan pads a 3-slot ring to 4: ``DecodePlan.min_pad``)
+        gl.static_assert(WARPS * 16 * D * 4 <= (STAGES + PAD) * TILE * D, "the warps' outputs overflow K's ring")
         o_s = k_s._reinterpret(gl.float32, [WARPS, 16, D], OSTAGE)
     elif WARPS > 1:
         # where the warps' outputs meet after a chunk (16 KB at 2 warps: it counts as a ring slot for PAD)

@@ -102,11 +102,17 @@ GLUON_FP8_DEEP_TILES = 16
 # of the Triton kernel's. 4 warps would make 16 warps an SM at 4 programs, at most 128 registers a thread (65,536 /
 # (16 x 32)); the 2-warp build takes 184-231 (sm_90, history/round-al1/sm90_stats.log).
 GLUON_FP8_WARPS = 2
-# Four warps (round AR) is the warpgroup form: the scores of an fp8 q on ``wgmma`` (e4m3 from shared memory, N = 8,
-# no conversion of K), each warp's softmax over 16 tokens of a tile, its P V on ``mma.sync`` (sm_90: see
+# Four warps (round AR) are by default the warpgroup form: the scores of an fp8 q on ``wgmma`` (e4m3 from shared
+# memory, N = 8, no conversion of K), each warp's softmax over 16 tokens of a tile, its P V on ``mma.sync`` (sm_90: see
 # tests/test_decode_sm90.py for its registers and instructions); it takes calls with an fp8 q and at most
 # GLUON_FP8_WG_ROWS q rows a KV head; the plan's other calls (bf16 q, more rows) run the two-warp form on its bins.
+# With ``DecodePlan(warpgroup_mma=False)`` (round AV) every call runs four warps on ``mma.sync`` instead: 211-214
+# registers a thread in its sm_90 builds (history/round-av-cpu/mma4_builds.json.txt), so 2 programs an SM at every KV-head count, and
+# its warps' outputs [4, 16, 128] fp32 (32 KB) meet in K's ring, which then holds at least GLUON_FP8_MMA4_SLOTS slots
+# (unused ones padding a 3-slot ring).
 GLUON_FP8_WARP_COUNTS = (1, 2, 4)
+GLUON_FP8_MMA4_PROGRAMS_PER_SM = 2
+GLUON_FP8_MMA4_SLOTS = 4
 GLUON_FP8_WG_ROWS = 8
 # Chunks the Gluon kernel's fused merge reads together (one memory round trip) and merges as one group
 # (``DecodePlan(merge_chunks=)``, round AR): 8, or 12 where the ring has 3 or more slots (12 outputs of 4 KB in its
@@ -163,19 +169,20 @@ def gluon_programs_fit(ring: int, device: torch.device) -> int:
     return _smem_per_sm(device) // _gluon_block(ring)
 
 
-def resident_pad(programs: int, stages: int, device: torch.device) -> int:
-    """Unused ring slots for the Gluon kernel under PDL: the fewest that make one program more
-    than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a next call's programs
-    launched early take only the slots this call frees), 0 where no slot count does both."""
+def resident_pad(programs: int, stages: int, device: torch.device, min_pad: int = 0) -> int:
+    """Unused ring slots for the Gluon kernel under PDL: the fewest (at least ``min_pad``, the slots a form needs
+    past its ring) that make one program more than an SM can hold beside the ``ceil(programs / SMs)`` it runs (so a
+    next call's programs launched early take only the slots this call frees), ``min_pad`` where no slot count does
+    both."""
     per_sm = programs_per_sm(programs, device)
     smem = _smem_per_sm(device)
-    for pad in range(8):
+    for pad in range(min_pad, 8):
         block = _gluon_block(stages + pad)
         if per_sm * block > smem:
-            return 0
+            return min_pad
         if (per_sm + 1) * block > smem:
             return pad
-    return 0
+    return min_pad
 
 
 def takes_gluon(kv_dtype: torch.dtype | None, num_kv_heads: int, gluon: bool | None = None,
@@ -196,12 +203,14 @@ def gluon_fp8_shape_misses(head_dim: int | None, rows: int | None) -> tuple[bool
             rows is not None and rows > GLUON_FP8_MAX_ROWS)
 
 
-def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int) -> int:
+def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int, warpgroup_mma: bool = True) -> int:
     """Persistent programs an SM of a plan: DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
     the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two or four
-    warps."""
+    warps, GLUON_FP8_MMA4_PROGRAMS_PER_SM for four warps on mma.sync (``warpgroup_mma=False``) at any count."""
     if not gluon:
         return DEFAULT_PROGRAMS_PER_SM
+    if gluon_warps == 4 and not warpgroup_mma:
+        return GLUON_FP8_MMA4_PROGRAMS_PER_SM
     if num_kv_heads == 1 and gluon_warps in (2, 4):
         return GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM
     return GLUON_FP8_PROGRAMS_PER_SM
@@ -417,13 +426,17 @@ class DecodePlan:
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
         if gluon_plan and gluon_warps == 4 and stages < 3:
-            # its outputs meet in K's idle slots, so 2 slots would let 6 programs onto an SM, while the plan's other
-            # calls (two warps beside 2 slots) need a 16 KB buffer more: no pad fits both
-            raise ValueError(f"gluon_warps=4 (the warpgroup form) needs a ring of 3 or more slots, got "
-                             f"num_stages={num_stages}")
+            # the warpgroup form's outputs meet in K's idle slots, so 2 slots would let 6 programs onto an SM, while
+            # the plan's other calls (two warps beside 2 slots) need a 16 KB buffer more: no pad fits both; the
+            # mma.sync form's outputs meet in the ring too
+            raise ValueError(f"gluon_warps=4 (four warps a program: the warpgroup form, or mma.sync with "
+                             f"warpgroup_mma=False) needs a ring of 3 or more slots, got num_stages={num_stages}")
         ring = stages + (gluon_warps > 1 and stages <= 2)
-        fit = gluon_programs_fit(ring, dev)
-        default_per_sm = default_programs_per_sm(gluon_plan, num_kv_heads, gluon_warps)
+        # the four-warp mma.sync form's outputs need GLUON_FP8_MMA4_SLOTS slots of K's ring: unused slots pad a
+        # shorter ring, with PDL or without
+        min_pad = max(0, GLUON_FP8_MMA4_SLOTS - ring) if gluon_plan and gluon_warps == 4 and not warpgroup_mma else 0
+        fit = gluon_programs_fit(ring + min_pad, dev)
+        default_per_sm = default_programs_per_sm(gluon_plan, num_kv_heads, gluon_warps, warpgroup_mma)
         if gluon_plan and num_programs is None and fit < default_per_sm:
             raise ValueError(f"num_stages={num_stages}: the Gluon kernel's {ring} ring slots of 16 KB leave an SM "
                              f"{fit} programs, fewer than the default num_programs plans "
@@ -504,11 +517,10 @@ class DecodePlan:
                              f"gluon={gluon}, gluon_warps={gluon_warps}, num_kv_heads={num_kv_heads}, "
                              f"num_stages={num_stages} ({stages} slots), combine={combine!r}"
                              + "".join(f", {o}" for o in other_page + other_shape + triton_options))
-        if not warpgroup_mma and (gluon_warps != 4 or not gluon_plan or stages < 3):
+        if not warpgroup_mma and (gluon_warps != 4 or not gluon_plan):
             raise ValueError(f"warpgroup_mma=False runs every call of a Gluon fp8 plan on four warps of mma.sync: it "
-                             f"needs gluon_warps=4, a plan for the Gluon kernel and 3 or more ring slots; got "
-                             f"gluon_warps={gluon_warps}, Gluon plan {gluon_plan}, num_stages={num_stages} "
-                             f"({stages} slots)")
+                             f"needs gluon_warps=4 and a plan for the Gluon kernel; got gluon_warps={gluon_warps}, "
+                             f"Gluon plan {gluon_plan}")
         if gluon_warps == 4 and warpgroup_mma and rows is not None and rows > GLUON_FP8_WG_ROWS:
             raise ValueError(f"gluon_warps=4 (the warpgroup form) takes calls of at most {GLUON_FP8_WG_ROWS} q rows a "
                              f"KV head; num_q_heads={num_q_heads} with q_len={q_len} gives {rows}")
@@ -535,7 +547,8 @@ class DecodePlan:
         self.warned_kernel = False
         # the Gluon fp8 kernel's layout under PDL, once per plan (device properties): unused ring slots and
         # the program -> bin stride (decode_attention passes them where its options keep them on)
-        self.resident_pad = resident_pad(num_programs, ring, dev)
+        self.resident_pad = resident_pad(num_programs, ring, dev, min_pad)
+        self.min_pad = min_pad  # the ring's pad without PDL (or with resident_cap off)
         self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
