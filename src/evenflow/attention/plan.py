@@ -107,9 +107,9 @@ GLUON_FP8_WARPS = 2
 # tests/test_decode_sm90.py for its registers and instructions); it takes calls with an fp8 q and at most
 # GLUON_FP8_WG_ROWS q rows a KV head; the plan's other calls (bf16 q, more rows) run the two-warp form on its bins.
 # With ``DecodePlan(warpgroup_mma=False)`` (round AV) every call runs four warps on ``mma.sync`` instead: 211-214
-# registers a thread in its sm_90 builds (history/round-av-cpu/mma4_builds.json.txt), so 2 programs an SM at every KV-head count, and
-# its warps' outputs [4, 16, 128] fp32 (32 KB) meet in K's ring, which then holds at least GLUON_FP8_MMA4_SLOTS slots
-# (unused ones padding a 3-slot ring).
+# registers a thread in its sm_90 builds (history/round-av-cpu/mma4_builds.json.txt), so 2 programs an SM at every
+# KV-head count, and its warps' outputs [4, 16, 128] fp32 (32 KB) meet in K's ring, which then holds at least
+# GLUON_FP8_MMA4_SLOTS slots (unused ones padding a 3-slot ring).
 GLUON_FP8_WARP_COUNTS = (1, 2, 4)
 GLUON_FP8_MMA4_PROGRAMS_PER_SM = 2
 GLUON_FP8_MMA4_SLOTS = 4
