@@ -56,9 +56,9 @@ DEFAULT_COMBINE = "fused"
 GLUON_FP8_PROGRAMS_PER_SM = 4
 # ... and of a two-warp Gluon plan at one KV head (the TP8 slice of most GQA models), round AU. AU3's A/B on the TP8
 # slices of the 10 standard cases (H200, fp8 KV, two passes): 1.18-1.35x at four where the minimum-work floor leaves
-# the same busy bins at either count (spread over the SMs alike; where the 272-464 more idle programs at 4 an SM cost
-# the time is not measured), 1.04-1.05x on the record's 1x128K+31x4K (its long item in half the chunks), 1.00-1.03x on
-# 2x64K+30x1K, level on three, 0.95-0.96x on 2x32K+30x4K (its budget rounds from 8 to 12 tiles at 264 programs);
+# the same busy bins at either count, 1.04-1.05x on the record's 1x128K+31x4K (its long item in half the chunks),
+# 1.00-1.03x on 2x64K+30x1K, level on three, 0.95-0.96x on 2x32K+30x4K (its budget rounds from 8 to 12 tiles at 264
+# programs);
 # docs/perf-notes/decode.md. Round AV2's timelines: at 4 an SM the dispatcher puts up to 4 busy programs on one SM
 # while others hold none, and a program's tile time grows with the busy programs beside it; 2 an SM caps that at 2.
 # The four-warp plans (``gluon_warps=4``) take the same count since round AV4 (the warpgroup form at 2 an SM ran the
