@@ -150,8 +150,8 @@ PLAN_KNOBS = {
     # head (two warps)
     "evenflow-g-pps4": lambda sms: dict(typed=True, num_programs=4 * sms),
     # round AV: deeper rings for the one-KV-head plan's 2 programs an SM (4, 5, 6 slots of 16 KB: still 2 an SM; at
-    # more KV heads, 4 an SM, these rings do not fit and the plan refuses them: error rows)
-    **{f"evenflow-g2-s{n}": (lambda sms, n=n: dict(typed=True, num_stages=n)) for n in (4, 5, 6)},
+    # more KV heads, whose default 4 an SM these rings do not fit, the rows run 2 an SM too)
+    **{f"evenflow-g2-s{n}": (lambda sms, n=n: dict(typed=True, num_stages=n, num_programs=2 * sms)) for n in (4, 5, 6)},
     "evenflow-g-np512": lambda sms: dict(typed=True, num_programs=512),
     "evenflow-g-hnd": lambda sms: dict(typed=True),
     # the fp8 plan without align_longer (round AC2's rule off: fp8 8x32K and 1x64K+15x4K get their old budgets)
@@ -431,6 +431,11 @@ def as_hnd(cache: torch.Tensor) -> torch.Tensor:
     return cache.transpose(1, 2).contiguous().transpose(1, 2)
 
 
+# plan keywords of the Gluon fp8 kernel alone, which a plan for another kernel refuses: a knob row drops them for a
+# bf16 cache
+GLUON_ONLY_KNOBS = ("deep_ring_tiles", "merge_chunks", "warpgroup_mma")
+
+
 def knob_inputs(impl: str, inp: Inputs) -> Inputs:
     """``inp`` as the knob row ``impl`` runs it: over an HND copy of the caches for ``HND_IMPLS``."""
     if impl in HND_IMPLS:
@@ -454,7 +459,7 @@ def evenflow_plan(impl: str, inp: Inputs):
     if knobs.pop("typed", False):
         knobs["kv_dtype"] = inp.kv_dtype  # as an engine that knows its cache's dtype builds it
     if knobs.get("kv_dtype") != torch.float8_e4m3fn:
-        for gluon_only in ("deep_ring_tiles", "merge_chunks"):  # the Gluon fp8 kernel's knobs: refused elsewhere
+        for gluon_only in GLUON_ONLY_KNOBS:  # the Gluon fp8 kernel's knobs: refused elsewhere
             knobs.pop(gluon_only, None)
     return DecodePlan(c.batch, inp.page_tables[0].shape[1] * PAGE_SIZE, c.num_kv_heads, page_size=PAGE_SIZE,
                       q_len=1, device=inp.seq_lens.device, **knobs).update(inp.seq_lens)

@@ -447,8 +447,8 @@ def test_evenflow_calls_compute_the_benchmark_reference(impl):
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
     """Every knob row (``PLAN_KNOBS``) builds a plan for both cache dtypes (a row the plan refuses would only fail
-    on the GPU, mid-run), the plan holds each of the row's keywords as given (``deep_ring_tiles`` and
-    ``merge_chunks``, the Gluon fp8 kernel's, are dropped for a bf16 cache) and a ``typed`` row's plan the cache's
+    on the GPU, mid-run), the plan holds each of the row's keywords as given (``deep_ring_tiles``, ``merge_chunks`` and
+    ``warpgroup_mma``, the Gluon fp8 kernel's, are dropped for a bf16 cache) and a ``typed`` row's plan the cache's
     dtype."""
     from evenflow._runtime import num_sms
     from evenflow.attention.plan import DEFAULT_ITEM_COST
@@ -461,8 +461,9 @@ def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
         assert plan.batch == case.batch, impl
         assert plan.kv_dtype == (kv_dtype if kw.pop("typed", False) else None), impl
         if kv_dtype != torch.float8_e4m3fn:
-            kw.pop("deep_ring_tiles", None)
-            kw.pop("merge_chunks", None)
+            assert {"deep_ring_tiles", "merge_chunks"} <= set(D.GLUON_ONLY_KNOBS)
+            for name in D.GLUON_ONLY_KNOBS:
+                kw.pop(name, None)
         assert {k: getattr(plan, k) for k in kw} == kw, impl
         assert plan.item_cost == kw.get("item_cost", DEFAULT_ITEM_COST), impl
 
