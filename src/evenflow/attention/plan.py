@@ -58,11 +58,11 @@ GLUON_FP8_PROGRAMS_PER_SM = 4
 # slices of the 10 standard cases (H200, fp8 KV, two passes): 1.18-1.35x at four where the minimum-work floor leaves
 # the same busy bins at either count, 1.04-1.05x on the record's 1x128K+31x4K (its long item in half the chunks),
 # 1.00-1.03x on 2x64K+30x1K, level on three, 0.95-0.96x on 2x32K+30x4K (its budget rounds from 8 to 12 tiles at 264
-# programs);
-# docs/perf-notes/decode.md. Round AV2's timelines: at 4 an SM the dispatcher puts up to 4 busy programs on one SM
-# while others hold none, and a program's tile time grows with the busy programs beside it; 2 an SM caps that at 2.
-# The four-warp plans (``gluon_warps=4``) take the same count since round AV4 (the warpgroup form at 2 an SM ran the
-# fp8-q TP8 slices 1.02-1.24x faster than at 4, every slice in both passes); one warp keeps 4 (not measured).
+# programs); docs/perf-notes/decode.md. Round AV2's timelines: at 4 an SM the dispatcher puts up to 4 busy programs
+# on one SM while others hold none, and a program's tile time grows with the busy programs beside it; 2 an SM caps
+# that at 2. The four-warp plans (``gluon_warps=4``) take the same count since round AV4 (the warpgroup form at 2 an
+# SM ran the fp8-q TP8 slices 1.02-1.24x faster than at 4, every slice in both passes); one warp keeps 4 (not
+# measured).
 GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM = 2
 # An fp8 plan takes the Gluon kernel from this many KV heads (``DecodePlan(gluon=None)``), by warps a program.
 # One warp: round AF5 (H200, graph replay, seven cases at 8 q / 1 kv heads, the TP8 slice of each standard case):
@@ -262,8 +262,9 @@ class DecodePlan:
     or 128 tokens and none of the Triton kernel's launch options (``num_warps``, ``block_n``, ``max_registers``,
     ``warp_split``, ``num_stages=1``: such a plan is built for the Triton kernel, and ``gluon=True`` with one of them
     or another page size raises), the plan is sized for the Gluon fp8 kernel
-    (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs (2 x SMs at one KV head and two warps, round AU:
-    ``GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM``), ``gluon_warps`` warps a program (default 2,
+    (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs (2 x SMs at one KV head and two or four warps,
+    rounds AU / AV: ``GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM``, and for four warps on mma.sync at any KV-head count:
+    ``default_programs_per_sm``), ``gluon_warps`` warps a program (default 2,
     each taking half of every tile, their outputs merged after each chunk in the idle ring, or beside a 2-slot ring
     in a 16 KB buffer; 1 = the one-warp kernel of rounds AB-AK), a ring of ``num_stages`` tiles (default 3 at two
     warps, 2 at one: ``GLUON_FP8_STAGES``; more slots than leave an SM the default count of programs are refused unless
@@ -289,7 +290,7 @@ class DecodePlan:
     A call whose cache dtype differs from a given ``kv_dtype`` raises.
 
     ``num_programs``: persistent programs of the attention kernel (default
-    ``2 * SMs``; ``4 * SMs`` for the Gluon kernel, ``2 * SMs`` there at one KV head and two warps). ``min_tiles``:
+    ``2 * SMs``; ``4 * SMs`` for the Gluon kernel, ``2 * SMs`` where ``default_programs_per_sm`` says). ``min_tiles``:
     the minimum work per program in 64-token tiles
     (default 8 = 512 tokens), so small batches are not over-split. The budget per program
     is ``max(ceil(total tiles / num_programs), min_tiles)``; with ``align_items`` (default)
@@ -438,8 +439,8 @@ class DecodePlan:
         fit = gluon_programs_fit(ring + min_pad, dev)
         default_per_sm = default_programs_per_sm(gluon_plan, num_kv_heads, gluon_warps, warpgroup_mma)
         if gluon_plan and num_programs is None and fit < default_per_sm:
-            raise ValueError(f"num_stages={num_stages}: the Gluon kernel's {ring} ring slots of 16 KB leave an SM "
-                             f"{fit} programs, fewer than the default num_programs plans "
+            raise ValueError(f"num_stages={num_stages}: the Gluon kernel's {ring + min_pad} ring slots of 16 KB leave "
+                             f"an SM {fit} programs, fewer than the default num_programs plans "
                              f"({default_per_sm} an SM); pass num_programs or a smaller num_stages")
         two_loops = gluon_plan and stages >= 3 and gluon_warps > 1  # where the kernel may read ahead by chunk length
         if deep_ring_tiles is None:
