@@ -224,6 +224,8 @@ PLAN_KNOBS = {
     # round AV: the warpgroup form at 2 programs an SM (its fp8-q calls: 4 warps a program, each with half the two-warp
     # form's chain a tile), the one-KV-head count of the two-warp default
     "evenflow-g-wg-pps2": lambda sms: dict(typed=True, gluon_warps=4, num_programs=2 * sms),
+    # round AW: the same with the 12-chunk merge (the two-warp default's batch on 3 ring slots)
+    "evenflow-g-wg-pps2-mb12": lambda sms: dict(typed=True, gluon_warps=4, num_programs=2 * sms, merge_chunks=12),
     # four warps a program on mma.sync for every call (bf16 q and fp8 q, exact products), 2 an SM, the 12-chunk merge
     "evenflow-g-mma4-pps2": lambda sms: dict(typed=True, gluon_warps=4, warpgroup_mma=False, num_programs=2 * sms,
                                              merge_chunks=12),
