@@ -148,7 +148,7 @@ PLAN_KNOBS = {
     "evenflow-g-pps2": lambda sms: dict(typed=True, num_programs=2 * sms),
     # round AU: 4 programs an SM, the Gluon plan's default at every KV-head count before round AU made it 2 at one KV
     # head (two warps)
-    "evenflow-g-pps4": lambda sms: dict(typed=True, num_programs=4 * sms),
+    "evenflow-g-pps4": lambda sms: dict(typed=True, num_programs=4 * sms, gluon_warps=2),
     # round AV: deeper rings for the one-KV-head plan's 2 programs an SM (4, 5, 6 slots of 16 KB: still 2 an SM; at
     # more KV heads, whose default 4 an SM these rings do not fit, the rows run 2 an SM too)
     **{f"evenflow-g2-s{n}": (lambda sms, n=n: dict(typed=True, num_stages=n, num_programs=2 * sms)) for n in (4, 5, 6)},
@@ -224,7 +224,10 @@ PLAN_KNOBS = {
     # round AV: the warpgroup form at 2 programs an SM (its fp8-q calls: 4 warps a program, each with half the two-warp
     # form's chain a tile), the one-KV-head count of the two-warp default
     "evenflow-g-wg-pps2": lambda sms: dict(typed=True, gluon_warps=4, num_programs=2 * sms),
-    # round AW: the same with the 12-chunk merge (the two-warp default's batch on 3 ring slots)
+    # round AW: the same with the 12-chunk merge (the two-warp default's batch on 3 ring slots). Since round AW the
+    # default at one KV head is four warps (fp8-q calls in the warpgroup form, 2 an SM, its 8-chunk merge): the
+    # evenflow-g-wg-pps2 row's program there; evenflow-g-w2 (gluon_warps=2) is the two-warp default before it. Rows
+    # above that leave gluon_warps unset take four warps at one KV head now where they ran two when measured.
     "evenflow-g-wg-pps2-mb12": lambda sms: dict(typed=True, gluon_warps=4, num_programs=2 * sms, merge_chunks=12),
     # four warps a program on mma.sync for every call (bf16 q and fp8 q, exact products), 2 an SM, the 12-chunk merge
     "evenflow-g-mma4-pps2": lambda sms: dict(typed=True, gluon_warps=4, warpgroup_mma=False, num_programs=2 * sms,

@@ -819,6 +819,49 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
             evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.05, v_scale=0.025)
 
 
+def test_one_kv_head_fp8_plan_takes_four_warps_with_the_two_warp_default_program_for_other_calls(device):
+    """Round AW: an fp8 plan for the Gluon kernel at one KV head takes four warps unless told (``gluon_warps=None``):
+    its fp8-q calls run the warpgroup form, merging ``wg_merge_chunks`` (8) chunks a round trip, its other calls the
+    two-warp default's program on the same bins (every plan value a launch reads equal to a ``gluon_warps=2`` plan's,
+    the 12-chunk merge included). Not where the plan is told more than 8 q rows a KV head, 2 ring slots, more KV
+    heads, another page size or no fp8 cache; ``merge_chunks=`` sets both batches."""
+    from evenflow.attention.plan import GLUON_FP8_WG_ROWS, GLUON_WG_MERGE_CHUNKS
+
+    sms = _runtime.num_sms(torch.device(device))
+    plan = evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8)
+    two = evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8, gluon_warps=2)
+    assert (plan.gluon_warps, plan.warpgroup_mma, plan.merge_chunks, plan.wg_merge_chunks) == (4, True, 12, 8)
+    assert GLUON_WG_MERGE_CHUNKS == 8 and GLUON_FP8_WG_ROWS == 8 and "wg_merge_chunks=8" in repr(plan)
+    for name in ("takes_gluon", "num_programs", "per_sm", "gluon_stages", "deep_ring_tiles", "resident_pad",
+                 "min_pad", "bin_stride", "merge_chunks", "min_tiles", "item_cost", "align_items", "align_longer",
+                 "align_growth", "combine", "prefetch", "pdl", "early_reads", "resident_cap", "spread_bins",
+                 "launch_next"):
+        assert getattr(plan, name) == getattr(two, name), name
+    # told 8 q rows a KV head (GQA 8, or 4 x q_len 2): four; told 16: two
+    assert evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8, num_q_heads=8).gluon_warps == 4
+    assert evenflow.DecodePlan(4, 1000, 1, q_len=2, device=device, kv_dtype=FP8, num_q_heads=4).gluon_warps == 4
+    assert evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8, num_q_heads=16).gluon_warps == 2
+    assert evenflow.DecodePlan(4, 1000, 1, q_len=2, device=device, kv_dtype=FP8, num_q_heads=8).gluon_warps == 2
+    for kw in (dict(kv_dtype=FP8, num_stages=2, num_programs=2 * sms), dict(kv_dtype=FP8, gluon=False),
+               dict(kv_dtype=FP8, page_size=32), dict(kv_dtype=torch.bfloat16), dict(),
+               dict(kv_dtype=FP8, head_dim=64)):
+        plan = evenflow.DecodePlan(4, 1000, 1, device=device, **kw)
+        assert plan.gluon_warps == 2, kw
+    for hkv in (2, 8):
+        assert evenflow.DecodePlan(4, 1000, hkv, device=device, kv_dtype=FP8).gluon_warps == 2, hkv
+    # the mma.sync form stays opt-in: warpgroup_mma=False still needs gluon_warps=4
+    with pytest.raises(ValueError, match="warpgroup_mma=False .*needs gluon_warps=4"):
+        evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8, warpgroup_mma=False)
+    # merge_chunks given: every call's batch; the explicit warpgroup plan's two-warp calls take the two-warp default's
+    for m in (8, 12):
+        plan = evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8, merge_chunks=m)
+        assert (plan.merge_chunks, plan.wg_merge_chunks) == (m, m)
+    plan = evenflow.DecodePlan(4, 1000, 8, device=device, kv_dtype=FP8, gluon_warps=4)
+    assert (plan.merge_chunks, plan.wg_merge_chunks) == (12, 8)
+    plan = evenflow.DecodePlan(4, 1000, 8, device=device, kv_dtype=FP8, gluon_warps=4, warpgroup_mma=False)
+    assert plan.merge_chunks == 8
+
+
 def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     """An fp8 plan is built for the Gluon kernel (4 programs an SM; at one KV head and two warps 2, round AU) at any
     KV-head count at 2 warps a program (the default, round AL2), from 2 KV heads at 1 (round AF5: at one KV head, the
@@ -844,11 +887,14 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
             GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM if hkv == 1 and (warps or 2) in (2, 4) else GLUON_FP8_PROGRAMS_PER_SM)
         assert plan.num_programs == pps * sms and f"gluon={gluon}" in repr(plan), (hkv, kv, gluon)
         assert plan.per_sm == pps, (hkv, warps, plan.per_sm)
-        assert f"gluon_warps={warps or 2}" in repr(plan), repr(plan)
-    # one KV head, two warps: 2 programs an SM, each padded from 3 ring slots to 5 (81 KB: two fit an SM's 228 KB, a
-    # third launched early by the next call does not)
+        # not given: four warps on a Gluon plan at one KV head (round AW), else two
+        assert f"gluon_warps={warps or (4 if want and hkv == 1 else 2)}" in repr(plan), repr(plan)
+    # one KV head, the default four warps (the warpgroup form for fp8-q calls, two warps for the others): 2 programs
+    # an SM, each padded from 3 ring slots to 5 (81 KB: two fit an SM's 228 KB, a third launched early by the next
+    # call does not)
     plan = evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8)
     assert (plan.per_sm, plan.gluon_stages, plan.resident_pad) == (2, 3, 2) and GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM == 2
+    assert plan.gluon_warps == 4 and plan.warpgroup_mma
     assert evenflow.DecodePlan(2, 100, 1, device=device, kv_dtype=FP8, num_programs=4 * sms).per_sm == 4
     # the default: two warps beside 3 ring slots, their outputs meeting in the idle ring (48 KB a program, no pad),
     # chunks of at most 16 tiles reading 2 tiles ahead; two warps beside 2 slots and a 16 KB output buffer (48 KB, no
@@ -878,7 +924,7 @@ def test_fp8_plan_takes_the_gluon_kernel_by_kv_heads_and_warps(device):
     assert evenflow.DecodePlan(2, 100, 8, device=device, kv_dtype=FP8, gluon_warps=1,
                                num_stages=3).merge_chunks == 8  # one warp: 12 allowed, not the default
     for kw in (dict(), dict(kv_dtype=torch.bfloat16), dict(kv_dtype=FP8, gluon_warps=1),
-               dict(kv_dtype=FP8, gluon_warps=4), dict(kv_dtype=FP8, num_stages=2), dict(kv_dtype=FP8, gluon=False),
+               dict(kv_dtype=FP8, num_stages=2), dict(kv_dtype=FP8, gluon=False),
                dict(kv_dtype=FP8, combine="kernel"), dict(kv_dtype=FP8, page_size=32),
                dict(kv_dtype=FP8, head_dim=64), dict(kv_dtype=FP8, num_warps=4)):
         assert evenflow.DecodePlan(2, 100, 8, device=device, **kw).merge_chunks == 8, kw

@@ -440,6 +440,32 @@ def test_gluon_warpgroup_fp8_q_real_shapes(case, merge_chunks):
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon warpgroup fp8 q {case}", fp8_scores=True)
 
 
+@pytest.mark.parametrize("qdt", [torch.bfloat16, FP8], ids=["bf16-q", "fp8-q"])
+@pytest.mark.parametrize("hq,q_len,case", [(8, 1, "1x128K+31x4K"), (8, 1, "32x128+32x4K"), (4, 2, "odd"),
+                                           (16, 1, "2x64K+30x1K")])
+def test_one_kv_head_default_plan_is_the_warpgroup_form_for_fp8_q_else_the_two_warp_form(hq, q_len, case, qdt):
+    """Round AW: a plan for an fp8 cache at one KV head takes four warps by default. A call with an fp8 q of at most 8
+    rows a KV head runs the warpgroup form (its output bitwise the explicit ``gluon_warps=4`` plan's with the 8-chunk
+    merge, within the rule of the fp8 GEMM baseline); every other call (a bf16 q, or 16 rows) the two-warp default's
+    program (bitwise the explicit ``gluon_warps=2`` plan's, within the rule of the exact-score baseline)."""
+    lens = CASES[case]
+    q, qs, k, v, pt, sl = inputs(lens, hkv=1, hq=hq, kv=FP8, qdt=qdt, q_len=q_len)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
+    wg = qdt == FP8 and hq * q_len <= 8
+    outs = []
+    for kw in ({}, dict(gluon_warps=4, merge_chunks=8) if wg else dict(gluon_warps=2)):
+        plan = evenflow.DecodePlan(len(lens), 128 * K, 1, q_len=q_len, device="cuda", kv_dtype=FP8, **kw).update(sl)
+        assert plan.gluon_warps == kw.get("gluon_warps", 4) and plan.per_sm == 2, plan
+        out = poisoned(q.shape, torch.bfloat16, "cuda")
+        outs.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
+                                              out=out, return_lse=True))
+    torch.cuda.synchronize()
+    (o, lse), (o2, lse2) = outs
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"{case}: the default and its explicit form differ"
+    check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=ks, vs=vs, what=f"one-KV-head default {case}",
+          fp8_scores=wg)
+
+
 @WARPS
 def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
     """Rows past a request's length in its last page are never read into the result: the

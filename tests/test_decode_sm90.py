@@ -106,6 +106,8 @@ GLUON = {
     # fp8 q with its per-token-per-head scale (decode.GLUON_FP8_Q, round AO: the scale folded into the row's score
     # scale before the tile loop, which stays as it is)
     "gluon-fp8-fp8-q": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8),
+    # the default at one KV head since round AW: four warps, so an fp8 q of 8 rows runs the warpgroup form
+    "gluon-fp8-fp8-q-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, qdt=FP8),
     "gluon-fp8-fp8-q-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
                                        kv_dtype=FP8, qdt=FP8),
     # the warpgroup form (gluon_warps=4, round AR): an fp8 q of at most 8 rows a KV head on wgmma scores; the plan's
@@ -146,11 +148,12 @@ SMS = 132  # CC.emulate_gpu's SMs
 
 
 def _gluon_warps(kw):
-    """Warps of the Gluon program a GLUON scenario launches: the plan's, but two where a warpgroup plan's call is not
-    the form's (a bf16 q, or more than 8 q rows a KV head)."""
-    from evenflow.attention.plan import GLUON_FP8_WARPS, GLUON_FP8_WG_ROWS
+    """Warps of the Gluon program a GLUON scenario launches: the plan's (not given: four at one KV head on 3 or more
+    ring slots, round AW, else two), but two where a warpgroup plan's call is not the form's (a bf16 q, or more than
+    8 q rows a KV head)."""
+    from evenflow.attention.plan import GLUON_FP8_WG_ROWS
 
-    w = kw.get("gluon_warps", GLUON_FP8_WARPS)
+    w = kw.get("gluon_warps", 4 if kw.get("hkv", 8) == 1 and kw.get("num_stages", 3) >= 3 else 2)
     rows = kw.get("hq", 64) // kw.get("hkv", 8) * kw.get("q_len", 1)
     if w == 4 and kw.get("warpgroup_mma", True) and not (kw.get("qdt") == FP8 and rows <= GLUON_FP8_WG_ROWS):
         return 2
@@ -244,6 +247,35 @@ def test_warpgroup_form_runs_only_where_wgmma_is_compiled(monkeypatch):
             _call(lens=[300, 5000], kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4)
         got[cap] = [dict(la.constexprs)["WARPS"] for la in rec if la.gluon]
     assert got == {(9, 0): [4], (8, 9): [2], (10, 0): [2]}, got
+
+
+def test_one_kv_head_default_launches_the_warpgroup_form_for_fp8_q_and_the_two_warp_default_otherwise(monkeypatch):
+    """Round AW: an fp8 plan at one KV head takes four warps by default. Its fp8-q calls of at most 8 q rows a KV head
+    launch the warpgroup form with the 8-chunk merge (the launch of an explicit ``gluon_warps=4, merge_chunks=8``
+    plan), every other call (a bf16 q; 16 rows a KV head) the two-warp default's launch (an explicit
+    ``gluon_warps=2`` plan's: same ring, pad, read-ahead and 12-chunk merge); a plan told more than 8 rows, or given
+    2 ring slots, takes two warps."""
+    from evenflow import _runtime as R
+
+    monkeypatch.setattr(R, "compiled_capability", lambda device=None: (9, 0))
+
+    def gluon_launches(**kw):
+        with CC.emulate_gpu(), CC.record_launches() as rec:
+            _call(lens=[300, 5000, 70000], hkv=1, kv=FP8, kv_dtype=FP8, **kw)
+        launches = [(la.constexprs, la.options) for la in rec if la.gluon]
+        assert len(launches) == 1, kw
+        return launches[0]
+
+    for hq, q_len, qdt in ((8, 1, FP8), (4, 2, FP8), (8, 1, torch.bfloat16), (16, 1, FP8)):
+        wg = qdt == FP8 and hq * q_len <= 8
+        got = gluon_launches(hq=hq, q_len=q_len, qdt=qdt)
+        want = dict(gluon_warps=4, merge_chunks=8) if wg else dict(gluon_warps=2)
+        assert got == gluon_launches(hq=hq, q_len=q_len, qdt=qdt, **want), (hq, q_len, qdt)
+        c = dict(got[0])
+        assert (c["WARPS"], c["WG"], c["FUSED_C"]) == ((4, True, 8) if wg else (2, False, 12)), c
+    for kw in (dict(num_q_heads=16), dict(num_stages=2, num_programs=2 * SMS)):
+        plan = evenflow.DecodePlan(4, 1024, 1, device="cpu", kv_dtype=FP8, **kw)
+        assert plan.gluon_warps == 2 and plan.takes_gluon, kw
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice",

@@ -224,6 +224,13 @@ def warpgroup_form_runs(q: torch.Tensor, rows: int) -> bool:
     return q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS and cap is not None and cap[0] == 9
 
 
+def _merge_batch(plan: DecodePlan, q: torch.Tensor, rows: int) -> int:
+    """The Gluon kernel's fused-merge batch for a call on ``plan``: the warpgroup form's (``plan.wg_merge_chunks``)
+    where the call runs that form, else ``plan.merge_chunks``."""
+    wg = plan.gluon_warps == 4 and plan.warpgroup_mma and warpgroup_form_runs(q, rows)
+    return plan.wg_merge_chunks if wg else plan.merge_chunks
+
+
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
     """Whether a call runs the Gluon fp8 kernel (``gluon_fp8_refusal`` says why not)."""
     return gluon_fp8_refusal(q, k_cache, plan, rows) is None
@@ -508,7 +515,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.combine == "fused", gluon, early,
                    plan.resident_pad if pdl and plan.resident_cap else plan.min_pad,
                    plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.gluon_warps,
-                   plan.deep_ring_tiles, plan.merge_chunks, plan.warpgroup_mma)
+                   plan.deep_ring_tiles, _merge_batch(plan, q, rows), plan.warpgroup_mma)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -111,6 +111,16 @@ GLUON_FP8_WARPS = 2
 # KV-head count, and its warps' outputs [4, 16, 128] fp32 (32 KB) meet in K's ring, which then holds at least
 # GLUON_FP8_MMA4_SLOTS slots (unused ones padding a 3-slot ring).
 GLUON_FP8_WARP_COUNTS = (1, 2, 4)
+# A plan built for the Gluon kernel at one KV head takes four warps by default (``gluon_warps=None``, round AW): its
+# fp8-q calls of at most GLUON_FP8_WG_ROWS rows a KV head run the warpgroup form, its other calls the two-warp form
+# on the same bins (2 programs an SM, 3 ring slots, 16-tile read-ahead and 12-chunk merge: the two-warp default's
+# program exactly). Rounds AV4 / AV5 / AW1 (H200, graph replay, A/B in one run, two passes each, fp8 KV and fp8 q,
+# the ten TP8 slices): the warpgroup form at 2 an SM 1.03-1.30x faster than two warps on all ten. Its scores carry
+# the tensor cores' fp8 accumulation (LSEs 7.5e-5 - 5.7e-4 off exact in round AR's tests): within DESIGN.md's rule
+# against PyTorch's fp8 GEMM with fast accumulation, the same precision. Not where the plan is told more rows
+# (``num_q_heads``), takes fewer than 3 ring slots, or ``warpgroup_mma=False``; at more KV heads it ran 0.99-1.04x
+# (round AR, 4 an SM): two warps stay the default there.
+GLUON_FP8_ONE_HEAD_WARPS = 4
 GLUON_FP8_MMA4_PROGRAMS_PER_SM = 2
 GLUON_FP8_MMA4_SLOTS = 4
 GLUON_FP8_WG_ROWS = 8
@@ -121,8 +131,12 @@ GLUON_FP8_WG_ROWS = 8
 # 256 chunks, 3 at 12. Default (round AS): 12 on a two-warp plan with 3 or more slots and the fused merge (AR5, A/B
 # in one run, two passes: 0.907-0.941 of the 8-chunk merge's time on the fp8 TP8 slice, 0.992-1.016 on 2x64K+30x1K
 # and 64x512), 8 elsewhere (the warpgroup form took 0.97-1.10 of its 8-chunk time at 12, AR5; one warp unmeasured).
+# The warpgroup form's calls merge GLUON_WG_MERGE_CHUNKS by default on every plan, its two-warp calls the two-warp
+# default's batch (round AW1, 2 an SM, the ten fp8-q TP8 slices, two passes: at 12 the form took 1.027-1.144x its
+# 8-chunk time on every slice; ``merge_chunks=`` sets both).
 GLUON_MERGE_CHUNKS = 8
 GLUON_MERGE_CHUNKS_DEEP = 12
+GLUON_WG_MERGE_CHUNKS = 8
 GLUON_MERGE_CHUNK_COUNTS = (8, 12)
 
 # Shared memory an SM's resident programs share on sm_90 (228 KiB), of which each program reserves 1 KiB
@@ -203,6 +217,17 @@ def gluon_fp8_shape_misses(head_dim: int | None, rows: int | None) -> tuple[bool
             rows is not None and rows > GLUON_FP8_MAX_ROWS)
 
 
+def default_gluon_warps(num_kv_heads: int, rows: int | None, num_stages: int | None, warpgroup_mma: bool) -> int:
+    """Warps a program of a plan built for the Gluon kernel when ``gluon_warps`` is not given:
+    GLUON_FP8_ONE_HEAD_WARPS (the warpgroup form for fp8-q calls, two warps for the others) at one KV head where
+    the plan's calls may be the form's (``rows``, q rows a KV head, not told or at most GLUON_FP8_WG_ROWS), its ring
+    holds 3 or more slots and ``warpgroup_mma`` is on; else GLUON_FP8_WARPS."""
+    if (num_kv_heads == 1 and warpgroup_mma and (num_stages is None or num_stages >= 3)
+            and (rows is None or rows <= GLUON_FP8_WG_ROWS)):
+        return GLUON_FP8_ONE_HEAD_WARPS
+    return GLUON_FP8_WARPS
+
+
 def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int, warpgroup_mma: bool = True) -> int:
     """Persistent programs an SM of a plan: DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
     the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two or four
@@ -265,19 +290,22 @@ class DecodePlan:
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs (2 x SMs at one KV head and two or four warps,
     rounds AU / AV: ``GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM``, and for four warps on mma.sync at any KV-head count:
     ``default_programs_per_sm``), ``gluon_warps`` warps a program (default 2,
+    and 4 at one KV head since round AW: ``default_gluon_warps``, see below; two warps
     each taking half of every tile, their outputs merged after each chunk in the idle ring, or beside a 2-slot ring
     in a 16 KB buffer; 1 = the one-warp kernel of rounds AB-AK), a ring of ``num_stages`` tiles (default 3 at two
     warps, 2 at one: ``GLUON_FP8_STAGES``; more slots than leave an SM the default count of programs are refused unless
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
-    whole ring, the only choice at one warp; a positive value only on such a plan); ``gluon_warps=4`` (round AR,
-    opt-in; sm_90 builds, 3 or more ring slots) is the warpgroup form: calls with an fp8 q of at most 8 rows a KV
-    head get their scores from ``wgmma`` (the tensor cores' fp8 accumulation: LSEs 7.5e-5 - 5.7e-4 off exact scores
-    in round AR's tests, as PyTorch's fp8 GEMM with fast accumulation), the plan's other calls run two warps on the
-    same bins; with ``warpgroup_mma=False`` (round AV, opt-in) every call runs four warps a program on ``mma.sync``
-    instead (exact f16 products, 16 tokens a warp a tile);
-    ``merge_chunks`` (8, or 12 on 3 or more ring slots with the fused merge; default 12 there at two
-    warps, round AS, else 8): chunks the fused merge reads in one round trip and merges as a group) and
+    whole ring, the only choice at one warp; a positive value only on such a plan); ``gluon_warps=4`` (round AR;
+    the default at one KV head since round AW unless the plan is told more than 8 q rows a KV head or fewer than 3
+    ring slots: ``default_gluon_warps``; sm_90 builds, 3 or more ring slots) is the warpgroup form: calls with an
+    fp8 q of at most 8 rows a KV head get their scores from ``wgmma`` (the tensor cores' fp8 accumulation: LSEs
+    7.5e-5 - 5.7e-4 off exact scores in round AR's tests, as PyTorch's fp8 GEMM with fast accumulation), the plan's
+    other calls run two warps on the same bins; with ``warpgroup_mma=False`` (round AV, opt-in) every call runs four
+    warps a program on ``mma.sync`` instead (exact f16 products, 16 tokens a warp a tile);
+    ``merge_chunks`` (8, or 12 on 3 or more ring slots with the fused merge; default 12 there for two-warp calls,
+    round AS, else 8; the warpgroup form's calls 8 unless given, ``wg_merge_chunks``, round AW1): chunks the fused
+    merge reads in one round trip and merges as a group) and
     :func:`evenflow.decode_attention` runs that kernel where the call applies (bf16 q, or fp8 q with its scales
     where ``decode.GLUON_FP8_Q``, on since round AP; head_dim 128, GQA group x q_len <= 16; a timeline runs its own
     STAMPS build; ``combine`` as for the Triton kernel); other calls run the Triton kernel on the same bins, its
@@ -397,7 +425,8 @@ class DecodePlan:
         check_bool("gluon", gluon, allow_none=True)
         if num_stages is not None:
             check_int("num_stages", num_stages, 1, 6)
-        if gluon_warps is None:
+        warps_given = gluon_warps is not None
+        if not warps_given:
             gluon_warps = GLUON_FP8_WARPS
         if type(gluon_warps) is not int:
             raise TypeError(f"gluon_warps must be an int or None, got {gluon_warps!r}")
@@ -423,6 +452,8 @@ class DecodePlan:
                              f"{', '.join(other_page + other_shape + triton_options)}")
         gluon_plan = (takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size) and not triton_options
                       and not other_shape)
+        if not warps_given and gluon_plan:
+            gluon_warps = default_gluon_warps(num_kv_heads, rows, num_stages, warpgroup_mma)
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
@@ -504,8 +535,12 @@ class DecodePlan:
             raise ValueError(f"combine must be one of {list(COMBINE_MODES)}, got {combine!r}")
         self.combine = combine
         deep_merge = gluon_plan and stages >= 3 and combine == "fused"  # the ring holds 12 chunks' outputs
+        # the two-warp calls' batch (on a four-warp plan with warpgroup_mma: its calls outside the warpgroup form) and
+        # the warpgroup form's
+        wg_merge_chunks = merge_chunks if merge_chunks is not None else GLUON_WG_MERGE_CHUNKS
         if merge_chunks is None:
-            merge_chunks = GLUON_MERGE_CHUNKS_DEEP if deep_merge and gluon_warps == 2 else GLUON_MERGE_CHUNKS
+            two_warp_calls = gluon_warps == 2 or (gluon_warps == 4 and warpgroup_mma)
+            merge_chunks = GLUON_MERGE_CHUNKS_DEEP if deep_merge and two_warp_calls else GLUON_MERGE_CHUNKS
         check_int("merge_chunks", merge_chunks, 1, 1 << 16)
         if merge_chunks not in GLUON_MERGE_CHUNK_COUNTS:
             raise ValueError(f"merge_chunks must be one of {list(GLUON_MERGE_CHUNK_COUNTS)}, got {merge_chunks}")
@@ -526,6 +561,8 @@ class DecodePlan:
             raise ValueError(f"gluon_warps=4 (the warpgroup form) takes calls of at most {GLUON_FP8_WG_ROWS} q rows a "
                              f"KV head; num_q_heads={num_q_heads} with q_len={q_len} gives {rows}")
         self.merge_chunks = merge_chunks
+        # the warpgroup form's calls' batch (used where gluon_warps=4 and warpgroup_mma)
+        self.wg_merge_chunks = wg_merge_chunks
         self.warpgroup_mma = warpgroup_mma
         self.warp_split = check_bool("warp_split", warp_split, allow_none=True)
         check_pdl(pdl, dev)
@@ -643,7 +680,8 @@ class DecodePlan:
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
                 f"gluon_warps={self.gluon_warps}, deep_ring_tiles={self.deep_ring_tiles}, "
-                f"merge_chunks={self.merge_chunks}, warpgroup_mma={self.warpgroup_mma}, "
+                f"merge_chunks={self.merge_chunks}, wg_merge_chunks={self.wg_merge_chunks}, "
+                f"warpgroup_mma={self.warpgroup_mma}, "
                 f"num_q_heads={self.num_q_heads}, head_dim={self.head_dim}, "
                 f"pdl={self.pdl}, "
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
