@@ -54,6 +54,7 @@ from evenflow.attention.plan import (
     TILE,
     DecodePlan,
     gluon_fp8_shape_misses,
+    gluon_wg_max_regs,
     programs_per_sm,
     static_splits,
 )
@@ -311,6 +312,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         wg = gluon_warps == 4 and warpgroup_mma and warpgroup_form_runs(q, rows)
         if gluon_warps == 4 and warpgroup_mma and not wg:
             gluon_warps = 2
+        # the warpgroup form's register cap for the programs an SM holds (none at 2 an SM)
+        wg_regs = gluon_wg_max_regs(programs_per_sm(np_, q.device)) if wg else 0
         GK.decode_fp8_kernel[grid](
             q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t,
             part_o, part_lse,
@@ -326,7 +329,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=merge_chunks, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), WARPS=gluon_warps,
-            SHORT_TILES=short_tiles, WG=wg, num_warps=gluon_warps, **({"maxnreg": 128} if wg else {}),
+            SHORT_TILES=short_tiles, WG=wg, num_warps=gluon_warps, **({"maxnreg": wg_regs} if wg_regs else {}),
             **_runtime.pdl_kwargs(pdl),
         )
     else:

@@ -124,6 +124,10 @@ GLUON_FP8_ONE_HEAD_WARPS = 4
 GLUON_FP8_MMA4_PROGRAMS_PER_SM = 2
 GLUON_FP8_MMA4_SLOTS = 4
 GLUON_FP8_WG_ROWS = 8
+# Registers of an SM (sm_90: 65,536 32-bit registers) and ptxas' most a thread: the warpgroup form is capped so the
+# plan's programs an SM fit (``gluon_wg_max_regs``).
+_SM90_REGS_PER_SM = 65536
+_MAX_REGS_PER_THREAD = 255
 # Chunks the Gluon kernel's fused merge reads together (one memory round trip) and merges as one group
 # (``DecodePlan(merge_chunks=)``, round AR): 8, or 12 where the ring has 3 or more slots (12 outputs of 4 KB in its
 # 48 KB). An item cut in n chunks is merged in groups of that many, then the groups: the last chunk to finish waits
@@ -226,6 +230,16 @@ def default_gluon_warps(num_kv_heads: int, rows: int | None, num_stages: int | N
             and (rows is None or rows <= GLUON_FP8_WG_ROWS)):
         return GLUON_FP8_ONE_HEAD_WARPS
     return GLUON_FP8_WARPS
+
+
+def gluon_wg_max_regs(per_sm: int) -> int:
+    """Register cap (ptxas ``maxnreg``) of the warpgroup form's build at ``per_sm`` programs an SM of 4 warps: the
+    SM's registers over its threads, rounded down to a multiple of 8 (the allocation unit); 0 (no cap) where that is
+    ptxas' own limit or more. 4 an SM: 128 (rounds AR-AV); 2 an SM, the one-KV-head default since round AW: no cap
+    (its sm_90 build then takes 182 registers with the 8-chunk merge and 202 with 12, no spill, and its tile loops 298
+    instructions against 316-321 and 40-72 bytes of spill at 128: history/round-aw-cpu/)."""
+    cap = _SM90_REGS_PER_SM // (32 * 4 * max(1, per_sm)) // 8 * 8
+    return 0 if cap >= _MAX_REGS_PER_THREAD else cap
 
 
 def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int, warpgroup_mma: bool = True) -> int:
