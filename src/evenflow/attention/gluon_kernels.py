@@ -47,8 +47,9 @@ TILE = gl.constexpr(64)
 D = gl.constexpr(128)
 LN2 = gl.constexpr(0.6931471805599453)
 
-# The program's W warps (``WARPS``: 1, 2 or 4; at 4, 16 warps an SM leave a thread at most 128 registers, and the
-# scores are the warpgroup form's, below) split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW),
+# The program's W warps (``WARPS``: 1, 2 or 4; at 4 programs an SM of 4 warps, 16 warps an SM leave a thread at most
+# 128 registers (at 2, the one-KV-head default since round AW, no cap: plan.gluon_wg_max_regs), and the scores are
+# the warpgroup form's, below) split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW),
 # TW = 64 / W, with its own online softmax (max, sum, output), merged once per chunk. Every per-tile tensor has a
 # leading warp dimension of size W (the warp bases of its layout), so the MMAs are batched over the warps: each warp's
 # work is a one-warp program's on fewer tokens, and no value crosses warps inside the tile loop. The
@@ -124,8 +125,8 @@ def _ml(W, rows):
 @gluon.constexpr_function
 def _ll(W, rows, nb):
     # the LSEs of a merge batch, [8 or 16 chunks (``nb`` padded), rows]: at 8 chunks and 1-2 warps all in every
-    # thread's registers; at 4 warps (the warpgroup form, 16 warps an SM: at most 128 registers a thread) or 12 chunks
-    # a thread holds one row's chunks
+    # thread's registers; at 4 warps (the warpgroup form: at most 128 registers a thread at 4 programs an SM) or 12
+    # chunks a thread holds one row's chunks
     if W == 4 or nb > 8:
         return gl.BlockedLayout([8 if nb <= 8 else 16, 1], [1, 32], [1, W], [1, 0])
     return gl.BlockedLayout([8, 8 if rows <= 8 else 16], [1, 32], [1, W], [1, 0])
