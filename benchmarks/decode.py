@@ -211,9 +211,9 @@ PLAN_KNOBS = {
     "evenflow-g-cost0": lambda sms: dict(typed=True, item_cost=0),
     "evenflow-g-np544": lambda sms: dict(typed=True, num_programs=4 * sms + 16),
     # round AR: the warpgroup form (``gluon_warps=4``): an fp8 q's scores on wgmma, a warp's softmax over 16 tokens of
-    # each tile; the plan's bins as the default's at 8 KV heads (4 programs an SM, 3 ring slots; at one KV head 4, where
-    # the two-warp default holds 2 since round AU). Calls it does not take (a bf16 q) run the two-warp form on those
-    # bins, so on the other variants this row is the default plan at 8 KV heads
+    # each tile; the plan's bins as the default's at 8 KV heads (4 programs an SM, 3 ring slots; at one KV head 2 since
+    # round AV, where it is the default plan since round AW). Calls it does not take (a bf16 q) run the two-warp form
+    # on those bins, so on the other variants this row is the default plan
     "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
     # (Since round AS every two-warp row above with 3 or more ring slots merges 12 chunks a round trip, the default's
     # batch, where it ran 8 when it was measured: the rows compare one knob against today's default.)
@@ -232,6 +232,8 @@ PLAN_KNOBS = {
     # four warps a program on mma.sync for every call (bf16 q and fp8 q, exact products), 2 an SM, the 12-chunk merge
     "evenflow-g-mma4-pps2": lambda sms: dict(typed=True, gluon_warps=4, warpgroup_mma=False, num_programs=2 * sms,
                                              merge_chunks=12),
+    # (at one KV head, since round AW a four-warp plan: merge_chunks there sets the warpgroup form's batch too, so
+    # evenflow-g-mb8's fp8-q calls are the default's and evenflow-g-mb12 is evenflow-g-wg-pps2-mb12)
     "evenflow-g-mb8": lambda sms: dict(typed=True, merge_chunks=8),
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
@@ -509,14 +511,18 @@ def _evenflow_fns(impl: str, inp: Inputs):
 
 
 def kernel_of(inp: Inputs, plan) -> str:
-    """Which attention kernel an evenflow row's calls run: ``gluon`` (the fp8 Gluon kernel), ``triton`` (the plan's
-    Triton kernel) or ``static`` (no plan)."""
-    from evenflow.attention.decode import gluon_fp8_supported
+    """Which attention kernel an evenflow row's calls run: ``gluon`` (the fp8 Gluon kernel), ``gluon-wg`` (its
+    warpgroup form: an fp8 q on a four-warp plan, sm_90; the default at one KV head since round AW), ``triton`` (the
+    plan's Triton kernel) or ``static`` (no plan)."""
+    from evenflow.attention.decode import gluon_fp8_supported, warpgroup_form_runs
 
     if plan is None:
         return "static"
     rows = inp.case.num_q_heads // inp.case.num_kv_heads
-    return "gluon" if gluon_fp8_supported(inp.qs[0], inp.k_cache, plan, rows) else "triton"
+    if not gluon_fp8_supported(inp.qs[0], inp.k_cache, plan, rows):
+        return "triton"
+    wg = plan.gluon_warps == 4 and plan.warpgroup_mma and warpgroup_form_runs(inp.qs[0], rows)
+    return "gluon-wg" if wg else "gluon"
 
 
 FI_FP8_Q = ("not run: this benchmark drives FlashInfer's decode with a bf16 q only (an fp8 q with a scale per token "

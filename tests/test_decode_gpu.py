@@ -486,8 +486,8 @@ def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
 @pytest.mark.parametrize("hkv", [8, 1])
 @WARPS
 def test_gluon_fp8_cuda_graph_changing_lengths(warps, hkv):
-    """A captured update + call replayed on new lengths, pages and q; at one KV head too (the default two-warp plan
-    there holds 2 programs an SM since round AU, one warp and the warpgroup form 4, with gluon=True)."""
+    """A captured update + call replayed on new lengths, pages and q; at one KV head too (with gluon=True: the
+    two-warp form and the warpgroup form hold 2 programs an SM there (rounds AU, AV), one warp 4)."""
     B, max_len = 16, 64 * K
     big = [64 * K] + [2 * K] * 15
     q, qs, k, v, pt, sl = inputs(big, hkv=hkv, hq=8 * hkv, kv=FP8, spare_pages=64,

@@ -148,12 +148,12 @@ SMS = 132  # CC.emulate_gpu's SMs
 
 
 def _gluon_warps(kw):
-    """Warps of the Gluon program a GLUON scenario launches: the plan's (not given: four at one KV head on 3 or more
-    ring slots, round AW, else two), but two where a warpgroup plan's call is not the form's (a bf16 q, or more than
+    """Warps of the Gluon program a GLUON scenario launches: the plan's (not given: four at one KV head on the default
+    3 ring slots, round AW, else two), but two where a warpgroup plan's call is not the form's (a bf16 q, or more than
     8 q rows a KV head)."""
     from evenflow.attention.plan import GLUON_FP8_WG_ROWS
 
-    w = kw.get("gluon_warps", 4 if kw.get("hkv", 8) == 1 and kw.get("num_stages", 3) >= 3 else 2)
+    w = kw.get("gluon_warps", 4 if kw.get("hkv", 8) == 1 and kw.get("num_stages", 3) == 3 else 2)
     rows = kw.get("hq", 64) // kw.get("hkv", 8) * kw.get("q_len", 1)
     if w == 4 and kw.get("warpgroup_mma", True) and not (kw.get("qdt") == FP8 and rows <= GLUON_FP8_WG_ROWS):
         return 2
@@ -254,7 +254,8 @@ def test_one_kv_head_default_launches_the_warpgroup_form_for_fp8_q_and_the_two_w
     launch the warpgroup form with the 8-chunk merge (the launch of an explicit ``gluon_warps=4, merge_chunks=8``
     plan), every other call (a bf16 q; 16 rows a KV head) the two-warp default's launch (an explicit
     ``gluon_warps=2`` plan's: same ring, pad, read-ahead and 12-chunk merge); a plan told more than 8 rows, or given
-    2 ring slots, takes two warps."""
+    another ring than the default 3 slots, takes two warps. The form's register cap follows the programs an SM holds
+    at once (none at 2; 128 at 4, also where the plan asks for 5 an SM that shared memory keeps to 4)."""
     from evenflow import _runtime as R
 
     monkeypatch.setattr(R, "compiled_capability", lambda device=None: (9, 0))
@@ -275,11 +276,12 @@ def test_one_kv_head_default_launches_the_warpgroup_form_for_fp8_q_and_the_two_w
         assert (c["WARPS"], c["WG"], c["FUSED_C"]) == ((4, True, 8) if wg else (2, False, 12)), c
         # the warpgroup form uncapped at 2 programs an SM (its build fits 2 an SM unspilled), capped at 4
         assert "maxnreg" not in dict(got[1]), got[1]
-    capped = gluon_launches(hq=8, qdt=FP8, gluon_warps=4, num_programs=4 * SMS)
-    assert dict(capped[1])["maxnreg"] == 128 and dict(capped[0])["WG"], capped
+    for n in (4 * SMS, 4 * SMS + 16):
+        capped = gluon_launches(hq=8, qdt=FP8, gluon_warps=4, num_programs=n)
+        assert dict(capped[1])["maxnreg"] == 128 and dict(capped[0])["WG"], (n, capped)
     from evenflow.attention.plan import gluon_wg_max_regs
     assert [gluon_wg_max_regs(n) for n in (1, 2, 3, 4, 5)] == [0, 0, 168, 128, 96]
-    for kw in (dict(num_q_heads=16), dict(num_stages=2, num_programs=2 * SMS)):
+    for kw in (dict(num_q_heads=16), dict(num_stages=2, num_programs=2 * SMS), dict(num_stages=4)):
         plan = evenflow.DecodePlan(4, 1024, 1, device="cpu", kv_dtype=FP8, **kw)
         assert plan.gluon_warps == 2 and plan.takes_gluon, kw
 

@@ -54,6 +54,7 @@ from evenflow.attention.plan import (
     TILE,
     DecodePlan,
     gluon_fp8_shape_misses,
+    gluon_programs_fit,
     gluon_wg_max_regs,
     programs_per_sm,
     static_splits,
@@ -286,7 +287,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # path lets the next kernel launch at its top (DecodePlan.launch_next); gluon_warps: the Gluon kernel's warps a
     # program (DecodePlan.gluon_warps); short_tiles: its chunks of at most this many tiles read the whole ring ahead,
     # longer ones a tile fewer (DecodePlan.deep_ring_tiles; 0 = every chunk the whole ring); merge_chunks: the Gluon
-    # kernel's fused-merge batch and group (DecodePlan.merge_chunks; the Triton kernel's groups are FUSED_GROUP_CHUNKS);
+    # kernel's fused-merge batch and group (the launcher's _merge_batch: DecodePlan.wg_merge_chunks for a call in the
+    # warpgroup form, else DecodePlan.merge_chunks; the Triton kernel's groups are FUSED_GROUP_CHUNKS);
     # warpgroup_mma: at gluon_warps=4, the calls warpgroup_form_runs takes run the warpgroup form and the others two
     # warps; False: every call runs four warps on mma.sync (DecodePlan.warpgroup_mma)
     B = seq_lens.shape[0]
@@ -312,8 +314,12 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         wg = gluon_warps == 4 and warpgroup_mma and warpgroup_form_runs(q, rows)
         if gluon_warps == 4 and warpgroup_mma and not wg:
             gluon_warps = 2
-        # the warpgroup form's register cap for the programs an SM holds (none at 2 an SM)
-        wg_regs = gluon_wg_max_regs(programs_per_sm(np_, q.device)) if wg else 0
+        # the warpgroup form's register cap for the programs an SM holds at once: the plan's count, or fewer where
+        # its ring and pad leave less room (none at 2 an SM)
+        wg_regs = 0
+        if wg:
+            slots = (num_stages or GLUON_FP8_STAGES[4]) + pad
+            wg_regs = gluon_wg_max_regs(min(programs_per_sm(np_, q.device), gluon_programs_fit(slots, q.device)))
         GK.decode_fp8_kernel[grid](
             q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t,
             part_o, part_lse,

@@ -48,8 +48,8 @@ D = gl.constexpr(128)
 LN2 = gl.constexpr(0.6931471805599453)
 
 # The program's W warps (``WARPS``: 1, 2 or 4; at 4 programs an SM of 4 warps, 16 warps an SM leave a thread at most
-# 128 registers (at 2, the one-KV-head default since round AW, no cap: plan.gluon_wg_max_regs), and the scores are
-# the warpgroup form's, below) split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW),
+# 128 registers (at 2, the one-KV-head count since round AV, no cap since round AW: plan.gluon_wg_max_regs), and the
+# scores are the warpgroup form's, below) split every 64-token tile: warp w takes its tokens [w * TW, (w + 1) * TW),
 # TW = 64 / W, with its own online softmax (max, sum, output), merged once per chunk. Every per-tile tensor has a
 # leading warp dimension of size W (the warp bases of its layout), so the MMAs are batched over the warps: each warp's
 # work is a one-warp program's on fewer tokens, and no value crosses warps inside the tile loop. The

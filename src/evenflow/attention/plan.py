@@ -118,8 +118,8 @@ GLUON_FP8_WARP_COUNTS = (1, 2, 4)
 # the ten TP8 slices): the warpgroup form at 2 an SM 1.03-1.30x faster than two warps on all ten. Its scores carry
 # the tensor cores' fp8 accumulation (LSEs 7.5e-5 - 5.7e-4 off exact in round AR's tests): within DESIGN.md's rule
 # against PyTorch's fp8 GEMM with fast accumulation, the same precision. Not where the plan is told more rows
-# (``num_q_heads``), takes fewer than 3 ring slots, or ``warpgroup_mma=False``; at more KV heads it ran 0.99-1.04x
-# (round AR, 4 an SM): two warps stay the default there.
+# (``num_q_heads``), given another ring than the default 3 slots, or ``warpgroup_mma=False``; at 8 KV heads it ran
+# 0.99-1.04x (round AR, 4 an SM): two warps stay the default there (2 KV heads: round AW4, Next in docs/STATUS.md).
 GLUON_FP8_ONE_HEAD_WARPS = 4
 GLUON_FP8_MMA4_PROGRAMS_PER_SM = 2
 GLUON_FP8_MMA4_SLOTS = 4
@@ -225,8 +225,9 @@ def default_gluon_warps(num_kv_heads: int, rows: int | None, num_stages: int | N
     """Warps a program of a plan built for the Gluon kernel when ``gluon_warps`` is not given:
     GLUON_FP8_ONE_HEAD_WARPS (the warpgroup form for fp8-q calls, two warps for the others) at one KV head where
     the plan's calls may be the form's (``rows``, q rows a KV head, not told or at most GLUON_FP8_WG_ROWS), its ring
-    holds 3 or more slots and ``warpgroup_mma`` is on; else GLUON_FP8_WARPS."""
-    if (num_kv_heads == 1 and warpgroup_mma and (num_stages is None or num_stages >= 3)
+    is the default 3 slots (deeper rings were measured at two warps only, round AV3) and ``warpgroup_mma`` is on;
+    else GLUON_FP8_WARPS."""
+    if (num_kv_heads == 1 and warpgroup_mma and num_stages in (None, GLUON_FP8_STAGES[GLUON_FP8_ONE_HEAD_WARPS])
             and (rows is None or rows <= GLUON_FP8_WG_ROWS)):
         return GLUON_FP8_ONE_HEAD_WARPS
     return GLUON_FP8_WARPS
@@ -311,8 +312,9 @@ class DecodePlan:
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
     whole ring, the only choice at one warp; a positive value only on such a plan); ``gluon_warps=4`` (round AR;
-    the default at one KV head since round AW unless the plan is told more than 8 q rows a KV head or fewer than 3
-    ring slots: ``default_gluon_warps``; sm_90 builds, 3 or more ring slots) is the warpgroup form: calls with an
+    the default at one KV head since round AW unless the plan is told more than 8 q rows a KV head, another ring
+    than the default 3 slots or ``warpgroup_mma=False``: ``default_gluon_warps``; sm_90 builds, 3 or more ring
+    slots) is the warpgroup form: calls with an
     fp8 q of at most 8 rows a KV head get their scores from ``wgmma`` (the tensor cores' fp8 accumulation: LSEs
     7.5e-5 - 5.7e-4 off exact scores in round AR's tests, as PyTorch's fp8 GEMM with fast accumulation), the plan's
     other calls run two warps on the same bins; with ``warpgroup_mma=False`` (round AV, opt-in) every call runs four
@@ -468,6 +470,8 @@ class DecodePlan:
                       and not other_shape)
         if not warps_given and gluon_plan:
             gluon_warps = default_gluon_warps(num_kv_heads, rows, num_stages, warpgroup_mma)
+            # (GLUON_FP8_MIN_KV_HEADS is the same at 2 and 4 warps: the kernel choice stands)
+            assert takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size)
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
         # 2-slot ring; beside 3 or more their outputs meet in the idle ring)
         stages = num_stages or GLUON_FP8_STAGES[gluon_warps]
@@ -569,7 +573,8 @@ class DecodePlan:
                              + "".join(f", {o}" for o in other_page + other_shape + triton_options))
         if not warpgroup_mma and (gluon_warps != 4 or not gluon_plan):
             raise ValueError(f"warpgroup_mma=False runs every call of a Gluon fp8 plan on four warps of mma.sync: it "
-                             f"needs gluon_warps=4 and a plan for the Gluon kernel; got gluon_warps={gluon_warps}, "
+                             f"needs gluon_warps=4 and a plan for the Gluon kernel; got gluon_warps="
+                             f"{gluon_warps if warps_given else f'None ({gluon_warps})'}, "
                              f"Gluon plan {gluon_plan}")
         if gluon_warps == 4 and warpgroup_mma and rows is not None and rows > GLUON_FP8_WG_ROWS:
             raise ValueError(f"gluon_warps=4 (the warpgroup form) takes calls of at most {GLUON_FP8_WG_ROWS} q rows a "
