@@ -514,15 +514,15 @@ def kernel_of(inp: Inputs, plan) -> str:
     """Which attention kernel an evenflow row's calls run: ``gluon`` (the fp8 Gluon kernel), ``gluon-wg`` (its
     warpgroup form: an fp8 q on a four-warp plan, sm_90; the default at one KV head since round AW), ``triton`` (the
     plan's Triton kernel) or ``static`` (no plan)."""
-    from evenflow.attention.decode import gluon_fp8_supported, warpgroup_form_runs
+    from evenflow.attention.decode import gluon_call_form, gluon_fp8_supported
 
     if plan is None:
         return "static"
     rows = inp.case.num_q_heads // inp.case.num_kv_heads
     if not gluon_fp8_supported(inp.qs[0], inp.k_cache, plan, rows):
         return "triton"
-    wg = plan.gluon_warps == 4 and plan.warpgroup_mma and warpgroup_form_runs(inp.qs[0], rows)
-    return "gluon-wg" if wg else "gluon"
+    warps = gluon_call_form(plan, inp.qs[0], rows)[0]
+    return "gluon-wg" if warps == 4 and plan.warpgroup_mma else "gluon"
 
 
 FI_FP8_Q = ("not run: this benchmark drives FlashInfer's decode with a bf16 q only (an fp8 q with a scale per token "

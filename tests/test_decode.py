@@ -861,6 +861,11 @@ def test_one_kv_head_fp8_plan_takes_four_warps_with_the_two_warp_default_program
         assert (plan.merge_chunks, plan.wg_merge_chunks) == (m, m)
     plan = evenflow.DecodePlan(4, 1000, 8, device=device, kv_dtype=FP8, gluon_warps=4)
     assert (plan.merge_chunks, plan.wg_merge_chunks) == (12, 8)
+    # the warpgroup form's register cap, once a plan: none at 2 programs an SM, 128 at 4 (16 warps an SM); 0 on
+    # plans without the form
+    assert evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8).wg_max_regs == 0
+    assert plan.wg_max_regs == (128 if plan.per_sm == 4 else 0), plan.per_sm
+    assert evenflow.DecodePlan(4, 1000, 8, device=device, kv_dtype=FP8).wg_max_regs == 0
     plan = evenflow.DecodePlan(4, 1000, 8, device=device, kv_dtype=FP8, gluon_warps=4, warpgroup_mma=False)
     assert plan.merge_chunks == 8
 

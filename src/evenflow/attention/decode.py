@@ -54,8 +54,6 @@ from evenflow.attention.plan import (
     TILE,
     DecodePlan,
     gluon_fp8_shape_misses,
-    gluon_programs_fit,
-    gluon_wg_max_regs,
     programs_per_sm,
     static_splits,
 )
@@ -226,11 +224,16 @@ def warpgroup_form_runs(q: torch.Tensor, rows: int) -> bool:
     return q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS and cap is not None and cap[0] == 9
 
 
-def _merge_batch(plan: DecodePlan, q: torch.Tensor, rows: int) -> int:
-    """The Gluon kernel's fused-merge batch for a call on ``plan``: the warpgroup form's (``plan.wg_merge_chunks``)
-    where the call runs that form, else ``plan.merge_chunks``."""
-    wg = plan.gluon_warps == 4 and plan.warpgroup_mma and warpgroup_form_runs(q, rows)
-    return plan.wg_merge_chunks if wg else plan.merge_chunks
+def gluon_call_form(plan: DecodePlan, q: torch.Tensor, rows: int) -> tuple[int, int, int]:
+    """The Gluon program a call on ``plan`` runs, as (warps a program, fused-merge batch, register cap; 0 = none): on
+    a four-warp plan with ``warpgroup_mma``, the warpgroup form (4, ``plan.wg_merge_chunks``, ``plan.wg_max_regs``)
+    where ``warpgroup_form_runs`` takes the call, else two warps on its bins (2, ``plan.merge_chunks``, 0); on any
+    other plan its own warps and batch, uncapped. The one place the launcher, and the benchmark's rows, decide it."""
+    if plan.gluon_warps == 4 and plan.warpgroup_mma:
+        if warpgroup_form_runs(q, rows):
+            return 4, plan.wg_merge_chunks, plan.wg_max_regs
+        return 2, plan.merge_chunks, 0
+    return plan.gluon_warps, plan.merge_chunks, 0
 
 
 def gluon_fp8_supported(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan | None, rows: int) -> bool:
@@ -287,10 +290,10 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # path lets the next kernel launch at its top (DecodePlan.launch_next); gluon_warps: the Gluon kernel's warps a
     # program (DecodePlan.gluon_warps); short_tiles: its chunks of at most this many tiles read the whole ring ahead,
     # longer ones a tile fewer (DecodePlan.deep_ring_tiles; 0 = every chunk the whole ring); merge_chunks: the Gluon
-    # kernel's fused-merge batch and group (the launcher's _merge_batch: DecodePlan.wg_merge_chunks for a call in the
-    # warpgroup form, else DecodePlan.merge_chunks; the Triton kernel's groups are FUSED_GROUP_CHUNKS);
-    # warpgroup_mma: at gluon_warps=4, the calls warpgroup_form_runs takes run the warpgroup form and the others two
-    # warps; False: every call runs four warps on mma.sync (DecodePlan.warpgroup_mma)
+    # kernel's fused-merge batch and group (gluon_call_form: DecodePlan.wg_merge_chunks for a call in the warpgroup
+    # form, else DecodePlan.merge_chunks; the Triton kernel's groups are FUSED_GROUP_CHUNKS); warpgroup_mma: with
+    # gluon_warps=4 (the call's, gluon_call_form), the warpgroup form; False: four warps on mma.sync
+    # (DecodePlan.warpgroup_mma); max_regs: on the Gluon path the form's cap (gluon_call_form), 0 = none
     B = seq_lens.shape[0]
     _, Hq, D = q.shape
     num_pages, P, Hkv, _ = k_cache.shape
@@ -311,15 +314,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     fused_m, fused_unroll = _fused_blocks(rows, D)
     grid = (B * Hkv * splits,) if is_static else (np_,)
     if gluon and not is_static:
-        wg = gluon_warps == 4 and warpgroup_mma and warpgroup_form_runs(q, rows)
-        if gluon_warps == 4 and warpgroup_mma and not wg:
-            gluon_warps = 2
-        # the warpgroup form's register cap for the programs an SM holds at once: the plan's count, or fewer where
-        # its ring and pad leave less room (none at 2 an SM)
-        wg_regs = 0
-        if wg:
-            slots = (num_stages or GLUON_FP8_STAGES[4]) + pad
-            wg_regs = gluon_wg_max_regs(min(programs_per_sm(np_, q.device), gluon_programs_fit(slots, q.device)))
+        wg = gluon_warps == 4 and warpgroup_mma
         GK.decode_fp8_kernel[grid](
             q, qs, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, meta, out, lse_t,
             part_o, part_lse,
@@ -335,7 +330,7 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             HAS_V_SCALE_PTR=v_scale is not None, HAS_LSE=has_lse,
             FUSED=fused, FUSED_C=merge_chunks, STAMPS=stamps is not None, PREFETCH=bool(prefetch),
             EARLY=bool(pdl and early), PAD=pad, TRIGGER=bool(pdl and trigger), WARPS=gluon_warps,
-            SHORT_TILES=short_tiles, WG=wg, num_warps=gluon_warps, **({"maxnreg": wg_regs} if wg_regs else {}),
+            SHORT_TILES=short_tiles, WG=wg, num_warps=gluon_warps, **({"maxnreg": max_regs} if max_regs > 0 else {}),
             **_runtime.pdl_kwargs(pdl),
         )
     else:
@@ -513,18 +508,19 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
             _warn_triton_on_a_gluon_plan(plan, refusal[0], Hq, D, rows)
         # the next kernel let go at the top only where an SM holds no more than the plan's programs
         trigger = pdl and plan.launch_next and (gluon or triton_holds_plan(plan, rows, D))
+        warps, merge, gluon_regs = gluon_call_form(plan, q, rows) if gluon else (plan.gluon_warps, plan.merge_chunks, 0)
         op(q, k_cache, v_cache, page_table, seq_lens, plan.tiles, plan.req_end, plan.prog_start, plan.meta,
                    part_o, part_lse, part_glse, plan.combine_count, plan.group_count, out, lse, plan.stamps, q_scale,
                    ks_t, vs_t, ks_f, vs_f,
                    float(sm_scale), q_len, 0,
                    min(plan.max_seq_len, max_pages_len), plan.num_warps or 0,
                    plan.gluon_stages if gluon else (plan.num_stages or 0),
-                   plan.block_n or 0, _plan_max_regs(plan, rows, D, dev),
+                   plan.block_n or 0, gluon_regs if gluon else _plan_max_regs(plan, rows, D, dev),
                    pdl, -1 if plan.warp_split is None else int(plan.warp_split), plan.prefetch,
                    plan.combine == "fused", gluon, early,
                    plan.resident_pad if pdl and plan.resident_cap else plan.min_pad,
-                   plan.bin_stride if pdl and plan.spread_bins else 1, trigger, plan.gluon_warps,
-                   plan.deep_ring_tiles, _merge_batch(plan, q, rows), plan.warpgroup_mma)
+                   plan.bin_stride if pdl and plan.spread_bins else 1, trigger, warps,
+                   plan.deep_ring_tiles, merge, plan.warpgroup_mma)
     else:
         splits = static_splits(B, Hkv, dev)
         slots = B * Hkv * splits if splits > 1 else 1

@@ -606,6 +606,10 @@ class DecodePlan:
         # the program -> bin stride (decode_attention passes them where its options keep them on)
         self.resident_pad = resident_pad(num_programs, ring, dev, min_pad)
         self.min_pad = min_pad  # the ring's pad without PDL (or with resident_cap off)
+        # the warpgroup form's register cap for the programs an SM holds at once: the plan's count, or fewer where
+        # shared memory keeps it to fewer (a padded ring holds exactly the plan's count where one can); none at 2
+        self.wg_max_regs = (gluon_wg_max_regs(min(self.per_sm, gluon_programs_fit(ring + min_pad, dev)))
+                            if gluon_plan and gluon_warps == 4 and warpgroup_mma else 0)
         self.bin_stride = bin_stride(num_programs, dev)
         i32 = dict(dtype=torch.int32, device=dev)
         self.tiles = torch.zeros(max_batch, **i32)
