@@ -147,7 +147,7 @@ PLAN_KNOBS = {
     # the default plan over an HND copy of the cache (each head's page contiguous)
     "evenflow-g-pps2": lambda sms: dict(typed=True, num_programs=2 * sms),
     # round AU: 4 programs an SM, the Gluon plan's default at every KV-head count before round AU made it 2 at one KV
-    # head (two warps)
+    # head (two warps); at 2-4 KV heads with an fp8 q, the default before round AX
     "evenflow-g-pps4": lambda sms: dict(typed=True, num_programs=4 * sms, gluon_warps=2),
     # round AV: deeper rings for the one-KV-head plan's 2 programs an SM (4, 5, 6 slots of 16 KB: still 2 an SM; at
     # more KV heads, whose default 4 an SM these rings do not fit, the rows run 2 an SM too)
@@ -215,6 +215,9 @@ PLAN_KNOBS = {
     # round AV, where it is the default plan since round AW). Calls it does not take (a bf16 q) run the two-warp form
     # on those bins, so on the other variants this row is the default plan
     "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
+    # round AX: the same at 4 programs an SM (the count evenflow-g-wg ran at 2-8 KV heads before round AX made a
+    # four-warp plan's default 2 an SM at up to 4 KV heads)
+    "evenflow-g-wg-pps4": lambda sms: dict(typed=True, gluon_warps=4, num_programs=4 * sms),
     # (Since round AS every two-warp row above with 3 or more ring slots merges 12 chunks a round trip, the default's
     # batch, where it ran 8 when it was measured: the rows compare one knob against today's default.)
     # round AR: the fused merge reading 12 chunks a round trip, in groups of 12 (the two-warp default since round AS,
@@ -451,7 +454,7 @@ def knob_inputs(impl: str, inp: Inputs) -> Inputs:
 
 
 def evenflow_plan(impl: str, inp: Inputs):
-    """The DecodePlan of ``evenflow`` (built with the cache's dtype, so fp8 runs the Gluon kernel where the
+    """The DecodePlan of ``evenflow`` (built with the cache's and q's dtypes, so fp8 runs the Gluon kernel where the
     call is in its scope: with a bf16 q, or an fp8 q where ``decode.GLUON_FP8_Q``) or one of its knob rows
     (``PLAN_KNOBS``; ``typed`` ones get the dtype too), updated for ``inp``'s lengths; None for
     ``evenflow-static``."""
@@ -464,7 +467,11 @@ def evenflow_plan(impl: str, inp: Inputs):
 
     knobs = PLAN_KNOBS[impl](num_sms(inp.seq_lens.device)) if impl in PLAN_KNOBS else {"typed": True}
     if knobs.pop("typed", False):
-        knobs["kv_dtype"] = inp.kv_dtype  # as an engine that knows its cache's dtype builds it
+        # as an engine that knows its cache's and its q's dtypes builds it (the q dtype since round AX: at 2-4 KV heads
+        # a plan told an fp8 q takes four warps at 2 programs an SM, so there typed rows that leave gluon_warps unset
+        # run the warpgroup form where, measured before round AX, they ran two warps)
+        knobs["kv_dtype"] = inp.kv_dtype
+        knobs["q_dtype"] = inp.qs[0].dtype
     if knobs.get("kv_dtype") != torch.float8_e4m3fn:
         for gluon_only in GLUON_ONLY_KNOBS:  # the Gluon fp8 kernel's knobs: refused elsewhere
             knobs.pop(gluon_only, None)

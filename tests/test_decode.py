@@ -1003,3 +1003,41 @@ def test_plan_kv_dtype_is_checked(device):
     plan = evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=FP8).update(sl)
     with pytest.raises(ValueError, match="plan was built for kv_dtype"):
         evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
+
+
+def test_plan_told_an_fp8_q_takes_four_warps_at_two_to_four_kv_heads_and_checks_the_calls_q(device):
+    """Round AX: ``q_dtype`` tells a plan its calls' q dtype. Told an fp8 q, a plan for the Gluon kernel at 2-4 KV
+    heads takes four warps at 2 programs an SM, uncapped (every plan value an explicit ``gluon_warps=4, num_programs=2
+    x SMs`` plan has); at one KV head the four-warp default as before; at 8 KV heads, told a bf16 q, not told, or
+    told more than 8 q rows a KV head, the two-warp default at 4 an SM. An explicit ``gluon_warps=4`` plan takes 2 an
+    SM at up to 4 KV heads (4 at 8). A call whose q is not the told dtype raises; a bad ``q_dtype`` raises by name."""
+    from evenflow.attention.plan import GLUON_FP8_WG_MAX_KV_HEADS
+
+    assert GLUON_FP8_WG_MAX_KV_HEADS == 4
+    sms = _runtime.num_sms(torch.device(device))
+    for hkv in (1, 2, 4):
+        told = evenflow.DecodePlan(4, 1000, hkv, device=device, kv_dtype=FP8, q_dtype=FP8)
+        given = evenflow.DecodePlan(4, 1000, hkv, device=device, kv_dtype=FP8, gluon_warps=4, num_programs=2 * sms)
+        assert (told.gluon_warps, told.per_sm, told.wg_max_regs, told.wg_merge_chunks) == (4, 2, 0, 8), told
+        for name in ("takes_gluon", "num_programs", "per_sm", "triton_programs", "gluon_stages", "deep_ring_tiles",
+                     "resident_pad", "min_pad", "bin_stride", "merge_chunks", "wg_merge_chunks", "wg_max_regs",
+                     "warpgroup_mma"):
+            assert getattr(told, name) == getattr(given, name), (hkv, name)
+        assert "q_dtype=torch.float8_e4m3fn" in repr(told)
+        # explicit four warps without q_dtype: 2 an SM at up to 4 KV heads
+        assert evenflow.DecodePlan(4, 1000, hkv, device=device, kv_dtype=FP8, gluon_warps=4).per_sm == 2, hkv
+    for hkv, kw in ((8, dict(q_dtype=FP8)), (2, dict(q_dtype=torch.bfloat16)), (4, dict()),
+                    (2, dict(q_dtype=FP8, num_q_heads=32)), (4, dict(q_dtype=FP8, num_stages=4, num_programs=2 * sms)),
+                    (2, dict(q_dtype=FP8, gluon_warps=2)), (2, dict(q_dtype=FP8, gluon=False))):
+        plan = evenflow.DecodePlan(4, 1000, hkv, device=device, kv_dtype=FP8, **kw)
+        assert plan.gluon_warps == 2, (hkv, kw)
+        want = 2 if "num_programs" in kw else (4 if plan.takes_gluon else 2)
+        assert plan.per_sm == want and plan.takes_gluon == ("gluon" not in kw), (hkv, kw, plan.per_sm)
+    assert evenflow.DecodePlan(4, 1000, 8, device=device, kv_dtype=FP8, gluon_warps=4).per_sm == 4
+    for bad in (torch.float16, "fp8", torch.float8_e5m2, torch.float32):
+        with pytest.raises(ValueError, match="q_dtype must be one of"):
+            evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, q_dtype=bad)
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 128, 64, 1, kv_dtype=FP8, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=FP8, q_dtype=FP8).update(sl)
+    with pytest.raises(ValueError, match="plan was built for q_dtype torch.float8_e4m3fn, q is torch.bfloat16"):
+        evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=1.0, v_scale=1.0)

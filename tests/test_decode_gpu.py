@@ -466,6 +466,30 @@ def test_one_kv_head_default_plan_is_the_warpgroup_form_for_fp8_q_else_the_two_w
           fp8_scores=wg)
 
 
+@pytest.mark.parametrize("hkv,case", [(2, "1x128K+31x4K"), (2, "32x128+32x4K"), (4, "2x64K+30x1K"), (4, "odd")])
+def test_plan_told_an_fp8_q_at_two_to_four_kv_heads_runs_the_warpgroup_form(hkv, case):
+    """Round AX: a plan told ``q_dtype=torch.float8_e4m3fn`` at 2 and 4 KV heads (GQA 8) takes four warps at 2
+    programs an SM: its output bitwise the explicit ``gluon_warps=4, num_programs=2 x SMs, merge_chunks=8`` plan's,
+    within the rule of the fp8 GEMM baseline."""
+    from evenflow._runtime import num_sms
+
+    lens = CASES[case]
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=8 * hkv, kv=FP8, qdt=FP8)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
+    sms = num_sms(torch.device("cuda"))
+    outs = []
+    for kw in (dict(q_dtype=FP8), dict(gluon_warps=4, num_programs=2 * sms, merge_chunks=8)):
+        plan = evenflow.DecodePlan(len(lens), 128 * K, hkv, device="cuda", kv_dtype=FP8, **kw).update(sl)
+        assert (plan.gluon_warps, plan.per_sm, plan.wg_max_regs) == (4, 2, 0), plan
+        out = poisoned(q.shape, torch.bfloat16, "cuda")
+        outs.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
+                                              out=out, return_lse=True))
+    torch.cuda.synchronize()
+    (o, lse), (o2, lse2) = outs
+    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"{case}: the told plan and its explicit form differ"
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"told fp8 q, {hkv} KV heads, {case}", fp8_scores=True)
+
+
 @WARPS
 def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
     """Rows past a request's length in its last page are never read into the result: the

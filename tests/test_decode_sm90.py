@@ -108,6 +108,9 @@ GLUON = {
     "gluon-fp8-fp8-q": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8),
     # the default at one KV head since round AW: four warps, so an fp8 q of 8 rows runs the warpgroup form
     "gluon-fp8-fp8-q-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, qdt=FP8),
+    # a plan told an fp8 q at 2 and 4 KV heads since round AX: four warps at 2 an SM, the form uncapped
+    "gluon-fp8-fp8-q-tp4-slice-told": dict(lens=BIG, hq=16, hkv=2, kv=FP8, kv_dtype=FP8, qdt=FP8, q_dtype=FP8),
+    "gluon-fp8-fp8-q-tp2-slice-told": dict(lens=BIG, hq=32, hkv=4, kv=FP8, kv_dtype=FP8, qdt=FP8, q_dtype=FP8),
     "gluon-fp8-fp8-q-p128-g4-q4": dict(lens=[300, 5000, 0, 65], hq=16, hkv=4, page=128, q_len=4, kv=FP8,
                                        kv_dtype=FP8, qdt=FP8),
     # the warpgroup form (gluon_warps=4, round AR): an fp8 q of at most 8 rows a KV head on wgmma scores; the plan's
@@ -147,13 +150,20 @@ GLUON = {
 SMS = 132  # CC.emulate_gpu's SMs
 
 
+def _plan_warps(kw):
+    """Warps a program of a GLUON scenario's plan: ``gluon_warps``, or where not given four on the default 3 ring
+    slots at one KV head (round AW) or at 2-4 KV heads on a plan told an fp8 q (round AX), else two."""
+    hkv = kw.get("hkv", 8)
+    four = hkv == 1 or (kw.get("q_dtype") == FP8 and hkv <= 4)
+    return kw.get("gluon_warps", 4 if four and kw.get("num_stages", 3) == 3 else 2)
+
+
 def _gluon_warps(kw):
-    """Warps of the Gluon program a GLUON scenario launches: the plan's (not given: four at one KV head on the default
-    3 ring slots, round AW, else two), but two where a warpgroup plan's call is not the form's (a bf16 q, or more than
-    8 q rows a KV head)."""
+    """Warps of the Gluon program a GLUON scenario launches: the plan's (``_plan_warps``), but two where a warpgroup
+    plan's call is not the form's (a bf16 q, or more than 8 q rows a KV head)."""
     from evenflow.attention.plan import GLUON_FP8_WG_ROWS
 
-    w = kw.get("gluon_warps", 4 if kw.get("hkv", 8) == 1 and kw.get("num_stages", 3) == 3 else 2)
+    w = _plan_warps(kw)
     rows = kw.get("hq", 64) // kw.get("hkv", 8) * kw.get("q_len", 1)
     if w == 4 and kw.get("warpgroup_mma", True) and not (kw.get("qdt") == FP8 and rows <= GLUON_FP8_WG_ROWS):
         return 2
@@ -205,7 +215,7 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     kw = GLUON[name]
     w = _gluon_warps(kw)
     wg = w == 4 and kw.get("warpgroup_mma", True)  # the warpgroup form (else mma.sync at any W)
-    PPS = default_programs_per_sm(True, kw.get("hkv", 8), kw.get("gluon_warps", 2), kw.get("warpgroup_mma", True))
+    PPS = default_programs_per_sm(True, kw.get("hkv", 8), _plan_warps(kw), kw.get("warpgroup_mma", True))
     if "num_programs" in kw:
         PPS = kw["num_programs"] // SMS
     st = _gluon_stats(name)
@@ -284,6 +294,39 @@ def test_one_kv_head_default_launches_the_warpgroup_form_for_fp8_q_and_the_two_w
     for kw in (dict(num_q_heads=16), dict(num_stages=2, num_programs=2 * SMS), dict(num_stages=4)):
         plan = evenflow.DecodePlan(4, 1024, 1, device="cpu", kv_dtype=FP8, **kw)
         assert plan.gluon_warps == 2 and plan.takes_gluon, kw
+
+
+def test_plan_told_an_fp8_q_at_two_to_four_kv_heads_launches_the_uncapped_warpgroup_form(monkeypatch):
+    """Round AX: a plan told ``q_dtype=torch.float8_e4m3fn`` at 2 and 4 KV heads launches what an explicit
+    ``gluon_warps=4, num_programs=2 * SMs, merge_chunks=8`` plan launches (the warpgroup form, no register cap); at 8
+    KV heads, or told a bf16 q, or not told, the two-warp default at 4 an SM (an untold plan's launch). A call whose q
+    dtype is not the told one raises, naming it."""
+    from evenflow import _runtime as R
+
+    monkeypatch.setattr(R, "compiled_capability", lambda device=None: (9, 0))
+
+    def gluon_launch(hkv, qdt, **kw):
+        with CC.emulate_gpu(), CC.record_launches() as rec:
+            _call(lens=[300, 5000, 70000], hq=8 * hkv, hkv=hkv, kv=FP8, kv_dtype=FP8, qdt=qdt, **kw)
+        launches = [(la.constexprs, la.options) for la in rec if la.gluon]
+        assert len(launches) == 1, kw
+        return launches[0]
+
+    for hkv in (2, 4):
+        with CC.emulate_gpu():
+            told = evenflow.DecodePlan(4, 1024, hkv, device="cpu", kv_dtype=FP8, q_dtype=FP8)
+        assert (told.gluon_warps, told.num_programs, told.wg_max_regs) == (4, 2 * SMS, 0), told
+        got = gluon_launch(hkv, FP8, q_dtype=FP8)
+        assert got == gluon_launch(hkv, FP8, gluon_warps=4, num_programs=2 * SMS, merge_chunks=8), hkv
+        c = dict(got[0])
+        assert (c["WARPS"], c["WG"], c["FUSED_C"]) == (4, True, 8) and "maxnreg" not in dict(got[1]), got
+        # told a bf16 q: the two-warp default (4 an SM), as a plan not told
+        assert gluon_launch(hkv, torch.bfloat16, q_dtype=torch.bfloat16) == gluon_launch(hkv, torch.bfloat16), hkv
+        assert dict(gluon_launch(hkv, FP8)[0])["WARPS"] == 2, hkv
+    got = gluon_launch(8, FP8, q_dtype=FP8)
+    assert got == gluon_launch(8, FP8) and dict(got[0])["WARPS"] == 2, got
+    with pytest.raises(ValueError, match=r"q_dtype torch.float8_e4m3fn, q is torch.bfloat16"):
+        gluon_launch(2, torch.bfloat16, q_dtype=FP8)
 
 
 @pytest.mark.parametrize("name", ["bf16", "fp8-kv", "fp8-kv-fp8-q", "tp8-slice", "fp8-tp8-slice",

@@ -50,7 +50,9 @@ from evenflow.attention.plan import (
     GLUON_FP8_STAGES,
     GLUON_FP8_WG_ROWS,
     HEAD_DIMS,
+    KV_DTYPES,
     MAX_GQA_GROUP,
+    Q_DTYPES,
     TILE,
     DecodePlan,
     gluon_fp8_shape_misses,
@@ -68,8 +70,8 @@ if tuple(int(x) for x in triton.__version__.split(".")[:2]) >= (3, 6):
         GK = None
 
 FP8 = torch.float8_e4m3fn
-_QDT = (torch.bfloat16, FP8)
-_KVDT = (torch.bfloat16, FP8)
+_QDT = Q_DTYPES
+_KVDT = KV_DTYPES
 _LOG2E = math.log2(math.e)
 
 
@@ -438,6 +440,8 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
             raise ValueError(f"plan was built for page_size {plan.page_size}, k_cache pages hold {P}")
         if plan.kv_dtype is not None and plan.kv_dtype != k_cache.dtype:
             raise ValueError(f"plan was built for kv_dtype {plan.kv_dtype}, k_cache is {k_cache.dtype}")
+        if plan.q_dtype is not None and plan.q_dtype != q.dtype:
+            raise ValueError(f"plan was built for q_dtype {plan.q_dtype}, q is {q.dtype}")
         if plan.batch is None:
             raise ValueError("plan: call plan.update(seq_lens) before decode_attention")
         if plan.batch != B:

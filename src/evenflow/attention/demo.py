@@ -29,7 +29,7 @@ def run_demo(ctx) -> list[dict]:
     d, page = 128, 64
     q, k, v, pt, sl = _inputs(lens, hq, hkv, d, page, ctx.device)
     plan = evenflow.DecodePlan(len(lens), max(lens), hkv, page_size=page, device=ctx.device,
-                               kv_dtype=k.dtype, num_q_heads=hq, head_dim=d).update(sl)
+                               kv_dtype=k.dtype, q_dtype=q.dtype, num_q_heads=hq, head_dim=d).update(sl)
     out = evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
     ref, _ = ref_attn(q, k, v, pt, sl)
     base, _ = ref_attn(q, k, v, pt, sl, dtype=torch.float32, p_dtype=torch.bfloat16, out_dtype=torch.bfloat16)

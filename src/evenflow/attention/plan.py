@@ -119,8 +119,17 @@ GLUON_FP8_WARP_COUNTS = (1, 2, 4)
 # the tensor cores' fp8 accumulation (LSEs 7.5e-5 - 5.7e-4 off exact in round AR's tests): within DESIGN.md's rule
 # against PyTorch's fp8 GEMM with fast accumulation, the same precision. Not where the plan is told more rows
 # (``num_q_heads``), given another ring than the default 3 slots, or ``warpgroup_mma=False``; at 8 KV heads it ran
-# 0.99-1.04x (round AR, 4 an SM): two warps stay the default there (2 KV heads: round AW4, Next in docs/STATUS.md).
+# 0.99-1.04x (round AR, 4 an SM): two warps stay the default there.
 GLUON_FP8_ONE_HEAD_WARPS = 4
+# ... and at up to this many KV heads where the plan is told its calls' q is fp8 (``DecodePlan(q_dtype=)``, round
+# AX): such a plan's calls all run the warpgroup form, at 2 programs an SM (``default_programs_per_sm``). Round AX1
+# (H200, graph replay, A/B in one run, two passes, fp8 KV, the ten standard cases' slices): four warps at 2 an SM
+# against the two-warp default at 4 ran fp8-q calls 1.028-1.566x at 2 KV heads (the tp4: slices) and 0.995-1.38x
+# at 4 (tp2:), but 0.885-1.062x at 8 (64x512 0.885, 1x32K+63x512 0.955); with a bf16 q (two warps at 2 an SM) it
+# ran 0.976-1.33x at 2 KV heads (1x128K+31x4K 0.980 / 0.976: past the 2% the rule allowed) and 0.904-1.31x at 4, so
+# a plan not told an fp8 q keeps two warps at 4 an SM at 2 and more KV heads. docs/perf-notes/decode.md, AX1.
+GLUON_FP8_WG_MAX_KV_HEADS = 4
+Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 GLUON_FP8_MMA4_PROGRAMS_PER_SM = 2
 GLUON_FP8_MMA4_SLOTS = 4
 GLUON_FP8_WG_ROWS = 8
@@ -221,13 +230,16 @@ def gluon_fp8_shape_misses(head_dim: int | None, rows: int | None) -> tuple[bool
             rows is not None and rows > GLUON_FP8_MAX_ROWS)
 
 
-def default_gluon_warps(num_kv_heads: int, rows: int | None, num_stages: int | None, warpgroup_mma: bool) -> int:
+def default_gluon_warps(num_kv_heads: int, rows: int | None, num_stages: int | None, warpgroup_mma: bool,
+                        q_dtype: torch.dtype | None = None) -> int:
     """Warps a program of a plan built for the Gluon kernel when ``gluon_warps`` is not given:
-    GLUON_FP8_ONE_HEAD_WARPS (the warpgroup form for fp8-q calls, two warps for the others) at one KV head where
-    the plan's calls may be the form's (``rows``, q rows a KV head, not told or at most GLUON_FP8_WG_ROWS), its ring
-    is the default 3 slots (deeper rings were measured at two warps only, round AV3) and ``warpgroup_mma`` is on;
-    else GLUON_FP8_WARPS."""
-    if (num_kv_heads == 1 and warpgroup_mma and num_stages in (None, GLUON_FP8_STAGES[GLUON_FP8_ONE_HEAD_WARPS])
+    GLUON_FP8_ONE_HEAD_WARPS (the warpgroup form for fp8-q calls, two warps for the others) at one KV head, or at up
+    to GLUON_FP8_WG_MAX_KV_HEADS where the plan is told an fp8 ``q_dtype`` (round AX1), where the plan's calls may
+    be the form's (``rows``, q rows a KV head, not told or at most GLUON_FP8_WG_ROWS), its ring is the default 3
+    slots (deeper rings were measured at two warps only, round AV3) and ``warpgroup_mma`` is on; else
+    GLUON_FP8_WARPS."""
+    heads = num_kv_heads == 1 or (q_dtype == torch.float8_e4m3fn and num_kv_heads <= GLUON_FP8_WG_MAX_KV_HEADS)
+    if (heads and warpgroup_mma and num_stages in (None, GLUON_FP8_STAGES[GLUON_FP8_ONE_HEAD_WARPS])
             and (rows is None or rows <= GLUON_FP8_WG_ROWS)):
         return GLUON_FP8_ONE_HEAD_WARPS
     return GLUON_FP8_WARPS
@@ -246,12 +258,15 @@ def gluon_wg_max_regs(per_sm: int) -> int:
 def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int, warpgroup_mma: bool = True) -> int:
     """Persistent programs an SM of a plan: DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
     the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two or four
-    warps, GLUON_FP8_MMA4_PROGRAMS_PER_SM for four warps on mma.sync (``warpgroup_mma=False``) at any count."""
+    warps, or at four warps (the warpgroup form) and up to GLUON_FP8_WG_MAX_KV_HEADS (round AX: at 2 KV heads
+    the form ran 1.04-1.32x faster at 2 an SM than at 4, round AW4; at 4 KV heads AX2),
+    GLUON_FP8_MMA4_PROGRAMS_PER_SM for four warps on mma.sync (``warpgroup_mma=False``) at any count."""
     if not gluon:
         return DEFAULT_PROGRAMS_PER_SM
     if gluon_warps == 4 and not warpgroup_mma:
         return GLUON_FP8_MMA4_PROGRAMS_PER_SM
-    if num_kv_heads == 1 and gluon_warps in (2, 4):
+    if (num_kv_heads == 1 and gluon_warps in (2, 4)) or (
+            gluon_warps == 4 and num_kv_heads <= GLUON_FP8_WG_MAX_KV_HEADS):
         return GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM
     return GLUON_FP8_PROGRAMS_PER_SM
 
@@ -312,9 +327,10 @@ class DecodePlan:
     ``num_programs`` is given), ``deep_ring_tiles``: chunks of at most that many tiles read ``num_stages`` - 1 tiles
     ahead, longer ones a tile fewer (default 16 at two warps and 3 or more slots, round AM2; 0 = every chunk the
     whole ring, the only choice at one warp; a positive value only on such a plan); ``gluon_warps=4`` (round AR;
-    the default at one KV head since round AW unless the plan is told more than 8 q rows a KV head, another ring
-    than the default 3 slots or ``warpgroup_mma=False``: ``default_gluon_warps``; sm_90 builds, 3 or more ring
-    slots) is the warpgroup form: calls with an
+    the default at one KV head since round AW, and at 2-4 KV heads on a plan told ``q_dtype=torch.float8_e4m3fn``
+    since round AX, unless the plan is told more than 8 q rows a KV head, another ring than the default 3 slots or
+    ``warpgroup_mma=False``: ``default_gluon_warps``; 2 programs an SM at up to 4 KV heads; sm_90 builds, 3 or more
+    ring slots) is the warpgroup form: calls with an
     fp8 q of at most 8 rows a KV head get their scores from ``wgmma`` (the tensor cores' fp8 accumulation: LSEs
     7.5e-5 - 5.7e-4 off exact scores in round AR's tests, as PyTorch's fp8 GEMM with fast accumulation), the plan's
     other calls run two warps on the same bins; with ``warpgroup_mma=False`` (round AV, opt-in) every call runs four
@@ -331,7 +347,9 @@ class DecodePlan:
     ``num_q_heads`` / ``head_dim`` (optional, round AP): the calls' q heads and head dim. Where given, a call with
     others raises, and an fp8 plan whose calls the Gluon kernel does not take (head_dim other than 128, GQA group x
     ``q_len`` over 16) is built for the Triton kernel from the start (``gluon=True`` with them raises).
-    A call whose cache dtype differs from a given ``kv_dtype`` raises.
+    A call whose cache dtype differs from a given ``kv_dtype`` raises; so does one whose q dtype differs from a given
+    ``q_dtype`` (optional, round AX: ``torch.bfloat16`` or ``torch.float8_e4m3fn``; told an fp8 q, a plan for the
+    Gluon kernel at 2-4 KV heads takes the warpgroup form, above).
 
     ``num_programs``: persistent programs of the attention kernel (default
     ``2 * SMs``; ``4 * SMs`` for the Gluon kernel, ``2 * SMs`` where ``default_programs_per_sm`` says). ``min_tiles``:
@@ -414,11 +432,13 @@ class DecodePlan:
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
                  deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
-                 merge_chunks: int | None = None, warpgroup_mma: bool = True):
+                 merge_chunks: int | None = None, warpgroup_mma: bool = True, q_dtype: torch.dtype | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_bool("warpgroup_mma", warpgroup_mma)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
+        if q_dtype is not None and q_dtype not in Q_DTYPES:
+            raise ValueError(f"q_dtype must be one of {list(Q_DTYPES)} or None, got {q_dtype!r}")
         check_int("max_seq_len", max_seq_len, 1)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
         if page_size not in (16, 32, 64, 128):
@@ -469,7 +489,7 @@ class DecodePlan:
         gluon_plan = (takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size) and not triton_options
                       and not other_shape)
         if not warps_given and gluon_plan:
-            gluon_warps = default_gluon_warps(num_kv_heads, rows, num_stages, warpgroup_mma)
+            gluon_warps = default_gluon_warps(num_kv_heads, rows, num_stages, warpgroup_mma, q_dtype)
             # (GLUON_FP8_MIN_KV_HEADS is the same at 2 and 4 warps: the kernel choice stands)
             assert takes_gluon(kv_dtype, num_kv_heads, gluon, gluon_warps, page_size)
         # the Gluon kernel's ring slots (its shared memory: 16 KB a slot, the two warps' 16 KB output buffer beside a
@@ -527,7 +547,7 @@ class DecodePlan:
                              f"({max_tiles} tiles)")
         self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
         self.page_size, self.q_len, self.device = page_size, q_len, dev
-        self.kv_dtype = kv_dtype
+        self.kv_dtype, self.q_dtype = kv_dtype, q_dtype  # (None: not said)
         self.num_q_heads, self.head_dim = num_q_heads, head_dim  # the calls' shape, where given (None: not said)
         self.gluon = gluon
         self.takes_gluon = gluon_plan  # where the Gluon kernel applies (decode.gluon_fp8_supported)
@@ -701,7 +721,8 @@ class DecodePlan:
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
                 f"warp_split={self.warp_split}, "
-                f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, gluon={self.gluon}, "
+                f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, "
+                f"q_dtype={self.q_dtype}, gluon={self.gluon}, "
                 f"gluon_warps={self.gluon_warps}, deep_ring_tiles={self.deep_ring_tiles}, "
                 f"merge_chunks={self.merge_chunks}, wg_merge_chunks={self.wg_merge_chunks}, "
                 f"warpgroup_mma={self.warpgroup_mma}, "
