@@ -218,6 +218,11 @@ PLAN_KNOBS = {
     # round AX: the same at 4 programs an SM (the count evenflow-g-wg ran at 2-8 KV heads before round AX made a
     # four-warp plan's default 2 an SM at up to 4 KV heads)
     "evenflow-g-wg-pps4": lambda sms: dict(typed=True, gluon_warps=4, num_programs=4 * sms),
+    # round AX3: two warps at 3 and 2 programs an SM (at 2-4 KV heads, between the default's 4 and the 2 that gained
+    # on the short mixes and lost on the long ones, AX1), and the warpgroup form at 3 (capped at 168 registers)
+    "evenflow-g-w2-pps3": lambda sms: dict(typed=True, gluon_warps=2, num_programs=3 * sms),
+    "evenflow-g-w2-pps2": lambda sms: dict(typed=True, gluon_warps=2, num_programs=2 * sms),
+    "evenflow-g-wg-pps3": lambda sms: dict(typed=True, gluon_warps=4, num_programs=3 * sms),
     # (Since round AS every two-warp row above with 3 or more ring slots merges 12 chunks a round trip, the default's
     # batch, where it ran 8 when it was measured: the rows compare one knob against today's default.)
     # round AR: the fused merge reading 12 chunks a round trip, in groups of 12 (the two-warp default since round AS,

@@ -127,7 +127,8 @@ GLUON_FP8_ONE_HEAD_WARPS = 4
 # against the two-warp default at 4 ran fp8-q calls 1.028-1.566x at 2 KV heads (the tp4: slices) and 0.995-1.38x
 # at 4 (tp2:), but 0.885-1.062x at 8 (64x512 0.885, 1x32K+63x512 0.955); with a bf16 q (two warps at 2 an SM) it
 # ran 0.976-1.33x at 2 KV heads (1x128K+31x4K 0.980 / 0.976: past the 2% the rule allowed) and 0.904-1.31x at 4, so
-# a plan not told an fp8 q keeps two warps at 4 an SM at 2 and more KV heads. docs/perf-notes/decode.md, AX1.
+# a plan not told an fp8 q keeps two warps at 4 an SM at 2 and more KV heads. Round AX2 (the rule's A/B): a told
+# plan 1.026-1.569x the old default's speed at 2 KV heads, 0.998-1.407x at 4. docs/perf-notes/decode.md, AX1 / AX2.
 GLUON_FP8_WG_MAX_KV_HEADS = 4
 Q_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 GLUON_FP8_MMA4_PROGRAMS_PER_SM = 2
@@ -259,7 +260,7 @@ def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int, wa
     """Persistent programs an SM of a plan: DEFAULT_PROGRAMS_PER_SM, GLUON_FP8_PROGRAMS_PER_SM for a plan built for
     the Gluon kernel (``takes_gluon``), GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM for one at one KV head and two or four
     warps, or at four warps (the warpgroup form) and up to GLUON_FP8_WG_MAX_KV_HEADS (round AX: at 2 KV heads
-    the form ran 1.04-1.32x faster at 2 an SM than at 4, round AW4; at 4 KV heads AX2),
+    the form ran 1.04-1.32x faster at 2 an SM than at 4, round AW4; AX2: 1.050-1.281x at 2, 0.990-1.297x at 4),
     GLUON_FP8_MMA4_PROGRAMS_PER_SM for four warps on mma.sync (``warpgroup_mma=False``) at any count."""
     if not gluon:
         return DEFAULT_PROGRAMS_PER_SM
