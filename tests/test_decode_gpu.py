@@ -440,6 +440,24 @@ def test_gluon_warpgroup_fp8_q_real_shapes(case, merge_chunks):
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"gluon warpgroup fp8 q {case}", fp8_scores=True)
 
 
+def _same_output(plan_kws, q, qs, k, v, pt, sl, ks, vs, hkv, q_len=1, what=""):
+    """One call on a plan (fp8 cache) per entry of ``plan_kws``: their outputs and LSEs must be bitwise equal.
+    Returns the plans and the first call's output and LSE."""
+    plans, outs = [], []
+    for kw in plan_kws:
+        plan = evenflow.DecodePlan(sl.shape[0], 128 * K, hkv, q_len=q_len, device="cuda", kv_dtype=FP8,
+                                   **kw).update(sl)
+        out = poisoned(q.shape, torch.bfloat16, "cuda")
+        outs.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
+                                              out=out, return_lse=True))
+        plans.append(plan)
+    torch.cuda.synchronize()
+    (o, lse), rest = outs[0], outs[1:]
+    for kw, (o2, lse2) in zip(plan_kws[1:], rest):
+        assert torch.equal(o, o2) and torch.equal(lse, lse2), f"{what}: the plans {plan_kws[0]} and {kw} differ"
+    return plans, o, lse
+
+
 @pytest.mark.parametrize("qdt", [torch.bfloat16, FP8], ids=["bf16-q", "fp8-q"])
 @pytest.mark.parametrize("hq,q_len,case", [(8, 1, "1x128K+31x4K"), (8, 1, "32x128+32x4K"), (4, 2, "odd"),
                                            (16, 1, "2x64K+30x1K")])
@@ -452,16 +470,9 @@ def test_one_kv_head_default_plan_is_the_warpgroup_form_for_fp8_q_else_the_two_w
     q, qs, k, v, pt, sl = inputs(lens, hkv=1, hq=hq, kv=FP8, qdt=qdt, q_len=q_len)
     ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
     wg = qdt == FP8 and hq * q_len <= 8
-    outs = []
-    for kw in ({}, dict(gluon_warps=4, merge_chunks=8) if wg else dict(gluon_warps=2)):
-        plan = evenflow.DecodePlan(len(lens), 128 * K, 1, q_len=q_len, device="cuda", kv_dtype=FP8, **kw).update(sl)
-        assert plan.gluon_warps == kw.get("gluon_warps", 4) and plan.per_sm == 2, plan
-        out = poisoned(q.shape, torch.bfloat16, "cuda")
-        outs.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
-                                              out=out, return_lse=True))
-    torch.cuda.synchronize()
-    (o, lse), (o2, lse2) = outs
-    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"{case}: the default and its explicit form differ"
+    explicit = dict(gluon_warps=4, merge_chunks=8) if wg else dict(gluon_warps=2)
+    plans, o, lse = _same_output([{}, explicit], q, qs, k, v, pt, sl, ks, vs, hkv=1, q_len=q_len, what=case)
+    assert [(p.gluon_warps, p.per_sm) for p in plans] == [(4, 2), (explicit["gluon_warps"], 2)], plans
     check(o, lse, q, qs, k, v, pt, sl, q_len=q_len, ks=ks, vs=vs, what=f"one-KV-head default {case}",
           fp8_scores=wg)
 
@@ -477,16 +488,9 @@ def test_plan_told_an_fp8_q_at_two_to_four_kv_heads_runs_the_warpgroup_form(hkv,
     q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=8 * hkv, kv=FP8, qdt=FP8)
     ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
     sms = num_sms(torch.device("cuda"))
-    outs = []
-    for kw in (dict(q_dtype=FP8), dict(gluon_warps=4, num_programs=2 * sms, merge_chunks=8)):
-        plan = evenflow.DecodePlan(len(lens), 128 * K, hkv, device="cuda", kv_dtype=FP8, **kw).update(sl)
-        assert (plan.gluon_warps, plan.per_sm, plan.wg_max_regs) == (4, 2, 0), plan
-        out = poisoned(q.shape, torch.bfloat16, "cuda")
-        outs.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs,
-                                              out=out, return_lse=True))
-    torch.cuda.synchronize()
-    (o, lse), (o2, lse2) = outs
-    assert torch.equal(o, o2) and torch.equal(lse, lse2), f"{case}: the told plan and its explicit form differ"
+    explicit = dict(gluon_warps=4, num_programs=2 * sms, merge_chunks=8)
+    plans, o, lse = _same_output([dict(q_dtype=FP8), explicit], q, qs, k, v, pt, sl, ks, vs, hkv=hkv, what=case)
+    assert all((p.gluon_warps, p.per_sm, p.wg_max_regs) == (4, 2, 0) for p in plans), plans
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"told fp8 q, {hkv} KV heads, {case}", fp8_scores=True)
 
 
