@@ -212,8 +212,9 @@ PLAN_KNOBS = {
     "evenflow-g-np544": lambda sms: dict(typed=True, num_programs=4 * sms + 16),
     # round AR: the warpgroup form (``gluon_warps=4``): an fp8 q's scores on wgmma, a warp's softmax over 16 tokens of
     # each tile; the plan's bins as the default's at 8 KV heads (4 programs an SM, 3 ring slots; at one KV head 2 since
-    # round AV, where it is the default plan since round AW). Calls it does not take (a bf16 q) run the two-warp form
-    # on those bins, so on the other variants this row is the default plan
+    # round AV, where it is the default plan since round AW; at 2-4 KV heads 2 since round AX, the default there with
+    # a told fp8 q). Calls it does not take (a bf16 q) run the two-warp form on those bins, so on the other variants
+    # this row is the default plan at 1 and 8 KV heads, and two warps at 2 an SM at 2-4 (the default: 4 an SM)
     "evenflow-g-wg": lambda sms: dict(typed=True, gluon_warps=4),
     # round AX: the same at 4 programs an SM (the count evenflow-g-wg ran at 2-8 KV heads before round AX made a
     # four-warp plan's default 2 an SM at up to 4 KV heads)
@@ -240,7 +241,8 @@ PLAN_KNOBS = {
     # four warps a program on mma.sync for every call (bf16 q and fp8 q, exact products), 2 an SM, the 12-chunk merge
     "evenflow-g-mma4-pps2": lambda sms: dict(typed=True, gluon_warps=4, warpgroup_mma=False, num_programs=2 * sms,
                                              merge_chunks=12),
-    # (at one KV head, since round AW a four-warp plan: merge_chunks there sets the warpgroup form's batch too, so
+    # (at one KV head, since round AW a four-warp plan, and at 2-4 with a told fp8 q since round AX: merge_chunks
+    # there sets the warpgroup form's batch too, so
     # evenflow-g-mb8's fp8-q calls are the default's and evenflow-g-mb12 is evenflow-g-wg-pps2-mb12)
     "evenflow-g-mb8": lambda sms: dict(typed=True, merge_chunks=8),
 }

@@ -1038,6 +1038,14 @@ def test_plan_told_an_fp8_q_takes_four_warps_at_two_to_four_kv_heads_and_checks_
         with pytest.raises(ValueError, match="q_dtype must be one of"):
             evenflow.DecodePlan(2, 100, 2, device=device, kv_dtype=FP8, q_dtype=bad)
     q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 128, 64, 1, kv_dtype=FP8, device=device)
-    plan = evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=FP8, q_dtype=FP8).update(sl)
+    q8, qs8, _, _, _, _ = make_inputs([100, 64], 2, 2, 128, 64, 1, kv_dtype=FP8, q_dtype=FP8, device=device)
+    told8 = evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=FP8, q_dtype=FP8, gluon=False).update(sl)
+    told16 = evenflow.DecodePlan(2, 1000, 2, device=device, kv_dtype=FP8, q_dtype=torch.bfloat16,
+                                 gluon=False).update(sl)
     with pytest.raises(ValueError, match="plan was built for q_dtype torch.float8_e4m3fn, q is torch.bfloat16"):
-        evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=1.0, v_scale=1.0)
+        evenflow.decode_attention(q, k, v, pt, sl, plan=told8, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match="plan was built for q_dtype torch.bfloat16, q is torch.float8_e4m3fn"):
+        evenflow.decode_attention(q8, k, v, pt, sl, plan=told16, q_scale=qs8, k_scale=1.0, v_scale=1.0)
+    # the told dtype's calls run, within the rule of the reference
+    check(q8, qs8, k, v, pt, sl, 1, plan=told8, k_scale=1.0, v_scale=1.0, what="told fp8 q")
+    check(q, qs, k, v, pt, sl, 1, plan=told16, k_scale=1.0, v_scale=1.0, what="told bf16 q")

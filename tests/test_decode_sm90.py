@@ -119,6 +119,9 @@ GLUON = {
     "gluon-fp8-wg-fp8-q-tp8-slice": dict(lens=BIG, hq=8, hkv=1, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4),
     "gluon-fp8-wg-fp8-q-p128-g2-q2": dict(lens=[300, 5000, 0, 65], hq=8, hkv=4, page=128, q_len=2, kv=FP8,
                                           kv_dtype=FP8, qdt=FP8, gluon_warps=4),
+    # the form capped at 128 registers (4 an SM), 128-token pages, q_len 2: 2 an SM at 4 KV heads since round AX
+    "gluon-fp8-wg-fp8-q-p128-g2-q2-pps4": dict(lens=[300, 5000, 0, 65], hq=8, hkv=4, page=128, q_len=2, kv=FP8,
+                                               kv_dtype=FP8, qdt=FP8, gluon_warps=4, num_programs=4 * 132),
     "gluon-fp8-wg-fp8-q-ckernel": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4, combine="kernel"),
     "gluon-fp8-wg-fp8-q-timeline": dict(lens=BIG, kv=FP8, kv_dtype=FP8, qdt=FP8, gluon_warps=4, timeline=True),
     "gluon-fp8-wg-bf16-q": dict(lens=BIG, kv=FP8, kv_dtype=FP8, gluon_warps=4),
@@ -209,7 +212,7 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     of 128 registers at 4 programs an SM (16 warps) ptxas spills a few bytes outside the tile loops (12-48 in round
     AR's builds, 48 the timeline build's: the bound here), none inside them; at 2 an SM (round AW: uncapped) none.
     A two-warp plan at one KV head holds GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM an SM (round AU; a four-warp one since
-    round AV), and its pad keeps the SM to that many."""
+    round AV, and at 2-4 KV heads since round AX), and its pad keeps the SM to that many."""
     from evenflow.attention.plan import default_programs_per_sm
 
     kw = GLUON[name]

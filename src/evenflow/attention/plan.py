@@ -122,9 +122,11 @@ GLUON_FP8_WARP_COUNTS = (1, 2, 4)
 # 0.99-1.04x (round AR, 4 an SM): two warps stay the default there.
 GLUON_FP8_ONE_HEAD_WARPS = 4
 # ... and at up to this many KV heads where the plan is told its calls' q is fp8 (``DecodePlan(q_dtype=)``, round
-# AX): such a plan's calls all run the warpgroup form, at 2 programs an SM (``default_programs_per_sm``). Round AX1
+# AX): such a plan's calls of at most GLUON_FP8_WG_ROWS rows a KV head run the warpgroup form (on sm_90; elsewhere, or
+# with more rows, two warps on its bins), at 2 programs an SM (``default_programs_per_sm``); 3 KV heads follow 2 and
+# 4 (not measured). Round AX1
 # (H200, graph replay, A/B in one run, two passes, fp8 KV, the ten standard cases' slices): four warps at 2 an SM
-# against the two-warp default at 4 ran fp8-q calls 1.028-1.566x at 2 KV heads (the tp4: slices) and 0.995-1.38x
+# against the two-warp default at 4 ran fp8-q calls 1.028-1.567x at 2 KV heads (the tp4: slices) and 0.995-1.381x
 # at 4 (tp2:), but 0.885-1.062x at 8 (64x512 0.885, 1x32K+63x512 0.955); with a bf16 q (two warps at 2 an SM) it
 # ran 0.976-1.33x at 2 KV heads (1x128K+31x4K 0.980 / 0.976: past the 2% the rule allowed) and 0.904-1.31x at 4, so
 # a plan not told an fp8 q keeps two warps at 4 an SM at 2 and more KV heads. Round AX2 (the rule's A/B): a told
@@ -319,9 +321,10 @@ class DecodePlan:
     ``warp_split``, ``num_stages=1``: such a plan is built for the Triton kernel, and ``gluon=True`` with one of them
     or another page size raises), the plan is sized for the Gluon fp8 kernel
     (``attention/gluon_kernels.py``: default ``num_programs`` 4 x SMs (2 x SMs at one KV head and two or four warps,
-    rounds AU / AV: ``GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM``, and for four warps on mma.sync at any KV-head count:
-    ``default_programs_per_sm``), ``gluon_warps`` warps a program (default 2,
-    and 4 at one KV head since round AW: ``default_gluon_warps``, see below; two warps
+    rounds AU / AV: ``GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM``, at four warps and 2-4 KV heads since round AX, and for
+    four warps on mma.sync at any KV-head count: ``default_programs_per_sm``), ``gluon_warps`` warps a program
+    (default 2, and 4 at one KV head since round AW and at 2-4 on a plan told an fp8 q since round AX:
+    ``default_gluon_warps``, see below; two warps
     each taking half of every tile, their outputs merged after each chunk in the idle ring, or beside a 2-slot ring
     in a 16 KB buffer; 1 = the one-warp kernel of rounds AB-AK), a ring of ``num_stages`` tiles (default 3 at two
     warps, 2 at one: ``GLUON_FP8_STAGES``; more slots than leave an SM the default count of programs are refused unless
