@@ -819,6 +819,14 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
             evenflow.decode_attention(q, k, v, pt, sl, plan=plan, k_scale=0.05, v_scale=0.025)
 
 
+# Every plan value a launch of the Gluon kernel reads, but its warps: two plans that agree on them launch the same
+# program for a call that takes the same form on both.
+PLAN_LAUNCH_VALUES = ("takes_gluon", "num_programs", "per_sm", "triton_programs", "gluon_stages", "deep_ring_tiles",
+                      "resident_pad", "min_pad", "bin_stride", "merge_chunks", "wg_merge_chunks", "wg_max_regs",
+                      "warpgroup_mma", "min_tiles", "item_cost", "align_items", "align_longer", "align_growth",
+                      "combine", "prefetch", "pdl", "early_reads", "resident_cap", "spread_bins", "launch_next")
+
+
 def test_one_kv_head_fp8_plan_takes_four_warps_with_the_two_warp_default_program_for_other_calls(device):
     """Round AW: an fp8 plan for the Gluon kernel at one KV head takes four warps unless told (``gluon_warps=None``):
     its fp8-q calls run the warpgroup form, merging ``wg_merge_chunks`` (8) chunks a round trip, its other calls the
@@ -832,11 +840,7 @@ def test_one_kv_head_fp8_plan_takes_four_warps_with_the_two_warp_default_program
     two = evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8, gluon_warps=2)
     assert (plan.gluon_warps, plan.warpgroup_mma, plan.merge_chunks, plan.wg_merge_chunks) == (4, True, 12, 8)
     assert GLUON_WG_MERGE_CHUNKS == 8 and GLUON_FP8_WG_ROWS == 8 and "wg_merge_chunks=8" in repr(plan)
-    for name in ("takes_gluon", "num_programs", "per_sm", "triton_programs", "gluon_stages", "deep_ring_tiles",
-                 "resident_pad",
-                 "min_pad", "bin_stride", "merge_chunks", "min_tiles", "item_cost", "align_items", "align_longer",
-                 "align_growth", "combine", "prefetch", "pdl", "early_reads", "resident_cap", "spread_bins",
-                 "launch_next"):
+    for name in PLAN_LAUNCH_VALUES:
         assert getattr(plan, name) == getattr(two, name), name
     # told 8 q rows a KV head (GQA 8, or 4 x q_len 2): four; told 16: two
     assert evenflow.DecodePlan(4, 1000, 1, device=device, kv_dtype=FP8, num_q_heads=8).gluon_warps == 4
@@ -1019,9 +1023,7 @@ def test_plan_told_an_fp8_q_takes_four_warps_at_two_to_four_kv_heads_and_checks_
         told = evenflow.DecodePlan(4, 1000, hkv, device=device, kv_dtype=FP8, q_dtype=FP8)
         given = evenflow.DecodePlan(4, 1000, hkv, device=device, kv_dtype=FP8, gluon_warps=4, num_programs=2 * sms)
         assert (told.gluon_warps, told.per_sm, told.wg_max_regs, told.wg_merge_chunks) == (4, 2, 0, 8), told
-        for name in ("takes_gluon", "num_programs", "per_sm", "triton_programs", "gluon_stages", "deep_ring_tiles",
-                     "resident_pad", "min_pad", "bin_stride", "merge_chunks", "wg_merge_chunks", "wg_max_regs",
-                     "warpgroup_mma"):
+        for name in PLAN_LAUNCH_VALUES:
             assert getattr(told, name) == getattr(given, name), (hkv, name)
         assert "q_dtype=torch.float8_e4m3fn" in repr(told)
         # explicit four warps without q_dtype: 2 an SM at up to 4 KV heads

@@ -19,6 +19,12 @@ K = 1024
 pytestmark = pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
 
 
+def _new_plan(lens, hkv, page, q_len, plan_kw):
+    """The plan ``_call`` runs on: ``lens``' batch, pages of ``page`` tokens up to its longest request."""
+    mp = max(1, max(-(-n // page) for n in lens))
+    return evenflow.DecodePlan(len(lens), mp * page, hkv, page_size=page, q_len=q_len, device="cpu", **plan_kw)
+
+
 def _call(lens, hq=64, hkv=8, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=torch.bfloat16, hnd=False,
           static=False, timeline=False, calls=1, **plan_kw):
     B = len(lens)
@@ -34,7 +40,7 @@ def _call(lens, hq=64, hkv=8, d=128, page=64, q_len=1, kv=torch.bfloat16, qdt=to
     sc = dict(k_scale=torch.ones(1), v_scale=0.5) if kv == FP8 else {}
     plan = None
     if not static:
-        plan = evenflow.DecodePlan(B, mp * page, hkv, page_size=page, q_len=q_len, device="cpu", **plan_kw)
+        plan = _new_plan(lens, hkv, page, q_len, plan_kw)
         plan.update(sl)
         plan.record_timeline(timeline)
     for _ in range(calls):
@@ -153,20 +159,21 @@ GLUON = {
 SMS = 132  # CC.emulate_gpu's SMs
 
 
-def _plan_warps(kw):
-    """Warps a program of a GLUON scenario's plan: ``gluon_warps``, or where not given four on the default 3 ring
-    slots at one KV head (round AW) or at 2-4 KV heads on a plan told an fp8 q (round AX), else two."""
-    hkv = kw.get("hkv", 8)
-    four = hkv == 1 or (kw.get("q_dtype") == FP8 and hkv <= 4)
-    return kw.get("gluon_warps", 4 if four and kw.get("num_stages", 3) == 3 else 2)
+def _scenario_plan(kw):
+    """The plan a GLUON scenario's call runs on, as ``_call`` builds it for an H200's SMs (its warps and programs an
+    SM: the plan's rules, which tests/test_decode.py checks)."""
+    call_args = ("lens", "hq", "hkv", "d", "page", "q_len", "kv", "qdt", "hnd", "static", "timeline", "calls")
+    with CC.emulate_gpu():
+        return _new_plan(kw["lens"], kw.get("hkv", 8), kw.get("page", 64), kw.get("q_len", 1),
+                         {k: v for k, v in kw.items() if k not in call_args})
 
 
 def _gluon_warps(kw):
-    """Warps of the Gluon program a GLUON scenario launches: the plan's (``_plan_warps``), but two where a warpgroup
-    plan's call is not the form's (a bf16 q, or more than 8 q rows a KV head)."""
+    """Warps of the Gluon program a GLUON scenario launches: its plan's, but two where a warpgroup plan's call is not
+    the form's (a bf16 q, or more than 8 q rows a KV head)."""
     from evenflow.attention.plan import GLUON_FP8_WG_ROWS
 
-    w = _plan_warps(kw)
+    w = _scenario_plan(kw).gluon_warps
     rows = kw.get("hq", 64) // kw.get("hkv", 8) * kw.get("q_len", 1)
     if w == 4 and kw.get("warpgroup_mma", True) and not (kw.get("qdt") == FP8 and rows <= GLUON_FP8_WG_ROWS):
         return 2
@@ -213,14 +220,10 @@ def test_gluon_fp8_kernel_is_resident_and_stages_no_operand_through_shared_memor
     AR's builds, 48 the timeline build's: the bound here), none inside them; at 2 an SM (round AW: uncapped) none.
     A two-warp plan at one KV head holds GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM an SM (round AU; a four-warp one since
     round AV, and at 2-4 KV heads since round AX), and its pad keeps the SM to that many."""
-    from evenflow.attention.plan import default_programs_per_sm
-
     kw = GLUON[name]
     w = _gluon_warps(kw)
     wg = w == 4 and kw.get("warpgroup_mma", True)  # the warpgroup form (else mma.sync at any W)
-    PPS = default_programs_per_sm(True, kw.get("hkv", 8), _plan_warps(kw), kw.get("warpgroup_mma", True))
-    if "num_programs" in kw:
-        PPS = kw["num_programs"] // SMS
+    PPS = _scenario_plan(kw).per_sm  # the programs an SM the plan counts on
     st = _gluon_stats(name)
     assert st["num_warps"] == w and st["spill_bytes"] <= (48 if wg and PPS > 2 else 0), st
     assert st["regs"] * 32 * w * PPS <= 65536 and (st["shared"] + 1024) * PPS <= 233472, st

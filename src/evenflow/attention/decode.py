@@ -222,8 +222,10 @@ def warpgroup_form_runs(q: torch.Tensor, rows: int) -> bool:
     GLUON_FP8_WG_ROWS rows a KV head, compiled for sm_90 (``wgmma`` is Hopper's: sm_89 has no warpgroup MMA, and
     sm_100 builds of Triton 3.6's Gluon take its own MMA). Else the plan's calls run the two-warp form on the same
     bins (the same ring and programs an SM)."""
+    if q.dtype != FP8 or rows > GLUON_FP8_WG_ROWS:  # (a bf16 q's call asks no device property)
+        return False
     cap = _runtime.compiled_capability(q.device)
-    return q.dtype == FP8 and rows <= GLUON_FP8_WG_ROWS and cap is not None and cap[0] == 9
+    return cap is not None and cap[0] == 9
 
 
 def gluon_call_form(plan: DecodePlan, q: torch.Tensor, rows: int) -> tuple[int, int, int]:

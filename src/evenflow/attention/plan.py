@@ -268,8 +268,7 @@ def default_programs_per_sm(gluon: bool, num_kv_heads: int, gluon_warps: int, wa
         return DEFAULT_PROGRAMS_PER_SM
     if gluon_warps == 4 and not warpgroup_mma:
         return GLUON_FP8_MMA4_PROGRAMS_PER_SM
-    if (num_kv_heads == 1 and gluon_warps in (2, 4)) or (
-            gluon_warps == 4 and num_kv_heads <= GLUON_FP8_WG_MAX_KV_HEADS):
+    if (num_kv_heads == 1 and gluon_warps == 2) or (gluon_warps == 4 and num_kv_heads <= GLUON_FP8_WG_MAX_KV_HEADS):
         return GLUON_FP8_ONE_HEAD_PROGRAMS_PER_SM
     return GLUON_FP8_PROGRAMS_PER_SM
 
