@@ -4,6 +4,7 @@ Timings are not tested here (they run only on a GPU); these check that the cases
 floors, inputs and peer layouts the timings rest on are right.
 """
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -344,6 +345,38 @@ def test_summarize_targets():
     }
     assert "| 1x128K+31x4K | bf16-kv | 100.0 | 0.90 | 0.96 | 250.0 | flashinfer-tc | 300.0 | 3.00 | 2.50 |" in table
     assert "| 64x512 | bf16-kv | 50.0 | 0.70 | - | - | flashinfer-cuda | 45.0 | 0.90 | - |" in table
+
+
+def test_ratio_target_reach_and_rescore(tmp_path, capsys):
+    """A 2.5x target carries what it asks of the floor: the peer's time over 2.5, as a fraction of the floor
+    (floor µs = frac x our µs), beside the read-once row's fraction (floor µs / its µs). Checked here from the
+    rows' times, not the fields the helper reads; then ``--rescore`` re-derives a written file's table and targets
+    and prints the missed target with both fractions."""
+    floor, ours_us, peer_us, read_us = 90.0, 100.0, 200.0, 96.0
+    rows = [
+        {"case": "2x32K+30x4K", "variant": "bf16-kv", "impl": "evenflow", "us": ours_us,
+         "frac_of_floor": floor / ours_us, "speedup_vs_best_peer": peer_us / ours_us,
+         "vs_read_once": read_us / ours_us},
+        {"case": "2x32K+30x4K", "variant": "bf16-kv", "impl": "read-once", "us": read_us},
+        {"case": "2x32K+30x4K", "variant": "bf16-kv", "impl": "flashinfer-tc", "us": peer_us},
+    ]
+    table, targets = D.summarize(rows, [D.parse_case("2x32K+30x4K")], ["bf16-kv"])
+    (ratio,) = [t for t in targets if "2.5x" in t["target"]]
+    assert not ratio["ok"] and ratio["value"] == pytest.approx(2.0)
+    assert ratio["needs_frac_of_floor"] == pytest.approx(floor / (peer_us / 2.5), abs=1e-4)  # 1.125
+    assert ratio["read_once_frac_of_floor"] == pytest.approx(floor / read_us, abs=1e-4)  # 0.9375
+    assert all("needs_frac_of_floor" not in t for t in targets if t is not ratio)
+    path = tmp_path / "decode.json"
+    path.write_text(json.dumps({"header": {}, "meta": {}, "rows": rows}))
+    assert D.rescore(str(path)) == (table, targets)
+    D.main(["--rescore", str(path)])
+    out = capsys.readouterr().out
+    assert "## issue 3 targets: 2/3 met" in out
+    assert "- MISSED 2x32K+30x4K bf16-kv: >= 2.5x flashinfer-tc: 2.000 (needs 1.125 of the floor; read-once " \
+           "reads at 0.938)" in out
+    path.write_text("{}")
+    with pytest.raises(SystemExit, match="--rescore: .*decode.json is not a results file"):
+        D.rescore(str(path))
 
 
 def test_read_once_reads_every_byte_of_every_rotation(monkeypatch):
