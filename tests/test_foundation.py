@@ -285,3 +285,20 @@ def test_small_extra_figures_keep_their_significant_digits(tmp_path):
 def test_header_identifies_the_source_without_git(tmp_path):
     d1, d2 = H.source_digest(), H.header()["source_sha1"]
     assert d1 == d2 and len(d1) == 12 and set(d1) <= set("0123456789abcdef")
+
+
+def test_demo_table_keeps_every_untimed_peers_reason_whole():
+    """A peer's reason is cut short in the table's cell (a line stays readable) and then given whole below it;
+    timed peers and rows without peers add no note."""
+    from evenflow.cli import demo_table
+
+    why = "flashinfer-fa3: build/plan failed: RuntimeError: " + "x" * 80
+    rows = [{"operator": "decode_attention", "case": "c", "check": "ok", "ok": True, "us": 58.43, "floor_us": 47.3,
+             "peers": {"evenflow-static": 212.5, "flashinfer-fa3": f"unavailable: {why}"}},
+            {"operator": "fused_moe", "case": "c", "check": "bad", "ok": False, "us": None, "floor_us": None}]
+    table = demo_table(rows).splitlines()
+    assert table[2] == ("| decode_attention | c | ok | yes | 58.4 | 47.3 | evenflow-static 212.5, flashinfer-fa3 "
+                        "unavailable: flashinfer-fa3: build/pl... |")
+    assert table[3] == "| fused_moe | c | bad | NO | - | - | - |"
+    assert table[4:] == ["", "peers not timed:", f"- decode_attention / flashinfer-fa3: unavailable: {why}"]
+    assert demo_table(rows[1:]).splitlines()[2:] == ["| fused_moe | c | bad | NO | - | - | - |"]
