@@ -318,6 +318,20 @@ def test_flashinfer_fa3_unsupported_dtypes_are_refused_before_any_build(monkeypa
         fi_peer.FlashInferDecode("flashinfer-fa3", pt, sl, kv_dtype=torch.float8_e4m3fn, **kw)
 
 
+def test_a_failed_jit_build_records_the_compilers_error_line():
+    """A FlashInfer JIT build fails with 'Ninja build failed. Ninja output:' first and the compiler's words later;
+    the reason a row keeps names the first line that says error (a missing header, round AY2's FA3 rows), and
+    an exception of one line is kept as it is."""
+    ninja = RuntimeError("Ninja build failed. Ninja output:\n[1/3] c++ -c a.cu\nFAILED: a.o\n"
+                         "a.cu:3:10: fatal error: cutlass/util/packed_stride.hpp: No such file or directory\n"
+                         "compilation terminated.\nninja: build stopped: subcommand failed.")
+    assert fi_peer._first_line(ninja) == ("Ninja build failed. Ninja output: ... a.cu:3:10: fatal error: "
+                                          "cutlass/util/packed_stride.hpp: No such file or directory")
+    assert fi_peer._first_line(ValueError("bad page size 7")) == "bad page size 7"
+    assert fi_peer._first_line(RuntimeError("x" * 500)) == "x" * 300
+    assert fi_peer._first_line(RuntimeError("")) == "RuntimeError('')"
+
+
 # ----------------------------------------------------------------------------- target summary
 
 def test_summarize_targets():

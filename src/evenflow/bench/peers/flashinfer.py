@@ -62,8 +62,14 @@ def version() -> str | None:
 
 
 def _first_line(e: BaseException, limit: int = 300) -> str:
-    text = str(e).strip().splitlines()
-    return (text[0] if text else repr(e))[:limit]
+    """An exception's first line, and where a later line names an error (a JIT build's compiler output, whose
+    first line only says the build failed) the first such line too: the reason a row records must say what
+    failed."""
+    text = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not text:
+        return repr(e)[:limit]
+    cause = next((ln for ln in text[1:] if "error" in ln.lower()), None)
+    return (text[0] + (f" ... {cause}" if cause else ""))[:limit]
 
 
 def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor,
