@@ -654,16 +654,19 @@ def _split(arg: str, allowed, what: str) -> list[str]:
 
 def ratio_reach(ours: dict, ratio: float) -> dict:
     """What a ``ratio``-times-the-best-peer target asks of the floor, from one evenflow row: the peer's time over
-    ``ratio`` is a ``frac_of_floor`` of ``ratio`` x the peer's own (``needs_frac_of_floor``), and beside it the
-    same run's read-once row's fraction (``read_once_frac_of_floor``: the case's floor bytes read once by the read
-    kernel, the ceiling a kernel that reads each byte once can expect). A need above the read-once fraction cannot
-    be met by reading faster; only a peer that slows down would meet it."""
-    frac, x = ours.get("frac_of_floor"), ours.get("speedup_vs_best_peer")
-    if not (isinstance(frac, (int, float)) and isinstance(x, (int, float)) and x > 0):
+    ``ratio`` is a ``frac_of_floor`` of ``ratio`` x the peer's own (``needs_frac_of_floor``; absent without a
+    peer), and beside it the same run's read-once row's fraction (``read_once_frac_of_floor``: the case's floor
+    bytes read once by the read kernel, the ceiling a kernel that reads each byte once can expect; also given to
+    the ``frac_of_floor`` targets). A need above the read-once fraction cannot be met by reading faster; only a
+    peer that slows down would meet it."""
+    frac, x, ro = ours.get("frac_of_floor"), ours.get("speedup_vs_best_peer"), ours.get("vs_read_once")
+    if not isinstance(frac, (int, float)):
         return {}
-    reach = {"needs_frac_of_floor": round(ratio * frac / x, 4)}
-    if isinstance(ours.get("vs_read_once"), (int, float)) and ours["vs_read_once"] > 0:
-        reach["read_once_frac_of_floor"] = round(frac / ours["vs_read_once"], 4)
+    reach = {}
+    if isinstance(x, (int, float)) and x > 0:
+        reach["needs_frac_of_floor"] = round(ratio * frac / x, 4)
+    if isinstance(ro, (int, float)) and ro > 0:
+        reach["read_once_frac_of_floor"] = round(frac / ro, 4)
     return reach
 
 
@@ -676,10 +679,12 @@ def print_targets(targets: list[dict]) -> None:
             continue
         v = t["value"]
         line = f"- MISSED {t['target']}: " + (f"{v:.3f}" if isinstance(v, float) else f"{v}")
+        ro = t.get("read_once_frac_of_floor")
         if "needs_frac_of_floor" in t:
             line += f" (needs {t['needs_frac_of_floor']:.3f} of the floor"
-            ro = t.get("read_once_frac_of_floor")
             line += f"; read-once reads at {ro:.3f})" if ro is not None else ")"
+        elif ro is not None:
+            line += f" (read-once reads at {ro:.3f})"
         print(line)
 
 
@@ -728,7 +733,8 @@ def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple
                 target(f"{c.name} {v}: evenflow ran", False, ours.get("error", "not run"))
                 continue
             need = 0.85 if c.tokens >= 128 * 1024 else 0.75
-            target(f"{c.name} {v}: frac_of_floor >= {need}", ours["frac_of_floor"] >= need, ours["frac_of_floor"])
+            target(f"{c.name} {v}: frac_of_floor >= {need}", ours["frac_of_floor"] >= need, ours["frac_of_floor"],
+                   **{k: r for k, r in ratio_reach(ours, 1.0).items() if k == "read_once_frac_of_floor"})
             if best:
                 x = ours["speedup_vs_best_peer"]
                 target(f"{c.name} {v}: not slower than {best['impl']}", x >= 1.0, x)

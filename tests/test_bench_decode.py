@@ -363,9 +363,9 @@ def test_summarize_targets():
 
 def test_ratio_target_reach_and_rescore(tmp_path, capsys):
     """A 2.5x target carries what it asks of the floor: the peer's time over 2.5, as a fraction of the floor
-    (floor µs = frac x our µs), beside the read-once row's fraction (floor µs / its µs). Checked here from the
-    rows' times, not the fields the helper reads; then ``--rescore`` re-derives a written file's table and targets
-    and prints the missed target with both fractions."""
+    (floor µs = frac x our µs), beside the read-once row's fraction (floor µs / its µs), which a frac_of_floor
+    target carries too. Checked here from the rows' times, not the fields the helper reads; then ``--rescore``
+    re-derives a written file's table and targets and prints each missed target with its fractions."""
     floor, ours_us, peer_us, read_us = 90.0, 100.0, 200.0, 96.0
     rows = [
         {"case": "2x32K+30x4K", "variant": "bf16-kv", "impl": "evenflow", "us": ours_us,
@@ -380,6 +380,8 @@ def test_ratio_target_reach_and_rescore(tmp_path, capsys):
     assert ratio["needs_frac_of_floor"] == pytest.approx(floor / (peer_us / 2.5), abs=1e-4)  # 1.125
     assert ratio["read_once_frac_of_floor"] == pytest.approx(floor / read_us, abs=1e-4)  # 0.9375
     assert all("needs_frac_of_floor" not in t for t in targets if t is not ratio)
+    (frac,) = [t for t in targets if "frac_of_floor >=" in t["target"]]  # the read-once fraction, no need
+    assert frac["read_once_frac_of_floor"] == ratio["read_once_frac_of_floor"]
     path = tmp_path / "decode.json"
     path.write_text(json.dumps({"header": {}, "meta": {}, "rows": rows}))
     assert D.rescore(str(path)) == (table, targets)
@@ -388,6 +390,12 @@ def test_ratio_target_reach_and_rescore(tmp_path, capsys):
     assert "## issue 3 targets: 2/3 met" in out
     assert "- MISSED 2x32K+30x4K bf16-kv: >= 2.5x flashinfer-tc: 2.000 (needs 1.125 of the floor; read-once " \
            "reads at 0.938)" in out
+    slower = floor / 0.8  # ours at 0.8 of the floor: the floor target missed, printed with the read-once fraction
+    rows[0].update(us=slower, frac_of_floor=0.8, speedup_vs_best_peer=peer_us / slower, vs_read_once=read_us / slower)
+    path.write_text(json.dumps({"rows": rows}))
+    D.main(["--rescore", str(path)])
+    out = capsys.readouterr().out
+    assert "- MISSED 2x32K+30x4K bf16-kv: frac_of_floor >= 0.85: 0.800 (read-once reads at 0.938)" in out
     path.write_text("{}")
     with pytest.raises(SystemExit, match="--rescore: .*decode.json is not a results file"):
         D.rescore(str(path))
