@@ -580,8 +580,7 @@ def build_fns(impl: str, inp: Inputs):
 def _reason(e: BaseException) -> str:
     if isinstance(e, H.PeerUnavailable):
         return str(e)
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
+    return f"{type(e).__name__}: {H.error_line(e)}"
 
 
 def measure(impl: str, inp: Inputs, refs: list) -> dict:
@@ -632,7 +631,8 @@ def _add_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rescore", default=None, metavar="JSON",
                    help="no run: the table and issue 3's targets of a results file (e.g. decode.json), each "
-                        "ratio target with the floor fraction it needs beside the read-once row's (CPU only)")
+                        "with the read-once row's floor fraction and each ratio target with the one it needs "
+                        "(CPU only)")
     p.add_argument("--triton-fp8-q", action="store_true",
                    help="run fp8 q on the Triton kernel (decode.GLUON_FP8_Q off for this process): the fp8-kv-fp8-q "
                         "variant's evenflow rows then run it on the plan sized for the Gluon kernel (capped, two "
@@ -652,27 +652,29 @@ def _split(arg: str, allowed, what: str) -> list[str]:
     return items
 
 
+def read_once_frac(ours: dict) -> dict:
+    """``read_once_frac_of_floor`` of one evenflow row: the same run's read-once row's ``frac_of_floor`` (the case's
+    floor bytes read once by the read kernel: what a kernel that reads each byte once can expect), from the row's
+    own fraction and ``vs_read_once``; empty where the row lacks either."""
+    frac, ro = ours.get("frac_of_floor"), ours.get("vs_read_once")
+    if isinstance(frac, (int, float)) and isinstance(ro, (int, float)) and ro > 0:
+        return {"read_once_frac_of_floor": round(frac / ro, 4)}
+    return {}
+
+
 def ratio_reach(ours: dict, ratio: float) -> dict:
-    """What a ``ratio``-times-the-best-peer target asks of the floor, from one evenflow row: the peer's time over
-    ``ratio`` is a ``frac_of_floor`` of ``ratio`` x the peer's own (``needs_frac_of_floor``; absent without a
-    peer), and beside it the same run's read-once row's fraction (``read_once_frac_of_floor``: the case's floor
-    bytes read once by the read kernel, the ceiling a kernel that reads each byte once can expect; also given to
-    the ``frac_of_floor`` targets). A need above the read-once fraction cannot be met by reading faster; only a
-    peer that slows down would meet it."""
-    frac, x, ro = ours.get("frac_of_floor"), ours.get("speedup_vs_best_peer"), ours.get("vs_read_once")
-    if not isinstance(frac, (int, float)):
-        return {}
-    reach = {}
-    if isinstance(x, (int, float)) and x > 0:
-        reach["needs_frac_of_floor"] = round(ratio * frac / x, 4)
-    if isinstance(ro, (int, float)) and ro > 0:
-        reach["read_once_frac_of_floor"] = round(frac / ro, 4)
-    return reach
+    """What a ``ratio``-times-the-best-peer target asks of the floor: the peer's time over ``ratio`` is a
+    ``frac_of_floor`` of ``ratio`` x the peer's own (``needs_frac_of_floor``), beside :func:`read_once_frac`. A need
+    above the read-once fraction cannot be met by reading faster; only a peer that slows down would meet it."""
+    frac, x = ours.get("frac_of_floor"), ours.get("speedup_vs_best_peer")
+    need = ({"needs_frac_of_floor": round(ratio * frac / x, 4)}
+            if isinstance(frac, (int, float)) and isinstance(x, (int, float)) and x > 0 else {})
+    return {**need, **read_once_frac(ours)}
 
 
 def print_targets(targets: list[dict]) -> None:
-    """issue 3's target count, then each missed target with its value (and, for a ratio target, what it asks of
-    the floor beside the read-once row's fraction)."""
+    """issue 3's target count, then each missed target with its value, the read-once row's fraction and, for a
+    ratio target, the fraction of the floor it asks."""
     print(f"\n## issue 3 targets: {sum(t['ok'] for t in targets)}/{len(targets)} met")
     for t in targets:
         if t["ok"]:
@@ -691,13 +693,10 @@ def print_targets(targets: list[dict]) -> None:
 def rescore(path: str) -> tuple[str, list[dict]]:
     """``summarize`` over a results file's rows (cases and variants as the file holds them, in its order): a
     recorded run's table and targets, re-derived without a GPU."""
-    import json
-
     try:
-        with open(path) as fh:
-            rows = json.load(fh)["rows"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"--rescore: {path} is not a results file with rows ({e})") from None
+        rows = H.Results.load(path).rows
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--rescore: {path} is not a results file ({e})") from None
     names = list(dict.fromkeys(r["case"] for r in rows if "case" in r))
     variants = list(dict.fromkeys(r["variant"] for r in rows if r.get("variant")))
     return summarize(rows, [parse_case(n) for n in names], variants)
@@ -734,7 +733,7 @@ def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple
                 continue
             need = 0.85 if c.tokens >= 128 * 1024 else 0.75
             target(f"{c.name} {v}: frac_of_floor >= {need}", ours["frac_of_floor"] >= need, ours["frac_of_floor"],
-                   **{k: r for k, r in ratio_reach(ours, 1.0).items() if k == "read_once_frac_of_floor"})
+                   **read_once_frac(ours))
             if best:
                 x = ours["speedup_vs_best_peer"]
                 target(f"{c.name} {v}: not slower than {best['impl']}", x >= 1.0, x)

@@ -302,3 +302,17 @@ def test_demo_table_keeps_every_untimed_peers_reason_whole():
     assert table[3] == "| fused_moe | c | bad | NO | - | - | - |"
     assert table[4:] == ["", "peers not timed:", f"- decode_attention / flashinfer-fa3: unavailable: {why}"]
     assert demo_table(rows[1:]).splitlines()[2:] == ["| fused_moe | c | bad | NO | - | - | - |"]
+
+
+def test_a_failed_jit_build_records_the_compilers_error_line():
+    """A FlashInfer JIT build fails with 'Ninja build failed. Ninja output:' first and the compiler's words later;
+    the reason a row keeps (``error_line``, which the FlashInfer adapter and the decode benchmark use) names the
+    first line that says error (a missing header, round AY2's FA3 rows), and an exception of one line is kept."""
+    ninja = RuntimeError("Ninja build failed. Ninja output:\n[1/3] c++ -c a.cu\nFAILED: a.o\n"
+                         "a.cu:3:10: fatal error: cutlass/util/packed_stride.hpp: No such file or directory\n"
+                         "compilation terminated.\nninja: build stopped: subcommand failed.")
+    assert H.error_line(ninja) == ("Ninja build failed. Ninja output: ... a.cu:3:10: fatal error: "
+                                   "cutlass/util/packed_stride.hpp: No such file or directory")
+    assert H.error_line(ValueError("bad page size 7")) == "bad page size 7"
+    assert H.error_line(RuntimeError("x" * 500)) == "x" * 300
+    assert H.error_line(RuntimeError("")) == "RuntimeError('')"

@@ -42,6 +42,17 @@ class PeerUnavailable(Exception):
     """A peer that cannot run here (not installed, fails to build); becomes an ``error`` row."""
 
 
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """The reason an ``error`` row keeps for ``e``: its message's first line, and where a later line names an error
+    (a JIT build's compiler output, whose first line only says the build failed) the first such line too; cut at
+    ``limit`` characters (``repr(e)`` for an empty message)."""
+    text = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    if not text:
+        return repr(e)[:limit]
+    cause = next((ln for ln in text[1:] if "error" in ln.lower()), None)
+    return (text[0] + (f" ... {cause}" if cause else ""))[:limit]
+
+
 # ----------------------------------------------------------------------------- header
 
 def _git_commit() -> str:

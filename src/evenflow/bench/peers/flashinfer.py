@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from evenflow.bench.harness import PeerUnavailable
+from evenflow.bench.harness import PeerUnavailable, error_line
 
 __all__ = ["DECODE_IMPLS", "FlashInferDecode", "import_flashinfer", "paged_kv_layout", "version"]
 
@@ -50,7 +50,7 @@ def import_flashinfer():
     try:
         import flashinfer
     except Exception as e:  # ImportError, or a failing import of its own dependencies
-        raise PeerUnavailable(f"flashinfer not importable: {type(e).__name__}: {_first_line(e)}") from e
+        raise PeerUnavailable(f"flashinfer not importable: {type(e).__name__}: {error_line(e)}") from e
     return flashinfer
 
 
@@ -59,17 +59,6 @@ def version() -> str | None:
         return getattr(import_flashinfer(), "__version__", "unknown")
     except PeerUnavailable:
         return None
-
-
-def _first_line(e: BaseException, limit: int = 300) -> str:
-    """An exception's first line, and where a later line names an error (a JIT build's compiler output, whose
-    first line only says the build failed) the first such line too: the reason a row records must say what
-    failed."""
-    text = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    if not text:
-        return repr(e)[:limit]
-    cause = next((ln for ln in text[1:] if "error" in ln.lower()), None)
-    return (text[0] + (f" ... {cause}" if cause else ""))[:limit]
 
 
 def paged_kv_layout(page_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -174,7 +163,7 @@ class FlashInferDecode:
         except PeerUnavailable:
             raise
         except Exception as e:
-            raise PeerUnavailable(f"{impl}: build/plan failed: {type(e).__name__}: {_first_line(e)}") from e
+            raise PeerUnavailable(f"{impl}: build/plan failed: {type(e).__name__}: {error_line(e)}") from e
         self.resolved_backend = getattr(self.wrapper, "resolved_backend", cfg["backend"])
 
     def plan_host_us(self, reps: int = 5) -> float:
@@ -211,5 +200,5 @@ class FlashInferDecode:
             run()
             torch.cuda.synchronize(q.device)
         except Exception as e:
-            raise PeerUnavailable(f"{self.impl}: run failed: {type(e).__name__}: {_first_line(e)}") from e
+            raise PeerUnavailable(f"{self.impl}: run failed: {type(e).__name__}: {error_line(e)}") from e
         return run
