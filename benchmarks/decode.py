@@ -185,6 +185,13 @@ PLAN_KNOBS = {
     "evenflow-grow112": lambda sms: dict(typed=True, align_growth=1.125),
     "evenflow-grow100": lambda sms: dict(typed=True, align_growth=1.0),
     "evenflow-g-cost4": lambda sms: dict(typed=True, item_cost=4),
+    # round AZ: the default plan (typed) with align_longer raising the budget to a shortest item longer than it (or
+    # that item in n equal chunks) within a growth of 1.5 / 2 instead of 17/16: Qwen3-30B-A3B's 4 KV heads at
+    # 1x32K+31x2K take a budget of 32 instead of 23 (no 2K item cut, 188 of 264 bins busy); fp8 2x32K+30x4K at 8
+    # KV heads 64 instead of 45 (368 of 528 busy); only 2 reaches 2x64K+30x1K's 1K items (at 1-2 KV heads); the
+    # budgets each case takes: docs/perf-notes/decode.md, round AZ
+    "evenflow-longer150": lambda sms: dict(typed=True, align_longer_growth=1.5),
+    "evenflow-longer200": lambda sms: dict(typed=True, align_longer_growth=2.0),
     # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
     # same at 3 ring slots at 3 programs an SM, every chunk 2 tiles ahead (in round AL beside a 16 KB output buffer,
     # since round AM with the outputs in the ring: 48 KB, padded to 64 under PDL), and forced at one KV head too; the

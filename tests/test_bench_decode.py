@@ -455,7 +455,7 @@ def test_reference_decode_agrees_with_project_oracle(kv_dtype, q_dtype):
     assert (ours.double() - oracle).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["evenflow", "evenflow-grow150", "evenflow-static"])
+@pytest.mark.parametrize("impl", ["evenflow", "evenflow-grow150", "evenflow-longer150", "evenflow-static"])
 def test_evenflow_calls_compute_the_benchmark_reference(impl):
     """The calls the benchmark (and decode_timeline.py) time: one per rotated copy, each writing
     the case's attention, as the benchmark's reference computes it; the plan is the row's (the
@@ -467,6 +467,7 @@ def test_evenflow_calls_compute_the_benchmark_reference(impl):
         assert plan is None
     else:
         assert plan.batch == 4 and plan.align_growth == (1.5 if impl == "evenflow-grow150" else 1.25)
+        assert plan.align_longer_growth == (1.5 if impl == "evenflow-longer150" else 17 / 16)
     calls = D.evenflow_calls(inp, plan)
     assert len(calls) == inp.rotations > 1
     from evenflow.reference.attention import decode_attention_ref

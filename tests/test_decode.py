@@ -824,7 +824,8 @@ def test_fp8_plan_told_its_calls_shape_is_built_for_the_kernel_that_runs_them(de
 PLAN_LAUNCH_VALUES = ("takes_gluon", "num_programs", "per_sm", "triton_programs", "gluon_stages", "deep_ring_tiles",
                       "resident_pad", "min_pad", "bin_stride", "merge_chunks", "wg_merge_chunks", "wg_max_regs",
                       "warpgroup_mma", "min_tiles", "item_cost", "align_items", "align_longer", "align_growth",
-                      "combine", "prefetch", "pdl", "early_reads", "resident_cap", "spread_bins", "launch_next")
+                      "align_longer_growth", "combine", "prefetch", "pdl", "early_reads", "resident_cap", "spread_bins",
+                      "launch_next")
 
 
 def test_one_kv_head_fp8_plan_takes_four_warps_with_the_two_warp_default_program_for_other_calls(device):

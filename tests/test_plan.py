@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import evenflow
-from evenflow.attention.plan import DEFAULT_ALIGN_GROWTH
+from evenflow.attention.plan import DEFAULT_ALIGN_GROWTH, DEFAULT_ALIGN_LONGER_GROWTH
 from evenflow.reference.attention import build_plan_ref
 from evenflow.testing import assert_exact
 
@@ -33,12 +33,12 @@ def walk(plan_d, num_kv_heads, num_programs):
 
 
 def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0, align_longer=False,
-              cost_max=None, growth=DEFAULT_ALIGN_GROWTH):
+              cost_max=None, growth=DEFAULT_ALIGN_GROWTH, longer_growth=DEFAULT_ALIGN_LONGER_GROWTH):
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
                                min_tiles=min_tiles, align_items=align, item_cost=item_cost,
                                align_longer=align_longer, item_cost_max_tiles=cost_max,
-                               align_growth=growth).update(sl)
+                               align_growth=growth, align_longer_growth=longer_growth).update(sl)
     return plan, sl
 
 
@@ -65,11 +65,11 @@ CASES = {
 
 
 def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, cost_max=None,
-                    growth=DEFAULT_ALIGN_GROWTH):
+                    growth=DEFAULT_ALIGN_GROWTH, longer_growth=DEFAULT_ALIGN_LONGER_GROWTH):
     # the rule, restated: ceil(total / programs) floored at min_tiles; aligned to whole
     # shortest items when that item fits and the rounding grows it by at most `growth`; with
     # align_longer, raised to a shortest item longer than it cut in as many equal chunks as
-    # whole budgets fit in it, when they divide it and that exceeds the budget by at most 1/16
+    # whole budgets fit in it, when they divide it and that grows the budget by at most `longer_growth`
     tiles = units(lens, item_cost, cost_max)
     b0 = max(-(-hkv * sum(tiles) // np_), mt)
     q = min([n for n in tiles if n > 0], default=0)
@@ -77,7 +77,7 @@ def expected_budget(lens, hkv, np_, mt, align, item_cost=0, align_longer=False, 
         return -(-b0 // q) * q
     if align and align_longer and b0 < q:
         n = q // b0
-        if q % n == 0 and 16 * (q // n) <= 17 * b0:
+        if q % n == 0 and 16 * (q // n) <= int(longer_growth * 16) * b0:
             return q // n
     return b0
 
@@ -236,6 +236,51 @@ def test_align_longer_cuts_every_heads_item_at_the_same_tiles(lens, np_, budgets
     assert (got[False], got[True]) == budgets
 
 
+@pytest.mark.parametrize("lens,hkv,np_,growth,budget,n", [
+    # Qwen3-30B-A3B's slice (4 KV heads) at 1x32K+31x2K, 264 programs: ceil(6016 / 264) = 23; a 2K item
+    # (32 tiles) is 32 / 23 = 1.39 of it: raised whole from a bound of 1.4375, cut by the plain budget below
+    ([32768] + [2048] * 31, 4, 264, 1.5, 32, 1),
+    ([32768] + [2048] * 31, 4, 264, 1.4375, 32, 1),
+    ([32768] + [2048] * 31, 4, 264, 1.375, 23, 1),
+    ([32768] + [2048] * 31, 4, 264, None, 23, 1),
+    # 2x32K+30x4K at 4 KV heads, 528 programs: budget 23, the 4K items (64 tiles) in n = 2 chunks of 32
+    ([32768] * 2 + [4096] * 30, 4, 528, 1.5, 32, 2),
+    ([32768] * 2 + [4096] * 30, 4, 528, None, 23, 2),
+    # 2x64K+30x1K at one KV head, 264 programs: budget 10; the 1K items (16 tiles) need a growth of 1.6
+    ([65536] * 2 + [1024] * 30, 1, 264, 2.0, 16, 1),
+    ([65536] * 2 + [1024] * 30, 1, 264, 1.5, 10, 1),
+])
+def test_align_longer_growth_bounds_the_raise(lens, hkv, np_, growth, budget, n, device):
+    """Round AZ: ``align_longer`` raises the budget to the shortest item over n chunks only within
+    ``align_longer_growth`` (default 17/16, the bound fixed before it was a parameter); raised, every
+    shortest item is cut in the same n chunks (whole at n = 1), and the device plan is the reference's."""
+    if growth is None:  # the default
+        assert evenflow.DecodePlan(4, 100, 2, device=device).align_longer_growth == DEFAULT_ALIGN_LONGER_GROWTH
+        growth = DEFAULT_ALIGN_LONGER_GROWTH
+    assert DEFAULT_ALIGN_LONGER_GROWTH == 17 / 16
+    plan, sl = make_plan(device, lens, hkv, np_, 8, align_longer=True, longer_growth=growth)
+    d = plan.as_dict()
+    assert d["meta"][1].item() == budget == expected_budget(lens, hkv, np_, 8, True, align_longer=True,
+                                                            longer_growth=growth)
+    assert d["meta"][2].item() == -(-d["meta"][0].item() // budget) <= np_
+    ref, ref_bins = build_plan_ref(sl, hkv, np_, 8, plan.max_seq_len, align_longer=True, item_cost=0,
+                                   align_longer_growth=growth)
+    for key in ("tiles", "req_end", "prog_start", "meta"):
+        assert_exact(d[key], ref[key], what=f"longer growth {growth}: {key}")
+    bins = walk(d, hkv, np_)
+    assert bins == ref_bins
+    shortest = -(-min(lens) // TILE)
+    cuts = {}
+    for chunks in bins:
+        for i, t0, t1 in chunks:
+            if -(-lens[i // hkv] // TILE) == shortest:
+                cuts.setdefault(i, []).append((t0, t1))
+    assert len(cuts) == hkv * lens.count(min(lens))
+    raised = budget * n == shortest
+    want = [(k * shortest // n, (k + 1) * shortest // n) for k in range(n)]
+    assert all(c == want for c in cuts.values()) == raised, "raised: every shortest item in n equal chunks"
+
+
 @pytest.mark.parametrize("growth,budget", [(1.5, 128), (1.4375, 128), (1.375, 90), (1.25, 90), (None, 90)])
 def test_align_growth_bounds_the_rounding(growth, budget, device):
     """2x32K+30x4K at 264 programs, 8 kv heads: ceil(23552 / 264) = 90 tiles; whole 4K items
@@ -270,10 +315,14 @@ def test_plan_random_sweep(device):
         cost = trial % 4  # 0..3 units per non-empty item (of at most cost_max tiles)
         cost_max = None if trial % 3 == 1 else int(torch.randint(1, 9, (1,), generator=g))
         growth = (1.5, 1.25, 1.0, 2.0, 1.0625)[trial % 5]
+        longer_growth = (1.0625, 1.5, 2.0, 1.0)[trial % 4]
         plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost, align_longer=longer,
-                             cost_max=cost_max, growth=growth)
+                             cost_max=cost_max, growth=growth, longer_growth=longer_growth)
         ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost,
-                                       align_longer=longer, item_cost_max_tiles=cost_max, align_growth=growth)
+                                       align_longer=longer, item_cost_max_tiles=cost_max, align_growth=growth,
+                                       align_longer_growth=longer_growth)
+        assert plan.as_dict()["meta"][1].item() == expected_budget(
+            lens.tolist(), hkv, np_, mt, align, cost, longer, cost_max, growth, longer_growth), f"trial {trial}"
         for key in ("tiles", "req_end", "prog_start", "meta"):
             assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
         assert walk(plan.as_dict(), hkv, np_) == ref_bins
@@ -366,10 +415,10 @@ def test_plan_update_reuses_workspace_and_clamps(device):
 def test_plan_repr_names_its_options(device):
     r = repr(evenflow.DecodePlan(4, 100, 2, device=device, num_programs=3, item_cost=1, align_longer=True,
                                  warp_split=False, prefetch=False, align_growth=1.25, early_reads=False,
-                                 spread_bins=False))
+                                 spread_bins=False, align_longer_growth=1.5))
     for part in ("max_batch=4", "num_programs=3", "item_cost=1", "align_longer=True", "warp_split=False",
                  "prefetch=False", "align_growth=1.25", "pdl=None", "early_reads=False", "resident_cap=True",
-                 "spread_bins=False"):
+                 "spread_bins=False", "align_longer_growth=1.5"):
         assert part in r, (part, r)
 
 
@@ -417,6 +466,14 @@ def test_plan_bad_arguments(device):
     for bad in (True, "1.5", None):
         with pytest.raises(TypeError, match="align_growth"):
             evenflow.DecodePlan(4, 100, 2, device=device, align_growth=bad)
+    for bad in (0.9, 2.5, 1.3):
+        with pytest.raises(ValueError, match="align_longer_growth must be a multiple of 1/16"):
+            evenflow.DecodePlan(4, 100, 2, device=device, align_longer_growth=bad)
+        with pytest.raises(ValueError, match="align_longer_growth"):
+            build_plan_ref(torch.tensor([5]), 1, 1, 1, 100, align_longer_growth=bad)
+    for bad in (True, "1.5", None):
+        with pytest.raises(TypeError, match="align_longer_growth must be a number"):
+            evenflow.DecodePlan(4, 100, 2, device=device, align_longer_growth=bad)
     with pytest.raises(TypeError, match="prefetch"):
         evenflow.DecodePlan(4, 100, 2, device=device, prefetch=1)
     for kw, err, pattern in (
@@ -456,7 +513,7 @@ def test_plan_opcheck(device):
     sl = torch.tensor([100, 0, 700], dtype=torch.int32, device=device)
     torch.library.opcheck(torch.ops.evenflow.decode_plan_update.default,
                           (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4,
-                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max, 24),
+                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max, 24, 17),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -77,10 +77,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 TILE = tl.constexpr(64)
 
 
-@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max", "grow16"])
+@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max", "grow16", "grow_longer16"])
 def plan_kernel(
     p_len, p_tiles, p_req_end, p_prog_start, p_meta,
-    B, max_len, min_tiles, item_cost, cost_max, grow16,
+    B, max_len, min_tiles, item_cost, cost_max, grow16, grow_longer16,
     NP: tl.constexpr, HKV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
     ALIGN_LONGER: tl.constexpr,
@@ -113,13 +113,13 @@ def plan_kernel(
         fits = (shortest <= budget) & (16 * aligned.to(tl.int64) <= grow16 * budget.to(tl.int64))
         if ALIGN_LONGER:
             # or, for a shortest item longer than the budget, up to that item over
-            # n = shortest // budget when n divides it and that is at most 1/16 above the
-            # budget (n = 1: the item itself) (shortest stays INT32_MAX when no item is
-            # non-empty; int64 products)
+            # n = shortest // budget when n divides it and that grows the budget by at most
+            # grow_longer16 / 16 (n = 1: the item itself) (shortest stays INT32_MAX when no
+            # item is non-empty; int64 products)
             longer = (shortest > budget) & (shortest < 2147483647)
             n_cut = tl.maximum(shortest // budget, 1)
             div = shortest // n_cut
-            fits_div = longer & (div * n_cut == shortest) & (16 * div.to(tl.int64) <= 17 * budget.to(tl.int64))
+            fits_div = longer & (div * n_cut == shortest) & (16 * div.to(tl.int64) <= grow_longer16 * budget.to(tl.int64))
             aligned = tl.where(fits_div, div, aligned)
             fits = fits | fits_div
         budget = tl.where(fits, aligned, budget)

@@ -40,6 +40,12 @@ DEFAULT_ITEM_COST = 2
 # 135.4 us; bf16 moved between ~183 and ~195 us from run to run at 184 bins and 184.5-186.9 at
 # 262; no other benchmark case's plan changes; docs/perf-notes/decode.md, O2 and O6).
 DEFAULT_ALIGN_GROWTH = 1.25
+# align_longer raises the budget to the shortest item's tiles over n (the item cut in n equal
+# chunks) when that grows it by at most this factor: 17/16 since round I1 (32x4K: 63 -> 64 tiles)
+# and round AC (fp8 8x32K: 63 -> 64). Round AY's CPU plan model found Qwen3-30B-A3B's slice (4 KV
+# heads) at 1x32K+31x2K just past it: budget 23 at 264 programs, every 32-tile 2K item cut; a
+# larger bound is a measured choice (docs/perf-notes/decode.md, round AZ).
+DEFAULT_ALIGN_LONGER_GROWTH = 1.0625
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
 # Where split items are merged: "fused" (the attention kernel's programs, the last chunk of a
@@ -281,13 +287,13 @@ def default_num_programs(device) -> int:
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
                     max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool,
-                    item_cost: int, align_longer: bool, cost_max: int, grow16: int) -> None:
+                    item_cost: int, align_longer: bool, cost_max: int, grow16: int, grow_longer16: int) -> None:
     # every argument comes from DecodePlan.update (its options' defaults live on DecodePlan)
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
     K.plan_kernel[(1,)](
         seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles, item_cost, cost_max, grow16,
-        NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
+        grow_longer16, NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
         SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items,
         ALIGN_LONGER=align_longer, num_warps=4,
     )
@@ -300,7 +306,7 @@ _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
 
 @_plan_update_op.register_fake
 def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items,
-      item_cost, align_longer, cost_max, grow16):
+      item_cost, align_longer, cost_max, grow16, grow_longer16):
     return None
 
 
@@ -365,8 +371,9 @@ class DecodePlan:
     instead of cutting them (a cut costs a partial write and a combine merge: 64x512 took
     56 us with budget 11 and 44 us with 16, round E sweep); ``align_longer`` (default:
     as ``align_items``) also raises the budget, when the shortest item is longer than it, to
-    that item cut in ``n = item // budget`` equal chunks, where ``n`` divides it and that is at
-    most a sixteenth above the budget: ``n = 1``, the item itself (32x4K: 63 -> 64 tiles, so no item is
+    that item cut in ``n = item // budget`` equal chunks, where ``n`` divides it and that grows the
+    budget by at most ``align_longer_growth`` (default 17/16, a multiple of 1/16 in [1, 2]):
+    ``n = 1``, the item itself (32x4K: 63 -> 64 tiles, so no item is
     cut; round I1: 32x4K 150 -> 133 us bf16, 115 -> 91 us fp8, no other case moved by more than
     1%); ``n > 1`` (round AC), cuts that fall at the same tiles of every head's item, each item one
     merge group where ``n <= 8`` (fp8 8x32K at 4 programs an SM: 63 -> 64 tiles, 153.0 -> 140.1 us
@@ -435,7 +442,8 @@ class DecodePlan:
                  early_reads: bool = True, resident_cap: bool = True, spread_bins: bool = True,
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
                  deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
-                 merge_chunks: int | None = None, warpgroup_mma: bool = True, q_dtype: torch.dtype | None = None):
+                 merge_chunks: int | None = None, warpgroup_mma: bool = True, q_dtype: torch.dtype | None = None,
+                 align_longer_growth: float = DEFAULT_ALIGN_LONGER_GROWTH):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_bool("warpgroup_mma", warpgroup_mma)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
@@ -571,6 +579,8 @@ class DecodePlan:
         self.align_longer = align_longer
         check_sixteenths("align_growth", align_growth, 1.0, 2.0)
         self.align_growth = float(align_growth)
+        check_sixteenths("align_longer_growth", align_longer_growth, 1.0, 2.0)
+        self.align_longer_growth = float(align_longer_growth)
         self.prefetch = check_bool("prefetch", prefetch)
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {list(COMBINE_MODES)}, got {combine!r}")
@@ -658,7 +668,7 @@ class DecodePlan:
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
         op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
            self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
-           self.align_longer, self.cost_max, int(self.align_growth * 16))
+           self.align_longer, self.cost_max, int(self.align_growth * 16), int(self.align_longer_growth * 16))
         self.batch = B
         self.fresh = True
         return self
@@ -723,6 +733,7 @@ class DecodePlan:
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
+                f"align_longer_growth={self.align_longer_growth}, "
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, "
                 f"q_dtype={self.q_dtype}, gluon={self.gluon}, "

@@ -112,7 +112,8 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
 
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
                    align_items: bool = True, item_cost: int = 2, align_longer: bool | None = None,
-                   item_cost_max_tiles: int | None = 4, align_growth: float = 1.25):
+                   item_cost_max_tiles: int | None = 4, align_growth: float = 1.25,
+                   align_longer_growth: float = 1.0625):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
@@ -124,8 +125,8 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     ``align_growth`` (the plan's default 1.25);
     with ``align_longer`` too, when that item is longer than the budget, it is raised to the
     item's tiles over ``n = item // budget`` (the item cut in ``n`` equal chunks) where ``n``
-    divides it and that is at most a sixteenth above the budget (``n = 1``: the item itself)
-    (``None``: as ``align_items``, the plan's default).
+    divides it and that grows the budget by at most ``align_longer_growth`` (the plan's default 17/16)
+    (``n = 1``: the item itself) (``None``: as ``align_items``, the plan's default).
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
@@ -133,6 +134,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     if align_longer is None:
         align_longer = align_items
     check_sixteenths("align_growth", align_growth, 1.0, 2.0)  # DecodePlan's range
+    grow_longer16 = check_sixteenths("align_longer_growth", align_longer_growth, 1.0, 2.0)
     lens = [min(max(int(x), 0), max_seq_len) for x in seq_lens.cpu().tolist()]
     B = len(lens)
     short = (lambda n: True) if item_cost_max_tiles is None else (lambda n: n <= item_cost_max_tiles)
@@ -149,7 +151,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
                 budget = aligned
         elif align_longer:
             n = shortest // budget
-            if shortest % n == 0 and 16 * (shortest // n) <= 17 * budget:
+            if shortest % n == 0 and 16 * (shortest // n) <= grow_longer16 * budget:
                 budget = shortest // n
     used = -(-total // budget)
     bins: list[list[tuple[int, int, int]]] = [[] for _ in range(num_programs)]
