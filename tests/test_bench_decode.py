@@ -6,6 +6,7 @@ floors, inputs and peer layouts the timings rest on are right.
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -83,6 +84,18 @@ def test_every_standard_case_parses_with_the_group_of_eight():
 def test_parse_case_rejects_malformed(bad):
     with pytest.raises(ValueError, match="case"):
         D.parse_case(bad)
+
+
+def test_cases_option_takes_any_mix_and_names_a_bad_one():
+    """``--cases``: BENCH.md's names, their slices and any other mix parse_case reads (the demo's Qwen3 slice); a
+    name it refuses exits naming it, before any GPU work."""
+    assert D.case_names("64x512, tp2:1x32K+31x2K,tp8:2x64K+30x1K") == ["64x512", "tp2:1x32K+31x2K",
+                                                                        "tp8:2x64K+30x1K"]
+    c = D.parse_case("tp2:1x32K+31x2K")
+    assert (c.num_q_heads, c.num_kv_heads, c.lengths) == (32, 4, (32768,) + (2048,) * 31)
+    for bad, why in (("64x512,tp3:8x32K", "tp3:8x32K"), ("8x32K+", "8x32K+"), (" , ", "empty list")):
+        with pytest.raises(SystemExit, match=re.escape(why)):
+            D.case_names(bad)
 
 
 # ----------------------------------------------------------------------------- floor arithmetic

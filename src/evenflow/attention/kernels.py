@@ -119,7 +119,8 @@ def plan_kernel(
             longer = (shortest > budget) & (shortest < 2147483647)
             n_cut = tl.maximum(shortest // budget, 1)
             div = shortest // n_cut
-            fits_div = longer & (div * n_cut == shortest) & (16 * div.to(tl.int64) <= grow_longer16 * budget.to(tl.int64))
+            grows_ok = 16 * div.to(tl.int64) <= grow_longer16 * budget.to(tl.int64)
+            fits_div = longer & (div * n_cut == shortest) & grows_ok
             aligned = tl.where(fits_div, div, aligned)
             fits = fits | fits_div
         budget = tl.where(fits, aligned, budget)
