@@ -192,6 +192,8 @@ PLAN_KNOBS = {
     # budgets each case takes: docs/perf-notes/decode.md, round AZ
     "evenflow-longer150": lambda sms: dict(typed=True, align_longer_growth=1.5),
     "evenflow-longer200": lambda sms: dict(typed=True, align_longer_growth=2.0),
+    # since round AZ2 a Gluon plan at 4 programs an SM takes 2 by default: this row keeps the bound before it (17/16)
+    "evenflow-longer106": lambda sms: dict(typed=True, align_longer_growth=1.0625),
     # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
     # same at 3 ring slots at 3 programs an SM, every chunk 2 tiles ahead (in round AL beside a 16 KB output buffer,
     # since round AM with the outputs in the ring: 48 KB, padded to 64 under PDL), and forced at one KV head too; the

@@ -248,7 +248,8 @@ def test_timeline_build_counts_each_programs_work_and_keeps_results(device, buil
     assert (stamps[:, :len(K.STAMP_FIELDS)] != -7).all(), "every field of every program written"
     f = {name: stamps[:, j].cpu() for j, name in enumerate(K.STAMP_FIELDS)}
     _, bins = build_plan_ref(sl, hkv, nprog, 1, 1 << 13, item_cost=plan.item_cost,
-                             item_cost_max_tiles=plan.item_cost_max_tiles, align_growth=plan.align_growth)
+                             item_cost_max_tiles=plan.item_cost_max_tiles, align_growth=plan.align_growth,
+                             align_longer_growth=plan.align_longer_growth)
     real = [-(-L // 64) for L in lens]
     want_chunks = [len(b) for b in bins]
     want_tiles = [sum(max(0, min(e, real[i // hkv]) - t) for i, t, e in b) for b in bins]

@@ -281,6 +281,44 @@ def test_align_longer_growth_bounds_the_raise(lens, hkv, np_, growth, budget, n,
     assert all(c == want for c in cuts.values()) == raised, "raised: every shortest item in n equal chunks"
 
 
+def test_align_longer_growth_default_follows_the_kernel_and_its_programs_an_sm(device):
+    """Round AZ: a plan for the Gluon fp8 kernel at 4 programs an SM (8 KV heads, or 2-4 with a bf16 q) takes
+    align_longer's bound of 2 by default, every other plan 17/16 (the Triton kernel; the Gluon kernel at 2 an SM: one
+    KV head, an fp8 q told at 2-4); a bound given is kept. The default plan's budget is the reference's at its bound:
+    2x32K+30x4K at 8 KV heads on 132 SMs (528 programs) 45 -> 64 tiles; on the interpreter's 4 SMs (16 programs) one
+    33-tile request, 17 -> 33."""
+    from evenflow import _runtime
+    from evenflow.attention.plan import GLUON_SHARED_ALIGN_LONGER_GROWTH
+
+    fp8 = torch.float8_e4m3fn
+    assert GLUON_SHARED_ALIGN_LONGER_GROWTH == 2.0 and DEFAULT_ALIGN_LONGER_GROWTH == 17 / 16
+    sms = _runtime.num_sms(torch.device(device))
+    for kw, growth in ((dict(num_kv_heads=8, kv_dtype=fp8), 2.0), (dict(num_kv_heads=4, kv_dtype=fp8), 2.0),
+                       (dict(num_kv_heads=2, kv_dtype=fp8, q_dtype=torch.bfloat16), 2.0),
+                       (dict(num_kv_heads=4, kv_dtype=fp8, q_dtype=fp8), 17 / 16),
+                       (dict(num_kv_heads=1, kv_dtype=fp8), 17 / 16),
+                       (dict(num_kv_heads=8, kv_dtype=fp8, num_programs=2 * sms), 17 / 16),
+                       (dict(num_kv_heads=8, kv_dtype=fp8, gluon=False), 17 / 16),
+                       (dict(num_kv_heads=8), 17 / 16), (dict(num_kv_heads=8, num_programs=4 * sms), 17 / 16),
+                       (dict(num_kv_heads=8, kv_dtype=fp8, align_longer_growth=1.0625), 17 / 16),
+                       (dict(num_kv_heads=1, align_longer_growth=1.5), 1.5)):
+        plan = evenflow.DecodePlan(32, 1 << 16, device=device, **kw)
+        assert plan.align_longer_growth == growth, kw
+        assert (growth == 2.0) == (plan.takes_gluon and plan.per_sm >= 4 and "align_longer_growth" not in kw), kw
+    lens, budgets = (([32768] * 2 + [4096] * 30, (45, 64)) if sms == 132 else ([33 * 64], (17, 33)))
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    for growth, budget in zip((17 / 16, None), budgets):
+        plan = evenflow.DecodePlan(32, 1 << 16, 8, device=device, kv_dtype=fp8, align_longer_growth=growth).update(sl)
+        assert plan.num_programs == 4 * sms
+        d = plan.as_dict()
+        assert d["meta"][1].item() == budget == expected_budget(lens, 8, 4 * sms, 8, True, item_cost=2, cost_max=4,
+                                                                align_longer=True,
+                                                                longer_growth=plan.align_longer_growth)
+        ref, _ = build_plan_ref(sl, 8, 4 * sms, 8, plan.max_seq_len, align_longer_growth=plan.align_longer_growth)
+        for key in ("tiles", "req_end", "prog_start", "meta"):
+            assert_exact(d[key], ref[key], what=f"bound {plan.align_longer_growth}: {key}")
+
+
 @pytest.mark.parametrize("growth,budget", [(1.5, 128), (1.4375, 128), (1.375, 90), (1.25, 90), (None, 90)])
 def test_align_growth_bounds_the_rounding(growth, budget, device):
     """2x32K+30x4K at 264 programs, 8 kv heads: ceil(23552 / 264) = 90 tiles; whole 4K items
@@ -471,7 +509,7 @@ def test_plan_bad_arguments(device):
             evenflow.DecodePlan(4, 100, 2, device=device, align_longer_growth=bad)
         with pytest.raises(ValueError, match="align_longer_growth"):
             build_plan_ref(torch.tensor([5]), 1, 1, 1, 100, align_longer_growth=bad)
-    for bad in (True, "1.5", None):
+    for bad in (True, "1.5"):  # None: the default by kernel (round AZ)
         with pytest.raises(TypeError, match="align_longer_growth must be a number"):
             evenflow.DecodePlan(4, 100, 2, device=device, align_longer_growth=bad)
     with pytest.raises(TypeError, match="prefetch"):

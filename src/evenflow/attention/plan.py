@@ -46,6 +46,15 @@ DEFAULT_ALIGN_GROWTH = 1.25
 # heads) at 1x32K+31x2K just past it: budget 23 at 264 programs, every 32-tile 2K item cut; a
 # larger bound is a measured choice (docs/perf-notes/decode.md, round AZ).
 DEFAULT_ALIGN_LONGER_GROWTH = 1.0625
+# Round AZ (AZ1 / AZ2, H200 graph replay, two passes): a plan for the Gluon fp8 kernel at 4 or more programs an SM
+# takes a bound of 2. There (two warps a program, 4 an SM) fewer busy bins cost nothing a program's SM neighbours
+# do not give back, and every slice whose budget the bound changes ran faster in both passes: fp8 2x32K+30x4K at 8
+# KV heads (45 -> 64 tiles, 524 -> 368 busy bins) 1.030-1.035x with a bf16 q, 1.030-1.031x with an fp8 q;
+# 1x32K+31x2K at 8 KV heads 1.043-1.052x; at 4 KV heads (tp2:) 1x32K+31x2K 1.069-1.070x, 2x32K+30x4K
+# 1.009-1.010x; at 2 (tp4:) 2x64K+30x1K (bound 2 only) 1.026-1.030x. At 2 programs an SM the bound lost: the
+# warpgroup form 0.92-0.99x (tp2: / tp4:), the two-warp form at one KV head 0.89-0.92x (tp8:2x64K+30x1K); the
+# Triton kernel (2 an SM) gained 0.1-2.4%, below the 2% a default change asked (AZ1's rule), so it keeps 17/16.
+GLUON_SHARED_ALIGN_LONGER_GROWTH = 2.0
 DEFAULT_ITEM_COST_MAX_TILES = 4
 _NO_COST_LIMIT = 2**30
 # Where split items are merged: "fused" (the attention kernel's programs, the last chunk of a
@@ -372,7 +381,8 @@ class DecodePlan:
     56 us with budget 11 and 44 us with 16, round E sweep); ``align_longer`` (default:
     as ``align_items``) also raises the budget, when the shortest item is longer than it, to
     that item cut in ``n = item // budget`` equal chunks, where ``n`` divides it and that grows the
-    budget by at most ``align_longer_growth`` (default 17/16, a multiple of 1/16 in [1, 2]):
+    budget by at most ``align_longer_growth`` (a multiple of 1/16 in [1, 2]; default 2 for a plan of the Gluon fp8
+    kernel at 4 or more programs an SM, 17/16 otherwise: round AZ's A/B, ``GLUON_SHARED_ALIGN_LONGER_GROWTH``):
     ``n = 1``, the item itself (32x4K: 63 -> 64 tiles, so no item is
     cut; round I1: 32x4K 150 -> 133 us bf16, 115 -> 91 us fp8, no other case moved by more than
     1%); ``n > 1`` (round AC), cuts that fall at the same tiles of every head's item, each item one
@@ -443,7 +453,7 @@ class DecodePlan:
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
                  deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
                  merge_chunks: int | None = None, warpgroup_mma: bool = True, q_dtype: torch.dtype | None = None,
-                 align_longer_growth: float = DEFAULT_ALIGN_LONGER_GROWTH):
+                 align_longer_growth: float | None = None):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_bool("warpgroup_mma", warpgroup_mma)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
@@ -579,8 +589,8 @@ class DecodePlan:
         self.align_longer = align_longer
         check_sixteenths("align_growth", align_growth, 1.0, 2.0)
         self.align_growth = float(align_growth)
-        check_sixteenths("align_longer_growth", align_longer_growth, 1.0, 2.0)
-        self.align_longer_growth = float(align_longer_growth)
+        if align_longer_growth is not None:
+            check_sixteenths("align_longer_growth", align_longer_growth, 1.0, 2.0)
         self.prefetch = check_bool("prefetch", prefetch)
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {list(COMBINE_MODES)}, got {combine!r}")
@@ -625,6 +635,10 @@ class DecodePlan:
         self.early_reads, self.resident_cap, self.spread_bins = early_reads, resident_cap, spread_bins
         self.launch_next = launch_next
         self.per_sm = programs_per_sm(num_programs, dev)
+        if align_longer_growth is None:  # round AZ: by the kernel and its programs an SM
+            align_longer_growth = (GLUON_SHARED_ALIGN_LONGER_GROWTH if gluon_plan and self.per_sm >= 4
+                                   else DEFAULT_ALIGN_LONGER_GROWTH)
+        self.align_longer_growth = float(align_longer_growth)
         # the programs the Triton kernel's register cap is set for (decode._plan_max_regs): the plan's, or on a plan
         # built for the Gluon kernel (a call that kernel does not take) at most its own DEFAULT_PROGRAMS_PER_SM an SM
         self.triton_programs = (min(num_programs, DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(dev)) if gluon_plan
