@@ -494,6 +494,34 @@ def test_plan_told_an_fp8_q_at_two_to_four_kv_heads_runs_the_warpgroup_form(hkv,
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"told fp8 q, {hkv} KV heads, {case}", fp8_scores=True)
 
 
+@pytest.mark.parametrize("hkv,lens,budgets", [(8, [32 * K] * 2 + [4 * K] * 30, (45, 64)),
+                                               (8, [32 * K] + [2 * K] * 31, (23, 32)),
+                                               (4, [32 * K] + [2 * K] * 31, (12, 16))],
+                         ids=["2x32K+30x4K", "1x32K+31x2K", "tp2:1x32K+31x2K"])
+def test_gluon_default_plan_at_four_an_sm_takes_the_longer_bound_of_two(hkv, lens, budgets):
+    """Round AZ: the default fp8 plan at 8 and 4 KV heads (two warps, 4 programs an SM on 132 SMs: 528 bins) takes
+    align_longer's bound 2: the budget the reference gives at 2 (raised from the one at 17/16), and the output within
+    the rule of the fp64 reference, with a bf16 q."""
+    from evenflow._runtime import num_sms
+    from evenflow.reference.attention import build_plan_ref
+
+    if num_sms(torch.device("cuda")) != 132:
+        pytest.skip("the budgets are an H200's (132 SMs)")
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=8 * hkv, kv=FP8)
+    ks, vs = torch.tensor([1 / 30], device="cuda"), 1 / 40
+    for growth, budget in zip((1.0625, None), budgets):
+        plan = evenflow.DecodePlan(len(lens), 128 * K, hkv, device="cuda", kv_dtype=FP8,
+                                   align_longer_growth=growth).update(sl)
+        assert (plan.gluon_warps, plan.per_sm, plan.num_programs) == (2, 4, 528)
+        assert plan.align_longer_growth == (growth or 2.0)
+        ref, _ = build_plan_ref(sl, hkv, 528, plan.min_tiles, 128 * K, align_longer_growth=plan.align_longer_growth)
+        assert plan.as_dict()["meta"].tolist() == ref["meta"].tolist() and ref["meta"][1].item() == budget
+        out = poisoned(q.shape, torch.bfloat16, "cuda")
+        o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
+                                           return_lse=True)
+        check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"bound {plan.align_longer_growth}, {len(lens)} requests")
+
+
 @WARPS
 def test_gluon_fp8_ignores_nan_bytes_past_each_length(warps):
     """Rows past a request's length in its last page are never read into the result: the
