@@ -194,6 +194,12 @@ PLAN_KNOBS = {
     "evenflow-longer200": lambda sms: dict(typed=True, align_longer_growth=2.0),
     # since round AZ2 a Gluon plan at 4 programs an SM takes 2 by default: this row keeps the bound before it (17/16)
     "evenflow-longer106": lambda sms: dict(typed=True, align_longer_growth=1.0625),
+    # round BA: a budget of at least 64 tiles (one 4K item): fp8 32x128+32x4K at 8 KV heads cuts no item on 272 of
+    # 528 bins (the default: 36 tiles, every 4K item cut, 484 bins), 32x4K none on 256 (the default: aligned halves on
+    # 512), 1x64K+15x4K 8 on 248 (the default: 128 on 496); the same with every chunk read 2 tiles ahead
+    # (``deep_ring_tiles=64``: at ~2 busy programs an SM, twice the bytes in flight a program)
+    "evenflow-min64": lambda sms: dict(typed=True, min_tiles=64),
+    "evenflow-min64-d64": lambda sms: dict(typed=True, min_tiles=64, deep_ring_tiles=64),
     # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
     # same at 3 ring slots at 3 programs an SM, every chunk 2 tiles ahead (in round AL beside a 16 KB output buffer,
     # since round AM with the outputs in the ring: 48 KB, padded to 64 under PDL), and forced at one KV head too; the
