@@ -197,7 +197,8 @@ PLAN_KNOBS = {
     # round BA: a budget of at least 64 tiles (one 4K item): fp8 32x128+32x4K at 8 KV heads cuts no item on 272 of
     # 528 bins (the default: 36 tiles, every 4K item cut, 484 bins), 32x4K none on 256 (the default: aligned halves on
     # 512), 1x64K+15x4K 8 on 248 (the default: 128 on 496); the same with every chunk read 2 tiles ahead
-    # (``deep_ring_tiles=64``: at ~2 busy programs an SM, twice the bytes in flight a program)
+    # (``deep_ring_tiles=64``: at ~2 busy programs an SM, twice the bytes in flight a program). BA1: 0.75-0.84x the
+    # default's speed, the deeper reads level with it: ~2 busy programs an SM read at ~0.78 of 4's rate
     "evenflow-min64": lambda sms: dict(typed=True, min_tiles=64),
     "evenflow-min64-d64": lambda sms: dict(typed=True, min_tiles=64, deep_ring_tiles=64),
     # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
