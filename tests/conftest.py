@@ -27,11 +27,39 @@ if _runtime.interpreting():
     bf16_round_to_nearest()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N shards (1 <= K <= N): test functions dealt round robin in collection "
+                          "order, a function's parametrisations kept together (they share compiled kernels); for a "
+                          "GPU suite longer than one session on the GPU machine allows")
+
+
+def _shard(spec: str) -> tuple[int, int]:
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard: expected K/N with integers, got {spec!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard: K must be in 1..N, got {spec!r}")
+    return k, n
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped on CPU-only machines")
+    if config.getoption("--shard"):
+        _shard(config.getoption("--shard"))
 
 
 def pytest_collection_modifyitems(config, items):
+    spec = config.getoption("--shard")
+    if spec:
+        k, n = _shard(spec)
+        order: dict[str, int] = {}
+        for item in items:  # each test function's place among the distinct functions, in collection order
+            order.setdefault(item.nodeid.split("[")[0], len(order))
+        keep = [order[item.nodeid.split("[")[0]] % n == k - 1 for item in items]
+        config.hook.pytest_deselected(items=[item for item, kept in zip(items, keep) if not kept])
+        items[:] = [item for item, kept in zip(items, keep) if kept]
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: benchmarks/device.sh)")

@@ -316,3 +316,34 @@ def test_a_failed_jit_build_records_the_compilers_error_line():
     assert H.error_line(ValueError("bad page size 7")) == "bad page size 7"
     assert H.error_line(RuntimeError("x" * 500)) == "x" * 300
     assert H.error_line(RuntimeError("")) == "RuntimeError('')"
+
+
+def _collected(*args) -> tuple[int, list[str], str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *args],
+                       cwd=os.path.dirname(here), capture_output=True, text=True, timeout=300)
+    return r.returncode, [line for line in r.stdout.splitlines() if "::" in line], r.stdout + r.stderr
+
+
+def test_shards_partition_the_suite_and_keep_a_functions_cases_together():
+    # tests/conftest.py's --shard K/N: the shards of a file are disjoint, cover it, and never split the
+    # parametrisations of one test function (they share compiled kernels)
+    target = "tests/test_plan.py"
+    rc, every, out = _collected(target)
+    assert rc == 0 and len(every) > 20, out
+    shards = []
+    for k in (1, 2, 3):
+        rc, got, out = _collected("--shard", f"{k}/3", target)
+        assert rc == 0 and got, out
+        shards.append(got)
+    assert sorted(x for s in shards for x in s) == sorted(every)
+    owner = {}
+    for k, s in enumerate(shards):
+        for nodeid in s:
+            assert owner.setdefault(nodeid.split("[")[0], k) == k, nodeid
+
+
+@pytest.mark.parametrize("spec", ["0/3", "4/3", "a/b", "2"])
+def test_a_bad_shard_is_refused_naming_the_option(spec):
+    rc, _, out = _collected("--shard", spec, "tests/test_plan.py")
+    assert rc != 0 and "--shard" in out, out
