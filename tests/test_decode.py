@@ -66,7 +66,7 @@ def check(q, q_scale, k, v, pt, sl, q_len, plan=None, k_scale=None, v_scale=None
 
 def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16,
         dynamic=True, num_programs=4, min_tiles=1, hnd=False, num_warps=None, num_stages=None, block_n=None,
-        item_cost=None, item_cost_max_tiles="default", warp_split=None, **kw):
+        item_cost=None, item_cost_max_tiles="default", warp_split=None, pack_short=False, **kw):
     q, qs, k, v, pt, sl = make_inputs(lens, hkv, group, d, page, q_len, kv_dtype, q_dtype, hnd=hnd, device=device)
     plan = None
     if dynamic:
@@ -76,7 +76,7 @@ def run(device, lens, hkv=2, group=4, d=64, page=64, q_len=1, kv_dtype=torch.bfl
         plan = evenflow.DecodePlan(len(lens), 1 << 16, hkv, page_size=page, q_len=q_len, device=device,
                                    num_programs=num_programs, min_tiles=min_tiles, num_warps=num_warps,
                                    num_stages=num_stages, block_n=block_n, warp_split=warp_split,
-                                   **costs).update(sl)
+                                   pack_short=pack_short, **costs).update(sl)
     return check(q, qs, k, v, pt, sl, q_len, plan=plan, what=f"lens={lens}", **kw)
 
 
@@ -395,6 +395,45 @@ def test_item_cost_keeps_results(case, device):
     """A plan that charges each non-empty item extra work units (so short items spread over
     more bins) changes the schedule, not the attention."""
     run(device, **ITEM_COST_CASES[case])
+
+
+PACK_CASES = {
+    # (run's arguments, the quantum the reference plan takes): items padded to a multiple of the quantum, so a
+    # split item's last chunks may hold only units past its tokens (partials of LSE -inf the merge weighs as
+    # nothing); a 1100-token item (18 tiles) padded to 20 units, cut across bins
+    "two-lengths-g2": (dict(lens=[130, 65, 1100, 200, 1100], num_programs=8, pack_short=True), 5),
+    "phantom-chunks-fp8-g8": (dict(lens=[1100, 130, 64, 200, 65, 300], hkv=1, group=8, d=128, kv_dtype=FP8,
+                                   num_programs=10, k_scale=1 / 30, v_scale=1 / 40, pack_short=True), 5),
+    "empties-p16-q2": (dict(lens=[0, 0, 0, 1600, 200, 300, 0, 65], hkv=1, page=16, q_len=2, num_programs=3,
+                            pack_short=True), 5),
+}
+
+
+@pytest.mark.parametrize("case", list(PACK_CASES))
+def test_pack_short_keeps_results(case, device):
+    """A pack_short plan (round BB) changes the schedule, not the attention; the premise (the plan packs, with
+    chunks that hold no tokens) is asserted on the reference."""
+    from evenflow.reference.attention import build_plan_ref
+
+    kw, quantum = PACK_CASES[case]
+    lens, hkv = kw["lens"], kw.get("hkv", 2)
+    ref, bins = build_plan_ref(torch.tensor(lens), hkv, kw["num_programs"], 1, 1 << 16, pack_short=True)
+    assert int(ref["meta"][5]) == quantum
+    assert any(t0 >= -(-lens[i // hkv] // 64) for chunks in bins for i, t0, t1 in chunks if t1 > t0 > 0)
+    run(device, **kw)
+
+
+def test_validate_inputs_takes_a_packed_plan(device):
+    lens = [130, 65, 1100, 200, 1100]
+    q, qs, k, v, pt, sl = make_inputs(lens, 2, 4, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(len(lens), 1 << 16, 2, device=device, num_programs=8, min_tiles=1,
+                               pack_short=True).update(sl)
+    assert int(plan.meta[5]) == 5
+    evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=plan)
+    stale = evenflow.DecodePlan(len(lens), 1 << 16, 2, device=device, num_programs=8, min_tiles=1).update(sl)
+    with pytest.raises(ValueError, match="not updated"):
+        evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=plan.update(sl.flip(0)))
+    evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=stale)
 
 
 # Each case has chunks of >= WS_MIN_TILES (24) tiles (the warp-split loop), among them one

@@ -494,6 +494,36 @@ def test_plan_told_an_fp8_q_at_two_to_four_kv_heads_runs_the_warpgroup_form(hkv,
     check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"told fp8 q, {hkv} KV heads, {case}", fp8_scores=True)
 
 
+@pytest.mark.parametrize("hkv,kv,qdt,told,budget", [(8, FP8, torch.bfloat16, False, 42), (8, FP8, FP8, False, 42),
+                                                    (4, torch.bfloat16, torch.bfloat16, False, 42),
+                                                    (4, FP8, FP8, True, 42)],
+                         ids=["fp8-8kv", "fp8-q-8kv", "bf16-4kv", "fp8-q-told-4kv"])
+def test_pack_short_plan_at_real_shapes(hkv, kv, qdt, told, budget):
+    """Round BB: a ``pack_short`` plan of 2x64K+30x1K on an H200's 132 SMs, for each kernel (the Gluon two-warp
+    form at 8 KV heads, the Triton kernel for a bf16 cache, the warpgroup form for a told fp8 q): the reference's
+    plan, packed (the 1K items padded from 16 tiles to 21 units), and the output within the rule of the fp64
+    reference."""
+    from evenflow._runtime import num_sms
+    from evenflow.reference.attention import build_plan_ref
+
+    if num_sms(torch.device("cuda")) != 132:
+        pytest.skip("the budgets are an H200's (132 SMs)")
+    lens = CASES["2x64K+30x1K"]
+    q, qs, k, v, pt, sl = inputs(lens, hkv=hkv, hq=8 * hkv, kv=kv, qdt=qdt)
+    ks, vs = (torch.tensor([1 / 30], device="cuda"), 1 / 40) if kv == FP8 else (None, None)
+    plan = evenflow.DecodePlan(len(lens), 128 * K, hkv, device="cuda", kv_dtype=kv, q_dtype=qdt if told else None,
+                               pack_short=True).update(sl)
+    ref, _ = build_plan_ref(sl, hkv, plan.num_programs, plan.min_tiles, 128 * K, pack_short=True,
+                            align_longer_growth=plan.align_longer_growth)
+    assert plan.as_dict()["meta"].tolist() == ref["meta"].tolist()
+    assert ref["meta"][1].item() == budget and ref["meta"][5].item() == 21 and plan.tiles[2].item() == 21
+    out = poisoned(q.shape, torch.bfloat16, "cuda")
+    o, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, q_scale=qs, k_scale=ks, v_scale=vs, out=out,
+                                       return_lse=True)
+    wg = told and plan.gluon_warps == 4
+    check(o, lse, q, qs, k, v, pt, sl, ks=ks, vs=vs, what=f"packed, {hkv} KV heads, {kv}, q {qdt}", fp8_scores=wg)
+
+
 @pytest.mark.parametrize("hkv,lens,budgets", [(8, [32 * K] * 2 + [4 * K] * 30, (45, 64)),
                                                (8, [32 * K] + [2 * K] * 31, (23, 32)),
                                                (4, [32 * K] + [2 * K] * 31, (12, 16))],

@@ -574,3 +574,107 @@ def test_align_longer_random_divisible_items(device):
         budget = _align_longer_plan_matches_reference(device, lens, hkv, np_, trial)
         raised += budget > -(-total // np_)
     assert raised >= 3, "the sweep must reach the raised case"
+
+
+def _pack_plan(device, lens, hkv, np_, min_tiles, pack=True):
+    sl = torch.tensor(lens, dtype=torch.int32, device=device)
+    plan = evenflow.DecodePlan(max(len(lens), 1), 1 << 20, hkv, device=device, num_programs=np_,
+                               min_tiles=min_tiles, pack_short=pack).update(sl)
+    return plan, sl
+
+
+def _check_packed(device, lens, hkv, np_, min_tiles, what):
+    """A pack_short plan: the device plan equals the reference exactly; its quantum divides the budget and every
+    item's units, which round the item's own units up by less than one quantum; no item of at most a quantum is
+    cut; the bins cover every unit once within the programs; where it packed, its budget is at most 15/16 of the
+    plan without pack_short. Returns the quantum."""
+    plan, sl = _pack_plan(device, lens, hkv, np_, min_tiles)
+    d = plan.as_dict()
+    ref, ref_bins = build_plan_ref(sl, hkv, np_, min_tiles, plan.max_seq_len, pack_short=True,
+                                   align_longer_growth=plan.align_longer_growth)
+    for key in ("tiles", "req_end", "prog_start", "meta"):
+        assert_exact(d[key], ref[key], what=f"{what}: {key}")
+    total, budget, used, _, cost, quantum = d["meta"].tolist()
+    own = units(lens, cost, plan.item_cost_max_tiles)
+    tiles = d["tiles"].tolist()
+    assert budget % quantum == 0, what
+    assert all(t % quantum == 0 and n <= t < n + quantum for t, n in zip(tiles, own)), what
+    assert total == hkv * sum(tiles) and used == -(-total // budget) <= np_, what
+    bins = walk(d, hkv, np_)
+    assert bins == ref_bins, what
+    covered = sorted((i, t) for chunks in bins for i, t0, t1 in chunks for t in range(t0, t1))
+    assert covered == [(i, t) for i in range(len(lens) * hkv) for t in range(tiles[i // hkv])], what
+    for chunks in bins:
+        for i, t0, t1 in chunks:
+            if 0 < tiles[i // hkv] <= quantum:
+                assert (t0, t1) == (0, tiles[i // hkv]), f"{what}: item {i} of {tiles[i // hkv]} units cut"
+    rules_budget = _pack_plan(device, lens, hkv, np_, min_tiles, pack=False)[0].as_dict()["meta"][1].item()
+    if quantum > 1:
+        assert 16 * budget <= 15 * rules_budget, what
+    else:
+        assert budget == rules_budget, what
+    return quantum
+
+
+def test_pack_short_two_lengths_by_hand(device):
+    """fp8 2x64K+30x1K at 8 KV heads on 528 programs (the benchmark case): align_items takes 48 tiles (three 1K
+    items a bin, 422 bins); pack_short pads the 1K items' 16 tiles to 21 units and the 64K items' 1024 to 1029,
+    a budget of 42 with two 1K items a bin: 16 x 1029 + 240 x 21 = 21504 units in 512 bins."""
+    lens = [64 * 1024] * 2 + [1024] * 30
+    plan, _ = _pack_plan(device, lens, 8, 528, 8, pack=False)
+    assert plan.as_dict()["meta"][:3].tolist() == [16 * 1024 + 240 * 16, 48, 422]
+    assert _check_packed(device, lens, 8, 528, 8, "2x64K+30x1K") == 21
+    plan, _ = _pack_plan(device, lens, 8, 528, 8)
+    assert plan.as_dict()["meta"].tolist() == [21504, 42, 512, 0, 2, 21]
+    assert plan.tiles[:3].tolist() == [1029, 1029, 21]
+
+
+# name: (lens, kv heads, programs, min_tiles)
+PACK_CASES = {
+    "two-lengths-g2": ([130, 65, 1100, 200, 1100], 2, 8, 1),
+    "phantom-chunks": ([1100, 130, 64, 200, 65, 300], 1, 10, 1),
+    "empties": ([0, 0, 0, 1600, 200, 300, 0, 65], 1, 3, 1),
+    "not-smaller": ([128] * 32 + [4096] * 32, 8, 528, 8),  # 35 against 36: kept
+    "too-long": ([4096] * 8, 2, 17, 1),  # the shortest item does not fit the raw budget
+    "all-empty": ([0, 0], 2, 4, 1),
+}
+
+
+@pytest.mark.parametrize("name", list(PACK_CASES))
+def test_pack_short_plan(name, device):
+    lens, hkv, np_, mt = PACK_CASES[name]
+    quantum = _check_packed(device, lens, hkv, np_, mt, name)
+    assert (quantum > 1) == (name in ("two-lengths-g2", "phantom-chunks", "empties")), (name, quantum)
+
+
+def test_pack_short_random_mixes(device):
+    """Seeded mixes of a few long and many short requests and of any lengths, drawn until 6 whose reference plan
+    packs and 4 whose does not (the reference picks them; the device plan is then checked on each): the
+    properties above on all 10."""
+    g = torch.Generator().manual_seed(11)
+    want = {True: 6, False: 4}
+    for trial in range(400):
+        hkv = int(torch.randint(1, 5, (1,), generator=g))
+        short = int(torch.randint(1, 1500, (1,), generator=g))
+        longs = [int(x) for x in torch.randint(2000, 40000, (int(torch.randint(0, 3, (1,), generator=g)),),
+                                                generator=g)]
+        lens = longs + [short] * int(torch.randint(2, 40, (1,), generator=g))
+        if trial % 3 == 2:
+            lens = [int(x) for x in torch.randint(0, 5000, (int(torch.randint(1, 20, (1,), generator=g)),),
+                                                  generator=g)]
+        np_ = int(torch.randint(2, 200, (1,), generator=g))
+        mt = int(torch.randint(1, 9, (1,), generator=g))
+        ref, _ = build_plan_ref(torch.tensor(lens), hkv, np_, mt, 1 << 20, pack_short=True)
+        packs = int(ref["meta"][5]) > 1
+        if want[packs]:
+            want[packs] -= 1
+            assert (_check_packed(device, lens, hkv, np_, mt, f"trial {trial}: {lens}, {hkv}, {np_}, {mt}") > 1
+                    ) == packs
+        if not any(want.values()):
+            return
+    pytest.fail(f"the draw did not reach the packed and unpacked plans it needs (left: {want})")
+
+
+def test_pack_short_bad_value():
+    with pytest.raises(TypeError, match="pack_short"):
+        evenflow.DecodePlan(4, 100, 2, device="cpu", pack_short=1)

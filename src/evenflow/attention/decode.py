@@ -589,6 +589,6 @@ def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan 
         b, c = (int(x) for x in bad[0])
         raise ValueError(f"page_table[{b}, {c}] = {int(pt[b, c])} outside [0, {num_pages}) for a page in use")
     if plan is not None:
-        want = plan.item_units(lens)
+        want = plan.item_units(lens, int(plan.meta[5]))
         if not torch.equal(plan.tiles[:B].cpu().long(), want):
             raise ValueError("plan was not updated with these seq_lens (call plan.update(seq_lens))")

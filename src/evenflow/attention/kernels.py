@@ -17,8 +17,10 @@ plan tensor          shape            meaning
                                       global tiles [req_end[b] - (HKV - h) * tiles[b], +tiles[b])
 ``prog_start``       [NP + 1]         first item program p visits (p > 0: the item that holds
                                       global tile p * budget; p = 0: item 0; NP: B * HKV)
-``meta``             [5]              total units T, budget, programs used, 1 if a length
-                                      was out of [0, max_seq_len] (it was clamped), item_cost
+``meta``             [6]              total units T, budget, programs used, 1 if a length
+                                      was out of [0, max_seq_len] (it was clamped), item_cost,
+                                      the pack quantum q (1 unless ``pack_short`` chose one:
+                                      then ``tiles`` is rounded up to a multiple of q)
 ==================  ===============  =====================================================
 
 Program p owns the global unit range [p * budget, min((p + 1) * budget, T)). An item cut
@@ -77,35 +79,79 @@ LN2 = tl.constexpr(0.6931471805599453)
 TILE = tl.constexpr(64)
 
 
-@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max", "grow16", "grow_longer16"])
-def plan_kernel(
-    p_len, p_tiles, p_req_end, p_prog_start, p_meta,
-    B, max_len, min_tiles, item_cost, cost_max, grow16, grow_longer16,
-    NP: tl.constexpr, HKV: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
-    ALIGN_LONGER: tl.constexpr,
-):
-    """Single program: prefix sums over requests, budget, then per-program start items."""
+@triton.jit
+def _plan_units(p_len, o_b, m_b, max_len, item_cost, cost_max, quantum):
+    """Requests ``o_b``'s work units an item: its 64-token tiles, plus item_cost for a non-empty item of at
+    most cost_max tiles (its fixed cost: q load, first page, store; see DecodePlan), rounded up to a multiple
+    of ``quantum``; and whether each length was out of [0, max_len]."""
+    b_len = tl.load(p_len + o_b, mask=m_b, other=0)
+    b_bad = (b_len < 0) | (b_len > max_len)
+    b_len = tl.minimum(tl.maximum(b_len, 0), max_len)
+    b_real = (b_len + TILE - 1) // TILE
+    b_tiles = b_real + tl.where((b_len > 0) & (b_real <= cost_max), item_cost, 0)
+    return (b_tiles + quantum - 1) // quantum * quantum, b_bad
+
+
+@triton.jit
+def _plan_prefix(p_len, p_tiles, p_req_end, B, max_len, item_cost, cost_max, quantum, HKV: tl.constexpr,
+                 BLOCK_B: tl.constexpr):
+    """Stores every request's units an item and the inclusive prefix sum of HKV x them; returns the total, the
+    shortest non-empty item's units (INT32_MAX if none) and 1 if a length was out of [0, max_len]."""
     carry = tl.zeros([], dtype=tl.int32)
     bad = tl.zeros([], dtype=tl.int32)
     shortest = tl.zeros([], dtype=tl.int32) + 2147483647
     for b0 in range(0, B, BLOCK_B):
         o_b = b0 + tl.arange(0, BLOCK_B)
         m_b = o_b < B
-        b_len = tl.load(p_len + o_b, mask=m_b, other=0)
-        bad = tl.maximum(bad, tl.max(((b_len < 0) | (b_len > max_len)).to(tl.int32), axis=0))
-        b_len = tl.minimum(tl.maximum(b_len, 0), max_len)
-        # work units: the item's 64-token tiles, plus item_cost for a non-empty item of at most
-        # cost_max tiles (its fixed cost: q load, first page, store; see DecodePlan)
-        b_real = (b_len + TILE - 1) // TILE
-        b_tiles = b_real + tl.where((b_len > 0) & (b_real <= cost_max), item_cost, 0)
+        b_tiles, b_bad = _plan_units(p_len, o_b, m_b, max_len, item_cost, cost_max, quantum)
+        bad = tl.maximum(bad, tl.max(b_bad.to(tl.int32), axis=0))
         b_end = tl.cumsum(b_tiles * HKV, axis=0) + carry
         tl.store(p_tiles + o_b, b_tiles, mask=m_b)
         tl.store(p_req_end + o_b, b_end, mask=m_b)
         carry += tl.sum(b_tiles * HKV, axis=0)
         shortest = tl.minimum(shortest, tl.min(tl.where(b_tiles > 0, b_tiles, 2147483647), axis=0))
-    total = carry
+    return carry, shortest, bad
+
+
+@triton.jit
+def _pack_choice(p_len, B, max_len, item_cost, cost_max, min_tiles, raw, shortest, NP: tl.constexpr,
+                 HKV: tl.constexpr, PACK_BLOCK: tl.constexpr):
+    """``DecodePlan(pack_short=True)``: the least budget (and its quantum) over the quanta of
+    ``reference.attention.pack_quanta`` (k = 1..8 shortest items a bin: max(shortest, ceil(raw / k)) + j,
+    j = 0..3), every item's units rounded up to a multiple of the quantum and the budget the least multiple
+    of it that holds them in NP bins and is at least min_tiles; an int64 key budget << 32 | quantum, INT64_MAX
+    where the shortest item does not fit in the raw budget or no padded total stays within int32 indices."""
+    o_c = tl.arange(0, 32)
+    k = (o_c // 4 + 1).to(tl.int64)
+    quanta = tl.maximum(shortest.to(tl.int64), (raw.to(tl.int64) + k - 1) // k) + (o_c % 4).to(tl.int64)
+    padded = tl.zeros([32], dtype=tl.int64)
+    zero = tl.zeros([], dtype=tl.int32)
+    for b0 in range(0, B, PACK_BLOCK):
+        o_b = b0 + tl.arange(0, PACK_BLOCK)
+        b_units, _ = _plan_units(p_len, o_b, o_b < B, max_len, item_cost, cost_max, zero + 1)
+        u = b_units.to(tl.int64)[:, None]
+        padded += tl.sum((u + quanta[None, :] - 1) // quanta[None, :] * quanta[None, :], axis=0)
+    padded = padded * HKV
+    least = tl.maximum((padded + NP - 1) // NP, min_tiles.to(tl.int64))
+    budgets = (least + quanta - 1) // quanta * quanta
+    ok = (padded + NP * (budgets + 1) < 2147483648) & (shortest <= raw)
+    return tl.min(tl.where(ok, budgets * 4294967296 + quanta, 9223372036854775807), axis=0)
+
+
+@triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max", "grow16", "grow_longer16"])
+def plan_kernel(
+    p_len, p_tiles, p_req_end, p_prog_start, p_meta,
+    B, max_len, min_tiles, item_cost, cost_max, grow16, grow_longer16,
+    NP: tl.constexpr, HKV: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, SEARCH_ITERS: tl.constexpr, ALIGN: tl.constexpr,
+    ALIGN_LONGER: tl.constexpr, PACK: tl.constexpr = False,
+):
+    """Single program: prefix sums over requests, budget, then per-program start items."""
+    one = tl.zeros([], dtype=tl.int32) + 1
+    total, shortest, bad = _plan_prefix(p_len, p_tiles, p_req_end, B, max_len, item_cost, cost_max, one, HKV,
+                                        BLOCK_B)
     budget = tl.maximum((total + NP - 1) // NP, min_tiles)
+    raw = budget
     if ALIGN:
         # whole short items per bin: round the budget up to a multiple of the shortest
         # non-empty item when that grows it by at most grow16 / 16 (see DecodePlan)
@@ -124,12 +170,24 @@ def plan_kernel(
             aligned = tl.where(fits_div, div, aligned)
             fits = fits | fits_div
         budget = tl.where(fits, aligned, budget)
+    quantum = one
+    if PACK:
+        key = _pack_choice(p_len, B, max_len, item_cost, cost_max, min_tiles, raw, shortest, NP, HKV, 128)
+        # taken where it is at most 15/16 of the rules' budget (see DecodePlan)
+        take = 16 * (key >> 32) <= 15 * budget.to(tl.int64)
+        quantum = tl.where(take, (key & 4294967295).to(tl.int32), one)
+        budget = tl.where(take, (key >> 32).to(tl.int32), budget)
+        # the same threads rewrite the units and prefix sums they stored above, now padded
+        tl.debug_barrier()
+        total, shortest, bad = _plan_prefix(p_len, p_tiles, p_req_end, B, max_len, item_cost, cost_max, quantum,
+                                            HKV, BLOCK_B)
     used = (total + budget - 1) // budget
     tl.store(p_meta + 0, total)
     tl.store(p_meta + 1, budget)
     tl.store(p_meta + 2, used)
     tl.store(p_meta + 3, bad)
     tl.store(p_meta + 4, item_cost)
+    tl.store(p_meta + 5, quantum)
     # The searches below read req_end written above by other threads of this program.
     tl.debug_barrier()
     n_items = B * HKV

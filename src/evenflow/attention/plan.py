@@ -296,7 +296,8 @@ def default_num_programs(device) -> int:
 def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: torch.Tensor,
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
                     max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool,
-                    item_cost: int, align_longer: bool, cost_max: int, grow16: int, grow_longer16: int) -> None:
+                    item_cost: int, align_longer: bool, cost_max: int, grow16: int, grow_longer16: int,
+                    pack_short: bool = False) -> None:
     # every argument comes from DecodePlan.update (its options' defaults live on DecodePlan)
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
@@ -304,7 +305,7 @@ def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: to
         seq_lens, tiles, req_end, prog_start, meta, B, max_seq_len, min_tiles, item_cost, cost_max, grow16,
         grow_longer16, NP=np_, HKV=num_kv_heads, BLOCK_B=1024, BLOCK_P=256,
         SEARCH_ITERS=max(1, math.ceil(math.log2(max_batch + 1)) + 1), ALIGN=align_items,
-        ALIGN_LONGER=align_longer, num_warps=4,
+        ALIGN_LONGER=align_longer, PACK=pack_short, num_warps=4,
     )
 
 
@@ -315,7 +316,7 @@ _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
 
 @_plan_update_op.register_fake
 def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items,
-      item_cost, align_longer, cost_max, grow16, grow_longer16):
+      item_cost, align_longer, cost_max, grow16, grow_longer16, pack_short=False):
     return None
 
 
@@ -388,6 +389,15 @@ class DecodePlan:
     1%); ``n > 1`` (round AC), cuts that fall at the same tiles of every head's item, each item one
     merge group where ``n <= 8`` (fp8 8x32K at 4 programs an SM: 63 -> 64 tiles, 153.0 -> 140.1 us
     in AC4 against the plan without it).
+    ``pack_short`` (default ``False``; round BB, a candidate measured beside the default): where the shortest
+    non-empty item fits in the raw budget, the plan also prices a quantum ``q`` (32 candidates, 1-8 of the shortest
+    items a bin: ``reference.attention.pack_quanta``): every item's units rounded up to a multiple of ``q`` (the
+    added units carry no tokens and are not looped over, as ``item_cost``'s) and the budget the least multiple of
+    ``q`` that holds them in the programs; the least such budget replaces the rules' where it is at most 15/16 of
+    theirs. Every item then starts on a multiple of ``q`` and no item of ``q`` units or fewer is cut, at a budget
+    the rules' alignment would not reach (fp8 2x64K+30x1K at 8 KV heads and 528 programs: 42 tiles with two 1K
+    items a bin, where ``align_items`` takes 48 with three and leaves 106 bins idle). ``meta[5]`` holds the
+    quantum of the last update (1: not packed).
     ``num_warps`` /
     ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
     (per-thread register cap, 0 = none): launch config of the attention kernel (default:
@@ -453,7 +463,7 @@ class DecodePlan:
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
                  deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
                  merge_chunks: int | None = None, warpgroup_mma: bool = True, q_dtype: torch.dtype | None = None,
-                 align_longer_growth: float | None = None):
+                 align_longer_growth: float | None = None, pack_short: bool = False):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_bool("warpgroup_mma", warpgroup_mma)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
@@ -639,6 +649,7 @@ class DecodePlan:
             align_longer_growth = (GLUON_SHARED_ALIGN_LONGER_GROWTH if gluon_plan and self.per_sm >= 4
                                    else DEFAULT_ALIGN_LONGER_GROWTH)
         self.align_longer_growth = float(align_longer_growth)
+        self.pack_short = check_bool("pack_short", pack_short)
         # the programs the Triton kernel's register cap is set for (decode._plan_max_regs): the plan's, or on a plan
         # built for the Gluon kernel (a call that kernel does not take) at most its own DEFAULT_PROGRAMS_PER_SM an SM
         self.triton_programs = (min(num_programs, DEFAULT_PROGRAMS_PER_SM * _runtime.num_sms(dev)) if gluon_plan
@@ -662,7 +673,7 @@ class DecodePlan:
         self.tiles = torch.zeros(max_batch, **i32)
         self.req_end = torch.zeros(max_batch, **i32)
         self.prog_start = torch.zeros(num_programs + 1, **i32)
-        self.meta = torch.zeros(5, **i32)
+        self.meta = torch.zeros(6, **i32)
         # combine arrival counters, one per start bin; each merge puts its counter back to 0
         self.combine_count = torch.zeros(num_programs, **i32)
         # fused combine: arrival counters of the merge groups, one per partial slot
@@ -682,7 +693,8 @@ class DecodePlan:
         op = _plan_update_op if torch.compiler.is_compiling() else _plan_update_launch
         op(seq_lens, self.tiles, self.req_end, self.prog_start, self.meta,
            self.num_kv_heads, self.max_seq_len, self.min_tiles, self.max_batch, self.align_items, self.item_cost,
-           self.align_longer, self.cost_max, int(self.align_growth * 16), int(self.align_longer_growth * 16))
+           self.align_longer, self.cost_max, int(self.align_growth * 16), int(self.align_longer_growth * 16),
+           self.pack_short)
         self.batch = B
         self.fresh = True
         return self
@@ -692,11 +704,13 @@ class DecodePlan:
         """Items of at most this many tiles are charged ``item_cost`` (a huge number: every item)."""
         return _NO_COST_LIMIT if self.item_cost_max_tiles is None else self.item_cost_max_tiles
 
-    def item_units(self, seq_lens: torch.Tensor) -> torch.Tensor:
+    def item_units(self, seq_lens: torch.Tensor, quantum: int = 1) -> torch.Tensor:
         """Work units the plan gives each request's items (host arithmetic on ``seq_lens``, any
-        integer dtype): ceil(len / 64) tiles, plus ``item_cost`` for a short non-empty item."""
+        integer dtype): ceil(len / 64) tiles, plus ``item_cost`` for a short non-empty item, rounded up to a
+        multiple of ``quantum`` (the last update's is ``meta[5]``: 1 unless ``pack_short`` chose one)."""
         real = (seq_lens.clamp(0, self.max_seq_len) + TILE - 1) // TILE
-        return real + self.item_cost * ((seq_lens > 0) & (real <= self.cost_max)).to(real.dtype)
+        units = real + self.item_cost * ((seq_lens > 0) & (real <= self.cost_max)).to(real.dtype)
+        return (units + quantum - 1) // quantum * quantum
 
     def partials(self, rows: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(output partials [slots, rows, D], their LSEs [slots, rows], the LSEs of merged
@@ -747,7 +761,7 @@ class DecodePlan:
                 f"num_programs={self.num_programs}, min_tiles={self.min_tiles}, item_cost={self.item_cost}, "
                 f"item_cost_max_tiles={self.item_cost_max_tiles}, "
                 f"align_items={self.align_items}, align_growth={self.align_growth}, align_longer={self.align_longer}, "
-                f"align_longer_growth={self.align_longer_growth}, "
+                f"align_longer_growth={self.align_longer_growth}, pack_short={self.pack_short}, "
                 f"warp_split={self.warp_split}, "
                 f"prefetch={self.prefetch}, combine={self.combine!r}, kv_dtype={self.kv_dtype}, "
                 f"q_dtype={self.q_dtype}, gluon={self.gluon}, "

@@ -110,10 +110,19 @@ def decode_attention_ref(q, k_cache, v_cache, page_table, seq_lens, q_scale=None
     return out, lse
 
 
+def pack_quanta(shortest: int, raw_budget: int) -> list[int]:
+    """The quanta a ``pack_short`` plan prices (``build_plan_ref``): for k = 1..8 items of the shortest length a
+    bin, ``max(shortest, ceil(raw_budget / k))`` and the next 3 integers; none where the shortest item does not fit
+    in the raw budget."""
+    if not 0 < shortest <= raw_budget:
+        return []
+    return sorted({max(shortest, -(-raw_budget // k)) + j for k in range(1, 9) for j in range(4)})
+
+
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
                    align_items: bool = True, item_cost: int = 2, align_longer: bool | None = None,
                    item_cost_max_tiles: int | None = 4, align_growth: float = 1.25,
-                   align_longer_growth: float = 1.0625):
+                   align_longer_growth: float = 1.0625, pack_short: bool = False):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
@@ -127,6 +136,13 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     item's tiles over ``n = item // budget`` (the item cut in ``n`` equal chunks) where ``n``
     divides it and that grows the budget by at most ``align_longer_growth`` (the plan's default 17/16)
     (``n = 1``: the item itself) (``None``: as ``align_items``, the plan's default).
+    ``pack_short`` (``DecodePlan(pack_short=)``): where the shortest non-empty item's units ``s0`` fit in the raw
+    budget ``b0 = max(ceil(total / num_programs), min_tiles)``, each quantum ``s`` in ``pack_quanta(s0, b0)`` is
+    priced: every item's units rounded up to a multiple of ``s`` (the added units carry no tokens, as the item cost's),
+    the budget the least multiple of ``s`` that holds the padded total in ``num_programs`` bins and is at least
+    ``min_tiles``. The least such budget (the smaller ``s`` on a tie) replaces the rules above where it is at most
+    15/16 of theirs and its padded total stays within int32 tile indices: then every item starts on a multiple of
+    ``s`` and the bins end on one, so no item of ``s`` units or fewer is cut.
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
@@ -153,6 +169,18 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
             n = shortest // budget
             if shortest % n == 0 and 16 * (shortest // n) <= grow_longer16 * budget:
                 budget = shortest // n
+    quantum = 1
+    if pack_short and nonzero:
+        raw = max(-(-total // num_programs), min_tiles)
+        best = None
+        for s in pack_quanta(min(nonzero), raw):
+            padded = num_kv_heads * sum(-(-n // s) * s for n in tiles)
+            b = -(-max(-(-padded // num_programs), min_tiles) // s) * s
+            if padded + num_programs * (b + 1) < 2**31 and (best is None or (b, s) < best[:2]):
+                best = (b, s, padded)
+        if best is not None and 16 * best[0] <= 15 * budget:
+            budget, quantum, total = best
+            tiles = [-(-n // quantum) * quantum for n in tiles]
     used = -(-total // budget)
     bins: list[list[tuple[int, int, int]]] = [[] for _ in range(num_programs)]
     p, room = 0, budget
@@ -186,7 +214,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     i32 = dict(dtype=torch.int32)
     plan = {"tiles": torch.tensor(tiles, **i32), "req_end": torch.tensor(req_end, **i32),
             "prog_start": torch.tensor(prog_start, **i32),
-            "meta": torch.tensor([total, budget, used, bad, item_cost], **i32)}
+            "meta": torch.tensor([total, budget, used, bad, item_cost, quantum], **i32)}
     return plan, bins
 
 
