@@ -675,6 +675,6 @@ def test_pack_short_random_mixes(device):
     pytest.fail(f"the draw did not reach the packed and unpacked plans it needs (left: {want})")
 
 
-def test_pack_short_bad_value():
+def test_pack_short_bad_value(device):
     with pytest.raises(TypeError, match="pack_short"):
-        evenflow.DecodePlan(4, 100, 2, device="cpu", pack_short=1)
+        evenflow.DecodePlan(4, 100, 2, device=device, pack_short=1)
