@@ -201,11 +201,12 @@ PLAN_KNOBS = {
     # default's speed, the deeper reads level with it: ~2 busy programs an SM read at ~0.78 of 4's rate
     "evenflow-min64": lambda sms: dict(typed=True, min_tiles=64),
     "evenflow-min64-d64": lambda sms: dict(typed=True, min_tiles=64, deep_ring_tiles=64),
-    # round BB: items padded to a multiple of a quantum so the shortest ones sit whole in bins of a budget the
-    # alignment rules do not reach (``pack_short``): fp8 2x64K+30x1K at 8 KV heads 42 tiles, two 1K items (21 units)
-    # a bin, 512 busy bins (the default: 48, three a bin, 422); tp2:2x64K+30x1K with a bf16 cache, tp2: and
-    # tp4:32x128+32x4K also change; no other standard case
-    "evenflow-pack": lambda sms: dict(typed=True, pack_short=True),
+    # round BB: the plan without ``pack_short`` (the default since BB1: items padded to a multiple of a quantum so the
+    # shortest sit whole in bins of a budget the alignment rules do not reach; fp8 2x64K+30x1K at 8 KV heads 42
+    # tiles, two 1K items (21 units) a bin, 512 busy bins, where the rules alone take 48, three a bin, 422;
+    # tp2:2x64K+30x1K and tp2: / tp4:32x128+32x4K change too by kernel; no other standard case). BB1 measured the
+    # option as the row evenflow-pack against the default of then: 0.7-5.3% faster where it changes the plan
+    "evenflow-nopack": lambda sms: dict(typed=True, pack_short=False),
     # round AL: the Gluon kernel at two warps a program, each taking half of every tile (the default since AL1); the
     # same at 3 ring slots at 3 programs an SM, every chunk 2 tiles ahead (in round AL beside a 16 KB output buffer,
     # since round AM with the outputs in the ring: 48 KB, padded to 64 under PDL), and forced at one KV head too; the

@@ -33,12 +33,13 @@ def walk(plan_d, num_kv_heads, num_programs):
 
 
 def make_plan(device, lens, hkv, np_, min_tiles, max_seq_len=1 << 20, align=True, item_cost=0, align_longer=False,
-              cost_max=None, growth=DEFAULT_ALIGN_GROWTH, longer_growth=DEFAULT_ALIGN_LONGER_GROWTH):
+              cost_max=None, growth=DEFAULT_ALIGN_GROWTH, longer_growth=DEFAULT_ALIGN_LONGER_GROWTH, pack=False):
+    """A plan of the alignment rules alone (``pack``: with ``pack_short``, on by default, tested on its own below)."""
     sl = torch.tensor(lens, dtype=torch.int32, device=device)
     plan = evenflow.DecodePlan(max(len(lens), 1), max_seq_len, hkv, device=device, num_programs=np_,
                                min_tiles=min_tiles, align_items=align, item_cost=item_cost,
                                align_longer=align_longer, item_cost_max_tiles=cost_max,
-                               align_growth=growth, align_longer_growth=longer_growth).update(sl)
+                               align_growth=growth, align_longer_growth=longer_growth, pack_short=pack).update(sl)
     return plan, sl
 
 
@@ -99,7 +100,8 @@ def test_device_plan_equals_reference(name, align, longer, item_cost, cost_max, 
     lens, hkv, np_, mt = CASES[name]
     plan, sl = make_plan(device, lens, hkv, np_, mt, align=align, item_cost=item_cost, align_longer=longer,
                          cost_max=cost_max)
-    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost,
+    ref, _ = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len,
+                            pack_short=False, align_items=align, item_cost=item_cost,
                             align_longer=longer, item_cost_max_tiles=cost_max)
     got = plan.as_dict()
     for key in ("tiles", "req_end", "prog_start", "meta"):
@@ -121,7 +123,8 @@ def test_plan_properties(name, align, longer, item_cost, cost_max, device):
     assert budget == expected_budget(lens, hkv, np_, mt, align, item_cost, longer, cost_max)
     assert used == -(-total // budget) and used <= np_
     bins = walk(d, hkv, np_)
-    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=item_cost,
+    _, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len,
+                                 pack_short=False, align_items=align, item_cost=item_cost,
                                  align_longer=longer, item_cost_max_tiles=cost_max)
     assert bins == ref_bins, "the kernel's walk of the device plan differs from the reference bins"
     # every tile of every item exactly once; every item (empty ones too) finished once
@@ -219,7 +222,8 @@ def test_align_longer_cuts_every_heads_item_at_the_same_tiles(lens, np_, budgets
         got[longer] = d["meta"][1].item()
         assert got[longer] == expected_budget(lens, hkv, np_, 8, True, align_longer=longer)
         bins = walk(d, hkv, np_)
-        assert bins == build_plan_ref(sl, hkv, np_, 8, plan.max_seq_len, align_longer=longer, item_cost=0)[1]
+        assert bins == build_plan_ref(sl, hkv, np_, 8, plan.max_seq_len,
+                                      pack_short=False, align_longer=longer, item_cost=0)[1]
         shortest = -(-min(lens) // TILE)
         cuts = {}  # per item of the shortest length: its chunks' (first, end) tiles
         for chunks in bins:
@@ -263,7 +267,7 @@ def test_align_longer_growth_bounds_the_raise(lens, hkv, np_, growth, budget, n,
     assert d["meta"][1].item() == budget == expected_budget(lens, hkv, np_, 8, True, align_longer=True,
                                                             longer_growth=growth)
     assert d["meta"][2].item() == -(-d["meta"][0].item() // budget) <= np_
-    ref, ref_bins = build_plan_ref(sl, hkv, np_, 8, plan.max_seq_len, align_longer=True, item_cost=0,
+    ref, ref_bins = build_plan_ref(sl, hkv, np_, 8, plan.max_seq_len, pack_short=False, align_longer=True, item_cost=0,
                                    align_longer_growth=growth)
     for key in ("tiles", "req_end", "prog_start", "meta"):
         assert_exact(d[key], ref[key], what=f"longer growth {growth}: {key}")
@@ -333,7 +337,8 @@ def test_align_growth_bounds_the_rounding(growth, budget, device):
     meta = plan.as_dict()["meta"]
     assert meta[1].item() == budget == expected_budget(lens, 8, 264, 8, True, growth=growth)
     assert meta[2].item() == -(-23552 // budget)
-    ref, _ = build_plan_ref(sl, 8, 264, 8, plan.max_seq_len, item_cost=0, align_longer=False, align_growth=growth)
+    ref, _ = build_plan_ref(sl, 8, 264, 8, plan.max_seq_len,
+                            pack_short=False, item_cost=0, align_longer=False, align_growth=growth)
     for key in ("tiles", "req_end", "prog_start", "meta"):
         assert_exact(plan.as_dict()[key], ref[key], what=f"growth {growth}: {key}")
 
@@ -356,7 +361,8 @@ def test_plan_random_sweep(device):
         longer_growth = (1.0625, 1.5, 2.0, 1.0)[trial % 4]
         plan, sl = make_plan(device, lens.tolist(), hkv, np_, mt, align=align, item_cost=cost, align_longer=longer,
                              cost_max=cost_max, growth=growth, longer_growth=longer_growth)
-        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len, align_items=align, item_cost=cost,
+        ref, ref_bins = build_plan_ref(sl, hkv, np_, mt, plan.max_seq_len,
+                                       pack_short=False, align_items=align, item_cost=cost,
                                        align_longer=longer, item_cost_max_tiles=cost_max, align_growth=growth,
                                        align_longer_growth=longer_growth)
         assert plan.as_dict()["meta"][1].item() == expected_budget(
@@ -370,7 +376,7 @@ def _align_longer_plan_matches_reference(device, lens, hkv, np_, trial):
     """The device plan (min_tiles 1, align_longer, no item cost) against the reference builder,
     tensors and bins; its budget, checked against the rule restated; returned."""
     plan, sl = make_plan(device, lens, hkv, np_, 1, align_longer=True)
-    ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, align_longer=True, item_cost=0)
+    ref, ref_bins = build_plan_ref(sl, hkv, np_, 1, plan.max_seq_len, pack_short=False, align_longer=True, item_cost=0)
     for key in ("tiles", "req_end", "prog_start", "meta"):
         assert_exact(plan.as_dict()[key], ref[key], what=f"trial {trial}: {key}")
     assert walk(plan.as_dict(), hkv, np_) == ref_bins
@@ -401,7 +407,7 @@ def test_align_longer_all_empty_with_huge_floor(device):
     """No non-empty item (shortest stays at INT32_MAX) and a min_tiles near 2^31: the rule
     must not overflow into a bogus budget."""
     plan, sl = make_plan(device, [0, 0], 1, 1, 2_100_000_000, align_longer=True)
-    ref, _ = build_plan_ref(sl, 1, 1, 2_100_000_000, plan.max_seq_len, align_longer=True, item_cost=0)
+    ref, _ = build_plan_ref(sl, 1, 1, 2_100_000_000, plan.max_seq_len, pack_short=False, align_longer=True, item_cost=0)
     assert_exact(plan.as_dict()["meta"], ref["meta"], what="meta")
     assert plan.as_dict()["meta"][1].item() == 2_100_000_000
 
@@ -678,3 +684,18 @@ def test_pack_short_random_mixes(device):
 def test_pack_short_bad_value(device):
     with pytest.raises(TypeError, match="pack_short"):
         evenflow.DecodePlan(4, 100, 2, device=device, pack_short=1)
+
+
+def test_pack_short_is_the_default(device):
+    """Since round BB1 a plan packs unless told not to, and the reference builder's default is the same: the default
+    plan of 2x64K+30x1K at 8 KV heads on 528 programs is the packed one (42 tiles, quantum 21), equal to the
+    reference's default."""
+    from evenflow.attention.plan import DEFAULT_PACK_SHORT
+
+    assert DEFAULT_PACK_SHORT is True and evenflow.DecodePlan(4, 100, 2, device=device).pack_short is True
+    sl = torch.tensor([64 * 1024] * 2 + [1024] * 30, dtype=torch.int32, device=device)
+    plan = evenflow.DecodePlan(32, 1 << 17, 8, device=device, num_programs=528, min_tiles=8).update(sl)
+    ref, _ = build_plan_ref(sl, 8, 528, 8, plan.max_seq_len)
+    for key in ("tiles", "req_end", "prog_start", "meta"):
+        assert_exact(plan.as_dict()[key], ref[key], what=key)
+    assert plan.as_dict()["meta"][[1, 5]].tolist() == [42, 21]

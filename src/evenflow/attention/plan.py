@@ -56,6 +56,14 @@ DEFAULT_ALIGN_LONGER_GROWTH = 1.0625
 # Triton kernel (2 an SM) gained 0.1-2.4%, below the 2% a default change asked (AZ1's rule), so it keeps 17/16.
 GLUON_SHARED_ALIGN_LONGER_GROWTH = 2.0
 DEFAULT_ITEM_COST_MAX_TILES = 4
+# pack_short (round BB): items padded to a multiple of a quantum so the shortest sit whole in bins of a budget the
+# alignment rules do not reach, taken where it is at most 15/16 of theirs (see DecodePlan). Round BB1 (H200, graph
+# replay, A/B in one run, two passes, every variant of the four standard slices whose plan it changes): never slower,
+# 0.7-5.3% faster: the warpgroup form at 2 an SM 1.027-1.030x (tp2:2x64K+30x1K) and 1.046-1.053x
+# (tp4:32x128+32x4K), the Triton kernel 1.007-1.009x and 1.024-1.026x on the same two, the two-warp form at 4 an SM
+# 1.007-1.019x (2x64K+30x1K at 8 KV heads, both q dtypes) and 1.016-1.025x (tp2:32x128+32x4K); the rows whose plan
+# it leaves alone moved 0.980-1.014x (docs/perf-notes/decode.md, BB1).
+DEFAULT_PACK_SHORT = True
 _NO_COST_LIMIT = 2**30
 # Where split items are merged: "fused" (the attention kernel's programs, the last chunk of a
 # group to arrive merging it) or "kernel" (a second, combine kernel). Round N1 (H200, graph
@@ -389,13 +397,13 @@ class DecodePlan:
     1%); ``n > 1`` (round AC), cuts that fall at the same tiles of every head's item, each item one
     merge group where ``n <= 8`` (fp8 8x32K at 4 programs an SM: 63 -> 64 tiles, 153.0 -> 140.1 us
     in AC4 against the plan without it).
-    ``pack_short`` (default ``False``; round BB, a candidate measured beside the default): where the shortest
-    non-empty item fits in the raw budget, the plan also prices a quantum ``q`` (32 candidates, 1-8 of the shortest
-    items a bin: ``reference.attention.pack_quanta``): every item's units rounded up to a multiple of ``q`` (the
-    added units carry no tokens and are not looped over, as ``item_cost``'s) and the budget the least multiple of
-    ``q`` that holds them in the programs; the least such budget replaces the rules' where it is at most 15/16 of
-    theirs. Every item then starts on a multiple of ``q`` and no item of ``q`` units or fewer is cut, at a budget
-    the rules' alignment would not reach (fp8 2x64K+30x1K at 8 KV heads and 528 programs: 42 tiles with two 1K
+    ``pack_short`` (default ``True`` since round BB1: ``DEFAULT_PACK_SHORT``; ``False`` = the rules alone): where
+    the shortest non-empty item fits in the raw budget, the plan also prices a quantum ``q`` (32 candidates, 1-8 of
+    the shortest items a bin: ``reference.attention.pack_quanta``): every item's units rounded up to a multiple of
+    ``q`` (the added units carry no tokens and are not looped over, as ``item_cost``'s) and the budget the least
+    multiple of ``q`` that holds them in the programs; the least such budget replaces the rules' where it is at most
+    15/16 of theirs. Every item then starts on a multiple of ``q`` and no item of ``q`` units or fewer is cut, at a
+    budget the rules' alignment would not reach (fp8 2x64K+30x1K at 8 KV heads and 528 programs: 42 tiles with two 1K
     items a bin, where ``align_items`` takes 48 with three and leaves 106 bins idle). ``meta[5]`` holds the
     quantum of the last update (1: not packed).
     ``num_warps`` /
@@ -463,7 +471,7 @@ class DecodePlan:
                  launch_next: bool = True, gluon: bool | None = None, gluon_warps: int | None = None,
                  deep_ring_tiles: int | None = None, num_q_heads: int | None = None, head_dim: int | None = None,
                  merge_chunks: int | None = None, warpgroup_mma: bool = True, q_dtype: torch.dtype | None = None,
-                 align_longer_growth: float | None = None, pack_short: bool = False):
+                 align_longer_growth: float | None = None, pack_short: bool = DEFAULT_PACK_SHORT):
         check_int("max_batch", max_batch, 1, MAX_BATCH)
         check_bool("warpgroup_mma", warpgroup_mma)
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:

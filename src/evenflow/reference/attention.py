@@ -122,7 +122,7 @@ def pack_quanta(shortest: int, raw_budget: int) -> list[int]:
 def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: int, max_seq_len: int,
                    align_items: bool = True, item_cost: int = 2, align_longer: bool | None = None,
                    item_cost_max_tiles: int | None = 4, align_growth: float = 1.25,
-                   align_longer_growth: float = 1.0625, pack_short: bool = False):
+                   align_longer_growth: float = 1.0625, pack_short: bool = True):
     """The length-balanced schedule, built the slow obvious way.
 
     Items (b, h) request-outer; each item holds ceil(len / 64) tiles, plus ``item_cost``
@@ -136,13 +136,13 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     item's tiles over ``n = item // budget`` (the item cut in ``n`` equal chunks) where ``n``
     divides it and that grows the budget by at most ``align_longer_growth`` (the plan's default 17/16)
     (``n = 1``: the item itself) (``None``: as ``align_items``, the plan's default).
-    ``pack_short`` (``DecodePlan(pack_short=)``): where the shortest non-empty item's units ``s0`` fit in the raw
-    budget ``b0 = max(ceil(total / num_programs), min_tiles)``, each quantum ``s`` in ``pack_quanta(s0, b0)`` is
-    priced: every item's units rounded up to a multiple of ``s`` (the added units carry no tokens, as the item cost's),
-    the budget the least multiple of ``s`` that holds the padded total in ``num_programs`` bins and is at least
-    ``min_tiles``. The least such budget (the smaller ``s`` on a tie) replaces the rules above where it is at most
-    15/16 of theirs and its padded total stays within int32 tile indices: then every item starts on a multiple of
-    ``s`` and the bins end on one, so no item of ``s`` units or fewer is cut.
+    ``pack_short`` (``DecodePlan(pack_short=)``, on by default as there): where the shortest non-empty item's
+    units ``s0`` fit in the raw budget ``b0 = max(ceil(total / num_programs), min_tiles)``, each quantum ``s`` in
+    ``pack_quanta(s0, b0)`` is priced: every item's units rounded up to a multiple of ``s`` (the added units carry no
+    tokens, as the item cost's), the budget the least multiple of ``s`` that holds the padded total in
+    ``num_programs`` bins and is at least ``min_tiles``. The least such budget (the smaller ``s`` on a tie) replaces
+    the rules above where it is at most 15/16 of theirs and its padded total stays within int32 tile indices: then
+    every item starts on a multiple of ``s`` and the bins end on one, so no item of ``s`` units or fewer is cut.
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
