@@ -643,6 +643,7 @@ PACK_CASES = {
     "not-smaller": ([128] * 32 + [4096] * 32, 8, 528, 8),  # 35 against 36: kept
     "too-long": ([4096] * 8, 2, 17, 1),  # the shortest item does not fit the raw budget
     "all-empty": ([0, 0], 2, 4, 1),
+    "huge-floor": ([64, 128, 4000], 1, 1, 2**30),  # a raw budget of 2^30 units: not priced (int32 headroom)
 }
 
 

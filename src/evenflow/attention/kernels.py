@@ -120,22 +120,25 @@ def _pack_choice(p_len, B, max_len, item_cost, cost_max, min_tiles, raw, shortes
     ``reference.attention.pack_quanta`` (k = 1..8 shortest items a bin: max(shortest, ceil(raw / k)) + j,
     j = 0..3), every item's units rounded up to a multiple of the quantum and the budget the least multiple
     of it that holds them in NP bins and is at least min_tiles; an int64 key budget << 32 | quantum, INT64_MAX
-    where the shortest item does not fit in the raw budget or no padded total stays within int32 indices."""
+    where no padded total stays within int32 indices. Called where the shortest item fits in the raw budget and both
+    the total and the raw budget are below 2^30 units, so an item's units plus a quantum stay within int32 (the
+    per-request rounding runs in int32: int64 division is a call a quotient on sm_90, round BB's SASS count)."""
     o_c = tl.arange(0, 32)
-    k = (o_c // 4 + 1).to(tl.int64)
-    quanta = tl.maximum(shortest.to(tl.int64), (raw.to(tl.int64) + k - 1) // k) + (o_c % 4).to(tl.int64)
+    k = o_c // 4 + 1
+    quanta = tl.maximum(shortest, (raw + k - 1) // k) + o_c % 4
     padded = tl.zeros([32], dtype=tl.int64)
     zero = tl.zeros([], dtype=tl.int32)
     for b0 in range(0, B, PACK_BLOCK):
         o_b = b0 + tl.arange(0, PACK_BLOCK)
         b_units, _ = _plan_units(p_len, o_b, o_b < B, max_len, item_cost, cost_max, zero + 1)
-        u = b_units.to(tl.int64)[:, None]
-        padded += tl.sum((u + quanta[None, :] - 1) // quanta[None, :] * quanta[None, :], axis=0)
+        u = b_units[:, None]
+        padded += tl.sum(((u + quanta[None, :] - 1) // quanta[None, :] * quanta[None, :]).to(tl.int64), axis=0)
     padded = padded * HKV
+    q64 = quanta.to(tl.int64)
     least = tl.maximum((padded + NP - 1) // NP, min_tiles.to(tl.int64))
-    budgets = (least + quanta - 1) // quanta * quanta
-    ok = (padded + NP * (budgets + 1) < 2147483648) & (shortest <= raw)
-    return tl.min(tl.where(ok, budgets * 4294967296 + quanta, 9223372036854775807), axis=0)
+    budgets = (least + q64 - 1) // q64 * q64
+    ok = padded + NP * (budgets + 1) < 2147483648
+    return tl.min(tl.where(ok, budgets * 4294967296 + q64, 9223372036854775807), axis=0)
 
 
 @triton.jit(do_not_specialize=["B", "max_len", "min_tiles", "item_cost", "cost_max", "grow16", "grow_longer16"])
@@ -172,15 +175,18 @@ def plan_kernel(
         budget = tl.where(fits, aligned, budget)
     quantum = one
     if PACK:
-        key = _pack_choice(p_len, B, max_len, item_cost, cost_max, min_tiles, raw, shortest, NP, HKV, 128)
-        # taken where it is at most 15/16 of the rules' budget (see DecodePlan)
-        take = 16 * (key >> 32) <= 15 * budget.to(tl.int64)
-        quantum = tl.where(take, (key & 4294967295).to(tl.int32), one)
-        budget = tl.where(take, (key >> 32).to(tl.int32), budget)
-        # the same threads rewrite the units and prefix sums they stored above, now padded
-        tl.debug_barrier()
-        total, shortest, bad = _plan_prefix(p_len, p_tiles, p_req_end, B, max_len, item_cost, cost_max, quantum,
-                                            HKV, BLOCK_B)
+        # priced only where the shortest item fits in the raw budget (and the units stay far from int32's range);
+        # the units and prefix sums are rewritten only where a quantum is taken: elsewhere the pack costs one branch
+        if (shortest <= raw) & (total < 1073741824) & (raw < 1073741824):
+            key = _pack_choice(p_len, B, max_len, item_cost, cost_max, min_tiles, raw, shortest, NP, HKV, 128)
+            # taken where it is at most 15/16 of the rules' budget (see DecodePlan)
+            if 16 * (key >> 32) <= 15 * budget.to(tl.int64):
+                quantum = (key & 4294967295).to(tl.int32)
+                budget = (key >> 32).to(tl.int32)
+                # the same threads rewrite the units and prefix sums they stored above, now padded
+                tl.debug_barrier()
+                total, shortest, bad = _plan_prefix(p_len, p_tiles, p_req_end, B, max_len, item_cost, cost_max,
+                                                    quantum, HKV, BLOCK_B)
     used = (total + budget - 1) // budget
     tl.store(p_meta + 0, total)
     tl.store(p_meta + 1, budget)
