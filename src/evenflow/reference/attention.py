@@ -142,8 +142,8 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     tokens, as the item cost's), the budget the least multiple of ``s`` that holds the padded total in
     ``num_programs`` bins and is at least ``min_tiles``. The least such budget (the smaller ``s`` on a tie) replaces
     the rules above where it is at most 15/16 of theirs and its padded total stays within int32 tile indices (a plan
-    of 2^30 units or more, or a raw budget as large, is not priced): then
-    every item starts on a multiple of ``s`` and the bins end on one, so no item of ``s`` units or fewer is cut.
+    of 2^30 units or more, or a raw budget as large, is not priced): then every item starts on a multiple of ``s``
+    and the bins end on one, so no item of ``s`` units or fewer is cut.
     Returns the plan tensors (as ``DecodePlan.as_dict``) and the explicit bins: for each
     program a list of (item, first_tile, end_tile) chunks (empty items included where
     the bin that reaches them lists them).
