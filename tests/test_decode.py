@@ -430,10 +430,11 @@ def test_validate_inputs_takes_a_packed_plan(device):
                                pack_short=True).update(sl)
     assert int(plan.meta[5]) == 5
     evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=plan)
-    stale = evenflow.DecodePlan(len(lens), 1 << 16, 2, device=device, num_programs=8, min_tiles=1).update(sl)
+    unpacked = evenflow.DecodePlan(len(lens), 1 << 16, 2, device=device, num_programs=8, min_tiles=1,
+                                   pack_short=False).update(sl)
     with pytest.raises(ValueError, match="not updated"):
         evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=plan.update(sl.flip(0)))
-    evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=stale)
+    evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=unpacked)
 
 
 # Each case has chunks of >= WS_MIN_TILES (24) tiles (the warp-split loop), among them one

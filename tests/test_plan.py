@@ -557,7 +557,8 @@ def test_plan_opcheck(device):
     sl = torch.tensor([100, 0, 700], dtype=torch.int32, device=device)
     torch.library.opcheck(torch.ops.evenflow.decode_plan_update.default,
                           (sl, plan.tiles, plan.req_end, plan.prog_start, plan.meta, 2, 1000, 1, 4,
-                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max, 24, 17),
+                           plan.align_items, plan.item_cost, plan.align_longer, plan.cost_max, 24, 17,
+                           plan.pack_short),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -305,7 +305,7 @@ def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: to
                     prog_start: torch.Tensor, meta: torch.Tensor, num_kv_heads: int,
                     max_seq_len: int, min_tiles: int, max_batch: int, align_items: bool,
                     item_cost: int, align_longer: bool, cost_max: int, grow16: int, grow_longer16: int,
-                    pack_short: bool = False) -> None:
+                    pack_short: bool) -> None:
     # every argument comes from DecodePlan.update (its options' defaults live on DecodePlan)
     B = seq_lens.shape[0]
     np_ = prog_start.shape[0] - 1
@@ -324,7 +324,7 @@ _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
 
 @_plan_update_op.register_fake
 def _(seq_lens, tiles, req_end, prog_start, meta, num_kv_heads, max_seq_len, min_tiles, max_batch, align_items,
-      item_cost, align_longer, cost_max, grow16, grow_longer16, pack_short=False):
+      item_cost, align_longer, cost_max, grow16, grow_longer16, pack_short):
     return None
 
 

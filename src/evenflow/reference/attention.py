@@ -158,7 +158,7 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
     tiles = [-(-L // TILE) + (item_cost if L > 0 and short(-(-L // TILE)) else 0) for L in lens]
     items = [(b, h) for b in range(B) for h in range(num_kv_heads)]
     total = sum(tiles[b] for b, _ in items)
-    budget = max(-(-total // num_programs), min_tiles)
+    budget = raw = max(-(-total // num_programs), min_tiles)
     nonzero = [n for n in tiles if n > 0]
     if align_items and nonzero:
         shortest = min(nonzero)
@@ -171,7 +171,6 @@ def build_plan_ref(seq_lens, num_kv_heads: int, num_programs: int, min_tiles: in
             if shortest % n == 0 and 16 * (shortest // n) <= grow_longer16 * budget:
                 budget = shortest // n
     quantum = 1
-    raw = max(-(-total // num_programs), min_tiles)
     if pack_short and nonzero and total < 2**30 and raw < 2**30:
         best = None
         for s in pack_quanta(min(nonzero), raw):
