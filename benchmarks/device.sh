@@ -6,7 +6,9 @@
 #   NAME: ceilings decode router moe ... (tests: every test in tests/test_<name>*.py, the small
 #   interpreter-sized ones too, so the GPU compiler sees them; --gpu-marked-only: just -m gpu)
 #   PYTEST_ARGS is passed to pytest: PYTEST_ARGS="--shard 1/3" runs a third of each suite's test functions
-#   (tests/conftest.py; the decode GPU suite has 234 tests (round BB), of which 100 took 530 s on an H200 in round BA2)
+#   (tests/conftest.py; the decode GPU suite has 234 tests (round BB), of which 100 took 530 s on an H200 in round BA2);
+#   PYTEST_ARGS="-n 8" (pytest-xdist, in the test extra) runs each suite on 8 workers sharing the GPU: the whole
+#   GPU-marked suite, 517 tests, took 295 s that way in round BC2
 #
 # Carried wheels: every folder .whl* in the repo root is installed to a temporary folder
 # (--no-deps, no registry needed) and put on PYTHONPATH.
