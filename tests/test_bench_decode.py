@@ -769,9 +769,16 @@ def test_fp8_q_variant_calls_compute_the_reference_and_skip_flashinfer(gluon_fp8
     oracle under the decode tests' rule, on the Gluon kernel (``decode.GLUON_FP8_Q``, the default since round AP)
     where it can run and on the Triton kernel with the switch off (in the interpreter both cases run the Triton
     kernel: the switch's effect is checked on a GPU); FlashInfer's rows are refused as not run (it is driven with a
-    bf16 q only); the summary lists the variant's rows without counting them in issue 3's targets."""
+    bf16 q only); the summary lists the variant's rows without counting them in issue 3's targets.
+    The benchmark's plan is told the fp8 q (round AX): at 2 KV heads and 8 q rows a KV head that makes it the
+    warpgroup form's (four warps, 2 programs an SM), whose calls run ``wgmma`` scores on sm_90. Such a plan is sized
+    for 2 programs an SM, as the Triton kernel is, so with the switch off its calls run the Triton kernel and say
+    nothing; a plan not told the q dtype is sized for the two-warp form (4 an SM), and there the first such call
+    warns. (Round BC4 found this test's GPU branch still expecting the two-warp form's kernel and warning on the
+    told plan, as before round AX.)"""
     import warnings
 
+    import evenflow
     from evenflow.attention import decode
     from evenflow.reference.attention import decode_attention_ref
     from evenflow.testing import assert_within_rule
@@ -782,24 +789,35 @@ def test_fp8_q_variant_calls_compute_the_reference_and_skip_flashinfer(gluon_fp8
     inp = D.make_inputs(case, fp8, _DEV, seed=4, l2_bytes=1 << 20, q_dtype=fp8)
     plan = D.evenflow_plan("evenflow", inp)
     gluon_here = decode.gluon_fp8_machine_refusal(inp.k_cache.device) is None  # (the interpreter runs no Gluon)
-    # the row says which kernel ran
-    assert D.kernel_of(inp, plan) == ("gluon" if gluon_here and gluon_fp8_q else "triton")
+    cap = _runtime.compiled_capability(inp.k_cache.device)
+    if gluon_here:
+        assert (plan.gluon_warps, plan.per_sm) == (4, 2)
+    # the row says which kernel ran: wgmma scores need sm_90 (on sm_89 the plan's calls run two warps on its bins)
+    want = "triton" if not (gluon_here and gluon_fp8_q) else ("gluon-wg" if cap[0] == 9 else "gluon")
+    assert D.kernel_of(inp, plan) == want
     assert D.kernel_of(inp, None) == "static"
+    untold = evenflow.DecodePlan(case.batch, inp.page_tables[0].shape[1] * D.PAGE_SIZE, case.num_kv_heads,
+                                 page_size=D.PAGE_SIZE, device=inp.seq_lens.device, kv_dtype=fp8).update(inp.seq_lens)
+    if gluon_here:
+        assert (untold.gluon_warps, untold.per_sm) == (2, 4)
     calls = D.evenflow_calls(inp, plan)
     assert len(calls) == inp.rotations > 1
     for r, call in enumerate(calls):
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            got = call()
-        # the switch off on a GPU: the Gluon-sized plan runs the Triton kernel and says so, once a plan
-        said = [w for w in said if "built for the Gluon fp8 kernel" in str(w.message)]
-        assert len(said) == (gluon_here and not gluon_fp8_q and r == 0), [str(w.message) for w in said]
         args = (inp.qs[r], inp.k_cache, inp.v_cache, inp.page_tables[r], inp.seq_lens)
         kw = dict(q_scale=D.q_scale_of(inp, r), k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale)
         ref, _ = decode_attention_ref(*args, **kw)
         base, _ = decode_attention_ref(*args, **kw, dtype=torch.float32, p_dtype=torch.bfloat16,
                                        out_dtype=torch.bfloat16)
-        assert_within_rule(got, ref, base, what=f"fp8 q rotation {r}")
+        for p, got_fn in ((plan, call), (untold, lambda: evenflow.decode_attention(*args, plan=untold, **kw))):
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                got = got_fn()
+            # the switch off on a GPU: the plan sized for the two-warp Gluon form runs the Triton kernel and says so,
+            # once a plan; the told plan, sized for 2 an SM, says nothing
+            said = [w for w in said if "built for the Gluon fp8 kernel" in str(w.message)]
+            warns = p is untold and gluon_here and not gluon_fp8_q and r == 0
+            assert len(said) == warns, [str(w.message) for w in said]
+            assert_within_rule(got, ref, base, what=f"fp8 q rotation {r}, {'told' if p is plan else 'untold'} plan")
     with pytest.raises(D.H.PeerUnavailable, match="bf16 q only"):
         D.build_fns("flashinfer-tc", inp)
     # the warm-up builds nothing for the variant and hands the reason on (rows: "not run: ...", not "build failed")
