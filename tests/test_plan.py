@@ -615,9 +615,13 @@ def _check_packed(device, lens, hkv, np_, min_tiles, what):
         for i, t0, t1 in chunks:
             if 0 < tiles[i // hkv] <= quantum:
                 assert (t0, t1) == (0, tiles[i // hkv]), f"{what}: item {i} of {tiles[i // hkv]} units cut"
-    rules_budget = _pack_plan(device, lens, hkv, np_, min_tiles, pack=False)[0].as_dict()["meta"][1].item()
+    rules = _pack_plan(device, lens, hkv, np_, min_tiles, pack=False)[0].as_dict()["meta"]
+    rules_budget = rules[1].item()
     if quantum > 1:
         assert 16 * budget <= 15 * rules_budget, what
+        # a packed budget is never under the raw one (the plan kernel skips the pass where 16 x raw > 15 x the
+        # rules' budget on that ground)
+        assert budget >= max(-(-rules[0].item() // np_), min_tiles), what
     else:
         assert budget == rules_budget, what
     return quantum

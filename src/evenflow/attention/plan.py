@@ -404,8 +404,9 @@ class DecodePlan:
     multiple of ``q`` that holds them in the programs; the least such budget replaces the rules' where it is at most
     15/16 of theirs. Every item then starts on a multiple of ``q`` and no item of ``q`` units or fewer is cut, at a
     budget the rules' alignment would not reach (fp8 2x64K+30x1K at 8 KV heads and 528 programs: 42 tiles with two 1K
-    items a bin, where ``align_items`` takes 48 with three and leaves 106 bins idle). ``meta[5]`` holds the
-    quantum of the last update (1: not packed).
+    items a bin, where ``align_items`` takes 48 with three and leaves 106 bins idle). The kernel skips the pricing
+    where 16 x the raw budget exceeds 15 x the rules' (no quantum could be taken: a priced budget is never under the
+    raw one). ``meta[5]`` holds the quantum of the last update (1: not packed).
     ``num_warps`` /
     ``num_stages`` / ``block_n`` (tokens per loop iteration, 64 or 128) / ``max_registers``
     (per-thread register cap, 0 = none): launch config of the attention kernel (default:
