@@ -326,6 +326,66 @@ def test_stale_weight_auto_refresh(device):
     _check_gemm(out, x, rw, w, "auto refresh")
 
 
+def test_auto_refresh_takes_a_new_shape_and_checks_against_it(device):
+    """A source given a new shape (``w.data = ...``) is re-split before any check reads the shape: the call is
+    checked against the new N and K (the old K's x refused by name), returns the new weight's logits, and route
+    picks among the new N experts. Before, the checks read the old split's shape and the kernel ran the new one
+    (writes out of bounds, garbage columns)."""
+    x, w = _inputs(2, 8, 32, device)
+    rw = evenflow.RouterWeight(w, auto_refresh=True)
+    evenflow.router_gemm(x, rw)
+    for n, k in ((16, 64), (4, 16)):
+        x, new = _inputs(2, n, k, device)
+        w.data = new
+        out = evenflow.router_gemm(x, rw)
+        assert out.shape == (2, n) and rw.shape == (n, k)
+        _check_gemm(out, x, rw, w, f"re-split to {n}x{k}")
+    w.data = _inputs(2, 16, 64, device)[1]
+    with pytest.raises(ValueError, match="x must have shape"):
+        evenflow.router_gemm(x, rw)  # x of the old K (16): checked against the fresh split's 64
+    x = _inputs(5, 16, 64, device)[0]
+    ids, weights = evenflow.route(x, rw, 3)
+    ref = R.router_logits_fp64(x.cpu(), w.cpu())
+    assert torch.equal(ids.cpu().long().sort(1).values, ref.topk(3, 1).indices.sort(1).values)
+    w.data = _inputs(2, 6, 64, device)[1]
+    ids, _ = evenflow.route(x, rw, 3)  # N shrank to 6: the ids stay in range
+    assert ids.shape == (5, 3) and 0 <= int(ids.min()) and int(ids.max()) < 6
+
+
+def test_refresh_checks_the_source_as_the_constructor_does(device):
+    w = torch.randn(8, 32, device=device)
+    rw = evenflow.RouterWeight(w)
+    auto = evenflow.RouterWeight(w, auto_refresh=True)
+    x = torch.randn(2, 32, device=device).to(torch.bfloat16)
+    w.data = torch.randn(32, 8, device=device).t()  # [8, 32], strides (1, 8): the fp32 paths read unit strides
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        rw.refresh()
+    with pytest.raises(ValueError, match="w must be contiguous"):
+        evenflow.router_gemm(x, auto)
+    w.data = torch.randn(8, 32, device=device, dtype=torch.float64)
+    with pytest.raises(TypeError, match="w must have dtype"):
+        rw.refresh()
+
+
+def test_inference_tensor_refused_by_name(device):
+    with torch.inference_mode():
+        wi = torch.randn(8, 32, device=device)
+    with pytest.raises(ValueError, match="w is an inference tensor"):
+        evenflow.RouterWeight(wi)
+
+
+@pytest.mark.parametrize("path", ["torch-fp32", "torch-split2", None])
+def test_parameter_weight_under_grad_mode(device, path):
+    """An nn.Parameter (requires_grad) as the source, called with autograd on: the split parts carry no autograd
+    history, and the cuBLAS paths (which write out=) run rather than raise."""
+    x, w = _inputs(3, 8, 32, device)
+    p = torch.nn.Parameter(w.clone())
+    rw = evenflow.RouterWeight(p)
+    assert not any(t.requires_grad for t in rw.parts)
+    out = evenflow.router_gemm(x, rw, config=None if path is None else GemmConfig(path=path))
+    _check_gemm(out, x, rw, w, f"Parameter, {path}")
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -341,6 +401,10 @@ def test_bad_inputs_raise_clear_errors(device):
         evenflow.router_gemm(x, rw, batch_invariant=1)
     with pytest.raises(TypeError, match="round_x_to_bf16"):
         evenflow.router_gemm(x.float(), rw)
+    with pytest.raises(TypeError, match="round_x_to_bf16 must be a bool, got 'no'"):
+        evenflow.router_gemm(x.float(), rw, round_x_to_bf16="no")  # a truthy string used to round
+    with pytest.raises(TypeError, match="auto_refresh must be a bool, got 'no'"):
+        evenflow.RouterWeight(w, auto_refresh="no")
     with pytest.raises(TypeError, match="x must have dtype"):
         evenflow.router_gemm(x.half(), rw)
     with pytest.raises(ValueError, match="x must have shape"):

@@ -23,7 +23,12 @@ Stale split: ``RouterWeight`` remembers the source tensor's version counter and 
 pointer. If the source is modified in place (``w.copy_(...)``, an optimizer step, a
 weight reload) the next call raises ``RuntimeError`` — or re-splits when the weight
 was made with ``auto_refresh=True``. The check is a host-side integer compare (no
-sync); it is skipped while ``torch.compile`` traces.
+sync); it is skipped while ``torch.compile`` traces. A re-split checks the source as the
+constructor does and may take a new shape (``w.data = ...``): every call checks its inputs
+against the fresh split. Writes that bypass the version counter cannot be seen: through
+``w.data`` (``param.data.copy_(...)``) or a NumPy view. Call ``refresh()`` after those (until
+then the bf16 paths would read the old split and the fp32 paths the new weight). An inference
+tensor (made under ``torch.inference_mode``) has no version counter and is refused.
 """
 from __future__ import annotations
 
@@ -77,13 +82,11 @@ class RouterWeight:
     """
 
     def __init__(self, w: torch.Tensor, *, terms: int = 3, auto_refresh: bool = False):
-        check_tensor("w", w, dtypes=[torch.float32], ndim=2, contiguous=True)
+        _check_source(w)
         if terms not in (2, 3):
             raise ValueError(f"terms must be 2 or 3, got {terms!r}")
         self.terms = int(terms)
-        if w.shape[0] < 1 or w.shape[1] < 1:
-            raise ValueError(f"w must have N >= 1 and K >= 1, got shape {tuple(w.shape)}")
-        self.auto_refresh = bool(auto_refresh)
+        self.auto_refresh = check_bool("auto_refresh", auto_refresh)
         self.source = w
         self._part = torch.empty(0, dtype=torch.float32, device=w.device)
         self._count = torch.zeros(0, dtype=torch.int32, device=w.device)
@@ -97,9 +100,16 @@ class RouterWeight:
 
     def _split(self) -> None:
         w = self.source
+        if hasattr(self, "parts"):  # a re-split: the source as the constructor checks it, on the same device
+            _check_source(w)
+            if w.device != self.device:
+                raise ValueError(f"w moved from {self.device} to {w.device} since the split; make a new RouterWeight")
+            if tuple(w.shape) != self.shape:
+                self._configs.clear()  # the dispatch's choices were for the old N and K
         if not bool(torch.isfinite(w).all()):
             raise ValueError("w must be finite (NaN/Inf in a router weight)")
-        self.parts = split_weight(w, self.terms)
+        with torch.no_grad():  # a Parameter's split parts carry no autograd history
+            self.parts = split_weight(w, self.terms)
         self.w_hi, self.w_lo = self.parts[0], self.parts[1]
         self.w_lo2 = self.parts[2] if self.terms == 3 else None
         self._version = w._version
@@ -127,7 +137,8 @@ class RouterWeight:
                 "make a new RouterWeight, call .refresh(), or construct it with auto_refresh=True")
 
     def refresh(self) -> None:
-        """Re-split from the (modified) source weight."""
+        """Re-split from the (modified) source weight (checked as the constructor checks it; it may have a new
+        shape)."""
         self._split()
 
     def reserve(self, max_tokens: int) -> None:
@@ -176,6 +187,16 @@ class RouterWeight:
         n, k = self.shape
         return (f"RouterWeight(N={n}, K={k}, terms={self.terms}, device={self.device}, "
                 f"auto_refresh={self.auto_refresh})")
+
+
+def _check_source(w) -> None:
+    check_tensor("w", w, dtypes=[torch.float32], ndim=2, contiguous=True)
+    if w.shape[0] < 1 or w.shape[1] < 1:
+        raise ValueError(f"w must have N >= 1 and K >= 1, got shape {tuple(w.shape)}")
+    if w.is_inference():
+        raise ValueError("w is an inference tensor (made under torch.inference_mode): it has no version counter, "
+                         "so a change in place could not be detected; build the RouterWeight from a tensor made "
+                         "outside inference_mode")
 
 
 # ----------------------------------------------------------------------------- custom op
@@ -278,6 +299,7 @@ def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num
 
 
 def _check_x(x: torch.Tensor, k: int, device: torch.device, round_x_to_bf16: bool) -> torch.Tensor:
+    check_bool("round_x_to_bf16", round_x_to_bf16)
     if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and round_x_to_bf16:
         x = x.to(torch.bfloat16)
     if isinstance(x, torch.Tensor) and x.dtype == torch.float32:
@@ -309,6 +331,7 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     """
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight (split once at load time), got {type(w).__name__}")
+    w.check_fresh()  # first: a re-split may change the shape every check below reads
     n, k = w.shape
     check_bool("batch_invariant", batch_invariant)
     x = _check_x(x, k, w.device, round_x_to_bf16)
@@ -317,7 +340,6 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
         out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     else:
         check_out("out", out, (m, n), torch.float32, x.device)
-    w.check_fresh()
     check_pdl(pdl, w.device)
     check_pdl(prefetch_weights, w.device, name="prefetch_weights")
     if config is not None and not isinstance(config, GemmConfig):
@@ -348,7 +370,7 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
             config.num_warps, config.num_stages, use_pdl, pf)
         return out
     if config.path == "torch-fp32":
-        torch.mm(x.float(), w.source.t(), out=out)
+        torch.mm(x.float(), w.source.detach().t(), out=out)  # a Parameter's autograd refuses out=
         return out
     if config.path == "torch-split2":
         _torch_split2(x, w, out)

@@ -107,6 +107,7 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     kernel's launch then overlaps the GEMM's end."""
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
+    w.check_fresh()  # first: a re-split may change N, which the checks and the logits buffer read
     n, _ = w.shape
     _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device)  # before the GEMM launches
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
