@@ -56,6 +56,18 @@ def test_weight_checks(device):
         evenflow.MoEWeights.bf16(zeros(64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf))
     with pytest.raises(ValueError, match="odd second dim 33"):
         evenflow.MoEWeights.bf16(zeros(2, 33, 32, dtype=bf), zeros(2, 32, 16, dtype=bf))
+    # zero is a multiple of 16 but no size: hidden 0 would divide by zero in the reduce launch, intermediate 0
+    # would return zeros
+    with pytest.raises(ValueError, match=r"hidden \(0\) and intermediate \(16\) sizes must be positive multiples"):
+        evenflow.MoEWeights.bf16(zeros(2, 32, 0, dtype=bf), zeros(2, 0, 16, dtype=bf))
+    with pytest.raises(ValueError, match=r"hidden \(64\) and intermediate \(0\) sizes must be positive multiples"):
+        evenflow.MoEWeights.bf16(zeros(2, 0, 64, dtype=bf), zeros(2, 64, 0, dtype=bf))
+    with pytest.raises(ValueError, match=r"intermediate \(0\) sizes must be positive multiples of 128"):
+        evenflow.MoEWeights.fp8_block(zeros(2, 0, 128).to(FP8), zeros(2, 128, 0).to(FP8), ones(2, 0, 1),
+                                      ones(2, 1, 0))
+    # the constructor, which the named builders call, refuses an unknown format when the holder is built
+    with pytest.raises(ValueError, match="fmt must be one of .*'bf16'.*got 'bogus'"):
+        evenflow.MoEWeights("bogus", zeros(2, 64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf))
 
 
 def test_helper_checks(device):
@@ -119,6 +131,11 @@ def test_call_checks(device, layer):
         evenflow.fused_moe(x, ids, w, ew, ep_rank=1, num_experts_total=6)
     with pytest.raises(ValueError, match="num_experts_total"):
         evenflow.fused_moe(x, ids, w, ew, num_experts_total=1024)
+    # 4 local experts: a total that no whole number of equal ranks holds is refused (it would drop the pairs
+    # of experts 4-5 as another rank's, a rank that cannot exist)
+    for rank, total in ((0, 6), (1, 9)):
+        with pytest.raises(ValueError, match=rf"num_experts_total \({total}\) must be a multiple of the 4 local"):
+            evenflow.fused_moe(x, ids + 4 * rank, w, ew, ep_rank=rank, num_experts_total=total)
     with pytest.raises(ValueError, match="shared_output"):
         evenflow.fused_moe(x, ids, w, ew, shared_output=x[:2])
     with pytest.raises(TypeError, match="routed_scaling must be a float"):

@@ -679,6 +679,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     if (ep_rank + 1) * e_local > num_experts_total:
         raise ValueError(f"ep_rank {ep_rank} with {e_local} local experts needs num_experts_total >= "
                          f"{(ep_rank + 1) * e_local}, got {num_experts_total}")
+    if num_experts_total % e_local:
+        raise ValueError(f"num_experts_total ({num_experts_total}) must be a multiple of the {e_local} local experts "
+                         "(every rank holds the same number: rank r keeps experts [r * E_local, (r + 1) * E_local))")
     check_scaling("routed_scaling", routed_scaling)
     check_bool("check_ids", check_ids)
     if not isinstance(fp8_accum, str) or fp8_accum not in FP8_ACCUM:

@@ -67,7 +67,9 @@ class MoEWeights:
 
     ``w13`` [E, 2I, H]: gate rows then up rows; ``w2`` [E, H, I]. Scales are
     dequantisation multipliers (real value = stored value * scale), as in SGLang's
-    ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`.
+    ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`, which check
+    the tensors (the constructor itself checks only ``fmt``: it is how those and :meth:`sharing_weights` build
+    a holder from tensors already checked).
 
     The holder also keeps the arrival counters of the decode path (``counters``, int32 on the
     weights' device, a few KB): where pair tiles split the gate-up along K (or, in block mode, an
@@ -82,6 +84,8 @@ class MoEWeights:
 
     def __init__(self, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None, *,
                  counters: bool = True):
+        if not isinstance(fmt, str) or fmt not in MODE:
+            raise ValueError(f"fmt must be one of {tuple(MODE)}, got {fmt!r}")
         self.format = fmt
         self.w13, self.w2 = w13, w2
         self.w13_scale, self.w2_scale = w13_scale, w2_scale
@@ -131,8 +135,8 @@ class MoEWeights:
         e, h, i = moe_weight_dims(w13, w2)
         if not 1 <= e <= MAX_EXPERTS:
             raise ValueError(f"w13 holds {e} experts; evenflow supports 1..{MAX_EXPERTS}")
-        if h % multiple or i % multiple:
-            raise ValueError(f"hidden ({h}) and intermediate ({i}) sizes must be multiples of {multiple} "
+        if h < multiple or i < multiple or h % multiple or i % multiple:
+            raise ValueError(f"hidden ({h}) and intermediate ({i}) sizes must be positive multiples of {multiple} "
                              "for this weight format")
         return e, h, i
 
