@@ -56,6 +56,22 @@ def test_weight_checks(device):
         evenflow.MoEWeights.bf16(zeros(64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf))
     with pytest.raises(ValueError, match="odd second dim 33"):
         evenflow.MoEWeights.bf16(zeros(2, 33, 32, dtype=bf), zeros(2, 32, 16, dtype=bf))
+    with pytest.raises(ValueError, match="w13 holds 0 experts"):
+        evenflow.MoEWeights.bf16(zeros(0, 32, 16, dtype=bf), zeros(0, 16, 16, dtype=bf))
+    with pytest.raises(TypeError, match="w13 must have dtype"):  # e5m2 is not a weight format here
+        evenflow.MoEWeights.fp8_per_tensor(w13.to(torch.float8_e5m2), w2, ones(2), ones(2), ones(1), ones(1))
+    with pytest.raises(TypeError, match="w2 must have dtype"):
+        evenflow.MoEWeights.fp8_block(w13, w2.to(torch.float8_e5m2), ones(2, 2, 1), ones(2, 1, 1))
+    with pytest.raises(ValueError, match="w13_scale must have shape"):
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, ones(3), ones(2), ones(1), ones(1))
+    with pytest.raises(ValueError, match="w2_scale must have shape"):
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, ones(2), ones(2, 1), ones(1), ones(1))
+    with pytest.raises(ValueError, match="a2_scale"):
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, ones(2), ones(2), ones(1), ones(2))
+    with pytest.raises(ValueError, match="w2_scale must have shape"):
+        evenflow.MoEWeights.fp8_block(w13, w2, ones(2, 2, 1), ones(2, 2, 1))
+    with pytest.raises(ValueError, match="w13_scale is on meta"):
+        evenflow.MoEWeights.fp8_per_tensor(w13, w2, torch.ones(2, device="meta"), ones(2), ones(1), ones(1))
     # zero is a multiple of 16 but no size: hidden 0 would divide by zero in the reduce launch, intermediate 0
     # would return zeros
     with pytest.raises(ValueError, match=r"hidden \(0\) and intermediate \(16\) sizes must be positive multiples"):
@@ -157,6 +173,49 @@ def test_call_checks(device, layer):
         evenflow.fused_moe(x.to("meta"), ids, w, ew)
     with pytest.raises(ValueError, match="topk_ids must be contiguous"):
         evenflow.fused_moe(x, ids.t().contiguous().t(), w, ew)
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        evenflow.fused_moe(x[None], ids, w, ew)
+    with pytest.raises(ValueError, match="x must have a unit stride in its last dimension"):
+        evenflow.fused_moe(torch.randn(64, 3, device=device).bfloat16().t(), ids, w, ew)
+    with pytest.raises(ValueError, match="topk_ids must be 2-D"):
+        evenflow.fused_moe(x, ids[:, 0], w, ew)
+    with pytest.raises(ValueError, match=r"top_k \(topk_ids.shape\[1\]\) must be >= 1, got 0"):
+        evenflow.fused_moe(x, ids[:, :0], w[:, :0], ew)
+    with pytest.raises(ValueError, match="topk_weights must be contiguous"):
+        evenflow.fused_moe(x, ids, w.t().contiguous().t(), ew)
+    with pytest.raises(TypeError, match="ep_rank must be an int"):
+        evenflow.fused_moe(x, ids, w, ew, ep_rank=True)
+    with pytest.raises(TypeError, match="num_experts_total must be an int"):
+        evenflow.fused_moe(x, ids, w, ew, num_experts_total=4.0)
+    with pytest.raises(ValueError, match="num_experts_total must be >= 1, got 0"):
+        evenflow.fused_moe(x, ids, w, ew, num_experts_total=0)
+    with pytest.raises(ValueError, match="shared_output must have a unit stride in its last dimension"):
+        evenflow.fused_moe(x, ids, w, ew, shared_output=torch.zeros(64, 3, dtype=torch.bfloat16, device=device).t())
+    with pytest.raises(ValueError, match="shared_output is on meta"):
+        evenflow.fused_moe(x, ids, w, ew, shared_output=torch.zeros(3, 64, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        evenflow.fused_moe(x, ids, w, ew, out=torch.empty(64, 3, dtype=torch.bfloat16, device=device).t())
+    with pytest.raises(ValueError, match="out is on meta"):
+        evenflow.fused_moe(x, ids, w, ew, out=torch.empty(3, 64, dtype=torch.bfloat16, device="meta"))
+
+
+def test_strided_rows_and_fp32_shared_output_are_taken(device, layer):
+    """What the checks let through is handled: x as a column slice of a wider tensor (row stride 128) gives the
+    contiguous x's output bit for bit, and an fp32 shared_output is added in fp32 (against the bf16 one, the
+    same output up to the bf16 rounding of the shared term)."""
+    ew, x, ids, w = layer
+    wide = torch.zeros(3, 128, dtype=torch.bfloat16, device=device)
+    wide[:, 32:96] = x
+    assert torch.equal(evenflow.fused_moe(wide[:, 32:96], ids, w, ew), evenflow.fused_moe(x, ids, w, ew))
+    shared = torch.randn(3, 64, device=device)
+    y32 = evenflow.fused_moe(x, ids, w, ew, shared_output=shared).float()
+    y16 = evenflow.fused_moe(x, ids, w, ew, shared_output=shared.bfloat16()).float()
+    plain = evenflow.fused_moe(x, ids, w, ew).float()
+    assert not torch.equal(y32, plain)  # the shared term was added
+    # y = bf16(routed + shared): the two differ by the shared term's bf16 rounding, at most one bf16 unit of y
+    # plus one of the shared term
+    bound = (y32.abs() + shared.abs()) * 2.0**-7
+    assert ((y32 - y16).abs() <= bound).all()
 
 
 def test_out_of_range_ids_are_dropped_without_check(device, layer):

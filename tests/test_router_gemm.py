@@ -425,6 +425,23 @@ def test_bad_inputs_raise_clear_errors(device):
         evenflow.RouterWeight(torch.full((4, 4), float("nan"), device=device))
     with pytest.raises(ValueError, match="contiguous"):
         evenflow.RouterWeight(torch.randn(32, 16, device=device).t())
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        evenflow.router_gemm(x, rw, out=torch.empty(16, 3, device=device).t())
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        evenflow.router_gemm(x[None], rw)
+    with pytest.raises(ValueError, match="w must be 2-D"):
+        evenflow.RouterWeight(torch.randn(32, device=device))
+    with pytest.raises(TypeError, match="w must be a torch.Tensor, got list"):
+        evenflow.RouterWeight([[1.0]])
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        rw.reserve(0)
+    with pytest.raises(ValueError, match=r"config 256x256x256 with 3 weight terms needs \d+ B of shared memory"):
+        evenflow.router_gemm(x, rw, config=GemmConfig(256, 256, 256, 1, 8, 1, "triton"))
+    # another device than the weight's, for x and out (meta: no data, so only the check can see it)
+    with pytest.raises(ValueError, match="x is on meta, expected"):
+        evenflow.router_gemm(x.to("meta"), rw)
+    with pytest.raises(ValueError, match="out is on meta, expected"):
+        evenflow.router_gemm(x, rw, out=torch.empty(3, 16, device="meta"))
     with pytest.raises(ValueError, match="block_n"):
         GemmConfig(16, 24, 32)
     with pytest.raises(ValueError, match="path"):

@@ -193,6 +193,29 @@ def test_route_bad_inputs(device):
         evenflow.route(x, rw, 2, batch_invariant="yes")
     with pytest.raises(TypeError, match="w must be an evenflow.RouterWeight"):
         evenflow.route(x, torch.randn(16, 32, device=device), 2)
+    # top_k over N where N is under the kernel's limit of 16 (the test above trips the limit instead)
+    small = evenflow.RouterWeight(torch.randn(8, 32, device=device))
+    with pytest.raises(ValueError, match="top_k must be <= 8"):
+        evenflow.route(x, small, 9)
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        evenflow.route(x, rw, 2.0)
+    with pytest.raises(ValueError, match="bias must be contiguous"):
+        evenflow.route(x, rw, 2, "sigmoid", torch.zeros(16, 2, device=device)[:, 0])
+    with pytest.raises(ValueError, match="bias is on meta, expected"):
+        evenflow.route(x, rw, 2, "sigmoid", torch.zeros(16, device="meta"))
+    with pytest.raises(ValueError, match="x is on meta, expected"):
+        evenflow.route(x.to("meta"), rw, 2)
+    logits = torch.zeros(2, 8, device=device)
+    with pytest.raises(TypeError, match=r"out\[1\] \(weights\) must have dtype"):
+        evenflow.select_experts(logits, 2, out=(torch.empty(2, 2, dtype=torch.int32, device=device),
+                                                torch.empty(2, 2, dtype=torch.float64, device=device)))
+    with pytest.raises(ValueError, match=r"out\[1\] \(weights\) must have shape"):
+        evenflow.select_experts(logits, 2, out=(torch.empty(2, 2, dtype=torch.int32, device=device),
+                                                torch.empty(2, 3, device=device)))
+    with pytest.raises(ValueError, match="logits must be 2-D"):
+        evenflow.select_experts(torch.zeros(8, device=device), 2)
+    with pytest.raises(ValueError, match="logits must have a unit stride in its last dimension"):
+        evenflow.select_experts(torch.zeros(8, 2, device=device).t(), 2)
 
 
 def test_batch_invariant_route(device):
