@@ -536,6 +536,23 @@ def test_validate_inputs_and_kernel_stays_in_bounds(device):
     with pytest.raises(ValueError, match="not updated"):
         evenflow.attention.validate_inputs(q, k, v, pt, torch.tensor([100, 65], dtype=torch.int32, device=device),
                                           plan=plan)
+    for lens, what in (([-5, 64], r"seq_lens\[0\] = -5 outside \[0, "),  # negative
+                       ([100, 300], r"seq_lens\[1\] = 300 outside \[0, 192\]")):  # 3 page columns of 64
+        with pytest.raises(ValueError, match=what):
+            evenflow.attention.validate_inputs(q, k, v, pt, torch.tensor(lens, dtype=torch.int32, device=device))
+    small = evenflow.DecodePlan(2, 128, 2, device=device, num_programs=2, min_tiles=1)
+    over = torch.tensor([100, 150], dtype=torch.int32, device=device)  # within the page table, over max_seq_len
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 150 outside \[0, 128\] .*plan max_seq_len"):
+        evenflow.attention.validate_inputs(q, k, v, pt, over, plan=small.update(over))
+    neg_pt = pt.clone()
+    neg_pt[1, 0] = -7
+    with pytest.raises(ValueError, match=r"page_table\[1, 0\] = -7 outside"):
+        evenflow.attention.validate_inputs(q, k, v, neg_pt, sl)
+    # a length under q_len cannot hold the request's new tokens (0 is an empty slot and passes)
+    q2, _, k2, v2, pt2, _ = make_inputs([100, 64], 2, 2, 64, 64, 2, device=device)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 1 is under q_len 2"):
+        evenflow.attention.validate_inputs(q2, k2, v2, pt2, torch.tensor([1, 64], dtype=torch.int32, device=device))
+    evenflow.attention.validate_inputs(q2, k2, v2, pt2, torch.tensor([0, 64], dtype=torch.int32, device=device))
 
 
 def test_bad_arguments(device):
@@ -641,6 +658,22 @@ def test_every_argument_check_names_its_argument(device):
         (ValueError, "lse is given but return_lse is False", lambda: da(q, k, v, pt, sl, lse=torch.empty(
             2, 4, device=device))),
         (ValueError, "page_table must have 2 rows", lambda: da(q, k, v, pt[:1], sl)),
+        (ValueError, r"sm_scale must be > 0, got 0.0", lambda: da(q, k, v, pt, sl, sm_scale=0.0)),
+        (ValueError, r"sm_scale must be > 0, got -1.0", lambda: da(q, k, v, pt, sl, sm_scale=-1.0)),
+        (ValueError, r"seq_lens is empty \(batch 0\)", lambda: da(q[:0], k, v, pt[:0], sl[:0])),
+        (ValueError, "out must be contiguous", lambda: da(q, k, v, pt, sl, out=torch.empty(
+            2, 64, 4, dtype=torch.bfloat16, device=device).transpose(1, 2))),
+        (ValueError, "k_cache is on meta", lambda: da(q, k.to("meta"), v, pt, sl)),
+        (ValueError, "page_table is on meta", lambda: da(q, k, v, pt.to("meta"), sl)),
+        (ValueError, "seq_lens is on meta", lambda: da(q, k, v, pt, sl.to("meta"))),
+        (TypeError, "seq_lens must have dtype", lambda: da(q, k, v, pt, sl.long())),
+        (TypeError, "v_cache must have dtype", lambda: da(q, k, v.to(FP8), pt, sl)),
+        (ValueError, "q must be 3-D", lambda: da(q[0], k, v, pt, sl)),
+        (ValueError, "q_scale is on meta", lambda: da(q.to(FP8), k, v, pt, sl, q_scale=torch.ones(
+            2, 4, device="meta"))),
+        (ValueError, "k_scale is on meta", lambda: da(q, k, v, pt, sl, k_scale=torch.ones(1, device="meta"))),
+        (ValueError, "q rows \\(2\\) must be q_len \\* batch|q must have batch \\* q_len",
+         lambda: da(q, k, v, pt, sl, plan=evenflow.DecodePlan(2, 1000, 2, q_len=2, device=device).update(sl))),
     ]
     for err, pattern, call in cases:
         with pytest.raises(err, match=pattern):

@@ -475,6 +475,8 @@ def test_plan_bad_arguments(device):
         evenflow.DecodePlan(4, 100, 2, q_len=5, device=device)
     with pytest.raises(ValueError, match="max_batch"):
         evenflow.DecodePlan(4096, 100, 2, device=device)
+    with pytest.raises(ValueError, match=r"seq_lens.shape\[0\] \(batch\) must be >= 1"):
+        evenflow.DecodePlan(4, 100, 2, device=device).update(torch.zeros(0, dtype=torch.int32, device=device))
     with pytest.raises(TypeError, match="num_programs"):
         evenflow.DecodePlan(4, 100, 2, device=device, num_programs=2.5)
     with pytest.raises(ValueError, match="num_warps"):

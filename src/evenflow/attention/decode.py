@@ -13,7 +13,8 @@ k/v_cache        [num_pages, P, Hkv, D]       bf16 or fp8 e4m3 (NHD; any strides
                                               a [num_pages, Hkv, P, D] cache work)
 k/v_scale        float or fp32 tensor [1]     per-tensor dequant scale (tensor: graph-friendly,
                                               read on the device), applied to any cache dtype:
-                                              K = stored K * k_scale
+                                              K = stored K * k_scale; None (default): 1, the
+                                              stored values are the real ones (an fp8 cache too)
 page_table       [B, max_pages]               int32, pages in any order
 seq_lens         [B]                          int32, cached tokens including the new ones
 out              [B * q_len, Hq, D]           bf16
@@ -455,7 +456,9 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
             check_tensor("plan.stamps", plan.stamps, dtypes=[torch.int64], shape=[plan.num_programs, K.STAMP_SLOTS],
                          device=dev, contiguous=True)
     else:
-        if B < 1 or q.shape[0] % B != 0 or not 1 <= q.shape[0] // B <= 4:
+        if B < 1:
+            raise ValueError("seq_lens is empty (batch 0): decode_attention needs at least one request")
+        if q.shape[0] % B != 0 or not 1 <= q.shape[0] // B <= 4:
             raise ValueError(f"q rows ({q.shape[0]}) must be q_len * batch with q_len in 1..4 (batch {B})")
         q_len = q.shape[0] // B
     if q.shape[0] != B * q_len:
@@ -485,6 +488,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
     vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else check_scaling("sm_scale", sm_scale)
+    if sm_scale <= 0:
+        raise ValueError(f"sm_scale must be > 0, got {sm_scale!r} (0 gives uniform attention, < 0 inverts it)")
     check_bool("return_lse", return_lse)
     if lse is not None and not return_lse:
         raise ValueError("lse is given but return_lse is False: pass return_lse=True to have it filled")
@@ -567,9 +572,10 @@ def _plan_max_regs(plan: DecodePlan, rows: int, head_dim: int, device: torch.dev
 def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None) -> None:
     """Debug check of the values the launcher cannot see without a host sync (it syncs).
 
-    Raises ValueError when a length is negative, beyond the page table or the plan's
-    max_seq_len, when a page index a request uses is outside [0, num_pages), or when
-    ``plan`` was not updated with these lengths.
+    Raises ValueError when a length is negative, between 0 and q_len (it must hold the
+    request's q_len new tokens), beyond the page table or the plan's max_seq_len, when a page
+    index a request uses is outside [0, num_pages), or when ``plan`` was not updated with
+    these lengths.
     """
     B, q_len, *_ = _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale)
     num_pages, P = k_cache.shape[0], k_cache.shape[1]
@@ -582,6 +588,11 @@ def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan 
         b = int(bad[0])
         raise ValueError(f"seq_lens[{b}] = {int(lens[b])} outside [0, {cap}] (page table columns * page size"
                          f"{' and plan max_seq_len' if plan is not None else ''})")
+    bad = torch.nonzero((lens > 0) & (lens < q_len)).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} is under q_len {q_len}: a request's length counts its "
+                         "new tokens (0 for an empty slot)")
     pt = page_table.cpu().long()
     used = torch.arange(pt.shape[1])[None, :] < ((lens + P - 1) // P)[:, None]
     bad = torch.nonzero(used & ((pt < 0) | (pt >= num_pages)))
