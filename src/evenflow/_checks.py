@@ -78,8 +78,8 @@ def check_bool(name: str, v, allow_none: bool = False):
     return v
 
 
-def check_scaling(name: str, v) -> float:
-    """``v`` a finite real number (a bool is refused); returns it as a float."""
+def check_scaling(name: str, v, positive: bool = False) -> float:
+    """``v`` a finite real number (a bool is refused), above 0 where ``positive``; returns it as a float."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(v).__name__}")
     try:
@@ -88,6 +88,8 @@ def check_scaling(name: str, v) -> float:
         f = math.inf
     if not math.isfinite(f):
         raise ValueError(f"{name} must be finite, got {v!r}")
+    if positive and f <= 0:
+        raise ValueError(f"{name} must be > 0, got {f!r}")
     return f
 
 

@@ -487,9 +487,8 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     dev = q.device
     ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
     vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
-    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else check_scaling("sm_scale", sm_scale)
-    if sm_scale <= 0:
-        raise ValueError(f"sm_scale must be > 0, got {sm_scale!r} (0 gives uniform attention, < 0 inverts it)")
+    # > 0: 0 would give uniform attention and a negative scale would invert it
+    sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else check_scaling("sm_scale", sm_scale, positive=True)
     check_bool("return_lse", return_lse)
     if lse is not None and not return_lse:
         raise ValueError("lse is given but return_lse is False: pass return_lse=True to have it filled")
@@ -583,16 +582,13 @@ def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan 
     cap = page_table.shape[1] * P
     if plan is not None:
         cap = min(cap, plan.max_seq_len)
-    bad = torch.nonzero((lens < 0) | (lens > cap)).flatten()
-    if bad.numel():
-        b = int(bad[0])
-        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} outside [0, {cap}] (page table columns * page size"
-                         f"{' and plan max_seq_len' if plan is not None else ''})")
-    bad = torch.nonzero((lens > 0) & (lens < q_len)).flatten()
-    if bad.numel():
-        b = int(bad[0])
-        raise ValueError(f"seq_lens[{b}] = {int(lens[b])} is under q_len {q_len}: a request's length counts its "
-                         "new tokens (0 for an empty slot)")
+    for bad, why in (((lens < 0) | (lens > cap), f"outside [0, {cap}] (page table columns * page size"
+                      f"{' and plan max_seq_len' if plan is not None else ''})"),
+                     ((lens > 0) & (lens < q_len), f"is under q_len {q_len}: a request's length counts its new "
+                      "tokens (0 for an empty slot)")):
+        if bool(bad.any()):
+            b = int(bad.nonzero()[0, 0])
+            raise ValueError(f"seq_lens[{b}] = {int(lens[b])} {why}")
     pt = page_table.cpu().long()
     used = torch.arange(pt.shape[1])[None, :] < ((lens + P - 1) // P)[:, None]
     bad = torch.nonzero(used & ((pt < 0) | (pt >= num_pages)))

@@ -100,12 +100,6 @@ class RouterWeight:
 
     def _split(self) -> None:
         w = self.source
-        if hasattr(self, "parts"):  # a re-split: the source as the constructor checks it, on the same device
-            _check_source(w)
-            if w.device != self.device:
-                raise ValueError(f"w moved from {self.device} to {w.device} since the split; make a new RouterWeight")
-            if tuple(w.shape) != self.shape:
-                self._configs.clear()  # the dispatch's choices were for the old N and K
         if not bool(torch.isfinite(w).all()):
             raise ValueError("w must be finite (NaN/Inf in a router weight)")
         with torch.no_grad():  # a Parameter's split parts carry no autograd history
@@ -130,7 +124,7 @@ class RouterWeight:
         w = self.source
         if w._version != self._version or w.data_ptr() != self._ptr:
             if self.auto_refresh:
-                self._split()
+                self.refresh()
                 return
             raise RuntimeError(
                 "RouterWeight is stale: its source weight was modified in place after the split; "
@@ -139,6 +133,12 @@ class RouterWeight:
     def refresh(self) -> None:
         """Re-split from the (modified) source weight (checked as the constructor checks it; it may have a new
         shape)."""
+        w = self.source
+        _check_source(w)
+        if w.device != self.device:
+            raise ValueError(f"w moved from {self.device} to {w.device} since the split; make a new RouterWeight")
+        if tuple(w.shape) != self.shape:
+            self._configs.clear()  # the dispatch's choices were for the old N and K
         self._split()
 
     def reserve(self, max_tokens: int) -> None:
