@@ -555,6 +555,65 @@ def test_validate_inputs_and_kernel_stays_in_bounds(device):
     evenflow.attention.validate_inputs(q2, k2, v2, pt2, torch.tensor([0, 64], dtype=torch.int32, device=device))
 
 
+def test_check_inputs_in_the_call(device):
+    """decode_attention(check_inputs=True) refuses what validate_inputs refuses, names the entry, and on good
+    inputs gives the unchecked call's output bit for bit."""
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 2, device=device, num_programs=2, min_tiles=1).update(sl)
+    for p in (plan, None):
+        checked = evenflow.decode_attention(q, k, v, pt, sl, plan=p, check_inputs=True)
+        assert torch.equal(checked, evenflow.decode_attention(q, k, v, pt, sl, plan=p))
+        check(q, qs, k, v, pt, sl, 1, plan=p, what="after a checked call")
+    bad_pt = pt.clone()
+    bad_pt[0, 1] = k.shape[0] + 5
+    with pytest.raises(ValueError, match=r"page_table\[0, 1\] = \d+ outside \[0, \d+\) for a page in use"):
+        evenflow.decode_attention(q, k, v, bad_pt, sl, plan=plan, check_inputs=True)
+    unused = pt.clone()
+    unused[1, 2] = -3  # past request 1's one page: never read, so not an error
+    evenflow.decode_attention(q, k, v, unused, sl, plan=plan, check_inputs=True)
+    over = torch.tensor([100, 64 * pt.shape[1] + 1], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"seq_lens\[1\] = 193 outside \[0, 192\]"):
+        evenflow.decode_attention(q, k, v, pt, over, check_inputs=True)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = -1 outside"):
+        evenflow.decode_attention(q, k, v, pt, torch.tensor([-1, 64], dtype=torch.int32, device=device),
+                                  check_inputs=True)
+    other = torch.tensor([100, 65], dtype=torch.int32, device=device)  # another tensor, one tile more
+    with pytest.raises(ValueError, match="not updated"):
+        evenflow.decode_attention(q, k, v, pt, other, plan=plan, check_inputs=True)
+    q2, _, k2, v2, pt2, _ = make_inputs([100, 64], 2, 2, 64, 64, 2, device=device)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 1 is under q_len 2"):
+        evenflow.decode_attention(q2, k2, v2, pt2, torch.tensor([1, 64], dtype=torch.int32, device=device),
+                                  check_inputs=True)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match="check_inputs"):
+            evenflow.decode_attention(q, k, v, pt, sl, plan=plan, check_inputs=bad)
+
+
+def test_seq_lens_written_after_update_is_refused(device):
+    """The tensor the last update read, written in place since, is refused with no sync (its version counter),
+    even where the new lengths need the same tiles; an update after the write, or another tensor, is not."""
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
+    plan = evenflow.DecodePlan(2, 1000, 2, device=device, num_programs=2, min_tiles=1).update(sl)
+    assert not plan.written_since_update(sl)
+    sl[0] += 1  # 101: the same two tiles
+    assert plan.written_since_update(sl)
+    with pytest.raises(ValueError, match="written in place after plan.update"):
+        evenflow.decode_attention(q, k, v, pt, sl, plan=plan)
+    with pytest.raises(ValueError, match="written in place after plan.update"):
+        evenflow.attention.validate_inputs(q, k, v, pt, sl, plan=plan)
+    check(q, qs, k, v, pt, sl, 1, plan=plan.update(sl), what="updated after the write")
+    same = sl.clone()  # another tensor: the counter says nothing about it, the values agree
+    assert not plan.written_since_update(same)
+    check(q, qs, k, v, pt, same, 1, plan=plan, what="another tensor of the same lengths")
+    with torch.inference_mode():  # inference tensors keep no version counter: only check_inputs can tell
+        inf_sl = sl.clone()
+        plan.update(inf_sl)
+        inf_sl[1] = 130  # three tiles
+        assert not plan.written_since_update(inf_sl)
+        with pytest.raises(ValueError, match="not updated"):
+            evenflow.decode_attention(q, k, v, pt, inf_sl, plan=plan, check_inputs=True)
+
+
 def test_bad_arguments(device):
     q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
     plan = evenflow.DecodePlan(2, 1000, 2, device=device).update(sl)

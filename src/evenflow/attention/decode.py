@@ -27,9 +27,13 @@ Row r of request b attends to the cached tokens [0, seq_len - q_len + r + 1) (ca
 among the new rows). Rows that see no token (length-0 requests) get zeros.
 
 What is checked where: dtypes, shapes, devices and strides raise on the host. Values
-inside device tensors (page indices, lengths) are not read by the launcher (that would
-sync); the kernels clamp them so nothing is read out of bounds, and
-:func:`validate_inputs` checks them explicitly (it syncs: use it in debug runs and tests).
+inside device tensors (page indices, lengths) are not read by the launcher by default (that
+would sync); the kernels clamp them so nothing is read out of bounds. ``decode_attention(...,
+check_inputs=True)`` checks them in the call (one sync; skipped under CUDA-graph capture and
+torch.compile), and :func:`validate_inputs` checks them alone. With no sync at all, a call
+refuses a plan whose ``seq_lens`` tensor was written in place since its ``plan.update`` (the
+tensor's version counter; not seen for inference-mode tensors, under torch.compile, or where
+the call is given another tensor).
 """
 from __future__ import annotations
 
@@ -449,6 +453,9 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
             raise ValueError("plan: call plan.update(seq_lens) before decode_attention")
         if plan.batch != B:
             raise ValueError(f"plan was last updated for batch {plan.batch}, seq_lens has {B}")
+        if plan.written_since_update(seq_lens):
+            raise ValueError("seq_lens was written in place after plan.update(seq_lens): the plan was not updated "
+                             "with these lengths (call plan.update(seq_lens) again)")
         if plan.prog_start.device != dev:
             raise ValueError(f"plan is on {plan.prog_start.device}, q on {dev}")
         q_len = plan.q_len
@@ -475,15 +482,24 @@ def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
 
 def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None,
                      k_scale=None, v_scale=None, sm_scale: float | None = None, out=None,
-                     return_lse: bool = False, lse=None):
+                     return_lse: bool = False, lse=None, *, check_inputs: bool = False):
     """Paged decode attention over a KV cache (see the module docstring for shapes).
 
     ``plan``: a :class:`DecodePlan` updated with these ``seq_lens`` (length-balanced
     persistent schedule); ``None`` runs the static split-KV schedule (allocates its
     partial buffers per call). Returns ``out`` (bf16), or ``(out, lse)`` when
     ``return_lse`` (``lse`` may be given as a preallocated [B * q_len, Hq] fp32 buffer).
+    ``check_inputs``: also check the values inside ``seq_lens``, ``page_table`` and the plan as
+    :func:`validate_inputs` does (ValueError naming the first bad entry), at the cost of one host
+    sync a call; skipped where a sync is not allowed (CUDA-graph capture, torch.compile). Off by
+    default: a decode step calls this once per layer, and kernels of 20-60 us would wait on the
+    host each time. Whatever the setting, bad values are clamped by the kernels, never read or
+    written out of bounds.
     """
     B, q_len, Hq, D, Hkv = _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale)
+    check_bool("check_inputs", check_inputs)
+    if check_inputs and _values_checkable(seq_lens):
+        _check_values(B, q_len, k_cache, page_table, seq_lens, plan)
     dev = q.device
     ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
     vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
@@ -569,33 +585,50 @@ def _plan_max_regs(plan: DecodePlan, rows: int, head_dim: int, device: torch.dev
 
 
 def validate_inputs(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan | None = None, q_scale=None) -> None:
-    """Debug check of the values the launcher cannot see without a host sync (it syncs).
+    """Debug check of the values the launcher cannot see without a host sync (it syncs once).
 
     Raises ValueError when a length is negative, between 0 and q_len (it must hold the
     request's q_len new tokens), beyond the page table or the plan's max_seq_len, when a page
     index a request uses is outside [0, num_pages), or when ``plan`` was not updated with
-    these lengths.
+    these lengths. ``decode_attention(..., check_inputs=True)`` runs the same checks in the call.
     """
     B, q_len, *_ = _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale)
+    _check_values(B, q_len, k_cache, page_table, seq_lens, plan)
+
+
+def _values_checkable(t: torch.Tensor) -> bool:
+    """Whether a host sync on ``t`` is allowed (never under torch.compile or CUDA-graph capture)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _check_values(B: int, q_len: int, k_cache, page_table, seq_lens, plan: DecodePlan | None) -> None:
+    """The value checks of :func:`validate_inputs`, computed where the tensors live and read back in one
+    sync (a second, on a failure, finds the first bad entry for the message)."""
     num_pages, P = k_cache.shape[0], k_cache.shape[1]
-    lens = seq_lens.cpu().long()
+    lens = seq_lens.long()
     cap = page_table.shape[1] * P
     if plan is not None:
         cap = min(cap, plan.max_seq_len)
-    for bad, why in (((lens < 0) | (lens > cap), f"outside [0, {cap}] (page table columns * page size"
-                      f"{' and plan max_seq_len' if plan is not None else ''})"),
-                     ((lens > 0) & (lens < q_len), f"is under q_len {q_len}: a request's length counts its new "
-                      "tokens (0 for an empty slot)")):
-        if bool(bad.any()):
+    out_of_range = (lens < 0) | (lens > cap)
+    short = (lens > 0) & (lens < q_len)
+    cols = torch.arange(page_table.shape[1], device=lens.device)
+    used = cols[None, :] < ((lens.clamp(min=0) + P - 1) // P)[:, None]
+    bad_page = used & ((page_table < 0) | (page_table >= num_pages))
+    faults = [out_of_range.any(), short.any(), bad_page.any()]
+    if plan is not None:  # the units the last update gave each request, against what these lengths give
+        faults.append((plan.tiles[:B].long() != plan.item_units(lens, plan.meta[5].long())).any())
+    faults = torch.stack(faults).tolist()
+    for bad, fault, why in ((out_of_range, faults[0], f"outside [0, {cap}] (page table columns * page size"
+                             f"{' and plan max_seq_len' if plan is not None else ''})"),
+                            (short, faults[1], f"is under q_len {q_len}: a request's length counts its new "
+                             "tokens (0 for an empty slot)")):
+        if fault:
             b = int(bad.nonzero()[0, 0])
             raise ValueError(f"seq_lens[{b}] = {int(lens[b])} {why}")
-    pt = page_table.cpu().long()
-    used = torch.arange(pt.shape[1])[None, :] < ((lens + P - 1) // P)[:, None]
-    bad = torch.nonzero(used & ((pt < 0) | (pt >= num_pages)))
-    if bad.numel():
-        b, c = (int(x) for x in bad[0])
-        raise ValueError(f"page_table[{b}, {c}] = {int(pt[b, c])} outside [0, {num_pages}) for a page in use")
-    if plan is not None:
-        want = plan.item_units(lens, int(plan.meta[5]))
-        if not torch.equal(plan.tiles[:B].cpu().long(), want):
-            raise ValueError("plan was not updated with these seq_lens (call plan.update(seq_lens))")
+    if faults[2]:
+        b, c = (int(x) for x in bad_page.nonzero()[0])
+        raise ValueError(f"page_table[{b}, {c}] = {int(page_table[b, c])} outside [0, {num_pages}) for a page in use")
+    if plan is not None and faults[3]:
+        raise ValueError("plan was not updated with these seq_lens (call plan.update(seq_lens))")

@@ -10,6 +10,7 @@ budget = max(ceil(total / num_programs), min_tiles).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -451,8 +452,10 @@ class DecodePlan:
     to compare).
 
     Lengths outside [0, max_seq_len] are clamped on the device (the kernels stay in
-    bounds) and flagged; :meth:`clamped` (host sync) or
-    :func:`evenflow.attention.validate_inputs` reports them.
+    bounds) and flagged; :meth:`clamped` (host sync),
+    :func:`evenflow.attention.validate_inputs` or ``decode_attention(..., check_inputs=True)``
+    reports them. A call given the very ``seq_lens`` tensor of the last update, written in place since
+    (its version counter), is refused with no sync (:meth:`written_since_update`).
 
     Partial-output buffers (fp32, ``2 * num_programs`` slots) depend on the head count
     and head dim; they are allocated on the first ``decode_attention`` call with a new
@@ -691,6 +694,7 @@ class DecodePlan:
         self.stamps: torch.Tensor | None = None  # per-program timeline (record_timeline); off by default
         self._stamp_buffer: torch.Tensor | None = None  # kept once made: graphs may still write it
         self._partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._lens_seen = None  # (weak reference, version counter) of the seq_lens the last update read
 
     def update(self, seq_lens: torch.Tensor) -> DecodePlan:
         """Rebuild the schedule from device-side ``seq_lens`` [B] int32 (B <= max_batch)."""
@@ -706,7 +710,15 @@ class DecodePlan:
            self.pack_short)
         self.batch = B
         self.fresh = True
+        self._lens_seen = _version_stamp(seq_lens)
         return self
+
+    def written_since_update(self, seq_lens: torch.Tensor) -> bool:
+        """Whether ``seq_lens`` is the tensor the last :meth:`update` read and has been written in place
+        since (its version counter moved): the plan then describes other lengths. Host-side, no sync;
+        False where it cannot tell (another tensor, an inference-mode tensor, under torch.compile)."""
+        seen, now = self._lens_seen, _version_stamp(seq_lens)
+        return seen is not None and now is not None and seen[0]() is seq_lens and seen[1] != now[1]
 
     @property
     def cost_max(self) -> int:
@@ -782,6 +794,14 @@ class DecodePlan:
                 f"launch_next={self.launch_next}, early_reads={self.early_reads}, resident_cap={self.resident_cap}, "
                 f"spread_bins={self.spread_bins}, "
                 f"device={self.device})")
+
+
+def _version_stamp(t: torch.Tensor):
+    """(a weak reference to ``t``, its version counter), or None where the counter cannot be read:
+    inference-mode tensors keep none, and torch.compile traces no Python-side state."""
+    if torch.compiler.is_compiling() or t.is_inference():
+        return None
+    return weakref.ref(t), t._version
 
 
 def static_splits(batch: int, num_kv_heads: int, device) -> int:
