@@ -118,6 +118,36 @@ def test_results_file_follows_the_schema(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_run_reads_the_copy_ceiling_again_at_its_end(tmp_path, monkeypatch, capsys):
+    """``finish`` records a second copy reading (``copy_TBps_end``) and warns where it is more than COPY_DRIFT over the
+    run's own, whose floors would then flatter the run (round BE: spells of 2.5-3% low readings); a file read back,
+    or a run with no copy ceiling, is not measured again."""
+    runs = {name: H.Results(name, ceilings=ceil, out=tmp_path) for name, ceil in
+            (("drift", {"copy_TBps": 4.15}), ("steady", {"copy_TBps": 4.15}), ("none", {}))}
+    for res in runs.values():
+        res.add(case="a", impl="evenflow", us=10.0, floor_us=5.0)
+    readings = iter([4.3, 4.2])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(H, "measure_copy_TBps", lambda: next(readings))
+    drift = json.loads(runs["drift"].finish(plot=False).read_text())
+    assert drift["ceilings"] == {"copy_TBps": 4.15, "copy_TBps_end": 4.3}
+    assert drift["rows"][0]["frac_of_floor"] == 0.5  # the rows keep the floors they were timed against
+    err = capsys.readouterr().err
+    assert "read 4.15 TB/s at the start of this run and 4.3 at its end" in err and "up to 3.6% high" in err
+    steady = json.loads(runs["steady"].finish(plot=False).read_text())  # 4.2: within 2% of 4.15
+    assert steady["ceilings"] == {"copy_TBps": 4.15, "copy_TBps_end": 4.2}
+    assert "warning" not in capsys.readouterr().err
+
+    def no_reading():
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(H, "measure_copy_TBps", no_reading)
+    assert json.loads(runs["none"].finish(plot=False).read_text())["ceilings"] == {}
+    back = H.Results.load(tmp_path / "drift.json")
+    back.finish(plot=False)
+    assert back.ceilings == {"copy_TBps": 4.15, "copy_TBps_end": 4.3}
+
+
 def test_an_impl_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
     """A plot's panels (one a variant) list their impls in their own order and some lack a few; each impl's bars
     still take one colour in every panel, and no two impls share one."""
@@ -161,7 +191,8 @@ def test_a_result_file_reads_back_and_plots_again(tmp_path):
     path = res.finish(plot=False)
     back = H.Results.load(path)
     assert back.name == "again" and back.rows == res.rows and back.header == res.header
-    assert back.ceilings == {"copy_TBps": 4.2} and back.meta == {"targets": []}
+    assert back.ceilings == res.ceilings and back.meta == {"targets": []}  # on a GPU with copy_TBps_end beside it
+    assert back.ceilings["copy_TBps"] == 4.2
     png = back.plot(x="case", group="variant", y="us", logy=True)
     assert png == tmp_path / "again.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for text, why in (('{"rows": []}', "is not a result file"), ('{"header": {}, "rows": {}}', "is not a result file"),

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 __all__ = [
-    "PeerUnavailable", "header", "measure_ceilings", "time_graph", "time_eager", "floor_us",
+    "PeerUnavailable", "header", "measure_ceilings", "measure_copy_TBps", "time_graph", "time_eager", "floor_us",
     "Results", "progress", "check_output", "parse_args", "gpu_slug", "results_dir",
 ]
 
@@ -172,6 +172,7 @@ WARM_MAX_REPLAYS = 200  # at most this many of them (µs-long graphs would other
 COPY_WARM_MS = 1000.0  # GPU time of copies measure_ceilings runs before it times the copy ceiling
 COPY_READINGS = 5  # medians of COPY_REPS copies each; the copy ceiling is the best of them
 COPY_REPS = 20
+COPY_DRIFT = 0.02  # a run's end reading of the copy ceiling this far over its start's is warned of (Results)
 
 
 def capture_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *,
@@ -277,9 +278,9 @@ def empty_launch_us(pdl: bool = False) -> float:
     return time_graph([lambda: empty_pdl_kernel[(1,)](buf, **pdl_kwargs(pdl))], min_calls=20)
 
 
-def measure_ceilings(verbose: bool = True) -> dict:
-    """Copy bandwidth (TB/s, read+write), bf16/fp8 dense matmul rates (TFLOP/s), empty-kernel µs."""
-    _require_cuda("measure_ceilings")
+def measure_copy_TBps() -> float:
+    """The copy ceiling alone: read + write TB/s of a 1 GiB device-to-device copy (warmed, best of several medians)."""
+    _require_cuda("measure_copy_TBps")
     n = 1 << 30  # 1 GiB source, 1 GiB destination: far beyond L2
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -291,7 +292,13 @@ def measure_ceilings(verbose: bool = True) -> dict:
     for _ in range(max(1, math.ceil(COPY_WARM_MS / _median_ms(copy, reps=3)))):
         copy()
     copy_ms = min(_median_ms(copy, reps=COPY_REPS) for _ in range(COPY_READINGS))
-    src = dst = None  # release 2 GiB before the matmuls
+    return round(2 * n / copy_ms / 1e9, 3)
+
+
+def measure_ceilings(verbose: bool = True) -> dict:
+    """Copy bandwidth (TB/s, read+write), bf16/fp8 dense matmul rates (TFLOP/s), empty-kernel µs."""
+    _require_cuda("measure_ceilings")
+    copy_TBps = measure_copy_TBps()  # its 2 GiB released before the matmuls
     m = 8192
     a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
@@ -307,7 +314,7 @@ def measure_ceilings(verbose: bool = True) -> dict:
         print(f"[ceilings] fp8 matmul unavailable: {e}", file=sys.stderr)
     a = b = a8 = b8 = None
     ceil = {
-        "copy_TBps": round(2 * n / copy_ms / 1e9, 3),
+        "copy_TBps": copy_TBps,
         "bf16_TFLOPs": round(2 * m**3 / bf16_ms / 1e9, 1),
         "fp8_TFLOPs": round(fp8, 1) if fp8 == fp8 else None,
         "launch_us": round(empty_launch_us(), 3),
@@ -399,6 +406,7 @@ class Results:
         self.meta = meta or {}
         self.rows: list[dict] = list(recorded["rows"]) if recorded else []
         self.header = recorded["header"] if recorded else header()
+        self.recorded = recorded is not None
 
     def add(self, *, case: str, impl: str, us: float, floor_us: float | None = None, **extra) -> dict:
         if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
@@ -441,8 +449,27 @@ class Results:
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
+    def recheck_copy(self) -> float | None:
+        """Reads the copy ceiling again at the end of a run and records it as ``ceilings["copy_TBps_end"]``,
+        warning where it is more than COPY_DRIFT over the run's reading (``copy_TBps``, which its floors used):
+        the copy rate has spells of a few seconds, mostly at a process's start, that read 2.5-3% low (round BE),
+        and floors from such a reading flatter every ``frac_of_floor`` of the run by as much. Nothing where the
+        run had no copy ceiling, the results were loaded from a file, or no GPU is here."""
+        start = self.ceilings.get("copy_TBps")
+        if self.recorded or not start or not torch.cuda.is_available():
+            return None
+        end = measure_copy_TBps()
+        self.ceilings["copy_TBps_end"] = end
+        if end > start * (1 + COPY_DRIFT):
+            print(f"[{self.name}] warning: the copy ceiling read {start} TB/s at the start of this run and {end} at "
+                  f"its end: floors from the start's reading put memory-bound rows' frac_of_floor up to "
+                  f"{(end / start - 1) * 100:.1f}% high", file=sys.stderr, flush=True)
+        return end
+
     def finish(self, *, x: str = "case", group: str | None = "variant", y: str = "us",
                columns: Sequence[str] | None = None, plot: bool = True, logy: bool = True) -> Path:
+        """Writes the JSON, markdown and plot, after reading the copy ceiling again (:meth:`recheck_copy`)."""
+        self.recheck_copy()
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / f"{self.name}.json"
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
