@@ -34,6 +34,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def host_sync_allowed(t: torch.Tensor) -> bool:
+    """Whether a look at ``t``'s values from the host may run now: never while torch.compile traces, nor while
+    ``t``'s stream is captured into a CUDA graph (a sync there breaks the capture)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
 def kernel_device_ok(t: torch.Tensor) -> bool:
     """Kernels take CUDA tensors on a GPU and CPU tensors in the interpreter."""
     return t.device.type == ("cpu" if interpreting() else "cuda")

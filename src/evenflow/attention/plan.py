@@ -717,8 +717,10 @@ class DecodePlan:
         """Whether ``seq_lens`` is the tensor the last :meth:`update` read and has been written in place
         since (its version counter moved): the plan then describes other lengths. Host-side, no sync;
         False where it cannot tell (another tensor, an inference-mode tensor, under torch.compile)."""
-        seen, now = self._lens_seen, _version_stamp(seq_lens)
-        return seen is not None and now is not None and seen[0]() is seq_lens and seen[1] != now[1]
+        seen = self._lens_seen  # the same tensor object: not an inference tensor, its counter readable
+        if seen is None or seen[0]() is not seq_lens or torch.compiler.is_compiling():
+            return False
+        return seq_lens._version != seen[1]
 
     @property
     def cost_max(self) -> int:

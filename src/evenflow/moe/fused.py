@@ -15,7 +15,14 @@ import torch
 import triton
 
 from evenflow._checks import check_bool, check_int, check_out, check_pdl, check_same_device, check_scaling, check_tensor
-from evenflow._runtime import dot_needs_fp32, fp8_cast_needs_rounding, num_sms, pdl_kwargs, pdl_supported
+from evenflow._runtime import (
+    dot_needs_fp32,
+    fp8_cast_needs_rounding,
+    host_sync_allowed,
+    num_sms,
+    pdl_kwargs,
+    pdl_supported,
+)
 from evenflow.moe.kernels import (
     moe_down_kernel,
     moe_gate_up_kernel,
@@ -586,13 +593,6 @@ def _(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, a2_sca
     return None
 
 
-def _ids_checkable(t: torch.Tensor) -> bool:
-    """Whether a host-side look at topk_ids is allowed (never under torch.compile or graph capture)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, shared_output=None,
               routed_scaling=1.0, out=None, *, check_ids=True, config: MoEConfig | None = None,
               pdl: bool | None = None, pair_tiles: bool | None = None, fp8_accum: str = "exact",
@@ -706,7 +706,7 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     else:
         check_out("out", out, (t, h), torch.bfloat16, dev)
-    if check_ids and t > 0 and _ids_checkable(topk_ids):
+    if check_ids and t > 0 and host_sync_allowed(topk_ids):
         # one reduction and one copy to the host (a compare, an or and an any-reduce before)
         lo, hi = torch.stack(torch.aminmax(topk_ids)).tolist()
         if lo < 0 or hi >= num_experts_total:

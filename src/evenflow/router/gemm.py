@@ -332,6 +332,15 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight (split once at load time), got {type(w).__name__}")
     w.check_fresh()  # first: a re-split may change the shape every check below reads
+    return router_gemm_fresh(x, w, out, batch_invariant=batch_invariant, round_x_to_bf16=round_x_to_bf16,
+                             config=config, pdl=pdl, prefetch_weights=prefetch_weights)
+
+
+def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = None, *,
+                      batch_invariant: bool = False, round_x_to_bf16: bool = False,
+                      config: GemmConfig | None = None, pdl: bool | None = None,
+                      prefetch_weights: bool | None = None) -> torch.Tensor:
+    """:func:`router_gemm` on a ``w`` its caller has just checked fresh (``route`` checks it before it reads N)."""
     n, k = w.shape
     check_bool("batch_invariant", batch_invariant)
     x = _check_x(x, k, w.device, round_x_to_bf16)

@@ -24,7 +24,7 @@ import triton
 
 from evenflow import _runtime
 from evenflow._checks import check_bool, check_choice, check_int, check_out, check_pdl, check_scaling, check_tensor
-from evenflow.router.gemm import RouterWeight, router_gemm
+from evenflow.router.gemm import RouterWeight, router_gemm_fresh
 from evenflow.router.kernels import route_topk_kernel
 
 __all__ = ["route", "select_experts", "MAX_EXPERTS", "MAX_TOP_K"]
@@ -111,7 +111,7 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     n, _ = w.shape
     _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device)  # before the GEMM launches
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-    logits = router_gemm(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
-                         round_x_to_bf16=round_x_to_bf16, pdl=pdl)
+    logits = router_gemm_fresh(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
+                               round_x_to_bf16=round_x_to_bf16, pdl=pdl)
     return select_experts(logits, top_k, scoring, bias, renormalize, routed_scaling, out=out,
                           pdl=w.pdl_supported if pdl is None else pdl)
