@@ -496,7 +496,7 @@ def run(args) -> None:
                             local_pairs=st0.local_pairs, mean_local_pairs=round(mean_pairs, 3), draws=n_timed,
                             rotated=rot, **extra, **common)
                 except Exception as e:
-                    res.add_error(error=_err(e), floor_us=round(fl, 3), **common)
+                    res.add_error(error=_err(e), floor_us=fl, **common)
         del impls, copies, base
         torch.cuda.empty_cache()
     res.finish(x="batch", group="series", plot=not args.no_plot,

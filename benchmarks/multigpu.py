@@ -242,18 +242,19 @@ def moe_floor(kind: str, ew, shapes: dict, ids: torch.Tensor, tokens: int, world
     ebytes = expert_shard_bytes(ew)
     rate = "bf16_TFLOPs" if ew.format == "bf16" else "fp8_TFLOPs"
     act = 2 if ew.format == "bf16" else 1
-    worst = 0.0
+    worst = None
     for r in range(world if kind != "unsplit" else 1):  # the layer ends when the most loaded rank ends
         first = r * e_r if kind == "ep" else 0
         local = ids.long() - first
         m = (local >= 0) & (local < e_r)
         distinct, pairs = int(torch.unique(local[m]).numel()), int(m.sum())
         nbytes = distinct * ebytes + int(m.any(1).sum()) * h * act + tokens * h * 2 + ids.numel() * 8
-        worst = max(worst, H.floor_us(nbytes, 6 * h * i_r * pairs, ceilings=ceil, rate=rate))
+        fl = H.floor_us(nbytes, 6 * h * i_r * pairs, ceilings=ceil, rate=rate)
+        worst = fl if worst is None or fl > worst else worst
     if kind == "unsplit" or not busbw_GBps:
         return worst
     ar_bytes = 2 * (world - 1) / world * tokens * h * 2
-    return worst + ar_bytes / (busbw_GBps * 1e3)
+    return worst.plus(ar_bytes / (busbw_GBps * 1e3))
 
 
 def measure_busbw(dev, world: int, nbytes: int = 256 << 20) -> float:

@@ -93,6 +93,21 @@ def test_floor_is_the_larger_of_bytes_and_flops():
     assert H.floor_us(bytes_moved=4e7, flops=1e9, ceilings=ceil) == pytest.approx(10.0)
 
 
+def test_a_floor_keeps_its_terms():
+    """``floor_us`` returns a number (it compares, rounds and writes to JSON as one) that keeps its terms, so the
+    same floor at another copy bandwidth moves its bytes term alone: a compute-bound floor stays, an added term
+    stays on top."""
+    ceil = {"copy_TBps": 4.0, "bf16_TFLOPs": 500.0, "launch_us": 0.7}
+    mem = H.floor_us(bytes_moved=4e6, ceilings=ceil, extra_us=0.7)
+    assert mem == pytest.approx(1.7) and json.loads(json.dumps({"f": mem})) == {"f": pytest.approx(1.7)}
+    assert mem.with_copy(5.0) == pytest.approx(4e6 / 5e6 + 0.7) and mem.with_copy(5.0).copy_TBps == 5.0
+    assert mem.with_copy(5.0).with_copy(4.0) == pytest.approx(1.7)
+    both = H.floor_us(bytes_moved=4e6, flops=1e9, ceilings=ceil)  # 1.0 us of bytes, 2.0 of flops
+    assert both.with_copy(1.0) == pytest.approx(4.0) and both.with_copy(8.0) == pytest.approx(2.0)
+    assert mem.plus(0.3) == pytest.approx(2.0) and mem.plus(0.3).with_copy(8.0) == pytest.approx(0.5 + 1.0)
+    assert type(mem + 1.0) is float  # arithmetic drops the terms: added terms go in as extra_us or plus()
+
+
 def test_gpu_slug():
     assert H.gpu_slug("NVIDIA H200") == "h200"
     assert H.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb"
@@ -118,34 +133,78 @@ def test_results_file_follows_the_schema(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_run_reads_the_copy_ceiling_again_at_its_end(tmp_path, monkeypatch, capsys):
-    """``finish`` records a second copy reading (``copy_TBps_end``) and warns where it is more than COPY_DRIFT over the
-    run's own, whose floors would then flatter the run (round BE: spells of 2.5-3% low readings); a file read back,
-    or a run with no copy ceiling, is not measured again."""
-    runs = {name: H.Results(name, ceilings=ceil, out=tmp_path) for name, ceil in
-            (("drift", {"copy_TBps": 4.15}), ("steady", {"copy_TBps": 4.15}), ("none", {}))}
-    for res in runs.values():
-        res.add(case="a", impl="evenflow", us=10.0, floor_us=5.0)
-    readings = iter([4.3, 4.2])
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(H, "measure_copy_TBps", lambda: next(readings))
-    drift = json.loads(runs["drift"].finish(plot=False).read_text())
-    assert drift["ceilings"] == {"copy_TBps": 4.15, "copy_TBps_end": 4.3}
-    assert drift["rows"][0]["frac_of_floor"] == 0.5  # the rows keep the floors they were timed against
+def test_a_run_takes_the_higher_of_two_copy_readings(tmp_path, monkeypatch, capsys):
+    """``finish`` reads the copy ceiling again and the floors take the higher reading (round BE: spells of 2.5-3% low
+    readings at a process's start would flatter every memory-bound fraction of the run): rows given a floor by
+    ``floor_us`` get floor and fraction again from it, a compute-bound floor and an added term stay, both readings
+    are kept. A lower end reading changes nothing; a row whose floor lost its terms keeps every floor at the
+    start's reading, with a warning; a run with no floors, a file read back, or a run with no ceiling keep theirs;
+    a run settles once, so a benchmark that settles before it scores does not read a third time."""
+    ceil = {"copy_TBps": 4.0, "bf16_TFLOPs": 500.0}
+    reads = []
+
+    def reading(v):
+        def measure():
+            reads.append(v)
+            return v
+        return measure
+
+    real = torch.cuda.is_available
+
+    def results(name, ceilings):  # this machine's header, then a GPU to read the copy again on
+        monkeypatch.setattr(torch.cuda, "is_available", real)
+        res = H.Results(name, ceilings=ceilings, out=tmp_path)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        return res
+
+    def run(name, end, plain=False, floors=True):
+        res = results(name, dict(ceil))
+        c = res.ceilings
+        if floors:
+            res.add(case="mem", impl="evenflow", us=2.0, floor_us=H.floor_us(bytes_moved=4e6, ceilings=c))
+            res.add(case="cmp", impl="evenflow", us=4.0, floor_us=H.floor_us(4e6, 1e9, ceilings=c))
+            res.add(case="launch", impl="evenflow", us=4.0, floor_us=H.floor_us(4e6, ceilings=c, extra_us=1.0))
+            res.add_error(case="err", impl="peer", error="failed", floor_us=H.floor_us(4e6, ceilings=c))
+        if plain:
+            res.add(case="plain", impl="evenflow", us=2.0, floor_us=1.0)
+        else:
+            res.add(case="none", impl="peer", us=2.0)
+        monkeypatch.setattr(H, "measure_copy_TBps", reading(end))
+        return res, res.settle_copy(), {r["case"]: r for r in res.rows}
+
+    res, used, rows = run("drift", 5.0)
+    assert used == 5.0 and res.ceilings == {"copy_TBps": 5.0, "bf16_TFLOPs": 500.0, "copy_TBps_readings": [4.0, 5.0]}
+    assert rows["mem"]["floor_us"] == 0.8 and rows["mem"]["frac_of_floor"] == 0.4  # 4 MB at 5 TB/s, in 2 us
+    assert rows["cmp"]["floor_us"] == 2.0 and rows["cmp"]["frac_of_floor"] == 0.5  # flops set it either way
+    assert rows["launch"]["floor_us"] == 1.8 and rows["launch"]["frac_of_floor"] == 0.45
+    assert rows["err"]["floor_us"] == 0.8 and "frac_of_floor" not in rows["err"] and "floor_us" not in rows["none"]
+    assert "read 4.0 TB/s at the start of this run and 5.0 at its end" in capsys.readouterr().err
+    written = json.loads(res.finish(plot=False).read_text())  # settled once: finish reads nothing more
+    assert reads == [5.0] and written["ceilings"]["copy_TBps"] == 5.0 and written["rows"][0]["floor_us"] == 0.8
+
+    res, used, rows = run("lower", 3.9)
+    assert used == 4.0 and res.ceilings["copy_TBps"] == 4.0 and res.ceilings["copy_TBps_readings"] == [4.0, 3.9]
+    assert rows["mem"]["floor_us"] == 1.0 and rows["mem"]["frac_of_floor"] == 0.5
+
+    res, used, rows = run("plain", 5.0, plain=True)
+    assert used == 4.0 and res.ceilings["copy_TBps"] == 4.0 and res.ceilings["copy_TBps_readings"] == [4.0, 5.0]
+    assert rows["mem"]["floor_us"] == 1.0 and rows["plain"]["frac_of_floor"] == 0.5
     err = capsys.readouterr().err
-    assert "read 4.15 TB/s at the start of this run and 4.3 at its end" in err and "up to 3.6% high" in err
-    steady = json.loads(runs["steady"].finish(plot=False).read_text())  # 4.2: within 2% of 4.15
-    assert steady["ceilings"] == {"copy_TBps": 4.15, "copy_TBps_end": 4.2}
-    assert "warning" not in capsys.readouterr().err
+    assert "rows [4] have floors without their terms" in err and "up to 25.0% high" in err
+
+    res, used, _ = run("no-floors", 5.0, floors=False)
+    assert used == 4.0 and res.ceilings["copy_TBps"] == 4.0 and res.ceilings["copy_TBps_readings"] == [4.0, 5.0]
 
     def no_reading():
         raise AssertionError("measured again")
 
     monkeypatch.setattr(H, "measure_copy_TBps", no_reading)
-    assert json.loads(runs["none"].finish(plot=False).read_text())["ceilings"] == {}
+    empty = results("none", {})
+    empty.add(case="a", impl="evenflow", us=10.0, floor_us=5.0)
+    assert json.loads(empty.finish(plot=False).read_text())["ceilings"] == {}
     back = H.Results.load(tmp_path / "drift.json")
     back.finish(plot=False)
-    assert back.ceilings == {"copy_TBps": 4.15, "copy_TBps_end": 4.3}
+    assert back.ceilings == written["ceilings"] and back.rows == written["rows"]
 
 
 def test_an_impl_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
@@ -191,7 +250,7 @@ def test_a_result_file_reads_back_and_plots_again(tmp_path):
     path = res.finish(plot=False)
     back = H.Results.load(path)
     assert back.name == "again" and back.rows == res.rows and back.header == res.header
-    assert back.ceilings == res.ceilings and back.meta == {"targets": []}  # on a GPU with copy_TBps_end beside it
+    assert back.ceilings == res.ceilings and back.meta == {"targets": []}  # on a GPU with copy_TBps_readings beside it
     assert back.ceilings["copy_TBps"] == 4.2
     png = back.plot(x="case", group="variant", y="us", logy=True)
     assert png == tmp_path / "again.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

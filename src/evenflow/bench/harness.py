@@ -34,7 +34,7 @@ import torch
 
 __all__ = [
     "PeerUnavailable", "header", "measure_ceilings", "measure_copy_TBps", "time_graph", "time_eager", "floor_us",
-    "Results", "progress", "check_output", "parse_args", "gpu_slug", "results_dir",
+    "Floor", "Results", "progress", "check_output", "parse_args", "gpu_slug", "results_dir",
 ]
 
 
@@ -172,7 +172,7 @@ WARM_MAX_REPLAYS = 200  # at most this many of them (µs-long graphs would other
 COPY_WARM_MS = 1000.0  # GPU time of copies measure_ceilings runs before it times the copy ceiling
 COPY_READINGS = 5  # medians of COPY_REPS copies each; the copy ceiling is the best of them
 COPY_REPS = 20
-COPY_DRIFT = 0.02  # a run's end reading of the copy ceiling this far over its start's is warned of (Results)
+COPY_DRIFT = 0.02  # a run's two copy readings this far apart are pointed out (Results.settle_copy)
 
 
 def capture_graph(fns: Sequence[Callable[[], object]] | Callable[[], object], *,
@@ -324,12 +324,41 @@ def measure_ceilings(verbose: bool = True) -> dict:
     return ceil
 
 
+class Floor(float):
+    """A floor in µs (a ``float``: it compares, rounds and serialises as one) that keeps its terms, so the run can
+    derive it again from another copy reading (:meth:`Results.settle_copy`): ``mem_us`` (bytes / copy bandwidth
+    at ``copy_TBps``), ``cmp_us`` (flops / matmul rate) and ``extra_us`` (a term added on top, e.g. a launch).
+    Arithmetic on it gives a plain ``float``: pass an added term as ``floor_us(extra_us=...)``."""
+
+    mem_us: float
+    cmp_us: float
+    extra_us: float
+    copy_TBps: float | None
+
+    def __new__(cls, mem_us: float, cmp_us: float, extra_us: float = 0.0, copy_TBps: float | None = None) -> Floor:
+        self = super().__new__(cls, max(mem_us, cmp_us) + extra_us)
+        self.mem_us, self.cmp_us, self.extra_us = float(mem_us), float(cmp_us), float(extra_us)
+        self.copy_TBps = copy_TBps
+        return self
+
+    def with_copy(self, copy_TBps: float) -> Floor:
+        """The same floor with its bytes term at another copy bandwidth."""
+        if not self.copy_TBps:
+            return self
+        return Floor(self.mem_us * self.copy_TBps / copy_TBps, self.cmp_us, self.extra_us, copy_TBps)
+
+    def plus(self, extra_us: float) -> Floor:
+        """The floor with ``extra_us`` more added on top."""
+        return Floor(self.mem_us, self.cmp_us, self.extra_us + extra_us, self.copy_TBps)
+
+
 def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, *, ceilings: dict,
-             rate: str = "bf16_TFLOPs") -> float:
-    """The physical floor in µs: the larger of bytes / copy bandwidth and flops / matmul rate."""
-    t_mem = bytes_moved / (ceilings["copy_TBps"] * 1e12) * 1e6
+             rate: str = "bf16_TFLOPs", extra_us: float = 0.0) -> Floor:
+    """The physical floor in µs: the larger of bytes / copy bandwidth and flops / matmul rate (plus ``extra_us``)."""
+    copy = ceilings["copy_TBps"]
+    t_mem = bytes_moved / (copy * 1e12) * 1e6
     t_cmp = flops / (ceilings[rate] * 1e12) * 1e6 if flops else 0.0
-    return max(t_mem, t_cmp)
+    return Floor(t_mem, t_cmp, extra_us, copy)
 
 
 # ----------------------------------------------------------------------------- checks & progress
@@ -407,6 +436,8 @@ class Results:
         self.rows: list[dict] = list(recorded["rows"]) if recorded else []
         self.header = recorded["header"] if recorded else header()
         self.recorded = recorded is not None
+        self._floors: list[tuple[dict, Floor]] = []  # rows whose floors keep their terms (settle_copy)
+        self._settled = False
 
     def add(self, *, case: str, impl: str, us: float, floor_us: float | None = None, **extra) -> dict:
         if not (isinstance(us, (int, float)) and math.isfinite(us) and us > 0):
@@ -416,6 +447,8 @@ class Results:
         if floor_us is not None:
             row["floor_us"] = round(float(floor_us), 3)
             row["frac_of_floor"] = round(float(floor_us) / float(us), 4)
+            if isinstance(floor_us, Floor):
+                self._floors.append((row, floor_us))
         for k, v in extra.items():
             if k != "variant":  # 5 significant digits: an error of 3e-6 must not round to 0
                 row[k] = float(f"{v:.5g}") if isinstance(v, float) else v
@@ -424,6 +457,9 @@ class Results:
 
     def add_error(self, *, case: str, impl: str, error: str, **extra) -> dict:
         row = {"case": case, **extra, "impl": impl, "error": str(error)[:500]}
+        if isinstance(extra.get("floor_us"), Floor):
+            self._floors.append((row, extra["floor_us"]))
+            row["floor_us"] = round(float(extra["floor_us"]), 3)
         self.rows.append(row)
         print(f"[{self.name}] {case} {extra.get('variant', '')} {impl}: {row['error']}", flush=True)
         return row
@@ -449,27 +485,51 @@ class Results:
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
-    def recheck_copy(self) -> float | None:
-        """Reads the copy ceiling again at the end of a run and records it as ``ceilings["copy_TBps_end"]``,
-        warning where it is more than COPY_DRIFT over the run's reading (``copy_TBps``, which its floors used):
-        the copy rate has spells of a few seconds, mostly at a process's start, that read 2.5-3% low (round BE),
-        and floors from such a reading flatter every ``frac_of_floor`` of the run by as much. Nothing where the
-        run had no copy ceiling, the results were loaded from a file, or no GPU is here."""
+    def settle_copy(self) -> float | None:
+        """Reads the copy ceiling again at the end of a run, and the floors take the higher of the two readings.
+
+        The copy rate has spells of a few seconds, mostly at a process's start, that read 2.5-3% low (round BE);
+        floors from such a reading would flatter every memory-bound ``frac_of_floor`` of the run by as much. Both
+        readings are kept (``ceilings["copy_TBps_readings"]``, start and end); ``copy_TBps`` becomes the higher,
+        and every row added with a :class:`Floor` gets its floor and fraction again from it (a benchmark that
+        derives figures from the fractions calls this before it does; ``finish`` calls it otherwise); a run with no
+        floors keeps its ``copy_TBps``. Where a row
+        was given a floor without its terms (a plain number) it cannot be derived again: the floors then stay at
+        the start's reading and a warning says by how much they may flatter the run. Once a run; nothing where the
+        run had no copy ceiling, the results were loaded from a file, or no GPU is here. Returns the floors'
+        reading."""
         start = self.ceilings.get("copy_TBps")
-        if self.recorded or not start or not torch.cuda.is_available():
-            return None
+        if self._settled or self.recorded or not start or not torch.cuda.is_available():
+            return start
+        self._settled = True
         end = measure_copy_TBps()
-        self.ceilings["copy_TBps_end"] = end
-        if end > start * (1 + COPY_DRIFT):
+        self.ceilings["copy_TBps_readings"] = [start, end]
+        if end <= start or not any("floor_us" in r for r in self.rows):
+            return start
+        floored = {id(row) for row, _ in self._floors}
+        plain = [i for i, r in enumerate(self.rows) if "floor_us" in r and id(r) not in floored]
+        if plain:
             print(f"[{self.name}] warning: the copy ceiling read {start} TB/s at the start of this run and {end} at "
-                  f"its end: floors from the start's reading put memory-bound rows' frac_of_floor up to "
+                  f"its end, and rows {plain[:5]}{'...' if len(plain) > 5 else ''} have floors without their terms: "
+                  f"every floor stays at the start's reading, memory-bound rows' frac_of_floor up to "
                   f"{(end / start - 1) * 100:.1f}% high", file=sys.stderr, flush=True)
+            return start
+        self.ceilings["copy_TBps"] = end
+        for k, (row, fl) in enumerate(self._floors):
+            fl = fl.with_copy(end)
+            self._floors[k] = (row, fl)
+            row["floor_us"] = round(float(fl), 3)
+            if "us" in row:
+                row["frac_of_floor"] = round(float(fl) / float(row["us"]), 4)
+        if end > start * (1 + COPY_DRIFT):
+            print(f"[{self.name}] the copy ceiling read {start} TB/s at the start of this run and {end} at its end "
+                  f"(a spell of low readings): the floors take {end}", file=sys.stderr, flush=True)
         return end
 
     def finish(self, *, x: str = "case", group: str | None = "variant", y: str = "us",
                columns: Sequence[str] | None = None, plot: bool = True, logy: bool = True) -> Path:
-        """Writes the JSON, markdown and plot, after reading the copy ceiling again (:meth:`recheck_copy`)."""
-        self.recheck_copy()
+        """Writes the JSON, markdown and plot, after reading the copy ceiling again (:meth:`settle_copy`)."""
+        self.settle_copy()
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / f"{self.name}.json"
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
