@@ -39,7 +39,7 @@ def run_demo(ctx) -> list[dict]:
     if ctx.gpu:
         H = ctx.harness
         ceil = H.measure_ceilings(verbose=False)
-        floor = H.floor_us(bytes_moved=n * k * 4 + m * k * 2 + m * n * 4, ceilings=ceil) + ceil["launch_us"]
+        floor = H.floor_us(bytes_moved=n * k * 4 + m * k * 2 + m * n * 4, ceilings=ceil, extra_us=ceil["launch_us"])
         out = torch.empty(m, n, device="cuda")
         ids_b = torch.empty(m, 8, dtype=torch.int32, device="cuda")
         w_b = torch.empty(m, 8, device="cuda")
