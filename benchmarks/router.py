@@ -157,7 +157,8 @@ def _lowest_launch(res: H.Results, ceil: dict) -> None:
     router files since round B; round AH: 0.973, 0.686 and 0.930 in three runs of one session), and at M <= 16
     the launch is most of the floor, so one high reading lifted every fraction there. The lowest is what an
     empty kernel was measured to take in the run; every reading is kept (``launch_us_readings``) and the
-    floors and fractions are recomputed with the lowest."""
+    floors and fractions are recomputed with the lowest. Since round BF each reading times a graph of 200 empty
+    kernels (``harness.LAUNCH_CALLS``), which held three processes' readings within 0.682-0.708 us (BF4)."""
     readings = [ceil["launch_us"]] + [round(H.empty_launch_us(), 3) for _ in range(2)]
     ceil["launch_us_readings"] = readings
     ceil["launch_us"] = min(readings)

@@ -172,6 +172,7 @@ WARM_MAX_REPLAYS = 200  # at most this many of them (µs-long graphs would other
 COPY_WARM_MS = 1000.0  # GPU time of copies measure_ceilings runs before it times the copy ceiling
 COPY_READINGS = 5  # medians of COPY_REPS copies each; the copy ceiling is the best of them
 COPY_REPS = 20
+LAUNCH_CALLS = 200  # empty kernels in the graph empty_launch_us times (round BF4: 20 scattered the term by 0.3 µs)
 COPY_DRIFT = 0.02  # a run's two copy readings this far apart are pointed out (Results.settle_copy)
 
 
@@ -270,12 +271,15 @@ def _median_ms(fn: Callable[[], object], reps: int = 20) -> float:
 def empty_launch_us(pdl: bool = False) -> float:
     """µs per call of an empty Triton kernel in a graph of back-to-back calls (``launch_us``); with ``pdl``,
     each launched with programmatic dependent launch and waiting at its top for the one ahead (``pdl_enter``,
-    as evenflow's kernels do): the launch cost a chain of PDL kernels pays (``launch_pdl_us``)."""
+    as evenflow's kernels do): the launch cost a chain of PDL kernels pays (``launch_pdl_us``). The graph holds
+    LAUNCH_CALLS calls: at 20 the graph's own launch and the timing events, shared by too few calls, put 0.70-1.07
+    µs on one kernel and the lowest of 15 readings moved 0.70-0.89 between processes; at 200 every reading of three
+    processes fell in 0.682-0.708 (round BF4)."""
     from evenflow._kernels.common import empty_pdl_kernel
     from evenflow._runtime import pdl_kwargs
 
     buf = torch.empty(1, device="cuda")
-    return time_graph([lambda: empty_pdl_kernel[(1,)](buf, **pdl_kwargs(pdl))], min_calls=20)
+    return time_graph([lambda: empty_pdl_kernel[(1,)](buf, **pdl_kwargs(pdl))], min_calls=LAUNCH_CALLS)
 
 
 def measure_copy_TBps() -> float:
