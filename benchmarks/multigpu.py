@@ -242,15 +242,15 @@ def moe_floor(kind: str, ew, shapes: dict, ids: torch.Tensor, tokens: int, world
     ebytes = expert_shard_bytes(ew)
     rate = "bf16_TFLOPs" if ew.format == "bf16" else "fp8_TFLOPs"
     act = 2 if ew.format == "bf16" else 1
-    worst = None
+    ranks = []
     for r in range(world if kind != "unsplit" else 1):  # the layer ends when the most loaded rank ends
         first = r * e_r if kind == "ep" else 0
         local = ids.long() - first
         m = (local >= 0) & (local < e_r)
         distinct, pairs = int(torch.unique(local[m]).numel()), int(m.sum())
         nbytes = distinct * ebytes + int(m.any(1).sum()) * h * act + tokens * h * 2 + ids.numel() * 8
-        fl = H.floor_us(nbytes, 6 * h * i_r * pairs, ceilings=ceil, rate=rate)
-        worst = fl if worst is None or fl > worst else worst
+        ranks.append(H.floor_us(nbytes, 6 * h * i_r * pairs, ceilings=ceil, rate=rate))
+    worst = H.Floor.worst(ranks)  # every rank's terms kept: another copy reading may make another rank the slowest
     if kind == "unsplit" or not busbw_GBps:
         return worst
     ar_bytes = 2 * (world - 1) / world * tokens * h * 2
@@ -731,7 +731,7 @@ def finish_and_exit(state: dict, code: int) -> None:
     """Write what rank 0 has (``state["finish"]``, if set) and leave at once, never waiting on peers."""
     try:
         if state.get("finish"):
-            state["finish"]()
+            state["finish"](settle=False)  # no second copy reading on a GPU a hung collective may hold
     except Exception:
         traceback.print_exc()
     sys.stdout.flush()
@@ -804,9 +804,9 @@ def main(argv=None) -> int:
                     "floor": "MoE: slowest rank's max(bytes/copy, flops/(bf16|fp8) rate) + 2(n-1)/n*T*H*2 B / "
                              "NCCL busbw; attention: live KV of the rank's heads + q + o / copy"})
 
-                def finish():
+                def finish(settle=True):
                     # one panel per format ("plot"), bars per layout and batch / attention case ("x")
-                    res.finish(x="x", group="plot", plot=not args.no_plot,
+                    res.finish(x="x", group="plot", plot=not args.no_plot, settle=settle,
                                columns=["case", "impl", "batch", "ranks", "us", "eager_us", "compute_us",
                                         "allreduce_us", "floor_us", "frac_of_floor", "max_abs_err", "bound",
                                         "error"])

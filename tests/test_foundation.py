@@ -1,7 +1,9 @@
 """The shared foundation: argument checks, the tolerance rule, the harness's result files, the CLI."""
+import copy
 import json
 import math
 import os
+import pickle
 import subprocess
 import sys
 
@@ -106,6 +108,26 @@ def test_a_floor_keeps_its_terms():
     assert both.with_copy(1.0) == pytest.approx(4.0) and both.with_copy(8.0) == pytest.approx(2.0)
     assert mem.plus(0.3) == pytest.approx(2.0) and mem.plus(0.3).with_copy(8.0) == pytest.approx(0.5 + 1.0)
     assert type(mem + 1.0) is float  # arithmetic drops the terms: added terms go in as extra_us or plus()
+    for again in (pickle.loads(pickle.dumps(both)), copy.deepcopy(both), copy.copy(mem)):
+        assert type(again) is H.Floor and again.with_copy(1.0) == again.with_copy(1.0)
+    assert pickle.loads(pickle.dumps(both)).with_copy(1.0) == pytest.approx(4.0)
+    assert copy.copy(mem).with_copy(5.0) == pytest.approx(4e6 / 5e6 + 0.7)
+
+
+def test_the_slowest_of_several_floors_is_found_again_at_another_copy_reading():
+    """A layer over ranks ends with its slowest rank: ``Floor.worst`` keeps every rank's terms, so a higher copy
+    reading, which shortens bytes-bound floors only, can make a FLOP-bound rank the slowest."""
+    ceil = {"copy_TBps": 4.0, "bf16_TFLOPs": 500.0}
+    a = H.floor_us(bytes_moved=40e6, ceilings=ceil)  # 10.0 us of bytes
+    b = H.floor_us(bytes_moved=4e6, flops=4.95e9, ceilings=ceil)  # 9.9 us of flops
+    layer = H.Floor.worst([a, b]).plus(1.0)
+    assert layer == pytest.approx(11.0)
+    assert layer.with_copy(4.4) == pytest.approx(9.9 + 1.0)  # a's bytes now 9.09 us: b sets it
+    assert H.Floor.worst([b]) == pytest.approx(9.9)
+    with pytest.raises(ValueError, match="floors: empty"):
+        H.Floor.worst([])
+    with pytest.raises(ValueError, match="differ in copy reading or added term"):
+        H.Floor.worst([a, b.plus(1.0)])
 
 
 def test_gpu_slug():
@@ -157,7 +179,7 @@ def test_a_run_takes_the_higher_of_two_copy_readings(tmp_path, monkeypatch, caps
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         return res
 
-    def run(name, end, plain=False, floors=True):
+    def run(name, end, plain=False, floors=True, settle=True):
         res = results(name, dict(ceil))
         c = res.ceilings
         if floors:
@@ -170,7 +192,7 @@ def test_a_run_takes_the_higher_of_two_copy_readings(tmp_path, monkeypatch, caps
         else:
             res.add(case="none", impl="peer", us=2.0)
         monkeypatch.setattr(H, "measure_copy_TBps", reading(end))
-        return res, res.settle_copy(), {r["case"]: r for r in res.rows}
+        return res, res.settle_copy() if settle else None, {r["case"]: r for r in res.rows}
 
     res, used, rows = run("drift", 5.0)
     assert used == 5.0 and res.ceilings == {"copy_TBps": 5.0, "bf16_TFLOPs": 500.0, "copy_TBps_readings": [4.0, 5.0]}
@@ -194,6 +216,19 @@ def test_a_run_takes_the_higher_of_two_copy_readings(tmp_path, monkeypatch, caps
 
     res, used, _ = run("no-floors", 5.0, floors=False)
     assert used == 4.0 and res.ceilings["copy_TBps"] == 4.0 and res.ceilings["copy_TBps_readings"] == [4.0, 5.0]
+
+    def faulted():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    res, _, _ = run("faulted", 5.0, settle=False)
+    monkeypatch.setattr(H, "measure_copy_TBps", faulted)
+    landed = json.loads(res.finish(plot=False).read_text())  # the run's results still land, on the start's floors
+    assert landed["ceilings"] == ceil and landed["rows"][0]["floor_us"] == 1.0
+    assert "could not be read again (CUDA error: an illegal memory access was encountered)" in capsys.readouterr().err
+    res, _, _ = run("hurried", 5.0, settle=False)
+    before = len(reads)
+    assert json.loads(res.finish(plot=False, settle=False).read_text())["ceilings"] == ceil
+    assert len(reads) == before  # settle=False reads nothing
 
     def no_reading():
         raise AssertionError("measured again")

@@ -330,30 +330,52 @@ def measure_ceilings(verbose: bool = True) -> dict:
 
 class Floor(float):
     """A floor in µs (a ``float``: it compares, rounds and serialises as one) that keeps its terms, so the run can
-    derive it again from another copy reading (:meth:`Results.settle_copy`): ``mem_us`` (bytes / copy bandwidth
-    at ``copy_TBps``), ``cmp_us`` (flops / matmul rate) and ``extra_us`` (a term added on top, e.g. a launch).
-    Arithmetic on it gives a plain ``float``: pass an added term as ``floor_us(extra_us=...)``."""
+    derive it again from another copy reading (:meth:`Results.settle_copy`): ``parts``, one (bytes time at
+    ``copy_TBps``, FLOP time) pair per piece of work whose larger term is its floor (one for a call; one a rank for
+    a layer whose slowest rank ends it, :meth:`worst`), the floor the largest of them, plus ``extra_us`` (a term added
+    on top, e.g. a launch). Arithmetic on it gives a plain ``float``: pass an added term as ``floor_us(extra_us=...)``
+    or :meth:`plus`."""
 
-    mem_us: float
-    cmp_us: float
+    parts: tuple[tuple[float, float], ...]
     extra_us: float
     copy_TBps: float | None
 
-    def __new__(cls, mem_us: float, cmp_us: float, extra_us: float = 0.0, copy_TBps: float | None = None) -> Floor:
-        self = super().__new__(cls, max(mem_us, cmp_us) + extra_us)
-        self.mem_us, self.cmp_us, self.extra_us = float(mem_us), float(cmp_us), float(extra_us)
-        self.copy_TBps = copy_TBps
+    def __new__(cls, mem_us: float, cmp_us: float, extra_us: float = 0.0, copy_TBps: float | None = None, *,
+                parts: Sequence[tuple[float, float]] = ()) -> Floor:
+        parts = tuple((float(m), float(c)) for m, c in parts) or ((float(mem_us), float(cmp_us)),)
+        self = super().__new__(cls, max(max(m, c) for m, c in parts) + extra_us)
+        self.parts, self.extra_us, self.copy_TBps = parts, float(extra_us), copy_TBps
         return self
 
+    def __reduce__(self):  # pickle and copy rebuild it with its terms
+        return _floor, (self.parts, self.extra_us, self.copy_TBps)
+
     def with_copy(self, copy_TBps: float) -> Floor:
-        """The same floor with its bytes term at another copy bandwidth."""
+        """The same floor with its bytes terms at another copy bandwidth (the piece that sets it may change)."""
         if not self.copy_TBps:
             return self
-        return Floor(self.mem_us * self.copy_TBps / copy_TBps, self.cmp_us, self.extra_us, copy_TBps)
+        r = self.copy_TBps / copy_TBps
+        return _floor(tuple((m * r, c) for m, c in self.parts), self.extra_us, copy_TBps)
 
     def plus(self, extra_us: float) -> Floor:
         """The floor with ``extra_us`` more added on top."""
-        return Floor(self.mem_us, self.cmp_us, self.extra_us + extra_us, self.copy_TBps)
+        return _floor(self.parts, self.extra_us + extra_us, self.copy_TBps)
+
+    @staticmethod
+    def worst(floors: Sequence[Floor]) -> Floor:
+        """The floor of work that ends when the slowest of ``floors`` ends (e.g. a layer over ranks), kept as all
+        their pieces, so another copy reading picks the slowest again. They must share one copy reading and
+        added term."""
+        if not floors:
+            raise ValueError("floors: empty")
+        first = floors[0]
+        if any(f.copy_TBps != first.copy_TBps or f.extra_us != first.extra_us for f in floors):
+            raise ValueError("floors: they differ in copy reading or added term")
+        return _floor(tuple(p for f in floors for p in f.parts), first.extra_us, first.copy_TBps)
+
+
+def _floor(parts, extra_us: float, copy_TBps: float | None) -> Floor:
+    return Floor(0.0, 0.0, extra_us, copy_TBps, parts=parts)
 
 
 def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, *, ceilings: dict,
@@ -506,7 +528,12 @@ class Results:
         if self._settled or self.recorded or not start or not torch.cuda.is_available():
             return start
         self._settled = True
-        end = measure_copy_TBps()
+        try:
+            end = measure_copy_TBps()
+        except Exception as e:  # a faulted GPU: the results still get written, on the start's reading
+            print(f"[{self.name}] warning: the copy ceiling could not be read again ({error_line(e)}): the floors "
+                  f"stay at the start's reading", file=sys.stderr, flush=True)
+            return start
         self.ceilings["copy_TBps_readings"] = [start, end]
         if end <= start or not any("floor_us" in r for r in self.rows):
             return start
@@ -531,9 +558,12 @@ class Results:
         return end
 
     def finish(self, *, x: str = "case", group: str | None = "variant", y: str = "us",
-               columns: Sequence[str] | None = None, plot: bool = True, logy: bool = True) -> Path:
-        """Writes the JSON, markdown and plot, after reading the copy ceiling again (:meth:`settle_copy`)."""
-        self.settle_copy()
+               columns: Sequence[str] | None = None, plot: bool = True, logy: bool = True,
+               settle: bool = True) -> Path:
+        """Writes the JSON, markdown and plot, after reading the copy ceiling again (:meth:`settle_copy`; not with
+        ``settle=False``, for a run leaving in a hurry, whose GPU may be stuck)."""
+        if settle:
+            self.settle_copy()
         self.out.mkdir(parents=True, exist_ok=True)
         path = self.out / f"{self.name}.json"
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
