@@ -108,8 +108,9 @@ def test_a_floor_keeps_its_terms():
     assert both.with_copy(1.0) == pytest.approx(4.0) and both.with_copy(8.0) == pytest.approx(2.0)
     assert mem.plus(0.3) == pytest.approx(2.0) and mem.plus(0.3).with_copy(8.0) == pytest.approx(0.5 + 1.0)
     assert type(mem + 1.0) is float  # arithmetic drops the terms: added terms go in as extra_us or plus()
-    for again in (pickle.loads(pickle.dumps(both)), copy.deepcopy(both), copy.copy(mem)):
-        assert type(again) is H.Floor and again.with_copy(1.0) == again.with_copy(1.0)
+    for again, was in ((pickle.loads(pickle.dumps(both)), both), (copy.deepcopy(both), both), (copy.copy(mem), mem)):
+        assert type(again) is H.Floor and again == was
+        assert (again.parts, again.extra_us, again.copy_TBps) == (was.parts, was.extra_us, was.copy_TBps)
     assert pickle.loads(pickle.dumps(both)).with_copy(1.0) == pytest.approx(4.0)
     assert copy.copy(mem).with_copy(5.0) == pytest.approx(4e6 / 5e6 + 0.7)
 

@@ -340,26 +340,28 @@ class Floor(float):
     extra_us: float
     copy_TBps: float | None
 
-    def __new__(cls, mem_us: float, cmp_us: float, extra_us: float = 0.0, copy_TBps: float | None = None, *,
-                parts: Sequence[tuple[float, float]] = ()) -> Floor:
-        parts = tuple((float(m), float(c)) for m, c in parts) or ((float(mem_us), float(cmp_us)),)
+    def __new__(cls, parts: Sequence[tuple[float, float]], extra_us: float = 0.0,
+                copy_TBps: float | None = None) -> Floor:
+        parts = tuple((float(m), float(c)) for m, c in parts)
+        if not parts:
+            raise ValueError("parts: empty")
         self = super().__new__(cls, max(max(m, c) for m, c in parts) + extra_us)
         self.parts, self.extra_us, self.copy_TBps = parts, float(extra_us), copy_TBps
         return self
 
     def __reduce__(self):  # pickle and copy rebuild it with its terms
-        return _floor, (self.parts, self.extra_us, self.copy_TBps)
+        return Floor, (self.parts, self.extra_us, self.copy_TBps)
 
     def with_copy(self, copy_TBps: float) -> Floor:
         """The same floor with its bytes terms at another copy bandwidth (the piece that sets it may change)."""
         if not self.copy_TBps:
             return self
         r = self.copy_TBps / copy_TBps
-        return _floor(tuple((m * r, c) for m, c in self.parts), self.extra_us, copy_TBps)
+        return Floor(tuple((m * r, c) for m, c in self.parts), self.extra_us, copy_TBps)
 
     def plus(self, extra_us: float) -> Floor:
         """The floor with ``extra_us`` more added on top."""
-        return _floor(self.parts, self.extra_us + extra_us, self.copy_TBps)
+        return Floor(self.parts, self.extra_us + extra_us, self.copy_TBps)
 
     @staticmethod
     def worst(floors: Sequence[Floor]) -> Floor:
@@ -371,11 +373,7 @@ class Floor(float):
         first = floors[0]
         if any(f.copy_TBps != first.copy_TBps or f.extra_us != first.extra_us for f in floors):
             raise ValueError("floors: they differ in copy reading or added term")
-        return _floor(tuple(p for f in floors for p in f.parts), first.extra_us, first.copy_TBps)
-
-
-def _floor(parts, extra_us: float, copy_TBps: float | None) -> Floor:
-    return Floor(0.0, 0.0, extra_us, copy_TBps, parts=parts)
+        return Floor(tuple(p for f in floors for p in f.parts), first.extra_us, first.copy_TBps)
 
 
 def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, *, ceilings: dict,
@@ -384,7 +382,7 @@ def floor_us(bytes_moved: float = 0.0, flops: float = 0.0, *, ceilings: dict,
     copy = ceilings["copy_TBps"]
     t_mem = bytes_moved / (copy * 1e12) * 1e6
     t_cmp = flops / (ceilings[rate] * 1e12) * 1e6 if flops else 0.0
-    return Floor(t_mem, t_cmp, extra_us, copy)
+    return Floor(((t_mem, t_cmp),), extra_us, copy)
 
 
 # ----------------------------------------------------------------------------- checks & progress
@@ -519,9 +517,9 @@ class Results:
         readings are kept (``ceilings["copy_TBps_readings"]``, start and end); ``copy_TBps`` becomes the higher,
         and every row added with a :class:`Floor` gets its floor and fraction again from it (a benchmark that
         derives figures from the fractions calls this before it does; ``finish`` calls it otherwise); a run with no
-        floors keeps its ``copy_TBps``. Where a row
-        was given a floor without its terms (a plain number) it cannot be derived again: the floors then stay at
-        the start's reading and a warning says by how much they may flatter the run. Once a run; nothing where the
+        floors keeps its ``copy_TBps``. Where a row was given a floor without its terms (a plain number) it cannot
+        be derived again: the floors then stay at the start's reading and a warning says by how much they may
+        flatter the run. A reading that fails (a faulted GPU) keeps the start's too. Once a run; nothing where the
         run had no copy ceiling, the results were loaded from a file, or no GPU is here. Returns the floors'
         reading."""
         start = self.ceilings.get("copy_TBps")
@@ -546,9 +544,8 @@ class Results:
                   f"{(end / start - 1) * 100:.1f}% high", file=sys.stderr, flush=True)
             return start
         self.ceilings["copy_TBps"] = end
-        for k, (row, fl) in enumerate(self._floors):
+        for row, fl in self._floors:
             fl = fl.with_copy(end)
-            self._floors[k] = (row, fl)
             row["floor_us"] = round(float(fl), 3)
             if "us" in row:
                 row["frac_of_floor"] = round(float(fl) / float(row["us"]), 4)
