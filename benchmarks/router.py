@@ -158,7 +158,9 @@ def _lowest_launch(res: H.Results, ceil: dict) -> None:
     the launch is most of the floor, so one high reading lifted every fraction there. The lowest is what an
     empty kernel was measured to take in the run; every reading is kept (``launch_us_readings``) and the
     floors and fractions are recomputed with the lowest. Since round BF each reading times a graph of 200 empty
-    kernels (``harness.LAUNCH_CALLS``), which held three processes' readings within 0.682-0.708 us (BF4)."""
+    kernels (``harness.LAUNCH_CALLS``), which held three processes' readings within 0.682-0.708 us (BF4), and
+    since round BG the ceilings settle the process's graph state before their reading (``warm_graph_state``:
+    BG1's first reading, 0.56 us, was taken in the state of a process's first six graphs, ~25% faster)."""
     readings = [ceil["launch_us"]] + [round(H.empty_launch_us(), 3) for _ in range(2)]
     ceil["launch_us_readings"] = readings
     ceil["launch_us"] = min(readings)

@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -334,15 +335,38 @@ def test_timing_on_gpu():
 
 @pytest.mark.gpu
 def test_copy_ceiling_is_reproducible_on_an_idle_gpu():
-    """The copy ceiling is warmed and the best of several readings: a second call in the same process agrees within
-    2% (round AN1's reading, 3.94 TB/s, was 6% under another call's warmed copy, AN2; one reading after 300 ms of copies
-    still moved 2.8% between two calls, AN4). A property of a GPU nothing else runs on, as the benchmarks have it:
-    under pytest-xdist other workers' kernels share the GPU, so there it does not apply."""
+    """The copy ceiling a run's floors take, the higher of a reading at its start and one at its end
+    (``Results.settle_copy``), comes out within 2% again in a second run. A single reading is not: the copy rate has
+    spells of a few seconds, mostly at a process's start, that read 2.5-3% low (round BE; BG2 read 4.107 then 4.215 in
+    two calls), so each run here has its readings ~8 s apart, as a benchmark's are further, and a spell deeper than
+    5% would fail it (round AN1's unwarmed 3.94 against 4.2). A property of a GPU nothing else runs on, as the
+    benchmarks have it: under pytest-xdist other workers' kernels share the GPU, so there it does not apply."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         pytest.skip("other test workers share the GPU: run this test in a session of its own (no -n)")
-    first = H.measure_ceilings(verbose=False)["copy_TBps"]
-    again = H.measure_ceilings(verbose=False)["copy_TBps"]
-    assert abs(again - first) < 0.02 * first, (first, again)
+
+    def run():
+        start = H.measure_copy_TBps()
+        time.sleep(8)
+        return start, H.measure_copy_TBps()
+
+    first, again = run(), run()
+    readings = first + again
+    assert min(readings) > 0.95 * max(readings), readings
+    assert abs(max(again) - max(first)) < 0.02 * max(first), (first, again)
+
+
+@pytest.mark.gpu
+def test_the_launch_term_is_read_in_the_state_the_rows_run_in():
+    """The ceilings' empty-kernel reading agrees with readings taken after it (a benchmark's rows and the router's
+    two later launch readings run there): a process's first six graphs ran ~25% faster a call than every later one
+    (round BG3), and before the ceilings settled that state their reading was 0.50-0.56 us against 0.68-0.76 later
+    (BG1, BG2). Alone in its process, first: under test workers the GPU is shared, and after other tests the state
+    is settled whatever the ceilings do."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("other test workers share the GPU: run this test in a session of its own (no -n)")
+    ceiling = H.measure_ceilings(verbose=False)["launch_us"]
+    later = sorted(H.empty_launch_us() for _ in range(5))
+    assert abs(ceiling - later[2]) < 0.05 * later[2], (ceiling, later)
 
 
 def test_empty_pdl_probe_compiles_for_sm90():
