@@ -56,6 +56,7 @@ CASES = [
     (1, 17, 100, _cfg(1, 4, 16, 3)),           # N one past a tile, K tail inside the last split
     (3, 24, 96, _cfg(4, 8, 16, 6, 2, 2)),      # BLOCK_M > M (masked rows), 2 warps, 2 stages
     (20, 9, 130, _cfg(8, 4, 32, 2)),           # several row tiles (M one past 2 x 8 + 4), K tail
+    (16, 10, 384, _cfg(4, 2, 128, 1, 4, 5)),   # a fat tile four rows high at M = 16: row tiles over the grid
     (16, 33, 256, _cfg(16, 2, 16, 5, 4, 4)),   # uneven split: 16 blocks in 5 slices (4, 4, 4, 4)
     (5, 70, 64, _cfg(8, 16, 64, 1)),           # no split: direct store, no counter
     (2, 12, 640, _cfg(2, 4, 16, 40, 1, 3)),    # 32 + 8 splits: two reduction chunks (RED_CHUNK 32), 1 warp
@@ -305,7 +306,10 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
             # 1.5 and 3 programs an SM for each register block; at M <= 4 also the fat tiles (round AG2), on 2 warps
             # and with deeper pipelines too (round AU)
             bm = min(16, 1 << (m - 1).bit_length())
-            assert 4 <= len(sk) <= (12 if m > 4 else 44) and all(c.block_m == bm for c in sk)
+            # round BG: past M = 4 also the fat tiles four rows high, their row tiles over the grid
+            own = [c for c in sk if c.block_m == bm]
+            assert 4 <= len(own) <= (12 if m > 4 else 44)
+            assert all(c.block_m == 4 and c.split_k <= 2 for c in sk if c.block_m != bm) and (m <= 4) == (own == sk)
             # round AH: an fp32-tc twin of every tensor tile of <= 64 weights a thread a K step, and no other
             fits = lambda c: c.block_n * c.block_k <= 64 * 32 * c.num_warps  # noqa: E731
             tile = lambda c: (c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps)  # noqa: E731
