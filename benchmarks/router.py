@@ -165,11 +165,7 @@ def _lowest_launch(res: H.Results, ceil: dict) -> None:
     ceil["launch_us_readings"] = readings
     ceil["launch_us"] = min(readings)
     print(f"[ceilings] launch_us readings {readings}: {ceil['launch_us']} in the floors", flush=True)
-    for r in res.rows:
-        if "floor_us" in r and "us" in r:
-            r["floor_us"] = round(H.floor_us(bytes_moved=_call_bytes(r["M"], r["N"], r["K"]), ceilings=ceil,
-                                             extra_us=ceil["launch_us"]), 3)
-            r["frac_of_floor"] = round(r["floor_us"] / r["us"], 4)
+    res.refloor(lambda fl: fl.with_extra(ceil["launch_us"]))  # each floor keeps its (settled) bytes term
 
 
 def _speedups(res: H.Results) -> None:

@@ -216,22 +216,23 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
     # M = 4, and fewer threads a tile were not yet tried), 2048-deep steps on 4 warps (Qwen3's K in one step), and a
     # pipeline as deep as a slice of 5-8 steps (every step's loads issued up front: steps + 1 stages, where 5 stages
     # leave some to later; LongCat-Lite's 4 x 2 x 512 pick has 6).
+    # Round BG: at 4 < M <= 16 such fat tiles four rows high, the row tiles over the grid (at M = 16 four programs a
+    # column tile, each reading its weight columns; the first to reach a line brings it to L2): M = 4's tiles ran
+    # Qwen3 / K4096 / LongCat-Lite in 2.0 / 3.2 / 3.4 us where the M = 16 entries read 3.3 / 4.5 / 5.0 (BG4), and a
+    # 16-row fat tile holds four times the accumulators (fp32-splitk at 16 x 16 x 64: 9.7-12.0 us at those three).
     if bm <= 4:
-        for bn, bk, warps in ((1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 8),
-                              (4, 1024, 8), (1, 2048, 8), (2, 512, 2), (2, 1024, 2), (2, 2048, 4)):
-            for split in (1, 2):
-                steps = math.ceil(math.ceil(k / bk) / split)
-                for stages in (3 if steps <= 2 else 5,) + ((steps + 1,) if 5 <= steps <= 8 else ()):
-                    out.append(GemmConfig(bm, bn, bk, split, warps, stages, "fp32-splitk"))
-    # Round BG: at 4 < M <= 16 the same fat tiles four rows high, the row tiles over the grid (at M = 16 four
-    # programs a column tile, each reading its weight columns; the first to reach a line brings it to L2): M = 4's
-    # tiles ran Qwen3 / K4096 / LongCat-Lite in 2.0 / 3.2 / 3.4 us where the M = 16 entries read 3.3 / 4.5 / 5.0
-    # (BG4), and a 16-row fat tile holds four times the accumulators (fp32-splitk at 16 x 16 x 64: 9.7-11 us).
-    if 4 < m <= 16:
-        for bn, bk, warps in ((1, 1024, 4), (2, 1024, 4), (2, 512, 4), (2, 2048, 4), (2, 1024, 2), (4, 512, 8)):
-            for split in (1, 2):
-                steps = math.ceil(math.ceil(k / bk) / split)
-                out.append(GemmConfig(4, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk"))
+        height, deep = bm, True
+        fat = ((1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 8), (4, 1024, 8),
+               (1, 2048, 8), (2, 512, 2), (2, 1024, 2), (2, 2048, 4))
+    else:
+        height, deep = 4, False
+        fat = ((1, 1024, 4), (2, 1024, 4), (2, 512, 4), (2, 2048, 4), (2, 1024, 2), (4, 512, 8))
+    for bn, bk, warps in fat:
+        for split in (1, 2):
+            steps = math.ceil(math.ceil(k / bk) / split)
+            deeper = (steps + 1,) if deep and 5 <= steps <= 8 else ()
+            for stages in (3 if steps <= 2 else 5,) + deeper:
+                out.append(GemmConfig(height, bn, bk, split, warps, stages, "fp32-splitk"))
     return _distinct_launches(out, m, n, k, terms)
 
 

@@ -61,3 +61,24 @@ def test_the_launch_term_goes_on_the_settled_copy_reading(bench, monkeypatch):
     assert row["floor_us"] == pytest.approx(bench._call_bytes(m, n, k) / 5.0e6 + 0.70, abs=1e-3)
     assert row["frac_of_floor"] == pytest.approx(row["floor_us"] / 4.0, abs=1e-4)
     assert ceil["copy_TBps_readings"] == [4.0, 5.0] and ceil["launch_us_readings"] == [0.95, 0.70, 0.80]
+
+
+def test_both_corrections_land_in_either_order(bench, monkeypatch):
+    """The launch step and the copy settle each derive the rows' floors from the floors as the other left them
+    (``Results.refloor``): taking the lowest launch first and settling the copy after keeps the lower launch term."""
+    import torch
+
+    ceil = {"copy_TBps": 4.0, "bf16_TFLOPs": 800.0, "launch_us": 0.95}
+    res = H.Results("router", ceilings=ceil)
+    m, n, k = 16, 192, 4096
+    res.add(case="k", impl="evenflow", us=4.0, M=m, K=k, N=n,
+            floor_us=H.floor_us(bytes_moved=bench._call_bytes(m, n, k), ceilings=ceil, extra_us=ceil["launch_us"]))
+    readings = iter([0.70, 0.80])
+    monkeypatch.setattr(H, "empty_launch_us", lambda pdl=False: next(readings))
+    bench._lowest_launch(res, ceil)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(H, "measure_copy_TBps", lambda: 5.0)
+    assert res.settle_copy() == 5.0
+    row = res.rows[0]
+    assert row["floor_us"] == pytest.approx(bench._call_bytes(m, n, k) / 5.0e6 + 0.70, abs=1e-3)
+    assert row["frac_of_floor"] == pytest.approx(row["floor_us"] / 4.0, abs=1e-4)

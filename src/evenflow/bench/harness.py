@@ -285,14 +285,21 @@ def empty_launch_us(pdl: bool = False) -> float:
 
 
 def warm_graph_state() -> None:
-    """Makes, replays and drops GRAPH_WARM graphs of empty kernels, so that what a benchmark times next runs in the
-    state its later rows do. In round BG3 (four processes) the first six such graphs of a process ran 0.51-0.53 µs a
-    call and the seventh and every later one 0.69-0.70, a graph made early and held included (it slowed once the
-    others were made), 10 s apart or back to back: a state the process reaches by the count of graphs it has made.
-    A benchmark's launch term read in the first state (BG1's router: 0.56 against 0.755 after its sweep) set its
-    floors ~25% too low, and its first few rows ran in a state no later row did."""
+    """Makes, replays and drops GRAPH_WARM graphs of empty kernels, once a device in a process, so that what a
+    benchmark times next runs in the state its later rows do. In round BG3 (four processes) the first six such graphs
+    of a process ran 0.507-0.526 µs a call and the seventh and every later one 0.686-0.705, a graph made early and
+    held included (it slowed once the others were made), 10 s apart or back to back: a state the process reaches by
+    the count of graphs it has made, and keeps. A launch term read in the first state (BG1's router: 0.56 against
+    0.755 after its sweep) set that run's floors 0.5-19% low, and its first few rows ran in a state no later row did."""
+    dev = torch.cuda.current_device()
+    if dev in _GRAPH_STATE_WARM:
+        return
     for _ in range(GRAPH_WARM):
         empty_launch_us()
+    _GRAPH_STATE_WARM.add(dev)
+
+
+_GRAPH_STATE_WARM: set[int] = set()  # devices whose graph state this process has settled (warm_graph_state)
 
 
 def measure_copy_TBps() -> float:
@@ -374,9 +381,13 @@ class Floor(float):
         r = self.copy_TBps / copy_TBps
         return Floor(tuple((m * r, c) for m, c in self.parts), self.extra_us, copy_TBps)
 
+    def with_extra(self, extra_us: float) -> Floor:
+        """The same floor with ``extra_us`` as its added term in place of its own (e.g. another launch reading)."""
+        return Floor(self.parts, extra_us, self.copy_TBps)
+
     def plus(self, extra_us: float) -> Floor:
         """The floor with ``extra_us`` more added on top."""
-        return Floor(self.parts, self.extra_us + extra_us, self.copy_TBps)
+        return self.with_extra(self.extra_us + extra_us)
 
     @staticmethod
     def worst(floors: Sequence[Floor]) -> Floor:
@@ -462,6 +473,13 @@ def impl_colors(rows: Sequence[dict]) -> dict[str, tuple]:
     return {impl: shades[i % len(shades)] for i, impl in enumerate(order)}
 
 
+def _put_floor(row: dict, floor: float, us: float | None = None) -> None:
+    """A row's ``floor_us`` and, where it has a time, its ``frac_of_floor``, at the precision the result files use."""
+    row["floor_us"] = round(float(floor), 3)
+    if us is not None:
+        row["frac_of_floor"] = round(float(floor) / float(us), 4)
+
+
 class Results:
     """Collects rows and writes ``<name>.json`` (BENCH.md schema), ``<name>.md`` and ``<name>.png``."""
 
@@ -484,8 +502,7 @@ class Results:
         row = {"case": case, **{k: v for k, v in extra.items() if k in ("variant",)}, "impl": impl,
                "us": round(float(us), 3)}
         if floor_us is not None:
-            row["floor_us"] = round(float(floor_us), 3)
-            row["frac_of_floor"] = round(float(floor_us) / float(us), 4)
+            _put_floor(row, floor_us, us)
             if isinstance(floor_us, Floor):
                 self._floors.append((row, floor_us))
         for k, v in extra.items():
@@ -498,7 +515,7 @@ class Results:
         row = {"case": case, **extra, "impl": impl, "error": str(error)[:500]}
         if isinstance(extra.get("floor_us"), Floor):
             self._floors.append((row, extra["floor_us"]))
-            row["floor_us"] = round(float(extra["floor_us"]), 3)
+            _put_floor(row, extra["floor_us"])
         self.rows.append(row)
         print(f"[{self.name}] {case} {extra.get('variant', '')} {impl}: {row['error']}", flush=True)
         return row
@@ -559,15 +576,18 @@ class Results:
                   f"{(end / start - 1) * 100:.1f}% high", file=sys.stderr, flush=True)
             return start
         self.ceilings["copy_TBps"] = end
-        for row, fl in self._floors:
-            fl = fl.with_copy(end)
-            row["floor_us"] = round(float(fl), 3)
-            if "us" in row:
-                row["frac_of_floor"] = round(float(fl) / float(row["us"]), 4)
+        self.refloor(lambda fl: fl.with_copy(end))
         if end > start * (1 + COPY_DRIFT):
             print(f"[{self.name}] the copy ceiling read {start} TB/s at the start of this run and {end} at its end "
                   f"(a spell of low readings): the floors take {end}", file=sys.stderr, flush=True)
         return end
+
+    def refloor(self, derive: Callable[[Floor], Floor]) -> None:
+        """Every row added with a :class:`Floor` takes the floor ``derive`` makes of it (``with_copy``: another copy
+        reading; ``with_extra``: another launch term), and its fraction again; later derivations start from it."""
+        self._floors = [(row, derive(fl)) for row, fl in self._floors]
+        for row, fl in self._floors:
+            _put_floor(row, fl, row.get("us"))
 
     def finish(self, *, x: str = "case", group: str | None = "variant", y: str = "us",
                columns: Sequence[str] | None = None, plot: bool = True, logy: bool = True,
