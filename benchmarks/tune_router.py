@@ -220,19 +220,25 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
     # column tile, each reading its weight columns; the first to reach a line brings it to L2): M = 4's tiles ran
     # Qwen3 / K4096 / LongCat-Lite in 2.0 / 3.2 / 3.4 us where the M = 16 entries read 3.3 / 4.5 / 5.0 (BG4), and a
     # 16-row fat tile holds four times the accumulators (fp32-splitk at 16 x 16 x 64: 9.7-12.0 us at those three).
+    # Round BH: BG5's four-row tiles lost at K4096 and LongCat-Lite, where their 384 / 768 programs read 25 / 38 MB
+    # from L2 (x once a column tile, the weight once a row tile) against Qwen3's 8; tiles eight rows high halve the
+    # weight's share, four or eight columns wide halve x's or more, each at 64 accumulators a thread (or 32).
     if bm <= 4:
-        height, deep = bm, True
-        fat = ((1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 8), (4, 1024, 8),
-               (1, 2048, 8), (2, 512, 2), (2, 1024, 2), (2, 2048, 4))
+        fat = {bm: ((1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 4), (2, 1024, 8), (4, 512, 8), (4, 1024, 8),
+                    (1, 2048, 8), (2, 512, 2), (2, 1024, 2), (2, 2048, 4))}
     else:
-        height, deep = 4, False
-        fat = ((1, 1024, 4), (2, 1024, 4), (2, 512, 4), (2, 2048, 4), (2, 1024, 2), (4, 512, 8))
-    for bn, bk, warps in fat:
-        for split in (1, 2):
-            steps = math.ceil(math.ceil(k / bk) / split)
-            deeper = (steps + 1,) if deep and 5 <= steps <= 8 else ()
-            for stages in (3 if steps <= 2 else 5,) + deeper:
-                out.append(GemmConfig(height, bn, bk, split, warps, stages, "fp32-splitk"))
+        fat = {4: ((1, 1024, 4), (2, 1024, 4), (2, 512, 4), (2, 2048, 4), (2, 1024, 2), (4, 512, 8), (4, 256, 4),
+                   (8, 256, 4))}
+        if bm > 8:
+            fat[8] = ((2, 1024, 8), (4, 256, 4), (4, 512, 8), (8, 128, 4), (8, 256, 8))
+    for height, shapes in fat.items():
+        for bn, bk, warps in shapes:
+            # the widest tiles make the fewest programs (48 of 8 x 8 at K4096): a four-way K split too
+            for split in (1, 2, 4) if height * bn >= 64 else (1, 2):
+                steps = math.ceil(math.ceil(k / bk) / split)
+                deeper = (steps + 1,) if height == bm and 5 <= steps <= 8 else ()
+                for stages in (3 if steps <= 2 else 5,) + deeper:
+                    out.append(GemmConfig(height, bn, bk, split, warps, stages, "fp32-splitk"))
     return _distinct_launches(out, m, n, k, terms)
 
 

@@ -31,7 +31,7 @@ from evenflow.router import dispatch
 from evenflow.router.dispatch import GemmConfig
 from evenflow.router.gemm import launch_shape
 from evenflow.testing import assert_fp32_gemm_within_bound, assert_within_rule, poisoned
-from tests_support_router import load_tuner, router_inputs, run_fp32_config
+from tests_support_router import load_benchmark, load_tuner, router_inputs, run_fp32_config
 
 
 def _cfg(bm, bn, bk, split, warps=4, stages=3):
@@ -57,6 +57,7 @@ CASES = [
     (3, 24, 96, _cfg(4, 8, 16, 6, 2, 2)),      # BLOCK_M > M (masked rows), 2 warps, 2 stages
     (20, 9, 130, _cfg(8, 4, 32, 2)),           # several row tiles (M one past 2 x 8 + 4), K tail
     (16, 10, 384, _cfg(4, 2, 128, 1, 4, 5)),   # a fat tile four rows high at M = 16: row tiles over the grid
+    (13, 11, 320, _cfg(8, 4, 64, 2, 4, 3)),    # eight rows high, two row tiles (the second masked), split 2
     (16, 33, 256, _cfg(16, 2, 16, 5, 4, 4)),   # uneven split: 16 blocks in 5 slices (4, 4, 4, 4)
     (5, 70, 64, _cfg(8, 16, 64, 1)),           # no split: direct store, no counter
     (2, 12, 640, _cfg(2, 4, 16, 40, 1, 3)),    # 32 + 8 splits: two reduction chunks (RED_CHUNK 32), 1 warp
@@ -306,10 +307,15 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
             # 1.5 and 3 programs an SM for each register block; at M <= 4 also the fat tiles (round AG2), on 2 warps
             # and with deeper pipelines too (round AU)
             bm = min(16, 1 << (m - 1).bit_length())
-            # round BG: past M = 4 also the fat tiles four rows high, their row tiles over the grid
+            # round BG: past M = 4 also the fat tiles four rows high, their row tiles over the grid; round BH: past
+            # M = 8 eight rows high too, each at 64 accumulators a thread
             own = [c for c in sk if c.block_m == bm]
             assert 4 <= len(own) <= (12 if m > 4 else 44)
-            assert all(c.block_m == 4 and c.split_k <= 2 for c in sk if c.block_m != bm) and (m <= 4) == (own == sk)
+            fat = [c for c in sk if c.block_m != bm]
+            assert all(c.block_m in (4, 8) and c.block_m < bm and c.split_k <= (4 if c.block_m * c.block_n >= 64 else 2)
+                       for c in fat) and (m <= 4) == (own == sk)
+            assert all(c.block_n * c.block_k <= 8 * 32 * c.num_warps for c in fat if c.block_m == 8)
+            assert (m > 8) == any(c.block_m == 8 for c in fat)
             # round AH: an fp32-tc twin of every tensor tile of <= 64 weights a thread a K step, and no other
             fits = lambda c: c.block_n * c.block_k <= 64 * 32 * c.num_warps  # noqa: E731
             tile = lambda c: (c.block_m, c.block_n, c.block_k, c.split_k, c.num_warps)  # noqa: E731
@@ -515,3 +521,31 @@ def test_gpu_torch_compile_fullgraph_dispatches_splitk(monkeypatch):
     got = torch.compile(f, fullgraph=True)(x)
     assert torch.equal(got, f(x))
     assert _counters_zero(rw)
+
+
+def test_router_chain_probe_sweeps_hold_what_they_claim():
+    # benchmarks/probe_router_chain.py (round BH) reads each sweep as varying one thing; what launches must agree.
+    probe = load_benchmark("probe_router_chain")
+    sms = 132
+    pts = probe.sweeps(sms)
+
+    def shape(m, n, k, c):
+        return launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)
+
+    intake = [p for p in pts if p[0] == "intake"]
+    for per_sm in (1, 2, 3):  # whole programs an SM, each over all of K (no split), its own weight columns
+        run = [p for p in intake if p[2] == 2 * sms * per_sm]
+        assert len(run) == 4
+        for _, m, n, k, c in run:
+            k_split, split, grid = shape(m, n, k, c)
+            assert split == 1 and k_split == k and grid[0] == sms * per_sm
+            assert probe.kb_into_busiest_sm(m, n, k, c, sms) == per_sm * 16 * k / 1024
+    rows = [p for p in pts if p[0] == "rows"]
+    # the weight's DRAM bytes held (one N and K, one weight), the programs (and the L2 bytes into an SM) growing with M
+    assert len({(n, k) for _, _, n, k, _ in rows}) == 1
+    kbs = [probe.kb_into_busiest_sm(m, n, k, c, sms) for _, m, n, k, c in rows]
+    assert [shape(m, n, k, c)[2][0] for _, m, n, k, c in rows] == [96, 192, 288, 384] and kbs == sorted(kbs)
+    chain = [p for p in pts if p[0] == "chain"]
+    for _, m, n, k, c in chain:  # one 64-wide K step a split: the split is all that grows
+        k_split, split, grid = shape(m, n, k, c)
+        assert k_split == 64 and split == c.split_k and grid == (96, c.split_k)

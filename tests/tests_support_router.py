@@ -27,10 +27,15 @@ def run_fp32_config(x, w, cfg, what):
     return rw
 
 
-def load_tuner():
-    """``benchmarks/tune_router.py`` as a module (its candidate lists are what the tests build and compile)."""
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "tune_router.py"
-    spec = importlib.util.spec_from_file_location("tune_router", path)
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` as a module."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def load_tuner():
+    """``benchmarks/tune_router.py`` as a module (its candidate lists are what the tests build and compile)."""
+    return load_benchmark("tune_router")
