@@ -50,13 +50,7 @@ import torch  # noqa: E402
 import evenflow  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 from evenflow.reference import router as R  # noqa: E402
-from evenflow.router.dispatch import (  # noqa: E402
-    KERNEL_PATHS,
-    LAUNCHES,
-    SPLIT_K_PATHS,
-    GemmConfig,
-    splitk_reg_steps,
-)
+from evenflow.router.dispatch import KERNEL_PATHS, LAUNCHES, SPLIT_K_PATHS, GemmConfig  # noqa: E402
 from evenflow.testing import error_bound  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
@@ -243,10 +237,7 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
             for split in (1, 2, 4) if height * bn >= 64 else (1, 2):
                 steps = math.ceil(math.ceil(k / bk) / split)
                 deeper = (steps + 1,) if height == bm and 5 <= steps <= 8 else ()
-                # round BH: the register form (1 stage, every step loaded before the first FMA) where it applies
-                k_split = math.ceil(math.ceil(k / bk) / split) * bk
-                reg = (1,) if splitk_reg_steps(k_split, height, bn, bk, warps, 1) else ()
-                for stages in (3 if steps <= 2 else 5,) + deeper + reg:
+                for stages in (3 if steps <= 2 else 5,) + deeper:
                     out.append(GemmConfig(height, bn, bk, split, warps, stages, "fp32-splitk"))
     return _distinct_launches(out, m, n, k, terms)
 

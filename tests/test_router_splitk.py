@@ -21,8 +21,6 @@ What is checked, and why:
   CUDA-graph capture and replay with changing inputs, flips vs cuBLAS FP32.
 """
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -73,43 +71,6 @@ def test_fp32_splitk_matches_fp64(device, m, n, k, cfg):
     x, w = _inputs(m, n, k, device)
     rw = run_fp32_config(x, w, cfg, f"{cfg} M={m} N={n} K={k}")
     assert _counters_zero(rw)
-
-
-REG_CASES = [
-    # (M, N, K, register-form config): why. Each is also run on the K loop at 3 stages: the same bits.
-    (4, 10, 64, _cfg(4, 2, 16, 1, 4, 1)),     # 4 steps, no split: all loaded first
-    (5, 9, 160, _cfg(4, 2, 16, 4, 2, 1)),     # 10 steps in slices of 3, 3, 3, 1: two dead steps in the last
-    (3, 12, 100, _cfg(4, 4, 32, 2, 4, 1)),    # K tail (EVEN_K False): 4 steps in slices of 2, the last cut mid-step
-    (16, 6, 96, _cfg(8, 2, 32, 1, 4, 1)),     # 3 steps, two row tiles
-]
-
-
-@pytest.mark.parametrize("m,n,k,cfg", REG_CASES,
-                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-{c[3].block_m}x{c[3].block_n}x{c[3].block_k}-s{c[3].split_k}"
-                              for c in REG_CASES])
-def test_fp32_splitk_register_form_is_the_loop_bit_for_bit(device, m, n, k, cfg):
-    # round BH: at 1 stage and <= 4 K steps a program the kernel loads every step into registers before its
-    # first FMA; the FMAs run in the loop's order, so the output is the loop's to the bit, and within the bound
-    k_split, split, _ = launch_shape(m, n, k, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k)
-    steps = -(-k_split // cfg.block_k)
-    c1 = (k_split, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps)
-    assert dispatch.splitk_reg_steps(*c1, 1) == steps > 0 and dispatch.splitk_reg_steps(*c1, 3) == 0
-    x, w = _inputs(m, n, k, device)
-    rw = run_fp32_config(x, w, cfg, f"{cfg} M={m} N={n} K={k}")
-    looped = evenflow.router_gemm(x, rw, config=replace(cfg, num_stages=3))
-    assert torch.equal(evenflow.router_gemm(x, rw, config=cfg), looped)
-    assert _counters_zero(rw)
-
-
-def test_fp32_splitk_register_form_only_where_it_holds():
-    # at 1 stage, at most SPLITK_REG_STEPS_MAX steps, and a thread's tiles and accumulators within SPLITK_REG_WORDS;
-    # else the loop
-    reg = dispatch.splitk_reg_steps
-    assert reg(4 * 1024, 4, 2, 1024, 4, 1) == 4           # 128 words of tiles + 64 accumulators: 192
-    assert reg(4 * 1024, 4, 2, 1024, 2, 1) == 0           # the same on 2 warps: 384 (its sm_90 build spilled)
-    assert reg(5 * 64, 4, 2, 64, 4, 1) == 0               # five steps
-    assert reg(4 * 64 - 8, 4, 2, 64, 4, 1) == 4           # a K tail still counts its step
-    assert reg(64, 4, 2, 64, 4, 2) == 0                   # two stages: the pipelined loop
 
 
 @pytest.mark.parametrize("cfg,m,k", [(GemmConfig(4, 2, 32, 1, 2, 1, "fp32-simt"), 6, 80), (_cfg(8, 4, 16, 3), 7, 96)],
@@ -349,15 +310,7 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
             # round BG: past M = 4 also the fat tiles four rows high, their row tiles over the grid; round BH: past
             # M = 8 eight rows high too, each at 64 accumulators a thread
             own = [c for c in sk if c.block_m == bm]
-            assert 4 <= len(own) <= (12 if m > 4 else 60)
-            # round BH: register-form twins (1 stage) of fat tiles, only where a program has <= 4 K steps
-            steps = {c: -(-launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0] // c.block_k)
-                     for c in sk}
-            reg = {c for c in sk if c.num_stages == 1}
-            assert reg and all(dispatch.splitk_reg_steps(steps[c] * c.block_k, c.block_m, c.block_n, c.block_k,
-                                                         c.num_warps, 1) > 0 for c in reg)
-            looped = {replace(c, num_stages=1) for c in sk if c.num_stages > 1}
-            assert reg <= looped  # each beside its pipelined twin: the tuner times the two forms of one tile
+            assert 4 <= len(own) <= (12 if m > 4 else 44)
             fat = [c for c in sk if c.block_m != bm]
             assert all(c.block_m in (4, 8) and c.block_m < bm and c.split_k <= (4 if c.block_m * c.block_n >= 64 else 2)
                        for c in fat) and (m <= 4) == (own == sk)
@@ -402,9 +355,8 @@ def _all_splitk_configs():
     for k, n in SHAPES.values():
         for m in (1, 2, 4, 8, 16):
             for c in tuner.splitk_candidates(m, n, k, 132):
-                k_split, split, _ = launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)
-                key = (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, split > 1,
-                       dispatch.splitk_reg_steps(k_split, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages))
+                split = launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[1]
+                key = (c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, split > 1)
                 out.setdefault(key, (c, m, n, k))
     return list(out.values())
 
@@ -432,17 +384,8 @@ def test_splitk_configs_compile_for_sm90_without_spills():
         assert s["shared"] <= dispatch.SMEM_LIMIT, s["describe"]
         even = "EVEN_K=True" in s["describe"]
         piped = any(any(op.startswith("LDGSTS") for op in lp["ops"]) for lp in s["loops"])
-        if "REG_STEPS=0" in s["describe"]:
-            # the K loop streams through cp.async (the pipeliner took the loads) wherever K is even
-            assert piped or not even, f"{s['describe']}: no cp.async in any loop"
-        else:
-            # round BH's register form: no K loop through shared memory, its steps' loads all ahead of the first FMA
-            assert not piped and s["marks"]["cp.async"] < 0, f"{s['describe']}: cp.async in the register form"
-            assert not any("FFMA" in op for lp in s["loops"] for op in lp["ops"]), f"{s['describe']}: an FMA loop"
-            before, loads = s["ldg_before_ffma"]
-            # unsplit, every global load is a K step's; split, the last program's partial loads come after
-            assert before == loads if "HAS_SPLIT=False" in s["describe"] else 0 < before < loads, s["describe"]
-    assert any("REG_STEPS=0" not in s["describe"] for s in stats)
+        # the K loop streams through cp.async (the pipeliner took the loads) wherever K is even
+        assert piped or not even, f"{s['describe']}: no cp.async in any loop"
 
 
 # ----------------------------------------------------------------------------- GPU, real shapes

@@ -229,8 +229,7 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
 
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
     ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
-    (SASS instruction counts per loop trip, :func:`sass_loops`), ``ldg_before_ffma``
-    (:func:`loads_before_first`) and ``mma`` (which MMA
+    (SASS instruction counts per loop trip, :func:`sass_loops`) and ``mma`` (which MMA
     instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`); or ``error``
     when the launch does not compile.
     """
@@ -282,8 +281,9 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return (int(regs[-1]) if regs else -1), (int(spill[-1]) if spill else 0)
 
 
-def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
-    """A cubin's SASS in address order, each instruction as (address, opcode, operands), predicates
+def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
+    """The loops of a cubin's SASS, largest first: one list per backward branch of its body's
+    instructions from the branch target to the branch, each as (opcode, operands), predicates
     dropped (the opcode stops at the first lower-case letter: ``HGMMA.64`` + ``x128x16.F32 R24, ...``)."""
     import re
 
@@ -295,29 +295,11 @@ def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
         with open(src, "wb") as f:
             f.write(cubin)
         text = subprocess.run([tool, "-sass", src], capture_output=True, text=True, check=True).stdout
-    insts = []
+    insts = []  # (address, opcode, operands)
     for line in text.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
         if m:
             insts.append((int(m.group(1), 16), m.group(2), m.group(3).strip()))
-    return insts
-
-
-def loads_before_first(insts: list[tuple[int, str, str]], load: str = "LDG", compute: str = "FFMA") -> list[int]:
-    """[global loads issued before the first ``compute`` instruction, global loads in all] of a kernel's
-    SASS (address order): how far a straight-line kernel put its loads ahead of its arithmetic."""
-    ops = [op for _, op, _ in insts]
-    first = next((i for i, op in enumerate(ops) if op.startswith(compute)), len(ops))
-    return [sum(op.startswith(load) for op in ops[:first]), sum(op.startswith(load) for op in ops)]
-
-
-def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
-    """The loops of a cubin's SASS, largest first: one list per backward branch of its body's
-    instructions from the branch target to the branch, each as (opcode, operands), predicates
-    dropped (the opcode stops at the first lower-case letter: ``HGMMA.64`` + ``x128x16.F32 R24, ...``)."""
-    import re
-
-    insts = sass_instructions(cubin)
     loops = []
     for addr, op, args in insts:
         tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
@@ -376,7 +358,6 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
-                                 "ldg_before_ffma": loads_before_first(sass_instructions(compiled.asm["cubin"])),
                                  "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):

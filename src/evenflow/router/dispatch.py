@@ -192,24 +192,6 @@ class GemmConfig:
         return cls(**{k: d[k] for k in d if k in cls.__dataclass_fields__})
 
 
-SPLITK_REG_STEPS_MAX = 4
-SPLITK_REG_WORDS = 192  # a thread's loaded tiles and accumulators, in 32-bit words: sm_90 builds at 192 take 168
-                        # registers without a spill (4 x 2 x 1024 on 4 warps, 4 steps); 384 spilled 5.8 KB
-
-
-def splitk_reg_steps(k_split: int, block_m: int, block_n: int, block_k: int, num_warps: int,
-                     num_stages: int) -> int:
-    """The fp32-splitk kernel's register form (round BH): at ``num_stages == 1`` with at most
-    SPLITK_REG_STEPS_MAX K steps a program, and where every step's x (bf16) and weight (fp32) tiles
-    plus the accumulators fit SPLITK_REG_WORDS words a thread, all steps' tiles are loaded into
-    registers before the first FMA (no shared memory). 0 keeps the K loop (pipelined through shared
-    memory from 2 stages, a plain loop at 1 stage). The two forms give the same bits."""
-    steps = -(-k_split // block_k)
-    threads = 32 * num_warps
-    words = (steps * (block_m * block_k // 2 + block_n * block_k) + block_m * block_n * block_k) // threads
-    return steps if num_stages == 1 and steps <= SPLITK_REG_STEPS_MAX and words <= SPLITK_REG_WORDS else 0
-
-
 def splitk_red_chunk(block_m: int, block_n: int, num_warps: int) -> int:
     """fp32-splitk partials loaded per round trip by the last program: its tiles are small
     (BLOCK_M x BLOCK_N <= 2x the thread count: 1-2 registers a partial), so up to 32, and one

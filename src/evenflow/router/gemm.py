@@ -44,7 +44,6 @@ from evenflow.router.dispatch import (
     device_facts,
     smem_limit,
     splitk_red_chunk,
-    splitk_reg_steps,
 )
 from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_fp32_splitk_kernel, router_gemm_kernel
 
@@ -255,7 +254,6 @@ def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, par
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1, EVEN_K=(k % block_k == 0),
         RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages, PREFETCH_W=prefetch_w,
-        REG_STEPS=splitk_reg_steps(k_split, block_m, block_n, block_k, num_warps, num_stages),
         num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 

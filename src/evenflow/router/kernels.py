@@ -277,26 +277,6 @@ def router_gemm_fp32_kernel(
     tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :], acc, mask=m_out)
 
 
-@triton.jit
-def _splitk_step(p_xb, p_wb, k, k_end, o_k, m_m, m_n, EVEN_K: tl.constexpr, MAY_END: tl.constexpr):
-    """One K step's x tile (widened to fp32) and fp32 weight tile at ``k``; zeros past ``k_end``.
-    MAY_END: the step may lie past the slice (else, with EVEN_K, no K mask at all)."""
-    if EVEN_K and not MAY_END:
-        m_xk = m_m[:, None]
-        m_wk = m_n[:, None]
-    elif EVEN_K:  # whole steps: a step is all in or all out of the slice
-        live = k < k_end
-        m_xk = m_m[:, None] & live
-        m_wk = m_n[:, None] & live
-    else:
-        m_k = (k + o_k) < k_end
-        m_xk = m_m[:, None] & m_k[None, :]
-        m_wk = m_n[:, None] & m_k[None, :]
-    b_x = tl.load(p_xb + k, mask=m_xk, other=0.0).to(tl.float32)
-    b_w = tl.load(p_wb + k, mask=m_wk, other=0.0)
-    return b_x, b_w
-
-
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
 def router_gemm_fp32_splitk_kernel(
     p_x, p_w, p_out, p_part, p_count,
@@ -304,7 +284,7 @@ def router_gemm_fp32_splitk_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, RED_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_W: tl.constexpr, REG_STEPS: tl.constexpr = 0,
+    PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight, K split over the GPU, one launch.
 
@@ -318,11 +298,7 @@ def router_gemm_fp32_splitk_kernel(
     its own fp32 FMA chain over the slice's K steps (bf16 x widened exactly, the fp32
     weight as stored: one rounding per step), then one fixed tree sum over the k-lanes.
     The loads are software-pipelined (``tl.range(num_stages=...)``: cp.async into shared
-    memory; a plain ``range`` is not pipelined for loads that feed no dot). With REG_STEPS
-    (1-4: the slice's K steps, round BH) every step's x and weight tiles are loaded into
-    registers first, all in flight at once, and then multiplied in the same order: no shared
-    memory (round BH5's ncu put the pipelined form's intake in its shared-memory path), the
-    same bits as the loop.
+    memory; a plain ``range`` is not pipelined for loads that feed no dot).
     With HAS_SPLIT, the slice's partial goes to ``part``; the tile's counter is bumped
     (acq_rel, after a CTA barrier so every thread's partial store is ordered before the
     release); the program that arrives last sums the NUM_SPLITS partials in split order
@@ -338,27 +314,17 @@ def router_gemm_fp32_splitk_kernel(
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
     p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if REG_STEPS > 0:
-        # every step's loads first (a slice shorter than REG_STEPS steps, the last one, loads zeros past its end
-        # and skips their FMAs), then the FMAs in step order
-        b_x0, b_w0 = _splitk_step(p_xb, p_wb, k_start, k_end, o_k, m_m, m_n, EVEN_K, False)
-        if REG_STEPS > 1:
-            b_x1, b_w1 = _splitk_step(p_xb, p_wb, k_start + BLOCK_K, k_end, o_k, m_m, m_n, EVEN_K, True)
-        if REG_STEPS > 2:
-            b_x2, b_w2 = _splitk_step(p_xb, p_wb, k_start + 2 * BLOCK_K, k_end, o_k, m_m, m_n, EVEN_K, True)
-        if REG_STEPS > 3:
-            b_x3, b_w3 = _splitk_step(p_xb, p_wb, k_start + 3 * BLOCK_K, k_end, o_k, m_m, m_n, EVEN_K, True)
-        acc = tl.fma(b_x0[:, None, :], b_w0[None, :, :], acc)
-        if REG_STEPS > 1:
-            acc = tl.where(k_start + BLOCK_K < k_end, tl.fma(b_x1[:, None, :], b_w1[None, :, :], acc), acc)
-        if REG_STEPS > 2:
-            acc = tl.where(k_start + 2 * BLOCK_K < k_end, tl.fma(b_x2[:, None, :], b_w2[None, :, :], acc), acc)
-        if REG_STEPS > 3:
-            acc = tl.where(k_start + 3 * BLOCK_K < k_end, tl.fma(b_x3[:, None, :], b_w3[None, :, :], acc), acc)
-    else:
-        for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
-            b_x, b_w = _splitk_step(p_xb, p_wb, k, k_end, o_k, m_m, m_n, EVEN_K, False)
-            acc = tl.fma(b_x[:, None, :], b_w[None, :, :], acc)
+    for k in tl.range(k_start, k_end, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            m_xk = m_m[:, None]
+            m_wk = m_n[:, None]
+        else:
+            m_k = (k + o_k) < k_end
+            m_xk = m_m[:, None] & m_k[None, :]
+            m_wk = m_n[:, None] & m_k[None, :]
+        b_x = tl.load(p_xb + k, mask=m_xk, other=0.0).to(tl.float32)
+        b_w = tl.load(p_wb + k, mask=m_wk, other=0.0)
+        acc = tl.fma(b_x[:, None, :], b_w[None, :, :], acc)
     b_out = tl.sum(acc, axis=2)                                          # [BLOCK_M, BLOCK_N]
 
     m_out = m_m[:, None] & m_n[None, :]
