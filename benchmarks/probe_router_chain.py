@@ -1,7 +1,7 @@
 """What sets the small-M router kernel's time: an SM's intake or the split-K reduction? (round BH probe)
 
 Round BH's CPU table (history/round-bh-cpu/) fits the fp32-splitk tuner timings at M = 16 to
-``t ~ t0 + (bytes into the busiest SM) / r`` with r ~ 50 GB/s an SM, plus 1.3-3.1 us for any K split. Three
+``t ~ t0 + (bytes into the busiest SM) / r`` with r ~ 50 GB/s an SM, plus 1.1-3.5 us for a K split. Three
 sweeps on the CUDA-core kernel (``fp32-splitk``, graph replay, rotated copies as the tuner times):
 
   intake: one 4 x 2 x 1024 tile a program, M = 4, N = 264 / 528 / 792 (132 / 264 / 396 programs: 1, 2, 3 an
