@@ -9,8 +9,9 @@ sweeps on the CUDA-core kernel (``fp32-splitk``, graph replay, rotated copies as
           SM's intake sets the time, it grows with the bytes an SM reads, whichever way they come; if each
           program's own chain does, 2 or 3 programs an SM cost no more than one.
   rows:   the same tile at K = 4096, N = 192, M = 4 / 8 / 12 / 16: 96 column tiles, 1-4 row tiles over the grid,
-          so the weight's DRAM bytes stay the same while the bytes an SM reads from L2 grow (the weight columns
-          again for every row tile, x once a program). The intake sweep cannot tell an SM's intake from the DRAM
+          so the weight's DRAM bytes stay the same while the bytes the busiest SM reads from L2 grow, 64 / 128 /
+          192 / 192 KB (1, 2, 3 and 3 programs there: the weight columns again for every row tile, x once a
+          program). The intake sweep cannot tell an SM's intake from the DRAM
           rate (each program there reads its own weight columns); this one can.
   chain:  4 x 2 x 64 tiles (one K step a split), M = 4, N = 192, K = 64 x s for s = 1, 2, 4, 8, 16 splits: the
           bytes are negligible, so the time over s = 1 is the reduction's (partial store, counter, last
