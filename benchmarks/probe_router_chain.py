@@ -19,39 +19,43 @@ sweeps on the CUDA-core kernel (``fp32-splitk``, graph replay, rotated copies as
 
     python benchmarks/probe_router_chain.py [--out DIR]
 
-Prints a table and writes ``probe_router_chain.json`` (rows: sweep, M, N, K, split, programs, KB into the busiest
-SM, us). Rounds BH3 / BH4 ran it before this form, which prints the same points with the launch's own counts.
+Prints a table and writes ``probe_router_chain.json`` in the BENCH.md schema (default folder: the results'
+``sweeps/``): a row a point, impl ``evenflow-fp32splitk``, the router benchmark's floor (the bytes a call moves at
+the copy rate plus an empty kernel's launch), and sweep, M, N, K, split, programs and KB into the busiest SM. Rounds
+BH3 / BH4 ran it in earlier forms: the same points, a raw JSON and a looser error check.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
 
 import torch
 
-import evenflow
-from evenflow.bench import harness as H
-from evenflow.router.dispatch import GemmConfig
-from evenflow.router.gemm import launch_shape
-
-ROTATE_BYTES = 150 << 20
+sys.path.insert(0, os.path.dirname(__file__))
+import evenflow  # noqa: E402
+import router as bench  # noqa: E402  (the router benchmark's bytes a call moves and its rotation size)
+import tune_router as tuner  # noqa: E402  (its timing: graph replay after a check against the tests' rule)
+from evenflow.bench import harness as H  # noqa: E402
+from evenflow.reference import router as R  # noqa: E402
+from evenflow.router.dispatch import GemmConfig  # noqa: E402
+from evenflow.router.gemm import launch_shape  # noqa: E402
+from evenflow.testing import error_bound  # noqa: E402
 
 
 def _time(m: int, n: int, k: int, cfg: GemmConfig) -> float:
-    copies = max(2, min(16, math.ceil(ROTATE_BYTES / (n * k * 4 + m * k * 2))))
+    """Median µs of ``cfg`` as the tuner times it: rotated copies, checked against the fp64 product first."""
+    copies = max(2, min(16, math.ceil(bench.ROTATE_BYTES / bench._call_bytes(m, n, k))))
     ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
     rws = [evenflow.RouterWeight(w) for w in ws]
     xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
     outs = [torch.empty(m, n, device="cuda") for _ in range(copies)]
-    ref = xs[0].double() @ ws[0].double().t()
-    got = evenflow.router_gemm(xs[0], rws[0], outs[0], config=cfg).double()
-    err = (got - ref).abs().max().item()
-    if not err < 1e-3:
-        raise SystemExit(f"{cfg} M={m} N={n} K={k}: max|err| {err:.2e}")
-    return H.time_graph([lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, o, config=cfg)
-                         for x, rw, o in zip(xs, rws, outs)], reps=20)
+    ref = R.router_logits_fp64(xs[0], ws[0])
+    us = tuner._time(cfg, xs, rws, outs, ref, error_bound(ref, R.split_logits_fp32(xs[0], *rws[0].parts),
+                                                          torch.float32))
+    if us is None:
+        raise SystemExit(f"{cfg} M={m} N={n} K={k}: rejected (see above)")
+    return us
 
 
 FAT = GemmConfig(4, 2, 1024, 1, 4, 5, "fp32-splitk")
@@ -77,21 +81,21 @@ def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0])
     if not torch.cuda.is_available():
         raise SystemExit("probe_router_chain needs a CUDA GPU")
-    H.warm_graph_state()
+    ceil = H.measure_ceilings()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = []
+    res = H.Results("probe_router_chain", ceilings=ceil, out=args.out or H.results_dir(None) / "sweeps")
     for sweep, m, n, k, cfg in sweeps(sms):
         us = _time(m, n, k, cfg)
         _, split, grid = launch_shape(m, n, k, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k)
         kb = kb_into_busiest_sm(m, n, k, cfg, sms)
-        rows.append(dict(sweep=sweep, M=m, N=n, K=k, split=split, programs=grid[0] * grid[1], kb_busiest_sm=kb,
-                         us=round(us, 3)))
+        # the router benchmark's floor: the bytes a call moves at the copy rate, plus an empty kernel's launch
+        floor = H.floor_us(bytes_moved=bench._call_bytes(m, n, k), ceilings=ceil, extra_us=ceil["launch_us"])
+        res.add(case=f"{sweep}:M{m}-N{n}-K{k}", variant=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-split{split}",
+                impl="evenflow-fp32splitk", us=us, floor_us=floor, M=m, N=n, K=k, sweep=sweep, split=split,
+                programs=grid[0] * grid[1], kb_busiest_sm=kb)
         print(f"{sweep:7s} M={m:2d} N={n:4d} K={k:5d} split {split:2d} {grid[0] * grid[1]:5d} programs "
               f"{kb:5.0f} KB into the busiest SM  {us:7.3f} us", flush=True)
-    out = args.out or os.environ.get("OUT") or "."
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "probe_router_chain.json"), "w") as f:
-        json.dump({"header": H.header(), "rows": rows}, f, indent=1)
+    res.finish(plot=False)
     return 0
 
 
