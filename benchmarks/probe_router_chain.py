@@ -16,16 +16,13 @@ sweeps on the CUDA-core kernel (``fp32-splitk``, graph replay, rotated copies as
   chain:  4 x 2 x 64 tiles (one K step a split), M = 4, N = 192, K = 64 x s for s = 1, 2, 4, 8, 16 splits: the
           bytes are negligible, so the time over s = 1 is the reduction's (partial store, counter, last
           program's loads).
-  exchange: the chain's points at s = 2-16 under ``reduce="exchange"`` (round BI: a tree of atomic exchanges,
-          log2(s) levels of one L2 round trip each), against the chain's s = 1.
 
     python benchmarks/probe_router_chain.py [--out DIR]
 
 Prints a table and writes ``probe_router_chain.json`` in the BENCH.md schema (default folder: the results'
 ``sweeps/``): a row a point, impl ``evenflow-fp32splitk``, the router benchmark's floor (the bytes a call moves at
-the copy rate plus an empty kernel's launch), and sweep, M, N, K, split, reduce, programs and KB into the busiest SM.
-Rounds BH3 / BH4 ran it in earlier forms: the same points (BI added the exchange), a raw JSON and a looser error
-check.
+the copy rate plus an empty kernel's launch), and sweep, M, N, K, split, programs and KB into the busiest SM. Rounds
+BH3 / BH4 ran it in earlier forms: the same points, a raw JSON and a looser error check.
 """
 from __future__ import annotations
 
@@ -69,8 +66,6 @@ def sweeps(sms: int) -> list[tuple[str, int, int, int, GemmConfig]]:
     out = [("intake", 4, 2 * sms * per_sm, k, FAT) for per_sm in (1, 2, 3) for k in (1024, 2048, 4096, 8192)]
     out += [("rows", m, 192, 4096, FAT) for m in (4, 8, 12, 16)]
     out += [("chain", 4, 192, 64 * s, GemmConfig(4, 2, 64, s, 4, 3, "fp32-splitk")) for s in (1, 2, 4, 8, 16)]
-    out += [("exchange", 4, 192, 64 * s, GemmConfig(4, 2, 64, s, 4, 3, "fp32-splitk", reduce="exchange"))
-            for s in (2, 4, 8, 16)]
     return out
 
 
@@ -95,11 +90,10 @@ def main() -> int:
         kb = kb_into_busiest_sm(m, n, k, cfg, sms)
         # the router benchmark's floor: the bytes a call moves at the copy rate, plus an empty kernel's launch
         floor = H.floor_us(bytes_moved=bench._call_bytes(m, n, k), ceilings=ceil, extra_us=ceil["launch_us"])
-        res.add(case=f"{sweep}:M{m}-N{n}-K{k}",
-                variant=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-split{split}-{cfg.reduce}",
+        res.add(case=f"{sweep}:M{m}-N{n}-K{k}", variant=f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}-split{split}",
                 impl="evenflow-fp32splitk", us=us, floor_us=floor, M=m, N=n, K=k, sweep=sweep, split=split,
-                programs=grid[0] * grid[1], kb_busiest_sm=kb, reduce=cfg.reduce)
-        print(f"{sweep:8s} M={m:2d} N={n:4d} K={k:5d} split {split:2d} {grid[0] * grid[1]:5d} programs "
+                programs=grid[0] * grid[1], kb_busiest_sm=kb)
+        print(f"{sweep:7s} M={m:2d} N={n:4d} K={k:5d} split {split:2d} {grid[0] * grid[1]:5d} programs "
               f"{kb:5.0f} KB into the busiest SM  {us:7.3f} us", flush=True)
     res.finish(plot=False)
     return 0

@@ -127,26 +127,8 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
         # wgmma. <= 32 weights a thread a K step (64 x 32 x 256 on 4 warps, 64 of them, spilled 248 bytes).
         out = [replace(c, path="fp32-tc") for c in out if c.block_n * c.block_k <= 32 * 32 * c.num_warps] + out
     out = splitk_candidates(m, n, k, sms, terms) + _distinct_launches(out, m, n, k, terms) + simt_candidates(m)
-    if m <= 16:
-        out = with_exchange(out, m, n, k)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
-    return out
-
-
-def with_exchange(configs: list[GemmConfig], m: int, n: int, k: int) -> list[GemmConfig]:
-    """``configs`` with, right after each split-K launch of more than one slice, its twin under
-    ``reduce="exchange"`` (round BI: the slices' partials summed by a tree of atomic exchanges, one L2 round trip
-    a level where the counter's chain takes three; BH3 measured that chain at +1.2 us for two slices). Offered at
-    M <= 16, where the chain is a large share of a call; the twin follows its original so a budget cut takes
-    both or neither."""
-    from evenflow.router.gemm import launch_shape
-
-    out = []
-    for c in configs:
-        out.append(c)
-        if c.path in SPLIT_K_PATHS and launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[1] > 1:
-            out.append(replace(c, reduce="exchange"))
     return out
 
 
@@ -262,8 +244,7 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
 
 def _short(c: GemmConfig) -> str:
     return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} "
-            f"stages {c.num_stages}" + (f" {c.reduce}" if c.reduce != "counter" else "")
-            if c.path in KERNEL_PATHS else c.path)
+            f"stages {c.num_stages}" if c.path in KERNEL_PATHS else c.path)
 
 
 def _distinct_launches(configs, m, n, k, terms):
@@ -274,7 +255,7 @@ def _distinct_launches(configs, m, n, k, terms):
 
     seen, kept = set(), []
     for c in (c.fit_smem(terms) for c in configs):
-        key = (c.path, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.reduce,
+        key = (c.path, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
                launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0])
         if key not in seen:
             seen.add(key)
@@ -586,11 +567,11 @@ def main() -> int:
                                 else len(CASES), e["K"], e["N"], e.get("terms", 3), e["m_max"]))
     table = {"gpu": name, "sms": sms, "header": H.header(), "entries": entries, "batch_invariant": invariant}
     _write_table(table, table_path)
-    print("\n| case | M <= | path | BM | BN | BK | split | warps | stages | reduce | us |")
-    print("|---" * 11 + "|")
+    print("\n| case | M <= | path | BM | BN | BK | split | warps | stages | us |")
+    print("|---" * 10 + "|")
     for case, m, c, us in summary:
         print(f"| {case} | {m} | {c.path} | {c.block_m} | {c.block_n} | {c.block_k} | {c.split_k} | "
-              f"{c.num_warps} | {c.num_stages} | {c.reduce} | {us:.2f} |")
+              f"{c.num_warps} | {c.num_stages} | {us:.2f} |")
     print(f"\nwritten: {table_path}")
     return 0
 

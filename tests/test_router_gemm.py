@@ -256,6 +256,29 @@ def test_router_gemm_default_dispatch_and_large_weights(device):
     _check_gemm(evenflow.router_gemm(x, rw), x, rw, w, "default dispatch")
 
 
+def test_split_op_refuses_a_too_small_workspace(device):
+    # The tensor-core split-K op with a caller's own workspace (as torch.compile passes it): partials [split, M, N]
+    # and one counter a tile, checked before the launch, so no program indexes past them; exactly that much runs.
+    m, n, k = 3, 40, 64
+    x, w = _inputs(m, n, k, device)
+    rw = evenflow.RouterWeight(w)
+    op = torch.ops.evenflow.router_gemm_split.default
+    need_part, need_count = GemmConfig(16, 32, 16, 4, 2, 1).workspace_sizes(m, n, k)
+    assert (need_part, need_count) == (4 * m * n, 2)
+    f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+    for part, count in ((torch.empty(need_part - 1, **f32), torch.zeros(need_count, **i32)),
+                        (torch.empty(need_part, **f32), torch.zeros(need_count - 1, **i32))):
+        with pytest.raises(ValueError, match="workspace too small"):
+            op(x, *rw.parts, torch.empty(m, n, device=device), part, count, 3, 16, 32, 16, 4, 2, 1, False, False,
+               False)
+    out = poisoned((m, n), torch.float32, device)
+    count = torch.zeros(need_count, **i32)
+    op(x, *rw.parts, out, torch.empty(need_part, **f32), count, 3, 16, 32, 16, 4, 2, 1, False, False, False)
+    assert torch.equal(out, evenflow.router_gemm(x, rw, config=GemmConfig(16, 32, 16, 4, 2, 1)))
+    assert int(count.abs().sum()) == 0
+    _check_gemm(out, x, rw, w, "exact-size workspace")
+
+
 def test_router_gemm_empty_batch(device):
     rw = evenflow.RouterWeight(torch.randn(8, 32, device=device))
     out = evenflow.router_gemm(torch.empty(0, 32, dtype=torch.bfloat16, device=device), rw)

@@ -230,8 +230,7 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
     ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
     (SASS instruction counts per loop trip, :func:`sass_loops`) and ``mma`` (which MMA
-    instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`), ``atomics``
-    (:func:`ptx_atomics`); or ``error``
+    instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`); or ``error``
     when the launch does not compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
@@ -262,14 +261,6 @@ def ptx_marks(ptx: str) -> dict:
     operations, in straight-line code before any loop."""
     body = ptx[ptx.index(".entry"):]
     return {m: body.find(m) for m in PTX_MARKS}
-
-
-def ptx_atomics(ptx: str) -> list[str]:
-    """The distinct atomic instructions of ``ptx`` (``atom.*`` and ``red.*``, with their qualifiers, e.g.
-    ``atom.global.acq_rel.gpu.add.u32``), sorted."""
-    import re
-
-    return sorted(set(re.findall(r"\b(?:atom|red)\.[a-z0-9_.]+", ptx)))
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -367,8 +358,7 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
-                                 "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
-                                 "atomics": ptx_atomics(compiled.asm["ptx"])})
+                                 "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

@@ -51,12 +51,6 @@ SPLIT_K_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # two row tiles and hurt large ones (docs/perf-notes/router.md). Where supported (compiled kernels on sm_90+);
 # elsewhere every launch is plain.
 LAUNCHES = ("plain", "pdl", "pdl-prefetch")
-# How a split-K launch sums its K slices (round BI, docs/perf-notes/router.md): "counter", every program stores
-# its partial and bumps the tile's counter, the last one reloads the partials and sums them in split order (a
-# fence, an atomic and a reload: three dependent L2 round trips); "exchange", the partials meet in a fixed
-# pairwise tree, one atomic exchange an element a level (``kernels._exchange_splits``). Both deterministic;
-# the same bits at two slices (p0 + p1), different last bits from three. A tuned choice per table entry.
-REDUCES = ("counter", "exchange")
 # Paths whose one fixed config gives bitwise batch-invariant rows (see the module docstring).
 INVARIANT_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # Shared memory one block may use on sm_90 (H100/H200: 227 KB opt-in). The kernels are
@@ -77,18 +71,12 @@ class GemmConfig:
     num_stages: int = 3
     path: str = "triton"
     launch: str = "pdl"
-    reduce: str = "counter"
 
     def __post_init__(self):
         if self.path not in PATHS:
             raise ValueError(f"config.path must be one of {PATHS}, got {self.path!r}")
         if self.launch not in LAUNCHES:
             raise ValueError(f"config.launch must be one of {LAUNCHES}, got {self.launch!r}")
-        if self.reduce not in REDUCES:
-            raise ValueError(f"config.reduce must be one of {REDUCES}, got {self.reduce!r}")
-        if self.reduce != "counter" and self.path not in SPLIT_K_PATHS:
-            raise ValueError(f"config.reduce={self.reduce!r} needs a split-K path {SPLIT_K_PATHS}, "
-                             f"got path {self.path!r}")
         if self.path == "fp32-simt":
             # CUDA-core kernel on the fp32 weight: any power-of-two row/column tile, no split-K.
             for name, lo in (("block_m", 1), ("block_n", 1), ("block_k", 16)):
@@ -184,9 +172,7 @@ class GemmConfig:
         return chunk if splits is None else min(chunk, 1 << max(0, splits - 1).bit_length())
 
     def workspace_sizes(self, m: int, n: int, k: int) -> tuple[int, int]:
-        """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K.
-        ``reduce="exchange"``: no partials; its int64 slots, one a tile element a slice, in the counters'
-        zeroed space (two int32 words each)."""
+        """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K."""
         if self.path not in SPLIT_K_PATHS:
             return 0, 0
         k_split = _cdiv(_cdiv(k, self.split_k), self.block_k) * self.block_k
@@ -194,8 +180,6 @@ class GemmConfig:
         if split <= 1:
             return 0, 0
         tiles = _cdiv(m, self.block_m) * _cdiv(n, self.block_n)
-        if self.reduce == "exchange":
-            return 0, 2 * tiles * split * self.block_m * self.block_n
         if self.path == "fp32-splitk":  # tile-major, padded to whole tiles
             return tiles * split * self.block_m * self.block_n, tiles
         return split * m * n, tiles

@@ -216,16 +216,15 @@ def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
 def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
                   out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
                   block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int, pdl: bool,
-                  prefetch_w: bool, w_fp32: bool = False, exchange: bool = False) -> None:
+                  prefetch_w: bool, w_fp32: bool = False) -> None:
     # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
     # w_fp32 (path fp32-tc): w_hi is the fp32 weight, split in registers; w_lo / w_lo2 are never read.
-    # exchange: reduce="exchange" (the slices' partials summed by a tree of atomic exchanges in count's space).
     m, k = x.shape
     n = w_hi.shape[0]
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
-    _check_workspace(part, count, grid[0], split, block_m, block_n, exchange, padded=False, m=m, n=n)
+    _check_workspace(part, count, split, split * m * n, grid[0])
     router_gemm_kernel[grid](
         x, w_hi, w_lo, w_lo2, out, part, count,
         m, n, k, k_split, split,
@@ -233,41 +232,34 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
         RED_CHUNK=GemmConfig(block_m, block_n, block_k, num_warps=num_warps).red_chunk(split),
-        PREFETCH_W=prefetch_w, W_FP32=w_fp32, RED_XCHG=exchange,
+        PREFETCH_W=prefetch_w, W_FP32=w_fp32,
         num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 
 def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, part: torch.Tensor,
                         count: torch.Tensor, block_m: int, block_n: int, block_k: int, split_k: int,
-                        num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool, exchange: bool = False) -> None:
+                        num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool) -> None:
     m, k = x.shape
     n = w.shape[0]
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
-    _check_workspace(part, count, grid[0], split, block_m, block_n, exchange, padded=True, m=m, n=n)
+    _check_workspace(part, count, split, grid[0] * split * block_m * block_n, grid[0])  # tile-major, padded
     router_gemm_fp32_splitk_kernel[grid](
         x, w, out, part, count,
         m, n, k, k_split, split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1, EVEN_K=(k % block_k == 0),
         RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages, PREFETCH_W=prefetch_w,
-        RED_XCHG=exchange, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
+        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 
-def _check_workspace(part: torch.Tensor, count: torch.Tensor, tiles: int, split: int, block_m: int, block_n: int,
-                     exchange: bool, padded: bool, m: int, n: int) -> None:
-    """Never index past the split-K workspace (a caller may pass its own, e.g. through the custom op):
-    ``GemmConfig.workspace_sizes``'s counts, from the launch's own tiles and slices."""
-    if split <= 1:
-        return
-    if exchange:
-        need_part, need_count = 0, 2 * tiles * split * block_m * block_n
-    else:
-        need_part, need_count = (tiles * block_m * block_n if padded else m * n) * split, tiles
-    if part.numel() < need_part or count.numel() < need_count:
+def _check_workspace(part: torch.Tensor, count: torch.Tensor, split: int, need_part: int, need_count: int) -> None:
+    """Never index past the split-K workspace (a caller may pass its own, e.g. through the custom ops): the partials
+    and counters a launch of ``split`` K slices reads and writes (``GemmConfig.workspace_sizes``'s counts)."""
+    if split > 1 and (part.numel() < need_part or count.numel() < need_count):
         raise ValueError(f"split-K workspace too small: {part.numel()} partials / {count.numel()} counters for "
                          f"{need_part} / {need_count} (size it with RouterWeight.workspace)")
 
@@ -298,7 +290,7 @@ _router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp3
 
 @_router_gemm_op.register_fake
 def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
-      num_stages, pdl, prefetch_w, w_fp32=False, exchange=False):
+      num_stages, pdl, prefetch_w, w_fp32=False):
     return None
 
 
@@ -308,8 +300,7 @@ def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch
 
 
 @_router_gemm_fp32_splitk_op.register_fake
-def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages, pdl, prefetch_w,
-      exchange=False):
+def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages, pdl, prefetch_w):
     return None
 
 
@@ -391,7 +382,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         part, count = w.workspace(m, config)
         (_launch_fp32_splitk if eager else _router_gemm_fp32_splitk_op)(
             x, w.source, out, part, count, config.block_m, config.block_n, config.block_k, config.split_k,
-            config.num_warps, config.num_stages, use_pdl, pf, config.reduce == "exchange")
+            config.num_warps, config.num_stages, use_pdl, pf)
         return out
     if config.path == "torch-fp32":
         torch.mm(x.float(), w.source.detach().t(), out=out)  # a Parameter's autograd refuses out=
@@ -406,8 +397,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         parts = (w.w_hi, w.w_lo, w.parts[-1])
     (_launch_split if eager else _router_gemm_op)(
         x, *parts, out, part, count, w.terms, config.block_m, config.block_n,
-        config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf, config.path == "fp32-tc",
-        config.reduce == "exchange")
+        config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf, config.path == "fp32-tc")
     return out
 
 

@@ -15,9 +15,6 @@ Split-K without float atomics: every program of a tile writes its partial to
 sums the NUM_SPLITS partials *in split order* (so the result never depends on which
 program finished first), writes ``out`` and puts the counter back to zero, so the
 workspace is ready for the next call or CUDA-graph replay without a memset.
-``RED_XCHG`` (``GemmConfig.reduce == "exchange"``, round BI): the partials meet in a fixed pairwise
-tree instead, one atomic exchange an element a level (``_exchange_splits``): no partial store, fence,
-counter or reload, one L2 round trip a level where the counter costs three; still deterministic.
 ``router_gemm_fp32_splitk_kernel`` does the same for small M on CUDA cores from the
 fp32 weight itself (4 bytes a weight, no split of w; docs/perf-notes/router.md, round F).
 
@@ -52,44 +49,6 @@ def _sum_splits(p_split0, split_stride, m_tile, NUM_SPLITS: tl.constexpr, RED_CH
                 live = m_tile & live
             b_sum += tl.load(p_split0 + (s0 + j) * split_stride, mask=live, other=0.0, cache_modifier=".cg")
     return b_sum
-
-
-@triton.jit
-def _exchange_splits(b_val, p_count, i_mn, i_s, live, NUM_SPLITS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's partial tile ``b_val`` summed with the other K slices' by a fixed pairwise tree.
-
-    Level ``step`` (1, 2, 4, ...) pairs the group of splits [a, a + step) with [a + step, a + 2 step) (a a
-    multiple of 2 step). For each element, the carriers of the two groups' sums swap through one int64 slot
-    of the tile's (slot a + step of its NUM_SPLITS; every slot 1..NUM_SPLITS-1 serves exactly one
-    pair of one level): ``atomic_xchg`` leaves the value (bits in the low word, a nonzero high word) and
-    returns what was there. The one that finds 0 came first and is done with that element; the one that finds
-    a value adds it (fp32 addition commutes, so the bits do not depend on who came second), puts the slot back
-    to 0 for the next call or graph replay, and carries the element to the next level. A group with no partner
-    at a level (NUM_SPLITS not a power of two) carries on unchanged. The exchanged value itself is the data, so
-    relaxed atomics suffice: no fence, no counter, no reload. Returns (the sums, the elements this program
-    finished with); ``live`` on entry: the tile's real elements (slots of the others are never touched).
-    The slots, ``[tiles, NUM_SPLITS, BLOCK_M * BLOCK_N]`` int64, are the counters' zeroed space (``p_count``,
-    int32, read as int64: ``GemmConfig.workspace_sizes``)."""
-    TILE: tl.constexpr = BLOCK_M * BLOCK_N
-    o_loc = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    p_tile = p_count.to(tl.pointer_type(tl.int64)) + i_mn.to(tl.int64) * NUM_SPLITS * TILE + o_loc
-    step = 1
-    while step < NUM_SPLITS:
-        grp = i_s // step
-        lead = grp * step
-        upper = (grp % 2) == 1
-        takes = upper | (lead + step < NUM_SPLITS)
-        slot = tl.where(upper, lead, lead + step)
-        mine = live & takes
-        # sign-extended bits: the high word is 1 or all ones, never 0, whatever the value (+0.0 included)
-        packed = b_val.to(tl.int32, bitcast=True).to(tl.int64) | (1 << 32)
-        old = tl.atomic_xchg(p_tile + slot * TILE, packed, mask=mine, sem="relaxed")
-        got = mine & (old != 0)
-        b_val = tl.where(got, b_val + old.to(tl.int32).to(tl.float32, bitcast=True), b_val)
-        tl.store(p_tile + slot * TILE, tl.zeros_like(old), mask=got)
-        live = tl.where(takes, got, live)
-        step *= 2
-    return b_val, live
 
 
 @triton.jit
@@ -179,7 +138,6 @@ def router_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
     RED_CHUNK: tl.constexpr, PDL: tl.constexpr, PREFETCH_W: tl.constexpr, W_FP32: tl.constexpr,
-    RED_XCHG: tl.constexpr = False,
 ):
     """The split-weight GEMM on tensor cores (see the module docstring for the tensors).
 
@@ -258,9 +216,6 @@ def router_gemm_kernel(
     o_out = o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     if not HAS_SPLIT:
         tl.store(p_out + o_out, b_out, mask=m_out)
-    elif RED_XCHG:
-        b_sum, done = _exchange_splits(b_out, p_count, i_mn, i_s, m_out, NUM_SPLITS, BLOCK_M, BLOCK_N)
-        tl.store(p_out + o_out, b_sum, mask=done)
     else:
         o_part = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
         plane = M.to(tl.int64) * N
@@ -329,7 +284,7 @@ def router_gemm_fp32_splitk_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, RED_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_W: tl.constexpr, RED_XCHG: tl.constexpr = False,
+    PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight, K split over the GPU, one launch.
 
@@ -376,9 +331,6 @@ def router_gemm_fp32_splitk_kernel(
     p_outb = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     if not HAS_SPLIT:
         tl.store(p_outb, b_out, mask=m_out)
-    elif RED_XCHG:
-        b_sum, done = _exchange_splits(b_out, p_count, i_mn, i_s, m_out, NUM_SPLITS, BLOCK_M, BLOCK_N)
-        tl.store(p_outb, b_sum, mask=done)
     else:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         o_loc = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
