@@ -1,8 +1,10 @@
 """Argument checks for launchers. Every failure names the argument it is about."""
 from __future__ import annotations
 
+import functools
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -127,3 +129,27 @@ def check_pdl(pdl, device, allow_none: bool = True, name: str = "pdl") -> None:
     if pdl and not pdl_supported(device):
         raise ValueError(f"{name}=True: programmatic dependent launch needs compiled kernels on an sm_90+ GPU, "
                          f"not {device}" + ("; pass None (automatic) or False" if allow_none else "; pass False"))
+
+
+def checked_op(launch: Callable, check: Callable[[dict], None]) -> Callable:
+    """``launch`` with ``check`` run first on its arguments (a dict of name -> value, defaults filled in).
+
+    For the functions registered as ``torch.ops.evenflow.*`` custom ops: compiled code calls them, and so can
+    anyone. The public functions check every argument before they call the launchers (eager calls skip the op,
+    whose dispatch costs tens of microseconds), so these checks cover a direct call of an op with tensors of its
+    caller's making: each tensor a kernel indexes, against the extents the launch derives from the others. They
+    cannot see the values inside index tensors or a plan's buffers without a host sync; the kernels clamp or mask
+    those where the public functions document it. The op's schema is ``launch``'s."""
+    sig = inspect.signature(launch)
+
+    @functools.wraps(launch)
+    def op(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        check(bound.arguments)
+        return launch(*args, **kwargs)
+
+    # the schema from evaluated annotations (a module of ``from __future__ import annotations`` keeps them as
+    # strings, which the op's inference would resolve in this module)
+    op.__signature__ = inspect.signature(launch, eval_str=True)
+    return op

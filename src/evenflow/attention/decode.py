@@ -45,7 +45,7 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_out, check_scaling, check_tensor
+from evenflow._checks import check_bool, check_int, check_out, check_scaling, check_tensor, checked_op
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import (
     DEFAULT_PROGRAMS_PER_SM,
@@ -197,17 +197,23 @@ def gluon_fp8_refusal(q: torch.Tensor, k_cache: torch.Tensor, plan: DecodePlan |
     machine = gluon_fp8_machine_refusal(q.device)
     if machine is not None:
         return machine, False
+    call = gluon_fp8_call_refusal(q, k_cache, rows)
+    return None if call is None else (call, True)
+
+
+def gluon_fp8_call_refusal(q: torch.Tensor, k_cache: torch.Tensor, rows: int) -> str | None:
+    """Why a call's own q, cache and GQA group keep it from the Gluon fp8 kernel, or None (``gluon_fp8_refusal``)."""
     if k_cache.dtype != FP8:
-        return f"the cache is {k_cache.dtype}, not float8_e4m3fn", True
+        return f"the cache is {k_cache.dtype}, not float8_e4m3fn"
     if q.dtype != torch.bfloat16 and not (q.dtype == FP8 and GLUON_FP8_Q):
-        return f"q is {q.dtype}, not bfloat16" + (" (decode.GLUON_FP8_Q is off)" if q.dtype == FP8 else ""), True
+        return f"q is {q.dtype}, not bfloat16" + (" (decode.GLUON_FP8_Q is off)" if q.dtype == FP8 else "")
     head_out, rows_out = gluon_fp8_shape_misses(k_cache.shape[3], rows)
     if head_out:
-        return f"head_dim is {k_cache.shape[3]}, not {GLUON_FP8_HEAD_DIM}", True
+        return f"head_dim is {k_cache.shape[3]}, not {GLUON_FP8_HEAD_DIM}"
     if k_cache.shape[1] not in GLUON_FP8_PAGE_SIZES:  # (decode_attention refuses a cache of another page size)
-        return f"the cache's pages hold {k_cache.shape[1]} tokens", True
+        return f"the cache's pages hold {k_cache.shape[1]} tokens"
     if rows_out:
-        return f"GQA group x q_len is {rows}, over {GLUON_FP8_MAX_ROWS}", True
+        return f"GQA group x q_len is {rows}, over {GLUON_FP8_MAX_ROWS}"
     return None
 
 
@@ -377,11 +383,59 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     )
 
 
+def _check_decode_op(a: dict) -> None:
+    """A direct call's checks (``checked_op``): the call's tensors as :func:`decode_attention` checks them, and the
+    schedule's buffers sized for the launch (``splits`` > 0: the static split's partials; 0: the plan's, from its
+    ``prog_start``). The values inside a plan's buffers are the kernels' to trust: ``DecodePlan.update`` writes them."""
+    q, k_cache, page_table = a["q"], a["k_cache"], a["page_table"]
+    B, q_len, Hq, D, Hkv = _check(q, k_cache, a["v_cache"], page_table, a["seq_lens"], None, a["q_scale"])
+    dev = q.device
+    if a["q_len"] != q_len:
+        raise ValueError(f"q_len must be q's rows over the batch, {q_len}, got {a['q_len']!r}")
+    check_out("out", a["out"], [B * q_len, Hq, D], torch.bfloat16, dev)
+    if a["lse"] is not None:
+        check_out("lse", a["lse"], [B * q_len, Hq], torch.float32, dev)
+    for name in ("k_scale", "v_scale"):
+        if a[name] is not None:
+            _scale_arg(name, a[name], dev)
+    for name in ("k_scale_f", "v_scale_f", "sm_scale"):
+        check_scaling(name, a[name], positive=True)
+    splits = check_int("splits", a["splits"], 0, 1 << 16)
+    check_int("max_len", a["max_len"], 0, page_table.shape[1] * k_cache.shape[1])
+    rows = Hq // Hkv * q_len
+    if splits > 0:
+        slots, least = (B * Hkv * splits if splits > 1 else 1), {}
+    else:
+        check_tensor("prog_start", a["prog_start"], dtypes=[torch.int32], ndim=1, device=dev, contiguous=True)
+        np_ = a["prog_start"].numel() - 1
+        if np_ < 1:
+            raise ValueError("prog_start must hold at least 2 entries (one program)")
+        slots = 2 * np_
+        least = {"tiles": B, "req_end": B, "meta": 6, "combine_count": np_, "group_count": 2 * np_}
+        if a["stamps"] is not None:
+            check_tensor("stamps", a["stamps"], dtypes=[torch.int64], shape=[np_, K.STAMP_SLOTS], device=dev,
+                         contiguous=True)
+    least.update(part_o=slots * rows * D, part_lse=slots * rows, part_glse=slots * rows)
+    for name in ("tiles", "req_end", "prog_start", "meta", "combine_count", "group_count", "part_o", "part_lse",
+                 "part_glse"):
+        t = check_tensor(name, a[name], dtypes=[torch.float32 if name.startswith("part") else torch.int32],
+                         device=dev, contiguous=True)
+        if t.numel() < least.get(name, 0):
+            raise ValueError(f"{name} must hold at least {least[name]} entries for this launch, got {t.numel()}")
+    for name in ("pdl", "prefetch", "fused", "gluon", "early", "trigger", "warpgroup_mma"):
+        check_bool(name, a[name])
+    if a["gluon"] and splits == 0:
+        why = gluon_fp8_machine_refusal(dev) or gluon_fp8_call_refusal(q, k_cache, rows)
+        if why is not None:
+            raise ValueError(f"gluon=True: the Gluon fp8 kernel does not run this call: {why}")
+
+
 # Registered as a custom op (fake below) for torch.compile; eager calls launch directly,
 # since torch.library's dispatch costs tens of us per call on the host (router notes).
 _decode_op = torch.library.custom_op("evenflow::decode_attention",
                                      mutates_args=("out", "lse", "part_o", "part_lse", "part_glse",
-                                                   "combine_count", "group_count", "stamps"))(_decode_launch)
+                                                   "combine_count", "group_count", "stamps"))(
+    checked_op(_decode_launch, _check_decode_op))
 
 
 @_decode_op.register_fake

@@ -15,7 +15,7 @@ import weakref
 import torch
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_int, check_pdl, check_sixteenths, check_tensor
+from evenflow._checks import check_bool, check_int, check_pdl, check_sixteenths, check_tensor, checked_op
 from evenflow.attention import kernels as K
 
 TILE = 64
@@ -318,9 +318,32 @@ def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: to
     )
 
 
+def _check_plan_update_op(a: dict) -> None:
+    """A direct call's checks (``checked_op``): the plan's buffers hold what the kernel writes for this batch,
+    and the options lie in the ranges ``DecodePlan`` allows."""
+    seq_lens = check_tensor("seq_lens", a["seq_lens"], dtypes=[torch.int32], ndim=1, contiguous=True)
+    dev = seq_lens.device
+    check_int("max_batch", a["max_batch"], 1, MAX_BATCH)
+    B = check_int("seq_lens.shape[0] (batch)", seq_lens.shape[0], 1, a["max_batch"])
+    for name, least in (("tiles", B), ("req_end", B), ("prog_start", 2), ("meta", 6)):
+        t = check_tensor(name, a[name], dtypes=[torch.int32], ndim=1, device=dev, contiguous=True)
+        if t.numel() < least:
+            raise ValueError(f"{name} must hold at least {least} entries, got {t.numel()}")
+    check_int("num_kv_heads", a["num_kv_heads"], 1, 256)
+    check_int("max_seq_len", a["max_seq_len"], 1)
+    check_int("min_tiles", a["min_tiles"], 1)
+    check_int("item_cost", a["item_cost"], 0, MAX_ITEM_COST)
+    check_int("cost_max", a["cost_max"], 1, _NO_COST_LIMIT)
+    check_int("grow16", a["grow16"], 16, 32)
+    check_int("grow_longer16", a["grow_longer16"], 16, 32)
+    for name in ("align_items", "align_longer", "pack_short"):
+        check_bool(name, a[name])
+
+
 # custom op for torch.compile; eager calls launch directly (see attention/decode.py)
 _plan_update_op = torch.library.custom_op("evenflow::decode_plan_update",
-                                          mutates_args=("tiles", "req_end", "prog_start", "meta"))(_plan_update_launch)
+                                          mutates_args=("tiles", "req_end", "prog_start", "meta"))(
+    checked_op(_plan_update_launch, _check_plan_update_op))
 
 
 @_plan_update_op.register_fake

@@ -14,7 +14,16 @@ from dataclasses import dataclass, fields, replace
 import torch
 import triton
 
-from evenflow._checks import check_bool, check_int, check_out, check_pdl, check_same_device, check_scaling, check_tensor
+from evenflow._checks import (
+    check_bool,
+    check_int,
+    check_out,
+    check_pdl,
+    check_same_device,
+    check_scaling,
+    check_tensor,
+    checked_op,
+)
 from evenflow._runtime import (
     dot_needs_fp32,
     fp8_cast_needs_rounding,
@@ -567,8 +576,91 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     )
 
 
-@torch.library.custom_op("evenflow::fused_moe_", mutates_args=("out", "counters"))
-def _fused_moe_op(
+def _check_layer(x, topk_ids, topk_weights, w13, inter, mode, ep_rank, num_experts_total, routed_scaling,
+                 fp8_accum, shared_output, counters, counters_name):
+    """The checks of a layer's call that :func:`fused_moe` and a direct call of its op share: (T, H, the total of
+    experts, whether fp8 MMAs run, the device)."""
+    e_local, h = w13.shape[0], w13.shape[2]
+    check_tensor("x", x, dtypes=[torch.bfloat16], ndim=2, last_dim_contiguous=True)
+    if x.shape[1] != h:
+        raise ValueError(f"x has hidden size {x.shape[1]} but the weights have {h}")
+    t = x.shape[0]
+    check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
+    k = topk_ids.shape[1]
+    if topk_ids.shape[0] != t:
+        raise ValueError(f"topk_ids must have {t} rows (one per token of x), got {topk_ids.shape[0]}")
+    check_int("top_k (topk_ids.shape[1])", k, 1, MAX_TOP_K)
+    check_tensor("topk_weights", topk_weights, dtypes=[torch.float32], shape=[t, k], contiguous=True)
+    check_int("ep_rank", ep_rank, 0)
+    if num_experts_total is None:
+        if ep_rank != 0:
+            raise ValueError("num_experts_total is required when ep_rank > 0")
+        num_experts_total = e_local
+    check_int("num_experts_total", num_experts_total, 1, MAX_EXPERTS)
+    if (ep_rank + 1) * e_local > num_experts_total:
+        raise ValueError(f"ep_rank {ep_rank} with {e_local} local experts needs num_experts_total >= "
+                         f"{(ep_rank + 1) * e_local}, got {num_experts_total}")
+    if num_experts_total % e_local:
+        raise ValueError(f"num_experts_total ({num_experts_total}) must be a multiple of the {e_local} local experts "
+                         "(every rank holds the same number: rank r keeps experts [r * E_local, (r + 1) * E_local))")
+    check_scaling("routed_scaling", routed_scaling)
+    if not isinstance(fp8_accum, str) or fp8_accum not in FP8_ACCUM:
+        raise ValueError(f"fp8_accum must be one of {FP8_ACCUM}, got {fp8_accum!r}")
+    fast_acc = fp8_accum != "exact"
+    if fast_acc and mode == 0:
+        raise ValueError(f"fp8_accum={fp8_accum!r} applies to FP8 weights only; these are bf16 (use the default "
+                         "'exact')")
+    if fast_acc and (h % FAST_ACC_MIN_BLOCK_K or inter % FAST_ACC_MIN_BLOCK_K):
+        raise ValueError(f"fp8_accum={fp8_accum!r} needs hidden ({h}) and intermediate ({inter}) sizes "
+                         f"that are multiples of {FAST_ACC_MIN_BLOCK_K} (fp8 dots take K-steps >= "
+                         f"{FAST_ACC_MIN_BLOCK_K}); use fp8_accum='exact'")
+    if shared_output is not None:
+        check_tensor("shared_output", shared_output, dtypes=[torch.bfloat16, torch.float32], shape=[t, h],
+                     last_dim_contiguous=True)
+    dev = check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13,
+                            shared_output=shared_output)
+    if counters is not None:
+        check_tensor(counters_name, counters, dtypes=[torch.int32], ndim=1, contiguous=True, device=dev)
+    return t, h, num_experts_total, fast_acc, dev
+
+
+def _check_op(a: dict) -> None:
+    """A direct call's checks (``checked_op``): the weights and scales as the :class:`MoEWeights` builders check
+    them (for ``weight_mode``), then what :func:`fused_moe` checks of a call."""
+    mode = check_int("weight_mode", a["weight_mode"], 0, 2)
+    dtype, multiple = (torch.bfloat16, 16) if mode == 0 else (torch.float8_e4m3fn, 16 if mode == 1 else 128)
+    e, h, i = MoEWeights._check_pair(a["w13"], a["w2"], dtype, multiple)
+    dev = a["w13"].device
+    for name in ("w13", "w2"):
+        check_tensor(name, a[name], device=dev, contiguous=True)
+    shapes = {0: {}, 1: {"w13_scale": [e], "w2_scale": [e], "a13_scale": [1], "a2_scale": [1]},
+              2: {"w13_scale": [e, 2 * i // 128, h // 128], "w2_scale": [e, h // 128, i // 128]}}[mode]
+    for name in ("w13_scale", "w2_scale", "a13_scale", "a2_scale"):
+        if name not in shapes:
+            if a[name] is not None:
+                raise ValueError(f"{name} must be None for weight_mode {mode}")
+            continue
+        check_tensor(name, a[name], dtypes=[torch.float32], device=dev, contiguous=True)
+        if list(a[name].shape) != shapes[name] and not (shapes[name] == [1] and a[name].numel() == 1):
+            raise ValueError(f"{name} must have shape {tuple(shapes[name])}, got {tuple(a[name].shape)}")
+    t, _, _, fast_acc, _ = _check_layer(
+        a["x"], a["topk_ids"], a["topk_weights"], a["w13"], i, mode, a["ep_rank"], a["num_experts_total"],
+        a["routed_scaling"], a["fp8_accum"], a["shared_output"], a["counters"], "counters")
+    check_out("out", a["out"], (t, h), torch.bfloat16, dev)
+    if a["config"] is not None:
+        if len(a["config"]) != len(fields(MoEConfig)):
+            raise ValueError(f"config must list the {len(fields(MoEConfig))} fields of MoEConfig, "
+                             f"got {len(a['config'])} values")
+        check_config(MoEConfig.from_list(a["config"]), h, i, mode, fast_acc=fast_acc)
+    for name in ("pdl", "pair_tiles", "defer_split", "local_first"):
+        check_int(name, a[name], -1, 1)
+    if a["persistent"] != -1:
+        check_int("persistent", a["persistent"], 0, MAX_PERSISTENT)
+    if a["pdl"] == 1:
+        check_pdl(True, dev)
+
+
+def _fused_moe_op_launch(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     w13: torch.Tensor, w2: torch.Tensor,
     w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
@@ -584,6 +676,10 @@ def _fused_moe_op(
             ep_rank, num_experts_total, shared_output, routed_scaling, out,
             None if config is None else MoEConfig.from_list(config), pdl, pair_tiles, fp8_accum,
             defer_split, persistent, counters, local_first)
+
+
+_fused_moe_op = torch.library.custom_op("evenflow::fused_moe_", mutates_args=("out", "counters"))(
+    checked_op(_fused_moe_op_launch, _check_op))
 
 
 @_fused_moe_op.register_fake
@@ -659,49 +755,11 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
-    e_local, h = ew.num_experts, ew.hidden_size
-    check_tensor("x", x, dtypes=[torch.bfloat16], ndim=2, last_dim_contiguous=True)
-    if x.shape[1] != h:
-        raise ValueError(f"x has hidden size {x.shape[1]} but the weights have {h}")
-    t = x.shape[0]
-    check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
-    k = topk_ids.shape[1]
-    if topk_ids.shape[0] != t:
-        raise ValueError(f"topk_ids must have {t} rows (one per token of x), got {topk_ids.shape[0]}")
-    check_int("top_k (topk_ids.shape[1])", k, 1, MAX_TOP_K)
-    check_tensor("topk_weights", topk_weights, dtypes=[torch.float32], shape=[t, k], contiguous=True)
-    check_int("ep_rank", ep_rank, 0)
-    if num_experts_total is None:
-        if ep_rank != 0:
-            raise ValueError("num_experts_total is required when ep_rank > 0")
-        num_experts_total = e_local
-    check_int("num_experts_total", num_experts_total, 1, MAX_EXPERTS)
-    if (ep_rank + 1) * e_local > num_experts_total:
-        raise ValueError(f"ep_rank {ep_rank} with {e_local} local experts needs num_experts_total >= "
-                         f"{(ep_rank + 1) * e_local}, got {num_experts_total}")
-    if num_experts_total % e_local:
-        raise ValueError(f"num_experts_total ({num_experts_total}) must be a multiple of the {e_local} local experts "
-                         "(every rank holds the same number: rank r keeps experts [r * E_local, (r + 1) * E_local))")
-    check_scaling("routed_scaling", routed_scaling)
     check_bool("check_ids", check_ids)
-    if not isinstance(fp8_accum, str) or fp8_accum not in FP8_ACCUM:
-        raise ValueError(f"fp8_accum must be one of {FP8_ACCUM}, got {fp8_accum!r}")
-    fast_acc = fp8_accum != "exact"
-    if fast_acc and ew.mode == 0:
-        raise ValueError(f"fp8_accum={fp8_accum!r} applies to FP8 weights only; these are bf16 (use the default "
-                         "'exact')")
-    if fast_acc and (h % FAST_ACC_MIN_BLOCK_K or ew.intermediate_size % FAST_ACC_MIN_BLOCK_K):
-        raise ValueError(f"fp8_accum={fp8_accum!r} needs hidden ({h}) and intermediate ({ew.intermediate_size}) sizes "
-                         f"that are multiples of {FAST_ACC_MIN_BLOCK_K} (fp8 dots take K-steps >= "
-                         f"{FAST_ACC_MIN_BLOCK_K}); use fp8_accum='exact'")
-    if shared_output is not None:
-        check_tensor("shared_output", shared_output, dtypes=[torch.bfloat16, torch.float32], shape=[t, h],
-                     last_dim_contiguous=True)
-    dev = check_same_device(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=ew.w13,
-                            shared_output=shared_output)
-    counters = ew.counters
-    if counters is not None:  # the holder's own buffer; checked since the kernels write it
-        check_tensor("ew.counters", counters, dtypes=[torch.int32], ndim=1, contiguous=True, device=dev)
+    counters = ew.counters  # the holder's own buffer; checked since the kernels write it
+    t, h, num_experts_total, fast_acc, dev = _check_layer(
+        x, topk_ids, topk_weights, ew.w13, ew.intermediate_size, ew.mode, ep_rank, num_experts_total, routed_scaling,
+        fp8_accum, shared_output, counters, "ew.counters")
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     else:

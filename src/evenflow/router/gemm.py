@@ -36,7 +36,7 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_int, check_out, check_pdl, check_tensor
+from evenflow._checks import check_bool, check_choice, check_int, check_out, check_pdl, check_tensor, checked_op
 from evenflow.router.dispatch import (
     INVARIANT_PATHS,
     GemmConfig,
@@ -280,11 +280,60 @@ def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: i
 # The custom ops wrap the launchers for torch.compile / opcheck. Eager calls go to the
 # launchers directly: torch.library's dispatch costs tens of microseconds per call on
 # the host, more than the kernel itself at small M (perf notes, round 5).
-_router_gemm_op = torch.library.custom_op("evenflow::router_gemm_split", _launch_split,
+# Called directly (or by compiled code), an op checks what its kernel indexes first (``checked_op``).
+
+
+def _check_op_tensors(a: dict, weights: tuple[str, ...], w_dtype: torch.dtype) -> tuple[int, int]:
+    """x [M, K] bf16, each of ``weights`` [N, K] of ``w_dtype`` (unit stride along K), out [M, N] fp32, one
+    device; (M, N)."""
+    x = check_tensor("x", a["x"], dtypes=[torch.bfloat16], ndim=2, last_dim_contiguous=True)
+    m, k = x.shape
+    n = a[weights[0]].shape[0] if isinstance(a[weights[0]], torch.Tensor) and a[weights[0]].dim() == 2 else None
+    for name in weights:
+        check_tensor(name, a[name], dtypes=[w_dtype], ndim=2, shape=[n, k], device=x.device, last_dim_contiguous=True)
+    check_out("out", a["out"], (m, n), torch.float32, x.device)
+    check_pdl(a["pdl"], x.device, allow_none=False)
+    check_pdl(a["prefetch_w"], x.device, allow_none=False, name="prefetch_w")
+    return m, n
+
+
+def _check_op_workspace(a: dict) -> None:
+    check_tensor("part", a["part"], dtypes=[torch.float32], device=a["x"].device, contiguous=True)
+    check_tensor("count", a["count"], dtypes=[torch.int32], device=a["x"].device, contiguous=True)
+
+
+def _check_split_op(a: dict) -> None:
+    check_bool("w_fp32", a["w_fp32"])
+    check_choice("num_terms", a["num_terms"], (2, 3))
+    # every term is addressed with w_hi's row stride
+    names = ("w_hi", "w_lo", "w_lo2")
+    _check_op_tensors(a, names, torch.float32 if a["w_fp32"] else torch.bfloat16)
+    for name in names[1:]:
+        if a[name].stride(0) != a["w_hi"].stride(0):
+            raise ValueError(f"{name} must have w_hi's row stride {a['w_hi'].stride(0)}, got {a[name].stride(0)}")
+    GemmConfig(a["block_m"], a["block_n"], a["block_k"], a["split_k"], a["num_warps"], a["num_stages"],
+               "fp32-tc" if a["w_fp32"] else "triton")
+    _check_op_workspace(a)
+
+
+def _check_fp32_op(a: dict) -> None:
+    _check_op_tensors(a, ("w",), torch.float32)
+    GemmConfig(a["block_m"], a["block_n"], a["block_k"], 1, a["num_warps"], a["num_stages"], "fp32-simt")
+
+
+def _check_fp32_splitk_op(a: dict) -> None:
+    _check_op_tensors(a, ("w",), torch.float32)
+    GemmConfig(a["block_m"], a["block_n"], a["block_k"], a["split_k"], a["num_warps"], a["num_stages"],
+               "fp32-splitk")
+    _check_op_workspace(a)
+
+
+_router_gemm_op = torch.library.custom_op("evenflow::router_gemm_split", checked_op(_launch_split, _check_split_op),
                                           mutates_args=("out", "part", "count"))
-_router_gemm_fp32_op = torch.library.custom_op("evenflow::router_gemm_fp32", _launch_fp32,
+_router_gemm_fp32_op = torch.library.custom_op("evenflow::router_gemm_fp32", checked_op(_launch_fp32, _check_fp32_op),
                                                mutates_args=("out",))
-_router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp32_splitk", _launch_fp32_splitk,
+_router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp32_splitk",
+                                                      checked_op(_launch_fp32_splitk, _check_fp32_splitk_op),
                                                       mutates_args=("out", "part", "count"))
 
 

@@ -23,7 +23,16 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_choice, check_int, check_out, check_pdl, check_scaling, check_tensor
+from evenflow._checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_out,
+    check_pdl,
+    check_scaling,
+    check_tensor,
+    checked_op,
+)
 from evenflow.router.gemm import RouterWeight, router_gemm_fresh
 from evenflow.router.kernels import route_topk_kernel
 
@@ -51,7 +60,22 @@ def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
 
 # Eager calls skip torch.library's dispatch (tens of microseconds on the host); torch.compile
 # traces the custom op (see router_gemm).
-_route_topk_op = torch.library.custom_op("evenflow::route_topk", _launch_topk, mutates_args=("ids", "weights"))
+def _check_topk_op(a: dict) -> None:
+    """A direct call's checks (``checked_op``): :func:`select_experts`'s, on the op's arguments."""
+    logits = check_tensor("logits", a["logits"], dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
+    t, e = logits.shape
+    if e < 1:
+        raise ValueError("logits must have at least one expert column")
+    check_bool("is_sigmoid", a["is_sigmoid"])
+    _check_route_args(e, a["top_k"], "sigmoid" if a["is_sigmoid"] else "softmax", a["bias"], a["renormalize"],
+                      a["routed_scaling"], logits.device)
+    check_out("ids", a["ids"], (t, a["top_k"]), torch.int32, logits.device)
+    check_out("weights", a["weights"], (t, a["top_k"]), torch.float32, logits.device)
+    check_pdl(a["pdl"], logits.device, allow_none=False)
+
+
+_route_topk_op = torch.library.custom_op("evenflow::route_topk", checked_op(_launch_topk, _check_topk_op),
+                                         mutates_args=("ids", "weights"))
 
 
 @_route_topk_op.register_fake
