@@ -951,7 +951,7 @@ def test_opcheck(device, fmt, fp8_accum):
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_block"])
 def test_opcheck_deferred_split(device, fmt):
-    """The custom op with a 10-value config that defers a K-split gate-up's reduction to the down
+    """The custom op with a full config list that defers a K-split gate-up's reduction to the down
     GEMM (pair tiles), and with defer_split forced either way; the last split's way counts in the
     holder's counters (a mutated argument), which are zero again after every call."""
     h, i = SIZES[fmt]

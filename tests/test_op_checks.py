@@ -137,6 +137,10 @@ def test_decode_plan_update_op_checks_its_buffers(device, monkeypatch):
     _refused(op, a, "seq_lens must have dtype", seq_lens=sl.long())
     _refused(op, a, "num_kv_heads must be >= 1", num_kv_heads=0)
     _refused(op, a, "min_tiles must be >= 1", min_tiles=0)
+    # DecodePlan's int32 bound on the tile indices (the plan refuses the same options)
+    _refused(op, a, "too large for int32 tile indices", max_seq_len=2**31 - 1, num_kv_heads=256)
+    with pytest.raises(ValueError, match="too large for int32 tile indices"):
+        evenflow.DecodePlan(8, 2**31 - 1, 256, page_size=16, device=device, num_programs=6)
 
 
 @pytest.mark.parametrize("planned", [True, False], ids=["plan", "static"])
@@ -169,6 +173,13 @@ def test_decode_attention_op_checks_its_tensors(device, monkeypatch, planned):
         _refused(op, a, "combine_count must have dtype", combine_count=a["combine_count"].long())
         _refused(op, a, "stamps must have shape", stamps=torch.zeros(1, 1, dtype=torch.int64, device=device))
         _refused(op, a, "gluon=True: the Gluon fp8 kernel does not run this call", gluon=True)
+        # program pid drains bin (pid * bin_stride) % programs: 0 leaves bins undrained, -1 indexes before prog_start
+        for bad, why in ((0, ">= 1"), (-1, ">= 1"), (7, "<= 6")):
+            _refused(op, a, f"bin_stride must be {why}", bin_stride=bad)
+        _refused(op, a, "bin_stride must be prime to the plan's 6 programs", bin_stride=4)
+        out = _fresh_like(a["out"])
+        _replay(op, a, out=out, lse=_fresh_like(a["lse"]), bin_stride=5)  # another stride prime to 6: the same bins
+        assert torch.equal(out, want)
 
 
 # ----------------------------------------------------------------------------- MoE
@@ -204,5 +215,5 @@ def test_fused_moe_op_checks_its_tensors(device, monkeypatch, fmt):
         _refused(op, b, "w13 must have dtype", weight_mode=1)
     else:
         _refused(op, b, "w13_scale must have shape", w13_scale=b["w13_scale"][:1])
-    _refused(op, b, "config must list the", config=[16, 32])
+    _refused(op, b, "config must list 5-13", config=[16, 32])
     _refused(op, b, "pdl must be <= 1", pdl=2)

@@ -412,6 +412,10 @@ def _check_decode_op(a: dict) -> None:
             raise ValueError("prog_start must hold at least 2 entries (one program)")
         slots = 2 * np_
         least = {"tiles": B, "req_end": B, "meta": 6, "combine_count": np_, "group_count": 2 * np_}
+        # program pid drains bin (pid * bin_stride) % programs: a stride prime to the count visits every bin once
+        # (plan.bin_stride is; 0 or a negative stride would leave bins undrained or index before the buffers)
+        if check_int("bin_stride", a["bin_stride"], 1, np_) > 1 and math.gcd(a["bin_stride"], np_) != 1:
+            raise ValueError(f"bin_stride must be prime to the plan's {np_} programs, got {a['bin_stride']}")
         if a["stamps"] is not None:
             check_tensor("stamps", a["stamps"], dtypes=[torch.int64], shape=[np_, K.STAMP_SLOTS], device=dev,
                          contiguous=True)

@@ -333,6 +333,10 @@ def _check_plan_update_op(a: dict) -> None:
     check_int("max_seq_len", a["max_seq_len"], 1)
     check_int("min_tiles", a["min_tiles"], 1)
     check_int("item_cost", a["item_cost"], 0, MAX_ITEM_COST)
+    # DecodePlan's int32 bound on the tile indices the plan writes
+    max_tiles = a["max_batch"] * a["num_kv_heads"] * (math.ceil(a["max_seq_len"] / TILE) + a["item_cost"])
+    if max_tiles + (a["prog_start"].numel() - 1) * (a["min_tiles"] + 1) >= 2**31:
+        raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices ({max_tiles} tiles)")
     check_int("cost_max", a["cost_max"], 1, _NO_COST_LIMIT)
     check_int("grow16", a["grow16"], 16, 32)
     check_int("grow_longer16", a["grow_longer16"], 16, 32)

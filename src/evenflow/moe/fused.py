@@ -9,7 +9,7 @@ import json
 import math
 import os
 import warnings
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 
 import torch
 import triton
@@ -648,8 +648,9 @@ def _check_op(a: dict) -> None:
         a["routed_scaling"], a["fp8_accum"], a["shared_output"], a["counters"], "counters")
     check_out("out", a["out"], (t, h), torch.bfloat16, dev)
     if a["config"] is not None:
-        if len(a["config"]) != len(fields(MoEConfig)):
-            raise ValueError(f"config must list the {len(fields(MoEConfig))} fields of MoEConfig, "
+        required = sum(f.default is MISSING for f in fields(MoEConfig))  # the rest have defaults (older rows)
+        if not required <= len(a["config"]) <= len(fields(MoEConfig)):
+            raise ValueError(f"config must list {required}-{len(fields(MoEConfig))} of MoEConfig's fields in order, "
                              f"got {len(a['config'])} values")
         check_config(MoEConfig.from_list(a["config"]), h, i, mode, fast_acc=fast_acc)
     for name in ("pdl", "pair_tiles", "defer_split", "local_first"):
@@ -755,11 +756,11 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
-    check_bool("check_ids", check_ids)
     counters = ew.counters  # the holder's own buffer; checked since the kernels write it
     t, h, num_experts_total, fast_acc, dev = _check_layer(
         x, topk_ids, topk_weights, ew.w13, ew.intermediate_size, ew.mode, ep_rank, num_experts_total, routed_scaling,
         fp8_accum, shared_output, counters, "ew.counters")
+    check_bool("check_ids", check_ids)
     if out is None:
         out = torch.empty(t, h, dtype=torch.bfloat16, device=dev)
     else:
