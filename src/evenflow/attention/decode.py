@@ -383,6 +383,12 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     )
 
 
+def _static_slots(batch: int, num_kv_heads: int, splits: int) -> int:
+    """Partial slots of the static split: one an (item, split), or one in all where nothing is split (the kernel writes
+    the output directly)."""
+    return batch * num_kv_heads * splits if splits > 1 else 1
+
+
 def _check_decode_op(a: dict) -> None:
     """A direct call's checks (``checked_op``): the call's tensors as :func:`decode_attention` checks them, and the
     schedule's buffers sized for the launch (``splits`` > 0: the static split's partials; 0: the plan's, from its
@@ -404,7 +410,7 @@ def _check_decode_op(a: dict) -> None:
     check_int("max_len", a["max_len"], 0, page_table.shape[1] * k_cache.shape[1])
     rows = Hq // Hkv * q_len
     if splits > 0:
-        slots, least = (B * Hkv * splits if splits > 1 else 1), {}
+        slots, least = _static_slots(B, Hkv, splits), {}
     else:
         check_tensor("prog_start", a["prog_start"], dtypes=[torch.int32], ndim=1, device=dev, contiguous=True)
         np_ = a["prog_start"].numel() - 1
@@ -607,7 +613,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
                    plan.deep_ring_tiles, merge, plan.warpgroup_mma)
     else:
         splits = static_splits(B, Hkv, dev)
-        slots = B * Hkv * splits if splits > 1 else 1
+        slots = _static_slots(B, Hkv, splits)
         part_o = torch.empty(slots, rows, D, dtype=torch.float32, device=dev)
         part_lse = torch.empty(slots, rows, dtype=torch.float32, device=dev)
         dummy = torch.zeros(2, dtype=torch.int32, device=dev)

@@ -318,6 +318,15 @@ def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: to
     )
 
 
+def _check_tile_bound(max_batch: int, num_kv_heads: int, max_seq_len: int, item_cost: int, num_programs: int,
+                      min_tiles: int) -> None:
+    """The plan's tile indices (and each program's budget on top of them) fit int32."""
+    max_tiles = max_batch * num_kv_heads * (math.ceil(max_seq_len / TILE) + item_cost)
+    if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
+        raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
+                         f"({max_tiles} tiles)")
+
+
 def _check_plan_update_op(a: dict) -> None:
     """A direct call's checks (``checked_op``): the plan's buffers hold what the kernel writes for this batch,
     and the options lie in the ranges ``DecodePlan`` allows."""
@@ -333,10 +342,8 @@ def _check_plan_update_op(a: dict) -> None:
     check_int("max_seq_len", a["max_seq_len"], 1)
     check_int("min_tiles", a["min_tiles"], 1)
     check_int("item_cost", a["item_cost"], 0, MAX_ITEM_COST)
-    # DecodePlan's int32 bound on the tile indices the plan writes
-    max_tiles = a["max_batch"] * a["num_kv_heads"] * (math.ceil(a["max_seq_len"] / TILE) + a["item_cost"])
-    if max_tiles + (a["prog_start"].numel() - 1) * (a["min_tiles"] + 1) >= 2**31:
-        raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices ({max_tiles} tiles)")
+    _check_tile_bound(a["max_batch"], a["num_kv_heads"], a["max_seq_len"], a["item_cost"], a["prog_start"].numel() - 1,
+                      a["min_tiles"])
     check_int("cost_max", a["cost_max"], 1, _NO_COST_LIMIT)
     check_int("grow16", a["grow16"], 16, 32)
     check_int("grow_longer16", a["grow_longer16"], 16, 32)
@@ -611,10 +618,7 @@ class DecodePlan:
         check_int("item_cost", item_cost, 0, MAX_ITEM_COST)
         if item_cost_max_tiles is not None:
             check_int("item_cost_max_tiles", item_cost_max_tiles, 1, _NO_COST_LIMIT - 1)
-        max_tiles = max_batch * num_kv_heads * (math.ceil(max_seq_len / TILE) + item_cost)
-        if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
-            raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
-                             f"({max_tiles} tiles)")
+        _check_tile_bound(max_batch, num_kv_heads, max_seq_len, item_cost, num_programs, min_tiles)
         self.max_batch, self.max_seq_len, self.num_kv_heads = max_batch, max_seq_len, num_kv_heads
         self.page_size, self.q_len, self.device = page_size, q_len, dev
         self.kv_dtype, self.q_dtype = kv_dtype, q_dtype  # (None: not said)

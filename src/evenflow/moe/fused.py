@@ -41,6 +41,7 @@ from evenflow.moe.kernels import (
 )
 from evenflow.moe.quant import (
     MIN_GU_BLOCK_N,
+    MODE,
     PAIR_TILE_MAX_PAIRS,
     MoEWeights,
     group_quant_buffers,
@@ -628,21 +629,13 @@ def _check_op(a: dict) -> None:
     """A direct call's checks (``checked_op``): the weights and scales as the :class:`MoEWeights` builders check
     them (for ``weight_mode``), then what :func:`fused_moe` checks of a call."""
     mode = check_int("weight_mode", a["weight_mode"], 0, 2)
-    dtype, multiple = (torch.bfloat16, 16) if mode == 0 else (torch.float8_e4m3fn, 16 if mode == 1 else 128)
-    e, h, i = MoEWeights._check_pair(a["w13"], a["w2"], dtype, multiple)
+    fmt = next(f for f, m in MODE.items() if m == mode)
+    _, h, i = MoEWeights.check_format(fmt, a["w13"], a["w2"], a["w13_scale"], a["w2_scale"], a["a13_scale"],
+                                      a["a2_scale"])
     dev = a["w13"].device
-    for name in ("w13", "w2"):
-        check_tensor(name, a[name], device=dev, contiguous=True)
-    shapes = {0: {}, 1: {"w13_scale": [e], "w2_scale": [e], "a13_scale": [1], "a2_scale": [1]},
-              2: {"w13_scale": [e, 2 * i // 128, h // 128], "w2_scale": [e, h // 128, i // 128]}}[mode]
-    for name in ("w13_scale", "w2_scale", "a13_scale", "a2_scale"):
-        if name not in shapes:
-            if a[name] is not None:
-                raise ValueError(f"{name} must be None for weight_mode {mode}")
-            continue
-        check_tensor(name, a[name], dtypes=[torch.float32], device=dev, contiguous=True)
-        if list(a[name].shape) != shapes[name] and not (shapes[name] == [1] and a[name].numel() == 1):
-            raise ValueError(f"{name} must have shape {tuple(shapes[name])}, got {tuple(a[name].shape)}")
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):  # (the builders make them contiguous; the kernels assume it)
+        if a[name] is not None:
+            check_tensor(name, a[name], contiguous=True, device=dev)
     t, _, _, fast_acc, _ = _check_layer(
         a["x"], a["topk_ids"], a["topk_weights"], a["w13"], i, mode, a["ep_rank"], a["num_experts_total"],
         a["routed_scaling"], a["fp8_accum"], a["shared_output"], a["counters"], "counters")

@@ -141,30 +141,49 @@ class MoEWeights:
         return e, h, i
 
     @classmethod
+    def check_format(cls, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None):
+        """The builder of ``fmt``'s checks of its tensors, (E, H, I); a scale the format does not take must be None.
+        The builders call it, and so does a direct call of the fused MoE op (``fused._check_op``)."""
+        if fmt == "bf16":
+            e, h, i = cls._check_pair(w13, w2, torch.bfloat16, 16)
+            taken = {}
+        elif fmt == "fp8_per_tensor":
+            # the dots are f16 MMAs of the exact e4m3 values ("f16 products", kernels.py): K-steps >= 16
+            e, h, i = cls._check_pair(w13, w2, FP8, 16)
+            check_tensor("w13_scale", w13_scale, dtypes=[torch.float32], shape=[e])
+            check_tensor("w2_scale", w2_scale, dtypes=[torch.float32], shape=[e])
+            taken = {"w13_scale": w13_scale, "w2_scale": w2_scale, "a13_scale": _scalar_scale("a13_scale", a13_scale),
+                     "a2_scale": _scalar_scale("a2_scale", a2_scale)}
+        elif fmt == "fp8_block":
+            e, h, i = cls._check_pair(w13, w2, FP8, 128)
+            check_tensor("w13_scale", w13_scale, dtypes=[torch.float32], shape=[e, 2 * i // 128, h // 128])
+            check_tensor("w2_scale", w2_scale, dtypes=[torch.float32], shape=[e, h // 128, i // 128])
+            taken = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+        else:
+            raise ValueError(f"fmt must be one of {tuple(MODE)}, got {fmt!r}")
+        for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale), ("a13_scale", a13_scale),
+                        ("a2_scale", a2_scale)):
+            if name not in taken and s is not None:
+                raise ValueError(f"{name} must be None for {fmt} weights")
+        check_same_device(w13=w13, **taken)
+        return e, h, i
+
+    @classmethod
     def bf16(cls, w13: torch.Tensor, w2: torch.Tensor) -> MoEWeights:
-        cls._check_pair(w13, w2, torch.bfloat16, 16)
+        cls.check_format("bf16", w13, w2)
         return cls("bf16", w13.contiguous(), w2.contiguous())
 
     @classmethod
     def fp8_per_tensor(cls, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale) -> MoEWeights:
         """FP8 e4m3 weights with per-expert scales and static per-tensor activation scales (Hy3 style)."""
-        # the dots are f16 MMAs of the exact e4m3 values ("f16 products", kernels.py): K-steps >= 16
-        e, _, _ = cls._check_pair(w13, w2, FP8, 16)
-        check_tensor("w13_scale", w13_scale, dtypes=[torch.float32], shape=[e])
-        check_tensor("w2_scale", w2_scale, dtypes=[torch.float32], shape=[e])
-        a13 = _scalar_scale("a13_scale", a13_scale)
-        a2 = _scalar_scale("a2_scale", a2_scale)
-        check_same_device(w13=w13, w13_scale=w13_scale, w2_scale=w2_scale, a13_scale=a13, a2_scale=a2)
+        cls.check_format("fp8_per_tensor", w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
         return cls("fp8_per_tensor", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(),
-                   w2_scale.contiguous(), a13, a2)
+                   w2_scale.contiguous(), a13_scale.reshape(1).contiguous(), a2_scale.reshape(1).contiguous())
 
     @classmethod
     def fp8_block(cls, w13, w2, w13_scale, w2_scale) -> MoEWeights:
         """FP8 e4m3 weights with 128x128 block scales [E, N/128, K/128] (Qwen3-FP8 / DeepSeek style)."""
-        e, h, i = cls._check_pair(w13, w2, FP8, 128)
-        check_tensor("w13_scale", w13_scale, dtypes=[torch.float32], shape=[e, 2 * i // 128, h // 128])
-        check_tensor("w2_scale", w2_scale, dtypes=[torch.float32], shape=[e, h // 128, i // 128])
-        check_same_device(w13=w13, w13_scale=w13_scale, w2_scale=w2_scale)
+        cls.check_format("fp8_block", w13, w2, w13_scale, w2_scale)
         return cls("fp8_block", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(), w2_scale.contiguous())
 
 

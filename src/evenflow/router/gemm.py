@@ -288,9 +288,10 @@ def _check_op_tensors(a: dict, weights: tuple[str, ...], w_dtype: torch.dtype) -
     device; (M, N)."""
     x = check_tensor("x", a["x"], dtypes=[torch.bfloat16], ndim=2, last_dim_contiguous=True)
     m, k = x.shape
-    n = a[weights[0]].shape[0] if isinstance(a[weights[0]], torch.Tensor) and a[weights[0]].dim() == 2 else None
+    n = None  # the first weight's rows, which the others must match
     for name in weights:
-        check_tensor(name, a[name], dtypes=[w_dtype], ndim=2, shape=[n, k], device=x.device, last_dim_contiguous=True)
+        n = check_tensor(name, a[name], dtypes=[w_dtype], shape=[n, k], device=x.device,
+                         last_dim_contiguous=True).shape[0]
     check_out("out", a["out"], (m, n), torch.float32, x.device)
     check_pdl(a["pdl"], x.device, allow_none=False)
     check_pdl(a["prefetch_w"], x.device, allow_none=False, name="prefetch_w")

@@ -62,13 +62,10 @@ def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
 # traces the custom op (see router_gemm).
 def _check_topk_op(a: dict) -> None:
     """A direct call's checks (``checked_op``): :func:`select_experts`'s, on the op's arguments."""
-    logits = check_tensor("logits", a["logits"], dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
-    t, e = logits.shape
-    if e < 1:
-        raise ValueError("logits must have at least one expert column")
+    logits = a["logits"]
     check_bool("is_sigmoid", a["is_sigmoid"])
-    _check_route_args(e, a["top_k"], "sigmoid" if a["is_sigmoid"] else "softmax", a["bias"], a["renormalize"],
-                      a["routed_scaling"], logits.device)
+    t, _ = _check_selection(logits, a["top_k"], "sigmoid" if a["is_sigmoid"] else "softmax", a["bias"],
+                            a["renormalize"], a["routed_scaling"])
     check_out("ids", a["ids"], (t, a["top_k"]), torch.int32, logits.device)
     check_out("weights", a["weights"], (t, a["top_k"]), torch.float32, logits.device)
     check_pdl(a["pdl"], logits.device, allow_none=False)
@@ -96,18 +93,25 @@ def _check_route_args(e: int, top_k, scoring, bias, renormalize, routed_scaling,
     check_scaling("routed_scaling", routed_scaling)
 
 
+def _check_selection(logits, top_k, scoring, bias, renormalize, routed_scaling) -> tuple[int, int]:
+    """fp32 logits [T, E] and the selection's arguments (:func:`select_experts` and a direct call of its op);
+    (T, E)."""
+    check_tensor("logits", logits, dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
+    t, e = logits.shape
+    if e < 1:
+        raise ValueError("logits must have at least one expert column")
+    _check_route_args(e, top_k, scoring, bias, renormalize, routed_scaling, logits.device)
+    return t, e
+
+
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
                    renormalize: bool = True, routed_scaling: float = 1.0,
                    out: tuple[torch.Tensor, torch.Tensor] | None = None, *, pdl: bool | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids int32 [T, top_k], weights fp32 [T, top_k]) from fp32 logits [T, E]; rules in the module doc.
     ``pdl``: programmatic dependent launch, as in :func:`router_gemm` (None: on where supported)."""
-    check_tensor("logits", logits, dtypes=[torch.float32], ndim=2, last_dim_contiguous=True)
+    t, _ = _check_selection(logits, top_k, scoring, bias, renormalize, routed_scaling)
     check_pdl(pdl, logits.device)
-    t, e = logits.shape
-    if e < 1:
-        raise ValueError("logits must have at least one expert column")
-    _check_route_args(e, top_k, scoring, bias, renormalize, routed_scaling, logits.device)
     if out is None:
         ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
         weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
