@@ -47,7 +47,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
          "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2",
          "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot",
          "evenflow-fastacc-gu2dot", "evenflow-promoted-gu2dot", "evenflow-persistdown1", "evenflow-persistdown2",
-         "evenflow-persistdown1n", "evenflow-persistdown2n", "evenflow-af16")
+         "evenflow-persistdown1n", "evenflow-persistdown2n")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -69,9 +69,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # take one dot on index tiles of 64 rows and more; the same launches as evenflow, -fastacc, -promoted on smaller
 # tiles), evenflow-persistdown1 / -persistdown2 (persistent=1, 2 for the down GEMM alone, the gate-up one program
 # per task: evenflow.moe.fused.PERSIST_GEMMS), -persistdown1n / -persistdown2n (the same, the down loop taking a
-# tile's n-blocks in turn: PERSIST_DOWN_N_FASTEST), evenflow-af16 (fp8's exact mode with the quantised activation and
-# the intermediate held as f16 copies of their e4m3 values, no per-warp A conversion in the K loops: fused.A_F16's
-# A/B, round BJ; fp8 only))
+# tile's n-blocks in turn: PERSIST_DOWN_N_FASTEST))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -80,7 +78,7 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   "evenflow-pairs": {"pair_tiles": True}, "evenflow-persist1": {"persistent": 1},
                   "evenflow-persist2": {"persistent": 2}, "evenflow-serialquant": {"_quant_overlap": False},
                   "evenflow-zerokernel": {"_counters": False}, "evenflow-pairorder": {"local_first": False},
-                  "evenflow-gu2dot": {"_gu_one_dot": False}, "evenflow-af16": {"_a_f16": True},
+                  "evenflow-gu2dot": {"_gu_one_dot": False},
                   "evenflow-fastacc-gu2dot": {"fp8_accum": "fast", "_gu_one_dot": False},
                   "evenflow-promoted-gu2dot": {"fp8_accum": "promoted", "_gu_one_dot": False},
                   **{f"evenflow-persistdown{n}{o}": {"persistent": n, "_persist_gemms": ("down",),
@@ -88,7 +86,7 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                      for n in (1, 2) for o in ("", "n")}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
-                   "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_a_f16": "A_F16"}
+                   "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
@@ -322,7 +320,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         kept_counters = kw.pop("_counters", True)  # a property of the weight holder, not a keyword
         if kw.get("fp8_accum", "exact") != "exact" and w.variant == "bf16":
             raise PeerUnavailable(f"not applicable to bf16: fp8_accum={kw['fp8_accum']!r} applies to FP8 weights only")
-        if ("QUANT_OVERLAP" in switches or "A_F16" in switches) and w.variant == "bf16":
+        if "QUANT_OVERLAP" in switches and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-block":
             raise PeerUnavailable("not applicable to fp8-block: its gate-up takes two dots (gate and up scales)")

@@ -1133,36 +1133,3 @@ def test_local_first_equals_pair_order(device, fmt):
         check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {2 * t} pairs", ep_rank=1)
     with pytest.raises(TypeError, match="local_first"):
         evenflow.fused_moe(x, ids, w, ew, local_first=1, **kw)
-
-
-@pytest.mark.parametrize("fmt", ["fp8_per_tensor", "fp8_block"])
-def test_a_f16_storage_equals_default(device, fmt, monkeypatch):
-    """Round BJ's probe switch ``fused.A_F16`` (the exact mode's quantised activation and intermediate held as f16
-    copies of their e4m3 values): bit for bit the default on pair tiles, index tiles, a K-split gate-up deferred to the
-    down GEMM and reduced by its last split, with EP ids, shared output and scaling; the buffers are f16 only in the
-    exact mode (the fp8-MMA modes' dots need e4m3 operands), which the launches' recorded A types show."""
-    from evenflow import _compile_check as CC
-    from evenflow.moe import fused
-
-    h, i = SIZES[fmt]
-    ew = random_moe_weights(fmt, 4, h, i, device)
-    kw = {"ep_rank": 1, "num_experts_total": 12, "routed_scaling": 1.5}
-    for t, extra in ((4, {"pair_tiles": True}), (4, {"pair_tiles": True, "defer_split": False}), (40, {})):
-        ids, w, x, shared = _rank1_batch(t, h, 7, device)
-        cfg = choose_config(t, 3, 4, h, i, ew.mode, num_experts_total=12)
-        if extra.get("pair_tiles"):
-            cfg = dataclasses.replace(cfg, gu_split_k=2, gu_defer=1, gu_block_k=128 if fmt == "fp8_block" else 16)
-        call = dict(kw, shared_output=shared, config=cfg, **extra)
-        monkeypatch.setattr(fused, "A_F16", False)
-        want = evenflow.fused_moe(x, ids, w, ew, **call)
-        monkeypatch.setattr(fused, "A_F16", True)
-        got = evenflow.fused_moe(x, ids, w, ew, **call)
-        assert torch.equal(got, want), (fmt, t, extra)
-    if torch.device(device).type == "cpu":
-        ids, w, x, shared = _rank1_batch(40, h, 7, device)
-        for accum, want_a in (("exact", "*fp16"), ("fast", "*fp8e4nv")):
-            with CC.record_launches(execute=True) as launches:
-                evenflow.fused_moe(x, ids, w, ew, fp8_accum=accum, **kw)
-            a_types = {ln.name: dict(ln.signature)["p_x" if ln.name == "moe_gate_up_kernel" else "p_a"]
-                       for ln in launches if ln.name in ("moe_gate_up_kernel", "moe_down_kernel")}
-            assert a_types == {"moe_gate_up_kernel": want_a, "moe_down_kernel": want_a}, (accum, a_types)

@@ -90,11 +90,6 @@ FAST_ACC_MIN_BLOCK_K = 32
 # module switch for the down GEMM alone (round AU's knob rows: the probe's persistent loop kept its gain on the down's
 # one-accumulator shape and lost it on the gate-up's, AT5), and the down loop's task order (n-blocks of a tile in
 # turn: PERSIST_DOWN_N_FASTEST; AT4's kernel split read that order's down GEMM 1.15x faster at Qwen3 bf16 T = 4096).
-# Round BJ's probe (opt-in, off): in the exact mode, hold the quantised activation and the intermediate as f16 copies
-# of their e4m3 values, so the GEMMs' A operand needs no per-warp e4m3 -> f16 conversion in the K loop (every warp
-# of a 16-row tile converts the whole A tile today). The same values reach the same f16 MMAs: bit for bit the
-# default. The knob row `evenflow-af16` measures it (docs/perf-notes/moe.md, "Round BJ").
-A_F16 = False
 PERSIST_GEMMS = ("gate_up", "down")
 PERSIST_DOWN_N_FASTEST = False
 # MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
@@ -478,11 +473,10 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     zero_kernel = by_pair and gu_count is not None and not kept_counts
     overlap = QUANT_OVERLAP and use_pdl and (zero_kernel or not by_pair)  # a kernel of ours runs first
     dummy = topk_weights  # stands in for pointers a mode does not read
-    a_dtype = torch.float16 if A_F16 and not fast_acc else torch.float8_e4m3fn  # the fp8 A operands' storage
     if mode == 2:
-        xq, xs = group_quant_buffers(x, a_dtype)
+        xq, xs = group_quant_buffers(x)
     elif mode == 1:
-        xq, xs = torch.empty(t, h, dtype=a_dtype, device=dev), dummy
+        xq, xs = torch.empty(t, h, dtype=torch.float8_e4m3fn, device=dev), dummy
     else:
         xq, xs = x, dummy
     if by_pair:
@@ -506,7 +500,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # the intermediate (and block mode's group scales), unless the down GEMM builds its operand itself
     inter = inter_s = dummy
     if not defer:
-        inter = torch.empty(p, i, dtype=torch.bfloat16 if mode == 0 else a_dtype, device=dev)
+        inter = torch.empty(p, i, dtype=torch.bfloat16 if mode == 0 else torch.float8_e4m3fn, device=dev)
         if mode == 2:
             inter_s = torch.empty(p, i // 128, dtype=torch.float32, device=dev)
     ws13 = w13_scale if w13_scale is not None else dummy

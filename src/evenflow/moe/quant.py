@@ -203,11 +203,10 @@ def quant_fp8_per_token_group(x: torch.Tensor, pdl: bool = False) -> tuple[torch
     return q, s
 
 
-def group_quant_buffers(x: torch.Tensor, dtype: torch.dtype = FP8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised outputs of :func:`quant_fp8_per_token_group` for a checked ``x`` [T, H]; ``dtype``
-    ``torch.float16`` holds the same e4m3 values as f16 (``fused.A_F16``)."""
+def group_quant_buffers(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised outputs of :func:`quant_fp8_per_token_group` for a checked ``x`` [T, H]."""
     t, h = x.shape
-    return (torch.empty(t, h, dtype=dtype, device=x.device),
+    return (torch.empty(t, h, dtype=FP8, device=x.device),
             torch.empty(t, h // 128, dtype=torch.float32, device=x.device))
 
 
