@@ -177,6 +177,8 @@ class Formulation:
     num_warps: int
     num_stages: int
     gluon: bool = False  # gluon_rs_kernel (swapped, the weight as wgmma's register operand; round AS)
+    out_acc: bool = False  # gluon_rs_kernel's OUT_ACC: store from the accumulator's layout (tiles narrower than its
+    # 128-row store layout, round BJ4's 16-token tiles)
 
 
 FORMULATIONS = {
@@ -195,6 +197,12 @@ FORMULATIONS = {
     "gluon-rs-bn64-bm128": Formulation(True, 128, 64, 64, 4, 4, gluon=True),
     # two warpgroups on 256 weight rows: half the activation bytes a FLOP of the 128-row tile (AS5's arithmetic)
     "gluon-rs-bn256-bm128-w8": Formulation(True, 128, 256, 64, 8, 4, gluon=True),
+    # small batches (round BJ4): today's exact-mode decode tile (16 token rows, 64 weight rows, 4 warps) against the
+    # swap with the tokens as a 16-wide wgmma N (64 or 128 weight rows, 4 or 6 ring slots)
+    "rows-bm16-w4": Formulation(False, 16, 64, 128, 4, 3),
+    "gluon-rs-bn64-bm16": Formulation(True, 16, 64, 64, 4, 4, gluon=True, out_acc=True),
+    "gluon-rs-bn64-bm16-s6": Formulation(True, 16, 64, 64, 4, 6, gluon=True, out_acc=True),
+    "gluon-rs-bn128-bm16-w8": Formulation(True, 16, 128, 64, 8, 4, gluon=True, out_acc=True),
 }
 
 # name: (experts, rows per expert, N, K). Rows per expert = T * top_k / E at Qwen3 (E 128, top-8).
@@ -202,6 +210,10 @@ CASES = {
     "qwen3-gate-up-T1024": (128, 64, 1536, 2048),
     "qwen3-gate-up-T4096": (128, 256, 1536, 2048),
     "qwen3-down-T4096": (128, 256, 2048, 768),
+    # decode-size batches (round BJ4): 16 rows an expert (a 16-row tile's worth; at T <= 64 an expert sees 1-4),
+    # experts enough that the weights (150 / 100 MB) do not fit in L2
+    "qwen3-gate-up-r16": (48, 16, 1536, 2048),
+    "qwen3-down-r16": (64, 16, 2048, 768),
 }
 
 
@@ -230,7 +242,7 @@ def run_formulation(name: str, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     def launch():
         if f.gluon:
             gluon_rs_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k,
-                                  STAGES=f.num_stages, WARPS=f.num_warps, num_warps=f.num_warps)
+                                  STAGES=f.num_stages, WARPS=f.num_warps, OUT_ACC=f.out_acc, num_warps=f.num_warps)
         else:
             gemm_kernel[grid](xs, w, out, r, n, k, BM=f.block_m, BN=f.block_n, BK=f.block_k, SWAP=f.swap,
                               DOT_F32=dot_f32, **kw)
@@ -331,7 +343,7 @@ def sm90_builds(names=None) -> dict[str, dict]:
                        WARPS="constexpr")
             src = GluonASTSource(fn=gluon_rs_kernel, signature=sig, attrs=attrs,
                                  constexprs={**consts, "STAGES": f.num_stages, "SYNC": False, "W_PLAIN": False,
-                                             "OUT_ACC": False, "WARPS": f.num_warps})
+                                             "OUT_ACC": f.out_acc, "WARPS": f.num_warps})
             options = {"num_warps": f.num_warps}
         else:
             sig.update(SWAP="constexpr", DOT_F32="constexpr")
