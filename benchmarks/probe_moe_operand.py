@@ -200,6 +200,7 @@ FORMULATIONS = {
     # small batches (round BJ4): today's exact-mode decode tile (16 token rows, 64 weight rows, 4 warps) against the
     # swap with the tokens as a 16-wide wgmma N (64 or 128 weight rows, 4 or 6 ring slots)
     "rows-bm16-w4": Formulation(False, 16, 64, 128, 4, 3),
+    "rows-bm16-bn32-w4": Formulation(False, 16, 32, 128, 4, 3),  # the table's 32-wide N block at Qwen3 T = 4
     "gluon-rs-bn64-bm16": Formulation(True, 16, 64, 64, 4, 4, gluon=True, out_acc=True),
     "gluon-rs-bn64-bm16-s6": Formulation(True, 16, 64, 64, 4, 6, gluon=True, out_acc=True),
     "gluon-rs-bn128-bm16-w8": Formulation(True, 16, 128, 64, 8, 4, gluon=True, out_acc=True),
@@ -214,6 +215,10 @@ CASES = {
     # experts enough that the weights (150 / 100 MB) do not fit in L2
     "qwen3-gate-up-r16": (48, 16, 1536, 2048),
     "qwen3-down-r16": (64, 16, 2048, 768),
+    # the same at the MoE's own sizes (round BJ5): 75 MB, about Qwen3 T = 4's gate-up, and 302 MB
+    "qwen3-gate-up-r16-e24": (24, 16, 1536, 2048),
+    "qwen3-gate-up-r16-e96": (96, 16, 1536, 2048),
+    "qwen3-down-r16-e48": (48, 16, 2048, 768),
 }
 
 
