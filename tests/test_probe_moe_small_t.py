@@ -19,22 +19,25 @@ import probe_moe_small_t as probe  # noqa: E402
 FP8 = torch.float8_e4m3fn
 
 
-def _holder(case, variant):
-    e, h, i = case.num_local, case.hidden, case.inter  # torch.empty of a real size: nothing is executed
+def _holder(case, variant, device="cpu"):
+    # torch.empty of a real size: uninitialised, nothing is executed (on a GPU the holder takes GPU tensors only)
+    e, h, i = case.num_local, case.hidden, case.inter
+    kw = {"device": device}
     if variant == "fp8-tensor":
-        return MoEWeights.fp8_per_tensor(torch.empty(e, 2 * i, h, dtype=FP8), torch.empty(e, h, i, dtype=FP8),
-                                         torch.ones(e), torch.ones(e), torch.ones(1), torch.ones(1))
-    return MoEWeights.fp8_block(torch.empty(e, 2 * i, h, dtype=FP8), torch.empty(e, h, i, dtype=FP8),
-                                torch.ones(e, 2 * i // 128, h // 128), torch.ones(e, h // 128, i // 128))
+        return MoEWeights.fp8_per_tensor(torch.empty(e, 2 * i, h, dtype=FP8, **kw),
+                                         torch.empty(e, h, i, dtype=FP8, **kw), torch.ones(e, **kw), torch.ones(e, **kw), torch.ones(1, **kw),
+                                         torch.ones(1, **kw))
+    return MoEWeights.fp8_block(torch.empty(e, 2 * i, h, dtype=FP8, **kw), torch.empty(e, h, i, dtype=FP8, **kw),
+                                torch.ones(e, 2 * i // 128, h // 128, **kw), torch.ones(e, h // 128, i // 128, **kw))
 
 
-def test_bm64_configs_are_valid_at_every_point():
+def test_bm64_configs_are_valid_at_every_point(device):
     for name in ("qwen3-30b-a3b", "hy3-tp8", "hy3-ep8"):
         case = M.CASES[name]
         for variant in ("fp8-tensor", "fp8-block"):
             if variant in case.skip_variants:
                 continue
-            ew = _holder(case, variant)
+            ew = _holder(case, variant, device)
             for t in (1, 4, 16, 64):
                 for accum in ("promoted", "fast"):
                     cfg = probe.bm64_config(case, ew, t, accum)
