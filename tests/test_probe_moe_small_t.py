@@ -25,8 +25,8 @@ def _holder(case, variant, device="cpu"):
     kw = {"device": device}
     if variant == "fp8-tensor":
         return MoEWeights.fp8_per_tensor(torch.empty(e, 2 * i, h, dtype=FP8, **kw),
-                                         torch.empty(e, h, i, dtype=FP8, **kw), torch.ones(e, **kw), torch.ones(e, **kw), torch.ones(1, **kw),
-                                         torch.ones(1, **kw))
+                                         torch.empty(e, h, i, dtype=FP8, **kw), torch.ones(e, **kw),
+                                         torch.ones(e, **kw), torch.ones(1, **kw), torch.ones(1, **kw))
     return MoEWeights.fp8_block(torch.empty(e, 2 * i, h, dtype=FP8, **kw), torch.empty(e, h, i, dtype=FP8, **kw),
                                 torch.ones(e, 2 * i // 128, h // 128, **kw), torch.ones(e, h // 128, i // 128, **kw))
 
