@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 
@@ -63,19 +62,10 @@ def main(argv=None) -> None:
     for case_name in a.cases.split(","):
         case = M.CASES[case_name]
         for variant in a.variants.split(","):
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            wgen = torch.Generator(device=dev).manual_seed(0)
-            bias = M.expert_bias(case.num_experts_total, gen)
-            base = M.make_weights(case, variant, dev, wgen)
-            if variant == "fp8-tensor":
-                M.calibrate_static_scales(base, case, dev, gen, bias)
+            gen, bias, base = M.seeded_layer(case, variant, dev)
             copies = [base] + [base.clone() for _ in range(M.MAX_ROTATE - 1)]
             for batch in (int(b) for b in a.batches.split(",")):
-                inputs = []
-                for _ in copies:
-                    ids, tw = M.make_routing(batch, case, gen, bias)
-                    x = torch.randn(batch, case.hidden, generator=gen).to(torch.bfloat16)
-                    inputs.append((x.to(dev), ids.to(dev), tw.to(dev)))
+                inputs = [M.draw_call(batch, case, gen, bias, dev) for _ in copies]
                 for impl in a.impls.split(","):
                     try:
                         fns = [M.build_impl(impl, wc, case, a)(*inp) for wc, inp in zip(copies, inputs)]
@@ -94,11 +84,9 @@ def main(argv=None) -> None:
             del copies, base
             torch.cuda.empty_cache()
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "kernel_split.json"), "w") as f:  # BENCH.md's header + rows
-            json.dump({"header": H.header(), "meta": {"us": "graph replay of the call", "kernel_sum_us":
-                                                      "sum of its kernels' profiled device times (eager, PDL)"},
-                       "rows": out_rows}, f, indent=1)
+        H.write_rows(a.out, "kernel_split.json", out_rows,
+                     meta={"us": "graph replay of the call",
+                           "kernel_sum_us": "sum of its kernels' profiled device times (eager, PDL)"})
 
 
 if __name__ == "__main__":

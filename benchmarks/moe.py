@@ -221,6 +221,17 @@ class RawWeights:
         return dict(w13_scale=self.w13_scale, w2_scale=self.w2_scale, a13_scale=self.a13_scale,
                     a2_scale=self.a2_scale)
 
+    def holder(self):
+        """These weights as an ``evenflow.MoEWeights`` of their format (no copy)."""
+        import evenflow
+
+        if self.variant == "bf16":
+            return evenflow.MoEWeights.bf16(self.w13, self.w2)
+        if self.variant == "fp8-tensor":
+            return evenflow.MoEWeights.fp8_per_tensor(self.w13, self.w2, self.w13_scale, self.w2_scale,
+                                                      self.a13_scale, self.a2_scale)
+        return evenflow.MoEWeights.fp8_block(self.w13, self.w2, self.w13_scale, self.w2_scale)
+
     def dequant(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         w13, w2 = self.w13[e].float(), self.w2[e].float()
         if self.variant == "fp8-tensor":
@@ -292,6 +303,26 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     return y
 
 
+def seeded_layer(case: MoECase, variant: str, device, seed: int = 0):
+    """(CPU generator, expert bias, weights): the benchmark's draws for one series, in its order (generators seeded
+    ``seed``, the bias, the weights, fp8-tensor's static activation scales from a calibration batch); the generator
+    then draws the series' routing and activations (:func:`draw_call`)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    wgen = torch.Generator(device=device).manual_seed(seed)
+    bias = expert_bias(case.num_experts_total, gen)
+    w = make_weights(case, variant, device, wgen)
+    if variant == "fp8-tensor":
+        calibrate_static_scales(w, case, device, gen, bias)
+    return gen, bias, w
+
+
+def draw_call(batch: int, case: MoECase, gen: torch.Generator, bias: torch.Tensor, device):
+    """One call's (x, topk_ids, topk_weights) on ``device``, drawn as the benchmark draws them: routing, then x."""
+    ids, tw = make_routing(batch, case, gen, bias)
+    x = torch.randn(batch, case.hidden, generator=gen).to(torch.bfloat16)
+    return x.to(device), ids.to(device), tw.to(device)
+
+
 def calibrate_static_scales(w: RawWeights, case: MoECase, device, generator: torch.Generator,
                             bias: torch.Tensor, tokens: int = 256, margin: float = 1.25) -> None:
     """Static activation scales for fp8-tensor from a calibration batch (amax * margin / 448)."""
@@ -326,12 +357,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             raise PeerUnavailable("not applicable to fp8-block: its gate-up takes two dots (gate and up scales)")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-tensor" and kw.get("fp8_accum", "exact") == "exact":
             raise PeerUnavailable("not applicable to fp8-tensor's exact mode: its gate-up takes two dots")
-        if w.variant == "bf16":
-            ew = evenflow.MoEWeights.bf16(w.w13, w.w2)
-        elif w.variant == "fp8-tensor":
-            ew = evenflow.MoEWeights.fp8_per_tensor(w.w13, w.w2, w.w13_scale, w.w2_scale, w.a13_scale, w.a2_scale)
-        else:
-            ew = evenflow.MoEWeights.fp8_block(w.w13, w.w2, w.w13_scale, w.w2_scale)
+        ew = w.holder()
         if not kept_counters:
             ew = ew.sharing_weights(counters=False)
 
@@ -423,12 +449,7 @@ def run(args) -> None:
                 res.add_error(case=case_name, variant=variant, impl=impl, series=series,
                               error=f"skipped: time budget {args.budget_s:.0f}s spent")
             continue
-        gen = torch.Generator(device="cpu").manual_seed(args.seed)
-        wgen = torch.Generator(device=dev).manual_seed(args.seed)
-        bias = expert_bias(case.num_experts_total, gen)
-        base = make_weights(case, variant, dev, wgen)
-        if variant == "fp8-tensor":
-            calibrate_static_scales(base, case, dev, gen, bias)
+        gen, bias, base = seeded_layer(case, variant, dev, args.seed)
         # Rotation copies are needed only where a call's working set fits in L2 (small batches).
         probe_ids, _ = make_routing(1, case, gen, bias)
         n_copies = rotations(floor_work(case, variant, 1, routing_stats(probe_ids, case))[0], l2)

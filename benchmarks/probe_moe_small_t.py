@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -71,23 +70,12 @@ def main(argv=None) -> None:
         for variant in a.variants.split(","):
             if variant in case.skip_variants:
                 continue
-            gen = torch.Generator(device="cpu").manual_seed(0)
-            wgen = torch.Generator(device=dev).manual_seed(0)
-            bias = M.expert_bias(case.num_experts_total, gen)
-            base = M.make_weights(case, variant, dev, wgen)
-            if variant == "fp8-tensor":
-                M.calibrate_static_scales(base, case, dev, gen, bias)
+            gen, bias, base = M.seeded_layer(case, variant, dev)
             copies = [base] + [base.clone() for _ in range(M.MAX_ROTATE - 1)]
-            holders = [evenflow.MoEWeights.fp8_per_tensor(c.w13, c.w2, c.w13_scale, c.w2_scale, c.a13_scale,
-                                                          c.a2_scale) if variant == "fp8-tensor" else
-                       evenflow.MoEWeights.fp8_block(c.w13, c.w2, c.w13_scale, c.w2_scale) for c in copies]
+            holders = [c.holder() for c in copies]
             kw = dict(ep_rank=case.ep_rank, num_experts_total=case.num_experts_total)
             for t in (int(b) for b in a.batches.split(",")):
-                inputs = []
-                for _ in copies:
-                    ids, tw = M.make_routing(t, case, gen, bias)
-                    x = torch.randn(t, case.hidden, generator=gen).to(torch.bfloat16)
-                    inputs.append((x.to(dev), ids.to(dev), tw.to(dev)))
+                inputs = [M.draw_call(t, case, gen, bias, dev) for _ in copies]
                 ref, bl, allow = moe_rule_terms(*inputs[0], holders[0], **kw)
                 line = []
                 for impl in a.impls.split(","):
@@ -109,9 +97,7 @@ def main(argv=None) -> None:
             del copies, holders, base
             torch.cuda.empty_cache()
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "probe_moe_small_t.json"), "w") as f:
-            json.dump({"header": H.header(), "rows": rows}, f, indent=1)
+        H.write_rows(a.out, "probe_moe_small_t.json", rows)
 
 
 if __name__ == "__main__":

@@ -45,11 +45,9 @@ from evenflow.testing import error_bound  # noqa: E402
 
 def _time(m: int, n: int, k: int, cfg: GemmConfig) -> float:
     """Median µs of ``cfg`` as the tuner times it: rotated copies, checked against the fp64 product first."""
-    copies = max(2, min(16, math.ceil(bench.ROTATE_BYTES / bench._call_bytes(m, n, k))))
-    ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+    ws, xs = bench.rotated_copies(m, n, k, min_copies=2)
     rws = [evenflow.RouterWeight(w) for w in ws]
-    xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-    outs = [torch.empty(m, n, device="cuda") for _ in range(copies)]
+    outs = [torch.empty(m, n, device="cuda") for _ in ws]
     ref = R.router_logits_fp64(xs[0], ws[0])
     us = tuner._time(cfg, xs, rws, outs, ref, error_bound(ref, R.split_logits_fp32(xs[0], *rws[0].parts),
                                                           torch.float32))

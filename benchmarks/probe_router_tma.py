@@ -17,8 +17,6 @@ Prints a table and writes ``probe_router_tma.json`` (a diagnostic, not a result 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 
@@ -94,11 +92,9 @@ def main(argv=None) -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = []
     for label, m, n, k in POINTS:
-        copies = max(2, min(16, math.ceil(bench.ROTATE_BYTES / bench._call_bytes(m, n, k))))
-        ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+        ws, xs = bench.rotated_copies(m, n, k, min_copies=2)
         rws = [evenflow.RouterWeight(w) for w in ws]
-        xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
-        outs = [torch.empty(m, n, device="cuda") for _ in range(copies)]
+        outs = [torch.empty(m, n, device="cuda") for _ in ws]
         ref = R.router_logits_fp64(xs[0], ws[0])
         base = R.split_logits_fp32(xs[0], *rws[0].parts)
         variants = {"entry": [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, out=o)
@@ -119,9 +115,7 @@ def main(argv=None) -> None:
             line.append(f"{name} {us:6.2f}{'' if not msg else ' FAIL'}")
         print(f"{label:16s} " + " | ".join(line), flush=True)
     if a.out:
-        os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, "probe_router_tma.json"), "w") as f:
-            json.dump({"header": H.header(), "rows": rows}, f, indent=1)
+        H.write_rows(a.out, "probe_router_tma.json", rows)
 
 
 if __name__ == "__main__":

@@ -85,9 +85,7 @@ def main() -> int:
         k, n = CASES[case]
         for m in H.progress(ms, f"router {case}"):
             call_bytes = _call_bytes(m, n, k)
-            copies = max(1, min(16, math.ceil(ROTATE_BYTES / call_bytes)))
-            ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
-            xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+            ws, xs = rotated_copies(m, n, k)
             ref = R.router_logits_fp64(xs[0], ws[0])
             ref_ids = ref.topk(TOP_K, dim=-1).indices.sort(-1).values
             floor = H.floor_us(bytes_moved=call_bytes, ceilings=ceil, extra_us=ceil["launch_us"])
@@ -144,6 +142,15 @@ def main() -> int:
                                              "max_abs_err", "topk_flips", "vs_fp32", "vs_split2", "error"),
                plot=not args.no_plot)
     return 0
+
+
+def rotated_copies(m: int, n: int, k: int, min_copies: int = 1) -> tuple[list, list]:
+    """Weights [N, K] (fp32, std 0.02) and activations [M, K] (bf16) on the GPU, as many copies (1-16, at least
+    ``min_copies``) as keep a cycle of calls through them out of L2, drawn all weights first from torch's generator."""
+    copies = max(min_copies, min(16, math.ceil(ROTATE_BYTES / _call_bytes(m, n, k))))
+    ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
+    xs = [torch.randn(m, k, device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    return ws, xs
 
 
 def _call_bytes(m: int, n: int, k: int) -> int:

@@ -514,3 +514,15 @@ def test_shards_partition_the_suite_and_keep_a_functions_cases_together():
 def test_a_bad_shard_is_refused_naming_the_option(spec):
     rc, _, out = _collected("--shard", spec, "tests/test_plan.py")
     assert rc != 0 and "--shard" in out, out
+
+
+def test_write_rows_writes_header_extra_and_rows(tmp_path):
+    """A diagnostic's JSON (``harness.write_rows``): the machine header, the caller's extra keys and the rows, in a
+    folder made on the way; the rows are written as given."""
+    rows = [{"case": "a", "us": 1.5}, {"case": "b", "us": 2.0, "error": None}]
+    path = H.write_rows(tmp_path / "new" / "dir", "probe.json", rows, meta={"us": "graph replay"})
+    assert path == tmp_path / "new" / "dir" / "probe.json"
+    data = json.loads(path.read_text())
+    assert list(data) == ["header", "meta", "rows"]
+    assert data["rows"] == rows and data["meta"] == {"us": "graph replay"}
+    assert data["header"]["source_sha1"] == H.source_digest()

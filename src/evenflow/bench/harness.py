@@ -110,6 +110,16 @@ def header() -> dict:
     }
 
 
+def write_rows(out: str | os.PathLike, filename: str, rows: Sequence[dict], **extra) -> Path:
+    """A diagnostic's rows as JSON, ``{"header": header(), **extra, "rows": rows}``, at ``out/filename`` (the folder
+    made if missing): for probes and splits whose output is evidence for the notes, not a result file of record."""
+    path = Path(out) / filename
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"header": header(), **extra, "rows": list(rows)}, f, indent=1)
+    return path
+
+
 def gpu_slug(name: str | None = None) -> str:
     """'NVIDIA H200' -> 'h200'; the folder name under benchmarks/results/."""
     if name is None:
