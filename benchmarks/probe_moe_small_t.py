@@ -3,8 +3,9 @@
     python benchmarks/probe_moe_small_t.py [--cases qwen3-30b-a3b,hy3-tp8,hy3-ep8] [--variants fp8-tensor,fp8-block]
                                            [--batches 1,4,16,64] [--out DIR]
 
-Round BJ found the default (exact) fp8 GEMMs at T <= 64 held by the instructions their K loops issue a byte (each
-e4m3 weight converted to f16 for ``mma.sync``, the A tile converted by every warp), not by DRAM. The fp8-MMA modes
+Round BJ1 read the default (exact) fp8 GEMMs at T <= 64 as held by the instructions their K loops issue a byte (each
+e4m3 weight converted to f16 for ``mma.sync``, the A tile converted by every warp), not by DRAM (BJ5 later put most of
+their distance from the copy rate on each GEMM's size instead; docs/perf-notes/moe.md, "Round BJ"). The fp8-MMA modes
 (``fp8_accum="fast"`` / ``"promoted"``) take the same 16-row ``mma.sync`` tiles there (Triton lowers an fp8 dot of
 fewer than 64 rows to f16 products), so they were never faster at small T. This probe times, at the benchmark's
 points (its weights, routing draws, weight copies rotated, CUDA-graph replay), each point's layer as:
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
                     call_kw = dict(kw, fp8_accum=accum)
                     if impl.endswith("-bm64"):
                         call_kw["config"] = bm64_config(case, holders[0], t, accum)
-                    fns = [(lambda ew=ew, inp=inp: evenflow.fused_moe(*inp, ew, **call_kw))
+                    fns = [(lambda ew=ew, inp=inp, ckw=call_kw: evenflow.fused_moe(*inp, ew, **ckw))
                            for ew, inp in zip(holders, inputs)]
                     out = fns[0]()
                     msg, err, bound = rule_check(out, ref, bl, allowance=allow)
