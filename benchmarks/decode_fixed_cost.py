@@ -107,8 +107,7 @@ def main(argv=None) -> None:
                 print(json.dumps(r), flush=True)
                 del inp, fns
                 torch.cuda.empty_cache()
-    with open(os.path.join(args.out, "decode_fixed_cost.json"), "w") as f:
-        json.dump({"header": H.header(), "ceilings": ceil, "rows": rows}, f, indent=1)
+    H.write_rows(args.out, "decode_fixed_cost.json", rows, ceilings=ceil)
     print("\nsweep fits (us = a + s * floor_us):")
     for vname in variants:
         for sweep in SWEEPS:

@@ -223,9 +223,7 @@ def main(argv=None) -> None:
             rows.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "raw_last_replay"}), flush=True)
             torch.cuda.empty_cache()
-    path = os.path.join(args.out, "decode_timeline.json")
-    with open(path, "w") as f:
-        json.dump({"header": H.header(), "ceilings": ceil, "rows": rows}, f)
+    path = H.write_rows(args.out, "decode_timeline.json", rows, indent=None, ceilings=ceil)
     keys = ["span", "entry_spread", "wait", "chain", "first_chunk", "us_per_tile", "attn_end_p50", "attn_end_max",
             "end_max", "tail", "merges", "merge_us_med", "idle_frac"]
     print("\n| variant | case | us | stamped | floor | " + " | ".join(keys) + " |")

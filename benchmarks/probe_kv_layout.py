@@ -16,7 +16,6 @@ access pattern as decode.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -104,10 +103,7 @@ def main(argv=None) -> None:
                 rows += [row] + read
                 print(f"{name:14s} {variant} {layout} decode {us:8.1f} us frac {floor / us:.3f} "
                       + " ".join(f"{r['impl']} {r['frac_of_floor']:.3f}" for r in read), flush=True)
-    d = harness.results_dir(args.out) / "sweeps"
-    d.mkdir(parents=True, exist_ok=True)
-    with open(d / "probe_kv_layout.json", "w") as f:
-        json.dump({"header": harness.header(), "ceilings": ceil, "rows": rows}, f, indent=1)
+    harness.write_rows(harness.results_dir(args.out) / "sweeps", "probe_kv_layout.json", rows, ceilings=ceil)
 
 
 if __name__ == "__main__":

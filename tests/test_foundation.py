@@ -526,3 +526,12 @@ def test_write_rows_writes_header_extra_and_rows(tmp_path):
     assert list(data) == ["header", "meta", "rows"]
     assert data["rows"] == rows and data["meta"] == {"us": "graph replay"}
     assert data["header"]["source_sha1"] == H.source_digest()
+
+
+def test_write_rows_one_line_where_asked(tmp_path):
+    """``indent=None`` (the per-program timelines, large) writes the same object on one line."""
+    rows = [{"case": "a", "us": 1.5}]
+    path = H.write_rows(tmp_path, "t.json", rows, indent=None, ceilings={"copy_TBps": 4.2})
+    text = path.read_text()
+    assert "\n" not in text.strip()
+    assert json.loads(text)["rows"] == rows and json.loads(text)["ceilings"] == {"copy_TBps": 4.2}

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import evenflow
+from evenflow._checks import checked_op
 from evenflow.attention import decode as D
 from evenflow.attention import plan as PL
 from evenflow.moe import fused as F
@@ -22,19 +23,10 @@ from tests_support_router import router_inputs
 
 
 def _record(monkeypatch, module, name):
-    """Replace ``module.name`` (a launcher) by a recorder that runs it; returns the list of bound calls."""
-    launch = getattr(module, name)
-    sig = inspect.signature(launch)
+    """Replace ``module.name`` (a launcher) by a recorder that runs it; returns the list of bound calls (the ops'
+    own ``checked_op``, with a check that keeps each call's arguments, defaults filled in)."""
     calls = []
-
-    def rec(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        calls.append(dict(bound.arguments))
-        return launch(*args, **kwargs)
-
-    rec.__wrapped__ = launch  # a second recorder of the same launcher binds the launcher's own signature
-    monkeypatch.setattr(module, name, rec)
+    monkeypatch.setattr(module, name, checked_op(getattr(module, name), lambda a: calls.append(dict(a))))
     return calls
 
 

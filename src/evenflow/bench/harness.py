@@ -110,13 +110,15 @@ def header() -> dict:
     }
 
 
-def write_rows(out: str | os.PathLike, filename: str, rows: Sequence[dict], **extra) -> Path:
+def write_rows(out: str | os.PathLike, filename: str, rows: Sequence[dict], *, indent: int | None = 1,
+               **extra) -> Path:
     """A diagnostic's rows as JSON, ``{"header": header(), **extra, "rows": rows}``, at ``out/filename`` (the folder
-    made if missing): for probes and splits whose output is evidence for the notes, not a result file of record."""
+    made if missing): for probes, sweeps and splits whose output is evidence for the notes, not a result file of
+    record. ``indent=None`` writes one line (large timelines)."""
     path = Path(out) / filename
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"header": header(), **extra, "rows": list(rows)}, f, indent=1)
+        json.dump({"header": header(), **extra, "rows": list(rows)}, f, indent=indent)
     return path
 
 

@@ -630,8 +630,8 @@ def _check_op(a: dict) -> None:
     them (for ``weight_mode``), then what :func:`fused_moe` checks of a call."""
     mode = check_int("weight_mode", a["weight_mode"], 0, 2)
     fmt = next(f for f, m in MODE.items() if m == mode)
-    _, h, i = MoEWeights.check_format(fmt, a["w13"], a["w2"], a["w13_scale"], a["w2_scale"], a["a13_scale"],
-                                      a["a2_scale"])
+    (_, h, i), _ = MoEWeights.check_format(fmt, a["w13"], a["w2"], a["w13_scale"], a["w2_scale"], a["a13_scale"],
+                                           a["a2_scale"])
     dev = a["w13"].device
     for name in ("w13", "w2", "w13_scale", "w2_scale"):  # (the builders make them contiguous; the kernels assume it)
         if a[name] is not None:

@@ -142,8 +142,9 @@ class MoEWeights:
 
     @classmethod
     def check_format(cls, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None):
-        """The builder of ``fmt``'s checks of its tensors, (E, H, I); a scale the format does not take must be None.
-        The builders call it, and so does a direct call of the fused MoE op (``fused._check_op``)."""
+        """The builder of ``fmt``'s checks of its tensors: ((E, H, I), the scales the format takes by name, per-tensor
+        activation scales as one-element contiguous tensors); a scale the format does not take must be None. The
+        builders call it, and so does a direct call of the fused MoE op (``fused._check_op``)."""
         if fmt == "bf16":
             e, h, i = cls._check_pair(w13, w2, torch.bfloat16, 16)
             taken = {}
@@ -166,7 +167,7 @@ class MoEWeights:
             if name not in taken and s is not None:
                 raise ValueError(f"{name} must be None for {fmt} weights")
         check_same_device(w13=w13, **taken)
-        return e, h, i
+        return (e, h, i), taken
 
     @classmethod
     def bf16(cls, w13: torch.Tensor, w2: torch.Tensor) -> MoEWeights:
@@ -176,9 +177,9 @@ class MoEWeights:
     @classmethod
     def fp8_per_tensor(cls, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale) -> MoEWeights:
         """FP8 e4m3 weights with per-expert scales and static per-tensor activation scales (Hy3 style)."""
-        cls.check_format("fp8_per_tensor", w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
+        _, s = cls.check_format("fp8_per_tensor", w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
         return cls("fp8_per_tensor", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(),
-                   w2_scale.contiguous(), a13_scale.reshape(1).contiguous(), a2_scale.reshape(1).contiguous())
+                   w2_scale.contiguous(), s["a13_scale"], s["a2_scale"])
 
     @classmethod
     def fp8_block(cls, w13, w2, w13_scale, w2_scale) -> MoEWeights:
