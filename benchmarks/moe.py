@@ -47,7 +47,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
          "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2",
          "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot",
          "evenflow-fastacc-gu2dot", "evenflow-promoted-gu2dot", "evenflow-persistdown1", "evenflow-persistdown2",
-         "evenflow-persistdown1n", "evenflow-persistdown2n")
+         "evenflow-persistdown1n", "evenflow-persistdown2n", "evenflow-pf", "evenflow-pfgu", "evenflow-pfdown")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -69,7 +69,10 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # take one dot on index tiles of 64 rows and more; the same launches as evenflow, -fastacc, -promoted on smaller
 # tiles), evenflow-persistdown1 / -persistdown2 (persistent=1, 2 for the down GEMM alone, the gate-up one program
 # per task: evenflow.moe.fused.PERSIST_GEMMS), -persistdown1n / -persistdown2n (the same, the down loop taking a
-# tile's n-blocks in turn: PERSIST_DOWN_N_FASTEST))
+# tile's n-blocks in turn: PERSIST_DOWN_N_FASTEST), evenflow-pf / -pfgu / -pfdown (round BK: on pair tiles under PDL
+# both GEMMs, the gate-up alone or the down GEMM alone ask L2 for their own weight lines before their PDL wait:
+# evenflow.moe.fused.PAIR_PREFETCH; the gate-up's only behind an fp8 quantisation or a zeroing kernel; the same
+# launches as evenflow elsewhere))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -83,10 +86,12 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   "evenflow-promoted-gu2dot": {"fp8_accum": "promoted", "_gu_one_dot": False},
                   **{f"evenflow-persistdown{n}{o}": {"persistent": n, "_persist_gemms": ("down",),
                                                      "_persist_n_fastest": o == "n"}
-                     for n in (1, 2) for o in ("", "n")}}
+                     for n in (1, 2) for o in ("", "n")},
+                  "evenflow-pf": {"_pair_prefetch": ("gate_up", "down")},
+                  "evenflow-pfgu": {"_pair_prefetch": ("gate_up",)}, "evenflow-pfdown": {"_pair_prefetch": ("down",)}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
-                   "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST"}
+                   "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

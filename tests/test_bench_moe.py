@@ -368,6 +368,32 @@ def test_module_switch_rows_launch_what_they_name_and_restore_the_switch(monkeyp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
+def test_pair_prefetch_rows_set_the_prefetch_of_the_gemms_they_name():
+    """Round BK's rows evenflow-pf / -pfgu / -pfdown (``fused.PAIR_PREFETCH``), launched as on an H200 (pair tiles
+    under PDL at T = 1): each GEMM they name takes PREFETCH (128 elements a line of e4m3 weights, 64 of bf16), the
+    others 0; a bf16 gate-up never (it is the layer's first kernel there); the switch is back after each call."""
+    from evenflow import _compile_check as CC
+    from evenflow.moe import fused
+
+    case = bm.MoECase("tiny256", 4, 4, 2, 256, 128)
+    gen = _gen(6)
+    ids, tw = bm.make_routing(1, case, gen)
+    x = torch.randn(1, case.hidden, generator=gen).bfloat16()
+    want = {"evenflow": (0, 0), "evenflow-pf": (1, 1), "evenflow-pfgu": (1, 0), "evenflow-pfdown": (0, 1)}
+    for variant, line in (("fp8-tensor", 128), ("bf16", 64)):
+        w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
+        if variant == "fp8-tensor":
+            bm.calibrate_static_scales(w, case, "cpu", _gen(1), bm.expert_bias(case.num_experts_total, _gen(2)))
+        for name, (gu, down) in want.items():
+            with CC.emulate_gpu(132), CC.record_launches() as launches:
+                bm.build_impl(name, w, case, None)(x, ids, tw)()
+            got = {ln.name: dict(ln.constexprs)["PREFETCH"] for ln in launches if "PREFETCH" in dict(ln.constexprs)}
+            gu = gu if variant != "bf16" else 0
+            assert got == {"moe_gate_up_kernel": gu * line, "moe_down_kernel": down * line}, (variant, name, got)
+            assert fused.PAIR_PREFETCH == (), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
 def test_decode_sass_script_reports_one_exp_per_row_element(capsys):
     """benchmarks/moe_decode_sass.py compiles the table's bf16 decode launches for sm_90 with the
     deferred reduction forced on and prints their loop statistics: every deferred down launch

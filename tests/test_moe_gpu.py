@@ -621,3 +621,43 @@ def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
                 assert torch.equal(res[True][0], res[False][0]), f"overlapped quantisation differs: {what}"
                 if step == 2 and t == 64:
                     check(res[True][0], x, ids, w, ew, ep, what)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm_90+")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "hy3-ep8"])
+def test_pair_prefetch_matches_default_in_a_graph(shape, fmt, monkeypatch):
+    """Round BK's probe (``fused.PAIR_PREFETCH``: pair-tile GEMM programs read their pair's expert and ask L2 for
+    their weight lines before their PDL wait): two stacked layers in one CUDA graph, the second's routing computed
+    inside the graph from the first's output (a top-k of its projection, written just before the second layer
+    starts), replayed with new inputs; bit for bit the graph without the prefetch, and within the rule. A gate-up
+    that read the routing before the kernel that waited for its writer would see the previous replay's experts."""
+    from evenflow.moe import fused
+
+    e, e_tot, ep, k, h, i = SHAPES[shape]
+    ew = weights(shape, fmt)
+    proj = torch.randn(h, e_tot, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7))
+    for t in (1, 2):
+        x, ids, w = inputs(shape, t)
+        ids2 = torch.empty_like(ids)
+        w2 = torch.full_like(w, 1.0 / k)
+        y1s = {}
+
+        def layers(out, pf, y1s=y1s, x=x, ids=ids, w=w, ids2=ids2, w2=w2):
+            monkeypatch.setattr(fused, "PAIR_PREFETCH", ("gate_up", "down") if pf else ())
+            y1 = y1s.setdefault(pf, torch.empty_like(out))
+            evenflow.fused_moe(x, ids, w, ew, ep_rank=ep, num_experts_total=e_tot, out=y1)
+            ids2.copy_(torch.topk(y1.float() @ proj, k, dim=1).indices.to(ids2.dtype))
+            evenflow.fused_moe(y1, ids2, w2, ew, ep_rank=ep, num_experts_total=e_tot, out=out)
+        res = capture_graphs(x, {pf: functools.partial(layers, pf=pf) for pf in (False, True)})
+        for step in range(3):
+            replay_with_new_inputs(shape, x, ids, w, {True: res[True]})
+            torch.cuda.synchronize()
+            got, got_y1, got_ids2 = res[True][0].clone(), y1s[True].clone(), ids2.clone()
+            res[False][1].replay()
+            torch.cuda.synchronize()
+            what = f"{shape} {fmt} T={t} replay {step}"
+            assert torch.equal(got_ids2, ids2), f"{what}: second routing differs"
+            assert torch.equal(got_y1, y1s[False]) and torch.equal(got, res[False][0]), f"prefetch differs: {what}"
+            check(got, got_y1, got_ids2, w2, ew, ep, what)

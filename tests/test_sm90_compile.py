@@ -308,3 +308,49 @@ def test_local_first_launch_compiles_without_spill():
         assert "error" not in s and "error" not in s0, (la.describe(), s.get("error"), s0.get("error"))
         assert s["spill_bytes"] == 0, (la.describe(), s["regs"], s["spill_bytes"])
         assert s["regs"] <= s0["regs"] + 16, (la.describe(), s["regs"], s0["regs"])
+
+
+@pytest.mark.parametrize("switch", [("gate_up", "down"), ()], ids=["prefetch", "default"])
+def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch):
+    """Round BK's probe (``fused.PAIR_PREFETCH``): on pair tiles under PDL each GEMM program reads its task (the
+    pair's expert from topk_ids: a load, nothing else) and asks L2 for its weight lines before its PDL wait; no
+    copy, atomic or store comes before the wait. The gate-up does so only behind a kernel of the layer that waited
+    (the fp8 quantisation; a bf16 layer's gate-up is its first kernel and keeps the wait first). Off (the default),
+    no launch carries a prefetch and every kernel waits before its first memory operation. No spill either way."""
+    from evenflow._compile_check import compile_stats
+    from evenflow.moe import fused
+
+    monkeypatch.setattr(fused, "PAIR_PREFETCH", switch)
+    launches = []
+    for (h, i, e_local, total, ep_rank), fmts in (((2048, 768, 4, 4, 0), ("bf16", "fp8_per_tensor", "fp8_block")),
+                                                  ((4096, 1536, 4, 32, 1), ("fp8_per_tensor",))):
+        for fmt in fmts:
+            ew = random_moe_weights(fmt, e_local, h, i)
+            for t in (1, 2):
+                ids = torch.arange(t * 8, dtype=torch.int32).reshape(t, 8) % total
+                with emulate_gpu(132), record_launches() as rec:
+                    evenflow.fused_moe(torch.randn(t, h).bfloat16(), ids, torch.rand(t, 8), ew, ep_rank=ep_rank,
+                                       num_experts_total=total)
+                launches += [la for la in rec if la.name in ("moe_gate_up_kernel", "moe_down_kernel")]
+    assert len(launches) == 16, [la.name for la in launches]
+    want = {}
+    for la in launches:
+        c = dict(la.constexprs)
+        assert c["PAIR_TILES"] and c["PDL"], la.describe()
+        line = 64 if c["MODE"] == 0 else 128  # elements a 128-byte line
+        on = bool(switch) and not (la.name == "moe_gate_up_kernel" and c["MODE"] == 0)
+        assert c["PREFETCH"] == (line if on else 0), la.describe()
+        want[la.describe()] = on
+    stats = compile_stats(launches)
+    assert {s["describe"] for s in stats} == set(want)
+    for s in stats:
+        desc, m = s["describe"], s["marks"]
+        assert "error" not in s, (desc, s["error"])
+        assert s["spill_bytes"] == 0, (desc, s["regs"], s["spill_bytes"])
+        wait = m["griddepcontrol.wait"]
+        after = [m[op] for op in ("cp.async", "atom.", "red.", "st.global") if m[op] >= 0]
+        assert 0 <= wait < min(after) and wait < m["griddepcontrol.launch_dependents"], desc
+        if want[desc]:
+            assert 0 <= m["prefetch.global.L2"] < wait and 0 <= m["ld.global"] < wait, desc
+        else:
+            assert m["prefetch.global.L2"] < 0 and wait < m["ld.global"], desc

@@ -252,7 +252,7 @@ def mma_counts(ptx: str) -> dict:
 
 
 PTX_MARKS = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global", "cp.async", "atom.",
-             "red.", "st.global")
+             "red.", "st.global", "prefetch.global.L2")
 
 
 def ptx_marks(ptx: str) -> dict:

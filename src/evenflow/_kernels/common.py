@@ -140,6 +140,18 @@ def prefetch_l2(ptrs, mask, fallback):
 
 
 @triton.jit
+def prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """L2 prefetch (:func:`prefetch_l2`) of rows ``o_n`` (where ``m_n``), columns [k_start, k_end) of ``w``: one
+    pointer a 128-byte line (``LINE`` elements), BLOCK_K columns a trip (nothing where BLOCK_K < LINE)."""
+    if BLOCK_K >= LINE:
+        o_l = tl.arange(0, BLOCK_K // LINE) * LINE
+        p_row = p_w + o_n.to(tl.int64)[:, None] * stride_wn
+        for k in range(k_start, k_end, BLOCK_K):
+            o_kl = k + o_l
+            prefetch_l2(p_row + o_kl[None, :], m_n[:, None] & (o_kl < k_end)[None, :], p_w)
+
+
+@triton.jit
 def pdl_enter_overlapped(PDL: tl.constexpr, OVERLAP: tl.constexpr):
     """:func:`pdl_enter`, or with ``OVERLAP`` (the kernel reads nothing the kernel ahead of it writes, and
     that kernel waited at its top for everything before it, so what this one reads is complete): allow

@@ -95,6 +95,14 @@ PERSIST_DOWN_N_FASTEST = False
 # MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
 # registers and shared memory leave room for 1-5 resident programs per SM at the measured configs).
 MAX_PERSISTENT = 8
+# Round BK's probe (opt-in, off): the GEMMs named here, on pair tiles under PDL, ask L2 for their own weight lines
+# before waiting for the kernel ahead (kernels.PREFETCH), so a program's weight stream starts while the kernel ahead
+# (the activation quantisation for the gate-up, the gate-up for the down GEMM) still runs. The gate-up takes it only
+# where a kernel of the layer that waited for the layer's inputs runs ahead of it (an fp8 quantisation or the
+# zeroing kernel): it reads the pair's expert from topk_ids before its own wait. Results bit for bit the same (a
+# hint). Round AD3's form (the gate-up asking L2 for the down GEMM's weights, evict_last) was slower everywhere;
+# this one is measured by benchmarks/moe.py's evenflow-pf* rows (docs/perf-notes/moe.md, "Round BK").
+PAIR_PREFETCH: tuple = ()
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -472,6 +480,10 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # not be memory that kernel still uses (the multi-program index build frees a histogram after launching)
     zero_kernel = by_pair and gu_count is not None and not kept_counts
     overlap = QUANT_OVERLAP and use_pdl and (zero_kernel or not by_pair)  # a kernel of ours runs first
+    # PAIR_PREFETCH: elements a 128-byte weight line, 0 off (the gate-up only behind a kernel of ours that waited)
+    pf_line = 128 // w13.element_size() if use_pdl and by_pair and pdl_supported(dev) else 0
+    pf_gu = pf_line if "gate_up" in PAIR_PREFETCH and (mode != 0 or zero_kernel) else 0
+    pf_down = pf_line if "down" in PAIR_PREFETCH else 0
     dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:
         xq, xs = group_quant_buffers(x)
@@ -541,7 +553,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
-        ONE_DOT=_gate_up_one_dot(cfg, mode, acc_kind, by_pair), **gpu_kw, **pk,
+        ONE_DOT=_gate_up_one_dot(cfg, mode, acc_kind, by_pair), PREFETCH=pf_gu, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -562,7 +574,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
         E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, N_GROUP=cfg.down_n_group,
-        N_FASTEST=down_persist and PERSIST_DOWN_N_FASTEST, **gpu_kw, **pk,
+        N_FASTEST=down_persist and PERSIST_DOWN_N_FASTEST, PREFETCH=pf_down, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)

@@ -49,6 +49,7 @@ from evenflow._kernels.common import (
     pdl_enter,
     pdl_enter_overlapped,
     pdl_leave_overlapped,
+    prefetch_rows,
     to_fp8e4,
 )
 
@@ -594,6 +595,22 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
                 tl.store(p_c, 0)
 
 
+@triton.jit
+def _prefetch_then_wait(p_we, o_n, second, stride_wn, i_s, k_split, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
+                        TWO_SETS: tl.constexpr, PDL: tl.constexpr):
+    """Before a pair-tile program's PDL wait: ask L2 for the weight lines its task will read (rows ``o_n`` of the
+    expert's matrix at ``p_we`` and, with TWO_SETS, rows ``o_n + second`` (the gate-up's up rows), columns
+    [i_s * k_split, (i_s + 1) * k_split)), then wait and let the next kernel launch (:func:`pdl_enter`). The
+    weights are no kernel's output, so the lines cannot be stale; only the task (the pair's expert, read from
+    ``topk_ids``) had to be complete, which the caller ensures (moe_gate_up_kernel's PREFETCH)."""
+    k0 = i_s * k_split
+    m_n = o_n >= 0
+    prefetch_rows(p_we, o_n, m_n, stride_wn, k0, k0 + k_split, BLOCK_K, LINE)
+    if TWO_SETS:
+        prefetch_rows(p_we, o_n + second, m_n, stride_wn, k0, k0 + k_split, BLOCK_K, LINE)
+    pdl_enter(PDL)
+
+
 @triton.jit(do_not_specialize=["top_k", "e_first", "num_local", "num_nb"])
 def moe_gate_up_kernel(
     p_x, p_xs, p_w, p_ws, p_ids, p_sorted, p_offsets, p_tile_expert, p_tile_row,
@@ -604,6 +621,7 @@ def moe_gate_up_kernel(
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
     E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, ONE_DOT: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -632,6 +650,11 @@ def moe_gate_up_kernel(
     ONE_DOT (bf16, per-tensor fp8): the gate and up n-blocks as one MMA of twice the width a K step
     (:func:`_gate_up_tile`).
 
+    PREFETCH > 0 (pair tiles under PDL, where a kernel of the layer that waited for the kernel ahead of the layer
+    runs before this one, so ``topk_ids`` is complete): each program reads its task, asks L2 for its weight lines
+    (gate and up rows, its K split; PREFETCH elements a 128-byte line) and only then waits for the kernel ahead
+    (round BK, :func:`_prefetch_then_wait`). 0: the wait first, as always before.
+
     PERSIST (index tiles, no K split; ``num_nb`` n-blocks): a fixed grid of programs takes the
     used tasks in turn (:func:`_used_tiles`), in the order of the one-program-per-task grid
     (tiles fastest), in one flattened loop over tasks and K steps, so that the compiler may start a
@@ -641,7 +664,9 @@ def moe_gate_up_kernel(
     """
     tl.static_assert(not DEFER or (PAIR_TILES and SPLIT_K > 1), "DEFER: pair tiles with a K split only")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
-    pdl_enter(PDL)
+    tl.static_assert(PREFETCH == 0 or (PAIR_TILES and PDL), "PREFETCH: pair tiles under PDL")
+    if PREFETCH == 0:
+        pdl_enter(PDL)
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         # not flattened around block mode's group requantisation (a branch after the K loop): Triton 3.6's
@@ -660,6 +685,10 @@ def moe_gate_up_kernel(
                                                             LOCAL_FIRST, MAX_PAIRS)
         if e < 0:
             return
+        if PREFETCH > 0:
+            o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _prefetch_then_wait(p_w + e.to(tl.int64) * stride_we, o_n, I, stride_wn, i_s, K // SPLIT_K, BLOCK_K,
+                                PREFETCH, True, PDL)
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
             p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -805,7 +834,7 @@ def moe_down_kernel(
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
     E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, N_GROUP: tl.constexpr,
-    N_FASTEST: tl.constexpr = False,
+    N_FASTEST: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -825,11 +854,16 @@ def moe_down_kernel(
     PERSIST: as in moe_gate_up_kernel (index tiles, no K split, no deferred gate-up reduction); N_FASTEST: the
     persistent loop takes a tile's n-blocks (or n-block groups) in turn instead of the tiles (round AU's knob; the
     gate-up's loop keeps the grid's order). LOCAL_FIRST, MAX_PAIRS: as there.
+
+    PREFETCH > 0 (pair tiles under PDL: the gate-up ahead waited, so ``topk_ids`` is complete): the program asks
+    L2 for its weight lines (its N_GROUP n-blocks' rows, its K split) before its wait, as the gate-up's PREFETCH.
     """
     tl.static_assert(GU_SPLIT == 0 or PAIR_TILES, "the deferred gate-up reduction reads pair rows")
     tl.static_assert(GU_SPLIT == 0 or MODE != 2 or BLOCK_K == 128, "block mode: one group per K step")
     tl.static_assert(not PERSIST or (SPLIT_K == 1 and not PAIR_TILES), "PERSIST: index tiles, no K split")
-    pdl_enter(PDL)
+    tl.static_assert(PREFETCH == 0 or (PAIR_TILES and PDL), "PREFETCH: pair tiles under PDL")
+    if PREFETCH == 0:
+        pdl_enter(PDL)
     if PERSIST:
         used = _used_tiles(p_offsets, num_local, BLOCK_M, E_PAD)
         for task in tl.range(tl.program_id(0), used * num_nb, tl.num_programs(0), flatten=True):
@@ -845,6 +879,10 @@ def moe_down_kernel(
                                                       MAX_PAIRS)
         if e < 0:
             return
+        if PREFETCH > 0:
+            o_n = i_n * (N_GROUP * BLOCK_N) + tl.arange(0, N_GROUP * BLOCK_N)
+            _prefetch_then_wait(p_w + e.to(tl.int64) * stride_we, o_n, 0, stride_wn, i_s, K // SPLIT_K, BLOCK_K,
+                                PREFETCH, False, PDL)
         _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
             p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32,

@@ -29,7 +29,7 @@ kernel may write, is read only after the wait.
 import triton
 import triton.language as tl
 
-from evenflow._kernels.common import arrived_last, dot_operand, pdl_enter, prefetch_l2
+from evenflow._kernels.common import arrived_last, dot_operand, pdl_enter, prefetch_rows
 
 
 @triton.jit
@@ -67,18 +67,6 @@ def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
     k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
     k_end = tl.minimum(k_start + K_SPLIT, K)
     return i_mn, i_s, o_m, o_n, o_k, o_m < M, o_n < N, k_start, k_end
-
-
-@triton.jit
-def _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-    """L2 prefetch of rows ``o_n`` (where ``m_n``), columns [k_start, k_end) of ``w``: one pointer a
-    128-byte line (``LINE`` elements), BLOCK_K columns a trip."""
-    if BLOCK_K >= LINE:
-        o_l = tl.arange(0, BLOCK_K // LINE) * LINE
-        p_row = p_w + o_n.to(tl.int64)[:, None] * stride_wn
-        for k in range(k_start, k_end, BLOCK_K):
-            o_kl = k + o_l
-            prefetch_l2(p_row + o_kl[None, :], m_n[:, None] & (o_kl < k_end)[None, :], p_w)
 
 
 @triton.jit
@@ -154,12 +142,12 @@ def router_gemm_kernel(
     if PREFETCH_W:
         k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
         if W_FP32:
-            _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
+            prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
         else:
-            _prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
-            _prefetch_rows(p_wlo, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
+            prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
+            prefetch_rows(p_wlo, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
             if NUM_TERMS == 3:
-                _prefetch_rows(p_wlo2, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
+                prefetch_rows(p_wlo2, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 64)
     pdl_enter(PDL)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]
@@ -251,7 +239,7 @@ def router_gemm_fp32_kernel(
     m_m = o_m < M
     m_n = o_n < N
     if PREFETCH_W:
-        _prefetch_rows(p_w, o_n, m_n, stride_wn, 0, tl.where(i_m == 0, K, 0), BLOCK_K, 32)  # first row tile only
+        prefetch_rows(p_w, o_n, m_n, stride_wn, 0, tl.where(i_m == 0, K, 0), BLOCK_K, 32)  # first row tile only
     pdl_enter(PDL)
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
     p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
@@ -308,7 +296,7 @@ def router_gemm_fp32_splitk_kernel(
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PREFETCH_W:
         k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
-        _prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
+        prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
     pdl_enter(PDL)
 
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
