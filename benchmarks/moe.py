@@ -47,7 +47,8 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
          "evenflow-promoted", "evenflow-lastsplit", "evenflow-pairs", "evenflow-persist1", "evenflow-persist2",
          "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot",
          "evenflow-fastacc-gu2dot", "evenflow-promoted-gu2dot", "evenflow-persistdown1", "evenflow-persistdown2",
-         "evenflow-persistdown1n", "evenflow-persistdown2n", "evenflow-pf", "evenflow-pfgu", "evenflow-pfdown")
+         "evenflow-persistdown1n", "evenflow-persistdown2n", "evenflow-pf", "evenflow-pfgu", "evenflow-pfdown",
+         "evenflow-pf1", "evenflow-pfgu1", "evenflow-pfdown1")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -72,7 +73,8 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # tile's n-blocks in turn: PERSIST_DOWN_N_FASTEST), evenflow-pf / -pfgu / -pfdown (round BK: on pair tiles under PDL
 # both GEMMs, the gate-up alone or the down GEMM alone ask L2 for their own weight lines before their PDL wait:
 # evenflow.moe.fused.PAIR_PREFETCH; the gate-up's only behind an fp8 quantisation or a zeroing kernel; the same
-# launches as evenflow elsewhere))
+# launches as evenflow elsewhere; -pf1 / -pfgu1 / -pfdown1 the same for each program's first K step only:
+# PAIR_PREFETCH_STEPS = 1))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -88,10 +90,13 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                                                      "_persist_n_fastest": o == "n"}
                      for n in (1, 2) for o in ("", "n")},
                   "evenflow-pf": {"_pair_prefetch": ("gate_up", "down")},
-                  "evenflow-pfgu": {"_pair_prefetch": ("gate_up",)}, "evenflow-pfdown": {"_pair_prefetch": ("down",)}}
+                  "evenflow-pfgu": {"_pair_prefetch": ("gate_up",)}, "evenflow-pfdown": {"_pair_prefetch": ("down",)},
+                  **{f"evenflow-pf{g}1": {"_pair_prefetch": gemms, "_pair_prefetch_steps": 1}
+                     for g, gemms in (("", ("gate_up", "down")), ("gu", ("gate_up",)), ("down", ("down",)))}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
-                   "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH"}
+                   "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH",
+                   "_pair_prefetch_steps": "PAIR_PREFETCH_STEPS"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

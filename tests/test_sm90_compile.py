@@ -310,8 +310,9 @@ def test_local_first_launch_compiles_without_spill():
         assert s["regs"] <= s0["regs"] + 16, (la.describe(), s["regs"], s0["regs"])
 
 
-@pytest.mark.parametrize("switch", [("gate_up", "down"), ()], ids=["prefetch", "default"])
-def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch):
+@pytest.mark.parametrize("switch,steps", [(("gate_up", "down"), 0), (("gate_up", "down"), 1), ((), 0)],
+                         ids=["prefetch", "prefetch-first-step", "default"])
+def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps):
     """Round BK's probe (``fused.PAIR_PREFETCH``): on pair tiles under PDL each GEMM program reads its task (the
     pair's expert from topk_ids: a load, nothing else) and asks L2 for its weight lines before its PDL wait; no
     copy, atomic or store comes before the wait. The gate-up does so only behind a kernel of the layer that waited
@@ -321,6 +322,7 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch):
     from evenflow.moe import fused
 
     monkeypatch.setattr(fused, "PAIR_PREFETCH", switch)
+    monkeypatch.setattr(fused, "PAIR_PREFETCH_STEPS", steps)
     launches = []
     for (h, i, e_local, total, ep_rank), fmts in (((2048, 768, 4, 4, 0), ("bf16", "fp8_per_tensor", "fp8_block")),
                                                   ((4096, 1536, 4, 32, 1), ("fp8_per_tensor",))):
@@ -339,7 +341,7 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch):
         assert c["PAIR_TILES"] and c["PDL"], la.describe()
         line = 64 if c["MODE"] == 0 else 128  # elements a 128-byte line
         on = bool(switch) and not (la.name == "moe_gate_up_kernel" and c["MODE"] == 0)
-        assert c["PREFETCH"] == (line if on else 0), la.describe()
+        assert c["PREFETCH"] == (line if on else 0) and c["PREFETCH_STEPS"] == (steps if on else 0), la.describe()
         want[la.describe()] = on
     stats = compile_stats(launches)
     assert {s["describe"] for s in stats} == set(want)

@@ -103,6 +103,8 @@ MAX_PERSISTENT = 8
 # hint). Round AD3's form (the gate-up asking L2 for the down GEMM's weights, evict_last) was slower everywhere;
 # this one is measured by benchmarks/moe.py's evenflow-pf* rows (docs/perf-notes/moe.md, "Round BK").
 PAIR_PREFETCH: tuple = ()
+# ... and how many K steps of its lines a program asks for: 0 its whole K range, n its first n steps.
+PAIR_PREFETCH_STEPS = 0
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -553,7 +555,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         MODE=mode, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gu_block_n, BLOCK_K=cfg.gu_block_k,
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
-        ONE_DOT=_gate_up_one_dot(cfg, mode, acc_kind, by_pair), PREFETCH=pf_gu, **gpu_kw, **pk,
+        ONE_DOT=_gate_up_one_dot(cfg, mode, acc_kind, by_pair), PREFETCH=pf_gu,
+        PREFETCH_STEPS=PAIR_PREFETCH_STEPS if pf_gu else 0, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB
@@ -574,7 +577,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         SPLIT_K=cfg.down_split_k, DOT_F32=dot_f32, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         GU_SPLIT=cfg.gu_split_k if defer else 0, FP8_ROUND=fp8_round, PERSIST=down_persist,
         E_PAD=down_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs, N_GROUP=cfg.down_n_group,
-        N_FASTEST=down_persist and PERSIST_DOWN_N_FASTEST, PREFETCH=pf_down, **gpu_kw, **pk,
+        N_FASTEST=down_persist and PERSIST_DOWN_N_FASTEST, PREFETCH=pf_down,
+        PREFETCH_STEPS=PAIR_PREFETCH_STEPS if pf_down else 0, **gpu_kw, **pk,
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)

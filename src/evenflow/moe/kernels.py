@@ -597,17 +597,21 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
 
 @triton.jit
 def _prefetch_then_wait(p_we, o_n, second, stride_wn, i_s, k_split, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
-                        TWO_SETS: tl.constexpr, PDL: tl.constexpr):
+                        TWO_SETS: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
     """Before a pair-tile program's PDL wait: ask L2 for the weight lines its task will read (rows ``o_n`` of the
     expert's matrix at ``p_we`` and, with TWO_SETS, rows ``o_n + second`` (the gate-up's up rows), columns
-    [i_s * k_split, (i_s + 1) * k_split)), then wait and let the next kernel launch (:func:`pdl_enter`). The
-    weights are no kernel's output, so the lines cannot be stale; only the task (the pair's expert, read from
-    ``topk_ids``) had to be complete, which the caller ensures (moe_gate_up_kernel's PREFETCH)."""
+    [i_s * k_split, (i_s + 1) * k_split), or with STEPS > 0 its first STEPS K steps of BLOCK_K), then wait and let
+    the next kernel launch (:func:`pdl_enter`). The weights are no kernel's output, so the lines cannot be stale;
+    only the task (the pair's expert, read from ``topk_ids``) had to be complete, which the caller ensures
+    (moe_gate_up_kernel's PREFETCH)."""
     k0 = i_s * k_split
+    k_end = k0 + k_split
+    if STEPS > 0:
+        k_end = tl.minimum(k_end, k0 + STEPS * BLOCK_K)
     m_n = o_n >= 0
-    prefetch_rows(p_we, o_n, m_n, stride_wn, k0, k0 + k_split, BLOCK_K, LINE)
+    prefetch_rows(p_we, o_n, m_n, stride_wn, k0, k_end, BLOCK_K, LINE)
     if TWO_SETS:
-        prefetch_rows(p_we, o_n + second, m_n, stride_wn, k0, k0 + k_split, BLOCK_K, LINE)
+        prefetch_rows(p_we, o_n + second, m_n, stride_wn, k0, k_end, BLOCK_K, LINE)
     pdl_enter(PDL)
 
 
@@ -621,7 +625,7 @@ def moe_gate_up_kernel(
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
     E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, ONE_DOT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = 0, PREFETCH_STEPS: tl.constexpr = 0,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -652,8 +656,8 @@ def moe_gate_up_kernel(
 
     PREFETCH > 0 (pair tiles under PDL, where a kernel of the layer that waited for the kernel ahead of the layer
     runs before this one, so ``topk_ids`` is complete): each program reads its task, asks L2 for its weight lines
-    (gate and up rows, its K split; PREFETCH elements a 128-byte line) and only then waits for the kernel ahead
-    (round BK, :func:`_prefetch_then_wait`). 0: the wait first, as always before.
+    (gate and up rows, its K split, or its first PREFETCH_STEPS K steps; PREFETCH elements a 128-byte line) and only
+    then waits for the kernel ahead (round BK, :func:`_prefetch_then_wait`). 0: the wait first, as always before.
 
     PERSIST (index tiles, no K split; ``num_nb`` n-blocks): a fixed grid of programs takes the
     used tasks in turn (:func:`_used_tiles`), in the order of the one-program-per-task grid
@@ -688,7 +692,7 @@ def moe_gate_up_kernel(
         if PREFETCH > 0:
             o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
             _prefetch_then_wait(p_w + e.to(tl.int64) * stride_we, o_n, I, stride_wn, i_s, K // SPLIT_K, BLOCK_K,
-                                PREFETCH, True, PDL)
+                                PREFETCH, True, PREFETCH_STEPS, PDL)
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
             p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -834,7 +838,7 @@ def moe_down_kernel(
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr, PAIR_TILES: tl.constexpr,
     FAST_ACC: tl.constexpr, GU_SPLIT: tl.constexpr, FP8_ROUND: tl.constexpr, PERSIST: tl.constexpr,
     E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, N_GROUP: tl.constexpr,
-    N_FASTEST: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    N_FASTEST: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PREFETCH_STEPS: tl.constexpr = 0,
 ):
     """pair_out[split, pair, n-block] = topk_weight[pair] * (inter[rows, k-split] @ w2[e, n-block, k-split].T).
 
@@ -882,7 +886,7 @@ def moe_down_kernel(
         if PREFETCH > 0:
             o_n = i_n * (N_GROUP * BLOCK_N) + tl.arange(0, N_GROUP * BLOCK_N)
             _prefetch_then_wait(p_w + e.to(tl.int64) * stride_we, o_n, 0, stride_wn, i_s, K // SPLIT_K, BLOCK_K,
-                                PREFETCH, False, PDL)
+                                PREFETCH, False, PREFETCH_STEPS, PDL)
         _down_tile(e, o_m, m_m, i_tile, i_n, i_s, p_a, p_as, p_w, p_ws, p_sorted, p_topk_w,
             p_out, p_a_scale, p_gpart, p_gws, p_ga_scale, K, stride_am, stride_asm, stride_we, stride_wn, stride_wse,
             stride_wsn, stride_os, stride_om, stride_gps, MODE, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, DOT_F32,
