@@ -48,7 +48,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
          "evenflow-serialquant", "evenflow-zerokernel", "evenflow-pairorder", "evenflow-gu2dot",
          "evenflow-fastacc-gu2dot", "evenflow-promoted-gu2dot", "evenflow-persistdown1", "evenflow-persistdown2",
          "evenflow-persistdown1n", "evenflow-persistdown2n", "evenflow-pf", "evenflow-pfgu", "evenflow-pfdown",
-         "evenflow-pf1", "evenflow-pfgu1", "evenflow-pfdown1")
+         "evenflow-pf1", "evenflow-pfgu1", "evenflow-pfdown1", "evenflow-nopf")
 # on request: evenflow-nopdl (PDL's A/B), evenflow-index (the index build at every batch: pair tiles' A/B),
 # evenflow-fastacc (fp8_accum="fast": fp8 MMAs with fast accumulation, SGLang's numerics; fp8 variants only),
 # evenflow-promoted (fp8_accum="promoted": those MMAs, each K step's sum added in fp32; fp8 variants only),
@@ -71,10 +71,11 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # tiles), evenflow-persistdown1 / -persistdown2 (persistent=1, 2 for the down GEMM alone, the gate-up one program
 # per task: evenflow.moe.fused.PERSIST_GEMMS), -persistdown1n / -persistdown2n (the same, the down loop taking a
 # tile's n-blocks in turn: PERSIST_DOWN_N_FASTEST), evenflow-pf / -pfgu / -pfdown (round BK: on pair tiles under PDL
-# both GEMMs, the gate-up alone or the down GEMM alone ask L2 for their own weight lines before their PDL wait:
-# evenflow.moe.fused.PAIR_PREFETCH; the gate-up's only behind an fp8 quantisation or a zeroing kernel; the same
-# launches as evenflow elsewhere; -pf1 / -pfgu1 / -pfdown1 the same for each program's first K step only:
-# PAIR_PREFETCH_STEPS = 1))
+# both GEMMs, the gate-up alone or the down GEMM alone ask L2 for their whole K range's weight lines before their PDL
+# wait, whatever the config says: evenflow.moe.fused.PAIR_PREFETCH with PAIR_PREFETCH_STEPS = 0; the gate-up's only
+# behind an fp8 quantisation or a zeroing kernel; the same launches as evenflow elsewhere), -pf1 / -pfgu1 / -pfdown1
+# (the same for each program's first K step only, MoEConfig.prefetch's form), evenflow-nopf (no prefetch whatever
+# the table's entry says: the A/B of its prefetch choices))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -89,10 +90,10 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                   **{f"evenflow-persistdown{n}{o}": {"persistent": n, "_persist_gemms": ("down",),
                                                      "_persist_n_fastest": o == "n"}
                      for n in (1, 2) for o in ("", "n")},
-                  "evenflow-pf": {"_pair_prefetch": ("gate_up", "down")},
-                  "evenflow-pfgu": {"_pair_prefetch": ("gate_up",)}, "evenflow-pfdown": {"_pair_prefetch": ("down",)},
-                  **{f"evenflow-pf{g}1": {"_pair_prefetch": gemms, "_pair_prefetch_steps": 1}
-                     for g, gemms in (("", ("gate_up", "down")), ("gu", ("gate_up",)), ("down", ("down",)))}}
+                  **{f"evenflow-pf{g}{n}": {"_pair_prefetch": gemms, "_pair_prefetch_steps": 1 if n else 0}
+                     for g, gemms in (("", ("gate_up", "down")), ("gu", ("gate_up",)), ("down", ("down",)))
+                     for n in ("", "1")},
+                  "evenflow-nopf": {"_pair_prefetch": ()}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
                    "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH",

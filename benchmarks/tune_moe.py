@@ -176,15 +176,25 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             # pair tiles: each K-split candidate also with its partials left to the down GEMM (gu_defer)
             out = [lc for label, c in out for lc in ((label, c),) + (
                 ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
+            n_ix = 0  # index-tile twins inserted after the default
             if t * case.top_k > I3_PAIR_TILE_PAIRS:
                 # the index build instead of pair tiles, in the range round AK gave pair tiles (at 32 pairs they were
                 # slower on one benchmark series of eight; up to 16, round I3's range, faster), on the table's entry
                 # and on the default's tiles, next to the default (and its +defer twin); an index-tile twin defers
                 # nothing (the deferral is a pair-tile path), so it takes gu_defer = 0
                 at = 2 if len(out) > 1 and out[1][0] == "default+defer" else 1
-                out[at:at] = [(f"{label}-pairs", r(b, index_tiles=0)) if b.index_tiles else
-                              (f"{label}-index", r(b, index_tiles=1, gu_defer=0))
-                              for label, b in known if b.block_m == 16]
+                twins = [(f"{label}-pairs", r(b, index_tiles=0)) if b.index_tiles else
+                         (f"{label}-index", r(b, index_tiles=1, gu_defer=0)) for label, b in known if b.block_m == 16]
+                out[at:at] = twins
+                n_ix = len(twins)
+            # round BK: the known configs that run pair tiles, each with the other choices of which GEMMs ask L2 for
+            # their first K step before their PDL wait (BK2: 0.93-1.08x the time by series; bf16's gate-up is the
+            # layer's first kernel and never takes it, so bf16 offers the down's bit alone), after the default and
+            # its index-tile twins
+            at = (2 if len(out) > 1 and out[1][0] == "default+defer" else 1) + n_ix
+            out[at:at] = [(f"{label}-pf{bits}", r(b, prefetch=bits)) for label, b in known
+                          if b.block_m == 16 and not b.index_tiles
+                          for bits in ((0, 2) if mode == 0 else (0, 1, 2, 3)) if bits != b.prefetch]
     else:
         if not fast_acc:
             # wider down-GEMM N blocks on the default's tiles (round T): the down GEMM (K = I, a few K steps a

@@ -368,29 +368,39 @@ def test_module_switch_rows_launch_what_they_name_and_restore_the_switch(monkeyp
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
-def test_pair_prefetch_rows_set_the_prefetch_of_the_gemms_they_name():
-    """Round BK's rows evenflow-pf / -pfgu / -pfdown (``fused.PAIR_PREFETCH``), launched as on an H200 (pair tiles
-    under PDL at T = 1): each GEMM they name takes PREFETCH (128 elements a line of e4m3 weights, 64 of bf16), the
-    others 0; a bf16 gate-up never (it is the layer's first kernel there); the switch is back after each call."""
+def test_pair_prefetch_rows_set_the_prefetch_of_the_gemms_they_name(monkeypatch):
+    """Round BK's rows (``fused.PAIR_PREFETCH`` / ``PAIR_PREFETCH_STEPS``), launched as on an H200 (pair tiles under
+    PDL at T = 1) on a config whose ``prefetch`` names both GEMMs: evenflow takes the config's choice (first K step),
+    -pf / -pfgu / -pfdown force the GEMMs they name over their whole K range, -pf1 / -pfgu1 / -pfdown1 over the first
+    step, -nopf none (PREFETCH: 128 elements a line of e4m3 weights, 64 of bf16); a bf16 gate-up never takes it (the
+    layer's first kernel there); the switches are back after each call."""
+    import dataclasses
+
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
 
+    real_choose = fused.choose_config
+    monkeypatch.setattr(fused, "choose_config", lambda *a, **kw: dataclasses.replace(real_choose(*a, **kw), prefetch=3))
     case = bm.MoECase("tiny256", 4, 4, 2, 256, 128)
     gen = _gen(6)
     ids, tw = bm.make_routing(1, case, gen)
     x = torch.randn(1, case.hidden, generator=gen).bfloat16()
-    want = {"evenflow": (0, 0), "evenflow-pf": (1, 1), "evenflow-pfgu": (1, 0), "evenflow-pfdown": (0, 1)}
+    want = {"evenflow": (1, 1, 1), "evenflow-nopf": (0, 0, 0), "evenflow-pf": (1, 1, 0), "evenflow-pfgu": (1, 0, 0),
+            "evenflow-pfdown": (0, 1, 0), "evenflow-pf1": (1, 1, 1), "evenflow-pfgu1": (1, 0, 1),
+            "evenflow-pfdown1": (0, 1, 1)}
     for variant, line in (("fp8-tensor", 128), ("bf16", 64)):
         w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
         if variant == "fp8-tensor":
             bm.calibrate_static_scales(w, case, "cpu", _gen(1), bm.expert_bias(case.num_experts_total, _gen(2)))
-        for name, (gu, down) in want.items():
+        for name, (gu, down, steps) in want.items():
             with CC.emulate_gpu(132), CC.record_launches() as launches:
                 bm.build_impl(name, w, case, None)(x, ids, tw)()
-            got = {ln.name: dict(ln.constexprs)["PREFETCH"] for ln in launches if "PREFETCH" in dict(ln.constexprs)}
+            got = {ln.name: (dict(ln.constexprs)["PREFETCH"], dict(ln.constexprs)["PREFETCH_STEPS"])
+                   for ln in launches if "PREFETCH" in dict(ln.constexprs)}
             gu = gu if variant != "bf16" else 0
-            assert got == {"moe_gate_up_kernel": gu * line, "moe_down_kernel": down * line}, (variant, name, got)
-            assert fused.PAIR_PREFETCH == (), name
+            assert got == {"moe_gate_up_kernel": (gu * line, gu * steps),
+                           "moe_down_kernel": (down * line, down * steps)}, (variant, name, got)
+            assert fused.PAIR_PREFETCH is None and fused.PAIR_PREFETCH_STEPS == 1, name
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")

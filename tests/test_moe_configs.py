@@ -415,6 +415,45 @@ def test_tuner_offers_index_tiles_at_pair_tile_batches():
                     assert got["incumbent-index"] == dataclasses.replace(deferring, index_tiles=1, gu_defer=0)
 
 
+def test_tuner_offers_prefetch_twins_at_pair_tile_batches():
+    """Round BK: at pair-tile batches the tuner times the known configs that run pair tiles (the default, the table's
+    entry) with each other choice of ``prefetch`` (bf16: the down GEMM's bit alone, its gate-up being the layer's
+    first kernel), after the default and its index-tile twins; past the pair-tile range none."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import moe as B
+    import tune_moe
+    from evenflow.moe.fused import PAIR_TILE_MAX_PAIRS
+
+    for name in ("hy3-ep8", "qwen3-30b-a3b"):
+        case = B.CASES[name]
+        for mode in (0, 1, 2):
+            for t in tune_moe.BUCKETS:
+                d = dict(tune_moe.candidates(case, mode, t))["default"]
+                entry = dataclasses.replace(d, num_stages=d.num_stages + 1, prefetch=2)
+                cands = tune_moe.candidates(case, mode, t, incumbent=entry)
+                got = dict(cands)
+                pf = [lab for lab, _ in cands if "-pf" in lab]
+                if t * case.top_k <= PAIR_TILE_MAX_PAIRS and d.block_m == 16 and not d.index_tiles:
+                    bits = (0, 2) if mode == 0 else (0, 1, 2, 3)
+                    assert pf == [f"incumbent-pf{b}" for b in bits if b != 2] + [f"default-pf{b}" for b in bits if b],\
+                        (name, mode, t, pf)
+                    assert got["incumbent-pf0"] == dataclasses.replace(entry, prefetch=0)
+                    labels = [lab for lab, _ in cands if not lab.endswith("+defer")]
+                    first = labels.index(pf[0])
+                    assert labels[first:first + len(pf)] == pf and all(
+                        not lab.startswith(("default-", "incumbent-")) or lab.endswith(("-index", "-pairs"))
+                        for lab in labels[1:first]), (name, mode, t, labels)
+                else:
+                    assert not pf, (name, mode, t, pf)
+
+
+def test_config_prefetch_is_checked():
+    with pytest.raises(ValueError, match="config.prefetch"):
+        check_config(MoEConfig(16, 64, 64, 64, 64, prefetch=4), 256, 128, 0)
+    assert MoEConfig.from_list(MoEConfig(16, 64, 64, 64, 64, prefetch=3).as_list()).prefetch == 3
+    assert MoEConfig.from_list([16, 64, 64, 64, 64, 4, 3, 1, 1, 0, 0, 1, 0]).prefetch == 0  # a table row before it
+
+
 def test_config_index_tiles_is_checked():
     with pytest.raises(ValueError, match="index_tiles"):
         check_config(MoEConfig(16, 64, 64, 64, 64, index_tiles=2), 256, 128, 0)

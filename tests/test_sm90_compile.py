@@ -310,19 +310,25 @@ def test_local_first_launch_compiles_without_spill():
         assert s["regs"] <= s0["regs"] + 16, (la.describe(), s["regs"], s0["regs"])
 
 
-@pytest.mark.parametrize("switch,steps", [(("gate_up", "down"), 0), (("gate_up", "down"), 1), ((), 0)],
-                         ids=["prefetch", "prefetch-first-step", "default"])
-def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps):
-    """Round BK's probe (``fused.PAIR_PREFETCH``): on pair tiles under PDL each GEMM program reads its task (the
-    pair's expert from topk_ids: a load, nothing else) and asks L2 for its weight lines before its PDL wait; no
-    copy, atomic or store comes before the wait. The gate-up does so only behind a kernel of the layer that waited
-    (the fp8 quantisation; a bf16 layer's gate-up is its first kernel and keeps the wait first). Off (the default),
-    no launch carries a prefetch and every kernel waits before its first memory operation. No spill either way."""
+@pytest.mark.parametrize("switch,steps,bits", [(("gate_up", "down"), 0, 0), (None, 1, 3), (None, 1, 2), (None, 1, 0)],
+                         ids=["switch-whole-range", "config-both", "config-down", "default"])
+def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits):
+    """Round BK (``MoEConfig.prefetch``, or the knob rows' module switch ``fused.PAIR_PREFETCH``): on pair tiles under
+    PDL each GEMM program it names reads its task (the pair's expert from topk_ids: a load, nothing else) and asks L2
+    for its weight lines (its first K step, or with ``PAIR_PREFETCH_STEPS`` = 0 its whole range) before its PDL
+    wait; no copy, atomic or store comes before the wait. The gate-up does so only behind a kernel of the layer that
+    waited (the fp8 quantisation; a bf16 layer's gate-up is its first kernel and keeps the wait first). Off (the
+    default config), no launch carries a prefetch and every kernel waits before its first memory operation. No spill
+    either way."""
+    import dataclasses
+
     from evenflow._compile_check import compile_stats
     from evenflow.moe import fused
 
     monkeypatch.setattr(fused, "PAIR_PREFETCH", switch)
     monkeypatch.setattr(fused, "PAIR_PREFETCH_STEPS", steps)
+    named = (switch is not None and "gate_up" in switch) | 2 * (switch is not None and "down" in switch) \
+        if switch is not None else bits
     launches = []
     for (h, i, e_local, total, ep_rank), fmts in (((2048, 768, 4, 4, 0), ("bf16", "fp8_per_tensor", "fp8_block")),
                                                   ((4096, 1536, 4, 32, 1), ("fp8_per_tensor",))):
@@ -330,9 +336,11 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps):
             ew = random_moe_weights(fmt, e_local, h, i)
             for t in (1, 2):
                 ids = torch.arange(t * 8, dtype=torch.int32).reshape(t, 8) % total
+                cfg = dataclasses.replace(fused.choose_config(t, 8, e_local, h, i, ew.mode, num_experts_total=total,
+                                                              sms=132), prefetch=bits)
                 with emulate_gpu(132), record_launches() as rec:
                     evenflow.fused_moe(torch.randn(t, h).bfloat16(), ids, torch.rand(t, 8), ew, ep_rank=ep_rank,
-                                       num_experts_total=total)
+                                       num_experts_total=total, config=cfg)
                 launches += [la for la in rec if la.name in ("moe_gate_up_kernel", "moe_down_kernel")]
     assert len(launches) == 16, [la.name for la in launches]
     want = {}
@@ -340,9 +348,11 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps):
         c = dict(la.constexprs)
         assert c["PAIR_TILES"] and c["PDL"], la.describe()
         line = 64 if c["MODE"] == 0 else 128  # elements a 128-byte line
-        on = bool(switch) and not (la.name == "moe_gate_up_kernel" and c["MODE"] == 0)
+        gate_up = la.name == "moe_gate_up_kernel"
+        on = bool(named & (1 if gate_up else 2)) and not (gate_up and c["MODE"] == 0)
         assert c["PREFETCH"] == (line if on else 0) and c["PREFETCH_STEPS"] == (steps if on else 0), la.describe()
         want[la.describe()] = on
+    assert any(want.values()) == bool(named)
     stats = compile_stats(launches)
     assert {s["describe"] for s in stats} == set(want)
     for s in stats:

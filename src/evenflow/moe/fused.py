@@ -95,16 +95,17 @@ PERSIST_DOWN_N_FASTEST = False
 # MoEConfig.persistent / fused_moe(persistent=): programs per SM, capped here (a chosen bound: the GEMM tiles'
 # registers and shared memory leave room for 1-5 resident programs per SM at the measured configs).
 MAX_PERSISTENT = 8
-# Round BK's probe (opt-in, off): the GEMMs named here, on pair tiles under PDL, ask L2 for their own weight lines
-# before waiting for the kernel ahead (kernels.PREFETCH), so a program's weight stream starts while the kernel ahead
+# Round BK: on pair tiles under PDL the GEMMs that MoEConfig.prefetch names ask L2 for their own weight lines before
+# waiting for the kernel ahead (kernels.PREFETCH), so a program's first copies are in flight while the kernel ahead
 # (the activation quantisation for the gate-up, the gate-up for the down GEMM) still runs. The gate-up takes it only
 # where a kernel of the layer that waited for the layer's inputs runs ahead of it (an fp8 quantisation or the
 # zeroing kernel): it reads the pair's expert from topk_ids before its own wait. Results bit for bit the same (a
-# hint). Round AD3's form (the gate-up asking L2 for the down GEMM's weights, evict_last) was slower everywhere;
-# this one is measured by benchmarks/moe.py's evenflow-pf* rows (docs/perf-notes/moe.md, "Round BK").
-PAIR_PREFETCH: tuple = ()
-# ... and how many K steps of its lines a program asks for: 0 its whole K range, n its first n steps.
-PAIR_PREFETCH_STEPS = 0
+# hint). PAIR_PREFETCH (module switch; benchmarks/moe.py's evenflow-pf* / -nopf rows): None, the config's choice; a
+# tuple of GEMM names forces those. PAIR_PREFETCH_STEPS: the K steps of lines a program asks for, 0 its whole K range
+# (BK1: slower at every fp8 point and 21 of 24 for the down GEMM, as round AD3's form, the gate-up asking for the
+# down's weights, had been), 1 its first step (BK2; docs/perf-notes/moe.md, "Round BK").
+PAIR_PREFETCH: tuple | None = None
+PAIR_PREFETCH_STEPS = 1
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -141,6 +142,11 @@ class MoEConfig:
     # 16-row tiles): the tuner's choice per point (round AK: at 32 pairs pair tiles were faster on 6 of the 8 benchmark
     # series, not on Qwen3 fp8-tensor). 0: the rule (tables written before it).
     index_tiles: int = 0
+    # Pair tiles under PDL (round BK): the GEMMs whose programs ask L2 for their first K step's weight lines before
+    # their PDL wait, bit 1 the gate-up (only behind a kernel of the layer that waited: fp8 layers), bit 2 the down
+    # GEMM; 0 none (tables written before it). The same bits either way (a hint); the tuner's choice per point: BK2's
+    # A/B read 0.93-1.08x over the pair-tile points, gains at Hy3 EP8 and Qwen3 fp8-block, losses at Hy3 TP8 bf16.
+    prefetch: int = 0
 
     def __post_init__(self):
         # checked once, where a config is made (table load, heuristic, a caller's replace), not per call
@@ -399,6 +405,8 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         raise ValueError(f"config.gu_defer must be 0 or 1, got {cfg.gu_defer}")
     if cfg.index_tiles not in (0, 1):
         raise ValueError(f"config.index_tiles must be 0 or 1, got {cfg.index_tiles}")
+    if cfg.prefetch not in (0, 1, 2, 3):
+        raise ValueError(f"config.prefetch must be 0-3 (bit 1 the gate-up, bit 2 the down GEMM), got {cfg.prefetch}")
     if cfg.down_n_group < 1 or cfg.down_n_group & (cfg.down_n_group - 1) \
             or (hidden // cfg.down_block_n) % cfg.down_n_group:
         raise ValueError(f"config.down_n_group must be a power of two dividing H / down_block_n = "
@@ -484,8 +492,9 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     overlap = QUANT_OVERLAP and use_pdl and (zero_kernel or not by_pair)  # a kernel of ours runs first
     # PAIR_PREFETCH: elements a 128-byte weight line, 0 off (the gate-up only behind a kernel of ours that waited)
     pf_line = 128 // w13.element_size() if use_pdl and by_pair and pdl_supported(dev) else 0
-    pf_gu = pf_line if "gate_up" in PAIR_PREFETCH and (mode != 0 or zero_kernel) else 0
-    pf_down = pf_line if "down" in PAIR_PREFETCH else 0
+    pf_bits = cfg.prefetch if PAIR_PREFETCH is None else ("gate_up" in PAIR_PREFETCH) | 2 * ("down" in PAIR_PREFETCH)
+    pf_gu = pf_line if pf_bits & 1 and (mode != 0 or zero_kernel) else 0
+    pf_down = pf_line if pf_bits & 2 else 0
     dummy = topk_weights  # stands in for pointers a mode does not read
     if mode == 2:
         xq, xs = group_quant_buffers(x)
