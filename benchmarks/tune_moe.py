@@ -28,7 +28,9 @@ copies: under expert parallelism one draw's count of pairs on this rank is far f
 batches (Hy3 EP8 T = 8: the one draw timed before had 8 pairs on rank 0, 6.3 expected with this
 workload's bias), and a config tuned on a light or heavy draw is tuned for another workload (round Q).
 These draws are the tuner's own; the benchmark draws its inputs separately, the same way (a held-out
-sample).
+sample). A second sample of as many draws (the same generator's next ones) takes the second timing of a win over the
+heuristic and of a head-to-head against an existing entry: a config that wins on one sample's routing only does not
+take the point (round BK4: Hy3 EP8 bf16 T = 2, ~2 pairs a draw on the rank).
 
 A candidate counts only if its output passes the tests' tolerance rule
 (``evenflow.testing.assert_within_rule`` against the fp64 oracle, PyTorch's own bf16/fp32 run as the
@@ -293,7 +295,8 @@ def point_inputs(case, t: int, copies: int, seed: int = 0):
 def decide(tried: dict, confirm: tuple[float, float] | None = None) -> tuple[str | None, str]:
     """(label to write or None for null, why) from {label: us or error string}.
 
-    ``confirm``: (default_us, best_us) of a second timing of the two; a win must hold in both.
+    ``confirm``: (default_us, best_us) of a second timing of the two (on the point's second sample of draws); a win
+    must hold in both.
     """
     ok = {k: v for k, v in tried.items() if isinstance(v, float)}
     if not ok:
@@ -319,12 +322,15 @@ def keep_incumbent(head_to_head: list[tuple[float, float]]) -> bool:
     return not all(new < (1 - REPLACE_MARGIN) * old for old, new in head_to_head)
 
 
-def meet_incumbent(old: list, new_cfg, fns_of, validate, time_graph) -> tuple[bool, dict]:
+def meet_incumbent(old: list, new_cfg, fns_of, validate, time_graph, fresh_fns_of=None) -> tuple[bool, dict]:
     """(keep, record) for a point's existing entry ``old`` (a config list) against the new decision's config
     ``new_cfg`` (None where nothing passed the rule). ``validate(cfg, fns)`` raises where the current code refuses
     the config or its output fails the rule: such an entry is dropped. An entry equal to the new choice needs no
     comparison; where nothing passed the rule, a valid entry stays untimed; else the two are timed head to head
-    twice, once in each order, and the entry stays unless :func:`keep_incumbent` says otherwise."""
+    twice, once in each order, and the entry stays unless :func:`keep_incumbent` says otherwise. ``fresh_fns_of``:
+    the calls of a config on the point's second sample of routing draws, which the second timing takes (round BK4:
+    Hy3 EP8 bf16 T = 2's replacement won both timings on one sample of 8 draws, ~2 pairs a draw on the rank, and read
+    1.06x the entry's time on the benchmark's draws in two runs); None, both on ``fns_of``'s."""
     from evenflow.moe.fused import MoEConfig
 
     try:
@@ -337,8 +343,9 @@ def meet_incumbent(old: list, new_cfg, fns_of, validate, time_graph) -> tuple[bo
     if new_cfg is None:
         return True, {"config": old}
     first = (time_graph(fns_of(old_cfg)), time_graph(fns_of(new_cfg)))
-    new_us = time_graph(fns_of(new_cfg))  # the second timing in the other order
-    h2h = [first, (time_graph(fns_of(old_cfg)), new_us)]
+    again = fresh_fns_of or fns_of
+    new_us = time_graph(again(new_cfg))  # the second timing in the other order
+    h2h = [first, (time_graph(again(old_cfg)), new_us)]
     return keep_incumbent(h2h), {"config": old, "head_to_head_us": [[round(x, 2), round(y, 2)] for x, y in h2h]}
 
 
@@ -443,9 +450,10 @@ def main(argv=None) -> int:
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     table.update({"device": name, "torch": torch.__version__, "generated_by": "benchmarks/tune_moe.py",
                   "rule": f"fastest config passing evenflow.testing.assert_within_rule if >= {WIN:.0%} faster "
-                          "than choose_config twice, else null (heuristic); an existing entry stays unless that "
-                          f"choice beats it by more than {REPLACE_MARGIN:.0%} in both of two head-to-head "
-                          "timings (or, nothing passing the rule, if it passes); keys ending -fast: "
+                          "than choose_config twice (the second time on a fresh sample of routing draws), else null "
+                          "(heuristic); an existing entry stays unless that choice beats it by more than "
+                          f"{REPLACE_MARGIN:.0%} in both of two head-to-head timings (the second on the fresh "
+                          "sample) (or, nothing passing the rule, if it passes); keys ending -fast: "
                           "fp8_accum='fast', -prom: fp8_accum='promoted', "
                           "rule baseline evenflow.reference.moe.moe_fast_accum_baseline (promoted=True for -prom)",
                   "routing": f"benchmarks/moe.py make_routing + expert_bias, seed {args.seed}"})
@@ -515,9 +523,15 @@ def main(argv=None) -> int:
         ref, base, allow = (v.cpu() for v in moe_rule_terms(x0, ids0, tw0, ews[0],
                                                             fast_accum=accum if fm.fast_acc else False, **kw))
 
-        def fns_of(cfg):
-            return [lambda j=j, c=cfg: evenflow.fused_moe(*inputs[j], ews[j % n_rot], config=c, fp8_accum=accum,
-                                                         **kw)
+        # a second sample of as many draws, the same generator's next ones: a win's confirmation and the second
+        # head-to-head timing against an existing entry take it, so a config that wins on one sample's routing only
+        # does not take the point (round BK4)
+        fresh = [tuple(v.to(DEVICE) for v in inp) for inp in point_inputs(case, t, 2 * draws, args.seed)[draws:]]
+
+        def fns_of(cfg, sample=0):
+            src = fresh if sample else inputs
+            return [lambda j=j, c=cfg, s=sample, src=src: evenflow.fused_moe(*src[j], ews[j % n_rot], config=c,
+                                                                             fp8_accum=accum, **kw)
                     for j in range(draws)]
 
         tried: dict = {}
@@ -536,7 +550,7 @@ def main(argv=None) -> int:
         confirm = None
         cfg_of = dict(cands)
         if pick is not None and isinstance(tried.get("default"), float):
-            confirm = (H.time_graph(fns_of(cfg_of["default"])), H.time_graph(fns_of(cfg_of[pick])))
+            confirm = (H.time_graph(fns_of(cfg_of["default"], 1)), H.time_graph(fns_of(cfg_of[pick], 1)))
             pick, why = decide(tried, confirm)
         entry = None if pick is None else cfg_of[pick].as_list()
         old = configs.get(key, {}).get(str(t))
@@ -547,7 +561,7 @@ def main(argv=None) -> int:
                 lambda c, fns: (check_config(c, case.hidden, case.inter, mode, fast_acc=fm.fast_acc),
                                 assert_within_rule(fns[0](), ref, base, what=f"{case_name} {variant} T={t} incumbent",
                                                    allowance=allow)),
-                H.time_graph)
+                H.time_graph, lambda c: fns_of(c, 1))
             if kept:
                 pick, entry = "incumbent", old
                 why = (f"incumbent kept ({why}; it passes the rule)" if new_label is None else

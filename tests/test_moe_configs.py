@@ -186,9 +186,10 @@ def test_tuner_pairs_each_split_pair_tile_config_with_its_deferred_twin():
         if t * case.top_k > PAIR_TILE_MAX_PAIRS:
             assert not deferred, t
             continue
+        # (the prefetch twins of the known configs, round BK, keep those configs' deferral: no twin of their own)
         splits = [(lab, c) for lab, c in cands if c.gu_split_k > 1 and c.block_m == 16 and not c.gu_defer
-                  and not c.index_tiles]
-        assert splits and len(deferred) == len(splits), t
+                  and not c.index_tiles and "-pf" not in lab]
+        assert splits and len([lab for lab, _ in deferred if "-pf" not in lab]) == len(splits), t
         for i, (lab, c) in enumerate(cands):
             if c in dict(splits).values():
                 assert cands[i + 1] == (lab + "+defer", dataclasses.replace(c, gu_defer=1)), (t, lab)
@@ -305,7 +306,8 @@ def test_tuner_dry_run_on_cpu(tmp_path, monkeypatch):
     H, T = _tiny_tuner_case(monkeypatch)
     monkeypatch.setattr(H, "time_graph", lambda fns: 90.0 if fns[0].__defaults__[1].num_stages == 4 else 100.0)
     table = tmp_path / "t.json"
-    assert T.main(["--cases", "tiny", "--formats", "bf16,fp8-tensor", "--buckets", "1,4", "--max-candidates", "3",
+    # 5 candidates a point: the default, its prefetch twins (round BK: one in bf16, three in fp8), then st4
+    assert T.main(["--cases", "tiny", "--formats", "bf16,fp8-tensor", "--buckets", "1,4", "--max-candidates", "5",
                    "--workers", "1", "--budget-s", "600", "--table", str(table)]) == 0
     data = json.loads(table.read_text())
     for mode in (0, 1):
@@ -327,46 +329,56 @@ def test_tuner_keeps_an_entry_unless_beaten_in_every_head_to_head_timing():
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="drives the tuner on CPU tensors through the interpreter")
 @pytest.mark.parametrize("scenario", ["entry-faster", "entry-slower", "null-entry-faster", "null-entry-slower",
-                                      "nothing-passes"])
+                                      "nothing-passes", "sample-bias"])
 def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch, scenario):
     # A table with an entry (2 stages) at T = 1 and one the current code refuses at T = 4 (persistent = 9).
     # entry-*: the stub timer makes the 4-stage candidates 10% faster than the default (the new decision: st4)
     # and the existing entry faster still (kept, with its head-to-head timings) or slower (replaced);
     # null-*: every candidate as fast as the default (the new decision: null), the entry 1% faster (kept: it is
     # compared with the heuristic) or 3% slower (replaced by null: beyond the tuner's REPLACE_MARGIN);
-    # nothing-passes: every candidate fails the rule and the entry passes it (kept, untimed). The refused entry is
-    # dropped in every scenario.
+    # nothing-passes: every candidate fails the rule and the entry passes it (kept, untimed); sample-bias (round
+    # BK4): the entry is slower than the new decision on the point's first sample of draws and faster on its second,
+    # which the second head-to-head timing takes (kept; timed twice on one sample it would have been replaced), and
+    # the new decision's win over the default is confirmed on the second sample. The refused entry is dropped in
+    # every scenario.
     import evenflow.testing
 
     H, T = _tiny_tuner_case(monkeypatch)
     old = [16, 64, 64, 64, 64, 4, 2, 1, 1]
     entry_us = {"entry-faster": 80.0, "entry-slower": 95.0, "null-entry-faster": 99.0,
-                "null-entry-slower": 103.0, "nothing-passes": 100.0}[scenario]
+                "null-entry-slower": 103.0, "nothing-passes": 100.0, "sample-bias": 95.0}[scenario]
+    samples = set()
 
     def timer(fns):
-        c = fns[0].__defaults__[1]
+        c, sample = fns[0].__defaults__[1:3]
+        samples.add(sample)
         if c.num_stages == 2:
-            return entry_us
-        return 90.0 if c.num_stages == 4 and scenario.startswith("entry") else 100.0
+            return 85.0 if scenario == "sample-bias" and sample else entry_us
+        return 90.0 if c.num_stages == 4 and scenario.startswith(("entry", "sample")) else 100.0
     monkeypatch.setattr(H, "time_graph", timer)
     if scenario == "nothing-passes":
         real = evenflow.testing.assert_within_rule
 
         def rule(out, ref, base, what="output", **kw):
-            if "incumbent" not in what:
+            if not what.endswith(" incumbent"):  # the entry itself (not its twins, e.g. incumbent-pf2)
                 raise AssertionError(f"{what}: stub rule failure")
             return real(out, ref, base, what=what, **kw)
         monkeypatch.setattr(evenflow.testing, "assert_within_rule", rule)
     table = tmp_path / "t.json"
     key = tuned_key(8, 8, 2, 256, 128, 0)
     table.write_text(json.dumps({"configs": {key: {"1": old, "4": [16, 64, 64, 64, 64, 4, 3, 1, 1, 0, 9]}}}))
-    assert T.main(["--cases", "tiny", "--formats", "bf16", "--buckets", "1,4", "--max-candidates", "3",
+    # 5 candidates a point: the default, the entry's and the default's prefetch twins (round BK), gk128, st4
+    assert T.main(["--cases", "tiny", "--formats", "bf16", "--buckets", "1,4", "--max-candidates", "5",
                    "--workers", "1", "--budget-s", "600", "--table", str(table)]) == 0
     data = json.loads(table.read_text())
     row, got = data["timings"][key]["1"], data["configs"][key]["1"]
     assert row["incumbent"]["config"] == old, row
     if scenario == "nothing-passes":
         assert got == old and row["entry"] == "incumbent" and "head_to_head_us" not in row["incumbent"], row
+    elif scenario == "sample-bias":
+        assert got == old and row["entry"] == "incumbent", row
+        assert row["incumbent"]["head_to_head_us"] == [[95.0, 90.0], [85.0, 90.0]], row
+        assert row["confirm_us"] == [100.0, 90.0] and samples == {0, 1}, row
     else:
         assert len(row["incumbent"]["head_to_head_us"]) == 2, row
         if scenario in ("entry-faster", "null-entry-faster"):
@@ -377,7 +389,7 @@ def test_tuner_dry_run_keeps_or_replaces_an_existing_entry(tmp_path, monkeypatch
             assert got is None and row["entry"] is None, row
     # T = 4: the old entry (persistent = 9 programs per SM) is refused by check_config: dropped, the new decision stands
     assert "dropped" in data["timings"][key]["4"]["incumbent"], data["timings"][key]["4"]
-    want4 = None if scenario != "entry-faster" and scenario != "entry-slower" else 4
+    want4 = 4 if scenario in ("entry-faster", "entry-slower", "sample-bias") else None
     got4 = data["configs"][key]["4"]
     assert (got4 is None) if want4 is None else MoEConfig.from_list(got4).num_stages == 4, got4
 

@@ -207,5 +207,5 @@ def test_fused_moe_op_checks_its_tensors(device, monkeypatch, fmt):
         _refused(op, b, "w13 must have dtype", weight_mode=1)
     else:
         _refused(op, b, "w13_scale must have shape", w13_scale=b["w13_scale"][:1])
-    _refused(op, b, "config must list 5-13", config=[16, 32])
+    _refused(op, b, "config must list 5-14", config=[16, 32])  # MoEConfig's 14 fields (round BK: prefetch)
     _refused(op, b, "pdl must be <= 1", pdl=2)
