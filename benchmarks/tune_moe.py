@@ -179,12 +179,13 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             out = [lc for label, c in out for lc in ((label, c),) + (
                 ((f"{label}+defer", r(c, gu_defer=1)),) if c.gu_split_k > 1 and c.block_m == 16 else ())]
             n_ix = 0  # index-tile twins inserted after the default
+            at0 = 2 if len(out) > 1 and out[1][0] == "default+defer" else 1  # after the default (and its twin)
             if t * case.top_k > I3_PAIR_TILE_PAIRS:
                 # the index build instead of pair tiles, in the range round AK gave pair tiles (at 32 pairs they were
                 # slower on one benchmark series of eight; up to 16, round I3's range, faster), on the table's entry
                 # and on the default's tiles, next to the default (and its +defer twin); an index-tile twin defers
                 # nothing (the deferral is a pair-tile path), so it takes gu_defer = 0
-                at = 2 if len(out) > 1 and out[1][0] == "default+defer" else 1
+                at = at0
                 twins = [(f"{label}-pairs", r(b, index_tiles=0)) if b.index_tiles else
                          (f"{label}-index", r(b, index_tiles=1, gu_defer=0)) for label, b in known if b.block_m == 16]
                 out[at:at] = twins
@@ -193,7 +194,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             # their first K step before their PDL wait (BK2: 0.93-1.08x the time by series; bf16's gate-up is the
             # layer's first kernel and never takes it, so bf16 offers the down's bit alone), after the default and
             # its index-tile twins
-            at = (2 if len(out) > 1 and out[1][0] == "default+defer" else 1) + n_ix
+            at = at0 + n_ix
             out[at:at] = [(f"{label}-pf{bits}", r(b, prefetch=bits)) for label, b in known
                           if b.block_m == 16 and not b.index_tiles
                           for bits in ((0, 2) if mode == 0 else (0, 1, 2, 3)) if bits != b.prefetch]
@@ -515,7 +516,11 @@ def main(argv=None) -> int:
             g2 = torch.Generator(device=DEVICE).manual_seed(len(ews))
             ews.append(random_moe_weights(fmt, case.num_local, case.hidden, case.inter, DEVICE, generator=g2))
         draws = B.routing_draws(t, n_rot)
-        inputs = [tuple(v.to(DEVICE) for v in inp) for inp in point_inputs(case, t, draws, args.seed)]
+        # two samples of as many draws, the same generator's (the second: its next draws): a win's confirmation and
+        # the second head-to-head timing against an existing entry take the second, so a config that wins on one
+        # sample's routing only does not take the point (round BK4)
+        both = [tuple(v.to(DEVICE) for v in inp) for inp in point_inputs(case, t, 2 * draws, args.seed)]
+        inputs, fresh = both[:draws], both[draws:]
         kw = {"ep_rank": case.ep_rank, "num_experts_total": case.num_experts_total}
         x0, ids0, tw0 = inputs[0]
         # the oracle, the same math by PyTorch (with its fp8 fast-accumulation GEMMs for the fast formats) and
@@ -523,12 +528,7 @@ def main(argv=None) -> int:
         ref, base, allow = (v.cpu() for v in moe_rule_terms(x0, ids0, tw0, ews[0],
                                                             fast_accum=accum if fm.fast_acc else False, **kw))
 
-        # a second sample of as many draws, the same generator's next ones: a win's confirmation and the second
-        # head-to-head timing against an existing entry take it, so a config that wins on one sample's routing only
-        # does not take the point (round BK4)
-        fresh = [tuple(v.to(DEVICE) for v in inp) for inp in point_inputs(case, t, 2 * draws, args.seed)[draws:]]
-
-        def fns_of(cfg, sample=0):
+        def fns_of(cfg, sample=0):  # (``s``: the sample, which the tests' stub timers read)
             src = fresh if sample else inputs
             return [lambda j=j, c=cfg, s=sample, src=src: evenflow.fused_moe(*src[j], ews[j % n_rot], config=c,
                                                                              fp8_accum=accum, **kw)

@@ -631,8 +631,10 @@ def test_pair_prefetch_matches_default_in_a_graph(shape, fmt, monkeypatch):
     """Round BK's probe (``fused.PAIR_PREFETCH``: pair-tile GEMM programs read their pair's expert and ask L2 for
     their weight lines before their PDL wait): two stacked layers in one CUDA graph, the second's routing computed
     inside the graph from the first's output (a top-k of its projection, written just before the second layer
-    starts), replayed with new inputs; bit for bit the graph without the prefetch, and within the rule. A gate-up
-    that read the routing before the kernel that waited for its writer would see the previous replay's experts."""
+    starts), replayed with new inputs; bit for bit the graph without the prefetch, and within the rule. (The
+    routing's writer here is a plain torch kernel, which lets the next launch start only as it ends, so this cannot
+    show a read of the routing too early: the order of the wait against the task's loads is the sm_90 build's test,
+    ``test_pair_prefetch_asks_l2_before_the_wait``.)"""
     from evenflow.moe import fused
 
     e, e_tot, ep, k, h, i = SHAPES[shape]

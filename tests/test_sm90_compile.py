@@ -362,7 +362,13 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits)
         wait = m["griddepcontrol.wait"]
         after = [m[op] for op in ("cp.async", "atom.", "red.", "st.global") if m[op] >= 0]
         assert 0 <= wait < min(after) and wait < m["griddepcontrol.launch_dependents"], desc
+        waits = s["mark_counts"]["griddepcontrol.wait"]
         if want[desc]:
             assert 0 <= m["prefetch.global.L2"] < wait and 0 <= m["ld.global"] < wait, desc
+            # the wait on both paths: a program with no task waits before it exits (else a grid whose programs all
+            # exit unwaited completes before the kernel ahead); the task's loads are the only ones before it: the
+            # pair's id (with LOCAL_FIRST the pairs' id vector) and nothing the kernel ahead writes
+            assert waits == 2, (desc, waits)
+            assert s["mark_counts"]["ld.global"] >= 1 and s["mark_counts"]["prefetch.global.L2"] >= 1, desc
         else:
-            assert m["prefetch.global.L2"] < 0 and wait < m["ld.global"], desc
+            assert m["prefetch.global.L2"] < 0 and wait < m["ld.global"] and waits == 1, (desc, waits)

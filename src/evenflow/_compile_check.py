@@ -230,7 +230,8 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
     ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
     (SASS instruction counts per loop trip, :func:`sass_loops`) and ``mma`` (which MMA
-    instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`); or ``error``
+    instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`), ``mark_counts``
+    (:func:`ptx_mark_counts`); or ``error``
     when the launch does not compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
@@ -261,6 +262,13 @@ def ptx_marks(ptx: str) -> dict:
     operations, in straight-line code before any loop."""
     body = ptx[ptx.index(".entry"):]
     return {m: body.find(m) for m in PTX_MARKS}
+
+
+def ptx_mark_counts(ptx: str) -> dict:
+    """How often each of ``PTX_MARKS`` occurs in the kernel body of ``ptx`` (e.g. one PDL wait on every path that
+    reaches one: a kernel whose early exit waits has two)."""
+    body = ptx[ptx.index(".entry"):]
+    return {m: body.count(m) for m in PTX_MARKS}
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -358,7 +366,8 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
-                                 "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"])})
+                                 "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
+                                 "mark_counts": ptx_mark_counts(compiled.asm["ptx"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

@@ -603,12 +603,15 @@ def _prefetch_then_wait(p_we, o_n, second, stride_wn, i_s, k_split, BLOCK_K: tl.
     [i_s * k_split, (i_s + 1) * k_split), or with STEPS > 0 its first STEPS K steps of BLOCK_K), then wait and let
     the next kernel launch (:func:`pdl_enter`). The weights are no kernel's output, so the lines cannot be stale;
     only the task (the pair's expert, read from ``topk_ids``) had to be complete, which the caller ensures
-    (moe_gate_up_kernel's PREFETCH)."""
+    (moe_gate_up_kernel's PREFETCH). A program with no task waits too before it exits: a kernel completes when its
+    last program exits, and the next kernel waits for this one alone, so a grid of programs that all exited unwaited
+    (an expert-parallel rank no pair reaches) would let the layer's later kernels, and the next layer, run while the
+    kernel ahead still writes (round BK's review; the record BK5 ran without that wait)."""
     k0 = i_s * k_split
     k_end = k0 + k_split
     if STEPS > 0:
         k_end = tl.minimum(k_end, k0 + STEPS * BLOCK_K)
-    m_n = o_n >= 0
+    m_n = o_n >= 0  # every row exists (the launcher's n-blocks tile the matrix): prefetch_rows masks columns only
     prefetch_rows(p_we, o_n, m_n, stride_wn, k0, k_end, BLOCK_K, LINE)
     if TWO_SETS:
         prefetch_rows(p_we, o_n + second, m_n, stride_wn, k0, k_end, BLOCK_K, LINE)
@@ -688,6 +691,8 @@ def moe_gate_up_kernel(
                                                             num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES,
                                                             LOCAL_FIRST, MAX_PAIRS)
         if e < 0:
+            if PREFETCH > 0:  # no task: wait all the same (_prefetch_then_wait)
+                pdl_enter(PDL)
             return
         if PREFETCH > 0:
             o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -882,6 +887,8 @@ def moe_down_kernel(
                                                       num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES, LOCAL_FIRST,
                                                       MAX_PAIRS)
         if e < 0:
+            if PREFETCH > 0:  # no task: wait all the same (_prefetch_then_wait)
+                pdl_enter(PDL)
             return
         if PREFETCH > 0:
             o_n = i_n * (N_GROUP * BLOCK_N) + tl.arange(0, N_GROUP * BLOCK_N)
