@@ -59,30 +59,25 @@ def main(argv=None) -> None:
         raise SystemExit("kernel_split.py needs a CUDA GPU")
     dev = "cuda"
     out_rows = []
-    for case_name in a.cases.split(","):
-        case = M.CASES[case_name]
-        for variant in a.variants.split(","):
-            gen, bias, base = M.seeded_layer(case, variant, dev)
-            copies = [base] + [base.clone() for _ in range(M.MAX_ROTATE - 1)]
-            for batch in (int(b) for b in a.batches.split(",")):
-                inputs = [M.draw_call(batch, case, gen, bias, dev) for _ in copies]
-                for impl in a.impls.split(","):
-                    try:
-                        fns = [M.build_impl(impl, wc, case, a)(*inp) for wc, inp in zip(copies, inputs)]
-                        rows, ksum = kernel_times(fns, a.reps)
-                        graph_us = H.time_graph(fns)
-                    except Exception as e:  # a peer that cannot run is reported, not fatal
-                        print(f"{case_name}/{variant} T={batch} {impl}: {type(e).__name__}: {e}"[:300])
-                        continue
-                    print(f"\n{case_name}/{variant} T={batch} {impl}: {len(rows)} kernels, device sum "
-                          f"{ksum:.1f} us, graph replay {graph_us:.1f} us")
-                    for name, t in rows:
-                        print(f"    {t:8.2f} us  {name[:110]}")
-                    out_rows.append(dict(case=case_name, variant=variant, batch=batch, impl=impl,
-                                         us=round(graph_us, 2), kernel_sum_us=round(ksum, 2),
-                                         kernels=[[n, round(t, 2)] for n, t in rows]))
-            del copies, base
-            torch.cuda.empty_cache()
+    for case_name, case, variant, gen, bias, copies in M.rotated_series(a.cases, a.variants, dev):
+        for batch in (int(b) for b in a.batches.split(",")):
+            inputs = [M.draw_call(batch, case, gen, bias, dev) for _ in copies]
+            for impl in a.impls.split(","):
+                try:
+                    fns = [M.build_impl(impl, wc, case, a)(*inp) for wc, inp in zip(copies, inputs)]
+                    rows, ksum = kernel_times(fns, a.reps)
+                    graph_us = H.time_graph(fns)
+                except Exception as e:  # a peer that cannot run is reported, not fatal
+                    print(f"{case_name}/{variant} T={batch} {impl}: {type(e).__name__}: {e}"[:300])
+                    continue
+                print(f"\n{case_name}/{variant} T={batch} {impl}: {len(rows)} kernels, device sum "
+                      f"{ksum:.1f} us, graph replay {graph_us:.1f} us")
+                for name, t in rows:
+                    print(f"    {t:8.2f} us  {name[:110]}")
+                out_rows.append(dict(case=case_name, variant=variant, batch=batch, impl=impl,
+                                     us=round(graph_us, 2), kernel_sum_us=round(ksum, 2),
+                                     kernels=[[n, round(t, 2)] for n, t in rows]))
+        del copies  # (rotated_series frees the series' memory before the next)
     if a.out:
         H.write_rows(a.out, "kernel_split.json", out_rows,
                      meta={"us": "graph replay of the call",

@@ -327,6 +327,26 @@ def seeded_layer(case: MoECase, variant: str, device, seed: int = 0):
     return gen, bias, w
 
 
+def rotated_series(cases: str, variants: str, device):
+    """(case name, case, variant, generator, bias, weight copies) for each series of the comma lists ``cases`` x
+    ``variants`` that the variant applies to: the benchmark's draws (:func:`seeded_layer`, seed 0) and MAX_ROTATE copies
+    of the weights, for the probes that cycle them (benchmarks/kernel_split.py, probe_moe_small_t.py). No reference to
+    a series' weights is kept once the next series is asked for: the caller drops its own (and anything built on
+    them), and the cached blocks go back to the device before the next series' weights are made."""
+    for case_name in cases.split(","):
+        case = CASES[case_name]
+        for variant in variants.split(","):
+            if variant in case.skip_variants:
+                continue
+            gen, bias, base = seeded_layer(case, variant, device)
+            copies = [base] + [base.clone() for _ in range(MAX_ROTATE - 1)]
+            del base
+            yield case_name, case, variant, gen, bias, copies
+            del copies
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+
+
 def draw_call(batch: int, case: MoECase, gen: torch.Generator, bias: torch.Tensor, device):
     """One call's (x, topk_ids, topk_weights) on ``device``, drawn as the benchmark draws them: routing, then x."""
     ids, tw = make_routing(batch, case, gen, bias)

@@ -66,37 +66,30 @@ def main(argv=None) -> None:
         raise SystemExit("probe_moe_small_t.py needs a CUDA GPU")
     dev = "cuda"
     rows = []
-    for case_name in a.cases.split(","):
-        case = M.CASES[case_name]
-        for variant in a.variants.split(","):
-            if variant in case.skip_variants:
-                continue
-            gen, bias, base = M.seeded_layer(case, variant, dev)
-            copies = [base] + [base.clone() for _ in range(M.MAX_ROTATE - 1)]
-            holders = [c.holder() for c in copies]
-            kw = dict(ep_rank=case.ep_rank, num_experts_total=case.num_experts_total)
-            for t in (int(b) for b in a.batches.split(",")):
-                inputs = [M.draw_call(t, case, gen, bias, dev) for _ in copies]
-                ref, bl, allow = moe_rule_terms(*inputs[0], holders[0], **kw)
-                line = []
-                for impl in a.impls.split(","):
-                    accum = impl.split("-")[0]
-                    call_kw = dict(kw, fp8_accum=accum)
-                    if impl.endswith("-bm64"):
-                        call_kw["config"] = bm64_config(case, holders[0], t, accum)
-                    fns = [(lambda ew=ew, inp=inp, ckw=call_kw: evenflow.fused_moe(*inp, ew, **ckw))
-                           for ew, inp in zip(holders, inputs)]
-                    out = fns[0]()
-                    msg, err, bound = rule_check(out, ref, bl, allowance=allow)
-                    us = H.time_graph(fns)
-                    rows.append(dict(case=case_name, variant=variant, batch=t, impl=impl, us=round(us, 3),
-                                     max_abs_err=err, rule_bound=bound, rule_ok=not msg))
-                    # no local pair (expert parallelism at T = 1): the layer is zeros and the bound 0
-                    rel = f"{err / bound:5.2f}" if bound > 0 else f"{err:.1e} (bound 0)"
-                    line.append(f"{impl} {us:7.2f} us err/bound {rel}{'' if not msg else ' FAIL'}")
-                print(f"{case_name}/{variant} T={t}: " + " | ".join(line), flush=True)
-            del copies, holders, base
-            torch.cuda.empty_cache()
+    for case_name, case, variant, gen, bias, copies in M.rotated_series(a.cases, a.variants, dev):
+        holders = [c.holder() for c in copies]
+        kw = dict(ep_rank=case.ep_rank, num_experts_total=case.num_experts_total)
+        for t in (int(b) for b in a.batches.split(",")):
+            inputs = [M.draw_call(t, case, gen, bias, dev) for _ in copies]
+            ref, bl, allow = moe_rule_terms(*inputs[0], holders[0], **kw)
+            line = []
+            for impl in a.impls.split(","):
+                accum = impl.split("-")[0]
+                call_kw = dict(kw, fp8_accum=accum)
+                if impl.endswith("-bm64"):
+                    call_kw["config"] = bm64_config(case, holders[0], t, accum)
+                fns = [(lambda ew=ew, inp=inp, ckw=call_kw: evenflow.fused_moe(*inp, ew, **ckw))
+                       for ew, inp in zip(holders, inputs)]
+                out = fns[0]()
+                msg, err, bound = rule_check(out, ref, bl, allowance=allow)
+                us = H.time_graph(fns)
+                rows.append(dict(case=case_name, variant=variant, batch=t, impl=impl, us=round(us, 3),
+                                 max_abs_err=err, rule_bound=bound, rule_ok=not msg))
+                # no local pair (expert parallelism at T = 1): the layer is zeros and the bound 0
+                rel = f"{err / bound:5.2f}" if bound > 0 else f"{err:.1e} (bound 0)"
+                line.append(f"{impl} {us:7.2f} us err/bound {rel}{'' if not msg else ' FAIL'}")
+            print(f"{case_name}/{variant} T={t}: " + " | ".join(line), flush=True)
+        del copies, holders  # (rotated_series frees the series' memory before the next)
     if a.out:
         H.write_rows(a.out, "probe_moe_small_t.json", rows)
 

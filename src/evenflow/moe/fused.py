@@ -490,8 +490,9 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     # not be memory that kernel still uses (the multi-program index build frees a histogram after launching)
     zero_kernel = by_pair and gu_count is not None and not kept_counts
     overlap = QUANT_OVERLAP and use_pdl and (zero_kernel or not by_pair)  # a kernel of ours runs first
-    # PAIR_PREFETCH: elements a 128-byte weight line, 0 off (the gate-up only behind a kernel of ours that waited)
-    pf_line = 128 // w13.element_size() if use_pdl and by_pair and pdl_supported(dev) else 0
+    # PAIR_PREFETCH: elements a 128-byte weight line, 0 off (the gate-up only behind a kernel of ours that waited);
+    # use_pdl holds only where compiled kernels run on sm_90+ (fused_moe and the op refuse pdl=True elsewhere)
+    pf_line = 128 // w13.element_size() if use_pdl and by_pair else 0
     pf_bits = cfg.prefetch if PAIR_PREFETCH is None else ("gate_up" in PAIR_PREFETCH) | 2 * ("down" in PAIR_PREFETCH)
     pf_gu = pf_line if pf_bits & 1 and (mode != 0 or zero_kernel) else 0
     pf_down = pf_line if pf_bits & 2 else 0
