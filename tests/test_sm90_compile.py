@@ -330,8 +330,10 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits)
     named = (switch is not None and "gate_up" in switch) | 2 * (switch is not None and "down" in switch) \
         if switch is not None else bits
     launches = []
+    # the last shape (Hy3 TP8's I = 192 in fp8) takes 64-deep down K steps, under a 128-byte line's 128 elements
     for (h, i, e_local, total, ep_rank), fmts in (((2048, 768, 4, 4, 0), ("bf16", "fp8_per_tensor", "fp8_block")),
-                                                  ((4096, 1536, 4, 32, 1), ("fp8_per_tensor",))):
+                                                  ((4096, 1536, 4, 32, 1), ("fp8_per_tensor",)),
+                                                  ((4096, 192, 4, 32, 1), ("fp8_per_tensor",))):
         for fmt in fmts:
             ew = random_moe_weights(fmt, e_local, h, i)
             for t in (1, 2):
@@ -342,8 +344,8 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits)
                     evenflow.fused_moe(torch.randn(t, h).bfloat16(), ids, torch.rand(t, 8), ew, ep_rank=ep_rank,
                                        num_experts_total=total, config=cfg)
                 launches += [la for la in rec if la.name in ("moe_gate_up_kernel", "moe_down_kernel")]
-    assert len(launches) == 16, [la.name for la in launches]
-    want = {}
+    assert len(launches) == 20, [la.name for la in launches]
+    want, narrow = {}, 0
     for la in launches:
         c = dict(la.constexprs)
         assert c["PAIR_TILES"] and c["PDL"], la.describe()
@@ -352,7 +354,9 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits)
         on = bool(named & (1 if gate_up else 2)) and not (gate_up and c["MODE"] == 0)
         assert c["PREFETCH"] == (line if on else 0) and c["PREFETCH_STEPS"] == (steps if on else 0), la.describe()
         want[la.describe()] = on
+        narrow += on and c["BLOCK_K"] < line
     assert any(want.values()) == bool(named)
+    assert bool(narrow) == bool(named & 2), narrow  # a prefetching down GEMM of steps narrower than a line is built
     stats = compile_stats(launches)
     assert {s["describe"] for s in stats} == set(want)
     for s in stats:
@@ -369,6 +373,7 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits)
             # exit unwaited completes before the kernel ahead); the task's loads are the only ones before it: the
             # pair's id (with LOCAL_FIRST the pairs' id vector) and nothing the kernel ahead writes
             assert waits == 2, (desc, waits)
+            # steps narrower than a line ask for whole lines (before round BK's review's fix, nothing)
             assert s["mark_counts"]["ld.global"] >= 1 and s["mark_counts"]["prefetch.global.L2"] >= 1, desc
         else:
             assert m["prefetch.global.L2"] < 0 and wait < m["ld.global"] and waits == 1, (desc, waits)
