@@ -369,8 +369,8 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits)
         waits = s["mark_counts"]["griddepcontrol.wait"]
         if want[desc]:
             assert 0 <= m["prefetch.global.L2"] < wait and 0 <= m["ld.global"] < wait, desc
-            # the wait on both paths: a program with no task waits before it exits (else a grid whose programs all
-            # exit unwaited completes before the kernel ahead); the task's loads are the only ones before it: the
+            # the wait on both paths: program 0 waits before it exits even with no task (else a grid whose programs
+            # all exit unwaited completes before the kernel ahead); the task's loads are the only ones before it: the
             # pair's id (with LOCAL_FIRST the pairs' id vector) and nothing the kernel ahead writes
             assert waits == 2, (desc, waits)
             # steps narrower than a line ask for whole lines (before round BK's review's fix, nothing)

@@ -603,10 +603,13 @@ def _prefetch_then_wait(p_we, o_n, second, stride_wn, i_s, k_split, BLOCK_K: tl.
     k_split, (i_s + 1) * k_split), or with STEPS > 0 its first STEPS K steps of BLOCK_K rounded up to whole 128-byte
     lines), then wait and let the next kernel launch (:func:`pdl_enter`). The weights are no kernel's output, so the
     lines cannot be stale; only the task (the pair's expert, read from ``topk_ids``) had to be complete, which the
-    caller ensures (moe_gate_up_kernel's PREFETCH). A program with no task waits too before it exits: a kernel completes
-    when its last program exits, and the next kernel waits for this one alone, so a grid of programs that all exited
-    unwaited (an expert-parallel rank no pair reaches) would let the layer's later kernels, and the next layer, run
-    while the kernel ahead still writes (round BK's review; the record BK5 ran without that wait)."""
+    caller ensures (moe_gate_up_kernel's PREFETCH). Program 0 waits even with no task, before it exits: a kernel
+    completes when its last program exits, and the next kernel waits for this one alone, so a grid of programs that all
+    exited unwaited (an expert-parallel rank no pair reaches) would let the layer's later kernels, and the next layer,
+    run while the kernel ahead still writes (round BK's review; the record BK5 ran without that wait). One waiting
+    program orders the whole grid after the kernel ahead, so the other programs with no task exit at once and leave
+    their slots to programs with work (round BL: with every idle program waiting, Hy3 EP8's pair-tile points, where 7 of
+    8 pairs are another rank's, ran up to 4% slower)."""
     k0 = i_s * k_split
     k_end = k0 + k_split
     if STEPS > 0:  # the first STEPS K steps, rounded up to whole lines
@@ -694,7 +697,7 @@ def moe_gate_up_kernel(
                                                             num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES,
                                                             LOCAL_FIRST, MAX_PAIRS)
         if e < 0:
-            if PREFETCH > 0:  # no task: wait all the same (_prefetch_then_wait)
+            if PREFETCH > 0 and tl.program_id(0) == 0:  # no task: program 0 waits all the same (_prefetch_then_wait)
                 pdl_enter(PDL)
             return
         if PREFETCH > 0:
@@ -890,7 +893,7 @@ def moe_down_kernel(
                                                       num_local, num_nb, BLOCK_M, SPLIT_K, PAIR_TILES, LOCAL_FIRST,
                                                       MAX_PAIRS)
         if e < 0:
-            if PREFETCH > 0:  # no task: wait all the same (_prefetch_then_wait)
+            if PREFETCH > 0 and tl.program_id(0) == 0:  # no task: program 0 waits all the same (_prefetch_then_wait)
                 pdl_enter(PDL)
             return
         if PREFETCH > 0:
