@@ -625,8 +625,10 @@ def test_quant_beside_index_kernel_equals_serial(shape, fmt, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90+")
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "hy3-ep8"])
+# hy3-tp8 fp8: 64-deep down K steps, half a 128-byte line (round BL: a trip of at least a line); hy3-ep8: a rank
+# whose grids are mostly programs with no task (round BL: only program 0 of them waits)
+@pytest.mark.parametrize("shape,fmt", [(s, f) for s in ("qwen3-30b-a3b", "hy3-ep8") for f in FORMATS]
+                         + [("hy3-tp8", "bf16"), ("hy3-tp8", "fp8_per_tensor")])
 def test_pair_prefetch_matches_default_in_a_graph(shape, fmt, monkeypatch):
     """Round BK's probe (``fused.PAIR_PREFETCH``: pair-tile GEMM programs read their pair's expert and ask L2 for
     their weight lines before their PDL wait): two stacked layers in one CUDA graph, the second's routing computed
