@@ -142,13 +142,15 @@ def prefetch_l2(ptrs, mask, fallback):
 @triton.jit
 def prefetch_rows(p_w, o_n, m_n, stride_wn, k_start, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
     """L2 prefetch (:func:`prefetch_l2`) of rows ``o_n`` (where ``m_n``), columns [k_start, k_end) of ``w``: one
-    pointer a 128-byte line (``LINE`` elements), BLOCK_K columns a trip (nothing where BLOCK_K < LINE)."""
-    if BLOCK_K >= LINE:
-        o_l = tl.arange(0, BLOCK_K // LINE) * LINE
-        p_row = p_w + o_n.to(tl.int64)[:, None] * stride_wn
-        for k in range(k_start, k_end, BLOCK_K):
-            o_kl = k + o_l
-            prefetch_l2(p_row + o_kl[None, :], m_n[:, None] & (o_kl < k_end)[None, :], p_w)
+    pointer a 128-byte line (``LINE`` elements), BLOCK_K columns a trip, or one line a trip where BLOCK_K < LINE
+    (each pointer asks for the whole line it falls in, so a range narrower than a line still asks for its line; before
+    round BL such steps asked for nothing, which left the MoE down GEMM's prefetch a no-op on fp8's 64-deep steps)."""
+    TRIP: tl.constexpr = BLOCK_K if BLOCK_K >= LINE else LINE
+    o_l = tl.arange(0, TRIP // LINE) * LINE
+    p_row = p_w + o_n.to(tl.int64)[:, None] * stride_wn
+    for k in range(k_start, k_end, TRIP):
+        o_kl = k + o_l
+        prefetch_l2(p_row + o_kl[None, :], m_n[:, None] & (o_kl < k_end)[None, :], p_w)
 
 
 @triton.jit

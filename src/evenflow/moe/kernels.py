@@ -600,27 +600,24 @@ def _prefetch_then_wait(p_we, o_n, second, stride_wn, i_s, k_split, BLOCK_K: tl.
                         TWO_SETS: tl.constexpr, STEPS: tl.constexpr, PDL: tl.constexpr):
     """Before a pair-tile program's PDL wait: ask L2 for the weight lines its task will read (rows ``o_n`` of the
     expert's matrix at ``p_we`` and, with TWO_SETS, rows ``o_n + second`` (the gate-up's up rows), columns [i_s *
-    k_split, (i_s + 1) * k_split), or with STEPS > 0 its first STEPS K steps of BLOCK_K rounded up to whole 128-byte
-    lines), then wait and let the next kernel launch (:func:`pdl_enter`). The weights are no kernel's output, so the
-    lines cannot be stale; only the task (the pair's expert, read from ``topk_ids``) had to be complete, which the
-    caller ensures (moe_gate_up_kernel's PREFETCH). Program 0 waits even with no task, before it exits: a kernel
-    completes when its last program exits, and the next kernel waits for this one alone, so a grid of programs that all
-    exited unwaited (an expert-parallel rank no pair reaches) would let the layer's later kernels, and the next layer,
-    run while the kernel ahead still writes (round BK's review; the record BK5 ran without that wait). One waiting
-    program orders the whole grid after the kernel ahead, so the other programs with no task exit at once and leave
-    their slots to programs with work (round BL: with every idle program waiting, Hy3 EP8's pair-tile points, where 7 of
-    8 pairs are another rank's, ran up to 4% slower)."""
+    k_split, (i_s + 1) * k_split), or with STEPS > 0 its first STEPS K steps of BLOCK_K, at least the line they start
+    in: :func:`prefetch_rows`), then wait and let the next kernel launch (:func:`pdl_enter`). The weights are no
+    kernel's output, so the lines cannot be stale; only the task (the pair's expert, read from ``topk_ids``) had to be
+    complete, which the caller ensures (moe_gate_up_kernel's PREFETCH). Program 0 waits even with no task, before it
+    exits: a kernel completes when its last program exits, and the next kernel waits for this one alone, so a grid of
+    programs that all exited unwaited (an expert-parallel rank no pair reaches) would let the layer's later kernels, and
+    the next layer, run while the kernel ahead still writes (round BK's review; the record BK5 ran without that wait).
+    One waiting program orders the whole grid after the kernel ahead, so the other programs with no task exit at once
+    and leave their slots to programs with work (round BL3a: with every idle program waiting, Hy3 EP8 fp8-tensor T = 4,
+    where 7 of 8 pairs are another rank's, took 1.05x the time)."""
     k0 = i_s * k_split
     k_end = k0 + k_split
-    if STEPS > 0:  # the first STEPS K steps, rounded up to whole lines
-        k_end = tl.minimum(k_end, k0 + (STEPS * BLOCK_K + LINE - 1) // LINE * LINE)
+    if STEPS > 0:
+        k_end = tl.minimum(k_end, k0 + STEPS * BLOCK_K)
     m_n = o_n >= 0  # every row exists (the launcher's n-blocks tile the matrix): prefetch_rows masks columns only
-    # a trip of at least a line: K steps narrower than a line (fp8's 64-deep steps, 128 a line) would ask for nothing
-    # (prefetch_rows' rule; round BK's review found the Hy3 TP8 fp8 down GEMM's prefetch a no-op so)
-    TRIP: tl.constexpr = BLOCK_K if BLOCK_K >= LINE else LINE
-    prefetch_rows(p_we, o_n, m_n, stride_wn, k0, k_end, TRIP, LINE)
+    prefetch_rows(p_we, o_n, m_n, stride_wn, k0, k_end, BLOCK_K, LINE)
     if TWO_SETS:
-        prefetch_rows(p_we, o_n + second, m_n, stride_wn, k0, k_end, TRIP, LINE)
+        prefetch_rows(p_we, o_n + second, m_n, stride_wn, k0, k_end, BLOCK_K, LINE)
     pdl_enter(PDL)
 
 
