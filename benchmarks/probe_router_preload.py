@@ -71,32 +71,73 @@ def preload_fma_kernel(p_x, p_w, p_out, M, N, stride_xm, stride_wn, stride_om,
     tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :], b_out, mask=m_m[:, None] & m_n[None, :])
 
 
-def variants(m: int, n: int, k: int) -> list[tuple[int, int, int, int]]:
-    """(BLOCK_N, BLOCK_K, STEPS, warps) a point runs: the weight's registers a thread (BLOCK_N x K fp32 over the
-    threads) at most 64, the accumulator (BLOCK_M x BLOCK_N x BLOCK_K) at most 64, and at most 4 K steps."""
+@triton.jit(do_not_specialize=["M"])
+def preload_rows_kernel(p_x, p_w, p_out, M, N, stride_xm, stride_wn, stride_om,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr,
+                        PRELOAD: tl.constexpr, PDL: tl.constexpr):
+    """:func:`preload_fma_kernel`'s product row by row (round BM2), BLOCK_N (1 or 2) weight rows a program: every
+    tensor is one row of K, so x and the weight load 16-byte vectors in one layout and no K step converts a
+    tile through shared memory (BM1's 3-D tile: 30 shared-memory stores and 36 barriers in its sm_90 build at
+    M = 4, 4 x 1024; this form 8 and 11); each output is one FMA chain a k-lane and a fixed tree, as there."""
+    n0 = tl.program_id(0) * BLOCK_N
+    o_k = tl.arange(0, BLOCK_K)
+    p_wb = p_w + n0.to(tl.int64) * stride_wn + o_k[None, :]
+    m_w1 = n0 + 1 < N  # the second weight row (BLOCK_N = 2)
+    ws = ()
+    if PRELOAD:
+        for j in tl.static_range(BLOCK_N * STEPS):
+            ws = ws + (tl.load(p_wb + (j // STEPS) * stride_wn + (j % STEPS) * BLOCK_K, mask=(j < STEPS) | m_w1,
+                               other=0.0),)
+    elif PDL:
+        o_n = n0 + tl.arange(0, BLOCK_N)
+        prefetch_rows(p_w, o_n, o_n < N, stride_wn, 0, STEPS * BLOCK_K, BLOCK_K, 32)
+    pdl_enter(PDL)
+    if not PRELOAD:
+        for j in tl.static_range(BLOCK_N * STEPS):
+            ws = ws + (tl.load(p_wb + (j // STEPS) * stride_wn + (j % STEPS) * BLOCK_K, mask=(j < STEPS) | m_w1,
+                               other=0.0),)
+    for m in tl.static_range(BLOCK_M):
+        p_xm = p_x + m * stride_xm + o_k[None, :]
+        a0 = tl.zeros((1, BLOCK_K), dtype=tl.float32)
+        a1 = a0
+        for s in tl.static_range(STEPS):
+            b_x = tl.load(p_xm + s * BLOCK_K, mask=m < M, other=0.0).to(tl.float32)
+            a0 = tl.fma(b_x, ws[s], a0)
+            if BLOCK_N > 1:
+                a1 = tl.fma(b_x, ws[STEPS + s], a1)
+        p_o = p_out + m * stride_om + n0 + tl.arange(0, 1)
+        tl.store(p_o, tl.sum(a0, axis=1), mask=m < M)
+        if BLOCK_N > 1:
+            tl.store(p_o + 1, tl.sum(a1, axis=1), mask=(m < M) & m_w1)
+
+
+KERNELS = {"tile": preload_fma_kernel, "rows": preload_rows_kernel}
+
+
+def variants(m: int, n: int, k: int, form: str = "rows") -> list[tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_K, STEPS, warps) a point runs in ``form``: the weight's registers a thread (BLOCK_N x K fp32
+    over the threads) at most 64, a K step's accumulator (BLOCK_M x BLOCK_N x BLOCK_K in the tile form, BLOCK_N x
+    BLOCK_K a row in the row form) at most 64, at most 8 K steps, and the two fewest-step configs of each
+    (BLOCK_N, warps). BM1 ran the tile form with the two *most*-step configs of each (the loop ran BLOCK_K up)."""
     bm = max(1, triton.next_power_of_2(m))
     out = []
-    for bn in (1, 2, 4):
+    for bn in ((1, 2, 4) if form == "tile" else (1, 2)):
         for warps in (4, 8):
             threads = 32 * warps
-            for bk in (256, 512, 1024, 2048):
+            kept = 0
+            for bk in (4096, 2048, 1024, 512, 256):
                 steps = k // bk
-                if k % bk or steps > 8 or bn * k > 64 * threads or bm * bn * bk > 64 * threads or bn > n:
+                acc = (bm if form == "tile" else 1) * bn * bk
+                if k % bk or steps > 8 or bn * k > 64 * threads or acc > 64 * threads or bn > n or kept == 2:
                     continue
                 out.append((bn, bk, steps, warps))
-    # the fewest steps first within each (BLOCK_N, warps): one config each of the two smallest step counts
-    keep, seen = [], {}
-    for v in out:
-        key = v[0], v[3]
-        if seen.get(key, 0) < 2:
-            keep.append(v)
-            seen[key] = seen.get(key, 0) + 1
-    return keep
+                kept += 1
+    return out
 
 
 def preload_launcher(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: int, bk: int, warps: int,
-                     preload: bool, pdl: bool = True):
-    """A zero-argument launch of :func:`preload_fma_kernel` on x [M, K] bf16 (M <= 16), w [N, K] fp32 into
+                     preload: bool, pdl: bool = True, form: str = "rows"):
+    """A zero-argument launch of the ``form`` kernel (``KERNELS``) on x [M, K] bf16 (M <= 16), w [N, K] fp32 into
     out [M, N] fp32."""
     m, k = x.shape
     n = w.shape[0]
@@ -108,20 +149,23 @@ def preload_launcher(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bn: in
         raise ValueError(f"M={m}: the probe's tile holds 1-16 rows")
     if k % bk:
         raise ValueError(f"K={k} must be a multiple of BLOCK_K={bk}")
+    if form not in KERNELS or (form == "rows" and bn > 2):
+        raise ValueError(f"form {form!r} with BLOCK_N={bn}: 'tile' (any BLOCK_N) or 'rows' (BLOCK_N 1 or 2)")
+    kernel = KERNELS[form]
     bm = triton.next_power_of_2(m)
     kw = {"launch_pdl": True} if pdl else {}
     grid = (triton.cdiv(n, bn),)
 
     def launch():
-        preload_fma_kernel[grid](x, w, out, m, n, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=bm,
-                                 BLOCK_N=bn, BLOCK_K=bk, STEPS=k // bk, PRELOAD=preload, PDL=pdl,
-                                 num_warps=warps, **kw)
+        kernel[grid](x, w, out, m, n, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=bm,
+                     BLOCK_N=bn, BLOCK_K=bk, STEPS=k // bk, PRELOAD=preload, PDL=pdl, num_warps=warps, **kw)
         return out
     return launch
 
 
-def sm90_stats(points=POINTS) -> list[dict]:
-    """Registers and spill bytes of every variant's sm_90 build (CPU: Triton's compiler and ptxas, no GPU)."""
+def sm90_stats(points=POINTS, forms=("rows",)) -> list[dict]:
+    """Registers, spill bytes and the ``ld.global`` before the PDL wait of every variant's sm_90 build (CPU:
+    Triton's compiler and ptxas, no GPU), the pointers and strides aligned as a GPU launch specialises them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -132,13 +176,14 @@ def sm90_stats(points=POINTS) -> list[dict]:
     rows, done = [], {}
     for label, m, n, k in points:
         bm = triton.next_power_of_2(m)
-        for bn, bk, steps, warps in variants(m, n, k):
+        for form, (bn, bk, steps, warps) in ((f, v) for f in forms for v in variants(m, n, k, f)):
             for mode in MODES:
-                key = (bm, bn, bk, steps, warps, mode)
+                key = (form, bm, bn, bk, steps, warps, mode)
                 if key not in done:
                     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STEPS=steps, PRELOAD=mode == "pre", PDL=True)
-                    src = ASTSource(preload_fma_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
-                                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 6)})
+                    src = ASTSource(KERNELS[form], signature={**sig, **{c: "constexpr" for c in consts}},
+                                    constexprs=consts,
+                                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 5, 6, 7)})
                     c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                        options={"num_warps": warps, "launch_pdl": True})
                     ptx = c.asm["ptx"]
@@ -146,8 +191,8 @@ def sm90_stats(points=POINTS) -> list[dict]:
                     regs, spill = _ptxas_usage(ptx, 90)
                     done[key] = dict(regs=regs, spill_bytes=spill,
                                      loads_before_wait=body[:body.find("griddepcontrol.wait")].count("ld.global"))
-                rows.append(dict(point=label, M=m, N=n, K=k, BN=bn, BK=bk, steps=steps, warps=warps, mode=mode,
-                                 **done[key]))
+                rows.append(dict(point=label, M=m, N=n, K=k, form=form, BN=bn, BK=bk, steps=steps, warps=warps,
+                                 mode=mode, **done[key]))
     return rows
 
 
@@ -155,14 +200,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None)
     p.add_argument("--points", default=None, help="comma-separated labels (default: all)")
+    p.add_argument("--forms", default="rows", help="kernel forms to run: rows (BM2), tile (BM1), or both")
     p.add_argument("--sm90-stats", action="store_true", help="CPU: print the sm_90 builds' registers and spills")
     a = p.parse_args(argv)
     points = [pt for pt in POINTS if a.points is None or pt[0] in a.points.split(",")]
+    forms = tuple(a.forms.split(","))
+    if any(f not in KERNELS for f in forms):
+        raise SystemExit(f"--forms: choose from {', '.join(KERNELS)}")
     if a.sm90_stats:
         if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # kernels decorated for the interpreter
             env = {**os.environ, "TRITON_INTERPRET": "0"}
             os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *sys.argv[1:]], env)
-        for r in sm90_stats(points):
+        for r in sm90_stats(points, forms):
             print(r, flush=True)
         return
     import evenflow
@@ -183,10 +232,10 @@ def main(argv=None) -> None:
         base = R.split_logits_fp32(xs[0], *rws[0].parts)
         named = {"entry": [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, out=o)
                            for x, rw, o in zip(xs, rws, outs)]}
-        for bn, bk, _, warps in variants(m, n, k):
+        for form, (bn, bk, _, warps) in ((f, v) for f in forms for v in variants(m, n, k, f)):
             for mode in MODES:
-                named[f"{mode}-n{bn}-k{bk}-w{warps}"] = [preload_launcher(x, w, o, bn, bk, warps, mode == "pre")
-                                                          for x, w, o in zip(xs, ws, outs)]
+                named[f"{form}-{mode}-n{bn}-k{bk}-w{warps}"] = [
+                    preload_launcher(x, w, o, bn, bk, warps, mode == "pre", form=form) for x, w, o in zip(xs, ws, outs)]
         res = {}
         for name, fns in named.items():
             out = fns[0]()
@@ -197,7 +246,8 @@ def main(argv=None) -> None:
             rows.append(dict(point=label, M=m, N=n, K=k, impl=name, us=round(us, 3), vs_entry=round(entry / us, 3),
                              max_abs_err=err, rule_ok=ok))
         best = sorted((v[0], k_) for k_, v in res.items() if k_ != "entry" and v[2])
-        bests = {md: min((u, k_) for u, k_ in best if k_.startswith(md)) for md in MODES}
+        bests = {f"{f}-{md}": min(((u, k_) for u, k_ in best if k_.startswith(f"{f}-{md}")),
+                                  default=(float("nan"), "-")) for f in forms for md in MODES}
         print(f"{label:18s} entry {entry:6.3f} | " + " | ".join(f"{md} {u:6.3f} ({k_})" for md, (u, k_)
                                                                    in bests.items())
               + f" | fails {[k_ for k_, v in res.items() if not v[2]]}", flush=True)
