@@ -50,7 +50,7 @@ import torch  # noqa: E402
 import evenflow  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 from evenflow.reference import router as R  # noqa: E402
-from evenflow.router.dispatch import KERNEL_PATHS, LAUNCHES, SPLIT_K_PATHS, GemmConfig  # noqa: E402
+from evenflow.router.dispatch import KERNEL_PATHS, SPLIT_K_PATHS, GemmConfig, launches_for  # noqa: E402
 from evenflow.testing import error_bound  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
@@ -170,6 +170,11 @@ def simt_candidates(m: int) -> list[GemmConfig]:
     else:
         shapes = ((1, 512, 8), (1, 1024, 8), (2, 256, 8))
     out = [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bn, bk, warps in shapes]
+    # Round BM: at M <= 4 the same tiles with their first weight block loaded before the PDL wait, timed as
+    # candidates of their own (the main pass times each candidate at its own launch mode; BM2's probe put a
+    # one-row call at 0.79-0.85 of the prefetch's time, so a tile that loses with the prefetch may win with it).
+    if bm <= 4:
+        out += [replace(c, launch="pdl-preload") for c in out]
     # Round AF: rows over the grid too (BLOCK_M below M: one program per BLOCK_M rows and BLOCK_N weight
     # rows). At M = 1 a program of the M = 1 shapes is 0.57-0.66 of the floor (AD2); at M = 4 and 16 the same
     # program, run once per row (tile), reads its weight rows again from L2, not DRAM.
@@ -244,7 +249,8 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
 
 def _short(c: GemmConfig) -> str:
     return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} "
-            f"stages {c.num_stages}" if c.path in KERNEL_PATHS else c.path)
+            f"stages {c.num_stages}" + (f" {c.launch}" if c.launch != GemmConfig().launch else "")
+            if c.path in KERNEL_PATHS else c.path)
 
 
 def _distinct_launches(configs, m, n, k, terms):
@@ -342,8 +348,9 @@ def compile_only() -> int:
              "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
     names = list(sig32)
     attrs32 = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a not in ("M",)}
-    for bm, bn, bk, even, warps, stages in sorted(simt):
-        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, PDL=True, PREFETCH_W=True)
+    for (bm, bn, bk, even, warps, stages), pre in ((v, p) for v in sorted(simt) for p in (False, True)):
+        # the prefetch build and the preload build (launch "pdl-preload", round BM)
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, PDL=True, PREFETCH_W=not pre, PRELOAD_W=pre)
         ck = triton.compile(ASTSource(fn=router_gemm_fp32_kernel, signature=sig32, constexprs=ce, attrs=attrs32),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         if ck.metadata.shared > dispatch.SMEM_LIMIT:
@@ -426,9 +433,10 @@ def choose_launch(cfg: GemmConfig, xs, rws, outs, rounds: int = 2) -> tuple[Gemm
     they are."""
     if cfg.path not in KERNEL_PATHS:
         return cfg, {}
-    passes = _interleaved({mode: replace(cfg, launch=mode) for mode in LAUNCHES}, xs, rws, outs, rounds)
-    mean = {mode: sum(us[mode] for us in passes) / len(passes) for mode in LAUNCHES}
-    mode = min(LAUNCHES, key=lambda m: mean[m])
+    modes = launches_for(cfg.path)
+    passes = _interleaved({mode: replace(cfg, launch=mode) for mode in modes}, xs, rws, outs, rounds)
+    mean = {mode: sum(us[mode] for us in passes) / len(passes) for mode in modes}
+    mode = min(modes, key=lambda m: mean[m])
     return replace(cfg, launch=mode), {m: round(v, 3) for m, v in mean.items()}
 
 
@@ -455,7 +463,7 @@ def _extra(p):
                    "(default src/evenflow/router/configs/<gpu>.json)")
     p.add_argument("--launch-only", action="store_true",
                    help="keep every selected entry's config and re-time only its launch mode (plain / pdl / "
-                        "pdl-prefetch)")
+                        "pdl-prefetch, and pdl-preload on fp32-simt)")
     p.add_argument("--buckets", default=None,
                    help=f"comma-separated M buckets to re-tune (of {','.join(map(str, BUCKETS))}); the table's "
                         "other entries are kept")
@@ -591,8 +599,8 @@ def launch_only(table: dict, table_path: Path, redo: set, buckets: tuple, name: 
     if not table.get("entries"):
         raise SystemExit(f"--launch-only: no table entries in {table_path}")
     torch.manual_seed(0)
-    print("\n| K | N | M <= | path | plain | pdl | pdl-prefetch | chosen |")
-    print("|---" * 8 + "|")
+    print("\n| K | N | M <= | path | each launch mode, us | chosen |")
+    print("|---" * 6 + "|")
     for e in H.progress([e for e in table["entries"] if (e["K"], e["N"], e.get("terms", 3)) in redo
                          and e["m_max"] in buckets], "launch modes"):
         k, n, m = e["K"], e["N"], e["m_max"]
@@ -608,7 +616,7 @@ def launch_only(table: dict, table_path: Path, redo: set, buckets: tuple, name: 
         if launch_us:
             e["config"] = cfg.to_dict()
             e["launch_us"] = launch_us
-            print(f"| {k} | {n} | {m} | {cfg.path} | " + " | ".join(f"{launch_us[x]:.2f}" for x in LAUNCHES)
+            print(f"| {k} | {n} | {m} | {cfg.path} | " + " | ".join(f"{x} {launch_us[x]:.2f}" for x in launch_us)
                   + f" | {cfg.launch} |", flush=True)
         del ws, rws, xs, outs
         torch.cuda.empty_cache()

@@ -598,6 +598,8 @@ def test_opcheck_router_gemm_fp32_op(device):
     x, w = _inputs(3, 16, 32, device)
     out = torch.empty(3, 16, device=device)
     torch.library.opcheck(torch.ops.evenflow.router_gemm_fp32.default, (x, w, out, 4, 2, 16, 4, 1, False, False))
+    torch.library.opcheck(torch.ops.evenflow.router_gemm_fp32.default,
+                          (x, w, out, 4, 2, 16, 4, 1, False, False, True))  # preload_w (round BM)
 
 
 def test_pdl_argument_checked(device):
@@ -618,6 +620,47 @@ def test_pdl_argument_checked(device):
             evenflow.select_experts(torch.randn(3, 16, device=device), 2, pdl=True)
     # pdl=False and None give the same bits (PDL changes when a kernel starts, not what it computes)
     assert torch.equal(evenflow.router_gemm(x, rw, pdl=False), evenflow.router_gemm(x, rw))
+
+
+@pytest.mark.parametrize("m,n,k,cfg", [(1, 7, 256, GemmConfig(1, 1, 256, 1, 4, 1, "fp32-simt")),
+                                     (3, 9, 200, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # K tail, 4 blocks
+                                     (5, 16, 96, GemmConfig(2, 4, 32, 1, 4, 1, "fp32-simt"))])  # rows over the grid
+def test_fp32_simt_preload_build_matches_fp64(device, m, n, k, cfg):
+    # Round BM: the fp32-simt kernel's PRELOAD_W build (launch "pdl-preload": its first weight block loaded before
+    # the PDL wait) computes what the default build does, whatever the weight block's place in the kernel: against
+    # fp64 under the rule, and bit for bit the prefetch-free launch (the interpreter runs no PDL, so the order of
+    # the loads is the only difference; the sm_90 test checks where they sit).
+    from evenflow.router.gemm import _launch_fp32
+
+    x, w = _inputs(m, n, k, device)
+    outs = []
+    for pre in (False, True):
+        out = torch.full((m, n), float("nan"), device=device)
+        _launch_fp32(x, w, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False, False,
+                     pre)
+        _check_fp32(out, x, w, f"preload={pre}")
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_preload_launch_only_on_the_simt_path(device):
+    # "pdl-preload" is a launch of the CUDA-core fp32-simt kernel only; on any other path it is refused by name, and a
+    # call that passes prefetch_weights (True or False) never preloads (router_gemm's contract)
+    cfg = GemmConfig(1, 1, 64, 1, 4, 1, "fp32-simt", "pdl-preload")
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    for path_cfg in (dict(path="triton"), dict(path="fp32-tc"),
+                     dict(block_m=4, block_n=8, block_k=128, split_k=2, path="fp32-splitk")):
+        with pytest.raises(ValueError, match="pdl-preload"):
+            GemmConfig(**path_cfg, launch="pdl-preload")
+    from evenflow.router.dispatch import launches_for
+
+    assert launches_for("fp32-simt") == ("plain", "pdl", "pdl-prefetch", "pdl-preload")
+    assert launches_for("triton") == ("plain", "pdl", "pdl-prefetch")
+    x, w = _inputs(2, 8, 64, device)
+    rw = evenflow.RouterWeight(w)
+    want = evenflow.router_gemm(x, rw, config=replace(cfg, launch="plain"))
+    assert torch.equal(evenflow.router_gemm(x, rw, config=cfg), want)
+    assert torch.equal(evenflow.router_gemm(x, rw, config=cfg, prefetch_weights=False), want)
 
 
 def test_launch_mode_is_a_validated_config_field():

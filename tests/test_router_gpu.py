@@ -297,9 +297,10 @@ def _replays(g: torch.cuda.CUDAGraph, outs, reps: int = 3):
 
 
 @pytest.mark.parametrize("m, cfg", [(1, GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt")),
+                                    (1, GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt", "pdl-preload")),
                                     (4, GemmConfig(4, 8, 128, 16, 4, 3, "fp32-splitk")),
                                     (16, GemmConfig(16, 32, 128, 16, 4, 4)), (512, GemmConfig(64, 32, 256, 4, 4, 2))],
-                         ids=["simt-m1", "splitk-m4", "triton-m16", "triton-m512"])
+                         ids=["simt-m1", "simt-m1-preload", "splitk-m4", "triton-m16", "triton-m512"])
 def test_pdl_chain_in_graph_same_bits(m, cfg):
     # Round AD: router kernels launch with programmatic dependent launch (the tuned default almost
     # everywhere), waiting at their top for the kernel ahead, the GEMMs' first row tile asking L2 for the
@@ -319,7 +320,9 @@ def test_pdl_chain_in_graph_same_bits(m, cfg):
     def steps():
         for i, src in enumerate(srcs):
             x.copy_(src)
-            evenflow.router_gemm(x, rw, outs[i], config=cfg, pdl=True, prefetch_weights=True)
+            # the preload (round BM) is the config's choice only where prefetch_weights is left at None
+            evenflow.router_gemm(x, rw, outs[i], config=cfg, pdl=True,
+                                 prefetch_weights=None if cfg.launch == "pdl-preload" else True)
             evenflow.select_experts(outs[i], 8, out=(ids[i], wts[i]), pdl=True)
 
     for rep in _replays(_graph_of(steps), outs):
@@ -329,6 +332,24 @@ def test_pdl_chain_in_graph_same_bits(m, cfg):
             wid, wwt = evenflow.select_experts(want, 8, pdl=False)
             assert_exact(ids[i], wid, f"rep {rep} step {i} ids")
             assert_exact(wts[i], wwt, f"rep {rep} step {i} weights")
+
+
+def test_preload_after_an_in_place_weight_update_reads_the_new_weight():
+    # Round BM: launch "pdl-preload" loads the weight before its PDL wait. An in-place update of a RouterWeight's
+    # source (auto_refresh) re-splits before the call, so the split's kernels sit between the write and the router
+    # kernel: every call after an update must give the new weight's output, bit for bit the call without PDL.
+    k, n = SHAPES["qwen3-30b-a3b"]
+    x, w = _inputs(1, n, k)
+    rw = evenflow.RouterWeight(w.clone(), auto_refresh=True)
+    cfg = GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt", "pdl-preload")
+    for i in range(8):
+        new = _inputs(1, n, k, seed=400 + i)[1]
+        rw.source.copy_(new)
+        out = evenflow.router_gemm(x, rw, config=cfg)
+        want = evenflow.router_gemm(x, rw, config=cfg, pdl=False)
+        assert_exact(out, want, f"update {i}")
+        assert_within_rule(out, R.router_logits_fp64(x, new), R.split_logits_fp32(x, *rw.parts),
+                           what=f"update {i}")
 
 
 @pytest.mark.parametrize("path", ["fp32-simt", "triton"])

@@ -193,6 +193,35 @@ def test_every_router_kernel_waits_for_the_kernel_ahead_before_touching_memory(t
 
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_preload_launch_loads_only_the_weight_before_the_wait(tmp_path):
+    # Round BM: launch "pdl-preload" (fp32-simt) loads the weight's first K block into registers before
+    # griddepcontrol.wait, and x only after it (the kernel ahead may write x). One K block of 2048 fp32 weights on
+    # 8 warps is 8 a thread: two 16-byte loads before the wait, the bf16 x loads after it; no L2 prefetch (the
+    # loads replace it). Passing prefetch_weights (here False) turns the preload off: no load before the wait.
+    cfg = GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt", "pdl-preload")
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        rw = evenflow.RouterWeight(torch.randn(128, 2048) * 0.02)
+        evenflow.router_gemm(torch.empty(1, 2048, dtype=torch.bfloat16), rw, config=cfg)
+        evenflow.router_gemm(torch.empty(1, 2048, dtype=torch.bfloat16), rw, config=cfg, prefetch_weights=False)
+    consts = [dict(la.constexprs) for la in launches]
+    assert [(c["PDL"], c["PRELOAD_W"], c["PREFETCH_W"]) for c in consts] == [(True, True, False),
+                                                                             (True, False, False)], consts
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(CC._to_json(launches)))
+    r = subprocess.run([sys.executable, "-c", _PTX_WORKER, str(path)], env={**os.environ, "TRITON_INTERPRET": "0"},
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    (d_pre, ptx_pre), (d_off, ptx_off) = json.loads(r.stdout.strip().splitlines()[-1])
+    for describe, ptx, before in ((d_pre, ptx_pre, 2), (d_off, ptx_off, 0)):
+        body = ptx[ptx.index(".entry"):]
+        wait = body.find("griddepcontrol.wait")
+        assert wait > 0 and "prefetch.global.L2" not in body, describe
+        head, tail = body[:wait], body[wait:]
+        assert head.count("ld.global") == before, (describe, head.count("ld.global"))
+        assert head.count("ld.global.v4") == before and "ld.global" in tail, describe  # x after the wait
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
 def test_fp32_tc_builds_split_pairs_in_registers_without_spills():
     # Round AH: the fp32-tc path (the split-weight kernel reading the fp32 weight, split in registers) at every
     # tile the tuner offers up to M = 512 (M = 1-256 reach every kind), at the four benchmark shapes: it must

@@ -50,7 +50,19 @@ SPLIT_K_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # slowed LongCat-Chat M = 1, 16 and LongCat-Lite M = 4 by 3-26%; the prefetch helped small weights at one or
 # two row tiles and hurt large ones (docs/perf-notes/router.md). Where supported (compiled kernels on sm_90+);
 # elsewhere every launch is plain.
-LAUNCHES = ("plain", "pdl", "pdl-prefetch")
+# "pdl-preload" (round BM, the CUDA-core ``fp32-simt`` tile only): each program loads its weight's first K block into
+# registers before the wait, so that block's bytes cross into the SM while the kernel ahead runs (BM2's probe: a
+# one-row call at 0.79-0.85 of the prefetch's time). Unlike the prefetch, a load before the wait would see old data
+# if the kernel ahead wrote the weight: ``router_gemm`` takes it only where the table says so and
+# ``prefetch_weights`` is left at None, and a RouterWeight's in-place updates always put its split's kernels between
+# the write and the call (see ``router_gemm``).
+LAUNCHES = ("plain", "pdl", "pdl-prefetch", "pdl-preload")
+PRELOAD_PATHS = ("fp32-simt",)
+
+
+def launches_for(path: str) -> tuple[str, ...]:
+    """The launch modes a kernel path takes (``LAUNCHES``; ``pdl-preload`` on ``PRELOAD_PATHS`` only)."""
+    return tuple(m for m in LAUNCHES if m != "pdl-preload" or path in PRELOAD_PATHS)
 # Paths whose one fixed config gives bitwise batch-invariant rows (see the module docstring).
 INVARIANT_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # Shared memory one block may use on sm_90 (H100/H200: 227 KB opt-in). The kernels are
@@ -77,6 +89,8 @@ class GemmConfig:
             raise ValueError(f"config.path must be one of {PATHS}, got {self.path!r}")
         if self.launch not in LAUNCHES:
             raise ValueError(f"config.launch must be one of {LAUNCHES}, got {self.launch!r}")
+        if self.launch == "pdl-preload" and self.path not in PRELOAD_PATHS:
+            raise ValueError(f"config.launch 'pdl-preload' needs a path of {PRELOAD_PATHS}, got {self.path!r}")
         if self.path == "fp32-simt":
             # CUDA-core kernel on the fp32 weight: any power-of-two row/column tile, no split-K.
             for name, lo in (("block_m", 1), ("block_n", 1), ("block_k", 16)):

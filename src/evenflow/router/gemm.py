@@ -265,14 +265,17 @@ def _check_workspace(part: torch.Tensor, count: torch.Tensor, split: int, need_p
 
 
 def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int,
-                 block_k: int, num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool) -> None:
+                 block_k: int, num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool,
+                 preload_w: bool = False) -> None:
+    # preload_w: the first weight block loaded before the PDL wait (launch "pdl-preload"); it replaces the prefetch
     m, k = x.shape
     n = w.shape[0]
     if m == 0:
         return
     router_gemm_fp32_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0), PREFETCH_W=prefetch_w,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
+        PREFETCH_W=prefetch_w and not preload_w, PRELOAD_W=preload_w,
         num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
@@ -319,6 +322,7 @@ def _check_split_op(a: dict) -> None:
 
 def _check_fp32_op(a: dict) -> None:
     _check_op_tensors(a, ("w",), torch.float32)
+    check_bool("preload_w", a["preload_w"])
     GemmConfig(a["block_m"], a["block_n"], a["block_k"], 1, a["num_warps"], a["num_stages"], "fp32-simt")
 
 
@@ -345,7 +349,7 @@ def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block
 
 
 @_router_gemm_fp32_op.register_fake
-def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch_w):
+def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch_w, preload_w=False):
     return None
 
 
@@ -384,6 +388,14 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     wait, so the weight reads overlap the kernel ahead too (a hint: L2 never holds stale lines, so
     this is safe whatever the kernel ahead writes). None (default): as the config says, with PDL;
     True needs compiled kernels as PDL does.
+    Where the config says ``pdl-preload`` (the table's choice for some small-M ``fp32-simt`` entries; round
+    BM) and ``prefetch_weights`` is None, each program *loads* its first weight block into registers before
+    the wait instead: faster, but it would read old values if the kernel right before the call wrote the
+    fp32 weight. A forward pass only reads it; an in-place update through ``RouterWeight`` (``refresh``,
+    ``auto_refresh`` or a new ``RouterWeight``) runs the split's kernels between the write and the call,
+    so the write has completed first. Pass ``prefetch_weights=False`` (or ``True``: the L2 hint alone) for a
+    call that follows a kernel writing the weight with nothing in between, e.g. inside a CUDA graph that
+    updates the weight, or after a write that bypasses the version counter (``w.data.copy_``).
     """
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight (split once at load time), got {type(w).__name__}")
@@ -422,11 +434,12 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         config = config.fit_smem(w.terms, w._smem)
     use_pdl = (w.pdl_supported and config.launch != "plain") if pdl is None else pdl
     pf = (use_pdl and config.launch == "pdl-prefetch") if prefetch_weights is None else prefetch_weights
+    pre = use_pdl and config.launch == "pdl-preload" and prefetch_weights is None
     eager = not torch.compiler.is_compiling()
     if config.path == "fp32-simt":
         (_launch_fp32 if eager else _router_gemm_fp32_op)(
             x, w.source, out, config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages,
-            use_pdl, pf)
+            use_pdl, pf, pre)
         return out
     if config.path == "fp32-splitk":
         part, count = w.workspace(m, config)

@@ -24,7 +24,9 @@ launch, so the launch of a router call overlaps the end of the kernel before it 
 ``PREFETCH_W`` (the GEMMs, with PDL): before that wait the programs of the first row tile ask L2
 for the weight lines they will read (``prefetch_l2``: a hint, never stale data; the other row
 tiles read the same lines), so the weight's DRAM reads overlap the kernel ahead too; x, which that
-kernel may write, is read only after the wait.
+kernel may write, is read only after the wait. ``PRELOAD_W`` (the CUDA-core ``fp32-simt`` kernel, round BM)
+goes further: its first weight block is *loaded* into registers before the wait, which is correct only where
+the kernel ahead does not write the weight (see ``router_gemm``).
 """
 import triton
 import triton.language as tl
@@ -220,7 +222,7 @@ def router_gemm_fp32_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_W: tl.constexpr,
+    PREFETCH_W: tl.constexpr, PRELOAD_W: tl.constexpr = False,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight ``w [N, K]``.
 
@@ -230,6 +232,11 @@ def router_gemm_fp32_kernel(
     tree, then added to the running fp32 sum: error like an fp32 GEMM. The next K
     block is loaded before the current one is reduced (register double buffering), so
     one block's loads are always in flight without relying on the software pipeliner.
+
+    PRELOAD_W (launch ``pdl-preload``, with PDL): the first K block of the weight is loaded into registers
+    *before* ``pdl_enter``'s wait, so its bytes cross into the SM while the kernel ahead finishes (the whole
+    weight where BLOCK_K >= K); x, which the kernel ahead may write, is still read after the wait. Correct
+    whenever the kernel ahead does not write the weight (``router_gemm`` says when it uses it; round BM).
     """
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -238,19 +245,21 @@ def router_gemm_fp32_kernel(
     o_k = tl.arange(0, BLOCK_K)
     m_m = o_m < M
     m_n = o_n < N
-    if PREFETCH_W:
-        prefetch_rows(p_w, o_n, m_n, stride_wn, 0, tl.where(i_m == 0, K, 0), BLOCK_K, 32)  # first row tile only
-    pdl_enter(PDL)
     p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
     p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
-
-    if EVEN_K:
-        b_x = tl.load(p_xb, mask=m_m[:, None], other=0.0)
-        b_w = tl.load(p_wb, mask=m_n[:, None], other=0.0)
-    else:
-        m_k = o_k < K
-        b_x = tl.load(p_xb, mask=m_m[:, None] & m_k[None, :], other=0.0)
-        b_w = tl.load(p_wb, mask=m_n[:, None] & m_k[None, :], other=0.0)
+    m_w = m_n[:, None]
+    m_x = m_m[:, None]
+    if not EVEN_K:
+        m_w = m_w & (o_k < K)[None, :]
+        m_x = m_x & (o_k < K)[None, :]
+    if PRELOAD_W:
+        b_w = tl.load(p_wb, mask=m_w, other=0.0)
+    elif PREFETCH_W:
+        prefetch_rows(p_w, o_n, m_n, stride_wn, 0, tl.where(i_m == 0, K, 0), BLOCK_K, 32)  # first row tile only
+    pdl_enter(PDL)
+    b_x = tl.load(p_xb, mask=m_x, other=0.0)
+    if not PRELOAD_W:
+        b_w = tl.load(p_wb, mask=m_w, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         # Prefetch block k (masked off past K: the last iteration loads nothing).
