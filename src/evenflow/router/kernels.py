@@ -266,8 +266,13 @@ def router_gemm_fp32_kernel(
         m_kn = (k + o_k) < K
         b_xn = tl.load(p_xb + k, mask=m_m[:, None] & m_kn[None, :], other=0.0)
         b_wn = tl.load(p_wb + k, mask=m_n[:, None] & m_kn[None, :], other=0.0)
-        b_prod = b_x.to(tl.float32)[:, None, :] * b_w[None, :, :]          # [BLOCK_M, BLOCK_N, BLOCK_K]
-        acc += tl.sum(b_prod, axis=2)
+        if BLOCK_M == 1:
+            # one row of x against BLOCK_N weight rows as a 2-D [BLOCK_N, BLOCK_K] product: both operands keep
+            # their loaded K layout (the 3-D form below converts them through shared memory every block; round BM)
+            acc += tl.sum(b_x.to(tl.float32) * b_w, axis=1)[None, :]
+        else:
+            b_prod = b_x.to(tl.float32)[:, None, :] * b_w[None, :, :]      # [BLOCK_M, BLOCK_N, BLOCK_K]
+            acc += tl.sum(b_prod, axis=2)
         b_x = b_xn
         b_w = b_wn
     m_out = m_m[:, None] & m_n[None, :]
