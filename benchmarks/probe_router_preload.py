@@ -214,10 +214,8 @@ def main(argv=None) -> None:
         for r in sm90_stats(points, forms):
             print(r, flush=True)
         return
-    import evenflow
     import router as bench  # the router benchmark's rotation of weight / activation copies
     from evenflow.bench import harness as H
-    from evenflow.reference import router as R
     from evenflow.testing import rule_check
 
     if not torch.cuda.is_available():
@@ -225,13 +223,8 @@ def main(argv=None) -> None:
     H.warm_graph_state()
     rows = []
     for label, m, n, k in points:
-        ws, xs = bench.rotated_copies(m, n, k, min_copies=2)
-        rws = [evenflow.RouterWeight(w) for w in ws]
-        outs = [torch.empty(m, n, device="cuda") for _ in ws]
-        ref = R.router_logits_fp64(xs[0], ws[0])
-        base = R.split_logits_fp32(xs[0], *rws[0].parts)
-        named = {"entry": [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, out=o)
-                           for x, rw, o in zip(xs, rws, outs)]}
+        ws, xs, rws, outs, ref, base, entry = bench.probe_point(m, n, k)
+        named = {"entry": entry}
         for form, (bn, bk, _, warps) in ((f, v) for f in forms for v in variants(m, n, k, f)):
             for mode in MODES:
                 named[f"{form}-{mode}-n{bn}-k{bk}-w{warps}"] = [

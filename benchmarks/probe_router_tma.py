@@ -79,7 +79,6 @@ def main(argv=None) -> None:
     import evenflow
     import router as bench  # the router benchmark's bytes a call moves and its rotation size
     from evenflow.bench import harness as H
-    from evenflow.reference import router as R
     from evenflow.router.dispatch import GemmConfig
     from evenflow.testing import rule_check
 
@@ -92,13 +91,8 @@ def main(argv=None) -> None:
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = []
     for label, m, n, k in POINTS:
-        ws, xs = bench.rotated_copies(m, n, k, min_copies=2)
-        rws = [evenflow.RouterWeight(w) for w in ws]
-        outs = [torch.empty(m, n, device="cuda") for _ in ws]
-        ref = R.router_logits_fp64(xs[0], ws[0])
-        base = R.split_logits_fp32(xs[0], *rws[0].parts)
-        variants = {"entry": [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, out=o)
-                              for x, rw, o in zip(xs, rws, outs)]}
+        ws, xs, rws, outs, ref, base, entry = bench.probe_point(m, n, k)
+        variants = {"entry": entry}
         for st in PTR_STAGES:
             cfg = GemmConfig(4, 2, 256, 1, 4, st, "fp32-splitk")
             variants[f"cp.async-4x2x256-s{st}"] = [

@@ -153,6 +153,19 @@ def rotated_copies(m: int, n: int, k: int, min_copies: int = 1) -> tuple[list, l
     return ws, xs
 
 
+def probe_point(m: int, n: int, k: int) -> tuple[list, list, list, list, torch.Tensor, torch.Tensor, list]:
+    """What the router probes time a point on: (weights, x copies, RouterWeights, outputs, the fp64 product, the
+    PyTorch split baseline of the tests' rule, one ``router_gemm`` call a copy on the dispatch's pick (``entry``)),
+    at least two rotated copies (GPU)."""
+    ws, xs = rotated_copies(m, n, k, min_copies=2)
+    rws = [evenflow.RouterWeight(w) for w in ws]
+    outs = [torch.empty(m, n, device="cuda") for _ in ws]
+    ref = R.router_logits_fp64(xs[0], ws[0])
+    base = R.split_logits_fp32(xs[0], *rws[0].parts)
+    entry = [lambda x=x, rw=rw, o=o: evenflow.router_gemm(x, rw, out=o) for x, rw, o in zip(xs, rws, outs)]
+    return ws, xs, rws, outs, ref, base, entry
+
+
 def _call_bytes(m: int, n: int, k: int) -> int:
     """Bytes one call must move: the fp32 weight, bf16 x and the fp32 logits."""
     return n * k * 4 + m * k * 2 + m * n * 4
