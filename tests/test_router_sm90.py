@@ -204,8 +204,8 @@ def test_preload_launch_loads_only_the_weight_before_the_wait(tmp_path):
         evenflow.router_gemm(torch.empty(1, 2048, dtype=torch.bfloat16), rw, config=cfg)
         evenflow.router_gemm(torch.empty(1, 2048, dtype=torch.bfloat16), rw, config=cfg, prefetch_weights=False)
     consts = [dict(la.constexprs) for la in launches]
-    assert [(c["PDL"], c["PRELOAD_W"], c["PREFETCH_W"], c["ONE_BLOCK"]) for c in consts] == [
-        (True, True, False, True), (True, False, False, True)], consts  # one K block: no loop (round BM)
+    assert [(c["PDL"], c["PRELOAD_W"], c["PREFETCH_W"]) for c in consts] == [(True, True, False),
+                                                                             (True, False, False)], consts
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(CC._to_json(launches)))
     r = subprocess.run([sys.executable, "-c", _PTX_WORKER, str(path)], env={**os.environ, "TRITON_INTERPRET": "0"},

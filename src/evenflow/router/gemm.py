@@ -275,7 +275,7 @@ def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: i
     router_gemm_fp32_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
-        PREFETCH_W=prefetch_w and not preload_w, PRELOAD_W=preload_w, ONE_BLOCK=block_k >= k,
+        PREFETCH_W=prefetch_w and not preload_w, PRELOAD_W=preload_w,
         num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 

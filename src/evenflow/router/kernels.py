@@ -216,25 +216,13 @@ def router_gemm_kernel(
             tl.store(p_count + i_mn, 0)
 
 
-@triton.jit
-def _simt_block(b_x, b_w, BLOCK_M: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] sums over one K block of x [BLOCK_M, BLOCK_K] (bf16) against w [BLOCK_N, BLOCK_K] (fp32):
-    the fp32 products (bf16 widened exactly) summed by a fixed tree along K. One row of x (BLOCK_M = 1) as a 2-D
-    [BLOCK_N, BLOCK_K] product, both operands in their loaded K layout (the 3-D form converts them through shared
-    memory every block; round BM)."""
-    if BLOCK_M == 1:
-        return tl.sum(b_x.to(tl.float32) * b_w, axis=1)[None, :]
-    else:
-        return tl.sum(b_x.to(tl.float32)[:, None, :] * b_w[None, :, :], axis=2)   # [BLOCK_M, BLOCK_N, BLOCK_K]
-
-
 @triton.jit(do_not_specialize=["M"])
 def router_gemm_fp32_kernel(
     p_x, p_w, p_out,
     M, N, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_W: tl.constexpr, PRELOAD_W: tl.constexpr = False, ONE_BLOCK: tl.constexpr = False,
+    PREFETCH_W: tl.constexpr, PRELOAD_W: tl.constexpr = False,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight ``w [N, K]``.
 
@@ -273,17 +261,20 @@ def router_gemm_fp32_kernel(
     if not PRELOAD_W:
         b_w = tl.load(p_wb, mask=m_w, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ONE_BLOCK:  # BLOCK_K >= K: the block loaded above is the whole K, no loop (round BM)
-        acc += _simt_block(b_x, b_w, BLOCK_M)
-    else:
-        for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-            # Prefetch block k (masked off past K: the last iteration loads nothing).
-            m_kn = (k + o_k) < K
-            b_xn = tl.load(p_xb + k, mask=m_m[:, None] & m_kn[None, :], other=0.0)
-            b_wn = tl.load(p_wb + k, mask=m_n[:, None] & m_kn[None, :], other=0.0)
-            acc += _simt_block(b_x, b_w, BLOCK_M)
-            b_x = b_xn
-            b_w = b_wn
+    for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        # Prefetch block k (masked off past K: the last iteration loads nothing).
+        m_kn = (k + o_k) < K
+        b_xn = tl.load(p_xb + k, mask=m_m[:, None] & m_kn[None, :], other=0.0)
+        b_wn = tl.load(p_wb + k, mask=m_n[:, None] & m_kn[None, :], other=0.0)
+        if BLOCK_M == 1:
+            # one row of x against BLOCK_N weight rows as a 2-D [BLOCK_N, BLOCK_K] product: both operands keep
+            # their loaded K layout (the 3-D form below converts them through shared memory every block; round BM)
+            acc += tl.sum(b_x.to(tl.float32) * b_w, axis=1)[None, :]
+        else:
+            b_prod = b_x.to(tl.float32)[:, None, :] * b_w[None, :, :]      # [BLOCK_M, BLOCK_N, BLOCK_K]
+            acc += tl.sum(b_prod, axis=2)
+        b_x = b_xn
+        b_w = b_wn
     m_out = m_m[:, None] & m_n[None, :]
     tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :], acc, mask=m_out)
 
