@@ -171,8 +171,8 @@ def simt_candidates(m: int) -> list[GemmConfig]:
         shapes = ((1, 512, 8), (1, 1024, 8), (2, 256, 8))
     out = [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bn, bk, warps in shapes]
     # Round BM: at M <= 4 the same tiles with their first weight block loaded before the PDL wait, timed as
-    # candidates of their own (the main pass times each candidate at its own launch mode; BM2's probe put a
-    # one-row call at 0.79-0.85 of the prefetch's time, so a tile that loses with the prefetch may win with it).
+    # candidates of their own (the main pass times each candidate at its own launch mode; BM2's probe put the
+    # best one-row tile with it at 0.85-0.92 of the best with the prefetch, and the best tile of each mode differs).
     if bm <= 4:
         out += [replace(c, launch="pdl-preload") for c in out]
     # Round AF: rows over the grid too (BLOCK_M below M: one program per BLOCK_M rows and BLOCK_N weight

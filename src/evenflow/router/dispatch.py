@@ -51,11 +51,11 @@ SPLIT_K_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # two row tiles and hurt large ones (docs/perf-notes/router.md). Where supported (compiled kernels on sm_90+);
 # elsewhere every launch is plain.
 # "pdl-preload" (round BM, the CUDA-core ``fp32-simt`` tile only): each program loads its weight's first K block into
-# registers before the wait, so that block's bytes cross into the SM while the kernel ahead runs (BM2's probe: a
-# one-row call at 0.79-0.85 of the prefetch's time). Unlike the prefetch, a load before the wait would see old data
-# if the kernel ahead wrote the weight: ``router_gemm`` takes it only where the table says so and
-# ``prefetch_weights`` is left at None, and a RouterWeight's in-place updates always put its split's kernels between
-# the write and the call (see ``router_gemm``).
+# registers before the wait, so that block's bytes cross into the SM while the kernel ahead runs (BM2's probe: the
+# best one-row tile with it at 0.85-0.92 of the best with the prefetch; BM5: every M = 1 entry takes it). Unlike the
+# prefetch, a load before the wait would see old data if the kernel ahead wrote the weight: ``router_gemm`` takes it
+# only where the table says so and ``prefetch_weights`` is left at None, and a RouterWeight's in-place updates always
+# put its split's kernels between the write and the call (see ``router_gemm``).
 LAUNCHES = ("plain", "pdl", "pdl-prefetch", "pdl-preload")
 PRELOAD_PATHS = ("fp32-simt",)
 
