@@ -27,7 +27,9 @@ sync); it is skipped while ``torch.compile`` traces. A re-split checks the sourc
 constructor does and may take a new shape (``w.data = ...``): every call checks its inputs
 against the fresh split. Writes that bypass the version counter cannot be seen: through
 ``w.data`` (``param.data.copy_(...)``) or a NumPy view. Call ``refresh()`` after those (until
-then the bf16 paths would read the old split and the fp32 paths the new weight). An inference
+then the bf16 paths would read the old split and the fp32 paths the new weight; a table entry with launch
+``pdl-preload`` reads the fp32 weight before waiting for the kernel ahead, so a call right after such a
+write needs ``refresh()`` first or ``prefetch_weights=False``: see ``router_gemm``). An inference
 tensor (made under ``torch.inference_mode``) has no version counter and is refused.
 """
 from __future__ import annotations
