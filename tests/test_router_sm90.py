@@ -258,3 +258,27 @@ def test_fp32_tc_builds_split_pairs_in_registers_without_spills():
         assert any(op.startswith("LDGSTS") for op in ops), f"{s['describe']}: K loop not pipelined"
         assert not [op for op in ops if op.startswith("F2F.")], f"{s['describe']}: single conversions {ops}"
         assert ops.get("F2FP.BF16.F32.PACK_AB", 0) > 0, s["describe"]
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+@pytest.mark.parametrize("bm, bn", [(1, 1), (4, 1), (4, 2), (16, 1)])
+def test_fp32_simt_k_loop_does_not_route_its_operands_through_shared_memory(bm, bn):
+    # Rounds BM / BN: the CUDA-core tile loads x and the weight in the layout of their product, so its K loop
+    # touches shared memory only for the per-block cross-warp sum of its BLOCK_M x BLOCK_N outputs, whatever BLOCK_K
+    # is. A layout conversion of an operand (the earlier 3-D form's at BLOCK_M > 1: STS.128 / LDSM, 9-25 barriers a
+    # block) moves BLOCK_K-proportional bytes through shared memory, so its stores grow with BLOCK_K.
+    cfgs = [GemmConfig(bm, bn, bk, 1, 8, 1, "fp32-simt", "pdl-preload" if bm <= 4 else "pdl") for bk in (1024, 2048)]
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        rw = evenflow.RouterWeight(torch.randn(192, 4096) * 0.02)
+        for cfg in cfgs:
+            evenflow.router_gemm(torch.empty(bm, 4096, dtype=torch.bfloat16), rw, config=cfg)
+    stats = CC.compile_stats(launches)
+    assert [s.get("error") for s in stats] == [None, None], stats
+    shared = []
+    for s in stats:
+        ops = s["loops"][0]["ops"]  # the K loop: the kernel's only loop
+        assert s["spill_bytes"] == 0 and ops.get("FFMA", 0) >= bm * bn, (s["describe"], ops)
+        assert not [op for op in ops if op.startswith("LDSM")], (s["describe"], ops)
+        shared.append((sum(v for op, v in ops.items() if op.startswith("STS")),
+                       sum(v for op, v in ops.items() if op.startswith("BAR"))))
+    assert shared[0] == shared[1] and shared[0][0] <= bm * bn + 1 and shared[0][1] <= 3, (bm, bn, shared)

@@ -245,13 +245,21 @@ def router_gemm_fp32_kernel(
     o_k = tl.arange(0, BLOCK_K)
     m_m = o_m < M
     m_n = o_n < N
-    p_xb = p_x + o_m.to(tl.int64)[:, None] * stride_xm + o_k[None, :]   # [BLOCK_M, BLOCK_K]
-    p_wb = p_w + o_n.to(tl.int64)[:, None] * stride_wn + o_k[None, :]   # [BLOCK_N, BLOCK_K]
-    m_w = m_n[:, None]
-    m_x = m_m[:, None]
+    # x as [BLOCK_M, 1, BLOCK_K] and the weight as [1, BLOCK_N, BLOCK_K]: both loaded in the product's own 3-D
+    # layout, so their broadcast needs no conversion (2-D loads widened by [:, None, :] went through shared memory
+    # every block; round BN)
+    o_kx = o_k
+    if BLOCK_M > 1:
+        # x's K offsets as runs of 4: the compiler then loads x 4 elements a thread, the layout it gives the fp32
+        # weight (bf16 x alone would take 8, and a [BLOCK_M, 1, BLOCK_K] tile does not share the weight's shape)
+        o_kx = o_k // 4 * 4 + o_k % 4
+    p_xb = p_x + o_m.to(tl.int64)[:, None, None] * stride_xm + o_kx[None, None, :]
+    p_wb = p_w + o_n.to(tl.int64)[None, :, None] * stride_wn + o_k[None, None, :]
+    m_w = m_n[None, :, None]
+    m_x = m_m[:, None, None]
     if not EVEN_K:
-        m_w = m_w & (o_k < K)[None, :]
-        m_x = m_x & (o_k < K)[None, :]
+        m_w = m_w & (o_k < K)[None, None, :]
+        m_x = m_x & (o_k < K)[None, None, :]
     if PRELOAD_W:
         b_w = tl.load(p_wb, mask=m_w, other=0.0)
     elif PREFETCH_W:
@@ -263,16 +271,10 @@ def router_gemm_fp32_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         # Prefetch block k (masked off past K: the last iteration loads nothing).
-        m_kn = (k + o_k) < K
-        b_xn = tl.load(p_xb + k, mask=m_m[:, None] & m_kn[None, :], other=0.0)
-        b_wn = tl.load(p_wb + k, mask=m_n[:, None] & m_kn[None, :], other=0.0)
-        if BLOCK_M == 1:
-            # one row of x against BLOCK_N weight rows as a 2-D [BLOCK_N, BLOCK_K] product: both operands keep
-            # their loaded K layout (the 3-D form below converts them through shared memory every block; round BM)
-            acc += tl.sum(b_x.to(tl.float32) * b_w, axis=1)[None, :]
-        else:
-            b_prod = b_x.to(tl.float32)[:, None, :] * b_w[None, :, :]      # [BLOCK_M, BLOCK_N, BLOCK_K]
-            acc += tl.sum(b_prod, axis=2)
+        m_kn = ((k + o_k) < K)[None, None, :]
+        b_xn = tl.load(p_xb + k, mask=m_m[:, None, None] & m_kn, other=0.0)
+        b_wn = tl.load(p_wb + k, mask=m_n[None, :, None] & m_kn, other=0.0)
+        acc += tl.sum(b_x.to(tl.float32) * b_w, axis=2)
         b_x = b_xn
         b_w = b_wn
     m_out = m_m[:, None] & m_n[None, :]
