@@ -52,7 +52,8 @@ SPLIT_K_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # elsewhere every launch is plain.
 # "pdl-preload" (round BM, the CUDA-core ``fp32-simt`` tile only): each program loads its weight's first K block into
 # registers before the wait, so that block's bytes cross into the SM while the kernel ahead runs (BM2's probe: the
-# best one-row tile with it at 0.85-0.92 of the best with the prefetch; BM5: every M = 1 entry takes it). Unlike the
+# best one-row tile with it at 0.85-0.92 of the best with the prefetch; BM5: every M = 1 entry takes it, BN: the M = 4
+# entries of K4096 and Qwen3, whose one-block tiles load a program's whole weight before the wait). Unlike the
 # prefetch, a load before the wait would see old data if the kernel ahead wrote the weight: ``router_gemm`` takes it
 # only where the table says so and ``prefetch_weights`` is left at None, and a RouterWeight's in-place updates always
 # put its split's kernels between the write and the call (see ``router_gemm``).
