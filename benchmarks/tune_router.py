@@ -416,6 +416,20 @@ def _interleaved(configs: dict, xs, rws, outs, passes: int = 2) -> list[dict]:
     return [H.time_graphs(named, rounds=20) for _ in range(passes)]
 
 
+def table_incumbent(table: dict, k: int, n: int, terms: int, m: int) -> GemmConfig | None:
+    """The table's current pick for the (K, N, terms, M) bucket as the tuner times it, or None.
+
+    At the candidates' launch mode (GemmConfig's default): a tile is timed once, whatever mode its entry had, and
+    the bucket's winner gets its mode from ``choose_launch`` afterwards. An entry on "pdl-preload" keeps it: its
+    tiles are candidates of their own in that mode, and a challenger must beat the entry as it runs (round BN3:
+    timed at "pdl", K4096 M = 4's entry read 3.60 us against its 3.00 with the preload)."""
+    old = [GemmConfig.from_dict(e["config"]).fit_smem(terms) for e in table.get("entries", [])
+           if (e["K"], e["N"], e.get("terms", 3), e["m_max"]) == (k, n, terms, m)]
+    if not old:
+        return None
+    return old[0] if old[0].launch == "pdl-preload" else replace(old[0], launch=GemmConfig().launch)
+
+
 def confirm_challenger(incumbent: GemmConfig, best: tuple[GemmConfig, float], xs, rws, outs,
                        margin: float = REPLACE_MARGIN) -> tuple[GemmConfig, float]:
     """``best`` (config, µs) if it beats the table's ``incumbent`` again, timed beside it in interleaved replays
@@ -519,11 +533,7 @@ def main() -> int:
             cands = candidates(m, n, k, sms, terms=terms)
             # The table's current pick for this bucket is always re-timed (first), so a short
             # budget can only replace it by something measured faster in this run.
-            old = [GemmConfig.from_dict(e["config"]).fit_smem(terms) for e in table.get("entries", [])
-                   if (e["K"], e["N"], e.get("terms", 3), e["m_max"]) == (k, n, terms, m)]
-            # at the candidates' launch mode (GemmConfig's default): a tile is timed once, whatever mode its entry
-            # had, and the bucket's winner gets its mode from choose_launch afterwards
-            incumbent = replace(old[0], launch=GemmConfig().launch) if old else None
+            incumbent = table_incumbent(table, k, n, terms, m)
             if incumbent is not None:
                 cands = [incumbent] + [c for c in cands if c != incumbent]
             # JIT first (once per compiled variant, cached after), so a bucket's share of the

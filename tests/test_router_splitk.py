@@ -21,6 +21,8 @@ What is checked, and why:
   CUDA-graph capture and replay with changing inputs, flips vs cuBLAS FP32.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -296,6 +298,23 @@ def test_tuner_candidates_above_64_rows():
                 assert c.fit_smem(3).num_stages >= 1
                 assert c.fit_smem(3) == c, f"{c}: offered with more stages than shared memory holds"
     assert GemmConfig(64, 64, 128, 6, 4, 3) in tuner.candidates(512, 128, 2048, 132)
+
+
+def test_tuner_times_the_table_entry_in_its_own_preload_mode():
+    """The tuner re-times the bucket's table entry first (the incumbent a challenger must beat twice by > 1%):
+    at the candidates' default launch, but an entry on "pdl-preload" as it runs, since its tiles are candidates of
+    their own in that mode (round BN3: K4096 M = 4's entry timed at "pdl" read 3.60 us against its 3.00)."""
+    tuner = load_tuner()
+    simt = GemmConfig(4, 2, 4096, 1, 16, 1, "fp32-simt", "pdl-preload")
+    splitk = GemmConfig(4, 2, 1024, 1, 4, 5, "fp32-splitk", "pdl-prefetch")
+    table = {"entries": [{"K": 4096, "N": 192, "terms": 3, "m_max": 4, "config": simt.to_dict()},
+                         {"K": 2048, "N": 128, "terms": 3, "m_max": 4, "config": splitk.to_dict()}]}
+    assert tuner.table_incumbent(table, 4096, 192, 3, 4) == simt
+    assert tuner.table_incumbent(table, 2048, 128, 3, 4) == dataclasses.replace(splitk, launch=GemmConfig().launch)
+    assert tuner.table_incumbent(table, 4096, 192, 3, 16) is None
+    assert tuner.table_incumbent(table, 4096, 192, 2, 4) is None  # another term count is another bucket
+    # the preload entry is among the bucket's candidates in that mode, so the tuner's list keeps it once
+    assert simt in tuner.candidates(4, 192, 4096, 132)
 
 
 def test_tuner_offers_splitk_first_and_merges_bucket_runs():
