@@ -181,10 +181,6 @@ def simt_candidates(m: int) -> list[GemmConfig]:
     # best one-row tile with it at 0.85-0.92 of the best with the prefetch, and the best tile of each mode differs).
     if bm <= 4:
         out += [replace(c, launch="pdl-preload") for c in out]
-        # Round BN4: two K blocks before the wait (num_stages 2 with the preload), so a program half the size of a
-        # one-block tile of the same K crosses its whole weight early and fits beside the call ahead's programs
-        out += [replace(c, num_stages=2, launch="pdl-preload") for c in out
-                if c.launch == "pdl-preload" and c.block_k <= 2048 and c.num_warps <= 8]
     # Round AF: rows over the grid too (BLOCK_M below M: one program per BLOCK_M rows and BLOCK_N weight
     # rows). At M = 1 a program of the M = 1 shapes is 0.57-0.66 of the floor (AD2); at M = 4 and 16 the same
     # program, run once per row (tile), reads its weight rows again from L2, not DRAM.

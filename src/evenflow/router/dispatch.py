@@ -102,10 +102,6 @@ class GemmConfig:
                 raise ValueError(f"config.split_k must be 1 for fp32-simt, got {self.split_k}")
             if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
                 raise ValueError(f"bad num_warps/num_stages for fp32-simt: {self.num_warps}/{self.num_stages}")
-            # with pdl-preload num_stages is how many of the weight's K blocks cross before the wait (round BN4)
-            if self.launch == "pdl-preload" and self.num_stages > 2:
-                raise ValueError(f"config.num_stages must be 1 or 2 for fp32-simt with pdl-preload (the weight's K "
-                                 f"blocks loaded before the wait), got {self.num_stages}")
             return
         if self.path == "fp32-splitk":
             # CUDA-core kernel on the fp32 weight, split-K reduced in the same launch. The

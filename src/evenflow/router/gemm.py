@@ -269,9 +269,7 @@ def _check_workspace(part: torch.Tensor, count: torch.Tensor, split: int, need_p
 def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int,
                  block_k: int, num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool,
                  preload_w: bool = False) -> None:
-    # preload_w: the first weight block loaded before the PDL wait (launch "pdl-preload"); it replaces the prefetch.
-    # With it, num_stages 2 loads the second block there too (the kernel's own K loop is not pipelined: the
-    # compile option stays 1)
+    # preload_w: the first weight block loaded before the PDL wait (launch "pdl-preload"); it replaces the prefetch
     m, k = x.shape
     n = w.shape[0]
     if m == 0:
@@ -280,8 +278,7 @@ def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: i
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
         PREFETCH_W=prefetch_w and not preload_w, PRELOAD_W=preload_w,
-        PRELOAD_BLOCKS=2 if preload_w and num_stages >= 2 else 1,
-        num_warps=num_warps, num_stages=1, **_runtime.pdl_kwargs(pdl),
+        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 

@@ -222,7 +222,7 @@ def router_gemm_fp32_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_W: tl.constexpr, PRELOAD_W: tl.constexpr = False, PRELOAD_BLOCKS: tl.constexpr = 1,
+    PREFETCH_W: tl.constexpr, PRELOAD_W: tl.constexpr = False,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight ``w [N, K]``.
 
@@ -237,9 +237,6 @@ def router_gemm_fp32_kernel(
     *before* ``pdl_enter``'s wait, so its bytes cross into the SM while the kernel ahead finishes (the whole
     weight where BLOCK_K >= K); x, which the kernel ahead may write, is still read after the wait. Correct
     whenever the kernel ahead does not write the weight (``router_gemm`` says when it uses it; round BM).
-    PRELOAD_BLOCKS = 2: the second K block too (its registers held until the loop's first trip takes it), so a
-    two-block tile crosses its whole weight before the wait with a program half the size of a one-block tile of the
-    same K (round BN4).
     """
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -265,8 +262,6 @@ def router_gemm_fp32_kernel(
         m_x = m_x & (o_k < K)[None, None, :]
     if PRELOAD_W:
         b_w = tl.load(p_wb, mask=m_w, other=0.0)
-        if PRELOAD_BLOCKS == 2:
-            b_w2 = tl.load(p_wb + BLOCK_K, mask=m_n[None, :, None] & ((BLOCK_K + o_k) < K)[None, None, :], other=0.0)
     elif PREFETCH_W:
         prefetch_rows(p_w, o_n, m_n, stride_wn, 0, tl.where(i_m == 0, K, 0), BLOCK_K, 32)  # first row tile only
     pdl_enter(PDL)
@@ -278,11 +273,7 @@ def router_gemm_fp32_kernel(
         # Prefetch block k (masked off past K: the last iteration loads nothing).
         m_kn = ((k + o_k) < K)[None, None, :]
         b_xn = tl.load(p_xb + k, mask=m_m[:, None, None] & m_kn, other=0.0)
-        if PRELOAD_W and PRELOAD_BLOCKS == 2:  # block BLOCK_K came in before the wait: the first trip takes it
-            b_wn = tl.load(p_wb + k, mask=m_n[None, :, None] & m_kn & (k != BLOCK_K), other=0.0)
-            b_wn = tl.where(k == BLOCK_K, b_w2, b_wn)
-        else:
-            b_wn = tl.load(p_wb + k, mask=m_n[None, :, None] & m_kn, other=0.0)
+        b_wn = tl.load(p_wb + k, mask=m_n[None, :, None] & m_kn, other=0.0)
         acc += tl.sum(b_x.to(tl.float32) * b_w, axis=2)
         b_x = b_xn
         b_w = b_wn
