@@ -155,7 +155,8 @@ def _balanced_tc(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
 def simt_candidates(m: int) -> list[GemmConfig]:
     """fp32-simt configs for small M (always timed, like the plain paths): one program per
     BLOCK_N weight rows streams its whole K. The product tile BLOCK_M x BLOCK_N x BLOCK_K is
-    kept at <= 64 fp32 registers a thread (plus the prefetched next block)."""
+    kept at <= 64 fp32 values a thread (plus the prefetched next block), but for the one-block tiles of round BN
+    at M <= 4 (up to 128; their sm_90 builds spill nothing)."""
     if m > 64:
         return []
     bm = min(16, 1 << max(0, m - 1).bit_length())
@@ -422,7 +423,10 @@ def table_incumbent(table: dict, k: int, n: int, terms: int, m: int) -> GemmConf
     At the candidates' launch mode (GemmConfig's default): a tile is timed once, whatever mode its entry had, and
     the bucket's winner gets its mode from ``choose_launch`` afterwards. An entry on "pdl-preload" keeps it: its
     tiles are candidates of their own in that mode, and a challenger must beat the entry as it runs (round BN3:
-    timed at "pdl", K4096 M = 4's entry read 3.60 us against its 3.00 with the preload)."""
+    timed at "pdl", K4096 M = 4's entry read 3.60 us against its 3.00 with the preload). The contest is uneven the
+    other way then: a split-K or tensor-core challenger is timed at "pdl", not its best mode (K4096 M = 4's
+    fp32-splitk entry of BN1: 3.47 us at "pdl", 3.25 at "pdl-prefetch"), so a preload entry keeps its place unless
+    beaten by more than the prefetch gives; a preload challenger had that edge over such entries since round BM."""
     old = [GemmConfig.from_dict(e["config"]).fit_smem(terms) for e in table.get("entries", [])
            if (e["K"], e["N"], e.get("terms", 3), e["m_max"]) == (k, n, terms, m)]
     if not old:

@@ -625,10 +625,14 @@ def test_pdl_argument_checked(device):
 @pytest.mark.parametrize("m,n,k,cfg", [(1, 7, 256, GemmConfig(1, 1, 256, 1, 4, 1, "fp32-simt")),
                                      (3, 9, 200, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # K tail, 4 blocks
                                      (5, 16, 96, GemmConfig(2, 4, 32, 1, 4, 1, "fp32-simt")),  # rows over the grid
-                                     # one row (the 2-D product), several K blocks with a tail, a column tail
+                                     # one row, several K blocks with a tail, a column tail
                                      (1, 5, 200, GemmConfig(1, 2, 64, 1, 4, 1, "fp32-simt")),
                                      (4, 6, 128, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # exactly 2 blocks
-                                     (2, 3, 100, GemmConfig(2, 2, 64, 1, 2, 1, "fp32-simt"))])  # block 2 a tail
+                                     (2, 3, 100, GemmConfig(2, 2, 64, 1, 2, 1, "fp32-simt")),  # block 2 a tail
+                                     # one block (the whole weight before the wait, the next block all masked),
+                                     # and one block deeper than K (the tail in the first block)
+                                     (4, 6, 64, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),
+                                     (3, 5, 50, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt"))])
 def test_fp32_simt_preload_build_matches_fp64(device, m, n, k, cfg):
     # Round BM: the fp32-simt kernel's PRELOAD_W build (launch "pdl-preload": its first weight block loaded before
     # the PDL wait) computes what the default build does, whatever the weight block's place in the kernel: against

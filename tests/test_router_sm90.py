@@ -261,13 +261,16 @@ def test_fp32_tc_builds_split_pairs_in_registers_without_spills():
 
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
-@pytest.mark.parametrize("bm, bn", [(1, 1), (4, 1), (4, 2), (16, 1)])
-def test_fp32_simt_k_loop_does_not_route_its_operands_through_shared_memory(bm, bn):
+@pytest.mark.parametrize("bm, bn, warps, bks", [(1, 1, 8, (1024, 2048)), (1, 2, 8, (1024, 2048)),
+                                              (4, 1, 8, (1024, 2048)), (4, 2, 8, (1024, 2048)),
+                                              (16, 1, 8, (1024, 2048)), (4, 2, 16, (2048, 4096))])
+def test_fp32_simt_k_loop_does_not_route_its_operands_through_shared_memory(bm, bn, warps, bks):
     # Rounds BM / BN: the CUDA-core tile loads x and the weight in the layout of their product, so its K loop
-    # touches shared memory only for the per-block cross-warp sum of its BLOCK_M x BLOCK_N outputs, whatever BLOCK_K
-    # is. A layout conversion of an operand (the earlier 3-D form's at BLOCK_M > 1: STS.128 / LDSM, 9-25 barriers a
-    # block) moves BLOCK_K-proportional bytes through shared memory, so its stores grow with BLOCK_K.
-    cfgs = [GemmConfig(bm, bn, bk, 1, 8, 1, "fp32-simt", "pdl-preload" if bm <= 4 else "pdl") for bk in (1024, 2048)]
+    # touches shared memory and shuffles only for the per-block cross-warp sum of its BLOCK_M x BLOCK_N outputs,
+    # whatever BLOCK_K is. A layout conversion of an operand (the earlier 3-D form's at BLOCK_M > 1: STS.128 / LDSM,
+    # 9-25 barriers a block) moves BLOCK_K-proportional data through shared memory or shuffles, so its stores or
+    # shuffles grow with BLOCK_K. The last case is K4096 M = 4's table tile (one block on 16 warps).
+    cfgs = [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt", "pdl-preload" if bm <= 4 else "pdl") for bk in bks]
     with CC.emulate_gpu(132), CC.record_launches() as launches:
         rw = evenflow.RouterWeight(torch.randn(192, 4096) * 0.02)
         for cfg in cfgs:
@@ -279,6 +282,5 @@ def test_fp32_simt_k_loop_does_not_route_its_operands_through_shared_memory(bm, 
         ops = s["loops"][0]["ops"]  # the K loop: the kernel's only loop
         assert s["spill_bytes"] == 0 and ops.get("FFMA", 0) >= bm * bn, (s["describe"], ops)
         assert not [op for op in ops if op.startswith("LDSM")], (s["describe"], ops)
-        shared.append((sum(v for op, v in ops.items() if op.startswith("STS")),
-                       sum(v for op, v in ops.items() if op.startswith("BAR"))))
+        shared.append(tuple(sum(v for op, v in ops.items() if op.startswith(kind)) for kind in ("STS", "BAR", "SHFL")))
     assert shared[0] == shared[1] and shared[0][0] <= bm * bn + 1 and shared[0][1] <= 3, (bm, bn, shared)

@@ -311,6 +311,10 @@ def test_tuner_times_the_table_entry_in_its_own_preload_mode():
                          {"K": 2048, "N": 128, "terms": 3, "m_max": 4, "config": splitk.to_dict()}]}
     assert tuner.table_incumbent(table, 4096, 192, 3, 4) == simt
     assert tuner.table_incumbent(table, 2048, 128, 3, 4) == dataclasses.replace(splitk, launch=GemmConfig().launch)
+    plain_simt = GemmConfig(4, 2, 2048, 1, 8, 1, "fp32-simt", "pdl-prefetch")  # a simt entry on another mode
+    table["entries"].append({"K": 3072, "N": 384, "terms": 3, "m_max": 4, "config": plain_simt.to_dict()})
+    assert tuner.table_incumbent(table, 3072, 384, 3, 4) == dataclasses.replace(plain_simt,
+                                                                                 launch=GemmConfig().launch)
     assert tuner.table_incumbent(table, 4096, 192, 3, 16) is None
     assert tuner.table_incumbent(table, 4096, 192, 2, 4) is None  # another term count is another bucket
     # the preload entry is among the bucket's candidates in that mode, so the tuner's list keeps it once

@@ -249,9 +249,9 @@ def router_gemm_fp32_kernel(
     # layout, so their broadcast needs no conversion (2-D loads widened by [:, None, :] went through shared memory
     # every block; round BN)
     o_kx = o_k
-    if BLOCK_M > 1:
+    if BLOCK_M * BLOCK_N > 1:
         # x's K offsets as runs of 4: the compiler then loads x 4 elements a thread, the layout it gives the fp32
-        # weight (bf16 x alone would take 8, and a [BLOCK_M, 1, BLOCK_K] tile does not share the weight's shape)
+        # weight (bf16 x alone would take 8). Where both tiles are [1, 1, BLOCK_K] they share one layout as they are.
         o_kx = o_k // 4 * 4 + o_k % 4
     p_xb = p_x + o_m.to(tl.int64)[:, None, None] * stride_xm + o_kx[None, None, :]
     p_wb = p_w + o_n.to(tl.int64)[None, :, None] * stride_wn + o_k[None, None, :]
