@@ -169,11 +169,12 @@ def simt_candidates(m: int) -> list[GemmConfig]:
     elif bm <= 4:
         # Round BN: since x and the weight load in their product's layout (no per-block conversion through shared
         # memory), 2-row tiles at full and half K (96 programs at N = 192, as the fp32-splitk entry) and the whole
-        # 4096-deep row on 8 warps build without spills (sm_90: 47-159 registers at BLOCK_M 2-4). BN1: one block
-        # of 2 x 4096 on 16 warps (a program's whole weight loaded before the wait, one program an SM) for K4096.
-        # BN2: 4 x 4096 on 16 warps (128 registers, no spill): half the programs, so x crosses from L2 half as often.
+        # 4096-deep row on 8 warps build without spills (sm_90: 47-159 registers at BLOCK_M 2-4). After BN1: one
+        # block of 2 x 4096 on 16 warps (a program's whole weight loaded before the wait, one program an SM), which
+        # took K4096 M = 4 in BN2. Not offered: 4 x 4096 on 16 warps (half the programs reading x), 1.23x that
+        # tile's time in BN3.
         shapes = ((1, 1024, 8), (1, 2048, 8), (2, 512, 8), (1, 4096, 16), (2, 1024, 8), (2, 2048, 8),
-                  (2, 2048, 16), (1, 4096, 8), (2, 4096, 16), (4, 4096, 16))
+                  (2, 2048, 16), (1, 4096, 8), (2, 4096, 16))
     else:
         shapes = ((1, 512, 8), (1, 1024, 8), (2, 256, 8))
     out = [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bn, bk, warps in shapes]

@@ -255,8 +255,10 @@ def router_gemm_fp32_kernel(
         o_kx = o_k // 4 * 4 + o_k % 4
     p_xb = p_x + o_m.to(tl.int64)[:, None, None] * stride_xm + o_kx[None, None, :]
     p_wb = p_w + o_n.to(tl.int64)[None, :, None] * stride_wn + o_k[None, None, :]
-    m_w = m_n[None, :, None]
-    m_x = m_m[:, None, None]
+    m_w_rows = m_n[None, :, None]
+    m_x_rows = m_m[:, None, None]
+    m_w = m_w_rows
+    m_x = m_x_rows
     if not EVEN_K:
         m_w = m_w & (o_k < K)[None, None, :]
         m_x = m_x & (o_k < K)[None, None, :]
@@ -272,8 +274,8 @@ def router_gemm_fp32_kernel(
     for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
         # Prefetch block k (masked off past K: the last iteration loads nothing).
         m_kn = ((k + o_k) < K)[None, None, :]
-        b_xn = tl.load(p_xb + k, mask=m_m[:, None, None] & m_kn, other=0.0)
-        b_wn = tl.load(p_wb + k, mask=m_n[None, :, None] & m_kn, other=0.0)
+        b_xn = tl.load(p_xb + k, mask=m_x_rows & m_kn, other=0.0)
+        b_wn = tl.load(p_wb + k, mask=m_w_rows & m_kn, other=0.0)
         acc += tl.sum(b_x.to(tl.float32) * b_w, axis=2)
         b_x = b_xn
         b_w = b_wn
