@@ -651,6 +651,40 @@ def test_fp32_simt_preload_build_matches_fp64(device, m, n, k, cfg):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("m,n,k,cfg", [(4, 6, 64, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # K = BLOCK_K
+                                     (3, 5, 50, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # the tail in block 1
+                                     (1, 7, 256, GemmConfig(1, 1, 256, 1, 4, 1, "fp32-simt")),  # one row, column tail
+                                     (5, 16, 96, GemmConfig(2, 4, 128, 1, 4, 1, "fp32-simt"))])  # rows over the grid
+def test_fp32_simt_one_block_build_matches_the_loop(device, m, n, k, cfg):
+    # Round BO: where K <= BLOCK_K the fp32-simt kernel's ONE_BLOCK build leaves out the K loop (whose one trip loads
+    # a masked-off second block). Same products, same tree: bit for bit the loop build's output, with and without
+    # the weight loaded before the PDL wait, and within the rule of the fp64 product.
+    from evenflow.router.gemm import _launch_fp32
+
+    x, w = _inputs(m, n, k, device)
+    for pre in (False, True):
+        outs = []
+        for one in (False, True):
+            out = torch.full((m, n), float("nan"), device=device)
+            _launch_fp32(x, w, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False,
+                         False, pre, one)
+            _check_fp32(out, x, w, f"preload={pre} one_block={one}")
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), f"preload={pre}"
+
+
+def test_fp32_simt_one_block_refuses_a_k_past_its_block(device):
+    # one block must hold the whole K: a K past BLOCK_K would drop the rest of the sum, so it is refused by name
+    from evenflow.router.gemm import _launch_fp32, _router_gemm_fp32_op
+
+    x, w = _inputs(2, 4, 65, device)
+    out = torch.empty(2, 4, device=device)
+    with pytest.raises(ValueError, match="one_block needs K <= block_k"):
+        _launch_fp32(x, w, out, 2, 2, 64, 2, 1, False, False, False, True)
+    with pytest.raises(ValueError, match="one_block"):
+        _router_gemm_fp32_op(x, w, out, 2, 2, 64, 2, 1, False, False, False, 1)  # not a bool
+
+
 def test_preload_launch_only_on_the_simt_path(device):
     # "pdl-preload" is a launch of the CUDA-core fp32-simt kernel only; on any other path it is refused by name, and a
     # call that passes prefetch_weights (True or False) never preloads (router_gemm's contract)

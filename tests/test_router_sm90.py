@@ -284,3 +284,31 @@ def test_fp32_simt_k_loop_does_not_route_its_operands_through_shared_memory(bm, 
         assert not [op for op in ops if op.startswith("LDSM")], (s["describe"], ops)
         shared.append(tuple(sum(v for op, v in ops.items() if op.startswith(kind)) for kind in ("STS", "BAR", "SHFL")))
     assert shared[0] == shared[1] and shared[0][0] <= bm * bn + 1 and shared[0][1] <= 3, (bm, bn, shared)
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+@pytest.mark.parametrize("bm, bn, bk, warps", [(4, 2, 4096, 16), (4, 2, 4096, 8), (1, 1, 4096, 8), (4, 2, 2048, 8)])
+def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, warps):
+    # Round BO: where the whole K is one block (K = BLOCK_K: the table's K4096 / Qwen3 M = 1 and M = 4 tiles), the
+    # loop build's one trip still issues the second block's loads, masked off, and keeps registers for them (its
+    # trip count is a run-time value). The ONE_BLOCK build has no backward branch, issues each operand's global
+    # loads once (half the loop build's LDG instructions: two blocks there, one here), and needs fewer registers
+    # and fewer instructions.
+    from evenflow.router.gemm import _launch_fp32
+
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        x, w = torch.empty(bm, bk, dtype=torch.bfloat16), torch.empty(192, bk)
+        for one in (False, True):
+            _launch_fp32(x, w, torch.empty(bm, 192), bm, bn, bk, warps, 1, True, False, True, one)
+    assert [dict(la.constexprs)["ONE_BLOCK"] for la in launches] == [False, True]
+    loop, one = CC.compile_stats(launches)
+    assert "error" not in loop and "error" not in one, (loop, one)
+
+    def count(s, prefix):
+        return sum(v for op, v in s["ops"].items() if op.startswith(prefix))
+    assert len(loop["loops"]) == 1 and one["loops"] == [], (loop["loops"], one["loops"])
+    assert count(loop, "LDG") == 2 * count(one, "LDG") > 0, (loop["ops"], one["ops"])
+    assert count(one, "FFMA") + count(one, "FMUL") >= bm * bn * bk // (32 * warps)  # every product, once
+    assert one["spill_bytes"] == 0 and one["regs"] < loop["regs"], (one["regs"], loop["regs"])
+    total = [sum(v for op, v in s["ops"].items() if op != "NOP") for s in (loop, one)]
+    assert total[1] < 0.85 * total[0], total

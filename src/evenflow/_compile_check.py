@@ -229,7 +229,8 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
 
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
     ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
-    (SASS instruction counts per loop trip, :func:`sass_loops`) and ``mma`` (which MMA
+    (SASS instruction counts per loop trip, :func:`sass_loops`), ``ops`` (the whole kernel's SASS
+    instructions by opcode, :func:`sass_instructions`) and ``mma`` (which MMA
     instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`), ``mark_counts``
     (:func:`ptx_mark_counts`); or ``error``
     when the launch does not compile.
@@ -289,10 +290,9 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return (int(regs[-1]) if regs else -1), (int(spill[-1]) if spill else 0)
 
 
-def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
-    """The loops of a cubin's SASS, largest first: one list per backward branch of its body's
-    instructions from the branch target to the branch, each as (opcode, operands), predicates
-    dropped (the opcode stops at the first lower-case letter: ``HGMMA.64`` + ``x128x16.F32 R24, ...``)."""
+def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
+    """A cubin's SASS as (address, opcode, operands), predicates dropped (the opcode stops at the first
+    lower-case letter: ``HGMMA.64`` + ``x128x16.F32 R24, ...``)."""
     import re
 
     import triton
@@ -308,6 +308,15 @@ def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
         if m:
             insts.append((int(m.group(1), 16), m.group(2), m.group(3).strip()))
+    return insts
+
+
+def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
+    """The loops of a cubin's SASS (:func:`sass_instructions`), largest first: one list per backward branch of
+    its body's instructions from the branch target to the branch, each as (opcode, operands)."""
+    import re
+
+    insts = sass_instructions(cubin)
     loops = []
     for addr, op, args in insts:
         tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
@@ -331,6 +340,7 @@ def sass_loops(cubin: bytes) -> list[dict]:
 
 
 def _compile_main(path: str, arch: int, stats: bool = False) -> None:
+    import collections
     import importlib
     import importlib.util
 
@@ -366,6 +376,8 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
+                                 "ops": dict(collections.Counter(op for _, op, _ in
+                                                                 sass_instructions(compiled.asm["cubin"]))),
                                  "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
                                  "mark_counts": ptx_mark_counts(compiled.asm["ptx"])})
                 continue

@@ -268,16 +268,20 @@ def _check_workspace(part: torch.Tensor, count: torch.Tensor, split: int, need_p
 
 def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: int, block_n: int,
                  block_k: int, num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool,
-                 preload_w: bool = False) -> None:
-    # preload_w: the first weight block loaded before the PDL wait (launch "pdl-preload"); it replaces the prefetch
+                 preload_w: bool = False, one_block: bool = False) -> None:
+    # preload_w: the first weight block loaded before the PDL wait (launch "pdl-preload"); it replaces the prefetch.
+    # one_block: the kernel's K-loop-free build, where K <= block_k (the kernel's ONE_BLOCK; round BO: not yet timed
+    # on a GPU, so router_gemm does not ask for it)
     m, k = x.shape
     n = w.shape[0]
+    if one_block and k > block_k:
+        raise ValueError(f"one_block needs K <= block_k, got K={k} and block_k={block_k}")
     if m == 0:
         return
     router_gemm_fp32_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
-        PREFETCH_W=prefetch_w and not preload_w, PRELOAD_W=preload_w,
+        PREFETCH_W=prefetch_w and not preload_w, PRELOAD_W=preload_w, ONE_BLOCK=one_block,
         num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
@@ -325,6 +329,7 @@ def _check_split_op(a: dict) -> None:
 def _check_fp32_op(a: dict) -> None:
     _check_op_tensors(a, ("w",), torch.float32)
     check_bool("preload_w", a["preload_w"])
+    check_bool("one_block", a["one_block"])
     GemmConfig(a["block_m"], a["block_n"], a["block_k"], 1, a["num_warps"], a["num_stages"], "fp32-simt")
 
 
@@ -351,7 +356,7 @@ def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block
 
 
 @_router_gemm_fp32_op.register_fake
-def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch_w, preload_w=False):
+def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch_w, preload_w=False, one_block=False):
     return None
 
 

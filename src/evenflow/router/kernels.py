@@ -222,7 +222,7 @@ def router_gemm_fp32_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_W: tl.constexpr, PRELOAD_W: tl.constexpr = False,
+    PREFETCH_W: tl.constexpr, PRELOAD_W: tl.constexpr = False, ONE_BLOCK: tl.constexpr = False,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight ``w [N, K]``.
 
@@ -237,6 +237,12 @@ def router_gemm_fp32_kernel(
     *before* ``pdl_enter``'s wait, so its bytes cross into the SM while the kernel ahead finishes (the whole
     weight where BLOCK_K >= K); x, which the kernel ahead may write, is still read after the wait. Correct
     whenever the kernel ahead does not write the weight (``router_gemm`` says when it uses it; round BM).
+
+    ONE_BLOCK (the launcher's ``one_block``; only where K <= BLOCK_K): the whole K is the first block, so the K loop
+    and its prefetch of a second block are left out. That loop's one trip issues the second block's loads masked off
+    and holds their registers (the trip count is a run-time value): 104 -> 51 registers and 502 -> 371 sm_90 SASS
+    instructions a warp at K4096 M = 4's 4 x 2 x 4096 tile on 16 warps (round BO, CPU). The same products and the
+    same fixed tree: bit for bit the loop's output.
     """
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -270,15 +276,18 @@ def router_gemm_fp32_kernel(
     b_x = tl.load(p_xb, mask=m_x, other=0.0)
     if not PRELOAD_W:
         b_w = tl.load(p_wb, mask=m_w, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-        # Prefetch block k (masked off past K: the last iteration loads nothing).
-        m_kn = ((k + o_k) < K)[None, None, :]
-        b_xn = tl.load(p_xb + k, mask=m_x_rows & m_kn, other=0.0)
-        b_wn = tl.load(p_wb + k, mask=m_w_rows & m_kn, other=0.0)
-        acc += tl.sum(b_x.to(tl.float32) * b_w, axis=2)
-        b_x = b_xn
-        b_w = b_wn
+    if ONE_BLOCK:
+        acc = tl.sum(b_x.to(tl.float32) * b_w, axis=2)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+            # Prefetch block k (masked off past K: the last iteration loads nothing).
+            m_kn = ((k + o_k) < K)[None, None, :]
+            b_xn = tl.load(p_xb + k, mask=m_x_rows & m_kn, other=0.0)
+            b_wn = tl.load(p_wb + k, mask=m_w_rows & m_kn, other=0.0)
+            acc += tl.sum(b_x.to(tl.float32) * b_w, axis=2)
+            b_x = b_xn
+            b_w = b_wn
     m_out = m_m[:, None] & m_n[None, :]
     tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :], acc, mask=m_out)
 
