@@ -293,7 +293,9 @@ def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, w
     # loop build's one trip still issues the second block's loads, masked off, and keeps registers for them (its
     # trip count is a run-time value). The ONE_BLOCK build has no backward branch, issues each operand's global
     # loads once (half the loop build's LDG instructions: two blocks there, one here), and needs fewer registers
-    # and fewer instructions.
+    # and fewer instructions. And it issues every x load (after the PDL wait, ``ACQBULK``) before its first
+    # product: BM8's form of it put the 1 x 1 x 4096 tile's second x load after the first products, which wait for
+    # the first, so the two loads' latencies ran in turn.
     from evenflow.router.gemm import _launch_fp32
 
     with CC.emulate_gpu(132), CC.record_launches() as launches:
@@ -312,3 +314,8 @@ def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, w
     assert one["spill_bytes"] == 0 and one["regs"] < loop["regs"], (one["regs"], loop["regs"])
     total = [sum(v for op, v in s["ops"].items() if op != "NOP") for s in (loop, one)]
     assert total[1] < 0.85 * total[0], total
+    seq = one["sequence"]
+    wait = seq.index("ACQBULK")
+    last_load = max(i for i, op in enumerate(seq) if op.startswith("LDG"))
+    first_product = min(i for i, op in enumerate(seq) if op in ("FFMA", "FMUL"))
+    assert wait < last_load < first_product, (wait, last_load, first_product)

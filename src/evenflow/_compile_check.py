@@ -229,8 +229,8 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
 
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
     ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
-    (SASS instruction counts per loop trip, :func:`sass_loops`), ``ops`` (the whole kernel's SASS
-    instructions by opcode, :func:`sass_instructions`) and ``mma`` (which MMA
+    (SASS instruction counts per loop trip, :func:`sass_loops`), ``sequence`` (the whole kernel's SASS
+    opcodes in address order, :func:`sass_instructions`), ``ops`` (the same counted by opcode) and ``mma`` (which MMA
     instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`), ``mark_counts``
     (:func:`ptx_mark_counts`); or ``error``
     when the launch does not compile.
@@ -376,10 +376,10 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
-                                 "ops": dict(collections.Counter(op for _, op, _ in
-                                                                 sass_instructions(compiled.asm["cubin"]))),
+                                 "sequence": [op for _, op, _ in sass_instructions(compiled.asm["cubin"])],
                                  "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
                                  "mark_counts": ptx_mark_counts(compiled.asm["ptx"])})
+                failures[-1]["ops"] = dict(collections.Counter(failures[-1]["sequence"]))
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

@@ -240,9 +240,10 @@ def router_gemm_fp32_kernel(
 
     ONE_BLOCK (the launcher's ``one_block``; only where K <= BLOCK_K): the whole K is the first block, so the K loop
     and its prefetch of a second block are left out. That loop's one trip issues the second block's loads masked off
-    and holds their registers (the trip count is a run-time value): 104 -> 51 registers and 502 -> 371 sm_90 SASS
-    instructions a warp at K4096 M = 4's 4 x 2 x 4096 tile on 16 warps (round BO, CPU). The same products and the
-    same fixed tree: bit for bit the loop's output.
+    and holds their registers (the trip count is a run-time value): 104 -> 58 registers and 499 -> 369 sm_90 SASS
+    instructions a warp (NOPs aside) at K4096 M = 4's 4 x 2 x 4096 tile on 16 warps (round BO, CPU). The same
+    products and the same fixed tree: bit for bit the loop's output. Round BM8 measured an earlier form, the sum
+    without the branch below, at 1.086x the loop's time at K4096 M = 1, and withdrew it.
     """
     i_n = tl.program_id(0)
     i_m = tl.program_id(1)
@@ -277,7 +278,13 @@ def router_gemm_fp32_kernel(
     if not PRELOAD_W:
         b_w = tl.load(p_wb, mask=m_w, other=0.0)
     if ONE_BLOCK:
-        acc = tl.sum(b_x.to(tl.float32) * b_w, axis=2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if K > 0:
+            # A branch between the loads and the products (K >= 1 whenever there are products), because ptxas does
+            # not move a load across it. Without it, ptxas put a thread's second x load of the 1 x 1 x 4096 tile
+            # after the first products, which wait for the first load. The two load latencies then ran one after
+            # the other (round BO, CPU; by inference the cause of BM8's 1.086x at K4096 M = 1).
+            acc = tl.sum(b_x.to(tl.float32) * b_w, axis=2)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
