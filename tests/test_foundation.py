@@ -401,6 +401,36 @@ def test_empty_pdl_probe_compiles_for_sm90():
     assert len(stats) == 1 and "error" not in stats[0], stats
 
 
+def test_load_waves_counts_the_round_trips_a_schedule_costs():
+    # evenflow._compile_check.load_waves on hand-written SASS (no compiler): a load whose address comes from another
+    # load needs two round trips; an independent load issued after a read of an earlier load's result costs two
+    # though it needs one; a guard predicate derived from a load is a dependence like an address; a loop's loads
+    # are marked; LDGSTS (asynchronous copies) and shared-memory loads are not global loads here.
+    from evenflow._compile_check import load_waves, sass_guarded
+
+    text = """
+        /*0000*/                   LDG.E R2, desc[UR4][R10.64] ;
+        /*0010*/                   LDG.E.64 R4, desc[UR4][R12.64] ;
+        /*0020*/                   IMAD.WIDE R16, R2, 0x4, R10 ;
+        /*0030*/                   LDG.E.128 R20, desc[UR4][R16.64] ;
+        /*0040*/                   FADD R6, R5, 1 ;
+        /*0050*/                   LDG.E R7, desc[UR4][R14.64] ;
+        /*0060*/                   ISETP.GT.AND P0, PT, R4, RZ, PT ;
+        /*0070*/               @P0 LDG.E R8, desc[UR4][R18.64] ;
+        /*0080*/                   LDGSTS.E [R1], desc[UR4][R18.64] ;
+        /*0090*/                   LDS R9, [R1] ;
+        /*00a0*/                   LDG.E R24, desc[UR4][R26.64] ;
+        /*00b0*/                   FADD R25, R24, R25 ;
+        /*00c0*/               @P1 BRA 0xa0 ;
+    """
+    got = [(w["address"], w["needed"], w["issued"], w["in_loop"]) for w in load_waves(sass_guarded(text))]
+    assert got == [(0x0, 1, 1, False), (0x10, 1, 1, False),
+                   (0x30, 2, 2, False),   # its address is load 0x0's value, read first at 0x20
+                   (0x50, 1, 2, False),   # needs nothing, but comes after 0x40 read load 0x10's (R5 of R4.64)
+                   (0x70, 2, 2, False),   # guarded by P0, which load 0x10 set
+                   (0xa0, 1, 2, True)]    # the loop's load, after the reads above
+
+
 @pytest.mark.gpu
 def test_time_graph_replays_the_agreed_warm_count():
     """``agree_warm`` sets how many warm replays run (graphs with collectives need the same count on

@@ -160,6 +160,36 @@ def test_split_k(device, fmt, pair_tiles):
         check_moe(y, x, ids, w, ew, f"{fmt} split-K {cfg}")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor"])
+def test_fenced_reduce_gives_the_same_bits(device, fmt, monkeypatch):
+    # Round BO: the top-k reduce's FENCED build (fused.REDUCE_FENCED: branches that keep its loads in two round
+    # trips, the shared output's row asked for with the ids) sums the same rows in the same order as the default
+    # build: the same bits, at one and two down K splits, with a rank's foreign ids (nothing from them), a shared
+    # output and a routed scaling; and within the rule of the fp32 reference.
+    from evenflow.moe import fused
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    t, k = 5, 3
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = random_routing(t, k, 12, device)
+    ids[0] = torch.tensor([0, 1, 2], dtype=torch.int32)  # no local expert on rank 1: the shared output alone
+    shared = torch.randn(t, h, device=device).bfloat16()
+    kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.5)
+    base = choose_config(t, k, 4, h, i, ew.mode)
+    down_bk = 16 if fmt == "bf16" else 32
+    for split in (1, 2):
+        cfg = dataclasses.replace(base, down_block_k=down_bk, down_split_k=split)
+        outs = []
+        for fenced in (False, True):
+            monkeypatch.setattr(fused, "REDUCE_FENCED", fenced)
+            outs.append(evenflow.fused_moe(x, ids, w, ew, config=cfg, out=poisoned((t, h), torch.bfloat16, device),
+                                           **kw))
+        assert torch.equal(outs[0], outs[1]), f"split {split}"
+        check_moe(outs[1], x, ids, w, ew, f"{fmt} fenced reduce split {split}", ep_rank=1, shared_output=shared,
+                  routed_scaling=1.5)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pair_tiles_equal_index_tiles(device, fmt):
     """Pair tiles (each pair its own GEMM task, no index build; the default up to

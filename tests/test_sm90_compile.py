@@ -9,6 +9,8 @@ compiled by Triton's real compiler to a cubin (``evenflow._compile_check``).
 Each operator owns one scenario function below; add a scenario whenever a launcher
 gains a configuration (a new dtype path, block size, or dispatch branch).
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -377,3 +379,33 @@ def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits)
             assert s["mark_counts"]["ld.global"] >= 1 and s["mark_counts"]["prefetch.global.L2"] >= 1, desc
         else:
             assert m["prefetch.global.L2"] < 0 and wait < m["ld.global"] and waits == 1, (desc, waits)
+
+
+@pytest.mark.parametrize("split, shared", [(1, False), (2, False), (4, False), (1, True)])
+def test_moe_reduce_issues_its_loads_in_two_round_trips(split, shared, monkeypatch):
+    # Round BO: the top-k reduce's rows depend on the token's ids (two dependent round trips), but its sm_90 build
+    # issued some rows, and one id, after sums that read earlier ones: 4 round trips at one K split, 10 at four
+    # (Hy3 EP8 bf16 T = 1). The FENCED build's two branches keep every load ahead of the first read of any of them;
+    # the shared output's row, whose address is known at the start, goes with the ids. Real Hy3 EP8 sizes (H = 4096,
+    # top-8): the reduce's BLOCK_H follows the splits (1024 / 512 / 256), as at the benchmark's points. (The default
+    # build, the record's, fails this at every case.)
+    from evenflow._compile_check import compile_stats
+    from evenflow.moe import fused
+    from evenflow.moe.fused import choose_config
+
+    monkeypatch.setattr(fused, "REDUCE_FENCED", True)
+
+    h, i, e, k, t = 4096, 1536, 4, 8, 2
+    ew = random_moe_weights("bf16", e, h, i)
+    cfg = dataclasses.replace(choose_config(t, k, e, h, i, 0), down_split_k=split)
+    with emulate_gpu(132), record_launches() as rec:
+        evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e, (t, k), dtype=torch.int32),
+                           torch.rand(t, k), ew, config=cfg,
+                           shared_output=torch.randn(t, h).bfloat16() if shared else None)
+    red = [la for la in rec if la.name == "moe_reduce_kernel"]
+    assert len(red) == 1 and dict(red[0].constexprs)["SPLIT_K"] == split
+    (s,) = compile_stats(red)
+    waves = s["load_waves"]
+    assert len(waves) >= 2 + split and not any(w["in_loop"] for w in waves), waves
+    assert max(w["needed"] for w in waves) == 2
+    assert [w["issued"] for w in waves] == [w["needed"] for w in waves], waves

@@ -290,11 +290,8 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return (int(regs[-1]) if regs else -1), (int(spill[-1]) if spill else 0)
 
 
-def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
-    """A cubin's SASS as (address, opcode, operands), predicates dropped (the opcode stops at the first
-    lower-case letter: ``HGMMA.64`` + ``x128x16.F32 R24, ...``)."""
-    import re
-
+def sass_text(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin (the tool in Triton's wheel)."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -302,13 +299,105 @@ def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
         src = os.path.join(d, "k.cubin")
         with open(src, "wb") as f:
             f.write(cubin)
-        text = subprocess.run([tool, "-sass", src], capture_output=True, text=True, check=True).stdout
-    insts = []  # (address, opcode, operands)
+        return subprocess.run([tool, "-sass", src], capture_output=True, text=True, check=True).stdout
+
+
+def sass_guarded(text: str) -> list[tuple[int, str, str, str]]:
+    """SASS text as (address, guard predicate or "", opcode, operands) (the opcode stops at the first lower-case
+    letter: ``HGMMA.64`` + ``x128x16.F32 R24, ...``)."""
+    import re
+
+    insts = []
     for line in text.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(?:@(!?U?P\w+)\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", line)
         if m:
-            insts.append((int(m.group(1), 16), m.group(2), m.group(3).strip()))
+            insts.append((int(m.group(1), 16), m.group(2) or "", m.group(3), m.group(4).strip()))
     return insts
+
+
+def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
+    """A cubin's SASS as (address, opcode, operands), predicates dropped (:func:`sass_guarded`)."""
+    return [(a, op, args) for a, _, op, args in sass_guarded(sass_text(cubin))]
+
+
+# opcodes that write no register (their first operand is a source)
+_NO_DEST = ("ST", "RED.", "BAR", "BRA", "EXIT", "ACQBULK", "PREEXIT", "NOP", "DEPBAR", "LDGDEPBAR", "CCTL",
+            "MEMBAR", "FENCE", "ERRBAR", "WARPSYNC", "RET", "CALL", "YIELD", "BSSY", "BSYNC", "LDGSTS", "UTMA", "SYNCS",
+            "ARRIVES")
+# not LDGSTS (asynchronous copies: waited on by DEPBAR, not by a read of their register)
+_GLOBAL_LOADS = ("LDG.", "LD.")
+
+
+def _regs(operand: str) -> list[str]:
+    """The registers an operand names (``R4``, ``R2.64`` as R2 R3, ``UR6``, ``P0``, ``UP1``; never RZ / PT)."""
+    import re
+
+    out = []
+    for name, wide in re.findall(r"(?<![A-Za-z0-9_])(U?R\d+|U?P\d)(\.64)?(?![0-9])", operand):
+        out.append(name)
+        if wide and name.lstrip("U").startswith("R"):
+            out.append(name[:-len(name.lstrip("UR"))] + str(int(name.lstrip("UR")) + 1))
+    return out
+
+
+def _dest_width(op: str) -> int:
+    if ".128" in op or op.startswith(("HMMA", "LDSM.16.M88.4")):
+        return 4
+    if ".64" in op or "WIDE" in op or op.startswith("LDSM.16.M88.2"):
+        return 2
+    return 1
+
+
+def load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
+    """Dependent memory round trips of each global load in straight-line SASS (:func:`sass_guarded`), as built
+    and as the data allow: one dict a load, ``address``, ``opcode``, ``needed`` (1 + the most round trips behind
+    any load its address or guard derives from: what the data force), ``issued`` (1 + the most round trips of any
+    load whose result, or a value derived from it, an instruction before it reads: a warp waits for a load at the
+    first read of its result, so a load issued after that read starts only once the other returned) and
+    ``in_loop`` (between a backward branch's target and the branch: a loop's loads for its next trip come after
+    this trip's reads by design). ``issued > needed`` outside loops marks a load the scheduler put behind a wait
+    it does not depend on: its latency runs after another's instead of beside it (round BO: ptxas did this to
+    the router's one-block x loads and to the MoE reduce's rows). Registers are tracked by name, predicates
+    included; an approximation of the scoreboard, for reading builds, not a simulator."""
+    import re
+
+    loops = []
+    for addr, _, op, args in insts:
+        tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if tgt is not None and int(tgt.group(1), 16) < addr:
+            loops.append((int(tgt.group(1), 16), addr))
+    taint: dict[str, frozenset] = {}  # register -> the loads its value derives from
+    needed: dict[int, int] = {}
+    issued: dict[int, int] = {}
+    waited = 0  # the most round trips of any load read so far
+    out = []
+    for addr, guard, op, args in insts:
+        operands = [a.strip() for a in args.split(",")] if args else []
+        has_dest = operands and not op.startswith(_NO_DEST)
+        n_dest = (2 if op.startswith("SHFL") else 1) if has_dest else 0
+        dests, srcs = [], []
+        for j, operand in enumerate(operands):
+            (dests if j < n_dest and "[" not in operand else srcs).append(operand)
+        src_regs = [r for operand in srcs for r in _regs(operand)] + _regs(guard)
+        deps = frozenset().union(*(taint.get(r, frozenset()) for r in src_regs))
+        if deps:
+            waited = max(waited, max(issued[d] for d in deps))
+        is_load = op.startswith(_GLOBAL_LOADS)
+        if is_load:
+            needed[addr] = 1 + max((needed[d] for d in deps), default=0)
+            issued[addr] = 1 + waited
+            out.append({"address": addr, "opcode": op, "needed": needed[addr], "issued": issued[addr],
+                        "in_loop": any(a <= addr <= b for a, b in loops)})
+        value = frozenset((addr,)) if is_load else deps
+        for operand in dests:
+            regs = _regs(operand)
+            if regs and regs[0].lstrip("U").startswith("R"):
+                base = int(regs[0].lstrip("UR"))
+                prefix = regs[0][:len(regs[0]) - len(regs[0].lstrip("UR"))]
+                regs = [f"{prefix}{base + i}" for i in range(_dest_width(op))]
+            for r in regs:
+                taint[r] = value | taint.get(r, frozenset()) if guard else value
+    return out
 
 
 def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
@@ -377,6 +466,7 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
                                  "sequence": [op for _, op, _ in sass_instructions(compiled.asm["cubin"])],
+                                 "load_waves": load_waves(sass_guarded(sass_text(compiled.asm["cubin"]))),
                                  "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
                                  "mark_counts": ptx_mark_counts(compiled.asm["ptx"])})
                 failures[-1]["ops"] = dict(collections.Counter(failures[-1]["sequence"]))

@@ -106,6 +106,10 @@ MAX_PERSISTENT = 8
 # down's weights, had been), 1 its first step (BK2; docs/perf-notes/moe.md, "Round BK").
 PAIR_PREFETCH: tuple | None = None
 PAIR_PREFETCH_STEPS = 1
+# Round BO: the top-k reduce with two branches that keep its loads in the two round trips its ids and rows need
+# (kernels.moe_reduce_kernel's FENCED: the sm_90 build without them takes 4 round trips a program, 10 at four down
+# K splits). The same bits. False until a GPU measures it (benchmarks/moe.py's evenflow-fencedreduce rows).
+REDUCE_FENCED = False
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -599,7 +603,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
         pair_out.stride(0), pair_out.stride(1), shared.stride(0), out.stride(0),
         HAS_SHARED=shared_output is not None, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT_K=cfg.down_split_k,
-        num_warps=4, **pk,
+        FENCED=REDUCE_FENCED, num_warps=4, **pk,
     )
 
 

@@ -908,15 +908,24 @@ def moe_reduce_kernel(
     p_pair_out, p_ids, p_shared, p_y, top_k, H, e_first, num_local, routed_scaling,
     stride_ps, stride_pm, stride_sht, stride_yt,
     HAS_SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, FENCED: tl.constexpr = False,
 ):
     """y[t] = routed_scaling * sum_split sum_slot pair_out[split, t*k + slot] + shared[t].
 
     Local pairs only. The token's top_k ids are one vector load and each split's top_k
-    rows one [BLOCK_K, BLOCK_H] load, all issued before the first sum (the splits are
+    rows one [BLOCK_K, BLOCK_H] load, written to be issued before the first sum (the splits are
     unrolled): two dependent round trips to memory per program, where a loop over the
     slots paid two per slot (at T = 1 the reduce is pure latency). Fixed order (a fixed
     tree over the slots, then the splits in turn): deterministic.
+
+    The sm_90 build does not keep that order (round BO, CPU: ``benchmarks/sass_load_waves.py``): ptxas issues some
+    rows, and one of the eight ids, after sums that read earlier ones, so their latencies run in turn: 4 round trips
+    a program at one K split, 10 at four. FENCED (``fused.REDUCE_FENCED``; not the default until measured on a GPU)
+    puts two branches between the round trips (``if top_k > 0`` after the ids, ``if H > 0`` after the rows, always
+    taken where there is work), across which ptxas moved no load or read in these builds (the sm_90 test checks), and
+    asks for the shared output's
+    row with the ids (its address needs no loaded value): 2 round trips at every split. The same sums in the same
+    order: the same bits.
     """
     pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)
@@ -924,14 +933,36 @@ def moe_reduce_kernel(
     m_h = o_h < H
     o_j = tl.arange(0, BLOCK_K)
     pair = i_t * top_k + o_j
-    lid = tl.load(p_ids + pair, mask=o_j < top_k, other=0) - e_first  # in the ids' dtype, as _local_ids
-    mine = (o_j < top_k) & (lid >= 0) & (lid < num_local)
-    p_rows = p_pair_out + pair[:, None] * stride_pm + o_h[None, :]
-    m_rows = mine[:, None] & m_h[None, :]
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.sum(tl.load(p_rows + s * stride_ps, mask=m_rows, other=0.0).to(tl.float32), axis=0)
-    acc = acc * routed_scaling
-    if HAS_SHARED:
-        acc += tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)
+    if FENCED:
+        # first round trip: every load whose address is known (nothing reads them before the branch)
+        b_ids = tl.load(p_ids + pair, mask=o_j < top_k, other=0)
+        if HAS_SHARED:
+            b_shared = tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if top_k > 0:
+            lid = b_ids - e_first  # in the ids' dtype, as _local_ids
+            mine = (o_j < top_k) & (lid >= 0) & (lid < num_local)
+            p_rows = p_pair_out + pair[:, None] * stride_pm + o_h[None, :]
+            m_rows = mine[:, None] & m_h[None, :]
+            # second round trip: every split's rows, before any sum
+            rows = ()
+            for s in tl.static_range(SPLIT_K):
+                rows = rows + (tl.load(p_rows + s * stride_ps, mask=m_rows, other=0.0),)
+            if H > 0:
+                for s in tl.static_range(SPLIT_K):
+                    acc += tl.sum(rows[s].to(tl.float32), axis=0)
+        acc = acc * routed_scaling
+        if HAS_SHARED:
+            acc += b_shared.to(tl.float32)
+    else:
+        lid = tl.load(p_ids + pair, mask=o_j < top_k, other=0) - e_first  # in the ids' dtype, as _local_ids
+        mine = (o_j < top_k) & (lid >= 0) & (lid < num_local)
+        p_rows = p_pair_out + pair[:, None] * stride_pm + o_h[None, :]
+        m_rows = mine[:, None] & m_h[None, :]
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.sum(tl.load(p_rows + s * stride_ps, mask=m_rows, other=0.0).to(tl.float32), axis=0)
+        acc = acc * routed_scaling
+        if HAS_SHARED:
+            acc += tl.load(p_shared + i_t * stride_sht + o_h, mask=m_h, other=0.0).to(tl.float32)
     tl.store(p_y + i_t * stride_yt + o_h, acc.to(p_y.dtype.element_ty), mask=m_h)

@@ -280,10 +280,11 @@ def router_gemm_fp32_kernel(
     if ONE_BLOCK:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if K > 0:
-            # A branch between the loads and the products (K >= 1 whenever there are products), because ptxas does
-            # not move a load across it. Without it, ptxas put a thread's second x load of the 1 x 1 x 4096 tile
-            # after the first products, which wait for the first load. The two load latencies then ran one after
-            # the other (round BO, CPU; by inference the cause of BM8's 1.086x at K4096 M = 1).
+            # A branch between the loads and the products (K >= 1 whenever there are products): ptxas moved no
+            # load across it in these builds (the sm_90 test checks). Without it, ptxas put a thread's second x
+            # load of the 1 x 1 x 4096 tile after the first products, which wait for the first load, so the two
+            # load latencies ran one after the other (round BO, CPU; by inference the cause of BM8's 1.086x at
+            # K4096 M = 1).
             acc = tl.sum(b_x.to(tl.float32) * b_w, axis=2)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
