@@ -11,9 +11,10 @@ benchmarks make (router: every case and M of ``benchmarks/router.py`` through th
 case, format and batch of ``benchmarks/moe.py`` through the tuned table; decode: its standard slice and TP8 slice,
 bf16 and fp8 KV, with the plans an engine builds), compiles each distinct one for sm_90 and reads its SASS with
 ``evenflow._compile_check.load_waves``: for each global load outside loops, the dependent round trips its address
-needs and those its place in the code costs. It prints one line a kernel build that loses a round trip (every build
-with ``--all``): ``needed`` / ``issued`` the most of either over its loads, ``late`` the loads issued behind a wait
-they do not depend on, and the benchmark points that run it. A diagnostic: no result file.
+needs and those its place in the code costs; and each loop's body on its own, for one trip's. It prints one line a
+kernel build (and one a loop) that loses a round trip (every one with ``--all``): ``needed`` / ``issued`` the most of
+either over its loads, ``late`` the loads issued behind a wait they do not depend on, and the benchmark points that
+run it. A diagnostic: no result file.
 """
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ import torch
 def _router():
     import evenflow
     import router as R
+    from evenflow.router import dispatch
 
+    facts = (dispatch.load_table("NVIDIA H200"), 132)  # the table an H200 reads (a CPU device reads none)
     for name, (k, n) in R.CASES.items():
         w = evenflow.RouterWeight(torch.randn(n, k) * 0.02)
         for m in R.MS:
-            yield f"router {name} M={m}", lambda w=w, m=m, k=k: evenflow.router_gemm(
-                torch.empty(m, k, dtype=torch.bfloat16), w)
+            cfg = dispatch.choose_config(m, n, k, torch.device("cpu"), facts=facts)
+            yield f"router {name} M={m}", lambda w=w, m=m, k=k, cfg=cfg: evenflow.router_gemm(
+                torch.empty(m, k, dtype=torch.bfloat16), w, config=cfg)
 
 
 def _moe():
@@ -105,20 +109,33 @@ def main(argv=None) -> None:
     distinct = list(builds)
     print(f"{len(distinct)} distinct launches; compiling them for sm_90 ...", flush=True)
     stats = compile_stats(distinct)
-    print("| kernel | build | loads | needed | issued | late | points |\n|---|---|---|---|---|---|---|")
+
+    def row_head(la):
+        consts = ", ".join(f"{k}={v}" for k, v in la.constexprs)
+        pts = sorted(set(builds[la]))
+        return f"| {la.name} | {consts[:90]} ", "; ".join(pts[:4]) + (f"; +{len(pts) - 4} more" if len(pts) > 4 else "")
+
+    print("\nOutside loops:\n\n| kernel | build | loads | needed | issued | late | points |\n"
+          "|---|---|---|---|---|---|---|")
     for la, s in zip(distinct, stats):
         if "error" in s:
             print(f"| {la.name} | {la.describe()[:60]} | error: {s['error'][:100]} | | | | |")
             continue
         waves = [w for w in s["load_waves"] if not w["in_loop"]]
         late = [w for w in waves if w["issued"] > w["needed"]]
-        if not late and not args.all:
-            continue
-        consts = ", ".join(f"{k}={v}" for k, v in la.constexprs)
-        pts = sorted(set(builds[la]))
-        where = "; ".join(pts[:4]) + (f"; +{len(pts) - 4} more" if len(pts) > 4 else "")
-        print(f"| {la.name} | {consts[:90]} | {len(waves)} | {max((w['needed'] for w in waves), default=0)} | "
-              f"{max((w['issued'] for w in waves), default=0)} | {len(late)} | {where} |")
+        if late or args.all:
+            head, where = row_head(la)
+            print(f"{head}| {len(waves)} | {max((w['needed'] for w in waves), default=0)} | "
+                  f"{max((w['issued'] for w in waves), default=0)} | {len(late)} | {where} |")
+    print("\nOne loop trip, each loop on its own (a loop nested in another counts in both):\n\n"
+          "| kernel | build | loop (addresses, instructions) | loads | needed | issued | points |\n"
+          "|---|---|---|---|---|---|---|")
+    for la, s in zip(distinct, stats):
+        for lp in s.get("loop_load_waves", []):
+            if lp["issued"] > lp["needed"] or args.all:
+                head, where = row_head(la)
+                print(f"{head}| {lp['start']:#x}-{lp['end']:#x}, {lp['instructions']} | {lp['loads']} | "
+                      f"{lp['needed']} | {lp['issued']} | {where} |")
 
 
 if __name__ == "__main__":

@@ -420,6 +420,34 @@ def test_decode_sass_script_reports_one_exp_per_row_element(capsys):
         assert int(cells[5]) > 0 and cells[8] == "0" and cells[11] == "1", cells
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
+def test_load_waves_script_finds_the_reduce_round_trips(capsys, monkeypatch):
+    """benchmarks/sass_load_waves.py over two MoE points (Hy3 EP8 bf16 at T = 1 and 2, the table's down splits 4 and
+    2): the default reduce build loses round trips (2 needed, more issued) and is printed with the points that run
+    it; with fused.REDUCE_FENCED no reduce build is printed; an unknown family is refused by name."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))  # as the script's own imports find it
+    import moe as B
+    from evenflow.moe import fused
+
+    spec = importlib.util.spec_from_file_location("sass_load_waves",
+                                                  Path(__file__).parents[1] / "benchmarks" / "sass_load_waves.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(B, "CASES", {"hy3-ep8": B.CASES["hy3-ep8"]})
+    monkeypatch.setattr(B, "BATCHES", (1, 2))
+    monkeypatch.setitem(mod.FAMILIES, "moe", lambda: ((p, c) for p, c in mod._moe() if " bf16 " in p))
+    mod.main(["--families", "moe"])
+    rows = [[c.strip() for c in r.split("|")[1:-1]] for r in capsys.readouterr().out.splitlines()
+            if r.startswith("| moe_reduce_kernel |")]
+    assert {r[-1] for r in rows} == {"moe hy3-ep8 bf16 T=1", "moe hy3-ep8 bf16 T=2"}, rows
+    assert all(r[3] == "2" and int(r[4]) > 2 for r in rows), rows
+    monkeypatch.setattr(fused, "REDUCE_FENCED", True)
+    mod.main(["--families", "moe"])
+    assert "| moe_reduce_kernel |" not in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown"):
+        mod.main(["--families", "moe,prefill"])
+
+
 def test_plot_fp8_modes(tmp_path):
     """benchmarks/plot_fp8_modes.py: the points are the fp8 ones with a default and a peer time; each mode's bars are
     the peer's time over the mode's and the mode's max error over the exact mode's at that point; a PNG is written;

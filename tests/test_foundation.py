@@ -406,7 +406,7 @@ def test_load_waves_counts_the_round_trips_a_schedule_costs():
     # load needs two round trips; an independent load issued after a read of an earlier load's result costs two
     # though it needs one; a guard predicate derived from a load is a dependence like an address; a loop's loads
     # are marked; LDGSTS (asynchronous copies) and shared-memory loads are not global loads here.
-    from evenflow._compile_check import load_waves, sass_guarded
+    from evenflow._compile_check import load_waves, loop_load_waves, sass_guarded
 
     text = """
         /*0000*/                   LDG.E R2, desc[UR4][R10.64] ;
@@ -421,14 +421,20 @@ def test_load_waves_counts_the_round_trips_a_schedule_costs():
         /*0090*/                   LDS R9, [R1] ;
         /*00a0*/                   LDG.E R24, desc[UR4][R26.64] ;
         /*00b0*/                   FADD R25, R24, R25 ;
-        /*00c0*/               @P1 BRA 0xa0 ;
+        /*00c0*/                   LDG.E R27, desc[UR4][R28.64] ;
+        /*00d0*/               @P1 BRA 0xa0 ;
     """
-    got = [(w["address"], w["needed"], w["issued"], w["in_loop"]) for w in load_waves(sass_guarded(text))]
+    insts = sass_guarded(text)
+    got = [(w["address"], w["needed"], w["issued"], w["in_loop"]) for w in load_waves(insts)]
     assert got == [(0x0, 1, 1, False), (0x10, 1, 1, False),
                    (0x30, 2, 2, False),   # its address is load 0x0's value, read first at 0x20
                    (0x50, 1, 2, False),   # needs nothing, but comes after 0x40 read load 0x10's (R5 of R4.64)
                    (0x70, 2, 2, False),   # guarded by P0, which load 0x10 set
-                   (0xa0, 1, 2, True)]    # the loop's load, after the reads above
+                   (0xa0, 1, 2, True),    # the loop's loads, after the reads above
+                   (0xc0, 1, 3, True)]
+    # a loop trip on its own: its second load waits behind the read of its first
+    assert loop_load_waves(insts) == [{"start": 0xa0, "end": 0xd0, "instructions": 4, "loads": 2, "needed": 1,
+                                       "issued": 2}]
 
 
 @pytest.mark.gpu

@@ -227,12 +227,12 @@ def compile_launches(launches, arch: int = 90, timeout: float = 1800.0) -> list[
 def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dict]:
     """Compile each distinct launch and report what residency depends on.
 
-    One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas),
-    ``spill_bytes`` (stores), ``shared`` (bytes per program), ``num_warps``, ``loops``
-    (SASS instruction counts per loop trip, :func:`sass_loops`), ``sequence`` (the whole kernel's SASS
-    opcodes in address order, :func:`sass_instructions`), ``ops`` (the same counted by opcode) and ``mma`` (which MMA
-    instructions the PTX uses, :func:`mma_counts`), ``marks`` (:func:`ptx_marks`), ``mark_counts``
-    (:func:`ptx_mark_counts`); or ``error``
+    One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas), ``spill_bytes`` (stores),
+    ``shared`` (bytes per program), ``num_warps``, ``loops`` (SASS instruction counts per loop trip,
+    :func:`sass_loops`), ``sequence`` (the whole kernel's SASS opcodes in address order, :func:`sass_instructions`),
+    ``ops`` (the same counted by opcode), ``load_waves`` and ``loop_load_waves`` (memory round trips as built and
+    as needed, :func:`load_waves`), ``mma`` (which MMA instructions the PTX uses, :func:`mma_counts`), ``marks``
+    (:func:`ptx_marks`), ``mark_counts`` (:func:`ptx_mark_counts`); or ``error``
     when the launch does not compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
@@ -348,6 +348,33 @@ def _dest_width(op: str) -> int:
     return 1
 
 
+def _backward_branches(insts: list[tuple[int, str, str, str]]) -> list[tuple[int, int]]:
+    """(target, branch address) of every backward branch: the loops of straight-line SASS."""
+    import re
+
+    loops = []
+    for addr, _, op, args in insts:
+        tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
+        if tgt is not None and int(tgt.group(1), 16) < addr:
+            loops.append((int(tgt.group(1), 16), addr))
+    return loops
+
+
+def loop_load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
+    """:func:`load_waves` of each loop's body on its own (values from before the loop count as ready): one dict a
+    loop with global loads, ``start`` / ``end`` (addresses), ``instructions``, ``loads``, ``needed`` and ``issued``
+    (the most over its loads): the round trips one trip of the loop costs against those its data need. A loop
+    nested in another is counted in both."""
+    out = []
+    for a, b in sorted(set(_backward_branches(insts))):
+        body = [i for i in insts if a <= i[0] <= b]
+        waves = load_waves(body)
+        if waves:
+            out.append({"start": a, "end": b, "instructions": len(body), "loads": len(waves),
+                        "needed": max(w["needed"] for w in waves), "issued": max(w["issued"] for w in waves)})
+    return out
+
+
 def load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
     """Dependent memory round trips of each global load in straight-line SASS (:func:`sass_guarded`), as built
     and as the data allow: one dict a load, ``address``, ``opcode``, ``needed`` (1 + the most round trips behind
@@ -359,13 +386,7 @@ def load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
     it does not depend on: its latency runs after another's instead of beside it (round BO: ptxas did this to
     the router's one-block x loads and to the MoE reduce's rows). Registers are tracked by name, predicates
     included; an approximation of the scoreboard, for reading builds, not a simulator."""
-    import re
-
-    loops = []
-    for addr, _, op, args in insts:
-        tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
-        if tgt is not None and int(tgt.group(1), 16) < addr:
-            loops.append((int(tgt.group(1), 16), addr))
+    loops = _backward_branches(insts)
     taint: dict[str, frozenset] = {}  # register -> the loads its value derives from
     needed: dict[int, int] = {}
     issued: dict[int, int] = {}
@@ -466,7 +487,8 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                                  "loops": sass_loops(compiled.asm["cubin"]),
                                  "sequence": [op for _, op, _ in sass_instructions(compiled.asm["cubin"])],
-                                 "load_waves": load_waves(sass_guarded(sass_text(compiled.asm["cubin"]))),
+                                 "load_waves": load_waves(guarded := sass_guarded(sass_text(compiled.asm["cubin"]))),
+                                 "loop_load_waves": loop_load_waves(guarded),
                                  "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
                                  "mark_counts": ptx_mark_counts(compiled.asm["ptx"])})
                 failures[-1]["ops"] = dict(collections.Counter(failures[-1]["sequence"]))
