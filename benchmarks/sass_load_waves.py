@@ -6,15 +6,16 @@ A kernel that loads several independent tiles before it computes is written for 
 issued, then one wait. ptxas may still put a load after an instruction that reads an earlier load's result; the warp
 waits there, and the later load's latency runs after the first instead of beside it. Round BO found this in the
 router's one-block simt tile (a thread's second x load behind its first products: by inference BM8's 1.086x) and in
-the MoE top-k reduce (its rows in three waits where their ids allow two). This script records the launches the
-benchmarks make (router: every case and M of ``benchmarks/router.py`` through the dispatch's table; MoE: every
+the MoE top-k reduce (4 round trips where its ids and rows need 2; 10 at four down K splits). This script records the
+launches the benchmarks make (router: every case and M of ``benchmarks/router.py`` through the H200 table; MoE: every
 case, format and batch of ``benchmarks/moe.py`` through the tuned table; decode: its standard slice and TP8 slice,
 bf16 and fp8 KV, with the plans an engine builds), compiles each distinct one for sm_90 and reads its SASS with
 ``evenflow._compile_check.load_waves``: for each global load outside loops, the dependent round trips its address
 needs and those its place in the code costs; and each loop's body on its own, for one trip's. It prints one line a
-kernel build (and one a loop) that loses a round trip (every one with ``--all``): ``needed`` / ``issued`` the most of
-either over its loads, ``late`` the loads issued behind a wait they do not depend on, and the benchmark points that
-run it. A diagnostic: no result file.
+kernel build (and one a loop) with a load issued behind a wait it does not depend on (every one with ``--all``):
+``needed`` / ``issued`` the most of either over its loads, ``late`` the loads issued behind such a wait, and the
+benchmark points that run it. Outside loops, a load after a loop counts the loop's reads as waits, which the source
+order may force (a GEMM's epilogue loads). A diagnostic: no result file.
 """
 from __future__ import annotations
 
@@ -128,14 +129,14 @@ def main(argv=None) -> None:
             print(f"{head}| {len(waves)} | {max((w['needed'] for w in waves), default=0)} | "
                   f"{max((w['issued'] for w in waves), default=0)} | {len(late)} | {where} |")
     print("\nOne loop trip, each loop on its own (a loop nested in another counts in both):\n\n"
-          "| kernel | build | loop (addresses, instructions) | loads | needed | issued | points |\n"
-          "|---|---|---|---|---|---|---|")
+          "| kernel | build | loop (addresses, instructions) | loads | needed | issued | late | points |\n"
+          "|---|---|---|---|---|---|---|---|")
     for la, s in zip(distinct, stats):
         for lp in s.get("loop_load_waves", []):
-            if lp["issued"] > lp["needed"] or args.all:
+            if lp["late"] or args.all:
                 head, where = row_head(la)
                 print(f"{head}| {lp['start']:#x}-{lp['end']:#x}, {lp['instructions']} | {lp['loads']} | "
-                      f"{lp['needed']} | {lp['issued']} | {where} |")
+                      f"{lp['needed']} | {lp['issued']} | {lp['late']} | {where} |")
 
 
 if __name__ == "__main__":

@@ -434,7 +434,35 @@ def test_load_waves_counts_the_round_trips_a_schedule_costs():
                    (0xc0, 1, 3, True)]
     # a loop trip on its own: its second load waits behind the read of its first
     assert loop_load_waves(insts) == [{"start": 0xa0, "end": 0xd0, "instructions": 4, "loads": 2, "needed": 1,
-                                       "issued": 2}]
+                                       "issued": 2, "late": 1}]
+    # A returning atomic is a load (its value in the second operand); a carry (IADD3 R, P) and a predicate set
+    # (R2P PR) carry their sources' loads; the 64-bit addend of IMAD.WIDE is two registers, CS2R writes two, a
+    # SHFL writes its second operand, uniform registers are tracked like the others.
+    text = """
+        /*0000*/                   ATOMG.E.ADD.STRONG.GPU PT, R2, desc[UR4][R6.64], R3 ;
+        /*0010*/                   IADD3 R8, P0, R2, R10, RZ ;
+        /*0020*/                   IMAD.X R9, RZ, RZ, R11, P0 ;
+        /*0030*/                   LDG.E R12, desc[UR4][R8.64] ;
+        /*0040*/                   P2R R13, PR, RZ, 0x7f ;
+        /*0050*/                   R2P PR, R13, 0x7f ;
+        /*0060*/               @P3 LDG.E R14, desc[UR4][R26.64] ;
+        /*0070*/                   MOV R11, R2 ;
+        /*0080*/                   IMAD.WIDE R16, R30, 0x4, R10 ;
+        /*0090*/                   LDG.E R18, desc[UR4][R16.64] ;
+        /*00a0*/                   CS2R R16, SRZ ;
+        /*00b0*/                   LDG.E R19, desc[UR4][R16.64] ;
+        /*00c0*/                   SHFL.BFLY PT, R20, R12, 0x1, 0x1f ;
+        /*00d0*/                   LDG.E R21, desc[UR4][R20.64] ;
+        /*00e0*/                   ULDC.64 UR8, c[0x0][0x210] ;
+        /*00f0*/                   LDG.E R22, desc[UR8][R24.64] ;
+    """
+    got = [(w["address"], w["needed"], w["issued"]) for w in load_waves(sass_guarded(text))]
+    assert got == [(0x0, 1, 1), (0x30, 2, 2),   # the atomic's value through the carry of the address's low half
+                   (0x60, 2, 2),                # P3 came from PR, which P0 (the atomic's carry) went into
+                   (0x90, 2, 2),                # R11, the addend's high half, holds the atomic's value
+                   (0xb0, 1, 2),                # CS2R cleared both halves: needs nothing, issued after the reads
+                   (0xd0, 3, 3),                # through the SHFL of load 0x30
+                   (0xf0, 1, 3)]
 
 
 @pytest.mark.gpu

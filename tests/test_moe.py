@@ -164,8 +164,11 @@ def test_split_k(device, fmt, pair_tiles):
 def test_fenced_reduce_gives_the_same_bits(device, fmt, monkeypatch):
     # Round BO: the top-k reduce's FENCED build (fused.REDUCE_FENCED: branches that keep its loads in two round
     # trips, the shared output's row asked for with the ids) sums the same rows in the same order as the default
-    # build: the same bits, at one and two down K splits, with a rank's foreign ids (nothing from them), a shared
-    # output and a routed scaling; and within the rule of the fp32 reference.
+    # build: the same bits (signs of zeros included), at one and two down K splits, with a rank's foreign ids
+    # (nothing from them), with and without a shared output, and a routed scaling; and within the rule of the
+    # fp32 reference. On the CPU the launches are recorded too, so the switch is seen to reach the kernel.
+    from evenflow import _runtime
+    from evenflow._compile_check import record_launches
     from evenflow.moe import fused
 
     h, i = SIZES[fmt]
@@ -174,20 +177,24 @@ def test_fenced_reduce_gives_the_same_bits(device, fmt, monkeypatch):
     x = torch.randn(t, h, device=device).bfloat16()
     ids, w = random_routing(t, k, 12, device)
     ids[0] = torch.tensor([0, 1, 2], dtype=torch.int32)  # no local expert on rank 1: the shared output alone
-    shared = torch.randn(t, h, device=device).bfloat16()
-    kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.5)
     base = choose_config(t, k, 4, h, i, ew.mode)
     down_bk = 16 if fmt == "bf16" else 32
-    for split in (1, 2):
-        cfg = dataclasses.replace(base, down_block_k=down_bk, down_split_k=split)
-        outs = []
-        for fenced in (False, True):
-            monkeypatch.setattr(fused, "REDUCE_FENCED", fenced)
-            outs.append(evenflow.fused_moe(x, ids, w, ew, config=cfg, out=poisoned((t, h), torch.bfloat16, device),
-                                           **kw))
-        assert torch.equal(outs[0], outs[1]), f"split {split}"
-        check_moe(outs[1], x, ids, w, ew, f"{fmt} fenced reduce split {split}", ep_rank=1, shared_output=shared,
-                  routed_scaling=1.5)
+    for shared in (torch.randn(t, h, device=device).bfloat16(), None):
+        kw = dict(ep_rank=1, num_experts_total=12, shared_output=shared, routed_scaling=1.5)
+        for split in (1, 2):
+            cfg = dataclasses.replace(base, down_block_k=down_bk, down_split_k=split)
+            outs = []
+            for fenced in (False, True):
+                monkeypatch.setattr(fused, "REDUCE_FENCED", fenced)
+                out = poisoned((t, h), torch.bfloat16, device)
+                with record_launches(execute=True) if _runtime.interpreting() else contextlib.nullcontext() as rec:
+                    outs.append(evenflow.fused_moe(x, ids, w, ew, config=cfg, out=out, **kw))
+                if rec is not None:
+                    assert [dict(la.constexprs)["FENCED"] for la in rec if la.name == "moe_reduce_kernel"] == [fenced]
+            what = f"split {split}, shared output {shared is not None}"
+            assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), what
+            check_moe(outs[1], x, ids, w, ew, f"{fmt} fenced reduce, {what}", ep_rank=1, shared_output=shared,
+                      routed_scaling=1.5)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -287,8 +287,10 @@ def test_fp32_simt_k_loop_does_not_route_its_operands_through_shared_memory(bm, 
 
 
 @pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
-@pytest.mark.parametrize("bm, bn, bk, warps", [(4, 2, 4096, 16), (4, 2, 4096, 8), (1, 1, 4096, 8), (4, 2, 2048, 8)])
-def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, warps):
+@pytest.mark.parametrize("bm, bn, bk, warps, pre", [(4, 2, 4096, 16, True), (4, 2, 4096, 8, True),
+                                                    (1, 1, 4096, 8, True), (4, 2, 2048, 8, True),
+                                                    (1, 1, 4096, 8, False), (4, 2, 4096, 16, False)])
+def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, warps, pre):
     # Round BO: where the whole K is one block (K = BLOCK_K: the table's K4096 / Qwen3 M = 1 and M = 4 tiles), the
     # loop build's one trip still issues the second block's loads, masked off, and keeps registers for them (its
     # trip count is a run-time value). The ONE_BLOCK build has no backward branch, issues each operand's global
@@ -301,7 +303,7 @@ def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, w
     with CC.emulate_gpu(132), CC.record_launches() as launches:
         x, w = torch.empty(bm, bk, dtype=torch.bfloat16), torch.empty(192, bk)
         for one in (False, True):
-            _launch_fp32(x, w, torch.empty(bm, 192), bm, bn, bk, warps, 1, True, False, True, one)
+            _launch_fp32(x, w, torch.empty(bm, 192), bm, bn, bk, warps, 1, True, False, pre, one)
     assert [dict(la.constexprs)["ONE_BLOCK"] for la in launches] == [False, True]
     loop, one = CC.compile_stats(launches)
     assert "error" not in loop and "error" not in one, (loop, one)
@@ -319,3 +321,4 @@ def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, w
     last_load = max(i for i, op in enumerate(seq) if op.startswith("LDG"))
     first_product = min(i for i, op in enumerate(seq) if op in ("FFMA", "FMUL"))
     assert wait < last_load < first_product, (wait, last_load, first_product)
+    assert all(w["issued"] == w["needed"] == 1 for w in one["load_waves"]), one["load_waves"]

@@ -229,7 +229,7 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
 
     One dict per distinct launch: ``describe``, ``regs`` (per thread, from ptxas), ``spill_bytes`` (stores),
     ``shared`` (bytes per program), ``num_warps``, ``loops`` (SASS instruction counts per loop trip,
-    :func:`sass_loops`), ``sequence`` (the whole kernel's SASS opcodes in address order, :func:`sass_instructions`),
+    :func:`sass_loops`), ``sequence`` (the whole kernel's SASS opcodes in address order, :func:`sass_guarded`),
     ``ops`` (the same counted by opcode), ``load_waves`` and ``loop_load_waves`` (memory round trips as built and
     as needed, :func:`load_waves`), ``mma`` (which MMA instructions the PTX uses, :func:`mma_counts`), ``marks``
     (:func:`ptx_marks`), ``mark_counts`` (:func:`ptx_mark_counts`); or ``error``
@@ -315,37 +315,71 @@ def sass_guarded(text: str) -> list[tuple[int, str, str, str]]:
     return insts
 
 
-def sass_instructions(cubin: bytes) -> list[tuple[int, str, str]]:
-    """A cubin's SASS as (address, opcode, operands), predicates dropped (:func:`sass_guarded`)."""
-    return [(a, op, args) for a, _, op, args in sass_guarded(sass_text(cubin))]
-
-
 # opcodes that write no register (their first operand is a source)
 _NO_DEST = ("ST", "RED.", "BAR", "BRA", "EXIT", "ACQBULK", "PREEXIT", "NOP", "DEPBAR", "LDGDEPBAR", "CCTL",
-            "MEMBAR", "FENCE", "ERRBAR", "WARPSYNC", "RET", "CALL", "YIELD", "BSSY", "BSYNC", "LDGSTS", "UTMA", "SYNCS",
-            "ARRIVES")
-# not LDGSTS (asynchronous copies: waited on by DEPBAR, not by a read of their register)
-_GLOBAL_LOADS = ("LDG.", "LD.")
+            "MEMBAR", "FENCE", "ERRBAR", "WARPSYNC", "RET", "CALL", "YIELD", "BSSY", "BSYNC", "LDGSTS", "UTMA")
+# global memory reads whose result lands in a register: loads and returning atomics. Not LDGSTS (asynchronous
+# copies: waited on by DEPBAR, not by a read of their register), nor shared-memory reads (LDS, ATOMS)
+_GLOBAL_LOADS = ("LDG.", "LD.", "ATOMG.", "ATOM.")
 
 
-def _regs(operand: str) -> list[str]:
-    """The registers an operand names (``R4``, ``R2.64`` as R2 R3, ``UR6``, ``P0``, ``UP1``; never RZ / PT)."""
+def _is_pred(operand: str) -> bool:
+    """A predicate operand (``P0``, ``!P3``, ``PT``, ``UP1``, ``UPT``)."""
+    import re
+
+    return re.fullmatch(r"!?U?P(\d|T)", operand.strip()) is not None
+
+
+def _regs(operand: str, width: int = 1) -> list[str]:
+    """The registers an operand names (``R4``, ``R2.64`` as R2 R3, ``UR6``, ``P0``, ``UP1``; never RZ / PT; ``PR``,
+    all of P0-P6 at once, as P2R / R2P move them), a register operand widened to ``width`` consecutive registers."""
     import re
 
     out = []
     for name, wide in re.findall(r"(?<![A-Za-z0-9_])(U?R\d+|U?P\d)(\.64)?(?![0-9])", operand):
-        out.append(name)
-        if wide and name.lstrip("U").startswith("R"):
-            out.append(name[:-len(name.lstrip("UR"))] + str(int(name.lstrip("UR")) + 1))
+        if name.lstrip("U").startswith("R"):
+            prefix, base = name[:len(name) - len(name.lstrip("UR"))], int(name.lstrip("UR"))
+            out += [f"{prefix}{base + i}" for i in range(max(width, 2 if wide else 1))]
+        else:
+            out.append(name)
+    for prefix in re.findall(r"(?<![A-Za-z0-9_])(U?)PR(?![A-Za-z0-9_])", operand):
+        out += [f"{prefix}P{i}" for i in range(7)]
     return out
 
 
-def _dest_width(op: str) -> int:
-    if ".128" in op or op.startswith(("HMMA", "LDSM.16.M88.4")):
+def _dest_width(op: str, args: str) -> int:
+    """Registers a destination operand of ``op`` covers."""
+    import re
+
+    if op.startswith("HGMMA"):  # HGMMA.64 + x<N>x<K>.<acc>: a warpgroup's 64 x N accumulator, N / 2 fp32 a thread
+        m = re.match(r"x(\d+)x\d+\.(F32|F16)", args)
+        return int(m.group(1)) // (2 if m.group(2) == "F32" else 4) if m else 1
+    if op.startswith("HMMA"):  # HMMA.<shape>.<acc>[.<inputs>]: m16n8 accumulator, 4 fp32 or 2 x f16x2 registers
+        parts = op.split(".")
+        return 4 if len(parts) > 2 and parts[2] == "F32" else 2
+    if op.startswith("LDSM"):  # LDSM.16.M88.<n> / .MT88.<n>: n matrices, a register each
+        m = re.search(r"\.(\d)$", op)
+        return int(m.group(1)) if m else 1
+    if op.startswith("CS2R"):
+        return 1 if ".32" in op else 2
+    if ".128" in op:
         return 4
-    if ".64" in op or "WIDE" in op or op.startswith("LDSM.16.M88.2"):
+    if ".64" in op or "WIDE" in op or op.startswith(("DADD", "DMUL", "DFMA", "F2F.F64", "I2F.F64")):
         return 2
     return 1
+
+
+def _src_widths(op: str, n: int) -> list[int]:
+    """Registers each of ``n`` register source operands of ``op`` covers (the 64-bit addend of ``.WIDE``, the MMA
+    fragments, fp64 operands; one elsewhere)."""
+    if op.startswith("HMMA"):
+        acc = _dest_width(op, "")
+        return ([4, 2, acc] + [1] * n)[:n]
+    if op.startswith(("DADD", "DMUL", "DFMA", "DSETP")):
+        return [2] * n
+    if "WIDE" in op and n:
+        return [1] * (n - 1) + [2]
+    return [1] * n
 
 
 def _backward_branches(insts: list[tuple[int, str, str, str]]) -> list[tuple[int, int]]:
@@ -363,15 +397,17 @@ def _backward_branches(insts: list[tuple[int, str, str, str]]) -> list[tuple[int
 def loop_load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
     """:func:`load_waves` of each loop's body on its own (values from before the loop count as ready): one dict a
     loop with global loads, ``start`` / ``end`` (addresses), ``instructions``, ``loads``, ``needed`` and ``issued``
-    (the most over its loads): the round trips one trip of the loop costs against those its data need. A loop
-    nested in another is counted in both."""
+    (the most over its loads: the round trips one trip of the loop costs against those its data need) and ``late``
+    (its loads issued behind a wait they do not depend on: a trip can need 2 for one chain and still lose one on
+    another load, which the maxima do not show). A loop nested in another is counted in both."""
     out = []
     for a, b in sorted(set(_backward_branches(insts))):
         body = [i for i in insts if a <= i[0] <= b]
         waves = load_waves(body)
         if waves:
             out.append({"start": a, "end": b, "instructions": len(body), "loads": len(waves),
-                        "needed": max(w["needed"] for w in waves), "issued": max(w["issued"] for w in waves)})
+                        "needed": max(w["needed"] for w in waves), "issued": max(w["issued"] for w in waves),
+                        "late": sum(w["issued"] > w["needed"] for w in waves)})
     return out
 
 
@@ -384,8 +420,11 @@ def load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
     ``in_loop`` (between a backward branch's target and the branch: a loop's loads for its next trip come after
     this trip's reads by design). ``issued > needed`` outside loops marks a load the scheduler put behind a wait
     it does not depend on: its latency runs after another's instead of beside it (round BO: ptxas did this to
-    the router's one-block x loads and to the MoE reduce's rows). Registers are tracked by name, predicates
-    included; an approximation of the scoreboard, for reading builds, not a simulator."""
+    the router's one-block x loads and to the MoE reduce's rows). The code is read in address order: a load
+    after a loop counts the loop's reads as waits, which the source order may force (a GEMM's epilogue loads
+    after its K loop), and a read in a branch not taken counts too. Registers are tracked by name, predicates
+    included (``PR`` as all of them), and returning atomics count as loads; an approximation of the scoreboard,
+    for reading builds, not a simulator."""
     loops = _backward_branches(insts)
     taint: dict[str, frozenset] = {}  # register -> the loads its value derives from
     needed: dict[int, int] = {}
@@ -394,12 +433,15 @@ def load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
     out = []
     for addr, guard, op, args in insts:
         operands = [a.strip() for a in args.split(",")] if args else []
-        has_dest = operands and not op.startswith(_NO_DEST)
-        n_dest = (2 if op.startswith("SHFL") else 1) if has_dest else 0
-        dests, srcs = [], []
-        for j, operand in enumerate(operands):
-            (dests if j < n_dest and "[" not in operand else srcs).append(operand)
-        src_regs = [r for operand in srcs for r in _regs(operand)] + _regs(guard)
+        # destinations: the first operand, and the second where either is a predicate (ISETP P0, PT / LOP3.LUT
+        # P0, R5 / SHFL PT, R10 / ATOMG PT, R2 / IADD3 R2, P0 / LEA R4, P1); memory operands are never written
+        n_dest = 0
+        if operands and not op.startswith(_NO_DEST):
+            n_dest = 2 if len(operands) > 1 and (_is_pred(operands[0]) or _is_pred(operands[1])) else 1
+        dests = [o for o in operands[:n_dest] if "[" not in o]
+        srcs = [o for o in operands[n_dest:]] + [o for o in operands[:n_dest] if "[" in o]
+        widths = iter(_src_widths(op, sum(1 for o in srcs if _regs(o))))  # one a source operand that names registers
+        src_regs = [r for o in srcs for r in (_regs(o, next(widths)) if _regs(o) else [])] + _regs(guard)
         deps = frozenset().union(*(taint.get(r, frozenset()) for r in src_regs))
         if deps:
             waited = max(waited, max(issued[d] for d in deps))
@@ -411,28 +453,19 @@ def load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
                         "in_loop": any(a <= addr <= b for a, b in loops)})
         value = frozenset((addr,)) if is_load else deps
         for operand in dests:
-            regs = _regs(operand)
-            if regs and regs[0].lstrip("U").startswith("R"):
-                base = int(regs[0].lstrip("UR"))
-                prefix = regs[0][:len(regs[0]) - len(regs[0].lstrip("UR"))]
-                regs = [f"{prefix}{base + i}" for i in range(_dest_width(op))]
-            for r in regs:
+            for r in _regs(operand, _dest_width(op, args)):
                 taint[r] = value | taint.get(r, frozenset()) if guard else value
     return out
 
 
 def sass_loop_bodies(cubin: bytes) -> list[list[tuple[str, str]]]:
-    """The loops of a cubin's SASS (:func:`sass_instructions`), largest first: one list per backward branch of
-    its body's instructions from the branch target to the branch, each as (opcode, operands)."""
-    import re
+    """The loops of a cubin's SASS (:func:`sass_guarded`), largest first: one list per backward branch of its
+    body's instructions from the branch target to the branch, each as (opcode, operands)."""
+    return _loop_bodies(sass_guarded(sass_text(cubin)))
 
-    insts = sass_instructions(cubin)
-    loops = []
-    for addr, op, args in insts:
-        tgt = re.search(r"0x([0-9a-f]+)", args) if op.startswith("BRA") else None
-        if tgt is not None and int(tgt.group(1), 16) < addr:
-            start = int(tgt.group(1), 16)
-            loops.append([(o, a) for ad, o, a in insts if start <= ad <= addr])
+
+def _loop_bodies(insts: list[tuple[int, str, str, str]]) -> list[list[tuple[str, str]]]:
+    loops = [[(op, args) for ad, _, op, args in insts if a <= ad <= b] for a, b in _backward_branches(insts)]
     return sorted(loops, key=lambda body: -len(body))
 
 
@@ -443,10 +476,14 @@ def sass_loops(cubin: bytes) -> list[dict]:
     loop body, the branch included); ``ops``: how many of them each opcode is (``LDS.U8``,
     ``HMMA.16816.F32``, ...). This is what an issue-bound loop's speed depends on.
     """
+    return _loop_stats(sass_guarded(sass_text(cubin)))
+
+
+def _loop_stats(insts: list[tuple[int, str, str, str]]) -> list[dict]:
     import collections
 
     return [{"instructions": len(body), "ops": dict(collections.Counter(op for op, _ in body).most_common())}
-            for body in sass_loop_bodies(cubin)]
+            for body in _loop_bodies(insts)]
 
 
 def _compile_main(path: str, arch: int, stats: bool = False) -> None:
@@ -483,15 +520,15 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
             compiled = triton.compile(src, target=target, options=item["options"])
             if stats:
                 regs, spill = _ptxas_usage(compiled.asm["ptx"], arch)
+                sass = sass_guarded(sass_text(compiled.asm["cubin"]))  # one disassembly for every SASS reading
+                sequence = [op for _, _, op, _ in sass]
                 failures.append({"describe": item["describe"], "regs": regs, "spill_bytes": spill,
                                  "shared": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
-                                 "loops": sass_loops(compiled.asm["cubin"]),
-                                 "sequence": [op for _, op, _ in sass_instructions(compiled.asm["cubin"])],
-                                 "load_waves": load_waves(guarded := sass_guarded(sass_text(compiled.asm["cubin"]))),
-                                 "loop_load_waves": loop_load_waves(guarded),
+                                 "loops": _loop_stats(sass), "sequence": sequence,
+                                 "ops": dict(collections.Counter(sequence)), "load_waves": load_waves(sass),
+                                 "loop_load_waves": loop_load_waves(sass),
                                  "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
                                  "mark_counts": ptx_mark_counts(compiled.asm["ptx"])})
-                failures[-1]["ops"] = dict(collections.Counter(failures[-1]["sequence"]))
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "

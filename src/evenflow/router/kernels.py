@@ -240,7 +240,7 @@ def router_gemm_fp32_kernel(
 
     ONE_BLOCK (the launcher's ``one_block``; only where K <= BLOCK_K): the whole K is the first block, so the K loop
     and its prefetch of a second block are left out. That loop's one trip issues the second block's loads masked off
-    and holds their registers (the trip count is a run-time value): 104 -> 58 registers and 499 -> 369 sm_90 SASS
+    and holds their registers (the trip count is a run-time value): 104 -> 56 registers and 499 -> 377 sm_90 SASS
     instructions a warp (NOPs aside) at K4096 M = 4's 4 x 2 x 4096 tile on 16 warps (round BO, CPU). The same
     products and the same fixed tree: bit for bit the loop's output. Round BM8 measured an earlier form, the sum
     without the branch below, at 1.086x the loop's time at K4096 M = 1, and withdrew it.
@@ -284,8 +284,8 @@ def router_gemm_fp32_kernel(
             # load across it in these builds (the sm_90 test checks). Without it, ptxas put a thread's second x
             # load of the 1 x 1 x 4096 tile after the first products, which wait for the first load, so the two
             # load latencies ran one after the other (round BO, CPU; by inference the cause of BM8's 1.086x at
-            # K4096 M = 1).
-            acc = tl.sum(b_x.to(tl.float32) * b_w, axis=2)
+            # K4096 M = 1). Added to the zeros as the loop adds its first block, so a sum of -0.0 gives +0.0 there too.
+            acc += tl.sum(b_x.to(tl.float32) * b_w, axis=2)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
