@@ -422,7 +422,9 @@ def load_waves(insts: list[tuple[int, str, str, str]]) -> list[dict]:
     it does not depend on: its latency runs after another's instead of beside it (round BO: ptxas did this to
     the router's one-block x loads and to the MoE reduce's rows). The code is read in address order: a load
     after a loop counts the loop's reads as waits, which the source order may force (a GEMM's epilogue loads
-    after its K loop), and a read in a branch not taken counts too. Registers are tracked by name, predicates
+    after its K loop), and a read in a branch not taken counts too. Only data dependences are followed: a load
+    that a branch on a loaded value orders (the partials a K split's last arrival reads after its arrival atomic)
+    reads as late though it cannot move. Registers are tracked by name, predicates
     included (``PR`` as all of them), and returning atomics count as loads; an approximation of the scoreboard,
     for reading builds, not a simulator."""
     loops = _backward_branches(insts)
