@@ -923,9 +923,9 @@ def moe_reduce_kernel(
     a program at one K split, 10 at four. FENCED (``fused.REDUCE_FENCED``; not the default until measured on a GPU)
     puts two branches between the round trips (``if top_k > 0`` after the ids, ``if H > 0`` after the rows, always
     taken where there is work), across which ptxas moved no load or read in these builds (the sm_90 test checks), and
-    asks for the shared output's
-    row with the ids (its address needs no loaded value): 2 round trips at every split. The same sums in the same
-    order: the same bits.
+    asks for the shared output's row with the ids (its address needs no loaded value): 2 round trips at every split.
+    The same sums in the same order: the same bits. The default body is the record's, kept as it was (the same sm_90
+    PTX as before round BO) until a GPU measures the fenced one; then one body stays.
     """
     pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)

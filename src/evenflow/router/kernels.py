@@ -277,8 +277,8 @@ def router_gemm_fp32_kernel(
     b_x = tl.load(p_xb, mask=m_x, other=0.0)
     if not PRELOAD_W:
         b_w = tl.load(p_wb, mask=m_w, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if ONE_BLOCK:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if K > 0:
             # A branch between the loads and the products (K >= 1 whenever there are products): ptxas moved no
             # load across it in these builds (the sm_90 test checks). Without it, ptxas put a thread's second x
@@ -287,7 +287,6 @@ def router_gemm_fp32_kernel(
             # K4096 M = 1). Added to the zeros as the loop adds its first block, so a sum of -0.0 gives +0.0 there too.
             acc += tl.sum(b_x.to(tl.float32) * b_w, axis=2)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
             # Prefetch block k (masked off past K: the last iteration loads nothing).
             m_kn = ((k + o_k) < K)[None, None, :]
