@@ -270,7 +270,12 @@ PLAN_KNOBS = {
 }
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}
-EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS]
+# knob rows that run the default plan with module switches of evenflow.attention.decode set around their calls (so
+# around the CUDA graph's capture too): evenflow-onepassmerge (round BP: the Triton kernel's fused merge steps in one
+# pass, each step's loads in the one round trip their addresses need, decode.MERGE_ONE_PASS; the fp8 Gluon kernel's
+# calls run as the default's)
+MODULE_KNOBS = {"evenflow-onepassmerge": {"MERGE_ONE_PASS": True}}
+EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS, *MODULE_KNOBS]
 # read-once: the case's floor bytes (as many copies as its rotations) read once by the read-bound kernel
 # (benchmarks/read_bound.py, its 16 KB and 64 KB block shapes, launched as the attention kernels are), in this run:
 # the machine's own read rate beside the kernels. Every evenflow row then carries ``vs_read_once`` (that read's time
@@ -508,8 +513,9 @@ def evenflow_plan(impl: str, inp: Inputs):
                       q_len=1, device=inp.seq_lens.device, **knobs).update(inp.seq_lens)
 
 
-def evenflow_calls(inp: Inputs, plan) -> list:
-    """One ``decode_attention`` call per rotated input copy (``plan`` None: the static split)."""
+def evenflow_calls(inp: Inputs, plan, switches: dict | None = None) -> list:
+    """One ``decode_attention`` call per rotated input copy (``plan`` None: the static split), each with the module
+    switches ``switches`` (a ``MODULE_KNOBS`` row's) set around it."""
     from evenflow import decode_attention
 
     c = inp.case
@@ -521,7 +527,8 @@ def evenflow_calls(inp: Inputs, plan) -> list:
                                         k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale,
                                         out=out)
 
-    return [bind(r) for r in range(inp.rotations)]
+    calls = [bind(r) for r in range(inp.rotations)]
+    return [lambda fn=fn: with_switches(switches, fn) for fn in calls] if switches else calls
 
 
 def _evenflow_fns(impl: str, inp: Inputs):
@@ -543,7 +550,22 @@ def _evenflow_fns(impl: str, inp: Inputs):
     if plan is not None:
         extra["plan_us"] = H.time_graph([lambda: plan.update(inp.seq_lens)])
         extra["plan_eager_us"] = H.time_eager([lambda: plan.update(inp.seq_lens)])
-    return evenflow_calls(inp, plan), extra
+    return evenflow_calls(inp, plan, MODULE_KNOBS.get(impl)), extra
+
+
+def with_switches(switches: dict, fn):
+    """fn() with the module switches of evenflow.attention.decode named in ``switches`` set to their values (the
+    launches it makes, and so a CUDA graph captured around them, keep that choice), then put back."""
+    from evenflow.attention import decode
+
+    saved = {name: getattr(decode, name) for name in switches}
+    for name, value in switches.items():
+        setattr(decode, name, value)
+    try:
+        return fn()
+    finally:
+        for name, value in saved.items():
+            setattr(decode, name, value)
 
 
 def kernel_of(inp: Inputs, plan) -> str:

@@ -499,6 +499,33 @@ def test_evenflow_calls_compute_the_benchmark_reference(impl):
         assert (want.double().cpu() - ref.cpu()).abs().max() < 1e-5, (impl, r)
 
 
+def test_module_knob_rows_switch_their_calls_and_put_the_switch_back():
+    """A ``MODULE_KNOBS`` row (evenflow-onepassmerge: decode.MERGE_ONE_PASS) runs the default plan with its module
+    switches set around each call, so the attention kernel is launched (and a graph captured) with them; after each
+    call the module holds its value again; the row's output is the default's, bit for bit, on a case whose long item
+    is merged across bins."""
+    from evenflow._compile_check import record_launches
+    from evenflow.attention import decode
+
+    assert set(D.MODULE_KNOBS) <= set(D.EVENFLOW_IMPLS) and not set(D.MODULE_KNOBS) & set(D.PLAN_KNOBS)
+    case = D.Case("t", (64 * 20 + 5, 1, 130, 0), 8, 1)
+    inp = D.make_inputs(case, torch.bfloat16, _DEV, seed=5, l2_bytes=1 << 20)
+    for impl, switches in D.MODULE_KNOBS.items():
+        plan = D.evenflow_plan(impl, inp)
+        default = D.evenflow_plan("evenflow", inp)
+        assert repr(plan) == repr(default)
+        assert int(plan.meta[1]) < 21  # the budget cuts the 21-tile item: its chunks are merged
+        before = {name: getattr(decode, name) for name in switches}
+        assert all(before[name] != value for name, value in switches.items()), impl  # else the row measures nothing
+        with record_launches(execute=True) as rec:
+            got = D.evenflow_calls(inp, plan, switches)[0]().clone()
+        assert {name: getattr(decode, name) for name in switches} == before, impl
+        seen = [dict(la.constexprs) for la in rec if la.name == "decode_kernel"]
+        assert seen and all(c[name] == value for c in seen for name, value in switches.items()), (impl, seen)
+        want = D.evenflow_calls(inp, default)[0]()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), impl
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_every_knob_row_builds_the_plan_it_names(kv_dtype):
     """Every knob row (``PLAN_KNOBS``) builds a plan for both cache dtypes (a row the plan refuses would only fail

@@ -4,6 +4,7 @@ Baseline of the rule (same precision as the kernel): PyTorch in fp32 on the same
 inputs, unnormalised probabilities rounded to bf16 before the product with V (the kernel
 feeds P to a bf16 tensor-core dot), output rounded to bf16.
 """
+import contextlib
 import math
 import warnings
 
@@ -169,6 +170,38 @@ def test_fused_final_merge_of_more_groups_than_one_load_step(device):
     o2 = check(q, qs, k, v, pt, sl, 1, plan=plan, what="second call")
     assert torch.equal(o1, o2)
     assert int(plan.group_count.abs().sum()) + int(plan.combine_count.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("kv,group,q_len,d", [("bf16", 4, 2, 64), ("fp8", 8, 1, 128)], ids=["bf16-g4-q2", "fp8-g8"])
+def test_one_pass_merge_gives_the_same_bits(kv, group, q_len, d, device, monkeypatch):
+    """Round BP: the fused merge step built in one pass (``decode.MERGE_ONE_PASS``: each chunk's LSE loaded once,
+    every load of a step ahead of a branch; kernels._merge_chunks' ONE_PASS) takes the same maxima and adds the same
+    weighted outputs in the same order as the two-pass default: the same output and LSE bits, and within the rule.
+    One tile a bin: items of 21 chunks (three groups, merged again in one load step masked after three), 9 (two
+    groups, the second of one chunk), one and none; two q rows a request (a causal row that sees a token fewer) or a
+    TP8-like group of 8 on an fp8 cache (the Triton kernel: the plan is not told the dtype). On the CPU the launches
+    are recorded too, so the switch is seen to reach the attention kernel."""
+    from evenflow._compile_check import record_launches
+    from evenflow.attention import decode
+
+    lens = [64 * 20 + 9, 0, 64 * 8 + 1, 37, 64]
+    kv_dtype = FP8 if kv == "fp8" else torch.bfloat16
+    q, qs, k, v, pt, sl = make_inputs(lens, 1, group, d, 64, q_len, kv_dtype=kv_dtype, device=device)
+    scales = dict(k_scale=1 / 30, v_scale=1 / 40) if kv == "fp8" else {}
+    plan = evenflow.DecodePlan(len(lens), 1 << 12, 1, page_size=64, q_len=q_len, device=device, num_programs=40,
+                               min_tiles=1).update(sl)
+    assert int(plan.meta[1]) == 1  # one tile a bin: every long item cut at each tile
+    outs = []
+    for one_pass in (False, True):
+        monkeypatch.setattr(decode, "MERGE_ONE_PASS", one_pass)
+        with record_launches(execute=True) if _runtime.interpreting() else contextlib.nullcontext() as rec:
+            outs.append(evenflow.decode_attention(q, k, v, pt, sl, plan=plan, return_lse=True, **scales))
+        if rec is not None:
+            assert [(la.name, dict(la.constexprs)["MERGE_ONE_PASS"]) for la in rec] == [("decode_kernel", one_pass)]
+    (o0, lse0), (o1, lse1) = outs
+    assert torch.equal(o0.view(torch.int16), o1.view(torch.int16)), "output bits"
+    assert torch.equal(lse0.view(torch.int32), lse1.view(torch.int32)), "LSE bits"
+    check(q, qs, k, v, pt, sl, q_len, plan=plan, what="one-pass merge", **scales)  # the switch is still on
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])

@@ -600,3 +600,44 @@ def test_plan_kernel_pack_pass_calls_no_division_routine():
     for loop in builds[True]["loops"]:
         assert not any(op.startswith("CALL") for op in loop["ops"]), loop["ops"]
     assert builds[True]["regs"] <= builds[False]["regs"] + 8, (builds[True]["regs"], builds[False]["regs"])
+
+
+def _innermost_loops(loops):
+    """The loop trips of ``loop_load_waves`` that hold no other loop (a merge step, a tile step)."""
+    return [lp for lp in loops
+            if not any(o is not lp and lp["start"] <= o["start"] and o["end"] <= lp["end"] for o in loops)]
+
+
+@pytest.mark.parametrize("name", ["bf16", "tp8-slice", "hnd-q3", "d256-fp8", "d256-p128-g16-q4"])
+def test_one_pass_fused_merge_issues_each_step_in_one_round_trip(name, monkeypatch):
+    """Round BP: with ``decode.MERGE_ONE_PASS`` every innermost loop of the Triton kernel's sm_90 build (the fused
+    merge's steps, both levels, and the tile loops) issues its loads in the round trips their addresses need
+    (``_compile_check.loop_load_waves``), and the build stays resident at the plan's programs an SM with no more
+    spill than the default's. On the record's shapes (64 / 8 and the TP8 slice, bf16) the default two-pass step
+    does not: some step's loads wait behind reads of others (3 round trips where 1 is needed, round BO), which is
+    what the switch is for. Merges of 64 rows (``decode.MERGE_ONE_PASS_MAX_ROWS``) keep the two-pass build."""
+    from evenflow.attention import decode
+    from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM as PPS
+
+    builds = {}
+    for one_pass in (False, True):
+        monkeypatch.setattr(decode, "MERGE_ONE_PASS", one_pass)
+        with CC.emulate_gpu(), CC.record_launches() as rec:
+            _call(**SCENARIOS[name])
+        (la,) = [la for la in rec if la.name == "decode_kernel"]
+        c = dict(la.constexprs)
+        assert c["FUSED"] and c["MERGE_ONE_PASS"] == (one_pass and c["FUSED_M"] <= decode.MERGE_ONE_PASS_MAX_ROWS)
+        builds[one_pass] = (c["MERGE_ONE_PASS"], la)
+    if not builds[True][0]:
+        assert name == "d256-p128-g16-q4"  # 64 rows: the same launch either way
+        assert builds[True][1].describe() == builds[False][1].describe()
+        return
+    off, on = CC.compile_stats([builds[False][1], builds[True][1]])
+    assert "error" not in off and "error" not in on, (off, on)
+    steps = _innermost_loops(on["loop_load_waves"])
+    assert any(lp["loads"] > 8 for lp in steps), steps  # a merge step is among them
+    assert all(lp["issued"] == lp["needed"] for lp in steps), steps
+    assert on["regs"] * 32 * on["num_warps"] * PPS <= 65536, on["regs"]
+    assert on["spill_bytes"] <= off["spill_bytes"], (on["spill_bytes"], off["spill_bytes"])
+    if name in ("bf16", "tp8-slice"):
+        assert any(lp["issued"] > lp["needed"] for lp in _innermost_loops(off["loop_load_waves"]))

@@ -277,6 +277,14 @@ def _warn_triton_on_a_gluon_plan(plan: DecodePlan, reason: str, num_q_heads: int
 # Chunks per merge group of the fused combine: one or two load steps per group (TP8 slice:
 # 128 chunks = 16 groups merged in parallel, then 16 group results in 2 steps).
 FUSED_GROUP_CHUNKS = 8
+# Round BP: the Triton kernel's fused merge step (kernels._merge_chunks) in one pass, each chunk's LSE loaded once,
+# every load of a step ahead of a branch (ONE_PASS). The sm_90 build of the default two-pass step takes 2-3 memory
+# round trips a step where its addresses need 1; the TP8 slice's merge tail is several such steps after the last
+# chunk. The same bits. False until a GPU measures it (benchmarks/decode.py's evenflow-onepassmerge rows).
+MERGE_ONE_PASS = False
+# ... on merges of at most this many rows (fused_m): the 64-row builds (GQA group x q_len 33-64) already spill (212
+# bytes at head_dim 256, q_len 4), and holding a step's loads there adds 76 (round BP's sm_90 builds)
+MERGE_ONE_PASS_MAX_ROWS = 32
 
 
 def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -367,7 +375,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, FUSED=fused,
             FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll,
             STAMPS=stamps is not None and not is_static, TRIGGER=bool(pdl and trigger and fused),
-            EARLY=bool(pdl and early and fused), num_warps=num_warps,
+            EARLY=bool(pdl and early and fused), MERGE_ONE_PASS=MERGE_ONE_PASS and fused_m <= MERGE_ONE_PASS_MAX_ROWS,
+            num_warps=num_warps,
             **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
             **_runtime.pdl_kwargs(pdl),
         )

@@ -531,6 +531,7 @@ def decode_kernel(
     KV_FP8: tl.constexpr, PDL: tl.constexpr, WSPLIT: tl.constexpr, WS_MIN_TILES: tl.constexpr,
     PREFETCH: tl.constexpr, FUSED: tl.constexpr, FUSED_C: tl.constexpr, FUSED_M: tl.constexpr,
     FUSED_UNROLL: tl.constexpr, STAMPS: tl.constexpr, TRIGGER: tl.constexpr, EARLY: tl.constexpr,
+    MERGE_ONE_PASS: tl.constexpr = False,
 ):
     """Persistent (plan) or one-chunk-per-program (static) paged decode attention.
 
@@ -545,6 +546,8 @@ def decode_kernel(
     load step) and, for an item of several groups, arrives on the item's counter
     (``p_count``, per start bin), whose last merges the groups. Each counter is put back to
     0 by its last arriver.
+    MERGE_ONE_PASS (``decode.MERGE_ONE_PASS``): those merges' steps in one pass
+    (:func:`_merge_chunks`' ONE_PASS); off, the build is the same as without it.
 
     ``qk_scale_f`` = sm_scale * log2(e) * python k_scale; ``max_len`` caps every length
     (min of the plan's max_seq_len and max_pages * PAGE) so no page-table column or tile
@@ -652,7 +655,7 @@ def decode_kernel(
                         tl.store(p_gcount + slot0, 0)
                         _combine_group(i, p_s, n_chunks, g, 0, p_po, p_plse, p_glse, p_count, p_out, p_lse,
                                        stride_ot, stride_oh, stride_lt, HKV, GROUP, Q_LEN, D, FUSED_M, HAS_LSE,
-                                       FUSED_C, D, FUSED_UNROLL)
+                                       FUSED_C, D, FUSED_UNROLL, MERGE_ONE_PASS)
                         if STAMPS:
                             s_merge_end, s_merge_ns, s_merges = _stamps_merge(slot0, s_last, s_merge_ns, s_merges,
                                                                               DOT_F32)
@@ -740,7 +743,8 @@ def _combine_slot(first, pid, c, IS_STATIC: tl.constexpr):
 @triton.jit
 def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
                   ROWS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_C: tl.constexpr, IS_STATIC: tl.constexpr, C_STRIDE: tl.constexpr = 1):
+                  BLOCK_C: tl.constexpr, IS_STATIC: tl.constexpr, C_STRIDE: tl.constexpr = 1,
+                  ONE_PASS: tl.constexpr = False):
     """(max, sum of weights, weighted sum) of chunks [c_lo, c_hi) of one item, columns o_d.
 
     Each chunk is a normalised output (``p_po``) with its LSE (``p_plse``); chunk c sits in
@@ -755,10 +759,45 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
     flight together: one pass for the step's max, one that adds each chunk under its
     weight. ``.cg`` loads: inside the attention kernel (fused combine) the partials were
     written by other programs of the same grid, and L1 is not coherent across SMs.
+
+    ONE_PASS (the fused combine's, ``decode.MERGE_ONE_PASS``; not the default until a GPU
+    measures it): a step loads each chunk's LSE once and its output with it, all before a
+    branch on ``c0 + first >= 0`` (always true; it varies with the step, so the compiler can
+    neither fold it nor hoist it out of the loop, as it does ``first >= 0`` and, at the
+    second level where c0 starts at 0, ``c0 >= 0``), then reads them. The two-pass body's
+    sm_90 build takes 2-3 memory round trips a step where its addresses need 1 (ptxas puts
+    some second-pass loads after reads of the first); the branch keeps every load of a step
+    ahead of the first read. The same operations in the same order: the same bits. Not in
+    the combine kernel: its 32-chunk steps under its register cap would spill (84 bytes).
     """
     b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
     b_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if ONE_PASS:
+        for c0 in range(c_lo, c_hi, BLOCK_C):
+            lses = ()
+            outs = ()
+            for j in tl.static_range(BLOCK_C):
+                slot = _combine_slot(first, pid, (c0 + j) * C_STRIDE, IS_STATIC)
+                live = m_row & (c0 + j < c_hi)
+                o_prow = slot.to(tl.int64) * ROWS + o_m
+                lses = lses + (tl.load(p_plse + o_prow, mask=live, other=float("-inf"), cache_modifier=".cg"),)
+                outs = outs + (tl.load(p_po + o_prow[:, None] * D + o_d[None, :], mask=live[:, None], other=0.0,
+                                       cache_modifier=".cg"),)
+            if c0 + first >= 0:
+                b_mnew = b_m
+                for j in tl.static_range(BLOCK_C):
+                    b_mnew = tl.maximum(b_mnew, lses[j])
+                b_msafe = tl.where(b_mnew == float("-inf"), 0.0, b_mnew)
+                b_a = tl.exp2(b_m - b_msafe)
+                b_acc = b_acc * b_a[:, None]
+                b_l = b_l * b_a
+                for j in tl.static_range(BLOCK_C):
+                    b_w = tl.exp2(lses[j] - b_msafe)
+                    b_acc += outs[j] * b_w[:, None]
+                    b_l += b_w
+                b_m = b_mnew
+        return b_m, b_l, b_acc
     for c0 in range(c_lo, c_hi, BLOCK_C):
         b_mnew = b_m
         for j in tl.static_range(BLOCK_C):
@@ -803,7 +842,7 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_glse, p_count, p
                    stride_ot, stride_oh, stride_lt,
                    HKV: tl.constexpr, GROUP: tl.constexpr, Q_LEN: tl.constexpr, D: tl.constexpr,
                    BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
-                   UNROLL: tl.constexpr):
+                   UNROLL: tl.constexpr, ONE_PASS: tl.constexpr = False):
     """Group g (chunks [g * BLOCK_C, +BLOCK_C)) of the plan item that starts in bin p, read
     UNROLL chunks per load step (the combine kernel: the whole group; the fused combine,
     which merges every column in one program: fewer, to bound its registers).
@@ -828,7 +867,7 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_glse, p_count, p
     first = 2 * p + 1
     c_lo = g * BLOCK_C
     b_m, b_l, b_acc = _merge_chunks(p_po, p_plse, first, p, c_lo, tl.minimum(n_chunks, c_lo + BLOCK_C), o_m, o_d,
-                                    m_row, ROWS, D, BLOCK_M, BLOCK_D, UNROLL, False)
+                                    m_row, ROWS, D, BLOCK_M, BLOCK_D, UNROLL, False, 1, ONE_PASS)
     n_groups = (n_chunks + BLOCK_C - 1) // BLOCK_C
     if n_groups == 1:
         _store_final(p_out, p_lse, b, h, b_m, b_l, b_acc, o_m, o_d, m_row, stride_ot, stride_oh, stride_lt,
@@ -850,7 +889,7 @@ def _combine_group(item, p, n_chunks, g, pid_d, p_po, p_plse, p_glse, p_count, p
             for f0 in tl.static_range(0, D, DF):
                 o_f = f0 + tl.arange(0, DF)
                 f_m, f_l, f_acc = _merge_chunks(p_po, p_glse, first, p, 0, n_groups, o_m, o_f, m_row,
-                                                ROWS, D, BLOCK_M, DF, UG, False, BLOCK_C)
+                                                ROWS, D, BLOCK_M, DF, UG, False, BLOCK_C, ONE_PASS)
                 _store_final(p_out, p_lse, b, h, f_m, f_l, f_acc, o_m, o_f, m_row, stride_ot, stride_oh, stride_lt,
                              GROUP, Q_LEN, HAS_LSE, f0 == 0)
             tl.store(p_count + p, 0)
