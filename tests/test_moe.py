@@ -197,6 +197,63 @@ def test_fenced_reduce_gives_the_same_bits(device, fmt, monkeypatch):
                       routed_scaling=1.5)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor"])
+def test_fenced_gate_up_reduce_gives_the_same_bits(device, fmt, monkeypatch):
+    """Round BP: a K-split gate-up's last arriver built FENCED (fused.GU_REDUCE_FENCED: every split's partials
+    loaded before a branch, summed after it in split order from a zero tile) gives the default's bits, on pair tiles
+    at two and four splits and on index tiles, with a token that lists one expert twice; within the rule of the
+    oracle; the counters back at zero (a second call into a poisoned output). A deferred split (summed by the down
+    GEMM) has no such reduce and is not built fenced. On the CPU the launches are recorded too, so the switch is seen
+    to reach the kernel."""
+    from evenflow import _runtime
+    from evenflow._compile_check import record_launches
+    from evenflow.moe import fused
+
+    h, i = SIZES[fmt]
+    ew = random_moe_weights(fmt, 4, h, i, device)
+    t, k = 3, 3
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = routing_from([[1, 1, 3], [0, 2, 3], [2, 1, 0]], device)
+    base = choose_config(t, k, 4, h, i, ew.mode)
+    two = dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2, gu_defer=0)
+    runs = [(two, True), (two, False), (dataclasses.replace(two, gu_defer=1), True),
+            (dataclasses.replace(two, gu_block_k=h // 4, gu_split_k=4), True)]
+    for cfg, pair_tiles in runs:
+        outs = []
+        for fenced in (False, True):
+            monkeypatch.setattr(fused, "GU_REDUCE_FENCED", fenced)
+            for _ in range(2):
+                out = poisoned((t, h), torch.bfloat16, device)
+                with record_launches(execute=True) if _runtime.interpreting() else contextlib.nullcontext() as rec:
+                    y = evenflow.fused_moe(x, ids, w, ew, config=cfg, out=out, pair_tiles=pair_tiles)
+            outs.append(y)
+            if rec is not None:
+                (gu,) = [dict(la.constexprs) for la in rec if la.name == "moe_gate_up_kernel"]
+                assert gu["SPLIT_K"] == cfg.gu_split_k and gu["FENCED_REDUCE"] == (fenced and not gu["DEFER"])
+                assert gu["DEFER"] == (pair_tiles and cfg.gu_defer == 1)
+        what = f"{cfg.gu_split_k} splits, pair tiles {pair_tiles}, defer {cfg.gu_defer}"
+        assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16)), what
+        check_moe(outs[1], x, ids, w, ew, f"{fmt} fenced gate-up reduce, {what}")
+
+
+def test_fenced_gate_up_reduce_is_built_only_where_it_holds(monkeypatch):
+    """Which gate-up launches the switch reaches (fused._gu_reduce_fenced): a K split not deferred to the down GEMM,
+    bf16 or per-tensor fp8 (block scales' wider tiles spilled, or took a round trip more, round BP), partials of at
+    most GU_REDUCE_FENCED_MAX_VALUES; never with the switch off."""
+    from evenflow.moe import fused
+
+    cfg = dataclasses.replace(choose_config(1, 8, 24, 4096, 1536, 0), block_m=16, gu_block_n=64, gu_split_k=8)
+    assert cfg.block_m * cfg.gu_block_n * 2 * cfg.gu_split_k == fused.GU_REDUCE_FENCED_MAX_VALUES
+    monkeypatch.setattr(fused, "GU_REDUCE_FENCED", True)
+    assert fused._gu_reduce_fenced(cfg, 0, False) and fused._gu_reduce_fenced(cfg, 1, False)
+    assert not fused._gu_reduce_fenced(cfg, 2, False)  # block scales
+    assert not fused._gu_reduce_fenced(cfg, 0, True)  # deferred to the down GEMM
+    assert not fused._gu_reduce_fenced(dataclasses.replace(cfg, gu_split_k=1), 0, False)
+    assert not fused._gu_reduce_fenced(dataclasses.replace(cfg, gu_block_n=128), 0, False)  # too many partials
+    monkeypatch.setattr(fused, "GU_REDUCE_FENCED", False)
+    assert not fused._gu_reduce_fenced(cfg, 0, False)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pair_tiles_equal_index_tiles(device, fmt):
     """Pair tiles (each pair its own GEMM task, no index build; the default up to

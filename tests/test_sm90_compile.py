@@ -409,3 +409,44 @@ def test_moe_reduce_issues_its_loads_in_two_round_trips(split, shared, monkeypat
     assert len(waves) >= 2 + split and not any(w["in_loop"] for w in waves), waves
     assert max(w["needed"] for w in waves) == 2
     assert [w["issued"] for w in waves] == [w["needed"] for w in waves], waves
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_fenced_gate_up_reduce_issues_the_partials_in_one_round_trip(split, monkeypatch):
+    # Round BP: a K-split gate-up's last arriver reads every split's partials after its arrival atomic; their
+    # addresses are known before it, so one round trip after the atomic's would do. The default build spreads them
+    # over up to 5 (8 splits, Hy3 bf16 T = 1-2: sums of earlier splits read before later splits are asked for). The
+    # FENCED build (fused.GU_REDUCE_FENCED) issues them all in the round trip after the atomic's, with no spill.
+    # Hy3 EP8 bf16 sizes on the benchmark's pair-tile config (64 x 64 blocks, no deferred split); the default build
+    # fails this at 8 splits (checked here too).
+    from evenflow._compile_check import compile_stats
+    from evenflow.moe import fused
+    from evenflow.moe.fused import choose_config
+
+    h, i, e, k, t = 4096, 1536, 4, 8, 1
+    ew = random_moe_weights("bf16", e, h, i)
+    cfg = dataclasses.replace(choose_config(t, k, e, h, i, 0), gu_split_k=split, gu_block_k=64, gu_block_n=64,
+                              gu_defer=0)
+    builds = {}
+    for fenced in (False, True):
+        monkeypatch.setattr(fused, "GU_REDUCE_FENCED", fenced)
+        with emulate_gpu(132), record_launches() as rec:
+            evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, e, (t, k), dtype=torch.int32),
+                               torch.rand(t, k), ew, config=cfg, pair_tiles=True)
+        gu = [la for la in rec if la.name == "moe_gate_up_kernel"]
+        assert len(gu) == 1 and dict(gu[0].constexprs)["FENCED_REDUCE"] == fenced, [la.describe() for la in gu]
+        assert dict(gu[0].constexprs)["SPLIT_K"] == split and dict(gu[0].constexprs)["PAIR_TILES"]
+        (builds[fenced],) = compile_stats(gu)
+
+    def after_arrival(s):
+        waves = s["load_waves"]
+        (arrive,) = [j for j, w in enumerate(waves) if w["opcode"].startswith("ATOM")]
+        return waves[arrive]["issued"], waves[arrive + 1:]
+
+    issued, partials = after_arrival(builds[True])
+    assert len(partials) >= 2 * split, partials
+    assert all(w["issued"] == issued + 1 for w in partials), (issued, partials)
+    assert builds[True]["spill_bytes"] == 0, builds[True]["regs"]
+    if split == 8:
+        issued, partials = after_arrival(builds[False])
+        assert max(w["issued"] for w in partials) > issued + 1
