@@ -527,8 +527,10 @@ def evenflow_calls(inp: Inputs, plan, switches: dict | None = None) -> list:
                                         k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale,
                                         out=out)
 
+    from evenflow.attention import decode
+
     calls = [bind(r) for r in range(inp.rotations)]
-    return [lambda fn=fn: with_switches(switches, fn) for fn in calls] if switches else calls
+    return [lambda fn=fn: H.with_switches(decode, switches, fn) for fn in calls] if switches else calls
 
 
 def _evenflow_fns(impl: str, inp: Inputs):
@@ -551,21 +553,6 @@ def _evenflow_fns(impl: str, inp: Inputs):
         extra["plan_us"] = H.time_graph([lambda: plan.update(inp.seq_lens)])
         extra["plan_eager_us"] = H.time_eager([lambda: plan.update(inp.seq_lens)])
     return evenflow_calls(inp, plan, MODULE_KNOBS.get(impl)), extra
-
-
-def with_switches(switches: dict, fn):
-    """fn() with the module switches of evenflow.attention.decode named in ``switches`` set to their values (the
-    launches it makes, and so a CUDA graph captured around them, keep that choice), then put back."""
-    from evenflow.attention import decode
-
-    saved = {name: getattr(decode, name) for name in switches}
-    for name, value in switches.items():
-        setattr(decode, name, value)
-    try:
-        return fn()
-    finally:
-        for name, value in saved.items():
-            setattr(decode, name, value)
 
 
 def kernel_of(inp: Inputs, plan) -> str:

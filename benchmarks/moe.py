@@ -400,10 +400,13 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         if not kept_counters:
             ew = ew.sharing_weights(counters=False)
 
+        from evenflow.bench import harness as H
+        from evenflow.moe import fused
+
         def bind(x, ids, tw):
             def call():
                 return evenflow.fused_moe(x, ids, tw, ew, ep_rank=case.ep_rank, num_experts_total=ntot, **kw)
-            return call if not switches else lambda: _with_switches(switches, call)
+            return call if not switches else lambda: H.with_switches(fused, switches, call)
         return bind
     if name == "sglang-triton":
         from evenflow.bench.peers.sglang import SGLangFusedMoE
@@ -416,21 +419,6 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         return GroupedMMMoE(w.variant, w.w13, w.w2, ep_rank=case.ep_rank, num_experts_total=ntot,
                             **w.kwargs()).bind
     raise ValueError(f"unknown impl {name!r}")
-
-
-def _with_switches(switches: dict, fn):
-    """fn() with the module switches of evenflow.moe.fused named in ``switches`` set to their values (the launches
-    it makes, and so a CUDA graph captured around them, keep that choice)."""
-    from evenflow.moe import fused
-
-    saved = {name: getattr(fused, name) for name in switches}
-    for name, value in switches.items():
-        setattr(fused, name, value)
-    try:
-        return fn()
-    finally:
-        for name, value in saved.items():
-            setattr(fused, name, value)
 
 
 # ----------------------------------------------------------------------------- driver

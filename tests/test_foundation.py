@@ -599,3 +599,25 @@ def test_write_rows_one_line_where_asked(tmp_path):
     text = path.read_text()
     assert "\n" not in text.strip()
     assert json.loads(text)["rows"] == rows and json.loads(text)["ceilings"] == {"copy_TBps": 4.2}
+
+
+def test_with_switches_sets_each_switch_for_the_call_and_puts_it_back_even_on_error():
+    """harness.with_switches (the benchmarks' knob rows for module switches): inside the call the module holds the
+    row's values; after it, the values it held before, also when the call raises (a later row must not run with
+    another row's switch)."""
+    import types
+
+    mod = types.SimpleNamespace(A=False, B=3, C="kept")
+    seen = H.with_switches(mod, {"A": True, "B": 7}, lambda: (mod.A, mod.B, mod.C))
+    assert seen == (True, 7, "kept") and (mod.A, mod.B, mod.C) == (False, 3, "kept")
+
+    def fails():
+        assert mod.A is True
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        H.with_switches(mod, {"A": True}, fails)
+    assert mod.A is False
+    with pytest.raises(AttributeError):  # a misspelt switch is an error, not a new attribute
+        H.with_switches(mod, {"NOPE": 1}, lambda: None)
+    assert not hasattr(mod, "NOPE")

@@ -375,8 +375,8 @@ def _decode_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             WSPLIT=wsplit, WS_MIN_TILES=WS_MIN_TILES, PREFETCH=bool(prefetch) and not is_static, FUSED=fused,
             FUSED_C=FUSED_GROUP_CHUNKS, FUSED_M=fused_m, FUSED_UNROLL=fused_unroll,
             STAMPS=stamps is not None and not is_static, TRIGGER=bool(pdl and trigger and fused),
-            EARLY=bool(pdl and early and fused), MERGE_ONE_PASS=MERGE_ONE_PASS and fused_m <= MERGE_ONE_PASS_MAX_ROWS,
-            num_warps=num_warps,
+            EARLY=bool(pdl and early and fused),
+            MERGE_ONE_PASS=MERGE_ONE_PASS and fused and fused_m <= MERGE_ONE_PASS_MAX_ROWS, num_warps=num_warps,
             **({"maxnreg": max_regs} if max_regs > 0 else {}), **common,
             **_runtime.pdl_kwargs(pdl),
         )

@@ -445,6 +445,20 @@ def check_output(out: torch.Tensor, ref: torch.Tensor, what: str, *, rtol: float
     return {"max_abs_err": err, "cosine": cos}
 
 
+def with_switches(module, switches: dict, fn: Callable[[], object]):
+    """fn() with the module-level switches ``switches`` (name -> value) of ``module`` set, then put back, also when
+    fn raises: a benchmark's knob row for a switch the API does not take (its launches, and so a CUDA graph captured
+    around them, keep the choice)."""
+    saved = {name: getattr(module, name) for name in switches}
+    for name, value in switches.items():
+        setattr(module, name, value)
+    try:
+        return fn()
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def progress(items: Iterable, desc: str) -> Iterable:
     """Yield ``items`` printing one line per item with elapsed time (flushes, so logs stream)."""
     items = list(items)

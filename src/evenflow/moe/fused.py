@@ -116,9 +116,9 @@ REDUCE_FENCED = False
 # (benchmarks/moe.py's evenflow-fencedgu rows).
 GU_REDUCE_FENCED = False
 # ... where the partials it holds are at most this many fp32 values a program (BLOCK_M x BLOCK_N x 2 x SPLIT_K; 128 a
-# thread at 4 warps: Hy3 bf16's 8 splits of 16 x 64 take 142 registers, no spill), and not for block scales (16 x 128
-# tiles at 8 splits took 255 registers and spilled 40 bytes; at 4 splits, Hy3 EP8 T = 8, the default issues the
-# partials in one round trip and the fenced build, held at 168 registers, in two)
+# thread at 4 warps: Hy3 bf16's 8 splits of 16 x 64 take 152 registers, no spill), and not for block scales (their
+# default builds at the benchmark's points already read the partials in one round trip; fenced, the 16 x 128 tiles
+# at 8 splits took 255 registers, spilled 280 bytes and two round trips: history/round-bp-cpu/variants.txt)
 GU_REDUCE_FENCED_MAX_VALUES = 16384
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.

@@ -515,7 +515,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
     split's partials are loaded, then a branch (on ``I > 0``, always true, a runtime value), then summed in split
     order from a zero tile as the default does: the same bits. The default's sm_90 build spreads those loads over
     5 round trips after the arrival at 8 splits (Hy3 bf16 T = 1-2), where their addresses need 1 (round BP);
-    holding them all costs registers (78 -> 142 at 8 splits)."""
+    holding them all costs registers (78 -> 152 at 8 splits)."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -600,22 +600,18 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
                         parts = parts + (
                             tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg"),
                             tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg"))
-                    if I > 0:
+                    if I > 0:  # every load above is issued before the first sum reads one
                         for s in tl.static_range(SPLIT_K):
                             red_g += parts[2 * s]
                             red_u += parts[2 * s + 1]
-                        _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s,
-                                          p_a_scale, p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE,
-                                          BLOCK_N, FP8_ROUND)
-                        tl.store(p_c, 0)
                 else:
                     for s in range(0, SPLIT_K):
                         red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
                         red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0,
                                          cache_modifier=".cg")
-                    _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale,
-                                      p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
-                    tl.store(p_c, 0)
+                _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale,
+                                  p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
+                tl.store(p_c, 0)
 
 
 @triton.jit
