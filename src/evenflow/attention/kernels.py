@@ -763,8 +763,10 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
     ONE_PASS (the fused combine's, ``decode.MERGE_ONE_PASS``; not the default until a GPU
     measures it): a step loads each chunk's LSE once and its output with it, all before a
     branch on ``c0 + first >= 0`` (always true; it varies with the step, so the compiler can
-    neither fold it nor hoist it out of the loop, as it does ``first >= 0`` and, at the
-    second level where c0 starts at 0, ``c0 >= 0``), then reads them. The two-pass body's
+    neither fold it nor take it out of the loop: ``first >= 0`` left no branch between a
+    step's loads and its reads, and ``c0 >= 0`` folds at the second level, where c0 starts
+    at 0), then reads them. The loads are masked, as a fence needs: an unmasked load read
+    only inside the branch may be moved below it (round BP). The two-pass body's
     sm_90 build takes 2-3 memory round trips a step where its addresses need 1 (ptxas puts
     some second-pass loads after reads of the first); the branch keeps every load of a step
     ahead of the first read. The same operations in the same order: the same bits. Not in
