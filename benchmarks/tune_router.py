@@ -172,9 +172,10 @@ def simt_candidates(m: int) -> list[GemmConfig]:
         # 4096-deep row on 8 warps build without spills (sm_90: 47-159 registers at BLOCK_M 2-4). After BN1: one
         # block of 2 x 4096 on 16 warps (a program's whole weight loaded before the wait, one program an SM), which
         # took K4096 M = 4 in BN2. Not offered: 4 x 4096 on 16 warps (half the programs reading x), 1.23x that
-        # tile's time in BN3.
+        # tile's time in BN3. Since round BO (the one-block build: no dead second block, 98 registers), 2 x 4096 on 8
+        # warps too.
         shapes = ((1, 1024, 8), (1, 2048, 8), (2, 512, 8), (1, 4096, 16), (2, 1024, 8), (2, 2048, 8),
-                  (2, 2048, 16), (1, 4096, 8), (2, 4096, 16))
+                  (2, 2048, 16), (1, 4096, 8), (2, 4096, 16), (2, 4096, 8))
     else:
         shapes = ((1, 512, 8), (1, 1024, 8), (2, 256, 8))
     out = [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bn, bk, warps in shapes]

@@ -269,12 +269,14 @@ def test_fp32_simt_k_loop_does_not_route_its_operands_through_shared_memory(bm, 
     # touches shared memory and shuffles only for the per-block cross-warp sum of its BLOCK_M x BLOCK_N outputs,
     # whatever BLOCK_K is. A layout conversion of an operand (the earlier 3-D form's at BLOCK_M > 1: STS.128 / LDSM,
     # 9-25 barriers a block) moves BLOCK_K-proportional data through shared memory or shuffles, so its stores or
-    # shuffles grow with BLOCK_K. The last case is K4096 M = 4's table tile (one block on 16 warps).
+    # shuffles grow with BLOCK_K. The last case is K4096 M = 4's table tile on 16 warps, at twice its K: where K is
+    # one block, router_gemm runs the one-block build, which has no loop (the next test holds it).
+    k = 2 * max(bks)
     cfgs = [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt", "pdl-preload" if bm <= 4 else "pdl") for bk in bks]
     with CC.emulate_gpu(132), CC.record_launches() as launches:
-        rw = evenflow.RouterWeight(torch.randn(192, 4096) * 0.02)
+        rw = evenflow.RouterWeight(torch.randn(192, k) * 0.02)
         for cfg in cfgs:
-            evenflow.router_gemm(torch.empty(bm, 4096, dtype=torch.bfloat16), rw, config=cfg)
+            evenflow.router_gemm(torch.empty(bm, k, dtype=torch.bfloat16), rw, config=cfg)
     stats = CC.compile_stats(launches)
     assert [s.get("error") for s in stats] == [None, None], stats
     shared = []

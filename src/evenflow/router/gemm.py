@@ -270,8 +270,8 @@ def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: i
                  block_k: int, num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool,
                  preload_w: bool = False, one_block: bool = False) -> None:
     # preload_w: the first weight block loaded before the PDL wait (launch "pdl-preload"); it replaces the prefetch.
-    # one_block: the kernel's K-loop-free build, where K <= block_k (the kernel's ONE_BLOCK; round BO: not yet timed
-    # on a GPU, so router_gemm does not ask for it)
+    # one_block: the kernel's K-loop-free build, where K <= block_k (the kernel's ONE_BLOCK; router_gemm asks for it
+    # wherever K is one block)
     m, k = x.shape
     n = w.shape[0]
     if one_block and k > block_k:
@@ -446,7 +446,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
     if config.path == "fp32-simt":
         (_launch_fp32 if eager else _router_gemm_fp32_op)(
             x, w.source, out, config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages,
-            use_pdl, pf, pre)
+            use_pdl, pf, pre, x.shape[1] <= config.block_k)
         return out
     if config.path == "fp32-splitk":
         part, count = w.workspace(m, config)
