@@ -418,6 +418,22 @@ def test_splitk_configs_compile_for_sm90_without_spills():
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 
+def test_tuner_offers_one_block_row_tiles_at_16_rows_only_where_k_is_one_block():
+    """Round BQ: at the M = 16 bucket the tuner offers the M = 4 bucket's one-block simt tiles (4 rows, 2 weight rows,
+    the whole K in one block) over the grid's rows, where K fits one block of at most 4096; not where K is longer
+    (LongCat-Chat's 6144 would need the loop build, whose 128 values a thread spill), nor at other buckets."""
+    tuner = load_tuner()
+    def one_block(m, n, k):
+        return {(c.block_m, c.block_n, c.block_k, c.num_warps) for c in tuner.candidates(m, n, k, 132)
+                if c.path == "fp32-simt" and c.block_m == 4 and c.block_n == 2 and c.block_k >= k}
+    assert one_block(16, 128, 2048) == {(4, 2, 2048, 8), (4, 2, 2048, 16)}
+    assert one_block(16, 384, 3072) == {(4, 2, 4096, 8), (4, 2, 4096, 16)}
+    assert one_block(16, 768, 6144) == set()
+    assert one_block(64, 128, 2048) == set()
+    # the M = 4 bucket's own simt tiles of 2 weight rows stay (its loop-build 1 x 2048 tile over the rows is older)
+    assert {(4, 2, 2048, 8), (4, 2, 2048, 16)} <= one_block(4, 128, 2048)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SHAPES) + ["tails"])
 def test_gpu_every_candidate_real_shapes(case):
