@@ -657,8 +657,12 @@ def test_fp32_simt_preload_build_matches_fp64(device, m, n, k, cfg):
                                      (5, 16, 96, GemmConfig(2, 4, 128, 1, 4, 1, "fp32-simt"))])  # rows over the grid
 def test_fp32_simt_one_block_build_matches_the_loop(device, m, n, k, cfg):
     # Round BO: where K <= BLOCK_K the fp32-simt kernel's ONE_BLOCK build leaves out the K loop (whose one trip loads
-    # a masked-off second block). Same products, same tree: bit for bit the loop build's output, with and without
-    # the weight loaded before the PDL wait, and within the rule of the fp64 product.
+    # a masked-off second block). Both builds within the rule of the fp64 product, with and without the weight
+    # loaded before the PDL wait, each deterministic, and a column whose products are all -0.0 gives +0.0 in both.
+    # Where the compiler gives both builds the same register layout they agree bit for bit (the interpreter always;
+    # on sm_90 the table's tiles: tests/test_router_sm90.py and tests/test_router_gpu.py check those). Elsewhere
+    # the layout, and so the reduction tree, may differ: on the GPU this file's 4 x 2 x 64 tile on 2 warps with the
+    # preload came out a few ulps apart (round BQ4), so the bits are not asserted across builds here.
     from evenflow.router.gemm import _launch_fp32
 
     x, w = _inputs(m, n, k, device)
@@ -670,12 +674,18 @@ def test_fp32_simt_one_block_build_matches_the_loop(device, m, n, k, cfg):
     for pre in (False, True):
         outs = []
         for one in (False, True):
-            out = torch.full((m, n), float("nan"), device=device)
-            _launch_fp32(x, w, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False,
-                         False, pre, one)
-            _check_fp32(out, x, w, f"preload={pre} one_block={one}")
-            outs.append(out)
-        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), f"preload={pre}"  # bits, signs too
+            runs = []
+            for _ in range(2):
+                out = torch.full((m, n), float("nan"), device=device)
+                _launch_fp32(x, w, out, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, False,
+                             False, pre, one)
+                _check_fp32(out, x, w, f"preload={pre} one_block={one}")
+                runs.append(out)
+            assert torch.equal(runs[0].view(torch.int32), runs[1].view(torch.int32)), f"preload={pre} one={one}"
+            assert (runs[0][:, 0].view(torch.int32) == 0).all(), f"preload={pre} one={one}: column 0 not +0.0"
+            outs.append(runs[0])
+        if not outs[0].is_cuda:  # the interpreter: one tree whatever the build
+            assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), f"preload={pre}"
 
 
 def test_fp32_simt_one_block_refuses_a_k_past_its_block(device):

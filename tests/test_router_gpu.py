@@ -387,3 +387,32 @@ def test_pdl_weight_prefetch_never_reads_old_weights(path):
             cfg_i = GemmConfig(1, 1, 2048, 1, 8, 1, "fp32-simt") if path == "fp32-simt" else cfg
             want = evenflow.router_gemm(x, rw, config=cfg_i, pdl=False, prefetch_weights=False)
             assert_exact(outs[i], want, f"rep {rep} step {i}")
+
+
+def test_one_block_build_gives_the_loop_builds_bits_at_the_tables_tiles():
+    # Round BQ: router_gemm runs the fp32-simt one-block build wherever K is one block. At the H200 table's tiles it
+    # gives the loop build's output bit for bit (round BQ3 measured it at each; the sm_90 test checks that both
+    # builds issue the same operations in the same order), within the rule of fp64 either way, so switching the
+    # build changed no routing. Real shapes, each entry's own launch mode, every row of a 16-row bucket.
+    import json
+    import os
+
+    from evenflow import _runtime
+    from evenflow.router.gemm import _launch_fp32
+
+    table = json.load(open(os.path.join(os.path.dirname(evenflow.router.__file__), "configs", "h200.json")))
+    entries = [(e["m_max"], e["N"], e["K"], e["config"]) for e in table["entries"]
+               if e["config"]["path"] == "fp32-simt" and e["K"] <= e["config"]["block_k"]]
+    assert len(entries) >= 5, entries
+    for m, n, k, c in entries:
+        x, w = _inputs(m, n, k, seed=m + k)
+        ref = R.router_logits_fp64(x, w)
+        pdl = c["launch"] != "plain" and _runtime.pdl_supported(w.device)
+        outs = []
+        for one in (False, True):
+            out = torch.full((m, n), float("nan"), device="cuda")
+            _launch_fp32(x, w, out, c["block_m"], c["block_n"], c["block_k"], c["num_warps"], 1, pdl,
+                         pdl and c["launch"] == "pdl-prefetch", pdl and c["launch"] == "pdl-preload", one)
+            assert_within_rule(out, ref, x.float() @ w.t(), what=f"{c} M{m} N{n} K{k} one_block={one}")
+            outs.append(out)
+        assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32)), (m, n, k, c)

@@ -324,3 +324,40 @@ def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, w
     first_product = min(i for i, op in enumerate(seq) if op in ("FFMA", "FMUL"))
     assert wait < last_load < first_product, (wait, last_load, first_product)
     assert all(w["issued"] == w["needed"] == 1 for w in one["load_waves"]), one["load_waves"]
+
+
+def _one_block_table_entries() -> list[tuple[int, int, int, dict]]:
+    """(M bucket, N, K, config) of each H200 table entry that ``router_gemm`` runs as the one-block build."""
+    path = os.path.join(os.path.dirname(evenflow.router.__file__), "configs", "h200.json")
+    table = json.load(open(path))
+    return [(e["m_max"], e["N"], e["K"], e["config"]) for e in table["entries"]
+            if e["config"]["path"] == "fp32-simt" and e["K"] <= e["config"]["block_k"]]
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_one_block_build_reduces_as_the_loop_build_at_the_tables_tiles():
+    # Round BQ: the one-block build computes the same expression as the loop build's one trip (products, a tl.sum
+    # over K, added to zeros), but bit-equal outputs also need the compiler to give both the same register layout,
+    # which decides the reduction tree. On the GPU (BQ4) a 4 x 2 x 64 tile on 2 warps with the preload did not:
+    # the loop build summed 4 chains of 2 products a thread and a 32-lane butterfly, the one-block build 2 chains
+    # of 4 and a 16-lane butterfly (ulps apart, both within the rule). The table's tiles are what router_gemm runs:
+    # at each of them both builds must issue the same fp32 operations and shuffles in the same order (BQ3 found
+    # them bit-equal on the GPU at these tiles; tests/test_router_gpu.py checks it there).
+    from evenflow.router.gemm import _launch_fp32
+
+    entries = _one_block_table_entries()
+    assert len(entries) >= 5, entries  # K4096, LongCat-Lite and Qwen3 at M = 1, 4 (and Qwen3 16)
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        for m, n, k, c in entries:
+            x, w = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k)
+            pdl = c["launch"] != "plain"
+            for one in (False, True):
+                _launch_fp32(x, w, torch.empty(m, n), c["block_m"], c["block_n"], c["block_k"], c["num_warps"], 1,
+                             pdl, c["launch"] == "pdl-prefetch", c["launch"] == "pdl-preload", one)
+    assert [dict(la.constexprs)["ONE_BLOCK"] for la in launches] == [False, True] * len(entries)
+    stats = CC.compile_stats(launches)
+    by = {s["describe"]: s for s in stats}
+    assert all("error" not in s for s in stats), stats
+    for (m, n, k, c), (loop, one) in zip(entries, zip(launches[::2], launches[1::2])):
+        a, b = by[loop.describe()]["float_ops"], by[one.describe()]["float_ops"]
+        assert a and a == b, (m, n, k, c, a, b)

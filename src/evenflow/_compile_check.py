@@ -232,7 +232,7 @@ def compile_stats(launches, arch: int = 90, timeout: float = 1800.0) -> list[dic
     :func:`sass_loops`), ``sequence`` (the whole kernel's SASS opcodes in address order, :func:`sass_guarded`),
     ``ops`` (the same counted by opcode), ``load_waves`` and ``loop_load_waves`` (memory round trips as built and
     as needed, :func:`load_waves`), ``mma`` (which MMA instructions the PTX uses, :func:`mma_counts`), ``marks``
-    (:func:`ptx_marks`), ``mark_counts`` (:func:`ptx_mark_counts`); or ``error``
+    (:func:`ptx_marks`), ``mark_counts`` (:func:`ptx_mark_counts`), ``float_ops`` (:func:`ptx_float_ops`); or ``error``
     when the launch does not compile.
     """
     return _run_worker(launches, arch, timeout, stats=True)
@@ -270,6 +270,26 @@ def ptx_mark_counts(ptx: str) -> dict:
     reaches one: a kernel whose early exit waits has two)."""
     body = ptx[ptx.index(".entry"):]
     return {m: body.count(m) for m in PTX_MARKS}
+
+
+def ptx_float_ops(ptx: str) -> list[str]:
+    """The kernel body's fp32 arithmetic and warp shuffles in PTX order, operands left out but a butterfly
+    shuffle's lane offset: ``["mul.f32", "fma.rn.f32", "shfl.bfly 16", "add.f32", ...]``. Two builds whose
+    sequences differ reduce in different trees (e.g. a different register layout of the same ``tl.sum``); the same
+    sequence is the same operations in the same order (what the data layout feeds them aside)."""
+    import re
+
+    body = ptx[ptx.index(".entry"):]
+    out = []
+    for line in body.splitlines():
+        m = re.match(r"\s*(?:@!?%\w+\s+)?((?:fma|mul|add|sub|neg|max|min)(?:\.\w+)*\.f32)\s", line)
+        if m:
+            out.append(m.group(1))
+            continue
+        m = re.match(r"\s*(?:@!?%\w+\s+)?shfl\.sync\.bfly\.b32\s+[^,]+,\s*[^,]+,\s*(\d+),", line)
+        if m:
+            out.append(f"shfl.bfly {m.group(1)}")
+    return out
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -530,7 +550,8 @@ def _compile_main(path: str, arch: int, stats: bool = False) -> None:
                                  "ops": dict(collections.Counter(sequence)), "load_waves": load_waves(sass),
                                  "loop_load_waves": loop_load_waves(sass),
                                  "mma": mma_counts(compiled.asm["ptx"]), "marks": ptx_marks(compiled.asm["ptx"]),
-                                 "mark_counts": ptx_mark_counts(compiled.asm["ptx"])})
+                                 "mark_counts": ptx_mark_counts(compiled.asm["ptx"]),
+                                 "float_ops": ptx_float_ops(compiled.asm["ptx"])})
                 continue
             if compiled.metadata.shared > SHARED_LIMIT.get(arch, SHARED_LIMIT[90]):
                 failures.append(f"{item['describe']}: needs {compiled.metadata.shared} B of shared memory, "
