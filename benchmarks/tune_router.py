@@ -131,7 +131,7 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
         # Round BQ: where K is one block, the M = 4 bucket's one-block tiles (router_gemm runs the ONE_BLOCK build:
         # no K loop, half the registers of the loop build) over the grid's rows. In BQ3 at M = 16 the 4 x 2 x 2048
         # tile on 8 warps took Qwen3 in 2.21 us against its entry's 2.59 (K4096 5.46 against 4.55: not there).
-        bk = 1 << max(0, k - 1).bit_length()
+        bk = max(16, 1 << max(0, k - 1).bit_length())  # a block of at least 16 (GemmConfig's minimum)
         out += [GemmConfig(4, 2, bk, 1, warps, 1, "fp32-simt") for warps in (8, 16)]
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]

@@ -651,6 +651,23 @@ def test_fp32_simt_preload_build_matches_fp64(device, m, n, k, cfg):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.skipif(not evenflow._runtime.interpreting(), reason="records launches through the interpreter")
+def test_router_gemm_runs_the_one_block_build_exactly_where_k_is_one_block():
+    # Round BQ: router_gemm asks the fp32-simt kernel for its ONE_BLOCK build wherever K <= BLOCK_K (K from the
+    # weight), the loop build elsewhere, whatever the rows or the launch mode; the output is within the rule either way.
+    from evenflow._compile_check import record_launches
+
+    for k, bk, want in ((64, 64, True), (50, 64, True), (65, 64, False), (300, 128, False), (16, 512, True)):
+        x, w = _inputs(3, 5, k, "cpu")
+        rw = evenflow.RouterWeight(w)
+        for launch in ("plain", "pdl-preload"):
+            cfg = GemmConfig(2, 2, bk, 1, 2, 1, "fp32-simt", launch)
+            with record_launches(execute=True) as rec:
+                out = evenflow.router_gemm(x, rw, config=cfg)
+            assert [dict(la.constexprs)["ONE_BLOCK"] for la in rec] == [want], (k, bk, launch)
+            _check_fp32(out, x, w, f"K={k} BLOCK_K={bk} {launch}")
+
+
 @pytest.mark.parametrize("m,n,k,cfg", [(4, 6, 64, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # K = BLOCK_K
                                      (3, 5, 50, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # the tail in block 1
                                      (1, 7, 256, GemmConfig(1, 1, 256, 1, 4, 1, "fp32-simt")),  # one row, 7 programs

@@ -511,7 +511,8 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
     back into gate and up columns after the loop: each output is the same sum of the same products as with two
     dots. Round AT6's probe: 1.09x the two-dot gate-up at Qwen3 T = 4096 on 128 x (128 + 128) bf16 tiles.
 
-    FENCED (``fused.GU_REDUCE_FENCED``; a K split's last arriver; not the default until a GPU measures it): every
+    FENCED (``fused.GU_REDUCE_FENCED``; a K split's last arriver; off: round BQ2 timed it slower where it was meant to
+    gain, 1.04-1.07x at Hy3 bf16 T = 1 and 1.21-1.23x at Hy3 TP8 bf16 T = 4, for reasons not yet read): every
     split's partials are loaded, then a branch (on ``I > 0``, always true, a runtime value), then summed in split
     order from a zero tile as the default does: the same bits. The default's sm_90 build spreads those loads over
     5 round trips after the arrival at 8 splits (Hy3 bf16 T = 1-2), where their addresses need 1 (round BP);
@@ -939,12 +940,13 @@ def moe_reduce_kernel(
 
     The sm_90 build does not keep that order (round BO, CPU: ``benchmarks/sass_load_waves.py``): ptxas issues some
     rows, and one of the eight ids, after sums that read earlier ones, so their latencies run in turn: 4 round trips
-    a program at one K split, 10 at four. FENCED (``fused.REDUCE_FENCED``; not the default until measured on a GPU)
+    a program at one K split, 10 at four. FENCED (``fused.REDUCE_FENCED``; measured in round BQ at 0.9964 of the
+    default's time, the median over T = 1-4; the default once ``moe.json`` is re-recorded with it)
     puts two branches between the round trips (``if top_k > 0`` after the ids, ``if H > 0`` after the rows, always
     taken where there is work), across which ptxas moved no load or read in these builds (the sm_90 test checks), and
     asks for the shared output's row with the ids (its address needs no loaded value): 2 round trips at every split.
     The same sums in the same order: the same bits. The default body is the record's, kept as it was (the same sm_90
-    PTX as before round BO) until a GPU measures the fenced one; then one body stays.
+    PTX as before round BO) until the fenced one is the record's; then one body stays.
     """
     pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)

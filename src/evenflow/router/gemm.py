@@ -446,7 +446,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
     if config.path == "fp32-simt":
         (_launch_fp32 if eager else _router_gemm_fp32_op)(
             x, w.source, out, config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages,
-            use_pdl, pf, pre, x.shape[1] <= config.block_k)
+            use_pdl, pf, pre, w.source.shape[1] <= config.block_k)  # K from the weight: static under compile
         return out
     if config.path == "fp32-splitk":
         part, count = w.workspace(m, config)

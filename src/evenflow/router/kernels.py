@@ -243,9 +243,10 @@ def router_gemm_fp32_kernel(
     and holds their registers (the trip count is a run-time value): 104 -> 56 registers and 499 -> 377 sm_90 SASS
     instructions a warp (NOPs aside) at K4096 M = 4's 4 x 2 x 4096 tile on 16 warps (round BO, CPU). The same
     expression as the loop's one trip; the same bits wherever the compiler gives both builds the same register
-    layout, which sets the reduction tree: at every tile of the H200 table (round BQ; the tests check it), not at
-    every tile (a 4 x 2 x 64 tile on 2 warps came out a few ulps apart, within the rule). 0.88-0.93 of the loop's
-    time at M = 4, 0.94-0.97 at M = 1 (round BQ3). Round BM8 measured an earlier form, the sum without the branch
+    layout, which sets the reduction tree: at every tile of the H200 table on its own launch mode (round BQ3 on the
+    GPU; tests check the same fp32 operation sequence on sm_90 and the bits on the GPU), not at every tile (a 4 x 2 x
+    64 tile on 2 warps came out a few ulps apart, within the rule). 0.88-0.93 of the loop's time at M = 4, 0.94-1.03
+    at M = 1 (round BQ3: two of nine passes level). Round BM8 measured an earlier form, the sum without the branch
     below, at 1.086x the loop's time at K4096 M = 1, and withdrew it.
     """
     i_n = tl.program_id(0)
