@@ -527,10 +527,12 @@ def evenflow_calls(inp: Inputs, plan, switches: dict | None = None) -> list:
                                         k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale,
                                         out=out)
 
+    calls = [bind(r) for r in range(inp.rotations)]
+    if not switches:
+        return calls
     from evenflow.attention import decode
 
-    calls = [bind(r) for r in range(inp.rotations)]
-    return [lambda fn=fn: H.with_switches(decode, switches, fn) for fn in calls] if switches else calls
+    return [lambda fn=fn: H.with_switches(decode, switches, fn) for fn in calls]
 
 
 def _evenflow_fns(impl: str, inp: Inputs):

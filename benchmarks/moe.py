@@ -77,9 +77,7 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # (the same for each program's first K step only, MoEConfig.prefetch's form), evenflow-nopf (no prefetch whatever
 # the table's entry says: the A/B of its prefetch choices), evenflow-fencedreduce (round BO: the top-k reduce built
 # with two branches that keep its loads in the two round trips its ids and rows need, evenflow.moe.fused.REDUCE_FENCED;
-# the same bits), evenflow-fencedgu (round BP: a K-split gate-up's last arriver loads every split's partials before
-# a branch, evenflow.moe.fused.GU_REDUCE_FENCED; the same bits; the same launches as evenflow where the gate-up is not
-# split), evenflow-fenced (both))
+# the same bits))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -98,14 +96,11 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                      for g, gemms in (("", ("gate_up", "down")), ("gu", ("gate_up",)), ("down", ("down",)))
                      for n in ("", "1")},
                   "evenflow-nopf": {"_pair_prefetch": ()},
-                  "evenflow-fencedreduce": {"_reduce_fenced": True},
-                  "evenflow-fencedgu": {"_gu_reduce_fenced": True},
-                  "evenflow-fenced": {"_reduce_fenced": True, "_gu_reduce_fenced": True}}
+                  "evenflow-fencedreduce": {"_reduce_fenced": True}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
                    "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH",
-                   "_pair_prefetch_steps": "PAIR_PREFETCH_STEPS", "_reduce_fenced": "REDUCE_FENCED",
-                   "_gu_reduce_fenced": "GU_REDUCE_FENCED"}
+                   "_pair_prefetch_steps": "PAIR_PREFETCH_STEPS", "_reduce_fenced": "REDUCE_FENCED"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 

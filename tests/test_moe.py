@@ -198,57 +198,14 @@ def test_fenced_reduce_gives_the_same_bits(device, fmt, monkeypatch):
                       routed_scaling=1.5)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_per_tensor"])
-def test_fenced_gate_up_reduce_gives_the_same_bits(device, fmt, monkeypatch):
-    """Round BP: a K-split gate-up's last arriver built FENCED (fused.GU_REDUCE_FENCED: every split's partials
-    loaded before a branch, summed after it in split order from a zero tile) gives the default's bits, on pair tiles
-    at two and four splits and on index tiles, with a token that lists one expert twice; within the rule of the
-    oracle. Two routings in turn into poisoned outputs, the pair tiles' arrival counters seen back at zero after
-    each call (a counter left set would make the next call's reduce run early or never). A deferred split (summed
-    by the down GEMM) has no such reduce and is not built fenced. On the CPU the launches are recorded too, so the
-    switch is seen to reach the kernel. (Summation order: test_fenced_gate_up_reduce_sums_in_split_order.)"""
-    from evenflow import _runtime
-    from evenflow._compile_check import record_launches
-    from evenflow.moe import fused
-
-    h, i = SIZES[fmt]
-    ew = random_moe_weights(fmt, 4, h, i, device)
-    t, k = 3, 3
-    x = torch.randn(t, h, device=device).bfloat16()
-    routings = [routing_from([[1, 1, 3], [0, 2, 3], [2, 1, 0]], device),
-                routing_from([[3, 0, 2], [1, 3, 3], [0, 1, 2]], device)]
-    base = choose_config(t, k, 4, h, i, ew.mode)
-    two = dataclasses.replace(base, gu_block_k=_split_gu_block_k(base, fmt, h), gu_split_k=2, gu_defer=0)
-    runs = [(two, True), (two, False), (dataclasses.replace(two, gu_defer=1), True),
-            (dataclasses.replace(two, gu_block_k=h // 4, gu_split_k=4), True)]
-    for cfg, pair_tiles in runs:
-        outs = {}
-        for fenced in (False, True):
-            monkeypatch.setattr(fused, "GU_REDUCE_FENCED", fenced)
-            for r, (ids, w) in enumerate(routings):
-                out = poisoned((t, h), torch.bfloat16, device)
-                with record_launches(execute=True) if _runtime.interpreting() else contextlib.nullcontext() as rec:
-                    outs[fenced, r] = evenflow.fused_moe(x, ids, w, ew, config=cfg, out=out, pair_tiles=pair_tiles)
-                if pair_tiles:
-                    assert not ew.counters.any(), (fenced, r, cfg)
-                if rec is not None:
-                    (gu,) = [dict(la.constexprs) for la in rec if la.name == "moe_gate_up_kernel"]
-                    assert gu["SPLIT_K"] == cfg.gu_split_k and gu["FENCED_REDUCE"] == (fenced and not gu["DEFER"])
-                    assert gu["DEFER"] == (pair_tiles and cfg.gu_defer == 1)
-        what = f"{cfg.gu_split_k} splits, pair tiles {pair_tiles}, defer {cfg.gu_defer}"
-        for r, (ids, w) in enumerate(routings):
-            assert torch.equal(outs[False, r].view(torch.int16), outs[True, r].view(torch.int16)), (what, r)
-            check_moe(outs[True, r], x, ids, w, ew, f"{fmt} fenced gate-up reduce, {what}, routing {r}")
-
-
 @pytest.mark.parametrize("pair_tiles", [True, False], ids=["pair-tiles", "index"])
-def test_fenced_gate_up_reduce_sums_in_split_order(device, pair_tiles, monkeypatch):
-    """The fenced and default reduces add the four splits' partials in split order from a zero tile, so inputs whose
-    fp32 sum depends on that order give the same bits from both. x is all ones; each gate row's weights make the
-    splits' partials 2^25, -2^25, 1 and 0 (exact in fp32 within a split), so split order gives gate 1 and any order
-    that adds the 1 before both large partials gives 0 (the 1 is lost beside 2^25); the up rows give 64. A reduce
-    that summed in another order would give silu(0) * 64 = 0 where the default gives silu(1) * 64."""
-    from evenflow.moe import fused
+def test_gate_up_split_reduce_sums_in_split_order(device, pair_tiles):
+    """A K-split gate-up's last arriver adds the four splits' partials in split order from a zero tile (the order
+    moe_down_kernel's deferred GU_SPLIT sum keeps too). x is all ones; each gate row's weights make the splits'
+    partials 2^25, -2^25, 1 and 0 (exact in fp32 within a split), so split order gives gate 1 and any order that adds
+    the 1 before both large partials gives 0 (the 1 is lost beside 2^25); the up rows give 64. A reduce that summed
+    in another order would give silu(0) * 64 = 0 where split order gives silu(1) * 64. (Round BP's fenced form of
+    this reduce, withdrawn in round BQ, was held to the same order by this test.)"""
     from evenflow.moe.quant import MoEWeights
 
     h, i, e, t = 64, 32, 4, 2
@@ -265,11 +222,7 @@ def test_fenced_gate_up_reduce_sums_in_split_order(device, pair_tiles, monkeypat
     x = torch.ones(t, h, device=device).bfloat16()
     ids, w = routing_from([[0, 2], [3, 1]], device)
     cfg = dataclasses.replace(choose_config(t, 2, e, h, i, 0), gu_block_k=q, gu_split_k=4, gu_defer=0)
-    outs = []
-    for fenced in (False, True):
-        monkeypatch.setattr(fused, "GU_REDUCE_FENCED", fenced)
-        outs.append(evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=pair_tiles))
-    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    out = evenflow.fused_moe(x, ids, w, ew, config=cfg, pair_tiles=pair_tiles)
     # the layer with gate 1 (split order), computed from the bf16 weights in fp64, not the one with gate 0
     silu1 = 1.0 / (1.0 + math.exp(-1.0))
     inter = torch.full((i,), silu1 * h, dtype=torch.float64)
@@ -279,26 +232,8 @@ def test_fenced_gate_up_reduce_sums_in_split_order(device, pair_tiles, monkeypat
         for j in range(2):
             want[tok] += float(w[tok, j]) * (w2_64[int(ids[tok, j])] @ inter)
     # (bf16 intermediate and output roundings: a few % of the largest output; gate 0 would miss by all of it)
-    err = (outs[1].double().cpu() - want).abs().max()
+    err = (out.double().cpu() - want).abs().max()
     assert err <= 0.03 * want.abs().max(), (err, want.abs().max())
-
-
-def test_fenced_gate_up_reduce_is_built_only_where_it_holds(monkeypatch):
-    """Which gate-up launches the switch reaches (fused._gu_reduce_fenced): a K split not deferred to the down GEMM,
-    bf16 or per-tensor fp8 (block scales' wider tiles spilled, or took a round trip more, round BP), partials of at
-    most GU_REDUCE_FENCED_MAX_VALUES; never with the switch off."""
-    from evenflow.moe import fused
-
-    cfg = dataclasses.replace(choose_config(1, 8, 24, 4096, 1536, 0), block_m=16, gu_block_n=64, gu_split_k=8)
-    assert cfg.block_m * cfg.gu_block_n * 2 * cfg.gu_split_k == fused.GU_REDUCE_FENCED_MAX_VALUES
-    monkeypatch.setattr(fused, "GU_REDUCE_FENCED", True)
-    assert fused._gu_reduce_fenced(cfg, 0, False) and fused._gu_reduce_fenced(cfg, 1, False)
-    assert not fused._gu_reduce_fenced(cfg, 2, False)  # block scales
-    assert not fused._gu_reduce_fenced(cfg, 0, True)  # deferred to the down GEMM
-    assert not fused._gu_reduce_fenced(dataclasses.replace(cfg, gu_split_k=1), 0, False)
-    assert not fused._gu_reduce_fenced(dataclasses.replace(cfg, gu_block_n=128), 0, False)  # too many partials
-    monkeypatch.setattr(fused, "GU_REDUCE_FENCED", False)
-    assert not fused._gu_reduce_fenced(cfg, 0, False)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

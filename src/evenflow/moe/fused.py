@@ -110,16 +110,6 @@ PAIR_PREFETCH_STEPS = 1
 # (kernels.moe_reduce_kernel's FENCED: the sm_90 build without them takes 4 round trips a program, 10 at four down
 # K splits). The same bits. False until a GPU measures it (benchmarks/moe.py's evenflow-fencedreduce rows).
 REDUCE_FENCED = False
-# Round BP: a K-split gate-up's last arriver loads every split's partials before a branch and sums them after it
-# (kernels._gate_up_tile's FENCED): the sm_90 build without it spreads those loads over up to 5 round trips after
-# the arrival (8 splits, Hy3 bf16 T = 1-2) where 1 is needed. The same bits. False until a GPU measures it
-# (benchmarks/moe.py's evenflow-fencedgu rows).
-GU_REDUCE_FENCED = False
-# ... where the partials it holds are at most this many fp32 values a program (BLOCK_M x BLOCK_N x 2 x SPLIT_K; 128 a
-# thread at 4 warps: Hy3 bf16's 8 splits of 16 x 64 take 152 registers, no spill), and not for block scales (their
-# default builds at the benchmark's points already read the partials in one round trip; fenced, the 16 x 128 tiles
-# at 8 splits took 255 registers, spilled 280 bytes and two round trips: history/round-bp-cpu/variants.txt)
-GU_REDUCE_FENCED_MAX_VALUES = 16384
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -194,14 +184,6 @@ def _split_k(k_dim: int, block_k: int, programs: int, target: int, elem_bytes: i
            and k_dim // (2 * s) >= min_depth):
         s *= 2
     return s
-
-
-def _gu_reduce_fenced(cfg: MoEConfig, mode: int, defer: bool) -> bool:
-    """Whether a K-split gate-up's last arriver is built FENCED (``GU_REDUCE_FENCED``, above): a split that is not
-    deferred to the down GEMM, bf16 or per-tensor fp8, on tiles whose partials fit ``GU_REDUCE_FENCED_MAX_VALUES``."""
-    values = cfg.block_m * cfg.gu_block_n * 2 * cfg.gu_split_k
-    return (GU_REDUCE_FENCED and cfg.gu_split_k > 1 and not defer and mode != 2
-            and values <= GU_REDUCE_FENCED_MAX_VALUES)
 
 
 def _gate_up_one_dot(cfg: MoEConfig, mode: int, acc_kind: int, pair_tiles: bool) -> bool:
@@ -588,8 +570,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         SPLIT_K=cfg.gu_split_k, DOT_F32=dot_f32, FP8_ROUND=fp8_round, PAIR_TILES=by_pair, FAST_ACC=acc_kind,
         DEFER=defer, PERSIST=gu_persist, E_PAD=gu_e_pad, LOCAL_FIRST=packed, MAX_PAIRS=max_pairs,
         ONE_DOT=_gate_up_one_dot(cfg, mode, acc_kind, by_pair), PREFETCH=pf_gu,
-        PREFETCH_STEPS=PAIR_PREFETCH_STEPS if pf_gu else 0,
-        FENCED_REDUCE=_gu_reduce_fenced(cfg, mode, defer), **gpu_kw, **pk,
+        PREFETCH_STEPS=PAIR_PREFETCH_STEPS if pf_gu else 0, **gpu_kw, **pk,
     )
     # The per-pair products (times their top-k weight) are stored in bf16 unless the down GEMM is
     # K-split (its partial sums stay fp32): at T=4096 an fp32 buffer is 268 MB (Qwen3) / 537 MB

@@ -500,8 +500,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
                   p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst, stride_we, stride_wn, stride_wse,
                   stride_wsn, stride_om, stride_osm, MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr,
-                  PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, ONE_DOT: tl.constexpr,
-                  FENCED: tl.constexpr = False):
+                  PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, ONE_DOT: tl.constexpr):
     """One task of the gate-up GEMM: (tile of local expert ``e``, rows ``o_m`` / ``m_m``, n-block ``i_n`` of
     ``num_nb``, K split ``i_s``, of a grid of ``n_tiles`` tiles); see moe_gate_up_kernel.
 
@@ -509,14 +508,7 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
     columns alternate gate row n and up row I + n, one MMA of twice the width a K step (the activation tile is
     loaded once either way; the MMAs read it from shared memory once a step, not twice), the accumulator split
     back into gate and up columns after the loop: each output is the same sum of the same products as with two
-    dots. Round AT6's probe: 1.09x the two-dot gate-up at Qwen3 T = 4096 on 128 x (128 + 128) bf16 tiles.
-
-    FENCED (``fused.GU_REDUCE_FENCED``; a K split's last arriver; off: round BQ2 timed it slower where it was meant to
-    gain, 1.04-1.07x at Hy3 bf16 T = 1 and 1.21-1.23x at Hy3 TP8 bf16 T = 4, for reasons not yet read): every
-    split's partials are loaded, then a branch (on ``I > 0``, always true, a runtime value), then summed in split
-    order from a zero tile as the default does: the same bits. The default's sm_90 build spreads those loads over
-    5 round trips after the arrival at 8 splits (Hy3 bf16 T = 1-2), where their addresses need 1 (round BP);
-    holding them all costs registers (78 -> 152 at 8 splits)."""
+    dots. Round AT6's probe: 1.09x the two-dot gate-up at Qwen3 T = 4096 on 128 x (128 + 128) bf16 tiles."""
     pair = _row_pairs(p_sorted, o_m, m_m, PAIR_TILES)
     tok = (pair // top_k).to(tl.int64)
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -595,21 +587,9 @@ def _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb,
                 # split order from a zero tile: moe_down_kernel's GU_SPLIT sum must stay the same
                 red_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 red_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                if FENCED:
-                    parts = ()
-                    for s in tl.static_range(SPLIT_K):
-                        parts = parts + (
-                            tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg"),
-                            tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg"))
-                    if I > 0:  # every load above is issued before the first sum reads one
-                        for s in tl.static_range(SPLIT_K):
-                            red_g += parts[2 * s]
-                            red_u += parts[2 * s + 1]
-                else:
-                    for s in range(0, SPLIT_K):
-                        red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
-                        red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0,
-                                         cache_modifier=".cg")
+                for s in range(0, SPLIT_K):
+                    red_g += tl.load(p_pg + s * stride_ps, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
+                    red_u += tl.load(p_pg + s * stride_ps + I, mask=m_m[:, None], other=0.0, cache_modifier=".cg")
                 _gate_up_epilogue(red_g, red_u, o_m, m_m, o_n, i_n, i_tile, e64, p_ws, p_out, p_out_s, p_a_scale,
                                   p_o_scale, p_hbuf, p_gcount, I, stride_om, stride_osm, MODE, BLOCK_N, FP8_ROUND)
                 tl.store(p_c, 0)
@@ -651,7 +631,7 @@ def moe_gate_up_kernel(
     SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr, FP8_ROUND: tl.constexpr, PDL: tl.constexpr,
     PAIR_TILES: tl.constexpr, FAST_ACC: tl.constexpr, DEFER: tl.constexpr, PERSIST: tl.constexpr,
     E_PAD: tl.constexpr, LOCAL_FIRST: tl.constexpr, MAX_PAIRS: tl.constexpr, ONE_DOT: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, PREFETCH_STEPS: tl.constexpr = 0, FENCED_REDUCE: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0, PREFETCH_STEPS: tl.constexpr = 0,
 ):
     """inter[rows, n-block] = act(x[tokens] @ w13[e, gate n-block].T, x[tokens] @ w13[e, up n-block].T).
 
@@ -724,7 +704,7 @@ def moe_gate_up_kernel(
         _gate_up_tile(e, o_m, m_m, i_tile, i_n, i_s, n_tiles, num_nb, p_x, p_xs, p_w, p_ws, p_sorted, p_out,
             p_out_s, p_a_scale, p_o_scale, p_part, p_count, p_hbuf, p_gcount, top_k, I, K, stride_xt, stride_xst,
             stride_we, stride_wn, stride_wse, stride_wsn, stride_om, stride_osm, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
-            SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER, ONE_DOT, FENCED_REDUCE)
+            SPLIT_K, DOT_F32, FP8_ROUND, PAIR_TILES, FAST_ACC, DEFER, ONE_DOT)
 
 
 @triton.jit
