@@ -327,8 +327,8 @@ def compile_only() -> int:
                     cfgs = candidates(m, n, kk, H200_SMS, plain=False, terms=terms) + invariant_candidates(n, kk)
                     cfgs += [dispatch.heuristic_config(m, n, kk, H200_SMS),
                              dispatch.heuristic_invariant_config(n, kk)]
-                    simt |= {(c.block_m, c.block_n, c.block_k, kk % c.block_k == 0, c.num_warps, c.num_stages)
-                             for c in cfgs if c.path == "fp32-simt"}
+                    simt |= {(c.block_m, c.block_n, c.block_k, kk % c.block_k == 0, kk <= c.block_k, c.num_warps,
+                              c.num_stages) for c in cfgs if c.path == "fp32-simt"}
                     splitk |= {(c.block_m, c.block_n, c.block_k,
                                 launch_shape(m, n, kk, c.block_m, c.block_n, c.block_k, c.split_k)[1] > 1,
                                 kk % c.block_k == 0, c.num_warps, c.num_stages)
@@ -363,9 +363,11 @@ def compile_only() -> int:
              "stride_xm": "i32", "stride_wn": "i32", "stride_om": "i32"}
     names = list(sig32)
     attrs32 = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a not in ("M",)}
-    for (bm, bn, bk, even, warps, stages), pre in ((v, p) for v in sorted(simt) for p in (False, True)):
-        # the prefetch build and the preload build (launch "pdl-preload", round BM)
-        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, PDL=True, PREFETCH_W=not pre, PRELOAD_W=pre)
+    for (bm, bn, bk, even, one, warps, stages), pre in ((v, p) for v in sorted(simt) for p in (False, True)):
+        # the prefetch build and the preload build (launch "pdl-preload", round BM); where K is one block, the
+        # loop-free build router_gemm launches there (round BQ)
+        ce = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, PDL=True, PREFETCH_W=not pre, PRELOAD_W=pre,
+                  ONE_BLOCK=one)
         ck = triton.compile(ASTSource(fn=router_gemm_fp32_kernel, signature=sig32, constexprs=ce, attrs=attrs32),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
         if ck.metadata.shared > dispatch.SMEM_LIMIT:

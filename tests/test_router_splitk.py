@@ -434,6 +434,39 @@ def test_tuner_offers_one_block_row_tiles_at_16_rows_only_where_k_is_one_block()
     assert {(4, 2, 2048, 8), (4, 2, 2048, 16)} <= one_block(4, 128, 2048)
 
 
+def test_tuner_compile_only_builds_the_one_block_form_wherever_router_gemm_launches_it(monkeypatch):
+    """``tune_router.py --compile-only`` compiles, for sm_90, the simt builds router_gemm launches: the loop-free
+    one-block build (ONE_BLOCK) for exactly the candidate tiles whose block holds a whole K of the tuned shapes (K
+    tails included), in both weight launches. Compiles are recorded here, not run (the script itself runs them)."""
+    import types
+
+    import triton
+
+    tuner = load_tuner()
+    built = []
+
+    def record(src, target=None, options=None):
+        built.append((src.fn.__name__, {src.fn.arg_names[i]: v for (i,), v in src.constants.items()}, dict(options)))
+        return types.SimpleNamespace(metadata=types.SimpleNamespace(shared=0))
+
+    monkeypatch.setattr(triton, "compile", record)
+    assert tuner.compile_only() == 0
+    expected = set()
+    for k, n in tuner.CASES.values():
+        for kk in (k, k + 4):
+            for m in sorted(set(tuner.BUCKETS) | {2, 4, 8, 32, 128, 512, 2048}):
+                for terms in (2, 3):
+                    expected |= {(c.block_m, c.block_n, c.block_k, c.num_warps, kk % c.block_k == 0)
+                                 for c in tuner.candidates(m, n, kk, tuner.H200_SMS, plain=False, terms=terms)
+                                 if c.path == "fp32-simt" and kk <= c.block_k}
+    simt = [(ce, o) for name, ce, o in built if name == "router_gemm_fp32_kernel"]
+    for pre in (False, True):
+        one = {(ce["BLOCK_M"], ce["BLOCK_N"], ce["BLOCK_K"], o["num_warps"], ce["EVEN_K"])
+               for ce, o in simt if ce["ONE_BLOCK"] and ce["PRELOAD_W"] == pre}
+        assert one == expected and expected, (pre, sorted(one ^ expected))
+    assert (4, 2, 4096, 8, False) in expected  # LongCat-Lite's 3072 in one 4096 block
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(SHAPES) + ["tails"])
 def test_gpu_every_candidate_real_shapes(case):
