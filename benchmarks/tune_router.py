@@ -131,8 +131,13 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
         # Round BQ: where K is one block, the M = 4 bucket's one-block tiles (router_gemm runs the ONE_BLOCK build:
         # no K loop, half the registers of the loop build) over the grid's rows. In BQ3 at M = 16 the 4 x 2 x 2048
         # tile on 8 warps took Qwen3 in 2.21 us against its entry's 2.59 (K4096 5.46 against 4.55: not there).
+        # Round BR (CPU; docs/perf-notes/router.md): 4 x 4 and 8 x 2 too. Every program reads its rows of x after the
+        # wait, M K 2 N / BLOCK_N bytes over the grid (Qwen3: 4 MB at 2 columns, 2 MB at 4), and its weight rows
+        # before it, M / BLOCK_M times over (4 MB at 4 rows, 2 at 8). sm_90, one-block with the preload: 48-128
+        # registers, no spill, at K = 2048 and 4096 on 8 and 16 warps.
         bk = max(16, 1 << max(0, k - 1).bit_length())  # a block of at least 16 (GemmConfig's minimum)
-        out += [GemmConfig(4, 2, bk, 1, warps, 1, "fp32-simt") for warps in (8, 16)]
+        out += [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bm, bn in ((4, 2), (4, 4), (8, 2))
+                for warps in (8, 16)]
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out

@@ -671,7 +671,10 @@ def test_router_gemm_runs_the_one_block_build_exactly_where_k_is_one_block():
 @pytest.mark.parametrize("m,n,k,cfg", [(4, 6, 64, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # K = BLOCK_K
                                      (3, 5, 50, GemmConfig(4, 2, 64, 1, 2, 1, "fp32-simt")),  # the tail in block 1
                                      (1, 7, 256, GemmConfig(1, 1, 256, 1, 4, 1, "fp32-simt")),  # one row, 7 programs
-                                     (5, 16, 96, GemmConfig(2, 4, 128, 1, 4, 1, "fp32-simt"))])  # rows over the grid
+                                     (5, 16, 96, GemmConfig(2, 4, 128, 1, 4, 1, "fp32-simt")),  # rows over the grid
+                                     # round BR's 16-row tiles: rows and columns over the grid, tails in both
+                                     (16, 14, 96, GemmConfig(4, 4, 128, 1, 4, 1, "fp32-simt")),
+                                     (13, 6, 80, GemmConfig(8, 2, 128, 1, 4, 1, "fp32-simt"))])
 def test_fp32_simt_one_block_build_matches_the_loop(device, m, n, k, cfg):
     # Round BO: where K <= BLOCK_K the fp32-simt kernel's ONE_BLOCK build leaves out the K loop (whose one trip loads
     # a masked-off second block). Both builds within the rule of the fp64 product, with and without the weight

@@ -421,17 +421,46 @@ def test_splitk_configs_compile_for_sm90_without_spills():
 def test_tuner_offers_one_block_row_tiles_at_16_rows_only_where_k_is_one_block():
     """Round BQ: at the M = 16 bucket the tuner offers the M = 4 bucket's one-block simt tiles (4 rows, 2 weight rows,
     the whole K in one block) over the grid's rows, where K fits one block of at most 4096; not where K is longer
-    (LongCat-Chat's 6144 would need the loop build, whose 128 values a thread spill), nor at other buckets."""
+    (LongCat-Chat's 6144 would need the loop build, whose 128 values a thread spill), nor at other buckets. Round BR:
+    the 4 x 4 and 8 x 2 tiles beside them (half the x, or half the weight, read over the grid)."""
     tuner = load_tuner()
+    tiles = {(4, 2), (4, 4), (8, 2)}
+
     def one_block(m, n, k):
         return {(c.block_m, c.block_n, c.block_k, c.num_warps) for c in tuner.candidates(m, n, k, 132)
-                if c.path == "fp32-simt" and c.block_m == 4 and c.block_n == 2 and c.block_k >= k}
-    assert one_block(16, 128, 2048) == {(4, 2, 2048, 8), (4, 2, 2048, 16)}
-    assert one_block(16, 384, 3072) == {(4, 2, 4096, 8), (4, 2, 4096, 16)}
+                if c.path == "fp32-simt" and (c.block_m, c.block_n) in tiles and c.block_k >= k}
+    assert one_block(16, 128, 2048) == {(bm, bn, 2048, w) for bm, bn in tiles for w in (8, 16)}
+    assert one_block(16, 384, 3072) == {(bm, bn, 4096, w) for bm, bn in tiles for w in (8, 16)}
     assert one_block(16, 768, 6144) == set()
     assert one_block(64, 128, 2048) == set()
     # the M = 4 bucket's own simt tiles of 2 weight rows stay (its loop-build 1 x 2048 tile over the rows is older)
     assert {(4, 2, 2048, 8), (4, 2, 2048, 16)} <= one_block(4, 128, 2048)
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_tuner_one_block_tiles_at_16_rows_build_for_sm90_without_spills():
+    """Every one-block simt tile the tuner offers at the M = 16 bucket (round BR's among them), as router_gemm
+    launches it (the preload, the ONE_BLOCK build) at the tuned shapes whose K is one block, builds for sm_90 without
+    spilling (round BR: 48-128 registers; a spilling tile would stall on local memory where it should read x)."""
+    CC = pytest.importorskip("evenflow._compile_check")
+    tuner = load_tuner()
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        for k, n in tuner.CASES.values():
+            if k > 4096:
+                continue
+            rw = evenflow.RouterWeight(torch.randn(n, k) * 0.02)
+            for c in tuner.candidates(16, n, k, 132):
+                if c.path == "fp32-simt" and c.block_k >= k and c.block_m > 1:
+                    cfg = dataclasses.replace(c, launch="pdl-preload")
+                    evenflow.router_gemm(torch.empty(16, k, dtype=torch.bfloat16), rw, config=cfg)
+    launches = list(launches)
+    assert launches and all(dict(la.constexprs)["ONE_BLOCK"] and dict(la.constexprs)["PRELOAD_W"]
+                            for la in launches)
+    assert {(dict(la.constexprs)["BLOCK_M"], dict(la.constexprs)["BLOCK_N"]) for la in launches} >= {
+        (4, 2), (4, 4), (8, 2)}
+    for s in CC.compile_stats(launches):
+        assert "error" not in s, s.get("error")
+        assert s["spill_bytes"] == 0 and s["regs"] <= 128, (s["describe"], s["regs"], s["spill_bytes"])
 
 
 def test_tuner_compile_only_builds_the_one_block_form_wherever_router_gemm_launches_it(monkeypatch):
