@@ -15,6 +15,7 @@ import evenflow
 from evenflow._checks import checked_op
 from evenflow.attention import decode as D
 from evenflow.attention import plan as PL
+from evenflow.attention import prologue as PR
 from evenflow.moe import fused as F
 from evenflow.reference.moe import random_moe_weights, random_routing
 from evenflow.router import gemm as G
@@ -172,6 +173,38 @@ def test_decode_attention_op_checks_its_tensors(device, monkeypatch, planned):
         out = _fresh_like(a["out"])
         _replay(op, a, out=out, lse=_fresh_like(a["lse"]), bin_stride=5)  # another stride prime to 6: the same bins
         assert torch.equal(out, want)
+
+
+def test_prologue_op_checks_its_tensors(device, monkeypatch):
+    from test_prologue import make_inputs
+
+    calls = _record(monkeypatch, PR, "_prologue_launch")
+    args, qw, kw = make_inputs([2, 1], [3, 4], 4, 2, 64, 16, torch.float8_e4m3fn, pad=1, device=device)
+    kc0, vc0 = args["k_cache"].clone(), args["v_cache"].clone()
+    want, want_s = evenflow.qk_norm_rope_store_kv(**args, q_norm_weight=qw, k_norm_weight=kw, k_scale=0.5,
+                                                  q_dtype=torch.float8_e4m3fn)
+    kc1 = args["k_cache"].clone()
+    (a,) = calls
+    op = torch.ops.evenflow.qk_norm_rope_store_kv.default
+    a["k_cache"].copy_(kc0)
+    a["v_cache"].copy_(vc0)
+    q, s = _fresh_like(a["q_out"].float()).to(torch.float8_e4m3fn), _fresh_like(a["q_scale"])
+    _replay(op, a, q_out=q, q_scale=s)
+    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)) and torch.equal(s, want_s)
+    assert torch.equal(a["k_cache"].view(torch.uint8), kc1.view(torch.uint8))
+    _refused(op, a, "q_out must have shape", q_out=q[:2])
+    _refused(op, a, "q_scale must have shape", q_scale=s[:, :1])
+    _refused(op, a, "q_scale is required", q_scale=None)
+    _refused(op, a, "q_scale must be contiguous", q_scale=s.t().contiguous().t())
+    _refused(op, a, "positions must have shape", positions=a["positions"][:1])
+    _refused(op, a, "cu_seqlens_q must have shape", cu_seqlens_q=a["cu_seqlens_q"][:2])
+    _refused(op, a, "cos_sin must have shape", cos_sin=a["cos_sin"][:, :32])
+    _refused(op, a, "rotary_dim must be <= 64", rotary_dim=128)
+    _refused(op, a, "q_norm_weight must have shape", q_norm_weight=qw[:8])
+    _refused(op, a, "v_cache must have shape", v_cache=a["v_cache"][:1])
+    _refused(op, a, "k_scale must hold one element", k_scale=torch.ones(0, device=device))
+    _refused(op, a, "k_scale_f must be > 0", k_scale_f=0.0)
+    _refused(op, a, "qkv's width", qkv=a["qkv"][:, :-8])
 
 
 # ----------------------------------------------------------------------------- MoE

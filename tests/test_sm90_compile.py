@@ -141,9 +141,34 @@ def _moe_launches():
                                torch.rand(t, 2), ew, config=cfg)
 
 
-@pytest.mark.parametrize("family", ["decode", "router", "moe"])
+def _prologue_launches():
+    # (Hq, Hkv, D, page, T): Qwen3-30B-A3B (32 / 4, d128), its TP8 slice, Llama-style 8 kv heads, d64 and d256,
+    # at a decode step and a prefill chunk; every dtype pair, rotation style and norm form at Qwen3's shape
+    shapes = [(32, 4, 128, 64, 1), (32, 4, 128, 64, 4096), (4, 1, 128, 16, 64), (64, 8, 128, 128, 8),
+              (16, 2, 64, 32, 16), (8, 1, 256, 64, 16)]
+    forms = [dict(), dict(q_dtype=FP8), dict(rope_style="gptj", norm_before_rope=False), dict(rotary_dim=64),
+             dict(norms=False)]
+    for i, (hq, hkv, d, page, t) in enumerate(shapes):
+        for kv_dtype in (torch.bfloat16, FP8):
+            for form in forms if i == 0 else forms[:2]:
+                form = dict(form)
+                norms = form.pop("norms", True)
+                w = torch.ones(d, dtype=torch.bfloat16) if norms else None
+                b = 4
+                pages = (t + page - 1) // page + 1
+                evenflow.qk_norm_rope_store_kv(
+                    torch.empty(t, (hq + 2 * hkv) * d, dtype=torch.bfloat16), torch.zeros(t, dtype=torch.int64),
+                    evenflow.rope_cos_sin(t + 1, form.get("rotary_dim", d)),
+                    torch.empty(b * pages, page, hkv, d, dtype=kv_dtype),
+                    torch.empty(b * pages, page, hkv, d, dtype=kv_dtype),
+                    torch.zeros(b, pages, dtype=torch.int32), torch.tensor([0, t, t, t, t], dtype=torch.int32),
+                    q_norm_weight=w, k_norm_weight=w, k_scale=torch.ones(1) if kv_dtype == FP8 else None, **form)
+
+
+@pytest.mark.parametrize("family", ["decode", "router", "moe", "prologue"])
 def test_every_launch_compiles_for_sm90(family):
-    scenario = {"decode": _decode_launches, "router": _router_launches, "moe": _moe_launches}[family]
+    scenario = {"decode": _decode_launches, "router": _router_launches, "moe": _moe_launches,
+                "prologue": _prologue_launches}[family]
     with emulate_gpu(132), record_launches() as launches:
         scenario()
     assert launches, "the scenario launched no kernel"

@@ -44,6 +44,7 @@ def cmd_info(_args) -> int:
     print(f"exports  {', '.join(sorted(ev.__all__)) or '(none yet)'}")
     print("operators:")
     rows = [
+        ("qk_norm_rope_store_kv", "bf16 qkv -> bf16 or fp8 q; bf16 or fp8 e4m3 KV cache", "attention"),
         ("decode_attention", "bf16 KV; fp8 e4m3 KV" + ("" if fp8 else " (needs sm_89+)"), "attention"),
         ("router_gemm / route", "bf16 x, fp32 weight (split bf16 hi/lo)", "router"),
         ("fused_moe", "bf16; fp8 per-tensor; fp8 block-128" + ("" if fp8 else " (fp8 needs sm_89+)"), "moe"),
@@ -54,7 +55,7 @@ def cmd_info(_args) -> int:
             state = "available"
         except ImportError as e:
             state = f"not built yet ({e.name})"
-        print(f"  {name:20s} {state:14s} {dtypes}")
+        print(f"  {name:22s} {state:14s} {dtypes}")
     if cc is not None and cc < (8, 0):
         print("note: evenflow kernels need sm_80 or newer (bf16 tensor cores)")
     return 0

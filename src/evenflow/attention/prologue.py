@@ -1,0 +1,273 @@
+"""The fused attention prologue: QK-RMSNorm, rotary embedding, q (bf16, or fp8 with its scales) and the paged
+KV-cache store in one kernel. Launcher (checks, allocation, block choice) and its custom op.
+
+==============  =============================  =================================================================
+argument         shape                          dtype
+==============  =============================  =================================================================
+qkv              [T, (Hq + 2 * Hkv) * D]        bf16, the fused projection's output: Hq query heads, then Hkv key
+                                                heads, then Hkv value heads, D wide each (any row stride, unit
+                                                last stride)
+positions        [T]                            int32 or int64: each token's position in its request (the rotary
+                                                angle and the cache slot)
+cos_sin          [max_pos, R]                   fp32 or bf16: row p holds cos(p * f_i) for i < R/2, then
+                                                sin(p * f_i) (R = rotary_dim, the rotated dims; R <= D, even)
+k/v_cache        [num_pages, P, Hkv, D]         bf16 or fp8 e4m3 (the layout ``decode_attention`` reads; any
+                                                strides with a unit last stride)
+page_table       [B, max_pages]                 int32, pages in any order
+cu_seqlens_q     [B + 1]                        int32, token t belongs to request b where cu[b] <= t < cu[b + 1];
+                                                tokens at or past cu[B] are padding
+q/k_norm_weight  [D] or None                    bf16 or fp32 RMSNorm weight shared by every head (None: no norm)
+k/v_scale        float, fp32 tensor [1], None   per-tensor dequant scale of the cache (stored = value / scale;
+                                                ``decode_attention`` takes the same value)
+q_out            [T, Hq, D]                     bf16, or fp8 e4m3 with ``q_dtype=torch.float8_e4m3fn``
+q_scale_out      [T, Hq]                        fp32 (fp8 q only): q = q_out * q_scale, scale = max(amax, 1e-10) /
+                                                448 over the head's D values (``decode_attention``'s ``q_scale``)
+==============  =============================  =================================================================
+
+Token t (a request's position ``positions[t]``) writes its K and V to ``k_cache[page, slot]`` with
+``page = page_table[b, positions[t] // P]`` and ``slot = positions[t] % P``. Padding tokens (past ``cu[B]``) get
+q = 0 and write nothing to the cache. Two live tokens given the same slot race (the cache keeps one of them).
+
+What is checked where: dtypes, shapes, devices and strides raise on the host. Values inside device tensors
+(positions, the page table, cu_seqlens_q) are not read by the launcher by default (that would sync): a live token
+whose position is outside [0, max_pages * P) or whose page is outside [0, num_pages) writes nothing, and rotary
+angles are read at the position clamped to the table, so nothing is read or written out of bounds.
+``check_inputs=True`` checks those values in the call (one sync; skipped under CUDA-graph capture and
+torch.compile) and names the first bad entry.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from evenflow import _runtime
+from evenflow._checks import check_bool, check_choice, check_int, check_out, check_scaling, check_tensor, checked_op
+from evenflow.attention import prologue_kernels as PK
+from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, Q_DTYPES
+
+FP8 = torch.float8_e4m3fn
+ROPE_STYLES = ("neox", "gptj")
+# heads a program takes: about 2048 elements of each operand (fewer programs at small D, no spills at large)
+_BLOCK_ELEMS = 2048
+
+
+def _block_h(num_heads: int, head_dim: int) -> int:
+    return max(1, min(triton.next_power_of_2(num_heads), _BLOCK_ELEMS // head_dim))
+
+
+def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
+    """A per-tensor cache scale as (tensor or None, float): the tensor is read on the device (graph-friendly)."""
+    if s is None:
+        return None, 1.0
+    if isinstance(s, torch.Tensor):
+        check_tensor(name, s, dtypes=[torch.float32], device=device)
+        if s.numel() != 1:
+            raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(s.shape)}")
+        return s, 1.0
+    return None, check_scaling(name, s, positive=True)
+
+
+def _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, q_norm_weight, k_norm_weight,
+           rotary_dim, q_dtype):
+    """The host-side checks; returns (T, Hq, Hkv, D, R, B)."""
+    check_tensor("qkv", qkv, dtypes=[torch.bfloat16], ndim=2, last_dim_contiguous=True)
+    dev = qkv.device
+    check_tensor("k_cache", k_cache, dtypes=KV_DTYPES, ndim=4, device=dev, last_dim_contiguous=True)
+    check_tensor("v_cache", v_cache, dtypes=[k_cache.dtype], shape=list(k_cache.shape), device=dev,
+                 last_dim_contiguous=True)
+    _, P, Hkv, D = k_cache.shape
+    if P not in (16, 32, 64, 128):
+        raise ValueError(f"k_cache page size (dim 1) must be one of [16, 32, 64, 128], got {P}")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim (k_cache dim 3) must be one of {list(HEAD_DIMS)}, got {D}")
+    if k_cache.shape[0] < 1:
+        raise ValueError("k_cache must hold at least one page")
+    T, width = qkv.shape
+    if width % D or width // D <= 2 * Hkv or (width // D - 2 * Hkv) % Hkv:
+        raise ValueError(f"qkv's width ({width}) must be (Hq + 2 * Hkv) * D with D = {D}, Hkv = {Hkv} (k_cache) "
+                         "and Hq a positive multiple of Hkv")
+    Hq = width // D - 2 * Hkv
+    check_tensor("positions", positions, dtypes=[torch.int32, torch.int64], shape=[T], device=dev, contiguous=True)
+    check_tensor("cos_sin", cos_sin, dtypes=[torch.float32, torch.bfloat16], ndim=2, device=dev,
+                 last_dim_contiguous=True)
+    R = D if rotary_dim is None else check_int("rotary_dim", rotary_dim, 2, D)
+    if R % 2:
+        raise ValueError(f"rotary_dim must be even, got {R}")
+    if cos_sin.shape[1] != R or cos_sin.shape[0] < 1:
+        raise ValueError(f"cos_sin must have shape (max_pos >= 1, {R}) (cos then sin of the {R // 2} angles), "
+                         f"got {tuple(cos_sin.shape)}")
+    check_tensor("page_table", page_table, dtypes=[torch.int32], ndim=2, device=dev, last_dim_contiguous=True)
+    if page_table.shape[1] < 1:
+        raise ValueError("page_table must have at least one column")
+    B = page_table.shape[0]
+    check_tensor("cu_seqlens_q", cu_seqlens_q, dtypes=[torch.int32], shape=[B + 1], device=dev, contiguous=True)
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None:
+            check_tensor(name, w, dtypes=[torch.bfloat16, torch.float32], shape=[D], device=dev, contiguous=True)
+    check_choice("q_dtype", q_dtype, Q_DTYPES)
+    return T, Hq, Hkv, D, R, B
+
+
+def _prologue_launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, page_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, q_out: torch.Tensor,
+                     q_scale: torch.Tensor | None, k_scale_f: float, v_scale_f: float, eps: float,
+                     rotary_dim: int, gptj: bool, norm_first: bool) -> None:
+    T = qkv.shape[0]
+    _, P, Hkv, D = k_cache.shape
+    Hq = qkv.shape[1] // D - 2 * Hkv
+    B = page_table.shape[0]
+    if T == 0:
+        return
+    bh = _block_h(max(Hq, Hkv), D)
+    q_blocks, kv_blocks = triton.cdiv(Hq, bh), triton.cdiv(Hkv, bh)
+    q_fp8 = q_out.dtype == FP8
+    PK.qk_norm_rope_store_kv_kernel[(T, q_blocks + kv_blocks)](
+        qkv, positions, cos_sin, cu_seqlens_q, page_table, k_cache, v_cache,
+        q_norm_weight if q_norm_weight is not None else qkv, k_norm_weight if k_norm_weight is not None else qkv,
+        q_out, q_scale if q_scale is not None else cos_sin,
+        k_scale if k_scale is not None else cos_sin, v_scale if v_scale is not None else cos_sin,
+        k_scale_f, v_scale_f,
+        B, k_cache.shape[0], page_table.shape[1], cos_sin.shape[0], eps,
+        qkv.stride(0), cos_sin.stride(0), page_table.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), q_out.stride(0), q_scale.stride(0) if q_scale is not None else 0,
+        HQ=Hq, HKV=Hkv, D=D, R=rotary_dim, P=P, BLOCK_H=bh, Q_BLOCKS=q_blocks,
+        SEARCH_STEPS=max(1, math.ceil(math.log2(B + 1))),
+        GPTJ=gptj, NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None, NORM_FIRST=norm_first,
+        Q_FP8=q_fp8, KV_FP8=k_cache.dtype == FP8, K_SCALE_T=k_scale is not None, V_SCALE_T=v_scale is not None,
+        FP8_ROUND=_runtime.fp8_cast_needs_rounding(), num_warps=4,
+    )
+
+
+def _check_prologue_op(a: dict) -> None:
+    """A direct call's checks (``checked_op``): every tensor the kernel indexes, sized from the others."""
+    T, Hq, Hkv, D, R, B = _check(a["qkv"], a["positions"], a["cos_sin"], a["k_cache"], a["v_cache"],
+                                 a["page_table"], a["cu_seqlens_q"], a["q_norm_weight"], a["k_norm_weight"],
+                                 a["rotary_dim"], a["q_out"].dtype if isinstance(a["q_out"], torch.Tensor)
+                                 else None)
+    dev = a["qkv"].device
+    check_out("q_out", a["q_out"], [T, Hq, D], a["q_out"].dtype, dev)
+    if a["q_out"].dtype == FP8:
+        if a["q_scale"] is None:
+            raise ValueError("q_scale is required with an fp8 q_out")
+        check_out("q_scale", a["q_scale"], [T, Hq], torch.float32, dev)
+    elif a["q_scale"] is not None:
+        raise ValueError("q_scale is only written for an fp8 q_out")
+    for name in ("k_scale", "v_scale"):
+        if a[name] is not None:
+            _scale_arg(name, a[name], dev)
+    for name in ("k_scale_f", "v_scale_f", "eps"):
+        check_scaling(name, a[name], positive=True)
+    check_bool("gptj", a["gptj"])
+    check_bool("norm_first", a["norm_first"])
+
+
+# Registered as a custom op (fake below) for torch.compile; eager calls launch directly (the op's dispatch costs
+# tens of us on the host, as for the other operators).
+_prologue_op = torch.library.custom_op("evenflow::qk_norm_rope_store_kv",
+                                       mutates_args=("k_cache", "v_cache", "q_out", "q_scale"))(
+    checked_op(_prologue_launch, _check_prologue_op))
+
+
+@_prologue_op.register_fake
+def _(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, q_norm_weight, k_norm_weight, k_scale,
+      v_scale, q_out, q_scale, k_scale_f, v_scale_f, eps, rotary_dim, gptj, norm_first):
+    return None
+
+
+def qk_norm_rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, *,
+                          q_norm_weight=None, k_norm_weight=None, eps: float = 1e-6, norm_before_rope: bool = True,
+                          rope_style: str = "neox", rotary_dim: int | None = None, k_scale=None, v_scale=None,
+                          q_dtype: torch.dtype = torch.bfloat16, q_out=None, q_scale_out=None,
+                          check_inputs: bool = False):
+    """QK-RMSNorm, rotary embedding and the paged KV store of one layer's tokens, in one kernel (shapes in the
+    module docstring). Returns ``(q, q_scale)``: q ``[T, Hq, D]`` in ``q_dtype`` and, for an fp8 q, its fp32
+    scales ``[T, Hq]`` (else None), ready for :func:`evenflow.decode_attention`; K and V are written into
+    ``k_cache`` / ``v_cache`` in place.
+
+    ``norm_before_rope``: RMSNorm then rotation (Qwen3), or the rotation first. ``rope_style``: ``"neox"``
+    (rotate half) or ``"gptj"`` (interleaved pairs). ``rotary_dim``: the rotated leading dims (default D).
+    ``check_inputs``: also check positions, pages and cu_seqlens_q on the host (one sync; see the module).
+    All math in fp32, rounded once to the output's dtype.
+    """
+    T, Hq, Hkv, D, R, B = _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q,
+                                 q_norm_weight, k_norm_weight, rotary_dim, q_dtype)
+    dev = qkv.device
+    eps = check_scaling("eps", eps, positive=True)
+    check_bool("norm_before_rope", norm_before_rope)
+    check_choice("rope_style", rope_style, ROPE_STYLES)
+    check_bool("check_inputs", check_inputs)
+    ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
+    vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
+    if q_out is None:
+        q_out = torch.empty(T, Hq, D, dtype=q_dtype, device=dev)
+    else:
+        check_out("q_out", q_out, [T, Hq, D], q_dtype, dev)
+    if q_dtype == FP8:
+        if q_scale_out is None:
+            q_scale_out = torch.empty(T, Hq, dtype=torch.float32, device=dev)
+        else:
+            check_out("q_scale_out", q_scale_out, [T, Hq], torch.float32, dev)
+    elif q_scale_out is not None:
+        raise ValueError("q_scale_out is only written for q_dtype=torch.float8_e4m3fn")
+    if check_inputs and _runtime.host_sync_allowed(positions):
+        _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T)
+    op = _prologue_op if torch.compiler.is_compiling() else _prologue_launch
+    op(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, q_norm_weight, k_norm_weight, ks_t,
+       vs_t, q_out, q_scale_out, ks_f, vs_f, eps, R, rope_style == "gptj", norm_before_rope)
+    return q_out, q_scale_out
+
+
+def prologue_bytes(tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype, rotary_dim: int | None = None) -> int:
+    """Bytes one call must move (the floor's numerator): each token's qkv row read, its q written (with its fp32
+    scales for an fp8 q), its K and V written, its rotary row (fp32) and position (int64) read."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    q = num_q_heads * head_dim * q_dtype.itemsize + (num_q_heads * 4 if q_dtype == FP8 else 0)
+    kv = 2 * num_kv_heads * head_dim * kv_dtype.itemsize
+    return tokens * ((num_q_heads + 2 * num_kv_heads) * head_dim * 2 + q + kv + r * 4 + 8)
+
+
+def validate_prologue_inputs(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, *,
+                             rotary_dim: int | None = None) -> None:
+    """The checks of ``qk_norm_rope_store_kv(..., check_inputs=True)`` alone (one host sync): ``cu_seqlens_q``
+    starts at 0, never decreases and ends at most at T; each live token's position is inside the rotary table and
+    the request's page table, and the page it lands on inside the cache. ValueError names the first bad entry."""
+    T, *_ = _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, None, None, rotary_dim,
+                   torch.bfloat16)
+    _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T)
+
+
+def _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T: int) -> None:
+    cu = cu_seqlens_q.long().cpu()
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens_q[0] must be 0, got {int(cu[0])}")
+    drops = (cu[1:] < cu[:-1]).nonzero()
+    if drops.numel():
+        b = int(drops[0, 0])
+        raise ValueError(f"cu_seqlens_q must not decrease: cu_seqlens_q[{b + 1}] = {int(cu[b + 1])} < "
+                         f"cu_seqlens_q[{b}] = {int(cu[b])}")
+    if int(cu[-1]) > T:
+        raise ValueError(f"cu_seqlens_q[-1] = {int(cu[-1])} is past the {T} tokens of qkv")
+    live = int(cu[-1])
+    if live == 0:
+        return
+    pos = positions[:live].long().cpu()
+    req = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])
+    P = k_cache.shape[1]
+    cap = min(cos_sin.shape[0], page_table.shape[1] * P)
+    bad = ((pos < 0) | (pos >= cap)).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise ValueError(f"positions[{t}] = {int(pos[t])} outside [0, {cap}) (rows of cos_sin "
+                         f"{cos_sin.shape[0]}, page table columns * page size {page_table.shape[1] * P})")
+    pages = page_table.cpu()[req, pos // P].long()
+    bad = ((pages < 0) | (pages >= k_cache.shape[0])).nonzero()
+    if bad.numel():
+        t = int(bad[0, 0])
+        raise ValueError(f"page_table[{int(req[t])}, {int(pos[t]) // P}] = {int(pages[t])} (token {t}) outside "
+                         f"[0, {k_cache.shape[0]})")
