@@ -15,8 +15,8 @@ Peers (``evenflow.bench.peers.torch_prologue``): ``torch-unfused``, the steps as
 them plus the engines' slot-indexed cache write, eagerly (a kernel each); ``torch-compile``, the same steps through
 ``torch.compile`` (Inductor fuses the elementwise ones).
 
-Floor: (qkv read + q written (+ its scales) + K and V written + the rotary rows and positions read) / copy
-bandwidth + one empty kernel's launch time in a graph, both measured in this run.
+Floor: (qkv read + q written (+ its scales) + K and V written + positions read + each distinct rotary row read
+once) / copy bandwidth + one empty kernel's launch time in a graph, both measured in this run.
 """
 from __future__ import annotations
 
@@ -54,9 +54,11 @@ def layout(t: int, g: torch.Generator) -> tuple[list[int], list[int]]:
     return new, torch.randint(0, 2048, (b,), generator=g).tolist()
 
 
-def call_bytes(hq: int, hkv: int, d: int, t: int, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
-    """Bytes one call must move (``evenflow.attention.prologue.prologue_bytes``)."""
-    return prologue_bytes(t, hq, hkv, d, q_dtype, kv_dtype)
+def call_bytes(hq: int, hkv: int, d: int, t: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+               rotary_rows: int | None = None) -> int:
+    """Bytes one call must move (``evenflow.attention.prologue.prologue_bytes``; ``rotary_rows``: the point's distinct
+    positions, each rotary row read once)."""
+    return prologue_bytes(t, hq, hkv, d, q_dtype, kv_dtype, rotary_rows=rotary_rows)
 
 
 def build(model: str, t: int, variant: str, device="cuda", seed: int = 0, copies: int | None = None) -> dict:
@@ -150,7 +152,8 @@ def main() -> int:
             for t in H.progress(ts, f"prologue {case} {variant}"):
                 q_dtype, kv_dtype = VARIANTS[variant]
                 pt = build(case, t, variant)
-                floor = H.floor_us(bytes_moved=call_bytes(hq, hkv, d, t, q_dtype, kv_dtype), ceilings=ceil,
+                rows = int(pt["positions"].unique().numel())
+                floor = H.floor_us(bytes_moved=call_bytes(hq, hkv, d, t, q_dtype, kv_dtype, rows), ceilings=ceil,
                                    extra_us=ceil["launch_us"])
                 for impl in IMPLS:
                     try:

@@ -34,6 +34,8 @@ def test_call_bytes_counts_each_tensor_once(bench):
     assert bench.call_bytes(hq, hkv, d, t, torch.bfloat16, torch.bfloat16) == qkv + q + kv + rows
     q8 = t * 32 * 128 + t * 32 * 4  # e4m3 values and their fp32 scales
     assert bench.call_bytes(hq, hkv, d, t, FP8, FP8) == qkv + q8 + kv // 2 + rows
+    # requests sharing positions read each rotary row once
+    assert bench.call_bytes(hq, hkv, d, t, torch.bfloat16, torch.bfloat16, 3) == qkv + q + kv + t * 8 + 3 * 128 * 4
 
 
 @pytest.mark.parametrize("variant", ["bf16", "fp8-kv", "fp8-q-kv"])

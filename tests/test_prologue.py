@@ -48,6 +48,24 @@ def make_inputs(new, prefix, hq, hkv, d, page, kv_dtype=BF16, pad=0, rotary_dim=
                 v_cache=vc.to(**to), page_table=pt.to(**to), cu_seqlens_q=cu.to(**to)), qw.to(**to), kw.to(**to)
 
 
+def _step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype`` (bf16 or e4m3) at each |x|."""
+    e = torch.floor(torch.log2(x.abs().clamp_min(1e-30)))
+    return torch.exp2(e.clamp_min(-6) - 3) if dtype == FP8 else torch.exp2(e.clamp_min(-126) - 7)
+
+
+def assert_each_correctly_rounded(got, ref64, what, rel_noise=2.0 ** -18):
+    """Element by element, beside the rule (whose bound is the tensor's: a few steps at its largest value): each
+    output within half a step of its format of the oracle's value, plus fp32 noise (``rel_noise`` of the head's
+    largest value). Rounding a value within that noise of the oracle's to nearest lands within half a step of it
+    (the step taken above the noise, where a binade boundary is near); a result off by a constant factor, or rounded
+    the wrong way, is not."""
+    ref64 = ref64.double().cpu()
+    noise = rel_noise * ref64.abs().amax(-1, keepdim=True)
+    excess = (got.double().cpu() - ref64).abs() - 0.5 * _step(ref64.abs() + noise, got.dtype) - noise
+    assert (excess <= 0).all(), f"{what}: an element beyond half a step of its format (worst by {excess.max():.3e})"
+
+
 def _scale_value(s):
     return 1.0 if s is None else float(s) if not isinstance(s, torch.Tensor) else float(s.item())
 
@@ -75,9 +93,13 @@ def check(args, qw=None, kw=None, norm_before_rope=True, rope_style="neox", rota
         # the scale is amax / 448 of the rotated head: fp32 rounding of a few terms, not of the format
         torch.testing.assert_close(qs.cpu(), rs, rtol=2**-16, atol=0)
         assert_within_rule(q.cpu(), ref[0] / rs.double()[..., None], bq8, what=f"{what} fp8 q (scaled units)")
+        # in the units of our own scale (within 2^-16 of the oracle's, so the noise allowed here is that)
+        scaled = (ref[0] / qs.cpu().double()[..., None]).clamp(-448, 448)
+        assert_each_correctly_rounded(q.cpu(), scaled, f"{what} fp8 q", rel_noise=2.0 ** -15)
     else:
         assert qs is None and q.dtype == BF16
         assert_within_rule(q.cpu(), ref[0], base[0].to(BF16), what=f"{what} q")
+        assert_each_correctly_rounded(q.cpu(), ref[0], f"{what} q")
     ks, vs = _scale_value(k_scale), _scale_value(v_scale)
     common = (pos, args["page_table"], args["cu_seqlens_q"], ks, vs)
     bk, bv = store_kv_ref(kc0, vc0, base[1], base[2], *common)
@@ -99,6 +121,7 @@ def check(args, qw=None, kw=None, norm_before_rope=True, rope_style="neox", rota
         if got.dtype == FP8:
             want = want.clamp(-448, 448)
         assert_within_rule(got[written], want[written], b[written], what=f"{what} {name} written slots")
+        assert_each_correctly_rounded(got[written], want[written], f"{what} {name} written slots")
     return q, qs
 
 
@@ -133,10 +156,20 @@ def test_norm_and_rotation_forms(norm, norm_before_rope, rope_style, device):
           what=f"{norm} {norm_before_rope} {rope_style}")
 
 
-@pytest.mark.parametrize("rotary_dim,rope_style", [(32, "neox"), (64, "gptj"), (2, "neox"), (96, "neox")])
-def test_partial_rotary_dims(rotary_dim, rope_style, device):
+@pytest.mark.parametrize("rotary_dim,rope_style,norm_before_rope,q_dtype", [
+    (32, "neox", True, BF16), (64, "gptj", True, BF16), (2, "neox", True, BF16), (96, "neox", True, BF16),
+    (48, "gptj", False, FP8), (64, "neox", False, FP8)])
+def test_partial_rotary_dims(rotary_dim, rope_style, norm_before_rope, q_dtype, device):
     args, qw, kw = make_inputs([2, 3], [7, 0], 4, 2, 128, 32, rotary_dim=rotary_dim, device=device, seed=2)
-    check(args, qw, kw, rotary_dim=rotary_dim, rope_style=rope_style, what=f"R={rotary_dim} {rope_style}")
+    check(args, qw, kw, rotary_dim=rotary_dim, rope_style=rope_style, norm_before_rope=norm_before_rope,
+          q_dtype=q_dtype, what=f"R={rotary_dim} {rope_style} {norm_before_rope} {q_dtype}")
+
+
+@pytest.mark.parametrize("new,prefix", [([9], [30]), ([0, 3, 0, 2], [5, 17, 0, 64])])
+def test_one_request_and_empty_requests_first(new, prefix, device):
+    """B = 1 (a prefill), and empty requests first, between and last (the bisection skips them)."""
+    args, qw, kw = make_inputs(new, prefix, 4, 2, 64, 16, FP8, pad=1, device=device, seed=12)
+    check(args, qw, kw, q_dtype=FP8, k_scale=0.5, v_scale=0.25, what=f"{new}")
 
 
 def test_bf16_table_int32_positions_strided_rows_and_scales(device):
@@ -254,7 +287,7 @@ def test_argument_errors_name_the_argument(device):
         (ValueError, "rotary_dim must be even", dict(rotary_dim=63)),
         (ValueError, "rotary_dim must be <= 64", dict(rotary_dim=128)),
         (ValueError, "q_dtype must be one of", dict(q_dtype=torch.float16)),
-        (ValueError, "k_scale must be > 0", dict(k_scale=0.0)),
+        (ValueError, "k_scale must be a finite positive number", dict(k_scale=0.0)),
         (ValueError, "v_scale must hold one element", dict(v_scale=torch.ones(2, device=device))),
         (ValueError, "eps must be > 0", dict(eps=0.0)),
         (TypeError, "norm_before_rope must be a bool", dict(norm_before_rope=1)),

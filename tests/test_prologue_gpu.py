@@ -54,7 +54,9 @@ def test_cuda_graph_replays_follow_changed_inputs():
         live = T - step  # some steps end with padding rows
         counts = torch.multinomial(torch.ones(4), live, replacement=True, generator=gen).bincount(minlength=4)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
-        pos = torch.cat([torch.randint(0, max_pages * page - int(n), (1,), generator=gen) + torch.arange(int(n))
+        # positions inside the page table and the rotary table (a position past either is refused by check_inputs)
+        cap = min(max_pages * page, args["cos_sin"].shape[0])
+        pos = torch.cat([torch.randint(0, cap - int(n), (1,), generator=gen) + torch.arange(int(n))
                          for n in counts] + [torch.zeros(step, dtype=torch.long)])
         args["cu_seqlens_q"].copy_(cu)
         args["positions"].copy_(pos)
@@ -65,6 +67,7 @@ def test_cuda_graph_replays_follow_changed_inputs():
         kc, vc = args["k_cache"].clone(), args["v_cache"].clone()
         q_e, s_e = evenflow.qk_norm_rope_store_kv(**{**args, "k_cache": kc, "v_cache": vc},
                                                   **{**kw_call, "q_out": None, "q_scale_out": None})
+        evenflow.validate_prologue_inputs(**{k: v for k, v in args.items()})
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(q_out.view(torch.uint8), q_e.view(torch.uint8)) and torch.equal(s_out, s_e), step

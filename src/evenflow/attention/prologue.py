@@ -25,8 +25,9 @@ q_scale_out      [T, Hq]                        fp32 (fp8 q only): q = q_out * q
 ==============  =============================  =================================================================
 
 Token t (a request's position ``positions[t]``) writes its K and V to ``k_cache[page, slot]`` with
-``page = page_table[b, positions[t] // P]`` and ``slot = positions[t] % P``. Padding tokens (past ``cu[B]``) get
-q = 0 and write nothing to the cache. Two live tokens given the same slot race (the cache keeps one of them).
+``page = page_table[b, positions[t] // P]`` and ``slot = positions[t] % P``. Padding tokens (past ``cu[B]``, or
+before ``cu[0]``) get q = 0 and write nothing to the cache. Two live tokens given the same slot race (the cache keeps
+one of them).
 
 What is checked where: dtypes, shapes, devices and strides raise on the host. Values inside device tensors
 (positions, the page table, cu_seqlens_q) are not read by the launcher by default (that would sync): a live token
@@ -45,6 +46,7 @@ import triton
 from evenflow import _runtime
 from evenflow._checks import check_bool, check_choice, check_int, check_out, check_scaling, check_tensor, checked_op
 from evenflow.attention import prologue_kernels as PK
+from evenflow.attention.decode import _scale_arg
 from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, Q_DTYPES
 
 FP8 = torch.float8_e4m3fn
@@ -57,18 +59,6 @@ def _block_h(num_heads: int, head_dim: int) -> int:
     return max(1, min(triton.next_power_of_2(num_heads), _BLOCK_ELEMS // head_dim))
 
 
-def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
-    """A per-tensor cache scale as (tensor or None, float): the tensor is read on the device (graph-friendly)."""
-    if s is None:
-        return None, 1.0
-    if isinstance(s, torch.Tensor):
-        check_tensor(name, s, dtypes=[torch.float32], device=device)
-        if s.numel() != 1:
-            raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(s.shape)}")
-        return s, 1.0
-    return None, check_scaling(name, s, positive=True)
-
-
 def _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, q_norm_weight, k_norm_weight,
            rotary_dim, q_dtype):
     """The host-side checks; returns (T, Hq, Hkv, D, R, B)."""
@@ -78,6 +68,8 @@ def _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, 
     check_tensor("v_cache", v_cache, dtypes=[k_cache.dtype], shape=list(k_cache.shape), device=dev,
                  last_dim_contiguous=True)
     _, P, Hkv, D = k_cache.shape
+    if Hkv < 1:
+        raise ValueError("k_cache must hold at least one kv head (dim 2)")
     if P not in (16, 32, 64, 128):
         raise ValueError(f"k_cache page size (dim 1) must be one of [16, 32, 64, 128], got {P}")
     if D not in HEAD_DIMS:
@@ -223,13 +215,19 @@ def qk_norm_rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, page_table,
 
 
 def prologue_bytes(tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, q_dtype: torch.dtype,
-                   kv_dtype: torch.dtype, rotary_dim: int | None = None) -> int:
+                   kv_dtype: torch.dtype, rotary_dim: int | None = None, rotary_rows: int | None = None,
+                   table_dtype: torch.dtype = torch.float32, position_dtype: torch.dtype = torch.int64) -> int:
     """Bytes one call must move (the floor's numerator): each token's qkv row read, its q written (with its fp32
-    scales for an fp8 q), its K and V written, its rotary row (fp32) and position (int64) read."""
+    scales for an fp8 q), its K and V written and its position read, and each distinct rotary row read once
+    (``rotary_rows``: the distinct positions of the call; ``tokens`` by default, which over-counts a batch whose
+    requests share positions). The page table's reads (4 bytes a token, under 0.1% of the total) are left out, so
+    with ``rotary_rows`` given the count is a lower bound."""
     r = head_dim if rotary_dim is None else rotary_dim
     q = num_q_heads * head_dim * q_dtype.itemsize + (num_q_heads * 4 if q_dtype == FP8 else 0)
     kv = 2 * num_kv_heads * head_dim * kv_dtype.itemsize
-    return tokens * ((num_q_heads + 2 * num_kv_heads) * head_dim * 2 + q + kv + r * 4 + 8)
+    rows = tokens if rotary_rows is None else rotary_rows
+    return (tokens * ((num_q_heads + 2 * num_kv_heads) * head_dim * 2 + q + kv + position_dtype.itemsize)
+            + rows * r * table_dtype.itemsize)
 
 
 def validate_prologue_inputs(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, *,

@@ -133,7 +133,7 @@ def qk_norm_rope_store_kv_kernel(
         m_h = o_h < HKV
         # the slot: a live token at a position inside the page table whose page is in the cache; anything else
         # writes nothing (check_inputs names it; the kernel only keeps every access in bounds)
-        ok = live & (pos >= 0) & (pos < max_pages * P)
+        ok = live & (pos >= 0) & (pos // P < max_pages)  # (no max_pages * P: it could wrap in int32)
         page = tl.load(p_page_table + b.to(tl.int64) * stride_pt_b + pos // P, mask=ok, other=0).to(tl.int64)
         ok = ok & (page >= 0) & (page < num_pages)
         k = _normed_rotated(p_row + HQ * D, o_h, m_h, o_d, p_kn_w, p_cos, p_sin, eps, D, R, NORM_K, NORM_FIRST,
