@@ -165,10 +165,27 @@ def _prologue_launches():
                     q_norm_weight=w, k_norm_weight=w, k_scale=torch.ones(1) if kv_dtype == FP8 else None, **form)
 
 
-@pytest.mark.parametrize("family", ["decode", "router", "moe", "prologue"])
+def _prefill_launches():
+    # (Hq, Hkv, D, page, new tokens a request): Qwen3-30B-A3B chunks and short extends, the Hy3 heads, d64 / d256,
+    # every block size the launcher picks (16, 32, 64 rows), bf16 and fp8 caches, with and without LSE
+    shapes = [(32, 4, 128, 64, 2048), (32, 4, 128, 64, 12), (64, 8, 128, 16, 30), (16, 2, 64, 32, 100),
+              (8, 1, 256, 128, 70), (4, 4, 128, 64, 3)]
+    for hq, hkv, d, page, n in shapes:
+        for kv_dtype in (torch.bfloat16, FP8):
+            b = 2
+            pages = (n + 100 + page - 1) // page
+            k = torch.empty(b * pages, page, hkv, d, dtype=kv_dtype)
+            evenflow.prefill_attention(
+                torch.empty(b * n, hq, d, dtype=torch.bfloat16), k, torch.empty_like(k),
+                torch.tensor([0, n, 2 * n], dtype=torch.int32), torch.zeros(b, pages, dtype=torch.int32),
+                torch.full((b,), n + 100, dtype=torch.int32), n, return_lse=kv_dtype == FP8,
+                k_scale=torch.ones(1) if kv_dtype == FP8 else None)
+
+
+@pytest.mark.parametrize("family", ["decode", "router", "moe", "prologue", "prefill"])
 def test_every_launch_compiles_for_sm90(family):
     scenario = {"decode": _decode_launches, "router": _router_launches, "moe": _moe_launches,
-                "prologue": _prologue_launches}[family]
+                "prologue": _prologue_launches, "prefill": _prefill_launches}[family]
     with emulate_gpu(132), record_launches() as launches:
         scenario()
     assert launches, "the scenario launched no kernel"

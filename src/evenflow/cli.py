@@ -46,6 +46,7 @@ def cmd_info(_args) -> int:
     rows = [
         ("qk_norm_rope_store_kv", "bf16 qkv -> bf16 or fp8 q; bf16 or fp8 e4m3 KV cache", "attention"),
         ("decode_attention", "bf16 KV; fp8 e4m3 KV" + ("" if fp8 else " (needs sm_89+)"), "attention"),
+        ("prefill_attention", "bf16 q; bf16 or fp8 e4m3 KV", "attention"),
         ("router_gemm / route", "bf16 x, fp32 weight (split bf16 hi/lo)", "router"),
         ("fused_moe", "bf16; fp8 per-tensor; fp8 block-128" + ("" if fp8 else " (fp8 needs sm_89+)"), "moe"),
     ]

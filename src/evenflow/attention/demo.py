@@ -1,6 +1,7 @@
 """``evenflow demo`` hook for attention: one Qwen3-30B-A3B decode step on a GPU (32 q / 4 kv heads, head_dim 128,
 page 64, 1 x 32K + 31 x 2K cached tokens), tiny on a CPU. The fused prologue (QK-norm, RoPE, the new token's K and V
-into the paged cache) runs first and hands its q to decode attention, as in a model's attention layer."""
+into the paged cache) runs first and hands its q to decode attention, as in a model's attention layer; then a
+chunked-prefill step (new tokens after a cached prefix) through prefill attention."""
 from __future__ import annotations
 
 import torch
@@ -8,6 +9,7 @@ import torch
 import evenflow
 from evenflow.attention.prologue import prologue_bytes
 from evenflow.reference.attention import decode_attention_ref_batched as ref_attn
+from evenflow.reference.attention import prefill_attention_ref
 from evenflow.reference.prologue import qk_norm_rope_ref
 from evenflow.testing import error_bound
 
@@ -75,6 +77,53 @@ def _prologue(ctx, lens, hq, hkv, d, k, v, pt, case) -> tuple[torch.Tensor, dict
     return q, row
 
 
+def _prefill(ctx, hq, hkv, d, page) -> dict:
+    """A chunked-prefill step: new tokens after a cached prefix, checked against the oracle (on a GPU: a 2048-token
+    chunk after 4096 cached tokens, timed eagerly beside FlashInfer's paged prefill)."""
+    dev = ctx.device
+    n, prefix, case = (2048, 4096, "qwen3-30b-a3b chunk 2K after 4K") if ctx.gpu else (40, 70, "tiny chunk 40 after 70")
+    L = n + prefix
+    pages = -(-L // page)
+    k = torch.randn(pages + 3, page, hkv, d, device=dev).to(torch.bfloat16)
+    v = torch.randn(pages + 3, page, hkv, d, device=dev).to(torch.bfloat16)
+    pt = torch.randperm(pages + 3, device=dev)[:pages].view(1, pages).to(torch.int32)
+    q = torch.randn(n, hq, d, device=dev).to(torch.bfloat16)
+    cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
+    sl = torch.tensor([L], dtype=torch.int32, device=dev)
+    out = evenflow.prefill_attention(q, k, v, cu, pt, sl, n)
+    rows = torch.tensor([0, n // 2, n - 1], device=dev)  # a few rows, each as the one-row request it is
+    ref, _ = prefill_attention_ref(q[rows], k, v, torch.arange(4, dtype=torch.int32), pt.expand(3, -1),
+                                   (prefix + rows + 1).to(torch.int32).cpu())
+    base, _ = prefill_attention_ref(q[rows], k, v, torch.arange(4, dtype=torch.int32), pt.expand(3, -1),
+                                    (prefix + rows + 1).to(torch.int32).cpu(), dtype=torch.float32,
+                                    p_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
+    err = float((out[rows].double() - ref).abs().max())
+    bound = error_bound(ref, base, torch.bfloat16)
+    row = {"operator": "prefill_attention", "case": case, "check": f"rows 0, n/2, n-1: max|err| {err:.1e} <= bound "
+           f"{bound:.1e}", "ok": bool(torch.isfinite(out.float()).all()) and err <= bound, "us": None,
+           "floor_us": None, "peers": {}}
+    if ctx.gpu:
+        H = ctx.harness
+        ceil = H.measure_ceilings(verbose=False)
+        flops = 4 * d * hq * (n * prefix + n * (n + 1) // 2)
+        row["floor_us"] = H.floor_us(bytes_moved=2 * q.numel() * 2 + 2 * L * hkv * d * 2, flops=flops, ceilings=ceil)
+        o_buf = torch.empty_like(out)
+        row["us"] = H.time_eager(lambda: evenflow.prefill_attention(q, k, v, cu, pt, sl, n, out=o_buf))
+        try:
+            from evenflow.bench.peers import flashinfer as fi
+
+            for impl in fi.PREFILL_IMPLS:
+                try:
+                    w = fi.FlashInferPrefill(impl, cu, pt, sl, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                             page_size=page, kv_dtype=k.dtype)
+                    row["peers"][impl] = H.time_eager(w.runner(q, k, v))
+                except H.PeerUnavailable as e:
+                    row["peers"][impl] = f"unavailable: {e}"
+        except Exception as e:  # the peer adapter itself missing or broken must not fail our check
+            row["peers"]["flashinfer"] = f"unavailable: {type(e).__name__}: {e}"
+    return row
+
+
 def run_demo(ctx) -> list[dict]:
     torch.manual_seed(0)
     if ctx.gpu:
@@ -115,4 +164,4 @@ def run_demo(ctx) -> list[dict]:
                     row["peers"][impl] = f"unavailable: {e}"
         except Exception as e:  # the peer adapter itself missing or broken must not fail our check
             row["peers"]["flashinfer"] = f"unavailable: {type(e).__name__}: {e}"
-    return [prologue_row, row]
+    return [prologue_row, row, _prefill(ctx, hq, hkv, d, page)]

@@ -264,17 +264,69 @@ def decode_attention_ref_batched(q, k_cache, v_cache, page_table, seq_lens, q_sc
         else:
             rows = qd[b * q_len:(b + 1) * q_len].view(q_len, Hkv, G, D)
             s = torch.einsum("rhgd,lhd->rhgl", rows, scale(k_cache[pages, tok % P], k_scale)) * sm_scale
-        vis = L - q_len + torch.arange(q_len, device=dev) + 1
-        s = s.masked_fill(tok[None, None, None, :] >= vis[:, None, None, None], float("-inf"))
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        p = torch.exp(s - m)
-        den = p.sum(-1, keepdim=True)
-        if p_dtype is not None:
-            p = p.to(p_dtype).to(dtype)
-        o = torch.einsum("rhgl,lhd->rhgd", p, v) / torch.where(den > 0, den, torch.ones_like(den))
+        o, row_lse = _causal_softmax_pv(s, v, L - q_len + torch.arange(q_len, device=dev) + 1, p_dtype)
         out[b * q_len:(b + 1) * q_len] = o.reshape(q_len, Hq, D)
-        lse[b * q_len:(b + 1) * q_len] = torch.where(den > 0, m + torch.log(den), float("-inf")).reshape(q_len, Hq)
+        lse[b * q_len:(b + 1) * q_len] = row_lse.reshape(q_len, Hq)
+    if out_dtype is not None:
+        out = out.to(out_dtype)
+    return out, lse
+
+
+def _causal_softmax_pv(s, v, vis, p_dtype):
+    """Rows of scores ``s`` [rows, Hkv, G, L] over one request's keys, row r seeing keys [0, vis[r]): (output
+    [rows, Hkv, G, D] = softmax(s) @ v, natural-log LSE [rows, Hkv, G]); a row that sees no key gives zeros and
+    -inf. ``p_dtype``: the unnormalised probabilities rounded to it before the product with ``v`` [L, Hkv, D]."""
+    tok = torch.arange(s.shape[-1], device=s.device)
+    s = s.masked_fill(tok[None, None, None, :] >= vis[:, None, None, None], float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    den = p.sum(-1, keepdim=True)
+    if p_dtype is not None:
+        p = p.to(p_dtype).to(s.dtype)
+    o = torch.einsum("rhgl,lhd->rhgd", p, v) / torch.where(den > 0, den, torch.ones_like(den))
+    return o, torch.where(den > 0, m + torch.log(den), float("-inf"))[..., 0]
+
+
+def prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, k_scale=None, v_scale=None,
+                          sm_scale=None, dtype=torch.float64, p_dtype=None, out_dtype=None):
+    """Causal attention of each request's new tokens over its cached prefix and themselves, one request at a time.
+
+    Request b's rows are ``q[cu[b]:cu[b + 1]]``, its newest tokens: with L = seq_lens[b] (cached tokens, new ones
+    included) and n new rows, row i sees keys [0, L - n + i + 1). Rows past cu[B] (padding) and rows that see no key
+    get zeros and LSE -inf. ``dtype`` / ``p_dtype`` / ``out_dtype`` as in :func:`decode_attention_ref` (the oracle in
+    fp64; the rule's baseline in fp32 with P and the output rounded to bf16). Stays on the inputs' device. Returns
+    (out [T, Hq, D], lse [T, Hq]) with natural-log LSE."""
+    T, Hq, D = q.shape
+    P, Hkv = k_cache.shape[1], k_cache.shape[2]
+    G = Hq // Hkv
+    dev = q.device
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+
+    def scale(x, s):
+        x = x.to(dtype)
+        if s is None:
+            return x
+        return x * (s.to(dev, dtype) if isinstance(s, torch.Tensor) else s)
+
+    out = torch.zeros(T, Hq, D, dtype=dtype, device=dev)
+    lse = torch.full((T, Hq), float("-inf"), dtype=dtype, device=dev)
+    cu = cu_seqlens_q.cpu().tolist()
+    lens = seq_lens.cpu().tolist()
+    for b in range(len(lens)):
+        n, L = cu[b + 1] - cu[b], int(lens[b])
+        if n <= 0 or L <= 0:
+            continue
+        tok = torch.arange(L, device=dev)
+        pages = page_table[b].long()[tok // P]
+        k = scale(k_cache[pages, tok % P], k_scale)  # [L, Hkv, D]
+        v = scale(v_cache[pages, tok % P], v_scale)
+        rows = q[cu[b]:cu[b + 1]].to(dtype).view(n, Hkv, G, D)
+        s = torch.einsum("rhgd,lhd->rhgl", rows, k) * sm_scale
+        o, row_lse = _causal_softmax_pv(s, v, L - n + torch.arange(n, device=dev) + 1, p_dtype)
+        out[cu[b]:cu[b + 1]] = o.reshape(n, Hq, D)
+        lse[cu[b]:cu[b + 1]] = row_lse.reshape(n, Hq)
     if out_dtype is not None:
         out = out.to(out_dtype)
     return out, lse

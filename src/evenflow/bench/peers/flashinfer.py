@@ -1,4 +1,5 @@
-"""FlashInfer's paged decode attention (``BatchDecodeWithPagedKVCacheWrapper``) as a peer.
+"""FlashInfer's paged decode and prefill attention (``BatchDecodeWithPagedKVCacheWrapper``,
+``BatchPrefillWithPagedKVCacheWrapper``) as peers.
 
 Written against FlashInfer 0.7.2 (the version measured in BENCH.md). Three impls,
 named by the path they run:
@@ -33,13 +34,18 @@ import torch
 
 from evenflow.bench.harness import PeerUnavailable, error_line
 
-__all__ = ["DECODE_IMPLS", "FlashInferDecode", "import_flashinfer", "paged_kv_layout", "version"]
+__all__ = ["DECODE_IMPLS", "PREFILL_IMPLS", "FlashInferDecode", "FlashInferPrefill", "import_flashinfer",
+           "paged_kv_layout", "version"]
 
 DECODE_IMPLS: dict[str, dict] = {
     "flashinfer-cuda": {"use_tensor_cores": False, "backend": "auto"},
     "flashinfer-tc": {"use_tensor_cores": True, "backend": "fa2"},
     "flashinfer-fa3": {"use_tensor_cores": True, "backend": "fa3"},
 }
+
+# Prefill: the FA2 and FA3 (Hopper) kernels of BatchPrefillWithPagedKVCacheWrapper, causal, planned once per batch
+# (not in CUDA-graph mode: engines run prefill eagerly; the benchmark times both ways where the wrapper allows).
+PREFILL_IMPLS: dict[str, str] = {"flashinfer-fa2": "fa2", "flashinfer-fa3": "fa3"}
 
 # FlashInfer's recommended float workspace (split-KV partials); zeroed before first use.
 WORKSPACE_BYTES = 128 << 20
@@ -122,6 +128,17 @@ def _check_fa3_dtypes(fi, impl: str, q_dtype: torch.dtype, kv_dtype: torch.dtype
                               f"{kv_dtype} (its FA3 kernel takes an fp8 KV cache only with an fp8 q)")
 
 
+def _ran_once(impl: str, run: Callable[[], torch.Tensor], device) -> Callable[[], torch.Tensor]:
+    """``run`` after one call outside any graph capture (a failing kernel is reported here as
+    :class:`PeerUnavailable`, not inside a capture)."""
+    try:
+        run()
+        torch.cuda.synchronize(device)
+    except Exception as e:
+        raise PeerUnavailable(f"{impl}: run failed: {type(e).__name__}: {error_line(e)}") from e
+    return run
+
+
 class FlashInferDecode:
     """One FlashInfer decode wrapper planned for one batch (page table + lengths).
 
@@ -196,9 +213,50 @@ class FlashInferDecode:
         def run() -> torch.Tensor:
             return wrapper.run(q, (k_cache, v_cache), k_scale=ks, v_scale=vs, out=out)
 
+        return _ran_once(self.impl, run, q.device)
+
+
+class FlashInferPrefill:
+    """One FlashInfer prefill wrapper planned for one batch of new rows (``cu_seqlens_q``) over the paged cache
+    (page table + lengths, the new tokens included), causal with the new rows last: FlashInfer's append attention,
+    the same attention as :func:`evenflow.prefill_attention`. Every failure surfaces as :class:`PeerUnavailable`."""
+
+    def __init__(self, impl: str, cu_seqlens_q: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                 num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int, kv_dtype: torch.dtype,
+                 q_dtype: torch.dtype = torch.bfloat16, sm_scale: float | None = None):
+        if impl not in PREFILL_IMPLS:
+            raise ValueError(f"impl must be one of {sorted(PREFILL_IMPLS)}, got {impl!r}")
+        fi = import_flashinfer()
+        self.impl, self.kv_dtype = impl, kv_dtype
+        backend = PREFILL_IMPLS[impl]
+        if backend == "fa3":
+            _check_fa3_dtypes(fi, impl, q_dtype, kv_dtype)
+        indptr, indices, last = paged_kv_layout(page_table, seq_lens, page_size)
+        dev = page_table.device
         try:
-            run()
-            torch.cuda.synchronize(q.device)
+            self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
+            self.wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=backend)
+            t0 = time.perf_counter()
+            self.wrapper.plan(cu_seqlens_q.to(torch.int32), indptr, indices, last, num_q_heads, num_kv_heads,
+                              head_dim, page_size, causal=True, sm_scale=sm_scale, q_data_type=q_dtype,
+                              kv_data_type=kv_dtype)
+            torch.cuda.synchronize(dev)
+            self.first_plan_s = time.perf_counter() - t0
+        except PeerUnavailable:
+            raise
         except Exception as e:
-            raise PeerUnavailable(f"{self.impl}: run failed: {type(e).__name__}: {error_line(e)}") from e
-        return run
+            raise PeerUnavailable(f"{impl}: build/plan failed: {type(e).__name__}: {error_line(e)}") from e
+
+    def runner(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_scale=None,
+               v_scale=None, out: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+        """Zero-arg callable running the planned prefill on ``q [T, Hq, D]`` and the NHD caches; runs it once."""
+        if k_cache.dtype != self.kv_dtype or v_cache.dtype != self.kv_dtype:
+            raise TypeError(f"k_cache/v_cache must be {self.kv_dtype} as planned, got {k_cache.dtype}/{v_cache.dtype}")
+        ks, vs = _as_float("k_scale", k_scale), _as_float("v_scale", v_scale)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+        wrapper = self.wrapper
+
+        def run() -> torch.Tensor:
+            return wrapper.run(q, (k_cache, v_cache), k_scale=ks, v_scale=vs, out=out)
+
+        return _ran_once(self.impl, run, q.device)

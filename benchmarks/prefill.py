@@ -1,0 +1,165 @@
+"""Paged prefill / extend attention benchmark: evenflow's prefill_attention vs FlashInfer's paged prefill, vs the floor.
+
+    python benchmarks/prefill.py [--quick] [--cases 1x8K,4x2K] [--heads qwen3-30b-a3b] [--out DIR] [--no-plot]
+
+Cases ``AxN[+P]``: A requests of N new tokens each after P cached ones (chunked prefill when P > 0), head shapes
+Qwen3-30B-A3B (32 q / 4 kv heads) and Hy3 (64 / 8), head_dim 128, page 64, pages in random order; bf16 and fp8
+(e4m3, per-tensor scales) caches. Each impl's output is checked against the fp64 oracle on a sample of rows (the
+first and last 16 of each request, each computed as the one-row request it is) before it is timed. Prefill runs
+eagerly in the engines, so ``us`` is the eager median (inputs rotated, L2 flushed between calls), and ``graph_us``
+a CUDA-graph replay where the impl can be captured.
+
+Peers: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` with its FA2 and FA3 kernels, causal, planned once per
+batch outside timing (its FA3 kernel takes an fp8 cache only with an fp8 q: an error row).
+
+Floor: the larger of (q read + output written + each request's K and V read once) / copy bandwidth and the causal
+attention's FLOPs (4 * D per visible (row, key) pair and head) / the dense bf16 rate, both measured in this run.
+"""
+from __future__ import annotations
+
+import torch
+
+import evenflow
+from evenflow.bench import harness as H
+from evenflow.bench.peers import flashinfer as fi
+from evenflow.reference.attention import prefill_attention_ref, shuffled_page_tables
+
+CASES = {"1x8K": (1, 8192, 0), "4x2K": (4, 2048, 0), "1x2K+30K": (1, 2048, 30720), "16x512+4K": (16, 512, 4096),
+         "64x64+2K": (64, 64, 2048)}
+HEADS = {"qwen3-30b-a3b": (32, 4), "hy3": (64, 8)}
+QUICK = {"cases": ("4x2K", "1x2K+30K"), "heads": ("qwen3-30b-a3b",)}
+VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
+D, PAGE = 128, 64
+KV_SCALE = 0.05
+SAMPLE = 16
+
+
+def build(case: str, heads: str, variant: str, device="cuda", seed: int = 0) -> dict:
+    a, n, p = CASES[case]
+    hq, hkv = HEADS[heads]
+    g = torch.Generator().manual_seed(seed)
+    lens = [p + n] * a
+    tables, pool = shuffled_page_tables(lens, PAGE, generator=g)
+    kv = VARIANTS[variant]
+    k = torch.randn(pool, PAGE, hkv, D, generator=g)
+    v = torch.randn(pool, PAGE, hkv, D, generator=g)
+    if kv == torch.float8_e4m3fn:
+        k, v = (k / KV_SCALE).to(kv), (v / KV_SCALE).to(kv)
+    else:
+        k, v = k.to(kv), v.to(kv)
+    to = dict(device=device)
+    return dict(q=torch.randn(a * n, hq, D, generator=g).to(torch.bfloat16).to(**to), k=k.to(**to), v=v.to(**to),
+                cu=torch.arange(0, a * n + 1, n, dtype=torch.int32, **to), pt=tables[0].to(**to),
+                sl=torch.tensor(lens, dtype=torch.int32, **to), max_q=n,
+                scale=KV_SCALE if kv == torch.float8_e4m3fn else None, heads=(hq, hkv))
+
+
+def floor_terms(pt: dict) -> tuple[int, int]:
+    """(bytes, FLOPs) one call must move and do."""
+    hq, hkv = pt["heads"]
+    cu, lens = pt["cu"].tolist(), pt["sl"].tolist()
+    kv_bytes = pt["k"].element_size()
+    byt = 2 * pt["q"].numel() * 2 + sum(2 * L * hkv * D * kv_bytes for L in lens)
+    pairs = 0
+    for b, L in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        pairs += n * (L - n) + n * (n + 1) // 2
+    return byt, 4 * D * hq * pairs
+
+
+def sample_check(pt: dict, out: torch.Tensor) -> dict:
+    """The first and last SAMPLE rows of each request against the fp64 oracle, each row as a one-row request of its
+    own length (its position + 1), so the oracle never holds a whole request's scores."""
+    cu, lens = pt["cu"].tolist(), pt["sl"].tolist()
+    rows, owner, own_len = [], [], []
+    for b, L in enumerate(lens):
+        n = cu[b + 1] - cu[b]
+        for i in sorted(set(range(min(SAMPLE, n))) | set(range(max(0, n - SAMPLE), n))):
+            rows.append(cu[b] + i)
+            owner.append(b)
+            own_len.append(L - n + i + 1)
+    dev = pt["q"].device
+    idx = torch.tensor(rows, device=dev)
+    ref, _ = prefill_attention_ref(pt["q"][idx], pt["k"], pt["v"], torch.arange(len(rows) + 1, dtype=torch.int32),
+                                   pt["pt"][torch.tensor(owner, device=dev)],
+                                   torch.tensor(own_len, dtype=torch.int32), k_scale=pt["scale"],
+                                   v_scale=pt["scale"])
+    return H.check_output(out[idx], ref, "sampled rows")
+
+
+def calls(impl: str, pt: dict, copies: int = 2) -> list:
+    hq, hkv = pt["heads"]
+    s = pt["scale"]
+    outs = [torch.empty_like(pt["q"]) for _ in range(copies)]
+    qs = [pt["q"]] + [pt["q"].clone() for _ in range(copies - 1)]
+    if impl == "evenflow":
+        return [lambda q=q, o=o: evenflow.prefill_attention(q, pt["k"], pt["v"], pt["cu"], pt["pt"], pt["sl"],
+                                                            pt["max_q"], k_scale=s, v_scale=s, out=o)
+                for q, o in zip(qs, outs)]
+    w = fi.FlashInferPrefill(impl, pt["cu"], pt["pt"], pt["sl"], num_q_heads=hq, num_kv_heads=hkv, head_dim=D,
+                             page_size=PAGE, kv_dtype=pt["k"].dtype)
+    return [w.runner(q, pt["k"], pt["v"], k_scale=s, v_scale=s, out=o) for q, o in zip(qs, outs)]
+
+
+def _extra(p):
+    p.add_argument("--cases", default=None, help="comma-separated cases (" + ", ".join(CASES) + ")")
+    p.add_argument("--heads", default=None, help="comma-separated head shapes (" + ", ".join(HEADS) + ")")
+
+
+def main() -> int:
+    args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
+    cases = args.cases.split(",") if args.cases else (QUICK["cases"] if args.quick else tuple(CASES))
+    heads = args.heads.split(",") if args.heads else (QUICK["heads"] if args.quick else tuple(HEADS))
+    for name, got, known in (("--cases", cases, CASES), ("--heads", heads, HEADS)):
+        bad = [c for c in got if c not in known]
+        if bad:
+            raise SystemExit(f"{name}: unknown {bad} (choose from {', '.join(known)})")
+    H._require_cuda("prefill")
+    ceil = H.measure_ceilings()
+    res = H.Results("prefill", ceilings=ceil, out=args.out, meta={"flashinfer": fi.version()})
+    for head in heads:
+        for variant in VARIANTS:
+            for case in H.progress(cases, f"prefill {head} {variant}"):
+                pt = build(case, head, variant)
+                byt, flops = floor_terms(pt)
+                floor = H.floor_us(bytes_moved=byt, flops=flops, ceilings=ceil)
+                for impl in ("evenflow", *fi.PREFILL_IMPLS):
+                    try:
+                        fns = calls(impl, pt)
+                        chk = sample_check(pt, fns[0]())
+                        try:
+                            graph = H.time_graph(fns, reps=10, min_calls=2)
+                        except Exception as e:  # a peer that cannot be captured keeps its eager time
+                            graph = None
+                            print(f"[prefill] {case} {impl}: no graph: {H.error_line(e)}", flush=True)
+                        us = H.time_eager(fns)
+                        res.add(case=f"{head}:{case}", variant=variant, impl=impl, us=us, graph_us=graph,
+                                floor_us=floor, tflops=round(flops / us / 1e6, 1),
+                                max_abs_err=float(chk["max_abs_err"]))
+                    except H.PeerUnavailable as e:
+                        res.add_error(case=f"{head}:{case}", variant=variant, impl=impl, error=str(e))
+                    except Exception as e:  # a failing impl is a result row, not a lost run
+                        res.add_error(case=f"{head}:{case}", variant=variant, impl=impl,
+                                      error=f"{type(e).__name__}: {e}")
+                del pt
+                torch.cuda.empty_cache()
+    _speedups(res)
+    res.finish(x="case", group="variant", columns=("case", "variant", "impl", "us", "graph_us", "floor_us",
+                                                   "frac_of_floor", "vs_best_flashinfer", "max_abs_err", "error"),
+               plot=not args.no_plot)
+    return 0
+
+
+def _speedups(res: H.Results) -> None:
+    """vs_best_flashinfer (the fastest FlashInfer impl's us / ours) on the evenflow rows."""
+    for r in res.rows:
+        if r["impl"] != "evenflow" or "us" not in r:
+            continue
+        peers = [p["us"] for p in res.rows if p["case"] == r["case"] and p.get("variant") == r.get("variant")
+                 and p["impl"] in fi.PREFILL_IMPLS and "us" in p]
+        if peers:
+            r["vs_best_flashinfer"] = round(min(peers) / r["us"], 3)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The prefill benchmark's pieces on the CPU: its floor's terms, its sampled check, its speed-ups."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from evenflow.bench import harness as H
+
+_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("evenflow_bench_prefill_script", _DIR / "prefill.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setitem(mod.CASES, "2x20+30", (2, 20, 30))
+    monkeypatch.setitem(mod.HEADS, "small", (4, 1))
+    return mod
+
+
+def test_floor_terms_count_visible_pairs_and_each_kv_once(bench, device):
+    pt = bench.build("2x20+30", "small", "bf16-kv", device=device)
+    byt, flops = bench.floor_terms(pt)
+    # each request: 20 rows after 30 cached tokens see 31..50 keys
+    pairs = 2 * sum(30 + i + 1 for i in range(20))
+    assert flops == 4 * 128 * 4 * pairs
+    assert byt == 2 * (40 * 4 * 128 * 2) + 2 * (2 * 50 * 1 * 128 * 2)
+    _, flops8 = bench.floor_terms(bench.build("2x20+30", "small", "fp8-kv", device=device))
+    assert flops8 == flops
+
+
+@pytest.mark.parametrize("variant", ["bf16-kv", "fp8-kv"])
+def test_sampled_check_passes_ours_and_catches_a_wrong_row(bench, variant, device):
+    pt = bench.build("2x20+30", "small", variant, device=device)
+    fns = bench.calls("evenflow", pt)
+    out = fns[0]()
+    bench.sample_check(pt, out)
+    out[25] *= -1  # a sampled row (request 1's 6th)
+    with pytest.raises(AssertionError, match="sampled rows"):
+        bench.sample_check(pt, out)
+
+
+def test_speedups_take_the_fastest_flashinfer(bench):
+    res = H.Results("prefill", ceilings={"copy_TBps": 4.0})
+    for impl, us in (("evenflow", 10.0), ("flashinfer-fa2", 15.0), ("flashinfer-fa3", 12.0)):
+        res.add(case="qwen3-30b-a3b:4x2K", variant="bf16-kv", impl=impl, us=us)
+    res.add_error(case="qwen3-30b-a3b:4x2K", variant="fp8-kv", impl="flashinfer-fa3", error="no fp8 q")
+    bench._speedups(res)
+    assert res.rows[0]["vs_best_flashinfer"] == 1.2
