@@ -17,10 +17,13 @@ lse (optional)   [T, Hq] fp32                 natural log of sum(exp(score)); -i
 ==============  ===========================  ===================================================================
 
 Causal: with L = seq_lens[b] and n = cu[b + 1] - cu[b], row i of request b (position L - n + i) sees keys
-[0, L - n + i + 1): the cached prefix and the new tokens up to itself. Padding rows and rows that see no key get
-zeros. Values inside device tensors are not read by the launcher by default (that would sync); the kernel clamps
-them (boundaries to [0, T], lengths to the page table, page ids to the cache), so nothing is read or written out of
-bounds. ``check_inputs=True`` checks them in the call (one sync; skipped under CUDA-graph capture and torch.compile).
+[0, L - n + i + 1): the cached prefix and the new tokens up to itself. Padding rows (before cu[0] or past cu[B]) and
+rows that see no key get zeros. Where cu_seqlens_q decreases (refused by ``check_inputs``) requests overlap and the
+rows they share are written by more than one program: their values are unspecified, though nothing is written
+outside ``out``. Values inside device tensors are not read by the launcher by default (that would sync); the kernel
+clamps them (boundaries to [0, T], lengths to the page table, page ids to the cache), so nothing is read or written
+out of bounds. ``check_inputs=True`` checks them in the call (one sync; skipped under CUDA-graph capture and
+torch.compile).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from evenflow.attention.decode import _scale_arg
 from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, MAX_GQA_GROUP
 
 _LOG2E = math.log2(math.e)
-MAX_ROW_BLOCKS = 1 << 15  # the grid's first dimension at most (programs walk the rest)
+MAX_ROW_BLOCKS = 1 << 15  # the grid's second dimension at most, under CUDA's 65535 (programs walk the rest)
 
 
 def _blocks(max_seqlen_q: int, head_dim: int) -> tuple[int, int]:
@@ -64,6 +67,8 @@ def _check(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, max_seqlen_q
         raise ValueError(f"q head_dim {qd} != k_cache head_dim {D}")
     if Hq % Hkv or not 1 <= Hq // Hkv <= MAX_GQA_GROUP:
         raise ValueError(f"q heads ({Hq}) must be a multiple 1..{MAX_GQA_GROUP} of the kv heads ({Hkv})")
+    if Hq > 65535:  # the grid's third dimension
+        raise ValueError(f"q must have at most 65535 heads, got {Hq}")
     check_tensor("seq_lens", seq_lens, dtypes=[torch.int32], ndim=1, device=dev, contiguous=True)
     B = seq_lens.shape[0]
     if B < 1:
@@ -89,7 +94,7 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return
     block_m, block_n = _blocks(max_seqlen_q, D)
     row_blocks = min(triton.cdiv(max_seqlen_q, block_m), MAX_ROW_BLOCKS)
-    PK.prefill_attention_kernel[(row_blocks, B + 1, Hq)](
+    PK.prefill_attention_kernel[(B + 1, row_blocks, Hq)](
         q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, out, lse if lse is not None else out,
         k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
         sm_scale * _LOG2E * k_scale_f, v_scale_f, T, B, k_cache.shape[0], page_table.shape[1],

@@ -1,13 +1,14 @@
 """Triton kernel of paged prefill / extend attention (pure ``@triton.jit`` code; the launcher is ``prefill.py``).
 
 A program takes one query head of one request and walks that request's blocks of BLOCK_M new rows (block
-``program_id(0)``, then every ``num_programs(0)``-th: the grid's first dimension is a bound from the host, and a
-request with more rows than it covers is still computed whole). For each block it streams the request's keys in
+``program_id(1)``, then every ``num_programs(1)``-th: the grid's second dimension is a bound from the host, and a
+request with more rows than it covers is still computed whole; requests are the first dimension, which CUDA allows
+up to 2^31 - 1). For each block it streams the request's keys in
 BLOCK_N steps up to the block's last visible key, gathering each step's pages through the page table, with the
 online softmax of the decode kernel (``kernels._scores`` / ``_softmax_pv_step``: bf16 MMAs for a bf16 cache, f16
 MMAs of the exact e4m3 values for an fp8 one). Row i of a request with n new rows and L cached tokens (new ones
-included) sees keys [0, L - n + i + 1). The grid's extra request (``program_id(1) == B``) writes zeros (and LSE
--inf) to the padding rows past ``cu_seqlens_q[B]``.
+included) sees keys [0, L - n + i + 1). The grid's extra request (``program_id(0) == B``) writes zeros (and LSE
+-inf) to the rows no request owns: past ``cu_seqlens_q[B]`` (padding) and before ``cu_seqlens_q[0]``.
 
 Values inside device tensors are clamped so nothing is read or written out of bounds: request boundaries to
 [0, T], lengths to [0, max_pages * P], page ids to [0, num_pages).
@@ -32,13 +33,13 @@ def _f16_rows(b_q, b_rs):
 
 
 @triton.jit
-def _zero_padding_rows(p_cu, p_out, p_lse, B, T, hq, stride_ot, stride_oh, stride_lt,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr):
-    start = tl.minimum(tl.maximum(tl.load(p_cu + B), 0), T)
+def _zero_rows(r_start, r_end, p_out, p_lse, hq, stride_ot, stride_oh, stride_lt,
+               D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr):
+    """Zeros (and LSE -inf) to head ``hq`` of rows [r_start, r_end), the grid's row-block programs taking turns."""
     o_d = tl.arange(0, D)
-    for r0 in range(start + tl.program_id(0) * BLOCK_M, T, tl.num_programs(0) * BLOCK_M):
+    for r0 in range(r_start + tl.program_id(1) * BLOCK_M, r_end, tl.num_programs(1) * BLOCK_M):
         o_r = r0 + tl.arange(0, BLOCK_M)
-        m_r = o_r < T
+        m_r = o_r < r_end
         tl.store(p_out + o_r.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + o_d[None, :],
                  tl.zeros([BLOCK_M, D], dtype=tl.bfloat16), mask=m_r[:, None])
         if HAS_LSE:
@@ -56,12 +57,15 @@ def prefill_attention_kernel(
     KV_FP8: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, HAS_LSE: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    b = tl.program_id(1)
-    hq = tl.program_id(2)
-    if b == B:
-        _zero_padding_rows(p_cu, p_out, p_lse, B, T, hq, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE)
+    b = tl.program_id(0)
+    hq = tl.program_id(2).to(tl.int64)
+    if b == B:  # the rows no request owns: before cu[0] and past cu[B]
+        first = tl.minimum(tl.maximum(tl.load(p_cu), 0), T)
+        _zero_rows(0, first, p_out, p_lse, hq, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE)
+        last = tl.minimum(tl.maximum(tl.load(p_cu + B), first), T)
+        _zero_rows(last, T, p_out, p_lse, hq, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE)
     else:
-        h = hq // GROUP
+        h = hq // GROUP  # (int64, as hq: head offsets of a large strided view)
         c1 = tl.minimum(tl.maximum(tl.load(p_cu + b + 1), 0), T)
         c0 = tl.minimum(tl.maximum(tl.load(p_cu + b), 0), c1)
         n = c1 - c0
@@ -75,7 +79,7 @@ def prefill_attention_kernel(
             vs = vs * tl.load(p_vs)
         o_d = tl.arange(0, D)
         p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
-        for mb in range(tl.program_id(0), (n + BLOCK_M - 1) // BLOCK_M, tl.num_programs(0)):
+        for mb in range(tl.program_id(1), (n + BLOCK_M - 1) // BLOCK_M, tl.num_programs(1)):
             o_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
             m_row = o_m < n
             p_qrow = p_q + (c0 + o_m).to(tl.int64) * stride_qt + hq * stride_qh
