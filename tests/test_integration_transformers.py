@@ -1,0 +1,127 @@
+"""The transformers adapter on a small random Qwen3-MoE: evenflow's fused MoE as the experts implementation and its
+router in place of the softmax top-k routers, against the same model in fp64 (the oracle) under the tolerance rule
+(the baseline: the stock model in bf16, transformers' own experts and router)."""
+import copy
+
+import pytest
+import torch
+
+import evenflow
+from evenflow.testing import assert_within_rule
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+ev_tf = pytest.importorskip("evenflow.integrations.transformers")
+
+
+def tiny_config(**kw):
+    from transformers import Qwen3MoeConfig
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=True, max_position_embeddings=64, decoder_sparse_step=1, mlp_only_layers=[])
+    base.update(kw)
+    return Qwen3MoeConfig(**base)
+
+
+def models(device, **kw):
+    """(fp64 oracle, stock bf16, bf16 for evenflow): one set of random weights, a config each (the experts
+    implementation lives in the config)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config(**kw)
+    m64 = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).double().eval()
+    with torch.no_grad():  # weights exact in bf16, so the oracle computes with the very values the bf16 models hold
+        for p in m64.parameters():
+            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).double())
+    state = {k: v.float() for k, v in m64.state_dict().items()}
+    out = [m64.to(device)]
+    for _ in range(2):
+        m = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).eval()
+        m.load_state_dict(state)
+        out.append(m.to(device=device, dtype=torch.bfloat16))
+    for m in out[:2]:
+        m.set_experts_implementation("eager")
+    return out
+
+
+def test_logits_within_the_rule_and_the_kernels_run(device, monkeypatch):
+    m64, stock, ev = models(device)
+    assert ev_tf.enable(ev) == {"experts": 2, "routers": 2}
+    assert ev.config._experts_implementation == "evenflow" and stock.config._experts_implementation == "eager"
+    calls = {"moe": 0, "router": 0}
+    real_moe, real_gemm = evenflow.fused_moe, evenflow.router_gemm
+    monkeypatch.setattr(evenflow, "fused_moe", lambda *a, **k: calls.__setitem__("moe", calls["moe"] + 1)
+                        or real_moe(*a, **k))
+    monkeypatch.setattr(evenflow, "router_gemm", lambda *a, **k: calls.__setitem__("router", calls["router"] + 1)
+                        or real_gemm(*a, **k))
+    ids = torch.randint(0, 128, (2, 9), device=device)
+    with torch.no_grad():
+        ref = m64(ids).logits
+        base = stock(ids).logits
+        got = ev(ids).logits
+    assert calls == {"moe": 2, "router": 2}, calls  # both layers' MoE and router went through evenflow
+    assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what="logits")
+    assert not torch.equal(got, base)  # not the stock path under another name
+
+
+def test_experts_and_router_alone(device):
+    """One MoE block: the router's top-k ids equal the fp64 router's (random weights: no near-ties), its weights
+    within fp32 error; the experts within the rule against fp64 experts (baseline: transformers' bf16 experts)."""
+    m64, stock, ev = models(device)
+    ev_tf.enable(ev)
+    blk64, blk_bf, blk_ev = (m.model.layers[0].mlp for m in (m64, stock, ev))
+    assert isinstance(blk_ev.gate, ev_tf.EvenflowTopKRouter)
+    x = torch.randn(7, 64, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        _, w64, i64 = blk64.gate(x.double())
+        _, w_ev, i_ev = blk_ev.gate(x)
+        assert torch.equal(i_ev.sort(-1).values, i64.sort(-1).values)
+        order64, order_ev = i64.argsort(-1), i_ev.argsort(-1)
+        torch.testing.assert_close(w_ev.double().gather(1, order_ev), w64.gather(1, order64), rtol=1e-5, atol=1e-6)
+        ref = blk64.experts(x.double(), i64, w64)
+        base = blk_bf.experts(x, i64, w64.to(torch.bfloat16))
+        got = blk_ev.experts(x, i64, w64.float())
+    assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what="experts")
+
+
+def test_router_follows_its_weight_and_the_experts_their_parameters(device):
+    _, _, ev = models(device)
+    ev_tf.enable(ev)
+    blk = ev.model.layers[1].mlp
+    x = torch.randn(5, 64, device=device).to(torch.bfloat16)
+    with torch.no_grad():
+        before = blk.gate(x)[0].clone()
+        blk.gate.weight.mul_(-1)  # in place: the split must follow
+        after = blk.gate(x)[0]
+        torch.testing.assert_close(after, -before, rtol=1e-6, atol=1e-6)
+        ids = torch.randint(0, 8, (5, 2), device=device)
+        w = torch.rand(5, 2, device=device)
+        y1 = blk.experts(x, ids, w)
+        blk.experts.down_proj.mul_(2)
+        y2 = blk.experts(x, ids, w)
+    torch.testing.assert_close(y2.float(), 2 * y1.float(), rtol=2 ** -7, atol=1e-3)
+
+
+def test_refuses_what_it_cannot_run(device):
+    m64, _, ev = models(device)
+    with pytest.raises(TypeError, match=r"Qwen3MoeExperts.gate_up_proj must be a bf16 tensor"):
+        ev_tf.enable(m64)
+    with pytest.raises(TypeError, match="has no 3-D experts module"):
+        ev_tf.enable(torch.nn.Linear(4, 4))
+    ev.model.layers[0].mlp.experts.is_transposed = True
+    with pytest.raises(TypeError, match="is_transposed=False"):
+        ev_tf.enable(ev)
+
+
+def test_register_makes_the_name_known(device):
+    from transformers import Qwen3MoeForCausalLM
+
+    ev_tf.register()
+    ev_tf.register()  # idempotent
+    m = Qwen3MoeForCausalLM(tiny_config()).to(device=device, dtype=torch.bfloat16)
+    m.set_experts_implementation("evenflow")
+    assert m.config._experts_implementation == "evenflow"
+    with torch.no_grad():
+        out = m(torch.randint(0, 128, (1, 4), device=device)).logits
+    assert torch.isfinite(out.float()).all()
