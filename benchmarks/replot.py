@@ -17,7 +17,7 @@ from evenflow.bench.harness import Results
 # the scripts): decode.py, moe.py, router.py, multigpu.py, sweep_moe.py (its index sweep and its config sweep)
 AXES = {"decode": ("case", "variant"), "moe": ("batch", "series"), "router": ("M", "case"), "multigpu": ("x", "plot"),
         "moe_index": ("batch", "case"), "moe_sweep": ("case", "variant"), "prologue": ("T", "variant"),
-        "prefill": ("case", "variant")}
+        "prefill": ("case", "variant"), "e2e_transformers": ("case", None)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,158 @@
+"""End to end in Hugging Face transformers: a Qwen3-30B-A3B-shaped model, stock against evenflow's MoE layers.
+
+    python benchmarks/e2e_transformers.py [--quick] [--layers 8] [--batches 1,8,32,128] [--out DIR] [--no-plot]
+
+The model: Qwen3-30B-A3B's dimensions (hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768, top-8, its
+vocabulary) with ``--layers`` of its 48 layers and transformers' own random initialisation, bf16 on the GPU. Cases:
+decode steps (batch B, one new token each after a 2048-token cache: ``decode-bB``) and prefills (``prefill-BxS``).
+Impls: ``transformers-grouped_mm`` (transformers' default experts, its router), ``transformers-eager`` (its loop over
+experts), ``evenflow-experts`` (``fused_moe`` as the experts implementation, transformers' router) and ``evenflow``
+(``evenflow.integrations.transformers.enable``: experts and router). Each impl's logits are checked against the
+default's (finite, cosine >= 0.999) before it is timed: a forward as transformers runs it (Python, launches, its
+cache), eager, median; a decode step's cache is cropped back after each call. ``us`` is the whole forward,
+``us_per_layer`` the same over the layer count (the embedding and the vocabulary projection included once, so it
+over-states a layer's share on a shallow model), ``vs_default`` the default's time over the impl's. No floor: these
+rows measure what a user of the engine sees, not a kernel.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from evenflow.bench import harness as H
+
+IMPLS = ("transformers-grouped_mm", "transformers-eager", "evenflow-experts", "evenflow")
+BATCHES = (1, 8, 32, 128)
+PREFILLS = ((1, 512), (4, 512))
+QUICK = {"batches": (1, 32), "prefills": ((1, 512),)}
+CTX = 2048
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960, decoder_sparse_step=1,
+                     mlp_only_layers=[], rope_theta=1e6)
+
+
+def build_model(layers: int, device="cuda", **overrides):
+    """The Qwen3-30B-A3B-shaped model (``overrides`` replace dimensions: tests build a small one), bf16, eval."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, "num_hidden_layers": layers, **overrides})
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def set_impl(model, impl: str) -> None:
+    """Put ``model`` (built by :func:`build_model`, stock routers) in ``impl``'s form; ``evenflow`` swaps the routers,
+    so build a fresh model for every impl after it."""
+    import evenflow.integrations.transformers as ev_tf
+
+    if impl.startswith("transformers-"):
+        model.set_experts_implementation(impl.split("-", 1)[1])
+    elif impl == "evenflow-experts":
+        ev_tf.register()
+        model.set_experts_implementation("evenflow")
+    elif impl == "evenflow":
+        ev_tf.enable(model)
+    else:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def decode_step(model, batch: int, ctx: int, vocab: int):
+    """(one decode step's forward, its logits' first call): a ``ctx``-token cache filled by a prefill, then each call
+    appends one token per request and crops it off again."""
+    from transformers import DynamicCache
+
+    dev = next(model.parameters()).device
+    g = torch.Generator(device="cpu").manual_seed(1)
+    prompt = torch.randint(0, vocab, (batch, ctx), generator=g).to(dev)
+    nxt = torch.randint(0, vocab, (batch, 1), generator=g).to(dev)
+    cache = DynamicCache(config=model.config)
+    # the cache's keyword: ``cache`` since transformers 5.2x, ``past_key_values`` before (still taken, deprecated)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        model(prompt, use_cache=True, **{key: cache})
+    pos = torch.full((batch, 1), ctx, device=dev)
+
+    def step():
+        with torch.no_grad():
+            out = model(nxt, use_cache=True, position_ids=pos, **{key: cache}).logits
+        cache.crop(-1)
+        return out
+
+    return step
+
+
+def prefill(model, batch: int, seq: int, vocab: int):
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(2)).to(dev)
+
+    def run():
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+
+    return run
+
+
+def _extra(p):
+    p.add_argument("--layers", type=int, default=8, help="layers of the model (Qwen3-30B-A3B has 48)")
+    p.add_argument("--batches", default=None, help="comma-separated decode batch sizes")
+
+
+def main() -> int:
+    args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
+    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (
+        QUICK["batches"] if args.quick else BATCHES)
+    prefills = QUICK["prefills"] if args.quick else PREFILLS
+    H._require_cuda("e2e_transformers")
+    import transformers
+
+    res = H.Results("e2e_transformers", ceilings=None, out=args.out,
+                    meta={"transformers": transformers.__version__, "layers": args.layers, "ctx": CTX,
+                          "shape": "qwen3-30b-a3b"})
+    base = build_model(args.layers)
+    vocab = base.config.vocab_size
+    cases = [(f"decode-b{b}", lambda m, b=b: decode_step(m, b, CTX, vocab), b) for b in batches]
+    cases += [(f"prefill-{b}x{s}", lambda m, b=b, s=s: prefill(m, b, s, vocab), b * s) for b, s in prefills]
+    for name, make, tokens in H.progress(cases, "e2e"):
+        ref = None
+        for impl in IMPLS:
+            try:
+                model = copy.deepcopy(base)
+                set_impl(model, impl)
+                fn = make(model)
+                out = fn()
+                if ref is None:
+                    ref = out.float()
+                chk = H.check_output(out, ref, f"{name} {impl}", rtol=5e-2, atol=5e-2, min_cos=0.999)
+                us = H.time_eager(fn, reps=10)
+                res.add(case=name, impl=impl, us=us, us_per_layer=us / args.layers, tokens=tokens,
+                        tokens_per_s=round(tokens / us * 1e6, 1), max_abs_err=float(chk["max_abs_err"]),
+                        cosine=float(chk["cosine"]))
+            except H.PeerUnavailable as e:
+                res.add_error(case=name, impl=impl, error=str(e))
+            except Exception as e:  # a failing impl is a result row, not a lost run
+                res.add_error(case=name, impl=impl, error=f"{type(e).__name__}: {H.error_line(e)}")
+            finally:
+                model = None
+                torch.cuda.empty_cache()
+    _speedups(res)
+    res.finish(x="case", group=None, columns=("case", "impl", "us", "us_per_layer", "tokens_per_s", "vs_default",
+                                              "cosine", "error"), plot=not args.no_plot, settle=False)
+    return 0
+
+
+def _speedups(res: H.Results) -> None:
+    """vs_default: transformers' default (grouped_mm) time over each impl's, at the same case."""
+    by = {(r["case"], r["impl"]): r for r in res.rows if "us" in r}
+    for (case, _), r in by.items():
+        d = by.get((case, IMPLS[0]))
+        if d:
+            r["vs_default"] = round(d["us"] / r["us"], 3)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
