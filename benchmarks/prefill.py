@@ -108,12 +108,8 @@ def _extra(p):
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
-    cases = args.cases.split(",") if args.cases else (QUICK["cases"] if args.quick else tuple(CASES))
-    heads = args.heads.split(",") if args.heads else (QUICK["heads"] if args.quick else tuple(HEADS))
-    for name, got, known in (("--cases", cases, CASES), ("--heads", heads, HEADS)):
-        bad = [c for c in got if c not in known]
-        if bad:
-            raise SystemExit(f"{name}: unknown {bad} (choose from {', '.join(known)})")
+    cases = H.choices("--cases", args.cases, CASES, QUICK["cases"] if args.quick else CASES)
+    heads = H.choices("--heads", args.heads, HEADS, QUICK["heads"] if args.quick else HEADS)
     H._require_cuda("prefill")
     ceil = H.measure_ceilings()
     res = H.Results("prefill", ceilings=ceil, out=args.out, meta={"flashinfer": fi.version()})

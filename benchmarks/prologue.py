@@ -136,13 +136,9 @@ def _extra(p):
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
-    cases = args.cases.split(",") if args.cases else (QUICK["cases"] if args.quick else tuple(MODELS))
+    cases = H.choices("--cases", args.cases, MODELS, QUICK["cases"] if args.quick else MODELS)
     ts = tuple(int(v) for v in args.ts.split(",")) if args.ts else (QUICK["ts"] if args.quick else TS)
-    variants = args.variants.split(",") if args.variants else tuple(VARIANTS)
-    for name, got, known in (("--cases", cases, MODELS), ("--variants", variants, VARIANTS)):
-        bad = [c for c in got if c not in known]
-        if bad:
-            raise SystemExit(f"{name}: unknown {bad} (choose from {', '.join(known)})")
+    variants = H.choices("--variants", args.variants, VARIANTS, VARIANTS)
     H._require_cuda("prologue")
     ceil = H.measure_ceilings()
     res = H.Results("prologue", ceilings=ceil, out=args.out)

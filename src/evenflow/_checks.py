@@ -131,6 +131,22 @@ def check_pdl(pdl, device, allow_none: bool = True, name: str = "pdl") -> None:
                          f"not {device}" + ("; pass None (automatic) or False" if allow_none else "; pass False"))
 
 
+def check_cu_seqlens_values(cu_seqlens: torch.Tensor, rows: int, rows_of: str) -> torch.Tensor:
+    """The values of a request-boundary tensor (one host sync): ``cu[0] == 0``, never decreasing, ``cu[-1] <=
+    rows`` (the rows of ``rows_of``). Returns it as int64 on the CPU; ValueError names the first bad entry."""
+    cu = cu_seqlens.long().cpu()
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens_q[0] must be 0, got {int(cu[0])}")
+    drops = (cu[1:] < cu[:-1]).nonzero()
+    if drops.numel():
+        b = int(drops[0, 0])
+        raise ValueError(f"cu_seqlens_q must not decrease: cu_seqlens_q[{b + 1}] = {int(cu[b + 1])} < "
+                         f"cu_seqlens_q[{b}] = {int(cu[b])}")
+    if int(cu[-1]) > rows:
+        raise ValueError(f"cu_seqlens_q[-1] = {int(cu[-1])} is past the {rows} rows of {rows_of}")
+    return cu
+
+
 def checked_op(launch: Callable, check: Callable[[dict], None]) -> Callable:
     """``launch`` with ``check`` run first on its arguments (a dict of name -> value, defaults filled in).
 

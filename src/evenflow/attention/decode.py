@@ -482,29 +482,39 @@ def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
     raise TypeError(f"{name} must be a float or a float32 tensor of one element, got {type(s).__name__}")
 
 
-def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
-    check_tensor("q", q, dtypes=_QDT, ndim=3, last_dim_contiguous=True)
-    dev = q.device
+def check_kv_cache(k_cache, v_cache, dev) -> tuple[int, int, int, int]:
+    """The paged K / V caches as every attention operator takes them (decode, prefill, the prologue's store):
+    bf16 or fp8 e4m3 ``[num_pages, P, Hkv, D]`` on ``dev`` with a unit last stride, V like K, P in 16..128, D one of
+    HEAD_DIMS, at least one page and one kv head. Returns (num_pages, P, Hkv, D)."""
     check_tensor("k_cache", k_cache, dtypes=_KVDT, ndim=4, device=dev, last_dim_contiguous=True)
     check_tensor("v_cache", v_cache, dtypes=[k_cache.dtype], shape=list(k_cache.shape), device=dev,
                  last_dim_contiguous=True)
-    check_tensor("seq_lens", seq_lens, dtypes=[torch.int32], ndim=1, device=dev, contiguous=True)
-    B = seq_lens.shape[0]
-    check_tensor("page_table", page_table, dtypes=[torch.int32], ndim=2, device=dev, last_dim_contiguous=True)
-    if page_table.shape[0] != B:
-        raise ValueError(f"page_table must have {B} rows (one per request in seq_lens), got {page_table.shape[0]}")
     num_pages, P, Hkv, D = k_cache.shape
     if P not in (16, 32, 64, 128):
         raise ValueError(f"k_cache page size (dim 1) must be one of [16, 32, 64, 128], got {P}")
     if D not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)}, got {D}")
+    if num_pages < 1:
+        raise ValueError("k_cache must hold at least one page")
+    if Hkv < 1:
+        raise ValueError("k_cache must hold at least one kv head (dim 2)")
+    return num_pages, P, Hkv, D
+
+
+def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
+    check_tensor("q", q, dtypes=_QDT, ndim=3, last_dim_contiguous=True)
+    dev = q.device
+    num_pages, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
+    check_tensor("seq_lens", seq_lens, dtypes=[torch.int32], ndim=1, device=dev, contiguous=True)
+    B = seq_lens.shape[0]
+    check_tensor("page_table", page_table, dtypes=[torch.int32], ndim=2, device=dev, last_dim_contiguous=True)
+    if page_table.shape[0] != B:
+        raise ValueError(f"page_table must have {B} rows (one per request in seq_lens), got {page_table.shape[0]}")
     if q.shape[2] != D:
         raise ValueError(f"q head_dim {q.shape[2]} != k_cache head_dim {D}")
     Hq = q.shape[1]
     if Hq % Hkv != 0 or not 1 <= Hq // Hkv <= MAX_GQA_GROUP:
         raise ValueError(f"q heads ({Hq}) must be a multiple 1..{MAX_GQA_GROUP} of the kv heads ({Hkv})")
-    if num_pages < 1:
-        raise ValueError("k_cache must hold at least one page")
     if page_table.shape[1] < 1:
         raise ValueError("page_table must have at least one column")
     if plan is not None:

@@ -33,10 +33,18 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_int, check_out, check_scaling, check_tensor, checked_op
+from evenflow._checks import (
+    check_bool,
+    check_cu_seqlens_values,
+    check_int,
+    check_out,
+    check_scaling,
+    check_tensor,
+    checked_op,
+)
 from evenflow.attention import prefill_kernels as PK
-from evenflow.attention.decode import _scale_arg
-from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, MAX_GQA_GROUP
+from evenflow.attention.decode import _scale_arg, check_kv_cache
+from evenflow.attention.plan import MAX_GQA_GROUP
 
 _LOG2E = math.log2(math.e)
 MAX_ROW_BLOCKS = 1 << 15  # the grid's second dimension at most, under CUDA's 65535 (programs walk the rest)
@@ -52,16 +60,7 @@ def _check(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, max_seqlen_q
     """The host-side checks; returns (T, Hq, Hkv, D, B)."""
     check_tensor("q", q, dtypes=[torch.bfloat16], ndim=3, last_dim_contiguous=True)
     dev = q.device
-    check_tensor("k_cache", k_cache, dtypes=KV_DTYPES, ndim=4, device=dev, last_dim_contiguous=True)
-    check_tensor("v_cache", v_cache, dtypes=[k_cache.dtype], shape=list(k_cache.shape), device=dev,
-                 last_dim_contiguous=True)
-    num_pages, P, Hkv, D = k_cache.shape
-    if P not in (16, 32, 64, 128):
-        raise ValueError(f"k_cache page size (dim 1) must be one of [16, 32, 64, 128], got {P}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {list(HEAD_DIMS)}, got {D}")
-    if num_pages < 1:
-        raise ValueError("k_cache must hold at least one page")
+    _, _, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
     T, Hq, qd = q.shape
     if qd != D:
         raise ValueError(f"q head_dim {qd} != k_cache head_dim {D}")
@@ -174,17 +173,8 @@ def validate_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_l
 
 
 def _check_values(k_cache, cu_seqlens_q, page_table, seq_lens, T: int) -> None:
-    cu = cu_seqlens_q.long().cpu()
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens_q[0] must be 0, got {int(cu[0])}")
+    cu = check_cu_seqlens_values(cu_seqlens_q, T, "q")
     n = cu[1:] - cu[:-1]
-    drops = (n < 0).nonzero()
-    if drops.numel():
-        b = int(drops[0, 0])
-        raise ValueError(f"cu_seqlens_q must not decrease: cu_seqlens_q[{b + 1}] = {int(cu[b + 1])} < "
-                         f"cu_seqlens_q[{b}] = {int(cu[b])}")
-    if int(cu[-1]) > T:
-        raise ValueError(f"cu_seqlens_q[-1] = {int(cu[-1])} is past the {T} rows of q")
     lens = seq_lens.long().cpu()
     P = k_cache.shape[1]
     cap = page_table.shape[1] * P

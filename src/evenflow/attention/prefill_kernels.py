@@ -16,7 +16,7 @@ Values inside device tensors are clamped so nothing is read or written out of bo
 import triton
 import triton.language as tl
 
-from evenflow.attention.kernels import _scores, _softmax_pv_step
+from evenflow.attention.kernels import _scales, _scores, _softmax_pv_step
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -71,12 +71,7 @@ def prefill_attention_kernel(
         n = c1 - c0
         L = tl.minimum(tl.maximum(tl.load(p_sl + b), 0), max_pages * PAGE)
         prefix = L - n
-        rs = qk_scale
-        if K_SCALE_T:
-            rs = rs * tl.load(p_ks)
-        vs = v_scale_f
-        if V_SCALE_T:
-            vs = vs * tl.load(p_vs)
+        rs, vs = _scales(qk_scale, v_scale_f, p_ks, p_vs, K_SCALE_T, V_SCALE_T)
         o_d = tl.arange(0, D)
         p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
         for mb in range(tl.program_id(1), (n + BLOCK_M - 1) // BLOCK_M, tl.num_programs(1)):

@@ -44,10 +44,19 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_choice, check_int, check_out, check_scaling, check_tensor, checked_op
+from evenflow._checks import (
+    check_bool,
+    check_choice,
+    check_cu_seqlens_values,
+    check_int,
+    check_out,
+    check_scaling,
+    check_tensor,
+    checked_op,
+)
 from evenflow.attention import prologue_kernels as PK
-from evenflow.attention.decode import _scale_arg
-from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, Q_DTYPES
+from evenflow.attention.decode import _scale_arg, check_kv_cache
+from evenflow.attention.plan import Q_DTYPES
 
 FP8 = torch.float8_e4m3fn
 ROPE_STYLES = ("neox", "gptj")
@@ -64,18 +73,7 @@ def _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, 
     """The host-side checks; returns (T, Hq, Hkv, D, R, B)."""
     check_tensor("qkv", qkv, dtypes=[torch.bfloat16], ndim=2, last_dim_contiguous=True)
     dev = qkv.device
-    check_tensor("k_cache", k_cache, dtypes=KV_DTYPES, ndim=4, device=dev, last_dim_contiguous=True)
-    check_tensor("v_cache", v_cache, dtypes=[k_cache.dtype], shape=list(k_cache.shape), device=dev,
-                 last_dim_contiguous=True)
-    _, P, Hkv, D = k_cache.shape
-    if Hkv < 1:
-        raise ValueError("k_cache must hold at least one kv head (dim 2)")
-    if P not in (16, 32, 64, 128):
-        raise ValueError(f"k_cache page size (dim 1) must be one of [16, 32, 64, 128], got {P}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim (k_cache dim 3) must be one of {list(HEAD_DIMS)}, got {D}")
-    if k_cache.shape[0] < 1:
-        raise ValueError("k_cache must hold at least one page")
+    _, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
     T, width = qkv.shape
     if width % D or width // D <= 2 * Hkv or (width // D - 2 * Hkv) % Hkv:
         raise ValueError(f"qkv's width ({width}) must be (Hq + 2 * Hkv) * D with D = {D}, Hkv = {Hkv} (k_cache) "
@@ -241,16 +239,7 @@ def validate_prologue_inputs(qkv, positions, cos_sin, k_cache, v_cache, page_tab
 
 
 def _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T: int) -> None:
-    cu = cu_seqlens_q.long().cpu()
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens_q[0] must be 0, got {int(cu[0])}")
-    drops = (cu[1:] < cu[:-1]).nonzero()
-    if drops.numel():
-        b = int(drops[0, 0])
-        raise ValueError(f"cu_seqlens_q must not decrease: cu_seqlens_q[{b + 1}] = {int(cu[b + 1])} < "
-                         f"cu_seqlens_q[{b}] = {int(cu[b])}")
-    if int(cu[-1]) > T:
-        raise ValueError(f"cu_seqlens_q[-1] = {int(cu[-1])} is past the {T} tokens of qkv")
+    cu = check_cu_seqlens_values(cu_seqlens_q, T, "qkv")
     live = int(cu[-1])
     if live == 0:
         return

@@ -459,6 +459,16 @@ def with_switches(module, switches: dict, fn: Callable[[], object]):
             setattr(module, name, value)
 
 
+def choices(flag: str, given: str | None, known, default) -> tuple:
+    """A comma-separated option's values (``default`` where not given), each one of ``known``; ``SystemExit`` naming
+    the flag and the unknown values otherwise."""
+    values = tuple(given.split(",")) if given else tuple(default)
+    bad = [v for v in values if v not in known]
+    if bad:
+        raise SystemExit(f"{flag}: unknown {bad} (choose from {', '.join(known)})")
+    return values
+
+
 def progress(items: Iterable, desc: str) -> Iterable:
     """Yield ``items`` printing one line per item with elapsed time (flushes, so logs stream)."""
     items = list(items)
