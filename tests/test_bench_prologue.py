@@ -82,3 +82,11 @@ def test_speedups_compare_the_same_point(bench):
     res.add(case="qwen3-30b-a3b", variant="bf16", impl="torch-unfused", us=99.0, T=8)
     bench._speedups(res)
     assert res.rows[0]["vs_unfused"] == 5.0 and res.rows[0]["vs_compile"] == 2.5
+
+
+def test_option_lists_are_checked_by_name():
+    known = {"a": 1, "b": 2}
+    assert H.choices("--cases", None, known, ("b",)) == ("b",)
+    assert H.choices("--cases", "a,b", known, known) == ("a", "b")
+    with pytest.raises(SystemExit, match=r"--cases: unknown \['c'\] \(choose from a, b\)"):
+        H.choices("--cases", "a,c", known, known)
