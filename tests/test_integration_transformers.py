@@ -105,7 +105,7 @@ def test_router_follows_its_weight_and_the_experts_their_parameters(device):
 
 def test_refuses_what_it_cannot_run(device):
     m64, _, ev = models(device)
-    with pytest.raises(TypeError, match=r"Qwen3MoeExperts.gate_up_proj must be a bf16 tensor"):
+    with pytest.raises(TypeError, match=r"Qwen3MoeExperts: evenflow's fused MoE takes bf16 or fp8 e4m3 experts"):
         ev_tf.enable(m64)
     with pytest.raises(TypeError, match="has no 3-D experts module"):
         ev_tf.enable(torch.nn.Linear(4, 4))
@@ -125,3 +125,43 @@ def test_register_makes_the_name_known(device):
     with torch.no_grad():
         out = m(torch.randint(0, 128, (1, 4), device=device)).logits
     assert torch.isfinite(out.float()).all()
+
+
+def _fp8_experts(device, **kw):
+    """transformers' fine-grained FP8 experts module (what a Qwen3-FP8 checkpoint loads) holding random block-128
+    weights, and the same weights as an evenflow holder."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    from evenflow.reference.moe import random_moe_weights
+
+    cfg = tiny_config(hidden_size=256, moe_intermediate_size=128, num_experts=4)
+    module = FP8Experts(cfg, block_size=(128, 128), **kw)
+    ew = random_moe_weights("fp8_block", 4, 256, 128, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for name, t in (("gate_up_proj", ew.w13), ("gate_up_proj_scale_inv", ew.w13_scale), ("down_proj", ew.w2),
+                        ("down_proj_scale_inv", ew.w2_scale)):
+            getattr(module, name).copy_(t)
+    return module.to(device), evenflow.MoEWeights.fp8_block(*(t.to(device) for t in (ew.w13, ew.w2, ew.w13_scale,
+                                                                                     ew.w2_scale)))
+
+
+def test_fp8_block_experts_map_onto_evenflows_holder(device):
+    """transformers' FP8Experts (e4m3 weights, 128 x 128 fp32 ``*_scale_inv``, dynamic activations) runs as
+    fused_moe on MoEWeights.fp8_block over the same tensors: the same bits as a direct call (which
+    tests/test_moe.py holds to the rule against the fp64 oracle), and registered for FP8 experts too."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+
+    ev_tf.register()
+    assert "evenflow" in ALL_FP8_EXPERTS_FUNCTIONS
+    module, ew = _fp8_experts(device)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, 4, (6, 2), generator=g).to(device)
+    w = torch.rand(6, 2, generator=g).to(device)
+    got = ev_tf.experts_forward(module, x, ids, w)
+    assert torch.equal(got, evenflow.fused_moe(x, ids.to(torch.int32), w, ew))
+    for kw, pattern in ((dict(activation_scheme="static"), "activation_scheme='dynamic'"),
+                        (dict(swiglu_limit=7.0), "sets limit=7.0")):
+        bad, _ = _fp8_experts(device, **kw)
+        with pytest.raises(TypeError, match=pattern):
+            ev_tf.experts_forward(bad, x, ids, w)

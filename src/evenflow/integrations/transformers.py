@@ -11,13 +11,15 @@ classes, e.g. Qwen3-MoE's ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]`` gate 
     ev_tf.enable(model)        # experts -> evenflow.fused_moe; softmax top-k routers -> evenflow's router
     # or: ev_tf.register(); from_pretrained(..., experts_implementation="evenflow")
 
-What it takes: bf16 expert weights with SiLU-gated, concatenated, untransposed gate/up projections and no biases (the
-experts module's ``has_gate``, ``is_concatenated``, ``is_transposed``, ``has_bias`` flags say so); anything else raises
-a ``TypeError`` naming the module. Routers replaced: modules with a ``weight [E, H]``, ``top_k`` and
-``norm_topk_prob`` and no bias (Qwen3-MoE's ``Qwen3MoeTopKRouter``: softmax over all experts, top-k, optional
-renormalisation). The replacement computes the logits at FP32 fidelity from the router's weight (bf16 checkpoint
-weights are exact in fp32) and returns fp32 routing weights; where the router's weight changes in place (its version
-counter), it is split again before the next call.
+What it takes: experts with SiLU-gated, concatenated, untransposed gate/up projections and no biases (the experts
+module's ``has_gate``, ``is_concatenated``, ``is_transposed``, ``has_bias`` flags say so), in bf16, or in transformers'
+fine-grained FP8 (``FP8Experts``: e4m3 weights in 128 x 128 blocks with fp32 ``*_scale_inv`` multipliers and dynamic
+activations, as Qwen3-FP8 and DeepSeek checkpoints load; :meth:`evenflow.MoEWeights.fp8_block` over the same
+tensors); anything else raises a ``TypeError`` naming the module and what it has. Routers replaced: modules with a
+``weight [E, H]``, ``top_k`` and ``norm_topk_prob`` and no bias (Qwen3-MoE's ``Qwen3MoeTopKRouter``: softmax over all
+experts, top-k, optional renormalisation). The replacement computes the logits at FP32 fidelity from the router's
+weight (bf16 checkpoint weights are exact in fp32) and returns fp32 routing weights; where the router's weight changes
+in place (its version counter), it is split again before the next call.
 """
 from __future__ import annotations
 
@@ -37,32 +39,63 @@ def _experts_interface():
     return ALL_EXPERTS_FUNCTIONS
 
 
-def _check_experts(module: torch.nn.Module) -> None:
-    name = type(module).__name__
+FP8 = torch.float8_e4m3fn
+
+
+def _refuse(module: torch.nn.Module, what: str) -> None:
+    raise TypeError(f"{type(module).__name__}: evenflow's fused MoE {what}")
+
+
+def _check_experts(module: torch.nn.Module) -> str:
+    """The evenflow weight format of a transformers experts module (``"bf16"`` or ``"fp8_block"``), or TypeError
+    naming the module and what it has that evenflow's fused MoE does not compute."""
     for flag, want in (("has_gate", True), ("is_concatenated", True), ("is_transposed", False), ("has_bias", False)):
         if getattr(module, flag, want) != want:
-            raise TypeError(f"{name}: evenflow's fused MoE takes {flag}={want} experts, this module has "
-                            f"{flag}={getattr(module, flag)}")
+            _refuse(module, f"takes {flag}={want} experts, this module has {flag}={getattr(module, flag)}")
     act = getattr(module, "act_fn", None)
-    if act is not None and not isinstance(act, torch.nn.SiLU) and type(act).__name__ not in ("SiLUActivation",):
-        raise TypeError(f"{name}: evenflow's fused MoE computes SiLU(gate) * up; this module's act_fn is "
-                        f"{type(act).__name__}")
-    for p in ("gate_up_proj", "down_proj"):
-        w = getattr(module, p, None)
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
-            raise TypeError(f"{name}.{p} must be a bf16 tensor for evenflow's fused MoE, got "
-                            f"{None if w is None else w.dtype}")
+    if act is not None and not isinstance(act, torch.nn.SiLU) and type(act).__name__ != "SiLUActivation":
+        _refuse(module, f"computes SiLU(gate) * up; this module's act_fn is {type(act).__name__}")
+    for extra in ("swiglu_alpha", "limit", "gate_softcap", "up_softcap"):  # FP8Experts' SwiGLU variants
+        if getattr(module, extra, None) is not None:
+            _refuse(module, f"computes plain SiLU(gate) * up; this module sets {extra}={getattr(module, extra)}")
+    w13, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
+        _refuse(module, "needs gate_up_proj and down_proj tensors")
+    if w13.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16:
+        return "bf16"
+    if w13.dtype == FP8 and w2.dtype == FP8:
+        # transformers' fine-grained FP8 (Qwen3-FP8 / DeepSeek checkpoints): 128 x 128 weight blocks with fp32
+        # dequant multipliers (``*_scale_inv``), activations quantised per token and 128-wide group on the fly
+        if tuple(getattr(module, "block_size", None) or ()) != (128, 128):
+            _refuse(module, f"takes fp8 weights in 128 x 128 blocks, this module's block_size is "
+                            f"{getattr(module, 'block_size', None)}")
+        if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+            _refuse(module, "quantises activations per token and 128-wide group (activation_scheme='dynamic'), "
+                            f"this module's is {module.activation_scheme!r}")
+        for name in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):
+            sc = getattr(module, name, None)
+            if not isinstance(sc, torch.Tensor) or sc.dtype != torch.float32:
+                _refuse(module, f"takes fp32 block scales, this module's {name} is "
+                                f"{None if sc is None else sc.dtype}")
+        return "fp8_block"
+    _refuse(module, f"takes bf16 or fp8 e4m3 experts, this module's gate_up_proj / down_proj are {w13.dtype} / "
+                    f"{w2.dtype}")
 
 
 def _moe_weights(module: torch.nn.Module) -> evenflow.MoEWeights:
-    """The module's :class:`evenflow.MoEWeights` over its own parameters, built once and again only when a parameter
-    is replaced or written in place."""
-    w13, w2 = module.gate_up_proj, module.down_proj
-    key = (w13.data_ptr(), w2.data_ptr(), w13._version, w2._version)
+    """The module's :class:`evenflow.MoEWeights` over its own parameters (no copy), built once and again only when a
+    parameter is replaced or written in place."""
+    fp8 = module.gate_up_proj.dtype == FP8
+    params = [module.gate_up_proj, module.down_proj]
+    if fp8:
+        params += [module.gate_up_proj_scale_inv, module.down_proj_scale_inv]
+    key = tuple((p.data_ptr(), p._version) for p in params)
     held = module.__dict__.get("_evenflow_moe")
     if held is None or held[0] != key:
-        _check_experts(module)
-        held = (key, evenflow.MoEWeights.bf16(w13.detach(), w2.detach()))
+        fmt = _check_experts(module)
+        tensors = [p.detach() for p in params]
+        ew = evenflow.MoEWeights.fp8_block(*tensors) if fmt == "fp8_block" else evenflow.MoEWeights.bf16(*tensors)
+        held = (key, ew)
         module.__dict__["_evenflow_moe"] = held
     return held[1]
 
@@ -77,10 +110,17 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
 
 
 def register() -> None:
-    """Make ``experts_implementation="evenflow"`` known to transformers (idempotent)."""
-    interface = _experts_interface()
-    if IMPLEMENTATION not in interface:
-        interface.register(IMPLEMENTATION, experts_forward)
+    """Make ``experts_implementation="evenflow"`` known to transformers (idempotent), for bf16 experts and for its
+    fine-grained FP8 experts (``FP8Experts``, which dispatch through an interface of their own)."""
+    interfaces = [_experts_interface()]
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+        interfaces.append(ALL_FP8_EXPERTS_FUNCTIONS)
+    except ImportError:  # a transformers without fine-grained FP8: bf16 experts only
+        pass
+    for interface in interfaces:
+        if IMPLEMENTATION not in interface:
+            interface.register(IMPLEMENTATION, experts_forward)
 
 
 class EvenflowTopKRouter(torch.nn.Module):
