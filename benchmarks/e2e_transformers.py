@@ -9,9 +9,12 @@ Impls: ``transformers-grouped_mm`` (transformers' default experts, its router), 
 experts), ``evenflow-experts`` (``fused_moe`` as the experts implementation, transformers' router) and ``evenflow``
 (``evenflow.integrations.transformers.enable``: experts and router). Each impl's logits are checked against the
 default's (finite, cosine >= 0.999) before it is timed: a forward as transformers runs it (Python, launches, its
-cache), eager, median; a decode step's cache is cropped back after each call. ``us`` is the whole forward,
-``us_per_layer`` the same over the layer count (the embedding and the vocabulary projection included once, so it
-over-states a layer's share on a shallow model), ``vs_default`` the default's time over the impl's. No floor: these
+cache), eager, median; a decode step's cache is cropped back after each call; only the last position's logits are
+computed (``logits_to_keep=1``, as ``generate`` asks). ``us`` is the whole forward, ``us_per_layer`` the same over the
+layer count (the embedding and the vocabulary projection included once, so it over-states a layer's share on a
+shallow model: at 8 layers and batch 1 the vocabulary projection's 0.6 GB read may cost more than the MoE layers'
+~75 MB each, which shrinks ``vs_default``; ``--layers`` weighs it down), ``vs_default`` the default's time over the
+impl's. No floor: these
 rows measure what a user of the engine sees, not a kernel.
 """
 from __future__ import annotations
@@ -73,8 +76,8 @@ def decode_step(model, batch: int, ctx: int, vocab: int):
     cache = DynamicCache(config=model.config)
     # the cache's keyword: ``cache`` since transformers 5.2x, ``past_key_values`` before (still taken, deprecated)
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        model(prompt, use_cache=True, **{key: cache})
+    with torch.no_grad():  # (the last position's logits only: batch x ctx x vocab of them would not fit at B = 128)
+        model(prompt, use_cache=True, logits_to_keep=1, **{key: cache})
     pos = torch.full((batch, 1), ctx, device=dev)
 
     def step():
@@ -90,9 +93,9 @@ def prefill(model, batch: int, seq: int, vocab: int):
     dev = next(model.parameters()).device
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(2)).to(dev)
 
-    def run():
+    def run():  # a prefill keeps the last position's logits, as generate() asks
         with torch.no_grad():
-            return model(ids, use_cache=False).logits
+            return model(ids, use_cache=False, logits_to_keep=1).logits
 
     return run
 
@@ -125,9 +128,11 @@ def main() -> int:
                 set_impl(model, impl)
                 fn = make(model)
                 out = fn()
-                if ref is None:
+                if impl == IMPLS[0]:
                     ref = out.float()
-                chk = H.check_output(out, ref, f"{name} {impl}", rtol=5e-2, atol=5e-2, min_cos=0.999)
+                # against the default's logits; where the default failed, finite only (an error row says so)
+                chk = H.check_output(out, out.float() if ref is None else ref, f"{name} {impl}", rtol=5e-2,
+                                     atol=5e-2, min_cos=0.999)
                 us = H.time_eager(fn, reps=10)
                 res.add(case=name, impl=impl, us=us, us_per_layer=us / args.layers, tokens=tokens,
                         tokens_per_s=round(tokens / us * 1e6, 1), max_abs_err=float(chk["max_abs_err"]),

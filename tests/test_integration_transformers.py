@@ -71,7 +71,7 @@ def test_experts_and_router_alone(device):
     m64, stock, ev = models(device)
     ev_tf.enable(ev)
     blk64, blk_bf, blk_ev = (m.model.layers[0].mlp for m in (m64, stock, ev))
-    assert isinstance(blk_ev.gate, ev_tf.EvenflowTopKRouter)
+    assert ev_tf.is_evenflow_router(blk_ev.gate) and not ev_tf.is_evenflow_router(blk_bf.gate)
     x = torch.randn(7, 64, device=device).to(torch.bfloat16)
     with torch.no_grad():
         _, w64, i64 = blk64.gate(x.double())
@@ -109,6 +109,11 @@ def test_refuses_what_it_cannot_run(device):
         ev_tf.enable(m64)
     with pytest.raises(TypeError, match="has no 3-D experts module"):
         ev_tf.enable(torch.nn.Linear(4, 4))
+    dense = torch.nn.Module()
+    dense.gate_up_proj = torch.nn.Linear(4, 8)  # a dense MLP's projection of that name is not an experts module
+    dense.down_proj = torch.nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="has no 3-D experts module"):
+        ev_tf.enable(dense)
     ev.model.layers[0].mlp.experts.is_transposed = True
     with pytest.raises(TypeError, match="is_transposed=False"):
         ev_tf.enable(ev)
@@ -158,10 +163,97 @@ def test_fp8_block_experts_map_onto_evenflows_holder(device):
     x = torch.randn(6, 256, generator=g).to(torch.bfloat16).to(device)
     ids = torch.randint(0, 4, (6, 2), generator=g).to(device)
     w = torch.rand(6, 2, generator=g).to(device)
-    got = ev_tf.experts_forward(module, x, ids, w)
-    assert torch.equal(got, evenflow.fused_moe(x, ids.to(torch.int32), w, ew))
-    for kw, pattern in ((dict(activation_scheme="static"), "activation_scheme='dynamic'"),
-                        (dict(swiglu_limit=7.0), "sets limit=7.0")):
-        bad, _ = _fp8_experts(device, **kw)
-        with pytest.raises(TypeError, match=pattern):
-            ev_tf.experts_forward(bad, x, ids, w)
+    with torch.no_grad():  # (its fp8 parameters require grad, as transformers builds them)
+        got = ev_tf.experts_forward(module, x, ids, w)
+        assert torch.equal(got, evenflow.fused_moe(x, ids.to(torch.int32), w, ew))
+        for kw, pattern in ((dict(activation_scheme="static"), "activation_scheme='dynamic'"),
+                            (dict(swiglu_limit=7.0), "sets limit=7.0")):
+            bad, _ = _fp8_experts(device, **kw)
+            with pytest.raises(TypeError, match=pattern):
+                ev_tf.experts_forward(bad, x, ids, w)
+    with pytest.raises(RuntimeError, match="no backward"):
+        ev_tf.experts_forward(module, x, ids, w)
+
+
+def test_router_logits_inference_mode_and_autograd(device):
+    """The routers keep their class (output_router_logits records them and the auxiliary loss is computed); a first
+    call under inference mode builds the split; a call autograd would record raises."""
+    m64, stock, ev = models(device)
+    ev_tf.enable(ev)
+    ids = torch.randint(0, 128, (2, 5), device=device)
+    with torch.no_grad():
+        out = ev(ids, output_router_logits=True)
+        base = stock(ids, output_router_logits=True)
+    assert len(out.router_logits) == 2 and out.router_logits[0].shape == (10, 8)
+    assert torch.isfinite(out.aux_loss) and abs(float(out.aux_loss) - float(base.aux_loss)) < 1e-2
+    ev_tf.refresh(ev)
+    with torch.inference_mode():
+        got = ev(ids).logits
+    with torch.no_grad():
+        assert torch.equal(got, ev(ids).logits)
+    with pytest.raises(RuntimeError, match="no backward"):
+        ev(ids)
+
+
+def test_other_routers_are_left_alone(device):
+    """DeepSeek-V3's router (sigmoid scores, a correction bias, grouped top-k, a scaling factor) is not Qwen3's form:
+    enable() leaves it as it is and runs only the experts on evenflow; the logits stay within the rule against the
+    same model in fp64."""
+    import copy
+
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                           n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
+                           q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                           first_k_dense_replace=0, max_position_embeddings=64)
+    torch.manual_seed(0)
+    m64 = DeepseekV3ForCausalLM(copy.deepcopy(cfg)).double().eval()
+    with torch.no_grad():
+        for p in m64.parameters():
+            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).double())
+    state = {k: v.float() for k, v in m64.state_dict().items()}
+    built = []
+    for _ in range(2):
+        m = DeepseekV3ForCausalLM(copy.deepcopy(cfg)).eval()
+        m.load_state_dict(state)
+        built.append(m.to(device=device, dtype=torch.bfloat16))
+    stock, ev = built
+    m64.to(device).set_experts_implementation("eager")
+    stock.set_experts_implementation("eager")
+    assert ev_tf.enable(ev) == {"experts": 2, "routers": 0}
+    ids = torch.randint(0, 128, (2, 7), device=device)
+    with torch.no_grad():
+        ref, base, got = (m(ids).logits for m in (m64, stock, ev))
+    assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what="DeepSeek-V3 logits")
+
+
+def test_fp8_scale_inv_is_transformers_multiplier(device):
+    """The fp8 holder's scales mean what transformers' own dequantiser says ``*_scale_inv`` means: the experts'
+    output within the rule against fp64 experts on transformers' dequantised weights (the baseline: evenflow's MoE
+    reference in its fp32 same-precision form, which quantises activations as the kernel does)."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from evenflow.reference.moe import moe_baseline
+
+    module, ew = _fp8_experts(device)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16).to(device)
+    ids = torch.randint(0, 4, (6, 2), generator=g).to(device)
+    w = torch.rand(6, 2, generator=g).to(device)
+    w13 = _dequantize_fp8_weight(module.gate_up_proj.detach(), module.gate_up_proj_scale_inv.detach(), [128, 128],
+                                 torch.float64)
+    w2 = _dequantize_fp8_weight(module.down_proj.detach(), module.down_proj_scale_inv.detach(), [128, 128],
+                                torch.float64)
+    xd = x.double()
+    ref = torch.zeros(6, 256, dtype=torch.float64, device=device)
+    for t in range(6):
+        for k in range(2):
+            e = int(ids[t, k])
+            gate, up = (w13[e] @ xd[t]).chunk(2)
+            ref[t] += float(w[t, k]) * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    with torch.no_grad():
+        got = ev_tf.experts_forward(module, x, ids, w)
+    base = moe_baseline(x, ids.to(torch.int32), w, ew)
+    assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what="fp8 experts vs transformers' dequantised weights")

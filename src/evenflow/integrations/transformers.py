@@ -15,13 +15,24 @@ What it takes: experts with SiLU-gated, concatenated, untransposed gate/up proje
 module's ``has_gate``, ``is_concatenated``, ``is_transposed``, ``has_bias`` flags say so), in bf16, or in transformers'
 fine-grained FP8 (``FP8Experts``: e4m3 weights in 128 x 128 blocks with fp32 ``*_scale_inv`` multipliers and dynamic
 activations, as Qwen3-FP8 and DeepSeek checkpoints load; :meth:`evenflow.MoEWeights.fp8_block` over the same
-tensors); anything else raises a ``TypeError`` naming the module and what it has. Routers replaced: modules with a
-``weight [E, H]``, ``top_k`` and ``norm_topk_prob`` and no bias (Qwen3-MoE's ``Qwen3MoeTopKRouter``: softmax over all
-experts, top-k, optional renormalisation). The replacement computes the logits at FP32 fidelity from the router's
-weight (bf16 checkpoint weights are exact in fp32) and returns fp32 routing weights; where the router's weight changes
-in place (its version counter), it is split again before the next call.
+tensors); anything else raises a ``TypeError`` naming the module and what it has (SwiGLU clamps or scales, a
+custom gate, a norm after each expert, transformers' expert-parallel layout).
+
+Routers: only those whose ``forward`` is Qwen3-MoE's code (softmax over all experts in fp32, top-k, optional
+renormalisation: Qwen2/3-MoE, Qwen3-Next, OLMoE, ... in transformers 5.25) get evenflow's forward, installed on the
+module itself, so its class, hooks, state dict and ``output_router_logits`` recording stay. It computes the logits at
+FP32 fidelity from the router's weight (bf16 checkpoint weights are exact in fp32) and returns fp32 logits and routing
+weights; the weight's fp32 split is made again after the weight is replaced or written in place (its version
+counter; writes through ``.data`` bump none: call :func:`refresh`). Other routers (DeepSeek-V3's sigmoid with a
+correction bias and grouped top-k, ...) stay transformers' own. evenflow's kernels have no backward: a call autograd
+would record raises.
 """
 from __future__ import annotations
+
+import functools
+import inspect
+import re
+import types
 
 import torch
 
@@ -46,6 +57,14 @@ def _refuse(module: torch.nn.Module, what: str) -> None:
     raise TypeError(f"{type(module).__name__}: evenflow's fused MoE {what}")
 
 
+def _default_gate(fn) -> bool:
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    return fn is _default_apply_gate
+
+
 def _check_experts(module: torch.nn.Module) -> str:
     """The evenflow weight format of a transformers experts module (``"bf16"`` or ``"fp8_block"``), or TypeError
     naming the module and what it has that evenflow's fused MoE does not compute."""
@@ -55,9 +74,15 @@ def _check_experts(module: torch.nn.Module) -> str:
     act = getattr(module, "act_fn", None)
     if act is not None and not isinstance(act, torch.nn.SiLU) and type(act).__name__ != "SiLUActivation":
         _refuse(module, f"computes SiLU(gate) * up; this module's act_fn is {type(act).__name__}")
-    for extra in ("swiglu_alpha", "limit", "gate_softcap", "up_softcap"):  # FP8Experts' SwiGLU variants
+    for extra in ("swiglu_alpha", "limit", "swiglu_limit", "gate_softcap", "up_softcap", "alpha"):  # SwiGLU variants
         if getattr(module, extra, None) is not None:
             _refuse(module, f"computes plain SiLU(gate) * up; this module sets {extra}={getattr(module, extra)}")
+    if getattr(module, "has_post_expert_norm", False):
+        _refuse(module, "has no norm after each expert; this module has has_post_expert_norm=True")
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and not _default_gate(gate) and type(module).__name__ != "FP8Experts":
+        # (FP8Experts' own _apply_gate is SiLU(gate) * up unless the variants refused above are set)
+        _refuse(module, f"computes SiLU(gate) * up; {type(module).__name__} overrides _apply_gate")
     w13, w2 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor):
         _refuse(module, "needs gate_up_proj and down_proj tensors")
@@ -103,10 +128,21 @@ def _moe_weights(module: torch.nn.Module) -> evenflow.MoEWeights:
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The ``evenflow`` experts implementation: ``sum_k w_k * expert_k(x)`` of each token through
-    :func:`evenflow.fused_moe` (hidden states cast to bf16 and the result back to their dtype)."""
+    :func:`evenflow.fused_moe` (hidden states cast to bf16 and the result back to their dtype). evenflow's kernels
+    have no backward: a call that autograd would record raises (run under ``torch.no_grad()`` / inference mode)."""
+    _no_autograd(module, hidden_states, module.gate_up_proj)
+    if getattr(module, "_is_expert_parallel", False):
+        _refuse(module, "runs this rank's experts from global ids (evenflow.fused_moe's ep_rank); transformers' "
+                        "expert-parallel layout is not mapped")
     y = evenflow.fused_moe(hidden_states.to(torch.bfloat16), top_k_index.to(torch.int32), top_k_weights.float(),
                            _moe_weights(module))
     return y.to(hidden_states.dtype)
+
+
+def _no_autograd(module, x: torch.Tensor, w: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        raise RuntimeError(f"{type(module).__name__}: evenflow's kernels have no backward; call the model under "
+                           "torch.no_grad() or torch.inference_mode() (as generate() does), or freeze its weights")
 
 
 def register() -> None:
@@ -123,47 +159,85 @@ def register() -> None:
             interface.register(IMPLEMENTATION, experts_forward)
 
 
-class EvenflowTopKRouter(torch.nn.Module):
-    """A softmax top-k MoE router (Qwen3-MoE's contract: ``forward(h) -> (logits, weights, ids)``) on evenflow's
-    FP32-fidelity router GEMM and fused selection. ``weight`` stays the original parameter (so state dicts and
-    weight updates keep working); its fp32 split is made from it on first use and again after it changes."""
+def _normalised_source(fn) -> str | None:
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    src = re.sub(r'"""[\s\S]*?"""', "", src)
+    return "\n".join(line.strip() for line in src.splitlines()[1:] if line.strip() and not line.strip().startswith("#"))
 
-    def __init__(self, router: torch.nn.Module):
-        super().__init__()
-        self.weight = router.weight
-        self.top_k = int(router.top_k)
-        self.norm_topk_prob = bool(router.norm_topk_prob)
-        self.hidden_dim = router.weight.shape[1]
-        self._split = None
 
-    def _router_weight(self) -> evenflow.RouterWeight:
-        w = self.weight
-        key = (w.data_ptr(), w._version, w.dtype)
-        if self._split is None or self._split[0] != key:
-            self._split = (key, evenflow.RouterWeight(w.detach().float().contiguous()))
-        return self._split[1]
+@functools.cache
+def _softmax_topk_form(cls: type) -> bool:
+    """Whether router class ``cls`` computes exactly Qwen3-MoE's routing: logits = h @ W^T, softmax over all experts
+    in fp32, top-k, optional renormalisation, ``(logits, weights, ids)`` returned. Judged by its ``forward``'s code
+    being Qwen3's, which in transformers 5.25 holds for Qwen2/3-MoE, Qwen3-Next, the Qwen3-Omni text routers, OLMoE,
+    FlexOlmo, Mellum and Qwen4-Exp; a router with anything more (sigmoid scores, a correction bias, grouped top-k,
+    a scaling factor, extra inputs: DeepSeek-V3, GLM4-MoE, ...) is left as it is."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    def forward(self, hidden_states: torch.Tensor):
-        x = hidden_states.reshape(-1, self.hidden_dim)
-        logits = evenflow.router_gemm(x.to(torch.bfloat16), self._router_weight())
-        ids, weights = evenflow.select_experts(logits, self.top_k, "softmax", renormalize=self.norm_topk_prob)
-        return logits, weights, ids.long()
+    form = _normalised_source(Qwen3MoeTopKRouter.forward)
+    return form is not None and _normalised_source(cls.forward) == form
+
+
+def _router_split(router: torch.nn.Module) -> evenflow.RouterWeight:
+    """The router weight's fp32 split, made on first use and again after the weight is replaced or written in place
+    (its version counter; a write through ``.data`` bumps none: call :func:`refresh` after one)."""
+    w = router.weight
+    key = (w.data_ptr(), w._version, w.dtype, w.device)
+    held = router.__dict__.get("_evenflow_split")
+    if held is None or held[0] != key:
+        with torch.inference_mode(False):  # a normal tensor even when the first call runs in inference mode
+            held = (key, evenflow.RouterWeight(w.detach().float().contiguous()))
+        router.__dict__["_evenflow_split"] = held
+    return held[1]
+
+
+def _router_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
+    """The router's forward on evenflow (installed on the instance, so its class, hooks and output recording stay):
+    FP32-fidelity logits, softmax top-k with optional renormalisation; (fp32 logits, fp32 weights, int64 ids)."""
+    w = router.weight
+    _no_autograd(router, hidden_states, w)
+    x = hidden_states.reshape(-1, w.shape[1])
+    logits = evenflow.router_gemm(x.to(torch.bfloat16), _router_split(router))
+    ids, weights = evenflow.select_experts(logits, int(router.top_k), "softmax",
+                                           renormalize=bool(router.norm_topk_prob))
+    return logits, weights, ids.long()
 
 
 def _is_softmax_router(module: torch.nn.Module) -> bool:
     w = getattr(module, "weight", None)
     return (isinstance(w, torch.Tensor) and w.dim() == 2 and hasattr(module, "top_k")
-            and hasattr(module, "norm_topk_prob") and getattr(module, "bias", None) is None
-            and not isinstance(module, EvenflowTopKRouter))
+            and hasattr(module, "norm_topk_prob") and _softmax_topk_form(type(module)))
+
+
+def is_evenflow_router(module: torch.nn.Module) -> bool:
+    """Whether :func:`enable` put ``module``'s forward on evenflow."""
+    return getattr(module.__dict__.get("forward"), "__func__", None) is _router_forward
+
+
+def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+            and m.gate_up_proj.dim() == 3 and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
+
+
+def refresh(model: torch.nn.Module) -> None:
+    """Drop every held split and holder, so the next call builds them from the weights as they are (after writes
+    through ``.data``, which no version counter sees, or to free the old tensors after moving the model at once)."""
+    for m in model.modules():
+        m.__dict__.pop("_evenflow_split", None)
+        m.__dict__.pop("_evenflow_moe", None)
 
 
 def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
     """Run ``model``'s MoE layers on evenflow: its experts through :func:`evenflow.fused_moe` (``experts_implementation
-    "evenflow"``) and, with ``routers``, each softmax top-k router through :class:`EvenflowTopKRouter`. Returns what
-    was changed: ``{"experts": n, "routers": m}``. Raises ``TypeError`` for a model without experts modules it can
-    run (and names the module whose weights it cannot take)."""
+    "evenflow"``) and, with ``routers``, each router of Qwen3-MoE's softmax top-k form through evenflow's router GEMM
+    and selection (the module stays, its forward is evenflow's: hooks, state dicts and ``output_router_logits`` keep
+    working). Returns what was changed: ``{"experts": n, "routers": m}``. Raises ``TypeError`` for a model without 3-D
+    experts modules, or naming an experts module it cannot compute."""
     register()
-    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+    experts = _experts_modules(model)
     if not experts:
         raise TypeError(f"model: {type(model).__name__} has no 3-D experts module (gate_up_proj / down_proj) for "
                         "evenflow's fused MoE")
@@ -174,9 +248,8 @@ def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
     model.set_experts_implementation(IMPLEMENTATION)
     replaced = 0
     if routers:
-        for parent in list(model.modules()):
-            for name, child in list(parent.named_children()):
-                if _is_softmax_router(child):
-                    setattr(parent, name, EvenflowTopKRouter(child))
-                    replaced += 1
+        for m in model.modules():
+            if _is_softmax_router(m) and not is_evenflow_router(m):
+                m.forward = types.MethodType(_router_forward, m)
+                replaced += 1
     return {"experts": len(experts), "routers": replaced}
