@@ -257,3 +257,12 @@ def test_fp8_scale_inv_is_transformers_multiplier(device):
         got = ev_tf.experts_forward(module, x, ids, w)
     base = moe_baseline(x, ids.to(torch.int32), w, ew)
     assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what="fp8 experts vs transformers' dequantised weights")
+
+
+def test_demo_runs_at_tiny_shapes(device):
+    import types
+
+    from evenflow.integrations.demo import run_demo
+
+    rows = run_demo(types.SimpleNamespace(device=device, gpu=False, harness=None))
+    assert len(rows) == 1 and rows[0]["ok"] and "logits max|err|" in rows[0]["check"], rows

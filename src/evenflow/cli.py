@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 # Operator families that provide ``<family>.demo.run_demo(ctx)``, in the order of a decode step.
-DEMO_FAMILIES = ("attention", "router", "moe")
+DEMO_FAMILIES = ("attention", "router", "moe", "integrations")
 
 
 def _import_evenflow():

@@ -1,0 +1,73 @@
+"""``evenflow demo`` hook for the engine adapters: a Qwen3-MoE model in Hugging Face transformers with its MoE layers
+on evenflow (``evenflow.integrations.transformers.enable``), its logits checked against the same model in fp64 under
+the tolerance rule (baseline: the stock bf16 model). On a GPU: one layer at Qwen3-30B-A3B's dimensions (a small
+vocabulary), a forward of 32 tokens timed eagerly beside transformers' own experts; two tiny layers on a CPU. The
+end-to-end benchmark is ``benchmarks/e2e_transformers.py``."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from evenflow.testing import error_bound
+
+
+def _models(ctx, cfg):
+    """(fp64 oracle, stock bf16, bf16 on evenflow): one set of random weights exact in bf16."""
+    from transformers import Qwen3MoeForCausalLM
+
+    import evenflow.integrations.transformers as ev_tf
+
+    torch.manual_seed(0)
+    m64 = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).double().eval()
+    with torch.no_grad():
+        for p in m64.parameters():
+            p.copy_((torch.randn_like(p) * 0.05).to(torch.bfloat16).double())
+    state = {k: v.float() for k, v in m64.state_dict().items()}
+    out = [m64.to(ctx.device)]
+    for _ in range(2):
+        m = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).eval()
+        m.load_state_dict(state)
+        out.append(m.to(device=ctx.device, dtype=torch.bfloat16))
+    out[0].set_experts_implementation("eager")
+    out[1].set_experts_implementation("eager" if not ctx.gpu else "grouped_mm")
+    ev_tf.enable(out[2])
+    return out
+
+
+def run_demo(ctx) -> list[dict]:
+    try:
+        from transformers import Qwen3MoeConfig
+    except ImportError as e:  # the adapter is optional: say why it was not shown, fail nothing else
+        return [{"operator": "transformers adapter", "case": "-", "check": f"not run: {e}", "ok": True, "us": None,
+                 "floor_us": None, "peers": {}}]
+    dims = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128) if ctx.gpu else \
+        dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    layers = 1 if ctx.gpu else 2  # (the fp64 oracle of one layer at these dimensions is 5 GB)
+    cfg = Qwen3MoeConfig(vocab_size=512, num_hidden_layers=layers, norm_topk_prob=True, max_position_embeddings=256,
+                         decoder_sparse_step=1, mlp_only_layers=[], **dims)
+    m64, stock, ev = _models(ctx, cfg)
+    tokens = 32 if ctx.gpu else 6
+    ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(1)).to(ctx.device)
+    with torch.no_grad():
+        ref, base, got = (m(ids).logits for m in (m64, stock, ev))
+    err = float((got.double() - ref).abs().max())
+    bound = error_bound(ref, base, torch.bfloat16)
+    case = f"qwen3-moe {layers} layer(s), {tokens} tokens" + (" (qwen3-30b-a3b dims)" if ctx.gpu else " (tiny)")
+    row = {"operator": "transformers Qwen3-MoE (enable)", "case": case,
+           "check": f"logits max|err| {err:.1e} <= bound {bound:.1e}",
+           "ok": bool(torch.isfinite(got.float()).all()) and err <= bound, "us": None, "floor_us": None, "peers": {}}
+    if ctx.gpu:
+        H = ctx.harness
+
+        def forward(m):
+            def run():
+                with torch.no_grad():
+                    return m(ids).logits
+            return run
+
+        row["us"] = H.time_eager(forward(ev), reps=20)
+        row["peers"]["transformers-grouped_mm"] = H.time_eager(forward(stock), reps=20)
+    return [row]
