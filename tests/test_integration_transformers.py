@@ -1,7 +1,6 @@
 """The transformers adapter on a small random Qwen3-MoE: evenflow's fused MoE as the experts implementation and its
 router in place of the softmax top-k routers, against the same model in fp64 (the oracle) under the tolerance rule
 (the baseline: the stock model in bf16, transformers' own experts and router)."""
-import copy
 
 import pytest
 import torch
@@ -24,25 +23,12 @@ def tiny_config(**kw):
 
 
 def models(device, **kw):
-    """(fp64 oracle, stock bf16, bf16 for evenflow): one set of random weights, a config each (the experts
-    implementation lives in the config)."""
+    """(fp64 oracle, stock bf16, bf16 for evenflow) of the tiny Qwen3-MoE (``integrations.demo.twin_models``)."""
     from transformers import Qwen3MoeForCausalLM
 
-    torch.manual_seed(0)
-    cfg = tiny_config(**kw)
-    m64 = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).double().eval()
-    with torch.no_grad():  # weights exact in bf16, so the oracle computes with the very values the bf16 models hold
-        for p in m64.parameters():
-            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).double())
-    state = {k: v.float() for k, v in m64.state_dict().items()}
-    out = [m64.to(device)]
-    for _ in range(2):
-        m = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).eval()
-        m.load_state_dict(state)
-        out.append(m.to(device=device, dtype=torch.bfloat16))
-    for m in out[:2]:
-        m.set_experts_implementation("eager")
-    return out
+    from evenflow.integrations.demo import twin_models
+
+    return twin_models(Qwen3MoeForCausalLM, tiny_config(**kw), device)
 
 
 def test_logits_within_the_rule_and_the_kernels_run(device, monkeypatch):
@@ -199,8 +185,6 @@ def test_other_routers_are_left_alone(device):
     """DeepSeek-V3's router (sigmoid scores, a correction bias, grouped top-k, a scaling factor) is not Qwen3's form:
     enable() leaves it as it is and runs only the experts on evenflow; the logits stay within the rule against the
     same model in fp64."""
-    import copy
-
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = DeepseekV3Config(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -208,20 +192,9 @@ def test_other_routers_are_left_alone(device):
                            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
                            q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                            first_k_dense_replace=0, max_position_embeddings=64)
-    torch.manual_seed(0)
-    m64 = DeepseekV3ForCausalLM(copy.deepcopy(cfg)).double().eval()
-    with torch.no_grad():
-        for p in m64.parameters():
-            p.copy_((torch.randn_like(p) * 0.1).to(torch.bfloat16).double())
-    state = {k: v.float() for k, v in m64.state_dict().items()}
-    built = []
-    for _ in range(2):
-        m = DeepseekV3ForCausalLM(copy.deepcopy(cfg)).eval()
-        m.load_state_dict(state)
-        built.append(m.to(device=device, dtype=torch.bfloat16))
-    stock, ev = built
-    m64.to(device).set_experts_implementation("eager")
-    stock.set_experts_implementation("eager")
+    from evenflow.integrations.demo import twin_models
+
+    m64, stock, ev = twin_models(DeepseekV3ForCausalLM, cfg, device)
     assert ev_tf.enable(ev) == {"experts": 2, "routers": 0}
     ids = torch.randint(0, 128, (2, 7), device=device)
     with torch.no_grad():

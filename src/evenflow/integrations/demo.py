@@ -12,26 +12,24 @@ import torch
 from evenflow.testing import error_bound
 
 
-def _models(ctx, cfg):
-    """(fp64 oracle, stock bf16, bf16 on evenflow): one set of random weights exact in bf16."""
-    from transformers import Qwen3MoeForCausalLM
-
-    import evenflow.integrations.transformers as ev_tf
-
-    torch.manual_seed(0)
-    m64 = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).double().eval()
-    with torch.no_grad():
+def twin_models(model_cls, cfg, device, scale: float = 0.1, seed: int = 0) -> list:
+    """Three copies of ``model_cls(cfg)`` holding one set of random weights exact in bf16 (N(0, scale^2) rounded):
+    the fp64 oracle, a stock bf16 model and a bf16 one to put on evenflow, each with a config of its own (transformers
+    keeps the experts implementation there), the first two on transformers' eager experts. The demo and the tests
+    compare the third against the first under the tolerance rule, the second giving the baseline."""
+    torch.manual_seed(seed)
+    m64 = model_cls(copy.deepcopy(cfg)).double().eval()
+    with torch.no_grad():  # exact in bf16: the oracle computes with the very values the bf16 models hold
         for p in m64.parameters():
-            p.copy_((torch.randn_like(p) * 0.05).to(torch.bfloat16).double())
+            p.copy_((torch.randn_like(p) * scale).to(torch.bfloat16).double())
     state = {k: v.float() for k, v in m64.state_dict().items()}
-    out = [m64.to(ctx.device)]
+    out = [m64.to(device)]
     for _ in range(2):
-        m = Qwen3MoeForCausalLM(copy.deepcopy(cfg)).eval()
+        m = model_cls(copy.deepcopy(cfg)).eval()
         m.load_state_dict(state)
-        out.append(m.to(device=ctx.device, dtype=torch.bfloat16))
-    out[0].set_experts_implementation("eager")
-    out[1].set_experts_implementation("eager" if not ctx.gpu else "grouped_mm")
-    ev_tf.enable(out[2])
+        out.append(m.to(device=device, dtype=torch.bfloat16))
+    for m in out[:2]:
+        m.set_experts_implementation("eager")
     return out
 
 
@@ -48,7 +46,14 @@ def run_demo(ctx) -> list[dict]:
     layers = 1 if ctx.gpu else 2  # (the fp64 oracle of one layer at these dimensions is 5 GB)
     cfg = Qwen3MoeConfig(vocab_size=512, num_hidden_layers=layers, norm_topk_prob=True, max_position_embeddings=256,
                          decoder_sparse_step=1, mlp_only_layers=[], **dims)
-    m64, stock, ev = _models(ctx, cfg)
+    from transformers import Qwen3MoeForCausalLM
+
+    import evenflow.integrations.transformers as ev_tf
+
+    m64, stock, ev = twin_models(Qwen3MoeForCausalLM, cfg, ctx.device, scale=0.05)
+    if ctx.gpu:
+        stock.set_experts_implementation("grouped_mm")  # transformers' default, the peer timed below
+    ev_tf.enable(ev)
     tokens = 32 if ctx.gpu else 6
     ids = torch.randint(0, 512, (1, tokens), generator=torch.Generator().manual_seed(1)).to(ctx.device)
     with torch.no_grad():
