@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 
 import evenflow
+from evenflow.attention.prefill import prefill_work
 from evenflow.bench import harness as H
 from evenflow.bench.peers import flashinfer as fi
-from evenflow.reference.attention import prefill_attention_ref, shuffled_page_tables
+from evenflow.reference.attention import prefill_rows_ref, shuffled_page_tables
 
 CASES = {"1x8K": (1, 8192, 0), "4x2K": (4, 2048, 0), "1x2K+30K": (1, 2048, 30720), "16x512+4K": (16, 512, 4096),
          "64x64+2K": (64, 64, 2048)}
@@ -55,36 +56,21 @@ def build(case: str, heads: str, variant: str, device="cuda", seed: int = 0) -> 
 
 
 def floor_terms(pt: dict) -> tuple[int, int]:
-    """(bytes, FLOPs) one call must move and do."""
+    """(bytes, FLOPs) one call must move and do (``evenflow.attention.prefill.prefill_work``)."""
     hq, hkv = pt["heads"]
-    cu, lens = pt["cu"].tolist(), pt["sl"].tolist()
-    kv_bytes = pt["k"].element_size()
-    byt = 2 * pt["q"].numel() * 2 + sum(2 * L * hkv * D * kv_bytes for L in lens)
-    pairs = 0
-    for b, L in enumerate(lens):
-        n = cu[b + 1] - cu[b]
-        pairs += n * (L - n) + n * (n + 1) // 2
-    return byt, 4 * D * hq * pairs
+    cu = pt["cu"].tolist()
+    return prefill_work([b - a for a, b in zip(cu, cu[1:])], pt["sl"].tolist(), hq, hkv, D, pt["k"].element_size())
 
 
 def sample_check(pt: dict, out: torch.Tensor) -> dict:
-    """The first and last SAMPLE rows of each request against the fp64 oracle, each row as a one-row request of its
-    own length (its position + 1), so the oracle never holds a whole request's scores."""
-    cu, lens = pt["cu"].tolist(), pt["sl"].tolist()
-    rows, owner, own_len = [], [], []
-    for b, L in enumerate(lens):
-        n = cu[b + 1] - cu[b]
-        for i in sorted(set(range(min(SAMPLE, n))) | set(range(max(0, n - SAMPLE), n))):
-            rows.append(cu[b] + i)
-            owner.append(b)
-            own_len.append(L - n + i + 1)
-    dev = pt["q"].device
-    idx = torch.tensor(rows, device=dev)
-    ref, _ = prefill_attention_ref(pt["q"][idx], pt["k"], pt["v"], torch.arange(len(rows) + 1, dtype=torch.int32),
-                                   pt["pt"][torch.tensor(owner, device=dev)],
-                                   torch.tensor(own_len, dtype=torch.int32), k_scale=pt["scale"],
-                                   v_scale=pt["scale"])
-    return H.check_output(out[idx], ref, "sampled rows")
+    """The first and last SAMPLE rows of each request against the fp64 oracle (``prefill_rows_ref``: each row as a
+    one-row request, so the oracle never holds a whole request's scores)."""
+    cu = pt["cu"].tolist()
+    rows = sorted({a + i for a, b in zip(cu, cu[1:]) for i in (*range(min(SAMPLE, b - a)),
+                                                               *range(max(0, b - a - SAMPLE), b - a))})
+    ref, _ = prefill_rows_ref(pt["q"], pt["k"], pt["v"], pt["cu"], pt["pt"], pt["sl"], rows, k_scale=pt["scale"],
+                              v_scale=pt["scale"])
+    return H.check_output(out[torch.tensor(rows, device=out.device)], ref, "sampled rows")
 
 
 def calls(impl: str, pt: dict, copies: int = 2) -> list:

@@ -3,7 +3,6 @@
 Timings are not tested here (they run only on a GPU); these check that the cases,
 floors, inputs and peer layouts the timings rest on are right.
 """
-import importlib.util
 import json
 import math
 import re
@@ -17,24 +16,11 @@ from evenflow import _runtime
 from evenflow.bench.harness import PeerUnavailable, floor_us
 from evenflow.bench.peers import flashinfer as fi_peer
 from evenflow.reference.attention import POOL_SLACK, shuffled_page_tables
+from tests_support_bench import load_script as _load
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode.py"
 # where the tests that launch kernels run them: the interpreter's CPU tensors, or a GPU's
 _DEV = "cpu" if _runtime.interpreting() else "cuda"
-
-
-def _load(name):
-    """A script of benchmarks/ as a module (with benchmarks/ on the path while it loads: some import
-    benchmarks/decode.py as ``decode``)."""
-    spec = importlib.util.spec_from_file_location(f"evenflow_bench_{name}_script", _SCRIPT.parent / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
-    sys.path.insert(0, str(_SCRIPT.parent))
-    try:
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(_SCRIPT.parent))
-    return mod
 
 
 D = _load("decode")

@@ -1,24 +1,19 @@
 """The end-to-end transformers benchmark's pieces on the CPU, on a small Qwen3-MoE: every impl form it times runs a
 decode step (its cache cropped back each call) and a prefill, and agrees with transformers' default forward."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from evenflow.bench import harness as H
+from tests_support_bench import load_script
 
 pytest.importorskip("transformers", minversion="5.0")
-_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("evenflow_bench_e2e_script", _DIR / "e2e_transformers.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("e2e_transformers")
     return mod
 
 

@@ -1,19 +1,13 @@
 """The prefill benchmark's pieces on the CPU: its floor's terms, its sampled check, its speed-ups."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from evenflow.bench import harness as H
-
-_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
+from tests_support_bench import load_script
 
 
 @pytest.fixture
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("evenflow_bench_prefill_script", _DIR / "prefill.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("prefill")
     monkeypatch.setitem(mod.CASES, "2x20+30", (2, 20, 30))
     monkeypatch.setitem(mod.HEADS, "small", (4, 1))
     return mod

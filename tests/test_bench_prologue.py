@@ -1,22 +1,17 @@
 """The prologue benchmark's pieces on the CPU: its points, its floor's bytes, its check, and the unfused PyTorch
 peer it times us against (the peer must compute the same prologue, or the speed-ups compare different work)."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from evenflow.bench import harness as H
+from tests_support_bench import load_script
 
-_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 FP8 = torch.float8_e4m3fn
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("evenflow_bench_prologue_script", _DIR / "prologue.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("prologue")
     return mod
 
 

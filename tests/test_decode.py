@@ -13,7 +13,7 @@ import torch
 
 import evenflow
 from evenflow import _runtime
-from evenflow.reference.attention import decode_attention_ref
+from evenflow.reference.attention import decode_attention_ref, random_kv_caches
 from evenflow.testing import assert_within_one_ulp, assert_within_rule, poisoned
 
 FP8 = torch.float8_e4m3fn
@@ -24,15 +24,7 @@ def make_inputs(lens, hkv, group, d, page, q_len, kv_dtype=torch.bfloat16, q_dty
     B = len(lens)
     max_pages = max(1, max(-(-L // page) for L in lens)) + extra_cols
     num_pages = B * max_pages + 3
-    shape = (num_pages, hkv, page, d) if hnd else (num_pages, page, hkv, d)
-    k = torch.randn(shape, device=device) * 1.5
-    v = torch.randn(shape, device=device)
-    if kv_dtype == FP8:
-        k, v = (k * 30).clamp(-448, 448).to(FP8), (v * 40).clamp(-448, 448).to(FP8)
-    else:
-        k, v = k.to(kv_dtype), v.to(kv_dtype)
-    if hnd:
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    k, v = random_kv_caches(num_pages, page, hkv, d, kv_dtype, hnd=hnd, device=device)
     # pages in random order
     pt = torch.randperm(num_pages, device=device)[: B * max_pages].view(B, max_pages).to(torch.int32)
     q = torch.randn(B * q_len, hkv * group, d, device=device)

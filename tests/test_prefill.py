@@ -7,7 +7,12 @@ import pytest
 import torch
 
 import evenflow
-from evenflow.reference.attention import decode_attention_ref, prefill_attention_ref, shuffled_page_tables
+from evenflow.reference.attention import (
+    decode_attention_ref,
+    prefill_attention_ref,
+    random_kv_caches,
+    shuffled_page_tables,
+)
 from evenflow.testing import assert_within_rule, poisoned
 
 FP8 = torch.float8_e4m3fn
@@ -20,15 +25,7 @@ def make_inputs(new, prefix, hq, hkv, d, page, kv_dtype=BF16, pad=0, hnd=False, 
     g = torch.Generator().manual_seed(seed)
     lens = [p + n for p, n in zip(prefix, new)]
     tables, pool = shuffled_page_tables(lens, page, generator=g)
-    shape = (pool, hkv, page, d) if hnd else (pool, page, hkv, d)
-    k = torch.randn(shape, generator=g) * 1.5
-    v = torch.randn(shape, generator=g)
-    if kv_dtype == FP8:
-        k, v = (k * 30).clamp(-448, 448).to(FP8), (v * 40).clamp(-448, 448).to(FP8)
-    else:
-        k, v = k.to(kv_dtype), v.to(kv_dtype)
-    if hnd:
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    k, v = random_kv_caches(pool, page, hkv, d, kv_dtype, hnd=hnd, generator=g)
     T = sum(new) + pad
     q = torch.randn(T, hq, d, generator=g).to(BF16)
     cu = torch.tensor([0] + torch.tensor(new).cumsum(0).tolist(), dtype=torch.int32)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 import evenflow
+from evenflow.attention.prefill import prefill_work
 from evenflow.attention.prologue import prologue_bytes
 from evenflow.reference.attention import decode_attention_ref_batched as ref_attn
-from evenflow.reference.attention import prefill_attention_ref
+from evenflow.reference.attention import prefill_rows_ref
 from evenflow.reference.prologue import qk_norm_rope_ref
 from evenflow.testing import error_bound
 
@@ -91,13 +92,11 @@ def _prefill(ctx, hq, hkv, d, page) -> dict:
     cu = torch.tensor([0, n], dtype=torch.int32, device=dev)
     sl = torch.tensor([L], dtype=torch.int32, device=dev)
     out = evenflow.prefill_attention(q, k, v, cu, pt, sl, n)
-    rows = torch.tensor([0, n // 2, n - 1], device=dev)  # a few rows, each as the one-row request it is
-    ref, _ = prefill_attention_ref(q[rows], k, v, torch.arange(4, dtype=torch.int32), pt.expand(3, -1),
-                                   (prefix + rows + 1).to(torch.int32).cpu())
-    base, _ = prefill_attention_ref(q[rows], k, v, torch.arange(4, dtype=torch.int32), pt.expand(3, -1),
-                                    (prefix + rows + 1).to(torch.int32).cpu(), dtype=torch.float32,
-                                    p_dtype=torch.bfloat16, out_dtype=torch.bfloat16)
-    err = float((out[rows].double() - ref).abs().max())
+    rows = [0, n // 2, n - 1]  # a few rows, each as the one-row request it is
+    ref, _ = prefill_rows_ref(q, k, v, cu, pt, sl, rows)
+    base, _ = prefill_rows_ref(q, k, v, cu, pt, sl, rows, dtype=torch.float32, p_dtype=torch.bfloat16,
+                               out_dtype=torch.bfloat16)
+    err = float((out[torch.tensor(rows, device=dev)].double() - ref).abs().max())
     bound = error_bound(ref, base, torch.bfloat16)
     row = {"operator": "prefill_attention", "case": case, "check": f"rows 0, n/2, n-1: max|err| {err:.1e} <= bound "
            f"{bound:.1e}", "ok": bool(torch.isfinite(out.float()).all()) and err <= bound, "us": None,
@@ -105,8 +104,8 @@ def _prefill(ctx, hq, hkv, d, page) -> dict:
     if ctx.gpu:
         H = ctx.harness
         ceil = H.measure_ceilings(verbose=False)
-        flops = 4 * d * hq * (n * prefix + n * (n + 1) // 2)
-        row["floor_us"] = H.floor_us(bytes_moved=2 * q.numel() * 2 + 2 * L * hkv * d * 2, flops=flops, ceilings=ceil)
+        byt, flops = prefill_work([n], [L], hq, hkv, d, k.element_size())
+        row["floor_us"] = H.floor_us(bytes_moved=byt, flops=flops, ceilings=ceil)
         o_buf = torch.empty_like(out)
         row["us"] = H.time_eager(lambda: evenflow.prefill_attention(q, k, v, cu, pt, sl, n, out=o_buf))
         try:

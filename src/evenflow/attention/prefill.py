@@ -164,6 +164,19 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, m
     return (out, lse) if return_lse else out
 
 
+def prefill_work(new_tokens, seq_lens, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 kv_bytes: int) -> tuple[int, int]:
+    """(bytes, FLOPs) a call must move and do, the floor's terms: q read and the output written (bf16), each
+    request's K and V read once (``kv_bytes`` an element), and 4 * D FLOPs per visible (row, key) pair and q head
+    (row i of a request of n new rows and L tokens sees L - n + i + 1 keys). ``new_tokens`` and ``seq_lens``: per
+    request, Python ints (host-side; benchmarks and the demo)."""
+    byt, pairs = 0, 0
+    for n, L in zip(new_tokens, seq_lens):
+        byt += 2 * n * num_q_heads * head_dim * 2 + 2 * L * num_kv_heads * head_dim * kv_bytes
+        pairs += n * (L - n) + n * (n + 1) // 2
+    return byt, 4 * head_dim * num_q_heads * pairs
+
+
 def validate_prefill_inputs(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens) -> None:
     """The checks of ``prefill_attention(..., check_inputs=True)`` alone (one host sync): ``cu_seqlens_q`` starts at
     0, never decreases and ends at most at q's rows; each length holds its request's new rows and fits the page

@@ -330,3 +330,37 @@ def prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_len
     if out_dtype is not None:
         out = out.to(out_dtype)
     return out, lse
+
+
+def prefill_rows_ref(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, rows, **kw):
+    """:func:`prefill_attention_ref` of some rows only (``rows``: indices into q), each computed as the one-row
+    request it is (its own length: its position + 1), so no request's whole score matrix is ever held; for checks at
+    real prefill sizes. ``kw`` as :func:`prefill_attention_ref`. Returns (out [len(rows), Hq, D], lse)."""
+    cu, lens = cu_seqlens_q.cpu().tolist(), seq_lens.cpu().tolist()
+    owner, own_len = [], []
+    for r in (int(x) for x in rows):
+        b = next(b for b in range(len(lens)) if cu[b] <= r < cu[b + 1])
+        owner.append(b)
+        own_len.append(lens[b] - (cu[b + 1] - cu[b]) + (r - cu[b]) + 1)
+    dev = q.device
+    idx = torch.as_tensor(list(rows), device=dev)
+    return prefill_attention_ref(q[idx], k_cache, v_cache, torch.arange(len(owner) + 1, dtype=torch.int32),
+                                 page_table[torch.tensor(owner, device=dev)], torch.tensor(own_len, dtype=torch.int32),
+                                 **kw)
+
+
+def random_kv_caches(num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, kv_dtype=torch.bfloat16,
+                     hnd: bool = False, generator: torch.Generator | None = None, device=None):
+    """Random paged K / V caches as the attention tests fill them: K ~ N(0, 1.5^2), V ~ N(0, 1) (fp8: scaled by 30
+    and 40 and saturated, to be read back with scales 1/30 and 1/40); ``hnd``: stored [pages, Hkv, P, D] and returned
+    as their NHD views."""
+    shape = (num_pages, num_kv_heads, page_size, head_dim) if hnd else (num_pages, page_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=generator, device=device) * 1.5
+    v = torch.randn(shape, generator=generator, device=device)
+    if kv_dtype == torch.float8_e4m3fn:
+        k, v = (k * 30).clamp(-448, 448).to(kv_dtype), (v * 40).clamp(-448, 448).to(kv_dtype)
+    else:
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
+    if hnd:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v

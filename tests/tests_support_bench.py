@@ -1,0 +1,20 @@
+"""Loading a script of benchmarks/ as a module, for the tests of its pure-Python parts."""
+import importlib.util
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_script(name: str):
+    """``benchmarks/<name>.py`` as a module (with benchmarks/ on the path while it loads: some scripts import
+    others of that folder, e.g. ``decode`` or ``tune_router``)."""
+    spec = importlib.util.spec_from_file_location(f"evenflow_bench_{name}_script", BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return mod
