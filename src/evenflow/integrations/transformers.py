@@ -134,8 +134,10 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     if getattr(module, "_is_expert_parallel", False):
         _refuse(module, "runs this rank's experts from global ids (evenflow.fused_moe's ep_rank); transformers' "
                         "expert-parallel layout is not mapped")
-    y = evenflow.fused_moe(hidden_states.to(torch.bfloat16), top_k_index.to(torch.int32), top_k_weights.float(),
-                           _moe_weights(module))
+    # the ids come from the model's router (int64 taken as they are); no host check of their range, which would
+    # sync once a layer (out-of-range ids are dropped by the kernels, never read or written out of bounds)
+    y = evenflow.fused_moe(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.float(),
+                           _moe_weights(module), check_ids=False)
     return y.to(hidden_states.dtype)
 
 
