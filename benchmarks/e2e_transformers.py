@@ -1,6 +1,7 @@
-"""End to end in Hugging Face transformers: a Qwen3-30B-A3B-shaped model, stock against evenflow's MoE layers.
+"""End to end in Hugging Face transformers: a Qwen3-30B-A3B-shaped model, stock against evenflow's MoE and attention.
 
-    python benchmarks/e2e_transformers.py [--quick] [--layers 8] [--batches 1,8,32,128] [--out DIR] [--no-plot]
+    python benchmarks/e2e_transformers.py [--quick] [--layers 8] [--batches 1,8,32,128] [--mixes 1x4096+15x256]
+                                          [--out DIR] [--no-plot]
 
 The model: Qwen3-30B-A3B's dimensions (hidden 2048, 32 q / 4 kv heads of 128, 128 experts of 768, top-8, its
 vocabulary) with ``--layers`` of its 48 layers and transformers' own random initialisation, bf16 on the GPU. Cases:
@@ -16,6 +17,15 @@ shallow model: at 8 layers and batch 1 the vocabulary projection's 0.6 GB read m
 ~75 MB each, which shrinks ``vs_default``; ``--layers`` weighs it down), ``vs_default`` the default's time over the
 impl's. No floor: these
 rows measure what a user of the engine sees, not a kernel.
+
+Generate cases (``generate-<mix>``, e.g. ``1x4096+15x256``: one 4096-token prompt and fifteen of 256, left-padded
+into one batch as transformers' generate takes them): ``model.generate`` greedy, timed at 1 and at 1 + ``NEW``
+new tokens; ``us`` is a decode step, (t(1 + NEW) - t(1)) / NEW, the prompt's prefill cancelled. Impls:
+``transformers-sdpa`` (the stock model: sdpa over transformers' padded DynamicCache, its grouped_mm experts),
+``transformers-sdpa-static`` (the same over its StaticCache, ``cache_implementation="static"``), ``evenflow-moe``
+(``enable``: the MoE layers on evenflow, the stock attention and cache) and ``evenflow`` (``enable`` and
+``enable_attention`` over a ``PagedCache``: each request's real tokens only, decode steps on a DecodePlan). Each
+impl's first-step logits are checked against the stock model's (cosine >= 0.999) before it is timed.
 """
 from __future__ import annotations
 
@@ -29,7 +39,10 @@ from evenflow.bench import harness as H
 IMPLS = ("transformers-grouped_mm", "transformers-eager", "evenflow-experts", "evenflow")
 BATCHES = (1, 8, 32, 128)
 PREFILLS = ((1, 512), (4, 512))
-QUICK = {"batches": (1, 32), "prefills": ((1, 512),)}
+MIXES = ("1x4096+15x256", "1x8192+31x256")
+GEN_IMPLS = ("transformers-sdpa", "transformers-sdpa-static", "evenflow-moe", "evenflow")
+NEW = 16  # decode steps a generate case times (over the prefill's)
+QUICK = {"batches": (1, 32), "prefills": ((1, 512),), "mixes": ("1x4096+15x256",)}
 CTX = 2048
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
@@ -100,9 +113,60 @@ def prefill(model, batch: int, seq: int, vocab: int):
     return run
 
 
+def parse_mix(mix: str) -> list[int]:
+    """``"1x4096+15x256"`` -> [4096] + [256] * 15 (prompt lengths, longest first as written)."""
+    lens = []
+    for part in mix.split("+"):
+        try:
+            n, length = (int(x) for x in part.split("x"))
+        except ValueError:
+            raise ValueError(f"mix {mix!r}: expected parts like 1x4096 joined by '+'") from None
+        if n < 1 or length < 1:
+            raise ValueError(f"mix {mix!r}: counts and lengths must be positive")
+        lens += [length] * n
+    return lens
+
+
+def generate_case(model, impl: str, lens: list[int], vocab: int, page_size: int = 64):
+    """(``run(new)``: ``model.generate`` of ``new`` greedy tokens over the left-padded prompts of ``lens``, returning
+    the first step's logits; set up for ``impl`` (built by :func:`build_model` and put in its MoE form by
+    :func:`set_gen_impl`))."""
+    import evenflow.integrations.transformers as ev_tf
+    from evenflow.integrations.demo import generate_logits, left_padded
+
+    dev = next(model.parameters()).device
+    width = max(lens)
+    ids, mask = left_padded(lens, vocab, dev, seed=3)
+    cache = None
+    if impl == "evenflow":
+        cache = ev_tf.PagedCache(model, max_batch_size=len(lens), max_cache_len=width + NEW + 1, page_size=page_size)
+
+    def run(new: int):
+        kw = {"cache_implementation": "static"} if impl == "transformers-sdpa-static" else {}
+        if cache is not None:
+            cache.reset()
+            kw["cache"] = cache
+        return generate_logits(model, ids, mask, new, **kw)[1][:, 0]
+
+    return run
+
+
+def set_gen_impl(model, impl: str) -> None:
+    """Put ``model`` (stock) in a generate impl's form."""
+    import evenflow.integrations.transformers as ev_tf
+
+    if impl not in GEN_IMPLS:
+        raise ValueError(f"impl must be one of {GEN_IMPLS}, got {impl!r}")
+    if impl in ("evenflow-moe", "evenflow"):
+        ev_tf.enable(model)
+    if impl == "evenflow":
+        ev_tf.enable_attention(model)
+
+
 def _extra(p):
     p.add_argument("--layers", type=int, default=8, help="layers of the model (Qwen3-30B-A3B has 48)")
     p.add_argument("--batches", default=None, help="comma-separated decode batch sizes")
+    p.add_argument("--mixes", default=None, help="comma-separated generate mixes, e.g. 1x4096+15x256 ('' for none)")
 
 
 def main() -> int:
@@ -144,17 +208,52 @@ def main() -> int:
             finally:
                 model = None
                 torch.cuda.empty_cache()
+    mixes = QUICK["mixes"] if args.quick else MIXES
+    if args.mixes is not None:
+        mixes = tuple(m for m in args.mixes.split(",") if m)
+    for mix in H.progress(mixes, "generate"):
+        _generate_rows(res, base, mix, vocab, args.layers)
     _speedups(res)
     res.finish(x="case", group=None, columns=("case", "impl", "us", "us_per_layer", "tokens_per_s", "vs_default",
                                               "cosine", "error"), plot=not args.no_plot, settle=False)
     return 0
 
 
+def _generate_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> None:
+    lens = parse_mix(mix)
+    case, ref = f"generate-{mix}", None
+    for impl in GEN_IMPLS:
+        try:
+            model = copy.deepcopy(base)
+            set_gen_impl(model, impl)
+            run = generate_case(model, impl, lens, vocab)
+            first = run(1)
+            if impl == GEN_IMPLS[0]:
+                ref = first.float()
+            chk = H.check_output(first, first.float() if ref is None else ref, f"{case} {impl}", rtol=5e-2,
+                                 atol=5e-2, min_cos=0.999)
+            t1 = H.time_eager(lambda: run(1), reps=5, warmup=1)
+            tn = H.time_eager(lambda: run(1 + NEW), reps=5, warmup=1)
+            us = (tn - t1) / NEW
+            res.add(case=case, impl=impl, us=us, us_per_layer=us / layers, tokens=len(lens),
+                    tokens_per_s=round(len(lens) / us * 1e6, 1), prefill_us=t1, cached_tokens=sum(lens),
+                    padded_tokens=max(lens) * len(lens), max_abs_err=float(chk["max_abs_err"]),
+                    cosine=float(chk["cosine"]))
+        except H.PeerUnavailable as e:
+            res.add_error(case=case, impl=impl, error=str(e))
+        except Exception as e:  # a failing impl is a result row, not a lost run
+            res.add_error(case=case, impl=impl, error=f"{type(e).__name__}: {H.error_line(e)}")
+        finally:
+            model = None
+            torch.cuda.empty_cache()
+
+
 def _speedups(res: H.Results) -> None:
-    """vs_default: transformers' default (grouped_mm) time over each impl's, at the same case."""
+    """vs_default: transformers' default time over each impl's, at the same case (grouped_mm experts for the
+    forward cases, the stock model over its DynamicCache for the generate cases)."""
     by = {(r["case"], r["impl"]): r for r in res.rows if "us" in r}
     for (case, _), r in by.items():
-        d = by.get((case, IMPLS[0]))
+        d = by.get((case, GEN_IMPLS[0] if case.startswith("generate-") else IMPLS[0]))
         if d:
             r["vs_default"] = round(d["us"] / r["us"], 3)
 

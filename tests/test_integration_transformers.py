@@ -238,4 +238,5 @@ def test_demo_runs_at_tiny_shapes(device):
     from evenflow.integrations.demo import run_demo
 
     rows = run_demo(types.SimpleNamespace(device=device, gpu=False, harness=None))
-    assert len(rows) == 1 and rows[0]["ok"] and "logits max|err|" in rows[0]["check"], rows
+    assert len(rows) == 2 and all(r["ok"] for r in rows) and "logits max|err|" in rows[0]["check"], rows
+    assert "teacher-forced" in rows[1]["check"], rows

@@ -21,3 +21,39 @@ def test_qwen3_moe_dimensions(shape):
     with torch.no_grad():
         ref, base, got = (m(ids).logits for m in (m64, stock, ev))
     assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what=f"logits {shape}")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_generate_with_paged_attention_at_qwen3_dimensions(kv_dtype, monkeypatch):
+    """generate over a left-padded mix (one 700-token prompt and three short ones) with the attention and the MoE on
+    evenflow at Qwen3-30B-A3B's attention dimensions (32 q / 4 kv heads of 128, 64-token pages, a DecodePlan): every
+    step's logits within the rule of the fp64 model reading the whole sequence; the baseline the stock bf16 model
+    (for an fp8 cache, with K and V rounded through fp8 at the same scales, as in the CPU test)."""
+    import transformers.models.qwen3_moe.modeling_qwen3_moe as qm
+
+    from evenflow.integrations.demo import generate_logits, left_padded, teacher_forced_logits
+
+    m64, stock, ev = models("cuda", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_experts=128, num_experts_per_tok=8, num_hidden_layers=1, num_attention_heads=32,
+                            num_key_value_heads=4, head_dim=128, vocab_size=512, max_position_embeddings=1024)
+    ev_tf.enable(ev)
+    ev_tf.enable_attention(ev)
+    fp8 = kv_dtype == torch.float8_e4m3fn
+    scales = dict(k_scale=1 / 64, v_scale=1 / 256) if fp8 else {}
+    cache = ev_tf.PagedCache(ev, max_batch_size=4, max_cache_len=720, page_size=64, kv_dtype=kv_dtype, **scales)
+    lens, new = (700, 33, 5, 130), 8
+    ids, mask = left_padded(lens, 512, "cuda", seed=4)
+    seq, got = generate_logits(ev, ids, mask, new, cache=cache)
+    assert cache.seq_lens.tolist() == [n + new - 1 for n in lens]
+    (ref,) = teacher_forced_logits((m64,), seq, mask, new)
+    if fp8:
+        def fq(x, s):
+            return ((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(x.dtype)
+
+        rope = qm.apply_rotary_pos_emb
+        monkeypatch.setattr(qm, "apply_rotary_pos_emb", lambda q, k, cos, sin, **kw: (
+            lambda qk: (qk[0], fq(qk[1], scales["k_scale"])))(rope(q, k, cos, sin, **kw)))
+        for lyr in stock.model.layers:
+            lyr.self_attn.v_proj.register_forward_hook(lambda mod, inp, out: fq(out, scales["v_scale"]))
+    (base,) = teacher_forced_logits((stock,), seq, mask, new)
+    assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what=f"generate's logits ({kv_dtype})")

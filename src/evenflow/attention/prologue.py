@@ -59,6 +59,7 @@ from evenflow.attention.decode import _scale_arg, check_kv_cache
 from evenflow.attention.plan import Q_DTYPES
 
 FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
 ROPE_STYLES = ("neox", "gptj")
 # heads a program takes: about 2048 elements of each operand (fewer programs at small D, no spills at large)
 _BLOCK_ELEMS = 2048
@@ -258,3 +259,44 @@ def _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T: int)
         t = int(bad[0, 0])
         raise ValueError(f"page_table[{int(req[t])}, {int(pos[t]) // P}] = {int(pages[t])} (token {t}) outside "
                          f"[0, {k_cache.shape[0]})")
+
+
+def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check_inputs: bool = False) -> None:
+    """Write token rows into the paged caches, for callers whose K and V are already normed and rotated (an engine's
+    own attention module): ``k`` / ``v`` ``[N, Hkv, D]`` (bf16 or fp32) go to the flat slots ``slots`` ``[N]`` int64
+    (``page * P + offset``) of contiguous ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]``, divided by the scale
+    and cast to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first). Two indexed
+    copies (and the quantisation's element-wise steps for an fp8 or scaled cache); no host sync. A slot outside the
+    cache fails the copy (a device-side assert on a GPU): ``check_inputs=True`` checks them on the host first (one
+    sync). Rows sharing a slot leave one of them there, which one unspecified."""
+    dev = k.device
+    num_pages, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not c.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (store_kv writes its flat [num_pages * P, Hkv, D] view)")
+    check_tensor("k", k, dtypes=[torch.bfloat16, torch.float32], shape=[None, Hkv, D], device=dev)
+    check_tensor("v", v, dtypes=[k.dtype], shape=list(k.shape), device=dev)
+    check_tensor("slots", slots, dtypes=[torch.int64], shape=[k.shape[0]], device=dev)
+    check_bool("check_inputs", check_inputs)
+    if check_inputs and slots.numel() and _runtime.host_sync_allowed(slots):
+        s = slots.cpu()
+        bad = ((s < 0) | (s >= num_pages * P)).nonzero()
+        if bad.numel():
+            i = int(bad[0, 0])
+            raise ValueError(f"slots[{i}] = {int(s[i])} outside [0, {num_pages * P}) (pages x page size)")
+    for x, cache, name, s in ((k, k_cache, "k_scale", k_scale), (v, v_cache, "v_scale", v_scale)):
+        s_t, s_f = _scale_arg(name, s, dev)
+        if cache.dtype == x.dtype and s is None:
+            val = x
+        else:
+            val = x.float()
+            if s_t is not None:
+                val = val / s_t
+            elif s_f != 1.0:
+                val = val / s_f
+            if cache.dtype == FP8:
+                val = val.clamp(-FP8_MAX, FP8_MAX)
+            val = val.to(cache.dtype)
+        if cache.dtype == FP8:  # (index_copy_ has no fp8 kernels: the same bytes as uint8)
+            cache, val = cache.view(torch.uint8), val.view(torch.uint8)
+        cache.view(num_pages * P, Hkv, D).index_copy_(0, slots, val)

@@ -1,6 +1,8 @@
-"""Hugging Face transformers adapter: evenflow's fused MoE as an experts implementation, and its FP32-fidelity
-router GEMM with fused top-k in place of a MoE block's router. It holds no math: it maps transformers' modules and
-tensors onto :func:`evenflow.fused_moe`, :func:`evenflow.router_gemm` and :func:`evenflow.select_experts`.
+"""Hugging Face transformers adapter: evenflow's fused MoE as an experts implementation, its FP32-fidelity router GEMM
+with fused top-k in place of a MoE block's router, and (``enable_attention`` with a ``PagedCache``: the module
+``transformers_paged``) its paged decode / prefill attention under ``generate``. It holds no math: it maps
+transformers' modules and tensors onto :func:`evenflow.fused_moe`, :func:`evenflow.router_gemm`,
+:func:`evenflow.select_experts`, :func:`evenflow.decode_attention` and :func:`evenflow.prefill_attention`.
 
 Written against transformers 5 (its ``ExpertsInterface`` and the 3-D expert weights of ``@use_experts_implementation``
 classes, e.g. Qwen3-MoE's ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]`` gate rows then up rows, ``down_proj
@@ -10,6 +12,8 @@ classes, e.g. Qwen3-MoE's ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]`` gate 
     model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, device_map="cuda")
     ev_tf.enable(model)        # experts -> evenflow.fused_moe; softmax top-k routers -> evenflow's router
     # or: ev_tf.register(); from_pretrained(..., experts_implementation="evenflow")
+    ev_tf.enable_attention(model)   # attention -> evenflow's paged kernels, over:
+    out = model.generate(**inputs, cache=ev_tf.PagedCache(model, max_batch_size=64, max_cache_len=32768))
 
 What it takes: experts with SiLU-gated, concatenated, untransposed gate/up projections and no biases (the experts
 module's ``has_gate``, ``is_concatenated``, ``is_transposed``, ``has_bias`` flags say so), in bf16, or in transformers'
@@ -255,3 +259,17 @@ def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
                 m.forward = types.MethodType(_router_forward, m)
                 replaced += 1
     return {"experts": len(experts), "routers": replaced}
+
+
+# attention: the paged cache and the "evenflow" attention function (integrations/transformers_paged.py), re-exported
+from evenflow.integrations.transformers_paged import attention_forward as attention_forward  # noqa: E402
+from evenflow.integrations.transformers_paged import enable_attention as enable_attention  # noqa: E402
+from evenflow.integrations.transformers_paged import register_attention as register_attention  # noqa: E402
+
+
+def __getattr__(name: str):
+    if name == "PagedCache":  # built on first use: transformers is imported only then
+        from evenflow.integrations import transformers_paged
+
+        return transformers_paged.PagedCache
+    raise AttributeError(name)

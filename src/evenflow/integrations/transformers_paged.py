@@ -1,0 +1,394 @@
+"""Hugging Face transformers adapter, attention: evenflow's paged decode and prefill attention under a model's own
+``generate`` (or forward), through a paged KV cache that keeps each request's real tokens only.
+
+    import evenflow.integrations.transformers as ev_tf
+    ev_tf.enable_attention(model)                  # attn_implementation "evenflow"
+    cache = ev_tf.PagedCache(model, max_batch_size=64, max_cache_len=32768)
+    out = model.generate(**tok(prompts, padding=True, padding_side="left", return_tensors="pt").to("cuda"),
+                         cache=cache, max_new_tokens=256)   # (past_key_values= before transformers 5.2x)
+
+Why: transformers' own caches hold a batch as one padded rectangle (every request as long as the longest, left
+padding included) and attend over all of it. Here each request's K and V go into pages of its own and the padding
+never enters the cache, so a decode step reads each request's real length only, through
+:func:`evenflow.decode_attention` balanced by a :class:`evenflow.DecodePlan` (updated once a step, shared by every
+layer); a forward of more than one token per request (the prompt, or an extend) runs
+:func:`evenflow.prefill_attention`. It holds no math: it maps the model's tensors onto those operators and
+:func:`evenflow.attention.prologue.store_kv`.
+
+How it plugs in (transformers 5): ``PagedCache`` is a ``Cache`` whose layers take the new K / V in ``update`` and
+hand a handle to the attention function through the forward's keyword arguments (the mechanism transformers' own
+continuous batching uses); the attention function ``"evenflow"`` (``AttentionInterface``) writes them into the pages
+and runs the kernels; its mask function (``AttentionMaskInterface``) passes the 2-D padding mask through.
+
+What it takes: decoder-only models whose attention modules call ``cache.update(..., kwargs=kwargs)`` (Llama, Qwen2/3,
+Qwen3-MoE, Mixtral, ... in transformers 5.25), full causal attention (no sliding window shorter than the cache, no
+attention sinks or logit softcapping), head_dim 64 / 128 / 256, a GQA group of at most 16, bf16. Padding on the left
+(the prompt's padding precedes its tokens; ``tokenizer.padding_side = "left"``, as generate wants for decoder-only
+models); anything else raises naming what it found. Greedy or sampled decoding; beam search, contrastive search and
+``num_return_sequences > 1`` (which reorder or repeat the cache's rows) and assisted decoding (which crops it) raise.
+A new prompt batch needs a fresh cache or :meth:`PagedCache.reset`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import evenflow
+from evenflow import _runtime
+from evenflow._checks import check_int
+from evenflow.attention.prologue import store_kv
+
+IMPLEMENTATION = "evenflow"
+_HANDLE = "evenflow_paged"  # the forward kwarg the cache's update hands to the attention function
+
+
+def _cache_base():
+    try:
+        from transformers.cache_utils import Cache, CacheLayerMixin
+    except ImportError as e:
+        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5: {e}") from e
+    return Cache, CacheLayerMixin
+
+
+def _config_of(model_or_config):
+    cfg = getattr(model_or_config, "config", model_or_config)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for name in ("num_hidden_layers", "num_attention_heads"):
+        if not isinstance(getattr(cfg, name, None), int):
+            raise TypeError(f"model: its config has no integer {name}; PagedCache needs a decoder-only text model")
+    return cfg
+
+
+def _attention_dims(cfg) -> tuple[int, int, int, int]:
+    """(layers, q heads, kv heads, head_dim) of a decoder-only config, refusing what the kernels do not compute."""
+    layers, hq = cfg.num_hidden_layers, cfg.num_attention_heads
+    hkv = getattr(cfg, "num_key_value_heads", None) or hq
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    if getattr(cfg, "kv_lora_rank", None) is not None:
+        raise TypeError("model: multi-head latent attention (kv_lora_rank) is not evenflow's paged attention")
+    if d not in (64, 128, 256):
+        raise TypeError(f"model: head_dim {d}: evenflow's paged attention takes 64, 128 or 256")
+    if hq % hkv or hq // hkv > 16:
+        raise TypeError(f"model: {hq} q heads over {hkv} kv heads: evenflow's paged attention takes a GQA group of "
+                        "1-16")
+    types_ = getattr(cfg, "layer_types", None)
+    if types_ is not None and any(t != "full_attention" for t in types_):
+        raise TypeError(f"model: layer types {sorted(set(types_))}: evenflow's paged attention computes full causal "
+                        "attention only")
+    return layers, hq, hkv, d
+
+
+class _Step:
+    """What every layer of one forward shares: the lengths after this step, the slots of its new tokens, the
+    decode plan (updated once a step) and the prefill boundaries."""
+
+    def __init__(self, max_batch: int, pages_per_request: int, page_size: int, device, plan):
+        self.page_size = page_size
+        self.page_table = (torch.arange(max_batch * pages_per_request, dtype=torch.int32, device=device)
+                           .view(max_batch, pages_per_request))
+        self.trash_slot = max_batch * pages_per_request * page_size  # the spare last page: padding rows' K / V
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.plan = plan
+        self.pending = False  # set by the first layer's update, cleared by the first attention call
+        self.batch = 0
+        self.q_len = 0
+        self.lens = self.slots = self.cu_q = None
+
+    def begin(self, mask: torch.Tensor | None, batch: int, q_len: int, seen: int) -> None:
+        dev = self.seq_lens.device
+        if mask is not None:
+            if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < q_len:
+                raise ValueError(f"attention_mask: expected a 2-D padding mask [{batch}, >= {q_len}], got "
+                                 f"{tuple(mask.shape)} (a 4-D or custom mask is not evenflow's paged attention's)")
+            mask = mask.to(device=dev, dtype=torch.bool)
+        lens = self.seq_lens[:batch]
+        if self.batch and batch != self.batch:
+            raise ValueError(f"batch of {batch} rows after {self.batch}: the cache's rows are requests; rows cannot "
+                             "be dropped, reordered or repeated (beam search, num_return_sequences > 1); reset() it "
+                             "for a new batch")
+        if mask is None:
+            n_new = torch.full((batch,), q_len, dtype=torch.int32, device=dev)
+        else:
+            new = mask[:, -q_len:]
+            if q_len > 1 and _runtime.host_sync_allowed(lens):  # one sync a prompt or extend, none a decode step
+                if bool((new[:, 1:] < new[:, :-1]).any()):
+                    raise ValueError("attention_mask: a padding position follows a real token among the new ones; "
+                                     "evenflow's paged cache keeps real tokens only and needs the padding on the "
+                                     "left (tokenizer.padding_side = 'left')")
+                if mask.shape[1] > q_len and not torch.equal(mask[:, :-q_len].sum(1, dtype=torch.int32), lens):
+                    raise ValueError("attention_mask: its past positions do not count the tokens this cache holds "
+                                     "(a mask of another batch, or a cache that was not reset)")
+            n_new = new.sum(1, dtype=torch.int32)
+        t = torch.arange(q_len, device=dev, dtype=torch.int32)
+        first = q_len - n_new  # new rows before it are padding; the real ones end the row block
+        pos = lens[:, None] + t[None, :] - first[:, None]
+        real = t[None, :] >= first[:, None]
+        P = self.page_size
+        pos = pos.clamp(min=0)
+        page = self.page_table[:batch].gather(1, (pos // P).long())
+        self.slots = torch.where(real, page.long() * P + (pos % P).long(), self.trash_slot).reshape(-1)
+        lens.add_(n_new)
+        self.lens, self.batch, self.q_len = lens, batch, q_len
+        if q_len == 1:
+            if self.plan is not None:
+                self.plan.update(lens)
+        else:
+            self.cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
+        self.pending = False
+
+    def reset(self) -> None:
+        self.seq_lens.zero_()
+        self.pending, self.batch, self.q_len = False, 0, 0
+        self.lens = self.slots = self.cu_q = None
+
+
+def _layer_class():
+    _, CacheLayerMixin = _cache_base()
+
+    class PagedLayer(CacheLayerMixin):
+        """One layer's pages: ``keys`` / ``values`` ``[pages, P, Hkv, D]`` (the last page a spare that padding rows
+        write to). ``update`` stores nothing itself: it hands the attention function this layer (the store and the
+        attention run there, where the padding mask is known)."""
+
+        is_compileable = False
+        is_croppable = False
+        supports_early_init = False
+
+        def __init__(self, owner, index: int, keys: torch.Tensor, values: torch.Tensor):
+            super().__init__()
+            self.owner, self.index = owner, index
+            self.keys, self.values = keys, values
+            self.is_initialized = True
+            self.device = keys.device
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            return None
+
+        def update(self, key_states, value_states, *args, kwargs=None, **extra):
+            if kwargs is None:
+                raise TypeError("PagedCache: the attention module called cache.update without its forward's kwargs; "
+                                "evenflow's paged attention needs modules that pass kwargs=kwargs (transformers 5 "
+                                "models do)")
+            if self.index == 0:
+                self.owner.step.pending = True
+            kwargs[_HANDLE] = self
+            return key_states, value_states
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.owner.seen + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.owner.seen
+
+        def get_max_length(self) -> int:
+            return self.owner.max_cache_len
+
+        def reset(self) -> None:
+            self.owner.reset()
+
+        def reorder_cache(self, beam_idx) -> None:
+            raise NotImplementedError("PagedCache: beam search reorders the cache's rows; evenflow's paged cache "
+                                      "keeps one request a row (greedy or sampled decoding)")
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("PagedCache: cropping (assisted decoding) is not supported")
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError("PagedCache: repeating rows (num_return_sequences > 1) is not supported; "
+                                      "repeat the prompts instead")
+
+        def batch_select_indices(self, indices) -> None:
+            raise NotImplementedError("PagedCache: selecting rows (contrastive search) is not supported")
+
+    return PagedLayer
+
+
+_PAGED_LAYER = None
+
+
+def _paged_layer():
+    global _PAGED_LAYER
+    if _PAGED_LAYER is None:
+        _PAGED_LAYER = _layer_class()
+    return _PAGED_LAYER
+
+
+def _cache_class():
+    Cache, _ = _cache_base()
+
+    class PagedCache(Cache):
+        __doc__ = _PAGED_CACHE_DOC
+
+        def __init__(self, model, max_batch_size: int, max_cache_len: int, *, page_size: int = 64,
+                     kv_dtype: torch.dtype | None = None, k_scale: float | None = None, v_scale: float | None = None,
+                     plan: bool = True, device=None, **plan_options):
+            cfg = _config_of(model)
+            layers, hq, hkv, d = _attention_dims(cfg)
+            check_int("max_batch_size", max_batch_size, 1)
+            check_int("max_cache_len", max_cache_len, 1)
+            check_int("page_size", page_size, 16, 128)
+            if page_size not in (16, 32, 64, 128):
+                raise ValueError(f"page_size must be one of [16, 32, 64, 128], got {page_size}")
+            kv_dtype = torch.bfloat16 if kv_dtype is None else kv_dtype
+            if kv_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+                raise ValueError(f"kv_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {kv_dtype}")
+            if device is None:
+                params = getattr(model, "parameters", None)
+                device = next(params()).device if params is not None else "cuda"
+            device = torch.device(device)
+            self.max_batch_size, self.max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
+            self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_dtype = hq, hkv, d, kv_dtype
+            self.k_scale, self.v_scale = k_scale, v_scale
+            self.seen = 0
+            ppr = math.ceil(max_cache_len / page_size)
+            pages = max_batch_size * ppr + 1
+            decode_plan = None
+            if plan:
+                decode_plan = evenflow.DecodePlan(max_batch_size, ppr * page_size, hkv, page_size=page_size,
+                                                  q_len=1, device=device, kv_dtype=kv_dtype, num_q_heads=hq,
+                                                  head_dim=d, **plan_options)
+            elif plan_options:
+                raise ValueError(f"plan options {sorted(plan_options)} given with plan=False")
+            self.step = _Step(max_batch_size, ppr, page_size, device, decode_plan)
+            layer_cls = _paged_layer()
+            shape = (pages, page_size, hkv, d)
+            super().__init__(layers=[layer_cls(self, i, torch.zeros(shape, dtype=kv_dtype, device=device),
+                                               torch.zeros(shape, dtype=kv_dtype, device=device))
+                                     for i in range(layers)])
+
+        @property
+        def plan(self):
+            return self.step.plan
+
+        @property
+        def seq_lens(self) -> torch.Tensor:
+            """Each request's cached (real) tokens, [batch] int32."""
+            return self.step.seq_lens[: self.step.batch]
+
+        def reset(self) -> None:
+            """Empty every request (the pages are overwritten as the next batch writes them)."""
+            self.seen = 0
+            self.step.reset()
+
+        def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+            """Store this forward's K / V of ``layer`` and attend; query ``[B, Hq, T, D]``, key / value ``[B, Hkv, T,
+            D]`` (transformers' layout); returns ``[B, T, Hq, D]``."""
+            B, hq, T, d = query.shape
+            if (hq, d) != (self.num_q_heads, self.head_dim) or tuple(key.shape) != (B, self.num_kv_heads, T, d):
+                raise ValueError(f"query {tuple(query.shape)} / key {tuple(key.shape)} do not match the cache's "
+                                 f"{self.num_q_heads} q heads, {self.num_kv_heads} kv heads, head_dim {self.head_dim}")
+            if query.dtype != torch.bfloat16:
+                raise TypeError(f"query: evenflow's paged attention computes in bf16, got {query.dtype} (load the "
+                                "model in torch.bfloat16)")
+            step = self.step
+            if step.pending:
+                if B > self.max_batch_size:
+                    raise ValueError(f"batch of {B} requests over the PagedCache's max_batch_size "
+                                     f"{self.max_batch_size}")
+                if self.seen + T > self.max_cache_len:
+                    raise ValueError(f"PagedCache holds {self.max_cache_len} positions a request; this forward needs "
+                                     f"{self.seen + T} (padding included)")
+                step.begin(attention_mask, B, T, self.seen)
+                self.seen += T
+            elif (B, T) != (step.batch, step.q_len):
+                raise ValueError(f"layer {layer.index}: batch {B} x {T} new tokens, while this forward's first layer "
+                                 f"had {step.batch} x {step.q_len}")
+            rows = B * T
+            store_kv(key.transpose(1, 2).reshape(rows, self.num_kv_heads, d),
+                     value.transpose(1, 2).reshape(rows, self.num_kv_heads, d), layer.keys, layer.values,
+                     step.slots, k_scale=self.k_scale, v_scale=self.v_scale)
+            q = query.transpose(1, 2).reshape(rows, hq, d)
+            table = step.page_table[:B]
+            if T == 1:
+                out = evenflow.decode_attention(q, layer.keys, layer.values, table, step.lens, plan=step.plan,
+                                                k_scale=self.k_scale, v_scale=self.v_scale, sm_scale=scaling)
+            else:
+                out = evenflow.prefill_attention(q, layer.keys, layer.values, step.cu_q, table, step.lens, T,
+                                                 k_scale=self.k_scale, v_scale=self.v_scale, sm_scale=scaling)
+            return out.view(B, T, hq, d)
+
+    return PagedCache
+
+
+_PAGED_CACHE_DOC = """A transformers ``Cache`` of paged K / V for evenflow's attention (``enable_attention``).
+
+    ``PagedCache(model, max_batch_size, max_cache_len, *, page_size=64, kv_dtype=None, k_scale=None, v_scale=None,
+    plan=True, device=None, **plan_options)``: ``max_cache_len`` positions a request (prompt padding included, as the
+    model counts positions; only real tokens are stored), each request ``ceil(max_cache_len / page_size)`` pages of
+    its own plus one spare page for padding rows, per layer ``[pages, page_size, kv_heads, head_dim]`` in
+    ``kv_dtype`` (bf16 by default; ``torch.float8_e4m3fn`` stores K / ``k_scale`` and V / ``v_scale``, saturated,
+    and the kernels multiply back). ``plan``: decode steps run on a :class:`evenflow.DecodePlan` (``plan_options``
+    go to it), updated once a step; ``False``: the static split-KV schedule. ``seq_lens``: each request's cached
+    tokens. A new batch of prompts needs :meth:`reset` (or a new cache)."""
+
+
+_CLASSES: dict = {}
+
+
+def __getattr__(name: str):
+    """``PagedCache`` / ``PagedLayer`` are built on first use (transformers is imported only then)."""
+    if name == "PagedCache":
+        if "PagedCache" not in _CLASSES:
+            _CLASSES["PagedCache"] = _cache_class()
+        return _CLASSES["PagedCache"]
+    if name == "PagedLayer":
+        return _paged_layer()
+    raise AttributeError(name)
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
+    """transformers' attention function ``"evenflow"``: returns ``(out [B, T, Hq, D], None)``."""
+    layer = kwargs.get(_HANDLE)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__}: attn_implementation 'evenflow' needs "
+                         "cache=evenflow.integrations.transformers.PagedCache(...) (past_key_values= before "
+                         "transformers 5.2x) and use_cache=True")
+    if dropout:
+        raise ValueError(f"{type(module).__name__}: dropout {dropout}: evenflow's paged attention is for inference")
+    if getattr(module, "is_causal", True) is False:
+        raise TypeError(f"{type(module).__name__}: not causal; evenflow's paged attention is causal")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < layer.owner.max_cache_len:
+        raise TypeError(f"{type(module).__name__}: sliding window {window} under the cache's "
+                        f"{layer.owner.max_cache_len} positions; evenflow's paged attention computes full causal "
+                        "attention")
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise TypeError(f"{type(module).__name__}: {name} is not computed by evenflow's paged attention")
+    if getattr(module, "sinks", None) is not None:
+        raise TypeError(f"{type(module).__name__}: attention sinks are not computed by evenflow's paged attention")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise RuntimeError(f"{type(module).__name__}: evenflow's kernels have no backward; run under torch.no_grad()"
+                           " or torch.inference_mode()")
+    return layer.owner.attend(layer, query, key, value, attention_mask, scaling), None
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """transformers' mask function ``"evenflow"``: the 2-D padding mask [B, kv_length] as it is (the kernels are
+    causal by construction and read each request's real tokens only), or None."""
+    return None if attention_mask is None else attention_mask[:, -kv_length:]
+
+
+def register_attention() -> None:
+    """Register ``"evenflow"`` with transformers' attention and mask interfaces (idempotent)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5: {e}") from e
+    AttentionInterface.register(IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
+
+
+def enable_attention(model: torch.nn.Module) -> None:
+    """Put ``model``'s attention on evenflow (``attn_implementation "evenflow"``); generate or call it with
+    ``cache=PagedCache(model, ...)``. Raises ``TypeError`` for a model whose attention the kernels do not
+    compute (see the module docstring)."""
+    if not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model: {type(model).__name__} is not a transformers PreTrainedModel")
+    _attention_dims(_config_of(model))
+    register_attention()
+    model.set_attn_implementation(IMPLEMENTATION)
