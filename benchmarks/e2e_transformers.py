@@ -22,7 +22,8 @@ Generate cases (``generate-<mix>``, e.g. ``1x4096+15x256``: one 4096-token promp
 into one batch as transformers' generate takes them): ``model.generate`` greedy, timed at 1 and at 1 + ``NEW``
 new tokens; ``us`` is a decode step, (t(1 + NEW) - t(1)) / NEW, the prompt's prefill cancelled. Impls:
 ``transformers-sdpa`` (the stock model: sdpa over transformers' padded DynamicCache, its grouped_mm experts),
-``transformers-sdpa-static`` (the same over its StaticCache, ``cache_implementation="static"``), ``evenflow-moe``
+``transformers-sdpa-static`` (the same over its StaticCache, ``cache_implementation="static"``, eager:
+``disable_compile``), ``evenflow-moe``
 (``enable``: the MoE layers on evenflow, the stock attention and cache) and ``evenflow`` (``enable`` and
 ``enable_attention`` over a ``PagedCache``: each request's real tokens only, decode steps on a DecodePlan). Each
 impl's first-step logits are checked against the stock model's (cosine >= 0.999) before it is timed.
@@ -142,7 +143,9 @@ def generate_case(model, impl: str, lens: list[int], vocab: int, page_size: int 
         cache = ev_tf.PagedCache(model, max_batch_size=len(lens), max_cache_len=width + NEW + 1, page_size=page_size)
 
     def run(new: int):
-        kw = {"cache_implementation": "static"} if impl == "transformers-sdpa-static" else {}
+        # (eager, as every impl here: over a StaticCache generate would otherwise compile the forward, once for each
+        # cache length the two timings make)
+        kw = {"cache_implementation": "static", "disable_compile": True} if impl == "transformers-sdpa-static" else {}
         if cache is not None:
             cache.reset()
             kw["cache"] = cache
