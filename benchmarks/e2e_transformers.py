@@ -26,7 +26,9 @@ new tokens; ``us`` is a decode step, (t(1 + NEW) - t(1)) / NEW, the prompt's pre
 ``disable_compile``), ``evenflow-moe``
 (``enable``: the MoE layers on evenflow, the stock attention and cache) and ``evenflow`` (``enable`` and
 ``enable_attention`` over a ``PagedCache``: each request's real tokens only, decode steps on a DecodePlan). Each
-impl's first-step logits are checked against the stock model's (cosine >= 0.999) before it is timed.
+impl's first-step logits are checked against the stock model's (cosine >= 0.999) before it is timed. ``kv_mb``: the
+KV cache the impl holds (evenflow's pool of the real tokens plus the new ones in pages; transformers' padded
+rectangle, computed).
 """
 from __future__ import annotations
 
@@ -139,8 +141,15 @@ def generate_case(model, impl: str, lens: list[int], vocab: int, page_size: int 
     width = max(lens)
     ids, mask = left_padded(lens, vocab, dev, seed=3)
     cache = None
-    if impl == "evenflow":
-        cache = ev_tf.PagedCache(model, max_batch_size=len(lens), max_cache_len=width + NEW + 1, page_size=page_size)
+    cfg = model.config
+    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers  # K + V, bf16, every layer
+    if impl == "evenflow":  # a pool of the real tokens and the new ones, each request rounded up to pages
+        pool = sum(-(-(n + NEW + 1) // page_size) * page_size for n in lens)
+        cache = ev_tf.PagedCache(model, max_batch_size=len(lens), max_cache_len=width + NEW + 1, page_size=page_size,
+                                 max_tokens=pool)
+        kv_bytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    else:  # transformers' caches: the padded rectangle, every request as long as the longest
+        kv_bytes = len(lens) * (width + NEW + 1) * per_token
 
     def run(new: int):
         # (eager, as every impl here: over a StaticCache generate would otherwise compile the forward, once for each
@@ -151,6 +160,7 @@ def generate_case(model, impl: str, lens: list[int], vocab: int, page_size: int 
             kw["cache"] = cache
         return generate_logits(model, ids, mask, new, **kw)[1][:, 0]
 
+    run.kv_bytes = kv_bytes  # the KV cache's size at the longest timed generate
     return run
 
 
@@ -218,7 +228,7 @@ def main() -> int:
         _generate_rows(res, base, mix, vocab, args.layers)
     _speedups(res)
     res.finish(x="case", group=None, columns=("case", "impl", "us", "us_per_layer", "tokens_per_s", "vs_default",
-                                              "cosine", "error"), plot=not args.no_plot, settle=False)
+                                              "kv_mb", "cosine", "error"), plot=not args.no_plot, settle=False)
     return 0
 
 
@@ -240,7 +250,8 @@ def _generate_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> N
             us = (tn - t1) / NEW
             res.add(case=case, impl=impl, us=us, us_per_layer=us / layers, tokens=len(lens),
                     tokens_per_s=round(len(lens) / us * 1e6, 1), prefill_us=t1, cached_tokens=sum(lens),
-                    padded_tokens=max(lens) * len(lens), max_abs_err=float(chk["max_abs_err"]),
+                    padded_tokens=max(lens) * len(lens), kv_mb=round(run.kv_bytes / 2 ** 20, 1),
+                    max_abs_err=float(chk["max_abs_err"]),
                     cosine=float(chk["cosine"]))
         except H.PeerUnavailable as e:
             res.add_error(case=case, impl=impl, error=str(e))

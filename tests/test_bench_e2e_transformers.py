@@ -66,6 +66,11 @@ def test_generate_impls_run_and_agree(bench, device):
         if impl == "evenflow":
             again = run(3).float()  # the paged cache is reset each call: the same first step
             assert torch.equal(again, first)
+            # its pool: each request's real tokens and the new ones in 16-token pages, plus the spare page
+            pages = sum(-(-(n + bench.NEW + 1) // 16) for n in lens) + 1
+            assert run.kv_bytes == 2 * 2 * pages * 16 * 2 * 64 * 2  # layers x (K, V) x tokens x kv heads x D x 2 B
+        else:
+            assert run.kv_bytes == 3 * (9 + bench.NEW + 1) * 2 * 2 * 64 * 2 * 2  # the padded rectangle
     with pytest.raises(ValueError, match="expected parts like 1x4096"):
         bench.parse_mix("4096")
     with pytest.raises(ValueError, match="impl must be one of"):

@@ -89,12 +89,38 @@ def test_pages_hold_the_real_tokens_only(device):
     _, k64 = apply_rotary_pos_emb(k64, k64, cos, sin)
     layer = cache.layers[0]
     for b, n in enumerate(REAL):
-        stored = layer.keys[b, :n].double().cpu()  # request b owns pages [b, b + 1) of 16 tokens here
+        page = int(cache.step.page_table[b, 0])  # one page of 16 tokens holds each request's prompt here
+        stored = layer.keys[page, :n].double().cpu()
         want = k64[b, :, PROMPT - n:].transpose(0, 1).cpu()  # [n, Hkv, D]
         assert torch.allclose(stored, want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max())), b
-        assert not layer.keys[b, n:].any()
+        assert not layer.keys[page, n:].any()
     assert cache.seq_lens.tolist() == list(REAL)
     assert layer.keys[-1].any()  # the spare page took the padding rows (REAL has padding)
+
+
+def test_a_pool_of_the_real_tokens_hands_out_pages_as_requests_grow(device):
+    """A pool sized to the real tokens (not the padded rectangle): the prompt takes a page per request, a decode
+    step that carries request 0 past its page hands it the next free one (so its pages are not contiguous), the
+    logits stay within the rule; a pool one page short raises, naming the pool."""
+    m64, stock, ev = models(device)
+    ev_tf.enable_attention(ev)
+    real, new = (15, 3), 4
+    cache = ev_tf.PagedCache(ev, max_batch_size=2, max_cache_len=32, page_size=16, max_tokens=48)
+    ids, mask = prompts(device, real=real, width=15, seed=3)
+    seq, logits = generate(ev, cache, ids, mask, new=new)
+    spare = cache.step.spare
+    assert cache.max_tokens == 48 and spare == 3
+    assert cache.step.page_table[:2].tolist() == [[0, 2], [1, spare]]
+    assert cache.seq_lens.tolist() == [15 + new - 1, 3 + new - 1]
+    ref, base = teacher_forced_logits((m64, stock), seq, mask, new)
+    assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="pooled generate's logits")
+    cache.reset()
+    assert cache.step.page_table[:2].eq(spare).all() and len(cache.step.free) == 3
+    seq2, logits2 = generate(ev, cache, ids, mask, new=new)  # the same batch again after reset: the same logits
+    assert torch.equal(logits2, logits)
+    short = ev_tf.PagedCache(ev, max_batch_size=2, max_cache_len=32, page_size=16, max_tokens=32)
+    with pytest.raises(ValueError, match="out of pages: this step needs 1 more of 16 tokens, 0 of 2 are free"):
+        generate(ev, short, ids, mask, new=new)
 
 
 def test_fp8_cache_within_the_rule_of_an_fp8_baseline(device, monkeypatch):

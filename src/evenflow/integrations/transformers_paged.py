@@ -83,17 +83,46 @@ class _Step:
     """What every layer of one forward shares: the lengths after this step, the slots of its new tokens, the
     decode plan (updated once a step) and the prefill boundaries."""
 
-    def __init__(self, max_batch: int, pages_per_request: int, page_size: int, device, plan):
-        self.page_size = page_size
-        self.page_table = (torch.arange(max_batch * pages_per_request, dtype=torch.int32, device=device)
-                           .view(max_batch, pages_per_request))
-        self.trash_slot = max_batch * pages_per_request * page_size  # the spare last page: padding rows' K / V
+    def __init__(self, max_batch: int, pages_per_request: int, page_size: int, num_pages: int, device, plan):
+        self.page_size, self.num_pages = page_size, num_pages
+        # pages are handed out from a pool as each request's length needs them (host-side bounds, no sync at a
+        # decode step); a column no page was handed to points at the spare page, which padding rows write to
+        self.spare = num_pages
+        self.page_table = torch.full((max_batch, pages_per_request), num_pages, dtype=torch.int32, device=device)
+        self.trash_slot = num_pages * page_size
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.plan = plan
         self.pending = False  # set by the first layer's update, cleared by the first attention call
         self.batch = 0
         self.q_len = 0
         self.lens = self.slots = self.cu_q = None
+        self._release()
+
+    def _release(self) -> None:
+        self.free = list(range(self.num_pages))
+        self.free.reverse()  # popped from the end: pages handed out in increasing order
+        self.held = [0] * self.page_table.shape[0]  # pages each request holds
+        self.bound = [0] * self.page_table.shape[0]  # a host-side bound on each request's cached tokens
+
+    def _grow(self, increments: list[int]) -> None:
+        """Hand each request the pages its bound after this step needs (one small host-to-device copy where any
+        request crosses into a new page)."""
+        P, rows, cols, vals = self.page_size, [], [], []
+        need_total = sum(max(0, -(-(self.bound[b] + n) // P) - self.held[b]) for b, n in enumerate(increments))
+        if need_total > len(self.free):
+            raise ValueError(f"PagedCache is out of pages: this step needs {need_total} more of {P} tokens, "
+                             f"{len(self.free)} of {self.num_pages} are free (raise max_tokens, or reset() it)")
+        for b, n in enumerate(increments):
+            self.bound[b] += n
+            while self.held[b] * P < self.bound[b]:
+                rows.append(b)
+                cols.append(self.held[b])
+                vals.append(self.free.pop())
+                self.held[b] += 1
+        if rows:
+            dev = self.page_table.device
+            self.page_table.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                                       torch.tensor(vals, dtype=torch.int32, device=dev))
 
     def begin(self, mask: torch.Tensor | None, batch: int, q_len: int, seen: int) -> None:
         dev = self.seq_lens.device
@@ -120,6 +149,11 @@ class _Step:
                     raise ValueError("attention_mask: its past positions do not count the tokens this cache holds "
                                      "(a mask of another batch, or a cache that was not reset)")
             n_new = new.sum(1, dtype=torch.int32)
+        if mask is not None and q_len > 1 and _runtime.host_sync_allowed(lens):
+            increments = n_new.tolist()  # a prompt's real tokens (the sync the checks above already paid)
+        else:
+            increments = [q_len] * batch  # a bound: at a decode step each request grows by at most its new token
+        self._grow(increments)
         t = torch.arange(q_len, device=dev, dtype=torch.int32)
         first = q_len - n_new  # new rows before it are padding; the real ones end the row block
         pos = lens[:, None] + t[None, :] - first[:, None]
@@ -139,6 +173,8 @@ class _Step:
 
     def reset(self) -> None:
         self.seq_lens.zero_()
+        self.page_table.fill_(self.spare)
+        self._release()
         self.pending, self.batch, self.q_len = False, 0, 0
         self.lens = self.slots = self.cu_q = None
 
@@ -147,7 +183,7 @@ def _layer_class():
     _, CacheLayerMixin = _cache_base()
 
     class PagedLayer(CacheLayerMixin):
-        """One layer's pages: ``keys`` / ``values`` ``[pages, P, Hkv, D]`` (the last page a spare that padding rows
+        """One layer's pages: ``keys`` / ``values`` ``[pages + 1, P, Hkv, D]`` (the last page a spare that padding rows
         write to). ``update`` stores nothing itself: it hands the attention function this layer (the store and the
         attention run there, where the padding mask is known)."""
 
@@ -221,8 +257,8 @@ def _cache_class():
         __doc__ = _PAGED_CACHE_DOC
 
         def __init__(self, model, max_batch_size: int, max_cache_len: int, *, page_size: int = 64,
-                     kv_dtype: torch.dtype | None = None, k_scale: float | None = None, v_scale: float | None = None,
-                     plan: bool = True, device=None, **plan_options):
+                     max_tokens: int | None = None, kv_dtype: torch.dtype | None = None, k_scale: float | None = None,
+                     v_scale: float | None = None, plan: bool = True, device=None, **plan_options):
             cfg = _config_of(model)
             layers, hq, hkv, d = _attention_dims(cfg)
             check_int("max_batch_size", max_batch_size, 1)
@@ -242,7 +278,12 @@ def _cache_class():
             self.k_scale, self.v_scale = k_scale, v_scale
             self.seen = 0
             ppr = math.ceil(max_cache_len / page_size)
-            pages = max_batch_size * ppr + 1
+            if max_tokens is None:
+                pages = max_batch_size * ppr
+            else:
+                check_int("max_tokens", max_tokens, 1)
+                pages = math.ceil(max_tokens / page_size)
+            self.max_tokens = pages * page_size
             decode_plan = None
             if plan:
                 decode_plan = evenflow.DecodePlan(max_batch_size, ppr * page_size, hkv, page_size=page_size,
@@ -250,9 +291,9 @@ def _cache_class():
                                                   head_dim=d, **plan_options)
             elif plan_options:
                 raise ValueError(f"plan options {sorted(plan_options)} given with plan=False")
-            self.step = _Step(max_batch_size, ppr, page_size, device, decode_plan)
+            self.step = _Step(max_batch_size, ppr, page_size, pages, device, decode_plan)
             layer_cls = _paged_layer()
-            shape = (pages, page_size, hkv, d)
+            shape = (pages + 1, page_size, hkv, d)  # (+ the spare page)
             super().__init__(layers=[layer_cls(self, i, torch.zeros(shape, dtype=kv_dtype, device=device),
                                                torch.zeros(shape, dtype=kv_dtype, device=device))
                                      for i in range(layers)])
@@ -314,12 +355,17 @@ def _cache_class():
 
 _PAGED_CACHE_DOC = """A transformers ``Cache`` of paged K / V for evenflow's attention (``enable_attention``).
 
-    ``PagedCache(model, max_batch_size, max_cache_len, *, page_size=64, kv_dtype=None, k_scale=None, v_scale=None,
-    plan=True, device=None, **plan_options)``: ``max_cache_len`` positions a request (prompt padding included, as the
-    model counts positions; only real tokens are stored), each request ``ceil(max_cache_len / page_size)`` pages of
-    its own plus one spare page for padding rows, per layer ``[pages, page_size, kv_heads, head_dim]`` in
-    ``kv_dtype`` (bf16 by default; ``torch.float8_e4m3fn`` stores K / ``k_scale`` and V / ``v_scale``, saturated,
-    and the kernels multiply back). ``plan``: decode steps run on a :class:`evenflow.DecodePlan` (``plan_options``
+    ``PagedCache(model, max_batch_size, max_cache_len, *, page_size=64, max_tokens=None, kv_dtype=None, k_scale=None,
+    v_scale=None, plan=True, device=None, **plan_options)``: ``max_cache_len`` positions a request (prompt padding
+    included, as the model counts positions; only real tokens are stored). The pages come from one pool of
+    ``max_tokens`` tokens (default ``max_batch_size`` x ``max_cache_len``, rounded up to pages), handed to each request
+    as its real tokens need them: a prompt's real lengths are read once (the prompt's one host sync), a decode step
+    takes a page for a request whose bound crosses into one (no sync), so a batch of unequal prompts needs a pool of
+    about its real tokens plus the new ones, not the padded rectangle; an exhausted pool raises. Memory:
+    ``layers x (max_tokens + page_size) x kv_heads x head_dim x 2 (K, V) x kv_dtype's bytes``, per layer ``[pages + 1,
+    page_size, kv_heads, head_dim]`` (the last page a spare that padding rows write to) in ``kv_dtype`` (bf16 by
+    default; ``torch.float8_e4m3fn`` stores K / ``k_scale`` and V / ``v_scale``, saturated, and the kernels multiply
+    back). ``plan``: decode steps run on a :class:`evenflow.DecodePlan` (``plan_options``
     go to it), updated once a step; ``False``: the static split-KV schedule. ``seq_lens``: each request's cached
     tokens. A new batch of prompts needs :meth:`reset` (or a new cache)."""
 
