@@ -148,8 +148,8 @@ def generate_case(model, impl: str, lens: list[int], vocab: int, page_size: int 
         cache = ev_tf.PagedCache(model, max_batch_size=len(lens), max_cache_len=width + NEW + 1, page_size=page_size,
                                  max_tokens=pool)
         kv_bytes = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
-    else:  # transformers' caches: the padded rectangle, every request as long as the longest
-        kv_bytes = len(lens) * (width + NEW + 1) * per_token
+    else:  # transformers' caches: the padded rectangle, every request as long as the longest (the prompt and NEW
+        kv_bytes = len(lens) * (width + NEW) * per_token  # of the 1 + NEW tokens: the last one is not cached)
 
     def run(new: int):
         # (eager, as every impl here: over a StaticCache generate would otherwise compile the forward, once for each
@@ -198,29 +198,16 @@ def main() -> int:
     cases = [(f"decode-b{b}", lambda m, b=b: decode_step(m, b, CTX, vocab), b) for b in batches]
     cases += [(f"prefill-{b}x{s}", lambda m, b=b, s=s: prefill(m, b, s, vocab), b * s) for b, s in prefills]
     for name, make, tokens in H.progress(cases, "e2e"):
-        ref = None
-        for impl in IMPLS:
-            try:
-                model = copy.deepcopy(base)
-                set_impl(model, impl)
-                fn = make(model)
-                out = fn()
-                if impl == IMPLS[0]:
-                    ref = out.float()
-                # against the default's logits; where the default failed, finite only (an error row says so)
-                chk = H.check_output(out, out.float() if ref is None else ref, f"{name} {impl}", rtol=5e-2,
-                                     atol=5e-2, min_cos=0.999)
+        def prepare(model, impl, make=make, tokens=tokens):
+            set_impl(model, impl)
+            fn = make(model)
+
+            def timed():
                 us = H.time_eager(fn, reps=10)
-                res.add(case=name, impl=impl, us=us, us_per_layer=us / args.layers, tokens=tokens,
-                        tokens_per_s=round(tokens / us * 1e6, 1), max_abs_err=float(chk["max_abs_err"]),
-                        cosine=float(chk["cosine"]))
-            except H.PeerUnavailable as e:
-                res.add_error(case=name, impl=impl, error=str(e))
-            except Exception as e:  # a failing impl is a result row, not a lost run
-                res.add_error(case=name, impl=impl, error=f"{type(e).__name__}: {H.error_line(e)}")
-            finally:
-                model = None
-                torch.cuda.empty_cache()
+                return us, {"tokens": tokens, "tokens_per_s": round(tokens / us * 1e6, 1)}
+            return fn(), timed
+
+        _impl_rows(res, base, name, IMPLS, prepare, args.layers)
     mixes = QUICK["mixes"] if args.quick else MIXES
     if args.mixes is not None:
         mixes = tuple(m for m in args.mixes.split(",") if m)
@@ -232,27 +219,24 @@ def main() -> int:
     return 0
 
 
-def _generate_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> None:
-    lens = parse_mix(mix)
-    case, ref = f"generate-{mix}", None
-    for impl in GEN_IMPLS:
+def _impl_rows(res: H.Results, base, case: str, impls, prepare, layers: int) -> None:
+    """One row per impl at ``case``: ``prepare(model, impl)`` puts a fresh copy of ``base`` in the impl's form and
+    returns (its first logits, ``timed``); the logits are checked against the first impl's (finite only where that
+    one failed: its error row says so), then ``timed()`` -> (us, extra fields). A failing impl is an error row, not
+    a lost run."""
+    ref = None
+    for impl in impls:
+        model = None
         try:
             model = copy.deepcopy(base)
-            set_gen_impl(model, impl)
-            run = generate_case(model, impl, lens, vocab)
-            first = run(1)
-            if impl == GEN_IMPLS[0]:
-                ref = first.float()
-            chk = H.check_output(first, first.float() if ref is None else ref, f"{case} {impl}", rtol=5e-2,
-                                 atol=5e-2, min_cos=0.999)
-            t1 = H.time_eager(lambda: run(1), reps=5, warmup=1)
-            tn = H.time_eager(lambda: run(1 + NEW), reps=5, warmup=1)
-            us = (tn - t1) / NEW
-            res.add(case=case, impl=impl, us=us, us_per_layer=us / layers, tokens=len(lens),
-                    tokens_per_s=round(len(lens) / us * 1e6, 1), prefill_us=t1, cached_tokens=sum(lens),
-                    padded_tokens=max(lens) * len(lens), kv_mb=round(run.kv_bytes / 2 ** 20, 1),
-                    max_abs_err=float(chk["max_abs_err"]),
-                    cosine=float(chk["cosine"]))
+            out, timed = prepare(model, impl)
+            if impl == impls[0]:
+                ref = out.float()
+            chk = H.check_output(out, out.float() if ref is None else ref, f"{case} {impl}", rtol=5e-2, atol=5e-2,
+                                 min_cos=0.999)
+            us, extra = timed()
+            res.add(case=case, impl=impl, us=us, us_per_layer=us / layers, **extra,
+                    max_abs_err=float(chk["max_abs_err"]), cosine=float(chk["cosine"]))
         except H.PeerUnavailable as e:
             res.add_error(case=case, impl=impl, error=str(e))
         except Exception as e:  # a failing impl is a result row, not a lost run
@@ -260,6 +244,26 @@ def _generate_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> N
         finally:
             model = None
             torch.cuda.empty_cache()
+
+
+def _generate_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> None:
+    """A decode step of generate, (t(1 + NEW) - t(1)) / NEW, for every generate impl at ``mix``."""
+    lens = parse_mix(mix)
+
+    def prepare(model, impl):
+        set_gen_impl(model, impl)
+        run = generate_case(model, impl, lens, vocab)
+
+        def timed():
+            t1 = H.time_eager(lambda: run(1), reps=5, warmup=1)
+            tn = H.time_eager(lambda: run(1 + NEW), reps=5, warmup=1)
+            us = (tn - t1) / NEW
+            return us, {"tokens": len(lens), "tokens_per_s": round(len(lens) / us * 1e6, 1), "prefill_us": t1,
+                        "cached_tokens": sum(lens), "padded_tokens": max(lens) * len(lens),
+                        "kv_mb": round(run.kv_bytes / 2 ** 20, 1)}
+        return run(1), timed
+
+    _impl_rows(res, base, f"generate-{mix}", GEN_IMPLS, prepare, layers)
 
 
 def _speedups(res: H.Results) -> None:

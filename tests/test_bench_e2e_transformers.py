@@ -70,8 +70,43 @@ def test_generate_impls_run_and_agree(bench, device):
             pages = sum(-(-(n + bench.NEW + 1) // 16) for n in lens) + 1
             assert run.kv_bytes == 2 * 2 * pages * 16 * 2 * 64 * 2  # layers x (K, V) x tokens x kv heads x D x 2 B
         else:
-            assert run.kv_bytes == 3 * (9 + bench.NEW + 1) * 2 * 2 * 64 * 2 * 2  # the padded rectangle
+            assert run.kv_bytes == 3 * (9 + bench.NEW) * 2 * 2 * 64 * 2 * 2  # the padded rectangle
     with pytest.raises(ValueError, match="expected parts like 1x4096"):
         bench.parse_mix("4096")
     with pytest.raises(ValueError, match="impl must be one of"):
         bench.set_gen_impl(copy.deepcopy(base), "vllm")
+
+
+def test_generate_rows_one_per_impl_and_errors_as_rows(bench, device, monkeypatch):
+    """``_generate_rows`` with the timer replaced (it needs CUDA): one row per generate impl, its decode step
+    (t(1 + NEW) - t(1)) / NEW from the two timings and its KV size; an impl that fails is an error row and the
+    others still run."""
+    base = bench.build_model(2, device=device, **{**SMALL, "head_dim": 64})
+    times = iter([100.0, 100.0 + 5 * bench.NEW] * len(bench.GEN_IMPLS))
+
+    def fake_time(fn, reps, warmup):
+        fn()
+        return next(times)
+
+    monkeypatch.setattr(bench.H, "time_eager", fake_time)
+    monkeypatch.setattr(bench, "generate_case", lambda model, impl, lens, vocab, real=bench.generate_case:
+                        real(model, impl, lens, vocab, page_size=16))
+    res = H.Results("e2e_transformers", ceilings=None)
+    bench._generate_rows(res, base, "1x6+2x2", 96, 2)
+    assert [r["impl"] for r in res.rows] == list(bench.GEN_IMPLS)
+    for r in res.rows:
+        assert r["us"] == 5.0 and r["us_per_layer"] == 2.5 and r["kv_mb"] > 0 and r["cosine"] >= 0.999, r
+    real_set = bench.set_gen_impl
+
+    def broken(model, impl):
+        if impl == "evenflow-moe":
+            raise RuntimeError("no such kernel")
+        real_set(model, impl)
+
+    monkeypatch.setattr(bench, "set_gen_impl", broken)
+    times = iter([100.0, 100.0 + 5 * bench.NEW] * len(bench.GEN_IMPLS))
+    res = H.Results("e2e_transformers", ceilings=None)
+    bench._generate_rows(res, base, "1x6+2x2", 96, 2)
+    errs = [r for r in res.rows if "error" in r]
+    assert [r["impl"] for r in errs] == ["evenflow-moe"] and "no such kernel" in errs[0]["error"]
+    assert sum("us" in r for r in res.rows) == len(bench.GEN_IMPLS) - 1

@@ -31,6 +31,17 @@ def models(device, head_dim=64, **kw):
     return twin_models(Qwen3MoeForCausalLM, Qwen3MoeConfig(**cfg), device)
 
 
+def sharp(models_, gain=4.0):
+    """Scale every q / k norm weight by ``gain`` (exact in bf16), so the scores, and with them the rotary positions,
+    weigh in the logits: at the random models' small scores a position error hides under the rule."""
+    with torch.no_grad():
+        for m in models_:
+            for lyr in m.model.layers:
+                lyr.self_attn.q_norm.weight.mul_(gain)
+                lyr.self_attn.k_norm.weight.mul_(gain)
+    return models_
+
+
 def prompts(device, real=REAL, width=PROMPT, seed=0):
     return left_padded(real, 128, device, seed=seed, width=width)
 
@@ -44,7 +55,7 @@ def test_generate_matches_the_fp64_model(device, plan, monkeypatch):
     """Prefill then decode steps through the paged cache: each step's logits within the rule of the fp64 model over
     the whole sequence; the prompt's padding never enters the cache (its lengths are the real tokens); the kernels
     ran (one prefill and NEW - 1 decode calls a layer)."""
-    m64, stock, ev = models(device)
+    m64, stock, ev = sharp(models(device))
     ev_tf.enable_attention(ev)
     ev_tf.enable(ev)  # the MoE layers too: the whole model on evenflow
     calls = {"prefill": 0, "decode": 0}
@@ -155,23 +166,35 @@ def test_fp8_cache_within_the_rule_of_an_fp8_baseline(device, monkeypatch):
 
 
 def test_an_extend_after_decode_steps(device):
-    """A forward of several tokens on a cache that already decoded (prefill_attention over a cached prefix): the
-    logits within the rule of the fp64 model reading the whole sequence."""
-    m64, stock, ev = models(device)
+    """A forward of several tokens on a cache that already decoded (prefill_attention over a cached prefix), at the
+    positions generate gives (real tokens counted from 0): the logits within the rule of the fp64 model reading the
+    whole sequence; the same extend at the padded frame's positions (a position error of the padding's length for
+    the padded rows) fails the rule, so the check sees positions."""
+    m64, stock, ev = sharp(models(device))
     ev_tf.enable_attention(ev)
-    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=16)
     ids, mask = prompts(device, seed=2)
-    seq, _ = generate(ev, cache, ids, mask, new=3)
-    more = torch.randint(1, 128, (3, 4), generator=torch.Generator().manual_seed(5)).to(device)
-    # the cache holds seq minus its last token: feed that token and three more
-    ext = torch.cat([seq[:, -1:], more[:, :3]], 1)
-    full = torch.cat([seq, more[:, :3]], 1)
-    full_mask = torch.cat([mask, torch.ones(3, full.shape[1] - PROMPT, dtype=mask.dtype, device=device)], 1)
+    more = torch.randint(1, 128, (3, 3), generator=torch.Generator().manual_seed(5)).to(device)
+    outs = {}
+    for name in ("real", "padded frame"):
+        cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=16)
+        seq, _ = generate(ev, cache, ids, mask, new=3)
+        # the cache holds seq minus its last token: feed that token and three more
+        ext = torch.cat([seq[:, -1:], more], 1)
+        full = torch.cat([seq, more], 1)
+        full_mask = torch.cat([mask, torch.ones(3, full.shape[1] - PROMPT, dtype=mask.dtype, device=device)], 1)
+        pos = (full_mask.cumsum(1) - 1).clamp(min=0)
+        ext_pos = pos[:, -4:] if name == "real" else torch.arange(full.shape[1] - 4, full.shape[1], device=device)[
+            None].expand(3, -1)
+        with torch.no_grad():
+            outs[name] = ev(ext, attention_mask=full_mask, position_ids=ext_pos, cache=cache).logits
+        assert cache.seq_lens.tolist() == [n + 3 - 1 + 4 for n in REAL]
     with torch.no_grad():
-        got = ev(ext, attention_mask=full_mask, cache=cache).logits
-        ref, base = (m(full, attention_mask=full_mask).logits[:, -4:] for m in (m64, stock))
-    assert cache.seq_lens.tolist() == [n + 3 - 1 + 4 for n in REAL]
-    assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what="extend's logits")
+        ref, base = (m(full, attention_mask=full_mask, position_ids=pos).logits[:, -4:] for m in (m64, stock))
+    assert_within_rule(outs["real"].cpu(), ref.cpu(), base.cpu(), what="extend's logits")
+    from evenflow.testing import rule_check
+
+    msg, _, _ = rule_check(outs["padded frame"].cpu(), ref.cpu(), base.cpu(), what="extend at wrong positions")
+    assert msg, "an extend at the padded frame's positions passed the rule: the check does not see positions"
 
 
 def test_refusals(device):
@@ -215,11 +238,73 @@ def test_refusals(device):
         ev(ids, attention_mask=mask, cache=ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16))
 
 
+def test_state_mistakes_raise_instead_of_mixing_batches(device):
+    """A second batch on a cache that was not reset (even one whose width equals the positions the cache has
+    seen, where transformers feeds the whole prompt again), generate with use_cache=False (every step would store
+    the sequence again), and a mask pattern other than plain causal: each raises, naming the cause."""
+    from transformers.masking_utils import bidirectional_mask_function
+
+    from evenflow.integrations.transformers_paged import padding_mask
+
+    _, _, ev = models(device)
+    ev_tf.enable_attention(ev)
+    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=16)
+    ids, mask = prompts(device)
+    generate(ev, cache, ids, mask, new=3)  # the cache has seen 7 + 2 = 9 positions
+    ids2, mask2 = prompts(device, real=(9, 5, 3), width=9, seed=1)
+    with pytest.raises(ValueError, match="a cache that was not reset"):
+        generate(ev, cache, ids2, mask2, new=2)
+    cache.reset()
+    generate(ev, cache, ids2, mask2, new=2)  # after reset the same call runs
+    cache.reset()
+    with pytest.raises(ValueError, match="use_cache=False"):
+        with torch.no_grad():
+            ev.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=3, min_new_tokens=3,
+                        do_sample=False, use_cache=False, pad_token_id=0)
+    with pytest.raises(TypeError, match="'bidirectional_mask_function': evenflow's paged attention computes plain "
+                                        "causal attention only"):
+        padding_mask(3, 7, 7, mask_function=bidirectional_mask_function, attention_mask=mask.bool())
+
+
+def test_sampling_with_several_returns_and_a_cache_built_in_inference_mode(device):
+    """num_return_sequences with sampling (generate repeats the prompts before the cache sees them) runs, each
+    row's lengths its own prompt's; a cache built under inference mode serves generate outside it."""
+    _, _, ev = models(device)
+    ev_tf.enable_attention(ev)
+    with torch.inference_mode():
+        cache = ev_tf.PagedCache(ev, max_batch_size=6, max_cache_len=32, page_size=16)
+    ids, mask = prompts(device)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = ev.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=3, min_new_tokens=3,
+                          do_sample=True, num_return_sequences=2, pad_token_id=0)
+    assert out.shape == (6, PROMPT + 3)
+    assert cache.seq_lens.tolist() == [n + 2 for n in REAL for _ in range(2)]
+
+
+def test_a_llama_model(device):
+    """Another family (Llama: no QK-norm, GQA 4 / 1): generate's logits within the rule of its fp64 twin."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from evenflow.integrations.demo import twin_models
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=64, max_position_embeddings=64)
+    m64, stock, ev = twin_models(LlamaForCausalLM, cfg, device, experts=False)
+    ev_tf.enable_attention(ev)
+    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=32, plan=True)
+    ids, mask = prompts(device, seed=4)
+    seq, logits = generate(ev, cache, ids, mask)
+    ref, base = teacher_forced_logits((m64, stock), seq, mask, NEW)
+    assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="Llama generate's logits")
+
+
 def test_store_kv_places_each_row_and_rounds_once(device):
-    """``store_kv``: each row at its slot (page * P + offset), every other slot untouched; bf16 rows copied bit for
-    bit into a bf16 cache; fp8 within half a step of x / scale (saturated at 448); bad slots named under
-    check_inputs; a non-contiguous cache refused."""
+    """``store_kv``: bit for bit the prologue's store oracle (``store_kv_ref``, each token at its position's page
+    and offset, divided by the scale, fp8 saturated at 448) given positions that are the slots on an identity page
+    table, so every other slot untouched; bad slots named under check_inputs; a non-contiguous cache refused."""
     from evenflow.attention.prologue import store_kv
+    from evenflow.reference.prologue import store_kv_ref
 
     g = torch.Generator().manual_seed(0)
     P, H, D = 16, 2, 64
@@ -232,20 +317,13 @@ def test_store_kv_places_each_row_and_rounds_once(device):
         vc = kc.clone()
         before = kc.clone()
         store_kv(k.to(device), v.to(device), kc, vc, slots.to(device), k_scale=scale, v_scale=scale)
-        flat_k, flat_v, flat0 = (c.view(-1, H, D).float().cpu() for c in (kc, vc, before))
-        others = torch.ones(4 * P, dtype=torch.bool)
-        others[slots] = False
-        assert torch.equal(flat_k[others], flat0[others]) and torch.equal(flat_v[others], flat0[others])
-        for got, x in ((flat_k[slots], k), (flat_v[slots], v)):
-            if dtype == torch.bfloat16:
-                assert torch.equal(got, x.float())
-            else:
-                want = (x.double() / scale).clamp(-448, 448)
-                # e4m3: 3 mantissa bits, subnormal below 2^-6
-                step = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2 ** -6))) - 3)
-                assert ((got.double() - want).abs() <= step / 2).all()
+        want_k, want_v = store_kv_ref(before, before.clone(), k.float(), v.float(), slots,
+                                      torch.arange(4, dtype=torch.int32)[None], torch.tensor([0, 4]),
+                                      k_scale=scale or 1.0, v_scale=scale or 1.0)
+        for got, want in ((kc, want_k), (vc, want_v)):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
         if dtype == FP8:
-            assert float(flat_k[5, 0, 0]) == 448.0  # 4000 / 0.25 saturated
+            assert float(kc.view(-1, H, D)[5, 0, 0]) == 448.0  # 4000 / 0.25 saturated
     kc = torch.zeros(4, P, H, D, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=r"slots\[1\] = 64 outside \[0, 64\)"):
         store_kv(k.to(device), v.to(device), kc, kc.clone(), torch.tensor([0, 64, 1, 2], device=device),

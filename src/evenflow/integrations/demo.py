@@ -14,7 +14,7 @@ import torch
 from evenflow.testing import error_bound
 
 
-def twin_models(model_cls, cfg, device, scale: float = 0.1, seed: int = 0) -> list:
+def twin_models(model_cls, cfg, device, scale: float = 0.1, seed: int = 0, experts: bool = True) -> list:
     """Three copies of ``model_cls(cfg)`` holding one set of random weights exact in bf16 (N(0, scale^2) rounded):
     the fp64 oracle, a stock bf16 model and a bf16 one to put on evenflow, each with a config of its own (transformers
     keeps the experts implementation there), the first two on transformers' eager experts. The demo and the tests
@@ -30,7 +30,7 @@ def twin_models(model_cls, cfg, device, scale: float = 0.1, seed: int = 0) -> li
         m = model_cls(copy.deepcopy(cfg)).eval()
         m.load_state_dict(state)
         out.append(m.to(device=device, dtype=torch.bfloat16))
-    for m in out[:2]:
+    for m in out[:2] if experts else ():  # (experts=False: a dense model)
         m.set_experts_implementation("eager")
     return out
 
@@ -39,6 +39,8 @@ def left_padded(lens, vocab: int, device, seed: int = 0, width: int | None = Non
     """(ids, mask) ``[B, width]`` of random prompts of ``lens`` real tokens (ids 1..vocab-1), left-padded with id 0 to
     ``width`` (default the longest), as generate takes a batch of unequal prompts."""
     width = max(lens) if width is None else width
+    if any(n < 0 or n > width for n in lens):
+        raise ValueError(f"lens {list(lens)}: each must be in [0, width {width}]")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab, (len(lens), width), generator=g)
     mask = torch.zeros(len(lens), width, dtype=torch.long)

@@ -24,9 +24,11 @@ What it takes: decoder-only models whose attention modules call ``cache.update(.
 Qwen3-MoE, Mixtral, ... in transformers 5.25), full causal attention (no sliding window shorter than the cache, no
 attention sinks or logit softcapping), head_dim 64 / 128 / 256, a GQA group of at most 16, bf16. Padding on the left
 (the prompt's padding precedes its tokens; ``tokenizer.padding_side = "left"``, as generate wants for decoder-only
-models); anything else raises naming what it found. Greedy or sampled decoding; beam search, contrastive search and
-``num_return_sequences > 1`` (which reorder or repeat the cache's rows) and assisted decoding (which crops it) raise.
-A new prompt batch needs a fresh cache or :meth:`PagedCache.reset`.
+models), a plain causal mask pattern (no bidirectional prefix or other overlay), ``use_cache=True``, the model on one
+device; anything else raises naming what it found. Greedy or sampled decoding (``num_return_sequences`` included:
+generate repeats the prompts before the cache sees them); beam search and contrastive search (which reorder or select
+the cache's rows) and assisted decoding (which crops it) raise. A new prompt batch needs a fresh cache or
+:meth:`PagedCache.reset` (a mask that does not cover the positions the cache has seen raises).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 import evenflow
 from evenflow import _runtime
 from evenflow._checks import check_int
+from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, MAX_GQA_GROUP
 from evenflow.attention.prologue import store_kv
 
 IMPLEMENTATION = "evenflow"
@@ -67,11 +70,11 @@ def _attention_dims(cfg) -> tuple[int, int, int, int]:
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     if getattr(cfg, "kv_lora_rank", None) is not None:
         raise TypeError("model: multi-head latent attention (kv_lora_rank) is not evenflow's paged attention")
-    if d not in (64, 128, 256):
-        raise TypeError(f"model: head_dim {d}: evenflow's paged attention takes 64, 128 or 256")
-    if hq % hkv or hq // hkv > 16:
+    if d not in HEAD_DIMS:
+        raise TypeError(f"model: head_dim {d}: evenflow's paged attention takes {list(HEAD_DIMS)}")
+    if hq % hkv or hq // hkv > MAX_GQA_GROUP:
         raise TypeError(f"model: {hq} q heads over {hkv} kv heads: evenflow's paged attention takes a GQA group of "
-                        "1-16")
+                        f"1-{MAX_GQA_GROUP}")
     types_ = getattr(cfg, "layer_types", None)
     if types_ is not None and any(t != "full_attention" for t in types_):
         raise TypeError(f"model: layer types {sorted(set(types_))}: evenflow's paged attention computes full causal "
@@ -127,32 +130,34 @@ class _Step:
     def begin(self, mask: torch.Tensor | None, batch: int, q_len: int, seen: int) -> None:
         dev = self.seq_lens.device
         if mask is not None:
-            if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < q_len:
-                raise ValueError(f"attention_mask: expected a 2-D padding mask [{batch}, >= {q_len}], got "
-                                 f"{tuple(mask.shape)} (a 4-D or custom mask is not evenflow's paged attention's)")
+            if mask.dim() != 2 or tuple(mask.shape) != (batch, seen + q_len):
+                raise ValueError(f"attention_mask: expected the 2-D padding mask of every position so far, [{batch}, "
+                                 f"{seen + q_len}] (the {seen} this cache has seen and {q_len} new), got "
+                                 f"{tuple(mask.shape)}: a cache that was not reset() for a new batch, generate with "
+                                 "use_cache=False, or a 4-D / custom mask")
             mask = mask.to(device=dev, dtype=torch.bool)
         lens = self.seq_lens[:batch]
         if self.batch and batch != self.batch:
             raise ValueError(f"batch of {batch} rows after {self.batch}: the cache's rows are requests; rows cannot "
-                             "be dropped, reordered or repeated (beam search, num_return_sequences > 1); reset() it "
-                             "for a new batch")
+                             "be dropped or reordered (beam search); reset() it for a new batch")
+        increments = [q_len] * batch  # a bound: at a decode step each request grows by at most its new token
         if mask is None:
             n_new = torch.full((batch,), q_len, dtype=torch.int32, device=dev)
         else:
             new = mask[:, -q_len:]
+            n_new = new.sum(1, dtype=torch.int32)
             if q_len > 1 and _runtime.host_sync_allowed(lens):  # one sync a prompt or extend, none a decode step
-                if bool((new[:, 1:] < new[:, :-1]).any()):
+                late_pad = (new[:, 1:] < new[:, :-1]).any(1).to(torch.int32)
+                past = mask[:, :-q_len].sum(1, dtype=torch.int32)
+                n_host, late_host, match_host = torch.stack([n_new, late_pad, (past == lens).to(torch.int32)]).tolist()
+                if any(late_host):
                     raise ValueError("attention_mask: a padding position follows a real token among the new ones; "
                                      "evenflow's paged cache keeps real tokens only and needs the padding on the "
                                      "left (tokenizer.padding_side = 'left')")
-                if mask.shape[1] > q_len and not torch.equal(mask[:, :-q_len].sum(1, dtype=torch.int32), lens):
+                if not all(match_host):
                     raise ValueError("attention_mask: its past positions do not count the tokens this cache holds "
                                      "(a mask of another batch, or a cache that was not reset)")
-            n_new = new.sum(1, dtype=torch.int32)
-        if mask is not None and q_len > 1 and _runtime.host_sync_allowed(lens):
-            increments = n_new.tolist()  # a prompt's real tokens (the sync the checks above already paid)
-        else:
-            increments = [q_len] * batch  # a bound: at a decode step each request grows by at most its new token
+                increments = n_host  # a prompt's real tokens
         self._grow(increments)
         t = torch.arange(q_len, device=dev, dtype=torch.int32)
         first = q_len - n_new  # new rows before it are padding; the real ones end the row block
@@ -231,7 +236,7 @@ def _layer_class():
             raise NotImplementedError("PagedCache: cropping (assisted decoding) is not supported")
 
         def batch_repeat_interleave(self, repeats: int) -> None:
-            raise NotImplementedError("PagedCache: repeating rows (num_return_sequences > 1) is not supported; "
+            raise NotImplementedError("PagedCache: repeating the cache's rows after it holds tokens is not supported; "
                                       "repeat the prompts instead")
 
         def batch_select_indices(self, indices) -> None:
@@ -267,8 +272,12 @@ def _cache_class():
             if page_size not in (16, 32, 64, 128):
                 raise ValueError(f"page_size must be one of [16, 32, 64, 128], got {page_size}")
             kv_dtype = torch.bfloat16 if kv_dtype is None else kv_dtype
-            if kv_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
-                raise ValueError(f"kv_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {kv_dtype}")
+            if kv_dtype not in KV_DTYPES:
+                raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype}")
+            window = getattr(cfg, "sliding_window", None)
+            if window is not None and getattr(cfg, "use_sliding_window", True) and window < max_cache_len:
+                raise TypeError(f"model: sliding window {window} under max_cache_len {max_cache_len}: evenflow's "
+                                "paged attention computes full causal attention")
             if device is None:
                 params = getattr(model, "parameters", None)
                 device = next(params()).device if params is not None else "cuda"
@@ -284,14 +293,19 @@ def _cache_class():
                 check_int("max_tokens", max_tokens, 1)
                 pages = math.ceil(max_tokens / page_size)
             self.max_tokens = pages * page_size
+            with torch.inference_mode(False):  # tensors updated in place later, in or out of inference mode
+                self._build(layers, hq, hkv, d, pages, ppr, device, plan, plan_options)
+
+        def _build(self, layers, hq, hkv, d, pages, ppr, device, plan, plan_options) -> None:
+            page_size, kv_dtype = self.page_size, self.kv_dtype
             decode_plan = None
             if plan:
-                decode_plan = evenflow.DecodePlan(max_batch_size, ppr * page_size, hkv, page_size=page_size,
+                decode_plan = evenflow.DecodePlan(self.max_batch_size, ppr * page_size, hkv, page_size=page_size,
                                                   q_len=1, device=device, kv_dtype=kv_dtype, num_q_heads=hq,
                                                   head_dim=d, **plan_options)
             elif plan_options:
                 raise ValueError(f"plan options {sorted(plan_options)} given with plan=False")
-            self.step = _Step(max_batch_size, ppr, page_size, pages, device, decode_plan)
+            self.step = _Step(self.max_batch_size, ppr, page_size, pages, device, decode_plan)
             layer_cls = _paged_layer()
             shape = (pages + 1, page_size, hkv, d)  # (+ the spare page)
             super().__init__(layers=[layer_cls(self, i, torch.zeros(shape, dtype=kv_dtype, device=device),
@@ -323,6 +337,9 @@ def _cache_class():
             if query.dtype != torch.bfloat16:
                 raise TypeError(f"query: evenflow's paged attention computes in bf16, got {query.dtype} (load the "
                                 "model in torch.bfloat16)")
+            if query.device != layer.keys.device:
+                raise ValueError(f"query on {query.device}, the PagedCache on {layer.keys.device}: the cache lives on "
+                                 "one device (a model split across devices by device_map is not supported)")
             step = self.step
             if step.pending:
                 if B > self.max_batch_size:
@@ -393,6 +410,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                          "transformers 5.2x) and use_cache=True")
     if dropout:
         raise ValueError(f"{type(module).__name__}: dropout {dropout}: evenflow's paged attention is for inference")
+    if kwargs.get("use_cache") is False:
+        raise ValueError(f"{type(module).__name__}: use_cache=False with a PagedCache: every call would store its "
+                         "tokens again; generate with use_cache=True")
     if getattr(module, "is_causal", True) is False:
         raise TypeError(f"{type(module).__name__}: not causal; evenflow's paged attention is causal")
     window = kwargs.get("sliding_window")
@@ -414,7 +434,14 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers' mask function ``"evenflow"``: the 2-D padding mask [B, kv_length] as it is (the kernels are
-    causal by construction and read each request's real tokens only), or None."""
+    causal by construction and read each request's real tokens only), or None. Any mask pattern other than plain
+    causal (bidirectional, a sliding window, packed sequences, a model's own overlay such as an image prefix)
+    raises: the kernels would compute causal attention in its place."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not None and mask_function is not causal_mask_function:
+        raise TypeError(f"attention mask pattern {getattr(mask_function, '__name__', mask_function)!r}: evenflow's "
+                        "paged attention computes plain causal attention only")
     return None if attention_mask is None else attention_mask[:, -kv_length:]
 
 
