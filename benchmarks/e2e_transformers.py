@@ -24,8 +24,10 @@ new tokens; ``us`` is a decode step, (t(1 + NEW) - t(1)) / NEW, the prompt's pre
 ``transformers-sdpa`` (the stock model: sdpa over transformers' padded DynamicCache, its grouped_mm experts),
 ``transformers-sdpa-static`` (the same over its StaticCache, ``cache_implementation="static"``, eager:
 ``disable_compile``), ``evenflow-moe``
-(``enable``: the MoE layers on evenflow, the stock attention and cache) and ``evenflow`` (``enable`` and
-``enable_attention`` over a ``PagedCache``: each request's real tokens only, decode steps on a DecodePlan). Each
+(``enable``: the MoE layers on evenflow, the stock attention and cache), ``evenflow-unfused`` (``enable`` and
+``enable_attention(fuse_prologue=False)`` over a ``PagedCache``: each request's real tokens only, decode steps on a
+DecodePlan, the model's own norms and rotation) and ``evenflow`` (the same with the fused prologue: one q / k / v
+GEMM and ``qk_norm_rope_store_kv`` a layer). Each
 impl's first-step logits are checked against the stock model's (cosine >= 0.999) before it is timed. ``kv_mb``: the
 KV cache the impl holds (evenflow's pool of the real tokens plus the new ones in pages; transformers' padded
 rectangle, computed).
@@ -43,7 +45,7 @@ IMPLS = ("transformers-grouped_mm", "transformers-eager", "evenflow-experts", "e
 BATCHES = (1, 8, 32, 128)
 PREFILLS = ((1, 512), (4, 512))
 MIXES = ("1x4096+15x256", "1x8192+31x256")
-GEN_IMPLS = ("transformers-sdpa", "transformers-sdpa-static", "evenflow-moe", "evenflow")
+GEN_IMPLS = ("transformers-sdpa", "transformers-sdpa-static", "evenflow-moe", "evenflow-unfused", "evenflow")
 NEW = 16  # decode steps a generate case times (over the prefill's)
 QUICK = {"batches": (1, 32), "prefills": ((1, 512),), "mixes": ("1x4096+15x256",)}
 CTX = 2048
@@ -143,7 +145,7 @@ def generate_case(model, impl: str, lens: list[int], vocab: int, page_size: int 
     cache = None
     cfg = model.config
     per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers  # K + V, bf16, every layer
-    if impl == "evenflow":  # a pool of the real tokens and the new ones, each request rounded up to pages
+    if impl in ("evenflow-unfused", "evenflow"):  # a pool of the real tokens and the new ones, in pages
         pool = sum(-(-(n + NEW + 1) // page_size) * page_size for n in lens)
         cache = ev_tf.PagedCache(model, max_batch_size=len(lens), max_cache_len=width + NEW + 1, page_size=page_size,
                                  max_tokens=pool)
@@ -170,10 +172,10 @@ def set_gen_impl(model, impl: str) -> None:
 
     if impl not in GEN_IMPLS:
         raise ValueError(f"impl must be one of {GEN_IMPLS}, got {impl!r}")
-    if impl in ("evenflow-moe", "evenflow"):
+    if impl.startswith("evenflow"):
         ev_tf.enable(model)
-    if impl == "evenflow":
-        ev_tf.enable_attention(model)
+    if impl in ("evenflow-unfused", "evenflow"):
+        ev_tf.enable_attention(model, fuse_prologue=impl == "evenflow")
 
 
 def _extra(p):

@@ -50,27 +50,34 @@ def generate(model, cache, ids, mask, new=NEW):
     return generate_logits(model, ids, mask, new, cache=cache)
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("plan", [True, False], ids=["plan", "static"])
-def test_generate_matches_the_fp64_model(device, plan, monkeypatch):
+def test_generate_matches_the_fp64_model(device, plan, fuse, monkeypatch):
     """Prefill then decode steps through the paged cache: each step's logits within the rule of the fp64 model over
     the whole sequence; the prompt's padding never enters the cache (its lengths are the real tokens); the kernels
-    ran (one prefill and NEW - 1 decode calls a layer)."""
+    ran (one prefill and NEW - 1 decode calls a layer; fused: the prologue kernel stores K / V, unfused: store_kv)."""
+    import evenflow.integrations.transformers_paged as tp
+
     m64, stock, ev = sharp(models(device))
-    ev_tf.enable_attention(ev)
+    assert ev_tf.enable_attention(ev, fuse_prologue=fuse) == {"fused_prologue": 2 if fuse else 0}
+    assert all(ev_tf.is_fused_attention(lyr.self_attn) == fuse for lyr in ev.model.layers)
     ev_tf.enable(ev)  # the MoE layers too: the whole model on evenflow
-    calls = {"prefill": 0, "decode": 0}
-    real_pf, real_dec = evenflow.prefill_attention, evenflow.decode_attention
+    calls = {"prefill": 0, "decode": 0, "prologue": 0, "store": 0}
 
     def count(name, fn):
         return lambda *a, **k: calls.__setitem__(name, calls[name] + 1) or fn(*a, **k)
 
-    monkeypatch.setattr(evenflow, "prefill_attention", count("prefill", real_pf))
-    monkeypatch.setattr(evenflow, "decode_attention", count("decode", real_dec))
+    monkeypatch.setattr(evenflow, "prefill_attention", count("prefill", evenflow.prefill_attention))
+    monkeypatch.setattr(evenflow, "decode_attention", count("decode", evenflow.decode_attention))
+    monkeypatch.setattr(evenflow, "qk_norm_rope_store_kv", count("prologue", evenflow.qk_norm_rope_store_kv))
+    monkeypatch.setattr(tp, "store_kv", count("store", tp.store_kv))
     cache = ev_tf.PagedCache(ev, max_batch_size=4, max_cache_len=32, page_size=16, plan=plan)
     assert (cache.plan is not None) == plan
     ids, mask = prompts(device)
     seq, logits = generate(ev, cache, ids, mask)
-    assert calls == {"prefill": 2, "decode": 2 * (NEW - 1)}, calls
+    forwards = 2 * NEW  # layers x forwards
+    assert calls == {"prefill": 2, "decode": 2 * (NEW - 1), "prologue": forwards if fuse else 0,
+                     "store": 0 if fuse else forwards}, calls
     assert cache.seq_lens.tolist() == [n + NEW - 1 for n in REAL]  # the last token is generated, not yet cached
     assert cache.get_seq_length() == PROMPT + NEW - 1
     ref, base = teacher_forced_logits((m64, stock), seq, mask, NEW)
@@ -121,7 +128,8 @@ def test_a_pool_of_the_real_tokens_hands_out_pages_as_requests_grow(device):
     seq, logits = generate(ev, cache, ids, mask, new=new)
     spare = cache.step.spare
     assert cache.max_tokens == 48 and spare == 3
-    assert cache.step.page_table[:2].tolist() == [[0, 2], [1, spare]]
+    assert cache.step.table(2).tolist() == [[0, 2], [1, spare]]
+    assert cache.step.page_table[:, -1].eq(spare).all()  # the fused prologue's padding column
     assert cache.seq_lens.tolist() == [15 + new - 1, 3 + new - 1]
     ref, base = teacher_forced_logits((m64, stock), seq, mask, new)
     assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="pooled generate's logits")
@@ -134,14 +142,15 @@ def test_a_pool_of_the_real_tokens_hands_out_pages_as_requests_grow(device):
         generate(ev, short, ids, mask, new=new)
 
 
-def test_fp8_cache_within_the_rule_of_an_fp8_baseline(device, monkeypatch):
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_fp8_cache_within_the_rule_of_an_fp8_baseline(device, fuse, monkeypatch):
     """An fp8 e4m3 cache (K / k_scale, V / v_scale stored): the logits within the rule of the fp64 model, the
     baseline the stock bf16 model with its K and V rounded through the same fp8 format (so the allowance is the
     format's, not a looser tolerance)."""
     import transformers.models.qwen3_moe.modeling_qwen3_moe as qm
 
     m64, stock, ev = models(device)
-    ev_tf.enable_attention(ev)
+    ev_tf.enable_attention(ev, fuse_prologue=fuse)
     ks, vs = 1 / 64, 1 / 128
 
     def fq(x, s):
@@ -165,13 +174,16 @@ def test_fp8_cache_within_the_rule_of_an_fp8_baseline(device, monkeypatch):
     assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="fp8-cache generate's logits")
 
 
-def test_an_extend_after_decode_steps(device):
+@pytest.mark.parametrize("fuse", [False, True], ids=["unfused", "fused"])
+def test_an_extend_after_decode_steps(device, fuse):
     """A forward of several tokens on a cache that already decoded (prefill_attention over a cached prefix), at the
     positions generate gives (real tokens counted from 0): the logits within the rule of the fp64 model reading the
-    whole sequence; the same extend at the padded frame's positions (a position error of the padding's length for
-    the padded rows) fails the rule, so the check sees positions."""
+    whole sequence. Unfused (the model's own rotation at the positions it is given), the same extend at the padded
+    frame's positions (a position error of the padding's length for the padded rows) fails the rule, so the check
+    sees positions; fused, the rotation is at each token's index among its request's real tokens whatever the
+    positions given, so both extends are the right one, bit for bit."""
     m64, stock, ev = sharp(models(device))
-    ev_tf.enable_attention(ev)
+    ev_tf.enable_attention(ev, fuse_prologue=fuse)
     ids, mask = prompts(device, seed=2)
     more = torch.randint(1, 128, (3, 3), generator=torch.Generator().manual_seed(5)).to(device)
     outs = {}
@@ -193,6 +205,9 @@ def test_an_extend_after_decode_steps(device):
     assert_within_rule(outs["real"].cpu(), ref.cpu(), base.cpu(), what="extend's logits")
     from evenflow.testing import rule_check
 
+    if fuse:
+        assert torch.equal(outs["padded frame"], outs["real"])
+        return
     msg, _, _ = rule_check(outs["padded frame"].cpu(), ref.cpu(), base.cpu(), what="extend at wrong positions")
     assert msg, "an extend at the padded frame's positions passed the rule: the check does not see positions"
 
@@ -283,7 +298,8 @@ def test_sampling_with_several_returns_and_a_cache_built_in_inference_mode(devic
 
 
 def test_a_llama_model(device):
-    """Another family (Llama: no QK-norm, GQA 4 / 1): generate's logits within the rule of its fp64 twin."""
+    """Another family (Llama: no QK-norm, GQA 4 / 1, not Qwen3's attention form, so not fused): generate's logits
+    within the rule of its fp64 twin."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from evenflow.integrations.demo import twin_models
@@ -291,12 +307,51 @@ def test_a_llama_model(device):
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=1, head_dim=64, max_position_embeddings=64)
     m64, stock, ev = twin_models(LlamaForCausalLM, cfg, device, experts=False)
-    ev_tf.enable_attention(ev)
+    assert ev_tf.enable_attention(ev) == {"fused_prologue": 0}
     cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=32, plan=True)
     ids, mask = prompts(device, seed=4)
     seq, logits = generate(ev, cache, ids, mask)
     ref, base = teacher_forced_logits((m64, stock), seq, mask, NEW)
     assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="Llama generate's logits")
+
+
+def test_fused_attention_follows_its_weights_and_falls_back_without_a_paged_cache(device):
+    """The fused forward's held q / k / v projection follows an in-place write to a projection (and refresh_attention
+    after a write through .data); without a PagedCache the class's own forward runs (and with "evenflow" attention
+    asks for one); the rotary table is the model's own (cos then sin, each frequency once)."""
+    _, _, ev = models(device)
+    ev_tf.enable_attention(ev)
+    attn = ev.model.layers[0].self_attn
+    ids, mask = prompts(device)
+
+    def logits():
+        cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
+        with torch.no_grad():
+            return ev(ids, attention_mask=mask, cache=cache).logits
+
+    before = logits()
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(-1)  # in place: the held projection must follow
+    flipped = logits()
+    assert not torch.allclose(flipped, before)
+    with torch.no_grad():
+        attn.v_proj.weight.mul_(-1)
+    assert torch.equal(logits(), before)
+    attn.v_proj.weight.data.mul_(2)  # no version bump: refresh_attention makes it follow
+    ev_tf.refresh_attention(ev)
+    assert not torch.allclose(logits(), before)
+    attn.v_proj.weight.data.mul_(0.5)
+    ev_tf.refresh_attention(ev)
+    assert torch.equal(logits(), before)
+    with pytest.raises(ValueError, match="needs cache=evenflow.integrations.transformers.PagedCache"):
+        with torch.no_grad():
+            ev(ids, attention_mask=mask)
+    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
+    rot = ev.model.rotary_emb
+    cos, sin = rot(torch.zeros(1, device=device), torch.arange(cache.rope_table.shape[0], device=device)[None])
+    half = cos.shape[-1] // 2
+    assert torch.equal(cache.rope_table, torch.cat([cos[0, :, :half], sin[0, :, :half]], 1).float())
+    assert cache.rope_table.shape[0] == (cache.step.pages_per_request + 1) * 16  # the spare column's position too
 
 
 def test_store_kv_places_each_row_and_rounds_once(device):

@@ -23,12 +23,14 @@ def test_qwen3_moe_dimensions(shape):
     assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what=f"logits {shape}")
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
-def test_generate_with_paged_attention_at_qwen3_dimensions(kv_dtype, monkeypatch):
+def test_generate_with_paged_attention_at_qwen3_dimensions(kv_dtype, fuse, monkeypatch):
     """generate over a left-padded mix (one 700-token prompt and three short ones) with the attention and the MoE on
     evenflow at Qwen3-30B-A3B's attention dimensions (32 q / 4 kv heads of 128, 64-token pages, a DecodePlan): every
     step's logits within the rule of the fp64 model reading the whole sequence; the baseline the stock bf16 model
-    (for an fp8 cache, with K and V rounded through fp8 at the same scales, as in the CPU test)."""
+    (for an fp8 cache, with K and V rounded through fp8 at the same scales, as in the CPU test); with the fused
+    prologue (one q / k / v GEMM and qk_norm_rope_store_kv) and without."""
     import transformers.models.qwen3_moe.modeling_qwen3_moe as qm
 
     from evenflow.integrations.demo import generate_logits, left_padded, teacher_forced_logits
@@ -37,7 +39,7 @@ def test_generate_with_paged_attention_at_qwen3_dimensions(kv_dtype, monkeypatch
                             num_experts=128, num_experts_per_tok=8, num_hidden_layers=1, num_attention_heads=32,
                             num_key_value_heads=4, head_dim=128, vocab_size=512, max_position_embeddings=1024)
     ev_tf.enable(ev)
-    ev_tf.enable_attention(ev)
+    assert ev_tf.enable_attention(ev, fuse_prologue=fuse) == {"fused_prologue": 1 if fuse else 0}
     fp8 = kv_dtype == torch.float8_e4m3fn
     scales = dict(k_scale=1 / 64, v_scale=1 / 256) if fp8 else {}
     cache = ev_tf.PagedCache(ev, max_batch_size=4, max_cache_len=720, page_size=64, kv_dtype=kv_dtype, **scales)

@@ -34,13 +34,12 @@ would record raises.
 from __future__ import annotations
 
 import functools
-import inspect
-import re
 import types
 
 import torch
 
 import evenflow
+from evenflow.integrations.transformers_paged import _normalised_source
 
 IMPLEMENTATION = "evenflow"
 
@@ -165,15 +164,6 @@ def register() -> None:
             interface.register(IMPLEMENTATION, experts_forward)
 
 
-def _normalised_source(fn) -> str | None:
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    src = re.sub(r'"""[\s\S]*?"""', "", src)
-    return "\n".join(line.strip() for line in src.splitlines()[1:] if line.strip() and not line.strip().startswith("#"))
-
-
 @functools.cache
 def _softmax_topk_form(cls: type) -> bool:
     """Whether router class ``cls`` computes exactly Qwen3-MoE's routing: logits = h @ W^T, softmax over all experts
@@ -264,6 +254,8 @@ def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
 # attention: the paged cache and the "evenflow" attention function (integrations/transformers_paged.py), re-exported
 from evenflow.integrations.transformers_paged import attention_forward as attention_forward  # noqa: E402
 from evenflow.integrations.transformers_paged import enable_attention as enable_attention  # noqa: E402
+from evenflow.integrations.transformers_paged import is_fused_attention as is_fused_attention  # noqa: E402
+from evenflow.integrations.transformers_paged import refresh_attention as refresh_attention  # noqa: E402
 from evenflow.integrations.transformers_paged import register_attention as register_attention  # noqa: E402
 
 

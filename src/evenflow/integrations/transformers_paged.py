@@ -18,7 +18,14 @@ layer); a forward of more than one token per request (the prompt, or an extend) 
 How it plugs in (transformers 5): ``PagedCache`` is a ``Cache`` whose layers take the new K / V in ``update`` and
 hand a handle to the attention function through the forward's keyword arguments (the mechanism transformers' own
 continuous batching uses); the attention function ``"evenflow"`` (``AttentionInterface``) writes them into the pages
-and runs the kernels; its mask function (``AttentionMaskInterface``) passes the 2-D padding mask through.
+and runs the kernels; its mask function (``AttentionMaskInterface``) passes the 2-D padding mask through. Attention
+modules of Qwen3-MoE's form (``enable_attention(fuse_prologue=True)``, the default) instead get a forward of their own
+on the instance: one GEMM over the concatenated q / k / v projections, then :func:`evenflow.qk_norm_rope_store_kv`
+(QK-RMSNorm, the rotation from a table of the model's own rotary embedding, the store) and the attention, where the
+stock forward runs the norms, the rotation and the store as some twenty small kernels. The fused form rotates each
+token at its index among its request's real tokens (what generate's positions are for a left-padded batch), so it
+does not read ``position_ids``: rotary attention depends on position differences only, which a per-request offset
+leaves as they are.
 
 What it takes: decoder-only models whose attention modules call ``cache.update(..., kwargs=kwargs)`` (Llama, Qwen2/3,
 Qwen3-MoE, Mixtral, ... in transformers 5.25), full causal attention (no sliding window shorter than the cache, no
@@ -32,7 +39,11 @@ the cache's rows) and assisted decoding (which crops it) raise. A new prompt bat
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+import re
+import types
 
 import torch
 
@@ -82,6 +93,119 @@ def _attention_dims(cfg) -> tuple[int, int, int, int]:
     return layers, hq, hkv, d
 
 
+def _normalised_source(fn) -> str | None:
+    """``fn``'s code without its signature line, docstrings, comments and indentation (None where it has no
+    source): two forwards compute the same where these are equal."""
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return None
+    src = re.sub(r'"""[\s\S]*?"""', "", src)
+    return "\n".join(line.strip() for line in src.splitlines()[1:] if line.strip() and not line.strip().startswith("#"))
+
+
+def _rope_table(model, rows: int, device, head_dim: int) -> torch.Tensor | None:
+    """The fused prologue's rotary table ``[rows, R]`` fp32 (cos then sin of each frequency) from the model's own
+    rotary embedding (its ``rope_theta``, scaling and attention factor), or None where the model has none that a fixed
+    table describes (no ``rotary_emb``, a length-dependent type, not the rotate-half layout)."""
+    inner = getattr(model, "model", model)
+    rot = getattr(inner, "rotary_emb", None)
+    if (not isinstance(rot, torch.nn.Module) or not isinstance(getattr(rot, "inv_freq", None), torch.Tensor)
+            or getattr(rot, "rope_type", "default") in ("dynamic", "longrope")):
+        return None
+    with torch.no_grad():
+        cos, sin = rot(torch.zeros(1, dtype=torch.float32, device=device), torch.arange(rows, device=device)[None])
+    cos, sin = cos[0].float(), sin[0].float()
+    r = cos.shape[-1]
+    if r > head_dim or r % 2 or not (torch.equal(cos[:, : r // 2], cos[:, r // 2:])
+                                      and torch.equal(sin[:, : r // 2], sin[:, r // 2:])):
+        return None
+    return torch.cat([cos[:, : r // 2], sin[:, : r // 2]], 1).contiguous()
+
+
+@functools.cache
+def _fusable_class(cls: type) -> bool:
+    """Whether attention class ``cls`` computes exactly Qwen3-MoE's attention forward (projections, QK-RMSNorm before
+    the rotation, the cache update, the attention function, the output projection), judged by its code."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
+
+    form = _normalised_source(Qwen3MoeAttention.forward)
+    return form is not None and _normalised_source(cls.forward) == form
+
+
+@functools.cache
+def _rms_norm_class(cls: type) -> bool:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    form = _normalised_source(Qwen3MoeRMSNorm.forward)
+    return form is not None and _normalised_source(cls.forward) == form
+
+
+def _fusable(m: torch.nn.Module) -> bool:
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    norms = (getattr(m, "q_norm", None), getattr(m, "k_norm", None))
+    return (_fusable_class(type(m)) and all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in projections)
+            and all(isinstance(n, torch.nn.Module) and _rms_norm_class(type(n)) for n in norms)
+            and norms[0].variance_epsilon == norms[1].variance_epsilon)
+
+
+def _qkv_weight(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The module's q / k / v projections as one (weight, bias), made again when any of them is replaced or written
+    in place (version counters; writes through ``.data`` bump none: :func:`refresh_attention`)."""
+    parts = [getattr(m, n) for n in ("q_proj", "k_proj", "v_proj")]
+    tensors = [p.weight for p in parts] + [p.bias for p in parts if p.bias is not None]
+    try:
+        stamp = tuple((id(t), t._version) for t in tensors)
+    except RuntimeError:  # inference tensors keep no version counter: make it again each call
+        stamp = None
+    held = m.__dict__.get("_evenflow_qkv")
+    if held is None or stamp is None or held[0] != stamp:
+        with torch.no_grad():
+            w = torch.cat([p.weight for p in parts])
+            b = torch.cat([p.bias for p in parts]) if all(p.bias is not None for p in parts) else None
+            if b is None and any(p.bias is not None for p in parts):
+                b = torch.cat([p.bias if p.bias is not None else w.new_zeros(p.weight.shape[0]) for p in parts])
+        held = (stamp, w, b)
+        m.__dict__["_evenflow_qkv"] = held
+    return held[1], held[2]
+
+
+def _fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+    """Qwen3-form attention on evenflow's fused prologue (installed on the instance by :func:`enable_attention`):
+    one projection GEMM, ``qk_norm_rope_store_kv``, the paged attention, the output projection. The rotation is at
+    each token's index among its request's real tokens (the positions generate gives a left-padded batch; the
+    attention is the same for any positions that differ from them by a constant per request). Without a PagedCache
+    that has a rotary table, the class's own forward runs."""
+    if not getattr(cache, "_evenflow_paged", False) or cache.rope_table is None:
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+    name = type(self).__name__
+    if kwargs.get("use_cache") is False:
+        raise ValueError(f"{name}: use_cache=False with a PagedCache: every call would store its tokens again; "
+                         "generate with use_cache=True")
+    window = getattr(self, "sliding_window", None)
+    if window is not None and window < cache.max_cache_len:
+        raise TypeError(f"{name}: sliding window {window} under the cache's {cache.max_cache_len} positions; "
+                        "evenflow's paged attention computes full causal attention")
+    w, b = _qkv_weight(self)
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad):
+        raise RuntimeError(f"{name}: evenflow's kernels have no backward; run under torch.no_grad() or "
+                           "torch.inference_mode()")
+    out = cache.attend_fused(self, torch.nn.functional.linear(hidden_states, w, b), attention_mask)
+    return self.o_proj(out), None
+
+
+def is_fused_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is evenflow's fused-prologue attention."""
+    fwd = module.__dict__.get("forward")
+    return getattr(fwd, "__func__", None) is _fused_attention_forward
+
+
+def refresh_attention(model: torch.nn.Module) -> None:
+    """Drop every held fused q / k / v projection, so the next call builds it from the weights as they are."""
+    for m in model.modules():
+        m.__dict__.pop("_evenflow_qkv", None)
+
+
 class _Step:
     """What every layer of one forward shares: the lengths after this step, the slots of its new tokens, the
     decode plan (updated once a step) and the prefill boundaries."""
@@ -91,14 +215,18 @@ class _Step:
         # pages are handed out from a pool as each request's length needs them (host-side bounds, no sync at a
         # decode step); a column no page was handed to points at the spare page, which padding rows write to
         self.spare = num_pages
-        self.page_table = torch.full((max_batch, pages_per_request), num_pages, dtype=torch.int32, device=device)
+        # one column more than a request can use, always the spare page: the fused prologue stores a padding row at
+        # that column's first position (``spare_pos``), since it finds a slot from a position
+        self.page_table = torch.full((max_batch, pages_per_request + 1), num_pages, dtype=torch.int32, device=device)
+        self.pages_per_request = pages_per_request
+        self.spare_pos = pages_per_request * page_size
         self.trash_slot = num_pages * page_size
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.plan = plan
         self.pending = False  # set by the first layer's update, cleared by the first attention call
         self.batch = 0
         self.q_len = 0
-        self.lens = self.slots = self.cu_q = None
+        self.lens = self.slots = self.cu_q = self.store_pos = None
         self._release()
 
     def _release(self) -> None:
@@ -167,21 +295,24 @@ class _Step:
         pos = pos.clamp(min=0)
         page = self.page_table[:batch].gather(1, (pos // P).long())
         self.slots = torch.where(real, page.long() * P + (pos % P).long(), self.trash_slot).reshape(-1)
+        self.store_pos = torch.where(real, pos, self.spare_pos).reshape(-1)  # (the fused prologue's positions)
         lens.add_(n_new)
         self.lens, self.batch, self.q_len = lens, batch, q_len
-        if q_len == 1:
-            if self.plan is not None:
-                self.plan.update(lens)
-        else:
-            self.cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
+        if q_len == 1 and self.plan is not None:
+            self.plan.update(lens)
+        self.cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
         self.pending = False
+
+    def table(self, batch: int) -> torch.Tensor:
+        """The attention kernels' page table: the batch's rows, the columns a request can use."""
+        return self.page_table[:batch, : self.pages_per_request]
 
     def reset(self) -> None:
         self.seq_lens.zero_()
         self.page_table.fill_(self.spare)
         self._release()
         self.pending, self.batch, self.q_len = False, 0, 0
-        self.lens = self.slots = self.cu_q = None
+        self.lens = self.slots = self.cu_q = self.store_pos = None
 
 
 def _layer_class():
@@ -260,6 +391,7 @@ def _cache_class():
 
     class PagedCache(Cache):
         __doc__ = _PAGED_CACHE_DOC
+        _evenflow_paged = True
 
         def __init__(self, model, max_batch_size: int, max_cache_len: int, *, page_size: int = 64,
                      max_tokens: int | None = None, kv_dtype: torch.dtype | None = None, k_scale: float | None = None,
@@ -293,8 +425,10 @@ def _cache_class():
                 check_int("max_tokens", max_tokens, 1)
                 pages = math.ceil(max_tokens / page_size)
             self.max_tokens = pages * page_size
+            self._model_ref = model
             with torch.inference_mode(False):  # tensors updated in place later, in or out of inference mode
                 self._build(layers, hq, hkv, d, pages, ppr, device, plan, plan_options)
+            del self._model_ref
 
         def _build(self, layers, hq, hkv, d, pages, ppr, device, plan, plan_options) -> None:
             page_size, kv_dtype = self.page_size, self.kv_dtype
@@ -306,6 +440,8 @@ def _cache_class():
             elif plan_options:
                 raise ValueError(f"plan options {sorted(plan_options)} given with plan=False")
             self.step = _Step(self.max_batch_size, ppr, page_size, pages, device, decode_plan)
+            # the fused prologue's rotary table, every position a request can use and the spare's
+            self.rope_table = _rope_table(self._model_ref, (ppr + 1) * page_size, device, d)
             layer_cls = _paged_layer()
             shape = (pages + 1, page_size, hkv, d)  # (+ the spare page)
             super().__init__(layers=[layer_cls(self, i, torch.zeros(shape, dtype=kv_dtype, device=device),
@@ -326,6 +462,34 @@ def _cache_class():
             self.seen = 0
             self.step.reset()
 
+        def _enter(self, layer, batch: int, q_len: int, attention_mask, device) -> None:
+            """Begin the forward's step at its first layer (lengths, slots, plan), or check a later layer agrees."""
+            if device != layer.keys.device:
+                raise ValueError(f"inputs on {device}, the PagedCache on {layer.keys.device}: the cache lives on one "
+                                 "device (a model split across devices by device_map is not supported)")
+            step = self.step
+            if step.pending:
+                if batch > self.max_batch_size:
+                    raise ValueError(f"batch of {batch} requests over the PagedCache's max_batch_size "
+                                     f"{self.max_batch_size}")
+                if self.seen + q_len > self.max_cache_len:
+                    raise ValueError(f"PagedCache holds {self.max_cache_len} positions a request; this forward needs "
+                                     f"{self.seen + q_len} (padding included)")
+                step.begin(attention_mask, batch, q_len, self.seen)
+                self.seen += q_len
+            elif (batch, q_len) != (step.batch, step.q_len):
+                raise ValueError(f"layer {layer.index}: batch {batch} x {q_len} new tokens, while this forward's first "
+                                 f"layer had {step.batch} x {step.q_len}")
+
+        def _attention(self, layer, q: torch.Tensor, batch: int, q_len: int, scaling: float | None) -> torch.Tensor:
+            """q ``[B * T, Hq, D]`` over the layer's pages (its new K / V stored): ``[B * T, Hq, D]``."""
+            step, table = self.step, self.step.table(batch)
+            if q_len == 1:
+                return evenflow.decode_attention(q, layer.keys, layer.values, table, step.lens, plan=step.plan,
+                                                 k_scale=self.k_scale, v_scale=self.v_scale, sm_scale=scaling)
+            return evenflow.prefill_attention(q, layer.keys, layer.values, step.cu_q, table, step.lens, q_len,
+                                              k_scale=self.k_scale, v_scale=self.v_scale, sm_scale=scaling)
+
         def attend(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
             """Store this forward's K / V of ``layer`` and attend; query ``[B, Hq, T, D]``, key / value ``[B, Hkv, T,
@@ -337,35 +501,36 @@ def _cache_class():
             if query.dtype != torch.bfloat16:
                 raise TypeError(f"query: evenflow's paged attention computes in bf16, got {query.dtype} (load the "
                                 "model in torch.bfloat16)")
-            if query.device != layer.keys.device:
-                raise ValueError(f"query on {query.device}, the PagedCache on {layer.keys.device}: the cache lives on "
-                                 "one device (a model split across devices by device_map is not supported)")
-            step = self.step
-            if step.pending:
-                if B > self.max_batch_size:
-                    raise ValueError(f"batch of {B} requests over the PagedCache's max_batch_size "
-                                     f"{self.max_batch_size}")
-                if self.seen + T > self.max_cache_len:
-                    raise ValueError(f"PagedCache holds {self.max_cache_len} positions a request; this forward needs "
-                                     f"{self.seen + T} (padding included)")
-                step.begin(attention_mask, B, T, self.seen)
-                self.seen += T
-            elif (B, T) != (step.batch, step.q_len):
-                raise ValueError(f"layer {layer.index}: batch {B} x {T} new tokens, while this forward's first layer "
-                                 f"had {step.batch} x {step.q_len}")
+            self._enter(layer, B, T, attention_mask, query.device)
             rows = B * T
             store_kv(key.transpose(1, 2).reshape(rows, self.num_kv_heads, d),
                      value.transpose(1, 2).reshape(rows, self.num_kv_heads, d), layer.keys, layer.values,
-                     step.slots, k_scale=self.k_scale, v_scale=self.v_scale)
-            q = query.transpose(1, 2).reshape(rows, hq, d)
-            table = step.page_table[:B]
-            if T == 1:
-                out = evenflow.decode_attention(q, layer.keys, layer.values, table, step.lens, plan=step.plan,
-                                                k_scale=self.k_scale, v_scale=self.v_scale, sm_scale=scaling)
-            else:
-                out = evenflow.prefill_attention(q, layer.keys, layer.values, step.cu_q, table, step.lens, T,
-                                                 k_scale=self.k_scale, v_scale=self.v_scale, sm_scale=scaling)
-            return out.view(B, T, hq, d)
+                     self.step.slots, k_scale=self.k_scale, v_scale=self.v_scale)
+            return self._attention(layer, query.transpose(1, 2).reshape(rows, hq, d), B, T, scaling).view(B, T, hq, d)
+
+        def attend_fused(self, module, qkv: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+            """The fused form (``enable_attention(..., fuse_prologue=True)``): ``qkv`` ``[B, T, (Hq + 2 Hkv) D]``,
+            the module's fused projection; one ``qk_norm_rope_store_kv`` (QK-norm, rotation at each token's index
+            among its request's real tokens, the store) and the attention. Returns ``[B, T, Hq * D]``."""
+            B, T, width = qkv.shape
+            hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+            if qkv.dtype != torch.bfloat16:
+                raise TypeError(f"qkv: evenflow's paged attention computes in bf16, got {qkv.dtype} (load the model "
+                                "in torch.bfloat16)")
+            if width != (hq + 2 * hkv) * d:
+                raise ValueError(f"qkv {tuple(qkv.shape)}: expected [B, T, {(hq + 2 * hkv) * d}] for the cache's "
+                                 f"{hq} q heads, {hkv} kv heads, head_dim {d}")
+            layer = self.layers[module.layer_idx]
+            if module.layer_idx == 0:
+                self.step.pending = True
+            self._enter(layer, B, T, attention_mask, qkv.device)
+            step = self.step
+            q, _ = evenflow.qk_norm_rope_store_kv(
+                qkv.view(B * T, width), step.store_pos, self.rope_table, layer.keys, layer.values,
+                step.page_table[:B], step.cu_q, q_norm_weight=module.q_norm.weight, k_norm_weight=module.k_norm.weight,
+                eps=module.q_norm.variance_epsilon, rotary_dim=self.rope_table.shape[1], k_scale=self.k_scale,
+                v_scale=self.v_scale)
+            return self._attention(layer, q, B, T, module.scaling).view(B, T, hq * d)
 
     return PagedCache
 
@@ -456,12 +621,26 @@ def register_attention() -> None:
     AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
 
 
-def enable_attention(model: torch.nn.Module) -> None:
+def enable_attention(model: torch.nn.Module, *, fuse_prologue: bool = True) -> dict:
     """Put ``model``'s attention on evenflow (``attn_implementation "evenflow"``); generate or call it with
-    ``cache=PagedCache(model, ...)``. Raises ``TypeError`` for a model whose attention the kernels do not
-    compute (see the module docstring)."""
+    ``cache=PagedCache(model, ...)``. With ``fuse_prologue``, each attention module of Qwen3-MoE's form (its
+    ``forward``'s code: Qwen2/3-MoE, Qwen3, ... in transformers 5.25) also gets evenflow's forward on the instance:
+    one GEMM over its q / k / v projections (concatenated once and held: the projections' weights a second time in
+    memory), then ``qk_norm_rope_store_kv`` (QK-RMSNorm, the rotation from the model's own rotary table, the store)
+    in one kernel where the stock forward runs ~20 (norms, rotation, transposes, the store's copies). Returns
+    ``{"fused_prologue": n}``, the modules that got it. Raises ``TypeError`` for a model whose attention the kernels
+    do not compute (see the module docstring)."""
     if not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"model: {type(model).__name__} is not a transformers PreTrainedModel")
+    if not isinstance(fuse_prologue, bool):
+        raise TypeError(f"fuse_prologue must be a bool, got {type(fuse_prologue).__name__}")
     _attention_dims(_config_of(model))
     register_attention()
     model.set_attn_implementation(IMPLEMENTATION)
+    fused = 0
+    if fuse_prologue:
+        for m in model.modules():
+            if _fusable(m) and not is_fused_attention(m):
+                m.forward = types.MethodType(_fused_attention_forward, m)
+                fused += 1
+    return {"fused_prologue": fused}
