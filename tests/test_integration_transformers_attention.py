@@ -149,7 +149,7 @@ def test_fp8_cache_within_the_rule_of_an_fp8_baseline(device, fuse, monkeypatch)
     format's, not a looser tolerance)."""
     import transformers.models.qwen3_moe.modeling_qwen3_moe as qm
 
-    m64, stock, ev = models(device)
+    m64, stock, ev = sharp(models(device))
     ev_tf.enable_attention(ev, fuse_prologue=fuse)
     ks, vs = 1 / 64, 1 / 128
 
@@ -347,11 +347,93 @@ def test_fused_attention_follows_its_weights_and_falls_back_without_a_paged_cach
         with torch.no_grad():
             ev(ids, attention_mask=mask)
     cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
-    rot = ev.model.rotary_emb
-    cos, sin = rot(torch.zeros(1, device=device), torch.arange(cache.rope_table.shape[0], device=device)[None])
-    half = cos.shape[-1] // 2
-    assert torch.equal(cache.rope_table, torch.cat([cos[0, :, :half], sin[0, :, :half]], 1).float())
-    assert cache.rope_table.shape[0] == (cache.step.pages_per_request + 1) * 16  # the spare column's position too
+    rows = (cache.step.pages_per_request + 1) * 16  # the spare column's position too
+    # row p: cos(p f_i), then sin(p f_i), for the frequencies the model holds (its inv_freq buffer, cast to bf16 with
+    # the model as transformers does) times its attention factor, computed here in fp64
+    f = ev.model.rotary_emb.inv_freq.double().cpu()
+    ang = torch.arange(rows, dtype=torch.float64)[:, None] * f[None, :]
+    scale = float(ev.model.rotary_emb.attention_scaling)
+    want = torch.cat([ang.cos(), ang.sin()], 1) * scale
+    assert cache.rope_table.shape == (rows, 64) and cache.rope_table.dtype == torch.float32
+    torch.testing.assert_close(cache.rope_table.cpu().double(), want, rtol=0, atol=4e-6)  # fp32 angles up to ~32
+
+
+def test_fused_forward_steps_aside_for_changed_modules_and_refuses_what_it_cannot_run(device, monkeypatch):
+    """A projection wrapped or a norm hooked after enable_attention: that layer runs its own forward again (the
+    wrapper's effect shows, the prologue kernel is not called for it); a projection that needs gradients refuses
+    (no backward), as does the model cast to fp16 (bf16 only)."""
+    _, _, ev = models(device)
+    ev_tf.enable_attention(ev)
+    ids, mask = prompts(device)
+    calls = []
+    real = evenflow.qk_norm_rope_store_kv
+    monkeypatch.setattr(evenflow, "qk_norm_rope_store_kv", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        calls.clear()
+        cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
+        with torch.no_grad():
+            return ev(ids, attention_mask=mask, cache=cache).logits
+
+    before = run()
+    assert len(calls) == 2
+    attn = ev.model.layers[1].self_attn
+
+    class Scaled(torch.nn.Module):  # an adapter-like wrapper around the projection
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.weight, self.bias = inner, inner.weight, inner.bias
+
+        def forward(self, x):
+            return 3 * self.inner(x)
+
+    plain = attn.v_proj
+    attn.v_proj = Scaled(plain)
+    wrapped = run()
+    assert len(calls) == 1 and not torch.allclose(wrapped, before)  # layer 1 unfused, the wrapper applied
+    attn.v_proj = plain
+    assert torch.equal(run(), before) and len(calls) == 2
+    hook = attn.k_norm.register_forward_hook(lambda mod, inp, out: out * 0)
+    hooked = run()
+    assert len(calls) == 1 and not torch.allclose(hooked, before)
+    hook.remove()
+    attn.q_proj.weight.requires_grad_(True)
+    for p in ev.parameters():
+        if p is not attn.q_proj.weight:
+            p.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="no backward"):
+        ev(ids, attention_mask=mask, cache=ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16))
+    ev.to(torch.float16)
+    with pytest.raises(TypeError, match="computes in bf16"):
+        run()
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_a_qwen3_model_with_yarn_rope_scaling(device, fuse):
+    """Qwen3 (dense) with YaRN scaling (its attention factor 1.14 in the cos / sin): the fused prologue's table is
+    the model's own, so generate's logits stay within the rule of the fp64 twin on a sharpened model; a
+    length-dependent scaling (dynamic) gets no fused forward."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from evenflow.integrations.demo import twin_models
+
+    def config(rope):
+        return Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=64,
+                           rope_parameters={"rope_theta": 10000.0, **rope})
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    m64, stock, ev = sharp(twin_models(Qwen3ForCausalLM, config(yarn), device, experts=False))
+    assert ev.model.rotary_emb.attention_scaling > 1.1
+    assert ev_tf.enable_attention(ev, fuse_prologue=fuse) == {"fused_prologue": 2 if fuse else 0}
+    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=16)
+    ids, mask = prompts(device, seed=6)
+    seq, logits = generate(ev, cache, ids, mask)
+    ref, base = teacher_forced_logits((m64, stock), seq, mask, NEW)
+    assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="YaRN generate's logits")
+    dynamic = Qwen3ForCausalLM(config({"rope_type": "dynamic", "factor": 2.0})).to(device=device,
+                                                                                   dtype=torch.bfloat16)
+    assert ev_tf.enable_attention(dynamic) == {"fused_prologue": 0}
 
 
 def test_store_kv_places_each_row_and_rounds_once(device):

@@ -94,8 +94,8 @@ def _attention_dims(cfg) -> tuple[int, int, int, int]:
 
 
 def _normalised_source(fn) -> str | None:
-    """``fn``'s code without its signature line, docstrings, comments and indentation (None where it has no
-    source): two forwards compute the same where these are equal."""
+    """``fn``'s code without its first line (its decorator or signature), docstrings, comments and indentation (None
+    where it has no source): two forwards compute the same where these are equal and call the same helpers."""
     try:
         src = inspect.getsource(fn)
     except (OSError, TypeError):
@@ -104,14 +104,25 @@ def _normalised_source(fn) -> str | None:
     return "\n".join(line.strip() for line in src.splitlines()[1:] if line.strip() and not line.strip().startswith("#"))
 
 
-def _rope_table(model, rows: int, device, head_dim: int) -> torch.Tensor | None:
-    """The fused prologue's rotary table ``[rows, R]`` fp32 (cos then sin of each frequency) from the model's own
-    rotary embedding (its ``rope_theta``, scaling and attention factor), or None where the model has none that a fixed
-    table describes (no ``rotary_emb``, a length-dependent type, not the rotate-half layout)."""
+def _rotary(model) -> torch.nn.Module | None:
+    """The model's rotary embedding where a fixed table describes it: one position id per token (no multimodal
+    sections), a type whose frequencies do not move with the length (not dynamic or longrope); else None."""
     inner = getattr(model, "model", model)
     rot = getattr(inner, "rotary_emb", None)
+    rope_type = str(getattr(rot, "rope_type", "default"))
     if (not isinstance(rot, torch.nn.Module) or not isinstance(getattr(rot, "inv_freq", None), torch.Tensor)
-            or getattr(rot, "rope_type", "default") in ("dynamic", "longrope")):
+            or "dynamic" in rope_type or "longrope" in rope_type or getattr(rot, "mrope_section", None) is not None
+            or "mrope_section" in (getattr(getattr(rot, "config", None), "rope_parameters", None) or {})):
+        return None
+    return rot
+
+
+def _rope_table(model, rows: int, device, head_dim: int) -> torch.Tensor | None:
+    """The fused prologue's rotary table ``[rows, R]`` fp32 (cos then sin of each frequency) from the model's own
+    rotary embedding (its ``rope_theta``, scaling and attention factor), or None where :func:`_rotary` finds none or
+    its table is not the rotate-half layout."""
+    rot = _rotary(model)
+    if rot is None:
         return None
     with torch.no_grad():
         cos, sin = rot(torch.zeros(1, dtype=torch.float32, device=device), torch.arange(rows, device=device)[None])
@@ -141,29 +152,41 @@ def _rms_norm_class(cls: type) -> bool:
     return form is not None and _normalised_source(cls.forward) == form
 
 
+_FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
+
+
 def _fusable(m: torch.nn.Module) -> bool:
-    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
-    norms = (getattr(m, "q_norm", None), getattr(m, "k_norm", None))
-    return (_fusable_class(type(m)) and all(isinstance(getattr(m, n, None), torch.nn.Linear) for n in projections)
-            and all(isinstance(n, torch.nn.Module) and _rms_norm_class(type(n)) for n in norms)
-            and norms[0].variance_epsilon == norms[1].variance_epsilon)
+    """Whether the fused forward computes what ``m``'s own would: Qwen3-MoE's attention code, plain ``nn.Linear``
+    q / k / v projections and Qwen3's RMSNorm on q and k with one eps, none of them hooked (the fused forward calls
+    none of their forwards, so a wrapper, an adapter or a hook there would be skipped). Checked at every call: a
+    module changed after :func:`enable_attention` runs its own forward."""
+    parts = [getattr(m, n, None) for n in _FUSED_PARTS]
+    return (_fusable_class(type(m)) and all(type(p) is torch.nn.Linear for p in parts[:3])
+            and all(isinstance(n, torch.nn.Module) and _rms_norm_class(type(n)) for n in parts[3:])
+            and parts[3].variance_epsilon == parts[4].variance_epsilon
+            and not any(p._forward_hooks or p._forward_pre_hooks for p in parts))
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    try:
+        version = t._version
+    except RuntimeError:  # an inference tensor keeps no version counter: in-place writes need refresh_attention
+        version = -1
+    return id(t), t.data_ptr(), t.dtype, t.device, version
 
 
 def _qkv_weight(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The module's q / k / v projections as one (weight, bias), made again when any of them is replaced or written
-    in place (version counters; writes through ``.data`` bump none: :func:`refresh_attention`)."""
+    """The module's q / k / v projections as one (weight, bias), made again when any of them is replaced, moved or
+    cast (``model.to``), or written in place (version counters; writes through ``.data`` or into inference tensors
+    bump none: :func:`refresh_attention`)."""
     parts = [getattr(m, n) for n in ("q_proj", "k_proj", "v_proj")]
-    tensors = [p.weight for p in parts] + [p.bias for p in parts if p.bias is not None]
-    try:
-        stamp = tuple((id(t), t._version) for t in tensors)
-    except RuntimeError:  # inference tensors keep no version counter: make it again each call
-        stamp = None
+    stamp = tuple(_stamp(t) for p in parts for t in (p.weight, p.bias) if t is not None)
     held = m.__dict__.get("_evenflow_qkv")
-    if held is None or stamp is None or held[0] != stamp:
+    if held is None or held[0] != stamp:
         with torch.no_grad():
             w = torch.cat([p.weight for p in parts])
-            b = torch.cat([p.bias for p in parts]) if all(p.bias is not None for p in parts) else None
-            if b is None and any(p.bias is not None for p in parts):
+            b = None
+            if any(p.bias is not None for p in parts):
                 b = torch.cat([p.bias if p.bias is not None else w.new_zeros(p.weight.shape[0]) for p in parts])
         held = (stamp, w, b)
         m.__dict__["_evenflow_qkv"] = held
@@ -175,21 +198,25 @@ def _fused_attention_forward(self, hidden_states, position_embeddings, attention
     one projection GEMM, ``qk_norm_rope_store_kv``, the paged attention, the output projection. The rotation is at
     each token's index among its request's real tokens (the positions generate gives a left-padded batch; the
     attention is the same for any positions that differ from them by a constant per request). Without a PagedCache
-    that has a rotary table, the class's own forward runs."""
-    if not getattr(cache, "_evenflow_paged", False) or cache.rope_table is None:
+    that has a rotary table, or where the module no longer passes :func:`_fusable`, the class's own forward runs."""
+    if not getattr(cache, "_evenflow_paged", False) or cache.rope_table is None or not _fusable(self):
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
     name = type(self).__name__
     if kwargs.get("use_cache") is False:
         raise ValueError(f"{name}: use_cache=False with a PagedCache: every call would store its tokens again; "
                          "generate with use_cache=True")
+    if self.training and getattr(self, "attention_dropout", 0.0):
+        raise ValueError(f"{name}: dropout {self.attention_dropout} in training mode: evenflow's paged attention is "
+                         "for inference")
     window = getattr(self, "sliding_window", None)
     if window is not None and window < cache.max_cache_len:
         raise TypeError(f"{name}: sliding window {window} under the cache's {cache.max_cache_len} positions; "
                         "evenflow's paged attention computes full causal attention")
-    w, b = _qkv_weight(self)
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or w.requires_grad):
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
+            p.requires_grad for n in _FUSED_PARTS for p in getattr(self, n).parameters())):
         raise RuntimeError(f"{name}: evenflow's kernels have no backward; run under torch.no_grad() or "
                            "torch.inference_mode()")
+    w, b = _qkv_weight(self)
     out = cache.attend_fused(self, torch.nn.functional.linear(hidden_states, w, b), attention_mask)
     return self.o_proj(out), None
 
@@ -627,9 +654,11 @@ def enable_attention(model: torch.nn.Module, *, fuse_prologue: bool = True) -> d
     ``forward``'s code: Qwen2/3-MoE, Qwen3, ... in transformers 5.25) also gets evenflow's forward on the instance:
     one GEMM over its q / k / v projections (concatenated once and held: the projections' weights a second time in
     memory), then ``qk_norm_rope_store_kv`` (QK-RMSNorm, the rotation from the model's own rotary table, the store)
-    in one kernel where the stock forward runs ~20 (norms, rotation, transposes, the store's copies). Returns
-    ``{"fused_prologue": n}``, the modules that got it. Raises ``TypeError`` for a model whose attention the kernels
-    do not compute (see the module docstring)."""
+    in one kernel where the stock forward runs ~20 (norms, rotation, transposes, the store's copies); none where the
+    model's rotary embedding is not one fixed table (dynamic or longrope scaling, multimodal sections). A module
+    changed after this call (a projection replaced or wrapped, a hook on a projection or norm) runs its own forward
+    again. Returns ``{"fused_prologue": n}``, the modules that got it. Raises ``TypeError`` for a model whose
+    attention the kernels do not compute (see the module docstring)."""
     if not hasattr(model, "set_attn_implementation"):
         raise TypeError(f"model: {type(model).__name__} is not a transformers PreTrainedModel")
     if not isinstance(fuse_prologue, bool):
@@ -638,7 +667,7 @@ def enable_attention(model: torch.nn.Module, *, fuse_prologue: bool = True) -> d
     register_attention()
     model.set_attn_implementation(IMPLEMENTATION)
     fused = 0
-    if fuse_prologue:
+    if fuse_prologue and _rotary(model) is not None:  # (no usable rotary table: every call would run unfused)
         for m in model.modules():
             if _fusable(m) and not is_fused_attention(m):
                 m.forward = types.MethodType(_fused_attention_forward, m)
