@@ -240,3 +240,21 @@ def test_demo_runs_at_tiny_shapes(device):
     rows = run_demo(types.SimpleNamespace(device=device, gpu=False, harness=None))
     assert len(rows) == 2 and all(r["ok"] for r in rows) and "logits max|err|" in rows[0]["check"], rows
     assert "teacher-forced" in rows[1]["check"], rows
+
+
+def test_a_model_built_in_inference_mode(device):
+    """Parameters made under inference mode keep no version counter: the held expert holder and router split are
+    keyed without it (so a call does not fail on it), and the model's logits equal the same weights' in a model
+    built normally."""
+    from transformers import Qwen3MoeForCausalLM
+
+    _, _, ev = models(device)
+    ev_tf.enable(ev)
+    with torch.inference_mode():
+        inf = Qwen3MoeForCausalLM(tiny_config()).to(device=device, dtype=torch.bfloat16).eval()
+        inf.load_state_dict(ev.state_dict())
+        ev_tf.enable(inf)
+        ids = torch.randint(0, 128, (2, 5), device=device)
+        got = inf(ids).logits
+        assert torch.equal(got, inf(ids).logits)  # the held state served a second call
+        assert torch.equal(got, ev(ids).logits)

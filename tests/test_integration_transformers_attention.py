@@ -316,7 +316,7 @@ def test_a_llama_model(device):
 
 
 def test_fused_attention_follows_its_weights_and_falls_back_without_a_paged_cache(device):
-    """The fused forward's held q / k / v projection follows an in-place write to a projection (and refresh_attention
+    """The fused forward's held q / k / v projection follows an in-place write to a projection (and refresh
     after a write through .data); without a PagedCache the class's own forward runs (and with "evenflow" attention
     asks for one); the rotary table is the model's own (cos then sin, each frequency once)."""
     _, _, ev = models(device)
@@ -337,11 +337,11 @@ def test_fused_attention_follows_its_weights_and_falls_back_without_a_paged_cach
     with torch.no_grad():
         attn.v_proj.weight.mul_(-1)
     assert torch.equal(logits(), before)
-    attn.v_proj.weight.data.mul_(2)  # no version bump: refresh_attention makes it follow
-    ev_tf.refresh_attention(ev)
+    attn.v_proj.weight.data.mul_(2)  # no version bump: refresh makes it follow
+    ev_tf.refresh(ev)
     assert not torch.allclose(logits(), before)
     attn.v_proj.weight.data.mul_(0.5)
-    ev_tf.refresh_attention(ev)
+    ev_tf.refresh(ev)
     assert torch.equal(logits(), before)
     with pytest.raises(ValueError, match="needs cache=evenflow.integrations.transformers.PagedCache"):
         with torch.no_grad():

@@ -13,7 +13,7 @@ classes, e.g. Qwen3-MoE's ``Qwen3MoeExperts``: ``gate_up_proj [E, 2I, H]`` gate 
     ev_tf.enable(model)        # experts -> evenflow.fused_moe; softmax top-k routers -> evenflow's router
     # or: ev_tf.register(); from_pretrained(..., experts_implementation="evenflow")
     ev_tf.enable_attention(model)   # attention -> evenflow's paged kernels, over:
-    out = model.generate(**inputs, cache=ev_tf.PagedCache(model, max_batch_size=64, max_cache_len=32768))
+    out = model.generate(**inputs, cache=ev_tf.PagedCache(model, max_batch_size=32, max_cache_len=8192))
 
 What it takes: experts with SiLU-gated, concatenated, untransposed gate/up projections and no biases (the experts
 module's ``has_gate``, ``is_concatenated``, ``is_transposed``, ``has_bias`` flags say so), in bf16, or in transformers'
@@ -26,8 +26,8 @@ Routers: only those whose ``forward`` is Qwen3-MoE's code (softmax over all expe
 renormalisation: Qwen2/3-MoE, Qwen3-Next, OLMoE, ... in transformers 5.25) get evenflow's forward, installed on the
 module itself, so its class, hooks, state dict and ``output_router_logits`` recording stay. It computes the logits at
 FP32 fidelity from the router's weight (bf16 checkpoint weights are exact in fp32) and returns fp32 logits and routing
-weights; the weight's fp32 split is made again after the weight is replaced or written in place (its version
-counter; writes through ``.data`` bump none: call :func:`refresh`). Other routers (DeepSeek-V3's sigmoid with a
+weights; the weight's fp32 split is made again after the weight is replaced, moved or written in place (its
+version counter; writes through ``.data`` bump none: call :func:`refresh`). Other routers (DeepSeek-V3's sigmoid with a
 correction bias and grouped top-k, ...) stay transformers' own. evenflow's kernels have no backward: a call autograd
 would record raises.
 """
@@ -39,7 +39,12 @@ import types
 import torch
 
 import evenflow
-from evenflow.integrations.transformers_paged import _normalised_source
+from evenflow.integrations._common import held, normalised_source, refuse_autograd
+from evenflow.integrations._common import refresh as refresh  # re-exported: the adapter's API
+from evenflow.integrations.transformers_paged import attention_forward as attention_forward
+from evenflow.integrations.transformers_paged import enable_attention as enable_attention
+from evenflow.integrations.transformers_paged import is_fused_attention as is_fused_attention
+from evenflow.integrations.transformers_paged import register_attention as register_attention
 
 IMPLEMENTATION = "evenflow"
 
@@ -112,20 +117,18 @@ def _check_experts(module: torch.nn.Module) -> str:
 
 def _moe_weights(module: torch.nn.Module) -> evenflow.MoEWeights:
     """The module's :class:`evenflow.MoEWeights` over its own parameters (no copy), built once and again only when a
-    parameter is replaced or written in place."""
-    fp8 = module.gate_up_proj.dtype == FP8
+    parameter changes (:func:`evenflow.integrations._common.held`)."""
     params = [module.gate_up_proj, module.down_proj]
-    if fp8:
+    if module.gate_up_proj.dtype == FP8:
         params += [module.gate_up_proj_scale_inv, module.down_proj_scale_inv]
-    key = tuple((p.data_ptr(), p._version) for p in params)
-    held = module.__dict__.get("_evenflow_moe")
-    if held is None or held[0] != key:
-        fmt = _check_experts(module)
+
+    def build():
         tensors = [p.detach() for p in params]
-        ew = evenflow.MoEWeights.fp8_block(*tensors) if fmt == "fp8_block" else evenflow.MoEWeights.bf16(*tensors)
-        held = (key, ew)
-        module.__dict__["_evenflow_moe"] = held
-    return held[1]
+        if _check_experts(module) == "fp8_block":
+            return evenflow.MoEWeights.fp8_block(*tensors)
+        return evenflow.MoEWeights.bf16(*tensors)
+
+    return held(module, "_evenflow_moe", params, build)
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -133,7 +136,7 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     """The ``evenflow`` experts implementation: ``sum_k w_k * expert_k(x)`` of each token through
     :func:`evenflow.fused_moe` (hidden states cast to bf16 and the result back to their dtype). evenflow's kernels
     have no backward: a call that autograd would record raises (run under ``torch.no_grad()`` / inference mode)."""
-    _no_autograd(module, hidden_states, module.gate_up_proj)
+    refuse_autograd(module, (hidden_states, module.gate_up_proj))
     if getattr(module, "_is_expert_parallel", False):
         _refuse(module, "runs this rank's experts from global ids (evenflow.fused_moe's ep_rank); transformers' "
                         "expert-parallel layout is not mapped")
@@ -142,12 +145,6 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     y = evenflow.fused_moe(hidden_states.to(torch.bfloat16), top_k_index, top_k_weights.float(),
                            _moe_weights(module), check_ids=False)
     return y.to(hidden_states.dtype)
-
-
-def _no_autograd(module, x: torch.Tensor, w: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        raise RuntimeError(f"{type(module).__name__}: evenflow's kernels have no backward; call the model under "
-                           "torch.no_grad() or torch.inference_mode() (as generate() does), or freeze its weights")
 
 
 def register() -> None:
@@ -173,28 +170,22 @@ def _softmax_topk_form(cls: type) -> bool:
     a scaling factor, extra inputs: DeepSeek-V3, GLM4-MoE, ...) is left as it is."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    form = _normalised_source(Qwen3MoeTopKRouter.forward)
-    return form is not None and _normalised_source(cls.forward) == form
+    form = normalised_source(Qwen3MoeTopKRouter.forward)
+    return form is not None and normalised_source(cls.forward) == form
 
 
 def _router_split(router: torch.nn.Module) -> evenflow.RouterWeight:
-    """The router weight's fp32 split, made on first use and again after the weight is replaced or written in place
-    (its version counter; a write through ``.data`` bumps none: call :func:`refresh` after one)."""
+    """The router weight's fp32 split, made on first use and again after the weight changes
+    (:func:`evenflow.integrations._common.held`)."""
     w = router.weight
-    key = (w.data_ptr(), w._version, w.dtype, w.device)
-    held = router.__dict__.get("_evenflow_split")
-    if held is None or held[0] != key:
-        with torch.inference_mode(False):  # a normal tensor even when the first call runs in inference mode
-            held = (key, evenflow.RouterWeight(w.detach().float().contiguous()))
-        router.__dict__["_evenflow_split"] = held
-    return held[1]
+    return held(router, "_evenflow_split", [w], lambda: evenflow.RouterWeight(w.detach().float().contiguous()))
 
 
 def _router_forward(router: torch.nn.Module, hidden_states: torch.Tensor):
     """The router's forward on evenflow (installed on the instance, so its class, hooks and output recording stay):
     FP32-fidelity logits, softmax top-k with optional renormalisation; (fp32 logits, fp32 weights, int64 ids)."""
     w = router.weight
-    _no_autograd(router, hidden_states, w)
+    refuse_autograd(router, (hidden_states, w))
     x = hidden_states.reshape(-1, w.shape[1])
     logits = evenflow.router_gemm(x.to(torch.bfloat16), _router_split(router))
     ids, weights = evenflow.select_experts(logits, int(router.top_k), "softmax",
@@ -216,14 +207,6 @@ def is_evenflow_router(module: torch.nn.Module) -> bool:
 def _experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
             and m.gate_up_proj.dim() == 3 and isinstance(getattr(m, "down_proj", None), torch.Tensor)]
-
-
-def refresh(model: torch.nn.Module) -> None:
-    """Drop every held split and holder, so the next call builds them from the weights as they are (after writes
-    through ``.data``, which no version counter sees, or to free the old tensors after moving the model at once)."""
-    for m in model.modules():
-        m.__dict__.pop("_evenflow_split", None)
-        m.__dict__.pop("_evenflow_moe", None)
 
 
 def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
@@ -249,14 +232,6 @@ def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
                 m.forward = types.MethodType(_router_forward, m)
                 replaced += 1
     return {"experts": len(experts), "routers": replaced}
-
-
-# attention: the paged cache and the "evenflow" attention function (integrations/transformers_paged.py), re-exported
-from evenflow.integrations.transformers_paged import attention_forward as attention_forward  # noqa: E402
-from evenflow.integrations.transformers_paged import enable_attention as enable_attention  # noqa: E402
-from evenflow.integrations.transformers_paged import is_fused_attention as is_fused_attention  # noqa: E402
-from evenflow.integrations.transformers_paged import refresh_attention as refresh_attention  # noqa: E402
-from evenflow.integrations.transformers_paged import register_attention as register_attention  # noqa: E402
 
 
 def __getattr__(name: str):

@@ -40,18 +40,17 @@ the cache's rows) and assisted decoding (which crops it) raise. A new prompt bat
 from __future__ import annotations
 
 import functools
-import inspect
 import math
-import re
 import types
 
 import torch
 
 import evenflow
 from evenflow import _runtime
-from evenflow._checks import check_int
+from evenflow._checks import check_choice, check_int
 from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, MAX_GQA_GROUP
 from evenflow.attention.prologue import store_kv
+from evenflow.integrations._common import held, normalised_source, refuse_autograd
 
 IMPLEMENTATION = "evenflow"
 _HANDLE = "evenflow_paged"  # the forward kwarg the cache's update hands to the attention function
@@ -93,17 +92,6 @@ def _attention_dims(cfg) -> tuple[int, int, int, int]:
     return layers, hq, hkv, d
 
 
-def _normalised_source(fn) -> str | None:
-    """``fn``'s code without its first line (its decorator or signature), docstrings, comments and indentation (None
-    where it has no source): two forwards compute the same where these are equal and call the same helpers."""
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return None
-    src = re.sub(r'"""[\s\S]*?"""', "", src)
-    return "\n".join(line.strip() for line in src.splitlines()[1:] if line.strip() and not line.strip().startswith("#"))
-
-
 def _rotary(model) -> torch.nn.Module | None:
     """The model's rotary embedding where a fixed table describes it: one position id per token (no multimodal
     sections), a type whose frequencies do not move with the length (not dynamic or longrope); else None."""
@@ -140,16 +128,16 @@ def _fusable_class(cls: type) -> bool:
     the rotation, the cache update, the attention function, the output projection), judged by its code."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeAttention
 
-    form = _normalised_source(Qwen3MoeAttention.forward)
-    return form is not None and _normalised_source(cls.forward) == form
+    form = normalised_source(Qwen3MoeAttention.forward)
+    return form is not None and normalised_source(cls.forward) == form
 
 
 @functools.cache
 def _rms_norm_class(cls: type) -> bool:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-    form = _normalised_source(Qwen3MoeRMSNorm.forward)
-    return form is not None and _normalised_source(cls.forward) == form
+    form = normalised_source(Qwen3MoeRMSNorm.forward)
+    return form is not None and normalised_source(cls.forward) == form
 
 
 _FUSED_PARTS = ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm")
@@ -167,30 +155,18 @@ def _fusable(m: torch.nn.Module) -> bool:
             and not any(p._forward_hooks or p._forward_pre_hooks for p in parts))
 
 
-def _stamp(t: torch.Tensor) -> tuple:
-    try:
-        version = t._version
-    except RuntimeError:  # an inference tensor keeps no version counter: in-place writes need refresh_attention
-        version = -1
-    return id(t), t.data_ptr(), t.dtype, t.device, version
-
-
 def _qkv_weight(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The module's q / k / v projections as one (weight, bias), made again when any of them is replaced, moved or
-    cast (``model.to``), or written in place (version counters; writes through ``.data`` or into inference tensors
-    bump none: :func:`refresh_attention`)."""
+    """The module's q / k / v projections as one (weight, bias), held while they stay as they are
+    (:func:`evenflow.integrations._common.held`; the projections' weights a second time in memory)."""
     parts = [getattr(m, n) for n in ("q_proj", "k_proj", "v_proj")]
-    stamp = tuple(_stamp(t) for p in parts for t in (p.weight, p.bias) if t is not None)
-    held = m.__dict__.get("_evenflow_qkv")
-    if held is None or held[0] != stamp:
-        with torch.no_grad():
-            w = torch.cat([p.weight for p in parts])
-            b = None
-            if any(p.bias is not None for p in parts):
-                b = torch.cat([p.bias if p.bias is not None else w.new_zeros(p.weight.shape[0]) for p in parts])
-        held = (stamp, w, b)
-        m.__dict__["_evenflow_qkv"] = held
-    return held[1], held[2]
+
+    def build():
+        w = torch.cat([p.weight for p in parts])
+        if all(p.bias is None for p in parts):
+            return w, None
+        return w, torch.cat([p.bias if p.bias is not None else w.new_zeros(p.weight.shape[0]) for p in parts])
+
+    return held(m, "_evenflow_qkv", [t for p in parts for t in (p.weight, p.bias)], build)
 
 
 def _fused_attention_forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
@@ -212,10 +188,7 @@ def _fused_attention_forward(self, hidden_states, position_embeddings, attention
     if window is not None and window < cache.max_cache_len:
         raise TypeError(f"{name}: sliding window {window} under the cache's {cache.max_cache_len} positions; "
                         "evenflow's paged attention computes full causal attention")
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or any(
-            p.requires_grad for n in _FUSED_PARTS for p in getattr(self, n).parameters())):
-        raise RuntimeError(f"{name}: evenflow's kernels have no backward; run under torch.no_grad() or "
-                           "torch.inference_mode()")
+    refuse_autograd(self, [hidden_states, *(p for n in _FUSED_PARTS for p in getattr(self, n).parameters())])
     w, b = _qkv_weight(self)
     out = cache.attend_fused(self, torch.nn.functional.linear(hidden_states, w, b), attention_mask)
     return self.o_proj(out), None
@@ -225,12 +198,6 @@ def is_fused_attention(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward is evenflow's fused-prologue attention."""
     fwd = module.__dict__.get("forward")
     return getattr(fwd, "__func__", None) is _fused_attention_forward
-
-
-def refresh_attention(model: torch.nn.Module) -> None:
-    """Drop every held fused q / k / v projection, so the next call builds it from the weights as they are."""
-    for m in model.modules():
-        m.__dict__.pop("_evenflow_qkv", None)
 
 
 class _Step:
@@ -247,13 +214,12 @@ class _Step:
         self.page_table = torch.full((max_batch, pages_per_request + 1), num_pages, dtype=torch.int32, device=device)
         self.pages_per_request = pages_per_request
         self.spare_pos = pages_per_request * page_size
-        self.trash_slot = num_pages * page_size
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         self.plan = plan
-        self.pending = False  # set by the first layer's update, cleared by the first attention call
         self.batch = 0
         self.q_len = 0
-        self.lens = self.slots = self.cu_q = self.store_pos = None
+        self.lens = self.store_pos = self._slots = None
+        self.cu_q = self._steps = None  # (by batch and new tokens a request: the same tensors every decode step)
         self._release()
 
     def _release(self) -> None:
@@ -314,21 +280,29 @@ class _Step:
                                      "(a mask of another batch, or a cache that was not reset)")
                 increments = n_host  # a prompt's real tokens
         self._grow(increments)
-        t = torch.arange(q_len, device=dev, dtype=torch.int32)
+        if self._steps is None or self._steps[0] != (batch, q_len):
+            self._steps = ((batch, q_len), torch.arange(q_len, device=dev, dtype=torch.int32))
+            self.cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
+        t = self._steps[1]
         first = q_len - n_new  # new rows before it are padding; the real ones end the row block
-        pos = lens[:, None] + t[None, :] - first[:, None]
         real = t[None, :] >= first[:, None]
-        P = self.page_size
-        pos = pos.clamp(min=0)
-        page = self.page_table[:batch].gather(1, (pos // P).long())
-        self.slots = torch.where(real, page.long() * P + (pos % P).long(), self.trash_slot).reshape(-1)
-        self.store_pos = torch.where(real, pos, self.spare_pos).reshape(-1)  # (the fused prologue's positions)
+        # each real token at its index among its request's real tokens, a padding row at the spare column's first
+        # position (its page the spare page), where a store of it lands harmlessly
+        self.store_pos = torch.where(real, lens[:, None] + t[None, :] - first[:, None], self.spare_pos).reshape(-1)
+        self._slots = None
         lens.add_(n_new)
         self.lens, self.batch, self.q_len = lens, batch, q_len
         if q_len == 1 and self.plan is not None:
             self.plan.update(lens)
-        self.cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
-        self.pending = False
+
+    def slots(self) -> torch.Tensor:
+        """The step's tokens' flat cache slots (``page * P + offset``: the spare page's first for padding rows), for
+        :func:`store_kv`; made at the first call of a step (the fused prologue finds them from ``store_pos``)."""
+        if self._slots is None:
+            P, pos = self.page_size, self.store_pos.view(self.batch, self.q_len)
+            page = self.page_table[: self.batch].gather(1, (pos // P).long())
+            self._slots = (page.long() * P + (pos % P).long()).reshape(-1)
+        return self._slots
 
     def table(self, batch: int) -> torch.Tensor:
         """The attention kernels' page table: the batch's rows, the columns a request can use."""
@@ -338,10 +312,11 @@ class _Step:
         self.seq_lens.zero_()
         self.page_table.fill_(self.spare)
         self._release()
-        self.pending, self.batch, self.q_len = False, 0, 0
-        self.lens = self.slots = self.cu_q = self.store_pos = None
+        self.batch, self.q_len = 0, 0
+        self.lens = self.store_pos = self._slots = None
 
 
+@functools.cache
 def _layer_class():
     _, CacheLayerMixin = _cache_base()
 
@@ -369,8 +344,6 @@ def _layer_class():
                 raise TypeError("PagedCache: the attention module called cache.update without its forward's kwargs; "
                                 "evenflow's paged attention needs modules that pass kwargs=kwargs (transformers 5 "
                                 "models do)")
-            if self.index == 0:
-                self.owner.step.pending = True
             kwargs[_HANDLE] = self
             return key_states, value_states
 
@@ -403,16 +376,7 @@ def _layer_class():
     return PagedLayer
 
 
-_PAGED_LAYER = None
-
-
-def _paged_layer():
-    global _PAGED_LAYER
-    if _PAGED_LAYER is None:
-        _PAGED_LAYER = _layer_class()
-    return _PAGED_LAYER
-
-
+@functools.cache
 def _cache_class():
     Cache, _ = _cache_base()
 
@@ -427,9 +391,8 @@ def _cache_class():
             layers, hq, hkv, d = _attention_dims(cfg)
             check_int("max_batch_size", max_batch_size, 1)
             check_int("max_cache_len", max_cache_len, 1)
-            check_int("page_size", page_size, 16, 128)
-            if page_size not in (16, 32, 64, 128):
-                raise ValueError(f"page_size must be one of [16, 32, 64, 128], got {page_size}")
+            check_int("page_size", page_size)
+            check_choice("page_size", page_size, (16, 32, 64, 128))
             kv_dtype = torch.bfloat16 if kv_dtype is None else kv_dtype
             if kv_dtype not in KV_DTYPES:
                 raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype}")
@@ -452,12 +415,10 @@ def _cache_class():
                 check_int("max_tokens", max_tokens, 1)
                 pages = math.ceil(max_tokens / page_size)
             self.max_tokens = pages * page_size
-            self._model_ref = model
             with torch.inference_mode(False):  # tensors updated in place later, in or out of inference mode
-                self._build(layers, hq, hkv, d, pages, ppr, device, plan, plan_options)
-            del self._model_ref
+                self._build(model, layers, hq, hkv, d, pages, ppr, device, plan, plan_options)
 
-        def _build(self, layers, hq, hkv, d, pages, ppr, device, plan, plan_options) -> None:
+        def _build(self, model, layers, hq, hkv, d, pages, ppr, device, plan, plan_options) -> None:
             page_size, kv_dtype = self.page_size, self.kv_dtype
             decode_plan = None
             if plan:
@@ -468,8 +429,8 @@ def _cache_class():
                 raise ValueError(f"plan options {sorted(plan_options)} given with plan=False")
             self.step = _Step(self.max_batch_size, ppr, page_size, pages, device, decode_plan)
             # the fused prologue's rotary table, every position a request can use and the spare's
-            self.rope_table = _rope_table(self._model_ref, (ppr + 1) * page_size, device, d)
-            layer_cls = _paged_layer()
+            self.rope_table = _rope_table(model, (ppr + 1) * page_size, device, d)
+            layer_cls = _layer_class()
             shape = (pages + 1, page_size, hkv, d)  # (+ the spare page)
             super().__init__(layers=[layer_cls(self, i, torch.zeros(shape, dtype=kv_dtype, device=device),
                                                torch.zeros(shape, dtype=kv_dtype, device=device))
@@ -490,12 +451,13 @@ def _cache_class():
             self.step.reset()
 
         def _enter(self, layer, batch: int, q_len: int, attention_mask, device) -> None:
-            """Begin the forward's step at its first layer (lengths, slots, plan), or check a later layer agrees."""
+            """Begin the forward's step at its first layer (lengths, positions, pages, plan), or check that a later
+            layer agrees with it."""
             if device != layer.keys.device:
                 raise ValueError(f"inputs on {device}, the PagedCache on {layer.keys.device}: the cache lives on one "
                                  "device (a model split across devices by device_map is not supported)")
             step = self.step
-            if step.pending:
+            if layer.index == 0:
                 if batch > self.max_batch_size:
                     raise ValueError(f"batch of {batch} requests over the PagedCache's max_batch_size "
                                      f"{self.max_batch_size}")
@@ -532,7 +494,7 @@ def _cache_class():
             rows = B * T
             store_kv(key.transpose(1, 2).reshape(rows, self.num_kv_heads, d),
                      value.transpose(1, 2).reshape(rows, self.num_kv_heads, d), layer.keys, layer.values,
-                     self.step.slots, k_scale=self.k_scale, v_scale=self.v_scale)
+                     self.step.slots(), k_scale=self.k_scale, v_scale=self.v_scale)
             return self._attention(layer, query.transpose(1, 2).reshape(rows, hq, d), B, T, scaling).view(B, T, hq, d)
 
         def attend_fused(self, module, qkv: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -548,8 +510,6 @@ def _cache_class():
                 raise ValueError(f"qkv {tuple(qkv.shape)}: expected [B, T, {(hq + 2 * hkv) * d}] for the cache's "
                                  f"{hq} q heads, {hkv} kv heads, head_dim {d}")
             layer = self.layers[module.layer_idx]
-            if module.layer_idx == 0:
-                self.step.pending = True
             self._enter(layer, B, T, attention_mask, qkv.device)
             step = self.step
             q, _ = evenflow.qk_norm_rope_store_kv(
@@ -579,17 +539,12 @@ _PAGED_CACHE_DOC = """A transformers ``Cache`` of paged K / V for evenflow's att
     tokens. A new batch of prompts needs :meth:`reset` (or a new cache)."""
 
 
-_CLASSES: dict = {}
-
-
 def __getattr__(name: str):
     """``PagedCache`` / ``PagedLayer`` are built on first use (transformers is imported only then)."""
     if name == "PagedCache":
-        if "PagedCache" not in _CLASSES:
-            _CLASSES["PagedCache"] = _cache_class()
-        return _CLASSES["PagedCache"]
+        return _cache_class()
     if name == "PagedLayer":
-        return _paged_layer()
+        return _layer_class()
     raise AttributeError(name)
 
 
@@ -617,9 +572,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             raise TypeError(f"{type(module).__name__}: {name} is not computed by evenflow's paged attention")
     if getattr(module, "sinks", None) is not None:
         raise TypeError(f"{type(module).__name__}: attention sinks are not computed by evenflow's paged attention")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise RuntimeError(f"{type(module).__name__}: evenflow's kernels have no backward; run under torch.no_grad()"
-                           " or torch.inference_mode()")
+    refuse_autograd(module, (query, key, value))
     return layer.owner.attend(layer, query, key, value, attention_mask, scaling), None
 
 
@@ -654,7 +607,8 @@ def enable_attention(model: torch.nn.Module, *, fuse_prologue: bool = True) -> d
     ``forward``'s code: Qwen2/3-MoE, Qwen3, ... in transformers 5.25) also gets evenflow's forward on the instance:
     one GEMM over its q / k / v projections (concatenated once and held: the projections' weights a second time in
     memory), then ``qk_norm_rope_store_kv`` (QK-RMSNorm, the rotation from the model's own rotary table, the store)
-    in one kernel where the stock forward runs ~20 (norms, rotation, transposes, the store's copies); none where the
+    in one kernel where the stock forward runs its norms, rotation and transposes as separate eager ops and the
+    unfused adapter adds the store's copies (about 20 launches a layer, counted from the code); none where the
     model's rotary embedding is not one fixed table (dynamic or longrope scaling, multimodal sections). A module
     changed after this call (a projection replaced or wrapped, a hook on a projection or norm) runs its own forward
     again. Returns ``{"fused_prologue": n}``, the modules that got it. Raises ``TypeError`` for a model whose
