@@ -9,6 +9,7 @@ import torch
 import evenflow
 from evenflow.integrations.demo import generate_logits, left_padded, teacher_forced_logits
 from evenflow.testing import assert_within_rule
+from test_integration_transformers import models as moe_models
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 ev_tf = pytest.importorskip("evenflow.integrations.transformers")
@@ -19,16 +20,9 @@ REAL = (7, 4, 2)  # real prompt tokens of the three rows, left-padded to PROMPT
 
 
 def models(device, head_dim=64, **kw):
-    """(fp64 oracle, stock bf16, bf16 for evenflow) of a tiny Qwen3-MoE with head_dim 64 (the kernels' smallest)."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    from evenflow.integrations.demo import twin_models
-
-    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, num_experts=8, num_experts_per_tok=2,
-               norm_topk_prob=True, max_position_embeddings=64, decoder_sparse_step=1, mlp_only_layers=[])
-    cfg.update(kw)
-    return twin_models(Qwen3MoeForCausalLM, Qwen3MoeConfig(**cfg), device)
+    """(fp64 oracle, stock bf16, bf16 for evenflow) of the MoE tests' tiny Qwen3-MoE at head_dim 64 (the kernels'
+    smallest)."""
+    return moe_models(device, head_dim=head_dim, **kw)
 
 
 def sharp(models_, gain=4.0):
