@@ -14,6 +14,11 @@ TORCH   := "torch>=2.6" "triton>=3.3"
 else
 TORCH   := "torch==2.13.0" "triton==3.6.0" "numpy<2.4"
 endif
+# vLLM for its adapter's tests, without its dependency tree (which pins its own CUDA torch): the wheel and the
+# modules its attention-backend interface imports. The adapter's tests use vLLM's own classes on the CPU.
+VLLM    := "vllm==0.34.0" psutil pyzmq urllib3 aiohttp multidict attrs yarl propcache aiohappyeyeballs aiosignal \
+           frozenlist requests certifi pybase64 cachetools cbor2 msgspec cloudpickle uvloop py-cpuinfo \
+           prometheus-client llguidance xgrammar "apache-tvm-ffi==0.1.15.post2" einops
 # pytest workers: the interpreter is CPU-bound, one worker per core.
 JOBS    ?= $(shell $(PY) -c 'import os; print(max(1, min(4, os.cpu_count() or 1)))')
 
@@ -24,6 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	$(BIN)/python -m pip install -q --no-deps $(VLLM)
 	touch $@
 
 env: $(STAMP)

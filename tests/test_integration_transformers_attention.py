@@ -433,7 +433,9 @@ def test_a_qwen3_model_with_yarn_rope_scaling(device, fuse):
 def test_store_kv_places_each_row_and_rounds_once(device):
     """``store_kv``: bit for bit the prologue's store oracle (``store_kv_ref``, each token at its position's page
     and offset, divided by the scale, fp8 saturated at 448) given positions that are the slots on an identity page
-    table, so every other slot untouched; bad slots named under check_inputs; a non-contiguous cache refused."""
+    table, so every other slot untouched), also into the K / V halves of one [pages, P, H, 2 * D] buffer (an engine's
+    layout, whose pages and slots merge); bad slots named under check_inputs; a view whose pages and slots do not
+    merge (HND) refused."""
     from evenflow.attention.prologue import store_kv
     from evenflow.reference.prologue import store_kv_ref
 
@@ -455,10 +457,14 @@ def test_store_kv_places_each_row_and_rounds_once(device):
             assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
         if dtype == FP8:
             assert float(kc.view(-1, H, D)[5, 0, 0]) == 448.0  # 4000 / 0.25 saturated
+        both = torch.cat([before, before.clone()], dim=-1)  # [pages, P, H, K then V]
+        store_kv(k.to(device), v.to(device), both[..., :D], both[..., D:], slots.to(device), k_scale=scale,
+                 v_scale=scale)
+        assert torch.equal(both.cpu().view(torch.uint8), torch.cat([want_k, want_v], -1).view(torch.uint8))
     kc = torch.zeros(4, P, H, D, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=r"slots\[1\] = 64 outside \[0, 64\)"):
         store_kv(k.to(device), v.to(device), kc, kc.clone(), torch.tensor([0, 64, 1, 2], device=device),
                  check_inputs=True)
-    with pytest.raises(ValueError, match="k_cache must be contiguous"):
+    with pytest.raises(ValueError, match="k_cache's page stride 2048 is not its page size 16 times its slot stride 64"):
         hnd = torch.zeros(4, H, P, D, dtype=torch.bfloat16, device=device).transpose(1, 2)
         store_kv(k.to(device), v.to(device), hnd, hnd.clone(), slots.to(device))

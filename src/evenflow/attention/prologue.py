@@ -264,7 +264,9 @@ def _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T: int)
 def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check_inputs: bool = False) -> None:
     """Write token rows into the paged caches, for callers whose K and V are already normed and rotated (an engine's
     own attention module): ``k`` / ``v`` ``[N, Hkv, D]`` (bf16 or fp32) go to the flat slots ``slots`` ``[N]`` int64
-    (``page * P + offset``) of contiguous ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]``, divided by the scale
+    (``page * P + offset``) of ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]`` (contiguous, or any view whose
+    page stride is P times its slot stride, so that pages and slots are one flat dimension: e.g. the K or V half of
+    an engine's ``[num_pages, P, Hkv, 2 * D]`` buffer), divided by the scale
     and cast to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first). Two indexed
     copies (and the quantisation's element-wise steps for an fp8 or scaled cache); no host sync. A slot outside the
     cache fails the copy (a device-side assert on a GPU): ``check_inputs=True`` checks them on the host first (one
@@ -272,8 +274,9 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
     dev = k.device
     num_pages, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not c.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (store_kv writes its flat [num_pages * P, Hkv, D] view)")
+        if num_pages > 1 and c.stride(0) != P * c.stride(1):
+            raise ValueError(f"{name}'s page stride {c.stride(0)} is not its page size {P} times its slot stride "
+                             f"{c.stride(1)}: store_kv writes its flat [num_pages * P, Hkv, D] view")
     check_tensor("k", k, dtypes=[torch.bfloat16, torch.float32], shape=[None, Hkv, D], device=dev)
     check_tensor("v", v, dtypes=[k.dtype], shape=list(k.shape), device=dev)
     check_tensor("slots", slots, dtypes=[torch.int64], shape=[k.shape[0]], device=dev)
@@ -299,4 +302,4 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
             val = val.to(cache.dtype)
         if cache.dtype == FP8:  # (index_copy_ has no fp8 kernels: the same bytes as uint8)
             cache, val = cache.view(torch.uint8), val.view(torch.uint8)
-        cache.view(num_pages * P, Hkv, D).index_copy_(0, slots, val)
+        cache.flatten(0, 1).index_copy_(0, slots, val)  # a view: dims 0 and 1 merge (checked above)

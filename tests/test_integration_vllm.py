@@ -1,0 +1,312 @@
+"""The vLLM attention backend (evenflow.integrations.vllm) driven as vLLM's v1 engine drives it, with vLLM's own
+classes: its config, KV cache spec and layout descriptor, CommonAttentionMetadata, its decode / prefill split and its
+backend registry. A small scheduler in the test plays the engine's part over several steps (chunked prefill, decodes
+beside prefills, a one-token extend counted as a decode, uniform multi-row decodes as a speculative verification
+sends them, blocks handed out in random order with block 0 held back as vLLM's null block, a captured batch's
+padding rows). Each step's output is checked under the tolerance rule (evenflow.testing) against the fp64 oracle
+over the K / V rows the test itself kept for every request, in order: the paging, the slots, the decode / prefill
+split and the plan all have to be right for it to pass."""
+import math
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="the vLLM adapter's tests need vllm (make test installs it)")
+
+from vllm.config import DeviceConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
+import evenflow.integrations.vllm as ev_vllm  # noqa: E402
+from evenflow.reference.attention import prefill_attention_ref  # noqa: E402
+from evenflow.testing import assert_within_rule  # noqa: E402
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+class Layer:
+    """What vLLM's Attention layer hands the impl: its K / V scales (fp32 tensors of one element)."""
+
+    def __init__(self, k_scale=1.0, v_scale=1.0, device="cpu"):
+        self._k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device)
+        self._v_scale = torch.tensor([v_scale], dtype=torch.float32, device=device)
+        self._k_scale_float, self._v_scale_float = float(k_scale), float(v_scale)
+
+
+def layer_cache(num_blocks, block, hkv, d, dtype, device):
+    """One layer's KV cache as vLLM 0.34 hands it to a backend: the logical [num_blocks, Hkv, block, 2 * D] view of
+    a buffer laid out as the backend asked (LBNHC: a block's slots, then heads), fp8 allocated as bytes."""
+    order = KVCacheLayout.LBNHC.layer_view_order
+    logical = (num_blocks, hkv, block, 2 * d)
+    phys = torch.randn([logical[i] for i in order], device=device).to(BF16)  # stale contents, as a reused pool has
+    if dtype == FP8:
+        phys = phys.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+    return phys.permute([order.index(i) for i in range(4)])
+
+
+class Engine:
+    """The engine's bookkeeping for a few requests: blocks (random order, block 0 never used), each request's K / V
+    rows so far (the oracle's), and one CommonAttentionMetadata a step."""
+
+    def __init__(self, cfg, spec, num_blocks, max_blocks, device, seed=0):
+        self.cfg, self.spec, self.device = cfg, spec, device
+        self.g = torch.Generator().manual_seed(seed)
+        self.free = (torch.randperm(num_blocks - 1, generator=self.g) + 1).tolist()
+        self.max_blocks = max_blocks
+        self.blocks: dict[str, list[int]] = {}
+        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def length(self, r):
+        return 0 if r not in self.kv else self.kv[r][0].shape[0]
+
+    def step(self, sched):
+        """``sched``: [(request, new tokens)], decodes first as vLLM's reorder leaves them. Returns the metadata."""
+        P = self.spec.block_size
+        starts, slots, lens, table = [0], [], [], []
+        for r, n in sched:
+            old = self.length(r)
+            blocks = self.blocks.setdefault(r, [])
+            while len(blocks) * P < old + n:
+                blocks.append(self.free.pop())
+            slots += [blocks[p // P] * P + p % P for p in range(old, old + n)]
+            starts.append(starts[-1] + n)
+            lens.append(old + n)
+            table.append(blocks + [0] * (self.max_blocks - len(blocks)))
+        dev = self.device
+        qsl = torch.tensor(starts, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32,
+                                                                                          device=dev),
+            num_reqs=len(sched), num_actual_tokens=starts[-1], max_query_len=max(n for _, n in sched),
+            max_seq_len=max(lens), block_table_tensor=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+
+    def append(self, sched, k, v):
+        at = 0
+        for r, n in sched:
+            kk, vv = k[at:at + n].cpu(), v[at:at + n].cpu()
+            if r in self.kv:
+                kk, vv = torch.cat([self.kv[r][0], kk]), torch.cat([self.kv[r][1], vv])
+            self.kv[r] = (kk, vv)
+            at += n
+
+
+def quantised(x, scale, kv_dtype):
+    """The rows as the cache holds them: fp8 at the per-tensor scale (as the store quantises), or as given."""
+    if kv_dtype != FP8:
+        return x
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def expected(engine, sched, q, kv_dtype, k_scale, v_scale, sm_scale):
+    """fp64 oracle and fp32 baseline of the step, from the test's own rows: each request's rows laid in one
+    contiguous page table of a fresh cache (no vLLM layout, no slot arithmetic)."""
+    P = engine.spec.block_size
+    reqs = [r for r, _ in sched]
+    lens = [engine.length(r) for r in reqs]
+    pages = [math.ceil(L / P) for L in lens]
+    hkv, d = engine.spec.num_kv_heads, engine.spec.head_size
+    k_c = torch.zeros(sum(pages), P, hkv, d, dtype=kv_dtype)
+    v_c = torch.zeros_like(k_c)
+    table = torch.zeros(len(reqs), max(pages), dtype=torch.int32)
+    at = 0
+    for i, r in enumerate(reqs):
+        kk, vv = engine.kv[r]
+        flat_k, flat_v = k_c.view(-1, hkv, d), v_c.view(-1, hkv, d)
+        flat_k[at * P:at * P + lens[i]] = quantised(kk, k_scale, kv_dtype)
+        flat_v[at * P:at * P + lens[i]] = quantised(vv, v_scale, kv_dtype)
+        table[i, :pages[i]] = torch.arange(at, at + pages[i])
+        at += pages[i]
+    cu = torch.tensor([0] + torch.tensor([n for _, n in sched]).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(k_scale=k_scale if kv_dtype == FP8 else None, v_scale=v_scale if kv_dtype == FP8 else None,
+              sm_scale=sm_scale)
+    ref, _ = prefill_attention_ref(q.cpu(), k_c, v_c, cu, table, sl, **kw)
+    base, _ = prefill_attention_ref(q.cpu(), k_c, v_c, cu, table, sl, dtype=torch.float32, p_dtype=BF16,
+                                    out_dtype=BF16, **kw)
+    return ref, base
+
+
+def config(max_num_seqs=8, device="cpu"):
+    return VllmConfig(device_config=DeviceConfig(device=device),
+                      scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=1024,
+                                                       max_num_batched_tokens=1024, is_encoder_decoder=False))
+
+
+def backend_parts(hq, hkv, d, block, kv_cache_dtype="auto", device="cpu"):
+    cfg = config(device=device)
+    kv_dtype = FP8 if kv_cache_dtype in ("fp8", "fp8_e4m3") else BF16
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=kv_dtype)
+    builder = ev_vllm.EvenflowMetadataBuilder(spec, ["layers.0.attn"], cfg, torch.device(device))
+    impl = ev_vllm.EvenflowAttentionImpl(hq, d, 1 / math.sqrt(d) * 1.5, hkv, None, None, kv_cache_dtype)
+    return cfg, spec, builder, impl, kv_dtype
+
+
+# The steps of one run: (request, new tokens) in the order vLLM's reorder leaves a batch (decodes first). Request a's
+# 37-token prompt comes in two chunks; c's one-token prompt counts as a decode (vLLM's short-extend rule).
+STEPS = [
+    [("c", 1), ("b", 9), ("a", 21)],
+    [("b", 1), ("c", 1), ("a", 16)],
+    [("a", 1), ("b", 1), ("c", 1)],
+    [("a", 1), ("c", 1), ("d", 40)],
+    [("a", 1), ("b", 1), ("c", 1), ("d", 1)],
+]
+
+
+def run_steps(steps, hq, hkv, d, block, kv_cache_dtype="auto", device="cpu", pad=0, threshold=None, seed=0,
+              num_blocks=24, max_blocks=8):
+    cfg, spec, builder, impl, kv_dtype = backend_parts(hq, hkv, d, block, kv_cache_dtype, device)
+    if threshold is not None:  # as a speculative config makes it (1 + num_speculative_tokens)
+        builder.reorder_batch_threshold = threshold
+    k_scale, v_scale = (1 / 40, 1 / 56) if kv_dtype == FP8 else (1.0, 1.0)
+    layer = Layer(k_scale, v_scale, device)
+    kv_cache = layer_cache(num_blocks, block, hkv, d, kv_dtype, device)
+    engine = Engine(cfg, spec, num_blocks, max_blocks, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    splits = []
+    for i, sched in enumerate(steps):
+        cm = engine.step(sched)
+        m = builder.build(0, cm)
+        splits.append((m.num_decodes, m.num_prefills, m.decode_query_len))
+        T = cm.num_actual_tokens
+        q = torch.randn(T + pad, hq, d, generator=g).to(BF16).to(device)
+        k = (torch.randn(T + pad, hkv, d, generator=g) * 2).to(BF16).to(device)
+        v = torch.randn(T + pad, hkv, d, generator=g).to(BF16).to(device)
+        engine.append(sched, k, v)
+        out = torch.full((T + pad, hq, d), float("nan"), dtype=BF16, device=device)
+        before = kv_cache.clone()
+        res = impl.forward(layer, q, k, v, kv_cache, m, output=out)
+        assert res is out
+        ref, base = expected(engine, sched, q[:T], kv_dtype, k_scale, v_scale, impl.scale)
+        assert_within_rule(out[:T].cpu(), ref, base, what=f"step {i} {sched}")
+        # the cache changed at this step's slots only, by exactly the stored rows
+        changed = (kv_cache.view(torch.uint8) != before.view(torch.uint8)).flatten(1).any(1)  # per block
+        touched = set((cm.slot_mapping // block).tolist())
+        assert set(changed.nonzero().flatten().tolist()) <= touched, f"step {i}: a block outside the step changed"
+        if pad:
+            assert torch.isnan(out[T:].float()).all(), f"step {i}: padding rows of the output were written"
+    return splits, engine, kv_cache, impl
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("shape", [(8, 2, 64, 16), (4, 4, 128, 32)], ids=["g4-d64-b16", "g1-d128-b32"])
+def test_engine_steps(shape, kv_cache_dtype, device):
+    hq, hkv, d, block = shape
+    splits, engine, kv_cache, impl = run_steps(STEPS, hq, hkv, d, block, kv_cache_dtype, device)
+    # vLLM's split, as the kernels took it: step 0 a's 21-token chunk and b's 9 are prefills, c's 1-token prompt a
+    # decode; step 1 a's second chunk a prefill beside two decodes; step 3 d's 40-token prompt beside two
+    assert splits == [(1, 2, 1), (2, 1, 1), (3, 0, 1), (2, 1, 1), (4, 0, 1)]
+    # every request's rows sit at its blocks' slots, in order, where vLLM's layout puts them (the layer cache
+    # [block, head, slot, K then V]: other engine parts, a KV connector or another backend, read them there); bf16
+    # bit for bit the rows given, fp8 as quantised at the scales
+    raw = kv_cache.view(torch.uint8) if kv_cache_dtype != "auto" else kv_cache
+    for r, (kk, vv) in engine.kv.items():
+        pos = torch.arange(kk.shape[0])
+        blk = torch.tensor(engine.blocks[r])[pos // block]
+        rows = raw[blk.to(device), :, (pos % block).to(device)].cpu()  # [L, Hkv, 2 * D]
+        want_k, want_v = (kk, vv) if kv_cache_dtype == "auto" else (
+            quantised(kk, 1 / 40, FP8).view(torch.uint8), quantised(vv, 1 / 56, FP8).view(torch.uint8))
+        assert torch.equal(rows[..., :d], want_k) and torch.equal(rows[..., d:], want_v), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_engine_steps_qwen3_dims(kv_cache_dtype, device):
+    """Qwen3-30B-A3B's attention (32 q / 4 kv heads of 128) at vLLM's block 64, a 3000-token prompt in two chunks
+    beside short requests' decodes, then mixed decodes: the decode plan and the Gluon / Triton kernels the GPU
+    picks, through the adapter."""
+    steps = [[("s1", 1), ("s2", 200), ("long", 2048)],
+             [("s1", 1), ("s2", 1), ("long", 952)],
+             [("long", 1), ("s1", 1), ("s2", 1), ("s3", 700)],
+             [("long", 1), ("s1", 1), ("s2", 1), ("s3", 1)]]
+    splits, *_ = run_steps(steps, 32, 4, 128, 64, kv_cache_dtype, device, pad=5, num_blocks=96, max_blocks=64)
+    assert splits == [(1, 2, 1), (2, 1, 1), (3, 1, 1), (4, 0, 1)]
+
+
+def test_uniform_multirow_decodes(device):
+    """Decodes of 3 rows each (a verification of 2 speculative tokens): one plan at q_len 3; a batch whose short
+    requests differ in length sends the odd one to the prefill kernel (vLLM's require_uniform split)."""
+    steps = [[("a", 30), ("b", 12)], [("a", 3), ("b", 3)], [("a", 3), ("b", 2), ("c", 5)]]
+    splits, *_ = run_steps(steps, 8, 2, 64, 16, device=device, threshold=3)
+    assert splits == [(0, 2, 1), (2, 0, 3), (1, 2, 3)]
+
+
+def test_padding_rows(device):
+    """A captured batch's padding rows (past num_actual_tokens) are neither stored nor written."""
+    run_steps(STEPS[:3], 8, 2, 64, 16, pad=3, device=device)
+
+
+def test_plugin_entry_point():
+    """vLLM's plugin loader finds evenflow's entry point (the package's metadata), and calling it registers the
+    backend under the name a config takes."""
+    from vllm.config.attention import AttentionConfig
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+
+    plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+    assert plugins["evenflow"] is ev_vllm.register
+    plugins["evenflow"]()
+    assert AttentionConfig(backend="EVENFLOW").backend.get_class() is ev_vllm.EvenflowAttentionBackend
+
+
+def test_registry_and_validation():
+    ev_vllm.register()
+    ev_vllm.register()  # idempotent
+    be = AttentionBackendEnum["EVENFLOW"]
+    assert be.get_class() is ev_vllm.EvenflowAttentionBackend
+    cls = ev_vllm.EvenflowAttentionBackend
+    assert cls.get_name() == "EVENFLOW"
+    from vllm.platforms.interface import DeviceCapability
+
+    ok = dict(head_size=128, dtype=BF16, kv_cache_dtype="auto", block_size=64, use_mla=False, has_sink=False,
+              use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+              device_capability=DeviceCapability(9, 0), attn_type="decoder")
+    assert cls.validate_configuration(**ok) == []
+    for change, reason in [(dict(head_size=96), "head_size"), (dict(dtype=torch.float16), "dtype"),
+                           (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"), (dict(block_size=8), "block_size"),
+                           (dict(block_size=48), "block_size"), (dict(use_mla=True), "MLA"),
+                           (dict(has_sink=True), "sink")]:
+        reasons = cls.validate_configuration(**{**ok, **change})
+        assert any(reason in r for r in reasons), (change, reasons)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(sliding_window=128), "sliding window"),
+    (dict(alibi_slopes=[0.5] * 8), "ALiBi"),
+    (dict(logits_soft_cap=30.0), "softcapping"),
+    (dict(attn_type="encoder_only"), "attention type"),
+    (dict(head_size=96), "head_size 96"),
+    (dict(num_kv_heads=3), "GQA"),
+    (dict(num_heads=64, num_kv_heads=2), "GQA"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"),
+    (dict(sinks=torch.zeros(8)), "sinks"),
+])
+def test_impl_refusals(kwargs, named):
+    args = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2)
+    args.update(kwargs)
+    with pytest.raises(NotImplementedError, match=named):
+        ev_vllm.EvenflowAttentionImpl(**args)
+
+
+def test_builder_and_forward_refusals(device):
+    cfg = config(device=device)
+    with pytest.raises(ValueError, match="block sizes"):
+        ev_vllm.EvenflowMetadataBuilder(FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=64, dtype=BF16),
+                                        ["l"], cfg, torch.device(device))
+    _, spec, builder, impl, _ = backend_parts(8, 2, 64, 16, device=device)
+    engine = Engine(cfg, spec, 8, 4, device)
+    cm = engine.step([("a", 1), ("b", 0)])  # a full graph's zero-length padding request
+    with pytest.raises(ValueError, match="one query length"):
+        builder.build(0, cm)
+    cm = engine.step([("c", 5)])
+    cm.causal = False
+    with pytest.raises(NotImplementedError, match="causal"):
+        builder.build(0, cm)
+    q = torch.zeros(1, 8, 64, dtype=BF16, device=device)
+    with pytest.raises(NotImplementedError, match="output quantisation"):
+        impl.forward(Layer(), q, None, None, None, None, output=q, output_scale=torch.ones(1))
+    out = torch.full_like(q, 7.0)
+    assert impl.forward(Layer(), q, None, None, None, None, output=out) is out  # the profiling run: no batch
+    assert (out == 7).all()
