@@ -242,9 +242,15 @@ def test_padding_rows(device):
 def test_plugin_entry_point():
     """vLLM's plugin loader finds evenflow's entry point (the package's metadata), and calling it registers the
     backend under the name a config takes."""
+    import importlib.metadata
+
     from vllm.config.attention import AttentionConfig
     from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
 
+    try:
+        importlib.metadata.distribution("evenflow")
+    except importlib.metadata.PackageNotFoundError:  # sources on PYTHONPATH (the GPU machine): no package metadata
+        pytest.skip("evenflow is not installed as a package here (make env installs it): no entry points to find")
     plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
     assert plugins["evenflow"] is ev_vllm.register
     plugins["evenflow"]()
