@@ -434,8 +434,8 @@ def test_store_kv_places_each_row_and_rounds_once(device):
     """``store_kv``: bit for bit the prologue's store oracle (``store_kv_ref``, each token at its position's page
     and offset, divided by the scale, fp8 saturated at 448) given positions that are the slots on an identity page
     table, so every other slot untouched), also into the K / V halves of one [pages, P, H, 2 * D] buffer (an engine's
-    layout, whose pages and slots merge); bad slots named under check_inputs; a view whose pages and slots do not
-    merge (HND) refused."""
+    layout) and into HND views; negative slots (an engine's padding rows) not written; slots past the cache named
+    under check_inputs."""
     from evenflow.attention.prologue import store_kv
     from evenflow.reference.prologue import store_kv_ref
 
@@ -461,10 +461,17 @@ def test_store_kv_places_each_row_and_rounds_once(device):
         store_kv(k.to(device), v.to(device), both[..., :D], both[..., D:], slots.to(device), k_scale=scale,
                  v_scale=scale)
         assert torch.equal(both.cpu().view(torch.uint8), torch.cat([want_k, want_v], -1).view(torch.uint8))
+        hnd_k = before.transpose(1, 2).contiguous().transpose(1, 2)  # [pages, P, H, D] over an HND buffer
+        hnd_v = hnd_k.clone().transpose(1, 2).contiguous().transpose(1, 2)
+        padded = torch.cat([slots, torch.tensor([-1, -7])]).to(device)  # two padding rows, written nowhere
+        store_kv(torch.cat([k, k[:2] * 2]).to(device), torch.cat([v, v[:2] * 2]).to(device), hnd_k, hnd_v, padded,
+                 k_scale=scale, v_scale=scale)
+        for got, want in ((hnd_k, want_k), (hnd_v, want_v)):
+            assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
     kc = torch.zeros(4, P, H, D, dtype=torch.bfloat16, device=device)
-    with pytest.raises(ValueError, match=r"slots\[1\] = 64 outside \[0, 64\)"):
+    with pytest.raises(ValueError, match=r"slots\[1\] = 64 past the cache's 64 slots"):
         store_kv(k.to(device), v.to(device), kc, kc.clone(), torch.tensor([0, 64, 1, 2], device=device),
                  check_inputs=True)
-    with pytest.raises(ValueError, match="k_cache's page stride 2048 is not its page size 16 times its slot stride 64"):
-        hnd = torch.zeros(4, H, P, D, dtype=torch.bfloat16, device=device).transpose(1, 2)
-        store_kv(k.to(device), v.to(device), hnd, hnd.clone(), slots.to(device))
+    kc.zero_()  # past the cache: nothing written without check_inputs either (no sync to raise)
+    store_kv(k.to(device), v.to(device), kc, kc.clone(), torch.tensor([0, 64, 1, 2], device=device))
+    assert int((kc.cpu().view(-1, H, D).abs().sum((1, 2)) != 0).sum()) == 3

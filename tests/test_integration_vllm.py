@@ -28,11 +28,11 @@ FP8_MAX = 448.0
 
 
 class Layer:
-    """What vLLM's Attention layer hands the impl: its K / V scales (fp32 tensors of one element)."""
+    """What vLLM's Attention layer hands the impl: its K / V scales (0-d fp32 tensors, as vLLM makes them)."""
 
     def __init__(self, k_scale=1.0, v_scale=1.0, device="cpu"):
-        self._k_scale = torch.tensor([k_scale], dtype=torch.float32, device=device)
-        self._v_scale = torch.tensor([v_scale], dtype=torch.float32, device=device)
+        self._k_scale = torch.tensor(k_scale, dtype=torch.float32, device=device)
+        self._v_scale = torch.tensor(v_scale, dtype=torch.float32, device=device)
         self._k_scale_float, self._v_scale_float = float(k_scale), float(v_scale)
 
 
@@ -48,21 +48,23 @@ def layer_cache(num_blocks, block, hkv, d, dtype, device):
 
 
 class Engine:
-    """The engine's bookkeeping for a few requests: blocks (random order, block 0 never used), each request's K / V
-    rows so far (the oracle's), and one CommonAttentionMetadata a step."""
+    """The engine's bookkeeping for a few requests: blocks (random order, block 0 never used), each layer's K / V
+    rows of each request so far (the oracle's), and one CommonAttentionMetadata a step (its block table's unused
+    entries stale block ids, its slot mapping ``pad`` entries of -1 longer than the step's tokens, as vLLM pads it)."""
 
     def __init__(self, cfg, spec, num_blocks, max_blocks, device, seed=0):
         self.cfg, self.spec, self.device = cfg, spec, device
         self.g = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(num_blocks - 1, generator=self.g) + 1).tolist()
+        self.num_blocks = num_blocks
         self.max_blocks = max_blocks
         self.blocks: dict[str, list[int]] = {}
-        self.kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kv: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def length(self, r):
-        return 0 if r not in self.kv else self.kv[r][0].shape[0]
+        return 0 if (0, r) not in self.kv else self.kv[0, r][0].shape[0]
 
-    def step(self, sched):
+    def step(self, sched, pad=0):
         """``sched``: [(request, new tokens)], decodes first as vLLM's reorder leaves them. Returns the metadata."""
         P = self.spec.block_size
         starts, slots, lens, table = [0], [], [], []
@@ -74,7 +76,8 @@ class Engine:
             slots += [blocks[p // P] * P + p % P for p in range(old, old + n)]
             starts.append(starts[-1] + n)
             lens.append(old + n)
-            table.append(blocks + [0] * (self.max_blocks - len(blocks)))
+            stale = torch.randint(0, self.num_blocks, (self.max_blocks - len(blocks),), generator=self.g).tolist()
+            table.append(blocks + stale)
         dev = self.device
         qsl = torch.tensor(starts, dtype=torch.int32)
         return CommonAttentionMetadata(
@@ -82,15 +85,15 @@ class Engine:
                                                                                           device=dev),
             num_reqs=len(sched), num_actual_tokens=starts[-1], max_query_len=max(n for _, n in sched),
             max_seq_len=max(lens), block_table_tensor=torch.tensor(table, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev))
+            slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev))
 
-    def append(self, sched, k, v):
+    def append(self, sched, k, v, layer=0):
         at = 0
         for r, n in sched:
             kk, vv = k[at:at + n].cpu(), v[at:at + n].cpu()
-            if r in self.kv:
-                kk, vv = torch.cat([self.kv[r][0], kk]), torch.cat([self.kv[r][1], vv])
-            self.kv[r] = (kk, vv)
+            if (layer, r) in self.kv:
+                kk, vv = torch.cat([self.kv[layer, r][0], kk]), torch.cat([self.kv[layer, r][1], vv])
+            self.kv[layer, r] = (kk, vv)
             at += n
 
 
@@ -101,7 +104,7 @@ def quantised(x, scale, kv_dtype):
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def expected(engine, sched, q, kv_dtype, k_scale, v_scale, sm_scale):
+def expected(engine, sched, q, kv_dtype, k_scale, v_scale, sm_scale, layer=0):
     """fp64 oracle and fp32 baseline of the step, from the test's own rows: each request's rows laid in one
     contiguous page table of a fresh cache (no vLLM layout, no slot arithmetic)."""
     P = engine.spec.block_size
@@ -114,7 +117,7 @@ def expected(engine, sched, q, kv_dtype, k_scale, v_scale, sm_scale):
     table = torch.zeros(len(reqs), max(pages), dtype=torch.int32)
     at = 0
     for i, r in enumerate(reqs):
-        kk, vv = engine.kv[r]
+        kk, vv = engine.kv[layer, r]
         flat_k, flat_v = k_c.view(-1, hkv, d), v_c.view(-1, hkv, d)
         flat_k[at * P:at * P + lens[i]] = quantised(kk, k_scale, kv_dtype)
         flat_v[at * P:at * P + lens[i]] = quantised(vv, v_scale, kv_dtype)
@@ -157,53 +160,56 @@ STEPS = [
 
 
 def run_steps(steps, hq, hkv, d, block, kv_cache_dtype="auto", device="cpu", pad=0, threshold=None, seed=0,
-              num_blocks=24, max_blocks=8):
+              num_blocks=24, max_blocks=8, layers=2):
+    """The steps through the backend as vLLM's model runner drives it: one build a step, then each layer's forward
+    (its own cache and rows, the plan shared), every layer's output checked against the oracle."""
     cfg, spec, builder, impl, kv_dtype = backend_parts(hq, hkv, d, block, kv_cache_dtype, device)
     if threshold is not None:  # as a speculative config makes it (1 + num_speculative_tokens)
         builder.reorder_batch_threshold = threshold
     k_scale, v_scale = (1 / 40, 1 / 56) if kv_dtype == FP8 else (1.0, 1.0)
     layer = Layer(k_scale, v_scale, device)
-    kv_cache = layer_cache(num_blocks, block, hkv, d, kv_dtype, device)
+    caches = [layer_cache(num_blocks, block, hkv, d, kv_dtype, device) for _ in range(layers)]
     engine = Engine(cfg, spec, num_blocks, max_blocks, device, seed)
     g = torch.Generator().manual_seed(seed + 1)
     splits = []
     for i, sched in enumerate(steps):
-        cm = engine.step(sched)
+        cm = engine.step(sched, pad)
         m = builder.build(0, cm)
         splits.append((m.num_decodes, m.num_prefills, m.decode_query_len))
         T = cm.num_actual_tokens
-        q = torch.randn(T + pad, hq, d, generator=g).to(BF16).to(device)
-        k = (torch.randn(T + pad, hkv, d, generator=g) * 2).to(BF16).to(device)
-        v = torch.randn(T + pad, hkv, d, generator=g).to(BF16).to(device)
-        engine.append(sched, k, v)
-        out = torch.full((T + pad, hq, d), float("nan"), dtype=BF16, device=device)
-        before = kv_cache.clone()
-        res = impl.forward(layer, q, k, v, kv_cache, m, output=out)
-        assert res is out
-        ref, base = expected(engine, sched, q[:T], kv_dtype, k_scale, v_scale, impl.scale)
-        assert_within_rule(out[:T].cpu(), ref, base, what=f"step {i} {sched}")
-        # the cache changed at this step's slots only, by exactly the stored rows
-        changed = (kv_cache.view(torch.uint8) != before.view(torch.uint8)).flatten(1).any(1)  # per block
-        touched = set((cm.slot_mapping // block).tolist())
-        assert set(changed.nonzero().flatten().tolist()) <= touched, f"step {i}: a block outside the step changed"
-        if pad:
-            assert torch.isnan(out[T:].float()).all(), f"step {i}: padding rows of the output were written"
-    return splits, engine, kv_cache, impl
+        for li, kv_cache in enumerate(caches):
+            q = torch.randn(T + pad, hq, d, generator=g).to(BF16).to(device)
+            k = (torch.randn(T + pad, hkv, d, generator=g) * 2).to(BF16).to(device)
+            v = torch.randn(T + pad, hkv, d, generator=g).to(BF16).to(device)
+            engine.append(sched, k, v, li)
+            out = torch.full((T + pad, hq, d), float("nan"), dtype=BF16, device=device)
+            before = kv_cache.clone()
+            res = impl.forward(layer, q, k, v, kv_cache, m, output=out)
+            assert res is out
+            ref, base = expected(engine, sched, q[:T], kv_dtype, k_scale, v_scale, impl.scale, li)
+            assert_within_rule(out[:T].cpu(), ref, base, what=f"step {i} layer {li} {sched}")
+            # the cache changed in this step's blocks only (padding rows, slot -1, stored nowhere)
+            changed = (kv_cache.view(torch.uint8) != before.view(torch.uint8)).flatten(1).any(1)  # per block
+            touched = set((cm.slot_mapping[:T] // block).tolist())
+            assert set(changed.nonzero().flatten().tolist()) <= touched, f"step {i}: a block outside it changed"
+            if pad:
+                assert torch.isnan(out[T:].float()).all(), f"step {i}: padding rows of the output were written"
+    return splits, engine, caches, impl
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 @pytest.mark.parametrize("shape", [(8, 2, 64, 16), (4, 4, 128, 32)], ids=["g4-d64-b16", "g1-d128-b32"])
 def test_engine_steps(shape, kv_cache_dtype, device):
     hq, hkv, d, block = shape
-    splits, engine, kv_cache, impl = run_steps(STEPS, hq, hkv, d, block, kv_cache_dtype, device)
+    splits, engine, caches, impl = run_steps(STEPS, hq, hkv, d, block, kv_cache_dtype, device)
     # vLLM's split, as the kernels took it: step 0 a's 21-token chunk and b's 9 are prefills, c's 1-token prompt a
     # decode; step 1 a's second chunk a prefill beside two decodes; step 3 d's 40-token prompt beside two
     assert splits == [(1, 2, 1), (2, 1, 1), (3, 0, 1), (2, 1, 1), (4, 0, 1)]
     # every request's rows sit at its blocks' slots, in order, where vLLM's layout puts them (the layer cache
     # [block, head, slot, K then V]: other engine parts, a KV connector or another backend, read them there); bf16
     # bit for bit the rows given, fp8 as quantised at the scales
-    raw = kv_cache.view(torch.uint8) if kv_cache_dtype != "auto" else kv_cache
-    for r, (kk, vv) in engine.kv.items():
+    for (li, r), (kk, vv) in engine.kv.items():
+        raw = caches[li].view(torch.uint8) if kv_cache_dtype != "auto" else caches[li]
         pos = torch.arange(kk.shape[0])
         blk = torch.tensor(engine.blocks[r])[pos // block]
         rows = raw[blk.to(device), :, (pos % block).to(device)].cpu()  # [L, Hkv, 2 * D]
@@ -235,13 +241,31 @@ def test_uniform_multirow_decodes(device):
 
 
 def test_padding_rows(device):
-    """A captured batch's padding rows (past num_actual_tokens) are neither stored nor written."""
+    """A captured batch's padding rows (past num_actual_tokens, their slots -1) are neither stored nor written."""
     run_steps(STEPS[:3], 8, 2, 64, 16, pad=3, device=device)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_dummy_batch(kv_cache_dtype, device):
+    """vLLM's warm-up and idle-rank dummy runs: a built batch whose every slot is -1 (vLLM's dummy slot mapping).
+    It runs, stores nothing, and gives finite rows (whatever the cache held)."""
+    cfg, spec, builder, impl, kv_dtype = backend_parts(8, 2, 64, 16, kv_cache_dtype, device)
+    engine = Engine(cfg, spec, 8, 4, device)
+    cm = engine.step([("a", 1), ("b", 1), ("c", 6)])
+    cm.slot_mapping.fill_(-1)
+    m = builder.build(0, cm)
+    kv_cache = layer_cache(8, 16, 2, 64, kv_dtype, device)
+    before = kv_cache.clone()
+    q = torch.randn(8, 8, 64, device=device).to(BF16)
+    k, v = torch.randn(2, 8, 2, 64, device=device).to(BF16)
+    out = impl.forward(Layer(1 / 40, 1 / 56, device), q, k, v, kv_cache, m, output=torch.empty_like(q))
+    assert torch.equal(kv_cache.view(torch.uint8), before.view(torch.uint8))
+    assert torch.isfinite(out.float()).all()
+
+
 def test_plugin_entry_point():
-    """vLLM's plugin loader finds evenflow's entry point (the package's metadata), and calling it registers the
-    backend under the name a config takes."""
+    """vLLM's plugin loader finds evenflow's entry point (the package's metadata), and calling it makes the CUSTOM
+    backend a config names evenflow's."""
     import importlib.metadata
 
     from vllm.config.attention import AttentionConfig
@@ -254,16 +278,35 @@ def test_plugin_entry_point():
     plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
     assert plugins["evenflow"] is ev_vllm.register
     plugins["evenflow"]()
-    assert AttentionConfig(backend="EVENFLOW").backend.get_class() is ev_vllm.EvenflowAttentionBackend
+    assert AttentionConfig(backend="CUSTOM").backend.get_class() is ev_vllm.EvenflowAttentionBackend
+
+
+def test_config_crosses_a_spawned_process():
+    """A config naming the backend pickles into a process started by spawn (vLLM's engine core and workers) and
+    reads there before anything of evenflow's is imported: the CUSTOM member exists in every process."""
+    import pickle
+    import subprocess
+    import sys
+
+    from vllm.config.attention import AttentionConfig
+
+    ev_vllm.register()
+    blob = pickle.dumps(AttentionConfig(backend="CUSTOM"))
+    code = ("import pickle, sys; c = pickle.loads(sys.stdin.buffer.read()); "
+            "assert 'evenflow' not in sys.modules; print(c.backend.name)")
+    r = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert r.stdout.decode().split()[-1] == "CUSTOM"
 
 
 def test_registry_and_validation():
     ev_vllm.register()
     ev_vllm.register()  # idempotent
-    be = AttentionBackendEnum["EVENFLOW"]
+    be = AttentionBackendEnum["CUSTOM"]
     assert be.get_class() is ev_vllm.EvenflowAttentionBackend
     cls = ev_vllm.EvenflowAttentionBackend
-    assert cls.get_name() == "EVENFLOW"
+    assert cls.get_name() == "CUSTOM"  # the layer looks its backend up by this name
+    assert not cls.supports_device_cpu_query_lens_mismatch()
     from vllm.platforms.interface import DeviceCapability
 
     ok = dict(head_size=128, dtype=BF16, kv_cache_dtype="auto", block_size=64, use_mla=False, has_sink=False,
@@ -313,6 +356,6 @@ def test_builder_and_forward_refusals(device):
     q = torch.zeros(1, 8, 64, dtype=BF16, device=device)
     with pytest.raises(NotImplementedError, match="output quantisation"):
         impl.forward(Layer(), q, None, None, None, None, output=q, output_scale=torch.ones(1))
-    out = torch.full_like(q, 7.0)
+    out = torch.full_like(q, float("nan"))
     assert impl.forward(Layer(), q, None, None, None, None, output=out) is out  # the profiling run: no batch
-    assert (out == 7).all()
+    assert (out == 0).all()  # zeros, as vLLM's own backends give, not the buffer's garbage

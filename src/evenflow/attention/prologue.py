@@ -264,31 +264,32 @@ def _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T: int)
 def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check_inputs: bool = False) -> None:
     """Write token rows into the paged caches, for callers whose K and V are already normed and rotated (an engine's
     own attention module): ``k`` / ``v`` ``[N, Hkv, D]`` (bf16 or fp32) go to the flat slots ``slots`` ``[N]`` int64
-    (``page * P + offset``) of ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]`` (contiguous, or any view whose
-    page stride is P times its slot stride, so that pages and slots are one flat dimension: e.g. the K or V half of
-    an engine's ``[num_pages, P, Hkv, 2 * D]`` buffer), divided by the scale
-    and cast to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first). Two indexed
-    copies (and the quantisation's element-wise steps for an fp8 or scaled cache); no host sync. A slot outside the
-    cache fails the copy (a device-side assert on a GPU): ``check_inputs=True`` checks them on the host first (one
-    sync). Rows sharing a slot leave one of them there, which one unspecified."""
+    (``page * P + offset``) of ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]`` (any strides with a unit last
+    one: contiguous, HND views, the K or V half of an engine's ``[num_pages, P, Hkv, 2 * D]`` buffer), divided by the
+    scale and cast to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first): the
+    quantisation's element-wise steps (for an fp8 or scaled cache) and one copy kernel; no host sync. A negative slot
+    is a padding row (vLLM marks them -1): not written. A slot past the cache is not written either (no sync to report
+    it): ``check_inputs=True`` raises for it on the host first (one sync). Rows sharing a slot leave one of them
+    there, which one unspecified."""
     dev = k.device
     num_pages, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if num_pages > 1 and c.stride(0) != P * c.stride(1):
-            raise ValueError(f"{name}'s page stride {c.stride(0)} is not its page size {P} times its slot stride "
-                             f"{c.stride(1)}: store_kv writes its flat [num_pages * P, Hkv, D] view")
     check_tensor("k", k, dtypes=[torch.bfloat16, torch.float32], shape=[None, Hkv, D], device=dev)
     check_tensor("v", v, dtypes=[k.dtype], shape=list(k.shape), device=dev)
     check_tensor("slots", slots, dtypes=[torch.int64], shape=[k.shape[0]], device=dev)
     check_bool("check_inputs", check_inputs)
+    capacity = num_pages * P
     if check_inputs and slots.numel() and _runtime.host_sync_allowed(slots):
         s = slots.cpu()
-        bad = ((s < 0) | (s >= num_pages * P)).nonzero()
+        bad = (s >= capacity).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
-            raise ValueError(f"slots[{i}] = {int(s[i])} outside [0, {num_pages * P}) (pages x page size)")
+            raise ValueError(f"slots[{i}] = {int(s[i])} past the cache's {capacity} slots (pages x page size)")
+    N = k.shape[0]
+    block_h = min(triton.next_power_of_2(Hkv), max(1, 4096 // D))
     for x, cache, name, s in ((k, k_cache, "k_scale", k_scale), (v, v_cache, "v_scale", v_scale)):
         s_t, s_f = _scale_arg(name, s, dev)
+        if N == 0:
+            continue
         if cache.dtype == x.dtype and s is None:
             val = x
         else:
@@ -300,6 +301,8 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
             if cache.dtype == FP8:
                 val = val.clamp(-FP8_MAX, FP8_MAX)
             val = val.to(cache.dtype)
-        if cache.dtype == FP8:  # (index_copy_ has no fp8 kernels: the same bytes as uint8)
-            cache, val = cache.view(torch.uint8), val.view(torch.uint8)
-        cache.flatten(0, 1).index_copy_(0, slots, val)  # a view: dims 0 and 1 merge (checked above)
+        bits = torch.uint8 if cache.dtype == FP8 else torch.int16  # the copy moves raw bits
+        val, dst = val.contiguous().view(bits), cache.view(bits)
+        PK.copy_rows_to_slots_kernel[(N, triton.cdiv(Hkv, block_h))](
+            val, dst, slots, capacity, P, val.stride(0), dst.stride(0), dst.stride(1), dst.stride(2),
+            HKV=Hkv, D=D, BLOCK_H=block_h)

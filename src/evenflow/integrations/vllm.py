@@ -4,9 +4,13 @@ math: it maps vLLM's batch metadata and KV cache onto :func:`evenflow.decode_att
 :func:`evenflow.attention.prologue.store_kv`.
 
     import evenflow.integrations.vllm as ev_vllm
-    ev_vllm.register()   # before the config names it; the package's "vllm.general_plugins" entry point calls it in
-                         # vLLM's worker processes and before ``vllm serve`` parses --attention-backend EVENFLOW
-    llm = vllm.LLM(model, dtype="bfloat16", block_size=64, attention_config={"backend": "EVENFLOW"})
+    ev_vllm.register()   # vLLM's CUSTOM backend -> evenflow's (the package's "vllm.general_plugins" entry point also
+                         # calls it in every vLLM process: worker processes, ``vllm serve``)
+    llm = vllm.LLM(model, dtype="bfloat16", block_size=64, attention_config={"backend": "CUSTOM"})
+
+The backend takes vLLM's ``CUSTOM`` slot, the one vLLM keeps for out-of-tree backends: a name of its own would be a
+new member of vLLM's backend enum, which pickles by value and so cannot be read in a process started by spawn (a
+worker, an engine core) before the plugin has run there.
 
 What vLLM hands the backend, and what it does with it (vLLM 0.34's ``vllm.v1.attention.backend`` interface):
 
@@ -51,13 +55,13 @@ try:
         AttentionType,
         CommonAttentionMetadata,
     )
-    from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+    from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers, split_decodes_and_prefills
     from vllm.v1.kv_cache_layout import KVCacheLayout
 except ImportError as e:  # vLLM missing, or older than the v1 backend interface this module is written against
     raise ImportError(f"evenflow.integrations.vllm needs vLLM >= 0.34 (its vllm.v1.attention backend interface): {e}") \
         from e
 
-NAME = "EVENFLOW"
+NAME = "CUSTOM"  # vLLM's AttentionBackendEnum member for an out-of-tree backend (the layer looks get_name() up)
 BLOCK_SIZES = (16, 32, 64, 128)
 MAX_DECODE_QUERY_LEN = 4  # decode_attention's q_len: one new token, or a speculative verification's rows
 _FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
@@ -65,14 +69,13 @@ _KV_CACHE_DTYPES = ("auto", "bfloat16", *_FP8_CACHE_DTYPES)
 
 
 def register() -> None:
-    """Register the backend with vLLM under the name ``"EVENFLOW"`` (select it with ``attention_config={"backend":
-    "EVENFLOW"}`` or ``--attention-backend EVENFLOW``). Idempotent; the ``vllm.general_plugins`` entry point calls it
-    in every vLLM process."""
+    """Make vLLM's ``CUSTOM`` attention backend evenflow's (select it with ``attention_config={"backend": "CUSTOM"}``
+    or ``--attention-backend CUSTOM``). Idempotent; the ``vllm.general_plugins`` entry point calls it in every vLLM
+    process."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    path = f"{EvenflowAttentionBackend.__module__}.{EvenflowAttentionBackend.__qualname__}"
-    # a name seen before is a member of vLLM's enum: override that member (a new name would be refused)
-    register_backend(AttentionBackendEnum[NAME] if NAME in AttentionBackendEnum.__members__ else NAME, path)
+    register_backend(AttentionBackendEnum.CUSTOM,
+                     f"{EvenflowAttentionBackend.__module__}.{EvenflowAttentionBackend.__qualname__}")
 
 
 @dataclass
@@ -111,8 +114,9 @@ class EvenflowMetadataBuilder(AttentionMetadataBuilder[EvenflowMetadata]):
             raise ValueError(f"the {NAME} attention backend takes block sizes {list(BLOCK_SIZES)}, got "
                              f"{kv_cache_spec.block_size}")
         self.max_batch = vllm_config.scheduler_config.max_num_seqs
-        mc = vllm_config.model_config
-        self.num_q_heads = None if mc is None else mc.get_num_attention_heads(vllm_config.parallel_config)
+        # these layers' q heads (a model's layers may differ, and the plan is told its calls' count), None if vLLM
+        # holds no such layers (a builder made outside an engine): the plan is then told nothing
+        self.num_q_heads = get_num_attention_heads_from_layers(vllm_config, layer_names)
         self.kv_dtype = torch.float8_e4m3fn if kv_cache_spec.dtype in (torch.float8_e4m3fn, torch.uint8) \
             else torch.bfloat16
         self._plans: dict[tuple[int, int], evenflow.DecodePlan] = {}
@@ -206,8 +210,8 @@ class EvenflowAttentionImpl(AttentionImpl[EvenflowMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError(f"the {NAME} attention backend has no fused output quantisation")
         m = attn_metadata
-        if m is None:  # vLLM's profiling run: no batch, nothing to attend
-            return output
+        if m is None:  # vLLM's profiling run: no batch, nothing to attend (zeros, as vLLM's own backends give)
+            return output.fill_(0)
         k_cache, v_cache = self._caches(kv_cache)
         k_scale, v_scale = self._scales(layer)
         nd, n = m.num_decode_tokens, m.num_actual_tokens
@@ -254,7 +258,11 @@ class EvenflowAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or block_size in BLOCK_SIZES  # the kernels' page is vLLM's block, not a divisor
+        return block_size is None or block_size in BLOCK_SIZES  # the decode plan's page is the cache's block
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False  # the decode / prefill split and the decodes' query length are read from the CPU copy
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
