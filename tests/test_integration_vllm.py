@@ -36,10 +36,11 @@ class Layer:
         self._k_scale_float, self._v_scale_float = float(k_scale), float(v_scale)
 
 
-def layer_cache(num_blocks, block, hkv, d, dtype, device):
+def layer_cache(num_blocks, block, hkv, d, dtype, device, layout=KVCacheLayout.LBNHC):
     """One layer's KV cache as vLLM 0.34 hands it to a backend: the logical [num_blocks, Hkv, block, 2 * D] view of
-    a buffer laid out as the backend asked (LBNHC: a block's slots, then heads), fp8 allocated as bytes."""
-    order = KVCacheLayout.LBNHC.layer_view_order
+    a buffer laid out as ``layout`` says (LBNHC, the backend's ask: a block's slots, then heads), fp8 allocated as
+    bytes."""
+    order = layout.layer_view_order
     logical = (num_blocks, hkv, block, 2 * d)
     phys = torch.randn([logical[i] for i in order], device=device).to(BF16)  # stale contents, as a reused pool has
     if dtype == FP8:
@@ -160,7 +161,7 @@ STEPS = [
 
 
 def run_steps(steps, hq, hkv, d, block, kv_cache_dtype="auto", device="cpu", pad=0, threshold=None, seed=0,
-              num_blocks=24, max_blocks=8, layers=2):
+              num_blocks=24, max_blocks=8, layers=2, layout=KVCacheLayout.LBNHC):
     """The steps through the backend as vLLM's model runner drives it: one build a step, then each layer's forward
     (its own cache and rows, the plan shared), every layer's output checked against the oracle."""
     cfg, spec, builder, impl, kv_dtype = backend_parts(hq, hkv, d, block, kv_cache_dtype, device)
@@ -168,7 +169,7 @@ def run_steps(steps, hq, hkv, d, block, kv_cache_dtype="auto", device="cpu", pad
         builder.reorder_batch_threshold = threshold
     k_scale, v_scale = (1 / 40, 1 / 56) if kv_dtype == FP8 else (1.0, 1.0)
     layer = Layer(k_scale, v_scale, device)
-    caches = [layer_cache(num_blocks, block, hkv, d, kv_dtype, device) for _ in range(layers)]
+    caches = [layer_cache(num_blocks, block, hkv, d, kv_dtype, device, layout) for _ in range(layers)]
     engine = Engine(cfg, spec, num_blocks, max_blocks, device, seed)
     g = torch.Generator().manual_seed(seed + 1)
     splits = []
@@ -238,6 +239,13 @@ def test_uniform_multirow_decodes(device):
     steps = [[("a", 30), ("b", 12)], [("a", 3), ("b", 3)], [("a", 3), ("b", 2), ("c", 5)]]
     splits, *_ = run_steps(steps, 8, 2, 64, 16, device=device, threshold=3)
     assert splits == [(0, 2, 1), (2, 0, 3), (1, 2, 3)]
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.LHBNC], ids=lambda x: x.name)
+def test_other_cache_layouts(layout, device):
+    """A layout set on vLLM's cache config over the backend's ask (heads before slots: HND-like K / V views; heads
+    outermost, blocks inside them): the same schedule, the same checks."""
+    run_steps(STEPS[:4], 8, 2, 64, 16, "fp8_e4m3", device, layout=layout, layers=1)
 
 
 def test_padding_rows(device):

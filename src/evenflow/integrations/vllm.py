@@ -24,8 +24,9 @@ What vLLM hands the backend, and what it does with it (vLLM 0.34's ``vllm.v1.att
   each request's cached prefix: chunked prefill and prefix-cache hits) on the rest, writing into vLLM's output
   buffer.
 - The KV cache: vLLM's per-layer tensor ``[num_blocks, Hkv, block_size, 2 * D]`` (K then V in the last dimension),
-  laid out ``LBNHC`` (a block's slots, then heads: :meth:`EvenflowAttentionBackend.supported_kv_cache_layouts`), so
-  that K and V are ``[num_blocks, block_size, Hkv, D]`` views whose blocks and slots are one flat dimension.
+  read in place as K and V ``[num_blocks, block_size, Hkv, D]`` views (the kernels take any strides with a unit last
+  one, so any of vLLM's layouts; ``LBNHC``, a block's slots then heads, is the one asked for:
+  :meth:`EvenflowAttentionBackend.supported_kv_cache_layouts`).
 
 What it takes: decoder self-attention, bf16 models, head_dim 64 / 128 / 256, a GQA group of at most 16, block sizes
 16 / 32 / 64 / 128, a KV cache of ``auto`` / ``bfloat16`` / ``fp8`` / ``fp8_e4m3``. What it refuses, naming the cause:
@@ -270,7 +271,7 @@ class EvenflowAttentionBackend(AttentionBackend):
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
-        return capability.major >= 9  # Hopper: what the kernels are built and measured for
+        return capability.major == 9  # Hopper: what the kernels (the fp8 ones in Gluon, for sm_90) are built for
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
