@@ -324,7 +324,9 @@ def test_registry_and_validation():
     for change, reason in [(dict(head_size=96), "head_size"), (dict(dtype=torch.float16), "dtype"),
                            (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype"), (dict(block_size=8), "block_size"),
                            (dict(block_size=48), "block_size"), (dict(use_mla=True), "MLA"),
-                           (dict(has_sink=True), "sink")]:
+                           (dict(has_sink=True), "sink"),
+                           (dict(device_capability=DeviceCapability(10, 0)), "compute capability"),
+                           (dict(device_capability=DeviceCapability(8, 0)), "compute capability")]:
         reasons = cls.validate_configuration(**{**ok, **change})
         assert any(reason in r for r in reasons), (change, reasons)
 
