@@ -233,6 +233,46 @@ def test_engine_steps_qwen3_dims(kv_cache_dtype, device):
     assert splits == [(1, 2, 1), (2, 1, 1), (3, 1, 1), (4, 0, 1)]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_through_vllms_attention_layer(kv_cache_dtype, device):
+    """vLLM's own Attention layer built on the backend (as a model's attention module builds it) and called as the
+    model runner calls it: the flat [T, heads * D] q / k / v, the step's metadata and slot mapping in vLLM's forward
+    context, the cache bound to the layer. Its output is the oracle's within the rule, step after step."""
+    from vllm.config import CacheConfig, set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    hq, hkv, d, block = 8, 2, 64, 16
+    cfg = VllmConfig(device_config=DeviceConfig(device=device),
+                     cache_config=CacheConfig(block_size=block, cache_dtype=kv_cache_dtype),
+                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=1024,
+                                                      is_encoder_decoder=False))
+    name = "model.layers.0.self_attn.attn"
+    with set_current_vllm_config(cfg):
+        attn = Attention(hq, d, 0.2, hkv, cache_config=cfg.cache_config, prefix=name,
+                         attn_backend=ev_vllm.EvenflowAttentionBackend).to(device)
+        kv_dtype = FP8 if kv_cache_dtype == "fp8" else BF16
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=hkv, head_size=d, dtype=kv_dtype)
+        builder = ev_vllm.EvenflowMetadataBuilder(spec, [name], cfg, torch.device(device))
+    assert isinstance(attn.impl, ev_vllm.EvenflowAttentionImpl) and builder.num_q_heads == hq  # from the layer
+    attn.kv_cache = layer_cache(24, block, hkv, d, kv_dtype, device)
+    k_scale, v_scale = (0.05, 0.03) if kv_dtype == FP8 else (1.0, 1.0)  # as a checkpoint's scales set them
+    attn._k_scale.fill_(k_scale)
+    attn._v_scale.fill_(v_scale)
+    engine = Engine(cfg, spec, 24, 8, device)
+    g = torch.Generator().manual_seed(5)
+    for i, sched in enumerate(STEPS[:4]):
+        cm = engine.step(sched, pad=2)
+        T = cm.num_actual_tokens
+        q, k, v = (torch.randn(T + 2, h * d, generator=g).to(BF16).to(device) for h in (hq, hkv, hkv))
+        engine.append(sched, k.view(-1, hkv, d), v.view(-1, hkv, d))
+        with set_forward_context({name: builder.build(0, cm)}, cfg, slot_mapping={name: cm.slot_mapping}):
+            out = attn(q, k, v)
+        assert out.shape == (T + 2, hq * d)
+        ref, base = expected(engine, sched, q[:T].view(T, hq, d), kv_dtype, k_scale, v_scale, 0.2)
+        assert_within_rule(out[:T].view(T, hq, d).cpu(), ref, base, what=f"step {i} {sched}")
+
+
 def test_uniform_multirow_decodes(device):
     """Decodes of 3 rows each (a verification of 2 speculative tokens): one plan at q_len 3; a batch whose short
     requests differ in length sends the odd one to the prefill kernel (vLLM's require_uniform split)."""
