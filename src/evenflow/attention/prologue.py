@@ -59,7 +59,6 @@ from evenflow.attention.decode import _scale_arg, check_kv_cache
 from evenflow.attention.plan import Q_DTYPES
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value: the store saturates there
 ROPE_STYLES = ("neox", "gptj")
 # heads a program takes: about 2048 elements of each operand (fewer programs at small D, no spills at large)
 _BLOCK_ELEMS = 2048
@@ -266,8 +265,8 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
     own attention module): ``k`` / ``v`` ``[N, Hkv, D]`` (bf16 or fp32) go to the flat slots ``slots`` ``[N]`` int64
     (``page * P + offset``) of ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]`` (any strides with a unit last
     one: contiguous, HND views, the K or V half of an engine's ``[num_pages, P, Hkv, 2 * D]`` buffer), divided by the
-    scale and cast to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first): the
-    quantisation's element-wise steps (for an fp8 or scaled cache) and one copy kernel; no host sync. A negative slot
+    scale and cast to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first), one kernel
+    each for K and V (the prologue's store step); no host sync. A negative slot
     is a padding row (vLLM marks them -1): not written. A slot past the cache is not written either (no sync to report
     it): ``check_inputs=True`` raises for it on the host first (one sync). Rows sharing a slot leave one of them
     there, which one unspecified."""
@@ -290,19 +289,8 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
         s_t, s_f = _scale_arg(name, s, dev)
         if N == 0:
             continue
-        if cache.dtype == x.dtype and s is None:
-            val = x
-        else:
-            val = x.float()
-            if s_t is not None:
-                val = val / s_t
-            elif s_f != 1.0:
-                val = val / s_f
-            if cache.dtype == FP8:
-                val = val.clamp(-FP8_MAX, FP8_MAX)
-            val = val.to(cache.dtype)
-        bits = torch.uint8 if cache.dtype == FP8 else torch.int16  # the copy moves raw bits
-        val, dst = val.contiguous().view(bits), cache.view(bits)
-        PK.copy_rows_to_slots_kernel[(N, triton.cdiv(Hkv, block_h))](
-            val, dst, slots, capacity, P, val.stride(0), dst.stride(0), dst.stride(1), dst.stride(2),
-            HKV=Hkv, D=D, BLOCK_H=block_h)
+        x = x.contiguous()
+        PK.store_rows_kernel[(N, triton.cdiv(Hkv, block_h))](
+            x, cache, slots, s_t if s_t is not None else x, s_f, capacity, P, x.stride(0), cache.stride(0),
+            cache.stride(1), cache.stride(2), HKV=Hkv, D=D, BLOCK_H=block_h, SCALE_T=s_t is not None,
+            KV_FP8=cache.dtype == FP8, FP8_ROUND=_runtime.fp8_cast_needs_rounding())

@@ -91,7 +91,7 @@ class EvenflowMetadata(AttentionMetadata):
     max_query_len: int
     seq_lens: torch.Tensor  # [num_reqs] int32, each request's cached tokens including this step's
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32
-    slot_mapping: torch.Tensor  # [num_actual_tokens] int64
+    slot_mapping: torch.Tensor  # int64, num_actual_tokens entries (then -1 for a captured batch's padding rows)
     decode_query_len: int = 1
     plan: evenflow.DecodePlan | None = None
     prefill_cu_seqlens: torch.Tensor | None = None  # [num_prefills + 1] int32
