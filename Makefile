@@ -19,6 +19,10 @@ endif
 VLLM    := "vllm==0.34.0" psutil pyzmq urllib3 aiohttp multidict attrs yarl propcache aiohappyeyeballs aiosignal \
            frozenlist requests certifi pybase64 cachetools cbor2 msgspec cloudpickle uvloop py-cpuinfo \
            prometheus-client llguidance xgrammar "apache-tvm-ffi==0.1.15.post2" einops
+# SGLang for its adapter's tests, the same way: the wheel and the modules its import chain reaches on the way to the
+# attention-backend interface (on the CPU without torchvision: tests/tests_support_engines.import_sglang says why).
+SGLANG  := "sglang==0.5.23" orjson starlette ipython traitlets dill sentencepiece compressed-tensors loguru gguf \
+           openai sniffio partial-json-parser
 # pytest workers: the interpreter is CPU-bound, one worker per core.
 JOBS    ?= $(shell $(PY) -c 'import os; print(max(1, min(4, os.cpu_count() or 1)))')
 
@@ -30,6 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	$(BIN)/python -m pip install -q --no-deps $(VLLM)
+	$(BIN)/python -m pip install -q --no-deps $(SGLANG)
 	touch $@
 
 env: $(STAMP)

@@ -20,11 +20,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 import evenflow.integrations.vllm as ev_vllm  # noqa: E402
-from evenflow.reference.attention import prefill_attention_ref  # noqa: E402
 from evenflow.testing import assert_within_rule  # noqa: E402
-
-BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
-FP8_MAX = 448.0
+from tests_support_engines import BF16, FP8, FP8_MAX, quantised, step_oracle  # noqa: E402
 
 
 class Layer:
@@ -98,40 +95,10 @@ class Engine:
             at += n
 
 
-def quantised(x, scale, kv_dtype):
-    """The rows as the cache holds them: fp8 at the per-tensor scale (as the store quantises), or as given."""
-    if kv_dtype != FP8:
-        return x
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
 def expected(engine, sched, q, kv_dtype, k_scale, v_scale, sm_scale, layer=0):
-    """fp64 oracle and fp32 baseline of the step, from the test's own rows: each request's rows laid in one
-    contiguous page table of a fresh cache (no vLLM layout, no slot arithmetic)."""
-    P = engine.spec.block_size
-    reqs = [r for r, _ in sched]
-    lens = [engine.length(r) for r in reqs]
-    pages = [math.ceil(L / P) for L in lens]
-    hkv, d = engine.spec.num_kv_heads, engine.spec.head_size
-    k_c = torch.zeros(sum(pages), P, hkv, d, dtype=kv_dtype)
-    v_c = torch.zeros_like(k_c)
-    table = torch.zeros(len(reqs), max(pages), dtype=torch.int32)
-    at = 0
-    for i, r in enumerate(reqs):
-        kk, vv = engine.kv[layer, r]
-        flat_k, flat_v = k_c.view(-1, hkv, d), v_c.view(-1, hkv, d)
-        flat_k[at * P:at * P + lens[i]] = quantised(kk, k_scale, kv_dtype)
-        flat_v[at * P:at * P + lens[i]] = quantised(vv, v_scale, kv_dtype)
-        table[i, :pages[i]] = torch.arange(at, at + pages[i])
-        at += pages[i]
-    cu = torch.tensor([0] + torch.tensor([n for _, n in sched]).cumsum(0).tolist(), dtype=torch.int32)
-    sl = torch.tensor(lens, dtype=torch.int32)
-    kw = dict(k_scale=k_scale if kv_dtype == FP8 else None, v_scale=v_scale if kv_dtype == FP8 else None,
-              sm_scale=sm_scale)
-    ref, _ = prefill_attention_ref(q.cpu(), k_c, v_c, cu, table, sl, **kw)
-    base, _ = prefill_attention_ref(q.cpu(), k_c, v_c, cu, table, sl, dtype=torch.float32, p_dtype=BF16,
-                                    out_dtype=BF16, **kw)
-    return ref, base
+    """The step's fp64 oracle and fp32 baseline from the test's own rows of each request (tests_support_engines)."""
+    return step_oracle([engine.kv[layer, r] for r, _ in sched], [n for _, n in sched], q, engine.spec.block_size,
+                       kv_dtype, k_scale, v_scale, sm_scale)
 
 
 def config(max_num_seqs=8, device="cpu"):

@@ -1,0 +1,242 @@
+"""SGLang adapter: evenflow's paged decode and prefill attention as an SGLang attention backend. It holds no math: it
+maps SGLang's batch (``ForwardBatch``), its request-to-token table and its token-granular KV pool onto
+:func:`evenflow.decode_attention` (on a :class:`evenflow.DecodePlan` updated once a step and shared by every layer)
+and :func:`evenflow.prefill_attention`; SGLang's own pool stores the K / V rows.
+
+    import evenflow.integrations.sglang as ev_sglang
+    ev_sglang.register()   # the package's "sglang.srt.plugins" entry point also calls it in every SGLang process
+    # python -m sglang.launch_server --model-path ... --attention-backend evenflow --page-size 64
+
+What SGLang hands the backend, and what it does with it (SGLang 0.5.23's ``AttentionBackend`` interface):
+
+- ``init_forward_metadata`` once a step. The page table is read from SGLang's request-to-token table: with a page
+  size of P, SGLang's paged allocator gives each request whole pages of P consecutive slots, so request r's page i is
+  ``req_to_token[r, i * P] // P`` (one gather and a division on the device). A decode step (one new token a request)
+  then updates the DecodePlan from the requests' lengths (one small kernel, no host sync). An extend step (prefill,
+  chunked prefill, prefix-cache hits, and SGLang's MIXED batches, whose decodes are one-token extends) makes the
+  query offsets from the extend lengths.
+- Each layer's ``forward_decode`` / ``forward_extend`` hands the step's K / V rows to SGLang's pool
+  (``set_kv_buffer`` at the batch's ``out_cache_loc``: bf16, or fp8 e4m3 at the layer's ``k_scale`` / ``v_scale``,
+  as SGLang stores them for every backend), then runs the decode kernel (every request one row) or the prefill
+  kernel (causal over each request's cached prefix) on the pool's buffers in place, read as pages
+  ``[num_pages, P, Hkv, D]``.
+- CUDA graphs (SGLang's decode graphs): ``init_cuda_graph_state`` sizes the plan for the largest captured batch;
+  the page-table gather and the plan's update are the graph-recordable part (``init_forward_metadata_in_graph``),
+  so a replay rebuilds both from the batch SGLang copied into its static buffers. Padded rows (request 0, length
+  ``get_cuda_graph_seq_len_fill_value()`` = 1) read SGLang's padding page and are discarded by SGLang.
+
+What it takes: decoder self-attention of MHA / GQA models (SGLang's ``MHATokenToKVPool`` in its NHD layout), bf16
+activations, head_dim 64 / 128 / 256, a GQA group of at most 16, page sizes 16 / 32 / 64 / 128 (``--page-size``;
+SGLang's default of 1 is refused by name), a KV cache of bf16 or ``fp8_e4m3``. What it refuses, naming the cause:
+MLA, sliding windows (and SGLang's hybrid SWA pools), logit capping, cross-attention and encoder-only layers,
+differing K / V head dims, the quantised-pool formats (FP4, MXFP8), the HND pool layout, speculative decoding's
+verify and draft modes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import evenflow
+from evenflow.attention.plan import HEAD_DIMS, MAX_GQA_GROUP
+
+try:
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc, MHATokenToKVPool
+except ImportError as e:  # SGLang missing, or without the backend interface this module is written against
+    raise ImportError(f"evenflow.integrations.sglang needs SGLang >= 0.5.23 (its AttentionBackend interface): {e}") \
+        from e
+
+NAME = "evenflow"  # the --attention-backend name register() adds
+PAGE_SIZES = (16, 32, 64, 128)
+CUDA_GRAPH_SEQ_LEN_FILL = 1  # a captured batch's padded rows: request 0 (SGLang's padding row), one token
+
+
+def register() -> None:
+    """Add ``evenflow`` to SGLang's attention backends (``--attention-backend evenflow``, or ``--decode-attention-
+    backend`` / ``--prefill-attention-backend``). Idempotent; the ``sglang.srt.plugins`` entry point calls it in
+    every SGLang process (scheduler, workers)."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    register_attention_backend(NAME)(EvenflowSGLangBackend)
+    if NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([NAME])
+
+
+@dataclass
+class EvenflowSGLangMetadata:
+    """One step's batch as the kernels take it: the page table and lengths of every request; a decode step's plan,
+    or an extend step's query offsets and longest extend."""
+
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32: each request's cached tokens, this step's included
+    plan: evenflow.DecodePlan | None = None
+    cu_seqlens_q: torch.Tensor | None = None  # [B + 1] int32 (extend)
+    max_seqlen_q: int = 0
+
+
+def _q_heads_of(model) -> int | None:
+    """The q heads per rank of the model's attention layers, where they all agree (the plan is told it), else
+    None."""
+    heads = {m.tp_q_head_num for m in model.modules() if isinstance(m, RadixAttention)} if model is not None else ()
+    return heads.pop() if len(heads) == 1 else None
+
+
+class EvenflowSGLangBackend(AttentionBackend):
+    """evenflow's balanced decode and paged prefill attention for SGLang (see the module docstring)."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        pool = model_runner.token_to_kv_pool
+        mc = model_runner.model_config
+        page = getattr(model_runner, "page_size", 1) or 1
+        refusals = [what for what, bad in (
+            ("MLA models", getattr(mc, "attention_arch", None) == AttentionArch.MLA),
+            ("encoder-decoder models", getattr(mc, "is_encoder_decoder", False)),
+            (f"sliding-window models (sliding_window_size {getattr(model_runner, 'sliding_window_size', None)})",
+             getattr(model_runner, "sliding_window_size", None) is not None),
+            (f"KV pool {type(pool).__name__} (takes SGLang's MHATokenToKVPool)", type(pool) is not MHATokenToKVPool),
+            (f"page size {page} (takes --page-size {' / '.join(map(str, PAGE_SIZES))})", page not in PAGE_SIZES),
+        ) if bad]
+        if not refusals:
+            refusals = [what for what, bad in (
+                (f"the pool's {pool.kv_cache_layout!r} layout (takes 'nhd')", pool.kv_cache_layout != "nhd"),
+                ("a quantised pool format", pool.is_quantized_kv_cache),
+                (f"KV cache dtype {pool.dtype} (takes bf16, float8_e4m3fn)",
+                 pool.dtype not in (torch.bfloat16, torch.float8_e4m3fn)),
+                (f"head_dim {pool.head_dim} (takes {list(HEAD_DIMS)})", pool.head_dim not in HEAD_DIMS),
+                (f"a V head dim {pool.v_head_dim} unlike K's {pool.head_dim}", pool.v_head_dim != pool.head_dim),
+                (f"a pool of {pool.size} slots plus a padding page, not whole pages of {page}",
+                 (pool.size + page) % page != 0),
+            ) if bad]
+        if refusals:
+            raise NotImplementedError(f"the {NAME} attention backend does not take " + "; ".join(refusals))
+        self.device = torch.device(model_runner.device)
+        self.page_size = page
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = pool
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token  # [rows, max_context_len] int32 slots
+        self.kv_dtype = pool.dtype
+        self.num_kv_heads, self.head_dim = pool.head_num, pool.head_dim
+        self.num_q_heads = _q_heads_of(getattr(model_runner, "model", None))
+        self.max_seq_len = -(-self.req_to_token.shape[1] // page) * page
+        self._plan_batch = model_runner.req_to_token_pool.size
+        self.plan: evenflow.DecodePlan | None = None
+        self.forward_metadata: EvenflowSGLangMetadata | None = None
+
+    # --- metadata -----------------------------------------------------------------------------------------------
+
+    def _decode_plan(self) -> evenflow.DecodePlan:
+        if self.plan is None or self.plan.max_batch < self._plan_batch:
+            self.plan = evenflow.DecodePlan(self._plan_batch, self.max_seq_len, self.num_kv_heads,
+                                            page_size=self.page_size, q_len=1, device=self.device,
+                                            kv_dtype=self.kv_dtype, num_q_heads=self.num_q_heads,
+                                            head_dim=self.head_dim, q_dtype=torch.bfloat16)
+        return self.plan
+
+    def _page_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
+        """Each request's pages, in order: the first slot of every P-token run of its row, over P."""
+        return self.req_to_token[:, ::self.page_size][req_pool_indices.long()] // self.page_size
+
+    @staticmethod
+    def _check_mode(forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend() or \
+                getattr(forward_batch, "spec_info", None) is not None:
+            raise NotImplementedError(f"the {NAME} attention backend has no speculative-decoding or dLLM modes "
+                                      f"(forward mode {mode.name})")
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """The host-side part: an extend step's metadata (its longest extend is read on the host). A decode step's
+        is all on the device (:meth:`init_forward_metadata_in_graph`)."""
+        self._check_mode(forward_batch)
+        mode = forward_batch.forward_mode
+        if mode.is_idle() or mode.is_decode():
+            return
+        ext = forward_batch.extend_seq_lens
+        cu = torch.zeros(ext.shape[0] + 1, dtype=torch.int32, device=ext.device)
+        cu[1:] = torch.cumsum(ext, 0)
+        lens_cpu = forward_batch.extend_seq_lens_cpu
+        longest = max(lens_cpu) if lens_cpu is not None and len(lens_cpu) else int(ext.max()) if ext.numel() else 0
+        self.forward_metadata = EvenflowSGLangMetadata(
+            page_table=self._page_table(forward_batch.req_pool_indices),
+            seq_lens=forward_batch.seq_lens.to(torch.int32), cu_seqlens_q=cu, max_seqlen_q=int(longest))
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """The device-side part of a decode step: the page table and the plan's update (recorded in a captured
+        decode graph, replayed on the batch SGLang copies into its static buffers)."""
+        if not forward_batch.forward_mode.is_decode():
+            return
+        seq_lens = forward_batch.seq_lens.to(torch.int32)
+        self.forward_metadata = EvenflowSGLangMetadata(
+            page_table=self._page_table(forward_batch.req_pool_indices), seq_lens=seq_lens,
+            plan=self._decode_plan().update(seq_lens))
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        """Decode graphs up to ``max_bs`` requests: the plan sized for them (built now, outside any capture)."""
+        self._plan_batch = max(self._plan_batch, int(max_bs))
+        self._decode_plan()
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return CUDA_GRAPH_SEQ_LEN_FILL
+
+    # --- layers -------------------------------------------------------------------------------------------------
+
+    def _check_layer(self, layer, kwargs) -> None:
+        refusals = [what for what, bad in (
+            (f"attention type {layer.attn_type} (decoder self-attention only)",
+             layer.attn_type != AttentionType.DECODER or layer.is_cross_attention),
+            (f"a sliding window ({layer.sliding_window_size})", layer.sliding_window_size not in (None, -1)),
+            (f"logit capping ({layer.logit_cap})", bool(layer.logit_cap)),
+            (f"{layer.tp_q_head_num} q heads over {layer.tp_k_head_num} kv heads (a GQA group of 1-{MAX_GQA_GROUP})",
+             layer.tp_q_head_num % layer.tp_k_head_num != 0
+             or layer.tp_q_head_num // layer.tp_k_head_num > MAX_GQA_GROUP),
+            (f"layer head dims {layer.qk_head_dim} / {layer.v_head_dim} over a pool of {self.head_dim}",
+             layer.qk_head_dim != self.head_dim or layer.v_head_dim != self.head_dim),
+        ) if bad] + [f"argument {k}={v!r}" for k, v in kwargs.items() if v is not None and v is not False]
+        if refusals:
+            raise NotImplementedError(f"the {NAME} attention backend does not take " + "; ".join(refusals) +
+                                      f" (layer {layer.layer_id})")
+
+    def _store_and_caches(self, k, v, layer, forward_batch, save_kv_cache):
+        """The step's K / V rows into SGLang's pool (its own store), then the layer's buffers as pages, and the
+        per-tensor scales the pool stored them at (fp8; None, 1.0, for bf16 or a layer without scales)."""
+        pool = self.token_to_kv_pool
+        if save_kv_cache and k is not None and v is not None:
+            pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
+        shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
+        k_cache = pool.get_key_buffer(layer.layer_id).view(shape)
+        v_cache = pool.get_value_buffer(layer.layer_id).view(shape)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            return k_cache, v_cache, layer.k_scale_float, layer.v_scale_float
+        return k_cache, v_cache, None, None
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        self._check_layer(layer, kwargs)
+        m = self.forward_metadata
+        if m is None or m.plan is None:
+            raise RuntimeError(f"the {NAME} attention backend: forward_decode before a decode step's "
+                               "init_forward_metadata")
+        k_cache, v_cache, ks, vs = self._store_and_caches(k, v, layer, forward_batch, save_kv_cache)
+        q3 = q.reshape(-1, layer.tp_q_head_num, self.head_dim)
+        out = q3.new_empty(q3.shape)
+        evenflow.decode_attention(q3, k_cache, v_cache, m.page_table, m.seq_lens, plan=m.plan, k_scale=ks,
+                                  v_scale=vs, sm_scale=layer.scaling, out=out)
+        return out.view(q3.shape[0], -1)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        self._check_layer(layer, kwargs)
+        m = self.forward_metadata
+        if m is None or m.cu_seqlens_q is None:
+            raise RuntimeError(f"the {NAME} attention backend: forward_extend before an extend step's "
+                               "init_forward_metadata")
+        k_cache, v_cache, ks, vs = self._store_and_caches(k, v, layer, forward_batch, save_kv_cache)
+        q3 = q.reshape(-1, layer.tp_q_head_num, self.head_dim)
+        out = q3.new_empty(q3.shape)
+        evenflow.prefill_attention(q3, k_cache, v_cache, m.cu_seqlens_q, m.page_table, m.seq_lens, m.max_seqlen_q,
+                                   k_scale=ks, v_scale=vs, sm_scale=layer.scaling, out=out)
+        return out.view(q3.shape[0], -1)

@@ -1,0 +1,107 @@
+"""Shared by the engine adapters' tests (vLLM, SGLang): the fp64 oracle of one step's attention, computed from the K /
+V rows a test kept for every request (not from the engine's cache), the rows as an fp8 cache holds them, and SGLang's
+import."""
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import math
+import sys
+import types
+
+import torch
+
+from evenflow.reference.attention import prefill_attention_ref
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantised(x, scale, kv_dtype):
+    """The rows as the cache holds them: fp8 at the per-tensor scale (as a store quantises), or as given."""
+    if kv_dtype != FP8:
+        return x
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def step_oracle(rows, new_tokens, q, page, kv_dtype, k_scale, v_scale, sm_scale, store=quantised):
+    """fp64 oracle and fp32 baseline (bf16 P and output) of one step: request i's cached rows ``rows[i]`` (K, V
+    ``[L_i, Hkv, D]``, this step's included) laid in one contiguous page table of a fresh cache (no engine layout,
+    no slot arithmetic), its last ``new_tokens[i]`` rows the queries ``q`` (all requests' in order). ``store``: the
+    rows as the engine's cache holds them (``quantised``'s rounding, or the engine's own, at the scales)."""
+    lens = [k.shape[0] for k, _ in rows]
+    pages = [math.ceil(L / page) for L in lens]
+    hkv, d = rows[0][0].shape[1:]
+    k_c = torch.zeros(sum(pages), page, hkv, d, dtype=kv_dtype)
+    v_c = torch.zeros_like(k_c)
+    table = torch.zeros(len(rows), max(pages), dtype=torch.int32)
+    flat_k, flat_v = k_c.view(-1, hkv, d), v_c.view(-1, hkv, d)
+    at = 0
+    for i, (kk, vv) in enumerate(rows):
+        flat_k[at * page:at * page + lens[i]] = store(kk, k_scale, kv_dtype)
+        flat_v[at * page:at * page + lens[i]] = store(vv, v_scale, kv_dtype)
+        table[i, :pages[i]] = torch.arange(at, at + pages[i])
+        at += pages[i]
+    cu = torch.tensor([0] + torch.tensor(new_tokens).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(k_scale=k_scale if kv_dtype == FP8 else None, v_scale=v_scale if kv_dtype == FP8 else None,
+              sm_scale=sm_scale)
+    ref, _ = prefill_attention_ref(q.cpu(), k_c, v_c, cu, table, sl, **kw)
+    base, _ = prefill_attention_ref(q.cpu(), k_c, v_c, cu, table, sl, dtype=torch.float32, p_dtype=BF16,
+                                    out_dtype=BF16, **kw)
+    return ref, base
+
+
+class _Inert(types.ModuleType):
+    """A placeholder module: any attribute is another placeholder; calling one raises (nothing under test may)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Inert(f"{self.__name__}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.__name__} is a test placeholder for a missing torchvision: it was called")
+
+
+class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _Inert(spec.name)
+
+    def exec_module(self, module):
+        module.__path__ = []
+
+
+def import_sglang() -> bool:
+    """Import SGLang's modules the SGLang adapter and its tests use, and the adapter; False if SGLang is missing.
+
+    SGLang's config package imports its multimodal configs, and they import torchvision at module level; SGLang's
+    attention interface never calls it. torchvision has no build for a CPU-only torch on the package index CI uses
+    (its wheels link CUDA), so where it is not installed it is served, for this import only, as inert placeholder
+    modules that raise if called; the import hook and the modules are removed afterwards, so nothing else sees a
+    torchvision. transformers' availability check, which SGLang's import also reaches, is asked first, so it
+    caches the truth (absent)."""
+    if importlib.util.find_spec("sglang") is None:
+        return False
+    finder = None
+    if importlib.util.find_spec("torchvision") is None:
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available()
+        finder = _InertFinder()
+        sys.meta_path.insert(0, finder)
+    try:
+        importlib.import_module("sglang.srt.layers.attention.attention_registry")
+        importlib.import_module("sglang.srt.model_executor.model_runner_components.attention_backend_setup")
+        importlib.import_module("sglang.srt.model_executor.forward_context")
+        importlib.import_module("evenflow.integrations.sglang")
+    finally:
+        if finder is not None:
+            sys.meta_path.remove(finder)
+            for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+                del sys.modules[name]
+    return True
