@@ -263,6 +263,16 @@ def test_registration():
     backend = _build_full_attention_backend_from_str(model_runner=eng.runner(), backend_str="evenflow",
                                                      init_new_workspace=False)
     assert isinstance(backend, ev_sglang.EvenflowSGLangBackend)
+    # SGLang's command line takes the name (its launcher loads the plugins before it parses)
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(["--model-path", "m", "--attention-backend", "evenflow", "--page-size", "64",
+                              "--decode-attention-backend", "evenflow"])
+    assert (args.attention_backend, args.decode_attention_backend, args.page_size) == ("evenflow", "evenflow", 64)
 
 
 def test_plugin_entry_point():
