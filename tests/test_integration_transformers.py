@@ -127,13 +127,13 @@ def _fp8_experts(device, **kw):
 
     cfg = tiny_config(hidden_size=256, moe_intermediate_size=128, num_experts=4)
     module = FP8Experts(cfg, block_size=(128, 128), **kw)
-    ew = random_moe_weights("fp8_block", 4, 256, 128, generator=torch.Generator().manual_seed(3))
+    ew = random_moe_weights("fp8_block", 4, 256, 128, device,  # (a holder is made on the device kernels run on)
+                            generator=torch.Generator(device=device).manual_seed(3))
     with torch.no_grad():
         for name, t in (("gate_up_proj", ew.w13), ("gate_up_proj_scale_inv", ew.w13_scale), ("down_proj", ew.w2),
                         ("down_proj_scale_inv", ew.w2_scale)):
             getattr(module, name).copy_(t)
-    return module.to(device), evenflow.MoEWeights.fp8_block(*(t.to(device) for t in (ew.w13, ew.w2, ew.w13_scale,
-                                                                                     ew.w2_scale)))
+    return module.to(device), ew
 
 
 def test_fp8_block_experts_map_onto_evenflows_holder(device):

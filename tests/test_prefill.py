@@ -193,14 +193,15 @@ def test_after_the_prologue(device):
     sl = torch.tensor([33, 47], dtype=torch.int32, device=device)
     o = evenflow.prefill_attention(q, args["k_cache"], args["v_cache"], args["cu_seqlens_q"], args["page_table"], sl,
                                    20)
-    common = (args["positions"], args["page_table"], args["cu_seqlens_q"])
-    rq, rk, rv = qk_norm_rope_ref(args["qkv"], args["positions"], args["cos_sin"], 2, 64, qw, kw)
+    a = {k: v.cpu() for k, v in args.items()}  # the oracles on the host
+    qw, kw, kc0, vc0, sl = qw.cpu(), kw.cpu(), kc0.cpu(), vc0.cpu(), sl.cpu()
+    common = (a["positions"], a["page_table"], a["cu_seqlens_q"])
+    rq, rk, rv = qk_norm_rope_ref(a["qkv"], a["positions"], a["cos_sin"], 2, 64, qw, kw)
     rkc, rvc = store_kv_ref(kc0.double(), vc0.double(), rk, rv, *common)
-    ref, _ = prefill_attention_ref(rq, rkc, rvc, args["cu_seqlens_q"], args["page_table"], sl)
-    bq, bk, bv = qk_norm_rope_ref(args["qkv"], args["positions"], args["cos_sin"], 2, 64, qw, kw,
-                                  dtype=torch.float32)
+    ref, _ = prefill_attention_ref(rq, rkc, rvc, a["cu_seqlens_q"], a["page_table"], sl)
+    bq, bk, bv = qk_norm_rope_ref(a["qkv"], a["positions"], a["cos_sin"], 2, 64, qw, kw, dtype=torch.float32)
     bkc, bvc = store_kv_ref(kc0, vc0, bk, bv, *common)
-    base, _ = prefill_attention_ref(bq.to(BF16), bkc, bvc, args["cu_seqlens_q"], args["page_table"], sl,
+    base, _ = prefill_attention_ref(bq.to(BF16), bkc, bvc, a["cu_seqlens_q"], a["page_table"], sl,
                                     dtype=torch.float32, p_dtype=BF16, out_dtype=BF16)
     assert_within_rule(o.cpu(), ref, base, what="prefill after the prologue")
 

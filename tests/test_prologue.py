@@ -29,7 +29,7 @@ def make_inputs(new, prefix, hq, hkv, d, page, kv_dtype=BF16, pad=0, rotary_dim=
     pt = tables[0]
     T = sum(new) + pad
     width = (hq + 2 * hkv) * d
-    qkv = (torch.randn(T, width + row_pad, generator=g) * 2).to(BF16)[:, :width]
+    qkv = (torch.randn(T, width + row_pad, generator=g) * 2).to(BF16)  # sliced on the device (a copy to it packs rows)
     cu = torch.tensor([0] + [sum(new[:b + 1]) for b in range(B)], dtype=torch.int32)
     pos = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, new)] + [torch.full((pad,), 3)]).to(pos_dtype)
     r = d if rotary_dim is None else rotary_dim
@@ -44,7 +44,7 @@ def make_inputs(new, prefix, hq, hkv, d, page, kv_dtype=BF16, pad=0, rotary_dim=
     qw = (torch.rand(d, generator=g) + 0.5).to(BF16)
     kw = (torch.rand(d, generator=g) + 0.5).float()
     to = dict(device=device)
-    return dict(qkv=qkv.to(**to), positions=pos.to(**to), cos_sin=cos_sin.to(**to), k_cache=kc.to(**to),
+    return dict(qkv=qkv.to(**to)[:, :width], positions=pos.to(**to), cos_sin=cos_sin.to(**to), k_cache=kc.to(**to),
                 v_cache=vc.to(**to), page_table=pt.to(**to), cu_seqlens_q=cu.to(**to)), qw.to(**to), kw.to(**to)
 
 
