@@ -7,7 +7,8 @@ entries in the request-to-token rows past each request). Each step's output is c
 (evenflow.testing) against the fp64 oracle over the K / V rows the test kept for every request: the page table's
 derivation from SGLang's slots, the lengths, the decode / extend paths and the plan all have to be right for it to
 pass. (SGLang's import chain loads its multimodal configs, which import torchvision; where torchvision is not
-installed, tests_support_engines.import_sglang serves it as an inert placeholder during that import only.)"""
+installed, tests_support_engines.import_sglang serves it as an inert placeholder during that import only, and
+likewise SGLang's CUDA kernel package on a GPU machine without it.)"""
 import math
 from types import SimpleNamespace
 

@@ -60,12 +60,15 @@ class _Inert(types.ModuleType):
         return _Inert(f"{self.__name__}.{name}")
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self.__name__} is a test placeholder for a missing torchvision: it was called")
+        raise RuntimeError(f"{self.__name__} is a test placeholder for a missing package: it was called")
 
 
 class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, roots):
+        self.roots = roots
+
     def find_spec(self, name, path, target=None):
-        if name == "torchvision" or name.startswith("torchvision."):
+        if name.split(".")[0] in self.roots:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -79,20 +82,23 @@ class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def import_sglang() -> bool:
     """Import SGLang's modules the SGLang adapter and its tests use, and the adapter; False if SGLang is missing.
 
-    SGLang's config package imports its multimodal configs, and they import torchvision at module level; SGLang's
-    attention interface never calls it. torchvision has no build for a CPU-only torch on the package index CI uses
-    (its wheels link CUDA), so where it is not installed it is served, for this import only, as inert placeholder
-    modules that raise if called; the import hook and the modules are removed afterwards, so nothing else sees a
-    torchvision. transformers' availability check, which SGLang's import also reaches, is asked first, so it
-    caches the truth (absent)."""
+    SGLang's import chain reaches two packages its attention interface never calls: torchvision (its multimodal
+    configs import it at module level) and, on a CUDA machine, its CUDA kernel package sgl_kernel (its quantisation
+    schemes import it at module level). torchvision has no build for a CPU-only torch on the package index CI uses
+    (its wheels link CUDA), and sgl_kernel's wheel is far larger than what a GPU call of ours carries; so where one is
+    not installed it is served, for this import only, as inert placeholder modules that raise if called (a test
+    reaching one fails, naming it); the import hook and the modules are removed afterwards, so nothing else sees
+    them. transformers' torchvision check, which SGLang's import also reaches, is asked first, so it caches the
+    truth (absent)."""
     if importlib.util.find_spec("sglang") is None:
         return False
+    missing = [m for m in ("torchvision", "sgl_kernel") if importlib.util.find_spec(m) is None]
     finder = None
-    if importlib.util.find_spec("torchvision") is None:
+    if missing:
         from transformers.utils import import_utils
 
         import_utils.is_torchvision_available()
-        finder = _InertFinder()
+        finder = _InertFinder(set(missing))
         sys.meta_path.insert(0, finder)
     try:
         importlib.import_module("sglang.srt.layers.attention.attention_registry")
@@ -102,6 +108,6 @@ def import_sglang() -> bool:
     finally:
         if finder is not None:
             sys.meta_path.remove(finder)
-            for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            for name in [n for n in sys.modules if n.split(".")[0] in finder.roots]:
                 del sys.modules[name]
     return True
