@@ -14,7 +14,6 @@ Diagnostic evidence for the perf notes, not a result file of record.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 
@@ -22,25 +21,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe as M  # noqa: E402  (benchmarks/moe.py: cases, weights, routing, impls)
-
-
-def kernel_times(fns, reps: int) -> tuple[list[tuple[str, float]], float]:
-    """[(kernel name, mean device us per call)] in launch order, and their sum."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for f in fns:  # compile and warm up outside the trace
-        f()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for r in range(reps):
-            fns[r % len(fns)]()
-        torch.cuda.synchronize()
-    total = collections.OrderedDict()
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            total[ev.name] = total.get(ev.name, 0.0) + ev.device_time
-    rows = [(name, t / reps) for name, t in total.items()]
-    return rows, sum(t for _, t in rows)
 
 
 def main(argv=None) -> None:
@@ -65,7 +45,7 @@ def main(argv=None) -> None:
             for impl in a.impls.split(","):
                 try:
                     fns = [M.build_impl(impl, wc, case, a)(*inp) for wc, inp in zip(copies, inputs)]
-                    rows, ksum = kernel_times(fns, a.reps)
+                    rows, ksum = H.kernel_times(fns, a.reps)
                     graph_us = H.time_graph(fns)
                 except Exception as e:  # a peer that cannot run is reported, not fatal
                     print(f"{case_name}/{variant} T={batch} {impl}: {type(e).__name__}: {e}"[:300])

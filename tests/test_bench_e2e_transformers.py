@@ -39,10 +39,12 @@ def test_every_impl_runs_a_step_and_agrees(bench, device):
 
 def test_speedups_against_the_default(bench):
     res = H.Results("e2e_transformers", ceilings=None)
-    for impl, us in (("transformers-grouped_mm", 300.0), ("evenflow", 200.0)):
-        res.add(case="decode-b8", impl=impl, us=us)
+    for impl, us, gpu in (("transformers-grouped_mm", 300.0, 120.0), ("evenflow", 200.0, 40.0)):
+        res.add(case="decode-b8", impl=impl, us=us, gpu_us=gpu)
+    res.add(case="decode-b8", impl="transformers-eager", us=600.0)  # no device time: no ratio of it
     bench._speedups(res)
     assert res.rows[1]["vs_default"] == 1.5 and res.rows[0]["vs_default"] == 1.0
+    assert res.rows[1]["gpu_vs_default"] == 3.0 and "gpu_vs_default" not in res.rows[2]
 
 
 def test_generate_impls_run_and_agree(bench, device):
@@ -78,24 +80,31 @@ def test_generate_impls_run_and_agree(bench, device):
 
 
 def test_generate_rows_one_per_impl_and_errors_as_rows(bench, device, monkeypatch):
-    """``_generate_rows`` with the timer replaced (it needs CUDA): one row per generate impl, its decode step
-    (t(1 + NEW) - t(1)) / NEW from the two timings and its KV size; an impl that fails is an error row and the
-    others still run."""
+    """``_generate_rows`` with the timers replaced (they need CUDA): one row per generate impl, its decode step
+    (t(1 + NEW) - t(1)) / NEW from the two timings, the same of the two device times, and its KV size; an impl that
+    fails is an error row and the others still run."""
     base = bench.build_model(2, device=device, **{**SMALL, "head_dim": 64})
     times = iter([100.0, 100.0 + 5 * bench.NEW] * len(bench.GEN_IMPLS))
+    gpu_times = iter([40.0, 40.0 + 2 * bench.NEW] * 2 * len(bench.GEN_IMPLS))
 
     def fake_time(fn, reps, warmup):
         fn()
         return next(times)
 
+    def fake_kernel_times(fn, reps, warmup):
+        fn()
+        return [], next(gpu_times)
+
     monkeypatch.setattr(bench.H, "time_eager", fake_time)
+    monkeypatch.setattr(bench.H, "kernel_times", fake_kernel_times)
     monkeypatch.setattr(bench, "generate_case", lambda model, impl, lens, vocab, real=bench.generate_case:
                         real(model, impl, lens, vocab, page_size=16))
     res = H.Results("e2e_transformers", ceilings=None)
     bench._generate_rows(res, base, "1x6+2x2", 96, 2)
     assert [r["impl"] for r in res.rows] == list(bench.GEN_IMPLS)
     for r in res.rows:
-        assert r["us"] == 5.0 and r["us_per_layer"] == 2.5 and r["kv_mb"] > 0 and r["cosine"] >= 0.999, r
+        assert r["us"] == 5.0 and r["us_per_layer"] == 2.5 and r["gpu_us"] == 2.0 and r["kv_mb"] > 0 \
+            and r["cosine"] >= 0.999, r
     real_set = bench.set_gen_impl
 
     def broken(model, impl):

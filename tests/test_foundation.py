@@ -331,6 +331,8 @@ def test_timing_refuses_to_run_without_a_gpu():
         H.time_graph([lambda: None])
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         H.time_graphs({"a": [lambda: None]})
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        H.kernel_times([lambda: None], 1)
 
 
 @pytest.mark.gpu
@@ -348,6 +350,18 @@ def test_timing_on_gpu():
     assert 1.0 < ceil["copy_TBps"] < 10.0 and ceil["bf16_TFLOPs"] > 50 and ceil["launch_us"] < 20
     # an empty kernel chained with PDL (the router benchmark's launch_pdl_us): a launch's cost, not more
     assert 0.0 < H.empty_launch_us(pdl=True) < 20
+    # the device time of a call's kernels, host gaps excluded: two launches a call, each the multiply's own time,
+    # whatever the host sleeps between them
+    import time
+
+    def two():
+        a.mul_(1.0)
+        time.sleep(0.002)
+        b.mul_(1.0)
+
+    rows, total = H.kernel_times(two, 4)
+    assert len(rows) >= 1 and abs(total - sum(t for _, t in rows)) < 1e-6
+    assert 0.5 * (both["big"] + both["small"]) < total < 1500  # the kernels' time, not the 2 ms the host slept
 
 
 @pytest.mark.gpu

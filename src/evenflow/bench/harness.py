@@ -179,6 +179,32 @@ def time_eager(fns: Sequence[Callable[[], object]] | Callable[[], object], *, re
     return times[len(times) // 2]
 
 
+def kernel_times(fns: Sequence[Callable[[], object]] | Callable[[], object], reps: int, *,
+                 warmup: bool = True) -> tuple[list[tuple[str, float]], float]:
+    """Device time of the kernels a call launches, under ``torch.profiler`` (CUDA activity): [(kernel name, mean
+    device µs per call)] in launch order (launches of one name summed), and their sum. ``fns`` cycled ``reps`` times,
+    each run once before the trace (compiles, warm-up) unless ``warmup=False``. The sum is the GPU's work whatever
+    the host adds between launches: the part of an eagerly timed call that the kernels own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _require_cuda("kernel_times")
+    fns = list(fns) if isinstance(fns, (list, tuple)) else [fns]
+    if warmup:
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for r in range(reps):
+            fns[r % len(fns)]()
+        torch.cuda.synchronize()
+    total: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            total[ev.name] = total.get(ev.name, 0.0) + ev.device_time
+    rows = [(name, t / reps) for name, t in total.items()]
+    return rows, sum(t for _, t in rows)
+
+
 WARM_US = 10_000.0  # GPU time of warm replays before a graph is timed
 WARM_MAX_REPLAYS = 200  # at most this many of them (µs-long graphs would otherwise take thousands)
 COPY_WARM_MS = 1000.0  # GPU time of copies measure_ceilings runs before it times the copy ceiling
