@@ -202,41 +202,36 @@ class EvenflowSGLangBackend(AttentionBackend):
             raise NotImplementedError(f"the {NAME} attention backend does not take " + "; ".join(refusals) +
                                       f" (layer {layer.layer_id})")
 
-    def _store_and_caches(self, k, v, layer, forward_batch, save_kv_cache):
-        """The step's K / V rows into SGLang's pool (its own store), then the layer's buffers as pages, and the
-        per-tensor scales the pool stored them at (fp8; None, 1.0, for bf16 or a layer without scales)."""
+    def _layer_call(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, decode: bool):
+        """What both forwards do before their kernel: check the layer, find the step's metadata, hand the step's K / V
+        rows to SGLang's pool (its own store), and give back the metadata, q as [T, Hq, D], the output buffer, the
+        layer's buffers as pages and the per-tensor scales the pool stored them at (fp8; None, 1.0, for bf16 or a
+        layer without scales)."""
+        self._check_layer(layer, kwargs)
+        m = self.forward_metadata
+        if m is None or (m.plan if decode else m.cu_seqlens_q) is None:
+            step = "a decode" if decode else "an extend"
+            raise RuntimeError(f"the {NAME} attention backend: forward_{'decode' if decode else 'extend'} before "
+                               f"{step} step's init_forward_metadata")
         pool = self.token_to_kv_pool
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
-        k_cache = pool.get_key_buffer(layer.layer_id).view(shape)
-        v_cache = pool.get_value_buffer(layer.layer_id).view(shape)
-        if self.kv_dtype == torch.float8_e4m3fn:
-            return k_cache, v_cache, layer.k_scale_float, layer.v_scale_float
-        return k_cache, v_cache, None, None
+        caches = (pool.get_key_buffer(layer.layer_id).view(shape), pool.get_value_buffer(layer.layer_id).view(shape))
+        scales = (layer.k_scale_float, layer.v_scale_float) if self.kv_dtype == torch.float8_e4m3fn else (None, None)
+        q3 = q.reshape(-1, layer.tp_q_head_num, self.head_dim)
+        return m, q3, q3.new_empty(q3.shape), caches, scales
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        self._check_layer(layer, kwargs)
-        m = self.forward_metadata
-        if m is None or m.plan is None:
-            raise RuntimeError(f"the {NAME} attention backend: forward_decode before a decode step's "
-                               "init_forward_metadata")
-        k_cache, v_cache, ks, vs = self._store_and_caches(k, v, layer, forward_batch, save_kv_cache)
-        q3 = q.reshape(-1, layer.tp_q_head_num, self.head_dim)
-        out = q3.new_empty(q3.shape)
+        m, q3, out, (k_cache, v_cache), (ks, vs) = self._layer_call(q, k, v, layer, forward_batch, save_kv_cache,
+                                                                     kwargs, decode=True)
         evenflow.decode_attention(q3, k_cache, v_cache, m.page_table, m.seq_lens, plan=m.plan, k_scale=ks,
                                   v_scale=vs, sm_scale=layer.scaling, out=out)
         return out.view(q3.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        self._check_layer(layer, kwargs)
-        m = self.forward_metadata
-        if m is None or m.cu_seqlens_q is None:
-            raise RuntimeError(f"the {NAME} attention backend: forward_extend before an extend step's "
-                               "init_forward_metadata")
-        k_cache, v_cache, ks, vs = self._store_and_caches(k, v, layer, forward_batch, save_kv_cache)
-        q3 = q.reshape(-1, layer.tp_q_head_num, self.head_dim)
-        out = q3.new_empty(q3.shape)
+        m, q3, out, (k_cache, v_cache), (ks, vs) = self._layer_call(q, k, v, layer, forward_batch, save_kv_cache,
+                                                                     kwargs, decode=False)
         evenflow.prefill_attention(q3, k_cache, v_cache, m.cu_seqlens_q, m.page_table, m.seq_lens, m.max_seqlen_q,
                                    k_scale=ks, v_scale=vs, sm_scale=layer.scaling, out=out)
         return out.view(q3.shape[0], -1)
