@@ -49,10 +49,10 @@ class Engine:
     of each request so far (the oracle's), and a ForwardBatch a step."""
 
     def __init__(self, hq, hkv, d, page, kv_dtype, device, num_pages=24, max_context=256, layers=2, seed=0,
-                 k_scale=1.0, v_scale=1.0):
+                 k_scale=1.0, v_scale=1.0, scales_from="checkpoint", rows=8):
         self.page, self.device, self.hq, self.hkv, self.d = page, device, hq, hkv, d
         self.g = torch.Generator().manual_seed(seed)
-        self.rtp = ReqToTokenPool(size=8, max_context_len=max_context, device=device, enable_memory_saver=False)
+        self.rtp = ReqToTokenPool(size=rows, max_context_len=max_context, device=device, enable_memory_saver=False)
         # stale slots in every row, as requests that held the row before left them
         self.rtp.req_to_token.copy_(torch.randint(0, num_pages * page, self.rtp.req_to_token.shape, generator=self.g))
         self.pool = MHATokenToKVPool(size=(num_pages - 1) * page, page_size=page, dtype=kv_dtype, head_num=hkv,
@@ -63,10 +63,12 @@ class Engine:
         self.free = (torch.randperm(num_pages - 1, generator=self.g) + 1).tolist()
         self.layers = [RadixAttention(hq, d, 1 / math.sqrt(d) * 1.5, hkv, layer_id=i) for i in range(layers)]
         for layer in self.layers:
-            if kv_dtype == FP8:  # as a checkpoint's scales set them (SGLang's kv-cache quant method)
+            if kv_dtype == FP8 and scales_from == "checkpoint":  # SGLang's kv-cache quant method: tensor and float
                 layer.k_scale = torch.tensor(k_scale, dtype=torch.float32, device=device)
                 layer.v_scale = torch.tensor(v_scale, dtype=torch.float32, device=device)
                 layer.k_scale_float, layer.v_scale_float = k_scale, v_scale
+            elif kv_dtype == FP8:  # --quantization-param-path: plain floats in the tensors' attributes, no _float
+                layer.k_scale, layer.v_scale = k_scale, v_scale
         self.k_scale, self.v_scale, self.kv_dtype = k_scale, v_scale, kv_dtype
         self.row: dict[str, int] = {}
         self.pages: dict[str, list[int]] = {}
@@ -75,7 +77,7 @@ class Engine:
     def runner(self, page=None):
         """What the backend reads of SGLang's ModelRunner."""
         return SimpleNamespace(
-            model_config=SimpleNamespace(attention_arch=AttentionArch.MHA, is_encoder_decoder=False),
+            model_config=SimpleNamespace(attention_arch=AttentionArch.MHA, is_encoder_decoder=False, dtype=BF16),
             token_to_kv_pool=self.pool, req_to_token_pool=self.rtp, page_size=page or self.page, device=self.device,
             sliding_window_size=None, model=torch.nn.ModuleList(self.layers))
 
@@ -143,13 +145,15 @@ STEPS = [
 ]
 
 
-def run_steps(steps, hq, hkv, d, page, kv_dtype, device, seed=0, through_layer=True, **engine_kw):
+def run_steps(steps, hq, hkv, d, page, kv_dtype, device, seed=0, through_layer=True, plan_batch=None, **engine_kw):
     """The steps through the backend as SGLang's model runner drives it: one init_forward_metadata a step, then each
     layer called in SGLang's forward context (its own pool buffers and rows, the plan shared), every layer's output
     checked against the oracle and the pool checked unchanged outside the step's slots."""
     k_scale, v_scale = (1 / 32, 1 / 48) if kv_dtype == FP8 else (1.0, 1.0)
     eng = Engine(hq, hkv, d, page, kv_dtype, device, seed=seed, k_scale=k_scale, v_scale=v_scale, **engine_kw)
     backend = ev_sglang.EvenflowSGLangBackend(eng.runner())
+    if plan_batch is not None:  # a plan smaller than the step's batches (as SGLang's request table can outgrow it)
+        backend._plan_batch = plan_batch
     g = torch.Generator().manual_seed(seed + 1)
     plans = []
     for i, (sched, mode) in enumerate(steps):
@@ -254,6 +258,36 @@ def test_decode_graph_protocol(kv, device):
         assert torch.isfinite(out[n:].float()).all()
 
 
+def test_plan_bound(device):
+    """SGLang's request table is often larger than a plan's bound (MAX_BATCH): the plan is sized to the bound, graphs
+    beyond it are refused naming the flag, and an eager decode of more requests than the plan holds runs the static
+    schedule, within the rule like the rest."""
+    eng = Engine(8, 2, 64, 16, BF16, "cpu", rows=ev_sglang.MAX_BATCH + 50, max_context=64)
+    backend = ev_sglang.EvenflowSGLangBackend(eng.runner())
+    assert backend._plan_batch == ev_sglang.MAX_BATCH
+    with pytest.raises(NotImplementedError, match="--cuda-graph-max-bs"):
+        backend.init_cuda_graph_state(max_bs=ev_sglang.MAX_BATCH + 1, max_num_tokens=ev_sglang.MAX_BATCH + 1)
+    _, _, plans = run_steps(STEPS[:3], 8, 2, 64, 16, BF16, device, plan_batch=2)
+    assert plans == [False, False, False]  # the 3-request decode step on the static schedule
+
+
+def test_scales_from_a_param_path(device):
+    """--quantization-param-path sets a layer's k_scale / v_scale as plain floats and no k_scale_float: the backend
+    reads the scales SGLang's store divided by."""
+    run_steps(STEPS[:3], 8, 2, 64, 16, FP8, device, scales_from="param_path")
+
+
+def test_prefill_graph_modes(monkeypatch):
+    """SGLang's breakable prefill graphs (attention eager between segments) are taken; whole prefill graphs, which
+    would replay the extend metadata of their capture, are declined step by step (the step runs eagerly)."""
+    eng = Engine(8, 2, 64, 16, BF16, "cpu")
+    backend = ev_sglang.EvenflowSGLangBackend(eng.runner())
+    fb = eng.step([("a", 5)], ForwardMode.EXTEND)
+    assert backend.can_run_prefill_cuda_graph(fb)  # no published config: not a whole-graph prefill
+    monkeypatch.setattr(ev_sglang, "_full_prefill_graphs", lambda: True)
+    assert not backend.can_run_prefill_cuda_graph(fb)
+
+
 def test_registration():
     """register() adds the backend to SGLang's registry and its --attention-backend choices; SGLang's own
     factory builds it for a model runner."""
@@ -306,10 +340,12 @@ def _refusal(match, **changes):
         ev_sglang.EvenflowSGLangBackend(runner)
 
 
-def test_refusals():
+def test_refusals(monkeypatch):
     _refusal("page size 1", page_size=1)
     _refusal("MLA", model_config=SimpleNamespace(attention_arch=AttentionArch.MLA, is_encoder_decoder=False))
     _refusal("sliding-window", sliding_window_size=128)
+    _refusal("float16 models", model_config=SimpleNamespace(attention_arch=AttentionArch.MHA, is_encoder_decoder=False,
+                                                           dtype=torch.float16))
     _refusal("KV pool", token_to_kv_pool=object())
     pool = MHATokenToKVPool(size=64, page_size=16, dtype=torch.float8_e5m2, head_num=2, head_dim=64, layer_num=1,
                             device="cpu", enable_memory_saver=False, enable_alt_stream=False)
@@ -330,6 +366,9 @@ def test_refusals():
     verify = eng.step([("a", 2)], ForwardMode.TARGET_VERIFY)
     with pytest.raises(NotImplementedError, match="TARGET_VERIFY"):
         backend.init_forward_metadata(verify)
+    with monkeypatch.context() as mp:
+        mp.setattr(ev_sglang, "_dcp_size", lambda: 2)
+        _refusal("decode context parallelism")
     fresh = ev_sglang.EvenflowSGLangBackend(eng.runner())
     with pytest.raises(RuntimeError, match="before a decode step"):
         fresh.forward_decode(q[:1], k[:1], v[:1], eng.layers[0], eng.step([("a", 1)], ForwardMode.DECODE))

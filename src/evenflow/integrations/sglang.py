@@ -26,11 +26,15 @@ What SGLang hands the backend, and what it does with it (SGLang 0.5.23's ``Atten
   ``get_cuda_graph_seq_len_fill_value()`` = 1) read SGLang's padding page and are discarded by SGLang.
 
 What it takes: decoder self-attention of MHA / GQA models (SGLang's ``MHATokenToKVPool`` in its NHD layout), bf16
-activations, head_dim 64 / 128 / 256, a GQA group of at most 16, page sizes 16 / 32 / 64 / 128 (``--page-size``;
-SGLang's default of 1 is refused by name), a KV cache of bf16 or ``fp8_e4m3``. What it refuses, naming the cause:
-MLA, sliding windows (and SGLang's hybrid SWA pools), logit capping, cross-attention and encoder-only layers,
-differing K / V head dims, the quantised-pool formats (FP4, MXFP8), the HND pool layout, speculative decoding's
-verify and draft modes.
+models, head_dim 64 / 128 / 256, a GQA group of at most 16, page sizes 16 / 32 / 64 / 128 (``--page-size``;
+SGLang's default of 1 is refused by name), a KV cache of bf16 or ``fp8_e4m3`` (at a checkpoint's scales or those of
+``--quantization-param-path``). The plan holds up to ``MAX_BATCH`` (2048) requests: decode graphs beyond it are
+refused naming ``--cuda-graph-max-bs``, and an eager decode of more requests runs the static split-KV schedule.
+SGLang's breakable prefill graphs are taken (attention runs eagerly between their segments); whole prefill graphs
+(``--cuda-graph-backend-prefill full``) are declined step by step (``can_run_prefill_cuda_graph``). What it refuses,
+naming the cause: MLA, fp16 / fp32 models, decode context parallelism, sliding windows (and SGLang's hybrid SWA
+pools), logit capping, cross-attention and encoder-only layers, differing K / V head dims, the quantised-pool
+formats (FP4, MXFP8), the HND pool layout, speculative decoding's verify and draft modes.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 import evenflow
-from evenflow.attention.plan import HEAD_DIMS, MAX_GQA_GROUP
+from evenflow.attention.plan import HEAD_DIMS, MAX_BATCH, MAX_GQA_GROUP
 
 try:
     from sglang.srt.configs.model_config import AttentionArch
@@ -86,6 +90,41 @@ def _q_heads_of(model) -> int | None:
     return heads.pop() if len(heads) == 1 else None
 
 
+def _dcp_size() -> int:
+    """SGLang's decode-context-parallel width (1 where no parallel config is published: outside an engine)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_dcp_size)
+    except (ImportError, RuntimeError, AttributeError, ValueError):  # nothing published: no engine, no DCP
+        return 1
+
+
+def _full_prefill_graphs() -> bool:
+    """Whether SGLang captures whole prefill graphs (``--cuda-graph-backend-prefill full``; False where no config is
+    published)."""
+    try:
+        from sglang.srt.model_executor.cuda_graph_config import Backend
+        from sglang.srt.runtime_context import get_exec
+
+        return get_exec().graph.cuda_graph_config.prefill.backend == Backend.FULL
+    except (ImportError, RuntimeError, AttributeError, ValueError):  # ValueError: "namespace 'exec' not published"
+        return False
+
+
+def _kv_scale(layer, name: str):
+    """The per-tensor scale SGLang's pool stored the layer's fp8 K or V at: its float (a checkpoint's scales set the
+    float and the tensor together), else what ``--quantization-param-path`` sets (a plain float in the tensor's
+    attribute), else the tensor itself (read on the device); None (1.0) where the layer has none."""
+    f = getattr(layer, f"{name}_float", None)
+    if f is not None:
+        return float(f)
+    t = getattr(layer, name, None)
+    if t is None or isinstance(t, (int, float)):
+        return t
+    return t.reshape(1).float()
+
+
 class EvenflowSGLangBackend(AttentionBackend):
     """evenflow's balanced decode and paged prefill attention for SGLang (see the module docstring)."""
 
@@ -96,6 +135,9 @@ class EvenflowSGLangBackend(AttentionBackend):
         page = getattr(model_runner, "page_size", 1) or 1
         refusals = [what for what, bad in (
             ("MLA models", getattr(mc, "attention_arch", None) == AttentionArch.MLA),
+            (f"{getattr(mc, 'dtype', None)} models (bf16 only)",
+             getattr(mc, "dtype", torch.bfloat16) != torch.bfloat16),
+            (f"decode context parallelism (--dcp-size {_dcp_size()})", _dcp_size() > 1),
             ("encoder-decoder models", getattr(mc, "is_encoder_decoder", False)),
             (f"sliding-window models (sliding_window_size {getattr(model_runner, 'sliding_window_size', None)})",
              getattr(model_runner, "sliding_window_size", None) is not None),
@@ -124,7 +166,9 @@ class EvenflowSGLangBackend(AttentionBackend):
         self.num_kv_heads, self.head_dim = pool.head_num, pool.head_dim
         self.num_q_heads = _q_heads_of(getattr(model_runner, "model", None))
         self.max_seq_len = -(-self.req_to_token.shape[1] // page) * page
-        self._plan_batch = model_runner.req_to_token_pool.size
+        # the plan serves up to MAX_BATCH requests (SGLang's request table is often larger: 2048-4096 by default); an
+        # eager decode of more runs the static schedule
+        self._plan_batch = min(model_runner.req_to_token_pool.size, MAX_BATCH)
         self.plan: evenflow.DecodePlan | None = None
         self.forward_metadata: EvenflowSGLangMetadata | None = None
 
@@ -172,14 +216,23 @@ class EvenflowSGLangBackend(AttentionBackend):
         if not forward_batch.forward_mode.is_decode():
             return
         seq_lens = forward_batch.seq_lens.to(torch.int32)
+        plan = self._decode_plan()
         self.forward_metadata = EvenflowSGLangMetadata(
             page_table=self._page_table(forward_batch.req_pool_indices), seq_lens=seq_lens,
-            plan=self._decode_plan().update(seq_lens))
+            plan=plan.update(seq_lens) if seq_lens.shape[0] <= plan.max_batch else None)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         """Decode graphs up to ``max_bs`` requests: the plan sized for them (built now, outside any capture)."""
+        if max_bs > MAX_BATCH:
+            raise NotImplementedError(f"the {NAME} attention backend captures decode graphs of at most {MAX_BATCH} "
+                                      f"requests (the plan's bound), asked {max_bs}: lower --cuda-graph-max-bs")
         self._plan_batch = max(self._plan_batch, int(max_bs))
         self._decode_plan()
+
+    def can_run_prefill_cuda_graph(self, forward_batch) -> bool:
+        """SGLang's breakable prefill graphs run attention eagerly between their segments, on this step's metadata;
+        a whole prefill graph would replay the extend metadata's tensors of its capture: such steps run eagerly."""
+        return not _full_prefill_graphs()
 
     def get_cuda_graph_seq_len_fill_value(self):
         return CUDA_GRAPH_SEQ_LEN_FILL
@@ -209,7 +262,7 @@ class EvenflowSGLangBackend(AttentionBackend):
         layer without scales)."""
         self._check_layer(layer, kwargs)
         m = self.forward_metadata
-        if m is None or (m.plan if decode else m.cu_seqlens_q) is None:
+        if m is None or (m.cu_seqlens_q is None) != decode:  # a decode step's metadata has no query offsets
             step = "a decode" if decode else "an extend"
             raise RuntimeError(f"the {NAME} attention backend: forward_{'decode' if decode else 'extend'} before "
                                f"{step} step's init_forward_metadata")
@@ -218,7 +271,8 @@ class EvenflowSGLangBackend(AttentionBackend):
             pool.set_kv_buffer(layer, KVWriteLoc.for_layer(forward_batch, layer), k, v, layer.k_scale, layer.v_scale)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         caches = (pool.get_key_buffer(layer.layer_id).view(shape), pool.get_value_buffer(layer.layer_id).view(shape))
-        scales = (layer.k_scale_float, layer.v_scale_float) if self.kv_dtype == torch.float8_e4m3fn else (None, None)
+        fp8 = self.kv_dtype == torch.float8_e4m3fn
+        scales = (_kv_scale(layer, "k_scale"), _kv_scale(layer, "v_scale")) if fp8 else (None, None)
         q3 = q.reshape(-1, layer.tp_q_head_num, self.head_dim)
         return m, q3, q3.new_empty(q3.shape), caches, scales
 
