@@ -128,12 +128,14 @@ STEPS = [
 
 
 def run_steps(steps, hq, hkv, d, block, kv_cache_dtype="auto", device="cpu", pad=0, threshold=None, seed=0,
-              num_blocks=24, max_blocks=8, layers=2, layout=KVCacheLayout.LBNHC):
+              num_blocks=24, max_blocks=8, layers=2, layout=KVCacheLayout.LBNHC, max_batch=None):
     """The steps through the backend as vLLM's model runner drives it: one build a step, then each layer's forward
     (its own cache and rows, the plan shared), every layer's output checked against the oracle."""
     cfg, spec, builder, impl, kv_dtype = backend_parts(hq, hkv, d, block, kv_cache_dtype, device)
     if threshold is not None:  # as a speculative config makes it (1 + num_speculative_tokens)
         builder.reorder_batch_threshold = threshold
+    if max_batch is not None:  # a plan bound below the step's decodes (as max_num_seqs above MAX_BATCH makes it)
+        builder.max_batch = max_batch
     k_scale, v_scale = (1 / 40, 1 / 56) if kv_dtype == FP8 else (1.0, 1.0)
     layer = Layer(k_scale, v_scale, device)
     caches = [layer_cache(num_blocks, block, hkv, d, kv_dtype, device, layout) for _ in range(layers)]
@@ -144,6 +146,7 @@ def run_steps(steps, hq, hkv, d, block, kv_cache_dtype="auto", device="cpu", pad
         cm = engine.step(sched, pad)
         m = builder.build(0, cm)
         splits.append((m.num_decodes, m.num_prefills, m.decode_query_len))
+        assert (m.plan is not None) == (0 < m.num_decodes <= builder.max_batch), f"step {i}: plan {m.plan}"
         T = cm.num_actual_tokens
         for li, kv_cache in enumerate(caches):
             q = torch.randn(T + pad, hq, d, generator=g).to(BF16).to(device)
@@ -253,6 +256,19 @@ def test_other_cache_layouts(layout, device):
     """A layout set on vLLM's cache config over the backend's ask (heads before slots: HND-like K / V views; heads
     outermost, blocks inside them): the same schedule, the same checks."""
     run_steps(STEPS[:4], 8, 2, 64, 16, "fp8_e4m3", device, layout=layout, layers=1)
+
+
+def test_plan_bound(device):
+    """max_num_seqs above the plan's bound (MAX_BATCH): the plan is sized to it, and a step with more decodes than it
+    holds runs the static schedule, within the rule like the rest."""
+    cfg = VllmConfig(device_config=DeviceConfig(device="cpu"),
+                     scheduler_config=SchedulerConfig(max_num_seqs=ev_vllm.MAX_BATCH + 100, max_model_len=1024,
+                                                      max_num_batched_tokens=4096, is_encoder_decoder=False))
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=BF16)
+    assert ev_vllm.EvenflowMetadataBuilder(spec, ["layers.0.attn"], cfg, torch.device("cpu")).max_batch == \
+        ev_vllm.MAX_BATCH
+    splits, *_ = run_steps(STEPS, 8, 2, 64, 16, device=device, max_batch=2, layers=1)
+    assert splits[2] == (3, 0, 1) and splits[4] == (4, 0, 1)  # decodes past the bound: no plan (checked per step)
 
 
 def test_padding_rows(device):

@@ -17,7 +17,9 @@ What vLLM hands the backend, and what it does with it (vLLM 0.34's ``vllm.v1.att
 - The metadata builder runs once a step for the layers that share a KV cache spec. vLLM orders a batch with its
   decodes first (``reorder_batch_threshold``); the builder splits it (vLLM's ``split_decodes_and_prefills``, decodes
   of one query length, 1 to 4: a speculative verification's rows), updates the DecodePlan from the decodes' lengths
-  (one small kernel, no host sync), and makes the prefills' query offsets (one subtraction on the device).
+  (one small kernel, no host sync), and makes the prefills' query offsets (one subtraction on the device). The plan
+  holds up to ``MAX_BATCH`` (2048) requests; a step with more decodes (``max_num_seqs`` above it) runs the static
+  split-KV schedule.
 - The attention impl's ``forward`` writes the step's K / V rows into the paged cache at vLLM's slots (``store_kv``:
   bf16, or fp8 e4m3 at the layer's per-tensor ``k_scale`` / ``v_scale``; the first ``num_actual_tokens`` rows, not
   a captured batch's padding), then runs the decode kernel on the decodes' rows and the prefill kernel (causal over
@@ -43,7 +45,7 @@ from typing import ClassVar
 import torch
 
 import evenflow
-from evenflow.attention.plan import HEAD_DIMS, MAX_GQA_GROUP
+from evenflow.attention.plan import HEAD_DIMS, MAX_BATCH, MAX_GQA_GROUP
 from evenflow.attention.prologue import store_kv
 
 try:
@@ -114,7 +116,9 @@ class EvenflowMetadataBuilder(AttentionMetadataBuilder[EvenflowMetadata]):
         if kv_cache_spec.block_size not in BLOCK_SIZES:
             raise ValueError(f"the {NAME} attention backend takes block sizes {list(BLOCK_SIZES)}, got "
                              f"{kv_cache_spec.block_size}")
-        self.max_batch = vllm_config.scheduler_config.max_num_seqs
+        # the plan serves up to MAX_BATCH requests; a step with more decodes (max_num_seqs above it) runs the static
+        # split-KV schedule
+        self.max_batch = min(vllm_config.scheduler_config.max_num_seqs, MAX_BATCH)
         # these layers' q heads (a model's layers may differ, and the plan is told its calls' count), None if vLLM
         # holds no such layers (a builder made outside an engine): the plan is then told nothing
         self.num_q_heads = get_num_attention_heads_from_layers(vllm_config, layer_names)
@@ -153,7 +157,8 @@ class EvenflowMetadataBuilder(AttentionMetadataBuilder[EvenflowMetadata]):
                 raise ValueError(f"the {NAME} attention backend decodes requests of one query length: "
                                  f"{num_decodes} decodes hold {num_decode_tokens} tokens, the first "
                                  f"{m.decode_query_len}")
-            m.plan = self._plan(m.decode_query_len, cm.block_table_tensor).update(cm.seq_lens[:num_decodes])
+            if num_decodes <= self.max_batch:
+                m.plan = self._plan(m.decode_query_len, cm.block_table_tensor).update(cm.seq_lens[:num_decodes])
         if num_prefills:
             qsl = cm.query_start_loc[num_decodes:num_decodes + num_prefills + 1]
             m.prefill_cu_seqlens = qsl - qsl[:1]
