@@ -434,8 +434,8 @@ def test_store_kv_places_each_row_and_rounds_once(device):
     """``store_kv``: bit for bit the prologue's store oracle (``store_kv_ref``, each token at its position's page
     and offset, divided by the scale, fp8 saturated at 448) given positions that are the slots on an identity page
     table, so every other slot untouched), also into the K / V halves of one [pages, P, H, 2 * D] buffer (an engine's
-    layout) and into HND views; negative slots (an engine's padding rows) not written; slots past the cache named
-    under check_inputs."""
+    layout) and into HND views, from rows at any strides (views of a fused projection, head-major rows); negative
+    slots (an engine's padding rows) not written; slots past the cache named under check_inputs."""
     from evenflow.attention.prologue import store_kv
     from evenflow.reference.prologue import store_kv_ref
 
@@ -468,6 +468,17 @@ def test_store_kv_places_each_row_and_rounds_once(device):
                  k_scale=scale, v_scale=scale)
         for got, want in ((hnd_k, want_k), (hnd_v, want_v)):
             assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+        # rows read in place from strided views: K / V slices of one fused [N, (q + k + v) heads * D] projection
+        # (row stride past H * D), and rows whose heads are further apart than D (a head-major buffer)
+        qkv = torch.cat([torch.randn(4, 3 * D, generator=g).to(torch.bfloat16), k.flatten(1), v.flatten(1)], 1)
+        k_view, v_view = (qkv.to(device)[:, (3 + i * H) * D:(3 + (i + 1) * H) * D].view(4, H, D) for i in (0, 1))
+        k_hm = k.transpose(0, 1).contiguous().transpose(0, 1).to(device)  # stride(1) = 4 * D
+        assert k_view.stride(0) == (3 + 2 * H) * D and k_hm.stride(1) == 4 * D
+        for kk, vv in ((k_view, v_view), (k_hm, v_view)):
+            kc2, vc2 = before.clone(), before.clone()
+            store_kv(kk, vv, kc2, vc2, slots.to(device), k_scale=scale, v_scale=scale)
+            for got, want in ((kc2, want_k), (vc2, want_v)):
+                assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
     kc = torch.zeros(4, P, H, D, dtype=torch.bfloat16, device=device)
     with pytest.raises(ValueError, match=r"slots\[1\] = 64 past the cache's 64 slots"):
         store_kv(k.to(device), v.to(device), kc, kc.clone(), torch.tensor([0, 64, 1, 2], device=device),

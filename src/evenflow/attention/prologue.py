@@ -262,14 +262,14 @@ def _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T: int)
 
 def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check_inputs: bool = False) -> None:
     """Write token rows into the paged caches, for callers whose K and V are already normed and rotated (an engine's
-    own attention module): ``k`` / ``v`` ``[N, Hkv, D]`` (bf16 or fp32) go to the flat slots ``slots`` ``[N]`` int64
-    (``page * P + offset``) of ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]`` (any strides with a unit last
-    one: contiguous, HND views, the K or V half of an engine's ``[num_pages, P, Hkv, 2 * D]`` buffer), divided by the
-    scale and cast to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first), one kernel
-    each for K and V (the prologue's store step); no host sync. A negative slot
-    is a padding row (vLLM marks them -1): not written. A slot past the cache is not written either (no sync to report
-    it): ``check_inputs=True`` raises for it on the host first (one sync). Rows sharing a slot leave one of them
-    there, which one unspecified."""
+    own attention module): ``k`` / ``v`` ``[N, Hkv, D]`` (bf16 or fp32; any strides, read in place where the last is
+    1: an engine's views of its fused q / k / v projection) go to the flat slots ``slots`` ``[N]`` int64 (``page * P
+    + offset``) of ``k_cache`` / ``v_cache`` ``[num_pages, P, Hkv, D]`` (any strides with a unit last one: contiguous,
+    HND views, the K or V half of an engine's ``[num_pages, P, Hkv, 2 * D]`` buffer), divided by the scale and cast
+    to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first), one kernel each for K and
+    V (the prologue's store step); no host sync. A negative slot is a padding row (vLLM marks them -1): not written.
+    A slot past the cache is not written either (no sync to report it): ``check_inputs=True`` raises for it on the
+    host first (one sync). Rows sharing a slot leave one of them there, which one unspecified."""
     dev = k.device
     num_pages, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
     check_tensor("k", k, dtypes=[torch.bfloat16, torch.float32], shape=[None, Hkv, D], device=dev)
@@ -289,8 +289,9 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
         s_t, s_f = _scale_arg(name, s, dev)
         if N == 0:
             continue
-        x = x.contiguous()
+        if x.stride(2) != 1:  # rows are read in place at any row and head strides (an engine's views of its qkv)
+            x = x.contiguous()
         PK.store_rows_kernel[(N, triton.cdiv(Hkv, block_h))](
-            x, cache, slots, s_t if s_t is not None else x, s_f, capacity, P, x.stride(0), cache.stride(0),
-            cache.stride(1), cache.stride(2), HKV=Hkv, D=D, BLOCK_H=block_h, SCALE_T=s_t is not None,
+            x, cache, slots, s_t if s_t is not None else x, s_f, capacity, P, x.stride(0), x.stride(1),
+            cache.stride(0), cache.stride(1), cache.stride(2), HKV=Hkv, D=D, BLOCK_H=block_h, SCALE_T=s_t is not None,
             KV_FP8=cache.dtype == FP8, FP8_ROUND=_runtime.fp8_cast_needs_rounding())

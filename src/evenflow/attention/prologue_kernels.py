@@ -147,10 +147,11 @@ def qk_norm_rope_store_kv_kernel(
 
 
 @triton.jit
-def store_rows_kernel(p_src, p_cache, p_slots, scale_t, scale_f, capacity, P, stride_sn, stride_cp, stride_ct,
-                      stride_ch, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, SCALE_T: tl.constexpr,
-                      KV_FP8: tl.constexpr, FP8_ROUND: tl.constexpr):
-    """``store_kv``: row n of ``src`` [N, HKV, D] (bf16 or fp32, contiguous rows) to the flat slot ``slots[n]``
+def store_rows_kernel(p_src, p_cache, p_slots, scale_t, scale_f, capacity, P, stride_sn, stride_sh, stride_cp,
+                      stride_ct, stride_ch, HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                      SCALE_T: tl.constexpr, KV_FP8: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """``store_kv``: row n of ``src`` [N, HKV, D] (bf16 or fp32, any strides with a unit last one: an engine's K / V
+    views of its fused q / k / v projection read in place) to the flat slot ``slots[n]``
     (``page * P + offset``) of the cache [pages, P, HKV, D] (any strides, unit last), by the prologue's store rule
     (:func:`_store_kv`); a slot outside [0, capacity) is not written (a negative one is an engine's padding row).
     Grid: (N, cdiv(HKV, BLOCK_H))."""
@@ -161,7 +162,7 @@ def store_rows_kernel(p_src, p_cache, p_slots, scale_t, scale_f, capacity, P, st
     o_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     o_d = tl.arange(0, D)
     m_h = o_h < HKV
-    y = tl.load(p_src + n.to(tl.int64) * stride_sn + (o_h * D)[:, None] + o_d[None, :], mask=m_h[:, None] & ok,
-                other=0.0).to(tl.float32)
+    y = tl.load(p_src + n.to(tl.int64) * stride_sn + (o_h.to(tl.int64) * stride_sh)[:, None] + o_d[None, :],
+                mask=m_h[:, None] & ok, other=0.0).to(tl.float32)
     _store_kv(p_cache, y, o_h.to(tl.int64), m_h, o_d, (s // P) * stride_cp + (s % P) * stride_ct, ok, scale_t,
               scale_f, SCALE_T, KV_FP8, FP8_ROUND, stride_ch)
