@@ -38,6 +38,7 @@ formats (FP4, MXFP8), the HND pool layout, speculative decoding's verify and dra
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -133,11 +134,12 @@ class EvenflowSGLangBackend(AttentionBackend):
         pool = model_runner.token_to_kv_pool
         mc = model_runner.model_config
         page = getattr(model_runner, "page_size", 1) or 1
+        dcp = _dcp_size()
         refusals = [what for what, bad in (
             ("MLA models", getattr(mc, "attention_arch", None) == AttentionArch.MLA),
             (f"{getattr(mc, 'dtype', None)} models (bf16 only)",
              getattr(mc, "dtype", torch.bfloat16) != torch.bfloat16),
-            (f"decode context parallelism (--dcp-size {_dcp_size()})", _dcp_size() > 1),
+            (f"decode context parallelism (--dcp-size {dcp})", dcp > 1),
             ("encoder-decoder models", getattr(mc, "is_encoder_decoder", False)),
             (f"sliding-window models (sliding_window_size {getattr(model_runner, 'sliding_window_size', None)})",
              getattr(model_runner, "sliding_window_size", None) is not None),
@@ -171,6 +173,7 @@ class EvenflowSGLangBackend(AttentionBackend):
         self._plan_batch = min(model_runner.req_to_token_pool.size, MAX_BATCH)
         self.plan: evenflow.DecodePlan | None = None
         self.forward_metadata: EvenflowSGLangMetadata | None = None
+        self._layers_taken = weakref.WeakSet()  # the RadixAttention layers _check_layer has passed
 
     # --- metadata -----------------------------------------------------------------------------------------------
 
@@ -240,6 +243,11 @@ class EvenflowSGLangBackend(AttentionBackend):
     # --- layers -------------------------------------------------------------------------------------------------
 
     def _check_layer(self, layer, kwargs) -> None:
+        """The layer's attention judged at its first call (its attributes are fixed at construction: a layer passed
+        is not judged again on every step's host path); the call's extra arguments at every call."""
+        extra = [f"argument {k}={v!r}" for k, v in kwargs.items() if v is not None and v is not False]
+        if layer in self._layers_taken and not extra:
+            return
         refusals = [what for what, bad in (
             (f"attention type {layer.attn_type} (decoder self-attention only)",
              layer.attn_type != AttentionType.DECODER or layer.is_cross_attention),
@@ -250,10 +258,11 @@ class EvenflowSGLangBackend(AttentionBackend):
              or layer.tp_q_head_num // layer.tp_k_head_num > MAX_GQA_GROUP),
             (f"layer head dims {layer.qk_head_dim} / {layer.v_head_dim} over a pool of {self.head_dim}",
              layer.qk_head_dim != self.head_dim or layer.v_head_dim != self.head_dim),
-        ) if bad] + [f"argument {k}={v!r}" for k, v in kwargs.items() if v is not None and v is not False]
+        ) if bad] + extra
         if refusals:
             raise NotImplementedError(f"the {NAME} attention backend does not take " + "; ".join(refusals) +
                                       f" (layer {layer.layer_id})")
+        self._layers_taken.add(layer)
 
     def _layer_call(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, decode: bool):
         """What both forwards do before their kernel: check the layer, find the step's metadata, hand the step's K / V
