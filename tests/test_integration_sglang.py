@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests_support_engines import BF16, FP8, import_sglang, step_oracle
+from tests_support_engines import BF16, FP8, RowLog, import_sglang, step_oracle
 
 if not import_sglang():
     pytest.skip("the SGLang adapter's tests need sglang (make test installs it)", allow_module_level=True)
@@ -43,13 +43,14 @@ def sglang_quantised(x, scale, kv_dtype, device="cpu"):
     return t.to(FP8).cpu()
 
 
-class Engine:
+class Engine(RowLog):
     """SGLang's bookkeeping for a few requests: a request-to-token row each (rows 1..; row 0 is SGLang's padding
     row), pages in random order from 1 (page 0, slots 0..P-1, is the pool's padding page), each layer's K / V rows
     of each request so far (the oracle's), and a ForwardBatch a step."""
 
     def __init__(self, hq, hkv, d, page, kv_dtype, device, num_pages=24, max_context=256, layers=2, seed=0,
                  k_scale=1.0, v_scale=1.0, scales_from="checkpoint", rows=8):
+        super().__init__()
         self.page, self.device, self.hq, self.hkv, self.d = page, device, hq, hkv, d
         self.g = torch.Generator().manual_seed(seed)
         self.rtp = ReqToTokenPool(size=rows, max_context_len=max_context, device=device, enable_memory_saver=False)
@@ -72,7 +73,6 @@ class Engine:
         self.k_scale, self.v_scale, self.kv_dtype = k_scale, v_scale, kv_dtype
         self.row: dict[str, int] = {}
         self.pages: dict[str, list[int]] = {}
-        self.kv: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def runner(self, page=None):
         """What the backend reads of SGLang's ModelRunner."""
@@ -80,9 +80,6 @@ class Engine:
             model_config=SimpleNamespace(attention_arch=AttentionArch.MHA, is_encoder_decoder=False, dtype=BF16),
             token_to_kv_pool=self.pool, req_to_token_pool=self.rtp, page_size=page or self.page, device=self.device,
             sliding_window_size=None, model=torch.nn.ModuleList(self.layers))
-
-    def length(self, r):
-        return 0 if (0, r) not in self.kv else self.kv[0, r][0].shape[0]
 
     def step(self, sched, mode):
         """``sched``: [(request, new tokens)]. Allocates the new tokens' slots (whole pages), writes the request's
@@ -115,16 +112,6 @@ class Engine:
                             seq_lens=torch.tensor(lens, dtype=torch.int64, device=dev),
                             out_cache_loc=torch.tensor(slots, dtype=torch.int64, device=dev), seq_lens_sum=sum(lens),
                             seq_lens_cpu=torch.tensor(lens, dtype=torch.int64), **kw)
-
-    def append(self, sched, k, v, layer):
-        """The oracle's copy of the step's rows (SGLang's fp8 store divides the rows it is handed in place)."""
-        at = 0
-        for r, n in sched:
-            kk, vv = k[at:at + n].cpu().clone(), v[at:at + n].cpu().clone()
-            if (layer, r) in self.kv:
-                kk, vv = torch.cat([self.kv[layer, r][0], kk]), torch.cat([self.kv[layer, r][1], vv])
-            self.kv[layer, r] = (kk, vv)
-            at += n
 
     def expected(self, sched, q, layer):
         return step_oracle([self.kv[layer, r] for r, _ in sched], [n for _, n in sched], q, self.page, self.kv_dtype,

@@ -21,7 +21,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 import evenflow.integrations.vllm as ev_vllm  # noqa: E402
 from evenflow.testing import assert_within_rule  # noqa: E402
-from tests_support_engines import BF16, FP8, FP8_MAX, quantised, step_oracle  # noqa: E402
+from tests_support_engines import BF16, FP8, FP8_MAX, RowLog, quantised, step_oracle  # noqa: E402
 
 
 class Layer:
@@ -45,22 +45,19 @@ def layer_cache(num_blocks, block, hkv, d, dtype, device, layout=KVCacheLayout.L
     return phys.permute([order.index(i) for i in range(4)])
 
 
-class Engine:
+class Engine(RowLog):
     """The engine's bookkeeping for a few requests: blocks (random order, block 0 never used), each layer's K / V
     rows of each request so far (the oracle's), and one CommonAttentionMetadata a step (its block table's unused
     entries stale block ids, its slot mapping ``pad`` entries of -1 longer than the step's tokens, as vLLM pads it)."""
 
     def __init__(self, cfg, spec, num_blocks, max_blocks, device, seed=0):
+        super().__init__()
         self.cfg, self.spec, self.device = cfg, spec, device
         self.g = torch.Generator().manual_seed(seed)
         self.free = (torch.randperm(num_blocks - 1, generator=self.g) + 1).tolist()
         self.num_blocks = num_blocks
         self.max_blocks = max_blocks
         self.blocks: dict[str, list[int]] = {}
-        self.kv: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def length(self, r):
-        return 0 if (0, r) not in self.kv else self.kv[0, r][0].shape[0]
 
     def step(self, sched, pad=0):
         """``sched``: [(request, new tokens)], decodes first as vLLM's reorder leaves them. Returns the metadata."""
@@ -84,16 +81,6 @@ class Engine:
             num_reqs=len(sched), num_actual_tokens=starts[-1], max_query_len=max(n for _, n in sched),
             max_seq_len=max(lens), block_table_tensor=torch.tensor(table, dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64, device=dev))
-
-    def append(self, sched, k, v, layer=0):
-        at = 0
-        for r, n in sched:
-            kk, vv = k[at:at + n].cpu(), v[at:at + n].cpu()
-            if (layer, r) in self.kv:
-                kk, vv = torch.cat([self.kv[layer, r][0], kk]), torch.cat([self.kv[layer, r][1], vv])
-            self.kv[layer, r] = (kk, vv)
-            at += n
-
 
 def expected(engine, sched, q, kv_dtype, k_scale, v_scale, sm_scale, layer=0):
     """The step's fp64 oracle and fp32 baseline from the test's own rows of each request (tests_support_engines)."""

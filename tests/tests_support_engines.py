@@ -1,5 +1,5 @@
-"""Shared by the engine adapters' tests (vLLM, SGLang): the fp64 oracle of one step's attention, computed from the K /
-V rows a test kept for every request (not from the engine's cache), the rows as an fp8 cache holds them, and SGLang's
+"""Shared by the engine adapters' tests (vLLM, SGLang): the K / V rows a test kept for every request (not read from the
+engine's cache), the fp64 oracle of one step's attention over them, the rows as an fp8 cache holds them, and SGLang's
 import."""
 import importlib.abc
 import importlib.machinery
@@ -14,6 +14,27 @@ from evenflow.reference.attention import prefill_attention_ref
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 FP8_MAX = 448.0
+
+
+class RowLog:
+    """Each layer's K / V rows of each request so far, as a test handed them to the engine: the oracle's view of the
+    cache, kept apart from it (copies: an engine's store may write the rows it is handed, SGLang's fp8 one does)."""
+
+    def __init__(self):
+        self.kv: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def length(self, r):
+        return 0 if (0, r) not in self.kv else self.kv[0, r][0].shape[0]
+
+    def append(self, sched, k, v, layer=0):
+        """``sched``: [(request, new tokens)] in the step's row order; ``k`` / ``v`` the step's rows."""
+        at = 0
+        for r, n in sched:
+            kk, vv = k[at:at + n].cpu().clone(), v[at:at + n].cpu().clone()
+            if (layer, r) in self.kv:
+                kk, vv = torch.cat([self.kv[layer, r][0], kk]), torch.cat([self.kv[layer, r][1], vv])
+            self.kv[layer, r] = (kk, vv)
+            at += n
 
 
 def quantised(x, scale, kv_dtype):
