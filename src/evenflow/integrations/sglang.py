@@ -168,7 +168,8 @@ class EvenflowSGLangBackend(AttentionBackend):
         self.num_kv_heads, self.head_dim = pool.head_num, pool.head_dim
         self.num_q_heads = _q_heads_of(getattr(model_runner, "model", None))
         self.max_seq_len = -(-self.req_to_token.shape[1] // page) * page
-        # the plan serves up to MAX_BATCH requests (SGLang's request table is often larger: 2048-4096 by default); an
+        # the plan serves up to MAX_BATCH requests (SGLang's request table is often larger: sized from
+        # max_running_requests, which SGLang 0.5.23's kv_cache_configurator defaults to 2048-4096); an
         # eager decode of more runs the static schedule
         self._plan_batch = min(model_runner.req_to_token_pool.size, MAX_BATCH)
         self.plan: evenflow.DecodePlan | None = None
