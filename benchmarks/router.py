@@ -43,9 +43,11 @@ QUICK = {"cases": ("K4096-N192", "qwen3-30b-a3b"), "ms": (1, 16, 512, 4096)}
 # config when the table picked it, else the tuner's first candidate); evenflow-fp32splitk
 # (M <= 16): the single-launch split-K CUDA-core path, forced the same way (table's config,
 # else the untuned heuristic's); evenflow-nopdl / -pdl / -prefetch: the default's config launched "plain",
-# "pdl" and "pdl-prefetch" (GemmConfig.launch, round AD; the default row launches as its table entry says).
+# "pdl" and "pdl-prefetch" (GemmConfig.launch, round AD; the default row launches as its table entry says);
+# evenflow-counter: where the table's entry sums its K slices with float atomics (reduce "atomic", round BW), the
+# same config with the counter's in-order sum (what torch.use_deterministic_algorithms runs); no row elsewhere.
 LAUNCH_ROWS = {"evenflow-nopdl": "plain", "evenflow-pdl": "pdl", "evenflow-prefetch": "pdl-prefetch"}
-IMPLS = ("evenflow", *LAUNCH_ROWS, "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt",
+IMPLS = ("evenflow", *LAUNCH_ROWS, "evenflow-counter", "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt",
          "evenflow-fp32splitk", *cublas.PEERS)
 TOP_K = 8
 ROTATE_BYTES = 150 << 20  # > 2x L2
@@ -98,8 +100,8 @@ def main() -> int:
                         inv = impl == "evenflow-invariant"
                         rws = [evenflow.RouterWeight(w, terms=2 if impl == "evenflow-2term" else 3) for w in ws]
                         outs = [torch.empty(m, n, device="cuda") for _ in ws]
-                        for rw in rws:  # workspace allocated before capture
-                            rw.workspace(m, rw.config(m, inv))
+                        for rw in rws:  # workspace allocated before capture (the counter twin's too)
+                            rw.workspace(m, dataclasses.replace(rw.config(m, inv), reduce="counter"))
                             rw.logits_buffer(m)
                         cfg = rws[0].config(m, inv)
                         if impl == "evenflow-fp32simt" and cfg.path != "fp32-simt":
@@ -109,6 +111,10 @@ def main() -> int:
                                                           .multi_processor_count)
                         if impl in LAUNCH_ROWS:
                             cfg = dataclasses.replace(cfg, launch=LAUNCH_ROWS[impl])
+                        if impl == "evenflow-counter":
+                            if cfg.reduce != "atomic":
+                                continue
+                            cfg = dataclasses.replace(cfg, reduce="counter")
                         fns = [lambda x=x, rw=rw, o=o, c=cfg: evenflow.router_gemm(x, rw, o, batch_invariant=inv,
                                                                                      config=c)
                                for x, rw, o in zip(xs, rws, outs)]

@@ -50,7 +50,14 @@ import torch  # noqa: E402
 import evenflow  # noqa: E402
 from evenflow.bench import harness as H  # noqa: E402
 from evenflow.reference import router as R  # noqa: E402
-from evenflow.router.dispatch import KERNEL_PATHS, SPLIT_K_PATHS, GemmConfig, launches_for  # noqa: E402
+from evenflow.router.dispatch import (  # noqa: E402
+    KERNEL_PATHS,
+    REDUCES,
+    SPLIT_K_PATHS,
+    TC_PATHS,
+    GemmConfig,
+    launches_for,
+)
 from evenflow.testing import error_bound  # noqa: E402
 
 CASES = {"K4096-N192": (4096, 192), "longcat-chat": (6144, 768), "longcat-lite": (3072, 384),
@@ -138,9 +145,49 @@ def candidates(m: int, n: int, k: int, sms: int, plain: bool = True, terms: int 
         bk = max(16, 1 << max(0, k - 1).bit_length())  # a block of at least 16 (GemmConfig's minimum)
         out += [GemmConfig(bm, bn, bk, 1, warps, 1, "fp32-simt") for bm, bn in ((4, 2), (4, 4), (8, 2))
                 for warps in (8, 16)]
+    if ATOMIC_MIN_M < m <= ATOMIC_MAX_M:
+        out = with_atomic(out, m, n, k, terms)
     if plain:
         out += [GemmConfig(path="torch-fp32"), GemmConfig(path="torch-split2")]
     return out
+
+
+# Round BW: the rows (ATOMIC_MIN_M, ATOMIC_MAX_M] at which the tuner offers split-K launches summed with float atomics
+# (``reduce="atomic"``): the buckets of 16 and 64 rows, whose tensor-core and split-K entries pay the counter's chain.
+# At M <= 4 the entries are unsplit CUDA-core tiles, which the zeroing kernel's launch would only slow.
+ATOMIC_MIN_M, ATOMIC_MAX_M = 4, 64
+
+
+def with_atomic(configs: list[GemmConfig], m: int, n: int, k: int, terms: int = 3) -> list[GemmConfig]:
+    """``configs`` with, right after each tensor-core split-K launch of more than one slice, its twin under
+    ``reduce="atomic"``
+    (round BW: the output zeroed by a small kernel ahead, every slice's partial added into it with fp32 atomics;
+    no partial store, counter or reload, the three dependent L2 round trips of the counter's chain, which BH3 / BI1
+    measured at +1.2 us for two slices and ~4 us for sixteen), and at the end each distinct tensor-core tile of the
+    list under atomics at one and two K steps a slice (with the chain gone, wider splits may pay: more programs
+    to share the weight's reads). A twin follows its original, so a budget cut takes both or neither."""
+    from evenflow.router.gemm import launch_shape
+
+    out, tiles = [], []
+    for c in configs:
+        out.append(c)
+        if c.path in TC_PATHS and launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[1] > 1:
+            out.append(replace(c, reduce="atomic"))
+            if replace(c, split_k=1) not in tiles:
+                tiles.append(replace(c, split_k=1))
+    wide = [replace(c, split_k=min(256, math.ceil(k / (steps * c.block_k))), reduce="atomic")
+            for c in tiles for steps in (1, 2)]
+    out += [c for c in _distinct_launches(wide, m, n, k, terms) if c not in out]
+    # the atomic one-step fp32-tc slices again with their weight loaded before the PDL wait (launch "pdl-preload")
+    return out + [replace(c, launch="pdl-preload") for c in out
+                  if c.path == "fp32-tc" and c.reduce == "atomic" and _one_step(c, m, n, k)]
+
+
+def _one_step(c: GemmConfig, m: int, n: int, k: int) -> bool:
+    """Every K slice of ``c``'s launch is one BLOCK_K step (where launch "pdl-preload" applies on fp32-tc)."""
+    from evenflow.router.gemm import launch_shape
+
+    return launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0] == c.block_k
 
 
 def _balanced_tc(m: int, n: int, k: int, sms: int) -> list[GemmConfig]:
@@ -270,6 +317,7 @@ def splitk_candidates(m: int, n: int, k: int, sms: int, terms: int = 3) -> list[
 def _short(c: GemmConfig) -> str:
     return (f"{c.path} {c.block_m}x{c.block_n}x{c.block_k} split {c.split_k} warps {c.num_warps} "
             f"stages {c.num_stages}" + (f" {c.launch}" if c.launch != GemmConfig().launch else "")
+            + (f" {c.reduce}" if c.reduce != GemmConfig().reduce else "")
             if c.path in KERNEL_PATHS else c.path)
 
 
@@ -281,7 +329,7 @@ def _distinct_launches(configs, m, n, k, terms):
 
     seen, kept = set(), []
     for c in (c.fit_smem(terms) for c in configs):
-        key = (c.path, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages,
+        key = (c.path, c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages, c.reduce,
                launch_shape(m, n, k, c.block_m, c.block_n, c.block_k, c.split_k)[0])
         if key not in seen:
             seen.add(key)
@@ -473,6 +521,9 @@ def choose_launch(cfg: GemmConfig, xs, rws, outs, rounds: int = 2) -> tuple[Gemm
     if cfg.path not in KERNEL_PATHS:
         return cfg, {}
     modes = launches_for(cfg.path)
+    m, k = xs[0].shape
+    if cfg.path == "fp32-tc" and not _one_step(cfg, m, rws[0].shape[0], k):
+        modes = tuple(mode for mode in modes if mode != "pdl-preload")  # it would run as "pdl-prefetch"
     passes = _interleaved({mode: replace(cfg, launch=mode) for mode in modes}, xs, rws, outs, rounds)
     mean = {mode: sum(us[mode] for us in passes) / len(passes) for mode in modes}
     mode = min(modes, key=lambda m: mean[m])
@@ -503,6 +554,9 @@ def _extra(p):
     p.add_argument("--launch-only", action="store_true",
                    help="keep every selected entry's config and re-time only its launch mode (plain / pdl / "
                         "pdl-prefetch, and pdl-preload on fp32-simt)")
+    p.add_argument("--reduces", default=None,
+                   help="comma-separated split-K reductions whose kernel candidates are offered (counter, atomic; "
+                        "default both): e.g. 'atomic' times the table's entry against the atomic candidates alone")
     p.add_argument("--buckets", default=None,
                    help=f"comma-separated M buckets to re-tune (of {','.join(map(str, BUCKETS))}); the table's "
                         "other entries are kept")
@@ -520,6 +574,8 @@ def main() -> int:
         bad = [b for b in buckets if b not in BUCKETS]
         if bad:
             raise SystemExit(f"--buckets: {bad} are not M buckets (choose from {BUCKETS})")
+    if args.reduces and not set(args.reduces.split(",")) <= set(REDUCES):
+        raise SystemExit(f"--reduces: choose from {REDUCES}, got {args.reduces!r}")
     # The batch-invariant score is a geomean over INVARIANT_MS: re-scored only when all are timed.
     tune_invariant = not args.buckets or all(m in buckets for m in INVARIANT_MS)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -550,6 +606,8 @@ def main() -> int:
             bound = error_bound(ref, R.split_logits_fp32(xs[0], *rws[0].parts), torch.float32)
             best = None
             cands = candidates(m, n, k, sms, terms=terms)
+            if args.reduces:
+                cands = [c for c in cands if c.path in KERNEL_PATHS and c.reduce in args.reduces.split(",")]
             # The table's current pick for this bucket is always re-timed (first), so a short
             # budget can only replace it by something measured faster in this run.
             incumbent = table_incumbent(table, k, n, terms, m)
@@ -610,11 +668,11 @@ def main() -> int:
                                 else len(CASES), e["K"], e["N"], e.get("terms", 3), e["m_max"]))
     table = {"gpu": name, "sms": sms, "header": H.header(), "entries": entries, "batch_invariant": invariant}
     _write_table(table, table_path)
-    print("\n| case | M <= | path | BM | BN | BK | split | warps | stages | us |")
-    print("|---" * 10 + "|")
+    print("\n| case | M <= | path | BM | BN | BK | split | warps | stages | reduce | us |")
+    print("|---" * 11 + "|")
     for case, m, c, us in summary:
         print(f"| {case} | {m} | {c.path} | {c.block_m} | {c.block_n} | {c.block_k} | {c.split_k} | "
-              f"{c.num_warps} | {c.num_stages} | {us:.2f} |")
+              f"{c.num_warps} | {c.num_stages} | {c.reduce} | {us:.2f} |")
     print(f"\nwritten: {table_path}")
     return 0
 

@@ -725,19 +725,19 @@ def test_fp32_simt_one_block_refuses_a_k_past_its_block(device):
     _check_fp32_op({**args, "x": x[:, :64].contiguous(), "w": w[:, :64].contiguous(), "one_block": True})
 
 
-def test_preload_launch_only_on_the_simt_path(device):
-    # "pdl-preload" is a launch of the CUDA-core fp32-simt kernel only; on any other path it is refused by name, and a
+def test_preload_launch_only_on_the_fp32_weight_paths(device):
+    # "pdl-preload" is a launch of the kernels that read the fp32 weight itself: the CUDA-core fp32-simt kernel and
+    # (round BW) the fp32-tc split in registers; on the stored split and on fp32-splitk it is refused by name, and a
     # call that passes prefetch_weights (True or False) never preloads (router_gemm's contract)
     cfg = GemmConfig(1, 1, 64, 1, 4, 1, "fp32-simt", "pdl-preload")
     assert GemmConfig.from_dict(cfg.to_dict()) == cfg
-    for path_cfg in (dict(path="triton"), dict(path="fp32-tc"),
-                     dict(block_m=4, block_n=8, block_k=128, split_k=2, path="fp32-splitk")):
+    for path_cfg in (dict(path="triton"), dict(block_m=4, block_n=8, block_k=128, split_k=2, path="fp32-splitk")):
         with pytest.raises(ValueError, match="pdl-preload"):
             GemmConfig(**path_cfg, launch="pdl-preload")
     from evenflow.router.dispatch import launches_for
 
-    assert launches_for("fp32-simt") == ("plain", "pdl", "pdl-prefetch", "pdl-preload")
-    assert launches_for("triton") == ("plain", "pdl", "pdl-prefetch")
+    assert launches_for("fp32-simt") == launches_for("fp32-tc") == ("plain", "pdl", "pdl-prefetch", "pdl-preload")
+    assert launches_for("triton") == launches_for("fp32-splitk") == ("plain", "pdl", "pdl-prefetch")
     x, w = _inputs(2, 8, 64, device)
     rw = evenflow.RouterWeight(w)
     want = evenflow.router_gemm(x, rw, config=replace(cfg, launch="plain"))

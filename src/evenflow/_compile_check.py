@@ -254,7 +254,8 @@ def mma_counts(ptx: str) -> dict:
 
 
 PTX_MARKS = ("griddepcontrol.launch_dependents", "griddepcontrol.wait", "ld.global", "cp.async", "atom.",
-             "red.", "st.global", "prefetch.global.L2")
+             "red.", "st.global", "prefetch.global.L2", "atom.global", "red.global")
+# ("red." also matches "ld.shared" / "st.shared": "atom.global" and "red.global" name global atomics alone)
 
 
 def ptx_marks(ptx: str) -> dict:

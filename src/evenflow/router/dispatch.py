@@ -57,8 +57,19 @@ SPLIT_K_PATHS = ("triton", "fp32-tc", "fp32-splitk")
 # prefetch, a load before the wait would see old data if the kernel ahead wrote the weight: ``router_gemm`` takes it
 # only where the table says so and ``prefetch_weights`` is left at None, and a RouterWeight's in-place updates always
 # put its split's kernels between the write and the call (see ``router_gemm``).
+# Since round BW also on ``fp32-tc`` where every K slice is one BLOCK_K step (the tuner's atomic wide splits): the
+# slice's fp32 weight is loaded and split in registers before the wait. Where a slice has more steps the launch
+# runs as "pdl-prefetch" (the preload build has no K loop), and the tuner offers the mode only where it applies.
 LAUNCHES = ("plain", "pdl", "pdl-prefetch", "pdl-preload")
-PRELOAD_PATHS = ("fp32-simt",)
+PRELOAD_PATHS = ("fp32-simt", "fp32-tc")
+# How a split-K launch sums its K slices: "counter", every program stores its partial and bumps the tile's
+# counter, the last one reloads the partials and sums them in split order (deterministic: a fence, an atomic and
+# a reload, three dependent L2 round trips); "atomic" (round BW), a small kernel zeroes the output first and
+# every program adds its partial into it with fp32 atomic adds (no chain; the slices meet in arrival order, so
+# from three slices the last bits may differ from call to call). A tuned choice per table entry; batch-invariant
+# mode never takes "atomic", and under ``torch.use_deterministic_algorithms(True)`` a table entry's "atomic" runs
+# as "counter" (the same tile and split).
+REDUCES = ("counter", "atomic")
 
 
 def launches_for(path: str) -> tuple[str, ...]:
@@ -84,12 +95,18 @@ class GemmConfig:
     num_stages: int = 3
     path: str = "triton"
     launch: str = "pdl"
+    reduce: str = "counter"
 
     def __post_init__(self):
         if self.path not in PATHS:
             raise ValueError(f"config.path must be one of {PATHS}, got {self.path!r}")
         if self.launch not in LAUNCHES:
             raise ValueError(f"config.launch must be one of {LAUNCHES}, got {self.launch!r}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"config.reduce must be one of {REDUCES}, got {self.reduce!r}")
+        if self.reduce != "counter" and self.path not in SPLIT_K_PATHS:
+            raise ValueError(f"config.reduce={self.reduce!r} needs a split-K path {SPLIT_K_PATHS}, "
+                             f"got path {self.path!r}")
         if self.launch == "pdl-preload" and self.path not in PRELOAD_PATHS:
             raise ValueError(f"config.launch 'pdl-preload' needs a path of {PRELOAD_PATHS}, got {self.path!r}")
         if self.path == "fp32-simt":
@@ -187,8 +204,9 @@ class GemmConfig:
         return chunk if splits is None else min(chunk, 1 << max(0, splits - 1).bit_length())
 
     def workspace_sizes(self, m: int, n: int, k: int) -> tuple[int, int]:
-        """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K."""
-        if self.path not in SPLIT_K_PATHS:
+        """(fp32 partials, int32 counters) one launch at ``m`` rows needs; (0, 0) without split-K or with
+        ``reduce="atomic"`` (the partials go straight into the output)."""
+        if self.path not in SPLIT_K_PATHS or self.reduce == "atomic":
             return 0, 0
         k_split = _cdiv(_cdiv(k, self.split_k), self.block_k) * self.block_k
         split = _cdiv(k, k_split)
@@ -350,8 +368,9 @@ def choose_config(m: int, n: int, k: int, device: torch.device, batch_invariant:
         rows = [e for e in table.get("batch_invariant", [])
                 if e["K"] == k and e["N"] == n and e.get("terms", 3) == terms]
         cfg = GemmConfig.from_dict(rows[0]["config"]) if rows else heuristic_invariant_config(n, k)
-        if cfg.path not in INVARIANT_PATHS:
-            raise ValueError(f"batch-invariant table entries must use a path in {INVARIANT_PATHS}, got {cfg.path!r}")
+        if cfg.path not in INVARIANT_PATHS or cfg.reduce != "counter":
+            raise ValueError(f"batch-invariant table entries must use a path in {INVARIANT_PATHS} and the counter's "
+                             f"reduction, got {cfg.path!r} / {cfg.reduce!r}")
         return cfg
     cfg = _lookup(table.get("entries", []), m, n, k, terms)
     return cfg if cfg is not None else heuristic_config(m, n, k, sms)

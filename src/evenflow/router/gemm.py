@@ -34,6 +34,8 @@ tensor (made under ``torch.inference_mode``) has no version counter and is refus
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 
@@ -47,7 +49,12 @@ from evenflow.router.dispatch import (
     smem_limit,
     splitk_red_chunk,
 )
-from evenflow.router.kernels import router_gemm_fp32_kernel, router_gemm_fp32_splitk_kernel, router_gemm_kernel
+from evenflow.router.kernels import (
+    router_gemm_fp32_kernel,
+    router_gemm_fp32_splitk_kernel,
+    router_gemm_kernel,
+    zero_out_kernel,
+)
 
 __all__ = ["RouterWeight", "router_gemm", "split_weight"]
 
@@ -151,6 +158,8 @@ class RouterWeight:
         largest = {self.config(m, inv): m for inv in (False, True) for m in range(1, max_tokens + 1)}
         for c, m in largest.items():
             self.workspace(m, c)
+            if c.reduce == "atomic":  # run as "counter" under torch.use_deterministic_algorithms(True)
+                self.workspace(m, replace(c, reduce="counter"))
         self.logits_buffer(max_tokens)
 
     def config(self, m: int, batch_invariant: bool = False) -> GemmConfig:
@@ -218,15 +227,25 @@ def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
 def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
                   out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
                   block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int, pdl: bool,
-                  prefetch_w: bool, w_fp32: bool = False) -> None:
+                  prefetch_w: bool, w_fp32: bool = False, atomic: bool = False, preload_w: bool = False) -> None:
     # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
     # w_fp32 (path fp32-tc): w_hi is the fp32 weight, split in registers; w_lo / w_lo2 are never read.
+    # atomic: reduce="atomic" (out zeroed first, the slices' partials added into it; no workspace read)
+    # preload_w (launch "pdl-preload", fp32-tc): where every K slice is one BLOCK_K step, that step's weight loaded
+    # before the PDL wait (the kernel's ONE_STEP build); elsewhere the L2 prefetch in its place.
     m, k = x.shape
     n = w_hi.shape[0]
+    if preload_w and not w_fp32:
+        raise ValueError("preload_w needs the fp32 weight (w_fp32: path fp32-tc)")
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
-    _check_workspace(part, count, split, split * m * n, grid[0])
+    one_step = preload_w and k_split == block_k
+    prefetch_w = prefetch_w or (preload_w and not one_step)
+    if atomic and split > 1:
+        _zero_out(out, pdl)
+    else:
+        _check_workspace(part, count, split, split * m * n, grid[0])
     router_gemm_kernel[grid](
         x, w_hi, w_lo, w_lo2, out, part, count,
         m, n, k, k_split, split,
@@ -234,27 +253,43 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
         RED_CHUNK=GemmConfig(block_m, block_n, block_k, num_warps=num_warps).red_chunk(split),
-        PREFETCH_W=prefetch_w, W_FP32=w_fp32,
-        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
+        PREFETCH_W=prefetch_w and not one_step, W_FP32=w_fp32, RED_ATOMIC=atomic and split > 1,
+        ONE_STEP=one_step, PRELOAD_W=one_step, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
+
+
+# zero_out_kernel's tile: one program covers 16 rows of up to 512 columns (the router's N), 4 warps
+_ZERO_BLOCK_M, _ZERO_BLOCK_N = 16, 512
+
+
+def _zero_out(out: torch.Tensor, pdl: bool) -> None:
+    """``out.zero_()`` as a kernel of ours ahead of an atomic split-K launch: under PDL it lets the GEMM launch
+    first and waits for the kernel ahead before writing (``zero_out_kernel``); a memset would do neither."""
+    m, n = out.shape
+    zero_out_kernel[(triton.cdiv(m, _ZERO_BLOCK_M), triton.cdiv(n, _ZERO_BLOCK_N))](
+        out, m, n, out.stride(0), BLOCK_M=_ZERO_BLOCK_M, BLOCK_N=_ZERO_BLOCK_N, num_warps=4,
+        **_runtime.pdl_kwargs(pdl))
 
 
 def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, part: torch.Tensor,
                         count: torch.Tensor, block_m: int, block_n: int, block_k: int, split_k: int,
-                        num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool) -> None:
+                        num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool, atomic: bool = False) -> None:
     m, k = x.shape
     n = w.shape[0]
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
-    _check_workspace(part, count, split, grid[0] * split * block_m * block_n, grid[0])  # tile-major, padded
+    if atomic and split > 1:
+        _zero_out(out, pdl)
+    else:
+        _check_workspace(part, count, split, grid[0] * split * block_m * block_n, grid[0])  # tile-major, padded
     router_gemm_fp32_splitk_kernel[grid](
         x, w, out, part, count,
         m, n, k, k_split, split,
         x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1, EVEN_K=(k % block_k == 0),
         RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages, PREFETCH_W=prefetch_w,
-        num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
+        RED_ATOMIC=atomic and split > 1, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 
@@ -314,6 +349,8 @@ def _check_op_workspace(a: dict) -> None:
 
 def _check_split_op(a: dict) -> None:
     check_bool("w_fp32", a["w_fp32"])
+    check_bool("atomic", a["atomic"])
+    check_bool("preload_w", a["preload_w"])
     check_choice("num_terms", a["num_terms"], (2, 3))
     # every term is addressed with w_hi's row stride
     names = ("w_hi", "w_lo", "w_lo2")
@@ -335,6 +372,7 @@ def _check_fp32_op(a: dict) -> None:
 
 def _check_fp32_splitk_op(a: dict) -> None:
     _check_op_tensors(a, ("w",), torch.float32)
+    check_bool("atomic", a["atomic"])
     GemmConfig(a["block_m"], a["block_n"], a["block_k"], a["split_k"], a["num_warps"], a["num_stages"],
                "fp32-splitk")
     _check_op_workspace(a)
@@ -351,7 +389,7 @@ _router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp3
 
 @_router_gemm_op.register_fake
 def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
-      num_stages, pdl, prefetch_w, w_fp32=False):
+      num_stages, pdl, prefetch_w, w_fp32=False, atomic=False, preload_w=False):
     return None
 
 
@@ -361,7 +399,8 @@ def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch
 
 
 @_router_gemm_fp32_splitk_op.register_fake
-def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages, pdl, prefetch_w):
+def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages, pdl, prefetch_w,
+      atomic=False):
     return None
 
 
@@ -385,6 +424,10 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     ``batch_invariant``: row i is bitwise the same whatever M is and whatever the other
     rows hold (one fixed config, fixed K split, no float atomics; paths ``triton``, ``fp32-tc``
     and ``fp32-splitk``).
+    Outside it, a table entry may sum its K slices with float atomics (``GemmConfig.reduce="atomic"``, round
+    BW): the last bits of a result may then differ from call to call. Under
+    ``torch.use_deterministic_algorithms(True)`` such an entry runs with the counter's in-order sum instead
+    (the same tile and split), and a forced atomic config raises ``RuntimeError``.
     ``config``: force a launch configuration (tests, tuning); otherwise the dispatch table.
     ``pdl``: launch the kernel with programmatic dependent launch (it waits at its top for the
     kernel ahead, so its launch overlaps that kernel's end; results are the same bits). None
@@ -395,14 +438,14 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
     wait, so the weight reads overlap the kernel ahead too (a hint: L2 never holds stale lines, so
     this is safe whatever the kernel ahead writes). None (default): as the config says, with PDL;
     True needs compiled kernels as PDL does.
-    Where the config says ``pdl-preload`` (the table's choice for some small-M ``fp32-simt`` entries; round
-    BM) and ``prefetch_weights`` is None, each program *loads* its first weight block into registers before
-    the wait instead: faster, but it would read old values if the kernel right before the call wrote the
-    fp32 weight. A forward pass only reads it; an in-place update through ``RouterWeight`` (``refresh``,
-    ``auto_refresh`` or a new ``RouterWeight``) runs the split's kernels between the write and the call,
-    so the write has completed first. Pass ``prefetch_weights=False`` (or ``True``: the L2 hint alone) for a
-    call that follows a kernel writing the weight with nothing in between, e.g. inside a CUDA graph that
-    updates the weight, or after a write that bypasses the version counter (``w.data.copy_``).
+    Where the config says ``pdl-preload`` (the table's choice for some small-M ``fp32-simt`` entries, round BM; on
+    ``fp32-tc`` where every K slice is one step, round BW) and ``prefetch_weights`` is None, each program *loads*
+    its first weight block into registers before the wait instead: faster, but it would read old values if the
+    kernel right before the call wrote the fp32 weight. A forward pass only reads it; an in-place update through
+    ``RouterWeight`` (``refresh``, ``auto_refresh`` or a new ``RouterWeight``) runs the split's kernels between the
+    write and the call, so the write has completed first. Pass ``prefetch_weights=False`` (or ``True``: the L2 hint
+    alone) for a call that follows a kernel writing the weight with nothing in between, e.g. inside a CUDA graph
+    that updates the weight, or after a write that bypasses the version counter (``w.data.copy_``).
     """
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight (split once at load time), got {type(w).__name__}")
@@ -432,10 +475,16 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         return out
     if config is None:
         config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
+        if config.reduce == "atomic" and torch.are_deterministic_algorithms_enabled():
+            config = replace(config, reduce="counter")  # the same tile and split, summed in split order
     else:
         if batch_invariant and config.path not in INVARIANT_PATHS:
             raise ValueError(f"config.path must be one of {INVARIANT_PATHS} in batch-invariant mode, "
                              f"got {config.path!r}")
+        if config.reduce == "atomic" and (batch_invariant or torch.are_deterministic_algorithms_enabled()):
+            raise RuntimeError("config.reduce='atomic' sums the K slices in the order they arrive (last bits may "
+                               "differ from call to call): not in batch-invariant mode nor under "
+                               "torch.use_deterministic_algorithms(True); use reduce='counter'")
         # Forced configs: num_stages capped so the pipeline fits in shared memory (a
         # deeper one fails to launch on the GPU; the interpreter would not notice).
         config = config.fit_smem(w.terms, w._smem)
@@ -452,7 +501,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         part, count = w.workspace(m, config)
         (_launch_fp32_splitk if eager else _router_gemm_fp32_splitk_op)(
             x, w.source, out, part, count, config.block_m, config.block_n, config.block_k, config.split_k,
-            config.num_warps, config.num_stages, use_pdl, pf)
+            config.num_warps, config.num_stages, use_pdl, pf, config.reduce == "atomic")
         return out
     if config.path == "torch-fp32":
         torch.mm(x.float(), w.source.detach().t(), out=out)  # a Parameter's autograd refuses out=
@@ -467,7 +516,8 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         parts = (w.w_hi, w.w_lo, w.parts[-1])
     (_launch_split if eager else _router_gemm_op)(
         x, *parts, out, part, count, w.terms, config.block_m, config.block_n,
-        config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf, config.path == "fp32-tc")
+        config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf, config.path == "fp32-tc",
+        config.reduce == "atomic", pre)
     return out
 
 

@@ -18,6 +18,13 @@ workspace is ready for the next call or CUDA-graph replay without a memset.
 ``router_gemm_fp32_splitk_kernel`` does the same for small M on CUDA cores from the
 fp32 weight itself (4 bytes a weight, no split of w; docs/perf-notes/router.md, round F).
 
+Split-K with float atomics (``RED_ATOMIC``, a config's ``reduce="atomic"``; round BW): ``zero_out_kernel`` zeroes
+``out`` first, then every program adds its partial into ``out`` with relaxed fp32 atomic adds (``red.add.f32``) and
+exits: no partials, no counter, no last program's reload (the counter's chain is three dependent L2 round trips,
+round BI). The price is the order: the slices' partials meet in the order the programs arrive, so from three
+slices a result's last bits may differ from call to call (two slices: 0 + a + b is a + b either way). Neither
+batch-invariant mode nor ``torch.use_deterministic_algorithms`` takes it (``router_gemm``).
+
 ``PDL`` (every kernel here): launched with programmatic dependent launch, a kernel waits at its
 top for the kernel ahead of it to finish and flush (``pdl_enter``) and then lets the next one
 launch, so the launch of a router call overlaps the end of the kernel before it (round AD).
@@ -30,6 +37,7 @@ the kernel ahead does not write the weight (see ``router_gemm``).
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from evenflow._kernels.common import arrived_last, dot_operand, pdl_enter, prefetch_rows
 
@@ -69,6 +77,21 @@ def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
     k_start = tl.multiple_of(i_s * K_SPLIT, BLOCK_K)
     k_end = tl.minimum(k_start + K_SPLIT, K)
     return i_mn, i_s, o_m, o_n, o_k, o_m < M, o_n < N, k_start, k_end
+
+
+@triton.jit
+def zero_out_kernel(p_out, M, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """``out[:M, :N] = 0`` ahead of an atomic split-K launch (``RED_ATOMIC``). With PDL it lets that launch go
+    first (its programs may start, and prefetch or preload their weight, while this one waits), then waits for the
+    kernel ahead before it writes (``out`` may be memory that kernel still reads); the GEMM's own wait then covers
+    this kernel and, through it, the one ahead."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :],
+             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=(o_m < M)[:, None] & (o_n < N)[None, :])
 
 
 @triton.jit
@@ -120,6 +143,45 @@ def _split_in_registers(w, NUM_TERMS: tl.constexpr, INTERPRET: tl.constexpr):
     return hi, lo, lo2
 
 
+@triton.jit
+def _step_masks(k, k_end, o_k, m_m, m_n, EVEN_K: tl.constexpr):
+    """(x mask [BLOCK_M, BLOCK_K], w^T mask [BLOCK_K, BLOCK_N]) of the K step at ``k`` (the slice ends at k_end)."""
+    if EVEN_K:
+        m_xk = m_m[:, None]
+        m_wk = m_n[None, :]
+    else:
+        m_k = (k + o_k) < k_end
+        m_xk = m_m[:, None] & m_k[None, :]
+        m_wk = m_k[:, None] & m_n[None, :]
+    return m_xk, m_wk
+
+
+@triton.jit
+def _w_step(p_whb, p_wlb, p_wl2b, k, m_wk, NUM_TERMS: tl.constexpr, W_FP32: tl.constexpr, DOT_F32: tl.constexpr):
+    """The weight's terms (hi, lo, lo2) of the K step at ``k``, [BLOCK_K, BLOCK_N] each: loaded from the stored split,
+    or the fp32 weight loaded and split in registers (W_FP32). lo2 is lo where NUM_TERMS == 2 (never read)."""
+    if W_FP32:
+        b_wh, b_wl, b_wl2 = _split_in_registers(tl.load(p_whb + k, mask=m_wk, other=0.0), NUM_TERMS, DOT_F32)
+    else:
+        b_wh = tl.load(p_whb + k, mask=m_wk, other=0.0)
+        b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
+        b_wl2 = b_wl
+        if NUM_TERMS == 3:
+            b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
+    return b_wh, b_wl, b_wl2
+
+
+@triton.jit
+def _step_dots(b_x, b_wh, b_wl, b_wl2, acc_nhi, acc_lo, acc_lo2, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr):
+    """One K step's products into the three accumulators (the order ``router_gemm_kernel``'s comment gives)."""
+    b_xd = dot_operand(b_x, DOT_F32)
+    acc_nhi = acc_nhi - tl.dot(b_xd, dot_operand(b_wh, DOT_F32))
+    acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
+    if NUM_TERMS == 3:
+        acc_lo2 = tl.dot(b_xd, dot_operand(b_wl2, DOT_F32), acc_lo2)
+    return acc_nhi, acc_lo, acc_lo2
+
+
 @triton.jit(do_not_specialize=["M", "K_SPLIT", "NUM_SPLITS"])
 def router_gemm_kernel(
     p_x, p_whi, p_wlo, p_wlo2, p_out, p_part, p_count,
@@ -128,8 +190,15 @@ def router_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
     RED_CHUNK: tl.constexpr, PDL: tl.constexpr, PREFETCH_W: tl.constexpr, W_FP32: tl.constexpr,
+    RED_ATOMIC: tl.constexpr = False, ONE_STEP: tl.constexpr = False, PRELOAD_W: tl.constexpr = False,
 ):
     """The split-weight GEMM on tensor cores (see the module docstring for the tensors).
+
+    ONE_STEP (the launcher's, where every K slice is one BLOCK_K step): the K loop's one trip without the loop.
+    PRELOAD_W (launch ``pdl-preload`` on path ``fp32-tc``, with ONE_STEP and PDL; round BW): the slice's weight
+    is loaded and split in registers *before* ``pdl_enter``'s wait, so its bytes cross into the SM while the
+    kernel ahead finishes; x is read after it. As for the CUDA-core kernel's preload, correct whenever the kernel
+    ahead does not write the fp32 weight (see ``router_gemm``).
 
     W_FP32 (path ``fp32-tc``): ``p_whi`` is the fp32 weight itself (``p_wlo`` / ``p_wlo2`` unused)
     and every K step splits its tile in registers as ``split_weight`` does (round to nearest
@@ -141,7 +210,12 @@ def router_gemm_kernel(
     as a GPU's do: they are compiled, not run; run in the interpreter they would reach the PTX.)
     """
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
-    if PREFETCH_W:
+    if PRELOAD_W:  # ONE_STEP: the slice's one step of the weight, in registers before the wait (no memory written)
+        tl.static_assert(W_FP32, "PRELOAD_W reads the fp32 weight (path fp32-tc)")
+        p_w0 = p_whi + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]
+        b_w0 = _w_step(p_w0, p_w0, p_w0, k_start, _step_masks(k_start, k_end, o_k, m_m, m_n, EVEN_K)[1],
+                       NUM_TERMS, W_FP32, DOT_F32)
+    elif PREFETCH_W:
         k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
         if W_FP32:
             prefetch_rows(p_whi, o_n, m_n, stride_wn, k_start, k_pf, BLOCK_K, 32)
@@ -172,27 +246,36 @@ def router_gemm_kernel(
     acc_nhi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_lo2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            m_xk = m_m[:, None]
-            m_wk = m_n[None, :]
+    if ONE_STEP:  # the slice is one BLOCK_K step (launcher): the loop's one trip, without the loop
+        m_xk, m_wk = _step_masks(k_start, k_end, o_k, m_m, m_n, EVEN_K)
+        b_x = tl.load(p_xb + k_start, mask=m_xk, other=0.0)
+        if PRELOAD_W:
+            b_wh, b_wl, b_wl2 = b_w0
         else:
-            m_k = (k + o_k) < k_end
-            m_xk = m_m[:, None] & m_k[None, :]
-            m_wk = m_k[:, None] & m_n[None, :]
-        b_x = tl.load(p_xb + k, mask=m_xk, other=0.0)
-        if W_FP32:
-            b_wh, b_wl, b_wl2 = _split_in_registers(tl.load(p_whb + k, mask=m_wk, other=0.0), NUM_TERMS, DOT_F32)
-        else:
-            b_wh = tl.load(p_whb + k, mask=m_wk, other=0.0)
-            b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
-        b_xd = dot_operand(b_x, DOT_F32)
-        acc_nhi = acc_nhi - tl.dot(b_xd, dot_operand(b_wh, DOT_F32))
-        acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
-        if NUM_TERMS == 3:
-            if not W_FP32:
-                b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
-            acc_lo2 = tl.dot(b_xd, dot_operand(b_wl2, DOT_F32), acc_lo2)
+            b_wh, b_wl, b_wl2 = _w_step(p_whb, p_wlb, p_wl2b, k_start, m_wk, NUM_TERMS, W_FP32, DOT_F32)
+        acc_nhi, acc_lo, acc_lo2 = _step_dots(b_x, b_wh, b_wl, b_wl2, acc_nhi, acc_lo, acc_lo2, NUM_TERMS, DOT_F32)
+    else:  # (written out as before round BW, so the loop builds of the table's entries stay what they were)
+        for k in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                m_xk = m_m[:, None]
+                m_wk = m_n[None, :]
+            else:
+                m_k = (k + o_k) < k_end
+                m_xk = m_m[:, None] & m_k[None, :]
+                m_wk = m_k[:, None] & m_n[None, :]
+            b_x = tl.load(p_xb + k, mask=m_xk, other=0.0)
+            if W_FP32:
+                b_wh, b_wl, b_wl2 = _split_in_registers(tl.load(p_whb + k, mask=m_wk, other=0.0), NUM_TERMS, DOT_F32)
+            else:
+                b_wh = tl.load(p_whb + k, mask=m_wk, other=0.0)
+                b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
+            b_xd = dot_operand(b_x, DOT_F32)
+            acc_nhi = acc_nhi - tl.dot(b_xd, dot_operand(b_wh, DOT_F32))
+            acc_lo = tl.dot(b_xd, dot_operand(b_wl, DOT_F32), acc_lo)
+            if NUM_TERMS == 3:
+                if not W_FP32:
+                    b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
+                acc_lo2 = tl.dot(b_xd, dot_operand(b_wl2, DOT_F32), acc_lo2)
     if W_FP32:  # the low terms come pre-scaled (_split_in_registers)
         if NUM_TERMS == 3:
             acc_lo = acc_lo + acc_lo2
@@ -206,6 +289,8 @@ def router_gemm_kernel(
     o_out = o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     if not HAS_SPLIT:
         tl.store(p_out + o_out, b_out, mask=m_out)
+    elif RED_ATOMIC:  # out zeroed by zero_out_kernel; the slices meet in arrival order
+        tl.atomic_add(p_out + o_out, b_out, mask=m_out, sem="relaxed")
     else:
         o_part = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
         plane = M.to(tl.int64) * N
@@ -310,7 +395,7 @@ def router_gemm_fp32_splitk_kernel(
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, RED_CHUNK: tl.constexpr, NUM_STAGES: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_W: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_W: tl.constexpr, RED_ATOMIC: tl.constexpr = False,
 ):
     """Small-M router GEMM on CUDA cores from the ORIGINAL fp32 weight, K split over the GPU, one launch.
 
@@ -357,6 +442,8 @@ def router_gemm_fp32_splitk_kernel(
     p_outb = p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :]
     if not HAS_SPLIT:
         tl.store(p_outb, b_out, mask=m_out)
+    elif RED_ATOMIC:  # out zeroed by zero_out_kernel; the slices meet in arrival order
+        tl.atomic_add(p_outb, b_out, mask=m_out, sem="relaxed")
     else:
         TILE: tl.constexpr = BLOCK_M * BLOCK_N
         o_loc = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
