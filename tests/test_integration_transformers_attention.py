@@ -78,6 +78,36 @@ def test_generate_matches_the_fp64_model(device, plan, fuse, monkeypatch):
     assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="generate's logits")
 
 
+def test_paged_cache_on_a_cache_base_with_read_only_size_properties(device, monkeypatch):
+    """Some transformers 5 releases make ``max_batch_size`` / ``max_cache_len`` read-only properties of ``Cache``
+    (computed from its layers); round BW's device machine had one, and PagedCache's constructor, which set them as
+    attributes, raised there. On such a base it must build, report its own sizes and generate within the rule."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    import evenflow.integrations.transformers_paged as tp
+
+    class ReadOnlySizes(Cache):
+        @property
+        def max_batch_size(self):
+            return -1
+
+        @property
+        def max_cache_len(self):
+            return -1
+
+    monkeypatch.setattr(tp, "_cache_base", lambda: (ReadOnlySizes, CacheLayerMixin))
+    paged = tp._cache_class.__wrapped__()
+    assert issubclass(paged, ReadOnlySizes)
+    m64, stock, ev = models(device)
+    ev_tf.enable_attention(ev)
+    cache = paged(ev, max_batch_size=3, max_cache_len=32, page_size=16)
+    assert (cache.max_batch_size, cache.max_cache_len) == (3, 32)
+    ids, mask = prompts(device)
+    seq, logits = generate(ev, cache, ids, mask)
+    ref, base = teacher_forced_logits((m64, stock), seq, mask, NEW)
+    assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="generate's logits")
+
+
 def test_pages_hold_the_real_tokens_only(device):
     """After a prefill, request b's first REAL[b] cached K rows are its real tokens' keys (the fp64 model's K within
     bf16 rounding), in order, and the padding landed in the spare page only."""

@@ -95,7 +95,7 @@ def test_one_slice_stores_directly_without_the_zeroing_kernel(device, monkeypatc
     import evenflow.router.gemm as G
 
     real = G._zero_out
-    monkeypatch.setattr(G, "_zero_out", lambda out, pdl: (calls.append(out.shape), real(out, pdl)))
+    monkeypatch.setattr(G, "_zero_out", lambda out, x, pdl: (calls.append(out.shape), real(out, x, pdl)))
     x, w = _inputs(4, 16, 128, device, seed=5)
     rw = evenflow.RouterWeight(w)
     one = GemmConfig(16, 16, 128, 1, 4, 2, "triton", reduce="atomic")  # K is one slice
@@ -139,7 +139,10 @@ def test_fp32_tc_one_step_preload_build_matches_the_loop(device, m, n, k, bk, sp
         _launch_split(x, w, w, w, out, part, count, 3, 16, 16, bk, split, 4, 2, False, False, True, atomic, pre)
         _check(out, x, rw, w, cfg, f"preload={pre}")
         outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    if _runtime.interpreting():
+        # the same operations; on a GPU the two builds may take the MMA's K steps in another order (within the
+        # rule, checked above), and the atomic sums meet in arrival order (BW2 saw both)
+        assert torch.equal(outs[0], outs[1])
     assert int(count.abs().sum()) == 0
 
 
@@ -316,8 +319,10 @@ def test_atomic_builds_compile_for_sm90_and_wait_before_their_atomics():
         mk = s["marks"]
         wait, go = mk["griddepcontrol.wait"], mk["griddepcontrol.launch_dependents"]
         if "zero_out_kernel" in s["describe"]:
-            # the next launch may start first; the zeros only after the kernel ahead has finished
+            # the next launch may start first; the zeros, and the L2 requests for x, only after the kernel ahead
+            # has finished (x may be its output)
             assert 0 <= go < wait < mk["st.global"], s["describe"]
+            assert wait < mk["prefetch.global.L2"], s["describe"]
         else:
             first_atomic = min(v for v in (mk["red.global"], mk["atom.global"]) if v >= 0)
             assert 0 <= wait < first_atomic, s["describe"]

@@ -220,13 +220,24 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.graph(g):
         evenflow.router_gemm(x, rw, out)
         evenflow.route(x, rw, 8, out=(ids, wt))
+    # Since round BW the table's K4096 M = 16 entry sums its K slices with float atomics: a replay and an eager call
+    # then agree to a few ulps of the partials' magnitude (the slices meet in arrival order), not bit for bit
+    atomic = rw.config(16).reduce == "atomic"
+    slack = 64 * 2.0**-24 * (x.double().abs() @ w.double().abs().t()).max().item()
     for seed in range(3):
         x.copy_(_inputs(16, n, k, seed=100 + seed)[0])
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, evenflow.router_gemm(x, rw))
+        want = evenflow.router_gemm(x, rw)
         ids2, wt2 = evenflow.route(x, rw, 8)
-        assert torch.equal(ids, ids2) and torch.equal(wt, wt2)
+        if atomic:
+            assert (out - want).abs().max().item() <= slack
+            assert (out.double() - R.router_logits_fp64(x, w)).abs().max().item() <= 1e-4
+            assert torch.equal(ids.sort(-1).values, ids2.sort(-1).values)
+            assert torch.allclose(wt.sort(-1).values, wt2.sort(-1).values, rtol=1e-5, atol=0)
+        else:
+            assert torch.equal(out, want)
+            assert torch.equal(ids, ids2) and torch.equal(wt, wt2)
 
 
 def test_torch_compile_fullgraph():

@@ -404,7 +404,9 @@ def _cache_class():
                 params = getattr(model, "parameters", None)
                 device = next(params()).device if params is not None else "cuda"
             device = torch.device(device)
-            self.max_batch_size, self.max_cache_len, self.page_size = max_batch_size, max_cache_len, page_size
+            # (max_batch_size / max_cache_len are this class's properties: some transformers 5 releases make them
+            # read-only properties of Cache, computed from its layers; round BW's device machine had one)
+            self._max_batch, self._max_len, self.page_size = max_batch_size, max_cache_len, page_size
             self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_dtype = hq, hkv, d, kv_dtype
             self.k_scale, self.v_scale = k_scale, v_scale
             self.seen = 0
@@ -435,6 +437,16 @@ def _cache_class():
             super().__init__(layers=[layer_cls(self, i, torch.zeros(shape, dtype=kv_dtype, device=device),
                                                torch.zeros(shape, dtype=kv_dtype, device=device))
                                      for i in range(layers)])
+
+        @property
+        def max_batch_size(self) -> int:
+            """The most requests a batch may hold."""
+            return self._max_batch
+
+        @property
+        def max_cache_len(self) -> int:
+            """Positions a request may reach (prompt padding included)."""
+            return self._max_len
 
         @property
         def plan(self):
