@@ -165,7 +165,7 @@ def generate_case(model, impl: str, lens: list[int], vocab: int, page_size: int 
         kw = {"cache_implementation": "static", "disable_compile": True} if impl == "transformers-sdpa-static" else {}
         if cache is not None:
             cache.reset()
-            kw["cache"] = cache
+            kw.update(ev_tf.cache_kwargs(model, cache))
         return generate_logits(model, ids, mask, new, **kw)[1][:, 0]
 
     run.kv_bytes = kv_bytes  # the KV cache's size at the longest timed generate

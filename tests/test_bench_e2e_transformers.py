@@ -6,7 +6,7 @@ import torch
 from evenflow.bench import harness as H
 from tests_support_bench import load_script
 
-pytest.importorskip("transformers", minversion="5.0")
+pytest.importorskip("transformers", minversion="5.24")
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
 

@@ -8,7 +8,7 @@ import torch
 import evenflow
 from evenflow.testing import assert_within_rule
 
-transformers = pytest.importorskip("transformers", minversion="5.0")
+transformers = pytest.importorskip("transformers", minversion="5.24")
 ev_tf = pytest.importorskip("evenflow.integrations.transformers")
 
 
@@ -258,3 +258,15 @@ def test_a_model_built_in_inference_mode(device):
         got = inf(ids).logits
         assert torch.equal(got, inf(ids).logits)  # the held state served a second call
         assert torch.equal(got, ev(ids).logits)
+
+
+def test_an_older_transformers_is_refused_by_name(monkeypatch):
+    # 5.24 is the first release whose attention modules pass their kwargs to cache.update; 5.17 (a device machine's)
+    # failed the adapter's tests deep inside generate. The adapter now refuses it on import, naming both versions.
+    import transformers as current  # (the module the check imports: an earlier test may have reloaded it)
+
+    monkeypatch.setattr(current, "__version__", "5.17.0")
+    with pytest.raises(ImportError, match=r"needs transformers >= 5\.24, found 5\.17\.0"):
+        ev_tf._require_transformers()
+    monkeypatch.setattr(current, "__version__", "5.24.0.dev0")
+    ev_tf._require_transformers()

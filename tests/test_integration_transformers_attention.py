@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import evenflow
-from evenflow.integrations.demo import generate_logits, left_padded, teacher_forced_logits
 from evenflow.testing import assert_within_rule
-from test_integration_transformers import models as moe_models
 
-transformers = pytest.importorskip("transformers", minversion="5.0")
+transformers = pytest.importorskip("transformers", minversion="5.24")
 ev_tf = pytest.importorskip("evenflow.integrations.transformers")
+
+from evenflow.integrations.demo import generate_logits, left_padded, teacher_forced_logits  # noqa: E402
+from test_integration_transformers import models as moe_models  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 PROMPT, NEW = 7, 4
@@ -41,7 +42,7 @@ def prompts(device, real=REAL, width=PROMPT, seed=0):
 
 
 def generate(model, cache, ids, mask, new=NEW):
-    return generate_logits(model, ids, mask, new, cache=cache)
+    return generate_logits(model, ids, mask, new, **ev_tf.cache_kwargs(model, cache))
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
@@ -120,7 +121,7 @@ def test_pages_hold_the_real_tokens_only(device):
     hook = attn64.k_norm.register_forward_hook(lambda mod, inp, out: keys.__setitem__("k", out))
     pos = (mask.cumsum(1) - 1).clamp(min=0)  # positions as generate gives them (real tokens from 0)
     with torch.no_grad():
-        ev(ids, attention_mask=mask, position_ids=pos, cache=cache)
+        ev(ids, attention_mask=mask, position_ids=pos, **ev_tf.cache_kwargs(ev, cache))
         m64(ids, attention_mask=mask, position_ids=pos)
     hook.remove()
     # the oracle's K after the norm, rotated by position: recompute it with the model's own rotary embedding
@@ -222,7 +223,7 @@ def test_an_extend_after_decode_steps(device, fuse):
         ext_pos = pos[:, -4:] if name == "real" else torch.arange(full.shape[1] - 4, full.shape[1], device=device)[
             None].expand(3, -1)
         with torch.no_grad():
-            outs[name] = ev(ext, attention_mask=full_mask, position_ids=ext_pos, cache=cache).logits
+            outs[name] = ev(ext, attention_mask=full_mask, position_ids=ext_pos, **ev_tf.cache_kwargs(ev, cache)).logits
         assert cache.seq_lens.tolist() == [n + 3 - 1 + 4 for n in REAL]
     with torch.no_grad():
         ref, base = (m(full, attention_mask=full_mask, position_ids=pos).logits[:, -4:] for m in (m64, stock))
@@ -251,19 +252,19 @@ def test_refusals(device):
     cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
     with pytest.raises(ValueError, match="padding_side = 'left'"):
         with torch.no_grad():
-            ev(ids.flip(1), attention_mask=right, cache=cache)
+            ev(ids.flip(1), attention_mask=right, **ev_tf.cache_kwargs(ev, cache))
     cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=8, page_size=16)
     with pytest.raises(ValueError, match="holds 8 positions a request; this forward needs 9"):
         generate(ev, cache, ids, mask)
     cache = ev_tf.PagedCache(ev, max_batch_size=2, max_cache_len=16, page_size=16)
     with pytest.raises(ValueError, match="batch of 3 requests over the PagedCache's max_batch_size 2"):
         with torch.no_grad():
-            ev(ids, attention_mask=mask, cache=cache)
+            ev(ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache))
     cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
     with pytest.raises(NotImplementedError, match="beam search"):
         with torch.no_grad():
-            ev.generate(input_ids=ids[:1], attention_mask=mask[:1], cache=cache, max_new_tokens=2, num_beams=2,
-                        pad_token_id=0)
+            ev.generate(input_ids=ids[:1], attention_mask=mask[:1], **ev_tf.cache_kwargs(ev, cache), max_new_tokens=2,
+                        num_beams=2, pad_token_id=0)
     with pytest.raises(ValueError, match="page_size must be one of"):
         ev_tf.PagedCache(ev, max_batch_size=1, max_cache_len=16, page_size=24)
     with pytest.raises(ValueError, match="kv_dtype must be"):
@@ -298,8 +299,8 @@ def test_state_mistakes_raise_instead_of_mixing_batches(device):
     cache.reset()
     with pytest.raises(ValueError, match="use_cache=False"):
         with torch.no_grad():
-            ev.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=3, min_new_tokens=3,
-                        do_sample=False, use_cache=False, pad_token_id=0)
+            ev.generate(input_ids=ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache), max_new_tokens=3,
+                        min_new_tokens=3, do_sample=False, use_cache=False, pad_token_id=0)
     with pytest.raises(TypeError, match="'bidirectional_mask_function': evenflow's paged attention computes plain "
                                         "causal attention only"):
         padding_mask(3, 7, 7, mask_function=bidirectional_mask_function, attention_mask=mask.bool())
@@ -315,8 +316,8 @@ def test_sampling_with_several_returns_and_a_cache_built_in_inference_mode(devic
     ids, mask = prompts(device)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = ev.generate(input_ids=ids, attention_mask=mask, cache=cache, max_new_tokens=3, min_new_tokens=3,
-                          do_sample=True, num_return_sequences=2, pad_token_id=0)
+        out = ev.generate(input_ids=ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache), max_new_tokens=3,
+                          min_new_tokens=3, do_sample=True, num_return_sequences=2, pad_token_id=0)
     assert out.shape == (6, PROMPT + 3)
     assert cache.seq_lens.tolist() == [n + 2 for n in REAL for _ in range(2)]
 
@@ -351,7 +352,7 @@ def test_fused_attention_follows_its_weights_and_falls_back_without_a_paged_cach
     def logits():
         cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
         with torch.no_grad():
-            return ev(ids, attention_mask=mask, cache=cache).logits
+            return ev(ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache)).logits
 
     before = logits()
     with torch.no_grad():
@@ -397,7 +398,7 @@ def test_fused_forward_steps_aside_for_changed_modules_and_refuses_what_it_canno
         calls.clear()
         cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
         with torch.no_grad():
-            return ev(ids, attention_mask=mask, cache=cache).logits
+            return ev(ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache)).logits
 
     before = run()
     assert len(calls) == 2

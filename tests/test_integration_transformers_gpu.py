@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from evenflow.testing import assert_within_rule
-from test_integration_transformers import models
 
 pytestmark = pytest.mark.gpu
+pytest.importorskip("transformers", minversion="5.24")
 ev_tf = pytest.importorskip("evenflow.integrations.transformers")
+
+from test_integration_transformers import models  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(8, 1), (1, 64)])
@@ -45,7 +47,7 @@ def test_generate_with_paged_attention_at_qwen3_dimensions(kv_dtype, fuse, monke
     cache = ev_tf.PagedCache(ev, max_batch_size=4, max_cache_len=720, page_size=64, kv_dtype=kv_dtype, **scales)
     lens, new = (700, 33, 5, 130), 8
     ids, mask = left_padded(lens, 512, "cuda", seed=4)
-    seq, got = generate_logits(ev, ids, mask, new, cache=cache)
+    seq, got = generate_logits(ev, ids, mask, new, **ev_tf.cache_kwargs(ev, cache))
     assert cache.seq_lens.tolist() == [n + new - 1 for n in lens]
     (ref,) = teacher_forced_logits((m64,), seq, mask, new)
     if fp8:

@@ -11,6 +11,9 @@ import copy
 
 import torch
 
+# a transformers this adapter cannot run on (missing, or older than it needs) makes the demo's integrations section
+# "not available", naming the version, as a missing optional dependency does
+import evenflow.integrations.transformers  # noqa: E402,F401
 from evenflow.testing import error_bound
 
 
@@ -119,7 +122,7 @@ def _generate_row(ctx, m64, stock, ev, layers: int) -> dict:
     lens, new, page = ((1024, 64, 64, 64), 8, 64) if ctx.gpu else ((7, 4, 2), 3, 16)
     ids, mask = left_padded(lens, 512, ctx.device, seed=2)
     cache = ev_tf.PagedCache(ev, max_batch_size=len(lens), max_cache_len=max(lens) + new, page_size=page)
-    seq, got = generate_logits(ev, ids, mask, new, cache=cache)
+    seq, got = generate_logits(ev, ids, mask, new, **ev_tf.cache_kwargs(ev, cache))
     ref, base = teacher_forced_logits((m64, stock), seq, mask, new)
     err = float((got.double() - ref).abs().max())
     bound = error_bound(ref, base, torch.bfloat16)
@@ -133,11 +136,11 @@ def _generate_row(ctx, m64, stock, ev, layers: int) -> dict:
 
         def run(model, **kw):
             def go():
-                if "cache" in kw:
-                    kw["cache"].reset()
+                for c in kw.values():  # (the PagedCache, under the keyword this transformers takes)
+                    c.reset()
                 return generate_logits(model, ids, mask, new, **kw)
             return go
 
-        row["us"] = H.time_eager(run(ev, cache=cache), reps=5, warmup=1)
+        row["us"] = H.time_eager(run(ev, **ev_tf.cache_kwargs(ev, cache)), reps=5, warmup=1)
         row["peers"]["transformers-sdpa"] = H.time_eager(run(stock), reps=5, warmup=1)
     return row

@@ -40,6 +40,7 @@ the cache's rows) and assisted decoding (which crops it) raise. A new prompt bat
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import types
 
@@ -60,7 +61,7 @@ def _cache_base():
     try:
         from transformers.cache_utils import Cache, CacheLayerMixin
     except ImportError as e:
-        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5: {e}") from e
+        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5.24: {e}") from e
     return Cache, CacheLayerMixin
 
 
@@ -551,6 +552,15 @@ _PAGED_CACHE_DOC = """A transformers ``Cache`` of paged K / V for evenflow's att
     tokens. A new batch of prompts needs :meth:`reset` (or a new cache)."""
 
 
+def cache_kwargs(model, cache) -> dict:
+    """``{keyword: cache}`` for ``model(...)`` / ``model.generate(...)``: ``cache`` where the model's forward takes it
+    (transformers 5.2x), else ``past_key_values`` (earlier 5.x: round BW's device machine ran 5.17, where ``cache=``
+    reached ``generate`` as an unused model keyword and raised)."""
+    forward = getattr(model, "forward", None)
+    takes = forward is not None and "cache" in inspect.signature(forward).parameters
+    return {"cache" if takes else "past_key_values": cache}
+
+
 def __getattr__(name: str):
     """``PagedCache`` / ``PagedLayer`` are built on first use (transformers is imported only then)."""
     if name == "PagedCache":
@@ -608,7 +618,7 @@ def register_attention() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
-        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5: {e}") from e
+        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5.24: {e}") from e
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
 
