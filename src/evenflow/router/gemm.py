@@ -243,7 +243,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
     one_step = preload_w and k_split == block_k
     prefetch_w = prefetch_w or (preload_w and not one_step)
     if atomic and split > 1:
-        _zero_out(out, x, pdl)
+        _zero_out(out, pdl)
     else:
         _check_workspace(part, count, split, split * m * n, grid[0])
     router_gemm_kernel[grid](
@@ -260,19 +260,15 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
 
 # zero_out_kernel's tile: one program covers 16 rows of up to 512 columns (the router's N), 4 warps
 _ZERO_BLOCK_M, _ZERO_BLOCK_N = 16, 512
-# zero_out_kernel asks L2 for x's lines after its wait, where its launch has PDL and compiled kernels (round BW2:
-# atomic tiles' time; an A/B switch for the benchmark's device runs, not an API)
-ZERO_PREFETCH_X = True
 
 
-def _zero_out(out: torch.Tensor, x: torch.Tensor, pdl: bool) -> None:
+def _zero_out(out: torch.Tensor, pdl: bool) -> None:
     """``out.zero_()`` as a kernel of ours ahead of an atomic split-K launch: under PDL it lets the GEMM launch
-    first and waits for the kernel ahead before writing (``zero_out_kernel``; a memset would do neither), then asks
-    L2 for x's lines (``ZERO_PREFETCH_X``)."""
+    first and waits for the kernel ahead before writing (``zero_out_kernel``); a memset would do neither."""
     m, n = out.shape
     zero_out_kernel[(triton.cdiv(m, _ZERO_BLOCK_M), triton.cdiv(n, _ZERO_BLOCK_N))](
-        out, m, n, out.stride(0), x, x.shape[1], x.stride(0), BLOCK_M=_ZERO_BLOCK_M, BLOCK_N=_ZERO_BLOCK_N,
-        PREFETCH_X=ZERO_PREFETCH_X and pdl, num_warps=4, **_runtime.pdl_kwargs(pdl))
+        out, m, n, out.stride(0), BLOCK_M=_ZERO_BLOCK_M, BLOCK_N=_ZERO_BLOCK_N, num_warps=4,
+        **_runtime.pdl_kwargs(pdl))
 
 
 def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, part: torch.Tensor,
@@ -284,7 +280,7 @@ def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, par
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
     if atomic and split > 1:
-        _zero_out(out, x, pdl)
+        _zero_out(out, pdl)
     else:
         _check_workspace(part, count, split, grid[0] * split * block_m * block_n, grid[0])  # tile-major, padded
     router_gemm_fp32_splitk_kernel[grid](

@@ -80,23 +80,18 @@ def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def zero_out_kernel(p_out, M, N, stride_om, p_x, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PDL: tl.constexpr, PREFETCH_X: tl.constexpr):
+def zero_out_kernel(p_out, M, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """``out[:M, :N] = 0`` ahead of an atomic split-K launch (``RED_ATOMIC``). With PDL it lets that launch go
     first (its programs may start, and prefetch or preload their weight, while this one waits), then waits for the
     kernel ahead before it writes (``out`` may be memory that kernel still reads); the GEMM's own wait then covers
-    this kernel and, through it, the one ahead. PREFETCH_X (round BW): after that wait the first column of programs
-    asks L2 for the lines of x's rows (complete by then), so the GEMM's x loads after its own wait find them there."""
+    this kernel and, through it, the one ahead."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_m = o_m < M
     tl.store(p_out + o_m.to(tl.int64)[:, None] * stride_om + o_n[None, :],
-             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=m_m[:, None] & (o_n < N)[None, :])
-    if PREFETCH_X:
-        prefetch_rows(p_x, o_m, m_m, stride_xm, 0, tl.where(tl.program_id(1) == 0, K, 0), 1024, 64)
+             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=(o_m < M)[:, None] & (o_n < N)[None, :])
 
 
 @triton.jit
