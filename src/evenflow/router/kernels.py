@@ -254,15 +254,9 @@ def router_gemm_kernel(
         else:
             b_wh, b_wl, b_wl2 = _w_step(p_whb, p_wlb, p_wl2b, k_start, m_wk, NUM_TERMS, W_FP32, DOT_F32)
         acc_nhi, acc_lo, acc_lo2 = _step_dots(b_x, b_wh, b_wl, b_wl2, acc_nhi, acc_lo, acc_lo2, NUM_TERMS, DOT_F32)
-    else:  # (written out as before round BW, so the loop builds of the table's entries stay what they were)
+    else:  # (its loads and dots as before round BW, so the loop builds of the table's entries stay what they were)
         for k in range(k_start, k_end, BLOCK_K):
-            if EVEN_K:
-                m_xk = m_m[:, None]
-                m_wk = m_n[None, :]
-            else:
-                m_k = (k + o_k) < k_end
-                m_xk = m_m[:, None] & m_k[None, :]
-                m_wk = m_k[:, None] & m_n[None, :]
+            m_xk, m_wk = _step_masks(k, k_end, o_k, m_m, m_n, EVEN_K)
             b_x = tl.load(p_xb + k, mask=m_xk, other=0.0)
             if W_FP32:
                 b_wh, b_wl, b_wl2 = _split_in_registers(tl.load(p_whb + k, mask=m_wk, other=0.0), NUM_TERMS, DOT_F32)
