@@ -553,7 +553,7 @@ def _extra(p):
                    "(default src/evenflow/router/configs/<gpu>.json)")
     p.add_argument("--launch-only", action="store_true",
                    help="keep every selected entry's config and re-time only its launch mode (plain / pdl / "
-                        "pdl-prefetch, and pdl-preload on fp32-simt)")
+                        "pdl-prefetch, and pdl-preload on fp32-simt and on one-step fp32-tc tiles)")
     p.add_argument("--reduces", default=None,
                    help="comma-separated split-K reductions whose kernel candidates are offered (counter, atomic; "
                         "default both): e.g. 'atomic' times the table's entry against the atomic candidates alone")

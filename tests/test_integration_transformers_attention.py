@@ -109,6 +109,22 @@ def test_paged_cache_on_a_cache_base_with_read_only_size_properties(device, monk
     assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="generate's logits")
 
 
+def test_cache_kwargs_names_the_keyword_the_forward_takes():
+    """``cache`` on the releases the adapter runs on, read through a ``torch.compile``d model's wrapped module (the
+    wrapper's own forward takes ``*args, **kwargs``); ``past_key_values`` only for a forward that takes it and no
+    ``cache``."""
+    _, _, ev = models("cpu")
+    marker = object()
+    assert ev_tf.cache_kwargs(ev, marker) == {"cache": marker}
+    assert ev_tf.cache_kwargs(torch.compile(ev), marker) == {"cache": marker}
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):
+            return input_ids
+
+    assert ev_tf.cache_kwargs(Old(), marker) == {"past_key_values": marker}
+
+
 def test_pages_hold_the_real_tokens_only(device):
     """After a prefill, request b's first REAL[b] cached K rows are its real tokens' keys (the fp64 model's K within
     bf16 rounding), in order, and the padding landed in the spare page only."""

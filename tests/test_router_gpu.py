@@ -8,6 +8,7 @@ import torch
 import evenflow
 from evenflow.reference import router as R
 from evenflow.router.dispatch import GemmConfig
+from evenflow.router.gemm import launch_shape
 from evenflow.testing import assert_exact, assert_within_rule
 from tests_support_router import load_tuner
 
@@ -222,8 +223,11 @@ def test_cuda_graph_capture_and_replay():
         evenflow.route(x, rw, 8, out=(ids, wt))
     # Since round BW the table's K4096 M = 16 entry sums its K slices with float atomics: a replay and an eager call
     # then agree to a few ulps of the partials' magnitude (the slices meet in arrival order), not bit for bit
-    atomic = rw.config(16).reduce == "atomic"
-    slack = 64 * 2.0**-24 * (x.double().abs() @ w.double().abs().t()).max().item()
+    cfg = rw.config(16)
+    atomic = cfg.reduce == "atomic"
+    # two summation orders of the same S partials: within 2 S u of their magnitude (bounded by |x| . |w|)
+    splits = launch_shape(16, n, k, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k)[1]
+    slack = 2 * splits * 2.0**-24 * (x.double().abs() @ w.double().abs().t()).max().item()
     for seed in range(3):
         x.copy_(_inputs(16, n, k, seed=100 + seed)[0])
         g.replay()
@@ -233,8 +237,12 @@ def test_cuda_graph_capture_and_replay():
         if atomic:
             assert (out - want).abs().max().item() <= slack
             assert (out.double() - R.router_logits_fp64(x, w)).abs().max().item() <= 1e-4
-            assert torch.equal(ids.sort(-1).values, ids2.sort(-1).values)
-            assert torch.allclose(wt.sort(-1).values, wt2.sort(-1).values, rtol=1e-5, atol=0)
+            # the top-8 sets agree on rows whose 8th and 9th logits are further apart than the slack (a nearer pair
+            # may swap between two summation orders)
+            top9 = want.topk(9, dim=-1).values
+            clear = (top9[:, 7] - top9[:, 8]) > 2 * slack
+            assert torch.equal(ids.sort(-1).values[clear], ids2.sort(-1).values[clear])
+            assert torch.allclose(wt.sort(-1).values[clear], wt2.sort(-1).values[clear], rtol=1e-5, atol=0)
         else:
             assert torch.equal(out, want)
             assert torch.equal(ids, ids2) and torch.equal(wt, wt2)

@@ -60,8 +60,9 @@ def _require_transformers() -> None:
     except ImportError as e:
         raise ImportError(f"evenflow.integrations.transformers needs transformers >= "
                           f"{'.'.join(map(str, MIN_TRANSFORMERS))}: {e}") from e
-    found = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
-    if found < MIN_TRANSFORMERS:
+    from packaging.version import Version  # (a dependency of transformers)
+
+    if Version(transformers.__version__).release[:2] < MIN_TRANSFORMERS:
         raise ImportError(f"evenflow.integrations.transformers needs transformers >= "
                           f"{'.'.join(map(str, MIN_TRANSFORMERS))}, found {transformers.__version__} "
                           "(pip install 'evenflow[transformers]')")
@@ -76,7 +77,7 @@ def _experts_interface():
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError as e:  # transformers missing, or older than the experts interface (5.0)
-        raise ImportError("evenflow.integrations.transformers needs transformers >= 5.24 (its ExpertsInterface): "
+        raise ImportError("evenflow.integrations.transformers needs transformers' ExpertsInterface (>= 5.24 here): "
                           f"{e}") from e
     return ALL_EXPERTS_FUNCTIONS
 

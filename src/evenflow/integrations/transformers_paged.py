@@ -553,12 +553,15 @@ _PAGED_CACHE_DOC = """A transformers ``Cache`` of paged K / V for evenflow's att
 
 
 def cache_kwargs(model, cache) -> dict:
-    """``{keyword: cache}`` for ``model(...)`` / ``model.generate(...)``: ``cache`` where the model's forward takes it
-    (transformers 5.2x), else ``past_key_values`` (earlier 5.x: round BW's device machine ran 5.17, where ``cache=``
-    reached ``generate`` as an unused model keyword and raised)."""
-    forward = getattr(model, "forward", None)
-    takes = forward is not None and "cache" in inspect.signature(forward).parameters
-    return {"cache" if takes else "past_key_values": cache}
+    """``{keyword: cache}`` for ``model(...)`` / ``model.generate(...)``: ``cache``, the keyword of the transformers
+    releases this adapter runs on (>= 5.24), unless the model's forward takes ``past_key_values`` and no ``cache`` (a
+    model class not yet moved over). A ``torch.compile``d model is read through the module it wraps (its own forward
+    takes ``*args, **kwargs``)."""
+    module = getattr(model, "_orig_mod", model)
+    forward = getattr(module, "forward", None)
+    params = inspect.signature(forward).parameters if forward is not None else {}
+    old = "past_key_values" in params and "cache" not in params
+    return {"past_key_values" if old else "cache": cache}
 
 
 def __getattr__(name: str):

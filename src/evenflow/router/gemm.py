@@ -34,6 +34,7 @@ tensor (made under ``torch.inference_mode``) has no version counter and is refus
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import torch
@@ -242,10 +243,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
     one_step = preload_w and k_split == block_k
     prefetch_w = prefetch_w or (preload_w and not one_step)
-    if atomic and split > 1:
-        _zero_out(out, pdl)
-    else:
-        _check_workspace(part, count, split, split * m * n, grid[0])
+    _zero_or_check_workspace(atomic, out, pdl, part, count, split, split * m * n, grid[0])
     router_gemm_kernel[grid](
         x, w_hi, w_lo, w_lo2, out, part, count,
         m, n, k, k_split, split,
@@ -279,10 +277,8 @@ def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, par
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
-    if atomic and split > 1:
-        _zero_out(out, pdl)
-    else:
-        _check_workspace(part, count, split, grid[0] * split * block_m * block_n, grid[0])  # tile-major, padded
+    _zero_or_check_workspace(atomic, out, pdl, part, count, split, grid[0] * split * block_m * block_n,
+                             grid[0])  # (tile-major, padded)
     router_gemm_fp32_splitk_kernel[grid](
         x, w, out, part, count,
         m, n, k, k_split, split,
@@ -291,6 +287,16 @@ def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, par
         RED_CHUNK=splitk_red_chunk(block_m, block_n, num_warps), NUM_STAGES=num_stages, PREFETCH_W=prefetch_w,
         RED_ATOMIC=atomic and split > 1, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
+
+
+def _zero_or_check_workspace(atomic: bool, out: torch.Tensor, pdl: bool, part: torch.Tensor, count: torch.Tensor,
+                             split: int, need_part: int, need_count: int) -> None:
+    """Ahead of a split-K launch of ``split`` slices: with atomics (and more than one slice) zero ``out``, which then
+    takes the slices' sums, and read no workspace; else check the workspace the counter's reduction indexes."""
+    if atomic and split > 1:
+        _zero_out(out, pdl)
+    else:
+        _check_workspace(part, count, split, need_part, need_count)
 
 
 def _check_workspace(part: torch.Tensor, count: torch.Tensor, split: int, need_part: int, need_count: int) -> None:
@@ -482,9 +488,12 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
             raise ValueError(f"config.path must be one of {INVARIANT_PATHS} in batch-invariant mode, "
                              f"got {config.path!r}")
         if config.reduce == "atomic" and (batch_invariant or torch.are_deterministic_algorithms_enabled()):
-            raise RuntimeError("config.reduce='atomic' sums the K slices in the order they arrive (last bits may "
-                               "differ from call to call): not in batch-invariant mode nor under "
-                               "torch.use_deterministic_algorithms(True); use reduce='counter'")
+            why = ("config.reduce='atomic' sums the K slices in the order they arrive (last bits may differ from call "
+                   "to call): not in batch-invariant mode nor under torch.use_deterministic_algorithms(True); use "
+                   "reduce='counter'")
+            if batch_invariant or not torch.is_deterministic_algorithms_warn_only_enabled():
+                raise RuntimeError(why)
+            warnings.warn(why, stacklevel=3)  # use_deterministic_algorithms(True, warn_only=True): PyTorch's way
         # Forced configs: num_stages capped so the pipeline fits in shared memory (a
         # deeper one fails to launch on the GPU; the interpreter would not notice).
         config = config.fit_smem(w.terms, w._smem)

@@ -79,7 +79,7 @@ def _split_tile(M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, 
     return i_mn, i_s, o_m, o_n, o_k, o_m < M, o_n < N, k_start, k_end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def zero_out_kernel(p_out, M, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """``out[:M, :N] = 0`` ahead of an atomic split-K launch (``RED_ATOMIC``). With PDL it lets that launch go
     first (its programs may start, and prefetch or preload their weight, while this one waits), then waits for the
@@ -212,6 +212,7 @@ def router_gemm_kernel(
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
     if PRELOAD_W:  # ONE_STEP: the slice's one step of the weight, in registers before the wait (no memory written)
         tl.static_assert(W_FP32, "PRELOAD_W reads the fp32 weight (path fp32-tc)")
+        tl.static_assert(ONE_STEP, "PRELOAD_W loads the slice's one K step: ONE_STEP")
         p_w0 = p_whi + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]
         b_w0 = _w_step(p_w0, p_w0, p_w0, k_start, _step_masks(k_start, k_end, o_k, m_m, m_n, EVEN_K)[1],
                        NUM_TERMS, W_FP32, DOT_F32)
