@@ -35,13 +35,12 @@ rectangle, computed).
 ``gpu_us``: the same step's device time, the kernels' durations summed under ``torch.profiler``
 (``harness.kernel_times``), and ``gpu_vs_default`` the default's over the impl's. Eager timing includes the host:
 where ``us`` is far above ``gpu_us`` the rows time the Python and the launches (round BV's first run on an H100 timed
-20-50 ms a step whatever the batch), and the kernels' work, what a CUDA-graph-captured engine would see, is
-``gpu_us``.
+20-50 ms a step at batch 1 and 32 alike, transformers' eager experts aside), and the kernels' work, what a
+CUDA-graph-captured engine would see, is ``gpu_us``.
 """
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 
@@ -93,20 +92,21 @@ def decode_step(model, batch: int, ctx: int, vocab: int):
     appends one token per request and crops it off again."""
     from transformers import DynamicCache
 
+    import evenflow.integrations.transformers as ev_tf
+
     dev = next(model.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(1)
     prompt = torch.randint(0, vocab, (batch, ctx), generator=g).to(dev)
     nxt = torch.randint(0, vocab, (batch, 1), generator=g).to(dev)
     cache = DynamicCache(config=model.config)
-    # the cache's keyword: ``cache`` since transformers 5.2x, ``past_key_values`` before (still taken, deprecated)
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    ckw = ev_tf.cache_kwargs(model, cache)  # the cache's keyword for this transformers
     with torch.no_grad():  # (the last position's logits only: batch x ctx x vocab of them would not fit at B = 128)
-        model(prompt, use_cache=True, logits_to_keep=1, **{key: cache})
+        model(prompt, use_cache=True, logits_to_keep=1, **ckw)
     pos = torch.full((batch, 1), ctx, device=dev)
 
     def step():
         with torch.no_grad():
-            out = model(nxt, use_cache=True, position_ids=pos, **{key: cache}).logits
+            out = model(nxt, use_cache=True, position_ids=pos, **ckw).logits
         cache.crop(-1)
         return out
 

@@ -100,8 +100,9 @@ def main() -> int:
                         inv = impl == "evenflow-invariant"
                         rws = [evenflow.RouterWeight(w, terms=2 if impl == "evenflow-2term" else 3) for w in ws]
                         outs = [torch.empty(m, n, device="cuda") for _ in ws]
-                        for rw in rws:  # workspace allocated before capture (the counter twin's too)
-                            rw.workspace(m, dataclasses.replace(rw.config(m, inv), reduce="counter"))
+                        for rw in rws:  # workspace allocated before capture (for the deterministic config too)
+                            for det in (False, True):
+                                rw.workspace(m, rw.config(m, inv, deterministic=det))
                             rw.logits_buffer(m)
                         cfg = rws[0].config(m, inv)
                         if impl == "evenflow-fp32simt" and cfg.path != "fp32-simt":
@@ -114,7 +115,7 @@ def main() -> int:
                         if impl == "evenflow-counter":
                             if cfg.reduce != "atomic":
                                 continue
-                            cfg = dataclasses.replace(cfg, reduce="counter")
+                            cfg = rws[0].config(m, inv, deterministic=True)
                         fns = [lambda x=x, rw=rw, o=o, c=cfg: evenflow.router_gemm(x, rw, o, batch_invariant=inv,
                                                                                      config=c)
                                for x, rw, o in zip(xs, rws, outs)]

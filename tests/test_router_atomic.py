@@ -131,7 +131,7 @@ def test_zeroing_kernel_takes_any_row_count_in_one_build():
     (4, 16, 64, 64, 1, False),     # one slice of one step: no split at all
 ])
 def test_fp32_tc_one_step_preload_build_matches_the_loop(device, m, n, k, bk, split, atomic):
-    # Round BW: the fp32-tc kernel's ONE_STEP build, its slice's weight loaded and split before the PDL wait
+    # Round BW: the fp32-tc kernel's loop-free PRELOAD_W build, its slice's weight loaded and split before the PDL wait
     # (launch "pdl-preload"), computes what the loop's one trip does: within the rule, and bit for bit the loop
     # build in the interpreter (no PDL there: the place of the loads is the only difference; the sm_90 test
     # checks where they sit).
@@ -179,9 +179,9 @@ def test_router_gemm_preloads_fp32_tc_exactly_where_every_slice_is_one_step():
         evenflow.router_gemm(x, rw, config=one, prefetch_weights=False)
         evenflow.router_gemm(x, rw, config=dataclasses.replace(one, reduce="counter"))
     gemms = [dict(la.constexprs) for la in launches if la.name == "router_gemm_kernel"]
-    got = [(c["ONE_STEP"], c["PRELOAD_W"], c["PREFETCH_W"], c["RED_ATOMIC"]) for c in gemms]
-    assert got == [(True, True, False, True), (False, False, True, True), (False, False, False, True),
-                   (True, True, False, False)], got
+    # (PRELOAD_W is also the loop-free one-step build)
+    got = [(c["PRELOAD_W"], c["PREFETCH_W"], c["RED_ATOMIC"]) for c in gemms]
+    assert got == [(True, False, True), (False, True, True), (False, False, True), (True, False, False)], got
 
 
 # ----------------------------------------------------------------------------- determinism policy

@@ -13,7 +13,7 @@ import torch
 
 # a transformers this adapter cannot run on (missing, or older than it needs) makes the demo's integrations section
 # "not available", naming the version, as a missing optional dependency does
-import evenflow.integrations.transformers  # noqa: E402,F401
+import evenflow.integrations.transformers  # noqa: F401
 from evenflow.testing import error_bound
 
 

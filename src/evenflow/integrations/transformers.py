@@ -41,32 +41,13 @@ import torch
 import evenflow
 from evenflow.integrations._common import held, normalised_source, refuse_autograd
 from evenflow.integrations._common import refresh as refresh  # re-exported: the adapter's API
+from evenflow.integrations.transformers_paged import NEEDS
 from evenflow.integrations.transformers_paged import attention_forward as attention_forward
 from evenflow.integrations.transformers_paged import cache_kwargs as cache_kwargs
 from evenflow.integrations.transformers_paged import enable_attention as enable_attention
 from evenflow.integrations.transformers_paged import is_fused_attention as is_fused_attention
 from evenflow.integrations.transformers_paged import register_attention as register_attention
-
-# The oldest transformers this adapter runs on: 5.24 is the first release whose attention modules hand their
-# forward's kwargs to ``cache.update`` (the PagedCache reads each step's positions there) and take the cache as
-# ``cache=``; in 5.17-5.23 they call ``past_key_values.update(k, v, layer_idx)``, and 5.17's FP8 experts differ too
-# (round BW's device machine ran 5.17: the attention adapter's tests raised there).
-MIN_TRANSFORMERS = (5, 24)
-
-
-def _require_transformers() -> None:
-    try:
-        import transformers
-    except ImportError as e:
-        raise ImportError(f"evenflow.integrations.transformers needs transformers >= "
-                          f"{'.'.join(map(str, MIN_TRANSFORMERS))}: {e}") from e
-    from packaging.version import Version  # (a dependency of transformers)
-
-    if Version(transformers.__version__).release[:2] < MIN_TRANSFORMERS:
-        raise ImportError(f"evenflow.integrations.transformers needs transformers >= "
-                          f"{'.'.join(map(str, MIN_TRANSFORMERS))}, found {transformers.__version__} "
-                          "(pip install 'evenflow[transformers]')")
-
+from evenflow.integrations.transformers_paged import require_transformers as _require_transformers
 
 _require_transformers()
 
@@ -77,8 +58,7 @@ def _experts_interface():
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError as e:  # transformers missing, or older than the experts interface (5.0)
-        raise ImportError("evenflow.integrations.transformers needs transformers' ExpertsInterface (>= 5.24 here): "
-                          f"{e}") from e
+        raise ImportError(f"{NEEDS} (its ExpertsInterface): {e}") from e
     return ALL_EXPERTS_FUNCTIONS
 
 

@@ -57,11 +57,31 @@ IMPLEMENTATION = "evenflow"
 _HANDLE = "evenflow_paged"  # the forward kwarg the cache's update hands to the attention function
 
 
+# The oldest transformers the adapter runs on: 5.24 is the first release whose attention modules hand their
+# forward's kwargs to ``cache.update`` (the PagedCache reads each step's positions there) and take the cache as
+# ``cache=``; 5.17-5.23 call ``past_key_values.update(k, v, layer_idx)`` (read in their wheels' Qwen3-MoE modeling
+# code), and 5.17's FP8 experts differ too (round BW's device machine ran 5.17: the adapter's tests raised there).
+MIN_TRANSFORMERS = (5, 24)
+NEEDS = f"evenflow.integrations.transformers needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}"
+
+
+def require_transformers() -> None:
+    """Raise ``ImportError`` (naming both versions) unless a transformers the adapter runs on is installed."""
+    try:
+        import transformers
+    except ImportError as e:
+        raise ImportError(f"{NEEDS}: {e}") from e
+    from packaging.version import Version  # (a dependency of transformers)
+
+    if Version(transformers.__version__).release[:2] < MIN_TRANSFORMERS:
+        raise ImportError(f"{NEEDS}, found {transformers.__version__} (pip install 'evenflow[transformers]')")
+
+
 def _cache_base():
     try:
         from transformers.cache_utils import Cache, CacheLayerMixin
     except ImportError as e:
-        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5.24: {e}") from e
+        raise ImportError(f"{NEEDS}: {e}") from e
     return Cache, CacheLayerMixin
 
 
@@ -621,7 +641,7 @@ def register_attention() -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
-        raise ImportError(f"evenflow.integrations.transformers needs transformers >= 5.24: {e}") from e
+        raise ImportError(f"{NEEDS}: {e}") from e
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, padding_mask)
 

@@ -156,20 +156,25 @@ class RouterWeight:
         check_int("max_tokens", max_tokens, 1)
         # Each config is sized for the largest M that dispatches to it (a small-M split-K
         # config sized at max_tokens rows would hold ~100 MB of partials for nothing).
-        largest = {self.config(m, inv): m for inv in (False, True) for m in range(1, max_tokens + 1)}
+        # (and for both settings of torch.use_deterministic_algorithms, which may change after the capture)
+        largest = {self.config(m, inv, det): m for inv in (False, True) for det in (False, True)
+                   for m in range(1, max_tokens + 1)}
         for c, m in largest.items():
             self.workspace(m, c)
-            if c.reduce == "atomic":  # run as "counter" under torch.use_deterministic_algorithms(True)
-                self.workspace(m, replace(c, reduce="counter"))
         self.logits_buffer(max_tokens)
 
-    def config(self, m: int, batch_invariant: bool = False) -> GemmConfig:
-        """The dispatch's choice for ``m`` rows, memoised (``reserve`` fills it for torch.compile)."""
-        key = (m, bool(batch_invariant))
+    def config(self, m: int, batch_invariant: bool = False, deterministic: bool | None = None) -> GemmConfig:
+        """The dispatch's choice for ``m`` rows, memoised (``reserve`` fills it for torch.compile). ``deterministic``
+        (default: ``torch.are_deterministic_algorithms_enabled()``): a table entry that sums its K slices with float
+        atomics runs with the counter's in-order sum instead (the same tile and split)."""
+        det = torch.are_deterministic_algorithms_enabled() if deterministic is None else bool(deterministic)
+        key = (m, bool(batch_invariant), det)
         cfg = self._configs.get(key)
         if cfg is None:
             n, k = self.shape
             cfg = choose_config(m, n, k, self.device, batch_invariant, self._facts, self.terms)
+            if det and cfg.reduce == "atomic":
+                cfg = replace(cfg, reduce="counter")
             cfg = cfg.fit_smem(self.terms, self._smem)
             self._configs[key] = cfg
         return cfg
@@ -233,7 +238,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
     # w_fp32 (path fp32-tc): w_hi is the fp32 weight, split in registers; w_lo / w_lo2 are never read.
     # atomic: reduce="atomic" (out zeroed first, the slices' partials added into it; no workspace read)
     # preload_w (launch "pdl-preload", fp32-tc): where every K slice is one BLOCK_K step, that step's weight loaded
-    # before the PDL wait (the kernel's ONE_STEP build); elsewhere the L2 prefetch in its place.
+    # before the PDL wait (the kernel's loop-free PRELOAD_W build); elsewhere the L2 prefetch in its place.
     m, k = x.shape
     n = w_hi.shape[0]
     if preload_w and not w_fp32:
@@ -241,8 +246,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
-    one_step = preload_w and k_split == block_k
-    prefetch_w = prefetch_w or (preload_w and not one_step)
+    preload = preload_w and k_split == block_k  # else the L2 prefetch in its place
     _zero_or_check_workspace(atomic, out, pdl, part, count, split, split * m * n, grid[0])
     router_gemm_kernel[grid](
         x, w_hi, w_lo, w_lo2, out, part, count,
@@ -251,8 +255,8 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
         RED_CHUNK=GemmConfig(block_m, block_n, block_k, num_warps=num_warps).red_chunk(split),
-        PREFETCH_W=prefetch_w and not one_step, W_FP32=w_fp32, RED_ATOMIC=atomic and split > 1,
-        ONE_STEP=one_step, PRELOAD_W=one_step, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
+        PREFETCH_W=(prefetch_w or preload_w) and not preload, W_FP32=w_fp32, RED_ATOMIC=atomic and split > 1,
+        PRELOAD_W=preload, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
 
 
@@ -480,9 +484,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
     if m == 0:
         return out
     if config is None:
-        config = w.config(m, batch_invariant)  # memoised, already capped by shared memory
-        if config.reduce == "atomic" and torch.are_deterministic_algorithms_enabled():
-            config = replace(config, reduce="counter")  # the same tile and split, summed in split order
+        config = w.config(m, batch_invariant)  # memoised, capped by shared memory, the counter's where deterministic
     else:
         if batch_invariant and config.path not in INVARIANT_PATHS:
             raise ValueError(f"config.path must be one of {INVARIANT_PATHS} in batch-invariant mode, "

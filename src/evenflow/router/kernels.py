@@ -19,11 +19,12 @@ workspace is ready for the next call or CUDA-graph replay without a memset.
 fp32 weight itself (4 bytes a weight, no split of w; docs/perf-notes/router.md, round F).
 
 Split-K with float atomics (``RED_ATOMIC``, a config's ``reduce="atomic"``; round BW): ``zero_out_kernel`` zeroes
-``out`` first, then every program adds its partial into ``out`` with relaxed fp32 atomic adds (``red.add.f32``) and
-exits: no partials, no counter, no last program's reload (the counter's chain is three dependent L2 round trips,
-round BI). The price is the order: the slices' partials meet in the order the programs arrive, so from three
-slices a result's last bits may differ from call to call (two slices: 0 + a + b is a + b either way). Neither
-batch-invariant mode nor ``torch.use_deterministic_algorithms`` takes it (``router_gemm``).
+``out`` first, then every program adds its partial into ``out`` with relaxed fp32 atomic adds
+(``atom.global.add.f32``, result unused) and exits: no partials, no counter, no last program's reload (the counter's
+chain is three dependent L2 round trips, round BI). The price is the order: the slices' partials meet in the order
+the programs arrive, so from three slices a result's last bits may differ from call to call (two slices: 0 + a + b
+is a + b either way). Neither batch-invariant mode nor ``torch.use_deterministic_algorithms`` takes it
+(``router_gemm``).
 
 ``PDL`` (every kernel here): launched with programmatic dependent launch, a kernel waits at its
 top for the kernel ahead of it to finish and flush (``pdl_enter``) and then lets the next one
@@ -157,21 +158,6 @@ def _step_masks(k, k_end, o_k, m_m, m_n, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _w_step(p_whb, p_wlb, p_wl2b, k, m_wk, NUM_TERMS: tl.constexpr, W_FP32: tl.constexpr, DOT_F32: tl.constexpr):
-    """The weight's terms (hi, lo, lo2) of the K step at ``k``, [BLOCK_K, BLOCK_N] each: loaded from the stored split,
-    or the fp32 weight loaded and split in registers (W_FP32). lo2 is lo where NUM_TERMS == 2 (never read)."""
-    if W_FP32:
-        b_wh, b_wl, b_wl2 = _split_in_registers(tl.load(p_whb + k, mask=m_wk, other=0.0), NUM_TERMS, DOT_F32)
-    else:
-        b_wh = tl.load(p_whb + k, mask=m_wk, other=0.0)
-        b_wl = tl.load(p_wlb + k, mask=m_wk, other=0.0)
-        b_wl2 = b_wl
-        if NUM_TERMS == 3:
-            b_wl2 = tl.load(p_wl2b + k, mask=m_wk, other=0.0)
-    return b_wh, b_wl, b_wl2
-
-
-@triton.jit
 def _step_dots(b_x, b_wh, b_wl, b_wl2, acc_nhi, acc_lo, acc_lo2, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr):
     """One K step's products into the three accumulators (the order ``router_gemm_kernel``'s comment gives)."""
     b_xd = dot_operand(b_x, DOT_F32)
@@ -190,15 +176,15 @@ def router_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SPLIT: tl.constexpr, EVEN_K: tl.constexpr, NUM_TERMS: tl.constexpr, DOT_F32: tl.constexpr,
     RED_CHUNK: tl.constexpr, PDL: tl.constexpr, PREFETCH_W: tl.constexpr, W_FP32: tl.constexpr,
-    RED_ATOMIC: tl.constexpr = False, ONE_STEP: tl.constexpr = False, PRELOAD_W: tl.constexpr = False,
+    RED_ATOMIC: tl.constexpr = False, PRELOAD_W: tl.constexpr = False,
 ):
     """The split-weight GEMM on tensor cores (see the module docstring for the tensors).
 
-    ONE_STEP (the launcher's, where every K slice is one BLOCK_K step): the K loop's one trip without the loop.
-    PRELOAD_W (launch ``pdl-preload`` on path ``fp32-tc``, with ONE_STEP and PDL; round BW): the slice's weight
-    is loaded and split in registers *before* ``pdl_enter``'s wait, so its bytes cross into the SM while the
-    kernel ahead finishes; x is read after it. As for the CUDA-core kernel's preload, correct whenever the kernel
-    ahead does not write the fp32 weight (see ``router_gemm``).
+    PRELOAD_W (launch ``pdl-preload`` on path ``fp32-tc``, where every K slice is one BLOCK_K step: the launcher's
+    choice; round BW): the K loop's one trip without the loop, the slice's fp32 weight loaded and split in registers
+    *before* ``pdl_enter``'s wait, so its bytes cross into the SM while the kernel ahead finishes; x is read after
+    it. As for the CUDA-core kernel's preload, correct whenever the kernel ahead does not write the fp32 weight (see
+    ``router_gemm``).
 
     W_FP32 (path ``fp32-tc``): ``p_whi`` is the fp32 weight itself (``p_wlo`` / ``p_wlo2`` unused)
     and every K step splits its tile in registers as ``split_weight`` does (round to nearest
@@ -210,12 +196,11 @@ def router_gemm_kernel(
     as a GPU's do: they are compiled, not run; run in the interpreter they would reach the PTX.)
     """
     i_mn, i_s, o_m, o_n, o_k, m_m, m_n, k_start, k_end = _split_tile(M, N, K, K_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K)
-    if PRELOAD_W:  # ONE_STEP: the slice's one step of the weight, in registers before the wait (no memory written)
+    if PRELOAD_W:  # the slice's one step of the weight, in registers before the wait (no memory written)
         tl.static_assert(W_FP32, "PRELOAD_W reads the fp32 weight (path fp32-tc)")
-        tl.static_assert(ONE_STEP, "PRELOAD_W loads the slice's one K step: ONE_STEP")
         p_w0 = p_whi + o_n.to(tl.int64)[None, :] * stride_wn + o_k[:, None]
-        b_w0 = _w_step(p_w0, p_w0, p_w0, k_start, _step_masks(k_start, k_end, o_k, m_m, m_n, EVEN_K)[1],
-                       NUM_TERMS, W_FP32, DOT_F32)
+        m_w0 = _step_masks(k_start, k_end, o_k, m_m, m_n, EVEN_K)[1]
+        b_w0 = _split_in_registers(tl.load(p_w0 + k_start, mask=m_w0, other=0.0), NUM_TERMS, DOT_F32)
     elif PREFETCH_W:
         k_pf = tl.where(i_mn < tl.cdiv(N, BLOCK_N), k_end, k_start)  # the first row tile only (else no trip)
         if W_FP32:
@@ -247,13 +232,9 @@ def router_gemm_kernel(
     acc_nhi = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_lo = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_lo2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if ONE_STEP:  # the slice is one BLOCK_K step (launcher): the loop's one trip, without the loop
-        m_xk, m_wk = _step_masks(k_start, k_end, o_k, m_m, m_n, EVEN_K)
-        b_x = tl.load(p_xb + k_start, mask=m_xk, other=0.0)
-        if PRELOAD_W:
-            b_wh, b_wl, b_wl2 = b_w0
-        else:
-            b_wh, b_wl, b_wl2 = _w_step(p_whb, p_wlb, p_wl2b, k_start, m_wk, NUM_TERMS, W_FP32, DOT_F32)
+    if PRELOAD_W:  # the slice is one BLOCK_K step: the loop's one trip, without the loop
+        b_x = tl.load(p_xb + k_start, mask=_step_masks(k_start, k_end, o_k, m_m, m_n, EVEN_K)[0], other=0.0)
+        b_wh, b_wl, b_wl2 = b_w0
         acc_nhi, acc_lo, acc_lo2 = _step_dots(b_x, b_wh, b_wl, b_wl2, acc_nhi, acc_lo, acc_lo2, NUM_TERMS, DOT_F32)
     else:  # (its loads and dots as before round BW, so the loop builds of the table's entries stay what they were)
         for k in range(k_start, k_end, BLOCK_K):
