@@ -12,7 +12,7 @@ from evenflow.testing import assert_within_rule
 transformers = pytest.importorskip("transformers", minversion="5.24")
 ev_tf = pytest.importorskip("evenflow.integrations.transformers")
 
-from evenflow.integrations.demo import generate_logits, left_padded, teacher_forced_logits  # noqa: E402
+from evenflow.integrations.demo import beam_search_logits, generate_logits, left_padded, teacher_forced_logits  # noqa: E402
 from test_integration_transformers import models as moe_models  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
@@ -276,11 +276,6 @@ def test_refusals(device):
     with pytest.raises(ValueError, match="batch of 3 requests over the PagedCache's max_batch_size 2"):
         with torch.no_grad():
             ev(ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache))
-    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=16, page_size=16)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        with torch.no_grad():
-            ev.generate(input_ids=ids[:1], attention_mask=mask[:1], **ev_tf.cache_kwargs(ev, cache), max_new_tokens=2,
-                        num_beams=2, pad_token_id=0)
     with pytest.raises(ValueError, match="page_size must be one of"):
         ev_tf.PagedCache(ev, max_batch_size=1, max_cache_len=16, page_size=24)
     with pytest.raises(ValueError, match="kv_dtype must be"):
@@ -320,6 +315,122 @@ def test_state_mistakes_raise_instead_of_mixing_batches(device):
     with pytest.raises(TypeError, match="'bidirectional_mask_function': evenflow's paged attention computes plain "
                                         "causal attention only"):
         padding_mask(3, 7, 7, mask_function=bidirectional_mask_function, attention_mask=mask.bool())
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
+def test_beam_search_continues_each_beam_on_its_own_tokens(device, fuse):
+    """Beam search (3 beams, 3 returned, two unequal prompts): along every returned sequence, the logits that chose
+    each of its tokens (``beam_indices`` names the row that made it at each step) are within the rule of the fp64
+    model reading that sequence whole. That holds only if each reorder (recorded: some move rows) handed every row
+    its beam's tokens; with the reorder made a no-op this check fails (round BX measured 0.085 against a bound of
+    0.0036)."""
+    m64, stock, ev = sharp(models(device))
+    ev_tf.enable_attention(ev, fuse_prologue=fuse)
+    beams, new = 3, 4
+    cache = ev_tf.PagedCache(ev, max_batch_size=2 * beams, max_cache_len=32, page_size=16)
+    ids, mask = prompts(device, real=(7, 3))
+    moves, reorder = [], cache.reorder_cache
+    cache.reorder_cache = lambda idx: moves.append(idx.tolist()) or reorder(idx)
+    seq, path = beam_search_logits(ev, ids, mask, new, beams, **ev_tf.cache_kwargs(ev, cache))
+    assert any(m != list(range(2 * beams)) for m in moves), moves
+    ref, base = teacher_forced_logits((m64, stock), seq, mask.repeat_interleave(beams, 0), new)
+    assert_within_rule(path.float().cpu(), ref.cpu(), base.float().cpu(), what="beam search's logits")
+    assert cache.seq_lens.tolist() == [n + new - 1 for n in (7, 3) for _ in range(beams)]
+
+
+def test_assisted_decoding_crops_the_rejected_draft(device):
+    """Assisted decoding with a draft model of other weights (3 tokens a draft, no confidence cut-off): the main
+    model verifies each draft in one forward (evenflow's prefill over the cached prefix) and ``crop`` drops the
+    rejected tokens (recorded: drafts of 3 rejected). Every generated token's logits are within the rule of the fp64
+    model reading the final sequence whole (with crop a no-op the stale draft tokens stay attended and this fails;
+    round BX measured 0.107 against 0.0033)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from evenflow.integrations.demo import twin_models
+    from test_integration_transformers import tiny_config
+
+    m64, stock, ev = sharp(models(device))
+    draft = twin_models(Qwen3MoeForCausalLM, tiny_config(head_dim=64), device, seed=1)[1]
+    draft.generation_config.num_assistant_tokens = 3
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    ev_tf.enable_attention(ev)
+    cache = ev_tf.PagedCache(ev, max_batch_size=1, max_cache_len=32, page_size=16)
+    assert cache.is_croppable
+    crops, crop = [], cache.crop
+    cache.crop = lambda n: crops.append(n) or crop(n)
+    ids, mask = prompts(device, real=(5,), width=5)
+    new = 8
+    seq, logits = generate_logits(ev, ids, mask, new, assistant_model=draft, **ev_tf.cache_kwargs(ev, cache))
+    assert min(crops) <= -2, crops
+    ref, base = teacher_forced_logits((m64, stock), seq, mask, new)
+    assert_within_rule(logits.cpu(), ref.cpu(), base.cpu(), what="assisted decoding's logits")
+    assert cache.seq_lens.tolist() == [5 + new - 1] and cache.get_seq_length() == 5 + new - 1
+
+
+def _rows_of(cache, b):
+    """Request ``b``'s cached K / V of every layer, in order (read through the host's page lists)."""
+    step = cache.step
+    n, pages = int(step.seq_lens[b]), step.pages[b]
+    assert step.page_table[b, : len(pages)].tolist() == pages
+    return [t[pages].flatten(0, 1)[:n].clone() for lyr in cache.layers for t in (lyr.keys, lyr.values)]
+
+
+def test_row_selection_copies_each_rows_tokens_into_pages_of_its_own(device):
+    """``batch_select_indices`` / ``batch_repeat_interleave`` / ``reorder_cache`` after a prompt: each new row holds
+    bit for bit its source row's tokens, in every layer, on pages no other row holds; a row that stays in place keeps
+    its pages; the pool accounts for every page once; a selection that needs more pages than the pool and the
+    dropped rows hold raises before it changes anything; bad indices raise naming the argument; a crop drops each
+    request's last positions (its real tokens)."""
+    _, _, ev = models(device)
+    ev_tf.enable_attention(ev)
+    real = (20, 4, 2)
+    cache = ev_tf.PagedCache(ev, max_batch_size=6, max_cache_len=32, page_size=16, max_tokens=96)
+    ids, mask = prompts(device, real=real, width=20, seed=2)
+    with torch.no_grad():
+        ev(ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache))
+    step = cache.step
+
+    def check(src, before):
+        assert cache.seq_lens.tolist() == [real_now[j] for j in src]
+        owned = [p for b in range(len(src)) for p in step.pages[b]]
+        assert len(owned) == len(set(owned)) and not set(owned) & set(step.free)
+        assert sorted(owned + step.free) == list(range(step.num_pages))
+        assert step.page_table[len(src):].eq(step.spare).all()
+        for b, j in enumerate(src):
+            assert all(torch.equal(x, y) for x, y in zip(_rows_of(cache, b), before[j])), (b, j)
+
+    real_now = list(real)
+    before = [_rows_of(cache, b) for b in range(3)]
+    pages0 = step.pages[0]
+    cache.reorder_cache(torch.tensor([0, 2, 1]))  # row 0 stays: its pages too
+    check([0, 2, 1], before)
+    assert step.pages[0] is pages0
+    real_now, before = [real_now[j] for j in (0, 2, 1)], [before[j] for j in (0, 2, 1)]
+    src = [0, 0, 1, 1, 2, 2]
+    kept = cache.seq_lens.clone()  # 6 rows (20, 20, 2, 2, 4, 4) would need 8 pages of 6: 6 to copy into, 4 at hand
+    with pytest.raises(ValueError, match="out of pages: repeats needs 6 more of 16 tokens, 4 of 6 are free"):
+        cache.batch_repeat_interleave(2)
+    assert torch.equal(cache.seq_lens, kept) and step.batch == 3  # nothing changed
+    cache.batch_select_indices(torch.tensor([1, 2, 1]))  # 3 rows: (2, 4, 2): 3 pages of 6
+    check([1, 2, 1], before)
+    real_now, before = [real_now[j] for j in (1, 2, 1)], [before[j] for j in (1, 2, 1)]
+    cache.batch_repeat_interleave(2)
+    check(src, before)
+    real_now = [real_now[j] for j in src]
+    for bad, msg in (([6], "indices: row 6 is not one of the batch's 6 rows"), ([], "indices: no rows"),
+                     (torch.zeros(2, 2, dtype=torch.long), "indices: expected a 1-D tensor"),
+                     ([0] * 7, "indices: 7 rows over the PagedCache's max_batch_size 6")):
+        with pytest.raises(ValueError, match=msg):
+            cache.batch_select_indices(bad)
+    with pytest.raises(NotImplementedError, match="call PagedCache.reorder_cache"):
+        cache.layers[0].reorder_cache(torch.tensor([0]))
+    with pytest.raises(ValueError, match="pass minus the number of positions"):
+        cache.crop(3)
+    with pytest.raises(ValueError, match="the cache has seen 20 positions"):
+        cache.crop(-21)
+    cache.crop(-3)  # the last 3 positions of 20: every request's last 3 real tokens (the 2s lose both)
+    assert cache.seq_lens.tolist() == [max(0, n - 3) for n in real_now] and cache.get_seq_length() == 17
 
 
 def test_sampling_with_several_returns_and_a_cache_built_in_inference_mode(device):

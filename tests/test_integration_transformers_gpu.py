@@ -61,3 +61,23 @@ def test_generate_with_paged_attention_at_qwen3_dimensions(kv_dtype, fuse, monke
             lyr.self_attn.v_proj.register_forward_hook(lambda mod, inp, out: fq(out, scales["v_scale"]))
     (base,) = teacher_forced_logits((stock,), seq, mask, new)
     assert_within_rule(got.cpu(), ref.cpu(), base.cpu(), what=f"generate's logits ({kv_dtype})")
+
+
+def test_beam_search_at_qwen3_dimensions():
+    """Beam search (4 beams over a 700-token prompt and a 40-token one, 64-token pages, a DecodePlan): along every
+    returned sequence the logits that chose its tokens are within the rule of the fp64 model reading it whole, so
+    each reorder handed every row its beam's tokens (the CPU test's check at real sizes)."""
+    from evenflow.integrations.demo import beam_search_logits, left_padded, teacher_forced_logits
+
+    m64, stock, ev = models("cuda", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_experts=128, num_experts_per_tok=8, num_hidden_layers=1, num_attention_heads=32,
+                            num_key_value_heads=4, head_dim=128, vocab_size=512, max_position_embeddings=1024)
+    ev_tf.enable(ev)
+    ev_tf.enable_attention(ev)
+    beams, lens, new = 4, (700, 40), 6
+    cache = ev_tf.PagedCache(ev, max_batch_size=2 * beams, max_cache_len=720, page_size=64)
+    ids, mask = left_padded(lens, 512, "cuda", seed=5)
+    seq, got = beam_search_logits(ev, ids, mask, new, beams, **ev_tf.cache_kwargs(ev, cache))
+    assert cache.seq_lens.tolist() == [n + new - 1 for n in lens for _ in range(beams)]
+    ref, base = teacher_forced_logits((m64, stock), seq, mask.repeat_interleave(beams, 0), new)
+    assert_within_rule(got.float().cpu(), ref.cpu(), base.float().cpu(), what="beam search's logits")

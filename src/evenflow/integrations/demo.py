@@ -60,6 +60,20 @@ def generate_logits(model, ids, mask, new: int, **kw):
     return out.sequences, torch.stack(out.logits, 1)
 
 
+def beam_search_logits(model, ids, mask, new: int, beams: int, **kw):
+    """Beam search of exactly ``new`` tokens returning every beam: (sequences ``[B * beams, ...]``, the logits that
+    chose each of a sequence's tokens ``[B * beams, new, vocab]``: at step t, those of the row ``beam_indices`` names,
+    i.e. the beam the sequence's history sat on then)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             num_beams=beams, num_return_sequences=beams, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0, **kw)
+    rows = out.beam_indices[:, :new]
+    if bool((rows < 0).any()):
+        raise RuntimeError("beam search ended a sequence early: no logits for some of its steps")
+    return out.sequences, torch.stack([out.logits[t][rows[:, t]] for t in range(new)], 1)
+
+
 def teacher_forced_logits(models, seq, mask, steps: int) -> list:
     """Each model's logits at the positions that produced ``seq``'s last ``steps`` tokens, reading ``seq`` whole (no
     cache; the generated tokens unpadded after the prompt's ``mask``)."""

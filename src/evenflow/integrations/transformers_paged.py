@@ -33,9 +33,10 @@ attention sinks or logit softcapping), head_dim 64 / 128 / 256, a GQA group of a
 (the prompt's padding precedes its tokens; ``tokenizer.padding_side = "left"``, as generate wants for decoder-only
 models), a plain causal mask pattern (no bidirectional prefix or other overlay), ``use_cache=True``, the model on one
 device; anything else raises naming what it found. Greedy or sampled decoding (``num_return_sequences`` included:
-generate repeats the prompts before the cache sees them); beam search and contrastive search (which reorder or select
-the cache's rows) and assisted decoding (which crops it) raise. A new prompt batch needs a fresh cache or
-:meth:`PagedCache.reset` (a mask that does not cover the positions the cache has seen raises).
+generate repeats the prompts before the cache sees them), beam search (``reorder_cache`` copies each continued beam's
+tokens into pages of its own, one host sync a step), assisted decoding (``crop`` drops the rejected draft tokens) and
+the row selections of contrastive search (``batch_select_indices`` / ``batch_repeat_interleave``). A new prompt batch
+needs a fresh cache or :meth:`PagedCache.reset` (a mask that does not cover the positions the cache has seen raises).
 """
 from __future__ import annotations
 
@@ -246,24 +247,23 @@ class _Step:
     def _release(self) -> None:
         self.free = list(range(self.num_pages))
         self.free.reverse()  # popped from the end: pages handed out in increasing order
-        self.held = [0] * self.page_table.shape[0]  # pages each request holds
+        self.pages = [[] for _ in range(self.page_table.shape[0])]  # each request's pages, in order (host mirror)
         self.bound = [0] * self.page_table.shape[0]  # a host-side bound on each request's cached tokens
 
     def _grow(self, increments: list[int]) -> None:
         """Hand each request the pages its bound after this step needs (one small host-to-device copy where any
         request crosses into a new page)."""
         P, rows, cols, vals = self.page_size, [], [], []
-        need_total = sum(max(0, -(-(self.bound[b] + n) // P) - self.held[b]) for b, n in enumerate(increments))
-        if need_total > len(self.free):
-            raise ValueError(f"PagedCache is out of pages: this step needs {need_total} more of {P} tokens, "
-                             f"{len(self.free)} of {self.num_pages} are free (raise max_tokens, or reset() it)")
+        need_total = sum(max(0, -(-(self.bound[b] + n) // P) - len(self.pages[b])) for b, n in enumerate(increments))
+        self._check_pool(need_total, "this step")
         for b, n in enumerate(increments):
             self.bound[b] += n
-            while self.held[b] * P < self.bound[b]:
+            own = self.pages[b]
+            while len(own) * P < self.bound[b]:
                 rows.append(b)
-                cols.append(self.held[b])
-                vals.append(self.free.pop())
-                self.held[b] += 1
+                cols.append(len(own))
+                own.append(self.free.pop())
+                vals.append(own[-1])
         if rows:
             dev = self.page_table.device
             self.page_table.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
@@ -280,8 +280,9 @@ class _Step:
             mask = mask.to(device=dev, dtype=torch.bool)
         lens = self.seq_lens[:batch]
         if self.batch and batch != self.batch:
-            raise ValueError(f"batch of {batch} rows after {self.batch}: the cache's rows are requests; rows cannot "
-                             "be dropped or reordered (beam search); reset() it for a new batch")
+            raise ValueError(f"batch of {batch} rows after {self.batch}: the cache's rows are requests; change them "
+                             "with reorder_cache / batch_select_indices / batch_repeat_interleave, or reset() it for "
+                             "a new batch")
         increments = [q_len] * batch  # a bound: at a decode step each request grows by at most its new token
         if mask is None:
             n_new = torch.full((batch,), q_len, dtype=torch.int32, device=dev)
@@ -316,6 +317,67 @@ class _Step:
         if q_len == 1 and self.plan is not None:
             self.plan.update(lens)
 
+    def _check_pool(self, need: int, what: str, free: int | None = None) -> None:
+        free = len(self.free) if free is None else free
+        if need > free:
+            raise ValueError(f"PagedCache is out of pages: {what} needs {need} more of {self.page_size} tokens, "
+                             f"{free} of {self.num_pages} are free (raise max_tokens, or reset() it)")
+
+    def take_rows(self, idx: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
+        """Make row ``i`` of the batch a copy of row ``idx[i]`` (beam search's reorder, a selection or a repetition
+        of rows; the batch becomes ``len(idx)`` rows): its length, its bound and its tokens. A row that stays where
+        it is keeps its pages; every other row gets pages of its own (from the free pool and the pages of rows no
+        longer kept as they are), and each layer's ``kv`` copies its source's pages there, all of them read before
+        any is written (a source page may be a destination). Rows never share a page, since each stores its next
+        tokens into its own. Checks everything before it changes anything."""
+        batch = self.batch
+        if not idx:
+            raise ValueError(f"{what}: no rows; the cache needs at least one request (reset() it for a new batch)")
+        if len(idx) > self.page_table.shape[0]:
+            raise ValueError(f"{what}: {len(idx)} rows over the PagedCache's max_batch_size {self.page_table.shape[0]}")
+        bad = [i for i in idx if not 0 <= i < batch]
+        if bad:
+            raise ValueError(f"{what}: row {bad[0]} is not one of the batch's {batch} rows")
+        old = self.pages
+        kept = [i < batch and j == i for i, j in enumerate(idx)]
+        pool = self.free + [p for b in range(batch) if not (b < len(idx) and kept[b]) for p in old[b]]
+        pool.sort(reverse=True)  # popped from the end: the lowest pages first
+        self._check_pool(sum(len(old[j]) for j, k in zip(idx, kept) if not k), what, len(pool))
+        src, dst, pages = [], [], []
+        for j, k in zip(idx, kept):
+            if k:
+                pages.append(old[j])
+                continue
+            pages.append([pool.pop() for _ in old[j]])
+            src += old[j]
+            dst += pages[-1]
+        dev = self.page_table.device
+        if src:
+            si, di = (torch.tensor(x, device=dev) for x in (src, dst))
+            for keys, values in kv:
+                for cache in (keys, values):
+                    cache.index_copy_(0, di, cache.index_select(0, si))
+        rows = len(idx)
+        lens = self.seq_lens[:batch].index_select(0, torch.tensor(idx, device=dev))
+        self.seq_lens.zero_()
+        self.seq_lens[:rows] = lens
+        table = torch.full(self.page_table.shape, self.spare, dtype=torch.int32)
+        for i, own in enumerate(pages):
+            table[i, : len(own)] = torch.tensor(own, dtype=torch.int32)
+        self.page_table.copy_(table)
+        empty = self.page_table.shape[0] - rows
+        self.pages, self.free = pages + [[] for _ in range(empty)], pool
+        self.bound = [self.bound[j] for j in idx] + [0] * empty
+        self.batch = rows
+        self.lens = self.store_pos = self._slots = None
+
+    def crop(self, n: int) -> None:
+        """Drop each request's last ``n`` positions: with the padding on the left, a request's real tokens are its
+        last positions, so it loses ``min(n, its length)`` of them; its pages stay, overwritten as it grows again."""
+        self.seq_lens[: self.batch].sub_(n).clamp_(min=0)
+        self.bound = [max(0, b - n) for b in self.bound]
+        self.lens = self.store_pos = self._slots = None
+
     def slots(self) -> torch.Tensor:
         """The step's tokens' flat cache slots (``page * P + offset``: the spare page's first for padding rows), for
         :func:`store_kv`; made at the first call of a step (the fused prologue finds them from ``store_pos``)."""
@@ -347,7 +409,7 @@ def _layer_class():
         attention run there, where the padding mask is known)."""
 
         is_compileable = False
-        is_croppable = False
+        is_croppable = True  # (by PagedCache.crop, for every layer at once)
         supports_early_init = False
 
         def __init__(self, owner, index: int, keys: torch.Tensor, values: torch.Tensor):
@@ -380,19 +442,21 @@ def _layer_class():
         def reset(self) -> None:
             self.owner.reset()
 
+        def _whole_cache(self, name: str):
+            raise NotImplementedError(f"PagedLayer.{name}: a PagedCache's layers share their rows' pages and "
+                                      f"lengths; call PagedCache.{name}, which changes every layer at once")
+
         def reorder_cache(self, beam_idx) -> None:
-            raise NotImplementedError("PagedCache: beam search reorders the cache's rows; evenflow's paged cache "
-                                      "keeps one request a row (greedy or sampled decoding)")
+            self._whole_cache("reorder_cache")
 
         def crop(self, tokens_to_remove: int) -> None:
-            raise NotImplementedError("PagedCache: cropping (assisted decoding) is not supported")
+            self._whole_cache("crop")
 
         def batch_repeat_interleave(self, repeats: int) -> None:
-            raise NotImplementedError("PagedCache: repeating the cache's rows after it holds tokens is not supported; "
-                                      "repeat the prompts instead")
+            self._whole_cache("batch_repeat_interleave")
 
         def batch_select_indices(self, indices) -> None:
-            raise NotImplementedError("PagedCache: selecting rows (contrastive search) is not supported")
+            self._whole_cache("batch_select_indices")
 
     return PagedLayer
 
@@ -482,6 +546,44 @@ def _cache_class():
             """Empty every request (the pages are overwritten as the next batch writes them)."""
             self.seen = 0
             self.step.reset()
+
+        def _rows(self, what: str, idx) -> None:
+            """Row ``i`` becomes a copy of row ``idx[i]`` in every layer (:meth:`_Step.take_rows`); nothing to do
+            while the cache holds no token (the next forward sets the batch). One host sync (the indices)."""
+            if self.seen == 0:
+                return
+            if isinstance(idx, torch.Tensor):
+                if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
+                    raise ValueError(f"{what}: expected a 1-D tensor of row indices, got {idx.dim()}-D {idx.dtype}")
+                idx = idx.tolist()
+            self.step.take_rows([int(i) for i in idx], [(lyr.keys, lyr.values) for lyr in self.layers], what)
+
+        def reorder_cache(self, beam_idx) -> None:
+            """Beam search: row ``i`` continues beam ``beam_idx[i]`` (its tokens copied into pages of its own)."""
+            self._rows("beam_idx", beam_idx)
+
+        def batch_select_indices(self, indices) -> None:
+            """Keep the rows ``indices``, in that order (contrastive search)."""
+            self._rows("indices", indices)
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            """Each row ``repeats`` times in a row (contrastive search)."""
+            check_int("repeats", repeats, 1)
+            self._rows("repeats", [b for b in range(self.step.batch) for _ in range(repeats)])
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Remove the last ``-tokens_to_remove`` positions (assisted decoding's rejected draft tokens); as
+            transformers' own caches, a positive count (the old absolute form) raises."""
+            check_int("tokens_to_remove", tokens_to_remove)
+            if tokens_to_remove > 0:
+                raise ValueError(f"tokens_to_remove: {tokens_to_remove}; pass minus the number of positions to "
+                                 "remove")
+            n = -tokens_to_remove
+            if n > self.seen:
+                raise ValueError(f"tokens_to_remove: {tokens_to_remove}, but the cache has seen {self.seen} positions")
+            if n:
+                self.seen -= n
+                self.step.crop(n)
 
         def _enter(self, layer, batch: int, q_len: int, attention_mask, device) -> None:
             """Begin the forward's step at its first layer (lengths, positions, pages, plan), or check that a later
