@@ -702,6 +702,37 @@ def test_bad_arguments(device):
             evenflow.DecodePlan(2, 1000, 2, device=device, pdl=True)
 
 
+def test_what_would_overflow_the_kernels_int32_or_fp32_is_refused(device):
+    """Round BX's audit found four inputs the kernels would compute wrongly: a cache whose heads lie 2^30 elements
+    apart (heads outermost, [Hkv, pages, P, D] viewed as [pages, P, Hkv, D]: the in-page int32 offsets wrapped and
+    decode and the prologue read / wrote out of bounds), a plan's max_seq_len whose tile count overflows int32
+    (every program idle, the output left uninitialised), a score scale beyond fp32 (garbage out), and store_kv's
+    strided slots (read as contiguous). Each now raises naming its argument; the same layout at 2 heads (the last
+    head's offset 2^30, within int32) passes the check."""
+    from evenflow.attention.decode import check_kv_cache
+    from evenflow.attention.prologue import store_kv
+
+    def cache(heads):  # strides only (meta): a real one is 2^30 x heads elements
+        return torch.empty_strided((2, 64, heads, 64), (4096, 64, 2 ** 30, 1), dtype=torch.bfloat16, device="meta")
+
+    with pytest.raises(ValueError, match=r"k_cache: strides \(4096, 64, 1073741824, 1\) put a page's rows up to "
+                                         r"2147487743 elements apart.*int32"):
+        check_kv_cache(cache(3), cache(3), torch.device("meta"))
+    assert check_kv_cache(cache(2), cache(2), torch.device("meta")) == (2, 64, 2, 64)
+    with pytest.raises(ValueError, match="max_seq_len must be <= 2147483584"):
+        evenflow.DecodePlan(3, 2 ** 31 - 1, 1, device=device)
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
+    for kw in (dict(sm_scale=1e39), dict(sm_scale=1e20, k_scale=1e20)):
+        with pytest.raises(ValueError, match="is beyond fp32's range"):
+            evenflow.decode_attention(q, k, v, pt, sl, **kw)
+    with pytest.raises(ValueError, match="is beyond fp32's range"):
+        evenflow.prefill_attention(q, k, v, torch.tensor([0, 1, 2], dtype=torch.int32, device=device), pt, sl, 1,
+                                   sm_scale=1e39)
+    slots = torch.tensor([[5, -1], [17, -1]], device=device)[:, 0]
+    with pytest.raises(ValueError, match="slots must be contiguous"):
+        store_kv(q[:, :2].float(), q[:, :2].float(), k, v, slots)
+
+
 def test_every_argument_check_names_its_argument(device):
     """Each of decode_attention's host-side checks not covered above raises the right error naming the argument."""
     q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)

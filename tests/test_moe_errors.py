@@ -86,6 +86,33 @@ def test_weight_checks(device):
         evenflow.MoEWeights("bogus", zeros(2, 64, 32, dtype=bf), zeros(2, 32, 32, dtype=bf))
 
 
+def test_the_constructor_checks_what_the_builders_check_and_the_holder_stays_as_checked(device):
+    """``MoEWeights(fmt, ...)`` taken directly: a column-major w13 (same values, strides the kernels do not walk), a
+    w2 of the wrong inner size (the down GEMM would step past the last expert's rows) and fp32 tensors in a bf16
+    holder each raise naming the tensor (round BX's audit: all three were accepted, the second read out of bounds);
+    non-finite weight scales and non-positive activation scales raise; the tensors cannot be reassigned."""
+    good = random_moe_weights("bf16", 2, 64, 32, device)
+    w13, w2 = good.w13, good.w2
+    with pytest.raises(ValueError, match="w13 must be contiguous"):
+        evenflow.MoEWeights("bf16", w13.transpose(1, 2).contiguous().transpose(1, 2), w2)
+    with pytest.raises(ValueError, match=r"w2 must have shape \[E, H, I\]"):
+        evenflow.MoEWeights("bf16", w13, w2[:, :, :16].contiguous())
+    with pytest.raises(TypeError, match="w13 must have dtype"):
+        evenflow.MoEWeights("bf16", w13.float(), w2.float())
+    with pytest.raises(AttributeError, match="w2"):
+        good.w2 = w2
+    pt = random_moe_weights("fp8_per_tensor", 2, 64, 32, device)
+    args = dict(w13=pt.w13, w2=pt.w2, w13_scale=pt.w13_scale, w2_scale=pt.w2_scale, a13_scale=pt.a13_scale,
+                a2_scale=pt.a2_scale)
+    for name, bad, msg in (("a13_scale", [0.0], "a13_scale must be positive and finite"),
+                           ("a2_scale", [-0.5], "a2_scale must be positive and finite"),
+                           ("a13_scale", [float("nan")], "a13_scale must be positive and finite"),
+                           ("w2_scale", [1.0, float("inf")], "w2_scale must be finite; found \\[inf\\]")):
+        with pytest.raises(ValueError, match=msg):
+            evenflow.MoEWeights.fp8_per_tensor(**{**args, name: torch.tensor(bad, device=device)})
+    assert evenflow.MoEWeights("fp8_per_tensor", **args).a13_scale.shape == (1,)
+
+
 def test_helper_checks(device):
     """The exported helpers name what they refuse: the MoE index's tile rows, rank and experts, the activation
     quantisation's group width."""
@@ -221,13 +248,13 @@ def test_strided_rows_and_fp32_shared_output_are_taken(device, layer):
 def test_out_of_range_ids_are_dropped_without_check(device, layer):
     # With the host check off (as under graph capture), bad ids read/write nothing and add nothing.
     ew, x, ids, w = layer
-    bad = ids.clone()
-    bad[:, 1] = 1000
-    y_bad = evenflow.fused_moe(x, bad, w, ew, check_ids=False)
     w_one = w.clone()
     w_one[:, 1] = 0
     y_ref = evenflow.fused_moe(x, ids, w_one, ew)
-    assert torch.equal(y_bad, y_ref)
+    for dropped in (1000, -1):  # (-1: how engines mark a dropped pair)
+        bad = ids.clone()
+        bad[:, 1] = dropped
+        assert torch.equal(evenflow.fused_moe(x, bad, w, ew, check_ids=False), y_ref), dropped
 
 
 def test_pdl_argument(layer, device):

@@ -131,9 +131,11 @@ def test_decode_plan_update_op_checks_its_buffers(device, monkeypatch):
     _refused(op, a, "num_kv_heads must be >= 1", num_kv_heads=0)
     _refused(op, a, "min_tiles must be >= 1", min_tiles=0)
     # DecodePlan's int32 bound on the tile indices (the plan refuses the same options)
-    _refused(op, a, "too large for int32 tile indices", max_seq_len=2**31 - 1, num_kv_heads=256)
+    _refused(op, a, "too large for int32 tile indices", max_seq_len=2**31 - 64, num_kv_heads=256)
     with pytest.raises(ValueError, match="too large for int32 tile indices"):
-        evenflow.DecodePlan(8, 2**31 - 1, 256, page_size=16, device=device, num_programs=6)
+        evenflow.DecodePlan(8, 2**31 - 64, 256, page_size=16, device=device, num_programs=6)
+    # one request's own tile count: (len + 63) // 64 in int32 (round BX's audit: 2^31 - 1 wrapped negative)
+    _refused(op, a, "max_seq_len must be <= 2147483584", max_seq_len=2**31 - 63)
 
 
 @pytest.mark.parametrize("planned", [True, False], ids=["plan", "static"])

@@ -438,6 +438,14 @@ def test_bad_inputs_raise_clear_errors(device):
         evenflow.router_gemm(x.float(), rw, round_x_to_bf16="no")  # a truthy string used to round
     with pytest.raises(TypeError, match="auto_refresh must be a bool, got 'no'"):
         evenflow.RouterWeight(w, auto_refresh="no")
+    # finite in fp32 but over bf16's range: the split's high part would be inf and the GEMM's result NaN (round BX's
+    # audit: accepted before, NaN at M = 32, right at M = 1 on the fp32 path)
+    huge = w.clone()
+    huge[0, 0] = 3.4e38
+    with pytest.raises(ValueError, match="w: entries up to 3.4e\\+38 in magnitude; the split's high part is bf16"):
+        evenflow.RouterWeight(huge)
+    huge[0, 0] = 3.38e38  # rounds to bf16's largest finite value: taken
+    evenflow.RouterWeight(huge)
     with pytest.raises(TypeError, match="x must have dtype"):
         evenflow.router_gemm(x.half(), rw)
     with pytest.raises(ValueError, match="x must have shape"):

@@ -232,6 +232,44 @@ _PROMOTED = [
 ]
 
 
+def test_fp8_quantisers_keep_nan_through_their_clamp():
+    """Every kernel that rounds values to e4m3 (MoE's input quantisers, the gate-up's requantisation, the prologue's
+    fp8 q and fp8 K / V store) clamps with NaN-propagating min / max in its sm_90 build (``min.NaN.f32`` /
+    ``max.NaN.f32``), so a NaN reaches the hardware cast, which gives e4m3's NaN, as torch.clamp and the cast do in
+    the reference (round BX's audit: the plain min / max turned NaN into -448 and the output finite). The bf16
+    gate-up, which quantises nothing, has neither: the contrast the check must see."""
+    from evenflow._compile_check import compile_stats
+
+    with emulate_gpu(132), record_launches() as rec:
+        for fmt in ("bf16", "fp8_per_tensor", "fp8_block"):
+            h, i = (256, 128)
+            ew = random_moe_weights(fmt, 4, h, i)
+            for t in (2, 64):
+                evenflow.fused_moe(torch.randn(t, h).bfloat16(), torch.randint(0, 4, (t, 2), dtype=torch.int32),
+                                   torch.rand(t, 2), ew)
+        evenflow.qk_norm_rope_store_kv(
+            torch.empty(4, 6 * 128, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.int64),
+            evenflow.rope_cos_sin(5, 128), torch.empty(2, 64, 1, 128, dtype=FP8), torch.empty(2, 64, 1, 128, dtype=FP8),
+            torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), k_scale=torch.ones(1),
+            q_dtype=FP8)
+    quantisers = [la for la in rec if la.name in ("moe_group_quant_kernel", "moe_tensor_quant_kernel",
+                                                  "qk_norm_rope_store_kv_kernel")
+                  or (la.name == "moe_gate_up_kernel" and dict(la.constexprs).get("MODE", 0) != 0)]
+    plain = [la for la in rec if la.name == "moe_gate_up_kernel" and dict(la.constexprs).get("MODE", 0) == 0]
+    names = {la.name for la in quantisers}
+    assert names == {"moe_group_quant_kernel", "moe_tensor_quant_kernel", "qk_norm_rope_store_kv_kernel",
+                     "moe_gate_up_kernel"}, names
+    assert plain
+    stats = compile_stats(quantisers + plain)
+    for la, st in zip(quantisers + plain, stats):
+        assert "error" not in st, st["error"]
+        ops = set(st["float_ops"])
+        if la in plain:
+            assert not {"min.NaN.f32", "max.NaN.f32"} & ops, la.describe()
+        else:
+            assert {"min.NaN.f32", "max.NaN.f32"} <= ops, (la.describe(), sorted(o for o in ops if "m" in o[:3]))
+
+
 def test_moe_fast_accum_compiles_to_fp8_wgmma():
     """fp8_accum="fast" on sm_90: the 64/128-row tiles the heuristic gives compile to wgmma on
     e4m3 operands (no f16 MMA, no conversion), with no register spill and within the shared-memory

@@ -39,7 +39,8 @@ def round_to_fp8e4_grid(x):
     1.5*2^23*step" trick, which rounds to a multiple of ``step`` with ties to even
     while |x| < 2^22*step (here |x/step| < 16).
     """
-    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_E4M3_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
     bits = x.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6)
@@ -50,8 +51,12 @@ def round_to_fp8e4_grid(x):
 
 @triton.jit
 def to_fp8e4(x, FP8_ROUND: tl.constexpr):
-    """Cast fp32 ``x`` to float8e4nv, saturating; exact rounding in the interpreter too."""
-    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    """Cast fp32 ``x`` to float8e4nv, saturating; exact rounding in the interpreter too. On a GPU NaN stays NaN, as
+    in ``torch.clamp`` and the cast after it: the clamp propagates it (a plain min / max returns the bound) and the
+    hardware's cast gives e4m3's NaN. (The Triton 3.6 interpreter's casts do not: f32 NaN -> e4m3 384, e4m3 NaN ->
+    f16 480.)"""
+    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_E4M3_MAX,
+                   propagate_nan=tl.PropagateNan.ALL)
     if FP8_ROUND:
         x = round_to_fp8e4_grid(x)
     return x.to(tl.float8e4nv)

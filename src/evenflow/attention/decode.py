@@ -10,7 +10,8 @@ q                [B * q_len, Hq, D]           bf16, or fp8 e4m3 with q_scale
 q_scale          [B * q_len, Hq]              fp32 (dequant scale per token per head)
 k/v_cache        [num_pages, P, Hkv, D]       bf16 or fp8 e4m3 (NHD; any strides with a unit
                                               last stride, so HND views ``x.transpose(1, 2)`` of
-                                              a [num_pages, Hkv, P, D] cache work)
+                                              a [num_pages, Hkv, P, D] cache work, whose rows of
+                                              one page lie < 2^31 elements apart: ``check_kv_cache``)
 k/v_scale        float or fp32 tensor [1]     per-tensor dequant scale (tensor: graph-friendly,
                                               read on the device), applied to any cache dtype:
                                               K = stored K * k_scale; None (default): 1, the
@@ -498,7 +499,26 @@ def check_kv_cache(k_cache, v_cache, dev) -> tuple[int, int, int, int]:
         raise ValueError("k_cache must hold at least one page")
     if Hkv < 1:
         raise ValueError("k_cache must hold at least one kv head (dim 2)")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        # the kernels index a page's rows in int32 (the page's own offset is int64): a layout whose heads or tokens
+        # lie further apart (e.g. heads outermost, [Hkv, pages, P, D] viewed as [pages, P, Hkv, D]) would wrap
+        span = (P - 1) * abs(c.stride(1)) + (Hkv - 1) * abs(c.stride(2)) + D - 1
+        if span >= 2 ** 31:
+            raise ValueError(f"{name}: strides {tuple(c.stride())} put a page's rows up to {span} elements apart; "
+                             "the kernels index within a page in int32 (< 2^31): keep the page dimension outermost "
+                             "(NHD [pages, P, Hkv, D] or HND [pages, Hkv, P, D] views)")
     return num_pages, P, Hkv, D
+
+
+def check_score_scale(sm_scale: float, k_scale_f: float) -> float:
+    """The kernels' score multiplier ``sm_scale * log2(e) * k_scale`` (a float k_scale; 1 for a tensor), checked to
+    be a finite fp32 number (it is passed as one: above fp32's range the scores would be inf and the output
+    garbage)."""
+    v = sm_scale * _LOG2E * k_scale_f
+    if not v <= torch.finfo(torch.float32).max:
+        raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond fp32's "
+                         "range, which the kernels compute the scores in")
+    return v
 
 
 def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
@@ -588,6 +608,7 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
     # > 0: 0 would give uniform attention and a negative scale would invert it
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else check_scaling("sm_scale", sm_scale, positive=True)
+    check_score_scale(sm_scale, ks_f)
     check_bool("return_lse", return_lse)
     if lse is not None and not return_lse:
         raise ValueError("lse is given but return_lse is False: pass return_lse=True to have it filled")

@@ -19,6 +19,7 @@ from evenflow._checks import check_bool, check_int, check_pdl, check_sixteenths,
 from evenflow.attention import kernels as K
 
 TILE = 64
+MAX_SEQ_LEN = 2 ** 31 - TILE  # a request's tile count, (len + TILE - 1) // TILE, is int32 in the plan's kernel
 MAX_BATCH = 2048
 DEFAULT_MIN_TILES = 8  # 512 tokens: HPC-Ops' minimum work per program
 # Persistent programs per SM. Measured on H200 (round E: the E1 sweep and the E2 benchmark's
@@ -339,7 +340,7 @@ def _check_plan_update_op(a: dict) -> None:
         if t.numel() < least:
             raise ValueError(f"{name} must hold at least {least} entries, got {t.numel()}")
     check_int("num_kv_heads", a["num_kv_heads"], 1, 256)
-    check_int("max_seq_len", a["max_seq_len"], 1)
+    check_int("max_seq_len", a["max_seq_len"], 1, MAX_SEQ_LEN)
     check_int("min_tiles", a["min_tiles"], 1)
     check_int("item_cost", a["item_cost"], 0, MAX_ITEM_COST)
     _check_tile_bound(a["max_batch"], a["num_kv_heads"], a["max_seq_len"], a["item_cost"], a["prog_start"].numel() - 1,
@@ -516,7 +517,7 @@ class DecodePlan:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)} or None, got {kv_dtype!r}")
         if q_dtype is not None and q_dtype not in Q_DTYPES:
             raise ValueError(f"q_dtype must be one of {list(Q_DTYPES)} or None, got {q_dtype!r}")
-        check_int("max_seq_len", max_seq_len, 1)
+        check_int("max_seq_len", max_seq_len, 1, MAX_SEQ_LEN)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
         if page_size not in (16, 32, 64, 128):
             raise ValueError(f"page_size must be one of [16, 32, 64, 128], got {page_size!r}")

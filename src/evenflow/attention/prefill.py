@@ -4,7 +4,7 @@
 argument         shape                        dtype
 ==============  ===========================  ===================================================================
 q                [T, Hq, D]                   bf16: every request's new tokens, request after request
-k/v_cache        [num_pages, P, Hkv, D]       bf16 or fp8 e4m3 (NHD; any strides with a unit last stride), the new
+k/v_cache        [num_pages, P, Hkv, D]       bf16 or fp8 e4m3 (NHD; strides as decode takes them), the new
                                               tokens' K and V already written (``qk_norm_rope_store_kv``)
 cu_seqlens_q     [B + 1] int32                request b's rows are q[cu[b]:cu[b + 1]]; rows past cu[B] are padding
 page_table       [B, max_pages] int32         pages in any order
@@ -43,7 +43,7 @@ from evenflow._checks import (
     checked_op,
 )
 from evenflow.attention import prefill_kernels as PK
-from evenflow.attention.decode import _scale_arg, check_kv_cache
+from evenflow.attention.decode import _scale_arg, check_kv_cache, check_score_scale
 from evenflow.attention.plan import MAX_GQA_GROUP
 
 _LOG2E = math.log2(math.e)
@@ -143,6 +143,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, m
     ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
     vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else check_scaling("sm_scale", sm_scale, positive=True)
+    check_score_scale(sm_scale, ks_f)
     check_bool("return_lse", return_lse)
     check_bool("check_inputs", check_inputs)
     if lse is not None and not return_lse:

@@ -274,7 +274,7 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
     num_pages, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
     check_tensor("k", k, dtypes=[torch.bfloat16, torch.float32], shape=[None, Hkv, D], device=dev)
     check_tensor("v", v, dtypes=[k.dtype], shape=list(k.shape), device=dev)
-    check_tensor("slots", slots, dtypes=[torch.int64], shape=[k.shape[0]], device=dev)
+    check_tensor("slots", slots, dtypes=[torch.int64], shape=[k.shape[0]], device=dev, contiguous=True)
     check_bool("check_inputs", check_inputs)
     capacity = num_pages * P
     if check_inputs and slots.numel() and _runtime.host_sync_allowed(slots):

@@ -728,8 +728,9 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     :class:`MoEWeights` and its ``sharing_weights`` for two streams at once).
 
     ``check_ids`` verifies the id range on the host when that is allowed (eager
-    mode: one sync); under CUDA-graph capture or torch.compile it is skipped and
-    out-of-range ids are dropped by the kernels, never read or written out of bounds.
+    mode: one sync); under CUDA-graph capture or torch.compile (or ``check_ids=False``) it is skipped and
+    out-of-range ids are dropped by the kernels, never read or written out of bounds: a pair an engine marks
+    dropped with id -1 adds nothing, as if its weight were 0.
     ``config`` forces the tile sizes (tuning sweeps, tests); by default
     :func:`choose_config` picks them from the shapes. ``pdl``: chain the kernels with
     programmatic dependent launch; default (None): on sm_90+ up to ``PDL_MAX_PAIRS``

@@ -5,7 +5,7 @@ import torch
 import triton
 
 from evenflow._checks import check_bool, check_pdl, check_same_device, check_tensor
-from evenflow._runtime import fp8_cast_needs_rounding, pdl_kwargs
+from evenflow._runtime import fp8_cast_needs_rounding, host_sync_allowed, pdl_kwargs
 from evenflow.moe.kernels import moe_group_quant_kernel
 from evenflow.moe.routing import MAX_EXPERTS
 
@@ -40,6 +40,20 @@ def _scalar_scale(name: str, s) -> torch.Tensor:
     return s.reshape(1).contiguous()
 
 
+def _check_scale_values(scales: dict) -> None:
+    """Scales finite, activation scales (divisors of the quantisation) positive; one look from the host, at load
+    time, skipped where none may run (a trace, a capture)."""
+    if not scales or not all(host_sync_allowed(t) for t in scales.values()):
+        return
+    valid = {name: torch.isfinite(t) & (t > 0) if name.startswith("a") else torch.isfinite(t)
+             for name, t in scales.items()}
+    ok = torch.stack([v.all() for v in valid.values()]).tolist()
+    for (name, v), good in zip(valid.items(), ok):
+        if not good:
+            what = "positive and finite (the activations are divided by it)" if name.startswith("a") else "finite"
+            raise ValueError(f"{name} must be {what}; found {scales[name][~v][:4].tolist()}")
+
+
 def moe_weight_dims(w13, w2) -> tuple[int, int, int]:
     """(E, H, I) of gate-up weights ``w13`` [E, 2I, H] and down weights ``w2`` [E, H, I], any dtype.
 
@@ -67,9 +81,10 @@ class MoEWeights:
 
     ``w13`` [E, 2I, H]: gate rows then up rows; ``w2`` [E, H, I]. Scales are
     dequantisation multipliers (real value = stored value * scale), as in SGLang's
-    ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`, which check
-    the tensors (the constructor itself checks only ``fmt``: it is how those and :meth:`sharing_weights` build
-    a holder from tensors already checked).
+    ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`, which make the
+    tensors contiguous; the constructor takes them as they are and checks them as those do (shapes, dtypes, one
+    device, contiguity; scales finite, activation scales positive), since the kernels walk them by the shapes
+    and strides they assume. The tensors are read-only attributes: a holder stays as it was checked.
 
     The holder also keeps the arrival counters of the decode path (``counters``, int32 on the
     weights' device, a few KB): where pair tiles split the gate-up along K (or, in block mode, an
@@ -86,10 +101,15 @@ class MoEWeights:
                  counters: bool = True):
         if not isinstance(fmt, str) or fmt not in MODE:
             raise ValueError(f"fmt must be one of {tuple(MODE)}, got {fmt!r}")
+        _, taken = self.check_format(fmt, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
+        for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if t is not None:
+                check_tensor(name, t, contiguous=True)
+        _check_scale_values(taken)
         self.format = fmt
-        self.w13, self.w2 = w13, w2
-        self.w13_scale, self.w2_scale = w13_scale, w2_scale
-        self.a13_scale, self.a2_scale = a13_scale, a2_scale
+        self._w13, self._w2 = w13, w2
+        self._w13_scale, self._w2_scale = w13_scale, w2_scale
+        self._a13_scale, self._a2_scale = taken.get("a13_scale"), taken.get("a2_scale")
         check_bool("counters", counters)
         self.counters = None
         if counters:
@@ -107,6 +127,13 @@ class MoEWeights:
         behaviour before round X; safe on any number of streams at once)."""
         return MoEWeights(self.format, self.w13, self.w2, self.w13_scale, self.w2_scale, self.a13_scale,
                           self.a2_scale, counters=counters)
+
+    w13 = property(lambda self: self._w13, doc="[E, 2I, H]: gate rows then up rows")
+    w2 = property(lambda self: self._w2, doc="[E, H, I]")
+    w13_scale = property(lambda self: self._w13_scale, doc="fp8: per-expert [E] or block [E, 2I/128, H/128] scales")
+    w2_scale = property(lambda self: self._w2_scale, doc="fp8: per-expert [E] or block [E, H/128, I/128] scales")
+    a13_scale = property(lambda self: self._a13_scale, doc="fp8_per_tensor: the gate-up input's static scale [1]")
+    a2_scale = property(lambda self: self._a2_scale, doc="fp8_per_tensor: the down input's static scale [1]")
 
     @property
     def num_experts(self) -> int:

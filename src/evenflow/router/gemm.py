@@ -113,7 +113,11 @@ class RouterWeight:
         if not bool(torch.isfinite(w).all()):
             raise ValueError("w must be finite (NaN/Inf in a router weight)")
         with torch.no_grad():  # a Parameter's split parts carry no autograd history
-            self.parts = split_weight(w, self.terms)
+            parts = split_weight(w, self.terms)
+            if not bool(torch.stack([torch.isfinite(p).all() for p in parts]).all()):
+                raise ValueError(f"w: entries up to {float(w.abs().max()):.4g} in magnitude; the split's high part is "
+                                 f"bf16, whose largest finite value is {torch.finfo(torch.bfloat16).max:.4g}")
+            self.parts = parts
         self.w_hi, self.w_lo = self.parts[0], self.parts[1]
         self.w_lo2 = self.parts[2] if self.terms == 3 else None
         self._version = w._version
