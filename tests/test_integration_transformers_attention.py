@@ -373,10 +373,12 @@ def _rows_of(cache, b):
     step = cache.step
     n, pages = int(step.seq_lens[b]), step.pages[b]
     assert step.page_table[b, : len(pages)].tolist() == pages
-    return [t[pages].flatten(0, 1)[:n].clone() for lyr in cache.layers for t in (lyr.keys, lyr.values)]
+    return [t.view(torch.uint8)[pages].flatten(0, 1)[:n].clone() for lyr in cache.layers
+            for t in (lyr.keys, lyr.values)]
 
 
-def test_row_selection_copies_each_rows_tokens_into_pages_of_its_own(device):
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+def test_row_selection_copies_each_rows_tokens_into_pages_of_its_own(device, kv_dtype):
     """``batch_select_indices`` / ``batch_repeat_interleave`` / ``reorder_cache`` after a prompt: each new row holds
     bit for bit its source row's tokens, in every layer, on pages no other row holds; a row that stays in place keeps
     its pages; the pool accounts for every page once; a selection that needs more pages than the pool and the
@@ -385,7 +387,9 @@ def test_row_selection_copies_each_rows_tokens_into_pages_of_its_own(device):
     _, _, ev = models(device)
     ev_tf.enable_attention(ev)
     real = (20, 4, 2)
-    cache = ev_tf.PagedCache(ev, max_batch_size=6, max_cache_len=32, page_size=16, max_tokens=96)
+    scales = dict(k_scale=0.05, v_scale=0.05) if kv_dtype == FP8 else {}
+    cache = ev_tf.PagedCache(ev, max_batch_size=6, max_cache_len=32, page_size=16, max_tokens=96, kv_dtype=kv_dtype,
+                             **scales)
     ids, mask = prompts(device, real=real, width=20, seed=2)
     with torch.no_grad():
         ev(ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache))
@@ -431,6 +435,32 @@ def test_row_selection_copies_each_rows_tokens_into_pages_of_its_own(device):
         cache.crop(-21)
     cache.crop(-3)  # the last 3 positions of 20: every request's last 3 real tokens (the 2s lose both)
     assert cache.seq_lens.tolist() == [max(0, n - 3) for n in real_now] and cache.get_seq_length() == 17
+
+
+def test_a_row_copy_failing_part_way_empties_the_cache(device, monkeypatch):
+    """A reorder whose copy fails after writing over a replaced row's pages (here: the second layer's gather raises,
+    as an out-of-memory would) leaves no row to trust: the cache is emptied (as reset) and the error raised, so the
+    next forward cannot attend over half-copied pages; it takes a new prompt batch at once."""
+    _, _, ev = models(device)
+    ev_tf.enable_attention(ev)
+    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=16, max_tokens=48)
+    ids, mask = prompts(device)
+    with torch.no_grad():
+        ev(ids, attention_mask=mask, **ev_tf.cache_kwargs(ev, cache))
+    calls, gather = [], torch.Tensor.index_select
+
+    def failing(t, dim, index):
+        calls.append(1)
+        if len(calls) == 3:  # layer 1's keys: layer 0's K and V already written
+            raise torch.OutOfMemoryError("no memory for the gathered pages")
+        return gather(t, dim, index)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", failing)
+    with pytest.raises(torch.OutOfMemoryError):
+        cache.reorder_cache(torch.tensor([0, 0, 0]))  # the pool is full: the copies go to rows 1 and 2's pages
+    monkeypatch.undo()
+    assert cache.get_seq_length() == 0 and cache.step.batch == 0 and len(cache.step.free) == 3
+    generate(ev, cache, ids, mask, new=2)  # a new batch runs
 
 
 def test_sampling_with_several_returns_and_a_cache_built_in_inference_mode(device):

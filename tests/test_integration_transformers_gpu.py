@@ -76,8 +76,11 @@ def test_beam_search_at_qwen3_dimensions():
     ev_tf.enable_attention(ev)
     beams, lens, new = 4, (700, 40), 6
     cache = ev_tf.PagedCache(ev, max_batch_size=2 * beams, max_cache_len=720, page_size=64)
+    moves, reorder = [], cache.reorder_cache
+    cache.reorder_cache = lambda idx: moves.append(idx.tolist()) or reorder(idx)
     ids, mask = left_padded(lens, 512, "cuda", seed=5)
     seq, got = beam_search_logits(ev, ids, mask, new, beams, **ev_tf.cache_kwargs(ev, cache))
+    assert any(m != list(range(2 * beams)) for m in moves), moves  # some reorder moved rows
     assert cache.seq_lens.tolist() == [n + new - 1 for n in lens for _ in range(beams)]
     ref, base = teacher_forced_logits((m64, stock), seq, mask.repeat_interleave(beams, 0), new)
     assert_within_rule(got.float().cpu(), ref.cpu(), base.float().cpu(), what="beam search's logits")

@@ -34,8 +34,9 @@ attention sinks or logit softcapping), head_dim 64 / 128 / 256, a GQA group of a
 models), a plain causal mask pattern (no bidirectional prefix or other overlay), ``use_cache=True``, the model on one
 device; anything else raises naming what it found. Greedy or sampled decoding (``num_return_sequences`` included:
 generate repeats the prompts before the cache sees them), beam search (``reorder_cache`` copies each continued beam's
-tokens into pages of its own, one host sync a step), assisted decoding (``crop`` drops the rejected draft tokens) and
-the row selections of contrastive search (``batch_select_indices`` / ``batch_repeat_interleave``). A new prompt batch
+tokens into pages of its own, one host sync a step) and assisted decoding (``crop`` drops the rejected draft tokens);
+``batch_select_indices`` / ``batch_repeat_interleave`` change the rows when called directly (contrastive search,
+which calls them, moved to the Hub in transformers 5 and is not run by this adapter's tests). A new prompt batch
 needs a fresh cache or :meth:`PagedCache.reset` (a mask that does not cover the positions the cache has seen raises).
 """
 from __future__ import annotations
@@ -326,10 +327,13 @@ class _Step:
     def take_rows(self, idx: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]], what: str) -> None:
         """Make row ``i`` of the batch a copy of row ``idx[i]`` (beam search's reorder, a selection or a repetition
         of rows; the batch becomes ``len(idx)`` rows): its length, its bound and its tokens. A row that stays where
-        it is keeps its pages; every other row gets pages of its own (from the free pool and the pages of rows no
+        it is keeps its pages; every other row gets pages of its own (free pages first, then the pages of rows no
         longer kept as they are), and each layer's ``kv`` copies its source's pages there, all of them read before
-        any is written (a source page may be a destination). Rows never share a page, since each stores its next
-        tokens into its own. Checks everything before it changes anything."""
+        any is written (a source page may be a destination; copied as bytes, which every cache dtype allows). Rows
+        never share a page, since each stores its next tokens into its own. Checks everything before it changes
+        anything; a copy that fails part way (e.g. out of memory for a layer's gathered pages) after writing over
+        pages of replaced rows leaves no row's tokens to trust, so the cache is then emptied (as ``reset``) and the
+        error raised."""
         batch = self.batch
         if not idx:
             raise ValueError(f"{what}: no rows; the cache needs at least one request (reset() it for a new batch)")
@@ -340,8 +344,9 @@ class _Step:
             raise ValueError(f"{what}: row {bad[0]} is not one of the batch's {batch} rows")
         old = self.pages
         kept = [i < batch and j == i for i, j in enumerate(idx)]
-        pool = self.free + [p for b in range(batch) if not (b < len(idx) and kept[b]) for p in old[b]]
-        pool.sort(reverse=True)  # popped from the end: the lowest pages first
+        # popped from the end: free pages first (the lowest first), then the replaced rows' (the lowest first)
+        replaced = sorted((p for b in range(batch) if not (b < len(idx) and kept[b]) for p in old[b]), reverse=True)
+        pool = replaced + sorted(self.free, reverse=True)
         self._check_pool(sum(len(old[j]) for j, k in zip(idx, kept) if not k), what, len(pool))
         src, dst, pages = [], [], []
         for j, k in zip(idx, kept):
@@ -354,9 +359,15 @@ class _Step:
         dev = self.page_table.device
         if src:
             si, di = (torch.tensor(x, device=dev) for x in (src, dst))
-            for keys, values in kv:
-                for cache in (keys, values):
-                    cache.index_copy_(0, di, cache.index_select(0, si))
+            try:
+                for keys, values in kv:
+                    for cache in (keys, values):
+                        raw = cache.view(torch.uint8)  # (index_copy_ has no float8 kernel)
+                        raw.index_copy_(0, di, raw.index_select(0, si))
+            except BaseException:
+                if set(dst) & set(replaced):
+                    self.reset()
+                raise
         rows = len(idx)
         lens = self.seq_lens[:batch].index_select(0, torch.tensor(idx, device=dev))
         self.seq_lens.zero_()
@@ -373,7 +384,9 @@ class _Step:
 
     def crop(self, n: int) -> None:
         """Drop each request's last ``n`` positions: with the padding on the left, a request's real tokens are its
-        last positions, so it loses ``min(n, its length)`` of them; its pages stay, overwritten as it grows again."""
+        last positions, so it loses ``min(n, its length)`` of them; its pages stay, overwritten as it grows again.
+        (That holds where no padding follows a request's first real token: ``begin`` refuses it within a prompt or
+        extend, and generate's decode steps mark every new token real.)"""
         self.seq_lens[: self.batch].sub_(n).clamp_(min=0)
         self.bound = [max(0, b - n) for b in self.bound]
         self.lens = self.store_pos = self._slots = None
@@ -556,7 +569,11 @@ def _cache_class():
                 if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
                     raise ValueError(f"{what}: expected a 1-D tensor of row indices, got {idx.dim()}-D {idx.dtype}")
                 idx = idx.tolist()
-            self.step.take_rows([int(i) for i in idx], [(lyr.keys, lyr.values) for lyr in self.layers], what)
+            try:
+                self.step.take_rows([int(i) for i in idx], [(lyr.keys, lyr.values) for lyr in self.layers], what)
+            finally:
+                if self.step.batch == 0:  # a copy that failed part way emptied the rows (take_rows)
+                    self.seen = 0
 
         def reorder_cache(self, beam_idx) -> None:
             """Beam search: row ``i`` continues beam ``beam_idx[i]`` (its tokens copied into pages of its own)."""
