@@ -260,6 +260,27 @@ def test_a_model_built_in_inference_mode(device):
         assert torch.equal(got, ev(ids).logits)
 
 
+def test_experts_holding_the_silu_function_are_taken(device):
+    """LFM2-MoE's experts hold ``act_fn = F.silu`` (the function, not a module) and compute SiLU(gate) * up: enable
+    takes them (refused as "act_fn is function" before round BX) and the hybrid model's logits (an attention layer
+    and a short-convolution layer, each with its experts) stay within the rule of its fp64 twin."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    from evenflow.integrations.demo import twin_models
+
+    cfg = Lfm2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, num_dense_layers=0, max_position_embeddings=64,
+                        layer_types=["full_attention", "conv"])
+    m64, stock, ev = twin_models(Lfm2MoeForCausalLM, cfg, device)
+    assert ev.model.layers[0].feed_forward.experts.act_fn is torch.nn.functional.silu
+    assert ev_tf.enable(ev) == {"experts": 2, "routers": 0}
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        ref, base, got = (m(ids).logits for m in (m64, stock, ev))
+    assert_within_rule(got.float().cpu(), ref.cpu(), base.float().cpu(), what="LFM2-MoE logits")
+
+
 def test_an_older_transformers_is_refused_by_name(monkeypatch):
     # 5.24 is the first release whose attention modules pass their kwargs to cache.update; 5.17 (a device machine's)
     # failed the adapter's tests deep inside generate. The adapter now refuses it on import, naming both versions.

@@ -188,6 +188,10 @@ def test_block_scales_tp():
     assert torch.equal(a, s13[:, [1, 3]]) and torch.equal(b, s2[:, :, 1:2])
     with pytest.raises(ValueError, match="multiple of the scale block"):  # Hy3 TP8: I/8 = 192
         par.shard_block_scales_tp(torch.rand(1, 24, 32), torch.rand(1, 32, 12), 1536, 0, 8)
+    with pytest.raises(ValueError, match="block must be >= 1"):  # (a ZeroDivisionError before round BX)
+        par.shard_block_scales_tp(s13, s2, i, 1, 2, block=0)
+    with pytest.raises(TypeError, match="intermediate_size must be an int"):
+        par.shard_block_scales_tp(s13, s2, float(i), 1, 2)
 
 
 def test_split_math_sums_to_unsplit_in_fp64():

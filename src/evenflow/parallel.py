@@ -121,7 +121,8 @@ def shard_block_scales_tp(w13_scale: torch.Tensor, w2_scale: torch.Tensor, inter
     The intermediate slice must be whole blocks (``I/tp_size % block == 0``), or a
     block's scale would cover two ranks' rows: ValueError then (e.g. Hy3 TP8, I/8 = 192).
     """
-    i = intermediate_size
+    i = check_int("intermediate_size", intermediate_size, 1)
+    check_int("block", block, 1)
     lo, hi = split_range(i, tp_rank, tp_size, "intermediate_size")
     if (hi - lo) % block:
         raise ValueError(f"intermediate_size / tp_size ({hi - lo}) must be a multiple of the scale block "

@@ -84,7 +84,8 @@ def _check_experts(module: torch.nn.Module) -> str:
         if getattr(module, flag, want) != want:
             _refuse(module, f"takes {flag}={want} experts, this module has {flag}={getattr(module, flag)}")
     act = getattr(module, "act_fn", None)
-    if act is not None and not isinstance(act, torch.nn.SiLU) and type(act).__name__ != "SiLUActivation":
+    if (act is not None and act is not torch.nn.functional.silu and not isinstance(act, torch.nn.SiLU)
+            and type(act).__name__ != "SiLUActivation"):  # (a module or the function: LFM2-MoE holds F.silu)
         _refuse(module, f"computes SiLU(gate) * up; this module's act_fn is {type(act).__name__}")
     for extra in ("swiglu_alpha", "limit", "swiglu_limit", "gate_softcap", "up_softcap", "alpha"):  # SwiGLU variants
         if getattr(module, extra, None) is not None:
