@@ -185,14 +185,14 @@ def set_gen_impl(model, impl: str) -> None:
 
 
 def _extra(p):
-    p.add_argument("--layers", type=int, default=8, help="layers of the model (Qwen3-30B-A3B has 48)")
-    p.add_argument("--batches", default=None, help="comma-separated decode batch sizes")
+    p.add_argument("--layers", type=H.positive_int, default=8, help="layers of the model (Qwen3-30B-A3B has 48)")
+    p.add_argument("--batches", type=H.positive_ints, default=None, help="comma-separated decode batch sizes")
     p.add_argument("--mixes", default=None, help="comma-separated generate mixes, e.g. 1x4096+15x256 ('' for none)")
 
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
-    batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else (
+    batches = tuple(args.batches) if args.batches else (
         QUICK["batches"] if args.quick else BATCHES)
     prefills = QUICK["prefills"] if args.quick else PREFILLS
     H._require_cuda("e2e_transformers")

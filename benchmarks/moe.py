@@ -423,9 +423,11 @@ def _csv(kind):
 
 
 def _extra_args(p):
+    from evenflow.bench import harness as H
+
     p.add_argument("--cases", type=_csv(str), default=list(CASES), help="comma list of " + ",".join(CASES))
     p.add_argument("--variants", type=_csv(str), default=list(VARIANTS), help="comma list of " + ",".join(VARIANTS))
-    p.add_argument("--batches", type=_csv(int), default=None, help="comma list of token counts")
+    p.add_argument("--batches", type=H.positive_ints, default=None, help="comma list of token counts")
     p.add_argument("--impls", type=_csv(str), default=list(DEFAULT_IMPLS), help="comma list of " + ",".join(IMPLS))
     p.add_argument("--budget-s", type=float, default=float(os.environ.get("EVENFLOW_BENCH_BUDGET_S", 480)),
                    help="stop timing after this many seconds; the rest become error rows (results still written)")
@@ -437,15 +439,26 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def run(args) -> None:
-    from evenflow.bench import harness as H
-
+def validate(args) -> None:
+    """The options' values, refused naming the option (before any GPU work)."""
     for c in args.cases:
         if c not in CASES:
             raise SystemExit(f"--cases: unknown case {c!r} (choose from {', '.join(CASES)})")
     for v in args.variants:
         if v not in VARIANTS:
             raise SystemExit(f"--variants: unknown variant {v!r} (choose from {', '.join(VARIANTS)})")
+    known = set(IMPLS) | set(EVENFLOW_KNOBS)
+    for i in args.impls:
+        if i not in known:
+            raise SystemExit(f"--impls: unknown impl {i!r} (choose from {', '.join(sorted(known))})")
+    if not args.budget_s > 0:
+        raise SystemExit(f"--budget-s must be > 0, got {args.budget_s}")
+
+
+def run(args) -> None:
+    from evenflow.bench import harness as H
+
+    validate(args)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
     dev = "cuda"
     ceil = H.measure_ceilings()
@@ -551,6 +564,7 @@ def main(argv=None) -> None:
     from evenflow.bench import harness as H
 
     args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra_args)
+    validate(args)
     if not torch.cuda.is_available():
         sys.exit("benchmarks/moe.py needs a CUDA GPU (timings in the CPU interpreter mean nothing)")
     run(args)

@@ -130,14 +130,14 @@ def check(pt: dict, out) -> dict:
 
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated model shapes (" + ", ".join(MODELS) + ")")
-    p.add_argument("--ts", default=None, help="comma-separated token counts")
+    p.add_argument("--ts", type=H.positive_ints, default=None, help="comma-separated token counts")
     p.add_argument("--variants", default=None, help="comma-separated variants (" + ", ".join(VARIANTS) + ")")
 
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
     cases = H.choices("--cases", args.cases, MODELS, QUICK["cases"] if args.quick else MODELS)
-    ts = tuple(int(v) for v in args.ts.split(",")) if args.ts else (QUICK["ts"] if args.quick else TS)
+    ts = tuple(args.ts) if args.ts else (QUICK["ts"] if args.quick else TS)
     variants = H.choices("--variants", args.variants, VARIANTS, VARIANTS)
     H._require_cuda("prologue")
     ceil = H.measure_ceilings()
@@ -145,6 +145,7 @@ def main() -> int:
     for case in cases:
         hq, hkv, d = MODELS[case]
         for variant in variants:
+            series = f"{case} {variant}"  # the plot's panel: each model's bars apart
             for t in H.progress(ts, f"prologue {case} {variant}"):
                 q_dtype, kv_dtype = VARIANTS[variant]
                 pt = build(case, t, variant)
@@ -155,17 +156,18 @@ def main() -> int:
                     try:
                         fns = calls(impl, pt)
                         chk = check(pt, fns[0]())
-                        res.add(case=case, variant=variant, impl=impl, us=H.time_graph(fns),
+                        res.add(case=case, variant=variant, series=series, impl=impl, us=H.time_graph(fns),
                                 eager_us=H.time_eager(fns), floor_us=floor, T=t, copies=len(fns),
                                 max_abs_err=float(chk["max_abs_err"]), cosine=float(chk["cosine"]))
                     except H.PeerUnavailable as e:
-                        res.add_error(case=case, variant=variant, impl=impl, error=str(e), T=t)
+                        res.add_error(case=case, variant=variant, series=series, impl=impl, error=str(e), T=t)
                     except Exception as e:  # a failing impl is a result row, not a lost run
-                        res.add_error(case=case, variant=variant, impl=impl, error=f"{type(e).__name__}: {e}", T=t)
+                        res.add_error(case=case, variant=variant, series=series, impl=impl,
+                                      error=f"{type(e).__name__}: {e}", T=t)
                 del pt
                 torch.cuda.empty_cache()
     _speedups(res)
-    res.finish(x="T", group="variant", columns=("case", "variant", "T", "impl", "us", "eager_us", "floor_us",
+    res.finish(x="T", group="series", columns=("case", "variant", "T", "impl", "us", "eager_us", "floor_us",
                                                 "frac_of_floor", "vs_unfused", "vs_compile", "max_abs_err", "error"),
                plot=not args.no_plot)
     return 0

@@ -62,7 +62,7 @@ def _flips(out: torch.Tensor, ref_ids: torch.Tensor) -> int:
 
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated case names")
-    p.add_argument("--ms", default=None, help="comma-separated M values")
+    p.add_argument("--ms", type=H.positive_ints, default=None, help="comma-separated M values")
     p.add_argument("--timing", choices=("sequential", "interleaved"), default="sequential",
                    help="graph replays of a point's impls timed one impl after the other (each right after its "
                         "capture), or captured together and timed in interleaved rounds")
@@ -72,12 +72,9 @@ def _extra(p):
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
-    cases = args.cases.split(",") if args.cases else (QUICK["cases"] if args.quick else tuple(CASES))
-    ms = tuple(int(v) for v in args.ms.split(",")) if args.ms else (QUICK["ms"] if args.quick else MS)
-    impls = tuple(args.impls.split(",")) if args.impls else IMPLS
-    bad = [i for i in impls if i not in IMPLS]
-    if bad:
-        raise SystemExit(f"--impls: unknown {bad} (choose from {', '.join(IMPLS)})")
+    cases = H.choices("--cases", args.cases, tuple(CASES), QUICK["cases"] if args.quick else tuple(CASES))
+    ms = tuple(args.ms) if args.ms else (QUICK["ms"] if args.quick else MS)
+    impls = H.choices("--impls", args.impls, IMPLS, IMPLS)
     ceil = H.measure_ceilings()
     ceil["launch_pdl_us"] = round(H.empty_launch_us(pdl=True), 3)
     print(f"[ceilings] launch_pdl_us {ceil['launch_pdl_us']}", flush=True)

@@ -514,6 +514,50 @@ def test_cli_bench_unknown_name_is_a_clear_error():
     assert r.returncode == 2 and "unknown benchmark 'no-such-benchmark'" in r.stderr
 
 
+def test_cli_bench_options_are_the_benchmarks_and_bad_ones_are_named(tmp_path):
+    """Round BX's audit of the command line: ``evenflow bench router --help`` shows the router's options (it showed
+    ``bench``'s own); ``evenflow bench`` alone lists the benchmarks; a bad number list, an unknown case or impl, a
+    budget of 0 and an unusable ``--out`` each stop before any measuring with a message naming the option (they
+    were tracebacks, some at the end of a run); a benchmark that needs a GPU says so in one line."""
+    r = _cli("bench", "router", "--help")
+    assert r.returncode == 0 and "--ms" in r.stdout and "--impls" in r.stdout, r.stdout
+    r = _cli("bench")
+    assert r.returncode == 2 and "benchmarks:" in r.stderr and "router" in r.stderr
+    assert _cli("bench", "-h").returncode == 0
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for args, why in ((("router", "--ms", "a"), "argument --ms: expected comma-separated positive integers"),
+                      (("router", "--ms", "0,16"), "argument --ms: expected comma-separated positive integers"),
+                      (("prologue", "--ts", "x"), "argument --ts: expected comma-separated positive integers"),
+                      (("e2e_transformers", "--layers", "0"), "argument --layers: expected a positive integer"),
+                      (("router", "--cases", "nosuch"), "--cases: unknown ['nosuch']"),
+                      (("moe", "--impls", "evenflow,nosuch"), "--impls: unknown impl 'nosuch'"),
+                      (("moe", "--budget-s", "0"), "--budget-s must be > 0"),
+                      (("moe", "--out", str(blocker)), "--out"),
+                      (("moe", "--batches", "-1"), "argument --batches")):
+        r = _cli("bench", *args)
+        assert r.returncode != 0 and why in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-400:])
+    if not torch.cuda.is_available():
+        r = _cli("bench", "ceilings")
+        assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_markdown_tables_escape_a_bar_in_a_cell(tmp_path):
+    """A ``|`` in a cell (a check reading ``max|err|``) is escaped, so each row keeps its columns: in the demo's
+    table and in a result file's (round BX: the demo's rows had 9 cells under a 7-column header). A check that did
+    not run (``ok`` None) says so and is counted apart."""
+    from evenflow.cli import demo_table
+
+    rows = [{"operator": "router", "case": "c", "check": "max|err| 1e-6 <= bound 2e-6", "ok": True, "us": None},
+            {"operator": "adapter", "case": "-", "check": "not run: no transformers", "ok": None, "us": None}]
+    lines = demo_table(rows).splitlines()
+    assert [line.replace("\\|", "").count("|") for line in lines[:4]] == [8] * 4, lines
+    assert "| not run |" in lines[3]
+    res = H.Results("t", ceilings=None, out=tmp_path)
+    res.add(case="a|b", impl="x", us=1.0)
+    assert res.markdown().splitlines()[2] == "| a\\|b | x | 1 |"
+
+
 def test_results_with_only_error_rows_still_write_the_file(tmp_path):
     res = H.Results("errors-only", ceilings={}, out=tmp_path)
     res.add_error(case="c", impl="flashinfer-tc", error="failed to build")

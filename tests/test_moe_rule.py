@@ -250,7 +250,8 @@ def test_shard_allowances_sum_to_the_split_layers(device, fmt):
 def test_rule_check_reports_what_assert_within_rule_raises():
     """``rule_check`` (the demo's and the 2-GPU benchmark's check) returns, without raising, the failure
     ``assert_within_rule`` raises, the measured error and the bound: a pass, an error past the bound, one
-    within its allowance, a non-finite output and a shape mismatch."""
+    within its allowance, a non-finite output and a shape mismatch; a non-finite reference, baseline or allowance
+    fails too (round BX: a NaN there made the bound NaN and an error of 97 passed)."""
     from evenflow.testing import rule_check
 
     ref = torch.zeros(2, 3, dtype=torch.float64)
@@ -263,6 +264,13 @@ def test_rule_check_reports_what_assert_within_rule_raises():
              (torch.tensor([[0.5, 0, 0], [0, 0, 1.75]]), allow, "beyond its allowance"),
              (torch.tensor([[float("nan"), 0, 0], [0, 0, 0]]), None, "non-finite"),
              (torch.zeros(3, 2), None, "shape")]
+    for name in ("reference", "baseline", "allowance"):
+        r, b, a = ref.clone(), base.clone(), allow.clone()
+        {"reference": r, "baseline": b, "allowance": a}[name][1, 1] = float("nan")
+        msg, _, _ = rule_check(torch.full((2, 3), 97.0).bfloat16(), r, b, allowance=a)
+        assert f"non-finite values in the {name}" in msg, (name, msg)
+        with pytest.raises(AssertionError, match=f"non-finite values in the {name}"):
+            assert_within_rule(torch.zeros(2, 3).bfloat16(), r, b, allowance=a)
     for out, allowance, why in cases:
         out = out.bfloat16()
         msg, err, bound = rule_check(out, ref, base, allowance=allowance)

@@ -11,6 +11,9 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
+# the harness's refusal to time without a GPU (``harness._require_cuda``): a one-line message, not a traceback
+NEEDS_GPU = "needs a CUDA GPU"
+
 # Operator families that provide ``<family>.demo.run_demo(ctx)``, in the order of a decode step.
 DEMO_FAMILIES = ("attention", "router", "moe", "integrations")
 
@@ -30,16 +33,22 @@ def cmd_info(_args) -> int:
     print(f"python   {sys.version.split()[0]}")
     print(f"torch    {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     print(f"triton   {triton.__version__}")
+    from evenflow import _runtime
+
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         cc = (p.major, p.minor)
         mem = p.total_memory / 2**30
         print(f"device   {p.name}, {p.multi_processor_count} SMs, {mem:.0f} GiB, sm_{p.major}{p.minor}")
         fp8 = (p.major, p.minor) >= (8, 9)
-        backend = "GPU (Triton compiler)"
     else:
         cc, fp8 = None, True
+    if _runtime.interpreting():
         backend = "CPU (Triton interpreter: correct but slow; timings mean nothing)"
+    elif torch.cuda.is_available():
+        backend = "GPU (Triton compiler)"
+    else:
+        backend = "none: no CUDA GPU and TRITON_INTERPRET is off, so no kernel can run (set TRITON_INTERPRET=1)"
     print(f"backend  {backend}")
     print(f"exports  {', '.join(sorted(ev.__all__)) or '(none yet)'}")
     print("operators:")
@@ -47,13 +56,13 @@ def cmd_info(_args) -> int:
         ("qk_norm_rope_store_kv", "bf16 qkv -> bf16 or fp8 q; bf16 or fp8 e4m3 KV cache", "attention"),
         ("decode_attention", "bf16 KV; fp8 e4m3 KV" + ("" if fp8 else " (needs sm_89+)"), "attention"),
         ("prefill_attention", "bf16 q; bf16 or fp8 e4m3 KV", "attention"),
-        ("router_gemm / route", "bf16 x, fp32 weight (split bf16 hi/lo)", "router"),
+        ("router_gemm / route", "bf16 x, fp32 weight (split into bf16 terms)", "router"),
         ("fused_moe", "bf16; fp8 per-tensor; fp8 block-128" + ("" if fp8 else " (fp8 needs sm_89+)"), "moe"),
     ]
     for name, dtypes, fam in rows:
         try:
             importlib.import_module(f"evenflow.{fam}.demo")
-            state = "available"
+            state = "importable"
         except ImportError as e:
             state = f"not built yet ({e.name})"
         print(f"  {name:22s} {state:14s} {dtypes}")
@@ -72,14 +81,19 @@ def _fmt_us(v) -> str:
 
 def demo_table(rows: list[dict]) -> str:
     """The demo's Markdown table, a row per check; a peer that was not timed shows its reason cut short there, so
-    each such reason follows the table whole (nothing a peer failed on is hidden)."""
+    each such reason follows the table whole (nothing a peer failed on is hidden). A check whose ``ok`` is None did not
+    run (an optional dependency missing): "not run"."""
+    from evenflow.bench.harness import md_cell
+
     lines = ["| operator | case | check | ok | us | floor us | peers (us) |", "|---|---|---|---|---|---|---|"]
     notes = []
     for r in rows:
         peers = r.get("peers") or {}
-        lines.append(f"| {r.get('operator')} | {r.get('case')} | {r.get('check')} | {'yes' if r.get('ok') else 'NO'} "
-                     f"| {_fmt_us(r.get('us'))} | {_fmt_us(r.get('floor_us'))} | "
-                     + (", ".join(f"{k} {_fmt_us(v)}" for k, v in peers.items()) or "-") + " |")
+        ok = "not run" if r.get("ok", False) is None else "yes" if r.get("ok") else "NO"
+        cells = [r.get("operator"), r.get("case"), r.get("check"), ok,
+                 _fmt_us(r.get("us")), _fmt_us(r.get("floor_us")),
+                 ", ".join(f"{k} {_fmt_us(v)}" for k, v in peers.items()) or "-"]
+        lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
         notes += [f"- {r.get('operator')} / {k}: {v}" for k, v in peers.items() if isinstance(v, str)]
     if notes:
         lines += ["", "peers not timed:", *notes]
@@ -94,7 +108,7 @@ def cmd_demo(args) -> int:
     from evenflow.bench import harness
 
     gpu = torch.cuda.is_available() and not _runtime.interpreting()
-    ctx = SimpleNamespace(device="cuda" if gpu else "cpu", gpu=gpu, harness=harness, quick=args.quick)
+    ctx = SimpleNamespace(device="cuda" if gpu else "cpu", gpu=gpu, harness=harness)
     print(f"evenflow {ev.__version__} demo — one Qwen3-30B-A3B decode step")
     if gpu:
         print(f"on {torch.cuda.get_device_name(0)}: each operator is checked against its PyTorch reference, "
@@ -119,11 +133,13 @@ def cmd_demo(args) -> int:
         print(f"[{fam}] done in {time.time() - t0:.1f}s", flush=True)
         all_rows += rows
     print("\n" + demo_table(all_rows))
-    failures = sum(not r.get("ok", False) for r in all_rows)
+    skipped = sum(r.get("ok", False) is None for r in all_rows)
+    failures = sum(r.get("ok", False) is False for r in all_rows)
     if not all_rows:
         print("no operators ran")
         return 1
-    print(f"\n{len(all_rows) - failures}/{len(all_rows)} checks passed")
+    ran = len(all_rows) - skipped
+    print(f"\n{ran - failures}/{ran} checks passed" + (f" ({skipped} not run)" if skipped else ""))
     return 1 if failures else 0
 
 
@@ -145,12 +161,23 @@ def _benchmarks_dir() -> Path:
 def cmd_bench(args, rest: list[str]) -> int:
     bdir = _benchmarks_dir()
     names = sorted(p.stem for p in bdir.glob("*.py") if not p.stem.startswith("_"))
+    if args.name is None:
+        asked = bool({"-h", "--help"} & set(rest))
+        print("usage: evenflow bench NAME [its options]  (evenflow bench NAME --help: NAME's options)\n"
+              f"benchmarks: {', '.join(names)}", file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     if args.name not in names:
         print(f"evenflow bench: unknown benchmark {args.name!r}; available: {', '.join(names)}", file=sys.stderr)
         return 2
     sys.argv = [str(bdir / f"{args.name}.py"), *rest]
     sys.path.insert(0, str(bdir))
-    runpy.run_path(str(bdir / f"{args.name}.py"), run_name="__main__")
+    try:
+        runpy.run_path(str(bdir / f"{args.name}.py"), run_name="__main__")
+    except RuntimeError as e:
+        if NEEDS_GPU not in str(e):
+            raise
+        print(f"evenflow bench {args.name}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -158,10 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="evenflow", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="versions, device, operators and dtypes supported here")
-    d = sub.add_parser("demo", help="run every operator on one Qwen3-30B-A3B decode step, checked and timed")
-    d.add_argument("--quick", action="store_true", help="fewer cases")
-    b = sub.add_parser("bench", help="run benchmarks/<name>.py (extra arguments are passed on)")
-    b.add_argument("name")
+    sub.add_parser("demo", help="run every operator on one Qwen3-30B-A3B decode step, checked and timed")
+    # (no help option of its own: `evenflow bench router --help` is the router benchmark's)
+    b = sub.add_parser("bench", add_help=False, help="run benchmarks/<name>.py (extra arguments are passed on)")
+    b.add_argument("name", nargs="?")
     args, rest = p.parse_known_args(argv)
     if args.cmd == "bench":
         return cmd_bench(args, rest)

@@ -74,11 +74,16 @@ def rule_check(out: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor, f
     today is an intermediate rounded to fp8 that lies at a rounding midpoint
     (:func:`evenflow.reference.moe.moe_requant_allowance`). Each element must then satisfy
     ``|out - ref64| <= bound + allowance``.
-    NaN or Inf anywhere in ``out`` fails, whatever the bound.
+    NaN or Inf anywhere in ``out`` fails, whatever the bound; so does any in ``ref64``, ``baseline`` or
+    ``allowance`` (a NaN there would make the bound NaN or infinite and every output pass: compare the finite
+    part, e.g. the rows a request fills, and check the rest on its own).
     """
     nan = float("nan")
     if out.shape != ref64.shape:
         return f"{what}: shape {tuple(out.shape)} != reference {tuple(ref64.shape)}", nan, nan
+    for name, t in (("reference", ref64), ("baseline", baseline), ("allowance", allowance)):
+        if t is not None and not bool(torch.isfinite(t.detach()).all()):
+            return f"{what}: non-finite values in the {name}: the rule's bound would not bound anything", nan, nan
     if allowance is not None:
         if allowance.shape != ref64.shape:
             return f"{what}: allowance shape {tuple(allowance.shape)} != reference's", nan, nan

@@ -504,6 +504,46 @@ def progress(items: Iterable, desc: str) -> Iterable:
         yield it
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type`` for a comma-separated list of positive integers (``--ms 1,16,512``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type`` for one positive integer."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def check_out(p: argparse.ArgumentParser, out: str | None) -> None:
+    """``--out`` made (and found writable) before any measuring, so a bad path does not lose a run at its end."""
+    if out is None:
+        return
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"--out {out!r}: {e.strerror or e}")
+    if not os.access(path, os.W_OK):
+        p.error(f"--out {out!r}: not writable")
+
+
+def md_cell(text: str) -> str:
+    """``text`` safe in a Markdown table cell (a ``|`` in it, as in ``max|err|``, would split the cell)."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def parse_args(description: str, argv: Sequence[str] | None = None,
                extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
@@ -512,7 +552,9 @@ def parse_args(description: str, argv: Sequence[str] | None = None,
     p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
     if extra is not None:
         extra(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_out(p, args.out)
+    return args
 
 
 # ----------------------------------------------------------------------------- results
@@ -599,7 +641,7 @@ class Results:
             cells = []
             for c in cols:
                 v = r.get(c, "")
-                cells.append(f"{v:.4g}" if isinstance(v, float) else str(v))
+                cells.append(md_cell(f"{v:.4g}" if isinstance(v, float) else str(v)))
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
