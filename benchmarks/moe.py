@@ -456,9 +456,9 @@ def validate(args) -> None:
 
 
 def run(args) -> None:
+    """The sweep, on options :func:`validate` passed (``main`` checks them before the GPU)."""
     from evenflow.bench import harness as H
 
-    validate(args)
     batches = args.batches or (QUICK_BATCHES if args.quick else BATCHES)
     dev = "cuda"
     ceil = H.measure_ceilings()

@@ -322,8 +322,8 @@ def test_beam_search_continues_each_beam_on_its_own_tokens(device, fuse):
     """Beam search (3 beams, 3 returned, two unequal prompts): along every returned sequence, the logits that chose
     each of its tokens (``beam_indices`` names the row that made it at each step) are within the rule of the fp64
     model reading that sequence whole. That holds only if each reorder (recorded: some move rows) handed every row
-    its beam's tokens; with the reorder made a no-op this check fails (round BX measured 0.085 against a bound of
-    0.0036)."""
+    its beam's tokens; with the reorder made a no-op this check fails (0.085 against a bound of 0.0036:
+    benchmarks/results/h200/history/round-bx-cpu/noop_checks.txt)."""
     m64, stock, ev = sharp(models(device))
     ev_tf.enable_attention(ev, fuse_prologue=fuse)
     beams, new = 3, 4
@@ -343,7 +343,7 @@ def test_assisted_decoding_crops_the_rejected_draft(device):
     model verifies each draft in one forward (evenflow's prefill over the cached prefix) and ``crop`` drops the
     rejected tokens (recorded: drafts of 3 rejected). Every generated token's logits are within the rule of the fp64
     model reading the final sequence whole (with crop a no-op the stale draft tokens stay attended and this fails;
-    round BX measured 0.107 against 0.0033)."""
+    0.107 against 0.0033: benchmarks/results/h200/history/round-bx-cpu/noop_checks.txt)."""
     from transformers import Qwen3MoeForCausalLM
 
     from evenflow.integrations.demo import twin_models

@@ -251,7 +251,7 @@ def test_rule_check_reports_what_assert_within_rule_raises():
     """``rule_check`` (the demo's and the 2-GPU benchmark's check) returns, without raising, the failure
     ``assert_within_rule`` raises, the measured error and the bound: a pass, an error past the bound, one
     within its allowance, a non-finite output and a shape mismatch; a non-finite reference, baseline or allowance
-    fails too (round BX: a NaN there made the bound NaN and an error of 97 passed)."""
+    fails too (before round BX a NaN there made the bound NaN, and any error passed)."""
     from evenflow.testing import rule_check
 
     ref = torch.zeros(2, 3, dtype=torch.float64)

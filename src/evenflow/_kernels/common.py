@@ -30,6 +30,14 @@ def f16_operand(x, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def saturate_e4m3(x):
+    """``x`` clamped to e4m3's finite range [-448, 448], NaN kept (as ``torch.clamp``; a plain min / max would
+    return the bound)."""
+    return tl.minimum(tl.maximum(x, -FP8_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_E4M3_MAX,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def round_to_fp8e4_grid(x):
     """Round fp32 ``x`` to the nearest e4m3fn value (ties to even), saturating at 448.
 
@@ -39,8 +47,7 @@ def round_to_fp8e4_grid(x):
     1.5*2^23*step" trick, which rounds to a multiple of ``step`` with ties to even
     while |x| < 2^22*step (here |x/step| < 16).
     """
-    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_E4M3_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
+    x = saturate_e4m3(x)
     bits = x.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6)
@@ -55,10 +62,10 @@ def to_fp8e4(x, FP8_ROUND: tl.constexpr):
     in ``torch.clamp`` and the cast after it: the clamp propagates it (a plain min / max returns the bound) and the
     hardware's cast gives e4m3's NaN. (The Triton 3.6 interpreter's casts do not: f32 NaN -> e4m3 384, e4m3 NaN ->
     f16 480.)"""
-    x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), FP8_E4M3_MAX,
-                   propagate_nan=tl.PropagateNan.ALL)
     if FP8_ROUND:
-        x = round_to_fp8e4_grid(x)
+        x = round_to_fp8e4_grid(x)  # (saturates first)
+    else:
+        x = saturate_e4m3(x)
     return x.to(tl.float8e4nv)
 
 

@@ -510,7 +510,7 @@ def check_kv_cache(k_cache, v_cache, dev) -> tuple[int, int, int, int]:
     return num_pages, P, Hkv, D
 
 
-def check_score_scale(sm_scale: float, k_scale_f: float) -> float:
+def check_score_scale(sm_scale: float, k_scale_f: float) -> None:
     """The kernels' score multiplier ``sm_scale * log2(e) * k_scale`` (a float k_scale; 1 for a tensor), checked to
     be a finite fp32 number (it is passed as one: above fp32's range the scores would be inf and the output
     garbage)."""
@@ -518,7 +518,6 @@ def check_score_scale(sm_scale: float, k_scale_f: float) -> float:
     if not v <= torch.finfo(torch.float32).max:
         raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond fp32's "
                          "range, which the kernels compute the scores in")
-    return v
 
 
 def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):

@@ -143,9 +143,13 @@ def results_dir(out: str | os.PathLike | None = None) -> Path:
 
 # ----------------------------------------------------------------------------- timing
 
+class NoGPU(RuntimeError):
+    """A timing asked for on a machine without a CUDA GPU (``evenflow bench`` says it in one line)."""
+
+
 def _require_cuda(what: str) -> None:
     if not torch.cuda.is_available():
-        raise RuntimeError(f"{what} needs a CUDA GPU; timings on the CPU interpreter mean nothing")
+        raise NoGPU(f"{what} needs a CUDA GPU; timings on the CPU interpreter mean nothing")
 
 
 _L2_FLUSH: torch.Tensor | None = None
@@ -504,17 +508,6 @@ def progress(items: Iterable, desc: str) -> Iterable:
         yield it
 
 
-def positive_ints(text: str) -> list[int]:
-    """An argparse ``type`` for a comma-separated list of positive integers (``--ms 1,16,512``)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
 def positive_int(text: str) -> int:
     """An argparse ``type`` for one positive integer."""
     try:
@@ -524,6 +517,17 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return v
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse ``type`` for a comma-separated list of positive integers (``--ms 1,16,512``)."""
+    try:
+        values = [positive_int(v) for v in text.split(",") if v.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def check_out(p: argparse.ArgumentParser, out: str | None) -> None:

@@ -342,8 +342,10 @@ class _Step:
         bad = [i for i in idx if not 0 <= i < batch]
         if bad:
             raise ValueError(f"{what}: row {bad[0]} is not one of the batch's {batch} rows")
+        if idx == list(range(batch)):
+            return  # every row stays where it is: nothing to copy or rewrite
         old = self.pages
-        kept = [i < batch and j == i for i, j in enumerate(idx)]
+        kept = [j == i for i, j in enumerate(idx)]  # (j < batch, so i < batch where it holds)
         # popped from the end: free pages first (the lowest first), then the replaced rows' (the lowest first)
         replaced = sorted((p for b in range(batch) if not (b < len(idx) and kept[b]) for p in old[b]), reverse=True)
         pool = replaced + sorted(self.free, reverse=True)

@@ -40,6 +40,11 @@ def _scalar_scale(name: str, s) -> torch.Tensor:
     return s.reshape(1).contiguous()
 
 
+def _contiguous(*tensors):
+    """The builders' copies of non-contiguous tensors (anything else passed on, for the constructor to name)."""
+    return [t.contiguous() if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
 def _check_scale_values(scales: dict) -> None:
     """Scales finite, activation scales (divisors of the quantisation) positive; one look from the host, at load
     time, skipped where none may run (a trace, a capture)."""
@@ -102,9 +107,6 @@ class MoEWeights:
         if not isinstance(fmt, str) or fmt not in MODE:
             raise ValueError(f"fmt must be one of {tuple(MODE)}, got {fmt!r}")
         _, taken = self.check_format(fmt, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
-        for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-            if t is not None:
-                check_tensor(name, t, contiguous=True)
         _check_scale_values(taken)
         self.format = fmt
         self._w13, self._w2 = w13, w2
@@ -169,9 +171,10 @@ class MoEWeights:
 
     @classmethod
     def check_format(cls, fmt, w13, w2, w13_scale=None, w2_scale=None, a13_scale=None, a2_scale=None):
-        """The builder of ``fmt``'s checks of its tensors: ((E, H, I), the scales the format takes by name, per-tensor
-        activation scales as one-element contiguous tensors); a scale the format does not take must be None. The
-        builders call it, and so does a direct call of the fused MoE op (``fused._check_op``)."""
+        """``fmt``'s checks of its tensors: ((E, H, I), the scales the format takes by name, per-tensor activation
+        scales as one-element contiguous tensors); a scale the format does not take must be None; the weights and
+        their scales contiguous (the kernels walk them by the shapes they assume). The constructor calls it, and so
+        does a direct call of the fused MoE op (``fused._check_op``)."""
         if fmt == "bf16":
             e, h, i = cls._check_pair(w13, w2, torch.bfloat16, 16)
             taken = {}
@@ -193,26 +196,25 @@ class MoEWeights:
                         ("a2_scale", a2_scale)):
             if name not in taken and s is not None:
                 raise ValueError(f"{name} must be None for {fmt} weights")
+        for name, t in (("w13", w13), ("w2", w2), ("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if t is not None:
+                check_tensor(name, t, contiguous=True)
         check_same_device(w13=w13, **taken)
         return (e, h, i), taken
 
     @classmethod
     def bf16(cls, w13: torch.Tensor, w2: torch.Tensor) -> MoEWeights:
-        cls.check_format("bf16", w13, w2)
-        return cls("bf16", w13.contiguous(), w2.contiguous())
+        return cls("bf16", *_contiguous(w13, w2))
 
     @classmethod
     def fp8_per_tensor(cls, w13, w2, w13_scale, w2_scale, a13_scale, a2_scale) -> MoEWeights:
         """FP8 e4m3 weights with per-expert scales and static per-tensor activation scales (Hy3 style)."""
-        _, s = cls.check_format("fp8_per_tensor", w13, w2, w13_scale, w2_scale, a13_scale, a2_scale)
-        return cls("fp8_per_tensor", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(),
-                   w2_scale.contiguous(), s["a13_scale"], s["a2_scale"])
+        return cls("fp8_per_tensor", *_contiguous(w13, w2, w13_scale, w2_scale), a13_scale, a2_scale)
 
     @classmethod
     def fp8_block(cls, w13, w2, w13_scale, w2_scale) -> MoEWeights:
         """FP8 e4m3 weights with 128x128 block scales [E, N/128, K/128] (Qwen3-FP8 / DeepSeek style)."""
-        cls.check_format("fp8_block", w13, w2, w13_scale, w2_scale)
-        return cls("fp8_block", w13.contiguous(), w2.contiguous(), w13_scale.contiguous(), w2_scale.contiguous())
+        return cls("fp8_block", *_contiguous(w13, w2, w13_scale, w2_scale))
 
 
 def quant_fp8_per_token_group(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
