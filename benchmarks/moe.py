@@ -474,15 +474,12 @@ def run(args) -> None:
     for case_name, variant in H.progress(combos, "moe"):
         case = CASES[case_name]
         series = f"{case_name}/{variant}"
-        if variant in case.skip_variants:
-            for impl in args.impls:
-                res.add_error(case=case_name, variant=variant, impl=impl, error="n/a: " + case.skip_variants[variant],
-                              series=series)
-            continue
-        if time.time() - t_start > args.budget_s:
-            for impl in args.impls:
-                res.add_error(case=case_name, variant=variant, impl=impl, series=series,
-                              error=f"skipped: time budget {args.budget_s:.0f}s spent")
+        skip = ("n/a: " + case.skip_variants[variant] if variant in case.skip_variants else
+                f"skipped: time budget {args.budget_s:.0f}s spent" if time.time() - t_start > args.budget_s else None)
+        if skip:
+            for batch in batches:  # a row for each size the series stands for: every row carries its batch
+                for impl in args.impls:
+                    res.add_error(case=case_name, variant=variant, impl=impl, batch=batch, series=series, error=skip)
             continue
         gen, bias, base = seeded_layer(case, variant, dev, args.seed)
         # Rotation copies are needed only where a call's working set fits in L2 (small batches).

@@ -241,14 +241,14 @@ def moe_floor(kind: str, ew, shapes: dict, ids: torch.Tensor, tokens: int, world
     i_r, e_r = ew.intermediate_size, ew.num_experts
     ebytes = expert_shard_bytes(ew)
     rate = "bf16_TFLOPs" if ew.format == "bf16" else "fp8_TFLOPs"
-    act = 2 if ew.format == "bf16" else 1
     ranks = []
     for r in range(world if kind != "unsplit" else 1):  # the layer ends when the most loaded rank ends
         first = r * e_r if kind == "ep" else 0
         local = ids.long() - first
         m = (local >= 0) & (local < e_r)
         distinct, pairs = int(torch.unique(local[m]).numel()), int(m.sum())
-        nbytes = distinct * ebytes + int(m.any(1).sum()) * h * act + tokens * h * 2 + ids.numel() * 8
+        # the layer is fed bf16 rows whatever its weights' format (an fp8 layer quantises them inside)
+        nbytes = distinct * ebytes + int(m.any(1).sum()) * h * 2 + tokens * h * 2 + ids.numel() * 8
         ranks.append(H.floor_us(nbytes, 6 * h * i_r * pairs, ceilings=ceil, rate=rate))
     worst = H.Floor.worst(ranks)  # every rank's terms kept: another copy reading may make another rank the slowest
     if kind == "unsplit" or not busbw_GBps:

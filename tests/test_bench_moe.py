@@ -485,3 +485,28 @@ def test_plot_fp8_modes(tmp_path):
     res.write_text(json.dumps({"rows": rows[4:]}))
     with pytest.raises(ValueError, match="no fp8 point"):
         pm.plot(res)
+
+
+def test_series_that_cannot_run_give_an_error_row_for_every_batch_and_impl(tmp_path, monkeypatch):
+    """BENCH.md: every row carries the size it measures. A variant a case cannot take (Hy3 TP8's I = 192 has no
+    block-128 scales) and a series the time budget cut are written as an error row at each batch and impl, with
+    nothing measured (no GPU here: the ceilings, the L2 size and the end-of-run copy reading are stood in for)."""
+    from evenflow.bench import harness as H
+
+    monkeypatch.setattr(H, "measure_ceilings", lambda *a, **k: {"copy_TBps": 4.0, "bf16_TFLOPs": 700.0,
+                                                                "fp8_TFLOPs": 1400.0, "launch_us": 0.7})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: type("P", (), {"L2_cache_size": 1 << 20}))
+    monkeypatch.setattr(H.Results, "settle_copy", lambda self: None)
+    ticks = iter([0.0] + [1e9] * 10)  # the budget is spent by the second series
+    monkeypatch.setattr(bm.time, "time", lambda: next(ticks))
+    args = H.parse_args("x", ["--cases", "hy3-tp8,hy3-ep8", "--variants", "fp8-block", "--batches", "1,8",
+                              "--impls", "evenflow,sglang-triton", "--budget-s", "5", "--no-plot",
+                              "--out", str(tmp_path)], extra=bm._extra_args)
+    bm.validate(args)
+    bm.run(args)
+    rows = H.Results.load(tmp_path / "moe.json").rows
+    got = sorted((r["case"], r["batch"], r["impl"], r["error"].split(":")[0]) for r in rows)
+    want = sorted((c, b, i, why) for c, why in (("hy3-tp8", "n/a"), ("hy3-ep8", "skipped"))
+                  for b in (1, 8) for i in ("evenflow", "sglang-triton"))
+    assert got == want
+    assert all("us" not in r and r["series"] == f"{r['case']}/fp8-block" for r in rows)
