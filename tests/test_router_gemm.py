@@ -753,6 +753,24 @@ def test_preload_launch_only_on_the_fp32_weight_paths(device):
     assert torch.equal(evenflow.router_gemm(x, rw, config=cfg, prefetch_weights=False), want)
 
 
+def test_route_passes_its_gemm_keywords_through(device):
+    # route takes router_gemm's config and prefetch_weights (README: prefetch_weights=False keeps a pdl-preload
+    # entry from loading the weight early) and hands them to its GEMM: the forced config's logits select the ids
+    x, w = _inputs(3, 16, 64, device)
+    rw = evenflow.RouterWeight(w)
+    for cfg in (SIMT[0], GemmConfig(1, 1, 64, 1, 4, 1, "fp32-simt", "pdl-preload")):
+        want = evenflow.select_experts(evenflow.router_gemm(x, rw, config=cfg), 4)
+        for got in (evenflow.route(x, rw, 4, config=cfg), evenflow.route(x, rw, 4, config=cfg, prefetch_weights=False)):
+            assert all(torch.equal(g, h) for g, h in zip(got, want))
+    with pytest.raises(TypeError, match="config"):
+        evenflow.route(x, rw, 4, config={"path": "fp32-simt"})
+    with pytest.raises(TypeError, match="prefetch_weights"):
+        evenflow.route(x, rw, 4, prefetch_weights=0)
+    if not evenflow._runtime.pdl_supported(device):
+        with pytest.raises(ValueError, match="prefetch_weights=True"):
+            evenflow.route(x, rw, 4, prefetch_weights=True)
+
+
 def test_launch_mode_is_a_validated_config_field():
     # GemmConfig.launch (round AD): a table entry's tuned launch mode; anything else is refused by name
     assert GemmConfig().launch == "pdl"

@@ -218,7 +218,7 @@ class MoEWeights:
 
 
 def quant_fp8_per_token_group(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] bf16 -> (fp8 e4m3 [T, H], fp32 scales [T, H/128]), one scale per 128-wide row group.
+    """x [T, H] bf16 (or fp16 / fp32) -> (fp8 e4m3 [T, H], fp32 scales [T, H/128]), one scale per 128-wide row group.
 
     scale = max(amax, 1e-10) / 448, value = round_e4m3(x / scale) (saturating). ``pdl``: launch
     with programmatic dependent launch (inside :func:`evenflow.fused_moe`'s chain).

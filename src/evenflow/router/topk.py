@@ -33,7 +33,7 @@ from evenflow._checks import (
     check_tensor,
     checked_op,
 )
-from evenflow.router.gemm import RouterWeight, router_gemm_fresh
+from evenflow.router.gemm import GemmConfig, RouterWeight, router_gemm_fresh
 from evenflow.router.kernels import route_topk_kernel
 
 __all__ = ["route", "select_experts", "MAX_EXPERTS", "MAX_TOP_K"]
@@ -129,10 +129,13 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", b
 def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
           renormalize: bool = True, routed_scaling: float = 1.0, *, batch_invariant: bool = False,
           round_x_to_bf16: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-          pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          pdl: bool | None = None, config: GemmConfig | None = None,
+          prefetch_weights: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Router GEMM (fp32 fidelity) then scoring + top-k: (ids int32 [M, top_k], weights fp32 [M, top_k]).
     ``pdl``: both kernels with programmatic dependent launch (see :func:`router_gemm`); the top-k
-    kernel's launch then overlaps the GEMM's end."""
+    kernel's launch then overlaps the GEMM's end. ``config`` and ``prefetch_weights`` are the GEMM's, as
+    :func:`router_gemm` takes them (``prefetch_weights=False`` keeps a ``pdl-preload`` entry from loading the
+    weight before the wait)."""
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     w.check_fresh()  # first: a re-split may change N, which the checks and the logits buffer read
@@ -140,6 +143,7 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device)  # before the GEMM launches
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
     logits = router_gemm_fresh(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
-                               round_x_to_bf16=round_x_to_bf16, pdl=pdl)
+                               round_x_to_bf16=round_x_to_bf16, pdl=pdl, config=config,
+                               prefetch_weights=prefetch_weights)
     return select_experts(logits, top_k, scoring, bias, renormalize, routed_scaling, out=out,
                           pdl=w.pdl_supported if pdl is None else pdl)
