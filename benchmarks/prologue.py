@@ -106,6 +106,11 @@ def calls(impl: str, pt: dict) -> list:
             *_args(pt, i), q_norm_weight=pt["qw"], k_norm_weight=pt["kw"], q_dtype=pt["q_dtype"],
             k_scale=s if s != 1.0 else None, v_scale=s if s != 1.0 else None, q_out=pt["q_outs"][i],
             q_scale_out=pt["s_outs"][i]) for i in range(len(pt["qkvs"]))]
+    if impl == "torch-compile":
+        # a fresh Dynamo cache a point: the peer's one step function meets a new shape at each point, and Dynamo's
+        # recompile limit (8 a function) failed every point after the eighth (round BY's first run, an H100); a
+        # cache holding only this point's entry also keeps its guard check as short as in a serving process
+        torch._dynamo.reset()
     return [peer.make(*_args(pt, i), pt["qw"], pt["kw"], q_dtype=pt["q_dtype"], k_scale=s, v_scale=s,
                       compiled=impl == "torch-compile") for i in range(len(pt["qkvs"]))]
 

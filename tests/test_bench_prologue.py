@@ -85,3 +85,26 @@ def test_option_lists_are_checked_by_name():
     assert H.choices("--cases", "a,b", known, known) == ("a", "b")
     with pytest.raises(SystemExit, match=r"--cases: unknown \['c'\] \(choose from a, b\)"):
         H.choices("--cases", "a,c", known, known)
+
+
+def test_the_compiled_peer_builds_at_more_points_than_dynamos_recompile_limit(bench, monkeypatch):
+    """Round BY's first run (an H100): every torch-compile row after the eighth point failed with Dynamo's recompile
+    limit (one step function, a new shape a point). Each point now starts from a fresh Dynamo cache. Here the limit
+    is 1 and the compile backend Dynamo's eager one (no C++ build on the CPU): two points of different shapes must
+    both build, and the second call of a point must not build again."""
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    frames = []
+
+    def backend(gm, _):  # one backend object: Dynamo builds again for a new one
+        frames.append(gm)
+        return gm
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, **{**kw, "backend": backend}))
+    for t in (3, 5):
+        pt = bench.build("qwen3-30b-a3b", t, "bf16", device="cpu", copies=2)
+        for call in bench.calls("torch-compile", pt):
+            call()
+    assert len(frames) == 2  # one build a point, the second copy of a point reusing it
