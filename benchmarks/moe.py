@@ -474,8 +474,11 @@ def run(args) -> None:
     for case_name, variant in H.progress(combos, "moe"):
         case = CASES[case_name]
         series = f"{case_name}/{variant}"
-        skip = ("n/a: " + case.skip_variants[variant] if variant in case.skip_variants else
-                f"skipped: time budget {args.budget_s:.0f}s spent" if time.time() - t_start > args.budget_s else None)
+        skip = None
+        if variant in case.skip_variants:
+            skip = "n/a: " + case.skip_variants[variant]
+        elif time.time() - t_start > args.budget_s:
+            skip = f"skipped: time budget {args.budget_s:.0f}s spent"
         if skip:
             for batch in batches:  # a row for each size the series stands for: every row carries its batch
                 for impl in args.impls:

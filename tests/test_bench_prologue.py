@@ -90,7 +90,8 @@ def test_option_lists_are_checked_by_name():
 def test_the_compiled_peer_builds_at_more_points_than_dynamos_recompile_limit(bench, monkeypatch):
     """Round BY's first run (an H100): every torch-compile row after the eighth point failed with Dynamo's recompile
     limit (one step function, a new shape a point). Each point now starts from a fresh Dynamo cache. Here the limit
-    is 1 and the compile backend Dynamo's eager one (no C++ build on the CPU): two points of different shapes must
+    is 1 and the backend one that counts the graphs Dynamo builds and runs them as they are (no C++ build on the
+    CPU): two points of different shapes must
     both build, and the second call of a point must not build again."""
     import torch._dynamo
 

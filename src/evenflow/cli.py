@@ -26,12 +26,12 @@ def cmd_info(_args) -> int:
     import triton
 
     ev = _import_evenflow()
+    from evenflow import _runtime
+
     print(f"evenflow {ev.__version__}")
     print(f"python   {sys.version.split()[0]}")
     print(f"torch    {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
     print(f"triton   {triton.__version__}")
-    from evenflow import _runtime
-
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         cc = (p.major, p.minor)
