@@ -271,10 +271,9 @@ PLAN_KNOBS = {
 # knob rows that run on an HND copy of the cache ([pages, Hkv, page, D] in memory, viewed as NHD)
 HND_IMPLS = {"evenflow-g-hnd"}
 # knob rows that run the default plan with module switches of evenflow.attention.decode set around their calls (so
-# around the CUDA graph's capture too): evenflow-onepassmerge (round BP: the Triton kernel's fused merge steps in one
-# pass, each step's loads in the one round trip their addresses need, decode.MERGE_ONE_PASS; the fp8 Gluon kernel's
-# calls run as the default's)
-MODULE_KNOBS = {"evenflow-onepassmerge": {"MERGE_ONE_PASS": True}}
+# around the CUDA graph's capture too): evenflow-twopassmerge (the Triton kernel's fused merge steps in two passes,
+# the default until round BQ: decode.MERGE_ONE_PASS off; the fp8 Gluon kernel's calls run as the default's)
+MODULE_KNOBS = {"evenflow-twopassmerge": {"MERGE_ONE_PASS": False}}
 EVENFLOW_IMPLS = ["evenflow", "evenflow-static", *PLAN_KNOBS, *MODULE_KNOBS]
 # read-once: the case's floor bytes (as many copies as its rotations) read once by the read-bound kernel
 # (benchmarks/read_bound.py, its 16 KB and 64 KB block shapes, launched as the attention kernels are), in this run:

@@ -75,9 +75,9 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # wait, whatever the config says: evenflow.moe.fused.PAIR_PREFETCH with PAIR_PREFETCH_STEPS = 0; the gate-up's only
 # behind an fp8 quantisation or a zeroing kernel; the same launches as evenflow elsewhere), -pf1 / -pfgu1 / -pfdown1
 # (the same for each program's first K step only, MoEConfig.prefetch's form), evenflow-nopf (no prefetch whatever
-# the table's entry says: the A/B of its prefetch choices), evenflow-fencedreduce (round BO: the top-k reduce built
-# with two branches that keep its loads in the two round trips its ids and rows need, evenflow.moe.fused.REDUCE_FENCED;
-# the same bits))
+# the table's entry says: the A/B of its prefetch choices), evenflow-unfencedreduce (the top-k reduce without the
+# two branches that keep its loads in the two round trips its ids and rows need, the default until round BQ:
+# evenflow.moe.fused.REDUCE_FENCED off; the same bits))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -96,7 +96,7 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                      for g, gemms in (("", ("gate_up", "down")), ("gu", ("gate_up",)), ("down", ("down",)))
                      for n in ("", "1")},
                   "evenflow-nopf": {"_pair_prefetch": ()},
-                  "evenflow-fencedreduce": {"_reduce_fenced": True}}
+                  "evenflow-unfencedreduce": {"_reduce_fenced": False}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
                    "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH",

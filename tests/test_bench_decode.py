@@ -486,7 +486,7 @@ def test_evenflow_calls_compute_the_benchmark_reference(impl):
 
 
 def test_module_knob_rows_switch_their_calls_and_put_the_switch_back():
-    """A ``MODULE_KNOBS`` row (evenflow-onepassmerge: decode.MERGE_ONE_PASS) runs the default plan with its module
+    """A ``MODULE_KNOBS`` row (evenflow-twopassmerge: decode.MERGE_ONE_PASS off) runs the default plan with its module
     switches set around each call, so the attention kernel is launched with them (as it is, on a GPU, while a graph
     is captured around the call); after each call the module holds its value again; the row's output is the
     default's, bit for bit, on a case whose long item is merged across bins."""

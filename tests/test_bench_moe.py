@@ -424,7 +424,8 @@ def test_decode_sass_script_reports_one_exp_per_row_element(capsys):
 def test_load_waves_script_finds_the_reduce_round_trips(capsys, monkeypatch):
     """benchmarks/sass_load_waves.py over two MoE points (Hy3 EP8 bf16 at T = 1 and 2, the table's down splits 4 and
     2): the default reduce build loses round trips (2 needed, more issued) and is printed with the points that run
-    it; with fused.REDUCE_FENCED no reduce build is printed; an unknown family is refused by name."""
+    it (fused.REDUCE_FENCED off); with it on, the default since round BQ, no reduce build is printed; an unknown
+    family is refused by name."""
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))  # as the script's own imports find it
     import moe as B
     from evenflow.moe import fused
@@ -436,6 +437,7 @@ def test_load_waves_script_finds_the_reduce_round_trips(capsys, monkeypatch):
     monkeypatch.setattr(B, "CASES", {"hy3-ep8": B.CASES["hy3-ep8"]})
     monkeypatch.setattr(B, "BATCHES", (1, 2))
     monkeypatch.setitem(mod.FAMILIES, "moe", lambda: ((p, c) for p, c in mod._moe() if " bf16 " in p))
+    monkeypatch.setattr(fused, "REDUCE_FENCED", False)
     mod.main(["--families", "moe"])
     rows = [[c.strip() for c in r.split("|")[1:-1]] for r in capsys.readouterr().out.splitlines()
             if r.startswith("| moe_reduce_kernel |")]

@@ -168,7 +168,8 @@ def test_fused_final_merge_of_more_groups_than_one_load_step(device):
 def test_one_pass_merge_gives_the_same_bits(kv, group, q_len, d, device, monkeypatch):
     """Round BP: the fused merge step built in one pass (``decode.MERGE_ONE_PASS``: each chunk's LSE loaded once,
     every load of a step ahead of a branch; kernels._merge_chunks' ONE_PASS) takes the same maxima and adds the same
-    weighted outputs in the same order as the two-pass default: the same output and LSE bits, and within the rule.
+    weighted outputs in the same order as the two-pass step (the default until round BQ): the same output and LSE
+    bits, and within the rule.
     One tile a bin: items of 21 chunks (three groups, merged again in one load step masked after three), 9 (two
     groups, the second of one chunk), one and none; two q rows a request (a causal row that sees a token fewer) or a
     TP8-like group of 8 on an fp8 cache (the Triton kernel: the plan is not told the dtype). On the CPU the launches

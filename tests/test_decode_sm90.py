@@ -613,9 +613,10 @@ def test_one_pass_fused_merge_issues_each_step_in_one_round_trip(name, monkeypat
     """Round BP: with ``decode.MERGE_ONE_PASS`` every innermost loop of the Triton kernel's sm_90 build (the fused
     merge's steps, both levels, and the tile loops) issues its loads in the round trips their addresses need
     (``_compile_check.loop_load_waves``), and the build stays resident at the plan's programs an SM with no more
-    spill than the default's. On the record's shapes (64 / 8 and the TP8 slice, bf16) the default two-pass step
-    does not: some step's loads wait behind reads of others (3 round trips where 1 is needed, round BO), which is
-    what the switch is for. Merges of 64 rows (``decode.MERGE_ONE_PASS_MAX_ROWS``) keep the two-pass build."""
+    spill than the two-pass build's. On the record's shapes (64 / 8 and the TP8 slice, bf16) the two-pass step (the
+    default until round BQ) does not: some step's loads wait behind reads of others (3 round trips where 1 is
+    needed, round BO), which is what the switch is for. Merges of 64 rows (``decode.MERGE_ONE_PASS_MAX_ROWS``) keep
+    the two-pass build."""
     from evenflow.attention import decode
     from evenflow.attention.plan import DEFAULT_PROGRAMS_PER_SM as PPS
 

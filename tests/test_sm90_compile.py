@@ -468,7 +468,7 @@ def test_moe_reduce_issues_its_loads_in_two_round_trips(split, shared, monkeypat
     # (Hy3 EP8 bf16 T = 1). The FENCED build's two branches keep every load ahead of the first read of any of them;
     # the shared output's row, whose address is known at the start, goes with the ids. Real Hy3 EP8 sizes (H = 4096,
     # top-8): the reduce's BLOCK_H follows the splits (1024 / 512 / 256), as at the benchmark's points. (The default
-    # build, the record's, fails this at every case.)
+    # build until round BQ, evenflow-unfencedreduce's, fails this at every case.)
     from evenflow._compile_check import compile_stats
     from evenflow.moe import fused
     from evenflow.moe.fused import choose_config

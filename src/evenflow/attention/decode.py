@@ -281,8 +281,9 @@ FUSED_GROUP_CHUNKS = 8
 # Round BP: the Triton kernel's fused merge step (kernels._merge_chunks) in one pass, each chunk's LSE loaded once,
 # every load of a step ahead of a branch (ONE_PASS). The sm_90 build of the default two-pass step takes 2-3 memory
 # round trips a step where its addresses need 1; the TP8 slice's merge tail is several such steps after the last
-# chunk. The same bits. False until a GPU measures it (benchmarks/decode.py's evenflow-onepassmerge rows).
-MERGE_ONE_PASS = False
+# chunk. The same bits. On since round BQ: 0.9885 of the two-pass step's time on the TP8 slice bf16 (the median of six
+# passes, BQ5), level elsewhere (benchmarks/decode.py's evenflow-twopassmerge rows switch it off).
+MERGE_ONE_PASS = True
 # ... on merges of at most this many rows (fused_m): the 64-row builds (GQA group x q_len 33-64) already spill (212
 # bytes at head_dim 256, q_len 4), and holding a step's loads there adds 76 (round BP's sm_90 builds)
 MERGE_ONE_PASS_MAX_ROWS = 32

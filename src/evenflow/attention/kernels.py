@@ -760,8 +760,8 @@ def _merge_chunks(p_po, p_plse, first, pid, c_lo, c_hi, o_m, o_d, m_row,
     weight. ``.cg`` loads: inside the attention kernel (fused combine) the partials were
     written by other programs of the same grid, and L1 is not coherent across SMs.
 
-    ONE_PASS (the fused combine's, ``decode.MERGE_ONE_PASS``; measured in round BQ at 0.9885 of
-    the two-pass time on the TP8 slice; the default once ``decode.json`` is re-recorded with it):
+    ONE_PASS (the fused combine's, ``decode.MERGE_ONE_PASS``; the default since round BQ: 0.9885
+    of the two-pass time on the TP8 slice):
     a step loads each chunk's LSE once and its output with it, all before a
     branch on ``c0 + first >= 0`` (always true; it varies with the step, so the compiler can
     neither fold it nor take it out of the loop: ``first >= 0`` left no branch between a

@@ -108,8 +108,10 @@ PAIR_PREFETCH: tuple | None = None
 PAIR_PREFETCH_STEPS = 1
 # Round BO: the top-k reduce with two branches that keep its loads in the two round trips its ids and rows need
 # (kernels.moe_reduce_kernel's FENCED: the sm_90 build without them takes 4 round trips a program, 10 at four down
-# K splits). The same bits. False until a GPU measures it (benchmarks/moe.py's evenflow-fencedreduce rows).
-REDUCE_FENCED = False
+# K splits). The same bits. On since round BQ: 0.9964 of the unfenced build's time over every shape and format at
+# T = 1-4 (the median of BQ5's four passes; 0.976 at Hy3 EP8 bf16 T = 1; BQ2 / BQ5; benchmarks/moe.py's
+# evenflow-unfencedreduce rows switch it off).
+REDUCE_FENCED = True
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256

@@ -920,13 +920,12 @@ def moe_reduce_kernel(
 
     The sm_90 build does not keep that order (round BO, CPU: ``benchmarks/sass_load_waves.py``): ptxas issues some
     rows, and one of the eight ids, after sums that read earlier ones, so their latencies run in turn: 4 round trips
-    a program at one K split, 10 at four. FENCED (``fused.REDUCE_FENCED``; measured in round BQ at 0.9964 of the
-    default's time, the median over T = 1-4; the default once ``moe.json`` is re-recorded with it)
+    a program at one K split, 10 at four. FENCED (``fused.REDUCE_FENCED``; the default since round BQ: 0.9964 of the
+    unfenced build's time, the median over T = 1-4)
     puts two branches between the round trips (``if top_k > 0`` after the ids, ``if H > 0`` after the rows, always
     taken where there is work), across which ptxas moved no load or read in these builds (the sm_90 test checks), and
     asks for the shared output's row with the ids (its address needs no loaded value): 2 round trips at every split.
-    The same sums in the same order: the same bits. The default body is the record's, kept as it was (the same sm_90
-    PTX as before round BO) until the fenced one is the record's; then one body stays.
+    The same sums in the same order: the same bits. The unfenced body stays for the A/B row evenflow-unfencedreduce.
     """
     pdl_enter(PDL)
     i_t = tl.program_id(0).to(tl.int64)
