@@ -1,6 +1,7 @@
 """Paged prefill / extend attention benchmark: evenflow's prefill_attention vs FlashInfer's paged prefill, vs the floor.
 
-    python benchmarks/prefill.py [--quick] [--cases 1x8K,4x2K] [--heads qwen3-30b-a3b] [--out DIR] [--no-plot]
+    python benchmarks/prefill.py [--quick] [--cases 1x8K,4x2K] [--heads qwen3-30b-a3b] [--impls evenflow,...]
+                                 [--out DIR] [--no-plot]
 
 Cases ``AxN[+P]``: A requests of N new tokens each after P cached ones (chunked prefill when P > 0), head shapes
 Qwen3-30B-A3B (32 q / 4 kv heads) and Hy3 (64 / 8), head_dim 128, page 64, pages in random order; bf16 and fp8
@@ -12,6 +13,9 @@ a CUDA-graph replay where the impl can be captured.
 Peers: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` with its FA2 and FA3 kernels, causal, planned once per
 batch outside timing (its FA3 kernel takes an fp8 cache only with an fp8 q: an error row).
 
+Knob rows (named in ``--impls``): ``evenflow`` with round CA's loop forms switched on around its calls
+(``evenflow.attention.prefill``'s module switches; ``KNOBS``), each against the form of record in the same run.
+
 Floor: the larger of (q read + output written + each request's K and V read once) / copy bandwidth and the causal
 attention's FLOPs (4 * D per visible (row, key) pair and head) / the dense bf16 rate, both measured in this run.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 
 import evenflow
+from evenflow.attention import prefill as prefill_mod
 from evenflow.attention.prefill import prefill_work
 from evenflow.bench import harness as H
 from evenflow.bench.peers import flashinfer as fi
@@ -33,6 +38,12 @@ VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 D, PAGE = 128, 64
 KV_SCALE = 0.05
 SAMPLE = 16
+# knob row -> the module switches of evenflow.attention.prefill it sets around its calls (round CA's loop forms)
+KNOBS = {"evenflow-split": {"SPLIT_LOOP": True}, "evenflow-longest": {"LONGEST_FIRST": True},
+         "evenflow-wide": {"WIDE_ROWS": True}, "evenflow-split-wide": {"SPLIT_LOOP": True, "WIDE_ROWS": True},
+         "evenflow-ca": {"SPLIT_LOOP": True, "LONGEST_FIRST": True, "WIDE_ROWS": True}}
+DEFAULT_IMPLS = ("evenflow", *fi.PREFILL_IMPLS)
+IMPLS = (*DEFAULT_IMPLS, *KNOBS)
 
 
 def build(case: str, heads: str, variant: str, device="cuda", seed: int = 0) -> dict:
@@ -78,10 +89,13 @@ def calls(impl: str, pt: dict, copies: int = 2) -> list:
     s = pt["scale"]
     outs = [torch.empty_like(pt["q"]) for _ in range(copies)]
     qs = [pt["q"]] + [pt["q"].clone() for _ in range(copies - 1)]
-    if impl == "evenflow":
-        return [lambda q=q, o=o: evenflow.prefill_attention(q, pt["k"], pt["v"], pt["cu"], pt["pt"], pt["sl"],
-                                                            pt["max_q"], k_scale=s, v_scale=s, out=o)
-                for q, o in zip(qs, outs)]
+    if impl == "evenflow" or impl in KNOBS:
+        fns = [lambda q=q, o=o: evenflow.prefill_attention(q, pt["k"], pt["v"], pt["cu"], pt["pt"], pt["sl"],
+                                                           pt["max_q"], k_scale=s, v_scale=s, out=o)
+               for q, o in zip(qs, outs)]
+        if impl in KNOBS:  # the switches are read at launch: a graph captured inside them keeps their launches
+            return [lambda fn=fn: H.with_switches(prefill_mod, KNOBS[impl], fn) for fn in fns]
+        return fns
     w = fi.FlashInferPrefill(impl, pt["cu"], pt["pt"], pt["sl"], num_q_heads=hq, num_kv_heads=hkv, head_dim=D,
                              page_size=PAGE, kv_dtype=pt["k"].dtype)
     return [w.runner(q, pt["k"], pt["v"], k_scale=s, v_scale=s, out=o) for q, o in zip(qs, outs)]
@@ -90,12 +104,15 @@ def calls(impl: str, pt: dict, copies: int = 2) -> list:
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated cases (" + ", ".join(CASES) + ")")
     p.add_argument("--heads", default=None, help="comma-separated head shapes (" + ", ".join(HEADS) + ")")
+    p.add_argument("--impls", default=None, help="comma-separated impls (default " + ", ".join(DEFAULT_IMPLS)
+                   + "; knob rows " + ", ".join(KNOBS) + ")")
 
 
 def main() -> int:
     args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
     cases = H.choices("--cases", args.cases, CASES, QUICK["cases"] if args.quick else CASES)
     heads = H.choices("--heads", args.heads, HEADS, QUICK["heads"] if args.quick else HEADS)
+    impls = H.choices("--impls", args.impls, IMPLS, DEFAULT_IMPLS)
     H._require_cuda("prefill")
     ceil = H.measure_ceilings()
     res = H.Results("prefill", ceilings=ceil, out=args.out, meta={"flashinfer": fi.version()})
@@ -105,7 +122,7 @@ def main() -> int:
                 pt = build(case, head, variant)
                 byt, flops = floor_terms(pt)
                 floor = H.floor_us(bytes_moved=byt, flops=flops, ceilings=ceil)
-                for impl in ("evenflow", *fi.PREFILL_IMPLS):
+                for impl in impls:
                     try:
                         fns = calls(impl, pt)
                         chk = sample_check(pt, fns[0]())
@@ -127,20 +144,26 @@ def main() -> int:
                 torch.cuda.empty_cache()
     _speedups(res)
     res.finish(x="case", group="variant", columns=("case", "variant", "impl", "us", "graph_us", "floor_us",
-                                                   "frac_of_floor", "vs_best_flashinfer", "max_abs_err", "error"),
+                                                   "frac_of_floor", "vs_best_flashinfer", "vs_evenflow", "max_abs_err",
+                                                   "error"),
                plot=not args.no_plot)
     return 0
 
 
 def _speedups(res: H.Results) -> None:
-    """vs_best_flashinfer (the fastest FlashInfer impl's us / ours) on the evenflow rows."""
+    """vs_best_flashinfer (the fastest FlashInfer impl's us / ours) on the evenflow rows and knob rows, and on each
+    knob row vs_evenflow (the form of record's us / the knob's: above 1, the knob is faster)."""
     for r in res.rows:
-        if r["impl"] != "evenflow" or "us" not in r:
+        if not (r["impl"] == "evenflow" or r["impl"] in KNOBS) or "us" not in r:
             continue
         peers = [p["us"] for p in res.rows if p["case"] == r["case"] and p.get("variant") == r.get("variant")
                  and p["impl"] in fi.PREFILL_IMPLS and "us" in p]
         if peers:
             r["vs_best_flashinfer"] = round(min(peers) / r["us"], 3)
+        base = [p["us"] for p in res.rows if p["case"] == r["case"] and p.get("variant") == r.get("variant")
+                and p["impl"] == "evenflow" and "us" in p]
+        if r["impl"] in KNOBS and base:
+            r["vs_evenflow"] = round(base[0] / r["us"], 3)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The prefill benchmark's pieces on the CPU: its floor's terms, its sampled check, its speed-ups."""
 import pytest
+import torch
 
 from evenflow.bench import harness as H
 from tests_support_bench import load_script
@@ -42,3 +43,46 @@ def test_speedups_take_the_fastest_flashinfer(bench):
     res.add_error(case="qwen3-30b-a3b:4x2K", variant="fp8-kv", impl="flashinfer-fa3", error="no fp8 q")
     bench._speedups(res)
     assert res.rows[0]["vs_best_flashinfer"] == 1.2
+
+
+def test_knob_rows_run_their_form_and_put_the_switches_back(bench, device, monkeypatch):
+    """A knob row's calls run with its switches set (a switch read at launch shows it) and restore them after each
+    call; its output is the form of record's (the loop forms compute the same sums in the interpreter) and passes
+    the sampled check."""
+    from evenflow.attention import prefill as P
+
+    pt = bench.build("2x20+30", "small", "bf16-kv", device=device)
+    ref = bench.calls("evenflow", pt)[0]()
+    seen = []
+    launch = P._prefill_launch
+
+    def spy(*a, **k):
+        seen.append({name: getattr(P, name) for name in ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS")})
+        return launch(*a, **k)
+
+    monkeypatch.setattr(P, "_prefill_launch", spy)
+    for impl, switches in bench.KNOBS.items():
+        out = bench.calls(impl, pt)[0]()
+        assert seen[-1] == {name: switches.get(name, False) for name in seen[-1]}, impl
+        assert not (P.SPLIT_LOOP or P.LONGEST_FIRST or P.WIDE_ROWS), f"{impl} left a switch on"
+        bench.sample_check(pt, out)
+        if device == "cpu":
+            assert torch.equal(out, ref), impl
+
+
+def test_knob_rows_speedup_is_over_the_form_of_record(bench):
+    res = H.Results("prefill", ceilings={"copy_TBps": 4.0})
+    for impl, us in (("evenflow", 10.0), ("evenflow-split", 8.0), ("flashinfer-fa3", 12.0)):
+        res.add(case="qwen3-30b-a3b:4x2K", variant="bf16-kv", impl=impl, us=us)
+    bench._speedups(res)
+    by = {r["impl"]: r for r in res.rows}
+    assert by["evenflow-split"]["vs_evenflow"] == 1.25
+    assert by["evenflow-split"]["vs_best_flashinfer"] == 1.5
+    assert "vs_evenflow" not in by["evenflow"]
+
+
+def test_impls_option_refuses_an_unknown_impl(bench, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["prefill.py", "--impls", "evenflow,evenflow-nonesuch"])
+    monkeypatch.setattr(bench.H, "_require_cuda", lambda name: None)
+    with pytest.raises(SystemExit, match="--impls: unknown"):
+        bench.main()

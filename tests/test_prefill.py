@@ -153,6 +153,46 @@ def test_rows_that_see_nothing_and_clamped_values(device):
     assert torch.isfinite(out.float()).all()
 
 
+# Round CA's loop forms (evenflow.attention.prefill's switches, off by default until a device run times them)
+FORMS = {"split": ("SPLIT_LOOP",), "longest-first": ("LONGEST_FIRST",), "wide": ("WIDE_ROWS",),
+         "all": ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS")}
+# (new, prefix, Hq, Hkv, D, page, kv dtype, max_seqlen_q or None): the unmasked steps' page id at each page size
+# (one a step at 64 / 128, one a key at 16 / 32), prefixes that end mid-page and mid-step, a grid bound under the
+# rows (fewer programs walk every block, longest first among them) and over them, 128-row blocks at D 64 / 128
+FORM_CASES = {
+    "long-prefill-d128-p64": ([200, 65], [130, 0], 8, 2, 128, 64, BF16, None),
+    "long-prefill-d64-p16-fp8": ([150, 7], [37, 300], 4, 1, 64, 16, FP8, None),
+    "extend-d128-p128-fp8": ([70, 129], [0, 200], 4, 2, 128, 128, FP8, None),
+    "grid-under-rows-d64-p32": ([300, 40], [5, 61], 4, 2, 64, 32, BF16, 33),
+    "grid-over-rows-d256-p32": ([20, 5], [40, 0], 2, 2, 256, 32, BF16, 200),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_loop_forms_compute_what_the_form_of_record_computes(form, device, monkeypatch):
+    """Each of round CA's loop forms within the rule of the fp64 oracle, over padding rows and rows that see no key
+    (a length under a request's new rows); in the interpreter, bit for bit the default form's output and LSE (the
+    same keys in the same steps and order: only masks that select nothing, the page id's load, the grid's order
+    and the rows a block holds change)."""
+    from evenflow.attention import prefill as P
+
+    for name, (new, prefix, hq, hkv, d, page, kv, max_q) in FORM_CASES.items():
+        q, k, v, cu, pt, sl = make_inputs(new, prefix, hq, hkv, d, page, kv, pad=3, device=device, seed=7)
+        if name.startswith("grid-under"):
+            sl[1] = 30  # 40 new rows, 30 tokens: rows 0-9 of request 1 see nothing
+        scales = dict(k_scale=1 / 30, v_scale=1 / 40) if kv == FP8 else {}
+        mq = max_q or max(new)
+        base = evenflow.prefill_attention(q, k, v, cu, pt, sl, mq, return_lse=True, **scales)
+        with monkeypatch.context() as m:
+            for switch in FORMS[form]:
+                m.setattr(P, switch, True)
+            got = check(q, k, v, cu, pt, sl, max_seqlen_q=mq, what=f"{form} {name}", **scales)
+            got_lse = evenflow.prefill_attention(q, k, v, cu, pt, sl, mq, return_lse=True, **scales)[1]
+        if device == "cpu":
+            assert torch.equal(got, base[0]), f"{form} {name}: output differs from the default form's"
+            assert torch.equal(got_lse, base[1]), f"{form} {name}: LSE differs from the default form's"
+
+
 def test_argument_errors_name_the_argument(device):
     q, k, v, cu, pt, sl = make_inputs([3, 2], [5, 0], 4, 2, 64, 16, device=device, seed=5)
     f = evenflow.prefill_attention

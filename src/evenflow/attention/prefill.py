@@ -47,12 +47,22 @@ from evenflow.attention.decode import _scale_arg, check_kv_cache, check_score_sc
 from evenflow.attention.plan import MAX_GQA_GROUP
 
 _LOG2E = math.log2(math.e)
-MAX_ROW_BLOCKS = 1 << 15  # the grid's second dimension at most, under CUDA's 65535 (programs walk the rest)
+MAX_ROW_BLOCKS = 1 << 15  # the grid's row-block dimension at most, under CUDA's 65535 (programs walk the rest)
+
+# Round CA's loop forms (docs/perf-notes/prefill.md, "Round CA: the loop's shape"), off until a device run has timed
+# them against the form of record (benchmarks/prefill.py's knob rows): the same keys, scores and sums in the same
+# order, so the same outputs (tests/test_prefill.py holds each form to the default bit for bit in the interpreter).
+SPLIT_LOOP = False  # the steps every row of a block sees without masks, one page id a step where the page allows
+LONGEST_FIRST = False  # the row blocks with the most keys first (heads inside them in the grid's order)
+WIDE_ROWS = False  # 128-row blocks on 8 warps (a warpgroup's 64 rows each) for chunks of more than 64 rows, D <= 128
 
 
-def _blocks(max_seqlen_q: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 64-row blocks for prefill chunks, 16 / 32 for short extends; 64-key steps (32 at d256)."""
+def _blocks(max_seqlen_q: int, head_dim: int, wide: bool = False) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N): 64-row blocks for prefill chunks (128 with ``wide`` past 64 rows at D <= 128), 16 / 32 for
+    short extends; 64-key steps (32 at d256)."""
     block_m = 16 if max_seqlen_q <= 16 else 32 if max_seqlen_q <= 32 else 64
+    if wide and max_seqlen_q > 64 and head_dim <= 128:
+        block_m = 128
     return block_m, 32 if head_dim > 128 else 64
 
 
@@ -91,9 +101,10 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     B = seq_lens.shape[0]
     if T == 0:
         return
-    block_m, block_n = _blocks(max_seqlen_q, D)
+    block_m, block_n = _blocks(max_seqlen_q, D, WIDE_ROWS)
     row_blocks = min(triton.cdiv(max_seqlen_q, block_m), MAX_ROW_BLOCKS)
-    PK.prefill_attention_kernel[(B + 1, row_blocks, Hq)](
+    grid = (B + 1, Hq, row_blocks) if LONGEST_FIRST else (B + 1, row_blocks, Hq)
+    PK.prefill_attention_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, out, lse if lse is not None else out,
         k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
         sm_scale * _LOG2E * k_scale_f, v_scale_f, T, B, k_cache.shape[0], page_table.shape[1],
@@ -102,7 +113,8 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         GROUP=Hq // Hkv, D=D, PAGE=P, BLOCK_M=block_m, BLOCK_N=block_n, KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         K_SCALE_T=k_scale is not None, V_SCALE_T=v_scale is not None, HAS_LSE=lse is not None,
-        DOT_F32=_runtime.dot_needs_fp32(), num_warps=8 if block_m >= 64 else 4, num_stages=2,
+        DOT_F32=_runtime.dot_needs_fp32(), SPLIT=SPLIT_LOOP, LONGEST_FIRST=LONGEST_FIRST,
+        num_warps=8 if block_m >= 64 else 4, num_stages=2,
     )
 
 
