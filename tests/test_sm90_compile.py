@@ -142,6 +142,15 @@ def _moe_launches():
 
 
 def _prologue_launches():
+    # the shapes below with round CA's load orders off (the kernel of record), then with both on
+    from evenflow.attention import prologue as P
+    from evenflow.bench.harness import with_switches
+
+    _prologue_shapes()
+    with_switches(P, {"HOIST_LOADS": True, "GUESS_REQUEST": True}, _prologue_shapes)
+
+
+def _prologue_shapes():
     # (Hq, Hkv, D, page, T): Qwen3-30B-A3B (32 / 4, d128), its TP8 slice, Llama-style 8 kv heads, d64 and d256,
     # at a decode step and a prefill chunk; every dtype pair, rotation style and norm form at Qwen3's shape
     shapes = [(32, 4, 128, 64, 1), (32, 4, 128, 64, 4096), (4, 1, 128, 16, 64), (64, 8, 128, 128, 8),
@@ -167,7 +176,16 @@ def _prologue_launches():
 
 def _prefill_launches():
     # (Hq, Hkv, D, page, new tokens a request): Qwen3-30B-A3B chunks and short extends, the Hy3 heads, d64 / d256,
-    # every block size the launcher picks (16, 32, 64 rows), bf16 and fp8 caches, with and without LSE
+    # every block size the launcher picks (16, 32, 64 rows), bf16 and fp8 caches, with and without LSE; then round
+    # CA's loop forms, all on (128-row blocks where the chunk has more than 64 rows at D <= 128)
+    from evenflow.attention import prefill as P
+    from evenflow.bench.harness import with_switches
+
+    _prefill_shapes()
+    with_switches(P, {"SPLIT_LOOP": True, "LONGEST_FIRST": True, "WIDE_ROWS": True}, _prefill_shapes)
+
+
+def _prefill_shapes():
     shapes = [(32, 4, 128, 64, 2048), (32, 4, 128, 64, 12), (64, 8, 128, 16, 30), (16, 2, 64, 32, 100),
               (8, 1, 256, 128, 70), (4, 4, 128, 64, 3)]
     for hq, hkv, d, page, n in shapes:
