@@ -10,6 +10,7 @@ from tests_support_bench import load_script
 def bench(monkeypatch):
     mod = load_script("prefill")
     monkeypatch.setitem(mod.CASES, "2x20+30", (2, 20, 30))
+    monkeypatch.setitem(mod.CASES, "1x200+70", (1, 200, 70))  # 128-row blocks, unmasked steps, two row blocks
     monkeypatch.setitem(mod.HEADS, "small", (4, 1))
     return mod
 
@@ -48,10 +49,11 @@ def test_speedups_take_the_fastest_flashinfer(bench):
 def test_knob_rows_run_their_form_and_put_the_switches_back(bench, device, monkeypatch):
     """A knob row's calls run with its switches set (a switch read at launch shows it) and restore them after each
     call; its output is the form of record's (the loop forms compute the same sums in the interpreter) and passes
-    the sampled check."""
+    the sampled check. The case takes every form's own path: 200 rows (128-row blocks where wide, two of them for
+    the longest-first order), after 70 cached tokens (unmasked steps in every block)."""
     from evenflow.attention import prefill as P
 
-    pt = bench.build("2x20+30", "small", "bf16-kv", device=device)
+    pt = bench.build("1x200+70", "small", "bf16-kv", device=device)
     ref = bench.calls("evenflow", pt)[0]()
     seen = []
     launch = P._prefill_launch

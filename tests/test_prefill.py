@@ -191,6 +191,24 @@ def test_loop_forms_compute_what_the_form_of_record_computes(form, device, monke
         if device == "cpu":
             assert torch.equal(got, base[0]), f"{form} {name}: output differs from the default form's"
             assert torch.equal(got_lse, base[1]), f"{form} {name}: LSE differs from the default form's"
+    # values the kernel clamps, where each form takes its unmasked steps and one page id a step (page 64, D 128):
+    # a length under a request's new rows (a negative prefix: its first rows see nothing), a length past the page
+    # table, a page id past the cache and one below 0; every form computes what the default computes of them
+    q, k, v, cu, pt, sl = make_inputs([150, 90], [0, 40], 4, 2, 128, 64, pad=2, device=device, seed=9)
+    sl[0] = 100
+    sl[1] = pt.shape[1] * 64 + 50
+    pt[1, 0] = k.shape[0] + 3
+    pt[0, 1] = -2
+    base = evenflow.prefill_attention(q, k, v, cu, pt, sl, 150, return_lse=True)
+    with monkeypatch.context() as m:
+        for switch in FORMS[form]:
+            m.setattr(P, switch, True)
+        got = evenflow.prefill_attention(q, k, v, cu, pt, sl, 150, return_lse=True)
+    assert torch.isfinite(got[0].float()).all()
+    if device == "cpu":
+        assert torch.equal(got[0], base[0]) and torch.equal(got[1], base[1]), f"{form}: clamped values"
+    else:
+        torch.testing.assert_close(got[0].float(), base[0].float(), rtol=0, atol=2 ** -7 * base[0].abs().max())
 
 
 def test_argument_errors_name_the_argument(device):

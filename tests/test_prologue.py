@@ -221,10 +221,11 @@ def _run_on_copies(args, **kw):
 @pytest.mark.parametrize("form", list(PROLOGUE_FORMS))
 def test_load_orders_write_what_the_kernel_of_record_writes(form, device, monkeypatch):
     """Each of round CA's load orders writes q (its live rows; padding rows zero), its scales and every cache slot bit
-    for bit as the default does, and
-    passes the oracle's checks: over decode steps (the even split's guess right for every token), extends with empty
+    for bit as the default does, and passes the oracle's checks: over decode steps (the even split's guess right for
+    the tokens before the padding shifts it), equal prefill chunks (right for every token), extends with empty
     requests and uneven chunks (the guess wrong for most: the bisection), NaN padding rows (zeros out, nothing
-    written), tokens past the page table or pointing at a page past the cache (nothing written); bf16 q and cache or
+    written), tokens past the page table or pointing at a page past the cache (nothing written), a batch of no
+    request (B = 0: padding rows alone); bf16 q and cache or
     fp8 q and cache, alternating over the shapes, and both at every shape for the form with both switches."""
     from evenflow.attention import prologue as P
 
@@ -257,6 +258,14 @@ def test_load_orders_write_what_the_kernel_of_record_writes(form, device, monkey
                 cbits = torch.uint8 if kv_dtype == FP8 else torch.int16
                 for i, cache in ((2, "k_cache"), (3, "v_cache")):
                     assert torch.equal(g[i].view(cbits), b[i].view(cbits)), f"{form} {name} {which}: {cache}"
+    # no request at all (B = 0): three padding rows, q zero, nothing written (the guess reads cu[0] alone)
+    args, qw, kw = make_inputs([1], [4], 4, 2, 64, 16, pad=2, device=device, seed=9)
+    none = dict(args, page_table=args["page_table"][:0], cu_seqlens_q=args["cu_seqlens_q"][:1])
+    with monkeypatch.context() as m:
+        for switch in PROLOGUE_FORMS[form]:
+            m.setattr(P, switch, True)
+        q, _, kc, vc = _run_on_copies(none, q_norm_weight=qw, k_norm_weight=kw)
+    assert (q.float() == 0).all() and torch.equal(kc, args["k_cache"]) and torch.equal(vc, args["v_cache"])
 
 
 def test_padding_rows_are_zero_and_empty_batch(device):

@@ -148,13 +148,15 @@ def _prologue_launches():
 
     _prologue_shapes()
     with_switches(P, {"HOIST_LOADS": True, "GUESS_REQUEST": True}, _prologue_shapes)
+    for one in ("HOIST_LOADS", "GUESS_REQUEST"):  # each alone (the benchmark's knob rows), at Qwen3's decode step
+        with_switches(P, {one: True}, lambda: _prologue_shapes(first_only=True))
 
 
-def _prologue_shapes():
+def _prologue_shapes(first_only=False):
     # (Hq, Hkv, D, page, T): Qwen3-30B-A3B (32 / 4, d128), its TP8 slice, Llama-style 8 kv heads, d64 and d256,
     # at a decode step and a prefill chunk; every dtype pair, rotation style and norm form at Qwen3's shape
     shapes = [(32, 4, 128, 64, 1), (32, 4, 128, 64, 4096), (4, 1, 128, 16, 64), (64, 8, 128, 128, 8),
-              (16, 2, 64, 32, 16), (8, 1, 256, 64, 16)]
+              (16, 2, 64, 32, 16), (8, 1, 256, 64, 16)][:1 if first_only else None]
     forms = [dict(), dict(q_dtype=FP8), dict(rope_style="gptj", norm_before_rope=False), dict(rotary_dim=64),
              dict(norms=False)]
     for i, (hq, hkv, d, page, t) in enumerate(shapes):
@@ -183,11 +185,14 @@ def _prefill_launches():
 
     _prefill_shapes()
     with_switches(P, {"SPLIT_LOOP": True, "LONGEST_FIRST": True, "WIDE_ROWS": True}, _prefill_shapes)
+    for knobs in ({"SPLIT_LOOP": True}, {"WIDE_ROWS": True}, {"LONGEST_FIRST": True},
+                  {"SPLIT_LOOP": True, "WIDE_ROWS": True}):  # the benchmark's knob rows, at Qwen3's chunk
+        with_switches(P, knobs, lambda: _prefill_shapes(first_only=True))
 
 
-def _prefill_shapes():
+def _prefill_shapes(first_only=False):
     shapes = [(32, 4, 128, 64, 2048), (32, 4, 128, 64, 12), (64, 8, 128, 16, 30), (16, 2, 64, 32, 100),
-              (8, 1, 256, 128, 70), (4, 4, 128, 64, 3)]
+              (8, 1, 256, 128, 70), (4, 4, 128, 64, 3)][:1 if first_only else None]
     for hq, hkv, d, page, n in shapes:
         for kv_dtype in (torch.bfloat16, FP8):
             b = 2

@@ -50,8 +50,9 @@ _LOG2E = math.log2(math.e)
 MAX_ROW_BLOCKS = 1 << 15  # the grid's row-block dimension at most, under CUDA's 65535 (programs walk the rest)
 
 # Round CA's loop forms (docs/perf-notes/prefill.md, "Round CA: the loop's shape"), off until a device run has timed
-# them against the form of record (benchmarks/prefill.py's knob rows): the same keys, scores and sums in the same
-# order, so the same outputs (tests/test_prefill.py holds each form to the default bit for bit in the interpreter).
+# them against the form of record (benchmarks/prefill.py's knob rows): the same keys in the same steps and order, so
+# the same outputs in the interpreter, bit for bit (tests/test_prefill.py), and on a GPU within the rule (there the
+# compiler may fuse an unmasked step's score scale into its exponent, and 128-row blocks lay the MMAs out anew).
 SPLIT_LOOP = False  # the steps every row of a block sees without masks, one page id a step where the page allows
 LONGEST_FIRST = False  # the row blocks with the most keys first (heads inside them in the grid's order)
 WIDE_ROWS = False  # 128-row blocks on 8 warps (a warpgroup's 64 rows each) for chunks of more than 64 rows, D <= 128

@@ -63,8 +63,8 @@ ROPE_STYLES = ("neox", "gptj")
 # heads a program takes: about 2048 elements of each operand (fewer programs at small D, no spills at large)
 _BLOCK_ELEMS = 2048
 # Round CA's load order (docs/perf-notes/prologue.md, "Round CA: the chain"), off until a device run has timed it
-# against the kernel of record (benchmarks/prologue.py's knob rows); the same values written either way
-# (tests/test_prologue.py holds each to the default bit for bit).
+# against the kernel of record (benchmarks/prologue.py's knob rows); the same values written either way for valid
+# inputs (tests/test_prologue.py holds each to the default bit for bit; a padding row's q is zero in both).
 HOIST_LOADS = False  # rows loaded before the token's request is found; query programs never look it up
 GUESS_REQUEST = False  # the request of an even split checked first (one round trip), the bisection where it misses
 

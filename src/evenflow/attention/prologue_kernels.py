@@ -47,10 +47,12 @@ def _bisect(p_cu, t, B, SEARCH_STEPS: tl.constexpr):
 def _request_of(p_cu, t, T, B, SEARCH_STEPS: tl.constexpr, GUESS: tl.constexpr):
     """The request b with ``cu[b] <= t < cu[b + 1]`` (any b in [0, B) for a token no request owns). ``GUESS``: first
     the request t would be in if the T tokens were split evenly, ``t * B // T`` (a decode step's ``b = t``, a prefill
-    of equal chunks), checked against its two boundaries in one round trip; the bisection only where it misses."""
-    if GUESS:
-        g = tl.minimum(t.to(tl.int64) * B // T, B - 1).to(t.dtype)
-        hit = (tl.load(p_cu + g) <= t) & (t < tl.load(p_cu + g + 1))
+    of equal chunks), checked against its two boundaries in one round trip; the bisection only where it misses. With
+    valid boundaries (``cu`` non-decreasing) the request is unique and both ways find it; with decreasing ones (which
+    ``check_inputs`` refuses) they may pick different overlapping requests, each in bounds."""
+    if GUESS:  # g in [0, max(B - 1, 0)] and g + 1 <= B: inside cu's B + 1 entries (B = 0, a batch of padding: cu[0])
+        g = tl.maximum(tl.minimum(t.to(tl.int64) * B // T, B - 1), 0).to(t.dtype)
+        hit = (tl.load(p_cu + g) <= t) & (t < tl.load(p_cu + tl.minimum(g + 1, B)))
         if hit:
             b = g
         else:
