@@ -526,12 +526,9 @@ def evenflow_calls(inp: Inputs, plan, switches: dict | None = None) -> list:
                                         k_scale=inp.k_scale, v_scale=inp.v_scale, sm_scale=inp.sm_scale,
                                         out=out)
 
-    calls = [bind(r) for r in range(inp.rotations)]
-    if not switches:
-        return calls
     from evenflow.attention import decode
 
-    return [lambda fn=fn: H.with_switches(decode, switches, fn) for fn in calls]
+    return H.switched(decode, switches, [bind(r) for r in range(inp.rotations)])
 
 
 def _evenflow_fns(impl: str, inp: Inputs):

@@ -89,13 +89,11 @@ def calls(impl: str, pt: dict, copies: int = 2) -> list:
     s = pt["scale"]
     outs = [torch.empty_like(pt["q"]) for _ in range(copies)]
     qs = [pt["q"]] + [pt["q"].clone() for _ in range(copies - 1)]
-    if impl == "evenflow" or impl in KNOBS:
-        fns = [lambda q=q, o=o: evenflow.prefill_attention(q, pt["k"], pt["v"], pt["cu"], pt["pt"], pt["sl"],
-                                                           pt["max_q"], k_scale=s, v_scale=s, out=o)
-               for q, o in zip(qs, outs)]
-        if impl in KNOBS:  # the switches are read at launch: a graph captured inside them keeps their launches
-            return [lambda fn=fn: H.with_switches(prefill_mod, KNOBS[impl], fn) for fn in fns]
-        return fns
+    if impl == "evenflow" or impl in KNOBS:  # (switches are read at launch: a graph captured inside keeps them)
+        return H.switched(prefill_mod, KNOBS.get(impl, {}), [
+            lambda q=q, o=o: evenflow.prefill_attention(q, pt["k"], pt["v"], pt["cu"], pt["pt"], pt["sl"],
+                                                        pt["max_q"], k_scale=s, v_scale=s, out=o)
+            for q, o in zip(qs, outs)])
     w = fi.FlashInferPrefill(impl, pt["cu"], pt["pt"], pt["sl"], num_q_heads=hq, num_kv_heads=hkv, head_dim=D,
                              page_size=PAGE, kv_dtype=pt["k"].dtype)
     return [w.runner(q, pt["k"], pt["v"], k_scale=s, v_scale=s, out=o) for q, o in zip(qs, outs)]
@@ -153,17 +151,16 @@ def main() -> int:
 def _speedups(res: H.Results) -> None:
     """vs_best_flashinfer (the fastest FlashInfer impl's us / ours) on the evenflow rows and knob rows, and on each
     knob row vs_evenflow (the form of record's us / the knob's: above 1, the knob is faster)."""
+    us = {(r["case"], r.get("variant"), r["impl"]): r["us"] for r in res.rows if "us" in r}
     for r in res.rows:
         if not (r["impl"] == "evenflow" or r["impl"] in KNOBS) or "us" not in r:
             continue
-        peers = [p["us"] for p in res.rows if p["case"] == r["case"] and p.get("variant") == r.get("variant")
-                 and p["impl"] in fi.PREFILL_IMPLS and "us" in p]
+        point = (r["case"], r.get("variant"))
+        peers = [us[(*point, p)] for p in fi.PREFILL_IMPLS if (*point, p) in us]
         if peers:
             r["vs_best_flashinfer"] = round(min(peers) / r["us"], 3)
-        base = [p["us"] for p in res.rows if p["case"] == r["case"] and p.get("variant") == r.get("variant")
-                and p["impl"] == "evenflow" and "us" in p]
-        if r["impl"] in KNOBS and base:
-            r["vs_evenflow"] = round(base[0] / r["us"], 3)
+        if r["impl"] in KNOBS and (*point, "evenflow") in us:
+            r["vs_evenflow"] = round(us[(*point, "evenflow")] / r["us"], 3)
 
 
 if __name__ == "__main__":

@@ -111,14 +111,11 @@ def _args(pt: dict, i: int) -> tuple:
 def calls(impl: str, pt: dict) -> list:
     """One zero-argument call a copy of ``impl`` on the point's tensors."""
     s = pt["kv_scale"]
-    if impl == "evenflow" or impl in KNOBS:
-        fns = [lambda i=i: evenflow.qk_norm_rope_store_kv(
+    if impl == "evenflow" or impl in KNOBS:  # (switches are read at launch: a graph captured inside keeps them)
+        return H.switched(prologue_mod, KNOBS.get(impl, {}), [lambda i=i: evenflow.qk_norm_rope_store_kv(
             *_args(pt, i), q_norm_weight=pt["qw"], k_norm_weight=pt["kw"], q_dtype=pt["q_dtype"],
             k_scale=s if s != 1.0 else None, v_scale=s if s != 1.0 else None, q_out=pt["q_outs"][i],
-            q_scale_out=pt["s_outs"][i]) for i in range(len(pt["qkvs"]))]
-        if impl in KNOBS:  # the switches are read at launch: a graph captured inside them keeps their launches
-            return [lambda fn=fn: H.with_switches(prologue_mod, KNOBS[impl], fn) for fn in fns]
-        return fns
+            q_scale_out=pt["s_outs"][i]) for i in range(len(pt["qkvs"]))])
     if impl == "torch-compile":
         # a fresh Dynamo cache a point: the peer's one step function meets a new shape at each point, and Dynamo's
         # recompile limit (8 a function) failed every point after the eighth (round BY's first run, an H100); a

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from evenflow.bench import harness as H
-from tests_support_bench import load_script
+from tests_support_bench import load_script, switches_at_launch
 
 
 @pytest.fixture
@@ -55,14 +55,7 @@ def test_knob_rows_run_their_form_and_put_the_switches_back(bench, device, monke
 
     pt = bench.build("1x200+70", "small", "bf16-kv", device=device)
     ref = bench.calls("evenflow", pt)[0]()
-    seen = []
-    launch = P._prefill_launch
-
-    def spy(*a, **k):
-        seen.append({name: getattr(P, name) for name in ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS")})
-        return launch(*a, **k)
-
-    monkeypatch.setattr(P, "_prefill_launch", spy)
+    seen = switches_at_launch(monkeypatch, P, "_prefill_launch", ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS"))
     for impl, switches in bench.KNOBS.items():
         out = bench.calls(impl, pt)[0]()
         assert seen[-1] == {name: switches.get(name, False) for name in seen[-1]}, impl

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from evenflow.bench import harness as H
-from tests_support_bench import load_script
+from tests_support_bench import load_script, switches_at_launch
 
 FP8 = torch.float8_e4m3fn
 
@@ -117,14 +117,7 @@ def test_knob_rows_run_their_load_order_and_put_the_switches_back(bench, device,
     of record writes at the benchmark's decode and prefill layouts, and passes the benchmark's check."""
     from evenflow.attention import prologue as P
 
-    seen = []
-    launch = P._prologue_launch
-
-    def spy(*a, **k):
-        seen.append({name: getattr(P, name) for name in ("HOIST_LOADS", "GUESS_REQUEST")})
-        return launch(*a, **k)
-
-    monkeypatch.setattr(P, "_prologue_launch", spy)
+    seen = switches_at_launch(monkeypatch, P, "_prologue_launch", ("HOIST_LOADS", "GUESS_REQUEST"))
     # a decode step, every knob row; two prefill chunks of unequal length (the even split's guess misses for
     # tokens 260-511), the row with both switches
     for t, impls in ((4, bench.KNOBS), (520, ("evenflow-ca",))):

@@ -679,3 +679,15 @@ def test_with_switches_sets_each_switch_for_the_call_and_puts_it_back_even_on_er
     with pytest.raises(AttributeError):  # a misspelt switch is an error, not a new attribute
         H.with_switches(mod, {"NOPE": 1}, lambda: None)
     assert not hasattr(mod, "NOPE")
+
+
+def test_switched_wraps_each_call_in_its_switches_and_leaves_calls_without_switches_as_they_are():
+    """harness.switched: a knob row's calls from its row of record's, each run with the switches set and put back."""
+    import types
+
+    mod = types.SimpleNamespace(A=False)
+    fns = [lambda: ("first", mod.A), lambda: ("second", mod.A)]
+    assert [f() for f in H.switched(mod, {"A": True}, fns)] == [("first", True), ("second", True)]
+    assert mod.A is False
+    plain = H.switched(mod, {}, fns)
+    assert plain == fns and plain is not fns

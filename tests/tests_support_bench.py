@@ -18,3 +18,17 @@ def load_script(name: str):
     finally:
         sys.path.remove(str(BENCHMARKS))
     return mod
+
+
+def switches_at_launch(monkeypatch, module, launcher: str, names) -> list:
+    """Record the module switches ``names`` of ``module`` as each call of its ``launcher`` finds them (a list that
+    grows a dict a launch): what a benchmark's knob row actually launched with."""
+    seen = []
+    launch = getattr(module, launcher)
+
+    def spy(*args, **kwargs):
+        seen.append({name: getattr(module, name) for name in names})
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(module, launcher, spy)
+    return seen

@@ -149,6 +149,7 @@ def prefill_attention_kernel(
             b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
             b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
             b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+            n_full = 0  # (a constant 0 without SPLIT: the record's one masked loop)
             if SPLIT:
                 # keys [0, prefix + mb * BLOCK_M + 1) are seen by the block's first row, and so by every row; they
                 # end at or before L (the first row is a real row: mb * BLOCK_M < n), and at or before n_end
@@ -157,15 +158,10 @@ def prefill_attention_kernel(
                     b_m, b_l, b_acc = _kv_step(b_q, b_rs, b_vis, n0, n_end, b_m, b_l, b_acc, p_ptrow, p_k, p_v, h,
                                                num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
                                                stride_vh, D, PAGE, BLOCK_N, KV_FP8, DOT_F32, False, PAGE_STEPS)
-                for n0 in range(n_full, n_end, BLOCK_N):
-                    b_m, b_l, b_acc = _kv_step(b_q, b_rs, b_vis, n0, n_end, b_m, b_l, b_acc, p_ptrow, p_k, p_v, h,
-                                               num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                               stride_vh, D, PAGE, BLOCK_N, KV_FP8, DOT_F32, True, PAGE_STEPS)
-            else:
-                for n0 in range(0, n_end, BLOCK_N):
-                    b_m, b_l, b_acc = _kv_step(b_q, b_rs, b_vis, n0, n_end, b_m, b_l, b_acc, p_ptrow, p_k, p_v, h,
-                                               num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
-                                               stride_vh, D, PAGE, BLOCK_N, KV_FP8, DOT_F32, True, PAGE_STEPS)
+            for n0 in range(n_full, n_end, BLOCK_N):
+                b_m, b_l, b_acc = _kv_step(b_q, b_rs, b_vis, n0, n_end, b_m, b_l, b_acc, p_ptrow, p_k, p_v, h,
+                                           num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
+                                           stride_vh, D, PAGE, BLOCK_N, KV_FP8, DOT_F32, True, PAGE_STEPS)
             seen = b_l > 0.0
             b_o = b_acc * (vs / tl.where(seen, b_l, 1.0))[:, None]
             p_orow = p_out + (c0 + o_m).to(tl.int64) * stride_ot + hq * stride_oh

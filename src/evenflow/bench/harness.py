@@ -489,6 +489,14 @@ def with_switches(module, switches: dict, fn: Callable[[], object]):
             setattr(module, name, value)
 
 
+def switched(module, switches: dict, fns: Sequence[Callable[[], object]]) -> list:
+    """Each of ``fns`` as a call made with ``module``'s ``switches`` set (:func:`with_switches`): a benchmark's knob row
+    from the calls of its row of record; ``fns`` as they are where there are no switches."""
+    if not switches:
+        return list(fns)
+    return [lambda fn=fn: with_switches(module, switches, fn) for fn in fns]
+
+
 def choices(flag: str, given: str | None, known, default) -> tuple:
     """A comma-separated option's values (``default`` where not given), each one of ``known``; ``SystemExit`` naming
     the flag and the unknown values otherwise."""
