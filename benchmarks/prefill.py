@@ -13,8 +13,11 @@ a CUDA-graph replay where the impl can be captured.
 Peers: FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` with its FA2 and FA3 kernels, causal, planned once per
 batch outside timing (its FA3 kernel takes an fp8 cache only with an fp8 q: an error row).
 
-Knob rows (named in ``--impls``): ``evenflow`` with round CA's loop forms switched on around its calls
-(``evenflow.attention.prefill``'s module switches; ``KNOBS``), each against the form of record in the same run.
+Knob rows (named in ``--impls``): ``evenflow`` with ``evenflow.attention.prefill``'s module switches set otherwise
+around its calls (``KNOBS``), each against the default form in the same run: ``evenflow-masked`` is the masked 64-row
+form before round CC (its record, round CA3), ``evenflow-narrow`` the unmasked steps on 64-row blocks,
+``evenflow-longest`` the default with the longest blocks first, ``evenflow-pack`` with several q heads of a KV
+head in a block where chunks have at most 64 rows (round CC's ``PACK_HEADS``).
 
 Floor: the larger of (q read + output written + each request's K and V read once) / copy bandwidth and the causal
 attention's FLOPs (4 * D per visible (row, key) pair and head) / the dense bf16 rate, both measured in this run.
@@ -31,17 +34,17 @@ from evenflow.bench.peers import flashinfer as fi
 from evenflow.reference.attention import prefill_rows_ref, shuffled_page_tables
 
 CASES = {"1x8K": (1, 8192, 0), "4x2K": (4, 2048, 0), "1x2K+30K": (1, 2048, 30720), "16x512+4K": (16, 512, 4096),
-         "64x64+2K": (64, 64, 2048)}
+         "64x64+2K": (64, 64, 2048), "32x16+4K": (32, 16, 4096)}
 HEADS = {"qwen3-30b-a3b": (32, 4), "hy3": (64, 8)}
 QUICK = {"cases": ("4x2K", "1x2K+30K"), "heads": ("qwen3-30b-a3b",)}
 VARIANTS = {"bf16-kv": torch.bfloat16, "fp8-kv": torch.float8_e4m3fn}
 D, PAGE = 128, 64
 KV_SCALE = 0.05
 SAMPLE = 16
-# knob row -> the module switches of evenflow.attention.prefill it sets around its calls (round CA's loop forms)
-KNOBS = {"evenflow-split": {"SPLIT_LOOP": True}, "evenflow-longest": {"LONGEST_FIRST": True},
-         "evenflow-wide": {"WIDE_ROWS": True}, "evenflow-split-wide": {"SPLIT_LOOP": True, "WIDE_ROWS": True},
-         "evenflow-ca": {"SPLIT_LOOP": True, "LONGEST_FIRST": True, "WIDE_ROWS": True}}
+# knob row -> the module switches of evenflow.attention.prefill it sets around its calls (round CA's loop forms; since
+# round CC SPLIT_LOOP and WIDE_ROWS are on by default, LONGEST_FIRST off)
+KNOBS = {"evenflow-masked": {"SPLIT_LOOP": False, "WIDE_ROWS": False}, "evenflow-narrow": {"WIDE_ROWS": False},
+         "evenflow-longest": {"LONGEST_FIRST": True}, "evenflow-pack": {"PACK_HEADS": True}}
 DEFAULT_IMPLS = ("evenflow", *fi.PREFILL_IMPLS)
 IMPLS = (*DEFAULT_IMPLS, *KNOBS)
 

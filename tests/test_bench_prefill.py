@@ -11,6 +11,7 @@ def bench(monkeypatch):
     mod = load_script("prefill")
     monkeypatch.setitem(mod.CASES, "2x20+30", (2, 20, 30))
     monkeypatch.setitem(mod.CASES, "1x200+70", (1, 200, 70))  # 128-row blocks, unmasked steps, two row blocks
+    monkeypatch.setitem(mod.CASES, "2x40+30", (2, 40, 30))  # 64-row blocks: two heads of 64 rows where packed
     monkeypatch.setitem(mod.HEADS, "small", (4, 1))
     return mod
 
@@ -49,30 +50,35 @@ def test_speedups_take_the_fastest_flashinfer(bench):
 def test_knob_rows_run_their_form_and_put_the_switches_back(bench, device, monkeypatch):
     """A knob row's calls run with its switches set (a switch read at launch shows it) and restore them after each
     call; its output is the form of record's (the loop forms compute the same sums in the interpreter) and passes
-    the sampled check. The case takes every form's own path: 200 rows (128-row blocks where wide, two of them for
-    the longest-first order), after 70 cached tokens (unmasked steps in every block)."""
+    the sampled check. The cases take every form's own path: 200 rows (128-row blocks where wide, two of them for
+    the longest-first order), after 70 cached tokens (unmasked steps in every block); 40-row chunks at group 4 (two
+    heads a block where packed)."""
     from evenflow.attention import prefill as P
 
-    pt = bench.build("1x200+70", "small", "bf16-kv", device=device)
-    ref = bench.calls("evenflow", pt)[0]()
-    seen = switches_at_launch(monkeypatch, P, "_prefill_launch", ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS"))
-    for impl, switches in bench.KNOBS.items():
-        out = bench.calls(impl, pt)[0]()
-        assert seen[-1] == {name: switches.get(name, False) for name in seen[-1]}, impl
-        assert not (P.SPLIT_LOOP or P.LONGEST_FIRST or P.WIDE_ROWS), f"{impl} left a switch on"
-        bench.sample_check(pt, out)
-        if device == "cpu":
-            assert torch.equal(out, ref), impl
+    names = ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS", "PACK_HEADS")
+    defaults = {name: getattr(P, name) for name in names}
+    seen = switches_at_launch(monkeypatch, P, "_prefill_launch", names)
+    for case in ("1x200+70", "2x40+30"):
+        pt = bench.build(case, "small", "bf16-kv", device=device)
+        ref = bench.calls("evenflow", pt)[0]()
+        for impl, switches in bench.KNOBS.items():
+            assert any(defaults[name] != value for name, value in switches.items()), f"{impl} changes no switch"
+            out = bench.calls(impl, pt)[0]()
+            assert seen[-1] == {**defaults, **switches}, impl
+            assert {name: getattr(P, name) for name in names} == defaults, f"{impl} left a switch changed"
+            bench.sample_check(pt, out)
+            if device == "cpu":
+                assert torch.equal(out, ref), (case, impl)
 
 
 def test_knob_rows_speedup_is_over_the_form_of_record(bench):
     res = H.Results("prefill", ceilings={"copy_TBps": 4.0})
-    for impl, us in (("evenflow", 10.0), ("evenflow-split", 8.0), ("flashinfer-fa3", 12.0)):
+    for impl, us in (("evenflow", 10.0), ("evenflow-masked", 8.0), ("flashinfer-fa3", 12.0)):
         res.add(case="qwen3-30b-a3b:4x2K", variant="bf16-kv", impl=impl, us=us)
     bench._speedups(res)
     by = {r["impl"]: r for r in res.rows}
-    assert by["evenflow-split"]["vs_evenflow"] == 1.25
-    assert by["evenflow-split"]["vs_best_flashinfer"] == 1.5
+    assert by["evenflow-masked"]["vs_evenflow"] == 1.25
+    assert by["evenflow-masked"]["vs_best_flashinfer"] == 1.5
     assert "vs_evenflow" not in by["evenflow"]
 
 

@@ -153,9 +153,18 @@ def test_rows_that_see_nothing_and_clamped_values(device):
     assert torch.isfinite(out.float()).all()
 
 
-# Round CA's loop forms (evenflow.attention.prefill's switches, off by default until a device run times them)
-FORMS = {"split": ("SPLIT_LOOP",), "longest-first": ("LONGEST_FIRST",), "wide": ("WIDE_ROWS",),
-         "all": ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS")}
+# Round CA's loop forms and round CC's head packing (evenflow.attention.prefill's switches; SPLIT_LOOP and WIDE_ROWS
+# on by default since round CC), each set whole: the masked 64-row form of record before them, each switch alone, all
+_SWITCHES = ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS", "PACK_HEADS")
+FORMS = {"masked": (), "split": ("SPLIT_LOOP",), "longest-first": ("LONGEST_FIRST",), "wide": ("WIDE_ROWS",),
+         "pack": ("PACK_HEADS",), "all": _SWITCHES}
+
+
+def _set_form(m, P, form):
+    for switch in _SWITCHES:
+        m.setattr(P, switch, switch in FORMS[form])
+
+
 # (new, prefix, Hq, Hkv, D, page, kv dtype, max_seqlen_q or None): the unmasked steps' page id at each page size
 # (one a step at 64 / 128, one a key at 16 / 32), prefixes that end mid-page and mid-step, a grid bound under the
 # rows (fewer programs walk every block, longest first among them) and over them, 128-row blocks at D 64 / 128
@@ -165,6 +174,12 @@ FORM_CASES = {
     "extend-d128-p128-fp8": ([70, 129], [0, 200], 4, 2, 128, 128, FP8, None),
     "grid-under-rows-d64-p32": ([300, 40], [5, 61], 4, 2, 64, 32, BF16, 33),
     "grid-over-rows-d256-p32": ([20, 5], [40, 0], 2, 2, 256, 32, BF16, 200),
+    # packed heads: 8 heads of 16 rows (a short extend at group 8), 2 of 32 at group 6 (4 does not divide it),
+    # group 3 (nothing to pack), 2 of 64 rows; a grid bound under the rows with packed heads
+    "extend-g8-d128-p16": ([5, 12, 1], [40, 0, 17], 16, 2, 128, 16, BF16, None),
+    "extend-g6-d64-p64-fp8": ([30, 2], [100, 63], 6, 1, 64, 64, FP8, None),
+    "extend-g3-d128-p32": ([9, 20], [3, 70], 3, 1, 128, 32, BF16, None),
+    "chunk-g2-d128-p64-under": ([64, 50], [70, 0], 4, 2, 128, 64, BF16, 20),
 }
 
 
@@ -173,7 +188,8 @@ def test_loop_forms_compute_what_the_form_of_record_computes(form, device, monke
     """Each of round CA's loop forms within the rule of the fp64 oracle, over padding rows and rows that see no key
     (a length under a request's new rows); in the interpreter, bit for bit the default form's output and LSE (the
     same keys in the same steps and order: only masks that select nothing, the page id's load, the grid's order
-    and the rows a block holds change)."""
+    and the rows a block holds change). The default (split and wide) differs from the masked form and each single
+    switch in at least one switch, so every pair of forms is compared through it."""
     from evenflow.attention import prefill as P
 
     for name, (new, prefix, hq, hkv, d, page, kv, max_q) in FORM_CASES.items():
@@ -184,8 +200,7 @@ def test_loop_forms_compute_what_the_form_of_record_computes(form, device, monke
         mq = max_q or max(new)
         base = evenflow.prefill_attention(q, k, v, cu, pt, sl, mq, return_lse=True, **scales)
         with monkeypatch.context() as m:
-            for switch in FORMS[form]:
-                m.setattr(P, switch, True)
+            _set_form(m, P, form)
             got = check(q, k, v, cu, pt, sl, max_seqlen_q=mq, what=f"{form} {name}", **scales)
             got_lse = evenflow.prefill_attention(q, k, v, cu, pt, sl, mq, return_lse=True, **scales)[1]
         if device == "cpu":
@@ -201,8 +216,7 @@ def test_loop_forms_compute_what_the_form_of_record_computes(form, device, monke
     pt[0, 1] = -2
     base = evenflow.prefill_attention(q, k, v, cu, pt, sl, 150, return_lse=True)
     with monkeypatch.context() as m:
-        for switch in FORMS[form]:
-            m.setattr(P, switch, True)
+        _set_form(m, P, form)
         got = evenflow.prefill_attention(q, k, v, cu, pt, sl, 150, return_lse=True)
     assert torch.isfinite(got[0].float()).all()
     if device == "cpu":
@@ -302,3 +316,16 @@ def test_compiled_calls_go_through_the_custom_op(device):
     got = step(q, sl)
     assert any("evenflow.prefill_attention" in t for t in seen), seen
     assert torch.equal(got, eager)
+
+
+def test_heads_per_block_packs_whole_powers_of_two_of_the_group():
+    """PACK_HEADS' choice: the largest power of two dividing the group with the block at most 128 rows, D <= 128;
+    nothing packed without the switch, at D 256, or for 128-row blocks."""
+    from evenflow.attention.prefill import _heads_per_block
+
+    assert [_heads_per_block(16, 128, g, True) for g in (1, 2, 3, 4, 6, 8, 12, 16)] == [1, 2, 1, 4, 2, 8, 4, 8]
+    assert [_heads_per_block(64, 128, g, True) for g in (1, 2, 8, 16)] == [1, 2, 2, 2]
+    assert _heads_per_block(32, 64, 8, True) == 4
+    assert _heads_per_block(16, 256, 8, True) == 1
+    assert _heads_per_block(128, 128, 8, True) == 1
+    assert _heads_per_block(16, 128, 8, False) == 1

@@ -49,13 +49,18 @@ from evenflow.attention.plan import MAX_GQA_GROUP
 _LOG2E = math.log2(math.e)
 MAX_ROW_BLOCKS = 1 << 15  # the grid's row-block dimension at most, under CUDA's 65535 (programs walk the rest)
 
-# Round CA's loop forms (docs/perf-notes/prefill.md, "Round CA: the loop's shape"), off until a device run has timed
-# them against the form of record (benchmarks/prefill.py's knob rows): the same keys in the same steps and order, so
-# the same outputs in the interpreter, bit for bit (tests/test_prefill.py), and on a GPU within the rule (there the
-# compiler may fuse an unmasked step's score scale into its exponent, and 128-row blocks lay the MMAs out anew).
-SPLIT_LOOP = False  # the steps every row of a block sees without masks, one page id a step where the page allows
+# Round CA's loop forms (docs/perf-notes/prefill.md, "Round CA: the loop's shape"): the same keys in the same steps and
+# order as the masked 64-row form before them, so the same outputs in the interpreter, bit for bit
+# (tests/test_prefill.py), and on a GPU within the rule (there the compiler may fuse an unmasked step's score scale
+# into its exponent, and 128-row blocks lay the MMAs out anew). SPLIT_LOOP and WIDE_ROWS are on since round CC, which
+# timed them against that form (CC's knob rows, one H100: 2.50-2.71x on the long bf16 cases, 1.70-1.95x with fp8 KV,
+# 1.13-1.27x on 64-row chunks); LONGEST_FIRST stays off (0.92-1.04x alone, level beside the other two).
+SPLIT_LOOP = True  # the steps every row of a block sees without masks, one page id a step where the page allows
 LONGEST_FIRST = False  # the row blocks with the most keys first (heads inside them in the grid's order)
-WIDE_ROWS = False  # 128-row blocks on 8 warps (a warpgroup's 64 rows each) for chunks of more than 64 rows, D <= 128
+WIDE_ROWS = True  # 128-row blocks on 8 warps (a warpgroup's 64 rows each) for chunks of more than 64 rows, D <= 128
+# Round CC's head packing, off until a device run has timed it (knob row evenflow-pack): chunks of at most 64 rows
+# at D <= 128 put several q heads of one KV head in a block (up to 128 rows), as the decode kernel packs its groups
+PACK_HEADS = False
 
 
 def _blocks(max_seqlen_q: int, head_dim: int, wide: bool = False) -> tuple[int, int]:
@@ -65,6 +70,16 @@ def _blocks(max_seqlen_q: int, head_dim: int, wide: bool = False) -> tuple[int, 
     if wide and max_seqlen_q > 64 and head_dim <= 128:
         block_m = 128
     return block_m, 32 if head_dim > 128 else 64
+
+
+def _heads_per_block(block_m: int, head_dim: int, group: int, pack: bool) -> int:
+    """q heads a block packs (``PACK_HEADS``): the largest power of two that divides the GQA group and keeps the
+    block at most 128 rows, for blocks under 128 rows at D <= 128; else 1."""
+    heads = 1
+    if pack and head_dim <= 128:
+        while group % (2 * heads) == 0 and 2 * heads * block_m <= 128:
+            heads *= 2
+    return heads
 
 
 def _check(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, max_seqlen_q):
@@ -102,9 +117,11 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     B = seq_lens.shape[0]
     if T == 0:
         return
-    block_m, block_n = _blocks(max_seqlen_q, D, WIDE_ROWS)
-    row_blocks = min(triton.cdiv(max_seqlen_q, block_m), MAX_ROW_BLOCKS)
-    grid = (B + 1, Hq, row_blocks) if LONGEST_FIRST else (B + 1, row_blocks, Hq)
+    rows, block_n = _blocks(max_seqlen_q, D, WIDE_ROWS)  # a block's new rows (of each head it packs)
+    heads = _heads_per_block(rows, D, Hq // Hkv, PACK_HEADS)
+    block_m = heads * rows
+    row_blocks = min(triton.cdiv(max_seqlen_q, rows), MAX_ROW_BLOCKS)
+    grid = (B + 1, Hq // heads, row_blocks) if LONGEST_FIRST else (B + 1, row_blocks, Hq // heads)
     PK.prefill_attention_kernel[grid](
         q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, out, lse if lse is not None else out,
         k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
@@ -114,7 +131,7 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         GROUP=Hq // Hkv, D=D, PAGE=P, BLOCK_M=block_m, BLOCK_N=block_n, KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         K_SCALE_T=k_scale is not None, V_SCALE_T=v_scale is not None, HAS_LSE=lse is not None,
-        DOT_F32=_runtime.dot_needs_fp32(), SPLIT=SPLIT_LOOP, LONGEST_FIRST=LONGEST_FIRST,
+        DOT_F32=_runtime.dot_needs_fp32(), SPLIT=SPLIT_LOOP, LONGEST_FIRST=LONGEST_FIRST, HEADS=heads,
         num_warps=8 if block_m >= 64 else 4, num_stages=2,
     )
 

@@ -1,12 +1,11 @@
 """Triton kernel of paged prefill / extend attention (pure ``@triton.jit`` code; the launcher is ``prefill.py``).
 
-A program takes one query head of one request and walks that request's blocks of BLOCK_M new rows (its row-block
-slot's block, then every ``slots``-th: the grid's row-block dimension is a bound from the host, and a request with
-more rows than it covers is still computed whole; requests are the first dimension, which CUDA allows up to
-2^31 - 1). For each block it streams the request's keys in BLOCK_N steps up to the block's last visible key (with
-``SPLIT``, the steps every row sees unmasked, then the diagonal's masked), gathering each step's pages through the
-page table, with the
-online softmax of the decode kernel (``kernels._scores`` / ``_softmax_pv_step``: bf16 MMAs for a bf16 cache, f16
+A program takes one query head of one request (``HEADS`` of them where it packs a KV head's q heads into a block's
+rows) and walks that request's blocks of new rows (its row-block slot's block, then every ``slots``-th: the grid's
+row-block dimension is a bound from the host, and a request with more rows than it covers is still computed whole;
+requests are the first dimension, which CUDA allows up to 2^31 - 1). For each block it streams the request's keys
+in BLOCK_N steps up to the block's last visible key (with ``SPLIT``, the steps every row sees unmasked, then the
+diagonal's masked), gathering each step's pages through the page table, with the online softmax of the decode kernel (``kernels._scores`` / ``_softmax_pv_step``: bf16 MMAs for a bf16 cache, f16
 MMAs of the exact e4m3 values for an fp8 one). Row i of a request with n new rows and L cached tokens (new ones
 included) sees keys [0, L - n + i + 1). The grid's extra request (``program_id(0) == B``) writes zeros (and LSE
 -inf) to the rows no request owns: past ``cu_seqlens_q[B]`` (padding) and before ``cu_seqlens_q[0]``.
@@ -107,22 +106,30 @@ def prefill_attention_kernel(
     stride_ptb, stride_ot, stride_oh, stride_lt,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, HAS_LSE: tl.constexpr,
-    DOT_F32: tl.constexpr, SPLIT: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False,
+    DOT_F32: tl.constexpr, SPLIT: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False, HEADS: tl.constexpr = 1,
 ):
     """``SPLIT``: each block's keys in two loops, those every row of the block sees (no mask, one page id a step where
     the page size allows) and then the diagonal's steps (masked). ``LONGEST_FIRST``: the grid is (requests + 1, q
     heads, row-block slots), and slot j takes a request's row blocks from the last (the most keys) down, so the
     blocks with the most keys of every head start first and the short ones fill the tail; else (requests + 1,
-    row-block slots, q heads) in row-block order."""
+    row-block slots, q heads) in row-block order. ``HEADS``: a program takes HEADS consecutive q heads of one KV
+    head (the grid's head dimension counts groups of HEADS), and a block's BLOCK_M rows are HEADS heads x
+    BLOCK_M / HEADS new rows (row r: head r // R, the block's (r % R)-th row), so short chunks fill the MMA's rows
+    and load each K / V step once for HEADS heads."""
+    R: tl.constexpr = BLOCK_M // HEADS  # a block's new rows (of each of its heads)
     b = tl.program_id(0)
-    hq = tl.program_id(1 if LONGEST_FIRST else 2).to(tl.int64)
+    hq = tl.program_id(1 if LONGEST_FIRST else 2).to(tl.int64) * HEADS  # the block's first q head
     if b == B:  # the rows no request owns: before cu[0] and past cu[B]
         first = tl.minimum(tl.maximum(tl.load(p_cu), 0), T)
-        _zero_rows(0, first, p_out, p_lse, hq, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE, LONGEST_FIRST)
+        for i in tl.static_range(HEADS):
+            _zero_rows(0, first, p_out, p_lse, hq + i, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE,
+                       LONGEST_FIRST)
         last = tl.minimum(tl.maximum(tl.load(p_cu + B), first), T)
-        _zero_rows(last, T, p_out, p_lse, hq, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE, LONGEST_FIRST)
+        for i in tl.static_range(HEADS):
+            _zero_rows(last, T, p_out, p_lse, hq + i, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE,
+                       LONGEST_FIRST)
     else:
-        h = hq // GROUP  # (int64, as hq: head offsets of a large strided view)
+        h = hq // GROUP  # (int64, as hq: head offsets of a large strided view; HEADS divides GROUP)
         c1 = tl.minimum(tl.maximum(tl.load(p_cu + b + 1), 0), T)
         c0 = tl.minimum(tl.maximum(tl.load(p_cu + b), 0), c1)
         n = c1 - c0
@@ -132,28 +139,33 @@ def prefill_attention_kernel(
         o_d = tl.arange(0, D)
         p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
         PAGE_STEPS: tl.constexpr = SPLIT and (PAGE % BLOCK_N == 0)
-        for j in range(_slot(LONGEST_FIRST), (n + BLOCK_M - 1) // BLOCK_M, _slots(LONGEST_FIRST)):
+        for j in range(_slot(LONGEST_FIRST), (n + R - 1) // R, _slots(LONGEST_FIRST)):
             if LONGEST_FIRST:
-                mb = (n + BLOCK_M - 1) // BLOCK_M - 1 - j
+                mb = (n + R - 1) // R - 1 - j
             else:
                 mb = j
-            o_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+            if HEADS == 1:
+                o_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+                o_h = hq
+            else:  # row r: head hq + r // R, new row mb * R + r % R
+                o_m = mb * R + tl.arange(0, BLOCK_M) % R
+                o_h = hq + tl.arange(0, BLOCK_M) // R
             m_row = o_m < n
-            p_qrow = p_q + (c0 + o_m).to(tl.int64) * stride_qt + hq * stride_qh
+            p_qrow = p_q + (c0 + o_m).to(tl.int64) * stride_qt + o_h * stride_qh
             b_q = tl.load(p_qrow[:, None] + o_d[None, :], mask=m_row[:, None], other=0.0)
             b_rs = tl.zeros([BLOCK_M], dtype=tl.float32) + rs
             if KV_FP8:
                 b_q, b_rs = _f16_rows(b_q, b_rs)
             b_vis = prefix + o_m + 1  # keys [0, vis) of each row (<= 0: none)
-            n_end = tl.minimum(L, prefix + (mb + 1) * BLOCK_M)  # the block's last row's
+            n_end = tl.minimum(L, prefix + (mb + 1) * R)  # the block's last row's
             b_m = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
             b_l = tl.zeros([BLOCK_M], dtype=tl.float32)
             b_acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
             n_full = 0  # (a constant 0 without SPLIT: the record's one masked loop)
             if SPLIT:
-                # keys [0, prefix + mb * BLOCK_M + 1) are seen by the block's first row, and so by every row; they
-                # end at or before L (the first row is a real row: mb * BLOCK_M < n), and at or before n_end
-                n_full = tl.maximum(prefix + mb * BLOCK_M + 1, 0) // BLOCK_N * BLOCK_N
+                # keys [0, prefix + mb * R + 1) are seen by the block's first row, and so by every row; they end at
+                # or before L (the first row is a real row: mb * R < n), and at or before n_end
+                n_full = tl.maximum(prefix + mb * R + 1, 0) // BLOCK_N * BLOCK_N
                 for n0 in range(0, n_full, BLOCK_N):
                     b_m, b_l, b_acc = _kv_step(b_q, b_rs, b_vis, n0, n_end, b_m, b_l, b_acc, p_ptrow, p_k, p_v, h,
                                                num_pages, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt,
@@ -164,8 +176,8 @@ def prefill_attention_kernel(
                                            stride_vh, D, PAGE, BLOCK_N, KV_FP8, DOT_F32, True, PAGE_STEPS)
             seen = b_l > 0.0
             b_o = b_acc * (vs / tl.where(seen, b_l, 1.0))[:, None]
-            p_orow = p_out + (c0 + o_m).to(tl.int64) * stride_ot + hq * stride_oh
+            p_orow = p_out + (c0 + o_m).to(tl.int64) * stride_ot + o_h * stride_oh
             tl.store(p_orow[:, None] + o_d[None, :], b_o.to(tl.bfloat16), mask=m_row[:, None])
             if HAS_LSE:  # log2 domain inside: natural log out
                 b_lse = tl.where(seen, (b_m + tl.log2(tl.where(seen, b_l, 1.0))) * LN2, float("-inf"))
-                tl.store(p_lse + (c0 + o_m).to(tl.int64) * stride_lt + hq, b_lse, mask=m_row)
+                tl.store(p_lse + (c0 + o_m).to(tl.int64) * stride_lt + o_h, b_lse, mask=m_row)
