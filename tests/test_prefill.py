@@ -153,8 +153,9 @@ def test_rows_that_see_nothing_and_clamped_values(device):
     assert torch.isfinite(out.float()).all()
 
 
-# Round CA's loop forms and round CC's head packing (evenflow.attention.prefill's switches; SPLIT_LOOP and WIDE_ROWS
-# on by default since round CC), each set whole: the masked 64-row form of record before them, each switch alone, all
+# Round CA's loop forms and round CC's head packing (evenflow.attention.prefill's switches; SPLIT_LOOP, WIDE_ROWS and
+# PACK_HEADS on by default since round CC), each set whole: the masked one-head form of record before them, each
+# switch alone, all
 _SWITCHES = ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS", "PACK_HEADS")
 FORMS = {"masked": (), "split": ("SPLIT_LOOP",), "longest-first": ("LONGEST_FIRST",), "wide": ("WIDE_ROWS",),
          "pack": ("PACK_HEADS",), "all": _SWITCHES}
@@ -188,8 +189,8 @@ def test_loop_forms_compute_what_the_form_of_record_computes(form, device, monke
     """Each of round CA's loop forms within the rule of the fp64 oracle, over padding rows and rows that see no key
     (a length under a request's new rows); in the interpreter, bit for bit the default form's output and LSE (the
     same keys in the same steps and order: only masks that select nothing, the page id's load, the grid's order
-    and the rows a block holds change). The default (split and wide) differs from the masked form and each single
-    switch in at least one switch, so every pair of forms is compared through it."""
+    and the rows a block holds change). The default (split, wide and packed) differs from the masked form and each
+    single switch in at least one switch, so every pair of forms is compared through it."""
     from evenflow.attention import prefill as P
 
     for name, (new, prefix, hq, hkv, d, page, kv, max_q) in FORM_CASES.items():

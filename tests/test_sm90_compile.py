@@ -179,18 +179,18 @@ def _prologue_shapes(first_only=False):
 def _prefill_launches():
     # (Hq, Hkv, D, page, new tokens a request): Qwen3-30B-A3B chunks and short extends, the Hy3 heads, d64 / d256,
     # every block size the launcher picks (16, 32, 64 rows; 128 where the chunk has more than 64 rows at D <= 128),
-    # bf16 and fp8 caches, with and without LSE, in the default loop form (round CA's unmasked steps and 128-row
-    # blocks); then every switch on, the packed heads (round CC), and the benchmark's other knob rows (the masked
-    # 64-row form among them) at Qwen3's chunk
+    # bf16 and fp8 caches, with and without LSE, in the default form (round CA's unmasked steps and 128-row blocks,
+    # round CC's packed heads: 2-8 heads a block at the short shapes); then every switch on, one head a block, and the
+    # benchmark's other knob rows (the masked form among them) at Qwen3's chunk
     from evenflow.attention import prefill as P
     from evenflow.bench.harness import with_switches
 
     _prefill_shapes()
     with_switches(P, {"SPLIT_LOOP": True, "LONGEST_FIRST": True, "WIDE_ROWS": True, "PACK_HEADS": True},
                   _prefill_shapes)
-    with_switches(P, {"PACK_HEADS": True}, _prefill_shapes)  # the knob row: 2-8 packed heads at the short shapes
-    for knobs in ({"SPLIT_LOOP": False, "WIDE_ROWS": False}, {"WIDE_ROWS": False}, {"LONGEST_FIRST": True},
-                  {"SPLIT_LOOP": False}):
+    with_switches(P, {"PACK_HEADS": False}, _prefill_shapes)  # the knob row: one head a block at the short shapes
+    for knobs in ({"SPLIT_LOOP": False, "WIDE_ROWS": False, "PACK_HEADS": False}, {"WIDE_ROWS": False},
+                  {"LONGEST_FIRST": True}, {"SPLIT_LOOP": False}):
         with_switches(P, knobs, lambda: _prefill_shapes(first_only=True))
 
 

@@ -3,12 +3,13 @@
 A program takes one query head of one request (``HEADS`` of them where it packs a KV head's q heads into a block's
 rows) and walks that request's blocks of new rows (its row-block slot's block, then every ``slots``-th: the grid's
 row-block dimension is a bound from the host, and a request with more rows than it covers is still computed whole;
-requests are the first dimension, which CUDA allows up to 2^31 - 1). For each block it streams the request's keys
-in BLOCK_N steps up to the block's last visible key (with ``SPLIT``, the steps every row sees unmasked, then the
-diagonal's masked), gathering each step's pages through the page table, with the online softmax of the decode kernel (``kernels._scores`` / ``_softmax_pv_step``: bf16 MMAs for a bf16 cache, f16
-MMAs of the exact e4m3 values for an fp8 one). Row i of a request with n new rows and L cached tokens (new ones
-included) sees keys [0, L - n + i + 1). The grid's extra request (``program_id(0) == B``) writes zeros (and LSE
--inf) to the rows no request owns: past ``cu_seqlens_q[B]`` (padding) and before ``cu_seqlens_q[0]``.
+requests are the first dimension, which CUDA allows up to 2^31 - 1). For each block it streams the request's keys in
+BLOCK_N steps up to the block's last visible key (with ``SPLIT``, the steps every row sees unmasked, then the
+diagonal's masked), gathering each step's pages through the page table, with the online softmax of the decode kernel
+(``kernels._scores`` / ``_softmax_pv_step``: bf16 MMAs for a bf16 cache, f16 MMAs of the exact e4m3 values for an
+fp8 one). Row i of a request with n new rows and L cached tokens (new ones included) sees keys [0, L - n + i + 1).
+The grid's extra request (``program_id(0) == B``) writes zeros (and LSE -inf) to the rows no request owns: past
+``cu_seqlens_q[B]`` (padding) and before ``cu_seqlens_q[0]``.
 
 Values inside device tensors are clamped so nothing is read or written out of bounds: request boundaries to
 [0, T], lengths to [0, max_pages * P], page ids to [0, num_pages).
