@@ -189,8 +189,8 @@ def _prefill_launches():
     with_switches(P, {"SPLIT_LOOP": True, "LONGEST_FIRST": True, "WIDE_ROWS": True, "PACK_HEADS": True},
                   _prefill_shapes)
     with_switches(P, {"PACK_HEADS": False}, _prefill_shapes)  # the knob row: one head a block at the short shapes
-    for knobs in ({"SPLIT_LOOP": False, "WIDE_ROWS": False, "PACK_HEADS": False}, {"WIDE_ROWS": False},
-                  {"LONGEST_FIRST": True}, {"SPLIT_LOOP": False}):
+    for knobs in ({"SPLIT_LOOP": False, "WIDE_ROWS": False, "PACK_HEADS": False},
+                  {"WIDE_ROWS": False, "PACK_HEADS": False}, {"LONGEST_FIRST": True}, {"SPLIT_LOOP": False}):
         with_switches(P, knobs, lambda: _prefill_shapes(first_only=True))
 
 

@@ -58,15 +58,17 @@ MAX_ROW_BLOCKS = 1 << 15  # the grid's row-block dimension at most, under CUDA's
 SPLIT_LOOP = True  # the steps every row of a block sees without masks, one page id a step where the page allows
 LONGEST_FIRST = False  # the row blocks with the most keys first (heads inside them in the grid's order)
 WIDE_ROWS = True  # 128-row blocks on 8 warps (a warpgroup's 64 rows each) for chunks of more than 64 rows, D <= 128
-# Round CC's head packing: chunks of at most 64 rows at D <= 128 put several q heads of one KV head in a block (up to
-# 128 rows), as the decode kernel packs its groups (CC6 / CC7, one H100: 1.82-1.90x at 64-row chunks, 2.43-2.59x at
-# 16-row extends, both head shapes, bf16 and fp8 KV)
+# Round CC's head packing: where a head's rows take a block of under 128 rows at D <= 128 (with WIDE_ROWS, chunks of
+# at most 64 rows), several q heads of one KV head share a block (up to 128 rows), as the decode kernel packs its
+# groups (CC6 / CC7, one H100: 1.82-1.90x at 64-row chunks, 2.43-2.59x at 16-row extends, both head shapes, bf16 and
+# fp8 KV)
 PACK_HEADS = True
 
 
 def _blocks(max_seqlen_q: int, head_dim: int, wide: bool = False) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 64-row blocks for prefill chunks (128 with ``wide`` past 64 rows at D <= 128), 16 / 32 for
-    short extends; 64-key steps (32 at d256)."""
+    """(rows, BLOCK_N): a block's new rows of each q head it holds, 64 for prefill chunks (128 with ``wide`` past 64
+    rows at D <= 128), 16 / 32 for short extends; 64-key steps (32 at d256). BLOCK_M is the rows times the heads a
+    block packs (:func:`_heads_per_block`)."""
     block_m = 16 if max_seqlen_q <= 16 else 32 if max_seqlen_q <= 32 else 64
     if wide and max_seqlen_q > 64 and head_dim <= 128:
         block_m = 128

@@ -114,9 +114,9 @@ def prefill_attention_kernel(
     heads, row-block slots), and slot j takes a request's row blocks from the last (the most keys) down, so the
     blocks with the most keys of every head start first and the short ones fill the tail; else (requests + 1,
     row-block slots, q heads) in row-block order. ``HEADS``: a program takes HEADS consecutive q heads of one KV
-    head (the grid's head dimension counts groups of HEADS), and a block's BLOCK_M rows are HEADS heads x
-    BLOCK_M / HEADS new rows (row r: head r // R, the block's (r % R)-th row), so short chunks fill the MMA's rows
-    and load each K / V step once for HEADS heads."""
+    head (the grid's head dimension counts groups of HEADS), and a block's BLOCK_M rows are HEADS heads x R =
+    BLOCK_M / HEADS new rows (row r: head hq + r // R, hq the block's first head; the block's (r % R)-th new row),
+    so short chunks fill the MMA's rows and load each K / V step once for HEADS heads."""
     R: tl.constexpr = BLOCK_M // HEADS  # a block's new rows (of each of its heads)
     b = tl.program_id(0)
     hq = tl.program_id(1 if LONGEST_FIRST else 2).to(tl.int64) * HEADS  # the block's first q head
