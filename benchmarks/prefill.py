@@ -16,8 +16,7 @@ batch outside timing (its FA3 kernel takes an fp8 cache only with an fp8 q: an e
 Knob rows (named in ``--impls``): ``evenflow`` with ``evenflow.attention.prefill``'s module switches set otherwise
 around its calls (``KNOBS``), each against the default form in the same run: ``evenflow-masked`` is the masked
 one-head form before round CC (its record, round CA3), ``evenflow-narrow`` the unmasked steps on one-head 64-row blocks,
-``evenflow-longest`` the default with the longest blocks first, ``evenflow-unpacked`` one q head a block where
-chunks have at most 64 rows (round CC's ``PACK_HEADS`` off).
+``evenflow-unpacked`` one q head a block where chunks have at most 64 rows (round CC's ``PACK_HEADS`` off).
 
 Floor: the larger of (q read + output written + each request's K and V read once) / copy bandwidth and the causal
 attention's FLOPs (4 * D per visible (row, key) pair and head) / the dense bf16 rate, both measured in this run.
@@ -42,10 +41,9 @@ D, PAGE = 128, 64
 KV_SCALE = 0.05
 SAMPLE = 16
 # knob row -> the module switches of evenflow.attention.prefill it sets around its calls (round CA's loop forms and
-# round CC's head packing; since round CC SPLIT_LOOP, WIDE_ROWS and PACK_HEADS are on by default, LONGEST_FIRST off)
+# round CC's head packing, all on by default since round CC)
 KNOBS = {"evenflow-masked": {"SPLIT_LOOP": False, "WIDE_ROWS": False, "PACK_HEADS": False},
-         "evenflow-narrow": {"WIDE_ROWS": False, "PACK_HEADS": False}, "evenflow-longest": {"LONGEST_FIRST": True},
-         "evenflow-unpacked": {"PACK_HEADS": False}}
+         "evenflow-narrow": {"WIDE_ROWS": False, "PACK_HEADS": False}, "evenflow-unpacked": {"PACK_HEADS": False}}
 DEFAULT_IMPLS = ("evenflow", *fi.PREFILL_IMPLS)
 IMPLS = (*DEFAULT_IMPLS, *KNOBS)
 

@@ -16,10 +16,6 @@ Peers (``evenflow.bench.peers.torch_prologue``): ``torch-unfused``, the steps as
 them plus the engines' slot-indexed cache write, eagerly (a kernel each); ``torch-compile``, the same steps through
 ``torch.compile`` (Inductor fuses the elementwise ones).
 
-Knob rows (named in ``--impls``): ``evenflow`` with round CA's load orders switched on around its calls
-(``evenflow.attention.prologue``'s module switches; ``KNOBS``), each against the kernel of record in the same run
-(``vs_evenflow``).
-
 Floor: (qkv read + q written (+ its scales) + K and V written + positions read + each distinct rotary row read
 once) / copy bandwidth + one empty kernel's launch time in a graph, both measured in this run.
 """
@@ -30,7 +26,6 @@ import math
 import torch
 
 import evenflow
-from evenflow.attention import prologue as prologue_mod
 from evenflow.attention.prologue import prologue_bytes
 from evenflow.bench import harness as H
 from evenflow.bench.peers import torch_prologue as peer
@@ -42,11 +37,7 @@ TS = (1, 8, 64, 256, 1024, 4096, 16384)
 QUICK = {"cases": ("qwen3-30b-a3b",), "ts": (1, 64, 4096)}
 FP8 = torch.float8_e4m3fn
 VARIANTS = {"bf16": (torch.bfloat16, torch.bfloat16), "fp8-kv": (torch.bfloat16, FP8), "fp8-q-kv": (FP8, FP8)}
-DEFAULT_IMPLS = ("evenflow", "torch-unfused", "torch-compile")
-# knob row -> the module switches of evenflow.attention.prologue it sets around its calls (round CA's load orders)
-KNOBS = {"evenflow-hoist": {"HOIST_LOADS": True}, "evenflow-guess": {"GUESS_REQUEST": True},
-         "evenflow-ca": {"HOIST_LOADS": True, "GUESS_REQUEST": True}}
-IMPLS = (*DEFAULT_IMPLS, *KNOBS)
+IMPLS = ("evenflow", "torch-unfused", "torch-compile")
 PAGE = 64
 MAX_POS = 32768
 KV_SCALE = 0.02  # an fp8 cache's per-tensor scale: normed, rotated K (|k| up to ~5) lands well inside e4m3's range
@@ -111,11 +102,11 @@ def _args(pt: dict, i: int) -> tuple:
 def calls(impl: str, pt: dict) -> list:
     """One zero-argument call a copy of ``impl`` on the point's tensors."""
     s = pt["kv_scale"]
-    if impl == "evenflow" or impl in KNOBS:  # (switches are read at launch: a graph captured inside keeps them)
-        return H.switched(prologue_mod, KNOBS.get(impl, {}), [lambda i=i: evenflow.qk_norm_rope_store_kv(
+    if impl == "evenflow":
+        return [lambda i=i: evenflow.qk_norm_rope_store_kv(
             *_args(pt, i), q_norm_weight=pt["qw"], k_norm_weight=pt["kw"], q_dtype=pt["q_dtype"],
             k_scale=s if s != 1.0 else None, v_scale=s if s != 1.0 else None, q_out=pt["q_outs"][i],
-            q_scale_out=pt["s_outs"][i]) for i in range(len(pt["qkvs"]))])
+            q_scale_out=pt["s_outs"][i]) for i in range(len(pt["qkvs"]))]
     if impl == "torch-compile":
         # a fresh Dynamo cache a point: the peer's one step function meets a new shape at each point, and Dynamo's
         # recompile limit (8 a function) failed every point after the eighth (round BY's first run, an H100); a
@@ -147,8 +138,7 @@ def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated model shapes (" + ", ".join(MODELS) + ")")
     p.add_argument("--ts", type=H.positive_ints, default=None, help="comma-separated token counts")
     p.add_argument("--variants", default=None, help="comma-separated variants (" + ", ".join(VARIANTS) + ")")
-    p.add_argument("--impls", default=None, help="comma-separated impls (default " + ", ".join(DEFAULT_IMPLS)
-                   + "; knob rows " + ", ".join(KNOBS) + ")")
+    p.add_argument("--impls", default=None, help="comma-separated impls (" + ", ".join(IMPLS) + ")")
 
 
 def main() -> int:
@@ -156,7 +146,7 @@ def main() -> int:
     cases = H.choices("--cases", args.cases, MODELS, QUICK["cases"] if args.quick else MODELS)
     ts = tuple(args.ts) if args.ts else (QUICK["ts"] if args.quick else TS)
     variants = H.choices("--variants", args.variants, VARIANTS, VARIANTS)
-    impls = H.choices("--impls", args.impls, IMPLS, DEFAULT_IMPLS)
+    impls = H.choices("--impls", args.impls, IMPLS, IMPLS)
     H._require_cuda("prologue")
     ceil = H.measure_ceilings()
     res = H.Results("prologue", ceilings=ceil, out=args.out)
@@ -186,21 +176,18 @@ def main() -> int:
                 torch.cuda.empty_cache()
     _speedups(res)
     res.finish(x="T", group="series", columns=("case", "variant", "T", "impl", "us", "eager_us", "floor_us",
-                                                "frac_of_floor", "vs_unfused", "vs_compile", "vs_evenflow",
-                                                "max_abs_err", "error"),
+                                                "frac_of_floor", "vs_unfused", "vs_compile", "max_abs_err", "error"),
                plot=not args.no_plot)
     return 0
 
 
 def _speedups(res: H.Results) -> None:
-    """vs_unfused / vs_compile (peer us / our us) on the evenflow rows and knob rows, and vs_evenflow (the kernel of
-    record's us / the knob row's: above 1, the knob is faster) on the knob rows."""
+    """vs_unfused / vs_compile (peer us / our us) on the evenflow rows."""
     by = {(r["case"], r.get("variant"), r.get("T"), r["impl"]): r for r in res.rows if "us" in r}
     for (case, variant, t, impl), r in by.items():
-        if impl != "evenflow" and impl not in KNOBS:
+        if impl != "evenflow":
             continue
-        peers = [("torch-unfused", "vs_unfused"), ("torch-compile", "vs_compile")]
-        for p_impl, col in peers + ([("evenflow", "vs_evenflow")] if impl in KNOBS else []):
+        for p_impl, col in (("torch-unfused", "vs_unfused"), ("torch-compile", "vs_compile")):
             p = by.get((case, variant, t, p_impl))
             if p:
                 r[col] = round(p["us"] / r["us"], 3)

@@ -50,12 +50,11 @@ def test_speedups_take_the_fastest_flashinfer(bench):
 def test_knob_rows_run_their_form_and_put_the_switches_back(bench, device, monkeypatch):
     """A knob row's calls run with its switches set (a switch read at launch shows it) and restore them after each
     call; its output is the form of record's (the loop forms compute the same sums in the interpreter) and passes
-    the sampled check. The cases take every form's own path: 200 rows (128-row blocks where wide, two of them for
-    the longest-first order), after 70 cached tokens (unmasked steps in every block); 40-row chunks at group 4 (two
-    heads a block where packed)."""
+    the sampled check. The cases take every form's own path: 200 rows (two 128-row blocks where wide), after 70
+    cached tokens (unmasked steps in every block); 40-row chunks at group 4 (two heads a block where packed)."""
     from evenflow.attention import prefill as P
 
-    names = ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS", "PACK_HEADS")
+    names = ("SPLIT_LOOP", "WIDE_ROWS", "PACK_HEADS")
     defaults = {name: getattr(P, name) for name in names}
     seen = switches_at_launch(monkeypatch, P, "_prefill_launch", names)
     for case in ("1x200+70", "2x40+30"):

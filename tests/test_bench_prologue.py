@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from evenflow.bench import harness as H
-from tests_support_bench import load_script, switches_at_launch
+from tests_support_bench import load_script
 
 FP8 = torch.float8_e4m3fn
 
@@ -111,35 +111,3 @@ def test_the_compiled_peer_builds_at_more_points_than_dynamos_recompile_limit(be
                 call()
     assert len(frames) == 2  # one build a point, the second copy of a point reusing it
 
-
-def test_knob_rows_run_their_load_order_and_put_the_switches_back(bench, device, monkeypatch):
-    """A knob row's call runs with its switches set (read at launch) and restores them; it writes what the kernel
-    of record writes at the benchmark's decode and prefill layouts, and passes the benchmark's check."""
-    from evenflow.attention import prologue as P
-
-    seen = switches_at_launch(monkeypatch, P, "_prologue_launch", ("HOIST_LOADS", "GUESS_REQUEST"))
-    # a decode step, every knob row; two prefill chunks of unequal length (the even split's guess misses for
-    # tokens 260-511), the row with both switches
-    for t, impls in ((4, bench.KNOBS), (520, ("evenflow-ca",))):
-        ref_pt = bench.build("qwen3-235b-a22b-tp8", t, "fp8-q-kv", device=device, copies=1)
-        ref_q, ref_s = bench.calls("evenflow", ref_pt)[0]()
-        for impl in impls:
-            switches = bench.KNOBS[impl]
-            pt = bench.build("qwen3-235b-a22b-tp8", t, "fp8-q-kv", device=device, copies=1)
-            q, s = bench.calls(impl, pt)[0]()
-            assert seen[-1] == {name: switches.get(name, False) for name in seen[-1]}, impl
-            assert not (P.HOIST_LOADS or P.GUESS_REQUEST), f"{impl} left a switch on"
-            bench.check(pt, (q, s))
-            assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s), impl
-            for name in ("k_cache", "v_cache"):
-                assert torch.equal(pt[name].view(torch.uint8), ref_pt[name].view(torch.uint8)), f"{impl} {name}"
-
-
-def test_knob_rows_speedups_include_the_kernel_of_record(bench):
-    res = H.Results("prologue", ceilings={"copy_TBps": 4.0})
-    for impl, us in (("evenflow", 2.0), ("evenflow-ca", 1.0), ("torch-compile", 3.0)):
-        res.add(case="qwen3-30b-a3b", variant="bf16", impl=impl, us=us, T=64)
-    bench._speedups(res)
-    by = {r["impl"]: r for r in res.rows}
-    assert by["evenflow-ca"]["vs_evenflow"] == 2.0 and by["evenflow-ca"]["vs_compile"] == 3.0
-    assert "vs_evenflow" not in by["evenflow"] and by["evenflow"]["vs_compile"] == 1.5

@@ -154,12 +154,12 @@ def test_rows_that_see_nothing_and_clamped_values(device):
     assert torch.isfinite(out.float()).all()
 
 
-# Round CA's loop forms and round CC's head packing (evenflow.attention.prefill's switches; SPLIT_LOOP, WIDE_ROWS and
-# PACK_HEADS on by default since round CC), each set whole: the masked one-head form of record before them, each
-# switch alone, all
-_SWITCHES = ("SPLIT_LOOP", "LONGEST_FIRST", "WIDE_ROWS", "PACK_HEADS")
-FORMS = {"masked": (), "split": ("SPLIT_LOOP",), "longest-first": ("LONGEST_FIRST",), "wide": ("WIDE_ROWS",),
-         "pack": ("PACK_HEADS",), "all": _SWITCHES}
+# Round CA's loop forms and round CC's head packing (evenflow.attention.prefill's switches; all three on by default
+# since round CC), each form set whole: the masked one-head form of record before them, each switch alone, split and
+# wide unpacked (the benchmark's knob rows among them)
+_SWITCHES = ("SPLIT_LOOP", "WIDE_ROWS", "PACK_HEADS")
+FORMS = {"masked": (), "split": ("SPLIT_LOOP",), "wide": ("WIDE_ROWS",), "pack": ("PACK_HEADS",),
+         "unpacked": ("SPLIT_LOOP", "WIDE_ROWS")}
 
 
 def _set_form(m, P, form):
@@ -169,7 +169,7 @@ def _set_form(m, P, form):
 
 # (new, prefix, Hq, Hkv, D, page, kv dtype, max_seqlen_q or None): the unmasked steps' page id at each page size
 # (one a step at 64 / 128, one a key at 16 / 32), prefixes that end mid-page and mid-step, a grid bound under the
-# rows (fewer programs walk every block, longest first among them) and over them, 128-row blocks at D 64 / 128
+# rows (fewer programs walk every block) and over them, 128-row blocks at D 64 / 128
 FORM_CASES = {
     "long-prefill-d128-p64": ([200, 65], [130, 0], 8, 2, 128, 64, BF16, None),
     "long-prefill-d64-p16-fp8": ([150, 7], [37, 300], 4, 1, 64, 16, FP8, None),
@@ -189,9 +189,9 @@ FORM_CASES = {
 def test_loop_forms_compute_what_the_form_of_record_computes(form, device, monkeypatch):
     """Each of round CA's loop forms within the rule of the fp64 oracle, over padding rows and rows that see no key
     (a length under a request's new rows); in the interpreter, bit for bit the default form's output and LSE (the
-    same keys in the same steps and order: only masks that select nothing, the page id's load, the grid's order
-    and the rows a block holds change). The default (split, wide and packed) differs from the masked form and each
-    single switch in at least one switch, so every pair of forms is compared through it."""
+    same keys in the same steps and order: only masks that select nothing, the page id's load and the rows a block
+    holds change). The default (split, wide and packed) differs from each form in at least one
+    switch, so every pair of forms is compared through it."""
     from evenflow.attention import prefill as P
 
     for name, (new, prefix, hq, hkv, d, page, kv, max_q) in FORM_CASES.items():

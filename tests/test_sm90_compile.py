@@ -142,21 +142,10 @@ def _moe_launches():
 
 
 def _prologue_launches():
-    # the shapes below with round CA's load orders off (the kernel of record), then with both on
-    from evenflow.attention import prologue as P
-    from evenflow.bench.harness import with_switches
-
-    _prologue_shapes()
-    with_switches(P, {"HOIST_LOADS": True, "GUESS_REQUEST": True}, _prologue_shapes)
-    for one in ("HOIST_LOADS", "GUESS_REQUEST"):  # each alone (the benchmark's knob rows), at Qwen3's decode step
-        with_switches(P, {one: True}, lambda: _prologue_shapes(first_only=True))
-
-
-def _prologue_shapes(first_only=False):
     # (Hq, Hkv, D, page, T): Qwen3-30B-A3B (32 / 4, d128), its TP8 slice, Llama-style 8 kv heads, d64 and d256,
     # at a decode step and a prefill chunk; every dtype pair, rotation style and norm form at Qwen3's shape
     shapes = [(32, 4, 128, 64, 1), (32, 4, 128, 64, 4096), (4, 1, 128, 16, 64), (64, 8, 128, 128, 8),
-              (16, 2, 64, 32, 16), (8, 1, 256, 64, 16)][:1 if first_only else None]
+              (16, 2, 64, 32, 16), (8, 1, 256, 64, 16)]
     forms = [dict(), dict(q_dtype=FP8), dict(rope_style="gptj", norm_before_rope=False), dict(rotary_dim=64),
              dict(norms=False)]
     for i, (hq, hkv, d, page, t) in enumerate(shapes):
@@ -180,17 +169,15 @@ def _prefill_launches():
     # (Hq, Hkv, D, page, new tokens a request): Qwen3-30B-A3B chunks and short extends, the Hy3 heads, d64 / d256,
     # every block size the launcher picks (16, 32, 64 rows; 128 where the chunk has more than 64 rows at D <= 128),
     # bf16 and fp8 caches, with and without LSE, in the default form (round CA's unmasked steps and 128-row blocks,
-    # round CC's packed heads: 2-8 heads a block at the short shapes); then every switch on, one head a block, and the
-    # benchmark's other knob rows (the masked form among them) at Qwen3's chunk
+    # round CC's packed heads: 2-8 heads a block at the short shapes); then one head a block, and the benchmark's
+    # other knob rows (the masked form among them) at Qwen3's chunk
     from evenflow.attention import prefill as P
     from evenflow.bench.harness import with_switches
 
     _prefill_shapes()
-    with_switches(P, {"SPLIT_LOOP": True, "LONGEST_FIRST": True, "WIDE_ROWS": True, "PACK_HEADS": True},
-                  _prefill_shapes)
     with_switches(P, {"PACK_HEADS": False}, _prefill_shapes)  # the knob row: one head a block at the short shapes
     for knobs in ({"SPLIT_LOOP": False, "WIDE_ROWS": False, "PACK_HEADS": False},
-                  {"WIDE_ROWS": False, "PACK_HEADS": False}, {"LONGEST_FIRST": True}, {"SPLIT_LOOP": False}):
+                  {"WIDE_ROWS": False, "PACK_HEADS": False}, {"SPLIT_LOOP": False}):
         with_switches(P, knobs, lambda: _prefill_shapes(first_only=True))
 
 

@@ -54,9 +54,8 @@ MAX_ROW_BLOCKS = 1 << 15  # the grid's row-block dimension at most, under CUDA's
 # (tests/test_prefill.py), and on a GPU within the rule (there the compiler may fuse an unmasked step's score scale
 # into its exponent, and 128-row blocks lay the MMAs out anew). SPLIT_LOOP and WIDE_ROWS are on since round CC, which
 # timed them against that form (CC's knob rows, one H100: 2.50-2.71x on the long bf16 cases, 1.70-1.95x with fp8 KV,
-# 1.13-1.27x on 64-row chunks); LONGEST_FIRST stays off (0.92-1.04x alone, level beside the other two).
+# 1.13-1.27x on 64-row chunks). A third, the longest blocks first, measured 0.92-1.04x and was taken out.
 SPLIT_LOOP = True  # the steps every row of a block sees without masks, one page id a step where the page allows
-LONGEST_FIRST = False  # the row blocks with the most keys first (heads inside them in the grid's order)
 WIDE_ROWS = True  # 128-row blocks on 8 warps (a warpgroup's 64 rows each) for chunks of more than 64 rows, D <= 128
 # Round CC's head packing: where a head's rows take a block of under 128 rows at D <= 128 (with WIDE_ROWS, chunks of
 # at most 64 rows), several q heads of one KV head share a block (up to 128 rows), as the decode kernel packs its
@@ -124,8 +123,7 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     heads = _heads_per_block(rows, D, Hq // Hkv, PACK_HEADS)
     block_m = heads * rows
     row_blocks = min(triton.cdiv(max_seqlen_q, rows), MAX_ROW_BLOCKS)
-    grid = (B + 1, Hq // heads, row_blocks) if LONGEST_FIRST else (B + 1, row_blocks, Hq // heads)
-    PK.prefill_attention_kernel[grid](
+    PK.prefill_attention_kernel[(B + 1, row_blocks, Hq // heads)](
         q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, out, lse if lse is not None else out,
         k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,
         sm_scale * _LOG2E * k_scale_f, v_scale_f, T, B, k_cache.shape[0], page_table.shape[1],
@@ -134,7 +132,7 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         GROUP=Hq // Hkv, D=D, PAGE=P, BLOCK_M=block_m, BLOCK_N=block_n, KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         K_SCALE_T=k_scale is not None, V_SCALE_T=v_scale is not None, HAS_LSE=lse is not None,
-        DOT_F32=_runtime.dot_needs_fp32(), SPLIT=SPLIT_LOOP, LONGEST_FIRST=LONGEST_FIRST, HEADS=heads,
+        DOT_F32=_runtime.dot_needs_fp32(), SPLIT=SPLIT_LOOP, HEADS=heads,
         num_warps=8 if block_m >= 64 else 4, num_stages=2,
     )
 

@@ -1,15 +1,15 @@
 """Triton kernel of paged prefill / extend attention (pure ``@triton.jit`` code; the launcher is ``prefill.py``).
 
 A program takes one query head of one request (``HEADS`` of them where it packs a KV head's q heads into a block's
-rows) and walks that request's blocks of new rows (its row-block slot's block, then every ``slots``-th: the grid's
-row-block dimension is a bound from the host, and a request with more rows than it covers is still computed whole;
-requests are the first dimension, which CUDA allows up to 2^31 - 1). For each block it streams the request's keys in
-BLOCK_N steps up to the block's last visible key (with ``SPLIT``, the steps every row sees unmasked, then the
-diagonal's masked), gathering each step's pages through the page table, with the online softmax of the decode kernel
-(``kernels._scores`` / ``_softmax_pv_step``: bf16 MMAs for a bf16 cache, f16 MMAs of the exact e4m3 values for an
-fp8 one). Row i of a request with n new rows and L cached tokens (new ones included) sees keys [0, L - n + i + 1).
-The grid's extra request (``program_id(0) == B``) writes zeros (and LSE -inf) to the rows no request owns: past
-``cu_seqlens_q[B]`` (padding) and before ``cu_seqlens_q[0]``.
+rows) and walks that request's blocks of new rows (block ``program_id(1)``, then every ``num_programs(1)``-th: the
+grid's row-block dimension is a bound from the host, and a request with more rows than it covers is still computed
+whole; requests are the first dimension, which CUDA allows up to 2^31 - 1). For each block it streams the request's
+keys in BLOCK_N steps up to the block's last visible key (with ``SPLIT``, the steps every row sees unmasked, then
+the diagonal's masked), gathering each step's pages through the page table, with the online softmax of the decode
+kernel (``kernels._scores`` / ``_softmax_pv_step``: bf16 MMAs for a bf16 cache, f16 MMAs of the exact e4m3 values
+for an fp8 one). Row i of a request with n new rows and L cached tokens (new ones included) sees keys [0, L - n + i
++ 1). The grid's extra request (``program_id(0) == B``) writes zeros (and LSE -inf) to the rows no request owns:
+past ``cu_seqlens_q[B]`` (padding) and before ``cu_seqlens_q[0]``.
 
 Values inside device tensors are clamped so nothing is read or written out of bounds: request boundaries to
 [0, T], lengths to [0, max_pages * P], page ids to [0, num_pages).
@@ -35,10 +35,10 @@ def _f16_rows(b_q, b_rs):
 
 @triton.jit
 def _zero_rows(r_start, r_end, p_out, p_lse, hq, stride_ot, stride_oh, stride_lt,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr, LONGEST_FIRST: tl.constexpr):
+               D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LSE: tl.constexpr):
     """Zeros (and LSE -inf) to head ``hq`` of rows [r_start, r_end), the grid's row-block programs taking turns."""
     o_d = tl.arange(0, D)
-    for r0 in range(r_start + _slot(LONGEST_FIRST) * BLOCK_M, r_end, _slots(LONGEST_FIRST) * BLOCK_M):
+    for r0 in range(r_start + tl.program_id(1) * BLOCK_M, r_end, tl.num_programs(1) * BLOCK_M):
         o_r = r0 + tl.arange(0, BLOCK_M)
         m_r = o_r < r_end
         tl.store(p_out + o_r.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + o_d[None, :],
@@ -46,19 +46,6 @@ def _zero_rows(r_start, r_end, p_out, p_lse, hq, stride_ot, stride_oh, stride_lt
         if HAS_LSE:
             tl.store(p_lse + o_r.to(tl.int64) * stride_lt + hq, tl.zeros([BLOCK_M], dtype=tl.float32)
                      - float("inf"), mask=m_r)
-
-
-@triton.jit
-def _slot(LONGEST_FIRST: tl.constexpr):
-    """This program's row-block slot: the grid's third dimension with ``LONGEST_FIRST`` (heads second), else its
-    second."""
-    return tl.program_id(2 if LONGEST_FIRST else 1)
-
-
-@triton.jit
-def _slots(LONGEST_FIRST: tl.constexpr):
-    """The grid's row-block slots (see :func:`_slot`)."""
-    return tl.num_programs(2 if LONGEST_FIRST else 1)
 
 
 @triton.jit
@@ -107,28 +94,23 @@ def prefill_attention_kernel(
     stride_ptb, stride_ot, stride_oh, stride_lt,
     GROUP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_FP8: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr, HAS_LSE: tl.constexpr,
-    DOT_F32: tl.constexpr, SPLIT: tl.constexpr = False, LONGEST_FIRST: tl.constexpr = False, HEADS: tl.constexpr = 1,
+    DOT_F32: tl.constexpr, SPLIT: tl.constexpr = False, HEADS: tl.constexpr = 1,
 ):
     """``SPLIT``: each block's keys in two loops, those every row of the block sees (no mask, one page id a step where
-    the page size allows) and then the diagonal's steps (masked). ``LONGEST_FIRST``: the grid is (requests + 1, q
-    heads, row-block slots), and slot j takes a request's row blocks from the last (the most keys) down, so the
-    blocks with the most keys of every head start first and the short ones fill the tail; else (requests + 1,
-    row-block slots, q heads) in row-block order. ``HEADS``: a program takes HEADS consecutive q heads of one KV
-    head (the grid's head dimension counts groups of HEADS), and a block's BLOCK_M rows are HEADS heads x R =
-    BLOCK_M / HEADS new rows (row r: head hq + r // R, hq the block's first head; the block's (r % R)-th new row),
-    so short chunks fill the MMA's rows and load each K / V step once for HEADS heads."""
+    the page size allows) and then the diagonal's steps (masked). The grid is (requests + 1, row-block slots, q heads
+    / HEADS). ``HEADS``: a program takes HEADS consecutive q heads of one KV head, and a block's BLOCK_M rows are
+    HEADS heads x R = BLOCK_M / HEADS new rows (row r: head hq + r // R, hq the block's first head; the block's
+    (r % R)-th new row), so short chunks fill the MMA's rows and load each K / V step once for HEADS heads."""
     R: tl.constexpr = BLOCK_M // HEADS  # a block's new rows (of each of its heads)
     b = tl.program_id(0)
-    hq = tl.program_id(1 if LONGEST_FIRST else 2).to(tl.int64) * HEADS  # the block's first q head
+    hq = tl.program_id(2).to(tl.int64) * HEADS  # the block's first q head
     if b == B:  # the rows no request owns: before cu[0] and past cu[B]
         first = tl.minimum(tl.maximum(tl.load(p_cu), 0), T)
         for i in tl.static_range(HEADS):
-            _zero_rows(0, first, p_out, p_lse, hq + i, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE,
-                       LONGEST_FIRST)
+            _zero_rows(0, first, p_out, p_lse, hq + i, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE)
         last = tl.minimum(tl.maximum(tl.load(p_cu + B), first), T)
         for i in tl.static_range(HEADS):
-            _zero_rows(last, T, p_out, p_lse, hq + i, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE,
-                       LONGEST_FIRST)
+            _zero_rows(last, T, p_out, p_lse, hq + i, stride_ot, stride_oh, stride_lt, D, BLOCK_M, HAS_LSE)
     else:
         h = hq // GROUP  # (int64, as hq: head offsets of a large strided view; HEADS divides GROUP)
         c1 = tl.minimum(tl.maximum(tl.load(p_cu + b + 1), 0), T)
@@ -140,12 +122,8 @@ def prefill_attention_kernel(
         o_d = tl.arange(0, D)
         p_ptrow = p_pt + b.to(tl.int64) * stride_ptb
         PAGE_STEPS: tl.constexpr = SPLIT and (PAGE % BLOCK_N == 0)
-        for j in range(_slot(LONGEST_FIRST), (n + R - 1) // R, _slots(LONGEST_FIRST)):
-            if LONGEST_FIRST:
-                mb = (n + R - 1) // R - 1 - j
-            else:
-                mb = j
-            if HEADS == 1:
+        for mb in range(tl.program_id(1), (n + R - 1) // R, tl.num_programs(1)):
+            if HEADS == 1:  # (a scalar head: one head offset for the block's rows)
                 o_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
                 o_h = hq
             else:  # row r: head hq + r // R, new row mb * R + r % R

@@ -62,11 +62,6 @@ FP8 = torch.float8_e4m3fn
 ROPE_STYLES = ("neox", "gptj")
 # heads a program takes: about 2048 elements of each operand (fewer programs at small D, no spills at large)
 _BLOCK_ELEMS = 2048
-# Round CA's load order (docs/perf-notes/prologue.md, "Round CA: the chain"), off until a device run has timed it
-# against the kernel of record (benchmarks/prologue.py's knob rows); the same values written either way for valid
-# inputs (tests/test_prologue.py holds each to the default bit for bit; a padding row's q is zero in both).
-HOIST_LOADS = False  # rows loaded before the token's request is found; query programs never look it up
-GUESS_REQUEST = False  # the request of an even split checked first (one round trip), the bisection where it misses
 
 
 def _block_h(num_heads: int, head_dim: int) -> int:
@@ -134,7 +129,7 @@ def _prologue_launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
         SEARCH_STEPS=max(1, math.ceil(math.log2(B + 1))),
         GPTJ=gptj, NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None, NORM_FIRST=norm_first,
         Q_FP8=q_fp8, KV_FP8=k_cache.dtype == FP8, K_SCALE_T=k_scale is not None, V_SCALE_T=v_scale is not None,
-        FP8_ROUND=_runtime.fp8_cast_needs_rounding(), HOIST=HOIST_LOADS, GUESS=GUESS_REQUEST, num_warps=4,
+        FP8_ROUND=_runtime.fp8_cast_needs_rounding(), num_warps=4,
     )
 
 

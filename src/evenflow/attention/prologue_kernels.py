@@ -23,15 +23,11 @@ Q_AMAX_EPS = tl.constexpr(1e-10)
 
 
 @triton.jit
-def _live(p_cu, t, B):
-    """Whether token ``t`` belongs to a request (``cu[0] <= t < cu[B]``): two loads, one round trip."""
-    return (t < tl.load(p_cu + B)) & (tl.load(p_cu) <= t)
-
-
-@triton.jit
-def _bisect(p_cu, t, B, SEARCH_STEPS: tl.constexpr):
-    """The request b with ``cu[b] <= t < cu[b + 1]`` by bisection over ``cu[0..B]`` (SEARCH_STEPS dependent loads).
-    Requests with no tokens are skipped over (``cu[b] == cu[b + 1]``)."""
+def _request_of(p_cu, t, B, SEARCH_STEPS: tl.constexpr):
+    """(b, live): the request b with ``cu[b] <= t < cu[b + 1]`` by bisection over ``cu[0..B]`` and whether the
+    token is live (``cu[0] <= t < cu[B]``). Requests with no tokens are skipped over (``cu[b] == cu[b + 1]``)."""
+    total = tl.load(p_cu + B)
+    live = (t < total) & (tl.load(p_cu) <= t)
     lo = t * 0
     hi = lo + B
     for _ in tl.static_range(SEARCH_STEPS):
@@ -40,26 +36,7 @@ def _bisect(p_cu, t, B, SEARCH_STEPS: tl.constexpr):
         step = hi - lo > 1
         lo = tl.where(step & (at <= t), mid, lo)
         hi = tl.where(step & (at > t), mid, hi)
-    return lo
-
-
-@triton.jit
-def _request_of(p_cu, t, T, B, SEARCH_STEPS: tl.constexpr, GUESS: tl.constexpr):
-    """The request b with ``cu[b] <= t < cu[b + 1]`` (any b in [0, B) for a token no request owns). ``GUESS``: first
-    the request t would be in if the T tokens were split evenly, ``t * B // T`` (a decode step's ``b = t``, a prefill
-    of equal chunks), checked against its two boundaries in one round trip; the bisection only where it misses. With
-    valid boundaries (``cu`` non-decreasing) the request is unique and both ways find it; with decreasing ones (which
-    ``check_inputs`` refuses) they may pick different overlapping requests, each in bounds."""
-    if GUESS:  # g in [0, max(B - 1, 0)] and g + 1 <= B: inside cu's B + 1 entries (B = 0, a batch of padding: cu[0])
-        g = tl.maximum(tl.minimum(t.to(tl.int64) * B // T, B - 1), 0).to(t.dtype)
-        hit = (tl.load(p_cu + g) <= t) & (t < tl.load(p_cu + tl.minimum(g + 1, B)))
-        if hit:
-            b = g
-        else:
-            b = _bisect(p_cu, t, B, SEARCH_STEPS)
-    else:
-        b = _bisect(p_cu, t, B, SEARCH_STEPS)
-    return b
+    return lo, live
 
 
 @triton.jit
@@ -67,8 +44,7 @@ def _normed_rotated(p_row, o_h, m_h, o_d, p_w, p_cos, p_sin, eps,
                     D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, NORM_FIRST: tl.constexpr,
                     GPTJ: tl.constexpr, live):
     """fp32 [BLOCK_H, D] of heads ``o_h`` of one token row (``p_row``: the heads' first column), normed with
-    weight ``p_w`` (when NORM) and rotated by the angles at ``p_cos``/``p_sin`` (R/2 of each). The row's loads are
-    masked by ``live`` (pass True to load a row whatever it holds: it is inside the qkv tensor either way)."""
+    weight ``p_w`` (when NORM) and rotated by the angles at ``p_cos``/``p_sin`` (R/2 of each)."""
     if GPTJ:
         o_p = o_d ^ 1
         o_i = o_d // 2
@@ -127,18 +103,12 @@ def qk_norm_rope_store_kv_kernel(
     BLOCK_H: tl.constexpr, Q_BLOCKS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     GPTJ: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr, NORM_FIRST: tl.constexpr,
     Q_FP8: tl.constexpr, KV_FP8: tl.constexpr, K_SCALE_T: tl.constexpr, V_SCALE_T: tl.constexpr,
-    FP8_ROUND: tl.constexpr, HOIST: tl.constexpr = False, GUESS: tl.constexpr = False,
+    FP8_ROUND: tl.constexpr,
 ):
-    """``HOIST``: a program's row loads do not wait for the token's request: the query programs never look it up
-    (they need only whether the token is live, and zero their row where it is not), and the key / value programs
-    load their rows before they look it up (the store alone needs it). Else every program finds the request first
-    and masks its loads by it. ``GUESS``: see :func:`_request_of`."""
     t = tl.program_id(0)
     hb = tl.program_id(1)
     t64 = t.to(tl.int64)
-    live = _live(p_cu, t, B)
-    if not HOIST:
-        b = _request_of(p_cu, t, tl.num_programs(0), B, SEARCH_STEPS, GUESS)
+    b, live = _request_of(p_cu, t, B, SEARCH_STEPS)
     pos = tl.load(p_pos + t64).to(tl.int64)
     # the angles of a position outside the table are never used for a live row (check_inputs refuses them);
     # the read is clamped all the same
@@ -150,12 +120,7 @@ def qk_norm_rope_store_kv_kernel(
     if hb < Q_BLOCKS:
         o_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         m_h = o_h < HQ
-        if HOIST:
-            y = _normed_rotated(p_row, o_h, m_h, o_d, p_qn_w, p_cos, p_sin, eps, D, R, NORM_Q, NORM_FIRST, GPTJ, True)
-            y = tl.where(live, y, 0.0)
-        else:
-            y = _normed_rotated(p_row, o_h, m_h, o_d, p_qn_w, p_cos, p_sin, eps, D, R, NORM_Q, NORM_FIRST, GPTJ,
-                                live)
+        y = _normed_rotated(p_row, o_h, m_h, o_d, p_qn_w, p_cos, p_sin, eps, D, R, NORM_Q, NORM_FIRST, GPTJ, live)
         p_out = p_q_out + t64 * stride_qo_t + o_h[:, None] * D + o_d[None, :]
         if Q_FP8:
             s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), Q_AMAX_EPS), FP8_E4M3_MAX)
@@ -166,25 +131,17 @@ def qk_norm_rope_store_kv_kernel(
     else:
         o_h = (hb - Q_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
         m_h = o_h < HKV
-        if HOIST:  # the rows first; then the request, the page and the stores
-            k = _normed_rotated(p_row + HQ * D, o_h, m_h, o_d, p_kn_w, p_cos, p_sin, eps, D, R, NORM_K, NORM_FIRST,
-                                GPTJ, True)
-            v = tl.load(p_row + (HQ + HKV) * D + o_h[:, None] * D + o_d[None, :], mask=m_h[:, None],
-                        other=0.0).to(tl.float32)
-            b = _request_of(p_cu, t, tl.num_programs(0), B, SEARCH_STEPS, GUESS)
         # the slot: a live token at a position inside the page table whose page is in the cache; anything else
         # writes nothing (check_inputs names it; the kernel only keeps every access in bounds)
         ok = live & (pos >= 0) & (pos // P < max_pages)  # (no max_pages * P: it could wrap in int32)
         page = tl.load(p_page_table + b.to(tl.int64) * stride_pt_b + pos // P, mask=ok, other=0).to(tl.int64)
         ok = ok & (page >= 0) & (page < num_pages)
-        if not HOIST:
-            k = _normed_rotated(p_row + HQ * D, o_h, m_h, o_d, p_kn_w, p_cos, p_sin, eps, D, R, NORM_K, NORM_FIRST,
-                                GPTJ, live)
+        k = _normed_rotated(p_row + HQ * D, o_h, m_h, o_d, p_kn_w, p_cos, p_sin, eps, D, R, NORM_K, NORM_FIRST,
+                            GPTJ, live)
         _store_kv(p_kc, k, o_h, m_h, o_d, page * stride_kc_page + (pos % P) * stride_kc_slot, ok, p_k_scale,
                   k_scale_f, K_SCALE_T, KV_FP8, FP8_ROUND, stride_kc_head)
-        if not HOIST:
-            v = tl.load(p_row + (HQ + HKV) * D + o_h[:, None] * D + o_d[None, :], mask=m_h[:, None] & ok,
-                        other=0.0).to(tl.float32)
+        v = tl.load(p_row + (HQ + HKV) * D + o_h[:, None] * D + o_d[None, :], mask=m_h[:, None] & ok,
+                    other=0.0).to(tl.float32)
         _store_kv(p_vc, v, o_h, m_h, o_d, page * stride_vc_page + (pos % P) * stride_vc_slot, ok, p_v_scale,
                   v_scale_f, V_SCALE_T, KV_FP8, FP8_ROUND, stride_vc_head)
 
