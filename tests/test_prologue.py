@@ -133,6 +133,8 @@ SHAPES = {
     "prefill-g1-d256-p32": ([33, 7], [0, 0], 3, 3, 256, 32),
     "spec-g16-d64-p128": ([4, 2], [125, 0], 16, 1, 64, 128),
     "g8-three-kv-heads-d128-p32": ([3, 1], [31, 62], 24, 3, 128, 32),
+    # one KV head (a TP8 slice): key / value programs take several tokens each, the last block ragged
+    "tp8-g8-one-kv-head-d128-p64": ([17, 1, 19], [60, 3, 0], 8, 1, 128, 64),
 }
 
 
@@ -143,6 +145,22 @@ def test_shapes_and_dtypes(shape, kv_dtype, q_dtype, device):
     args, qw, kw = make_inputs(new, prefix, hq, hkv, d, page, kv_dtype, pad=2, device=device)
     scales = dict(k_scale=0.75, v_scale=torch.tensor([1.5], device=device)) if kv_dtype == FP8 else {}
     check(args, qw, kw, q_dtype=q_dtype, what=f"{shape} {kv_dtype} {q_dtype}", **scales)
+
+
+@pytest.mark.parametrize("heads,d", [(1, 128), (8, 128), (32, 128), (3, 256), (64, 64)])
+def test_row_blocks_fill_programs_without_starving_sms(heads, d):
+    """The launcher's (heads, tokens) a program: powers of two, at most the block's 2048 elements (or one head row
+    where a head is wider), tokens only where every SM still gets a program of this kind."""
+    from evenflow.attention.prologue import _rows_block
+
+    for sms in (4, 132):
+        for t in (1, 3, 8, 100, 1000, 5000, 16384):
+            h, k = _rows_block(heads, d, t, sms)
+            assert h & (h - 1) == 0 and k & (k - 1) == 0 and h * k * d <= max(2048, d)
+            blocks = -(-heads // h)
+            assert k == 1 or -(-t // k) * blocks >= sms, (heads, d, t, sms, h, k)
+            if t * blocks >= 2 * sms * 2048 // (h * d):  # rows enough: full blocks
+                assert h * k * d >= min(2048, h * d * t), (heads, d, t, sms, h, k)
 
 
 @pytest.mark.parametrize("norm", ["qk", "none", "q-only", "k-only"])

@@ -60,12 +60,23 @@ from evenflow.attention.plan import Q_DTYPES
 
 FP8 = torch.float8_e4m3fn
 ROPE_STYLES = ("neox", "gptj")
-# heads a program takes: about 2048 elements of each operand (fewer programs at small D, no spills at large)
+# elements a program takes: about 2048 of each operand (its heads, then as many tokens as fill the block)
 _BLOCK_ELEMS = 2048
 
 
 def _block_h(num_heads: int, head_dim: int) -> int:
     return max(1, min(triton.next_power_of_2(num_heads), _BLOCK_ELEMS // head_dim))
+
+
+def _rows_block(num_heads: int, head_dim: int, tokens: int, sms: int) -> tuple[int, int]:
+    """(heads, tokens) of a program's rows: heads up to the block's elements, then tokens to fill it (powers of two),
+    but no more tokens than leave one program an SM for this kind. Round CD: with one token a program, a slice of one
+    KV head ran programs of one 128-element row each (issue-bound at large T); with full blocks at small T, a few
+    programs each ran a long serial chain of fp8 stores while most SMs idled."""
+    heads = _block_h(num_heads, head_dim)
+    spread = max(1, tokens * triton.cdiv(num_heads, heads) // sms)
+    toks = max(1, min(_BLOCK_ELEMS // (heads * head_dim), 1 << (spread.bit_length() - 1)))
+    return heads, toks
 
 
 def _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, q_norm_weight, k_norm_weight,
@@ -112,23 +123,28 @@ def _prologue_launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
     B = page_table.shape[0]
     if T == 0:
         return
-    bh = _block_h(max(Hq, Hkv), D)
-    q_blocks, kv_blocks = triton.cdiv(Hq, bh), triton.cdiv(Hkv, bh)
+    sms = _runtime.num_sms(qkv.device)
+    qh, qt = _rows_block(Hq, D, T, sms)
+    kh, kt = _rows_block(Hkv, D, T, sms)
+    q_blocks, kv_blocks = triton.cdiv(Hq, qh), triton.cdiv(Hkv, kh)
+    q_programs = triton.cdiv(T, qt) * q_blocks
     q_fp8 = q_out.dtype == FP8
-    PK.qk_norm_rope_store_kv_kernel[(T, q_blocks + kv_blocks)](
+    PK.qk_norm_rope_store_kv_kernel[(q_programs + triton.cdiv(T, kt) * kv_blocks,)](
         qkv, positions, cos_sin, cu_seqlens_q, page_table, k_cache, v_cache,
         q_norm_weight if q_norm_weight is not None else qkv, k_norm_weight if k_norm_weight is not None else qkv,
         q_out, q_scale if q_scale is not None else cos_sin,
         k_scale if k_scale is not None else cos_sin, v_scale if v_scale is not None else cos_sin,
         k_scale_f, v_scale_f,
-        B, k_cache.shape[0], page_table.shape[1], cos_sin.shape[0], eps,
+        T, B, k_cache.shape[0], page_table.shape[1], cos_sin.shape[0], eps, q_programs,
         qkv.stride(0), cos_sin.stride(0), page_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), q_out.stride(0), q_scale.stride(0) if q_scale is not None else 0,
-        HQ=Hq, HKV=Hkv, D=D, R=rotary_dim, P=P, BLOCK_H=bh, Q_BLOCKS=q_blocks,
-        SEARCH_STEPS=max(1, math.ceil(math.log2(B + 1))),
+        HQ=Hq, HKV=Hkv, D=D, R=rotary_dim, RH=triton.next_power_of_2(rotary_dim // 2),
+        DR=triton.next_power_of_2(max(1, D - rotary_dim)), P=P, QH=qh, QT=qt, Q_BLOCKS=q_blocks, KH=kh, KT=kt,
+        KV_BLOCKS=kv_blocks, SEARCH_STEPS=max(1, math.ceil(math.log2(B + 1))),
         GPTJ=gptj, NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None, NORM_FIRST=norm_first,
         Q_FP8=q_fp8, KV_FP8=k_cache.dtype == FP8, K_SCALE_T=k_scale is not None, V_SCALE_T=v_scale is not None,
+        K_UNIT=k_scale is None and k_scale_f == 1.0, V_UNIT=v_scale is None and v_scale_f == 1.0,
         FP8_ROUND=_runtime.fp8_cast_needs_rounding(), num_warps=4,
     )
 
@@ -294,4 +310,4 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
         PK.store_rows_kernel[(N, triton.cdiv(Hkv, block_h))](
             x, cache, slots, s_t if s_t is not None else x, s_f, capacity, P, x.stride(0), x.stride(1),
             cache.stride(0), cache.stride(1), cache.stride(2), HKV=Hkv, D=D, BLOCK_H=block_h, SCALE_T=s_t is not None,
-            KV_FP8=cache.dtype == FP8, FP8_ROUND=_runtime.fp8_cast_needs_rounding())
+            UNIT=s_t is None and s_f == 1.0, KV_FP8=cache.dtype == FP8, FP8_ROUND=_runtime.fp8_cast_needs_rounding())
