@@ -133,7 +133,8 @@ SHAPES = {
     "prefill-g1-d256-p32": ([33, 7], [0, 0], 3, 3, 256, 32),
     "spec-g16-d64-p128": ([4, 2], [125, 0], 16, 1, 64, 128),
     "g8-three-kv-heads-d128-p32": ([3, 1], [31, 62], 24, 3, 128, 32),
-    # one KV head (a TP8 slice): key / value programs take several tokens each, the last block ragged
+    # one KV head (a TP8 slice): in the interpreter (4 SMs) key / value programs take several tokens each, the last
+    # block ragged (on a GPU this call is too small for that: one token a program)
     "tp8-g8-one-kv-head-d128-p64": ([17, 1, 19], [60, 3, 0], 8, 1, 128, 64),
 }
 
