@@ -132,6 +132,19 @@ def _store_cache(p, y, mask, KV_FP8: tl.constexpr, FP8_ROUND: tl.constexpr):
 
 
 @triton.jit
+def _store_parts(p, ya, yb, yr, rows, o_a, o_b, o_r, m_j, m_r, p_scale, scale_f, SCALE_T: tl.constexpr,
+                 UNIT: tl.constexpr, TAIL: tl.constexpr, FP8: tl.constexpr, FP8_ROUND: tl.constexpr):
+    """A head's parts (rotated pairs a, b; the tail past R) to the rows at ``p`` (valid where ``rows``), each divided by
+    the scale (:func:`_scaled`) and stored by :func:`_store_cache`'s rule."""
+    mj = rows[:, None] & m_j[None, :]
+    _store_cache(p + o_a[None, :], _scaled(ya, p_scale, scale_f, SCALE_T, UNIT), mj, FP8, FP8_ROUND)
+    _store_cache(p + o_b[None, :], _scaled(yb, p_scale, scale_f, SCALE_T, UNIT), mj, FP8, FP8_ROUND)
+    if TAIL:
+        _store_cache(p + o_r[None, :], _scaled(yr, p_scale, scale_f, SCALE_T, UNIT), rows[:, None] & m_r[None, :],
+                     FP8, FP8_ROUND)
+
+
+@triton.jit
 def _program_rows(prog, T, H: tl.constexpr, TOKENS: tl.constexpr, HEADS: tl.constexpr, BLOCKS: tl.constexpr):
     """Row i of program ``prog`` (of its kind, with BLOCKS head blocks a token block): token ``t[i]`` (and as int64),
     head ``h[i]``, valid where ``m[i]``."""
@@ -166,23 +179,16 @@ def _q_program(prog, p_qkv, p_pos, p_cos_sin, p_cu, p_qn_w, p_q_out, p_q_scale, 
     ya, yb, yr = _normed_rotated_rows(p_qkv + t64 * stride_qkv_t + h * D, m & live, p_cs, p_qn_w, eps,
                                       o_j, m_j, o_a, o_b, o_r, m_r, D, R, TAIL, NORM_Q, NORM_FIRST)
     p_o = (p_q_out + t64 * stride_qo_t + h * D)[:, None]
-    mj = m[:, None] & m_j[None, :]
-    mr = m[:, None] & m_r[None, :]
     if Q_FP8:
         amax = tl.maximum(tl.max(tl.abs(ya), axis=1), tl.max(tl.abs(yb), axis=1))
         if TAIL:
             amax = tl.maximum(amax, tl.max(tl.abs(yr), axis=1))
         s = tl.math.div_rn(tl.maximum(amax, Q_AMAX_EPS), FP8_E4M3_MAX)
-        tl.store(p_o + o_a[None, :], to_fp8e4(tl.math.div_rn(ya, s[:, None]), FP8_ROUND), mask=mj)
-        tl.store(p_o + o_b[None, :], to_fp8e4(tl.math.div_rn(yb, s[:, None]), FP8_ROUND), mask=mj)
-        if TAIL:
-            tl.store(p_o + o_r[None, :], to_fp8e4(tl.math.div_rn(yr, s[:, None]), FP8_ROUND), mask=mr)
+        _store_parts(p_o, ya, yb, yr, m, o_a, o_b, o_r, m_j, m_r, p_q_scale, s[:, None], False, False, TAIL, True,
+                     FP8_ROUND)
         tl.store(p_q_scale + t64 * stride_qs_t + h, s, mask=m)
     else:
-        tl.store(p_o + o_a[None, :], ya.to(tl.bfloat16), mask=mj)
-        tl.store(p_o + o_b[None, :], yb.to(tl.bfloat16), mask=mj)
-        if TAIL:
-            tl.store(p_o + o_r[None, :], yr.to(tl.bfloat16), mask=mr)
+        _store_parts(p_o, ya, yb, yr, m, o_a, o_b, o_r, m_j, m_r, p_q_scale, 1.0, False, True, TAIL, False, FP8_ROUND)
 
 
 @triton.jit
@@ -212,12 +218,8 @@ def _kv_program(prog, p_qkv, p_pos, p_cos_sin, p_cu, p_page_table, p_kc, p_vc, p
                                       NORM_K, NORM_FIRST)
     slot = pos % P
     p_k = (p_kc + page * stride_kc_page + slot * stride_kc_slot + h * stride_kc_head)[:, None]
-    mj = ok[:, None] & m_j[None, :]
-    _store_cache(p_k + o_a[None, :], _scaled(ka, p_k_scale, k_scale_f, K_SCALE_T, K_UNIT), mj, KV_FP8, FP8_ROUND)
-    _store_cache(p_k + o_b[None, :], _scaled(kb, p_k_scale, k_scale_f, K_SCALE_T, K_UNIT), mj, KV_FP8, FP8_ROUND)
-    if TAIL:
-        _store_cache(p_k + o_r[None, :], _scaled(kr, p_k_scale, k_scale_f, K_SCALE_T, K_UNIT),
-                     ok[:, None] & m_r[None, :], KV_FP8, FP8_ROUND)
+    _store_parts(p_k, ka, kb, kr, ok, o_a, o_b, o_r, m_j, m_r, p_k_scale, k_scale_f, K_SCALE_T, K_UNIT, TAIL, KV_FP8,
+                 FP8_ROUND)
     o_d = tl.arange(0, D)[None, :]
     v = tl.load((p_row + HKV * D)[:, None] + o_d, mask=ok[:, None], other=0.0).to(tl.float32)
     p_v = (p_vc + page * stride_vc_page + slot * stride_vc_slot + h * stride_vc_head)[:, None]
