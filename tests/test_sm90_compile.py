@@ -169,8 +169,9 @@ def _prefill_launches():
     # (Hq, Hkv, D, page, new tokens a request): Qwen3-30B-A3B chunks and short extends, the Hy3 heads, d64 / d256,
     # every block size the launcher picks (16, 32, 64 rows; 128 where the chunk has more than 64 rows at D <= 128),
     # bf16 and fp8 caches, with and without LSE, in the default form (round CA's unmasked steps and 128-row blocks,
-    # round CC's packed heads: 2-8 heads a block at the short shapes); then one head a block, and the benchmark's
-    # other knob rows (the masked form among them) at Qwen3's chunk
+    # round CC's packed heads: 2-8 heads a block at the short shapes); then one head a block (the benchmark's
+    # evenflow-unpacked), and at Qwen3's chunk its evenflow-masked and evenflow-narrow rows and the split loop off
+    # alone (the masked loop on 128-row and packed blocks)
     from evenflow.attention import prefill as P
     from evenflow.bench.harness import with_switches
 
