@@ -18,7 +18,7 @@ import torch
 import evenflow
 from evenflow import _runtime
 from evenflow.router.dispatch import SMEM_LIMIT, GemmConfig
-from tests_support_router import load_tuner
+from tests_support_router import load_tuner, one_block_table_entries
 
 CC = pytest.importorskip("evenflow._compile_check")
 
@@ -326,14 +326,6 @@ def test_fp32_simt_one_block_build_has_no_k_loop_and_no_dead_loads(bm, bn, bk, w
     assert all(w["issued"] == w["needed"] == 1 for w in one["load_waves"]), one["load_waves"]
 
 
-def _one_block_table_entries() -> list[tuple[int, int, int, dict]]:
-    """(M bucket, N, K, config) of each H200 table entry that ``router_gemm`` runs as the one-block build."""
-    path = os.path.join(os.path.dirname(evenflow.router.__file__), "configs", "h200.json")
-    table = json.load(open(path))
-    return [(e["m_max"], e["N"], e["K"], e["config"]) for e in table["entries"]
-            if e["config"]["path"] == "fp32-simt" and e["K"] <= e["config"]["block_k"]]
-
-
 @pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
 def test_one_block_build_reduces_as_the_loop_build_at_the_tables_tiles():
     # Round BQ: the one-block build computes the same expression as the loop build's one trip (products, a tl.sum
@@ -345,8 +337,7 @@ def test_one_block_build_reduces_as_the_loop_build_at_the_tables_tiles():
     # them bit-equal on the GPU at these tiles; tests/test_router_gpu.py checks it there).
     from evenflow.router.gemm import _launch_fp32
 
-    entries = _one_block_table_entries()
-    assert len(entries) >= 5, entries  # K4096, LongCat-Lite and Qwen3 at M = 1, 4 (and Qwen3 16)
+    entries = one_block_table_entries()  # every committed table's (the H200's and the H100's)
     with CC.emulate_gpu(132), CC.record_launches() as launches:
         for m, n, k, c in entries:
             x, w = torch.empty(m, k, dtype=torch.bfloat16), torch.empty(n, k)

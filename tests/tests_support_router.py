@@ -39,3 +39,25 @@ def load_benchmark(name: str):
 def load_tuner():
     """``benchmarks/tune_router.py`` as a module (its candidate lists are what the tests build and compile)."""
     return load_benchmark("tune_router")
+
+
+def one_block_table_entries() -> list[tuple[int, int, int, dict]]:
+    """(M bucket, N, K, config) of every committed table entry (each GPU's ``configs/*.json``) that ``router_gemm``
+    runs as the fp32-simt one-block build (K within one block), without repeats. Every table must have at least
+    five: its K4096, LongCat-Lite and Qwen3 entries at M = 1 and 4 have been one-block tiles on each GPU tuned."""
+    import json
+
+    seen, out = set(), []
+    tables = sorted((pathlib.Path(evenflow.router.__file__).parent / "configs").glob("*.json"))
+    assert tables, "no committed router table"
+    for path in tables:
+        table = json.loads(path.read_text())
+        rows = [(e["m_max"], e["N"], e["K"], e["config"]) for e in table["entries"]
+                if e["config"]["path"] == "fp32-simt" and e["K"] <= e["config"]["block_k"]]
+        assert len(rows) >= 5, (path.name, rows)
+        for m, n, k, c in rows:
+            key = (m, n, k, tuple(sorted(c.items())))
+            if key not in seen:
+                seen.add(key)
+                out.append((m, n, k, c))
+    return out
