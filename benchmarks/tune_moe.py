@@ -446,8 +446,7 @@ def main(argv=None) -> int:
     buckets = ([int(b) for b in args.buckets.split(",") if b] if args.buckets else
                QUICK_BUCKETS if args.quick else BUCKETS)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
-    gpu = "h200" if "H200" in name else name.lower().replace(" ", "-")
-    table_path = Path(args.table) if args.table else ROOT / "src/evenflow/moe/configs" / f"{gpu}.json"
+    table_path = Path(args.table) if args.table else ROOT / "src/evenflow/moe/configs" / f"{H.gpu_slug(name)}.json"
     table = json.loads(table_path.read_text()) if table_path.exists() else {}
     table.update({"device": name, "torch": torch.__version__, "generated_by": "benchmarks/tune_moe.py",
                   "rule": f"fastest config passing evenflow.testing.assert_within_rule if >= {WIN:.0%} faster "

@@ -70,6 +70,27 @@ def test_no_table_on_cpu():
     assert tuned_config(4, 2, 8, 256, 128, 0, num_experts_total=8, device=None) is None
 
 
+def test_each_gpu_reads_the_table_named_by_its_slug(monkeypatch):
+    # A GPU reads configs/<gpu_slug>.json, the file benchmarks/tune_moe.py writes on it (round CE: the lookup knew
+    # the H200 only, so a table tuned on another card would have been written and never read); a GPU with no
+    # file gets None (the heuristic), never another card's table.
+    from evenflow.bench.harness import gpu_slug
+    from evenflow.moe import fused
+
+    names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3", 2: "NVIDIA B300 SXM6 AC"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: names[index])
+    fused._table_of.cache_clear()
+    try:
+        for index, name in names.items():
+            path = os.path.join(CONFIG_DIR, f"{gpu_slug(name)}.json")
+            want = path if os.path.exists(path) else None
+            assert fused._table_of(index) == want, name
+        assert fused._table_of(0).endswith("h200.json")
+        assert fused._table_of(2) is None
+    finally:
+        fused._table_of.cache_clear()
+
+
 def test_shipped_tables_are_valid():
     # every entry of every shipped table tiles its own shape (the key names it; "-fast" / "-prom": the
     # fp8_accum="fast" / "promoted" modes' keys, with those modes' rules)

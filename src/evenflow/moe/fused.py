@@ -51,9 +51,8 @@ from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_ti
 
 __all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config", "tuned_config"]
 
-# Tuned tile configs (written by benchmarks/tune_moe.py), read as data; one file per GPU kind.
+# Tuned tile configs (written by benchmarks/tune_moe.py), read as data; one file per GPU, named by its slug.
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-_CONFIG_FILES = {"H200": "h200.json"}
 # Programmatic dependent launch chains the layer's 4-6 kernels (each launched while the one
 # before it drains, waiting for it before its first load) up to this many (token, slot)
 # pairs. Round G set 512 (measured at T = 1-64 only: faster at 37 of 40 points); round AD6
@@ -339,15 +338,19 @@ def _load_tuned(path: str) -> dict:
 
 
 @functools.lru_cache(maxsize=16)
-def _gpu_kind_of(index: int) -> str | None:
-    name = torch.cuda.get_device_name(index)
-    return next((k for k in _CONFIG_FILES if k in name), None)
+def _table_of(index: int) -> str | None:
+    """GPU ``index``'s tuned table, ``configs/<gpu slug>.json`` (``evenflow.bench.harness.gpu_slug``: ``h200``,
+    ``h100-80gb``, as benchmarks/tune_moe.py writes it), or None where none is committed for that GPU."""
+    from evenflow.bench.harness import gpu_slug
+
+    path = os.path.join(CONFIG_DIR, f"{gpu_slug(torch.cuda.get_device_name(index))}.json")
+    return path if os.path.exists(path) else None
 
 
-def _gpu_kind(device) -> str | None:
+def _gpu_table(device) -> str | None:
     if not (isinstance(device, torch.device) and device.type == "cuda"):
         return None
-    return _gpu_kind_of(device.index if device.index is not None else torch.cuda.current_device())
+    return _table_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int, *,
@@ -358,10 +361,9 @@ def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
     ``check_config`` is ignored with a warning (the heuristic takes over). ``accum`` (an ``fp8_accum``
     value) looks up that mode's keys only (an fp8-MMA mode never reads the default mode's entries)."""
     if path is None:
-        kind = _gpu_kind(device)
-        if kind is None:
+        path = _gpu_table(device)
+        if path is None:
             return None
-        path = os.path.join(CONFIG_DIR, _CONFIG_FILES[kind])
     rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, accum))
     if not rows:
         return None
