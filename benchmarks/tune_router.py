@@ -21,11 +21,12 @@ a copy under ``$OUT/router-configs/``.
 Budget: ~120 compiled kernel variants of the split-weight kernel in all (the split count
 is a runtime argument, only split/no-split is compiled; ~1 s of JIT each; `--compile-only`
 builds every one for sm_90 on any machine) and ~600 timings (~0.1 s each, graph capture
-included): ~100-150 s for the four shapes. ``--budget-s`` bounds the run: each
-remaining bucket gets an equal share of the time left (compiling its candidates first
-does not count against the share) and stops timing candidates (best-first order, at
-least one; the table's current pick for the bucket, fp32-simt and the plain paths always)
-when its share is spent. Every candidate's
+included): ~100-150 s for the four shapes. ``--budget-s`` bounds the timing, not the
+compiles: each remaining bucket gets an equal share of the timing budget the buckets before
+it left (``bucket_share``; no bucket's compiles count, so buckets after a long compile are not
+starved, as round CE1's were: 1 s shares from the third bucket on) and stops timing candidates
+(best-first order, at least one; the table's current pick for the bucket, fp32-simt and the plain
+paths always) when its share is spent. Every candidate's
 ``num_stages`` is capped by shared memory (``GemmConfig.fit_smem``) before it is timed.
 The space is pruned by reasoning (docs/perf-notes/router.md): small M is bound by reading W and by latency, so
 only split-K and the K step vary there; from a few hundred rows up the tile shape, the K
@@ -543,12 +544,18 @@ def kept_entries(table: dict, redo: set, buckets: tuple | None, tune_invariant: 
     return entries, invariant
 
 
+def bucket_share(budget_s: float, timed_s: float, buckets_left: int) -> float:
+    """A bucket's share of ``--budget-s``: what the buckets before it did not spend timing (their compiles do not
+    count), split evenly over the buckets left, this one included; at least 1 s."""
+    return max(1.0, (budget_s - timed_s) / buckets_left)
+
+
 def _extra(p):
     p.add_argument("--cases", default=None, help="comma-separated case names")
     p.add_argument("--terms", type=int, default=3, choices=(2, 3), help="RouterWeight terms to tune for")
     p.add_argument("--compile-only", action="store_true", help="no GPU: compile every candidate for sm_90")
     p.add_argument("--budget-s", type=float, default=200.0,
-                   help="wall-clock budget of the timing run (seconds); buckets share what is left")
+                   help="seconds of timing (compiles not counted); each bucket gets an equal share of what is left")
     p.add_argument("--table", default=None, help="table JSON, read first when it exists and rewritten "
                    "(default src/evenflow/router/configs/<gpu>.json)")
     p.add_argument("--launch-only", action="store_true",
@@ -589,13 +596,14 @@ def main() -> int:
     entries, invariant = kept_entries(table, redo, buckets if args.buckets else None, tune_invariant)
     summary = []
     t0 = time.time()
+    timed = 0.0  # seconds spent timing (the compiles not counted): what the budget bounds
     torch.manual_seed(0)
     todo = len(cases) * len(buckets)
     for case in cases:
         k, n = CASES[case]
         inv_times: dict[GemmConfig, list[float]] = {c: [] for c in invariant_candidates(n, k)}
         for m in H.progress(buckets, f"tune {case}"):
-            share = max(1.0, (args.budget_s - (time.time() - t0)) / todo)
+            share = bucket_share(args.budget_s, timed, todo)
             todo -= 1
             copies = max(1, min(16, math.ceil(ROTATE_BYTES / (n * k * 4 + m * k * 2))))
             ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(copies)]
@@ -642,6 +650,7 @@ def main() -> int:
             if skipped:
                 print(f"  {case} M={m}: budget share {share:.0f}s spent, {skipped}/{len(cands)} candidates "
                       "not timed", flush=True)
+            timed += time.time() - t_bucket
             if best is None:
                 old = [e for e in table.get("entries", []) if (e["K"], e["N"], e.get("terms", 3), e["m_max"])
                        == (k, n, terms, m)]

@@ -371,6 +371,26 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
     assert [(x["K"], x.get("terms")) for x in kept] == [(2048, 3), (4096, 2)] and kept_inv == []
 
 
+def test_tuner_budget_bounds_timing_not_compiles():
+    # Round CE1: the share was the wall time left since the run's start over the buckets left, so the compiles of
+    # the first buckets (36 s and 24 s on an H100) spent a 70 s budget before the third bucket timed anything, and
+    # every bucket after got the 1 s floor (K4096 M = 16 timed 81 of 198 candidates). The share now depends on the
+    # time spent timing only.
+    tuner = load_tuner()
+    budget, buckets = 70.0, 11
+    timed, shares = 0.0, []
+    for left in range(buckets, 0, -1):
+        share = tuner.bucket_share(budget, timed, left)
+        shares.append(share)
+        timed += share  # each bucket spends its whole share timing (and any time compiling, which is not counted)
+    assert shares == [pytest.approx(budget / buckets)] * buckets  # even, whatever the compiles took
+    assert timed == pytest.approx(budget)  # the buckets together time for the budget, no more
+    # a bucket that times less than its share leaves the rest to the buckets after it
+    assert tuner.bucket_share(budget, 0.0, 2) == 35.0 and tuner.bucket_share(budget, 10.0, 1) == 60.0
+    # an overspent budget still lets every bucket time its first candidates (1 s)
+    assert tuner.bucket_share(budget, 100.0, 3) == 1.0
+
+
 # ----------------------------------------------------------------------------- sm_90 compile
 
 
