@@ -18,10 +18,12 @@ count (``--terms``, default 3 = RouterWeight's default). Writes
 ``src/evenflow/router/configs/<gpu>.json`` (or ``--table``) and, when ``$OUT`` is set,
 a copy under ``$OUT/router-configs/``.
 
-Budget: ~120 compiled kernel variants of the split-weight kernel in all (the split count
-is a runtime argument, only split/no-split is compiled; ~1 s of JIT each; `--compile-only`
-builds every one for sm_90 on any machine) and ~600 timings (~0.1 s each, graph capture
-included): ~100-150 s for the four shapes. ``--budget-s`` bounds the timing, not the
+Budget: a few hundred compiled kernel variants over the four shapes (the split count is a
+runtime argument, only split/no-split is compiled; ~1 s of JIT each, cached across runs;
+`--compile-only` builds every one for sm_90 on any machine) and ~3000 candidates (~0.02-0.1 s a
+timing, graph capture included). Round CE1 on an H100, one process a shape at ``--budget-s 70``:
+135, 66, 41 and 40 s (K4096, LongCat-Chat, LongCat-Lite, Qwen3; the later shapes reused variants the
+first had compiled). ``--budget-s`` bounds the timing, not the
 compiles: each remaining bucket gets an equal share of the timing budget the buckets before
 it left (``bucket_share``; no bucket's compiles count, so buckets after a long compile are not
 starved, as round CE1's were: 1 s shares from the third bucket on) and stops timing candidates

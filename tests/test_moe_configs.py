@@ -86,6 +86,7 @@ def test_each_gpu_reads_the_table_named_by_its_slug(monkeypatch):
             want = path if os.path.exists(path) else None
             assert fused._table_of(index) == want, name
         assert fused._table_of(0).endswith("h200.json")
+        assert fused._table_of(1).endswith("h100-80gb.json")  # round CE5's table
         assert fused._table_of(2) is None
     finally:
         fused._table_of.cache_clear()

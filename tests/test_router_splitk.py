@@ -372,10 +372,10 @@ def test_tuner_offers_splitk_first_and_merges_bucket_runs():
 
 
 def test_tuner_budget_bounds_timing_not_compiles():
-    # Round CE1: the share was the wall time left since the run's start over the buckets left, so the compiles of
-    # the first buckets (36 s and 24 s on an H100) spent a 70 s budget before the third bucket timed anything, and
-    # every bucket after got the 1 s floor (K4096 M = 16 timed 81 of 198 candidates). The share now depends on the
-    # time spent timing only.
+    # Round CE1: the share was the wall time left since the run's start over the buckets left, so the first two
+    # buckets (36 s and 24 s on an H100, mostly compiling) spent a 70 s budget before the third bucket timed
+    # anything, and every bucket after got the 1 s floor (K4096 M = 16 timed 81 of 198 candidates). The share now
+    # depends on the time spent timing only.
     tuner = load_tuner()
     budget, buckets = 70.0, 11
     timed, shares = 0.0, []
