@@ -77,7 +77,9 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # (the same for each program's first K step only, MoEConfig.prefetch's form), evenflow-nopf (no prefetch whatever
 # the table's entry says: the A/B of its prefetch choices), evenflow-unfencedreduce (the top-k reduce without the
 # two branches that keep its loads in the two round trips its ids and rows need, the default until round BQ:
-# evenflow.moe.fused.REDUCE_FENCED off; the same bits))
+# evenflow.moe.fused.REDUCE_FENCED off; the same bits), evenflow-widedown (choose_config's 128-wide down N blocks on
+# the exact fp8 mode's 32-row tiles, evenflow.moe.fused.WIDE_DOWN_N on; only where the table leaves a point to the
+# heuristic))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -96,11 +98,13 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                      for g, gemms in (("", ("gate_up", "down")), ("gu", ("gate_up",)), ("down", ("down",)))
                      for n in ("", "1")},
                   "evenflow-nopf": {"_pair_prefetch": ()},
-                  "evenflow-unfencedreduce": {"_reduce_fenced": False}}
+                  "evenflow-unfencedreduce": {"_reduce_fenced": False},
+                  "evenflow-widedown": {"_wide_down_n": True}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
                    "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH",
-                   "_pair_prefetch_steps": "PAIR_PREFETCH_STEPS", "_reduce_fenced": "REDUCE_FENCED"}
+                   "_pair_prefetch_steps": "PAIR_PREFETCH_STEPS", "_reduce_fenced": "REDUCE_FENCED",
+                   "_wide_down_n": "WIDE_DOWN_N"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
@@ -387,6 +391,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             raise PeerUnavailable(f"not applicable to bf16: fp8_accum={kw['fp8_accum']!r} applies to FP8 weights only")
         if "QUANT_OVERLAP" in switches and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
+        if "WIDE_DOWN_N" in switches and w.variant == "bf16":
+            raise PeerUnavailable("not applicable to bf16: the switch widens the exact fp8 mode's tiles only")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-block":
             raise PeerUnavailable("not applicable to fp8-block: its gate-up takes two dots (gate and up scales)")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-tensor" and kw.get("fp8_accum", "exact") == "exact":

@@ -588,3 +588,57 @@ def test_tuner_shares_its_budget_by_candidates():
     shares = [T.point_share(left * sum(cands[i:]) / sum(cands), cands[i:]) for i in range(len(cands))]
     assert math.isclose(sum(shares), left) and shares[0] > 2 * shares[3]
     assert math.isclose(T.point_share(10.0, [5]), 10.0) and T.point_share(10.0, [0, 0]) == 0.0
+
+
+def test_wide_down_switch_widens_only_the_exact_fp8_32_row_tiles(monkeypatch):
+    """``fused.WIDE_DOWN_N`` (round CF, off by default): on, choose_config gives the exact fp8 mode's 32-row tiles
+    (above 16 rows per expert) a 128-wide down N block where H is a multiple of 128, with the down K split and n-group
+    re-derived from it by the heuristic's own rules, a valid config; every other point, bf16 and the fp8-MMA modes
+    take the same config either way. The probe that times it (benchmarks/probe_moe_wide_down.py) offers exactly those
+    pairs, and leaves the switch as it found it."""
+    from evenflow.moe import fused
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import probe_moe_wide_down as probe
+
+    assert fused.WIDE_DOWN_N is False
+    shapes = [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.SHARDS.values()]
+    shapes += [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.M.CASES.values()]
+    shapes += [(8, 8, 2, 128, 256), (8, 8, 2, 160, 256)]  # H 128 (one 128 block); H 160 (not a multiple: stays)
+    widened = 0
+    for e_tot, e_loc, k, h, i in shapes:
+        for mode in (0, 1, 2):
+            if mode == 2 and (h % 128 or i % 128):
+                continue
+            for t in (1, 16, 64, 256, 512, 1024, 4096):
+                for fast in (False, True) if mode else (False,):
+                    args = (t, k, e_loc, h, i, mode)
+                    kw = dict(num_experts_total=e_tot, sms=132, fast_acc=fast)
+                    monkeypatch.setattr(fused, "WIDE_DOWN_N", False)
+                    off = choose_config(*args, **kw)
+                    monkeypatch.setattr(fused, "WIDE_DOWN_N", True)
+                    on = choose_config(*args, **kw)
+                    rows = t * k * (e_loc / e_tot) / e_loc
+                    if mode and not fast and rows > 16 and h % 128 == 0:
+                        assert off.block_m == 32 and on.down_block_n == 128, (args, off, on)
+                        check_config(on, h, i, mode)
+                        assert on == fused.replace(off, down_block_n=128, down_split_k=on.down_split_k,
+                                                   down_n_group=on.down_n_group), (args, off, on)
+                        assert on.down_n_group == fused._down_n_group(on, rows, h, i, False)
+                        widened += off != on
+                    else:
+                        assert on == off, (args, fast, off, on)
+    assert widened >= 20, widened  # most points above 16 rows per expert had the 64-wide default
+    monkeypatch.setattr(fused, "WIDE_DOWN_N", False)
+    for name, case in probe.SHARDS.items():
+        for variant in ("fp8-tensor", "fp8-block"):
+            if variant in case.skip_variants:
+                continue
+            for t in (256, 512, 4096):
+                pair = probe.configs(case, variant, t)
+                assert fused.WIDE_DOWN_N is False
+                rows = t * case.top_k / case.num_experts_total
+                if rows <= 16:
+                    assert pair is None, (name, variant, t)
+                else:
+                    assert pair[1].down_block_n == 128 and pair[0].down_block_n < 128, (name, variant, t, pair)

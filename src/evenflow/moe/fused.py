@@ -111,6 +111,15 @@ PAIR_PREFETCH_STEPS = 1
 # T = 1-4 (the median of BQ5's four passes; 0.976 at Hy3 EP8 bf16 T = 1; BQ2 / BQ5; benchmarks/moe.py's
 # evenflow-unfencedreduce rows switch it off).
 REDUCE_FENCED = True
+# Round CF (off: benchmarks/moe.py's evenflow-widedown rows and benchmarks/probe_moe_wide_down.py switch it on): in
+# the exact fp8 mode above 16 rows per expert (choose_config's 32-row mma.sync tiles) the down GEMM takes 128-wide N
+# blocks where H allows. Every down program converts its 32-row intermediate tile from e4m3 each K step, so half as
+# many n-blocks should halve that conversion per weight byte (the likely cause; not profiled). The tuners' timings of
+# choose_config's tile and of that tile with down_block_n = 128 ("default-dn128" in configs/*.json) put the wide tile
+# at 0.910-1.008 of the heuristic's time, median 0.951, over the 27 such points of the benchmark shapes on the two
+# cards (benchmarks/results/h100/history/round-cf/cpu/wide_down_from_tuner_timings.txt); on the cards' tables 16 of
+# them take a wider down N block as their entry. Off until a probe of untuned shapes and the records run with it on.
+WIDE_DOWN_N = False
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -219,7 +228,7 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     FP8 weights in the default (exact) mode take 32-row tiles (4 warps, 4 stages) above 16 rows
     per expert, whatever the batch: the tile class the tuner chose at every such point of the tuned
     table (round S8; since round T4 most of those entries widen the down GEMM's N block, which this
-    function does not).
+    function does only with the module switch ``WIDE_DOWN_N`` on: 128 wide where H allows, round CF).
 
     ``fast_acc`` (FP8 weights, ``fp8_accum="fast"`` or ``"promoted"``): K-steps of at least 32 (fp8 dots), and
     above 16 rows per expert fp8-wgmma tiles (64 rows; 128 past 128 rows in per-tensor mode).
@@ -257,6 +266,8 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         )
     if exact_fp8 and rows > 16:
         cfg = replace(cfg, num_stages=4)
+        if WIDE_DOWN_N and hidden % 128 == 0:
+            cfg = replace(cfg, down_block_n=128)
     elif rows > 32 or (fp8 and rows > 16):
         # Fast accumulation (fp8 weights) takes these fp8-wgmma tiles from 16 rows per expert up:
         # 64 rows (one wgmma M per warpgroup) up to 128 rows, 128 past it (per-tensor; block mode

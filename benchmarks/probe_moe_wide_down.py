@@ -1,0 +1,130 @@
+"""Probe: choose_config's exact-fp8 tiles with the down GEMM's N block 128 wide (``fused.WIDE_DOWN_N``) on shapes no
+table tunes.
+
+    python benchmarks/probe_moe_wide_down.py [--cases qwen3-235b-tp8,dsv3-tp8,hy3-tp2,hy3-ep2]
+                                             [--variants fp8-tensor,fp8-block] [--batches 512,1024,4096]
+                                             [--passes 2] [--budget-s 300] [--out DIR]
+
+Above 16 rows per expert the exact fp8 mode runs 32-row ``mma.sync`` tiles, and each down program converts its whole
+intermediate tile from e4m3 every K step; a 128-wide N block halves that work per weight byte. On the benchmark's
+three shapes the tuners timed it at 0.910-1.008 of the heuristic's time (median 0.951, 27 points on an H200 and an
+H100; ``benchmarks/results/h100/history/round-cf/cpu/``), but there most points have a table entry, so the switch
+matters where none exists: other models and other shards. This probe times, at each point of those (the benchmark's
+weights, routing draws and rotated weight copies, CUDA-graph replay, the two graphs interleaved):
+
+- ``heuristic``: ``choose_config``'s config with the switch off (what an untuned shape runs today);
+- ``wide``: the same with the switch on (128-wide down N blocks where H allows);
+
+each passed as ``config=`` (so no table entry interferes), checks both outputs against the tolerance rule of the
+exact mode (``evenflow.reference.moe.moe_rule_terms``) and reports whether they agree bit for bit. Points at or below
+16 rows per expert, where the switch changes nothing, are skipped. A diagnostic for the perf notes: its JSON is not a
+result file of record.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe as M  # noqa: E402  (benchmarks/moe.py: cases, weights, routing)
+
+# Shards no committed table tunes (round AJ7 timed the first two, round S7 the last two).
+SHARDS = {
+    "qwen3-235b-tp8": M.MoECase("qwen3-235b-tp8", 128, 128, 8, 4096, 192,
+                                skip_variants={"fp8-block": "I=192 is not a multiple of 128"}),
+    "dsv3-tp8": M.MoECase("dsv3-tp8", 256, 256, 8, 7168, 256),
+    "hy3-tp2": M.MoECase("hy3-tp2", 192, 192, 8, 4096, 768),
+    "hy3-ep2": M.MoECase("hy3-ep2", 192, 96, 8, 4096, 1536, ep_rank=0),
+}
+MODES = {"fp8-tensor": 1, "fp8-block": 2}
+
+
+def configs(case: M.MoECase, variant: str, t: int):
+    """(heuristic, wide) configs of one point, or None where the switch changes nothing there."""
+    from evenflow.moe import fused
+
+    args = (t, case.top_k, case.num_local, case.hidden, case.inter, MODES[variant])
+    kw = dict(num_experts_total=case.num_experts_total, sms=132)
+    before = fused.WIDE_DOWN_N
+    try:
+        fused.WIDE_DOWN_N = False
+        off = fused.choose_config(*args, **kw)
+        fused.WIDE_DOWN_N = True
+        on = fused.choose_config(*args, **kw)
+    finally:
+        fused.WIDE_DOWN_N = before
+    return None if on == off else (off, on)
+
+
+def main(argv=None) -> None:
+    import evenflow
+    from evenflow.bench import harness as H
+    from evenflow.reference.moe import moe_rule_terms
+    from evenflow.testing import rule_check
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(SHARDS), help="comma list of " + ",".join(list(SHARDS) + list(M.CASES)))
+    p.add_argument("--variants", default="fp8-tensor,fp8-block")
+    p.add_argument("--batches", type=H.positive_ints, default=[512, 1024, 4096])
+    p.add_argument("--passes", type=int, default=2, help="interleaved timings of the two graphs a point")
+    p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new points after this many seconds")
+    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    a = p.parse_args(argv)
+    for name in a.cases.split(","):
+        if name not in SHARDS and name not in M.CASES:
+            raise SystemExit(f"--cases: unknown case {name!r} (known: {', '.join(list(SHARDS) + list(M.CASES))})")
+    for v in a.variants.split(","):
+        if v not in MODES:
+            raise SystemExit(f"--variants: {v!r} is not an fp8 format ({', '.join(MODES)})")
+    if a.passes < 1:
+        raise SystemExit(f"--passes must be >= 1, got {a.passes}")
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_moe_wide_down.py needs a CUDA GPU")
+    M.CASES.update({k: v for k, v in SHARDS.items() if k not in M.CASES})
+    dev, t0, rows = "cuda", time.time(), []
+    for case_name, case, variant, gen, bias, copies in M.rotated_series(a.cases, a.variants, dev):
+        holders = [c.holder() for c in copies]
+        kw = dict(ep_rank=case.ep_rank, num_experts_total=case.num_experts_total)
+        for t in a.batches:
+            pair = configs(case, variant, t)
+            if pair is None:
+                print(f"{case_name}/{variant} T={t}: the switch changes nothing here (<= 16 rows per expert)",
+                      flush=True)
+                continue
+            if time.time() - t0 > a.budget_s:
+                print(f"{case_name}/{variant} T={t}: budget spent, not timed", flush=True)
+                continue
+            inputs = [M.draw_call(t, case, gen, bias, dev) for _ in copies]
+            ref, bl, allow = moe_rule_terms(*inputs[0], holders[0], **kw)
+            named, outs, checks = {}, {}, {}
+            for impl, cfg in zip(("heuristic", "wide"), pair):
+                named[impl] = [(lambda ew=ew, inp=inp, c=cfg: evenflow.fused_moe(*inp, ew, config=c, **kw))
+                               for ew, inp in zip(holders, inputs)]
+                outs[impl] = named[impl][0]()
+                msg, err, bound = rule_check(outs[impl], ref, bl, allowance=allow)
+                checks[impl] = (msg, err, bound)
+            passes = [H.time_graphs(named) for _ in range(a.passes)]
+            same = torch.equal(outs["heuristic"], outs["wide"])
+            for impl, cfg in zip(("heuristic", "wide"), pair):
+                msg, err, bound = checks[impl]
+                rows.append(dict(case=case_name, variant=variant, batch=t, impl=impl,
+                                 us=round(sorted(q[impl] for q in passes)[len(passes) // 2], 3),
+                                 passes_us=[round(q[impl], 3) for q in passes], config=cfg.as_list(),
+                                 max_abs_err=err, rule_bound=bound, rule_ok=not msg, bitwise_same=same))
+            ratio = " ".join(f"{q['wide'] / q['heuristic']:.3f}" for q in passes)
+            fails = [impl for impl, c in checks.items() if c[0]]
+            print(f"{case_name}/{variant} T={t}: heuristic dn{pair[0].down_block_n} "
+                  + " ".join(f"{q['heuristic']:8.2f}" for q in passes) + f" us, wide dn{pair[1].down_block_n} "
+                  + " ".join(f"{q['wide']:8.2f}" for q in passes) + f" us; wide / heuristic {ratio}; bitwise {same}"
+                  + (f"; RULE FAILED: {', '.join(fails)}" if fails else ""), flush=True)
+        del copies, holders  # (rotated_series frees the series' memory before the next)
+    if a.out:
+        H.write_rows(a.out, "probe_moe_wide_down.json", rows)
+
+
+if __name__ == "__main__":
+    main()
