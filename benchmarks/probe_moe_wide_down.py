@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -43,12 +44,13 @@ SHARDS = {
 MODES = {"fp8-tensor": 1, "fp8-block": 2}
 
 
-def configs(case: M.MoECase, variant: str, t: int):
-    """(heuristic, wide) configs of one point, or None where the switch changes nothing there."""
+def configs(case: M.MoECase, variant: str, t: int, sms: int = 132):
+    """(heuristic, wide) configs of one point on a GPU of ``sms`` SMs, or None where the switch changes nothing
+    there. The switch is left as it was found."""
     from evenflow.moe import fused
 
     args = (t, case.top_k, case.num_local, case.hidden, case.inter, MODES[variant])
-    kw = dict(num_experts_total=case.num_experts_total, sms=132)
+    kw = dict(num_experts_total=case.num_experts_total, sms=sms)
     before = fused.WIDE_DOWN_N
     try:
         fused.WIDE_DOWN_N = False
@@ -62,6 +64,7 @@ def configs(case: M.MoECase, variant: str, t: int):
 
 def main(argv=None) -> None:
     import evenflow
+    from evenflow._runtime import num_sms
     from evenflow.bench import harness as H
     from evenflow.reference.moe import moe_rule_terms
     from evenflow.testing import rule_check
@@ -74,6 +77,7 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new points after this many seconds")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     a = p.parse_args(argv)
+    H.check_out(p, a.out)
     for name in a.cases.split(","):
         if name not in SHARDS and name not in M.CASES:
             raise SystemExit(f"--cases: unknown case {name!r} (known: {', '.join(list(SHARDS) + list(M.CASES))})")
@@ -86,11 +90,12 @@ def main(argv=None) -> None:
         raise SystemExit("probe_moe_wide_down.py needs a CUDA GPU")
     M.CASES.update({k: v for k, v in SHARDS.items() if k not in M.CASES})
     dev, t0, rows = "cuda", time.time(), []
+    sms = num_sms(torch.device(dev))  # fused_moe's heuristic reads the device's count
     for case_name, case, variant, gen, bias, copies in M.rotated_series(a.cases, a.variants, dev):
         holders = [c.holder() for c in copies]
         kw = dict(ep_rank=case.ep_rank, num_experts_total=case.num_experts_total)
         for t in a.batches:
-            pair = configs(case, variant, t)
+            pair = configs(case, variant, t, sms)
             if pair is None:
                 print(f"{case_name}/{variant} T={t}: the switch changes nothing here (<= 16 rows per expert)",
                       flush=True)
@@ -112,7 +117,7 @@ def main(argv=None) -> None:
             for impl, cfg in zip(("heuristic", "wide"), pair):
                 msg, err, bound = checks[impl]
                 rows.append(dict(case=case_name, variant=variant, batch=t, impl=impl,
-                                 us=round(sorted(q[impl] for q in passes)[len(passes) // 2], 3),
+                                 us=round(statistics.median(q[impl] for q in passes), 3),
                                  passes_us=[round(q[impl], 3) for q in passes], config=cfg.as_list(),
                                  max_abs_err=err, rule_bound=bound, rule_ok=not msg, bitwise_same=same))
             ratio = " ".join(f"{q['wide'] / q['heuristic']:.3f}" for q in passes)
@@ -121,9 +126,11 @@ def main(argv=None) -> None:
                   + " ".join(f"{q['heuristic']:8.2f}" for q in passes) + f" us, wide dn{pair[1].down_block_n} "
                   + " ".join(f"{q['wide']:8.2f}" for q in passes) + f" us; wide / heuristic {ratio}; bitwise {same}"
                   + (f"; RULE FAILED: {', '.join(fails)}" if fails else ""), flush=True)
-        del copies, holders  # (rotated_series frees the series' memory before the next)
-    if a.out:
-        H.write_rows(a.out, "probe_moe_wide_down.json", rows)
+            if a.out:  # after every point: a call's time limit must not lose the points already timed
+                H.write_rows(a.out, "probe_moe_wide_down.json", rows)
+            del named, outs, inputs, ref, bl, allow
+        # drop every reference to the series' weights: rotated_series frees their memory before the next
+        del copies, holders
 
 
 if __name__ == "__main__":

@@ -513,7 +513,7 @@ def test_series_that_cannot_run_give_an_error_row_for_every_batch_and_impl(tmp_p
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
-def test_widedown_row_launches_128_wide_down_tiles_within_the_rule(monkeypatch):
+def test_widedown_row_launches_128_wide_down_tiles_within_the_rule():
     """evenflow-widedown (round CF: ``fused.WIDE_DOWN_N`` on around each call) launches the down GEMM of the exact
     fp8 mode's 32-row tiles (20 rows per expert here) 128 wide where evenflow's is 64, its n-group re-derived by the
     heuristic's rule, every other constexpr of both GEMMs the same, both outputs within the exact mode's tolerance

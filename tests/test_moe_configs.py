@@ -624,11 +624,19 @@ def test_wide_down_switch_widens_only_the_exact_fp8_32_row_tiles(monkeypatch):
                         check_config(on, h, i, mode)
                         assert on == fused.replace(off, down_block_n=128, down_split_k=on.down_split_k,
                                                    down_n_group=on.down_n_group), (args, off, on)
+                        # the down K split and n-group re-derived by the heuristic's own rules at the wider block
+                        local_pairs = t * k * e_loc / e_tot
+                        busy = max(1, min(e_loc, math.ceil(local_pairs)), math.ceil(local_pairs / 32))
+                        assert on.down_split_k == fused._split_k(i, on.down_block_k, busy * (h // 128), 2 * 132, 1)
                         assert on.down_n_group == fused._down_n_group(on, rows, h, i, False)
                         widened += off != on
                     else:
                         assert on == off, (args, fast, off, on)
     assert widened >= 20, widened  # most points above 16 rows per expert had the 64-wide default
+    for before in (False, True):  # the probe leaves the switch as it found it
+        monkeypatch.setattr(fused, "WIDE_DOWN_N", before)
+        assert probe.configs(probe.SHARDS["hy3-tp2"], "fp8-tensor", 512) is not None
+        assert fused.WIDE_DOWN_N is before
     monkeypatch.setattr(fused, "WIDE_DOWN_N", False)
     for name, case in probe.SHARDS.items():
         for variant in ("fp8-tensor", "fp8-block"):

@@ -117,8 +117,9 @@ REDUCE_FENCED = True
 # many n-blocks should halve that conversion per weight byte (the likely cause; not profiled). The tuners' timings of
 # choose_config's tile and of that tile with down_block_n = 128 ("default-dn128" in configs/*.json) put the wide tile
 # at 0.910-1.008 of the heuristic's time, median 0.951, over the 27 such points of the benchmark shapes on the two
-# cards (benchmarks/results/h100/history/round-cf/cpu/wide_down_from_tuner_timings.txt); on the cards' tables 16 of
-# them take a wider down N block as their entry. Off until a probe of untuned shapes and the records run with it on.
+# cards that hold that timing (benchmarks/results/h100/history/round-cf/cpu/wide_down_from_tuner_timings.txt); on the
+# cards' tables 16 of them take a wider down N block as their entry. Off until a probe of untuned shapes and the
+# records run with it on.
 WIDE_DOWN_N = False
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
