@@ -407,6 +407,37 @@ def test_local_first_launch_compiles_without_spill():
         assert s["regs"] <= s0["regs"] + 16, (la.describe(), s["regs"], s0["regs"])
 
 
+@pytest.mark.parametrize("fmt, mode", [("fp8_per_tensor", 1), ("fp8_block", 2)])
+def test_wide_down_tile_issues_fewer_instructions_a_column(fmt, mode, monkeypatch):
+    """Round CF's ``fused.WIDE_DOWN_N`` (off by default): the exact fp8 mode's 32-row down tile 128 wide instead of 64
+    (Qwen3-30B-A3B at T = 1024, 64 rows per expert) builds for sm_90 with no spill, and its K loop issues fewer
+    instructions and fewer e4m3 -> f16 conversions an output column than the 64-wide tile's (the likely cause of the
+    tuners' 0.91-1.01 timings, docs/perf-notes/moe.md "Round CF (CPU)"; the intermediate tile is converted once for
+    twice the columns). Measured in round CF: 0.71x / 0.67x (per-tensor), 0.68x / 0.67x (block)."""
+    from evenflow._compile_check import compile_stats
+    from evenflow.moe import fused
+
+    h, i, e, k, t = 2048, 768, 128, 8, 1024
+    ew = random_moe_weights(fmt, e, h, i)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    per_col = {}
+    for wide in (False, True):
+        monkeypatch.setattr(fused, "WIDE_DOWN_N", wide)
+        with emulate_gpu(132), record_launches() as rec:
+            evenflow.fused_moe(torch.randn(t, h).bfloat16(), ids, torch.rand(t, k), ew)
+        (down,) = [la for la in rec if la.name == "moe_down_kernel"]
+        c = dict(down.constexprs)
+        assert (c["BLOCK_M"], c["BLOCK_N"]) == (32, 128 if wide else 64), c
+        (st,) = compile_stats([down])
+        assert "error" not in st and st["spill_bytes"] == 0, (wide, st.get("error"), st.get("spill_bytes"))
+        ops = st["loops"][0]["ops"]
+        per_col[wide] = (sum(ops.values()) / c["BLOCK_N"],
+                         sum(v for op, v in ops.items() if op.startswith("F2FP")) / c["BLOCK_N"])
+    assert per_col[True][0] < 0.8 * per_col[False][0], per_col  # instructions a column
+    assert per_col[True][1] < 0.75 * per_col[False][1], per_col  # conversions a column
+
+
 @pytest.mark.parametrize("switch,steps,bits", [(("gate_up", "down"), 0, 0), (None, 1, 3), (None, 1, 2), (None, 1, 0)],
                          ids=["switch-whole-range", "config-both", "config-down", "default"])
 def test_pair_prefetch_asks_l2_before_the_wait(monkeypatch, switch, steps, bits):
