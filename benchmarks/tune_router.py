@@ -18,17 +18,16 @@ count (``--terms``, default 3 = RouterWeight's default). Writes
 ``src/evenflow/router/configs/<gpu>.json`` (or ``--table``) and, when ``$OUT`` is set,
 a copy under ``$OUT/router-configs/``.
 
-Budget: a few hundred compiled kernel variants over the four shapes (the split count is a
-runtime argument, only split/no-split is compiled; ~1 s of JIT each, cached across runs;
-`--compile-only` builds every one for sm_90 on any machine) and ~3000 candidates (~0.02-0.1 s a
-timing, graph capture included). Round CE1 on an H100, one process a shape at ``--budget-s 70``:
-135, 66, 41 and 40 s (K4096, LongCat-Chat, LongCat-Lite, Qwen3; the later shapes reused variants the
-first had compiled). ``--budget-s`` bounds the timing, not the
-compiles: each remaining bucket gets an equal share of the timing budget the buckets before
-it left (``bucket_share``; no bucket's compiles count, so buckets after a long compile are not
-starved, as round CE1's were: 1 s shares from the third bucket on) and stops timing candidates
-(best-first order, at least one; the table's current pick for the bucket, fp32-simt and the plain
-paths always) when its share is spent. Every candidate's
+Budget: a few hundred compiled kernel variants over the four shapes (the split count is a runtime argument,
+only split/no-split is compiled; ~1 s of JIT each, cached across runs; `--compile-only` builds every one for
+sm_90 on any machine) and ~3000 timings (round CE1 on an H100, one process a shape at ``--budget-s 70``: 631,
+884, 762 and 715 timed candidates in 135, 66, 41 and 40 s, compiles included, for K4096, LongCat-Chat,
+LongCat-Lite and Qwen3, the later shapes reusing variants the first had compiled;
+benchmarks/results/h100/history/round-ce/ce1/). ``--budget-s`` bounds the timing, not the compiles: each
+remaining bucket gets an equal share of the timing budget the buckets before it left (``bucket_share``; no
+bucket's compiles count, so buckets after a long compile are not starved, as round CE1's were: 1 s shares from
+the third bucket on) and stops timing candidates (best-first order, at least one; the table's current pick for
+the bucket, fp32-simt and the plain paths always) when its share is spent. Every candidate's
 ``num_stages`` is capped by shared memory (``GemmConfig.fit_smem``) before it is timed.
 The space is pruned by reasoning (docs/perf-notes/router.md): small M is bound by reading W and by latency, so
 only split-K and the K step vary there; from a few hundred rows up the tile shape, the K

@@ -9,6 +9,7 @@ interpreter is switched on, so every operator still runs (slowly) on a CPU.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -111,3 +112,19 @@ def pdl_supported(device=None) -> bool:
     """
     cap = compiled_capability(device)
     return cap is not None and cap >= (9, 0)
+
+
+def gpu_slug(name: str | None = None) -> str:
+    """A GPU's short name: 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb' (its first two words but
+    the vendor's). It names the GPU's tuned-table file (``configs/<slug>.json`` of the router and of ``fused_moe``, as
+    their tuners write it) and its folder under benchmarks/results/. Without a name: GPU 0's, or 'cpu'."""
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    words = [w for w in name.lower().replace("-", " ").split() if w not in ("nvidia", "tesla", "geforce")]
+    return "-".join(words[:2]) if words else "unknown"
+
+
+def tuned_table_path(folder: str | os.PathLike, gpu_name: str) -> Path | None:
+    """``folder/<gpu_slug(gpu_name)>.json`` where it is committed, else None (that GPU runs the heuristics)."""
+    path = Path(folder) / f"{gpu_slug(gpu_name)}.json"
+    return path if path.is_file() else None

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from evenflow._runtime import gpu_slug  # re-exported: the results folders are named by it
+
 __all__ = [
     "PeerUnavailable", "header", "measure_ceilings", "measure_copy_TBps", "time_graph", "time_eager", "floor_us",
     "Floor", "Results", "progress", "check_output", "parse_args", "gpu_slug", "results_dir",
@@ -120,14 +122,6 @@ def write_rows(out: str | os.PathLike, filename: str, rows: Sequence[dict], *, i
     with open(path, "w") as f:
         json.dump({"header": header(), **extra, "rows": list(rows)}, f, indent=indent)
     return path
-
-
-def gpu_slug(name: str | None = None) -> str:
-    """'NVIDIA H200' -> 'h200'; the folder name under benchmarks/results/."""
-    if name is None:
-        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    words = [w for w in name.lower().replace("-", " ").split() if w not in ("nvidia", "tesla", "geforce")]
-    return "-".join(words[:2]) if words else "unknown"
 
 
 def results_dir(out: str | os.PathLike | None = None) -> Path:

@@ -31,6 +31,7 @@ from evenflow._runtime import (
     num_sms,
     pdl_kwargs,
     pdl_supported,
+    tuned_table_path,
 )
 from evenflow.moe.kernels import (
     moe_down_kernel,
@@ -351,12 +352,10 @@ def _load_tuned(path: str) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def _table_of(index: int) -> str | None:
-    """GPU ``index``'s tuned table, ``configs/<gpu slug>.json`` (``evenflow.bench.harness.gpu_slug``: ``h200``,
+    """GPU ``index``'s tuned table, ``configs/<gpu slug>.json`` (``evenflow._runtime.gpu_slug``: ``h200``,
     ``h100-80gb``, as benchmarks/tune_moe.py writes it), or None where none is committed for that GPU."""
-    from evenflow.bench.harness import gpu_slug
-
-    path = os.path.join(CONFIG_DIR, f"{gpu_slug(torch.cuda.get_device_name(index))}.json")
-    return path if os.path.exists(path) else None
+    path = tuned_table_path(CONFIG_DIR, torch.cuda.get_device_name(index))
+    return str(path) if path else None
 
 
 def _gpu_table(device) -> str | None:

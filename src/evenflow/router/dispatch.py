@@ -1,6 +1,6 @@
 """Config choice for the router GEMM: a measured table (data) first, a heuristic otherwise.
 
-The table lives in ``configs/<gpu>.json`` (``<gpu>`` as ``evenflow.bench.harness.gpu_slug``
+The table lives in ``configs/<gpu>.json`` (``<gpu>`` as ``evenflow._runtime.gpu_slug``
 names it, e.g. ``h200``) and is written by ``benchmarks/tune_router.py`` on that GPU:
 
     {"gpu": "NVIDIA H200", "entries": [
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from evenflow._runtime import interpreting, num_sms
+from evenflow._runtime import interpreting, num_sms, tuned_table_path
 
 PATHS = ("triton", "fp32-tc", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
 # Paths of the split-weight tensor-core kernel: from the stored bf16 parts, or from the fp32 weight split in
@@ -329,12 +329,8 @@ def _table_dir() -> Path:
 @lru_cache(maxsize=8)
 def load_table(gpu_name: str) -> dict:
     """The tuned table for ``gpu_name`` ({} if none is committed for it)."""
-    from evenflow.bench.harness import gpu_slug
-
-    path = _table_dir() / f"{gpu_slug(gpu_name)}.json"
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
+    path = tuned_table_path(_table_dir(), gpu_name)
+    return json.loads(path.read_text()) if path else {}
 
 
 def _gpu_name(device: torch.device) -> str | None:
