@@ -77,9 +77,9 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # (the same for each program's first K step only, MoEConfig.prefetch's form), evenflow-nopf (no prefetch whatever
 # the table's entry says: the A/B of its prefetch choices), evenflow-unfencedreduce (the top-k reduce without the
 # two branches that keep its loads in the two round trips its ids and rows need, the default until round BQ:
-# evenflow.moe.fused.REDUCE_FENCED off; the same bits), evenflow-widedown (choose_config's 128-wide down N blocks on
-# the exact fp8 mode's 32-row tiles, evenflow.moe.fused.WIDE_DOWN_N on; only where the table leaves a point to the
-# heuristic))
+# evenflow.moe.fused.REDUCE_FENCED off; the same bits), evenflow-narrowdown (choose_config's 64-wide down N blocks on
+# the exact fp8 mode's 32-row tiles, as before round CG: evenflow.moe.fused.WIDE_DOWN_N off; only where the table
+# leaves a point to the heuristic))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -99,7 +99,7 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                      for n in ("", "1")},
                   "evenflow-nopf": {"_pair_prefetch": ()},
                   "evenflow-unfencedreduce": {"_reduce_fenced": False},
-                  "evenflow-widedown": {"_wide_down_n": True}}
+                  "evenflow-narrowdown": {"_wide_down_n": False}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
                    "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH",
@@ -392,7 +392,7 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
         if "QUANT_OVERLAP" in switches and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
         if "WIDE_DOWN_N" in switches and w.variant == "bf16":
-            raise PeerUnavailable("not applicable to bf16: the switch widens the exact fp8 mode's tiles only")
+            raise PeerUnavailable("not applicable to bf16: the switch sets the exact fp8 mode's tiles only")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-block":
             raise PeerUnavailable("not applicable to fp8-block: its gate-up takes two dots (gate and up scales)")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-tensor" and kw.get("fp8_accum", "exact") == "exact":

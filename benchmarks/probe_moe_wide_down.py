@@ -12,8 +12,9 @@ H100; ``benchmarks/results/h100/history/round-cf/cpu/``), but there most points 
 matters where none exists: other models and other shards. This probe times, at each point of those (the benchmark's
 weights, routing draws and rotated weight copies, CUDA-graph replay, the two graphs interleaved):
 
-- ``heuristic``: ``choose_config``'s config with the switch off (what an untuned shape runs today);
-- ``wide``: the same with the switch on (128-wide down N blocks where H allows);
+- ``heuristic``: ``choose_config``'s config with the switch off (what an untuned shape ran until round CG);
+- ``wide``: the same with the switch on (128-wide down N blocks where H allows; the default since round CG, on this
+  probe's result: one H100, 0.919-1.012, median 0.956 in both passes, ``benchmarks/results/h100/history/round-cg/``);
 
 each passed as ``config=`` (so no table entry interferes), checks both outputs against the tolerance rule of the
 exact mode (``evenflow.reference.moe.moe_rule_terms``) and reports whether they agree bit for bit. Points at or below

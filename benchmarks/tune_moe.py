@@ -206,6 +206,10 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             for dn in (128, 256):
                 if dn > d.down_block_n:
                     out.append((f"default-dn{dn}", r(d, down_block_n=dn)))
+            if mode and d.block_m == 32 and d.down_block_n == 128:
+                # the exact fp8 32-row tile's former 64-wide down N block (choose_config's until round CG; a point may
+                # still prefer it: 1.008 at H100 Hy3 TP8 fp8-tensor T = 512, 1.012 at two probe shards)
+                out.append(("default-dn64", r(d, down_block_n=64)))
             if mode == 2:  # block mode's 64-wide gate-up N blocks (round U), per-tensor's tile width
                 out += [("default-gn64", r(d, gu_block_n=64)), ("default-gn64-dn128", r(d, gu_block_n=64,
                                                                                        down_block_n=128))]

@@ -513,17 +513,18 @@ def test_series_that_cannot_run_give_an_error_row_for_every_batch_and_impl(tmp_p
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
-def test_widedown_row_launches_128_wide_down_tiles_within_the_rule():
-    """evenflow-widedown (round CF: ``fused.WIDE_DOWN_N`` on around each call) launches the down GEMM of the exact
-    fp8 mode's 32-row tiles (20 rows per expert here) 128 wide where evenflow's is 64, its n-group re-derived by the
-    heuristic's rule, every other constexpr of both GEMMs the same, both outputs within the exact mode's tolerance
-    rule, for both fp8 formats; the switch is back after each call; bf16, which it does not change, is refused."""
+def test_narrowdown_row_launches_64_wide_down_tiles_within_the_rule():
+    """evenflow-narrowdown (``fused.WIDE_DOWN_N`` off around each call: the default before round CG) launches the
+    down GEMM of the exact fp8 mode's 32-row tiles (20 rows per expert here) 64 wide where evenflow's is 128, its
+    n-group re-derived by the heuristic's rule, every other constexpr of both GEMMs the same, both outputs within the
+    exact mode's tolerance rule, for both fp8 formats; the switch is back on after each call; bf16, which it does not
+    change, is refused."""
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
     from evenflow.reference.moe import moe_rule_terms
     from evenflow.testing import rule_check
 
-    assert "evenflow-widedown" in bm.EVENFLOW_KNOBS and "evenflow-widedown" not in bm.DEFAULT_IMPLS
+    assert "evenflow-narrowdown" in bm.EVENFLOW_KNOBS and "evenflow-narrowdown" not in bm.DEFAULT_IMPLS
     case = bm.MoECase("tiny256", 2, 2, 1, 256, 128)
     gen = _gen(7)
     ids, tw = bm.make_routing(40, case, gen)
@@ -534,16 +535,16 @@ def test_widedown_row_launches_128_wide_down_tiles_within_the_rule():
             bm.calibrate_static_scales(w, case, "cpu", _gen(1), bm.expert_bias(case.num_experts_total, _gen(2)))
         ref, bl, allow = moe_rule_terms(x, ids, tw, w.holder(), num_experts_total=case.num_experts_total)
         consts = {}
-        for name in ("evenflow", "evenflow-widedown"):
+        for name in ("evenflow", "evenflow-narrowdown"):
             with CC.record_launches(execute=True) as launches:
                 y = bm.build_impl(name, w, case, None)(x, ids, tw)()
-            assert fused.WIDE_DOWN_N is False, name
+            assert fused.WIDE_DOWN_N is True, name
             msg, err, bound = rule_check(y, ref, bl, allowance=allow)
             assert not msg, (variant, name, msg)
             consts[name] = {ln.name: dict(ln.constexprs) for ln in launches
                             if ln.name in ("moe_gate_up_kernel", "moe_down_kernel")}
             assert consts[name]["moe_down_kernel"]["BLOCK_M"] == 32, (variant, name)
-        base, wide = consts["evenflow"], consts["evenflow-widedown"]
+        wide, base = consts["evenflow"], consts["evenflow-narrowdown"]
         assert (base["moe_down_kernel"]["BLOCK_N"], wide["moe_down_kernel"]["BLOCK_N"]) == (64, 128), variant
         # one K step (I = 128): the n-group rule gives a program all of H's n-blocks, 4 of 64 or 2 of 128
         assert (base["moe_down_kernel"]["N_GROUP"], wide["moe_down_kernel"]["N_GROUP"]) == (4, 2), variant
@@ -552,4 +553,4 @@ def test_widedown_row_launches_128_wide_down_tiles_within_the_rule():
             {k: v for k, v in wide["moe_down_kernel"].items() if k not in ("BLOCK_N", "N_GROUP")}, variant
     w = bm.make_weights(case, "bf16", "cpu", torch.Generator().manual_seed(0), std=0.1)
     with pytest.raises(PeerUnavailable, match="not applicable to bf16"):
-        bm.build_impl("evenflow-widedown", w, case, None)
+        bm.build_impl("evenflow-narrowdown", w, case, None)

@@ -888,10 +888,19 @@ def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps(
     has at most FEW_DOWN_K_STEPS K steps and no K split (round AJ7: tensor-parallel shards with small I), the largest
     power of two up to that dividing the n-blocks; 1 elsewhere: many K steps (Qwen3-30B, Hy3 EP8), few rows, a K
     split, the fp8-MMA modes' wgmma tiles (above 16 rows; at 8-16 rows they take the exact mode's config)."""
+    from evenflow.moe import fused
     from evenflow.moe.fused import FEW_DOWN_K_STEPS
 
     def group(t, e, h, i, mode, **kw):
         return choose_config(t, 8, e, h, i, mode, num_experts_total=e, sms=132, **kw)
+
+    def fused_choose_wide(wide, *args):  # group() with fused.WIDE_DOWN_N set, then put back
+        before = fused.WIDE_DOWN_N
+        fused.WIDE_DOWN_N = wide
+        try:
+            return group(*args)
+        finally:
+            fused.WIDE_DOWN_N = before
 
     for mode in (0, 1):
         for e, h, i in ((192, 4096, 192), (128, 4096, 192), (256, 7168, 256)):
@@ -915,7 +924,10 @@ def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps(
     assert choose_config(256, 8, 256, 7168, 256, 2, num_experts_total=256).down_n_group == 4
     # the largest power of two up to the rule's that divides the n-blocks: H = 4160 (65 n-blocks of 64) takes 1
     assert group(4096, 192, 4160, 192, 0).down_n_group == 1
-    assert group(4096, 192, 4096 + 2048 + 64 * 4, 192, 1).down_n_group == 4  # 100 n-blocks of 64: 4
+    # H = 6400: 100 n-blocks of 64 or, on the exact fp8 32-row tile's 128-wide block (round CG), 50 of 128: 4 / 2
+    assert fused_choose_wide(False, 4096, 192, 4096 + 2048 + 64 * 4, 192, 1).down_n_group == 4
+    wide = fused_choose_wide(True, 4096, 192, 4096 + 2048 + 64 * 4, 192, 1)
+    assert (wide.down_block_n, wide.down_n_group) == (128, 2), wide
 
 
 def test_choose_config_fp8_takes_the_tuners_32_row_tiles_above_16_rows():
@@ -953,10 +965,11 @@ def test_choose_config_fp8_takes_the_tuners_32_row_tiles_above_16_rows():
                                                   down_n_group=got.down_n_group), (key, t, got, entry)
                 same_tile += 1
     assert seen >= 11 and same_tile >= 10, (seen, same_tile)  # T = 512, 1024, 4096 of the fp8 keys
-    # the tiles round S7 timed (history/round-s7) on the untuned Hy3 EP2 / TP2 shards at T = 512
+    # the tiles round S7 timed (history/round-s7) on the untuned Hy3 EP2 / TP2 shards at T = 512, their down N block
+    # 128 wide since round CG (fused.WIDE_DOWN_N: 0.956-0.985 of the 64-wide block's time there, CG1's probe)
     for e_loc, i in ((96, 1536), (192, 768)):
         for mode, gu_n in ((1, 64), (2, 128)):
-            want = MoEConfig.from_list([32, gu_n, 128, 64, 128, 4, 4, 1, 1])
+            want = MoEConfig.from_list([32, gu_n, 128, 128, 128, 4, 4, 1, 1])
             assert choose_config(512, 8, e_loc, 4096, i, mode, num_experts_total=192, sms=132) == want
     for t in (33 * 16, 4096, 16384):  # any batch above 16 rows: the same tile (split-K only where programs are few)
         c = choose_config(t, 8, 128, 2048, 768, 1)

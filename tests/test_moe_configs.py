@@ -591,17 +591,17 @@ def test_tuner_shares_its_budget_by_candidates():
 
 
 def test_wide_down_switch_widens_only_the_exact_fp8_32_row_tiles(monkeypatch):
-    """``fused.WIDE_DOWN_N`` (round CF, off by default): on, choose_config gives the exact fp8 mode's 32-row tiles
-    (above 16 rows per expert) a 128-wide down N block where H is a multiple of 128, with the down K split and n-group
-    re-derived from it by the heuristic's own rules, a valid config; every other point, bf16 and the fp8-MMA modes
-    take the same config either way. The probe that times it (benchmarks/probe_moe_wide_down.py) offers exactly those
-    pairs, and leaves the switch as it found it."""
+    """``fused.WIDE_DOWN_N`` (round CF, on by default since round CG): on, choose_config gives the exact fp8 mode's
+    32-row tiles (above 16 rows per expert) a 128-wide down N block where H is a multiple of 128, with the down K
+    split and n-group re-derived from it by the heuristic's own rules, a valid config; every other point, bf16 and
+    the fp8-MMA modes take the same config either way. The probe that times it (benchmarks/probe_moe_wide_down.py)
+    offers exactly those pairs, and leaves the switch as it found it."""
     from evenflow.moe import fused
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import probe_moe_wide_down as probe
 
-    assert fused.WIDE_DOWN_N is False
+    assert fused.WIDE_DOWN_N is True
     shapes = [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.SHARDS.values()]
     shapes += [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.M.CASES.values()]
     shapes += [(8, 8, 2, 128, 256), (8, 8, 2, 160, 256)]  # H 128 (one 128 block); H 160 (not a multiple: stays)

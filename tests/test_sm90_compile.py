@@ -409,11 +409,11 @@ def test_local_first_launch_compiles_without_spill():
 
 @pytest.mark.parametrize("fmt, mode", [("fp8_per_tensor", 1), ("fp8_block", 2)])
 def test_wide_down_tile_issues_fewer_instructions_a_column(fmt, mode, monkeypatch):
-    """Round CF's ``fused.WIDE_DOWN_N`` (off by default): the exact fp8 mode's 32-row down tile 128 wide instead of 64
-    (Qwen3-30B-A3B at T = 1024, 64 rows per expert) builds for sm_90 with no spill, and its K loop issues fewer
-    instructions and fewer e4m3 -> f16 conversions an output column than the 64-wide tile's (the likely cause of the
-    tuners' 0.91-1.01 timings, docs/perf-notes/moe.md "Round CF (CPU)"; the intermediate tile is converted once for
-    twice the columns). Measured in round CF: 0.71x / 0.67x (per-tensor), 0.68x / 0.67x (block)."""
+    """Round CF's ``fused.WIDE_DOWN_N`` (the default since round CG): the exact fp8 mode's 32-row down tile 128 wide
+    instead of 64 (Qwen3-30B-A3B at T = 1024, 64 rows per expert) builds for sm_90 with no spill, and its K loop
+    issues fewer instructions and fewer e4m3 -> f16 conversions an output column than the 64-wide tile's (the likely
+    cause of the tuners' 0.91-1.01 timings, docs/perf-notes/moe.md "Round CF (CPU)"; the intermediate tile is
+    converted once for twice the columns). Measured in round CF: 0.71x / 0.67x (per-tensor), 0.68x / 0.67x (block)."""
     from evenflow._compile_check import compile_stats
     from evenflow.moe import fused
 

@@ -112,16 +112,17 @@ PAIR_PREFETCH_STEPS = 1
 # T = 1-4 (the median of BQ5's four passes; 0.976 at Hy3 EP8 bf16 T = 1; BQ2 / BQ5; benchmarks/moe.py's
 # evenflow-unfencedreduce rows switch it off).
 REDUCE_FENCED = True
-# Round CF (off: benchmarks/moe.py's evenflow-widedown rows and benchmarks/probe_moe_wide_down.py switch it on): in
-# the exact fp8 mode above 16 rows per expert (choose_config's 32-row mma.sync tiles) the down GEMM takes 128-wide N
-# blocks where H allows. Every down program converts its 32-row intermediate tile from e4m3 each K step, so half as
-# many n-blocks should halve that conversion per weight byte (the likely cause; not profiled). The tuners' timings of
-# choose_config's tile and of that tile with down_block_n = 128 ("default-dn128" in configs/*.json) put the wide tile
-# at 0.910-1.008 of the heuristic's time, median 0.951, over the 27 such points of the benchmark shapes on the two
-# cards that hold that timing (benchmarks/results/h100/history/round-cf/cpu/wide_down_from_tuner_timings.txt); on the
-# cards' tables 16 of them take a wider down N block as their entry. Off until a probe of untuned shapes and the
-# records run with it on.
-WIDE_DOWN_N = False
+# Round CF, on since round CG (benchmarks/moe.py's evenflow-narrowdown rows switch it off): in the exact fp8 mode
+# above 16 rows per expert (choose_config's 32-row mma.sync tiles) the down GEMM takes 128-wide N blocks where H
+# allows. Every down program converts its 32-row intermediate tile from e4m3 each K step, so half as many n-blocks
+# should halve that conversion per weight byte (the likely cause; the sm_90 builds issue 0.71x the loop instructions
+# and 0.67x the conversions a column; not profiled). The tuners' timings of the 64-wide tile and of that tile with
+# down_block_n = 128 ("default-dn128" in configs/*.json) put the wide tile at 0.910-1.008 of the narrow one's time,
+# median 0.951, over the 27 such points of the benchmark shapes on the two cards that hold that timing
+# (benchmarks/results/h100/history/round-cf/cpu/wide_down_from_tuner_timings.txt); round CG1's probe of four shards no
+# table tunes (benchmarks/probe_moe_wide_down.py, one H100, two interleaved passes, 19 points) 0.919-1.012, median
+# 0.956 in both passes, every output bitwise the narrow tile's (docs/perf-notes/moe.md, "Round CG").
+WIDE_DOWN_N = True
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -229,8 +230,8 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
 
     FP8 weights in the default (exact) mode take 32-row tiles (4 warps, 4 stages) above 16 rows
     per expert, whatever the batch: the tile class the tuner chose at every such point of the tuned
-    table (round S8; since round T4 most of those entries widen the down GEMM's N block, which this
-    function does only with the module switch ``WIDE_DOWN_N`` on: 128 wide where H allows, round CF).
+    table (round S8; since round T4 most of those entries widen the down GEMM's N block, and so does this
+    function since round CG where H allows: 128 wide, the module switch ``WIDE_DOWN_N``).
 
     ``fast_acc`` (FP8 weights, ``fp8_accum="fast"`` or ``"promoted"``): K-steps of at least 32 (fp8 dots), and
     above 16 rows per expert fp8-wgmma tiles (64 rows; 128 past 128 rows in per-tensor mode).
