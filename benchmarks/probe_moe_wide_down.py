@@ -1,25 +1,31 @@
-"""Probe: choose_config's exact-fp8 tiles with the down GEMM's N block 128 wide (``fused.WIDE_DOWN_N``) on shapes no
-table tunes.
+"""Probe: a module switch of choose_config on shapes no table tunes; ``--switch wide-down`` (the default): the exact
+fp8 tiles with the down GEMM's N block 128 wide (``fused.WIDE_DOWN_N``); ``--switch deep-k``: bf16's 16- / 32-row
+tiles with 128-deep K steps (``fused.DEEP_K_BF16``).
 
-    python benchmarks/probe_moe_wide_down.py [--cases qwen3-235b-tp8,dsv3-tp8,hy3-tp2,hy3-ep2]
+    python benchmarks/probe_moe_wide_down.py [--switch wide-down|deep-k]
+                                             [--cases qwen3-235b-tp8,dsv3-tp8,hy3-tp2,hy3-ep2]
                                              [--variants fp8-tensor,fp8-block] [--batches 512,1024,4096]
                                              [--passes 2] [--budget-s 300] [--out DIR]
 
-Above 16 rows per expert the exact fp8 mode runs 32-row ``mma.sync`` tiles, and each down program converts its whole
-intermediate tile from e4m3 every K step; a 128-wide N block halves that work per weight byte. On the benchmark's
-three shapes the tuners timed it at 0.910-1.008 of the heuristic's time (median 0.951, 27 points on an H200 and an
-H100; ``benchmarks/results/h100/history/round-cf/cpu/``), but there most points have a table entry, so the switch
-matters where none exists: other models and other shards. This probe times, at each point of those (the benchmark's
-weights, routing draws and rotated weight copies, CUDA-graph replay, the two graphs interleaved):
+wide-down: above 16 rows per expert the exact fp8 mode runs 32-row ``mma.sync`` tiles, and each down program
+converts its whole intermediate tile from e4m3 every K step; a 128-wide N block halves that work per weight byte. On
+the benchmark's three shapes the tuners timed it at 0.910-1.008 of the heuristic's time (median 0.951, 27 points on an
+H200 and an H100; ``benchmarks/results/h100/history/round-cf/cpu/``). deep-k: at most 32 rows per expert, bf16 from
+4 tokens, the tuners timed 128-deep K steps at 0.894-0.999 of the 64-deep tile's time (median 0.955, 31 points;
+``benchmarks/results/h100/history/round-cg/cpu/``). On the benchmark's shapes most of those points have a table
+entry, so a switch matters where none exists: other models and other shards. This probe times, at each point of
+those (the benchmark's weights, routing draws and rotated weight copies, CUDA-graph replay, the two graphs
+interleaved), ``choose_config``'s config with the switch off and on:
 
-- ``heuristic``: ``choose_config``'s config with the switch off (what an untuned shape ran until round CG);
-- ``wide``: the same with the switch on (128-wide down N blocks where H allows; the default since round CG, on this
-  probe's result: one H100, 0.919-1.012, median 0.956 in both passes, ``benchmarks/results/h100/history/round-cg/``);
+- wide-down: ``heuristic`` (off: what an untuned shape ran until round CG) and ``wide`` (on: 128-wide down N blocks
+  where H allows; the default since round CG, on this probe's result: one H100, 0.919-1.012, median 0.956 in both
+  passes, ``benchmarks/results/h100/history/round-cg/``);
+- deep-k: ``k64`` (off, the default) and ``k128`` (on);
 
 each passed as ``config=`` (so no table entry interferes), checks both outputs against the tolerance rule of the
-exact mode (``evenflow.reference.moe.moe_rule_terms``) and reports whether they agree bit for bit. Points at or below
-16 rows per expert, where the switch changes nothing, are skipped. A diagnostic for the perf notes: its JSON is not a
-result file of record.
+exact mode (``evenflow.reference.moe.moe_rule_terms``) and reports whether they agree bit for bit (wide-down keeps
+each output element's K order; deep-k need not). Points where the switch changes nothing are skipped. A diagnostic for
+the perf notes: its JSON is not a result file of record.
 """
 from __future__ import annotations
 
@@ -42,24 +48,30 @@ SHARDS = {
     "hy3-tp2": M.MoECase("hy3-tp2", 192, 192, 8, 4096, 768),
     "hy3-ep2": M.MoECase("hy3-ep2", 192, 96, 8, 4096, 1536, ep_rank=0),
 }
-MODES = {"fp8-tensor": 1, "fp8-block": 2}
+MODES = {"bf16": 0, "fp8-tensor": 1, "fp8-block": 2}
+# --switch: (module switch of evenflow.moe.fused, the formats it changes, default batches, row labels off / on, JSON)
+SWITCHES = {
+    "wide-down": ("WIDE_DOWN_N", ("fp8-tensor", "fp8-block"), [512, 1024, 4096], ("heuristic", "wide"),
+                  "probe_moe_wide_down.json"),
+    "deep-k": ("DEEP_K_BF16", ("bf16",), [4, 16, 64, 256, 512], ("k64", "k128"), "probe_moe_deep_k.json"),
+}
 
 
-def configs(case: M.MoECase, variant: str, t: int, sms: int = 132):
-    """(heuristic, wide) configs of one point on a GPU of ``sms`` SMs, or None where the switch changes nothing
-    there. The switch is left as it was found."""
+def configs(case: M.MoECase, variant: str, t: int, sms: int = 132, switch: str = "WIDE_DOWN_N"):
+    """(off, on) configs of one point on a GPU of ``sms`` SMs, ``switch`` (a module switch of evenflow.moe.fused) off
+    and on, or None where the switch changes nothing there. The switch is left as it was found."""
     from evenflow.moe import fused
 
     args = (t, case.top_k, case.num_local, case.hidden, case.inter, MODES[variant])
     kw = dict(num_experts_total=case.num_experts_total, sms=sms)
-    before = fused.WIDE_DOWN_N
+    before = getattr(fused, switch)
     try:
-        fused.WIDE_DOWN_N = False
+        setattr(fused, switch, False)
         off = fused.choose_config(*args, **kw)
-        fused.WIDE_DOWN_N = True
+        setattr(fused, switch, True)
         on = fused.choose_config(*args, **kw)
     finally:
-        fused.WIDE_DOWN_N = before
+        setattr(fused, switch, before)
     return None if on == off else (off, on)
 
 
@@ -72,8 +84,10 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(SHARDS), help="comma list of " + ",".join(list(SHARDS) + list(M.CASES)))
-    p.add_argument("--variants", default="fp8-tensor,fp8-block")
-    p.add_argument("--batches", type=H.positive_ints, default=[512, 1024, 4096])
+    p.add_argument("--switch", default="wide-down", choices=sorted(SWITCHES),
+                   help="wide-down: fused.WIDE_DOWN_N (fp8); deep-k: fused.DEEP_K_BF16 (bf16)")
+    p.add_argument("--variants", default=None, help="comma list (default: the formats the switch changes)")
+    p.add_argument("--batches", type=H.positive_ints, default=None, help="comma list (default: the switch's)")
     p.add_argument("--passes", type=int, default=2, help="interleaved timings of the two graphs a point")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new points after this many seconds")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
@@ -82,9 +96,12 @@ def main(argv=None) -> None:
     for name in a.cases.split(","):
         if name not in SHARDS and name not in M.CASES:
             raise SystemExit(f"--cases: unknown case {name!r} (known: {', '.join(list(SHARDS) + list(M.CASES))})")
+    switch, formats, batches, labels, json_name = SWITCHES[a.switch]
+    a.variants = a.variants or ",".join(formats)
+    a.batches = a.batches or batches
     for v in a.variants.split(","):
-        if v not in MODES:
-            raise SystemExit(f"--variants: {v!r} is not an fp8 format ({', '.join(MODES)})")
+        if v not in formats:
+            raise SystemExit(f"--variants: {v!r} is not a format --switch {a.switch} changes ({', '.join(formats)})")
     if a.passes < 1:
         raise SystemExit(f"--passes must be >= 1, got {a.passes}")
     if not torch.cuda.is_available():
@@ -96,10 +113,9 @@ def main(argv=None) -> None:
         holders = [c.holder() for c in copies]
         kw = dict(ep_rank=case.ep_rank, num_experts_total=case.num_experts_total)
         for t in a.batches:
-            pair = configs(case, variant, t, sms)
+            pair = configs(case, variant, t, sms, switch)
             if pair is None:
-                print(f"{case_name}/{variant} T={t}: the switch changes nothing here (<= 16 rows per expert)",
-                      flush=True)
+                print(f"{case_name}/{variant} T={t}: the switch changes nothing here", flush=True)
                 continue
             if time.time() - t0 > a.budget_s:
                 print(f"{case_name}/{variant} T={t}: budget spent, not timed", flush=True)
@@ -107,28 +123,28 @@ def main(argv=None) -> None:
             inputs = [M.draw_call(t, case, gen, bias, dev) for _ in copies]
             ref, bl, allow = moe_rule_terms(*inputs[0], holders[0], **kw)
             named, outs, checks = {}, {}, {}
-            for impl, cfg in zip(("heuristic", "wide"), pair):
+            for impl, cfg in zip(labels, pair):
                 named[impl] = [(lambda ew=ew, inp=inp, c=cfg: evenflow.fused_moe(*inp, ew, config=c, **kw))
                                for ew, inp in zip(holders, inputs)]
                 outs[impl] = named[impl][0]()
                 msg, err, bound = rule_check(outs[impl], ref, bl, allowance=allow)
                 checks[impl] = (msg, err, bound)
             passes = [H.time_graphs(named) for _ in range(a.passes)]
-            same = torch.equal(outs["heuristic"], outs["wide"])
-            for impl, cfg in zip(("heuristic", "wide"), pair):
+            same = torch.equal(outs[labels[0]], outs[labels[1]])
+            for impl, cfg in zip(labels, pair):
                 msg, err, bound = checks[impl]
                 rows.append(dict(case=case_name, variant=variant, batch=t, impl=impl,
                                  us=round(statistics.median(q[impl] for q in passes), 3),
                                  passes_us=[round(q[impl], 3) for q in passes], config=cfg.as_list(),
                                  max_abs_err=err, rule_bound=bound, rule_ok=not msg, bitwise_same=same))
-            ratio = " ".join(f"{q['wide'] / q['heuristic']:.3f}" for q in passes)
+            off, on = labels
+            ratio = " ".join(f"{q[on] / q[off]:.3f}" for q in passes)
             fails = [impl for impl, c in checks.items() if c[0]]
-            print(f"{case_name}/{variant} T={t}: heuristic dn{pair[0].down_block_n} "
-                  + " ".join(f"{q['heuristic']:8.2f}" for q in passes) + f" us, wide dn{pair[1].down_block_n} "
-                  + " ".join(f"{q['wide']:8.2f}" for q in passes) + f" us; wide / heuristic {ratio}; bitwise {same}"
+            print(f"{case_name}/{variant} T={t}: {off} " + " ".join(f"{q[off]:8.2f}" for q in passes) + f" us, {on} "
+                  + " ".join(f"{q[on]:8.2f}" for q in passes) + f" us; {on} / {off} {ratio}; bitwise {same}"
                   + (f"; RULE FAILED: {', '.join(fails)}" if fails else ""), flush=True)
             if a.out:  # after every point: a call's time limit must not lose the points already timed
-                H.write_rows(a.out, "probe_moe_wide_down.json", rows)
+                H.write_rows(a.out, json_name, rows)
             del named, outs, inputs, ref, bl, allow
         # drop every reference to the series' weights: rotated_series frees their memory before the next
         del copies, holders

@@ -139,6 +139,8 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         # decode / small batch: bound by streaming the hit experts' weights
         if mode == 0:
             out += [("gk128", r(d, gu_block_k=128, down_block_k=128))]
+            if d.gu_block_k == d.down_block_k == 128:  # fused.DEEP_K_BF16 on: the 64-deep tile it replaced
+                out += [("gk64", r(d, gu_block_k=64, down_block_k=64))]
         out += [("st4", r(d, num_stages=4))]
         if mode != 2:
             out += [("gn32", r(d, gu_block_n=32))]
@@ -226,6 +228,8 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
                           gu_split_k=1, down_split_k=1)))
         if mode == 0 and d.block_m <= 32:  # 128-deep bf16 K tiles at >= 64x128 exceed 227 KB of smem (sm_90)
             out.append(("gk128", r(d, gu_block_k=128, down_block_k=128, num_stages=3)))
+            if d.gu_block_k == d.down_block_k == 128:  # fused.DEEP_K_BF16 on: the 64-deep tile it replaced
+                out.append(("gk64", r(d, gu_block_k=64, down_block_k=64)))
     if t * case.top_k > PAIR_TILE_MAX_PAIRS and rows >= 8:
         # the down GEMM over 1, 2, 4 or 8 n-blocks a program (round AJ: where a config's down GEMM has few K steps
         # and experts see >= 8 rows, up to 17% off the layer, AJ3 / AJ7; no gain, or slower, with many K steps or

@@ -1241,3 +1241,31 @@ def test_local_first_equals_pair_order(device, fmt):
         check_moe(y, x, ids, w, ew, f"{fmt} pair tiles at {2 * t} pairs", ep_rank=1)
     with pytest.raises(TypeError, match="local_first"):
         evenflow.fused_moe(x, ids, w, ew, local_first=1, **kw)
+
+
+@pytest.mark.parametrize("t", [4, 24])
+def test_deep_k_switch_runs_128_deep_bf16_steps_within_the_rule(device, t, monkeypatch):
+    """``fused.DEEP_K_BF16`` (round CG, off by default) on: a bf16 layer whose H and I are multiples of 128 launches
+    both GEMMs with 128-deep K steps (BLOCK_K of the heuristic's 16-row tile, pair tiles at T = 4 and index tiles at
+    T = 24), within the tolerance rule against the fp64 oracle, as the 64-deep tile is."""
+    from evenflow import _compile_check as CC
+    from evenflow.moe import fused
+
+    h, i, e, k = 256, 128, 4, 2
+    ew = random_moe_weights("bf16", e, h, i, device)
+    x = torch.randn(t, h, device=device).bfloat16()
+    ids, w = random_routing(t, k, e, device)
+    ys = {}
+    for deep in (False, True):
+        monkeypatch.setattr(fused, "DEEP_K_BF16", deep)
+        cfg = choose_config(t, k, e, h, i, 0, sms=132)
+        assert (cfg.block_m, cfg.gu_block_k, cfg.down_block_k) == (16, 128 if deep else 64, 128 if deep else 64), cfg
+        if torch.device(device).type == "cpu":
+            with CC.record_launches(execute=True) as launches:
+                ys[deep] = evenflow.fused_moe(x, ids, w, ew, config=cfg)
+            gu = dict(next(ln for ln in launches if ln.name == "moe_gate_up_kernel").constexprs)
+            dn = dict(next(ln for ln in launches if ln.name == "moe_down_kernel").constexprs)
+            assert gu["BLOCK_K"] == dn["BLOCK_K"] == cfg.gu_block_k, (gu, dn)
+        else:
+            ys[deep] = evenflow.fused_moe(x, ids, w, ew, config=cfg)
+        check_moe(ys[deep], x, ids, w, ew, f"T={t} deep={deep} {cfg}")

@@ -650,3 +650,67 @@ def test_wide_down_switch_widens_only_the_exact_fp8_32_row_tiles(monkeypatch):
                     assert pair is None, (name, variant, t)
                 else:
                     assert pair[1].down_block_n == 128 and pair[0].down_block_n < 128, (name, variant, t, pair)
+
+
+def test_deep_k_switch_deepens_only_bf16_small_row_tiles_from_four_tokens(monkeypatch):
+    """``fused.DEEP_K_BF16`` (round CG, off by default): on, choose_config gives bf16's 16- and 32-row tiles (at most
+    32 rows per expert) 128-deep K steps in both GEMMs from DEEP_K_MIN_TOKENS tokens, where H and I take 128 times the
+    K splits the 64-deep tile derived; those splits, the tile and every other field stay (the down n-group by the
+    heuristic's own rule); the config is valid; fp8, 1-3 tokens, larger tiles and sizes 128 does not divide take the
+    same config either way. The probe's deep-k mode offers exactly those pairs and leaves the switch as it found
+    it; with the switch on, the tuner still offers the 64-deep tile (``gk64``)."""
+    from evenflow.moe import fused
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import probe_moe_wide_down as probe
+
+    B, T, _ = _bench_modules()
+    assert fused.DEEP_K_BF16 is False and fused.DEEP_K_MIN_TOKENS == 4
+    shapes = [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.SHARDS.values()]
+    shapes += [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.M.CASES.values()]
+    shapes += [(8, 8, 2, 128, 256), (8, 8, 2, 192, 256), (8, 8, 2, 256, 64)]  # 128 divides both / not H / not I
+    deepened = 0
+    for e_tot, e_loc, k, h, i in shapes:
+        for mode in (0, 1, 2):
+            if mode == 2 and (h % 128 or i % 128):
+                continue
+            for t in (1, 2, 3, 4, 8, 16, 64, 256, 512, 1024, 4096):
+                args = (t, k, e_loc, h, i, mode)
+                kw = dict(num_experts_total=e_tot, sms=132)
+                monkeypatch.setattr(fused, "DEEP_K_BF16", False)
+                off = choose_config(*args, **kw)
+                monkeypatch.setattr(fused, "DEEP_K_BF16", True)
+                on = choose_config(*args, **kw)
+                if mode == 0 and t >= 4 and off.block_m <= 32 and h % (128 * off.gu_split_k) == 0 \
+                        and i % (128 * off.down_split_k) == 0:
+                    assert (on.gu_block_k, on.down_block_k) == (128, 128), (args, off, on)
+                    check_config(on, h, i, mode)
+                    assert on == fused.replace(off, gu_block_k=128, down_block_k=128,
+                                               down_n_group=on.down_n_group), (args, off, on)
+                    rows = t * k * (e_loc / e_tot) / e_loc
+                    assert on.down_n_group == fused._down_n_group(on, rows, h, i, False), (args, on)
+                    deepened += off != on
+                else:
+                    assert on == off, (args, off, on)
+    assert deepened >= 20, deepened
+    for before in (False, True):  # the probe leaves the switch as it found it
+        monkeypatch.setattr(fused, "DEEP_K_BF16", before)
+        pair = probe.configs(probe.SHARDS["hy3-tp2"], "bf16", 64, switch="DEEP_K_BF16")
+        assert pair is not None and (pair[0].gu_block_k, pair[1].gu_block_k) == (64, 128), pair
+        assert fused.DEEP_K_BF16 is before
+        assert probe.configs(probe.SHARDS["hy3-tp2"], "bf16", 2, switch="DEEP_K_BF16") is None
+    # the tuner keeps the 64-deep tile as a candidate where the switch made the default 128 deep
+    case = B.CASES["qwen3-30b-a3b"]
+    for on in (False, True):
+        monkeypatch.setattr(fused, "DEEP_K_BF16", on)
+        for t in (64, 512):
+            cands = dict(T.candidates(case, 0, t))
+            d = cands["default"]
+            assert (d.gu_block_k == 128) is on, (t, d)
+            deep = dataclasses.replace(d, gu_block_k=128, down_block_k=128)
+            shallow = dataclasses.replace(d, gu_block_k=64, down_block_k=64)
+            got = list(cands.values())
+            assert any(c.gu_block_k == 64 and c.down_block_k == 64 and c.block_m == d.block_m for c in got), t
+            assert any(c.gu_block_k == 128 and c.down_block_k == 128 for c in got), t
+            assert ("gk64" in cands) is on and (cands.get("gk64") in (None, shallow)), (t, cands.get("gk64"))
+            assert deep in got or not on, t

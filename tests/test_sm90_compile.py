@@ -535,3 +535,25 @@ def test_moe_reduce_issues_its_loads_in_two_round_trips(split, shared, monkeypat
     assert len(waves) >= 2 + split and not any(w["in_loop"] for w in waves), waves
     assert max(w["needed"] for w in waves) == 2
     assert [w["issued"] for w in waves] == [w["needed"] for w in waves], waves
+
+
+@pytest.mark.parametrize("t", [8, 64, 512])
+def test_deep_k_bf16_tiles_build_without_spill(t, monkeypatch):
+    """Round CG's ``fused.DEEP_K_BF16`` (off by default) on: bf16 Qwen3-30B-A3B at T = 8 / 64 / 512 (pair tiles,
+    16-row and 32-row index tiles) launches both GEMMs 128 deep, and each builds for sm_90 within the shared-memory
+    limit with no spill (the tuners ran these tiles as ``gk128`` on both cards)."""
+    from evenflow._compile_check import compile_stats
+    from evenflow.moe import fused
+
+    h, i, e, k = 2048, 768, 128, 8
+    ew = random_moe_weights("bf16", e, h, i)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    monkeypatch.setattr(fused, "DEEP_K_BF16", True)
+    with emulate_gpu(132), record_launches() as rec:
+        evenflow.fused_moe(torch.randn(t, h).bfloat16(), ids, torch.rand(t, k), ew)
+    gemms = [la for la in rec if la.name in ("moe_gate_up_kernel", "moe_down_kernel")]
+    assert len(gemms) == 2, [la.name for la in rec]
+    for la, st in zip(gemms, compile_stats(gemms)):
+        assert dict(la.constexprs)["BLOCK_K"] == 128, la.describe()
+        assert "error" not in st and st["spill_bytes"] == 0, (la.describe(), st.get("error"), st.get("spill_bytes"))

@@ -123,6 +123,17 @@ REDUCE_FENCED = True
 # table tunes (benchmarks/probe_moe_wide_down.py, one H100, two interleaved passes, 19 points) 0.919-1.012, median
 # 0.956 in both passes, every output bitwise the narrow tile's (docs/perf-notes/moe.md, "Round CG").
 WIDE_DOWN_N = True
+# Round CG (off: benchmarks/probe_moe_wide_down.py --switch deep-k times it): bf16 weights on choose_config's 16- and
+# 32-row tiles (at most 32 rows per expert) from 4 tokens a call take 128-deep K steps in both GEMMs, where H and I are
+# multiples of 128 times the K splits the heuristic derived for 64-deep steps (kept). The tuners time that tile
+# ("gk128" in configs/*.json: the default's tile with both K steps 128 deep): at the 31 bf16 points of Qwen3-30B-A3B
+# and Hy3 EP8 with 4-512 tokens on both cards that hold both timings it ran 0.894-0.999 of the 64-deep tile's time,
+# median 0.955, never slower; at 1-2 tokens 0.871-1.035 (Qwen3 slower at all four), so those stay 64 deep
+# (benchmarks/results/h100/history/round-cg/cpu/deep_k_from_tuner_timings.txt). Half as many K steps halve the
+# per-step loop overhead and barrier waits of a GEMM whose tile has few rows; the benchmark's points mostly hold
+# table entries, so the switch matters for the shapes no table tunes.
+DEEP_K_BF16 = False
+DEEP_K_MIN_TOKENS = 4
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
 LOCAL_FIRST_MAX_PAIRS = 256
@@ -296,6 +307,9 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target, eb),
         down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target, eb),
     )
+    if DEEP_K_BF16 and mode == 0 and cfg.block_m <= 32 and num_tokens >= DEEP_K_MIN_TOKENS \
+            and hidden % (128 * cfg.gu_split_k) == 0 and inter % (128 * cfg.down_split_k) == 0:
+        cfg = replace(cfg, gu_block_k=128, down_block_k=128)
     return replace(cfg, down_n_group=_down_n_group(cfg, rows, hidden, inter, fast_acc))
 
 
