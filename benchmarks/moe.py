@@ -79,7 +79,8 @@ IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm", "evenflow-nopdl", "eve
 # two branches that keep its loads in the two round trips its ids and rows need, the default until round BQ:
 # evenflow.moe.fused.REDUCE_FENCED off; the same bits), evenflow-narrowdown (choose_config's 64-wide down N blocks on
 # the exact fp8 mode's 32-row tiles, as before round CG: evenflow.moe.fused.WIDE_DOWN_N off; only where the table
-# leaves a point to the heuristic))
+# leaves a point to the heuristic), evenflow-shallowk (bf16's tiles of at most 32 rows 64 deep from 4 tokens, as before
+# round CG: evenflow.moe.fused.DEEP_K_BF16 off; only where the table leaves a point to the heuristic))
 DEFAULT_IMPLS = ("evenflow", "sglang-triton", "torch-grouped-mm")
 # knob rows: fused_moe keyword arguments
 EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-index": {"pair_tiles": False},
@@ -99,12 +100,13 @@ EVENFLOW_KNOBS = {"evenflow": {}, "evenflow-nopdl": {"pdl": False}, "evenflow-in
                      for n in ("", "1")},
                   "evenflow-nopf": {"_pair_prefetch": ()},
                   "evenflow-unfencedreduce": {"_reduce_fenced": False},
-                  "evenflow-narrowdown": {"_wide_down_n": False}}
+                  "evenflow-narrowdown": {"_wide_down_n": False},
+                  "evenflow-shallowk": {"_deep_k_bf16": False}}
 # knob keys that set a module switch of evenflow.moe.fused around each call, not a keyword
 MODULE_SWITCHES = {"_quant_overlap": "QUANT_OVERLAP", "_gu_one_dot": "GU_ONE_DOT", "_persist_gemms": "PERSIST_GEMMS",
                    "_persist_n_fastest": "PERSIST_DOWN_N_FASTEST", "_pair_prefetch": "PAIR_PREFETCH",
                    "_pair_prefetch_steps": "PAIR_PREFETCH_STEPS", "_reduce_fenced": "REDUCE_FENCED",
-                   "_wide_down_n": "WIDE_DOWN_N"}
+                   "_wide_down_n": "WIDE_DOWN_N", "_deep_k_bf16": "DEEP_K_BF16"}
 MAX_ROTATE = 4
 MIN_DRAWS, MIN_DRAWS_UP_TO = 8, 16  # routing draws timed per point at batches <= 16 (at least)
 
@@ -393,6 +395,8 @@ def build_impl(name: str, w: RawWeights, case: MoECase, args):
             raise PeerUnavailable("not applicable to bf16: no activation quantisation kernel")
         if "WIDE_DOWN_N" in switches and w.variant == "bf16":
             raise PeerUnavailable("not applicable to bf16: the switch sets the exact fp8 mode's tiles only")
+        if "DEEP_K_BF16" in switches and w.variant != "bf16":
+            raise PeerUnavailable(f"not applicable to {w.variant}: the switch sets bf16's tiles only")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-block":
             raise PeerUnavailable("not applicable to fp8-block: its gate-up takes two dots (gate and up scales)")
         if "GU_ONE_DOT" in switches and w.variant == "fp8-tensor" and kw.get("fp8_accum", "exact") == "exact":

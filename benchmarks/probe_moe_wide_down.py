@@ -20,12 +20,14 @@ interleaved), ``choose_config``'s config with the switch off and on:
 - wide-down: ``heuristic`` (off: what an untuned shape ran until round CG) and ``wide`` (on: 128-wide down N blocks
   where H allows; the default since round CG, on this probe's result: one H100, 0.919-1.012, median 0.956 in both
   passes, ``benchmarks/results/h100/history/round-cg/``);
-- deep-k: ``k64`` (off, the default) and ``k128`` (on);
+- deep-k: ``k64`` (off: what an untuned shape ran until round CG) and ``k128`` (on: the default since CG2, on this
+  probe's result: one H100, 0.904-1.006, median 0.954 / 0.951 in its two passes);
 
 each passed as ``config=`` (so no table entry interferes), checks both outputs against the tolerance rule of the
-exact mode (``evenflow.reference.moe.moe_rule_terms``) and reports whether they agree bit for bit (wide-down keeps
-each output element's K order; deep-k need not). Points where the switch changes nothing are skipped. A diagnostic for
-the perf notes: its JSON is not a result file of record.
+exact mode (``evenflow.reference.moe.moe_rule_terms``) and reports whether they agree bit for bit (each output
+element's sequence of 16-deep MMA steps is the same either way: CG1 and CG2 found every output bitwise equal). Points
+where the switch changes nothing are skipped. A diagnostic for the perf notes: its JSON is not a result file of
+record.
 """
 from __future__ import annotations
 

@@ -512,6 +512,28 @@ def test_series_that_cannot_run_give_an_error_row_for_every_batch_and_impl(tmp_p
     assert all("us" not in r and r["series"] == f"{r['case']}/fp8-block" for r in rows)
 
 
+def _knob_gemm_constexprs(names, w, case, x, ids, tw, switch):
+    """Runs each named row of the benchmark on one call through the interpreter, asserts the module switch
+    ``switch`` of evenflow.moe.fused is back on after it and its output within the tolerance rule against the fp64
+    oracle, and returns each row's gate-up and down launch constexprs."""
+    from evenflow import _compile_check as CC
+    from evenflow.moe import fused
+    from evenflow.reference.moe import moe_rule_terms
+    from evenflow.testing import rule_check
+
+    ref, bl, allow = moe_rule_terms(x, ids, tw, w.holder(), num_experts_total=case.num_experts_total)
+    consts = {}
+    for name in names:
+        with CC.record_launches(execute=True) as launches:
+            y = bm.build_impl(name, w, case, None)(x, ids, tw)()
+        assert getattr(fused, switch) is True, name
+        msg, err, bound = rule_check(y, ref, bl, allowance=allow)
+        assert not msg, (w.variant, name, msg)
+        consts[name] = {ln.name: dict(ln.constexprs) for ln in launches
+                        if ln.name in ("moe_gate_up_kernel", "moe_down_kernel")}
+    return consts
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
 def test_narrowdown_row_launches_64_wide_down_tiles_within_the_rule():
     """evenflow-narrowdown (``fused.WIDE_DOWN_N`` off around each call: the default before round CG) launches the
@@ -519,11 +541,6 @@ def test_narrowdown_row_launches_64_wide_down_tiles_within_the_rule():
     n-group re-derived by the heuristic's rule, every other constexpr of both GEMMs the same, both outputs within the
     exact mode's tolerance rule, for both fp8 formats; the switch is back on after each call; bf16, which it does not
     change, is refused."""
-    from evenflow import _compile_check as CC
-    from evenflow.moe import fused
-    from evenflow.reference.moe import moe_rule_terms
-    from evenflow.testing import rule_check
-
     assert "evenflow-narrowdown" in bm.EVENFLOW_KNOBS and "evenflow-narrowdown" not in bm.DEFAULT_IMPLS
     case = bm.MoECase("tiny256", 2, 2, 1, 256, 128)
     gen = _gen(7)
@@ -533,16 +550,8 @@ def test_narrowdown_row_launches_64_wide_down_tiles_within_the_rule():
         w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
         if variant == "fp8-tensor":
             bm.calibrate_static_scales(w, case, "cpu", _gen(1), bm.expert_bias(case.num_experts_total, _gen(2)))
-        ref, bl, allow = moe_rule_terms(x, ids, tw, w.holder(), num_experts_total=case.num_experts_total)
-        consts = {}
-        for name in ("evenflow", "evenflow-narrowdown"):
-            with CC.record_launches(execute=True) as launches:
-                y = bm.build_impl(name, w, case, None)(x, ids, tw)()
-            assert fused.WIDE_DOWN_N is True, name
-            msg, err, bound = rule_check(y, ref, bl, allowance=allow)
-            assert not msg, (variant, name, msg)
-            consts[name] = {ln.name: dict(ln.constexprs) for ln in launches
-                            if ln.name in ("moe_gate_up_kernel", "moe_down_kernel")}
+        consts = _knob_gemm_constexprs(("evenflow", "evenflow-narrowdown"), w, case, x, ids, tw, "WIDE_DOWN_N")
+        for name in consts:
             assert consts[name]["moe_down_kernel"]["BLOCK_M"] == 32, (variant, name)
         wide, base = consts["evenflow"], consts["evenflow-narrowdown"]
         assert (base["moe_down_kernel"]["BLOCK_N"], wide["moe_down_kernel"]["BLOCK_N"]) == (64, 128), variant
@@ -554,3 +563,28 @@ def test_narrowdown_row_launches_64_wide_down_tiles_within_the_rule():
     w = bm.make_weights(case, "bf16", "cpu", torch.Generator().manual_seed(0), std=0.1)
     with pytest.raises(PeerUnavailable, match="not applicable to bf16"):
         bm.build_impl("evenflow-narrowdown", w, case, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records launches through the interpreter")
+def test_shallowk_row_launches_64_deep_bf16_tiles_within_the_rule():
+    """evenflow-shallowk (``fused.DEEP_K_BF16`` off around each call: the default before round CG) launches both
+    GEMMs of bf16's 16-row tile (T = 8: 4 rows per expert) 64 deep where evenflow's are 128 deep, every other
+    constexpr the same, both outputs within the tolerance rule; the switch is back on after each call; the fp8
+    formats, which it does not change, are refused."""
+
+    assert "evenflow-shallowk" in bm.EVENFLOW_KNOBS and "evenflow-shallowk" not in bm.DEFAULT_IMPLS
+    case = bm.MoECase("tiny256", 4, 4, 2, 256, 128)
+    gen = _gen(7)
+    ids, tw = bm.make_routing(8, case, gen)
+    x = torch.randn(8, case.hidden, generator=gen).bfloat16()
+    w = bm.make_weights(case, "bf16", "cpu", torch.Generator().manual_seed(0), std=0.1)
+    consts = _knob_gemm_constexprs(("evenflow", "evenflow-shallowk"), w, case, x, ids, tw, "DEEP_K_BF16")
+    deep, base = consts["evenflow"], consts["evenflow-shallowk"]
+    for kernel in ("moe_gate_up_kernel", "moe_down_kernel"):
+        assert (base[kernel]["BLOCK_M"], base[kernel]["BLOCK_K"], deep[kernel]["BLOCK_K"]) == (16, 64, 128), kernel
+        assert {k: v for k, v in base[kernel].items() if k != "BLOCK_K"} == \
+            {k: v for k, v in deep[kernel].items() if k != "BLOCK_K"}, kernel
+    for variant in ("fp8-tensor", "fp8-block"):
+        w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
+        with pytest.raises(PeerUnavailable, match=f"not applicable to {variant}"):
+            bm.build_impl("evenflow-shallowk", w, case, None)

@@ -1245,9 +1245,9 @@ def test_local_first_equals_pair_order(device, fmt):
 
 @pytest.mark.parametrize("t", [4, 24])
 def test_deep_k_switch_runs_128_deep_bf16_steps_within_the_rule(device, t, monkeypatch):
-    """``fused.DEEP_K_BF16`` (round CG, off by default) on: a bf16 layer whose H and I are multiples of 128 launches
-    both GEMMs with 128-deep K steps (BLOCK_K of the heuristic's 16-row tile, pair tiles at T = 4 and index tiles at
-    T = 24), within the tolerance rule against the fp64 oracle, as the 64-deep tile is."""
+    """``fused.DEEP_K_BF16`` (round CG, on by default since CG2): a bf16 layer whose H and I are multiples of 128
+    launches both GEMMs with 128-deep K steps (BLOCK_K of the heuristic's 16-row tile, pair tiles at T = 4 and index
+    tiles at T = 24), within the tolerance rule against the fp64 oracle, as the 64-deep tile is."""
     from evenflow import _compile_check as CC
     from evenflow.moe import fused
 

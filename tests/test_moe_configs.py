@@ -653,19 +653,19 @@ def test_wide_down_switch_widens_only_the_exact_fp8_32_row_tiles(monkeypatch):
 
 
 def test_deep_k_switch_deepens_only_bf16_small_row_tiles_from_four_tokens(monkeypatch):
-    """``fused.DEEP_K_BF16`` (round CG, off by default): on, choose_config gives bf16's 16- and 32-row tiles (at most
-    32 rows per expert) 128-deep K steps in both GEMMs from DEEP_K_MIN_TOKENS tokens, where H and I take 128 times the
-    K splits the 64-deep tile derived; those splits, the tile and every other field stay (the down n-group by the
-    heuristic's own rule); the config is valid; fp8, 1-3 tokens, larger tiles and sizes 128 does not divide take the
-    same config either way. The probe's deep-k mode offers exactly those pairs and leaves the switch as it found
-    it; with the switch on, the tuner still offers the 64-deep tile (``gk64``)."""
+    """``fused.DEEP_K_BF16`` (round CG, on by default since CG2): on, choose_config gives bf16's 16- and 32-row
+    tiles (at most 32 rows per expert) 128-deep K steps in both GEMMs from DEEP_K_MIN_TOKENS tokens, where H and I
+    take 128 times the K splits the 64-deep tile derived; those splits, the tile and every other field stay (the
+    down n-group by the heuristic's own rule); the config is valid; fp8, 1-3 tokens, larger tiles and sizes 128 does
+    not divide take the same config either way. The probe's deep-k mode offers exactly those pairs and leaves the
+    switch as it found it; with the switch on, the tuner still offers the 64-deep tile (``gk64``)."""
     from evenflow.moe import fused
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
     import probe_moe_wide_down as probe
 
     B, T, _ = _bench_modules()
-    assert fused.DEEP_K_BF16 is False and fused.DEEP_K_MIN_TOKENS == 4
+    assert fused.DEEP_K_BF16 is True and fused.DEEP_K_MIN_TOKENS == 4
     shapes = [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.SHARDS.values()]
     shapes += [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.M.CASES.values()]
     shapes += [(8, 8, 2, 128, 256), (8, 8, 2, 192, 256), (8, 8, 2, 256, 64)]  # 128 divides both / not H / not I

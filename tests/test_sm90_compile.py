@@ -539,7 +539,7 @@ def test_moe_reduce_issues_its_loads_in_two_round_trips(split, shared, monkeypat
 
 @pytest.mark.parametrize("t", [8, 64, 512])
 def test_deep_k_bf16_tiles_build_without_spill(t, monkeypatch):
-    """Round CG's ``fused.DEEP_K_BF16`` (off by default) on: bf16 Qwen3-30B-A3B at T = 8 / 64 / 512 (pair tiles,
+    """Round CG's ``fused.DEEP_K_BF16`` (on by default since CG2): bf16 Qwen3-30B-A3B at T = 8 / 64 / 512 (pair tiles,
     16-row and 32-row index tiles) launches both GEMMs 128 deep, and each builds for sm_90 within the shared-memory
     limit with no spill (the tuners ran these tiles as ``gk128`` on both cards)."""
     from evenflow._compile_check import compile_stats

@@ -123,16 +123,18 @@ REDUCE_FENCED = True
 # table tunes (benchmarks/probe_moe_wide_down.py, one H100, two interleaved passes, 19 points) 0.919-1.012, median
 # 0.956 in both passes, every output bitwise the narrow tile's (docs/perf-notes/moe.md, "Round CG").
 WIDE_DOWN_N = True
-# Round CG (off: benchmarks/probe_moe_wide_down.py --switch deep-k times it): bf16 weights on choose_config's 16- and
-# 32-row tiles (at most 32 rows per expert) from 4 tokens a call take 128-deep K steps in both GEMMs, where H and I are
-# multiples of 128 times the K splits the heuristic derived for 64-deep steps (kept). The tuners time that tile
-# ("gk128" in configs/*.json: the default's tile with both K steps 128 deep): at the 31 bf16 points of Qwen3-30B-A3B
-# and Hy3 EP8 with 4-512 tokens on both cards that hold both timings it ran 0.894-0.999 of the 64-deep tile's time,
-# median 0.955, never slower; at 1-2 tokens 0.871-1.035 (Qwen3 slower at all four), so those stay 64 deep
-# (benchmarks/results/h100/history/round-cg/cpu/deep_k_from_tuner_timings.txt). Half as many K steps halve the
-# per-step loop overhead and barrier waits of a GEMM whose tile has few rows; the benchmark's points mostly hold
-# table entries, so the switch matters for the shapes no table tunes.
-DEEP_K_BF16 = False
+# Round CG, on since CG2 (benchmarks/probe_moe_wide_down.py --switch deep-k times it off and on): bf16 weights on
+# choose_config's 16- and 32-row tiles (at most 32 rows per expert) from 4 tokens a call take 128-deep K steps in both
+# GEMMs, where H and I are multiples of 128 times the K splits the heuristic derived for 64-deep steps (kept). The
+# tuners time that tile ("gk128" in configs/*.json: the default's tile with both K steps 128 deep): at the 31 bf16
+# points of Qwen3-30B-A3B and Hy3 EP8 with 4-512 tokens on both cards that hold both timings it ran 0.894-0.999 of the
+# 64-deep tile's time, median 0.955, never slower; at 1-2 tokens 0.871-1.035 (Qwen3 slower at all four), so those stay
+# 64 deep (benchmarks/results/h100/history/round-cg/cpu/deep_k_from_tuner_timings.txt). CG2's probe of three shards no
+# table tunes (Hy3 TP2 / EP2, DeepSeek-V3 TP8; T = 4-512, 15 points, one H100): 0.904-1.006, median 0.954 / 0.951 in
+# its two passes, every output bitwise the 64-deep tile's (docs/perf-notes/moe.md, "Round CG"). Half as many K steps
+# halve the per-step loop overhead and barrier waits of a GEMM whose tile has few rows (the likely cause; not
+# profiled).
+DEEP_K_BF16 = True
 DEEP_K_MIN_TOKENS = 4
 # Pair tiles under expert parallelism pack the rank's own pairs' programs first (round Y): every program loads
 # all the pairs' ids to find its task; past this many pairs (pair tiles forced at larger batches) they do not.
