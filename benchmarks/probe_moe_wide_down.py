@@ -4,7 +4,7 @@ tiles with 128-deep K steps (``fused.DEEP_K_BF16``).
 
     python benchmarks/probe_moe_wide_down.py [--switch wide-down|deep-k]
                                              [--cases qwen3-235b-tp8,dsv3-tp8,hy3-tp2,hy3-ep2]
-                                             [--variants fp8-tensor,fp8-block] [--batches 512,1024,4096]
+                                             [--variants V,...] [--batches T,...]   # defaults: the switch's
                                              [--passes 2] [--budget-s 300] [--out DIR]
 
 wide-down: above 16 rows per expert the exact fp8 mode runs 32-row ``mma.sync`` tiles, and each down program
@@ -18,8 +18,8 @@ those (the benchmark's weights, routing draws and rotated weight copies, CUDA-gr
 interleaved), ``choose_config``'s config with the switch off and on:
 
 - wide-down: ``heuristic`` (off: what an untuned shape ran until round CG) and ``wide`` (on: 128-wide down N blocks
-  where H allows; the default since round CG, on this probe's result: one H100, 0.919-1.012, median 0.956 in both
-  passes, ``benchmarks/results/h100/history/round-cg/``);
+  where H allows; the default since round CG, on this probe's result: one H100, 0.919-1.012, median 0.956 / 0.958 in
+  its two passes, ``benchmarks/results/h100/history/round-cg/``);
 - deep-k: ``k64`` (off: what an untuned shape ran until round CG) and ``k128`` (on: the default since CG2, on this
   probe's result: one H100, 0.904-1.006, median 0.954 / 0.951 in its two passes);
 

@@ -139,7 +139,8 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
         # decode / small batch: bound by streaming the hit experts' weights
         if mode == 0:
             out += [("gk128", r(d, gu_block_k=128, down_block_k=128))]
-            if d.gu_block_k == d.down_block_k == 128:  # fused.DEEP_K_BF16 on: the 64-deep tile it replaced
+            if d.gu_block_k == d.down_block_k == 128:  # fused.DEEP_K_BF16 on: the 64-deep tile it replaced (with
+                # the switch on "gk128" is the default itself, so this pair carries the comparison)
                 out += [("gk64", r(d, gu_block_k=64, down_block_k=64))]
         out += [("st4", r(d, num_stages=4))]
         if mode != 2:

@@ -121,7 +121,7 @@ REDUCE_FENCED = True
 # median 0.951, over the 27 such points of the benchmark shapes on the two cards that hold that timing
 # (benchmarks/results/h100/history/round-cf/cpu/wide_down_from_tuner_timings.txt); round CG1's probe of four shards no
 # table tunes (benchmarks/probe_moe_wide_down.py, one H100, two interleaved passes, 19 points) 0.919-1.012, median
-# 0.956 in both passes, every output bitwise the narrow tile's (docs/perf-notes/moe.md, "Round CG").
+# 0.956 / 0.958 in its two passes, every output bitwise the narrow tile's (docs/perf-notes/moe.md, "Round CG").
 WIDE_DOWN_N = True
 # Round CG, on since CG2 (benchmarks/probe_moe_wide_down.py --switch deep-k times it off and on): bf16 weights on
 # choose_config's 16- and 32-row tiles (at most 32 rows per expert) from 4 tokens a call take 128-deep K steps in both
@@ -309,10 +309,13 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target, eb),
         down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target, eb),
     )
+    cfg = replace(cfg, down_n_group=_down_n_group(cfg, rows, hidden, inter, fast_acc))
     if DEEP_K_BF16 and mode == 0 and cfg.block_m <= 32 and num_tokens >= DEEP_K_MIN_TOKENS \
             and hidden % (128 * cfg.gu_split_k) == 0 and inter % (128 * cfg.down_split_k) == 0:
+        # only the K depth changes, as the tuners' "gk128" and CG2's probe measured it: the n-group stays the one
+        # derived for 64-deep steps (re-deriving it at 3-4 down K steps, I in (256, 512], is not measured)
         cfg = replace(cfg, gu_block_k=128, down_block_k=128)
-    return replace(cfg, down_n_group=_down_n_group(cfg, rows, hidden, inter, fast_acc))
+    return cfg
 
 
 # Round AJ (docs/perf-notes/moe.md): where the down GEMM has at most this many K steps a task (a tensor-parallel
