@@ -62,18 +62,14 @@ SWITCHES = {
 def configs(case: M.MoECase, variant: str, t: int, sms: int = 132, switch: str = "WIDE_DOWN_N"):
     """(off, on) configs of one point on a GPU of ``sms`` SMs, ``switch`` (a module switch of evenflow.moe.fused) off
     and on, or None where the switch changes nothing there. The switch is left as it was found."""
+    from evenflow.bench.harness import with_switches
     from evenflow.moe import fused
 
-    args = (t, case.top_k, case.num_local, case.hidden, case.inter, MODES[variant])
-    kw = dict(num_experts_total=case.num_experts_total, sms=sms)
-    before = getattr(fused, switch)
-    try:
-        setattr(fused, switch, False)
-        off = fused.choose_config(*args, **kw)
-        setattr(fused, switch, True)
-        on = fused.choose_config(*args, **kw)
-    finally:
-        setattr(fused, switch, before)
+    def choose():
+        return fused.choose_config(t, case.top_k, case.num_local, case.hidden, case.inter, MODES[variant],
+                                   num_experts_total=case.num_experts_total, sms=sms)
+
+    off, on = (with_switches(fused, {switch: v}, choose) for v in (False, True))
     return None if on == off else (off, on)
 
 

@@ -888,6 +888,7 @@ def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps(
     has at most FEW_DOWN_K_STEPS K steps and no K split (round AJ7: tensor-parallel shards with small I), the largest
     power of two up to that dividing the n-blocks; 1 elsewhere: many K steps (Qwen3-30B, Hy3 EP8), few rows, a K
     split, the fp8-MMA modes' wgmma tiles (above 16 rows; at 8-16 rows they take the exact mode's config)."""
+    from evenflow.bench.harness import with_switches
     from evenflow.moe import fused
     from evenflow.moe.fused import FEW_DOWN_K_STEPS
 
@@ -895,12 +896,7 @@ def test_choose_config_groups_down_n_blocks_where_the_down_gemm_has_few_k_steps(
         return choose_config(t, 8, e, h, i, mode, num_experts_total=e, sms=132, **kw)
 
     def fused_choose_wide(wide, *args):  # group() with fused.WIDE_DOWN_N set, then put back
-        before = fused.WIDE_DOWN_N
-        fused.WIDE_DOWN_N = wide
-        try:
-            return group(*args)
-        finally:
-            fused.WIDE_DOWN_N = before
+        return with_switches(fused, {"WIDE_DOWN_N": wide}, lambda: group(*args))
 
     for mode in (0, 1):
         for e, h, i in ((192, 4096, 192), (128, 4096, 192), (256, 7168, 256)):
