@@ -138,10 +138,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
     if rows <= 16:
         # decode / small batch: bound by streaming the hit experts' weights
         if mode == 0:
-            out += [("gk128", r(d, gu_block_k=128, down_block_k=128))]
-            if d.gu_block_k == d.down_block_k == 128:  # fused.DEEP_K_BF16 on: the 64-deep tile it replaced (with
-                # the switch on "gk128" is the default itself, so this pair carries the comparison)
-                out += [("gk64", r(d, gu_block_k=64, down_block_k=64))]
+            out += _k_depth_twins(d)
         out += [("st4", r(d, num_stages=4))]
         if mode != 2:
             out += [("gn32", r(d, gu_block_n=32))]
@@ -228,9 +225,7 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
                         r(d, block_m=bm, gu_block_n=gn, down_block_n=dn, num_warps=nw, num_stages=st,
                           gu_split_k=1, down_split_k=1)))
         if mode == 0 and d.block_m <= 32:  # 128-deep bf16 K tiles at >= 64x128 exceed 227 KB of smem (sm_90)
-            out.append(("gk128", r(d, gu_block_k=128, down_block_k=128, num_stages=3)))
-            if d.gu_block_k == d.down_block_k == 128:  # fused.DEEP_K_BF16 on: the 64-deep tile it replaced
-                out.append(("gk64", r(d, gu_block_k=64, down_block_k=64)))
+            out += _k_depth_twins(d, num_stages=3)
     if t * case.top_k > PAIR_TILE_MAX_PAIRS and rows >= 8:
         # the down GEMM over 1, 2, 4 or 8 n-blocks a program (round AJ: where a config's down GEMM has few K steps
         # and experts see >= 8 rows, up to 17% off the layer, AJ3 / AJ7; no gain, or slower, with many K steps or
@@ -248,6 +243,16 @@ def candidates(case, mode: int, t: int, fast_acc: bool = False, incumbent=None) 
             seen.add(c)
             valid.append((label, c))
     return valid
+
+
+def _k_depth_twins(d, **gk128_fields) -> list[tuple[str, object]]:
+    """bf16's default ``d`` with both GEMMs' K steps 128 deep (``gk128``, with ``gk128_fields`` changed too) and,
+    where ``fused.DEEP_K_BF16`` already made the default 128 deep (then ``gk128`` is the default itself, unless
+    ``gk128_fields`` change it), the 64-deep tile the switch replaced (``gk64``), which carries the comparison."""
+    twins = [("gk128", dataclasses.replace(d, gu_block_k=128, down_block_k=128, **gk128_fields))]
+    if d.gu_block_k == d.down_block_k == 128:
+        twins.append(("gk64", dataclasses.replace(d, gu_block_k=64, down_block_k=64)))
+    return twins
 
 
 def _n_grouped(known, groups, inter: int) -> list[tuple[str, object]]:

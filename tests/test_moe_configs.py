@@ -661,10 +661,9 @@ def test_deep_k_switch_deepens_only_bf16_small_row_tiles_from_four_tokens(monkey
     switch as it found it; with the switch on, the tuner still offers the 64-deep tile (``gk64``)."""
     from evenflow.moe import fused
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    B, T, _ = _bench_modules()  # puts benchmarks/ on the path
     import probe_moe_wide_down as probe
 
-    B, T, _ = _bench_modules()
     assert fused.DEEP_K_BF16 is True and fused.DEEP_K_MIN_TOKENS == 4
     shapes = [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.SHARDS.values()]
     shapes += [(c.num_experts_total, c.num_local, c.top_k, c.hidden, c.inter) for c in probe.M.CASES.values()]
