@@ -721,28 +721,20 @@ def ratio_reach(ours: dict, ratio: float) -> dict:
 def print_targets(targets: list[dict]) -> None:
     """issue 3's target count, then each missed target with its value, the read-once row's fraction and, for a
     ratio target, the fraction of the floor it asks."""
-    print(f"\n## issue 3 targets: {sum(t['ok'] for t in targets)}/{len(targets)} met")
-    for t in targets:
-        if t["ok"]:
-            continue
-        v = t["value"]
-        line = f"- MISSED {t['target']}: " + (f"{v:.3f}" if isinstance(v, float) else f"{v}")
+    def detail(t: dict) -> str:
         ro = t.get("read_once_frac_of_floor")
         if "needs_frac_of_floor" in t:
-            line += f" (needs {t['needs_frac_of_floor']:.3f} of the floor"
-            line += f"; read-once reads at {ro:.3f})" if ro is not None else ")"
-        elif ro is not None:
-            line += f" (read-once reads at {ro:.3f})"
-        print(line)
+            return (f" (needs {t['needs_frac_of_floor']:.3f} of the floor"
+                    + (f"; read-once reads at {ro:.3f})" if ro is not None else ")"))
+        return f" (read-once reads at {ro:.3f})" if ro is not None else ""
+
+    H.report_targets("issue 3", targets, detail)
 
 
 def rescore(path: str) -> tuple[str, list[dict]]:
     """``summarize`` over a results file's rows (cases and variants as the file holds them, in its order): a
     recorded run's table and targets, re-derived without a GPU."""
-    try:
-        rows = H.Results.load(path).rows
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--rescore: {path} is not a results file ({e})") from None
+    rows = H.recorded_rows(path)
     names = list(dict.fromkeys(r["case"] for r in rows if "case" in r))
     variants = list(dict.fromkeys(r["variant"] for r in rows if r.get("variant")))
     return summarize(rows, [parse_case(n) for n in names], variants)
@@ -756,7 +748,7 @@ def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple
     targets: list[dict] = []
 
     def target(what, ok, value, **reach):
-        targets.append({"target": what, "ok": bool(ok), "value": value, **reach})
+        H.target(targets, what, ok, value, **reach)
 
     for v in variants:
         for c in cases:

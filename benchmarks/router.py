@@ -2,6 +2,7 @@
 
     python benchmarks/router.py [--quick] [--cases K4096-N192,qwen3-30b-a3b] [--ms 1,16,512] [--impls a,b]
                                 [--out DIR]
+    python benchmarks/router.py --rescore benchmarks/results/h200/router.json   # issue 4's targets of a file (CPU)
 
 Cases and names follow BENCH.md. Per (case, M): fp32 weights ~ N(0, 0.02^2), bf16
 x ~ N(0, 1); each impl's output is checked against the fp64 product of the same
@@ -68,10 +69,55 @@ def _extra(p):
                         "capture), or captured together and timed in interleaved rounds")
     p.add_argument("--impls", default=None, help="comma-separated impls, timed in this order (default: all, "
                    + ",".join(IMPLS) + ")")
+    p.add_argument("--rescore", default=None, metavar="JSON",
+                   help="no run: issue 4's targets of a results file (e.g. router.json), re-derived from its rows "
+                        "(CPU)")
 
 
-def main() -> int:
-    args = H.parse_args(__doc__.splitlines()[0], extra=_extra)
+def issue_targets(rows: list[dict]) -> list[dict]:
+    """Issue 4's targets over a run's rows, point by point (case and M of every ``evenflow`` row, in the rows'
+    order): max abs error against fp64 <= 1e-4; top-k flips no more than cuBLAS FP32's at the point; faster than
+    cuBLAS FP32 at every M, >= 2.5x it at M >= 512; >= 1.3x the two cuBLAS bf16 products of the split at every M;
+    within 2x of the floor (``frac_of_floor`` >= 0.5) at M <= 16. Ratios from the rows' graph times (``us``), so
+    they need the peer's row in the same run; a point that did not run is a missed target."""
+    by = {(r["case"], r.get("M"), r["impl"]): r for r in rows}
+    targets: list[dict] = []
+
+    def target(what: str, ok, value, kind: str) -> None:
+        H.target(targets, what, ok, value, kind)
+
+    for (case, m, impl), ours in by.items():
+        if impl != "evenflow":
+            continue
+        name = f"{case} M={m}"
+        if "us" not in ours:
+            target(f"{name}: evenflow ran", False, ours.get("error", "not run"), "ran")
+            continue
+        target(f"{name}: max abs error <= 1e-4", ours["max_abs_err"] <= 1e-4, ours["max_abs_err"],
+               "max abs error against fp64 <= 1e-4")
+        fp32, split2 = by.get((case, m, "cublas-fp32"), {}), by.get((case, m, "cublas-split2"), {})
+        if "topk_flips" in fp32:
+            target(f"{name}: top-k flips <= cublas-fp32's {fp32['topk_flips']}",
+                   ours["topk_flips"] <= fp32["topk_flips"], ours["topk_flips"], "top-k flips <= cublas-fp32's")
+        if "us" in fp32:
+            x = fp32["us"] / ours["us"]
+            target(f"{name}: faster than cublas-fp32", x > 1.0, x, "faster than cublas-fp32 at every M")
+            if m >= 512:
+                target(f"{name}: >= 2.5x cublas-fp32", x >= 2.5, x, ">= 2.5x cublas-fp32 at M >= 512")
+        if "us" in split2:
+            x = split2["us"] / ours["us"]
+            target(f"{name}: >= 1.3x cublas-split2", x >= 1.3, x, ">= 1.3x cublas-split2 at every M")
+        if m <= 16:
+            target(f"{name}: within 2x of the floor", ours["frac_of_floor"] >= 0.5, ours["frac_of_floor"],
+                   "within 2x of the floor at M <= 16")
+    return targets
+
+
+def main(argv=None) -> int:
+    args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra)
+    if args.rescore:
+        H.report_targets("issue 4", issue_targets(H.recorded_rows(args.rescore)))
+        return 0
     cases = H.choices("--cases", args.cases, tuple(CASES), QUICK["cases"] if args.quick else tuple(CASES))
     ms = tuple(args.ms) if args.ms else (QUICK["ms"] if args.quick else MS)
     impls = H.choices("--impls", args.impls, IMPLS, IMPLS)
@@ -142,9 +188,12 @@ def main() -> int:
     res.settle_copy()  # the copy term at the higher of the run's two copy readings, before the launch term's
     _lowest_launch(res, ceil)
     _speedups(res)
+    targets = issue_targets(res.rows)
+    res.meta["targets"] = targets
     res.finish(x="M", group="case", columns=("case", "M", "impl", "us", "eager_us", "floor_us", "frac_of_floor",
                                              "max_abs_err", "topk_flips", "vs_fp32", "vs_split2", "error"),
                plot=not args.no_plot)
+    H.report_targets("issue 4", targets)
     return 0
 
 

@@ -3,6 +3,7 @@ floor arithmetic, quantisation helpers, and the torch-grouped-mm peer against th
 benchmark's fp32 oracle (torch._grouped_mm runs on the CPU; its FP8 path is GPU-only)."""
 import importlib.util
 import itertools
+import json
 import math
 import sys
 from pathlib import Path
@@ -588,3 +589,58 @@ def test_shallowk_row_launches_64_deep_bf16_tiles_within_the_rule():
         w = bm.make_weights(case, variant, "cpu", torch.Generator().manual_seed(0), std=0.1)
         with pytest.raises(PeerUnavailable, match=f"not applicable to {variant}"):
             bm.build_impl("evenflow-shallowk", w, case, None)
+
+
+def _moe_row(case, variant, batch, impl, us=None, **extra):
+    row = {"case": case, "variant": variant, "batch": batch, "impl": impl, **extra}
+    if us is not None:
+        row["us"] = us
+    return row
+
+
+def test_issue_targets_score_each_sentence_of_issue_5(tmp_path, capsys):
+    """Issue 5's targets from a run's rows: the floor fraction's two thresholds (0.85 up to 512 tokens, 0.6 above),
+    "not slower" and the two 1.5x targets from the SGLang row's time over ours, cosine on Qwen3 fp8-block only, a
+    point that did not run missed, an ``n/a:`` point (a format that cannot tile the shape) none of the issue's.
+    Every expected verdict is written out by hand from the rows' numbers; then ``--rescore`` prints the same."""
+    rows = [
+        _moe_row("hy3-tp8", "fp8-tensor", 2, "evenflow", 10.0, frac_of_floor=0.86, cosine=0.99999),
+        _moe_row("hy3-tp8", "fp8-tensor", 2, "sglang-triton", 14.9),  # 1.49x: not slower, short of 1.5x
+        _moe_row("hy3-tp8", "fp8-tensor", 1024, "evenflow", 20.0, frac_of_floor=0.61, cosine=0.99999),
+        _moe_row("hy3-tp8", "fp8-tensor", 1024, "sglang-triton", 19.96),  # 0.998x: slower, within 0.5%
+        _moe_row("qwen3-30b-a3b", "fp8-block", 512, "evenflow", 30.0, frac_of_floor=0.84, cosine=0.9994),
+        _moe_row("qwen3-30b-a3b", "fp8-block", 512, "sglang-triton", 45.0),  # 1.5x, but T > 2: no 1.5x target
+        _moe_row("qwen3-30b-a3b", "bf16", 4096, "evenflow", error="skipped: time budget 60s spent"),
+        _moe_row("hy3-tp8", "fp8-block", 1, "evenflow", error="n/a: I=192 is not a multiple of 128"),
+        _moe_row("hy3-tp8", "fp8-block", 1, "sglang-triton", error="n/a: I=192 is not a multiple of 128"),
+    ]
+    targets = bm.issue_targets(rows)
+    got = {t["target"]: t["ok"] for t in targets}
+    assert got == {
+        "hy3-tp8 fp8-tensor T=2: frac_of_floor >= 0.85": True,
+        "hy3-tp8 fp8-tensor T=2: not slower than sglang-triton": True,
+        "hy3-tp8 fp8-tensor T=2: >= 1.5x sglang-triton (T <= 2)": False,
+        "hy3-tp8 fp8-tensor T=2: >= 1.5x sglang-triton (hy3-tp8 fp8-tensor, T <= 512)": False,
+        "hy3-tp8 fp8-tensor T=1024: frac_of_floor >= 0.6": True,
+        "hy3-tp8 fp8-tensor T=1024: not slower than sglang-triton": False,
+        "qwen3-30b-a3b fp8-block T=512: frac_of_floor >= 0.85": False,
+        "qwen3-30b-a3b fp8-block T=512: not slower than sglang-triton": True,
+        "qwen3-30b-a3b fp8-block T=512: cosine >= 0.9995": False,
+        "qwen3-30b-a3b bf16 T=4096: evenflow ran": False,
+    }
+    (x,) = [t for t in targets if t["target"].endswith("T=1024: not slower than sglang-triton")]
+    assert x["value"] == pytest.approx(19.96 / 20.0)
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps({"header": {}, "meta": {}, "rows": rows}))
+    bm.main(["--rescore", str(path)])
+    out = capsys.readouterr().out
+    assert "## issue 5 targets: 4/10 met" in out
+    assert "  not slower than sglang-triton: 2/3" in out
+    assert "  >= 1.5x sglang-triton at T <= 2: 0/1" in out
+    assert "- MISSED hy3-tp8 fp8-tensor T=1024: not slower than sglang-triton: 0.998 (level: within 0.5%)" in out
+    assert "- MISSED qwen3-30b-a3b bf16 T=4096: evenflow ran: skipped: time budget 60s spent" in out
+    assert "- MISSED qwen3-30b-a3b fp8-block T=512: cosine >= 0.9995: 0.99940\n" in out
+    assert "- MISSED qwen3-30b-a3b fp8-block T=512: frac_of_floor >= 0.85: 0.840\n" in out
+    path.write_text("[]")
+    with pytest.raises(SystemExit, match="--rescore: .*moe.json is not a results file"):
+        bm.main(["--rescore", str(path)])

@@ -1,5 +1,7 @@
-"""The router benchmark's floor: its launch term is the lowest of the run's empty-kernel readings (round AH)."""
+"""The router benchmark: its floor's launch term is the lowest of the run's empty-kernel readings (round AH); issue
+4's targets scored from a run's rows (round CI)."""
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -82,3 +84,45 @@ def test_both_corrections_land_in_either_order(bench, monkeypatch):
     row = res.rows[0]
     assert row["floor_us"] == pytest.approx(bench._call_bytes(m, n, k) / 5.0e6 + 0.70, abs=1e-3)
     assert row["frac_of_floor"] == pytest.approx(row["floor_us"] / 4.0, abs=1e-4)
+
+
+def _rrow(case, m, impl, us=None, **extra):
+    return {"case": case, "M": m, "impl": impl, **({"us": us} if us is not None else {}), **extra}
+
+
+def test_issue_targets_score_each_sentence_of_issue_4(bench, tmp_path, capsys):
+    """Issue 4's targets from a run's rows: the error bound, top-k flips against cuBLAS FP32's own at the point,
+    faster than cuBLAS FP32 at every M and 2.5x from M = 512, 1.3x the two-product path at every M, within 2x of
+    the floor at M <= 16 only; ratios from the rows' times. Verdicts written out by hand; then ``--rescore``."""
+    rows = [
+        _rrow("qwen3-30b-a3b", 16, "evenflow", 4.0, max_abs_err=2e-6, topk_flips=0, frac_of_floor=0.49),
+        _rrow("qwen3-30b-a3b", 16, "cublas-fp32", 8.0, max_abs_err=5e-6, topk_flips=0),
+        _rrow("qwen3-30b-a3b", 16, "cublas-split2", 5.0, max_abs_err=2e-5, topk_flips=0),  # 1.25x: short
+        _rrow("qwen3-30b-a3b", 512, "evenflow", 10.0, max_abs_err=2e-4, topk_flips=3, frac_of_floor=0.3),
+        _rrow("qwen3-30b-a3b", 512, "cublas-fp32", 24.0, max_abs_err=5e-6, topk_flips=2),  # 2.4x: short of 2.5
+        _rrow("qwen3-30b-a3b", 512, "cublas-split2", 13.0, max_abs_err=2e-5, topk_flips=2),  # 1.3x
+        _rrow("qwen3-30b-a3b", 1024, "evenflow", error="RuntimeError: boom"),
+    ]
+    targets = bench.issue_targets(rows)
+    assert {t["target"]: t["ok"] for t in targets} == {
+        "qwen3-30b-a3b M=16: max abs error <= 1e-4": True,
+        "qwen3-30b-a3b M=16: top-k flips <= cublas-fp32's 0": True,
+        "qwen3-30b-a3b M=16: faster than cublas-fp32": True,
+        "qwen3-30b-a3b M=16: >= 1.3x cublas-split2": False,
+        "qwen3-30b-a3b M=16: within 2x of the floor": False,
+        "qwen3-30b-a3b M=512: max abs error <= 1e-4": False,
+        "qwen3-30b-a3b M=512: top-k flips <= cublas-fp32's 2": False,
+        "qwen3-30b-a3b M=512: faster than cublas-fp32": True,
+        "qwen3-30b-a3b M=512: >= 2.5x cublas-fp32": False,
+        "qwen3-30b-a3b M=512: >= 1.3x cublas-split2": True,
+        "qwen3-30b-a3b M=1024: evenflow ran": False,
+    }
+    path = tmp_path / "router.json"
+    path.write_text(json.dumps({"header": {}, "ceilings": {}, "rows": rows}))
+    assert bench.main(["--rescore", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "## issue 4 targets: 5/11 met" in out
+    assert "  within 2x of the floor at M <= 16: 0/1" in out
+    assert "- MISSED qwen3-30b-a3b M=512: max abs error <= 1e-4: 2.00e-04\n" in out
+    assert "- MISSED qwen3-30b-a3b M=512: >= 2.5x cublas-fp32: 2.400\n" in out
+    assert "- MISSED qwen3-30b-a3b M=1024: evenflow ran: RuntimeError: boom\n" in out

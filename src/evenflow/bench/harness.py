@@ -501,6 +501,40 @@ def choices(flag: str, given: str | None, known, default) -> tuple:
     return values
 
 
+def target(targets: list[dict], what: str, ok, value, kind: str | None = None, **extra) -> None:
+    """Appends one check of an issue's target to ``targets``: ``{"target": what, "ok": ..., "value": ...}``, with the
+    target's ``kind`` (the issue's sentence it checks, for :func:`report_targets`' counts) and any ``extra`` fields."""
+    targets.append({"target": what, "ok": bool(ok), "value": value, **({"kind": kind} if kind else {}), **extra})
+
+
+def report_targets(issue: str, targets: list[dict], detail: Callable[[dict], str] | None = None) -> None:
+    """Prints an issue's targets: how many are met, then per kind (where the targets carry one, in first-seen
+    order), then each missed one with its value (``digits`` decimals where the target carries them, else 3; a
+    value under 0.01 in powers of ten) and ``detail(target)``'s words."""
+    print(f"\n## {issue} targets: {sum(t['ok'] for t in targets)}/{len(targets)} met")
+    kinds = list(dict.fromkeys(t["kind"] for t in targets if "kind" in t))
+    for k in kinds:
+        these = [t for t in targets if t.get("kind") == k]
+        print(f"  {k}: {sum(t['ok'] for t in these)}/{len(these)}")
+    def shown(v, digits: int) -> str:
+        if not isinstance(v, float):
+            return f"{v}"
+        return f"{v:.2e}" if 0 < abs(v) < 0.01 else f"{v:.{digits}f}"
+
+    for t in targets:
+        if not t["ok"]:
+            print(f"- MISSED {t['target']}: {shown(t['value'], t.get('digits', 3))}" + (detail(t) if detail else ""))
+
+
+def recorded_rows(path: str, flag: str = "--rescore") -> list[dict]:
+    """The rows of a result file, for a benchmark's ``--rescore`` (no GPU); ``SystemExit`` naming ``flag`` where
+    ``path`` is not one."""
+    try:
+        return Results.load(path).rows
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{flag}: {path} is not a results file ({e})") from None
+
+
 def progress(items: Iterable, desc: str) -> Iterable:
     """Yield ``items`` printing one line per item with elapsed time (flushes, so logs stream)."""
     items = list(items)
