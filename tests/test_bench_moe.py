@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from evenflow.bench.harness import PeerUnavailable
+from tests_support_bench import rescored
 
 _SPEC = importlib.util.spec_from_file_location("bench_moe", Path(__file__).parents[1] / "benchmarks" / "moe.py")
 bm = importlib.util.module_from_spec(_SPEC)
@@ -455,8 +456,6 @@ def test_plot_fp8_modes(tmp_path):
     """benchmarks/plot_fp8_modes.py: the points are the fp8 ones with a default and a peer time; each mode's bars are
     the peer's time over the mode's and the mode's max error over the exact mode's at that point; a PNG is written;
     a file with no such point is refused."""
-    import json
-
     spec = importlib.util.spec_from_file_location("plot_fp8_modes", Path(__file__).parent.parent / "benchmarks"
                                                   / "plot_fp8_modes.py")
     pm = importlib.util.module_from_spec(spec)
@@ -631,9 +630,7 @@ def test_issue_targets_score_each_sentence_of_issue_5(tmp_path, capsys):
     (x,) = [t for t in targets if t["target"].endswith("T=1024: not slower than sglang-triton")]
     assert x["value"] == pytest.approx(19.96 / 20.0)
     path = tmp_path / "moe.json"
-    path.write_text(json.dumps({"header": {}, "meta": {}, "rows": rows}))
-    bm.main(["--rescore", str(path)])
-    out = capsys.readouterr().out
+    out = rescored(bm.main, rows, path, capsys)
     assert "## issue 5 targets: 4/10 met" in out
     assert "  not slower than sglang-triton: 2/3" in out
     assert "  >= 1.5x sglang-triton at T <= 2: 0/1" in out

@@ -1,13 +1,13 @@
 """The router benchmark: its floor's launch term is the lowest of the run's empty-kernel readings (round AH); issue
 4's targets scored from a run's rows (round CI)."""
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
 from evenflow.bench import harness as H
+from tests_support_bench import rescored
 
 _DIR = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -117,10 +117,7 @@ def test_issue_targets_score_each_sentence_of_issue_4(bench, tmp_path, capsys):
         "qwen3-30b-a3b M=512: >= 1.3x cublas-split2": True,
         "qwen3-30b-a3b M=1024: evenflow ran": False,
     }
-    path = tmp_path / "router.json"
-    path.write_text(json.dumps({"header": {}, "ceilings": {}, "rows": rows}))
-    assert bench.main(["--rescore", str(path)]) == 0
-    out = capsys.readouterr().out
+    out = rescored(bench.main, rows, tmp_path / "router.json", capsys)
     assert "## issue 4 targets: 5/11 met" in out
     assert "  within 2x of the floor at M <= 16: 0/1" in out
     assert "- MISSED qwen3-30b-a3b M=512: max abs error <= 1e-4: 2.00e-04\n" in out

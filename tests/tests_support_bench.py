@@ -1,5 +1,7 @@
-"""Loading a script of benchmarks/ as a module, for the tests of its pure-Python parts."""
+"""Loading a script of benchmarks/ as a module, for the tests of its pure-Python parts; a script's ``--rescore``
+output of rows a test wrote."""
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -32,3 +34,10 @@ def switches_at_launch(monkeypatch, module, launcher: str, names) -> list:
 
     monkeypatch.setattr(module, launcher, spy)
     return seen
+
+
+def rescored(main, rows: list[dict], path: Path, capsys) -> str:
+    """What ``main(["--rescore", path])`` prints of a result file holding ``rows`` (written to ``path``)."""
+    path.write_text(json.dumps({"header": {}, "meta": {}, "rows": rows}))
+    main(["--rescore", str(path)])
+    return capsys.readouterr().out
