@@ -1,0 +1,99 @@
+"""Issues 3, 4 and 5's targets over the committed files of record, card by card, from their rows alone (CPU).
+
+    python benchmarks/scoreboard.py                       # print the table
+    python benchmarks/scoreboard.py --write               # (re)write benchmarks/results/targets.md
+    python benchmarks/scoreboard.py --results DIR --check # exit 1 if DIR/targets.md is not what the files say
+
+Each ``benchmarks/results/<card>/{decode,router,moe}.json`` is scored by its own benchmark's ``issue_targets`` /
+``rescore`` (the code that scores a run as it ends), so the table is derived, never typed: one row a sentence of an
+issue (the targets' ``kind``), one column a card, each cell met / checked. Below it, each file's sources
+(``source_sha1``) and date, and the count of its missed targets; ``--rescore`` on a benchmark lists them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import decode  # noqa: E402  (benchmarks/: each benchmark's own scoring)
+import moe
+import router
+
+RESULTS = Path(__file__).resolve().parent / "results"
+OPERATORS = (("decode", "issue 3 (decode attention)", lambda path: decode.rescore(path)[1]),
+             ("router", "issue 4 (router GEMM)", lambda path: router.issue_targets(_rows(path))),
+             ("moe", "issue 5 (fused MoE)", lambda path: moe.issue_targets(_rows(path))))
+
+
+def _rows(path: str) -> list[dict]:
+    from evenflow.bench import harness as H
+
+    return H.recorded_rows(path, flag="scoreboard")
+
+
+def score(results: Path) -> dict:
+    """``{operator: {card: (header, targets)}}`` for every card folder of ``results`` holding that operator's file."""
+    out: dict = {}
+    for name, _, scorer in OPERATORS:
+        # the issues' card (h200) first, then the others by name
+        for path in sorted(results.glob(f"*/{name}.json"), key=lambda q: (q.parent.name != "h200", q.parent.name)):
+            header = json.loads(path.read_text()).get("header", {})
+            out.setdefault(name, {})[path.parent.name] = (header, scorer(str(path)))
+    return out
+
+
+def table(scores: dict) -> str:
+    """The markdown page: per issue, a row per sentence (kind) and a column per card, then each file's sources."""
+    lines = ["# Issue targets over the files of record",
+             "",
+             "Written by `benchmarks/scoreboard.py --write` from the committed result files (each scored by its own",
+             "benchmark's code); do not edit. A cell is targets met / targets checked on that card; a check whose",
+             "point did not run counts as missed (row `ran`). `python benchmarks/<name>.py --rescore FILE` lists",
+             "each miss."]
+    for name, title, _ in OPERATORS:
+        cards = scores.get(name, {})
+        if not cards:
+            continue
+        kinds = list(dict.fromkeys(t.get("kind", "other") for _, ts in cards.values() for t in ts))
+        lines += ["", f"## {title}", "", "| target | " + " | ".join(cards) + " |", "|---" * (len(cards) + 1) + "|"]
+        for k in kinds:
+            cells = []
+            for _, ts in cards.values():
+                these = [t for t in ts if t.get("kind", "other") == k]
+                cells.append(f"{sum(t['ok'] for t in these)} / {len(these)}" if these else "-")
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        lines.append("| **all** | " + " | ".join(f"**{sum(t['ok'] for t in ts)} / {len(ts)}**"
+                                               for _, ts in cards.values()) + " |")
+        lines += [""] + [f"- `{card}/{name}.json`: sources `{h.get('source_sha1', '?')}`, {h.get('gpu', '?')}, "
+                         f"{str(h.get('date', '?'))[:10]}; {sum(not t['ok'] for t in ts)} missed"
+                         for card, (h, ts) in cards.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--results", type=Path, default=RESULTS, help="the results folder (one sub-folder a card)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--write", action="store_true", help="write <results>/targets.md")
+    g.add_argument("--check", action="store_true", help="exit 1 where <results>/targets.md differs from the files")
+    args = p.parse_args(argv)
+    if not args.results.is_dir():
+        raise SystemExit(f"--results: {args.results} is not a folder")
+    page = table(score(args.results))
+    target = args.results / "targets.md"
+    if args.write:
+        target.write_text(page)
+        print(f"written: {target}")
+    elif args.check:
+        if not target.is_file() or target.read_text() != page:
+            print(f"{target} is not what the result files say: run benchmarks/scoreboard.py --write", file=sys.stderr)
+            return 1
+        print(f"{target}: up to date")
+    else:
+        print(page, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
