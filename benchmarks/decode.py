@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import re
@@ -731,13 +732,22 @@ def print_targets(targets: list[dict]) -> None:
     H.report_targets("issue 3", targets, detail)
 
 
-def rescore(path: str) -> tuple[str, list[dict]]:
+def rescore(path: str, flag: str = "--rescore") -> tuple[str, list[dict]]:
     """``summarize`` over a results file's rows (cases and variants as the file holds them, in its order): a
-    recorded run's table and targets, re-derived without a GPU."""
-    rows = H.recorded_rows(path)
+    recorded run's table and targets, re-derived without a GPU; ``SystemExit`` naming ``flag`` where the file is
+    not a decode results file."""
+    return rescore_rows(H.recorded_rows(path, flag), f"{flag}: {path}")
+
+
+def rescore_rows(rows: list[dict], where: str = "rows") -> tuple[str, list[dict]]:
+    """:func:`rescore` of rows already read (``where`` names them in the error of rows that are not decode's)."""
     names = list(dict.fromkeys(r["case"] for r in rows if "case" in r))
     variants = list(dict.fromkeys(r["variant"] for r in rows if r.get("variant")))
-    return summarize(rows, [parse_case(n) for n in names], variants)
+    try:
+        cases = [parse_case(n) for n in names]
+    except ValueError as e:
+        raise SystemExit(f"{where}: not a decode results file ({e})") from None
+    return summarize(rows, cases, variants)
 
 
 def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple[str, list[dict]]:
@@ -746,10 +756,7 @@ def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple
     lines = ["| case | variant | evenflow µs | frac_of_floor | vs read-once | static µs | best FlashInfer | µs | "
              "x vs best peer | x vs static | plan µs |", "|" + "---|" * 11]
     targets: list[dict] = []
-
-    def target(what, ok, value, kind, **reach):
-        H.target(targets, what, ok, value, kind, **reach)
-
+    target = functools.partial(H.target, targets)
     for v in variants:
         for c in cases:
             ours = by.get((c.name, v, "evenflow"), {})

@@ -23,6 +23,7 @@ does not use (the issue defines it with a plain launch).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 
@@ -51,6 +52,7 @@ LAUNCH_ROWS = {"evenflow-nopdl": "plain", "evenflow-pdl": "pdl", "evenflow-prefe
 IMPLS = ("evenflow", *LAUNCH_ROWS, "evenflow-counter", "evenflow-2term", "evenflow-invariant", "evenflow-fp32simt",
          "evenflow-fp32splitk", *cublas.PEERS)
 TOP_K = 8
+PEERS = ("cublas-fp32", "cublas-split2")  # the two the issue's ratio targets name
 ROTATE_BYTES = 150 << 20  # > 2x L2
 
 
@@ -79,13 +81,23 @@ def issue_targets(rows: list[dict]) -> list[dict]:
     order): max abs error against fp64 <= 1e-4; top-k flips no more than cuBLAS FP32's at the point; faster than
     cuBLAS FP32 at every M, >= 2.5x it at M >= 512; >= 1.3x the two cuBLAS bf16 products of the split at every M;
     within 2x of the floor (``frac_of_floor`` >= 0.5) at M <= 16. Ratios from the rows' graph times (``us``), so
-    they need the peer's row in the same run; a point that did not run is a missed target."""
-    by = {(r["case"], r.get("M"), r["impl"]): r for r in rows}
+    they need the peer's row in the same run: a point that did not run, or whose peer did not, is a missed target.
+    ``ValueError`` where an ``evenflow`` row is not a router benchmark row (no M, an unknown case, a timed row
+    without its error, flips or fraction) or a point has two rows of one impl."""
+    by: dict = {}
+    for i, r in enumerate(rows):
+        key = (r.get("case"), r.get("M"), r.get("impl"))
+        if r.get("impl") == "evenflow":
+            if r.get("case") not in CASES or not isinstance(r.get("M"), int):
+                raise ValueError(f"row {i} is not a router benchmark row (case {r.get('case')!r}, M {r.get('M')!r})")
+            if "us" in r and not all(isinstance(r.get(k), (int, float))
+                                     for k in ("max_abs_err", "topk_flips", "frac_of_floor")):
+                raise ValueError(f"row {i} ({key[:2]}) is timed but has no max_abs_err, topk_flips or frac_of_floor")
+        if key in by and key[2] in ("evenflow", *PEERS):
+            raise ValueError(f"two {key[2]} rows at {key[:2]}: a point is scored from one row of each impl")
+        by[key] = r
     targets: list[dict] = []
-
-    def target(what: str, ok, value, kind: str) -> None:
-        H.target(targets, what, ok, value, kind)
-
+    target = functools.partial(H.target, targets)
     for (case, m, impl), ours in by.items():
         if impl != "evenflow":
             continue
@@ -95,11 +107,13 @@ def issue_targets(rows: list[dict]) -> list[dict]:
             continue
         target(f"{name}: max abs error <= 1e-4", ours["max_abs_err"] <= 1e-4, ours["max_abs_err"],
                "max abs error against fp64 <= 1e-4")
-        fp32, split2 = by.get((case, m, "cublas-fp32"), {}), by.get((case, m, "cublas-split2"), {})
-        if "topk_flips" in fp32:
+        fp32, split2 = (by.get((case, m, p), {}) for p in PEERS)
+        for peer, row in zip(PEERS, (fp32, split2)):
+            if "us" not in row:
+                target(f"{name}: {peer} timed beside it", False, row.get("error", "no row"), "peers timed beside it")
+        if "us" in fp32:
             target(f"{name}: top-k flips <= cublas-fp32's {fp32['topk_flips']}",
                    ours["topk_flips"] <= fp32["topk_flips"], ours["topk_flips"], "top-k flips <= cublas-fp32's")
-        if "us" in fp32:
             x = fp32["us"] / ours["us"]
             target(f"{name}: faster than cublas-fp32", x > 1.0, x, "faster than cublas-fp32 at every M")
             if m >= 512:
@@ -113,10 +127,19 @@ def issue_targets(rows: list[dict]) -> list[dict]:
     return targets
 
 
+def rescore(path: str, flag: str = "--rescore") -> list[dict]:
+    """:func:`issue_targets` of a results file (no GPU); ``SystemExit`` naming ``flag`` where it is not a router
+    one."""
+    try:
+        return issue_targets(H.recorded_rows(path, flag))
+    except ValueError as e:
+        raise SystemExit(f"{flag}: {path}: not a router results file ({e})") from None
+
+
 def main(argv=None) -> int:
     args = H.parse_args(__doc__.splitlines()[0], argv, extra=_extra)
     if args.rescore:
-        H.report_targets("issue 4", issue_targets(H.recorded_rows(args.rescore)))
+        H.report_targets("issue 4", rescore(args.rescore))
         return 0
     cases = H.choices("--cases", args.cases, tuple(CASES), QUICK["cases"] if args.quick else tuple(CASES))
     ms = tuple(args.ms) if args.ms else (QUICK["ms"] if args.quick else MS)

@@ -12,34 +12,32 @@ issue (the targets' ``kind``), one column a card, each cell met / checked. Below
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-import decode  # noqa: E402  (benchmarks/: each benchmark's own scoring)
+import decode  # benchmarks/: each benchmark's own scoring
 import moe
 import router
+from evenflow.bench import harness as H
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OPERATORS = (("decode", "issue 3 (decode attention)", lambda path: decode.rescore(path)[1]),
-             ("router", "issue 4 (router GEMM)", lambda path: router.issue_targets(_rows(path))),
-             ("moe", "issue 5 (fused MoE)", lambda path: moe.issue_targets(_rows(path))))
-
-
-def _rows(path: str) -> list[dict]:
-    from evenflow.bench import harness as H
-
-    return H.recorded_rows(path, flag="scoreboard")
+OPERATORS = (("decode", "issue 3 (decode attention)", lambda rows, where: decode.rescore_rows(rows, where)[1]),
+             ("router", "issue 4 (router GEMM)", lambda rows, where: router.issue_targets(rows)),
+             ("moe", "issue 5 (fused MoE)", lambda rows, where: moe.issue_targets(rows)))
 
 
 def score(results: Path) -> dict:
-    """``{operator: {card: (header, targets)}}`` for every card folder of ``results`` holding that operator's file."""
+    """``{operator: {card: (header, targets)}}`` for every card folder of ``results`` holding that operator's file,
+    the H200 (the issues' card) first; ``SystemExit`` naming a file that is not its benchmark's."""
     out: dict = {}
     for name, _, scorer in OPERATORS:
-        # the issues' card (h200) first, then the others by name
         for path in sorted(results.glob(f"*/{name}.json"), key=lambda q: (q.parent.name != "h200", q.parent.name)):
-            header = json.loads(path.read_text()).get("header", {})
-            out.setdefault(name, {})[path.parent.name] = (header, scorer(str(path)))
+            try:
+                res = H.Results.load(path)
+                targets = scorer(res.rows, f"scoreboard: {path}")
+            except (OSError, ValueError) as e:
+                raise SystemExit(f"scoreboard: {path} is not a {name} results file ({e})") from None
+            out.setdefault(name, {})[path.parent.name] = (res.header, targets)
     return out
 
 
@@ -48,9 +46,10 @@ def table(scores: dict) -> str:
     lines = ["# Issue targets over the files of record",
              "",
              "Written by `benchmarks/scoreboard.py --write` from the committed result files (each scored by its own",
-             "benchmark's code); do not edit. A cell is targets met / targets checked on that card; a check whose",
-             "point did not run counts as missed (row `ran`). `python benchmarks/<name>.py --rescore FILE` lists",
-             "each miss."]
+             "benchmark's code); do not edit. A cell is targets met / targets checked on that card, one row a",
+             "sentence of the issue; a point that did not run, or whose peer did not, counts as missed. Issue 5's two",
+             "1.5x sentences both check Hy3 TP8 fp8-tensor at T <= 2. `python benchmarks/<name>.py --rescore FILE`",
+             "lists each miss."]
     for name, title, _ in OPERATORS:
         cards = scores.get(name, {})
         if not cards:

@@ -495,7 +495,8 @@ def test_series_that_cannot_run_give_an_error_row_for_every_batch_and_impl(tmp_p
 
     monkeypatch.setattr(H, "measure_ceilings", lambda *a, **k: {"copy_TBps": 4.0, "bf16_TFLOPs": 700.0,
                                                                 "fp8_TFLOPs": 1400.0, "launch_us": 0.7})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: type("P", (), {"L2_cache_size": 1 << 20}))
+    props = type("P", (), {"L2_cache_size": 1 << 20, "name": "stand-in", "multi_processor_count": 1})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *_: props)  # (on a GPU the header reads it too)
     monkeypatch.setattr(H.Results, "settle_copy", lambda self: None)
     ticks = iter([0.0] + [1e9] * 10)  # the budget is spent by the second series
     monkeypatch.setattr(bm.time, "time", lambda: next(ticks))
@@ -609,6 +610,12 @@ def test_issue_targets_score_each_sentence_of_issue_5(tmp_path, capsys):
         _moe_row("hy3-tp8", "fp8-tensor", 1024, "sglang-triton", 19.96),  # 0.998x: slower, within 0.5%
         _moe_row("qwen3-30b-a3b", "fp8-block", 512, "evenflow", 30.0, frac_of_floor=0.84, cosine=0.9994),
         _moe_row("qwen3-30b-a3b", "fp8-block", 512, "sglang-triton", 45.0),  # 1.5x, but T > 2: no 1.5x target
+        _moe_row("hy3-tp8", "fp8-tensor", 512, "evenflow", 20.0, frac_of_floor=0.85, cosine=0.99999),
+        _moe_row("hy3-tp8", "fp8-tensor", 512, "sglang-triton", 30.0),  # 1.5x on the line: met (T <= 512)
+        _moe_row("hy3-tp8", "bf16", 8, "evenflow", 10.0, frac_of_floor=0.9, cosine=1.0),
+        _moe_row("hy3-tp8", "bf16", 8, "sglang-triton", 9.8),  # 0.98x: slower, not level
+        _moe_row("hy3-ep8", "bf16", 1, "evenflow", 10.0, frac_of_floor=0.9, cosine=1.0),
+        _moe_row("hy3-ep8", "bf16", 1, "sglang-triton", error="RuntimeError: no sglang"),  # ratios unchecked
         _moe_row("qwen3-30b-a3b", "bf16", 4096, "evenflow", error="skipped: time budget 60s spent"),
         _moe_row("hy3-tp8", "fp8-block", 1, "evenflow", error="n/a: I=192 is not a multiple of 128"),
         _moe_row("hy3-tp8", "fp8-block", 1, "sglang-triton", error="n/a: I=192 is not a multiple of 128"),
@@ -625,19 +632,36 @@ def test_issue_targets_score_each_sentence_of_issue_5(tmp_path, capsys):
         "qwen3-30b-a3b fp8-block T=512: frac_of_floor >= 0.85": False,
         "qwen3-30b-a3b fp8-block T=512: not slower than sglang-triton": True,
         "qwen3-30b-a3b fp8-block T=512: cosine >= 0.9995": False,
+        "hy3-tp8 fp8-tensor T=512: frac_of_floor >= 0.85": True,
+        "hy3-tp8 fp8-tensor T=512: not slower than sglang-triton": True,
+        "hy3-tp8 fp8-tensor T=512: >= 1.5x sglang-triton (hy3-tp8 fp8-tensor, T <= 512)": True,
+        "hy3-tp8 bf16 T=8: frac_of_floor >= 0.85": True,
+        "hy3-tp8 bf16 T=8: not slower than sglang-triton": False,
+        "hy3-ep8 bf16 T=1: frac_of_floor >= 0.85": True,
+        "hy3-ep8 bf16 T=1: sglang-triton timed beside it": False,
         "qwen3-30b-a3b bf16 T=4096: evenflow ran": False,
     }
     (x,) = [t for t in targets if t["target"].endswith("T=1024: not slower than sglang-triton")]
     assert x["value"] == pytest.approx(19.96 / 20.0)
     path = tmp_path / "moe.json"
     out = rescored(bm.main, rows, path, capsys)
-    assert "## issue 5 targets: 4/10 met" in out
-    assert "  not slower than sglang-triton: 2/3" in out
+    assert "## issue 5 targets: 9/17 met" in out
+    assert "  not slower than sglang-triton: 3/5" in out
     assert "  >= 1.5x sglang-triton at T <= 2: 0/1" in out
+    assert "  >= 1.5x sglang-triton on hy3-tp8 fp8-tensor at T <= 512: 1/2" in out
     assert "- MISSED hy3-tp8 fp8-tensor T=1024: not slower than sglang-triton: 0.998 (level: within 0.5%)" in out
+    assert "- MISSED hy3-tp8 bf16 T=8: not slower than sglang-triton: 0.980\n" in out  # not level
+    assert "- MISSED hy3-ep8 bf16 T=1: sglang-triton timed beside it: RuntimeError: no sglang\n" in out
     assert "- MISSED qwen3-30b-a3b bf16 T=4096: evenflow ran: skipped: time budget 60s spent" in out
     assert "- MISSED qwen3-30b-a3b fp8-block T=512: cosine >= 0.9995: 0.99940\n" in out
     assert "- MISSED qwen3-30b-a3b fp8-block T=512: frac_of_floor >= 0.85: 0.840\n" in out
     path.write_text("[]")
     with pytest.raises(SystemExit, match="--rescore: .*moe.json is not a results file"):
         bm.main(["--rescore", str(path)])
+    for bad, why in ((rows + rows[:1], "two evenflow rows at"),  # a point timed twice: which row counts?
+                     ([{"case": "64x512", "variant": "bf16-kv", "impl": "evenflow", "us": 1.0}],
+                      "not an MoE benchmark"),
+                     ([{**rows[0], "cosine": None}], "has no frac_of_floor or cosine")):
+        path.write_text(json.dumps({"header": {}, "rows": bad}))
+        with pytest.raises(SystemExit, match=f"--rescore: .*moe.json: not an MoE results file .*{why}"):
+            bm.main(["--rescore", str(path)])

@@ -1,6 +1,7 @@
 """The router benchmark: its floor's launch term is the lowest of the run's empty-kernel readings (round AH); issue
 4's targets scored from a run's rows (round CI)."""
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -102,6 +103,9 @@ def test_issue_targets_score_each_sentence_of_issue_4(bench, tmp_path, capsys):
         _rrow("qwen3-30b-a3b", 512, "cublas-fp32", 24.0, max_abs_err=5e-6, topk_flips=2),  # 2.4x: short of 2.5
         _rrow("qwen3-30b-a3b", 512, "cublas-split2", 13.0, max_abs_err=2e-5, topk_flips=2),  # 1.3x
         _rrow("qwen3-30b-a3b", 1024, "evenflow", error="RuntimeError: boom"),
+        _rrow("qwen3-30b-a3b", 4, "evenflow", 3.0, max_abs_err=1e-6, topk_flips=0, frac_of_floor=0.7),
+        _rrow("qwen3-30b-a3b", 4, "cublas-fp32", 3.0, max_abs_err=5e-6, topk_flips=0),  # 1.0x: not faster
+        _rrow("qwen3-30b-a3b", 4, "cublas-split2", error="RuntimeError: no cublas"),  # its ratio unchecked
     ]
     targets = bench.issue_targets(rows)
     assert {t["target"]: t["ok"] for t in targets} == {
@@ -116,10 +120,31 @@ def test_issue_targets_score_each_sentence_of_issue_4(bench, tmp_path, capsys):
         "qwen3-30b-a3b M=512: >= 2.5x cublas-fp32": False,
         "qwen3-30b-a3b M=512: >= 1.3x cublas-split2": True,
         "qwen3-30b-a3b M=1024: evenflow ran": False,
+        "qwen3-30b-a3b M=4: max abs error <= 1e-4": True,
+        "qwen3-30b-a3b M=4: cublas-split2 timed beside it": False,
+        "qwen3-30b-a3b M=4: top-k flips <= cublas-fp32's 0": True,
+        "qwen3-30b-a3b M=4: faster than cublas-fp32": False,
+        "qwen3-30b-a3b M=4: within 2x of the floor": True,
     }
     out = rescored(bench.main, rows, tmp_path / "router.json", capsys)
-    assert "## issue 4 targets: 5/11 met" in out
-    assert "  within 2x of the floor at M <= 16: 0/1" in out
+    assert "## issue 4 targets: 8/16 met" in out
+    assert "- MISSED qwen3-30b-a3b M=4: faster than cublas-fp32: 1.000\n" in out
+    assert "- MISSED qwen3-30b-a3b M=4: cublas-split2 timed beside it: RuntimeError: no cublas\n" in out
+    assert "  within 2x of the floor at M <= 16: 1/2" in out
     assert "- MISSED qwen3-30b-a3b M=512: max abs error <= 1e-4: 2.00e-04\n" in out
     assert "- MISSED qwen3-30b-a3b M=512: >= 2.5x cublas-fp32: 2.400\n" in out
     assert "- MISSED qwen3-30b-a3b M=1024: evenflow ran: RuntimeError: boom\n" in out
+
+
+def test_rescore_refuses_rows_that_are_not_one_router_run(bench, tmp_path):
+    """``--rescore`` names the file and why where its rows are not one router run's: another benchmark's rows, a
+    point timed twice (which row would count?), a timed row without the fields its targets read."""
+    ok = _rrow("qwen3-30b-a3b", 16, "evenflow", 4.0, max_abs_err=2e-6, topk_flips=0, frac_of_floor=0.6)
+    path = tmp_path / "router.json"
+    for rows, why in (([{"case": "qwen3-30b-a3b", "variant": "bf16", "batch": 1, "impl": "evenflow", "us": 1.0}],
+                       "is not a router benchmark row"),
+                      ([ok, ok], "two evenflow rows at"),
+                      ([{**ok, "topk_flips": None}], "has no max_abs_err, topk_flips or frac_of_floor")):
+        path.write_text(json.dumps({"header": {}, "rows": rows}))
+        with pytest.raises(SystemExit, match=f"--rescore: .*router.json: not a router results file .*{why}"):
+            bench.main(["--rescore", str(path)])
