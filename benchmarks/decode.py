@@ -733,21 +733,17 @@ def print_targets(targets: list[dict]) -> None:
 
 
 def rescore(path: str, flag: str = "--rescore") -> tuple[str, list[dict]]:
-    """``summarize`` over a results file's rows (cases and variants as the file holds them, in its order): a
-    recorded run's table and targets, re-derived without a GPU; ``SystemExit`` naming ``flag`` where the file is
-    not a decode results file."""
-    return rescore_rows(H.recorded_rows(path, flag), f"{flag}: {path}")
+    """:func:`rescore_rows` of a results file: a recorded run's table and targets, re-derived without a GPU;
+    ``SystemExit`` naming ``flag`` where the file is not a decode results file."""
+    return H.rescore_file(path, rescore_rows, "a decode", flag)
 
 
-def rescore_rows(rows: list[dict], where: str = "rows") -> tuple[str, list[dict]]:
-    """:func:`rescore` of rows already read (``where`` names them in the error of rows that are not decode's)."""
+def rescore_rows(rows: list[dict]) -> tuple[str, list[dict]]:
+    """``summarize`` over a run's rows (cases and variants as the rows hold them, in their order); ``ValueError``
+    where a case is not one :func:`parse_case` reads (rows that are not decode's)."""
     names = list(dict.fromkeys(r["case"] for r in rows if "case" in r))
     variants = list(dict.fromkeys(r["variant"] for r in rows if r.get("variant")))
-    try:
-        cases = [parse_case(n) for n in names]
-    except ValueError as e:
-        raise SystemExit(f"{where}: not a decode results file ({e})") from None
-    return summarize(rows, cases, variants)
+    return summarize(rows, [parse_case(n) for n in names], variants)
 
 
 def summarize(rows: list[dict], cases: list[Case], variants: list[str]) -> tuple[str, list[dict]]:

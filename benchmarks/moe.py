@@ -157,18 +157,16 @@ def issue_targets(rows: list[dict]) -> list[dict]:
     timed row without its fraction or cosine) or a point has two rows of one impl."""
     from evenflow.bench import harness as H
 
-    by: dict = {}
     for i, r in enumerate(rows):
-        key = (r.get("case"), r.get("variant"), r.get("batch"), r.get("impl"))
-        if r.get("impl") == "evenflow":
-            if r.get("case") not in CASES or r.get("variant") not in VARIANTS or not isinstance(r.get("batch"), int):
-                raise ValueError(f"row {i} is not an MoE benchmark row (case {r.get('case')!r}, variant "
-                                 f"{r.get('variant')!r}, batch {r.get('batch')!r})")
-            if "us" in r and not all(isinstance(r.get(k), (int, float)) for k in ("frac_of_floor", "cosine")):
-                raise ValueError(f"row {i} ({key[:3]}) is timed but has no frac_of_floor or cosine")
-        if key in by and key[3] in ("evenflow", PEER):
-            raise ValueError(f"two {key[3]} rows at {key[:3]}: a point is scored from one row of each impl")
-        by[key] = r
+        if r.get("impl") != "evenflow":
+            continue
+        if r.get("case") not in CASES or r.get("variant") not in VARIANTS or not isinstance(r.get("batch"), int):
+            raise ValueError(f"row {i} is not an MoE benchmark row (case {r.get('case')!r}, variant "
+                             f"{r.get('variant')!r}, batch {r.get('batch')!r})")
+        if "us" in r and not all(isinstance(r.get(k), (int, float)) for k in ("frac_of_floor", "cosine")):
+            raise ValueError(f"row {i} ({r['case']}, {r['variant']}, {r['batch']}) is timed but has no "
+                             f"frac_of_floor or cosine")
+    by = H.rows_by_point(rows, ("case", "variant", "batch"), ("evenflow", PEER))
     targets: list[dict] = []
     target = functools.partial(H.target, targets)
     for (case, variant, batch, impl), ours in by.items():
@@ -183,7 +181,7 @@ def issue_targets(rows: list[dict]) -> list[dict]:
                "frac_of_floor >= 0.85 (T <= 512) / 0.6")
         peer = by.get((case, variant, batch, PEER), {})
         if "us" not in peer or "timing" in peer or "timing" in ours:
-            why = peer.get("error") or ("not timed as a graph replay" if "us" in peer or "us" in ours else "no row")
+            why = peer.get("error") or ("not timed as a graph replay" if peer else "no row")
             target(f"{name}: {PEER} timed beside it", False, why, f"{PEER} timed beside it (graph replay)")
         else:
             x = peer["us"] / ours["us"]
@@ -203,10 +201,7 @@ def rescore(path: str, flag: str = "--rescore") -> list[dict]:
     """:func:`issue_targets` of a results file (no GPU); ``SystemExit`` naming ``flag`` where it is not an MoE one."""
     from evenflow.bench import harness as H
 
-    try:
-        return issue_targets(H.recorded_rows(path, flag))
-    except ValueError as e:
-        raise SystemExit(f"{flag}: {path}: not an MoE results file ({e})") from None
+    return H.rescore_file(path, issue_targets, "an MoE", flag)
 
 
 def print_targets(targets: list[dict]) -> None:

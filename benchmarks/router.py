@@ -84,18 +84,16 @@ def issue_targets(rows: list[dict]) -> list[dict]:
     they need the peer's row in the same run: a point that did not run, or whose peer did not, is a missed target.
     ``ValueError`` where an ``evenflow`` row is not a router benchmark row (no M, an unknown case, a timed row
     without its error, flips or fraction) or a point has two rows of one impl."""
-    by: dict = {}
     for i, r in enumerate(rows):
-        key = (r.get("case"), r.get("M"), r.get("impl"))
-        if r.get("impl") == "evenflow":
-            if r.get("case") not in CASES or not isinstance(r.get("M"), int):
-                raise ValueError(f"row {i} is not a router benchmark row (case {r.get('case')!r}, M {r.get('M')!r})")
-            if "us" in r and not all(isinstance(r.get(k), (int, float))
-                                     for k in ("max_abs_err", "topk_flips", "frac_of_floor")):
-                raise ValueError(f"row {i} ({key[:2]}) is timed but has no max_abs_err, topk_flips or frac_of_floor")
-        if key in by and key[2] in ("evenflow", *PEERS):
-            raise ValueError(f"two {key[2]} rows at {key[:2]}: a point is scored from one row of each impl")
-        by[key] = r
+        if r.get("impl") != "evenflow":
+            continue
+        if r.get("case") not in CASES or not isinstance(r.get("M"), int):
+            raise ValueError(f"row {i} is not a router benchmark row (case {r.get('case')!r}, M {r.get('M')!r})")
+        if "us" in r and not all(isinstance(r.get(k), (int, float))
+                                 for k in ("max_abs_err", "topk_flips", "frac_of_floor")):
+            raise ValueError(f"row {i} ({r['case']}, {r['M']}) is timed but has no max_abs_err, topk_flips or "
+                             f"frac_of_floor")
+    by = H.rows_by_point(rows, ("case", "M"), ("evenflow", *PEERS))
     targets: list[dict] = []
     target = functools.partial(H.target, targets)
     for (case, m, impl), ours in by.items():
@@ -130,10 +128,7 @@ def issue_targets(rows: list[dict]) -> list[dict]:
 def rescore(path: str, flag: str = "--rescore") -> list[dict]:
     """:func:`issue_targets` of a results file (no GPU); ``SystemExit`` naming ``flag`` where it is not a router
     one."""
-    try:
-        return issue_targets(H.recorded_rows(path, flag))
-    except ValueError as e:
-        raise SystemExit(f"{flag}: {path}: not a router results file ({e})") from None
+    return H.rescore_file(path, issue_targets, "a router", flag)
 
 
 def main(argv=None) -> int:

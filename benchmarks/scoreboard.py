@@ -21,9 +21,9 @@ import router
 from evenflow.bench import harness as H
 
 RESULTS = Path(__file__).resolve().parent / "results"
-OPERATORS = (("decode", "issue 3 (decode attention)", lambda rows, where: decode.rescore_rows(rows, where)[1]),
-             ("router", "issue 4 (router GEMM)", lambda rows, where: router.issue_targets(rows)),
-             ("moe", "issue 5 (fused MoE)", lambda rows, where: moe.issue_targets(rows)))
+OPERATORS = (("decode", "issue 3 (decode attention)", lambda rows: decode.rescore_rows(rows)[1]),
+             ("router", "issue 4 (router GEMM)", router.issue_targets),
+             ("moe", "issue 5 (fused MoE)", moe.issue_targets))
 
 
 def score(results: Path) -> dict:
@@ -34,7 +34,7 @@ def score(results: Path) -> dict:
         for path in sorted(results.glob(f"*/{name}.json"), key=lambda q: (q.parent.name != "h200", q.parent.name)):
             try:
                 res = H.Results.load(path)
-                targets = scorer(res.rows, f"scoreboard: {path}")
+                targets = scorer(res.rows)
             except (OSError, ValueError) as e:
                 raise SystemExit(f"scoreboard: {path} is not a {name} results file ({e})") from None
             out.setdefault(name, {})[path.parent.name] = (res.header, targets)
@@ -54,12 +54,12 @@ def table(scores: dict) -> str:
         cards = scores.get(name, {})
         if not cards:
             continue
-        kinds = list(dict.fromkeys(t.get("kind", "other") for _, ts in cards.values() for t in ts))
+        kinds = list(dict.fromkeys(t["kind"] for _, ts in cards.values() for t in ts))
         lines += ["", f"## {title}", "", "| target | " + " | ".join(cards) + " |", "|---" * (len(cards) + 1) + "|"]
         for k in kinds:
             cells = []
             for _, ts in cards.values():
-                these = [t for t in ts if t.get("kind", "other") == k]
+                these = [t for t in ts if t["kind"] == k]
                 cells.append(f"{sum(t['ok'] for t in these)} / {len(these)}" if these else "-")
             lines.append(f"| {k} | " + " | ".join(cells) + " |")
         lines.append("| **all** | " + " | ".join(f"**{sum(t['ok'] for t in ts)} / {len(ts)}**"

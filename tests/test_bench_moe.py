@@ -487,6 +487,19 @@ def test_plot_fp8_modes(tmp_path):
         pm.plot(res)
 
 
+def test_issue_targets_say_why_a_ratio_went_unchecked():
+    """The ratio targets of a point are one missed target where the peer cannot be compared, saying why: no SGLang
+    row in the run, or either row timed eagerly only (no graph replay)."""
+    ours = _moe_row("qwen3-30b-a3b", "bf16", 1, "evenflow", 10.0, frac_of_floor=0.9, cosine=1.0)
+    eager = {**ours, "timing": "eager only, graph capture failed: RuntimeError: x"}
+    peer = _moe_row("qwen3-30b-a3b", "bf16", 1, "sglang-triton", 20.0)
+    for rows, why in (([ours], "no row"), ([eager, peer], "not timed as a graph replay"),
+                      ([ours, {**peer, "timing": eager["timing"]}], "not timed as a graph replay")):
+        unchecked = [t for t in bm.issue_targets(rows) if t["kind"] != "frac_of_floor >= 0.85 (T <= 512) / 0.6"]
+        assert [(t["target"], t["ok"], t["value"]) for t in unchecked] == [
+            ("qwen3-30b-a3b bf16 T=1: sglang-triton timed beside it", False, why)], rows
+
+
 def test_series_that_cannot_run_give_an_error_row_for_every_batch_and_impl(tmp_path, monkeypatch):
     """BENCH.md: every row carries the size it measures. A variant a case cannot take (Hy3 TP8's I = 192 has no
     block-128 scales) and a series the time budget cut are written as an error row at each batch and impl, with

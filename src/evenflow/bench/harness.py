@@ -501,29 +501,43 @@ def choices(flag: str, given: str | None, known, default) -> tuple:
     return values
 
 
-def target(targets: list[dict], what: str, ok, value, kind: str | None = None, **extra) -> None:
-    """Appends one check of an issue's target to ``targets``: ``{"target": what, "ok": ..., "value": ...}``, with the
-    target's ``kind`` (the issue's sentence it checks, for :func:`report_targets`' counts) and any ``extra`` fields."""
-    targets.append({"target": what, "ok": bool(ok), "value": value, **({"kind": kind} if kind else {}), **extra})
+def target(targets: list[dict], what: str, ok, value, kind: str, **extra) -> None:
+    """Appends one check of an issue's target to ``targets``: ``{"target": what, "ok": ..., "value": ...,
+    "kind": kind}`` (``kind``: the issue's sentence it checks, which :func:`report_targets` counts by), with any
+    ``extra`` fields."""
+    targets.append({"target": what, "ok": bool(ok), "value": value, "kind": kind, **extra})
+
+
+def _shown(v, digits: int) -> str:
+    """A target's value as :func:`report_targets` prints it: floats at ``digits`` decimals, under 0.01 in powers
+    of ten."""
+    if not isinstance(v, float):
+        return f"{v}"
+    return f"{v:.2e}" if 0 < abs(v) < 0.01 else f"{v:.{digits}f}"
 
 
 def report_targets(issue: str, targets: list[dict], detail: Callable[[dict], str] | None = None) -> None:
-    """Prints an issue's targets: how many are met, then per kind (where the targets carry one, in first-seen
-    order), then each missed one with its value (``digits`` decimals where the target carries them, else 3; a
-    value under 0.01 in powers of ten) and ``detail(target)``'s words."""
+    """Prints an issue's targets: how many are met, then per kind (in first-seen order), then each missed one with
+    its value (``digits`` decimals where the target carries them, else 3) and ``detail(target)``'s words."""
     print(f"\n## {issue} targets: {sum(t['ok'] for t in targets)}/{len(targets)} met")
-    kinds = list(dict.fromkeys(t["kind"] for t in targets if "kind" in t))
-    for k in kinds:
-        these = [t for t in targets if t.get("kind") == k]
+    for k in dict.fromkeys(t["kind"] for t in targets):
+        these = [t for t in targets if t["kind"] == k]
         print(f"  {k}: {sum(t['ok'] for t in these)}/{len(these)}")
-    def shown(v, digits: int) -> str:
-        if not isinstance(v, float):
-            return f"{v}"
-        return f"{v:.2e}" if 0 < abs(v) < 0.01 else f"{v:.{digits}f}"
-
     for t in targets:
         if not t["ok"]:
-            print(f"- MISSED {t['target']}: {shown(t['value'], t.get('digits', 3))}" + (detail(t) if detail else ""))
+            print(f"- MISSED {t['target']}: {_shown(t['value'], t.get('digits', 3))}" + (detail(t) if detail else ""))
+
+
+def rows_by_point(rows: Sequence[dict], fields: Sequence[str], scored: Sequence[str]) -> dict[tuple, dict]:
+    """A run's rows keyed by ``(*fields, impl)`` (missing fields as None), for scoring an issue's targets point by
+    point; ``ValueError`` where a point has two rows of an impl in ``scored`` (which would count?)."""
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        key = (*(r.get(f) for f in fields), r.get("impl"))
+        if key in by and key[-1] in scored:
+            raise ValueError(f"two {key[-1]} rows at {key[:-1]}: a point is scored from one row of each impl")
+        by[key] = r
+    return by
 
 
 def recorded_rows(path: str, flag: str = "--rescore") -> list[dict]:
@@ -533,6 +547,16 @@ def recorded_rows(path: str, flag: str = "--rescore") -> list[dict]:
         return Results.load(path).rows
     except (OSError, ValueError) as e:
         raise SystemExit(f"{flag}: {path} is not a results file ({e})") from None
+
+
+def rescore_file(path: str, score: Callable[[list[dict]], object], what: str, flag: str = "--rescore"):
+    """``score`` of a result file's rows (a benchmark's ``--rescore``, no GPU); ``SystemExit`` naming ``flag`` and
+    the file where it is not a result file, or ``score`` finds its rows are not ``what``'s (``ValueError``; ``what``
+    with its article: "a router", "an MoE")."""
+    try:
+        return score(recorded_rows(path, flag))
+    except ValueError as e:
+        raise SystemExit(f"{flag}: {path}: not {what} results file ({e})") from None
 
 
 def progress(items: Iterable, desc: str) -> Iterable:
