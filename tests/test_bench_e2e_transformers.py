@@ -119,3 +119,174 @@ def test_generate_rows_one_per_impl_and_errors_as_rows(bench, device, monkeypatc
     errs = [r for r in res.rows if "error" in r]
     assert [r["impl"] for r in errs] == ["evenflow-moe"] and "no such kernel" in errs[0]["error"]
     assert sum("us" in r for r in res.rows) == len(bench.GEN_IMPLS) - 1
+
+
+def _whole_sequence_logits(model, lens, vocab, nxt):
+    """The stock model's last-position logits over each prompt and its next token read whole (no cache), at
+    generate's positions: what a decode step after the prefill must give."""
+    from evenflow.integrations.demo import left_padded
+
+    ids, mask = left_padded(lens, vocab, nxt.device, seed=3)
+    seq, mask = torch.cat([ids, nxt], 1), torch.cat([mask, mask.new_ones(len(lens), 1)], 1)
+    pos = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+    with torch.no_grad():
+        return model(seq, attention_mask=mask, position_ids=pos, use_cache=False).logits[:, -1]
+
+
+def test_graph_step_is_a_steady_decode_step(bench, device):
+    """Each graph impl's step (the one a CUDA graph captures) is a decode step of the mix after its prefill: its
+    logits agree with the stock model reading each prompt and the next token whole, and every call leaves the cache's
+    lengths where the prefill left them (StaticCache: each layer's device length; PagedCache: the requests' lengths
+    and its position count), so two calls (or replays) give the same logits."""
+    import copy
+
+    base = bench.build_model(2, device=device, **{**SMALL, "head_dim": 64})
+    lens = bench.parse_mix("1x9+2x3+1x1")
+    g = torch.Generator().manual_seed(4)  # (graph_step's next tokens)
+    nxt = torch.randint(1, 96, (len(lens), 1), generator=g).to(device)
+    want = _whole_sequence_logits(base, lens, 96, nxt).float()
+    for impl in bench.GRAPH_IMPLS:
+        model = copy.deepcopy(base)
+        bench.set_gen_impl(model, impl)
+        step = bench.graph_step(model, impl, lens, 96, page_size=16)
+        first = step()
+        assert first.shape == (len(lens), 1, 96)
+        H.check_output(first[:, 0].float(), want, impl, rtol=5e-2, atol=5e-2, min_cos=0.999)
+        assert torch.equal(step(), first), impl
+        cache = step.cache
+        if impl in bench.PAGED_IMPLS:
+            assert cache.seq_lens.tolist() == lens and cache.seen == max(lens), impl
+            pages = sum(-(-(n + 1) // 16) for n in lens) + 1  # each request's tokens and the next one, the spare
+            assert step.kv_bytes == 2 * 2 * pages * 16 * 2 * 64 * 2
+        else:
+            assert [int(layer.cumulative_length) for layer in cache.layers] == [max(lens)] * 2, impl
+            assert step.kv_bytes == 2 * 2 * len(lens) * (max(lens) + 1) * 2 * 64 * 2  # the padded rectangle
+    with pytest.raises(ValueError, match="impl must be one of"):
+        bench.graph_step(copy.deepcopy(base), "transformers-sdpa", lens, 96)
+
+
+def test_experts_hit_counts_each_routers_distinct_picks(bench, device):
+    """``experts_hit`` gives, per MoE layer, the number of distinct experts in the top-k of the router's softmax over
+    the tokens it saw (recomputed here from each router's input and weight)."""
+    import copy
+
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    base = bench.build_model(2, device=device, **{**SMALL, "head_dim": 64})
+    model = copy.deepcopy(base)
+    step = bench.graph_step(model, "transformers-sdpa-static", bench.parse_mix("1x9+3x3"), 96, page_size=16)
+    seen = []
+    routers = [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
+    hooks = [r.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0].detach().clone())))
+             for r in routers]
+    got = bench.experts_hit(model, step)
+    for h in hooks:
+        h.remove()
+    assert len(got) == 2 and len(seen) == 2
+    want = [int(torch.topk(torch.softmax(x.float() @ r.weight.float().T, -1), r.top_k, -1).indices.unique().numel())
+            for r, x in seen]
+    assert got == want and all(2 <= n <= 8 for n in got)  # 4 tokens x top-2 over 8 experts
+    with pytest.raises(TypeError, match="no Qwen3MoeTopKRouter"):
+        bench.experts_hit(torch.nn.Linear(2, 2), lambda: None)
+
+
+def test_step_floor_bytes_from_the_models_own_tensors(bench, device):
+    """The step's floor bytes equal the model's own parameters a decode step reads (every layer's attention, norms
+    and router, the experts hit: each a 1/E share of the experts' tensors; the final norm and the vocabulary
+    projection; not the embedding table, of which a step reads a row a request), plus K and V of every real cached
+    token and of the new ones (written and read), all bf16."""
+    base = bench.build_model(3, device=device, **{**SMALL, "head_dim": 64})
+    cfg, lens, hit = base.config, [9, 3, 3], [5, 8, 1]
+    want = 0
+    for layer, n in zip(base.model.layers, hit):
+        want += sum(p.numel() for name, p in layer.named_parameters() if "experts" not in name)
+        want += sum(p.numel() for p in layer.mlp.experts.parameters()) * n // cfg.num_experts
+        want += 2 * cfg.num_key_value_heads * cfg.head_dim * (sum(lens) + 2 * len(lens))
+    want += base.model.norm.weight.numel() + base.lm_head.weight.numel()
+    assert bench.step_floor_bytes(cfg, lens, hit) == 2 * want
+    with pytest.raises(ValueError, match="hit: 2 layers' counts for a 3-layer model"):
+        bench.step_floor_bytes(cfg, lens, hit[:2])
+
+
+def test_graph_rows_with_the_steps_floor(bench, device, monkeypatch):
+    """``_graph_rows`` with the graph timer replaced (it needs CUDA): one row per graph impl, each with the case's
+    floor (counted on the stock impl's step) and its fraction, ``vs_default`` against the StaticCache row; an impl
+    that fails is an error row; with the stock impl failing, no floor on any row."""
+    base = bench.build_model(2, device=device, **{**SMALL, "head_dim": 64})
+    times = {"transformers-sdpa-static": 400.0, "evenflow-moe": 300.0, "evenflow-unfused": 250.0, "evenflow": 200.0}
+    current = {}
+    real_set = bench.set_gen_impl
+
+    def set_impl(model, impl):
+        current["impl"] = impl
+        real_set(model, impl)
+
+    def fake_time_graph(fn, reps, min_calls):
+        fn()
+        return times[current["impl"]]
+
+    monkeypatch.setattr(bench, "set_gen_impl", set_impl)
+    monkeypatch.setattr(bench.H, "time_graph", fake_time_graph)
+    monkeypatch.setattr(bench, "graph_step", lambda model, impl, lens, vocab, real=bench.graph_step:
+                        real(model, impl, lens, vocab, page_size=16))
+    ceilings = {"copy_TBps": 2.0}
+    res = H.Results("e2e_transformers", ceilings=ceilings)
+    bench._graph_rows(res, base, "1x6+2x2", 96, 2)
+    bench._speedups(res)
+    assert [r["impl"] for r in res.rows] == list(bench.GRAPH_IMPLS)
+    floors = {r["floor_us"] for r in res.rows}
+    assert len(floors) == 1
+    floor = floors.pop()
+    assert floor > 0
+    for r in res.rows:
+        assert r["case"] == "graph-1x6+2x2" and r["us"] == times[r["impl"]] and r["us_per_layer"] == r["us"] / 2
+        assert r["frac_of_floor"] == round(floor / r["us"], 4) and r["cosine"] >= 0.999
+        assert r["vs_default"] == round(400.0 / r["us"], 3)
+
+    def broken(model, impl):
+        if impl == "transformers-sdpa-static":
+            raise RuntimeError("no static cache")
+        set_impl(model, impl)
+
+    monkeypatch.setattr(bench, "set_gen_impl", broken)
+    res = H.Results("e2e_transformers", ceilings=ceilings)
+    bench._graph_rows(res, base, "1x6+2x2", 96, 2)
+    assert [r["impl"] for r in res.rows if "error" in r] == ["transformers-sdpa-static"]
+    assert sum("us" in r for r in res.rows) == 3 and not any("floor_us" in r for r in res.rows)
+
+
+@pytest.mark.gpu
+def test_graph_step_replays_in_a_cuda_graph():
+    """On a GPU, each graph impl's step captured in a CUDA graph (after one call, as ``harness.time_graph`` captures
+    it) replays as a decode step: the replayed logits agree with the stock model reading the sequences whole, and
+    three replays leave the cache's lengths where the prefill left them; at Qwen3-30B-A3B's attention dimensions (32
+    q / 4 kv heads of 128) and a mix whose requests end inside a page, on a page's last slot and on a page boundary."""
+    import copy
+
+    dims = dict(SMALL, hidden_size=256, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=16,
+                num_experts_per_tok=4)
+    base = bench.build_model(2, device="cuda", **dims)
+    lens = [200, 63, 64, 1]
+    nxt = torch.randint(1, 96, (len(lens), 1), generator=torch.Generator().manual_seed(4)).cuda()
+    want = _whole_sequence_logits(base, lens, 96, nxt).float()
+    for impl in bench.GRAPH_IMPLS:
+        model = copy.deepcopy(base)
+        bench.set_gen_impl(model, impl)
+        step = bench.graph_step(model, impl, lens, 96)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a call before the capture, as harness.capture_graph makes (builds, pages)
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()  # (holds nothing computed until a replay)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        H.check_output(out[:, 0].float(), want, impl, rtol=5e-2, atol=5e-2, min_cos=0.999)
+        cache = step.cache
+        if impl in bench.PAGED_IMPLS:
+            assert cache.seq_lens.tolist() == lens and cache.seen == max(lens), impl
+        else:
+            assert [int(layer.cumulative_length) for layer in cache.layers] == [max(lens)] * 2, impl

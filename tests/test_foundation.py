@@ -530,6 +530,7 @@ def test_cli_bench_options_are_the_benchmarks_and_bad_ones_are_named(tmp_path):
                       (("router", "--ms", "0,16"), "argument --ms: expected comma-separated positive integers"),
                       (("prologue", "--ts", "x"), "argument --ts: expected comma-separated positive integers"),
                       (("e2e_transformers", "--layers", "0"), "argument --layers: expected a positive integer"),
+                      (("e2e_transformers", "--parts", "graph,nosuch"), "argument --parts: expected a comma-separated"),
                       (("router", "--cases", "nosuch"), "--cases: unknown ['nosuch']"),
                       (("moe", "--impls", "evenflow,nosuch"), "--impls: unknown impl 'nosuch'"),
                       (("moe", "--budget-s", "0"), "--budget-s must be > 0"),
