@@ -256,7 +256,7 @@ def test_graph_rows_with_the_steps_floor(bench, device, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_graph_step_replays_in_a_cuda_graph():
+def test_graph_step_replays_in_a_cuda_graph(bench):
     """On a GPU, each graph impl's step captured in a CUDA graph (after one call, as ``harness.time_graph`` captures
     it) replays as a decode step: the replayed logits agree with the stock model reading the sequences whole, and
     three replays leave the cache's lengths where the prefill left them; at Qwen3-30B-A3B's attention dimensions (32
