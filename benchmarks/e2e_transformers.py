@@ -306,7 +306,7 @@ PARTS = ("forward", "generate", "graph")
 
 def parts(text: str) -> tuple[str, ...]:
     """An argparse ``type``: a comma-separated subset of :data:`PARTS`."""
-    got = tuple(p for p in text.split(",") if p)
+    got = tuple(p.strip() for p in text.split(",") if p.strip())
     bad = [p for p in got if p not in PARTS]
     if bad or not got:
         raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(PARTS)}, got {text!r}")
@@ -411,8 +411,8 @@ def _generate_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> N
 
 def _graph_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> None:
     """A decode step of the mix captured in a CUDA graph and replayed (:func:`graph_step`), for every graph impl,
-    with the step's floor (:func:`step_floor_bytes`; the experts counted on the first impl, the stock model's, and
-    none where that impl failed)."""
+    with the step's floor (:func:`step_floor_bytes`; the experts counted on the first impl's, the stock model's, eager
+    step before it is timed: every row has it unless that impl failed before the count)."""
     lens = parse_mix(mix)
     floor = {}
 
