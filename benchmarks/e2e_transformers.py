@@ -212,7 +212,7 @@ def graph_step(model, impl: str, lens: list[int], vocab: int, page_size: int = 6
     capture one call and replay it: transformers' StaticCache (``transformers-*`` and ``evenflow-moe``) and evenflow's
     PagedCache (``PAGED_IMPLS``) keep their lengths on the device, which the step moves on and the crop back, and
     neither syncs with the host in a decode step (the first call hands the paged requests the pages their next token
-    needs; the crop keeps them). ``step.kv_bytes``: the cache's K / V size."""
+    needs; the crop keeps them). ``step.cache``: the cache it steps."""
     import evenflow.integrations.transformers as ev_tf
     from evenflow.integrations.demo import left_padded
 
@@ -240,7 +240,6 @@ def graph_step(model, impl: str, lens: list[int], vocab: int, page_size: int = 6
         cache.crop(-1)
         return out
 
-    step.kv_bytes = cache_bytes(cache)
     step.cache = cache
     return step
 
@@ -427,7 +426,7 @@ def _graph_rows(res: H.Results, base, mix: str, vocab: int, layers: int) -> None
             us = H.time_graph(step, reps=10, min_calls=2)
             return us, {"tokens": len(lens), "tokens_per_s": round(len(lens) / us * 1e6, 1),
                         "cached_tokens": sum(lens), "padded_tokens": max(lens) * len(lens),
-                        "kv_mb": round(step.kv_bytes / 2 ** 20, 1), "floor_us": floor.get("us")}
+                        "kv_mb": round(cache_bytes(step.cache) / 2 ** 20, 1), "floor_us": floor.get("us")}
         return step()[:, 0], timed
 
     _impl_rows(res, base, f"graph-{mix}", GRAPH_IMPLS, prepare, layers)

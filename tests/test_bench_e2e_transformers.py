@@ -157,10 +157,10 @@ def test_graph_step_is_a_steady_decode_step(bench, device):
         if impl in bench.PAGED_IMPLS:
             assert cache.seq_lens.tolist() == lens and cache.seen == max(lens), impl
             pages = sum(-(-(n + 1) // 16) for n in lens) + 1  # each request's tokens and the next one, the spare
-            assert step.kv_bytes == 2 * 2 * pages * 16 * 2 * 64 * 2
+            assert bench.cache_bytes(cache) == 2 * 2 * pages * 16 * 2 * 64 * 2
         else:
             assert [int(layer.cumulative_length) for layer in cache.layers] == [max(lens)] * 2, impl
-            assert step.kv_bytes == 2 * 2 * len(lens) * (max(lens) + 1) * 2 * 64 * 2  # the padded rectangle
+            assert bench.cache_bytes(cache) == 2 * 2 * len(lens) * (max(lens) + 1) * 2 * 64 * 2  # the padded rectangle
     with pytest.raises(ValueError, match="impl must be one of"):
         bench.graph_step(copy.deepcopy(base), "transformers-sdpa", lens, 96)
 

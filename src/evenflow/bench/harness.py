@@ -530,7 +530,7 @@ def report_targets(issue: str, targets: list[dict], detail: Callable[[dict], str
 
 def rows_by_point(rows: Sequence[dict], fields: Sequence[str], scored: Sequence[str]) -> dict[tuple, dict]:
     """A run's rows keyed by ``(*fields, impl)`` (missing fields as None), for scoring an issue's targets point by
-    point; ``ValueError`` where a point has two rows of an impl in ``scored`` (which would count?)."""
+    point; ``ValueError`` where a point has two rows of an impl in ``scored`` (a target must be scored from one)."""
     by: dict[tuple, dict] = {}
     for r in rows:
         key = (*(r.get(f) for f in fields), r.get("impl"))
