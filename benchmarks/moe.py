@@ -157,16 +157,9 @@ def issue_targets(rows: list[dict]) -> list[dict]:
     timed row without its fraction or cosine) or a point has two rows of one impl."""
     from evenflow.bench import harness as H
 
-    for i, r in enumerate(rows):
-        if r.get("impl") != "evenflow":
-            continue
-        if r.get("case") not in CASES or r.get("variant") not in VARIANTS or not isinstance(r.get("batch"), int):
-            raise ValueError(f"row {i} is not an MoE benchmark row (case {r.get('case')!r}, variant "
-                             f"{r.get('variant')!r}, batch {r.get('batch')!r})")
-        if "us" in r and not all(isinstance(r.get(k), (int, float)) for k in ("frac_of_floor", "cosine")):
-            raise ValueError(f"row {i} ({r['case']}, {r['variant']}, {r['batch']}) is timed but has no "
-                             f"frac_of_floor or cosine")
-    by = H.rows_by_point(rows, ("case", "variant", "batch"), ("evenflow", PEER))
+    by = H.scored_points(rows, ("case", "variant", "batch"), ("evenflow", PEER), "an MoE",
+                         lambda r: r.get("case") in CASES and r.get("variant") in VARIANTS
+                         and isinstance(r.get("batch"), int), ("frac_of_floor", "cosine"))
     targets: list[dict] = []
     target = functools.partial(H.target, targets)
     for (case, variant, batch, impl), ours in by.items():

@@ -84,16 +84,9 @@ def issue_targets(rows: list[dict]) -> list[dict]:
     they need the peer's row in the same run: a point that did not run, or whose peer did not, is a missed target.
     ``ValueError`` where an ``evenflow`` row is not a router benchmark row (no M, an unknown case, a timed row
     without its error, flips or fraction) or a point has two rows of one impl."""
-    for i, r in enumerate(rows):
-        if r.get("impl") != "evenflow":
-            continue
-        if r.get("case") not in CASES or not isinstance(r.get("M"), int):
-            raise ValueError(f"row {i} is not a router benchmark row (case {r.get('case')!r}, M {r.get('M')!r})")
-        if "us" in r and not all(isinstance(r.get(k), (int, float))
-                                 for k in ("max_abs_err", "topk_flips", "frac_of_floor")):
-            raise ValueError(f"row {i} ({r['case']}, {r['M']}) is timed but has no max_abs_err, topk_flips or "
-                             f"frac_of_floor")
-    by = H.rows_by_point(rows, ("case", "M"), ("evenflow", *PEERS))
+    by = H.scored_points(rows, ("case", "M"), ("evenflow", *PEERS), "a router",
+                         lambda r: r.get("case") in CASES and isinstance(r.get("M"), int),
+                         ("max_abs_err", "topk_flips", "frac_of_floor"))
     targets: list[dict] = []
     target = functools.partial(H.target, targets)
     for (case, m, impl), ours in by.items():

@@ -540,6 +540,25 @@ def rows_by_point(rows: Sequence[dict], fields: Sequence[str], scored: Sequence[
     return by
 
 
+def scored_points(rows: Sequence[dict], fields: Sequence[str], scored: Sequence[str], what: str,
+                  is_point: Callable[[dict], bool], timed_fields: Sequence[str]) -> dict[tuple, dict]:
+    """:func:`rows_by_point` of a run's rows after checking the rows of ``scored[0]`` (the impl whose targets are
+    scored): each must be ``what``'s benchmark row (``is_point``; ``what`` with its article: "a router") and, where
+    timed (``us``), carry a number in every one of ``timed_fields``. ``ValueError`` naming the row where one does
+    not."""
+    for i, r in enumerate(rows):
+        if r.get("impl") != scored[0]:
+            continue
+        if not is_point(r):
+            raise ValueError(f"row {i} is not {what} benchmark row ("
+                             + ", ".join(f"{f} {r.get(f)!r}" for f in fields) + ")")
+        if "us" in r and not all(isinstance(r.get(k), (int, float)) for k in timed_fields):
+            raise ValueError(f"row {i} (" + ", ".join(f"{r.get(f)}" for f in fields) + ") is timed but has no "
+                             + (", ".join(timed_fields[:-1]) + " or " if len(timed_fields) > 1 else "")
+                             + timed_fields[-1])
+    return rows_by_point(rows, fields, scored)
+
+
 def recorded_rows(path: str, flag: str = "--rescore") -> list[dict]:
     """The rows of a result file, for a benchmark's ``--rescore`` (no GPU); ``SystemExit`` naming ``flag`` where
     ``path`` is not one."""
