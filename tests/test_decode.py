@@ -723,15 +723,49 @@ def test_what_would_overflow_the_kernels_int32_or_fp32_is_refused(device):
     with pytest.raises(ValueError, match="max_seq_len must be <= 2147483584"):
         evenflow.DecodePlan(3, 2 ** 31 - 1, 1, device=device)
     q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
-    for kw in (dict(sm_scale=1e39), dict(sm_scale=1e20, k_scale=1e20)):
-        with pytest.raises(ValueError, match="is beyond fp32's range"):
+    for kw in (dict(sm_scale=1e37), dict(sm_scale=1e20, k_scale=1e20)):
+        with pytest.raises(ValueError, match=r"is beyond 2\^64"):
             evenflow.decode_attention(q, k, v, pt, sl, **kw)
-    with pytest.raises(ValueError, match="is beyond fp32's range"):
+    with pytest.raises(ValueError, match=r"is beyond 2\^64"):
         evenflow.prefill_attention(q, k, v, torch.tensor([0, 1, 2], dtype=torch.int32, device=device), pt, sl, 1,
-                                   sm_scale=1e39)
+                                   sm_scale=1e37)
     slots = torch.tensor([[5, -1], [17, -1]], device=device)[:, 0]
     with pytest.raises(ValueError, match="slots must be contiguous"):
         store_kv(q[:, :2].float(), q[:, :2].float(), k, v, slots)
+
+
+def test_scales_the_kernels_take_as_fp32_are_checked_as_fp32(device):
+    """Round CK's review of the launchers' number checks: a float scale outside fp32's normal range (0 or subnormal
+    in fp32, which the GPU flushes to 0, or inf there) and a score multiplier over 2^64 (its fp32 scores overflow at
+    |q . k| >= 2^64; sm_scale=1e37 had given a wrong output with no error) are refused by name; scale tensors, which
+    the launchers cannot read without a sync, are checked the same way under check_inputs=True, in decode and in
+    prefill (a NaN k_scale tensor had given zeros, an empty request's output, and a negative one inverted attention,
+    with no error). A multiplier under the bound, and good tensor scales under the check, still run."""
+    q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    calls = {"decode": lambda **kw: evenflow.decode_attention(q, k, v, pt, sl, **kw),
+             "prefill": lambda **kw: evenflow.prefill_attention(q, k, v, cu, pt, sl, 1, **kw)}
+
+    def t(x):
+        return torch.tensor([x], dtype=torch.float32, device=device)
+
+    fp32_range = "must be a finite positive number in fp32's normal range"
+    for op, call in calls.items():
+        for bad in (1e-50, 3e-39, 1e39, 10 ** 400):
+            with pytest.raises(ValueError, match=f"k_scale {fp32_range}"):
+                call(k_scale=bad)
+            with pytest.raises(ValueError, match=f"v_scale {fp32_range}"):
+                call(v_scale=bad)
+        for name in ("k_scale", "v_scale"):
+            for bad in (float("nan"), float("inf"), -1.0, 0.0, 1e-40):
+                with pytest.raises(ValueError, match=f"{name} {fp32_range}"):
+                    call(**{name: t(bad)}, check_inputs=True)
+        with pytest.raises(ValueError, match=r"is beyond 2\^64"):  # 1e30 x 1/8 x log2(e): a tensor's, checked
+            call(k_scale=t(1e30), check_inputs=True)
+        out = call(k_scale=t(0.5), v_scale=t(2.0), check_inputs=True)
+        assert torch.isfinite(out.float()).all(), op
+        out = call(sm_scale=2.0 ** 60)  # multiplier 1.44 x 2^60: under the bound, scores finite
+        assert torch.isfinite(out.float()).all(), op
 
 
 def test_every_argument_check_names_its_argument(device):
@@ -740,8 +774,9 @@ def test_every_argument_check_names_its_argument(device):
     plan = evenflow.DecodePlan(2, 1000, 2, device=device).update(sl)
     da = evenflow.decode_attention
     cases = [  # (error, message pattern, call)
-        (ValueError, "k_scale must be a finite positive number, got 0", lambda: da(q, k, v, pt, sl, k_scale=0.0)),
-        (ValueError, "v_scale must be a finite positive number, got nan",
+        (ValueError, r"k_scale must be a finite positive number in fp32's normal range \[1.175e-38, 3.403e\+38\], "
+                     "got 0.0", lambda: da(q, k, v, pt, sl, k_scale=0.0)),
+        (ValueError, "v_scale must be a finite positive number in fp32's normal range .*got nan",
          lambda: da(q, k, v, pt, sl, v_scale=float("nan"))),
         (TypeError, "k_scale must be a float or a float32 tensor", lambda: da(q, k, v, pt, sl, k_scale="1")),
         (TypeError, "v_scale must have dtype in", lambda: da(q, k, v, pt, sl, v_scale=torch.ones(

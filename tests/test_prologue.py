@@ -327,6 +327,49 @@ def test_argument_errors_name_the_argument(device):
     assert q.shape == (3, 4, 64)
 
 
+def test_eps_scales_and_the_rotary_table_outside_fp32_are_refused(device):
+    """Round CK's review of the prologue's number checks: an eps below fp32's smallest normal number (0 in the
+    kernel's fp32, so an all-zero head gave NaN), float k / v scales outside fp32's normal range, scale tensors that
+    are not such a number (under check_inputs=True, in the prologue and in store_kv), and a rotary table from a
+    base that is not a positive finite number (NaN angles) or from sizes that are not ints, are refused by name; at
+    eps = fp32's smallest normal an all-zero q head comes out zeros."""
+    from evenflow.attention.prologue import store_kv
+
+    args, qw, kw = make_inputs([2, 1], [3, 4], 4, 2, 64, 16, device=device, seed=8)
+    f = evenflow.qk_norm_rope_store_kv
+    for eps in (1e-50, 1e-40):
+        with pytest.raises(ValueError, match="eps must be at least fp32's smallest normal number"):
+            f(**args, q_norm_weight=qw, eps=eps)
+    zero_head = dict(args, qkv=args["qkv"].clone())
+    zero_head["qkv"][0, :64] = 0
+    q, _ = f(**zero_head, q_norm_weight=qw, eps=torch.finfo(torch.float32).tiny)
+    assert torch.equal(q[0, 0].float(), torch.zeros(64, device=device))
+    fp32_range = "must be a finite positive number in fp32's normal range"
+    for bad in (1e-50, 3e-39, 1e39):
+        with pytest.raises(ValueError, match=f"k_scale {fp32_range}"):
+            f(**args, k_scale=bad)
+    k_rows = torch.randn(2, 2, 64, device=device)
+    slots = torch.tensor([0, 1], device=device)
+    for name in ("k_scale", "v_scale"):
+        for bad in (float("nan"), -1.0, 1e-40):
+            scale = torch.tensor([bad], device=device)
+            with pytest.raises(ValueError, match=f"{name} {fp32_range}"):
+                f(**args, **{name: scale}, check_inputs=True)
+            with pytest.raises(ValueError, match=f"{name} {fp32_range}"):
+                store_kv(k_rows, k_rows, args["k_cache"], args["v_cache"], slots, **{name: scale}, check_inputs=True)
+    for base in (0.0, -1e4, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="base must be"):
+            evenflow.rope_cos_sin(8, 64, base=base)
+    for kwargs, pattern in ((dict(max_pos=2.5), "max_pos must be an int"),
+                            (dict(max_pos="8"), "max_pos must be an int"),
+                            (dict(rotary_dim=64.0), "rotary_dim must be an int"),
+                            (dict(dtype=torch.int32), "dtype must be a floating-point torch.dtype")):
+        with pytest.raises(TypeError, match=pattern):
+            evenflow.rope_cos_sin(**{"max_pos": 8, "rotary_dim": 64, **kwargs})
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        evenflow.rope_cos_sin(8, 63)
+
+
 def test_feeds_decode_attention(device):
     """One decode step as an engine runs it: the prologue writes each request's new token into the cache and
     hands q (bf16, or fp8 with its scales) to decode_attention; the result is the oracle's attention over the

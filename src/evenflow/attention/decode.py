@@ -469,6 +469,23 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
     return None
 
 
+_FP32 = torch.finfo(torch.float32)
+# The kernels' score multiplier (sm_scale * log2(e) * a float k_scale, or with a tensor k_scale that scale times
+# sm_scale * log2(e)) is refused above this: the scores, q . k times it, are fp32 and stay finite while |q . k| < 2^64.
+# A model's multiplier is below ~2^10 (1 / sqrt(head_dim), times an fp8 cache's scale).
+MAX_SCORE_MULTIPLIER = 2.0 ** 64
+
+
+def check_fp32_scale(name: str, f: float) -> float:
+    """``f`` (a scale the kernels take as an fp32 number) a finite positive number in fp32's normal range: 0,
+    below it (fp32 0 or subnormal, which the GPU flushes to 0), above it (inf), NaN or negative are refused by
+    name."""
+    if not _FP32.tiny <= f <= _FP32.max:
+        raise ValueError(f"{name} must be a finite positive number in fp32's normal range [{_FP32.tiny:.4g}, "
+                         f"{_FP32.max:.4g}], got {f!r}")
+    return f
+
+
 def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
     if s is None:
         return None, 1.0
@@ -478,10 +495,28 @@ def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
             raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(s.shape)}")
         return s, 1.0
     if isinstance(s, (int, float)) and not isinstance(s, bool):
-        if not math.isfinite(s) or s <= 0:
-            raise ValueError(f"{name} must be a finite positive number, got {s}")
-        return None, float(s)
+        try:
+            f = float(s)
+        except OverflowError:  # an int past float's range
+            f = math.inf
+        return None, check_fp32_scale(name, f)
     raise TypeError(f"{name} must be a float or a float32 tensor of one element, got {type(s).__name__}")
+
+
+def check_scale_tensors(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                        sm_scale: float | None = None) -> None:
+    """``check_inputs``' part for scales given as tensors (one sync, where any is): each as a float scale must be
+    (:func:`check_fp32_scale`), and with ``sm_scale`` the score multiplier a tensor ``k_scale`` gives within
+    :data:`MAX_SCORE_MULTIPLIER`. Without it a NaN or infinite scale reaches the kernels unseen (the output then
+    zeros or NaN) and a negative one inverts attention."""
+    given = [(n, t) for n, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is not None]
+    if not given:
+        return
+    values = torch.stack([t.reshape(()) for _, t in given]).tolist()
+    for (name, _), f in zip(given, values):
+        check_fp32_scale(name, f)
+    if sm_scale is not None and k_scale is not None:
+        check_score_scale(sm_scale, values[0])
 
 
 def check_kv_cache(k_cache, v_cache, dev) -> tuple[int, int, int, int]:
@@ -512,13 +547,15 @@ def check_kv_cache(k_cache, v_cache, dev) -> tuple[int, int, int, int]:
 
 
 def check_score_scale(sm_scale: float, k_scale_f: float) -> None:
-    """The kernels' score multiplier ``sm_scale * log2(e) * k_scale`` (a float k_scale; 1 for a tensor), checked to
-    be a finite fp32 number (it is passed as one: above fp32's range the scores would be inf and the output
-    garbage)."""
+    """The kernels' score multiplier ``sm_scale * log2(e) * k_scale`` (a float k_scale; 1 for a tensor, whose value
+    ``check_inputs`` checks), checked to be at most :data:`MAX_SCORE_MULTIPLIER`: the scores are q . k times it in
+    fp32, so beyond fp32's range they would be inf and the output garbage, and short of it a large |q . k| would
+    take them there."""
     v = sm_scale * _LOG2E * k_scale_f
-    if not v <= torch.finfo(torch.float32).max:
-        raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond fp32's "
-                         "range, which the kernels compute the scores in")
+    if not v <= MAX_SCORE_MULTIPLIER:
+        raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond 2^64: "
+                         "the kernels compute the scores, q . k times it, in fp32, which it would take past fp32's "
+                         "range at |q . k| >= 2^64 (a model's is below ~2^10)")
 
 
 def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
@@ -593,22 +630,23 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
     partial buffers per call). Returns ``out`` (bf16), or ``(out, lse)`` when
     ``return_lse`` (``lse`` may be given as a preallocated [B * q_len, Hq] fp32 buffer).
     ``check_inputs``: also check the values inside ``seq_lens``, ``page_table`` and the plan as
-    :func:`validate_inputs` does (ValueError naming the first bad entry), at the cost of one host
-    sync a call; skipped where a sync is not allowed (CUDA-graph capture, torch.compile). Off by
-    default: a decode step calls this once per layer, and each kernel (20-245 us on the decode
-    record's cases) would wait on the host. Whatever the setting, bad values are clamped by the
-    kernels, never read or written out of bounds.
+    :func:`validate_inputs` does, and scales given as tensors as float ones are (ValueError naming
+    the first bad entry), at the cost of a host sync a call; skipped where a sync is not allowed
+    (CUDA-graph capture, torch.compile). Off by default: a decode step calls this once per layer,
+    and each kernel (20-245 us on the decode record's cases) would wait on the host. Whatever the
+    setting, bad values are clamped by the kernels, never read or written out of bounds.
     """
     B, q_len, Hq, D, Hkv = _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale)
     check_bool("check_inputs", check_inputs)
-    if check_inputs and _runtime.host_sync_allowed(seq_lens):
-        _check_values(B, q_len, k_cache, page_table, seq_lens, plan)
     dev = q.device
     ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
     vs_t, vs_f = _scale_arg("v_scale", v_scale, dev)
     # > 0: 0 would give uniform attention and a negative scale would invert it
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else check_scaling("sm_scale", sm_scale, positive=True)
     check_score_scale(sm_scale, ks_f)
+    if check_inputs and _runtime.host_sync_allowed(seq_lens):
+        _check_values(B, q_len, k_cache, page_table, seq_lens, plan)
+        check_scale_tensors(ks_t, vs_t, sm_scale)
     check_bool("return_lse", return_lse)
     if lse is not None and not return_lse:
         raise ValueError("lse is given but return_lse is False: pass return_lse=True to have it filled")

@@ -43,7 +43,7 @@ from evenflow._checks import (
     checked_op,
 )
 from evenflow.attention import prefill_kernels as PK
-from evenflow.attention.decode import _scale_arg, check_kv_cache, check_score_scale
+from evenflow.attention.decode import _scale_arg, check_kv_cache, check_scale_tensors, check_score_scale
 from evenflow.attention.plan import MAX_GQA_GROUP
 
 _LOG2E = math.log2(math.e)
@@ -168,7 +168,8 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, m
     """Causal attention of each request's new tokens over its paged KV cache (shapes in the module docstring).
 
     Returns ``out`` (bf16), or ``(out, lse)`` when ``return_lse``. ``check_inputs``: also check ``cu_seqlens_q``,
-    ``seq_lens`` and the page ids in use on the host (one sync; ValueError naming the first bad entry)."""
+    ``seq_lens``, the page ids in use and scales given as tensors on the host (a sync; ValueError naming the first
+    bad entry)."""
     T, Hq, Hkv, D, B = _check(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, max_seqlen_q)
     dev = q.device
     ks_t, ks_f = _scale_arg("k_scale", k_scale, dev)
@@ -190,6 +191,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, m
             check_out("lse", lse, [T, Hq], torch.float32, dev)
     if check_inputs and _runtime.host_sync_allowed(seq_lens):
         _check_values(k_cache, cu_seqlens_q, page_table, seq_lens, T)
+        check_scale_tensors(ks_t, vs_t, sm_scale)
     op = _prefill_op if torch.compiler.is_compiling() else _prefill_launch
     op(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, out, lse, ks_t, vs_t, ks_f, vs_f, float(sm_scale),
        max_seqlen_q)

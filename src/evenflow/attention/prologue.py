@@ -55,7 +55,7 @@ from evenflow._checks import (
     checked_op,
 )
 from evenflow.attention import prologue_kernels as PK
-from evenflow.attention.decode import _scale_arg, check_kv_cache
+from evenflow.attention.decode import _FP32, _scale_arg, check_kv_cache, check_scale_tensors
 from evenflow.attention.plan import Q_DTYPES
 
 FP8 = torch.float8_e4m3fn
@@ -197,13 +197,17 @@ def qk_norm_rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, page_table,
 
     ``norm_before_rope``: RMSNorm then rotation (Qwen3), or the rotation first. ``rope_style``: ``"neox"``
     (rotate half) or ``"gptj"`` (interleaved pairs). ``rotary_dim``: the rotated leading dims (default D).
-    ``check_inputs``: also check positions, pages and cu_seqlens_q on the host (one sync; see the module).
+    ``check_inputs``: also check positions, pages, cu_seqlens_q and scales given as tensors on the host (a sync;
+    see the module).
     All math in fp32, rounded once to the output's dtype.
     """
     T, Hq, Hkv, D, R, B = _check(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q,
                                  q_norm_weight, k_norm_weight, rotary_dim, q_dtype)
     dev = qkv.device
     eps = check_scaling("eps", eps, positive=True)
+    if eps < _FP32.tiny:  # the kernel's fp32 eps would be 0 (or flushed to it), and an all-zero head NaN
+        raise ValueError(f"eps must be at least fp32's smallest normal number {_FP32.tiny:.4g} (the kernel adds it "
+                         f"in fp32), got {eps!r}")
     check_bool("norm_before_rope", norm_before_rope)
     check_choice("rope_style", rope_style, ROPE_STYLES)
     check_bool("check_inputs", check_inputs)
@@ -222,6 +226,7 @@ def qk_norm_rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, page_table,
         raise ValueError("q_scale_out is only written for q_dtype=torch.float8_e4m3fn")
     if check_inputs and _runtime.host_sync_allowed(positions):
         _check_values(positions, cos_sin, k_cache, page_table, cu_seqlens_q, T)
+        check_scale_tensors(ks_t, vs_t)
     op = _prologue_op if torch.compiler.is_compiling() else _prologue_launch
     op(qkv, positions, cos_sin, k_cache, v_cache, page_table, cu_seqlens_q, q_norm_weight, k_norm_weight, ks_t,
        vs_t, q_out, q_scale_out, ks_f, vs_f, eps, R, rope_style == "gptj", norm_before_rope)
@@ -284,8 +289,9 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
     HND views, the K or V half of an engine's ``[num_pages, P, Hkv, 2 * D]`` buffer), divided by the scale and cast
     to the cache's dtype as the prologue stores them (in fp32; fp8 saturated at 448 first), one kernel each for K and
     V (the prologue's store step); no host sync. A negative slot is a padding row (vLLM marks them -1): not written.
-    A slot past the cache is not written either (no sync to report it): ``check_inputs=True`` raises for it on the
-    host first (one sync). Rows sharing a slot leave one of them there, which one unspecified."""
+    A slot past the cache is not written either (no sync to report it): ``check_inputs=True`` raises for it, and
+    for a scale tensor that is not a positive fp32 number, on the host first (a sync). Rows sharing a slot leave
+    one of them there, which one unspecified."""
     dev = k.device
     num_pages, P, Hkv, D = check_kv_cache(k_cache, v_cache, dev)
     check_tensor("k", k, dtypes=[torch.bfloat16, torch.float32], shape=[None, Hkv, D], device=dev)
@@ -293,16 +299,18 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
     check_tensor("slots", slots, dtypes=[torch.int64], shape=[k.shape[0]], device=dev, contiguous=True)
     check_bool("check_inputs", check_inputs)
     capacity = num_pages * P
+    scales = [(x, cache, *_scale_arg(name, s, dev))
+              for x, cache, name, s in ((k, k_cache, "k_scale", k_scale), (v, v_cache, "v_scale", v_scale))]
     if check_inputs and slots.numel() and _runtime.host_sync_allowed(slots):
         s = slots.cpu()
         bad = (s >= capacity).nonzero()
         if bad.numel():
             i = int(bad[0, 0])
             raise ValueError(f"slots[{i}] = {int(s[i])} past the cache's {capacity} slots (pages x page size)")
+        check_scale_tensors(scales[0][2], scales[1][2])
     N = k.shape[0]
     block_h = min(triton.next_power_of_2(Hkv), max(1, 4096 // D))
-    for x, cache, name, s in ((k, k_cache, "k_scale", k_scale), (v, v_cache, "v_scale", v_scale)):
-        s_t, s_f = _scale_arg(name, s, dev)
+    for x, cache, s_t, s_f in scales:
         if N == 0:
             continue
         if x.stride(2) != 1:  # rows are read in place at any row and head strides (an engine's views of its qkv)

@@ -14,8 +14,15 @@ def rope_cos_sin(max_pos: int, rotary_dim: int, base: float = 10000.0, dtype: to
                  device=None) -> torch.Tensor:
     """The rotary table ``[max_pos, rotary_dim]``: row p holds cos(p * f_i) for i < R/2, then sin(p * f_i), with
     ``f_i = base ** (-2 i / R)`` (the frequencies of RoFormer / Llama / Qwen), computed in fp64 and cast."""
-    if max_pos < 1 or rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(f"max_pos must be >= 1 and rotary_dim even and >= 2, got {max_pos}, {rotary_dim}")
+    from evenflow._checks import check_int, check_scaling
+
+    check_int("max_pos", max_pos, lo=1)
+    check_int("rotary_dim", rotary_dim, lo=2)
+    if rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be even, got {rotary_dim}")
+    check_scaling("base", base, positive=True)  # 0, negative, NaN or inf bases give NaN angles
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     inv = base ** (-torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return torch.cat([ang.cos(), ang.sin()], dim=1).to(dtype=dtype, device=device)
