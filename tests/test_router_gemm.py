@@ -780,3 +780,16 @@ def test_launch_mode_is_a_validated_config_field():
     assert GemmConfig.from_dict({"block_m": 16}).launch == "pdl"  # entries written before round AD
     with pytest.raises(ValueError, match="config.launch"):
         GemmConfig(launch="fast")
+
+
+def test_config_fields_of_the_wrong_type_are_refused_by_name():
+    """Round CK's review: a float or string tile size got past GemmConfig's checks and failed later inside the
+    launch, naming nothing (split_k=2.0: "'float' object cannot be interpreted as an integer"), or was taken as it
+    was (num_warps=4.0). Each field's type is now checked first, by name."""
+    for field, bad in (("split_k", 2.0), ("block_m", "16"), ("num_warps", 4.0), ("num_stages", True),
+                       ("block_n", 2.0), ("block_k", None)):
+        with pytest.raises(TypeError, match=f"config.{field} must be an int"):
+            GemmConfig(**{field: bad})
+    with pytest.raises(TypeError, match="config.path must be a str"):
+        GemmConfig(path=1)
+    assert GemmConfig(block_m=32, num_warps=8).block_m == 32

@@ -101,6 +101,48 @@ def test_nan_logits_stay_in_range_and_show(device):
     assert torch.isnan(w[1]).all() and torch.isfinite(w[[0, 2]]).all()
 
 
+def test_nan_bias_shows_in_the_weights(device):
+    """Round CK's review: a NaN bias entry was never selected and so only left its expert out, the weights finite
+    (wrong, in silence). Now every weight of a row whose selection key is NaN somewhere is NaN, as a NaN logit makes
+    them, and the ids stay in range; the reference states the same rule and a clean bias gives finite weights."""
+    logits = torch.randn(5, 16, device=device)
+    for nan_at in (slice(None), 6):
+        bias = torch.zeros(16, device=device)
+        bias[nan_at] = float("nan")
+        ids, w = evenflow.select_experts(logits, 4, "sigmoid", bias)
+        assert ((ids >= 0) & (ids < 16)).all() and (ids != 6).all()
+        assert torch.isnan(w).all()
+        ref_ids, ref_w = R.route_ref(logits.cpu(), 4, "sigmoid", bias.cpu())
+        assert torch.isnan(ref_w).all() and torch.equal(ids.cpu(), ref_ids)
+    ids, w = evenflow.select_experts(logits, 4, "sigmoid", torch.zeros(16, device=device))
+    assert torch.isfinite(w).all()
+
+
+def test_outputs_that_share_memory_with_an_input_are_refused(device):
+    """Round CK's review: out= buffers of valid shape and dtype that alias an input made the kernels read what they
+    write (router_gemm into a view of x: NaN; route's ids and weights over one buffer: ids far outside [0, E)),
+    with no error; routed_scaling past fp32's range gave inf weights. Each is refused naming its argument, and a
+    separate buffer still runs."""
+    w = torch.randn(32, 64, device=device)
+    rw = evenflow.RouterWeight(w)
+    buf = torch.randn(4, 64, device=device).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="out overlaps x in memory"):
+        evenflow.router_gemm(buf, rw, out=buf.view(torch.float32))
+    ids = torch.empty(4, 2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"out\[0\] \(ids\) overlaps out\[1\] \(weights\) in memory"):
+        evenflow.route(buf, rw, 2, out=(ids, ids.view(torch.float32)))
+    logits = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"out\[1\] \(weights\) overlaps logits in memory"):
+        evenflow.select_experts(logits, 2, out=(ids, logits.view(-1)[:8].view(4, 2)))
+    for bad in (1e39, -1e39):
+        with pytest.raises(ValueError, match="routed_scaling must be within fp32's range"):
+            evenflow.route(buf, rw, 2, routed_scaling=bad)
+    out = torch.empty(4, 32, device=device)
+    assert evenflow.router_gemm(buf, rw, out=out) is out
+    ids2, w2 = evenflow.route(buf, rw, 2, out=(ids, torch.empty(4, 2, device=device)), routed_scaling=-2.0)
+    assert ids2 is ids and (w2 < 0).all()
+
+
 def test_empty_batch(device):
     ids, w = evenflow.select_experts(torch.empty(0, 8, device=device), 2)
     assert ids.shape == (0, 2) and w.shape == (0, 2)

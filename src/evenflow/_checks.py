@@ -65,6 +65,9 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return dev
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Validate a caller-provided output buffer."""
     check_tensor(name, out, dtypes=[dtype], shape=list(shape), device=device)
@@ -80,8 +83,9 @@ def check_bool(name: str, v, allow_none: bool = False):
     return v
 
 
-def check_scaling(name: str, v, positive: bool = False) -> float:
-    """``v`` a finite real number (a bool is refused), above 0 where ``positive``; returns it as a float."""
+def check_scaling(name: str, v, positive: bool = False, fp32: bool = False) -> float:
+    """``v`` a finite real number (a bool is refused), above 0 where ``positive``, and within fp32's range where
+    ``fp32`` (a number a kernel takes as an fp32, where a larger one would be inf); returns it as a float."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(v).__name__}")
     try:
@@ -92,7 +96,36 @@ def check_scaling(name: str, v, positive: bool = False) -> float:
         raise ValueError(f"{name} must be finite, got {v!r}")
     if positive and f <= 0:
         raise ValueError(f"{name} must be > 0, got {f!r}")
+    if fp32 and abs(f) > _FP32_MAX:
+        raise ValueError(f"{name} must be within fp32's range (|{name}| <= {_FP32_MAX:.4g}: the kernels take it as "
+                         f"an fp32), got {f!r}")
     return f
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[first, past the last)`` a tensor's elements lie in (None when it has none)."""
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_no_overlap(name: str, out: torch.Tensor, **inputs) -> None:
+    """``out`` (a buffer a kernel writes while it reads ``inputs``) shares no bytes with any of them (None
+    skipped): the kernels' programs would read what others have written. The test is by span (the bytes from a
+    tensor's first element to its last), so two views that interleave without sharing an element are refused
+    too."""
+    o = _span(out)
+    if o is None:
+        return
+    for k, t in inputs.items():
+        if t is None:
+            continue
+        r = _span(t)
+        if r is not None and o[0] < r[1] and r[0] < o[1]:
+            raise ValueError(f"{name} overlaps {k} in memory: the kernel would read what it writes (pass a "
+                             "separate buffer)")
 
 
 def check_int(name: str, v, lo: int | None = None, hi: int | None = None) -> int:

@@ -98,6 +98,13 @@ class GemmConfig:
     reduce: str = "counter"
 
     def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"config.{name} must be an int, got {type(v).__name__} {v!r}")
+        for name in ("path", "launch", "reduce"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"config.{name} must be a str, got {getattr(self, name)!r}")
         if self.path not in PATHS:
             raise ValueError(f"config.path must be one of {PATHS}, got {self.path!r}")
         if self.launch not in LAUNCHES:

@@ -41,7 +41,16 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_choice, check_int, check_out, check_pdl, check_tensor, checked_op
+from evenflow._checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_no_overlap,
+    check_out,
+    check_pdl,
+    check_tensor,
+    checked_op,
+)
 from evenflow.router.dispatch import (
     INVARIANT_PATHS,
     GemmConfig,
@@ -353,6 +362,7 @@ def _check_op_tensors(a: dict, weights: tuple[str, ...], w_dtype: torch.dtype) -
         n = check_tensor(name, a[name], dtypes=[w_dtype], shape=[n, k], device=x.device,
                          last_dim_contiguous=True).shape[0]
     check_out("out", a["out"], (m, n), torch.float32, x.device)
+    check_no_overlap("out", a["out"], x=x, **{name: a[name] for name in weights})
     check_pdl(a["pdl"], x.device, allow_none=False)
     check_pdl(a["prefetch_w"], x.device, allow_none=False, name="prefetch_w")
     return m, n
@@ -483,6 +493,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     else:
         check_out("out", out, (m, n), torch.float32, x.device)
+        check_no_overlap("out", out, x=x)
     check_pdl(pdl, w.device)
     check_pdl(prefetch_weights, w.device, name="prefetch_weights")
     if config is not None and not isinstance(config, GemmConfig):

@@ -448,7 +448,7 @@ def route_topk_kernel(
     Selection key: the logit (softmax: monotone, so no new ties from rounding) or
     sigmoid(logit) + bias (sigmoid). Order: key descending, ties to the lowest
     expert id. NaN keys are never selected (ids stay in range) but NaN logits still
-    poison the weights, so bad input is visible.
+    poison the weights, and so does a NaN key from the bias, so bad input is visible.
     """
     pdl_enter(PDL)
     i_t = tl.program_id(0)
@@ -464,6 +464,9 @@ def route_topk_kernel(
         b_key = b_score
         if HAS_BIAS:
             b_key = b_key + tl.load(p_bias + o_e, mask=m_e, other=0.0)[None, :]
+            # a NaN key (a NaN bias entry, or logit) poisons the row's weights below: never selected, it would
+            # otherwise only leave its expert out
+            b_nan = tl.max(tl.where(m_e[None, :] & (b_key != b_key), 1, 0), axis=1)
     else:
         b_max = tl.max(tl.where(m_e[None, :], b_l, float("-inf")), axis=1)
         b_exp = tl.where(m_e[None, :], tl.exp(b_l - b_max[:, None]), 0.0)
@@ -492,6 +495,8 @@ def route_topk_kernel(
         else:
             b_ws = b_ws / b_total[:, None]
     b_ws = b_ws * routed_scaling
+    if HAS_BIAS:
+        b_ws = tl.where(b_nan[:, None] > 0, float("nan"), b_ws)
     m_out = m_t[:, None] & (o_j[None, :] < TOP_K)
     o_out = o_t.to(tl.int64)[:, None] * TOP_K + o_j[None, :]
     tl.store(p_ids + o_out, b_ids, mask=m_out)

@@ -15,7 +15,9 @@ Rules (the reference in ``evenflow.reference.router`` implements the same ones):
 * Both multiply the weights by ``routed_scaling`` last.
 * Order: key descending; equal keys go to the lowest expert id first (torch.topk
   promises no order on ties, so this rule is ours, and tested exactly).
-* NaN logits are never selected (ids stay within [0, E)); they make the weights NaN.
+* NaN logits are never selected (ids stay within [0, E)); they make the weights NaN. So does a NaN
+  in ``bias``: every weight of a row whose selection key is NaN somewhere is NaN (a NaN bias entry
+  would otherwise leave its expert out in silence).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from evenflow._checks import (
     check_bool,
     check_choice,
     check_int,
+    check_no_overlap,
     check_out,
     check_pdl,
     check_scaling,
@@ -68,6 +71,7 @@ def _check_topk_op(a: dict) -> None:
                             a["renormalize"], a["routed_scaling"])
     check_out("ids", a["ids"], (t, a["top_k"]), torch.int32, logits.device)
     check_out("weights", a["weights"], (t, a["top_k"]), torch.float32, logits.device)
+    _check_outputs_apart(a["ids"], a["weights"], logits, a["bias"], "ids", "weights")
     check_pdl(a["pdl"], logits.device, allow_none=False)
 
 
@@ -80,6 +84,12 @@ def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling
     return None
 
 
+def _check_outputs_apart(ids, weights, logits, bias, ids_name: str, weights_name: str) -> None:
+    """The selection's two outputs share no bytes with each other or with its inputs."""
+    check_no_overlap(ids_name, ids, **{weights_name: weights, "logits": logits, "bias": bias})
+    check_no_overlap(weights_name, weights, logits=logits, bias=bias)
+
+
 def _check_route_args(e: int, top_k, scoring, bias, renormalize, routed_scaling, device) -> None:
     check_choice("scoring", scoring, ("softmax", "sigmoid"))
     if e > MAX_EXPERTS:
@@ -90,7 +100,7 @@ def _check_route_args(e: int, top_k, scoring, bias, renormalize, routed_scaling,
             raise ValueError("bias is only used with scoring='sigmoid' (selection-only expert bias)")
         check_tensor("bias", bias, dtypes=[torch.float32], shape=[e], device=device, contiguous=True)
     check_bool("renormalize", renormalize)
-    check_scaling("routed_scaling", routed_scaling)
+    check_scaling("routed_scaling", routed_scaling, fp32=True)
 
 
 def _check_selection(logits, top_k, scoring, bias, renormalize, routed_scaling) -> tuple[int, int]:
@@ -120,6 +130,7 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", b
             raise TypeError("out must be a pair (ids, weights)")
         ids = check_out("out[0] (ids)", out[0], (t, top_k), torch.int32, logits.device)
         weights = check_out("out[1] (weights)", out[1], (t, top_k), torch.float32, logits.device)
+        _check_outputs_apart(ids, weights, logits, bias, "out[0] (ids)", "out[1] (weights)")
     (_route_topk_op if torch.compiler.is_compiling() else _launch_topk)(
         logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize), float(routed_scaling),
         _runtime.pdl_supported(logits.device) if pdl is None else pdl)
