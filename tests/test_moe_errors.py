@@ -113,6 +113,37 @@ def test_the_constructor_checks_what_the_builders_check_and_the_holder_stays_as_
     assert evenflow.MoEWeights("fp8_per_tensor", **args).a13_scale.shape == (1,)
 
 
+def test_scales_written_in_place_after_the_holder_was_built_are_checked_again(device):
+    """Round CK's review: the holder keeps the caller's scale tensors (no copy), so a zero or NaN written into an
+    activation scale afterwards undid the constructor's check: an all-zero output, or finite garbage, with no error.
+    The next eager call checks the scales again (their version counters moved) and raises naming the scale; a
+    positive new value (a recalibration) is taken, and the output follows it."""
+    e8 = random_moe_weights("fp8_per_tensor", 4, 128, 128, device)
+    a13 = e8.a13_scale.clone()
+    ew = evenflow.MoEWeights.fp8_per_tensor(e8.w13, e8.w2, e8.w13_scale, e8.w2_scale, a13, e8.a2_scale)
+    x = torch.randn(3, 128, device=device).bfloat16()
+    ids, w = random_routing(3, 2, 4, device)
+    y0 = evenflow.fused_moe(x, ids, w, ew)
+    for bad in (0.0, float("nan"), -1.0):
+        a13.fill_(bad)
+        with pytest.raises(ValueError, match=r"a13_scale must be positive and finite.*written in place since"):
+            evenflow.fused_moe(x, ids, w, ew)
+    a13.copy_(e8.a13_scale.reshape(a13.shape))
+    assert torch.equal(evenflow.fused_moe(x, ids, w, ew), y0)  # the same scale again: the same output
+    blk = random_moe_weights("fp8_block", 2, 128, 128, device)
+    w2s = blk.w2_scale.clone()
+    ewb = evenflow.MoEWeights.fp8_block(blk.w13, blk.w2, blk.w13_scale, w2s)
+    ids2, w2 = random_routing(3, 2, 2, device)
+    evenflow.fused_moe(x, ids2, w2, ewb)
+    w2s[0, 0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"w2_scale must be finite; found \[inf\].*written in place since"):
+        evenflow.fused_moe(x, ids2, w2, ewb)
+    with torch.inference_mode():  # inference tensors keep no version counter: taken, not watched
+        inf_scales = [t.clone() for t in (blk.w13_scale, blk.w2_scale)]
+    ewi = evenflow.MoEWeights.fp8_block(blk.w13, blk.w2, *inf_scales)
+    assert torch.isfinite(evenflow.fused_moe(x, ids2, w2, ewi).float()).all()
+
+
 def test_helper_checks(device):
     """The exported helpers name what they refuse: the MoE index's tile rows, rank and experts, the activation
     quantisation's group width."""
@@ -185,6 +216,9 @@ def test_call_checks(device, layer):
         evenflow.fused_moe(x, ids, w, ew, routed_scaling="2")
     for bad in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match="routed_scaling must be finite"):
+            evenflow.fused_moe(x, ids, w, ew, routed_scaling=bad)
+    for bad in (1e39, -1e39):  # finite as a Python float, inf as the fp32 the kernels take
+        with pytest.raises(ValueError, match="routed_scaling must be within fp32's range"):
             evenflow.fused_moe(x, ids, w, ew, routed_scaling=bad)
     with pytest.raises(TypeError, match="check_ids must be a bool, got 1"):
         evenflow.fused_moe(x, ids, w, ew, check_ids=1)

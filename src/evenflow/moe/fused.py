@@ -669,7 +669,7 @@ def _check_layer(x, topk_ids, topk_weights, w13, inter, mode, ep_rank, num_exper
     if num_experts_total % e_local:
         raise ValueError(f"num_experts_total ({num_experts_total}) must be a multiple of the {e_local} local experts "
                          "(every rank holds the same number: rank r keeps experts [r * E_local, (r + 1) * E_local))")
-    check_scaling("routed_scaling", routed_scaling)
+    check_scaling("routed_scaling", routed_scaling, fp32=True)
     if not isinstance(fp8_accum, str) or fp8_accum not in FP8_ACCUM:
         raise ValueError(f"fp8_accum must be one of {FP8_ACCUM}, got {fp8_accum!r}")
     fast_acc = fp8_accum != "exact"
@@ -812,6 +812,8 @@ def fused_moe(x, topk_ids, topk_weights, ew, ep_rank=0, num_experts_total=None, 
     """
     if not isinstance(ew, MoEWeights):
         raise TypeError(f"ew must be an evenflow.MoEWeights, got {type(ew).__name__}")
+    if not torch.compiler.is_compiling():
+        ew.recheck_scales()
     counters = ew.counters  # the holder's own buffer; checked since the kernels write it
     t, h, num_experts_total, fast_acc, dev = _check_layer(
         x, topk_ids, topk_weights, ew.w13, ew.intermediate_size, ew.mode, ep_rank, num_experts_total, routed_scaling,

@@ -89,7 +89,8 @@ class MoEWeights:
     ``fused_experts``. Build with :meth:`bf16`, :meth:`fp8_per_tensor` or :meth:`fp8_block`, which make the
     tensors contiguous; the constructor takes them as they are and checks them as those do (shapes, dtypes, one
     device, contiguity; scales finite, activation scales positive), since the kernels walk them by the shapes
-    and strides they assume. The tensors are read-only attributes: a holder stays as it was checked.
+    and strides they assume. The tensors are read-only attributes, held without a copy; a scale tensor written in
+    place afterwards is checked again by the next eager ``fused_moe`` call (:meth:`recheck_scales`).
 
     The holder also keeps the arrival counters of the decode path (``counters``, int32 on the
     weights' device, a few KB): where pair tiles split the gate-up along K (or, in block mode, an
@@ -112,6 +113,10 @@ class MoEWeights:
         self._w13, self._w2 = w13, w2
         self._w13_scale, self._w2_scale = w13_scale, w2_scale
         self._a13_scale, self._a2_scale = taken.get("a13_scale"), taken.get("a2_scale")
+        # checked above; their version counters say when one is written in place (an inference tensor, made under
+        # torch.inference_mode, has none and is not watched)
+        self._scales = {n: t for n, t in taken.items() if not t.is_inference()}
+        self._scale_versions = [t._version for t in self._scales.values()]
         check_bool("counters", counters)
         self.counters = None
         if counters:
@@ -121,6 +126,22 @@ class MoEWeights:
             with torch.inference_mode(False):
                 self.counters = torch.zeros(counter_slots(w2.shape[2]), dtype=torch.int32, device=w13.device)
             torch._dynamo.mark_static_address(self.counters)
+
+    def recheck_scales(self) -> None:
+        """The scales' value checks again where one of the scale tensors was written in place since they last ran
+        (a scale tensor the caller still holds: a recalibration, or a stray write): a holder's scales stay
+        finite, its activation scales positive, or ``fused_moe`` raises naming them (a zero activation scale had
+        given an all-zero output, a NaN one finite garbage). A host-side look at the tensors' version counters
+        each call; the values are read (one sync) only after a write, and not where no sync may run (a capture,
+        a trace), where the next eager call checks them. A scale made under ``torch.inference_mode`` has no
+        version counter and is not watched."""
+        versions = [t._version for t in self._scales.values()]
+        if versions != self._scale_versions and all(host_sync_allowed(t) for t in self._scales.values()):
+            try:
+                _check_scale_values(self._scales)
+            except ValueError as e:
+                raise ValueError(f"{e} (written in place since the MoEWeights was built)") from None
+            self._scale_versions = versions
 
     def sharing_weights(self, counters: bool = True) -> MoEWeights:
         """A holder over the same weight and scale tensors (no copy) with arrival counters of its own, for
