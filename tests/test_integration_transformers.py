@@ -95,6 +95,11 @@ def test_refuses_what_it_cannot_run(device):
         ev_tf.enable(m64)
     with pytest.raises(TypeError, match="has no 3-D experts module"):
         ev_tf.enable(torch.nn.Linear(4, 4))
+    # round CK's review: enable(None) failed inside with an AttributeError, routers="no" replaced the routers
+    with pytest.raises(TypeError, match="model must be a transformers model .*got NoneType"):
+        ev_tf.enable(None)
+    with pytest.raises(TypeError, match="routers must be a bool, got 'no'"):
+        ev_tf.enable(ev, routers="no")
     dense = torch.nn.Module()
     dense.gate_up_proj = torch.nn.Linear(4, 8)  # a dense MLP's projection of that name is not an experts module
     dense.down_proj = torch.nn.Linear(4, 4)

@@ -280,6 +280,8 @@ def test_refusals(device):
         ev_tf.PagedCache(ev, max_batch_size=1, max_cache_len=16, page_size=24)
     with pytest.raises(ValueError, match="kv_dtype must be"):
         ev_tf.PagedCache(ev, max_batch_size=1, max_cache_len=16, kv_dtype=torch.float16)
+    with pytest.raises(TypeError, match="plan must be a bool, got 'no'"):  # it had built a plan (round CK's review)
+        ev_tf.PagedCache(ev, max_batch_size=1, max_cache_len=16, plan="no")
     with pytest.raises(TypeError, match="computes in bf16"):
         with torch.no_grad():
             ev_tf.enable_attention(m64)
@@ -427,6 +429,15 @@ def test_row_selection_copies_each_rows_tokens_into_pages_of_its_own(device, kv_
                      ([0] * 7, "indices: 7 rows over the PagedCache's max_batch_size 6")):
         with pytest.raises(ValueError, match=msg):
             cache.batch_select_indices(bad)
+    # round CK's review: a float or bool in a list was truncated into a row (reorder_cache([2.9, 0.1, 1.5]) took
+    # rows 2, 0, 1); a list of anything but ints, or no list at all, is refused by name, also on an empty cache
+    for bad, msg in (([2.9, 0.1, 1.5], "beam_idx: row indices must be ints, got 2.9"),
+                     ([True, False, True], "beam_idx: row indices must be ints, got True"),
+                     (1, "beam_idx: expected a 1-D tensor or a list of row indices, got int")):
+        with pytest.raises(TypeError, match=msg):
+            cache.reorder_cache(bad)
+        with pytest.raises(TypeError, match=msg):
+            ev_tf.PagedCache(ev, max_batch_size=2, max_cache_len=16, page_size=16).reorder_cache(bad)
     with pytest.raises(NotImplementedError, match="call PagedCache.reorder_cache"):
         cache.layers[0].reorder_cache(torch.tensor([0]))
     with pytest.raises(ValueError, match="pass minus the number of positions"):
@@ -435,6 +446,46 @@ def test_row_selection_copies_each_rows_tokens_into_pages_of_its_own(device, kv_
         cache.crop(-21)
     cache.crop(-3)  # the last 3 positions of 20: every request's last 3 real tokens (the 2s lose both)
     assert cache.seq_lens.tolist() == [max(0, n - 3) for n in real_now] and cache.get_seq_length() == 17
+
+
+def test_a_crop_after_padding_that_follows_real_tokens_raises(device):
+    """Round CK's review: an extend that masks a new position of a request already holding tokens (padding after its
+    real tokens) stores that request's real tokens only, so its last positions are not all real tokens; a crop of
+    positions then took a real prompt token off it, and the next step's logits drifted from the model's (0.038
+    against the stock cache's 0.0005), with no error. Such a step now marks the cache and a crop after it raises;
+    without the crop the step itself stays right (the row's logits within the rule of the fp64 model reading the
+    same positions), and reset() clears the mark."""
+    from transformers import DynamicCache
+
+    m64, stock, ev = sharp(models(device))
+    ev_tf.enable_attention(ev)
+    g = torch.Generator().manual_seed(3)
+    p, e1 = (torch.randint(1, 128, (2, n), generator=g).to(device) for n in (4, 2))
+    m0 = torch.ones(2, 4, dtype=torch.long, device=device)
+    m1 = torch.cat([m0, torch.tensor([[1, 1], [0, 1]], device=device)], 1)  # row 1: its first new position padding
+
+    def pos(m, q):
+        return (m.cumsum(1) - 1).clamp(min=0)[:, -q:]
+
+    def run(model, cache):
+        kw = ev_tf.cache_kwargs(model, cache)
+        with torch.no_grad():
+            model(p, attention_mask=m0, position_ids=pos(m0, 4), **kw)
+            return model(e1, attention_mask=m1, position_ids=pos(m1, 2), **kw).logits[:, -1].double()
+
+    cache = ev_tf.PagedCache(ev, 2, 16, page_size=16)
+    got, ref, base = run(ev, cache), run(m64, DynamicCache(config=m64.config)), run(stock, DynamicCache(
+        config=stock.config))
+    assert_within_rule(got, ref, base, what="the extend's logits")
+    assert cache.seq_lens.tolist() == [6, 5]
+    with pytest.raises(ValueError, match=r"crop: a step since the last reset\(\) masked a new position"):
+        cache.crop(-2)
+    assert cache.seq_lens.tolist() == [6, 5]  # nothing taken off
+    cache.reset()
+    with torch.no_grad():
+        ev(p, attention_mask=m0, position_ids=pos(m0, 4), **ev_tf.cache_kwargs(ev, cache))
+    cache.crop(-2)  # every position real: the crop takes the last two tokens of each
+    assert cache.seq_lens.tolist() == [2, 2]
 
 
 def test_a_row_copy_failing_part_way_empties_the_cache(device, monkeypatch):

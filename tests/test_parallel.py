@@ -127,6 +127,10 @@ def test_split_range_and_bad_arguments():
         par.split_range(8, 2, 2)
     with pytest.raises(TypeError, match="world_size"):
         par.split_range(8, 0, 2.0)
+    # round CK's review: size was taken unchecked (-4 gave reversed ranges, 4.0 float bounds, "4" a formatting error)
+    for bad, err in ((-4, ValueError), (4.0, TypeError), (True, TypeError), ("4", TypeError)):
+        with pytest.raises(err, match="size must be"):
+            par.split_range(bad, 0, 2)
     with pytest.raises(ValueError, match="w2"):
         par.shard_moe_ep(torch.zeros(4, 8, 16), torch.zeros(4, 16, 3), 0, 2)
     with pytest.raises(ValueError, match="odd"):
@@ -192,6 +196,10 @@ def test_block_scales_tp():
         par.shard_block_scales_tp(s13, s2, i, 1, 2, block=0)
     with pytest.raises(TypeError, match="intermediate_size must be an int"):
         par.shard_block_scales_tp(s13, s2, float(i), 1, 2)
+    # round CK's review: a w2_scale of another layer (other experts, other hidden blocks) was sharded unchecked
+    for bad in (torch.rand(e + 3, h // 128, i // 128), torch.rand(e, h // 128 + 4, i // 128)):
+        with pytest.raises(ValueError, match="w2_scale .* must be \\[E, H/128, I/128\\] of w13_scale's"):
+            par.shard_block_scales_tp(s13, bad, i, 1, 2)
 
 
 def test_split_math_sums_to_unsplit_in_fp64():
@@ -301,6 +309,8 @@ def test_collectives_need_a_process_group(monkeypatch):
         par.all_gather_heads(torch.zeros(1, 2, 3))
     with pytest.raises(TypeError, match="t must"):
         par.all_reduce([1.0])
+    with pytest.raises(TypeError, match="accumulate_fp32 must be a bool"):
+        par.all_reduce(torch.zeros(3), accumulate_fp32="no")
     with pytest.raises(TypeError, match="o must be a torch.Tensor, got list"):
         par.all_gather_heads([1.0])
     with pytest.raises(ValueError, match=r"o must be a 3-D tensor \[T, H_local, D\], got shape \(1, 2\)"):
@@ -349,7 +359,17 @@ def _rank_attention(rank, use_plan):
     return par.all_gather_heads(o)
 
 
+def _rank_accumulate(rank):
+    """all_reduce(accumulate_fp32=True) of tensors an fp32 sum would narrow (round CK's review: it took every
+    dtype through fp32) and of a bf16 one it widens."""
+    big = torch.tensor([2 ** 40 + 1 + rank], dtype=torch.int64)
+    wide = torch.tensor([1 + 1e-12 * (rank + 1), 0.1], dtype=torch.float64)
+    narrow = torch.tensor([256.0, 1.0], dtype=torch.bfloat16)  # still summed (through fp32) and rounded back
+    return [par.all_reduce(t, accumulate_fp32=True) for t in (big, wide, narrow)]
+
+
 CHECKS = {
+    "accumulate": _rank_accumulate,
     "ep": _rank_ep,
     "tp": _rank_tp,
     "attention-plan": lambda r: _rank_attention(r, True),
@@ -430,6 +450,16 @@ def test_two_rank_moe_all_reduced_equals_unsplit(two_ranks, layout):
         assert y.dtype == torch.bfloat16 and y.shape == (T, HID)
         assert_within_rule(y, ref, base, what=f"{layout} rank {rank} all-reduced")
     assert_exact(outs[0], outs[1], what="all-reduced output, rank 0 vs rank 1")
+
+
+def test_two_rank_fp32_accumulation_widens_only(two_ranks):
+    """accumulate_fp32 sums a bf16 tensor through fp32 and leaves wider ones (int64, fp64) to their own exact sums
+    (through fp32 the int64 lost its last bit and the fp64 its last ~30)."""
+    for big, wide, narrow in _results(two_ranks, "accumulate"):
+        assert big.dtype == torch.int64 and big.tolist() == [2 * (2 ** 40 + 1) + 1]
+        assert wide.dtype == torch.float64
+        assert wide.tolist() == [(1 + 1e-12) + (1 + 2e-12), 0.1 + 0.1]
+        assert narrow.dtype == torch.bfloat16 and narrow.tolist() == [512.0, 2.0]
 
 
 @pytest.mark.parametrize("schedule", ["plan", "static"])

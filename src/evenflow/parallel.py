@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from evenflow._checks import check_int
+from evenflow._checks import check_bool, check_int
 from evenflow.moe.quant import MoEWeights, moe_weight_dims
 
 __all__ = [
@@ -75,6 +75,7 @@ def _check_rank(rank, world_size) -> None:
 
 def split_range(size: int, rank: int, world_size: int, what: str = "size") -> tuple[int, int]:
     """``[lo, hi)`` of rank ``rank`` when ``size`` splits evenly over ``world_size``; ValueError if it does not."""
+    check_int(what, size, 0)
     _check_rank(rank, world_size)
     if size % world_size:
         raise ValueError(f"{what} ({size}) must be divisible by world_size ({world_size})")
@@ -131,6 +132,10 @@ def shard_block_scales_tp(w13_scale: torch.Tensor, w2_scale: torch.Tensor, inter
         if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[dim] != n:
             raise ValueError(f"{name} must be 3-D with {n} blocks in dim {dim}, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    # the two scales of one layer: the same experts, and w2's hidden blocks w13's
+    if w2_scale.shape[0] != w13_scale.shape[0] or w2_scale.shape[1] != w13_scale.shape[2]:
+        raise ValueError(f"w2_scale {tuple(w2_scale.shape)} must be [E, H/{block}, I/{block}] of w13_scale's E and "
+                         f"H/{block} ({tuple(w13_scale.shape)})")
     bl, bh, nb = lo // block, hi // block, i // block
     s13 = torch.cat([w13_scale[:, bl:bh], w13_scale[:, nb + bl:nb + bh]], dim=1).contiguous()
     return s13, w2_scale[:, :, bl:bh].contiguous()
@@ -216,14 +221,16 @@ def _dist():
 def all_reduce(t: torch.Tensor, group=None, *, accumulate_fp32: bool = False) -> torch.Tensor:
     """Sum ``t`` over the ranks of ``group`` in place and return it (CUDA-graph capturable on NCCL).
 
-    ``accumulate_fp32``: reduce an fp32 copy and round once at the end (twice the
-    bytes on the wire for bf16); by default the sum runs in ``t``'s dtype, as
-    serving engines all-reduce bf16 activations.
+    ``accumulate_fp32``: reduce an fp32 copy of a bf16 / fp16 ``t`` and round once at the end (twice the
+    bytes on the wire for bf16; fp32, fp64 and integer tensors are summed as they are); by default the sum
+    runs in ``t``'s dtype, as serving engines all-reduce bf16 activations.
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"t must be a torch.Tensor, got {type(t).__name__}")
+    check_bool("accumulate_fp32", accumulate_fp32)
     dist = _dist()
-    if accumulate_fp32 and t.dtype != torch.float32:
+    # only a narrower float gains from an fp32 sum (an fp64 or integer tensor would lose bits to it)
+    if accumulate_fp32 and t.dtype.is_floating_point and t.dtype.itemsize < 4:
         acc = t.float()
         dist.all_reduce(acc, group=group)
         t.copy_(acc)

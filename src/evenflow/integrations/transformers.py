@@ -39,6 +39,7 @@ import types
 import torch
 
 import evenflow
+from evenflow._checks import check_bool
 from evenflow.integrations._common import held, normalised_source, refuse_autograd
 from evenflow.integrations._common import refresh as refresh  # re-exported: the adapter's API
 from evenflow.integrations.transformers_paged import NEEDS
@@ -220,6 +221,9 @@ def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
     and selection (the module stays, its forward is evenflow's: hooks, state dicts and ``output_router_logits`` keep
     working). Returns what was changed: ``{"experts": n, "routers": m}``. Raises ``TypeError`` for a model without 3-D
     experts modules, or naming an experts module it cannot compute."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a transformers model (a torch.nn.Module), got {type(model).__name__}")
+    check_bool("routers", routers)
     register()
     experts = _experts_modules(model)
     if not experts:

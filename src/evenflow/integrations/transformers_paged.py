@@ -50,7 +50,7 @@ import torch
 
 import evenflow
 from evenflow import _runtime
-from evenflow._checks import check_choice, check_int
+from evenflow._checks import check_bool, check_choice, check_int
 from evenflow.attention.plan import HEAD_DIMS, KV_DTYPES, MAX_GQA_GROUP
 from evenflow.attention.prologue import store_kv
 from evenflow.integrations._common import held, normalised_source, refuse_autograd
@@ -238,6 +238,9 @@ class _Step:
         self.pages_per_request = pages_per_request
         self.spare_pos = pages_per_request * page_size
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        # set where a step masked a new position of a request that already held tokens (padding after its real
+        # tokens): its last positions are then not all real tokens, which crop() counts on (see there)
+        self.gap = torch.zeros((), dtype=torch.bool, device=device)
         self.plan = plan
         self.batch = 0
         self.q_len = 0
@@ -302,6 +305,8 @@ class _Step:
                     raise ValueError("attention_mask: its past positions do not count the tokens this cache holds "
                                      "(a mask of another batch, or a cache that was not reset)")
                 increments = n_host  # a prompt's real tokens
+        if mask is not None:  # three small kernels, no sync (a decode step stays graph-capturable)
+            self.gap.logical_or_(((lens > 0) & (n_new < q_len)).any())
         self._grow(increments)
         if self._steps is None or self._steps[0] != (batch, q_len):
             self._steps = ((batch, q_len), torch.arange(q_len, device=dev, dtype=torch.int32))
@@ -388,7 +393,13 @@ class _Step:
         """Drop each request's last ``n`` positions: with the padding on the left, a request's real tokens are its
         last positions, so it loses ``min(n, its length)`` of them; its pages stay, overwritten as it grows again.
         (That holds where no padding follows a request's first real token: ``begin`` refuses it within a prompt or
-        extend, and generate's decode steps mark every new token real.)"""
+        extend, and generate's decode steps mark every new token real. A step that masks a new position of a
+        request that already holds tokens sets ``gap``, and a crop after it raises, where a host sync is allowed:
+        it would take real tokens off that request.)"""
+        if _runtime.host_sync_allowed(self.seq_lens) and bool(self.gap):
+            raise ValueError("crop: a step since the last reset() masked a new position of a request that already "
+                             "held tokens (padding after its real tokens); the paged cache keeps real tokens only, so "
+                             "cropping positions would remove real ones")
         self.seq_lens[: self.batch].sub_(n).clamp_(min=0)
         self.bound = [max(0, b - n) for b in self.bound]
         self.lens = self.store_pos = self._slots = None
@@ -408,6 +419,7 @@ class _Step:
 
     def reset(self) -> None:
         self.seq_lens.zero_()
+        self.gap.zero_()
         self.page_table.fill_(self.spare)
         self._release()
         self.batch, self.q_len = 0, 0
@@ -489,6 +501,7 @@ def _cache_class():
                      v_scale: float | None = None, plan: bool = True, device=None, **plan_options):
             cfg = _config_of(model)
             layers, hq, hkv, d = _attention_dims(cfg)
+            check_bool("plan", plan)
             check_int("max_batch_size", max_batch_size, 1)
             check_int("max_cache_len", max_cache_len, 1)
             check_int("page_size", page_size)
@@ -564,15 +577,21 @@ def _cache_class():
 
         def _rows(self, what: str, idx) -> None:
             """Row ``i`` becomes a copy of row ``idx[i]`` in every layer (:meth:`_Step.take_rows`); nothing to do
-            while the cache holds no token (the next forward sets the batch). One host sync (the indices)."""
-            if self.seen == 0:
-                return
+            while the cache holds no token (the next forward sets the batch), once the indices are checked to be
+            ints. One host sync (the indices)."""
             if isinstance(idx, torch.Tensor):
                 if idx.dim() != 1 or idx.dtype.is_floating_point or idx.dtype == torch.bool:
                     raise ValueError(f"{what}: expected a 1-D tensor of row indices, got {idx.dim()}-D {idx.dtype}")
                 idx = idx.tolist()
+            if not isinstance(idx, (list, tuple)):
+                raise TypeError(f"{what}: expected a 1-D tensor or a list of row indices, got {type(idx).__name__}")
+            bad = [i for i in idx if isinstance(i, bool) or not isinstance(i, int)]
+            if bad:  # a float or a bool would be truncated into some row
+                raise TypeError(f"{what}: row indices must be ints, got {bad[0]!r}")
+            if self.seen == 0:
+                return
             try:
-                self.step.take_rows([int(i) for i in idx], [(lyr.keys, lyr.values) for lyr in self.layers], what)
+                self.step.take_rows(list(idx), [(lyr.keys, lyr.values) for lyr in self.layers], what)
             finally:
                 if self.step.batch == 0:  # a copy that failed part way emptied the rows (take_rows)
                     self.seen = 0
