@@ -3,7 +3,8 @@
 * Without CUDA, ``TRITON_INTERPRET=1`` is set *before* triton is imported (by
   anything), so kernels run in the CPU interpreter.
 * In the interpreter, fp32 -> bf16 casts round to nearest even as on a GPU
-  (``tests_support_interp.bf16_round_to_nearest``; the interpreter truncates).
+  (``tests_support_interp.bf16_round_to_nearest``; the interpreter truncates), and each element of a dot is the
+  correctly rounded sum of its products whatever the tile's shape (``tests_support_interp.exact_dots``).
 * ``device`` fixture: "cuda" when present, else "cpu".
 * ``@pytest.mark.gpu``: needs a real GPU (real shapes, CUDA graphs, timings of
   nothing); skipped without CUDA, run on a GPU machine.
@@ -21,10 +22,12 @@ import pytest  # noqa: E402
 from evenflow import _runtime  # noqa: E402
 
 if _runtime.interpreting():
-    # the interpreter truncates fp32 -> bf16 casts; make them round to nearest even as on a GPU
-    from tests_support_interp import bf16_round_to_nearest  # noqa: E402
+    # the interpreter truncates fp32 -> bf16 casts; make them round to nearest even as on a GPU; and its dots'
+    # sums depend on the tile's shape through the BLAS kernel: make each element the correctly rounded sum
+    from tests_support_interp import bf16_round_to_nearest, exact_dots  # noqa: E402
 
     bf16_round_to_nearest()
+    exact_dots()
 
 
 def pytest_addoption(parser):

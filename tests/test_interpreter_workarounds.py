@@ -1,9 +1,10 @@
-"""The Triton 3.6 CPU interpreter's three defects, and proof that our workarounds fix them.
+"""The Triton 3.6 CPU interpreter's four defects, and proof that our workarounds fix them.
 
 Each pair of tests shows the defect exists (so the workaround is needed) and that
 the workaround removes it (so it is sufficient). On a GPU the "defect" tests are
-skipped: there the fp8 and bf16-dot switches are False and no cast is patched. The
-third defect, fp32 -> bf16 casts that truncate, is worked around for the test session
+skipped: there the fp8 and bf16-dot switches are False and nothing is patched. The
+third defect, fp32 -> bf16 casts that truncate, and the fourth, dot sums whose order
+follows the tile's shape and the CPU's BLAS kernel, are worked around for the test session
 (``tests_support_interp``, applied by ``tests/conftest.py``), not inside the kernels.
 """
 import pytest
@@ -147,3 +148,48 @@ def test_bf16_cast_rounds_to_nearest_even(device):
     x, y, z = _bf16_casts(device)
     want = x.to(torch.bfloat16)
     assert _same_bf16(y, want) and _same_bf16(z, want)
+
+
+@triton.jit
+def _tiled_dot_kernel(a_ptr, b_ptr, c_ptr, N: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    """c = a @ b over row tiles of BLOCK_M rows, each program one tile."""
+    o_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n, o_k = tl.arange(0, N), tl.arange(0, K)
+    b_a = tl.load(a_ptr + o_m[:, None] * K + o_k[None, :])
+    b_b = tl.load(b_ptr + o_k[:, None] * N + o_n[None, :])
+    b_c = tl.dot(dot_operand(b_a, DOT_F32), dot_operand(b_b, DOT_F32), out_dtype=tl.float32)
+    tl.store(c_ptr + o_m[:, None] * N + o_n[None, :], b_c)
+
+
+def _tiled_dot(a, b, block_m, exact=True):
+    """``_tiled_dot_kernel``'s output at ``block_m`` rows a tile, with the session's dot or the interpreter's own."""
+    from triton.runtime import interpreter as interp
+
+    c = torch.full((a.shape[0], b.shape[1]), float("nan"), device=a.device)
+    patched = interp.InterpreterBuilder.create_dot
+    if not exact:
+        interp.InterpreterBuilder.create_dot = patched.plain
+    try:
+        _tiled_dot_kernel[(a.shape[0] // block_m,)](a, b, c, b.shape[1], a.shape[1], block_m,
+                                                    _runtime.dot_needs_fp32())
+    finally:
+        interp.InterpreterBuilder.create_dot = patched
+    return c
+
+
+@interp_only
+def test_dot_elements_do_not_depend_on_the_tile():
+    """The fourth workaround (``tests_support_interp.exact_dots``): the interpreter's dot runs ``np.matmul`` in fp32,
+    whose OpenBLAS kernel (and so each element's order of additions) depends on the tile's shape and the CPU; round
+    CK found prefill's 64- and 128-row forms apart by an ulp on an AVX2-only CPU. With the patch every element is
+    the correctly rounded fp32 sum of its bf16 products (the fp64 product, exact here, rounded once), so 16-, 64- and
+    128-row tiles agree bit for bit. Whether the unpatched dot differs is the machine's: it is run, not asserted."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(128, 256, generator=g).to(torch.bfloat16)
+    b = torch.randn(256, 64, generator=g).to(torch.bfloat16)
+    exact = (a.double() @ b.double()).float()
+    for block_m in (16, 64, 128):
+        assert torch.equal(_tiled_dot(a, b, block_m), exact), block_m
+    plain = [_tiled_dot(a, b, m, exact=False) for m in (16, 128)]
+    assert all(torch.allclose(p, exact, rtol=1e-5, atol=1e-4) for p in plain)

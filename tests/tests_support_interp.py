@@ -34,3 +34,37 @@ def bf16_round_to_nearest() -> None:
     cast_impl.evenflow_rne = True
     cast_impl.truncating = truncating
     builder.cast_impl = cast_impl
+
+
+def exact_dots() -> None:
+    """Patch the interpreter's ``tl.dot`` (idempotent) to sum each output element in fp64 and round it once to the
+    accumulator's dtype, so an element's value does not depend on the shape of the tile it is computed in.
+
+    The interpreter hands a dot to ``np.matmul`` in fp32, and which OpenBLAS kernel runs it (and so in what order
+    each element's products are added) depends on the operands' shapes and on the machine: on an AVX2-only CPU a
+    64-row and a 128-row tile gave one element two different fp32 sums, so the tests that compare loop forms or
+    tilings bit for bit (prefill's row blocks, the MoE's tiles, the router's batch invariance) held on one machine
+    and failed on another. Products of bf16, f16 or fp8 values are exact in fp64 and so are their sums at the
+    tests' sizes (a few hundred terms of 16-bit products), so each element is the correctly rounded sum of its
+    products, whatever the tile. Operands of other dtypes (integers) take the interpreter's own dot."""
+    builder = interp.InterpreterBuilder
+    if getattr(builder.create_dot, "evenflow_exact", False):
+        return
+    plain = builder.create_dot
+    floats = (np.float16, np.float32, np.float64)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a_data, b_data = a.data, b.data
+        if (a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating()) or \
+           (b.dtype.primitive_bitwidth == 8 and b.dtype.is_floating()):
+            a_data = interp._convert_float(a_data, a.dtype, tl.float16, None).view(np.float16)
+            b_data = interp._convert_float(b_data, b.dtype, tl.float16, None).view(np.float16)
+        acc = d.data.dtype
+        if a_data.dtype not in floats or b_data.dtype not in floats or acc not in floats:
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+        exact = np.matmul(a_data.astype(np.float64), b_data.astype(np.float64))
+        return interp.TensorHandle(exact.astype(acc) + d.data, d.dtype.scalar)
+
+    create_dot.evenflow_exact = True
+    create_dot.plain = plain
+    builder.create_dot = create_dot
