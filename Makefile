@@ -11,12 +11,13 @@ STAMP   := $(VENV)/.installed
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 ifeq ($(HAS_GPU),1)
 TORCH   := "torch>=2.6" "triton>=3.3"
-TORCH_INDEX :=
+TORCH_CPU :=
 else
-# the CPU build (PyPI's Linux torch wheel is the CUDA one, gigabytes of libraries a CPU cannot use): PyTorch's CPU
-# index beside the default one (unreachable, pip warns and goes on to what it can reach)
 TORCH   := "torch==2.13.0+cpu" "triton==3.6.0" "numpy<2.4"
-TORCH_INDEX := --extra-index-url https://download.pytorch.org/whl/cpu
+# the CPU build (PyPI's Linux torch wheel is the CUDA one, gigabytes of libraries a CPU cannot use): torch alone from
+# PyTorch's CPU index beside the default one (where that index cannot be reached pip warns and takes what it can
+# reach), then its dependencies from the default index
+TORCH_CPU := --no-deps --extra-index-url https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
 endif
 # vLLM for its adapter's tests, without its dependency tree (which pins its own CUDA torch): the wheel and the
 # modules its attention-backend interface imports. The adapter's tests use vLLM's own classes on the CPU.
@@ -35,7 +36,8 @@ JOBS    ?= $(shell $(PY) -c 'import os; print(max(1, min(4, os.cpu_count() or 1)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_INDEX) $(TORCH)
+	$(if $(TORCH_CPU),$(BIN)/python -m pip install -q $(TORCH_CPU))
+	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	$(BIN)/python -m pip install -q --no-deps $(VLLM)
 	$(BIN)/python -m pip install -q --no-deps $(SGLANG)
