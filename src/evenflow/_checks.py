@@ -65,7 +65,7 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return dev
 
 
-_FP32_MAX = torch.finfo(torch.float32).max
+FP32 = torch.finfo(torch.float32)
 
 
 def check_out(name: str, out, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -96,9 +96,23 @@ def check_scaling(name: str, v, positive: bool = False, fp32: bool = False) -> f
         raise ValueError(f"{name} must be finite, got {v!r}")
     if positive and f <= 0:
         raise ValueError(f"{name} must be > 0, got {f!r}")
-    if fp32 and abs(f) > _FP32_MAX:
-        raise ValueError(f"{name} must be within fp32's range (|{name}| <= {_FP32_MAX:.4g}: the kernels take it as "
+    if fp32 and abs(f) > FP32.max:
+        raise ValueError(f"{name} must be within fp32's range (|{name}| <= {FP32.max:.4g}: the kernels take it as "
                          f"an fp32), got {f!r}")
+    return f
+
+
+def check_fp32_scale(name: str, v) -> float:
+    """``v`` (a scale the kernels take as an fp32 number; a Python number) a finite positive number in fp32's
+    normal range: 0, below it (fp32 0 or subnormal, which the GPU flushes to 0), above it (inf), NaN or negative
+    are refused by name. Returns it as a float."""
+    try:
+        f = float(v)
+    except OverflowError:  # an int past float's range
+        f = math.inf
+    if not FP32.tiny <= f <= FP32.max:
+        raise ValueError(f"{name} must be a finite positive number in fp32's normal range [{FP32.tiny:.4g}, "
+                         f"{FP32.max:.4g}], got {f!r}")
     return f
 
 

@@ -46,7 +46,15 @@ import torch
 import triton
 
 from evenflow import _runtime
-from evenflow._checks import check_bool, check_int, check_out, check_scaling, check_tensor, checked_op
+from evenflow._checks import (
+    check_bool,
+    check_fp32_scale,
+    check_int,
+    check_out,
+    check_scaling,
+    check_tensor,
+    checked_op,
+)
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import (
     DEFAULT_PROGRAMS_PER_SM,
@@ -469,21 +477,10 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
     return None
 
 
-_FP32 = torch.finfo(torch.float32)
 # The kernels' score multiplier (sm_scale * log2(e) * a float k_scale, or with a tensor k_scale that scale times
 # sm_scale * log2(e)) is refused above this: the scores, q . k times it, are fp32 and stay finite while |q . k| < 2^64.
-# A model's multiplier is below ~2^10 (1 / sqrt(head_dim), times an fp8 cache's scale).
+# A model's is 1 / sqrt(head_dim) x log2(e) (under 1) times its cache's k_scale.
 MAX_SCORE_MULTIPLIER = 2.0 ** 64
-
-
-def check_fp32_scale(name: str, f: float) -> float:
-    """``f`` (a scale the kernels take as an fp32 number) a finite positive number in fp32's normal range: 0,
-    below it (fp32 0 or subnormal, which the GPU flushes to 0), above it (inf), NaN or negative are refused by
-    name."""
-    if not _FP32.tiny <= f <= _FP32.max:
-        raise ValueError(f"{name} must be a finite positive number in fp32's normal range [{_FP32.tiny:.4g}, "
-                         f"{_FP32.max:.4g}], got {f!r}")
-    return f
 
 
 def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
@@ -495,11 +492,7 @@ def _scale_arg(name: str, s, device) -> tuple[torch.Tensor | None, float]:
             raise ValueError(f"{name} must hold one element (a per-tensor scale), got shape {tuple(s.shape)}")
         return s, 1.0
     if isinstance(s, (int, float)) and not isinstance(s, bool):
-        try:
-            f = float(s)
-        except OverflowError:  # an int past float's range
-            f = math.inf
-        return None, check_fp32_scale(name, f)
+        return None, check_fp32_scale(name, s)
     raise TypeError(f"{name} must be a float or a float32 tensor of one element, got {type(s).__name__}")
 
 
@@ -555,7 +548,7 @@ def check_score_scale(sm_scale: float, k_scale_f: float) -> None:
     if not v <= MAX_SCORE_MULTIPLIER:
         raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond 2^64: "
                          "the kernels compute the scores, q . k times it, in fp32, which it would take past fp32's "
-                         "range at |q . k| >= 2^64 (a model's is below ~2^10)")
+                         "range at |q . k| >= 2^64 (a model's is under 1 times its cache's k_scale)")
 
 
 def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):

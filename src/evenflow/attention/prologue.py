@@ -45,6 +45,7 @@ import triton
 
 from evenflow import _runtime
 from evenflow._checks import (
+    FP32,
     check_bool,
     check_choice,
     check_cu_seqlens_values,
@@ -55,7 +56,7 @@ from evenflow._checks import (
     checked_op,
 )
 from evenflow.attention import prologue_kernels as PK
-from evenflow.attention.decode import _FP32, _scale_arg, check_kv_cache, check_scale_tensors
+from evenflow.attention.decode import _scale_arg, check_kv_cache, check_scale_tensors
 from evenflow.attention.plan import Q_DTYPES
 
 FP8 = torch.float8_e4m3fn
@@ -205,8 +206,8 @@ def qk_norm_rope_store_kv(qkv, positions, cos_sin, k_cache, v_cache, page_table,
                                  q_norm_weight, k_norm_weight, rotary_dim, q_dtype)
     dev = qkv.device
     eps = check_scaling("eps", eps, positive=True)
-    if eps < _FP32.tiny:  # the kernel's fp32 eps would be 0 (or flushed to it), and an all-zero head NaN
-        raise ValueError(f"eps must be at least fp32's smallest normal number {_FP32.tiny:.4g} (the kernel adds it "
+    if eps < FP32.tiny:  # the kernel's fp32 eps would be 0 (or flushed to it), and an all-zero head NaN
+        raise ValueError(f"eps must be at least fp32's smallest normal number {FP32.tiny:.4g} (the kernel adds it "
                          f"in fp32), got {eps!r}")
     check_bool("norm_before_rope", norm_before_rope)
     check_choice("rope_style", rope_style, ROPE_STYLES)
