@@ -240,7 +240,7 @@ class _Step:
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
         # set where a step masked a new position of a request that already held tokens (padding after its real
         # tokens): its last positions are then not all real tokens, which crop() counts on (see there)
-        self.gap = torch.zeros((), dtype=torch.bool, device=device)
+        self.gap = torch.zeros((), dtype=torch.int32, device=device)
         self.plan = plan
         self.batch = 0
         self.q_len = 0
@@ -305,14 +305,15 @@ class _Step:
                     raise ValueError("attention_mask: its past positions do not count the tokens this cache holds "
                                      "(a mask of another batch, or a cache that was not reset)")
                 increments = n_host  # a prompt's real tokens
-        if mask is not None:  # three small kernels, no sync (a decode step stays graph-capturable)
-            self.gap.logical_or_(((lens > 0) & (n_new < q_len)).any())
         self._grow(increments)
         if self._steps is None or self._steps[0] != (batch, q_len):
             self._steps = ((batch, q_len), torch.arange(q_len, device=dev, dtype=torch.int32))
             self.cu_q = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=dev)
         t = self._steps[1]
         first = q_len - n_new  # new rows before it are padding; the real ones end the row block
+        if mask is not None:  # a request holding tokens (lens > 0) with padding among its new rows (first > 0):
+            # three small kernels, no sync (a decode step stays graph-capturable)
+            torch.maximum(self.gap, torch.minimum(lens, first).amax(), out=self.gap)
         real = t[None, :] >= first[:, None]
         # each real token at its index among its request's real tokens, a padding row at the spare column's first
         # position (its page the spare page), where a store of it lands harmlessly
