@@ -361,6 +361,32 @@ def test_refusals(monkeypatch):
         fresh.forward_decode(q[:1], k[:1], v[:1], eng.layers[0], eng.step([("a", 1)], ForwardMode.DECODE))
 
 
+@pytest.mark.parametrize("layer_kw, match", [
+    (dict(num_kv_heads=4, layer_id=1), "tp_k_head_num 4 differs from the KV pool's head_num 2"),
+    (dict(num_kv_heads=0, layer_id=1), "tp_k_head_num must be a positive int"),
+    (dict(num_kv_heads=2, layer_id=-1), "layer_id -1 is outside the KV pool's layers"),
+    (dict(num_kv_heads=2, layer_id=2), "layer_id 2 is outside the KV pool's layers"),
+], ids=["kv-heads-unlike-pool", "zero-kv-heads", "negative-layer-id", "layer-id-past-pool"])
+def test_layer_must_fit_pool(layer_kw, match):
+    """A layer unlike SGLang's pool is refused by name at its call, before anything is stored or read: kv heads the
+    pool does not hold (the kernels would attend over the pool's heads, another GQA grouping than the model's, where
+    the call stores nothing), none at all, or a layer_id outside the pool (-1 would index the last layer's buffers
+    and overwrite them)."""
+    eng = Engine(8, 2, 64, 16, BF16, "cpu", layers=2)
+    backend = ev_sglang.EvenflowSGLangBackend(eng.runner())
+    fb = eng.step([("a", 5)], ForwardMode.EXTEND)
+    backend.init_forward_metadata(fb)
+    layer = RadixAttention(8, 64, 0.125, **layer_kw)
+    hkv = max(layer_kw["num_kv_heads"], 1)
+    q = torch.randn(5, 8 * 64).to(BF16)
+    k, v = torch.randn(5, hkv, 64).to(BF16), torch.randn(5, hkv, 64).to(BF16)
+    before = [b.clone() for b in eng.pool.k_buffer + eng.pool.v_buffer]
+    for save in (False, True):
+        with pytest.raises(ValueError, match=match):
+            backend.forward(q, k, v, layer, fb, save_kv_cache=save)
+    assert all(torch.equal(b, old) for b, old in zip(eng.pool.k_buffer + eng.pool.v_buffer, before))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 def test_engine_steps_qwen3_dims(kv, device):

@@ -359,6 +359,56 @@ def test_impl_refusals(kwargs, named):
         ev_vllm.EvenflowAttentionImpl(**args)
 
 
+@pytest.mark.parametrize("kwargs, error, named", [
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1"),
+    (dict(num_kv_heads=-2), ValueError, "num_kv_heads must be >= 1"),
+    (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
+    (dict(num_heads=-8), ValueError, "num_heads must be >= 1"),
+    (dict(num_heads=8.0), TypeError, "num_heads must be an int"),
+    (dict(head_size=64.0), TypeError, "head_size must be an int"),
+    (dict(scale=None), TypeError, "scale must be a float"),
+    (dict(scale=0.0), ValueError, "scale must be > 0"),
+    (dict(scale=-0.125), ValueError, "scale must be > 0"),
+    (dict(scale=float("nan")), ValueError, "scale must be finite"),
+])
+def test_impl_bad_arguments(kwargs, error, named):
+    """Malformed head counts, head size or scale are refused by name when the layer is built (before: a
+    ZeroDivisionError, or taken and failing, or not, deep in a later call)."""
+    args = dict(num_heads=8, head_size=64, scale=0.125, num_kv_heads=2)
+    args.update(kwargs)
+    with pytest.raises(error, match=named):
+        ev_vllm.EvenflowAttentionImpl(**args)
+
+
+@pytest.mark.parametrize("case", ["kv-heads", "head-size", "bf16-under-fp8", "fp8-under-auto", "3d"])
+def test_forward_refuses_a_cache_unlike_the_layer(case, device):
+    """A layer cache whose kv heads, head size or dtype are not the layer's is refused naming kv_cache, before
+    anything is stored (before: a layer that stores nothing, as one sharing another's KV, attended over the cache's
+    heads with another GQA grouping, and an fp8 cache under kv_cache_dtype 'auto' was read at scale 1 whatever the
+    layer's scales, both silently; the rest failed naming k / v_cache views vLLM never passed)."""
+    kv_cache_dtype = "fp8" if case == "bf16-under-fp8" else "auto"
+    cfg, spec, builder, impl, _ = backend_parts(8, 2, 64, 16, kv_cache_dtype, device)
+    share = case == "kv-heads"
+    if share:  # a layer reading another's cache: it stores nothing, so nothing else looks at the cache's heads
+        impl = ev_vllm.EvenflowAttentionImpl(8, 64, 0.125, 2, kv_sharing_target_layer_name="layers.0.attn")
+    engine = Engine(cfg, spec, 8, 4, device)
+    m = builder.build(0, engine.step([("a", 5), ("b", 5)]))  # prefills only: no plan to catch the cache
+    hkv, d, dtype = {"kv-heads": (4, 64, BF16), "head-size": (2, 128, BF16), "bf16-under-fp8": (2, 64, BF16),
+                     "fp8-under-auto": (2, 64, FP8), "3d": (2, 64, BF16)}[case]
+    kv_cache = layer_cache(8, 16, hkv, d, dtype, device)
+    if case == "fp8-under-auto":
+        kv_cache = kv_cache.view(FP8)
+    if case == "3d":
+        kv_cache = kv_cache[0]
+    before = kv_cache.clone()
+    q = torch.randn(10, 8, 64, device=device).to(BF16)
+    k, v = torch.randn(2, 10, 2, 64, device=device).to(BF16)
+    error = TypeError if "under" in case else ValueError
+    with pytest.raises(error, match="kv_cache"):
+        impl.forward(Layer(1 / 40, 1 / 56, device), q, k, v, kv_cache, m, output=torch.empty_like(q))
+    assert torch.equal(kv_cache.view(torch.uint8), before.view(torch.uint8))
+
+
 def test_builder_and_forward_refusals(device):
     cfg = config(device=device)
     with pytest.raises(ValueError, match="block sizes"):

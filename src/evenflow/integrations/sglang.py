@@ -249,6 +249,7 @@ class EvenflowSGLangBackend(AttentionBackend):
         extra = [f"argument {k}={v!r}" for k, v in kwargs.items() if v is not None and v is not False]
         if layer in self._layers_taken and not extra:
             return
+        self._check_layer_fits_pool(layer)
         refusals = [what for what, bad in (
             (f"attention type {layer.attn_type} (decoder self-attention only)",
              layer.attn_type != AttentionType.DECODER or layer.is_cross_attention),
@@ -264,6 +265,25 @@ class EvenflowSGLangBackend(AttentionBackend):
             raise NotImplementedError(f"the {NAME} attention backend does not take " + "; ".join(refusals) +
                                       f" (layer {layer.layer_id})")
         self._layers_taken.add(layer)
+
+    def _check_layer_fits_pool(self, layer) -> None:
+        """ValueError where the layer does not match SGLang's pool: its layer_id outside the pool's layers (a negative
+        one would index another layer's buffers from the end), or heads the pool does not hold (the kernels read the
+        pool's kv heads, so a layer claiming others would attend with another GQA grouping than its model's)."""
+        pool = self.token_to_kv_pool
+        lid = layer.layer_id
+        if isinstance(lid, bool) or not isinstance(lid, int) or \
+                not 0 <= lid - pool.start_layer < pool.layer_num:
+            raise ValueError(f"the {NAME} attention backend: layer.layer_id {lid!r} is outside the KV pool's layers "
+                             f"[{pool.start_layer}, {pool.start_layer + pool.layer_num})")
+        for name in ("tp_q_head_num", "tp_k_head_num"):
+            heads = getattr(layer, name)
+            if isinstance(heads, bool) or not isinstance(heads, int) or heads < 1:
+                raise ValueError(f"the {NAME} attention backend: layer.{name} must be a positive int, got {heads!r} "
+                                 f"(layer {lid})")
+        if layer.tp_k_head_num != self.num_kv_heads:
+            raise ValueError(f"the {NAME} attention backend: layer.tp_k_head_num {layer.tp_k_head_num} differs from "
+                             f"the KV pool's head_num {self.num_kv_heads} (layer {lid})")
 
     def _layer_call(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, decode: bool):
         """What both forwards do before their kernel: check the layer, find the step's metadata, hand the step's K / V

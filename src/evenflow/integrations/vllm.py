@@ -39,12 +39,14 @@ to the graph's size: not built).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 import evenflow
+from evenflow._checks import check_int, check_scaling
 from evenflow.attention.plan import HEAD_DIMS, MAX_BATCH, MAX_GQA_GROUP
 from evenflow.attention.prologue import store_kv
 
@@ -174,6 +176,12 @@ class EvenflowAttentionImpl(AttentionImpl[EvenflowMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None, **unsupported) -> None:
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_int("num_heads", num_heads, lo=1)
+        check_int("num_kv_heads", num_kv_heads, lo=1)
+        check_int("head_size", head_size)
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+        scale = check_scaling("scale", float(scale), positive=True)
         refusals = [what for what, bad in (
             (f"attention type {attn_type!r} (decoder self-attention only)", attn_type != AttentionType.DECODER),
             ("ALiBi", alibi_slopes is not None),
@@ -199,6 +207,13 @@ class EvenflowAttentionImpl(AttentionImpl[EvenflowMetadata]):
     def _caches(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's layer cache ``[num_blocks, Hkv, block_size, 2 * D]`` as K and V ``[num_blocks, block_size, Hkv,
         D]`` views (fp8 caches, which vLLM allocates as bytes, viewed as e4m3)."""
+        dtypes = (torch.float8_e4m3fn, torch.uint8) if self.fp8 else (torch.bfloat16,)
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dtype not in dtypes:
+            raise TypeError(f"kv_cache must be a tensor of {' or '.join(map(str, dtypes))} (kv_cache_dtype "
+                            f"{self.kv_cache_dtype!r}), got {getattr(kv_cache, 'dtype', type(kv_cache).__name__)}")
+        if kv_cache.dim() != 4 or kv_cache.shape[1] != self.num_kv_heads or kv_cache.shape[3] != 2 * self.head_size:
+            raise ValueError(f"kv_cache must be vLLM's layer cache [num_blocks, num_kv_heads {self.num_kv_heads}, "
+                             f"block_size, 2 * head_size {2 * self.head_size}], got shape {tuple(kv_cache.shape)}")
         if self.fp8 and kv_cache.dtype != torch.float8_e4m3fn:
             kv_cache = kv_cache.view(torch.float8_e4m3fn)
         kv = kv_cache.transpose(1, 2)
