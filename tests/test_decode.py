@@ -723,10 +723,10 @@ def test_what_would_overflow_the_kernels_int32_or_fp32_is_refused(device):
     with pytest.raises(ValueError, match="max_seq_len must be <= 2147483584"):
         evenflow.DecodePlan(3, 2 ** 31 - 1, 1, device=device)
     q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
-    for kw in (dict(sm_scale=1e37), dict(sm_scale=1e20, k_scale=1e20)):
-        with pytest.raises(ValueError, match=r"is beyond 2\^64"):
+    for kw in (dict(sm_scale=1e37), dict(sm_scale=1e20, k_scale=1e20), dict(sm_scale=2840.0)):  # 2840 x 1.4427 > 2^12
+        with pytest.raises(ValueError, match=r"is beyond 2\^12"):
             evenflow.decode_attention(q, k, v, pt, sl, **kw)
-    with pytest.raises(ValueError, match=r"is beyond 2\^64"):
+    with pytest.raises(ValueError, match=r"is beyond 2\^12"):
         evenflow.prefill_attention(q, k, v, torch.tensor([0, 1, 2], dtype=torch.int32, device=device), pt, sl, 1,
                                    sm_scale=1e37)
     slots = torch.tensor([[5, -1], [17, -1]], device=device)[:, 0]
@@ -736,11 +736,11 @@ def test_what_would_overflow_the_kernels_int32_or_fp32_is_refused(device):
 
 def test_scales_the_kernels_take_as_fp32_are_checked_as_fp32(device):
     """Round CK's review of the launchers' number checks: a float scale outside fp32's normal range (0 or subnormal
-    in fp32, which the GPU flushes to 0, or inf there) and a score multiplier over 2^64 (its fp32 scores overflow at
-    |q . k| >= 2^64; sm_scale=1e37 had given a wrong output with no error) are refused by name; scale tensors, which
+    in fp32, which the GPU flushes to 0, or inf there) and a score multiplier over 2^12 (decode.MAX_SCORE_MULTIPLIER
+    derives it; sm_scale=1e37 had given a wrong output with no error) are refused by name; scale tensors, which
     the launchers cannot read without a sync, are checked the same way under check_inputs=True, in decode and in
     prefill (a NaN k_scale tensor had given zeros, an empty request's output, and a negative one inverted attention,
-    with no error). A multiplier under the bound, and good tensor scales under the check, still run."""
+    with no error). Good tensor scales under the check still run; the next test runs scores at the bound."""
     q, qs, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, device=device)
     cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
     calls = {"decode": lambda **kw: evenflow.decode_attention(q, k, v, pt, sl, **kw),
@@ -760,12 +760,42 @@ def test_scales_the_kernels_take_as_fp32_are_checked_as_fp32(device):
             for bad in (float("nan"), float("inf"), -1.0, 0.0, 1e-40):
                 with pytest.raises(ValueError, match=f"{name} {fp32_range}"):
                     call(**{name: t(bad)}, check_inputs=True)
-        with pytest.raises(ValueError, match=r"is beyond 2\^64"):  # 1e30 x 1/8 x log2(e): a tensor's, checked
+        with pytest.raises(ValueError, match=r"is beyond 2\^12"):  # 1e30 x 1/8 x log2(e): a tensor's, checked
             call(k_scale=t(1e30), check_inputs=True)
         out = call(k_scale=t(0.5), v_scale=t(2.0), check_inputs=True)
         assert torch.isfinite(out.float()).all(), op
-        out = call(sm_scale=2.0 ** 60)  # multiplier 1.44 x 2^60: under the bound, scores finite
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_scores_at_the_multiplier_bound_give_the_reference(kv, device):
+    """decode.MAX_SCORE_MULTIPLIER's promise, where it matters, on the GPU: there exp2(score - max) is one fma of
+    q . k, the multiplier and the max, so a row's largest weight is 2^r with r the rounding residual of its fp32
+    score, |r| <= |score| x 2^-24 (round CK's bound of 2^64 gave NaN on an H100 at a multiplier of 1.44 x 2^60 and
+    |score| ~ 2^63: r overflowed exp2). At the bound, q scaled so that the largest |score| is 2^27 (r <= 8, an fp8
+    cache's f16 weights included), decode and prefill give the fp64 reference: one key per row outweighs the rest by
+    far, so the output is that key's V, off by the largest weight's bf16 rounding (2^-9 relative, as an operand of
+    the P . V product) and the output's (2^-9): |out - ref| <= 2^-8 x max|V| (the interpreter computes the score
+    first and the weight exactly)."""
+    from evenflow.attention.decode import MAX_SCORE_MULTIPLIER
+    from evenflow.reference.attention import prefill_attention_ref
+    fp8 = kv == "fp8"
+    q, _, k, v, pt, sl = make_inputs([100, 64], 2, 2, 64, 64, 1, FP8 if fp8 else torch.bfloat16, device=device)
+    k_scale, v_scale = (1 / 30, 1 / 40) if fp8 else (None, None)
+    sm_scale = MAX_SCORE_MULTIPLIER / math.log2(math.e) / (k_scale or 1.0)
+    # the largest |q . k| over every key the kernels may read (k as the kernels multiply it: fp8 values unscaled)
+    qk_max = (q.double().flatten(0, 1) @ k.double().flatten(0, 2).t()).abs().max().item()
+    q = (q.double() * (2.0 ** 27 / MAX_SCORE_MULTIPLIER / qk_max) * 0.99).to(torch.bfloat16)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, sm_scale=sm_scale)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    v_max = v.double().abs().max().item() * (v_scale or 1.0)
+    for op, out, ref in (
+            ("decode", evenflow.decode_attention(q, k, v, pt, sl, **kw),
+             decode_attention_ref(q, k, v, pt, sl, **kw)[0]),
+            ("prefill", evenflow.prefill_attention(q, k, v, cu, pt, sl, 1, **kw),
+             prefill_attention_ref(q, k, v, cu, pt, sl, **kw)[0])):
         assert torch.isfinite(out.float()).all(), op
+        err = (out.double().cpu() - ref.double().cpu()).abs().max().item()
+        assert err <= 2.0 ** -8 * v_max, f"{op}: max abs error {err:.3e} against the fp64 reference"
 
 
 def test_every_argument_check_names_its_argument(device):
