@@ -143,6 +143,42 @@ def test_outputs_that_share_memory_with_an_input_are_refused(device):
     assert ids2 is ids and (w2 < 0).all()
 
 
+def test_fullgraph_compile_traces_the_overlap_checks(device):
+    """Round CL: the overlap checks of round CK read tensors' addresses, which torch.compile cannot trace, so a
+    fullgraph compile of route failed (an H100 ran the router's GPU compile test, CL3). They are skipped while
+    tracing; the custom ops the compiled code runs check the same at run time: a compiled call with an aliased out=
+    is still refused, and separate buffers give the eager results bit for bit."""
+    rw = evenflow.RouterWeight(torch.randn(32, 64, device=device))
+    x = torch.randn(4, 64, device=device).to(torch.bfloat16)
+    bias = torch.randn(32, device=device)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(x, out, ids, wt):
+        logits = evenflow.router_gemm(x, rw, out=out)
+        r = evenflow.route(x, rw, 2, "sigmoid", bias)
+        s = evenflow.select_experts(logits, 2, out=(ids, wt))
+        return logits, r, s
+
+    def buffers():
+        return (torch.empty(4, 32, device=device), torch.empty(4, 2, dtype=torch.int32, device=device),
+                torch.empty(4, 2, device=device))
+
+    got, want = step(x, *buffers()), (lambda o, i, w: (evenflow.router_gemm(x, rw, out=o),
+                                                       evenflow.route(x, rw, 2, "sigmoid", bias),
+                                                       evenflow.select_experts(o, 2, out=(i, w))))(*buffers())
+    assert any("evenflow" in t for t in seen), seen
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert torch.equal(a, b)
+    out, ids, _ = buffers()
+    with pytest.raises(ValueError, match=r"weights overlaps logits in memory"):
+        step(x, out, ids, out.view(-1)[:8].view(4, 2))
+
+
 def test_empty_batch(device):
     ids, w = evenflow.select_experts(torch.empty(0, 8, device=device), 2)
     assert ids.shape == (0, 2) and w.shape == (0, 2)
