@@ -478,13 +478,16 @@ def _(q, k_cache, v_cache, page_table, seq_lens, tiles, req_end, prog_start, met
 
 
 # The kernels' score multiplier (sm_scale * log2(e) * a float k_scale, or with a tensor k_scale that scale times
-# sm_scale * log2(e)) is refused above this. The scores s (q . k times it, log2 domain) are fp32, and on the GPU the
-# kernels' exp2(s - running max) is one fma of q . k, the multiplier and the max (Triton contracts the product and the
-# difference), so the largest weight of a row is 2^r, r the rounding residual of s: |r| <= |s| x 2^-24. The output
-# is finite while |s| < 2^28 (r <= 8: an fp8 cache's weights are f16 MMA operands, whose max is 65504; a bf16 cache's
-# hold to |s| < 2^31) and its weights are off by at most |s| x 2^-24 x ln 2 relative (under bf16's rounding while
-# |s| < 2^16). A model's multiplier is 1 / sqrt(head_dim) x log2(e) (under 1) times its cache's k_scale; this bound
-# keeps |s| < 2^28 for any |q . k| < 2^16. Round CK's 2^64 held only without the fma: an H100 gave NaN at 1.44 x 2^60.
+# sm_scale * log2(e)) is refused above this. The scores s (q . k times it, log2 domain) are fp32. On the GPU the
+# prefill kernel's exp2(s - running max) compiles to one fma of q . k, the multiplier and the max, so a row's largest
+# weight is 2^r, r the rounding residual of s (|r| <= half an ulp of s: 8 at |s| < 2^28); the decode kernels round s
+# first (their largest weight is 1). Prefill's output is finite while |s| < 2^28 (an fp8 cache's weights are f16 MMA
+# operands, max 65504; a bf16 cache's hold further), its largest weight off by a factor 2^r (which cancels where
+# that key dominates its row, and shifts near-ties: r <= 0.5 below |s| = 2^24); round
+# CL's H100 probe (CL3) read prefill finite through 2^29 (fp8) / 2^32 (bf16) and not from 2^30 / 2^34, at multipliers
+# of 0.9 x 2^12 to 1.44 x 2^60 alike, decode exact throughout. A model's multiplier is 1 / sqrt(head_dim) x log2(e)
+# (under 1) times its cache's k_scale; this bound keeps |s| < 2^28 for any |q . k| < 2^16. Round CK's 2^64 held only
+# without the fma: prefill gave NaN on an H100 at 1.44 x 2^60.
 MAX_SCORE_MULTIPLIER = 2.0 ** 12
 
 
@@ -547,14 +550,14 @@ def check_kv_cache(k_cache, v_cache, dev) -> tuple[int, int, int, int]:
 def check_score_scale(sm_scale: float, k_scale_f: float) -> None:
     """The kernels' score multiplier ``sm_scale * log2(e) * k_scale`` (a float k_scale; 1 for a tensor, whose value
     ``check_inputs`` checks), checked to be at most :data:`MAX_SCORE_MULTIPLIER` (its comment derives the bound: the
-    scores are q . k times it in fp32, and the kernels' weights are exp2 of one fma of them, exact only to |score| x
-    2^-24 in the exponent)."""
+    scores are q . k times it in fp32, and prefill's weights are exp2 of one fma of them, exact only to half an ulp of
+    the score in the exponent)."""
     v = sm_scale * _LOG2E * k_scale_f
     if not v <= MAX_SCORE_MULTIPLIER:
         raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond 2^12: "
-                         "the kernels' scores, q . k times it, are fp32 and their softmax's largest weight is off by "
-                         "up to 2^(|score| x 2^-24), which overflows at |score| >= 2^28 (a model's multiplier is "
-                         "under 1 times its cache's k_scale)")
+                         "the kernels' scores, q . k times it, are fp32 and prefill's largest weight is off by up "
+                         "to 2^(half an ulp of the score), which overflows from |score| ~ 2^28 (a model's "
+                         "multiplier is under 1 times its cache's k_scale)")
 
 
 def _check(q, k_cache, v_cache, page_table, seq_lens, plan, q_scale):
