@@ -414,6 +414,10 @@ def test_builder_and_forward_refusals(device):
     with pytest.raises(ValueError, match="block sizes"):
         ev_vllm.EvenflowMetadataBuilder(FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=64, dtype=BF16),
                                         ["l"], cfg, torch.device(device))
+    for dt in (torch.float16, torch.float8_e5m2):  # (round CL: had planned a bf16 cache, with no error)
+        with pytest.raises(ValueError, match=r"kv_cache_spec\.dtype"):
+            ev_vllm.EvenflowMetadataBuilder(FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=dt),
+                                            ["l"], cfg, torch.device(device))
     _, spec, builder, impl, _ = backend_parts(8, 2, 64, 16, device=device)
     engine = Engine(cfg, spec, 8, 4, device)
     cm = engine.step([("a", 1), ("b", 0)])  # a full graph's zero-length padding request

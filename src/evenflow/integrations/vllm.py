@@ -124,8 +124,11 @@ class EvenflowMetadataBuilder(AttentionMetadataBuilder[EvenflowMetadata]):
         # these layers' q heads (a model's layers may differ, and the plan is told its calls' count), None if vLLM
         # holds no such layers (a builder made outside an engine): the plan is then told nothing
         self.num_q_heads = get_num_attention_heads_from_layers(vllm_config, layer_names)
-        self.kv_dtype = torch.float8_e4m3fn if kv_cache_spec.dtype in (torch.float8_e4m3fn, torch.uint8) \
-            else torch.bfloat16
+        if kv_cache_spec.dtype not in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
+            # (vLLM picks this backend only for the dtypes it lists; a spec made otherwise would plan a bf16 cache)
+            raise ValueError(f"the {NAME} attention backend holds bf16 or fp8 e4m3 caches (kv_cache_spec.dtype "
+                             f"bfloat16, float8_e4m3fn or uint8), got {kv_cache_spec.dtype}")
+        self.kv_dtype = torch.bfloat16 if kv_cache_spec.dtype == torch.bfloat16 else torch.float8_e4m3fn
         self._plans: dict[tuple[int, int], evenflow.DecodePlan] = {}
 
     def _plan(self, q_len: int, block_table: torch.Tensor) -> evenflow.DecodePlan:
