@@ -329,6 +329,7 @@ def _refusal(match, **changes):
 
 def test_refusals(monkeypatch):
     _refusal("page size 1", page_size=1)
+    _refusal("page size 64.0", page_size=64.0)  # (round CL: passed, then failed slicing with a TypeError)
     _refusal("MLA", model_config=SimpleNamespace(attention_arch=AttentionArch.MLA, is_encoder_decoder=False))
     _refusal("sliding-window", sliding_window_size=128)
     _refusal("float16 models", model_config=SimpleNamespace(attention_arch=AttentionArch.MHA, is_encoder_decoder=False,

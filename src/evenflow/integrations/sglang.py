@@ -144,7 +144,8 @@ class EvenflowSGLangBackend(AttentionBackend):
             (f"sliding-window models (sliding_window_size {getattr(model_runner, 'sliding_window_size', None)})",
              getattr(model_runner, "sliding_window_size", None) is not None),
             (f"KV pool {type(pool).__name__} (takes SGLang's MHATokenToKVPool)", type(pool) is not MHATokenToKVPool),
-            (f"page size {page} (takes --page-size {' / '.join(map(str, PAGE_SIZES))})", page not in PAGE_SIZES),
+            (f"page size {page!r} (takes --page-size {' / '.join(map(str, PAGE_SIZES))})",
+             type(page) is not int or page not in PAGE_SIZES),
         ) if bad]
         if not refusals:
             refusals = [what for what, bad in (
