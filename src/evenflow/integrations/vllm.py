@@ -39,7 +39,6 @@ to the graph's size: not built).
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -182,9 +181,7 @@ class EvenflowAttentionImpl(AttentionImpl[EvenflowMetadata]):
         check_int("num_heads", num_heads, lo=1)
         check_int("num_kv_heads", num_kv_heads, lo=1)
         check_int("head_size", head_size)
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale must be a float, got {type(scale).__name__}")
-        scale = check_scaling("scale", float(scale), positive=True)
+        scale = check_scaling("scale", scale, positive=True)
         refusals = [what for what, bad in (
             (f"attention type {attn_type!r} (decoder self-attention only)", attn_type != AttentionType.DECODER),
             ("ALiBi", alibi_slopes is not None),
