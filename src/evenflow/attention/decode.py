@@ -554,7 +554,8 @@ def check_score_scale(sm_scale: float, k_scale_f: float) -> None:
     the score in the exponent)."""
     v = sm_scale * _LOG2E * k_scale_f
     if not v <= MAX_SCORE_MULTIPLIER:
-        raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond 2^12: "
+        raise ValueError(f"sm_scale ({sm_scale!r}) x k_scale ({k_scale_f!r}) x log2(e) = {v:.4g} is beyond "
+                         f"2^{math.log2(MAX_SCORE_MULTIPLIER):g}: "
                          "the kernels' scores, q . k times it, are fp32 and prefill's largest weight is off by up "
                          "to 2^(half an ulp of the score), which overflows from |score| ~ 2^28 (a model's "
                          "multiplier is under 1 times its cache's k_scale)")
