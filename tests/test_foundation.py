@@ -692,3 +692,58 @@ def test_switched_wraps_each_call_in_its_switches_and_leaves_calls_without_switc
     assert mod.A is False
     plain = H.switched(mod, {}, fns)
     assert plain == fns and plain is not fns
+
+
+def test_host_cdiv_and_next_power_of_2_agree_with_tritons():
+    """The launchers' host-side ``cdiv`` / ``next_power_of_2`` (plain ints: Triton 3.6's are ``constexpr_function``s
+    that cost a few us a host call) give Triton's own answers, and the arithmetic's, wherever the launchers call them
+    (positive ints, grids up to 2^40)."""
+    import triton
+
+    from evenflow._runtime import cdiv, next_power_of_2
+
+    values = list(range(1, 1100)) + [2 ** e + d for e in range(10, 41) for d in (-1, 0, 1)]
+    for n in values:
+        p = next_power_of_2(n)
+        assert p == triton.next_power_of_2(n), n
+        assert p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n), n
+    for a in values[::7] + [0]:
+        for b in (1, 2, 3, 16, 64, 127, 128, 1000, 4096):
+            assert cdiv(a, b) == triton.cdiv(a, b) == -(-a // b), (a, b)
+
+
+def test_device_facts_are_read_once_a_device_and_keep_each_devices_own(monkeypatch):
+    """``num_sms`` / ``compiled_capability`` read a device's properties on first use and keep them per device index
+    (a process's devices do not change; the read cost ~10 us of host time a launch): two devices of different kinds
+    keep their own facts, and a second ask reads nothing."""
+    from evenflow import _runtime
+
+    props = {0: type("P", (), {"major": 9, "minor": 0, "multi_processor_count": 132}),
+             1: type("P", (), {"major": 8, "minor": 0, "multi_processor_count": 108})}
+    reads = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: reads.append(i) or props[i])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(_runtime, "_DEVICE_FACTS", {})
+    assert _runtime._device_facts("cuda:0") == ((9, 0), 132)
+    assert _runtime._device_facts(torch.device("cuda", 1)) == ((8, 0), 108)
+    assert _runtime._device_facts(None) == ((8, 0), 108)  # the current device
+    assert _runtime._device_facts("cuda") == ((8, 0), 108)
+    assert reads == [0, 1]
+
+
+def test_interpreting_is_the_backend_the_kernels_were_decorated_for(monkeypatch):
+    """``interpreting()`` answers as ``TRITON_INTERPRET`` stood when ``select_backend`` ran, before evenflow's kernels
+    were decorated (Triton fixes the backend per kernel then): it agrees with what the kernels are, and a later change
+    of the variable, which changes nothing that runs, does not move it (round CM: the read cost ~1 us of host time,
+    a dozen times an eager call). Before ``select_backend`` has run it reads the environment."""
+    import triton
+
+    from evenflow import _runtime
+    from evenflow.moe import kernels
+
+    now = _runtime.interpreting()
+    assert now == (not isinstance(kernels.moe_reduce_kernel, triton.runtime.jit.JITFunction))
+    monkeypatch.setenv("TRITON_INTERPRET", "0" if now else "1")
+    assert _runtime.interpreting() == now
+    monkeypatch.setattr(_runtime, "_INTERPRET", None)
+    assert _runtime.interpreting() == (not now)

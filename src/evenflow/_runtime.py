@@ -24,15 +24,29 @@ def emulating_gpu() -> bool:
     return _EMULATED_SMS is not None
 
 
+# What select_backend found: whether the kernels evenflow decorates after it are interpreted. Triton fixes that for
+# each kernel as it decorates it, so a later change of TRITON_INTERPRET changes nothing that runs; keeping the answer
+# spares an environment read (~1 us of host time) that launchers and checks made a dozen times an eager call.
+_INTERPRET: bool | None = None
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def select_backend() -> None:
-    """Turn on the Triton interpreter when no CUDA device exists (idempotent)."""
+    """Turn on the Triton interpreter when no CUDA device exists (idempotent), and keep the choice for
+    :func:`interpreting`."""
+    global _INTERPRET
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
+    _INTERPRET = _interpret_env()
 
 
 def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton kernels run in the CPU interpreter: as ``TRITON_INTERPRET`` stood when
+    :func:`select_backend` ran (``evenflow/__init__.py``, before any kernel module is imported)."""
+    return _interpret_env() if _INTERPRET is None else _INTERPRET
 
 
 def host_sync_allowed(t: torch.Tensor) -> bool:
@@ -48,6 +62,34 @@ def kernel_device_ok(t: torch.Tensor) -> bool:
     return t.device.type == ("cpu" if interpreting() else "cuda")
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` of two ints, for launchers' grids. ``triton.cdiv`` gives the same, but it is a
+    ``constexpr_function`` in Triton 3.6, whose call from host code unwraps its arguments first: a few us a
+    call on the host, several times a launch (docs/perf-notes.md, "Host time of an eager call")."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (``n`` >= 1), as ``triton.next_power_of_2`` gives it, without its
+    ``constexpr_function`` wrapper's host cost (:func:`cdiv`)."""
+    return 1 << (n - 1).bit_length()
+
+
+# Per CUDA device index: (compute capability, SM count). A device's properties do not change in a process, and
+# torch.cuda.get_device_properties costs ~10 us of host time a call: launchers ask several times a call.
+_DEVICE_FACTS: dict[int, tuple[tuple[int, int], int]] = {}
+
+
+def _device_facts(device) -> tuple[tuple[int, int], int]:
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    facts = _DEVICE_FACTS.get(index)
+    if facts is None:
+        props = torch.cuda.get_device_properties(index)
+        facts = _DEVICE_FACTS[index] = ((props.major, props.minor), props.multi_processor_count)
+    return facts
+
+
 def num_sms(device: torch.device | str | None = None) -> int:
     """Streaming multiprocessors of ``device``; a small fixed count when interpreting.
 
@@ -58,8 +100,7 @@ def num_sms(device: torch.device | str | None = None) -> int:
         return _EMULATED_SMS
     if interpreting() or not torch.cuda.is_available():
         return 4
-    dev = torch.device(device) if device is not None else torch.device("cuda")
-    return torch.cuda.get_device_properties(dev).multi_processor_count
+    return _device_facts(device)[1]
 
 
 def dot_needs_fp32() -> bool:
@@ -100,7 +141,7 @@ def compiled_capability(device=None) -> tuple[int, int] | None:
     dev = torch.device(device) if device is not None else torch.device("cuda")
     if dev.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(dev)
+    return _device_facts(dev)[0]
 
 
 def pdl_supported(device=None) -> bool:

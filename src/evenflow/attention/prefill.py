@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from evenflow import _runtime
 from evenflow._checks import (
@@ -122,7 +121,7 @@ def _prefill_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows, block_n = _blocks(max_seqlen_q, D, WIDE_ROWS)  # a block's new rows (of each head it packs)
     heads = _heads_per_block(rows, D, Hq // Hkv, PACK_HEADS)
     block_m = heads * rows
-    row_blocks = min(triton.cdiv(max_seqlen_q, rows), MAX_ROW_BLOCKS)
+    row_blocks = min(_runtime.cdiv(max_seqlen_q, rows), MAX_ROW_BLOCKS)
     PK.prefill_attention_kernel[(B + 1, row_blocks, Hq // heads)](
         q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, out, lse if lse is not None else out,
         k_scale if k_scale is not None else seq_lens, v_scale if v_scale is not None else seq_lens,

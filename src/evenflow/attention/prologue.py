@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from evenflow import _runtime
 from evenflow._checks import (
@@ -66,7 +65,7 @@ _BLOCK_ELEMS = 2048
 
 
 def _block_h(num_heads: int, head_dim: int) -> int:
-    return max(1, min(triton.next_power_of_2(num_heads), _BLOCK_ELEMS // head_dim))
+    return max(1, min(_runtime.next_power_of_2(num_heads), _BLOCK_ELEMS // head_dim))
 
 
 def _rows_block(num_heads: int, head_dim: int, tokens: int, sms: int) -> tuple[int, int]:
@@ -75,7 +74,7 @@ def _rows_block(num_heads: int, head_dim: int, tokens: int, sms: int) -> tuple[i
     KV head ran programs of one 128-element row each (issue-bound at large T); with full blocks at small T, a few
     programs each ran a long serial chain of fp8 stores while most SMs idled."""
     heads = _block_h(num_heads, head_dim)
-    spread = max(1, tokens * triton.cdiv(num_heads, heads) // sms)
+    spread = max(1, tokens * _runtime.cdiv(num_heads, heads) // sms)
     toks = max(1, min(_BLOCK_ELEMS // (heads * head_dim), 1 << (spread.bit_length() - 1)))
     return heads, toks
 
@@ -127,10 +126,10 @@ def _prologue_launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
     sms = _runtime.num_sms(qkv.device)
     qh, qt = _rows_block(Hq, D, T, sms)
     kh, kt = _rows_block(Hkv, D, T, sms)
-    q_blocks, kv_blocks = triton.cdiv(Hq, qh), triton.cdiv(Hkv, kh)
-    q_programs = triton.cdiv(T, qt) * q_blocks
+    q_blocks, kv_blocks = _runtime.cdiv(Hq, qh), _runtime.cdiv(Hkv, kh)
+    q_programs = _runtime.cdiv(T, qt) * q_blocks
     q_fp8 = q_out.dtype == FP8
-    PK.qk_norm_rope_store_kv_kernel[(q_programs + triton.cdiv(T, kt) * kv_blocks,)](
+    PK.qk_norm_rope_store_kv_kernel[(q_programs + _runtime.cdiv(T, kt) * kv_blocks,)](
         qkv, positions, cos_sin, cu_seqlens_q, page_table, k_cache, v_cache,
         q_norm_weight if q_norm_weight is not None else qkv, k_norm_weight if k_norm_weight is not None else qkv,
         q_out, q_scale if q_scale is not None else cos_sin,
@@ -140,8 +139,8 @@ def _prologue_launch(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.
         qkv.stride(0), cos_sin.stride(0), page_table.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), q_out.stride(0), q_scale.stride(0) if q_scale is not None else 0,
-        HQ=Hq, HKV=Hkv, D=D, R=rotary_dim, RH=triton.next_power_of_2(rotary_dim // 2),
-        DR=triton.next_power_of_2(max(1, D - rotary_dim)), P=P, QH=qh, QT=qt, Q_BLOCKS=q_blocks, KH=kh, KT=kt,
+        HQ=Hq, HKV=Hkv, D=D, R=rotary_dim, RH=_runtime.next_power_of_2(rotary_dim // 2),
+        DR=_runtime.next_power_of_2(max(1, D - rotary_dim)), P=P, QH=qh, QT=qt, Q_BLOCKS=q_blocks, KH=kh, KT=kt,
         KV_BLOCKS=kv_blocks, SEARCH_STEPS=max(1, math.ceil(math.log2(B + 1))),
         GPTJ=gptj, NORM_Q=q_norm_weight is not None, NORM_K=k_norm_weight is not None, NORM_FIRST=norm_first,
         Q_FP8=q_fp8, KV_FP8=k_cache.dtype == FP8, K_SCALE_T=k_scale is not None, V_SCALE_T=v_scale is not None,
@@ -310,13 +309,13 @@ def store_kv(k, v, k_cache, v_cache, slots, *, k_scale=None, v_scale=None, check
             raise ValueError(f"slots[{i}] = {int(s[i])} past the cache's {capacity} slots (pages x page size)")
         check_scale_tensors(scales[0][2], scales[1][2])
     N = k.shape[0]
-    block_h = min(triton.next_power_of_2(Hkv), max(1, 4096 // D))
+    block_h = min(_runtime.next_power_of_2(Hkv), max(1, 4096 // D))
     for x, cache, s_t, s_f in scales:
         if N == 0:
             continue
         if x.stride(2) != 1:  # rows are read in place at any row and head strides (an engine's views of its qkv)
             x = x.contiguous()
-        PK.store_rows_kernel[(N, triton.cdiv(Hkv, block_h))](
+        PK.store_rows_kernel[(N, _runtime.cdiv(Hkv, block_h))](
             x, cache, slots, s_t if s_t is not None else x, s_f, capacity, P, x.stride(0), x.stride(1),
             cache.stride(0), cache.stride(1), cache.stride(2), HKV=Hkv, D=D, BLOCK_H=block_h, SCALE_T=s_t is not None,
             UNIT=s_t is None and s_f == 1.0, KV_FP8=cache.dtype == FP8, FP8_ROUND=_runtime.fp8_cast_needs_rounding())

@@ -12,7 +12,6 @@ import warnings
 from dataclasses import MISSING, dataclass, fields, replace
 
 import torch
-import triton
 
 from evenflow._checks import (
     check_bool,
@@ -25,9 +24,11 @@ from evenflow._checks import (
     checked_op,
 )
 from evenflow._runtime import (
+    cdiv,
     dot_needs_fp32,
     fp8_cast_needs_rounding,
     host_sync_allowed,
+    next_power_of_2,
     num_sms,
     pdl_kwargs,
     pdl_supported,
@@ -545,7 +546,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     if by_pair:
         idx = None
         if zero_kernel:
-            moe_zero_kernel[(min(8, triton.cdiv(gu_count.numel(), 1024)),)](gu_count, gu_count.numel(), num_warps=4,
+            moe_zero_kernel[(min(8, cdiv(gu_count.numel(), 1024)),)](gu_count, gu_count.numel(), num_warps=4,
                                                                              **pk)
     else:
         idx = build_moe_index(topk_ids, e_local, ep_rank, cfg.block_m, zero=gu_count, pdl=use_pdl)
@@ -556,8 +557,8 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     if mode == 2:
         launch_group_quant(x, xq, xs, use_pdl, overlap=overlap)
     elif mode == 1:
-        block_q = min(1024, triton.next_power_of_2(h))
-        moe_tensor_quant_kernel[(t, triton.cdiv(h, block_q))](
+        block_q = min(1024, next_power_of_2(h))
+        moe_tensor_quant_kernel[(t, cdiv(h, block_q))](
             x, xq, a13_scale, h, x.stride(0), xq.stride(0), BLOCK_H=block_q, FP8_ROUND=fp8_round, OVERLAP=overlap,
             num_warps=4, **pk)
     # the intermediate (and block mode's group scales), unless the down GEMM builds its operand itself
@@ -579,7 +580,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     sms = num_sms(dev) if per_sm > 0 else 0
     # the rank's own pairs' programs first (round Y): pair tiles, only where some pairs may be another rank's
     packed = local_first != 0 and by_pair and num_experts_total > e_local and p <= LOCAL_FIRST_MAX_PAIRS
-    max_pairs = max(16, triton.next_power_of_2(p)) if packed else 1
+    max_pairs = max(16, next_power_of_2(p)) if packed else 1
 
     def gemm_launch(split_k: int, nb: int, gemm: str) -> tuple[tuple[int, ...], bool, int]:
         """(grid, PERSIST, E_PAD) of one GEMM: persistent (index tiles, no K split, a GEMM of ``PERSIST_GEMMS``)
@@ -587,7 +588,7 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
         from the index and looping over the used tasks; else one program per (tile, n-block, K split) task, on a
         flat grid when the rank's own pairs are packed first (``packed``)."""
         if per_sm > 0 and not by_pair and split_k == 1 and gemm in PERSIST_GEMMS:
-            return (min(n_tiles * nb, per_sm * sms),), True, triton.next_power_of_2(e_local)
+            return (min(n_tiles * nb, per_sm * sms),), True, next_power_of_2(e_local)
         return ((n_tiles * nb * split_k,) if packed else (n_tiles, nb, split_k)), False, 1
 
     down_nb = h // (cfg.down_block_n * cfg.down_n_group)  # tasks along N: groups of down_n_group n-blocks
@@ -631,10 +632,10 @@ def _launch(x, topk_ids, topk_weights, w13, w2, w13_scale, w2_scale, a13_scale, 
     )
     # reduce: all of a token's (slot, split) rows in flight at once; <= 8192 values per program
     # while top_k * down_split_k <= 256 (top-k <= 16, split <= 16), more past that (BLOCK_H >= 32)
-    block_k = triton.next_power_of_2(k)
-    block_h = min(1024, triton.next_power_of_2(h), max(32, 8192 // (block_k * cfg.down_split_k)))
+    block_k = next_power_of_2(k)
+    block_h = min(1024, next_power_of_2(h), max(32, 8192 // (block_k * cfg.down_split_k)))
     shared = shared_output if shared_output is not None else out
-    moe_reduce_kernel[(t, triton.cdiv(h, block_h))](
+    moe_reduce_kernel[(t, cdiv(h, block_h))](
         pair_out, topk_ids, shared, out, k, h, ep_rank * e_local, e_local, float(routed_scaling),
         pair_out.stride(0), pair_out.stride(1), shared.stride(0), out.stride(0),
         HAS_SHARED=shared_output is not None, BLOCK_H=block_h, BLOCK_K=block_k, SPLIT_K=cfg.down_split_k,

@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from evenflow._checks import check_bool, check_pdl, check_same_device, check_tensor
-from evenflow._runtime import fp8_cast_needs_rounding, host_sync_allowed, pdl_kwargs
+from evenflow._runtime import cdiv, fp8_cast_needs_rounding, host_sync_allowed, next_power_of_2, pdl_kwargs
 from evenflow.moe.kernels import moe_group_quant_kernel
 from evenflow.moe.routing import MAX_EXPERTS
 
@@ -269,8 +268,8 @@ def launch_group_quant(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, pdl: b
     t, h = x.shape
     if t == 0:
         return
-    groups = min(triton.next_power_of_2(h // 128), 16)
-    moe_group_quant_kernel[(t, triton.cdiv(h // 128, groups))](
+    groups = min(next_power_of_2(h // 128), 16)
+    moe_group_quant_kernel[(t, cdiv(h // 128, groups))](
         x, q, s, h // 128, x.stride(0), q.stride(0), s.stride(0),
         GROUPS=groups, FP8_ROUND=fp8_cast_needs_rounding(), OVERLAP=overlap and pdl, num_warps=4,
         **pdl_kwargs(pdl),

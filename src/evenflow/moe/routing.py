@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
 
 from evenflow._checks import check_int, check_pdl, check_tensor
-from evenflow._runtime import pdl_kwargs
+from evenflow._runtime import cdiv, next_power_of_2, pdl_kwargs
 from evenflow.moe.kernels import moe_index_hist_kernel, moe_index_kernel, moe_index_place_kernel
 
 MAX_EXPERTS = 512
@@ -92,7 +91,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     tile_row = torch.empty(n_tiles, dtype=torch.int32, device=dev)
     # 4 warps; every histogram input ([BLOCK_P] pair ids, [E_PAD] tile ends) has >= 128 elements
     # so no element is replicated across threads; tile-end histograms have BLOCK_T bins.
-    e_pad = max(_BLOCK, triton.next_power_of_2(num_local_experts))
+    e_pad = max(_BLOCK, next_power_of_2(num_local_experts))
     zero_buf = zero if zero is not None else counts
     num_zero = 0 if zero is None else zero.numel()
     e_first = ep_rank * num_local_experts
@@ -105,7 +104,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
             E_PAD=e_pad, BLOCK_P=_BLOCK, BLOCK_T=_BLOCK, BLOCK_M=block_m, num_warps=4, **pdl_kwargs(pdl),
         )
     else:
-        chunks = triton.cdiv(num_pairs, chunk)
+        chunks = cdiv(num_pairs, chunk)
         hist = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
         moe_index_hist_kernel[(chunks,)](topk_ids, hist, zero_buf, num_pairs, e_first, num_local_experts, num_zero,
                                          E_PAD=e_pad, BLOCK_P=_BLOCK, CHUNK=chunk, num_warps=4,

@@ -38,7 +38,6 @@ import warnings
 from dataclasses import replace
 
 import torch
-import triton
 
 from evenflow import _runtime
 from evenflow._checks import (
@@ -240,9 +239,9 @@ def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: in
     The effective split can be below ``split_k``: slices are whole BLOCK_K steps and no
     program gets an empty K range (e.g. K=6144, BLOCK_K=256, split_k=16 -> 12 slices).
     """
-    k_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split = triton.cdiv(k, k_split)
-    return k_split, split, (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), split)
+    k_split = _runtime.cdiv(_runtime.cdiv(k, split_k), block_k) * block_k
+    split = _runtime.cdiv(k, k_split)
+    return k_split, split, (_runtime.cdiv(m, block_m) * _runtime.cdiv(n, block_n), split)
 
 
 def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
@@ -283,7 +282,7 @@ def _zero_out(out: torch.Tensor, pdl: bool) -> None:
     """``out.zero_()`` as a kernel of ours ahead of an atomic split-K launch: under PDL it lets the GEMM launch
     first and waits for the kernel ahead before writing (``zero_out_kernel``); a memset would do neither."""
     m, n = out.shape
-    zero_out_kernel[(triton.cdiv(m, _ZERO_BLOCK_M), triton.cdiv(n, _ZERO_BLOCK_N))](
+    zero_out_kernel[(_runtime.cdiv(m, _ZERO_BLOCK_M), _runtime.cdiv(n, _ZERO_BLOCK_N))](
         out, m, n, out.stride(0), BLOCK_M=_ZERO_BLOCK_M, BLOCK_N=_ZERO_BLOCK_N, num_warps=4,
         **_runtime.pdl_kwargs(pdl))
 
@@ -338,7 +337,7 @@ def _launch_fp32(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_m: i
         raise ValueError(f"one_block needs K <= block_k, got K={k} and block_k={block_k}")
     if m == 0:
         return
-    router_gemm_fp32_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+    router_gemm_fp32_kernel[(_runtime.cdiv(n, block_n), _runtime.cdiv(m, block_m))](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=(k % block_k == 0),
         PREFETCH_W=prefetch_w and not preload_w, PRELOAD_W=preload_w, ONE_BLOCK=one_block,

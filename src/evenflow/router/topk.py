@@ -22,7 +22,6 @@ Rules (the reference in ``evenflow.reference.router`` implements the same ones):
 from __future__ import annotations
 
 import torch
-import triton
 
 from evenflow import _runtime
 from evenflow._checks import (
@@ -50,12 +49,12 @@ def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
     t, e = logits.shape
     if t == 0:
         return
-    block_e = max(16, triton.next_power_of_2(e))
+    block_e = max(16, _runtime.next_power_of_2(e))
     block_t = max(1, min(16, 4096 // block_e))
-    route_topk_kernel[(triton.cdiv(t, block_t),)](
+    route_topk_kernel[(_runtime.cdiv(t, block_t),)](
         logits, bias if bias is not None else logits, ids, weights,
         t, e, logits.stride(0), float(routed_scaling),
-        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e,
+        TOP_K=top_k, TOP_K_P2=_runtime.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e,
         IS_SIGMOID=is_sigmoid, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
         num_warps=4, **_runtime.pdl_kwargs(pdl),
     )
