@@ -721,3 +721,48 @@ def test_deep_k_switch_deepens_only_bf16_small_row_tiles_from_four_tokens(monkey
                 assert cands["gk64"] == shallow, (t, cands["gk64"], shallow)
             else:
                 assert cands["gk128"].gu_block_k == cands["gk128"].down_block_k == 128, (t, cands["gk128"])
+
+
+def test_the_memoised_heuristic_takes_every_switch_through_its_key(monkeypatch):
+    """choose_config keeps its answers per shape, batch and module switch (``fused._heuristic``, round CM: it cost
+    ~40-80 us of host time an eager call). Its body reads no module-level value but through the key (a switch read
+    otherwise would be served stale after a flip), and the helpers it calls read none but ``_down_n_group``'s default,
+    which the heuristic passes itself; a flip of each switch after a first call at a point it changes is seen, and
+    flipping back gives the first answer again."""
+    from evenflow.moe import fused
+
+    def module_values(fn):
+        return {n for n in fn.__code__.co_names if n in vars(fused) and not callable(getattr(fused, n))
+                and not isinstance(getattr(fused, n), type(fused))}
+
+    assert module_values(fused._heuristic.__wrapped__) == set()
+    for helper in (fused._split_k, fused._largest_divisor, fused.down_k_steps):
+        assert module_values(helper) == set(), helper.__name__
+    assert module_values(fused._down_n_group) == {"FEW_DOWN_K_STEPS"}
+    assert "few_down_k_steps" in fused._heuristic.__wrapped__.__code__.co_varnames
+    # (switch, a point whose config it changes: T, k, E, H, I, mode)
+    for name, on, off, point in (("WIDE_DOWN_N", True, False, (512, 8, 128, 2048, 768, 1)),
+                                 ("DEEP_K_BF16", True, False, (64, 8, 128, 2048, 768, 0)),
+                                 ("DEEP_K_MIN_TOKENS", 4, 128, (64, 8, 128, 2048, 768, 0)),
+                                 ("FEW_DOWN_K_STEPS", 4, 1, (256, 8, 192, 4096, 192, 0))):
+        monkeypatch.setattr(fused, name, on)
+        first = choose_config(*point, sms=132)
+        monkeypatch.setattr(fused, name, off)
+        flipped = choose_config(*point, sms=132)
+        assert flipped != first, name
+        assert flipped == fused._heuristic.__wrapped__(*point, None, 132, False, (
+            fused.WIDE_DOWN_N, fused.DEEP_K_BF16, fused.DEEP_K_MIN_TOKENS, fused.FEW_DOWN_K_STEPS)), name
+        monkeypatch.setattr(fused, name, on)
+        assert choose_config(*point, sms=132) is first, name
+
+
+def test_a_tuned_lookup_is_kept_with_the_table_it_read(tmp_path):
+    """tuned_config keeps each lookup's answer with the loaded table (round CM: the key's string, the bucket search
+    and check_config cost tens of us of host time an eager call): the same answer again, and a table loaded again
+    (``_load_tuned.cache_clear()``, a rewritten file) answers from its own entries."""
+    path = _write(tmp_path, {"1": [16, 64, 64, 64, 64], "8": [32, 64, 64, 64, 64]})
+    first = _get(path, 4)
+    assert first == MoEConfig(16, 64, 64, 64, 64) and _get(path, 4) is first
+    assert _get(path, 8) == MoEConfig(32, 64, 64, 64, 64)
+    path = _write(tmp_path, {"1": [16, 32, 64, 64, 64]})
+    assert _get(path, 4) == MoEConfig(16, 32, 64, 64, 64)

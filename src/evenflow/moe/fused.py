@@ -253,6 +253,17 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
     Where the down GEMM has few K steps (a tensor-parallel shard's small I), a down program takes several n-blocks
     of its tile from 8 rows per expert (:func:`_down_n_group`, round AJ).
     """
+    return _heuristic(num_tokens, top_k, num_local, hidden, inter, mode, num_experts_total, sms, bool(fast_acc),
+                      (WIDE_DOWN_N, DEEP_K_BF16, DEEP_K_MIN_TOKENS, FEW_DOWN_K_STEPS))
+
+
+# choose_config's result per shape, batch and module switch (its key's last tuple: the switches the heuristic reads,
+# and none it reads otherwise, which a test checks): a call made it again from a dozen dataclass copies, ~40-80 us
+# of host time on every eager fused_moe call that no tuned entry covers (docs/perf-notes/moe.md, "Round CM").
+@functools.lru_cache(maxsize=4096)
+def _heuristic(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int,
+               num_experts_total: int | None, sms: int, fast_acc: bool, switches: tuple) -> MoEConfig:
+    wide_down_n, deep_k_bf16, deep_k_min_tokens, few_down_k_steps = switches
     e_tot = num_experts_total or num_local
     local_pairs = num_tokens * top_k * num_local / e_tot  # expected pairs routed to this rank
     rows = local_pairs / max(num_local, 1)
@@ -283,7 +294,7 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         )
     if exact_fp8 and rows > 16:
         cfg = replace(cfg, num_stages=4)
-        if WIDE_DOWN_N and hidden % 128 == 0:
+        if wide_down_n and hidden % 128 == 0:
             cfg = replace(cfg, down_block_n=128)
     elif rows > 32 or (fp8 and rows > 16):
         # Fast accumulation (fp8 weights) takes these fp8-wgmma tiles from 16 rows per expert up:
@@ -310,8 +321,8 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
         gu_split_k=_split_k(hidden, cfg.gu_block_k, busy_tiles * (inter // cfg.gu_block_n), target, eb),
         down_split_k=_split_k(inter, cfg.down_block_k, busy_tiles * (hidden // cfg.down_block_n), target, eb),
     )
-    cfg = replace(cfg, down_n_group=_down_n_group(cfg, rows, hidden, inter, fast_acc))
-    if DEEP_K_BF16 and mode == 0 and cfg.block_m <= 32 and num_tokens >= DEEP_K_MIN_TOKENS \
+    cfg = replace(cfg, down_n_group=_down_n_group(cfg, rows, hidden, inter, fast_acc, few_down_k_steps))
+    if deep_k_bf16 and mode == 0 and cfg.block_m <= 32 and num_tokens >= deep_k_min_tokens \
             and hidden % (128 * cfg.gu_split_k) == 0 and inter % (128 * cfg.down_split_k) == 0:
         # only the K depth changes, as the tuners' "gk128" and CG2's probe measured it: the n-group stays the one
         # derived for 64-deep steps (re-deriving it at 3-4 down K steps, I in (256, 512], is not measured)
@@ -329,7 +340,8 @@ def down_k_steps(cfg: MoEConfig, inter: int) -> int:
     return inter // (cfg.down_block_k * cfg.down_split_k)
 
 
-def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc: bool) -> int:
+def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc: bool,
+                  few_k_steps: int | None = None) -> int:
     """The heuristic's down n-group: 8 n-blocks a program above 16 rows per expert, 4 from 8 rows, where the down
     GEMM has at most FEW_DOWN_K_STEPS K steps and no K split (the largest power of two up to that dividing the
     n-blocks); else 1. Round AJ7 measured it on the heuristic's tiles of two untuned shards (Qwen3-235B-A22B and
@@ -338,7 +350,8 @@ def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc
     1.01-1.02, so 4 there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on the fp8-MMA modes' wgmma
     tiles (above 16 rows: not measured with it); at 8-16 rows those modes take the exact mode's config, R included
     (the same mma.sync tiles, choose_config's docstring)."""
-    if (fast_acc and rows > 16) or cfg.down_split_k > 1 or rows < 8 or down_k_steps(cfg, inter) > FEW_DOWN_K_STEPS:
+    few_k_steps = FEW_DOWN_K_STEPS if few_k_steps is None else few_k_steps
+    if (fast_acc and rows > 16) or cfg.down_split_k > 1 or rows < 8 or down_k_steps(cfg, inter) > few_k_steps:
         return 1
     g = 8 if rows > 16 else 4
     while (hidden // cfg.down_block_n) % g:
@@ -396,7 +409,24 @@ def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
         path = _gpu_table(device)
         if path is None:
             return None
-    rows = _load_tuned(path).get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, accum))
+    table = _load_tuned(path)
+    # each lookup's answer is kept with the table it read (a table loaded again starts none): the key's string, the
+    # bucket search and check_config cost tens of us of host time on every eager call
+    memo = table.setdefault(_LOOKUPS, {})
+    at = (num_tokens, top_k, num_local, hidden, inter, mode, num_experts_total, accum)
+    if at not in memo:
+        if len(memo) >= 4096:  # (prefill batches of every length: bounded)
+            memo.clear()
+        memo[at] = _tuned_lookup(table, path, *at)
+    return memo[at]
+
+
+_LOOKUPS = object()  # the key under which a loaded table keeps tuned_config's answers
+
+
+def _tuned_lookup(table: dict, path: str, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+                  mode: int, num_experts_total: int, accum: str) -> MoEConfig | None:
+    rows = table.get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, accum))
     if not rows:
         return None
     best = None
@@ -408,7 +438,7 @@ def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
     try:
         check_config(best, hidden, inter, mode, fast_acc=accum != "exact")
     except (TypeError, ValueError) as e:
-        warnings.warn(f"ignoring tuned MoE config from {path}: {e}", stacklevel=3)
+        warnings.warn(f"ignoring tuned MoE config from {path}: {e}", stacklevel=4)
         return None
     return best
 
