@@ -482,15 +482,17 @@ def router_gemm(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = Non
 def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None = None, *,
                       batch_invariant: bool = False, round_x_to_bf16: bool = False,
                       config: GemmConfig | None = None, pdl: bool | None = None,
-                      prefetch_weights: bool | None = None) -> torch.Tensor:
-    """:func:`router_gemm` on a ``w`` its caller has just checked fresh (``route`` checks it before it reads N)."""
+                      prefetch_weights: bool | None = None, own_out: bool = False) -> torch.Tensor:
+    """:func:`router_gemm` on a ``w`` its caller has just checked fresh (``route`` checks it before it reads N).
+    ``own_out``: ``out`` is ``w.logits_buffer(M)`` (``route``'s), which no caller holds, so neither its form nor its
+    overlap with ``x`` is checked (a few us of host time an eager call)."""
     n, k = w.shape
     check_bool("batch_invariant", batch_invariant)
     x = _check_x(x, k, w.device, round_x_to_bf16)
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=torch.float32, device=x.device)
-    else:
+    elif not own_out:
         check_out("out", out, (m, n), torch.float32, x.device)
         check_no_overlap("out", out, x=x)
     check_pdl(pdl, w.device)

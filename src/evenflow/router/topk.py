@@ -154,6 +154,6 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
     logits = router_gemm_fresh(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
                                round_x_to_bf16=round_x_to_bf16, pdl=pdl, config=config,
-                               prefetch_weights=prefetch_weights)
+                               prefetch_weights=prefetch_weights, own_out=True)
     return select_experts(logits, top_k, scoring, bias, renormalize, routed_scaling, out=out,
                           pdl=w.pdl_supported if pdl is None else pdl)
