@@ -628,7 +628,8 @@ def test_wide_down_switch_widens_only_the_exact_fp8_32_row_tiles(monkeypatch):
                         local_pairs = t * k * e_loc / e_tot
                         busy = max(1, min(e_loc, math.ceil(local_pairs)), math.ceil(local_pairs / 32))
                         assert on.down_split_k == fused._split_k(i, on.down_block_k, busy * (h // 128), 2 * 132, 1)
-                        assert on.down_n_group == fused._down_n_group(on, rows, h, i, False)
+                        assert on.down_n_group == fused._down_n_group(on, rows, h, i, False,
+                                                                      fused.FEW_DOWN_K_STEPS)
                         widened += off != on
                     else:
                         assert on == off, (args, fast, off, on)
@@ -726,8 +727,8 @@ def test_deep_k_switch_deepens_only_bf16_small_row_tiles_from_four_tokens(monkey
 def test_the_memoised_heuristic_takes_every_switch_through_its_key(monkeypatch):
     """choose_config keeps its answers per shape, batch and module switch (``fused._heuristic``, round CM: it cost
     ~40-80 us of host time an eager call). Its body reads no module-level value but through the key (a switch read
-    otherwise would be served stale after a flip), and the helpers it calls read none but ``_down_n_group``'s default,
-    which the heuristic passes itself; a flip of each switch after a first call at a point it changes is seen, and
+    otherwise would be served stale after a flip), and the helpers it calls read none (``_down_n_group`` takes
+    FEW_DOWN_K_STEPS from it); a flip of each switch after a first call at a point it changes is seen, and
     flipping back gives the first answer again."""
     from evenflow.moe import fused
 
@@ -736,9 +737,8 @@ def test_the_memoised_heuristic_takes_every_switch_through_its_key(monkeypatch):
                 and not isinstance(getattr(fused, n), type(fused))}
 
     assert module_values(fused._heuristic.__wrapped__) == set()
-    for helper in (fused._split_k, fused._largest_divisor, fused.down_k_steps):
+    for helper in (fused._split_k, fused._largest_divisor, fused.down_k_steps, fused._down_n_group):
         assert module_values(helper) == set(), helper.__name__
-    assert module_values(fused._down_n_group) == {"FEW_DOWN_K_STEPS"}
     assert "few_down_k_steps" in fused._heuristic.__wrapped__.__code__.co_varnames
     # (switch, a point whose config it changes: T, k, E, H, I, mode)
     for name, on, off, point in (("WIDE_DOWN_N", True, False, (512, 8, 128, 2048, 768, 1)),

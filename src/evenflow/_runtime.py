@@ -26,7 +26,8 @@ def emulating_gpu() -> bool:
 
 # What select_backend found: whether the kernels evenflow decorates after it are interpreted. Triton fixes that for
 # each kernel as it decorates it, so a later change of TRITON_INTERPRET changes nothing that runs; keeping the answer
-# spares an environment read (~1 us of host time) that launchers and checks made a dozen times an eager call.
+# spares the environment read that launchers and checks made about 19 times a layer of an eager decode step (round
+# CM's profile, docs/perf-notes.md "Host time of an eager call").
 _INTERPRET: bool | None = None
 
 
@@ -64,8 +65,8 @@ def kernel_device_ok(t: torch.Tensor) -> bool:
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of two ints, for launchers' grids. ``triton.cdiv`` gives the same, but it is a
-    ``constexpr_function`` in Triton 3.6, whose call from host code unwraps its arguments first: a few us a
-    call on the host, several times a launch (docs/perf-notes.md, "Host time of an eager call")."""
+    ``constexpr_function`` in Triton 3.6, whose call from host code unwraps its arguments first: ~5 us a call
+    under round CM's profile, several times a launch (docs/perf-notes.md, "Host time of an eager call")."""
     return (a + b - 1) // b
 
 
@@ -76,7 +77,7 @@ def next_power_of_2(n: int) -> int:
 
 
 # Per CUDA device index: (compute capability, SM count). A device's properties do not change in a process, and
-# torch.cuda.get_device_properties costs ~10 us of host time a call: launchers ask several times a call.
+# launchers asked for them on every launch: ~25 us a time under round CM's profile of an eager generate.
 _DEVICE_FACTS: dict[int, tuple[tuple[int, int], int]] = {}
 
 

@@ -258,8 +258,8 @@ def choose_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inte
 
 
 # choose_config's result per shape, batch and module switch (its key's last tuple: the switches the heuristic reads,
-# and none it reads otherwise, which a test checks): a call made it again from a dozen dataclass copies, ~40-80 us
-# of host time on every eager fused_moe call that no tuned entry covers (docs/perf-notes/moe.md, "Round CM").
+# and none it reads otherwise, which a test checks): a call made it again from a dozen dataclass copies, 17% of an
+# eager fused_moe call's host time at T = 1 in round CM's profile (docs/perf-notes/moe.md, "Round CM").
 @functools.lru_cache(maxsize=4096)
 def _heuristic(num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int, mode: int,
                num_experts_total: int | None, sms: int, fast_acc: bool, switches: tuple) -> MoEConfig:
@@ -340,17 +340,15 @@ def down_k_steps(cfg: MoEConfig, inter: int) -> int:
     return inter // (cfg.down_block_k * cfg.down_split_k)
 
 
-def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc: bool,
-                  few_k_steps: int | None = None) -> int:
-    """The heuristic's down n-group: 8 n-blocks a program above 16 rows per expert, 4 from 8 rows, where the down
-    GEMM has at most FEW_DOWN_K_STEPS K steps and no K split (the largest power of two up to that dividing the
-    n-blocks); else 1. Round AJ7 measured it on the heuristic's tiles of two untuned shards (Qwen3-235B-A22B and
-    DeepSeek-V3 at TP8, two to four K steps), as layer time over R = 1's: fp8 0.83-0.90 above 16 rows per expert and
-    0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.01 above 16 and 0.93-1.00 at 8-16; R = 8 at 8 rows 0.89-1.02 (Qwen3-235B
-    1.01-1.02, so 4 there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on the fp8-MMA modes' wgmma
-    tiles (above 16 rows: not measured with it); at 8-16 rows those modes take the exact mode's config, R included
-    (the same mma.sync tiles, choose_config's docstring)."""
-    few_k_steps = FEW_DOWN_K_STEPS if few_k_steps is None else few_k_steps
+def _down_n_group(cfg: MoEConfig, rows: float, hidden: int, inter: int, fast_acc: bool, few_k_steps: int) -> int:
+    """The heuristic's down n-group: 8 n-blocks a program above 16 rows per expert, 4 from 8 rows, where the down GEMM
+    has at most ``few_k_steps`` K steps (the heuristic passes FEW_DOWN_K_STEPS) and no K split (the largest power of
+    two up to that dividing the n-blocks); else 1. Round AJ7 measured it on the heuristic's tiles of two untuned
+    shards (Qwen3-235B-A22B and DeepSeek-V3 at TP8, two to four K steps), as layer time over R = 1's: fp8 0.83-0.90
+    above 16 rows per expert and 0.87-0.98 at 8-16 (R = 4), bf16 0.92-1.01 above 16 and 0.93-1.00 at 8-16; R = 8 at 8
+    rows 0.89-1.02 (Qwen3-235B 1.01-1.02, so 4 there); AJ3 at Hy3 TP8 (three steps) 0.90-0.99 above 16 rows. Not on
+    the fp8-MMA modes' wgmma tiles (above 16 rows: not measured with it); at 8-16 rows those modes take the exact
+    mode's config, R included (the same mma.sync tiles, choose_config's docstring)."""
     if (fast_acc and rows > 16) or cfg.down_split_k > 1 or rows < 8 or down_k_steps(cfg, inter) > few_k_steps:
         return 1
     g = 8 if rows > 16 else 4
@@ -369,13 +367,22 @@ def tuned_key(num_local: int, num_experts_total: int, top_k: int, hidden: int, i
     return f"E{num_local}/{num_experts_total}-k{top_k}-H{hidden}-I{inter}-m{mode}" + _KEY_SUFFIX[accum]
 
 
+class _Table(dict):
+    """A loaded table: tuned key -> sorted (batch bucket, config or None) rows; ``lookups`` keeps
+    :func:`tuned_config`'s answers from it (a table loaded again starts with none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lookups: dict[tuple, MoEConfig | None] = {}
+
+
 @functools.lru_cache(maxsize=8)
-def _load_tuned(path: str) -> dict:
+def _load_tuned(path: str) -> _Table:
+    table = _Table()
     if not os.path.exists(path):
-        return {}
+        return table
     with open(path) as f:
         data = json.load(f)
-    table = {}
     for key, buckets in data.get("configs", {}).items():
         # null: tuned, and the heuristic was not beaten by the tuner's margin (or the bucket was
         # not measured): calls in this bucket take choose_config, not a smaller bucket's entry.
@@ -410,9 +417,9 @@ def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
         if path is None:
             return None
     table = _load_tuned(path)
-    # each lookup's answer is kept with the table it read (a table loaded again starts none): the key's string, the
-    # bucket search and check_config cost tens of us of host time on every eager call
-    memo = table.setdefault(_LOOKUPS, {})
+    # each answer kept with the table it read: the key's string, the bucket search and check_config ran on every
+    # eager call (round CM; docs/perf-notes/moe.md)
+    memo = table.lookups
     at = (num_tokens, top_k, num_local, hidden, inter, mode, num_experts_total, accum)
     if at not in memo:
         if len(memo) >= 4096:  # (prefill batches of every length: bounded)
@@ -421,10 +428,7 @@ def tuned_config(num_tokens: int, top_k: int, num_local: int, hidden: int, inter
     return memo[at]
 
 
-_LOOKUPS = object()  # the key under which a loaded table keeps tuned_config's answers
-
-
-def _tuned_lookup(table: dict, path: str, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
+def _tuned_lookup(table: _Table, path: str, num_tokens: int, top_k: int, num_local: int, hidden: int, inter: int,
                   mode: int, num_experts_total: int, accum: str) -> MoEConfig | None:
     rows = table.get(tuned_key(num_local, num_experts_total, top_k, hidden, inter, mode, accum))
     if not rows:

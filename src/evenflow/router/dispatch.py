@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from evenflow._runtime import interpreting, num_sms, tuned_table_path
+from evenflow._runtime import cdiv, interpreting, num_sms, tuned_table_path
 
 PATHS = ("triton", "fp32-tc", "fp32-simt", "fp32-splitk", "torch-fp32", "torch-split2")
 # Paths of the split-weight tensor-core kernel: from the stored bf16 parts, or from the fp32 weight split in
@@ -215,11 +215,9 @@ class GemmConfig:
         ``reduce="atomic"`` (the partials go straight into the output)."""
         if self.path not in SPLIT_K_PATHS or self.reduce == "atomic":
             return 0, 0
-        k_split = _cdiv(_cdiv(k, self.split_k), self.block_k) * self.block_k
-        split = _cdiv(k, k_split)
+        _, split, (tiles, _) = launch_shape(m, n, k, self.block_m, self.block_n, self.block_k, self.split_k)
         if split <= 1:
             return 0, 0
-        tiles = _cdiv(m, self.block_m) * _cdiv(n, self.block_n)
         if self.path == "fp32-splitk":  # tile-major, padded to whole tiles
             return tiles * split * self.block_m * self.block_n, tiles
         return split * m * n, tiles
@@ -230,6 +228,18 @@ class GemmConfig:
     @classmethod
     def from_dict(cls, d: dict) -> GemmConfig:
         return cls(**{k: d[k] for k in d if k in cls.__dataclass_fields__})
+
+
+def launch_shape(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int,
+                 split_k: int) -> tuple[int, int, tuple[int, int]]:
+    """(K slice per program, effective number of K slices, grid) of one launch.
+
+    The effective split can be below ``split_k``: slices are whole BLOCK_K steps and no
+    program gets an empty K range (e.g. K=6144, BLOCK_K=256, split_k=16 -> 12 slices).
+    """
+    k_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    split = cdiv(k, k_split)
+    return k_split, split, (cdiv(m, block_m) * cdiv(n, block_n), split)
 
 
 def splitk_red_chunk(block_m: int, block_n: int, num_warps: int) -> int:
@@ -249,10 +259,6 @@ def smem_limit(device: torch.device) -> int:
         if v:
             return int(v)
     return SMEM_LIMIT
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def heuristic_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConfig:
@@ -280,11 +286,11 @@ def heuristic_config(m: int, n: int, k: int, sms: int | None = None) -> GemmConf
         bm = 64 if m <= 1024 else 128
         bn, bk, warps, stages = 64, 64, (4 if bm == 64 else 8), (4 if bm == 64 else 3)
         min_steps = 8
-    tiles = _cdiv(max(m, 1), bm) * _cdiv(n, bn)
-    k_blocks = _cdiv(k, bk)
+    tiles = cdiv(max(m, 1), bm) * cdiv(n, bn)
+    k_blocks = cdiv(k, bk)
     split = 1
     if tiles < sms:
-        split = max(1, min(_cdiv(2 * sms, tiles), k_blocks // min_steps, 64))
+        split = max(1, min(cdiv(2 * sms, tiles), k_blocks // min_steps, 64))
     return GemmConfig(bm, bn, bk, split, warps, stages)
 
 
@@ -309,13 +315,13 @@ def heuristic_splitk_config(m: int, n: int, k: int, sms: int | None = None) -> G
     acc = 32 if bm <= 2 else (64 if bm <= 4 else 128)
     warps = 4
     bn = max(1, min(16, acc * 32 * warps // (bm * bk)))
-    m_tiles, k_blocks = _cdiv(max(m, 1), bm), _cdiv(k, bk)
+    m_tiles, k_blocks = cdiv(max(m, 1), bm), cdiv(k, bk)
     want = max(1, (3 * sms) // 2)
-    while bn > 1 and m_tiles * _cdiv(n, bn) * k_blocks < want:
+    while bn > 1 and m_tiles * cdiv(n, bn) * k_blocks < want:
         bn //= 2
-    tiles = m_tiles * _cdiv(n, bn)
+    tiles = m_tiles * cdiv(n, bn)
     steps = max(1, (tiles * k_blocks) // want)
-    split = max(1, min(_cdiv(k_blocks, steps), 256))
+    split = max(1, min(cdiv(k_blocks, steps), 256))
     return GemmConfig(bm, bn, bk, split, warps, 3 if steps <= 2 else 5, "fp32-splitk")
 
 
@@ -325,7 +331,7 @@ def heuristic_invariant_config(n: int, k: int) -> GemmConfig:
     A split of K into 512-wide slices keeps small M spread over the GPU at a cost of
     ``split`` fp32 partial planes of M x N at large M (deterministic, no atomics on floats).
     """
-    split = max(1, min(_cdiv(k, 512), 16))
+    split = max(1, min(cdiv(k, 512), 16))
     return GemmConfig(64, 64, 64, split, 4, 4)
 
 
