@@ -474,7 +474,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
                       prefetch_weights: bool | None = None, own_out: bool = False) -> torch.Tensor:
     """:func:`router_gemm` on a ``w`` its caller has just checked fresh (``route`` checks it before it reads N).
     ``own_out``: ``out`` is ``w.logits_buffer(M)`` (``route``'s), which no caller holds, so neither its form nor its
-    overlap with ``x`` is checked (round CM: ``route``'s own host time 65 -> 58 us at T = 1, launches
+    overlap with ``x`` is checked (round CM: ``route``'s own host time 64 -> 56 us at T = 1, best of three, launches
     stubbed)."""
     n, k = w.shape
     check_bool("batch_invariant", batch_invariant)
