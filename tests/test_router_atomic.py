@@ -22,9 +22,17 @@ What is checked, and why:
 * GPU (``@pytest.mark.gpu``): real shapes, repeated calls (every call within the bound, calls within the bound of
   two summation orders of each other), CUDA-graph capture and replay with changing inputs, the deterministic
   fallback bitwise the counter's.
+* ``route``'s logits buffer (round CN): all zero between calls, its top-k kernel writing zeros back over what it
+  read, so an atomic GEMM adds into it with no zeroing kernel: every call's selection equals the zeroing path's
+  (``router_gemm`` into its own output, then ``select_experts``) over a sequence of row counts and paths on one
+  weight, the buffer zero after each; the zeroing kernel launched by ``router_gemm`` and never by ``route``; the
+  zeros load-bearing (a poisoned buffer poisons the next atomic call); every argument checked before the GEMM
+  launches; a failed top-k launch leaves zeros; the sm_90 build puts a barrier between the top-k's loads and its
+  zeros; on the GPU the same in a CUDA graph replayed over changing inputs.
 """
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -425,3 +433,170 @@ def test_gpu_deterministic_fallback_is_the_counters_bits(monkeypatch, determinis
     want = evenflow.router_gemm(x, rw, config=dataclasses.replace(cfg, reduce="counter"))
     for _ in range(20):
         assert torch.equal(evenflow.router_gemm(x, rw), want)
+
+
+# ----------------------------------------------------------------------------- route's logits buffer (round CN)
+
+ROUTE_SEQ = [  # (M, config) one after another on one weight (N 40, K 256): atomic paths between stored ones
+    (5, GemmConfig(16, 16, 32, 4, 4, 2, "triton", reduce="atomic")),
+    (3, GemmConfig(4, 4, 64, 1, 4, 2, "fp32-simt")),                      # stores every logit
+    (7, GemmConfig(8, 4, 32, 5, 4, 3, "fp32-splitk", reduce="atomic")),
+    (9, GemmConfig(16, 16, 32, 4, 4, 2, "triton")),                       # the counter's reduction
+    (2, GemmConfig(16, 32, 64, 4, 4, 2, "fp32-tc", reduce="atomic")),
+    (6, GemmConfig(path="torch-fp32")),                                    # cuBLAS writes through out=
+    (4, GemmConfig(16, 16, 32, 4, 4, 2, "fp32-tc", reduce="atomic")),
+]
+
+
+def _zero_out_calls(monkeypatch) -> list:
+    import evenflow.router.gemm as G
+
+    calls, real = [], G._zero_out
+    monkeypatch.setattr(G, "_zero_out", lambda out, pdl: (calls.append(tuple(out.shape)), real(out, pdl)))
+    return calls
+
+
+def _same_selection(got, want, what):
+    if _runtime.interpreting():  # the atomic sums in split order: the zeroing path's bits
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
+    else:  # slices meet in arrival order: the last bits of a logit may differ
+        assert torch.equal(got[0], want[0]), what
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6, msg=what)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_keeps_its_logits_zero_and_runs_atomic_gemms_without_the_zeroing_kernel(device, monkeypatch,
+                                                                                      scoring):
+    _, w = _inputs(1, 40, 256, device, seed=3)
+    rw = evenflow.RouterWeight(w)
+    bias = torch.randn(40, device=device) * 0.1 if scoring == "sigmoid" else None
+    calls = _zero_out_calls(monkeypatch)
+    for step, (m, cfg) in enumerate(ROUTE_SEQ * 2):
+        x = _inputs(m, 40, 256, device, seed=100 + step)[0]
+        got = evenflow.route(x, rw, 4, scoring, bias, config=cfg)
+        assert calls == [], f"route launched the zeroing kernel at M={m} {cfg}"
+        assert torch.count_nonzero(rw._logits).item() == 0, f"route left logits in its buffer at M={m} {cfg}"
+        want = evenflow.select_experts(evenflow.router_gemm(x, rw, config=cfg), 4, scoring, bias)
+        atomic_split = cfg.reduce == "atomic" and launch_shape(m, 40, 256, cfg.block_m, cfg.block_n, cfg.block_k,
+                                                               cfg.split_k)[1] > 1
+        assert calls == ([(m, 40)] if atomic_split else []), cfg  # router_gemm's own output is zeroed first
+        calls.clear()
+        _same_selection(got, want, f"step {step} M={m} {cfg}")
+
+
+def test_route_logits_zeros_are_what_its_atomic_gemm_adds_into(device):
+    """The zeros are load-bearing: a buffer someone wrote into (what the docstring forbids) shows in the next
+    atomic call's weights, and the call leaves zeros again."""
+    x, w = _inputs(5, 40, 256, device, seed=9)
+    rw = evenflow.RouterWeight(w)
+    cfg = ROUTE_SEQ[0][1]
+    good = evenflow.route(x, rw, 4, config=cfg)
+    rw.logits_buffer(5).fill_(float("nan"))
+    bad = evenflow.route(x, rw, 4, config=cfg)
+    assert torch.isnan(bad[1]).all() and not torch.isnan(good[1]).any()
+    assert torch.count_nonzero(rw._logits).item() == 0
+    _same_selection(evenflow.route(x, rw, 4, config=cfg), good, "after the poisoned call")
+
+
+def test_route_checks_every_argument_before_its_gemm_launches(device, monkeypatch):
+    import evenflow.router.gemm as G
+
+    launched = []
+    for name in ("_launch_split", "_launch_fp32", "_launch_fp32_splitk"):
+        monkeypatch.setattr(G, name, lambda *a, name=name, **k: launched.append(name))
+    x, w = _inputs(5, 40, 256, device, seed=2)
+    rw = evenflow.RouterWeight(w)
+    ids = torch.empty(5, 4, dtype=torch.int32, device=device)
+    wts = torch.empty(5, 4, dtype=torch.float32, device=device)
+    bad = [
+        (dict(out=(ids, wts.double())), "out[1] (weights)"),
+        (dict(out=(ids[:4], wts)), "out[0] (ids)"),
+        (dict(out=(ids, ids.view(torch.float32))), "out[0] (ids)"),  # the two outputs share bytes
+        (dict(out=ids), "pair"),
+        (dict(pdl="yes"), "pdl"),
+        (dict(renormalize=1), "renormalize"),
+    ]
+    for kw, name in bad:
+        with pytest.raises((TypeError, ValueError), match=re.escape(name)):
+            evenflow.route(x, rw, 4, config=ROUTE_SEQ[0][1], **kw)
+    with pytest.raises(ValueError, match="x"):
+        evenflow.route(x[0], rw, 4)
+    assert launched == []
+
+
+def test_route_zeroes_its_logits_when_the_topk_launch_fails(device, monkeypatch):
+    import evenflow.router.topk as K
+
+    x, w = _inputs(5, 40, 256, device, seed=4)
+    rw = evenflow.RouterWeight(w)
+
+    def fail(*a, **k):
+        raise RuntimeError("top-k launch failed")
+
+    monkeypatch.setattr(K, "_launch_topk", fail)
+    with pytest.raises(RuntimeError, match="top-k launch failed"):
+        evenflow.route(x, rw, 4, config=ROUTE_SEQ[0][1])
+    assert torch.count_nonzero(rw._logits).item() == 0
+    monkeypatch.undo()
+    want = evenflow.select_experts(evenflow.router_gemm(x, rw, config=ROUTE_SEQ[0][1]), 4)
+    _same_selection(evenflow.route(x, rw, 4, config=ROUTE_SEQ[0][1]), want, "after the failed call")
+
+
+@pytest.mark.skipif(not _runtime.interpreting(), reason="records launches through the interpreter")
+def test_route_topk_build_puts_a_barrier_between_its_loads_and_its_zeros():
+    CC = pytest.importorskip("evenflow._compile_check")
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        rw = evenflow.RouterWeight(torch.randn(128, 2048) * 0.02)
+        evenflow.route(torch.zeros(16, 2048, dtype=torch.bfloat16), rw, 8,
+                       config=GemmConfig(16, 32, 64, 32, 4, 6, "fp32-tc", "pdl-preload", "atomic"))
+        evenflow.select_experts(torch.zeros(16, 128), 8)
+    assert [la.name for la in launches] == ["router_gemm_kernel", "route_topk_kernel", "route_topk_kernel"]
+    stats = CC.compile_stats(launches[1:])
+    assert not [s["error"] for s in stats if "error" in s]
+    clear, plain = sorted(stats, key=lambda s: "CLEAR_LOGITS=True" not in s["describe"])
+    assert "CLEAR_LOGITS=True" in clear["describe"] and "CLEAR_LOGITS=False" in plain["describe"]
+    for s in stats:
+        assert s["spill_bytes"] == 0, s["describe"]
+        mk = s["marks"]
+        assert 0 <= mk["griddepcontrol.wait"] < mk["ld.global"], s["describe"]  # PDL: the loads after the wait
+    ops = clear["sequence"]  # SASS opcodes in address order
+
+    def where(seq, kind):
+        return [i for i, op in enumerate(seq) if op.startswith(kind)]
+
+    stores = where(ops, "STG")
+    zeros = stores[len(where(plain["sequence"], "STG")):]  # the stores the clear adds: the build's last ones
+    assert zeros, ops
+    assert any(max(where(ops, "LDG")) < b < zeros[0] for b in where(ops, "BAR")), ops  # after every thread's loads
+
+
+@pytest.mark.gpu
+def test_gpu_route_atomic_entries_in_a_cuda_graph_keep_their_zeros():
+    k, n = SHAPES["qwen3-30b-a3b"]
+    _, w = _inputs(1, n, k, "cuda", seed=6)
+    rw = evenflow.RouterWeight(w)
+    rw.reserve(64)
+    cfgs = {16: GPU_CFGS[2], 9: GPU_CFGS[1], 12: GPU_CFGS[3], 4: GPU_CFGS[4], 64: None}
+    xs = {m: torch.empty(m, k, device="cuda", dtype=torch.bfloat16) for m in cfgs}
+    outs = {m: (torch.empty(m, 8, dtype=torch.int32, device="cuda"), torch.empty(m, 8, device="cuda")) for m in cfgs}
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for m, c in cfgs.items():
+            xs[m].copy_(_inputs(m, n, k, "cuda", seed=m)[0])
+            evenflow.route(xs[m], rw, 8, out=outs[m], config=c)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # five routes back to back through the one buffer
+        for m, c in cfgs.items():
+            evenflow.route(xs[m], rw, 8, out=outs[m], config=c)
+    for step in range(6):
+        for m in cfgs:
+            xs[m].copy_(_inputs(m, n, k, "cuda", seed=200 + 7 * step + m)[0])
+            outs[m][1].fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.count_nonzero(rw._logits).item() == 0, f"replay {step}"
+        for m, c in cfgs.items():
+            want = evenflow.select_experts(evenflow.router_gemm(xs[m], rw, config=c), 8)
+            _same_selection(outs[m], want, f"replay {step} M={m} {c}")

@@ -109,7 +109,7 @@ class RouterWeight:
         self.source = w
         self._part = torch.empty(0, dtype=torch.float32, device=w.device)
         self._count = torch.zeros(0, dtype=torch.int32, device=w.device)
-        self._logits = torch.empty(0, dtype=torch.float32, device=w.device)
+        self._logits = torch.zeros(0, dtype=torch.float32, device=w.device)  # route's; all zero between calls
         self._facts = device_facts(w.device)
         self._smem = smem_limit(w.device)
         # compiled kernels on sm_90+ (programmatic dependent launch): looked up once, not on every call
@@ -210,9 +210,12 @@ class RouterWeight:
         return self._part, self._count
 
     def logits_buffer(self, m: int) -> torch.Tensor:
+        """``route``'s fp32 logits ``[m, N]``: a view of one buffer, grown (never shrunk) for larger ``m``. Between
+        ``route`` calls it holds zeros (its top-k kernel writes them back over what it read), which its atomic
+        split-K GEMM adds into without a zeroing kernel: write nothing into it."""
         n, _ = self.shape
         if self._logits.numel() < m * n:
-            self._logits = torch.empty(m * n, dtype=torch.float32, device=self.device)
+            self._logits = torch.zeros(m * n, dtype=torch.float32, device=self.device)
         return self._logits[: m * n].view(m, n)
 
     def __repr__(self) -> str:
@@ -236,12 +239,15 @@ def _check_source(w) -> None:
 def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2: torch.Tensor,
                   out: torch.Tensor, part: torch.Tensor, count: torch.Tensor, num_terms: int, block_m: int,
                   block_n: int, block_k: int, split_k: int, num_warps: int, num_stages: int, pdl: bool,
-                  prefetch_w: bool, w_fp32: bool = False, atomic: bool = False, preload_w: bool = False) -> None:
+                  prefetch_w: bool, w_fp32: bool = False, atomic: bool = False, preload_w: bool = False,
+                  out_zeroed: bool = False) -> None:
     # num_terms == 2: w_lo2 is never read (callers pass w_lo in its place).
     # w_fp32 (path fp32-tc): w_hi is the fp32 weight, split in registers; w_lo / w_lo2 are never read.
     # atomic: reduce="atomic" (out zeroed first, the slices' partials added into it; no workspace read)
     # preload_w (launch "pdl-preload", fp32-tc): where every K slice is one BLOCK_K step, that step's weight loaded
     # before the PDL wait (the kernel's loop-free PRELOAD_W build); elsewhere the L2 prefetch in its place.
+    # out_zeroed: out holds zeros already (route's logits buffer), so an atomic launch adds into it without the
+    # zeroing kernel
     m, k = x.shape
     n = w_hi.shape[0]
     if preload_w and not w_fp32:
@@ -250,7 +256,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
     preload = preload_w and k_split == block_k  # else the L2 prefetch in its place
-    _zero_or_check_workspace(atomic, out, pdl, part, count, split, split * m * n, grid[0])
+    _zero_or_check_workspace(atomic, out, pdl, part, count, split, split * m * n, grid[0], out_zeroed)
     router_gemm_kernel[grid](
         x, w_hi, w_lo, w_lo2, out, part, count,
         m, n, k, k_split, split,
@@ -278,14 +284,15 @@ def _zero_out(out: torch.Tensor, pdl: bool) -> None:
 
 def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, part: torch.Tensor,
                         count: torch.Tensor, block_m: int, block_n: int, block_k: int, split_k: int,
-                        num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool, atomic: bool = False) -> None:
+                        num_warps: int, num_stages: int, pdl: bool, prefetch_w: bool, atomic: bool = False,
+                        out_zeroed: bool = False) -> None:
     m, k = x.shape
     n = w.shape[0]
     if m == 0:
         return
     k_split, split, grid = launch_shape(m, n, k, block_m, block_n, block_k, split_k)
     _zero_or_check_workspace(atomic, out, pdl, part, count, split, grid[0] * split * block_m * block_n,
-                             grid[0])  # (tile-major, padded)
+                             grid[0], out_zeroed)  # (tile-major, padded)
     router_gemm_fp32_splitk_kernel[grid](
         x, w, out, part, count,
         m, n, k, k_split, split,
@@ -297,11 +304,13 @@ def _launch_fp32_splitk(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, par
 
 
 def _zero_or_check_workspace(atomic: bool, out: torch.Tensor, pdl: bool, part: torch.Tensor, count: torch.Tensor,
-                             split: int, need_part: int, need_count: int) -> None:
-    """Ahead of a split-K launch of ``split`` slices: with atomics (and more than one slice) zero ``out``, which then
-    takes the slices' sums, and read no workspace; else check the workspace the counter's reduction indexes."""
+                             split: int, need_part: int, need_count: int, out_zeroed: bool = False) -> None:
+    """Ahead of a split-K launch of ``split`` slices: with atomics (and more than one slice) zero ``out`` (unless
+    ``out_zeroed``: it holds zeros already), which then takes the slices' sums, and read no workspace; else check the
+    workspace the counter's reduction indexes."""
     if atomic and split > 1:
-        _zero_out(out, pdl)
+        if not out_zeroed:
+            _zero_out(out, pdl)
     else:
         _check_workspace(part, count, split, need_part, need_count)
 
@@ -365,6 +374,7 @@ def _check_split_op(a: dict) -> None:
     check_bool("w_fp32", a["w_fp32"])
     check_bool("atomic", a["atomic"])
     check_bool("preload_w", a["preload_w"])
+    check_bool("out_zeroed", a["out_zeroed"])
     check_choice("num_terms", a["num_terms"], (2, 3))
     # every term is addressed with w_hi's row stride
     names = ("w_hi", "w_lo", "w_lo2")
@@ -387,6 +397,7 @@ def _check_fp32_op(a: dict) -> None:
 def _check_fp32_splitk_op(a: dict) -> None:
     _check_op_tensors(a, ("w",), torch.float32)
     check_bool("atomic", a["atomic"])
+    check_bool("out_zeroed", a["out_zeroed"])
     GemmConfig(a["block_m"], a["block_n"], a["block_k"], a["split_k"], a["num_warps"], a["num_stages"],
                "fp32-splitk")
     _check_op_workspace(a)
@@ -403,7 +414,7 @@ _router_gemm_fp32_splitk_op = torch.library.custom_op("evenflow::router_gemm_fp3
 
 @_router_gemm_op.register_fake
 def _(x, w_hi, w_lo, w_lo2, out, part, count, num_terms, block_m, block_n, block_k, split_k, num_warps,
-      num_stages, pdl, prefetch_w, w_fp32=False, atomic=False, preload_w=False):
+      num_stages, pdl, prefetch_w, w_fp32=False, atomic=False, preload_w=False, out_zeroed=False):
     return None
 
 
@@ -414,7 +425,7 @@ def _(x, w, out, block_m, block_n, block_k, num_warps, num_stages, pdl, prefetch
 
 @_router_gemm_fp32_splitk_op.register_fake
 def _(x, w, out, part, count, block_m, block_n, block_k, split_k, num_warps, num_stages, pdl, prefetch_w,
-      atomic=False):
+      atomic=False, out_zeroed=False):
     return None
 
 
@@ -475,7 +486,8 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
     """:func:`router_gemm` on a ``w`` its caller has just checked fresh (``route`` checks it before it reads N).
     ``own_out``: ``out`` is ``w.logits_buffer(M)`` (``route``'s), which no caller holds, so neither its form nor its
     overlap with ``x`` is checked (round CM: ``route``'s own host time 64 -> 56 us at T = 1, best of three, launches
-    stubbed)."""
+    stubbed), and which holds zeros (``route`` keeps it so), so an eager atomic split-K launch skips its zeroing
+    kernel (compiled calls still zero it)."""
     n, k = w.shape
     check_bool("batch_invariant", batch_invariant)
     x = _check_x(x, k, w.device, round_x_to_bf16)
@@ -520,7 +532,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         part, count = w.workspace(m, config)
         (_launch_fp32_splitk if eager else _router_gemm_fp32_splitk_op)(
             x, w.source, out, part, count, config.block_m, config.block_n, config.block_k, config.split_k,
-            config.num_warps, config.num_stages, use_pdl, pf, config.reduce == "atomic")
+            config.num_warps, config.num_stages, use_pdl, pf, config.reduce == "atomic", own_out and eager)
         return out
     if config.path == "torch-fp32":
         torch.mm(x.float(), w.source.detach().t(), out=out)  # a Parameter's autograd refuses out=
@@ -536,7 +548,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
     (_launch_split if eager else _router_gemm_op)(
         x, *parts, out, part, count, w.terms, config.block_m, config.block_n,
         config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf, config.path == "fp32-tc",
-        config.reduce == "atomic", pre)
+        config.reduce == "atomic", pre, own_out and eager)
     return out
 
 

@@ -442,6 +442,7 @@ def route_topk_kernel(
     T, E, stride_lt, routed_scaling,
     TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     IS_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr,
+    CLEAR_LOGITS: tl.constexpr = False,
 ):
     """Scores, top-k and weights for BLOCK_T tokens; a whole expert row per register tile.
 
@@ -449,6 +450,10 @@ def route_topk_kernel(
     sigmoid(logit) + bias (sigmoid). Order: key descending, ties to the lowest
     expert id. NaN keys are never selected (ids stay in range) but NaN logits still
     poison the weights, and so does a NaN key from the bias, so bad input is visible.
+
+    ``CLEAR_LOGITS`` (``route``'s own logits buffer): the program writes zeros over the logits it read, last, so the
+    buffer is all zero again for the next ``route`` call, whose atomic split-K GEMM adds into it with no zeroing
+    kernel ahead. A barrier first: a tile's elements are loaded and stored by different threads.
     """
     pdl_enter(PDL)
     i_t = tl.program_id(0)
@@ -501,3 +506,7 @@ def route_topk_kernel(
     o_out = o_t.to(tl.int64)[:, None] * TOP_K + o_j[None, :]
     tl.store(p_ids + o_out, b_ids, mask=m_out)
     tl.store(p_weights + o_out, b_ws, mask=m_out)
+    if CLEAR_LOGITS:
+        tl.debug_barrier()  # every thread's loads of the tile done before any zero lands
+        tl.store(p_logits + o_t.to(tl.int64)[:, None] * stride_lt + o_e[None, :],
+                 tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32), mask=m_te)

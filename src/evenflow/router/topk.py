@@ -35,7 +35,7 @@ from evenflow._checks import (
     check_tensor,
     checked_op,
 )
-from evenflow.router.gemm import GemmConfig, RouterWeight, router_gemm_fresh
+from evenflow.router.gemm import GemmConfig, RouterWeight, _check_x, router_gemm_fresh
 from evenflow.router.kernels import route_topk_kernel
 
 __all__ = ["route", "select_experts", "MAX_EXPERTS", "MAX_TOP_K"]
@@ -45,7 +45,10 @@ MAX_TOP_K = 16
 
 
 def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
-                 top_k: int, is_sigmoid: bool, renormalize: bool, routed_scaling: float, pdl: bool) -> None:
+                 top_k: int, is_sigmoid: bool, renormalize: bool, routed_scaling: float, pdl: bool,
+                 clear_logits: bool = False) -> None:
+    # clear_logits: the kernel writes zeros over the logits once it has read them (``route``'s own buffer, kept
+    # all zero between calls so that its atomic split-K GEMM needs no zeroing kernel)
     t, e = logits.shape
     if t == 0:
         return
@@ -55,7 +58,7 @@ def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
         logits, bias if bias is not None else logits, ids, weights,
         t, e, logits.stride(0), float(routed_scaling),
         TOP_K=top_k, TOP_K_P2=_runtime.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e,
-        IS_SIGMOID=is_sigmoid, HAS_BIAS=bias is not None, RENORMALIZE=renormalize,
+        IS_SIGMOID=is_sigmoid, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, CLEAR_LOGITS=clear_logits,
         num_warps=4, **_runtime.pdl_kwargs(pdl),
     )
 
@@ -72,14 +75,15 @@ def _check_topk_op(a: dict) -> None:
     check_out("weights", a["weights"], (t, a["top_k"]), torch.float32, logits.device)
     _check_outputs_apart(a["ids"], a["weights"], logits, a["bias"], "ids", "weights")
     check_pdl(a["pdl"], logits.device, allow_none=False)
+    check_bool("clear_logits", a["clear_logits"])
 
 
 _route_topk_op = torch.library.custom_op("evenflow::route_topk", checked_op(_launch_topk, _check_topk_op),
-                                         mutates_args=("ids", "weights"))
+                                         mutates_args=("logits", "ids", "weights"))  # logits: with clear_logits
 
 
 @_route_topk_op.register_fake
-def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling, pdl):
+def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling, pdl, clear_logits=False):
     return None
 
 
@@ -113,6 +117,21 @@ def _check_selection(logits, top_k, scoring, bias, renormalize, routed_scaling) 
     return t, e
 
 
+def _selection_outputs(out, t: int, top_k: int, logits: torch.Tensor, bias: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights): ``out`` checked (a pair of int32 / fp32 ``[T, top_k]`` on the logits' device, apart from each
+    other and from the inputs), or new tensors where it is None."""
+    if out is None:
+        return (torch.empty((t, top_k), dtype=torch.int32, device=logits.device),
+                torch.empty((t, top_k), dtype=torch.float32, device=logits.device))
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out must be a pair (ids, weights)")
+    ids = check_out("out[0] (ids)", out[0], (t, top_k), torch.int32, logits.device)
+    weights = check_out("out[1] (weights)", out[1], (t, top_k), torch.float32, logits.device)
+    _check_outputs_apart(ids, weights, logits, bias, "out[0] (ids)", "out[1] (weights)")
+    return ids, weights
+
+
 def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: torch.Tensor | None = None,
                    renormalize: bool = True, routed_scaling: float = 1.0,
                    out: tuple[torch.Tensor, torch.Tensor] | None = None, *, pdl: bool | None = None,
@@ -121,15 +140,7 @@ def select_experts(logits: torch.Tensor, top_k: int, scoring: str = "softmax", b
     ``pdl``: programmatic dependent launch, as in :func:`router_gemm` (None: on where supported)."""
     t, _ = _check_selection(logits, top_k, scoring, bias, renormalize, routed_scaling)
     check_pdl(pdl, logits.device)
-    if out is None:
-        ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
-        weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
-    else:
-        if not isinstance(out, (tuple, list)) or len(out) != 2:
-            raise TypeError("out must be a pair (ids, weights)")
-        ids = check_out("out[0] (ids)", out[0], (t, top_k), torch.int32, logits.device)
-        weights = check_out("out[1] (weights)", out[1], (t, top_k), torch.float32, logits.device)
-        _check_outputs_apart(ids, weights, logits, bias, "out[0] (ids)", "out[1] (weights)")
+    ids, weights = _selection_outputs(out, t, top_k, logits, bias)
     (_route_topk_op if torch.compiler.is_compiling() else _launch_topk)(
         logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize), float(routed_scaling),
         _runtime.pdl_supported(logits.device) if pdl is None else pdl)
@@ -145,15 +156,28 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     ``pdl``: both kernels with programmatic dependent launch (see :func:`router_gemm`); the top-k
     kernel's launch then overlaps the GEMM's end. ``config`` and ``prefetch_weights`` are the GEMM's, as
     :func:`router_gemm` takes them (``prefetch_weights=False`` keeps a ``pdl-preload`` entry from loading the
-    weight before the wait)."""
+    weight before the wait).
+
+    The logits go through a buffer of ``w``'s (``RouterWeight.logits_buffer``) that is all zero between calls: the
+    top-k kernel writes zeros over the logits it has read, so a GEMM that sums its K slices with float atomics
+    (``GemmConfig.reduce="atomic"``) adds into it with no zeroing kernel ahead (one launch fewer a call). Every
+    argument is checked before the GEMM launches, and a failed top-k launch zeroes the buffer before it raises."""
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     w.check_fresh()  # first: a re-split may change N, which the checks and the logits buffer read
     n, _ = w.shape
     _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device)  # before the GEMM launches
-    m = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
-    logits = router_gemm_fresh(x, w, w.logits_buffer(m), batch_invariant=batch_invariant,
-                               round_x_to_bf16=round_x_to_bf16, pdl=pdl, config=config,
-                               prefetch_weights=prefetch_weights, own_out=True)
-    return select_experts(logits, top_k, scoring, bias, renormalize, routed_scaling, out=out,
-                          pdl=w.pdl_supported if pdl is None else pdl)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        _check_x(x, w.shape[1], w.device, round_x_to_bf16)  # raises, naming x
+    logits = w.logits_buffer(x.shape[0])
+    ids, weights = _selection_outputs(out, x.shape[0], top_k, logits, bias)  # checked before the GEMM launches
+    router_gemm_fresh(x, w, logits, batch_invariant=batch_invariant, round_x_to_bf16=round_x_to_bf16, pdl=pdl,
+                      config=config, prefetch_weights=prefetch_weights, own_out=True)
+    try:
+        (_route_topk_op if torch.compiler.is_compiling() else _launch_topk)(
+            logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize), float(routed_scaling),
+            w.pdl_supported if pdl is None else pdl, True)
+    except BaseException:
+        logits.zero_()  # the GEMM's sums are in it: keep the buffer's zeros for the next call
+        raise
+    return ids, weights
