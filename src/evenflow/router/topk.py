@@ -42,6 +42,18 @@ __all__ = ["route", "select_experts", "MAX_EXPERTS", "MAX_TOP_K"]
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
+# The top-k kernel's tile, (rows, warps) a program; None: one row a one-warp program, every reduction of the selection
+# inside a warp (round CN, docs/perf-notes/router.md: round CM's 16-row, 4-warp tile crossed warps through 80-114
+# barriers a program at E > 128). A module switch for A/B runs.
+TOPK_TILE: tuple[int, int] | None = None
+# route keeps its logits buffer zero between calls (the top-k kernel clears what it read) and runs an atomic split-K
+# GEMM into it without the zeroing kernel. A module switch for A/B runs: set it before the first route call of a
+# RouterWeight (a buffer left holding logits would be added to).
+ROUTE_KEEP_ZEROS = True
+
+
+def _topk_tile(block_e: int) -> tuple[int, int]:
+    return TOPK_TILE if TOPK_TILE is not None else (1, 1)
 
 
 def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
@@ -53,13 +65,13 @@ def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Ten
     if t == 0:
         return
     block_e = max(16, _runtime.next_power_of_2(e))
-    block_t = max(1, min(16, 4096 // block_e))
+    block_t, warps = _topk_tile(block_e)
     route_topk_kernel[(_runtime.cdiv(t, block_t),)](
         logits, bias if bias is not None else logits, ids, weights,
         t, e, logits.stride(0), float(routed_scaling),
         TOP_K=top_k, TOP_K_P2=_runtime.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_E=block_e,
         IS_SIGMOID=is_sigmoid, HAS_BIAS=bias is not None, RENORMALIZE=renormalize, CLEAR_LOGITS=clear_logits,
-        num_warps=4, **_runtime.pdl_kwargs(pdl),
+        num_warps=warps, **_runtime.pdl_kwargs(pdl),
     )
 
 
@@ -171,12 +183,13 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
         _check_x(x, w.shape[1], w.device, round_x_to_bf16)  # raises, naming x
     logits = w.logits_buffer(x.shape[0])
     ids, weights = _selection_outputs(out, x.shape[0], top_k, logits, bias)  # checked before the GEMM launches
+    keep = ROUTE_KEEP_ZEROS
     router_gemm_fresh(x, w, logits, batch_invariant=batch_invariant, round_x_to_bf16=round_x_to_bf16, pdl=pdl,
-                      config=config, prefetch_weights=prefetch_weights, own_out=True)
+                      config=config, prefetch_weights=prefetch_weights, own_out=True, out_zeroed=keep)
     try:
         (_route_topk_op if torch.compiler.is_compiling() else _launch_topk)(
             logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize), float(routed_scaling),
-            w.pdl_supported if pdl is None else pdl, True)
+            w.pdl_supported if pdl is None else pdl, keep)
     except BaseException:
         logits.zero_()  # the GEMM's sums are in it: keep the buffer's zeros for the next call
         raise
