@@ -312,4 +312,51 @@ def test_opcheck_route_topk_op(device):
     w = torch.empty(5, 4, device=device)
     torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, bias, ids, w, 4, True, True, 2.0, False))
     torch.library.opcheck(torch.ops.evenflow.route_topk.default, (logits, None, ids, w, 4, False, False, 1.0, False))
+    # route's form: the kernel writes zeros over the logits it read (declared: the op mutates logits)
+    torch.library.opcheck(torch.ops.evenflow.route_topk.default,
+                          (logits.clone(), bias, ids, w, 4, True, True, 2.0, False, True))
+    cleared = logits.clone()
+    torch.ops.evenflow.route_topk(cleared, bias, ids, w, 4, True, True, 2.0, False, True)
+    assert torch.count_nonzero(cleared).item() == 0
+
+
+TILES = [(16, 4), (8, 4), (4, 4), (2, 1), (1, 1)]  # (rows, warps) a program: round CM's tiles, one warp a row
+
+
+@pytest.mark.parametrize("case", CASES[:6], ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-{c[3]}" for c in CASES[:6]])
+def test_every_topk_tile_selects_as_the_reference(device, case, monkeypatch):
+    """The tile (``topk.TOPK_TILE``; the default one row a one-warp program since round CN) changes how the
+    selection's reductions are laid out over threads, never what it selects: each tile against the reference, and in
+    the interpreter (which sums in one order whatever the tile) bit for bit the default tile."""
+    import evenflow.router.topk as K
+
+    t, e, k, scoring, has_bias, renorm, scale = case
+    g = torch.Generator().manual_seed(t * 100 + e)
+    logits = torch.randn(t, e, generator=g).to(device)
+    logits[0, : e // 4] = logits[0, e // 4 : e // 2]  # ties inside a row
+    bias = (torch.randn(e, generator=g) * 0.1).to(device) if has_bias else None
+    default = evenflow.select_experts(logits, k, scoring, bias, renorm, scale)
+    for tile in TILES:
+        monkeypatch.setattr(K, "TOPK_TILE", tile)
+        ids, w = evenflow.select_experts(logits, k, scoring, bias, renorm, scale)
+        _check_selection(ids, w, logits, k, scoring, bias, renorm, scale, f"tile {tile}")
+        if device == "cpu":
+            assert torch.equal(ids, default[0]) and torch.equal(w, default[1]), tile
+
+
+@pytest.mark.skipif(not evenflow._runtime.interpreting(), reason="records launches through the interpreter")
+def test_default_topk_tile_keeps_its_reductions_inside_a_warp():
+    """sm_90 builds of the default tile (one row a one-warp program) at 128 / 192 / 384 experts: no barrier but the
+    PDL prologue's and no spill (round CM's 16-row, 4-warp tile crossed warps through 80-114 barriers at E > 128,
+    docs/perf-notes/router.md, round CN)."""
+    CC = pytest.importorskip("evenflow._compile_check")
+    with CC.emulate_gpu(132), CC.record_launches() as launches:
+        for e, k, scoring in ((128, 8, "softmax"), (192, 8, "sigmoid"), (384, 12, "sigmoid")):
+            evenflow.select_experts(torch.zeros(3, e), k, scoring)
+    stats = CC.compile_stats(launches)
+    assert len(stats) == 3 and not [s["error"] for s in stats if "error" in s]
+    for s in stats:
+        assert "BLOCK_T=1," in s["describe"] and "num_warps=1" in s["describe"], s["describe"]
+        assert s["spill_bytes"] == 0, s["describe"]
+        assert sum(op.startswith("BAR") for op in s["sequence"]) <= 1, s["describe"]
 
