@@ -28,7 +28,8 @@ What is checked, and why:
   weight, the buffer zero after each; the zeroing kernel launched by ``router_gemm`` and never by ``route``; the
   zeros load-bearing (a poisoned buffer poisons the next atomic call); every argument checked before the GEMM
   launches; a failed top-k launch leaves zeros; the sm_90 build puts a barrier between the top-k's loads and its
-  zeros; on the GPU the same in a CUDA graph replayed over changing inputs.
+  zeros; a call captured in a CUDA graph zeroes first, clears nothing and ends the kept zeros (every later call zeroes
+  first); on the GPU, a graph of routes replayed over changing inputs with eager calls between the replays.
 """
 
 import dataclasses
@@ -570,8 +571,39 @@ def test_route_topk_build_puts_a_barrier_between_its_loads_and_its_zeros():
     assert any(max(where(ops, "LDG")) < b < zeros[0] for b in where(ops, "BAR")), ops  # after every thread's loads
 
 
+def test_a_captured_route_zeroes_first_and_ends_the_kept_zeros(device, monkeypatch):
+    """A call captured in a CUDA graph launches the zeroing kernel and no clear (a graph's replays leave logits in the
+    buffer), and every eager call of the weight after it zeroes first too (stood in for on the CPU by the capture
+    test ``topk._capturing``)."""
+    import evenflow.router.topk as K
+
+    _, w = _inputs(1, 40, 256, device, seed=8)
+    rw = evenflow.RouterWeight(w)
+    calls = _zero_out_calls(monkeypatch)
+    cfg = ROUTE_SEQ[0][1]
+    x = _inputs(5, 40, 256, device, seed=80)[0]
+    want = evenflow.select_experts(evenflow.router_gemm(x, rw, config=cfg), 4)
+    calls.clear()
+    evenflow.route(x, rw, 4, config=cfg)
+    assert calls == [] and rw.zeros_kept
+    monkeypatch.setattr(K, "_capturing", lambda dev: True)
+    got = evenflow.route(x, rw, 4, config=cfg)
+    assert calls == [(5, 40)] and not rw.zeros_kept
+    assert torch.count_nonzero(rw._logits).item() > 0  # the logits stay: no clear
+    _same_selection(got, want, "captured")
+    monkeypatch.setattr(K, "_capturing", lambda dev: False)
+    for step, (m, c) in enumerate(ROUTE_SEQ):
+        x = _inputs(m, 40, 256, device, seed=90 + step)[0]
+        calls.clear()
+        got = evenflow.route(x, rw, 4, config=c)
+        atomic_split = c.reduce == "atomic" and launch_shape(m, 40, 256, c.block_m, c.block_n, c.block_k,
+                                                             c.split_k)[1] > 1
+        assert calls == ([(m, 40)] if atomic_split else []), c
+        _same_selection(got, evenflow.select_experts(evenflow.router_gemm(x, rw, config=c), 4), f"after {c}")
+
+
 @pytest.mark.gpu
-def test_gpu_route_atomic_entries_in_a_cuda_graph_keep_their_zeros():
+def test_gpu_route_in_a_cuda_graph_and_eager_calls_after_it():
     k, n = SHAPES["qwen3-30b-a3b"]
     _, w = _inputs(1, n, k, "cuda", seed=6)
     rw = evenflow.RouterWeight(w)
@@ -586,17 +618,20 @@ def test_gpu_route_atomic_entries_in_a_cuda_graph_keep_their_zeros():
             xs[m].copy_(_inputs(m, n, k, "cuda", seed=m)[0])
             evenflow.route(xs[m], rw, 8, out=outs[m], config=c)
     torch.cuda.current_stream().wait_stream(s)
+    assert rw.zeros_kept
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):  # five routes back to back through the one buffer
         for m, c in cfgs.items():
             evenflow.route(xs[m], rw, 8, out=outs[m], config=c)
+    assert not rw.zeros_kept
     for step in range(6):
         for m in cfgs:
             xs[m].copy_(_inputs(m, n, k, "cuda", seed=200 + 7 * step + m)[0])
             outs[m][1].fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize()
-        assert torch.count_nonzero(rw._logits).item() == 0, f"replay {step}"
         for m, c in cfgs.items():
             want = evenflow.select_experts(evenflow.router_gemm(xs[m], rw, config=c), 8)
             _same_selection(outs[m], want, f"replay {step} M={m} {c}")
+            got = evenflow.route(xs[m], rw, 8, config=c)  # eager, between replays: zeroes first
+            _same_selection(got, want, f"eager after replay {step} M={m} {c}")

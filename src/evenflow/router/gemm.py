@@ -109,7 +109,9 @@ class RouterWeight:
         self.source = w
         self._part = torch.empty(0, dtype=torch.float32, device=w.device)
         self._count = torch.zeros(0, dtype=torch.int32, device=w.device)
-        self._logits = torch.zeros(0, dtype=torch.float32, device=w.device)  # route's; all zero between calls
+        self._logits = torch.zeros(0, dtype=torch.float32, device=w.device)  # route's (logits_buffer)
+        # route's eager calls keep the logits buffer all zero between calls until one is captured in a CUDA graph
+        self.zeros_kept = True
         self._facts = device_facts(w.device)
         self._smem = smem_limit(w.device)
         # compiled kernels on sm_90+ (programmatic dependent launch): looked up once, not on every call
@@ -210,9 +212,10 @@ class RouterWeight:
         return self._part, self._count
 
     def logits_buffer(self, m: int) -> torch.Tensor:
-        """``route``'s fp32 logits ``[m, N]``: a view of one buffer, grown (never shrunk) for larger ``m``. Between
-        ``route`` calls it holds zeros (its top-k kernel writes them back over what it read), which its atomic
-        split-K GEMM adds into without a zeroing kernel: write nothing into it."""
+        """``route``'s fp32 logits ``[m, N]``: a view of one buffer, grown (never shrunk) for larger ``m``. While
+        ``zeros_kept`` (until a ``route`` call of this weight is captured in a CUDA graph) it holds zeros between
+        ``route`` calls (the top-k kernel writes them back over what it read), which an eager atomic split-K GEMM adds
+        into without a zeroing kernel: write nothing into it."""
         n, _ = self.shape
         if self._logits.numel() < m * n:
             self._logits = torch.zeros(m * n, dtype=torch.float32, device=self.device)

@@ -46,10 +46,17 @@ MAX_TOP_K = 16
 # inside a warp (round CN, docs/perf-notes/router.md: round CM's 16-row, 4-warp tile crossed warps through 80-114
 # barriers a program at E > 128). A module switch for A/B runs.
 TOPK_TILE: tuple[int, int] | None = None
-# route keeps its logits buffer zero between calls (the top-k kernel clears what it read) and runs an atomic split-K
-# GEMM into it without the zeroing kernel. A module switch for A/B runs: set it before the first route call of a
-# RouterWeight (a buffer left holding logits would be added to).
+# Eager route calls keep the logits buffer zero between calls (the top-k kernel clears what it read) and run an atomic
+# split-K GEMM into it without the zeroing kernel: one launch fewer, ~30 us of host time a call on an H100 machine
+# (round CN1). Calls captured in a CUDA graph launch what they did before (the zeroing kernel, no clear: CN1 measured
+# the clear slower in graphs) and end the weight's kept zeros for good (a replay leaves logits in the buffer). A module
+# switch for A/B runs (False: every call zeroes first).
 ROUTE_KEEP_ZEROS = True
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream is capturing a graph (never on other devices)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _topk_tile(block_e: int) -> tuple[int, int]:
@@ -170,10 +177,12 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     :func:`router_gemm` takes them (``prefetch_weights=False`` keeps a ``pdl-preload`` entry from loading the
     weight before the wait).
 
-    The logits go through a buffer of ``w``'s (``RouterWeight.logits_buffer``) that is all zero between calls: the
-    top-k kernel writes zeros over the logits it has read, so a GEMM that sums its K slices with float atomics
-    (``GemmConfig.reduce="atomic"``) adds into it with no zeroing kernel ahead (one launch fewer a call). Every
-    argument is checked before the GEMM launches, and a failed top-k launch zeroes the buffer before it raises."""
+    The logits go through a buffer of ``w``'s (``RouterWeight.logits_buffer``). Eager calls keep it all zero between
+    calls (``RouterWeight.zeros_kept``): the top-k kernel writes zeros over the logits it has read, so a GEMM that sums
+    its K slices with float atomics (``GemmConfig.reduce="atomic"``) adds into it with no zeroing kernel ahead (one
+    launch fewer a call). A call captured in a CUDA graph zeroes the buffer first instead, and so does every call of
+    ``w`` after it (a replay leaves logits in the buffer). Every argument is checked before the GEMM launches, and a
+    failed top-k launch zeroes the buffer before it raises."""
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     w.check_fresh()  # first: a re-split may change N, which the checks and the logits buffer read
@@ -183,14 +192,21 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
         _check_x(x, w.shape[1], w.device, round_x_to_bf16)  # raises, naming x
     logits = w.logits_buffer(x.shape[0])
     ids, weights = _selection_outputs(out, x.shape[0], top_k, logits, bias)  # checked before the GEMM launches
-    keep = ROUTE_KEEP_ZEROS
+    compiling = torch.compiler.is_compiling()
+    if compiling:  # the zeroing kernel, and the clear (so eager calls after a compiled one still find zeros)
+        zeroed, clear = False, w.zeros_kept
+    elif _capturing(w.device):
+        zeroed = clear = w.zeros_kept = False  # as before round CN; replays will leave logits in the buffer
+    else:
+        zeroed = clear = w.zeros_kept = w.zeros_kept and ROUTE_KEEP_ZEROS
     router_gemm_fresh(x, w, logits, batch_invariant=batch_invariant, round_x_to_bf16=round_x_to_bf16, pdl=pdl,
-                      config=config, prefetch_weights=prefetch_weights, own_out=True, out_zeroed=keep)
+                      config=config, prefetch_weights=prefetch_weights, own_out=True, out_zeroed=zeroed)
     try:
-        (_route_topk_op if torch.compiler.is_compiling() else _launch_topk)(
+        (_route_topk_op if compiling else _launch_topk)(
             logits, bias, ids, weights, top_k, scoring == "sigmoid", bool(renormalize), float(routed_scaling),
-            w.pdl_supported if pdl is None else pdl, keep)
+            w.pdl_supported if pdl is None else pdl, clear)
     except BaseException:
-        logits.zero_()  # the GEMM's sums are in it: keep the buffer's zeros for the next call
+        if zeroed:
+            logits.zero_()  # the GEMM's sums are in it: keep the buffer's zeros for the next call
         raise
     return ids, weights
