@@ -325,7 +325,7 @@ TILES = [(16, 4), (8, 4), (4, 4), (2, 1), (1, 1)]  # (rows, warps) a program: ro
 
 @pytest.mark.parametrize("case", CASES[:6], ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-{c[3]}" for c in CASES[:6]])
 def test_every_topk_tile_selects_as_the_reference(device, case, monkeypatch):
-    """The tile (``topk.TOPK_TILE``; the default one row a one-warp program since round CN) changes how the
+    """The tile (``topk.TOPK_TILE``: round CM's, or one row a one-warp program) changes how the
     selection's reductions are laid out over threads, never what it selects: each tile against the reference, and in
     the interpreter (which sums in one order whatever the tile) bit for bit the default tile."""
     import evenflow.router.topk as K
@@ -345,11 +345,14 @@ def test_every_topk_tile_selects_as_the_reference(device, case, monkeypatch):
 
 
 @pytest.mark.skipif(not evenflow._runtime.interpreting(), reason="records launches through the interpreter")
-def test_default_topk_tile_keeps_its_reductions_inside_a_warp():
-    """sm_90 builds of the default tile (one row a one-warp program) at 128 / 192 / 384 experts: no barrier but the
-    PDL prologue's and no spill (round CM's 16-row, 4-warp tile crossed warps through 80-114 barriers at E > 128,
-    docs/perf-notes/router.md, round CN)."""
+def test_one_row_topk_tile_keeps_its_reductions_inside_a_warp(monkeypatch):
+    """sm_90 builds of the one-row one-warp tile (``topk.TOPK_TILE = (1, 1)``) at 128 / 192 / 384 experts: no barrier
+    but the PDL prologue's and no spill (round CM's 16-row, 4-warp tile, the default, crosses warps through 80-114
+    barriers at E > 128: docs/perf-notes/router.md, round CN)."""
+    import evenflow.router.topk as K
+
     CC = pytest.importorskip("evenflow._compile_check")
+    monkeypatch.setattr(K, "TOPK_TILE", (1, 1))
     with CC.emulate_gpu(132), CC.record_launches() as launches:
         for e, k, scoring in ((128, 8, "softmax"), (192, 8, "sigmoid"), (384, 12, "sigmoid")):
             evenflow.select_experts(torch.zeros(3, e), k, scoring)
