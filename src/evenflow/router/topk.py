@@ -42,10 +42,10 @@ __all__ = ["route", "select_experts", "MAX_EXPERTS", "MAX_TOP_K"]
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
-# The top-k kernel's tile, (rows, warps) a program; None: round CM's, 16 rows (fewer past 256 experts) on 4 warps. One
-# row a one-warp program keeps every reduction of the selection inside a warp (its sm_90 build at 192-384 experts: 1,072-
-# 2,952 instructions and one barrier, against 6,496-9,168 and 80-114 barriers; round CN, docs/perf-notes/router.md);
-# not yet measured on a GPU, so a module switch: ``TOPK_TILE = (1, 1)``.
+# The top-k kernel's tile, (rows, warps) a program; None: round CM's, 16 rows (fewer past 256 experts) on 4 warps.
+# One row a one-warp program keeps every reduction of the selection inside a warp (its sm_90 build at 192-384
+# experts: 1,072-2,952 instructions and one barrier, against 6,496-9,168 and 80-114 barriers; round CN,
+# docs/perf-notes/router.md); not yet measured on a GPU, so a module switch: ``TOPK_TILE = (1, 1)``.
 TOPK_TILE: tuple[int, int] | None = None
 # Eager route calls keep the logits buffer zero between calls (the top-k kernel clears what it read) and run an atomic
 # split-K GEMM into it without the zeroing kernel: one launch fewer, ~30 us of host time a call on an H100 machine
