@@ -457,6 +457,14 @@ def _zero_out_calls(monkeypatch) -> list:
     return calls
 
 
+def _zeroings(m: int, cfg: GemmConfig) -> list:
+    """The zeroing kernel's launches (output shapes) ``router_gemm`` makes for ``cfg`` at ``m`` rows of the N 40, K 256
+    weight: one where the K slices meet through atomics, none elsewhere."""
+    atomic_split = cfg.reduce == "atomic" and launch_shape(m, 40, 256, cfg.block_m, cfg.block_n, cfg.block_k,
+                                                           cfg.split_k)[1] > 1
+    return [(m, 40)] if atomic_split else []
+
+
 def _same_selection(got, want, what):
     if _runtime.interpreting():  # the atomic sums in split order: the zeroing path's bits
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), what
@@ -478,9 +486,7 @@ def test_route_keeps_its_logits_zero_and_runs_atomic_gemms_without_the_zeroing_k
         assert calls == [], f"route launched the zeroing kernel at M={m} {cfg}"
         assert torch.count_nonzero(rw._logits).item() == 0, f"route left logits in its buffer at M={m} {cfg}"
         want = evenflow.select_experts(evenflow.router_gemm(x, rw, config=cfg), 4, scoring, bias)
-        atomic_split = cfg.reduce == "atomic" and launch_shape(m, 40, 256, cfg.block_m, cfg.block_n, cfg.block_k,
-                                                               cfg.split_k)[1] > 1
-        assert calls == ([(m, 40)] if atomic_split else []), cfg  # router_gemm's own output is zeroed first
+        assert calls == _zeroings(m, cfg), cfg  # router_gemm's own output is zeroed first
         calls.clear()
         _same_selection(got, want, f"step {step} M={m} {cfg}")
 
@@ -596,9 +602,7 @@ def test_a_captured_route_zeroes_first_and_ends_the_kept_zeros(device, monkeypat
         x = _inputs(m, 40, 256, device, seed=90 + step)[0]
         calls.clear()
         got = evenflow.route(x, rw, 4, config=c)
-        atomic_split = c.reduce == "atomic" and launch_shape(m, 40, 256, c.block_m, c.block_n, c.block_k,
-                                                             c.split_k)[1] > 1
-        assert calls == ([(m, 40)] if atomic_split else []), c
+        assert calls == _zeroings(m, c), c
         _same_selection(got, evenflow.select_experts(evenflow.router_gemm(x, rw, config=c), 4), f"after {c}")
 
 

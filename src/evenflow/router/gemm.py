@@ -490,8 +490,8 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
     """:func:`router_gemm` on a ``w`` its caller has just checked fresh (``route`` checks it before it reads N).
     ``own_out``: ``out`` is ``w.logits_buffer(M)`` (``route``'s), which no caller holds, so neither its form nor its
     overlap with ``x`` is checked (round CM: ``route``'s own host time 64 -> 56 us at T = 1, best of three, launches
-    stubbed). ``out_zeroed``: ``out`` holds zeros (``route`` keeps its buffer so), so an eager atomic split-K launch
-    skips its zeroing kernel (compiled calls still zero it)."""
+    stubbed). ``out_zeroed``: ``out`` holds zeros (``route``'s eager calls keep its buffer so), so an atomic split-K
+    launch skips its zeroing kernel."""
     n, k = w.shape
     check_bool("batch_invariant", batch_invariant)
     x = _check_x(x, k, w.device, round_x_to_bf16)
@@ -536,7 +536,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         part, count = w.workspace(m, config)
         (_launch_fp32_splitk if eager else _router_gemm_fp32_splitk_op)(
             x, w.source, out, part, count, config.block_m, config.block_n, config.block_k, config.split_k,
-            config.num_warps, config.num_stages, use_pdl, pf, config.reduce == "atomic", out_zeroed and eager)
+            config.num_warps, config.num_stages, use_pdl, pf, config.reduce == "atomic", out_zeroed)
         return out
     if config.path == "torch-fp32":
         torch.mm(x.float(), w.source.detach().t(), out=out)  # a Parameter's autograd refuses out=
@@ -552,7 +552,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
     (_launch_split if eager else _router_gemm_op)(
         x, *parts, out, part, count, w.terms, config.block_m, config.block_n,
         config.block_k, config.split_k, config.num_warps, config.num_stages, use_pdl, pf, config.path == "fp32-tc",
-        config.reduce == "atomic", pre, out_zeroed and eager)
+        config.reduce == "atomic", pre, out_zeroed)
     return out
 
 

@@ -47,12 +47,6 @@ MAX_TOP_K = 16
 # experts: 1,072-2,952 instructions and one barrier, against 6,496-9,168 and 80-114 barriers; round CN,
 # docs/perf-notes/router.md); not yet measured on a GPU, so a module switch: ``TOPK_TILE = (1, 1)``.
 TOPK_TILE: tuple[int, int] | None = None
-# Eager route calls keep the logits buffer zero between calls (the top-k kernel clears what it read) and run an atomic
-# split-K GEMM into it without the zeroing kernel: one launch fewer, ~30 us of host time a call on an H100 machine
-# (round CN1). Calls captured in a CUDA graph launch what they did before (the zeroing kernel, no clear: CN1 measured
-# the clear slower in graphs) and end the weight's kept zeros for good (a replay leaves logits in the buffer). A module
-# switch for A/B runs (False: every call zeroes first).
-ROUTE_KEEP_ZEROS = True
 
 
 def _capturing(device: torch.device) -> bool:
@@ -187,19 +181,21 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
     if not isinstance(w, RouterWeight):
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     w.check_fresh()  # first: a re-split may change N, which the checks and the logits buffer read
-    n, _ = w.shape
+    n, k = w.shape
     _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device)  # before the GEMM launches
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        _check_x(x, w.shape[1], w.device, round_x_to_bf16)  # raises, naming x
+        _check_x(x, k, w.device, round_x_to_bf16)  # raises, naming x
     logits = w.logits_buffer(x.shape[0])
     ids, weights = _selection_outputs(out, x.shape[0], top_k, logits, bias)  # checked before the GEMM launches
+    # Eager calls while the zeros are kept: no zeroing kernel ahead of an atomic GEMM, the top-k clears (one launch
+    # fewer a call; round CN1, docs/perf-notes/router.md). A captured call launches round CM's kernels (the clear was
+    # slower in CN1's graphs) and ends the kept zeros: its replays leave logits in the buffer. A compiled call zeroes
+    # first and clears, so that eager calls after it still find zeros.
     compiling = torch.compiler.is_compiling()
-    if compiling:  # the zeroing kernel, and the clear (so eager calls after a compiled one still find zeros)
-        zeroed, clear = False, w.zeros_kept
-    elif _capturing(w.device):
-        zeroed = clear = w.zeros_kept = False  # as before round CN; replays will leave logits in the buffer
-    else:
-        zeroed = clear = w.zeros_kept = w.zeros_kept and ROUTE_KEEP_ZEROS
+    if not compiling and w.zeros_kept and _capturing(w.device):
+        w.zeros_kept = False
+    clear = w.zeros_kept
+    zeroed = clear and not compiling
     router_gemm_fresh(x, w, logits, batch_invariant=batch_invariant, round_x_to_bf16=round_x_to_bf16, pdl=pdl,
                       config=config, prefetch_weights=prefetch_weights, own_out=True, out_zeroed=zeroed)
     try:
