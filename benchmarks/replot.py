@@ -14,10 +14,10 @@ from pathlib import Path
 from evenflow.bench.harness import Results
 
 # the x axis and panel key of each script's ``Results.finish`` call (tests/test_bench_decode.py checks them against
-# the scripts): decode.py, moe.py, router.py, multigpu.py, sweep_moe.py (its index sweep and its config sweep)
+# the scripts): decode.py, moe.py, router.py, route.py, multigpu.py, sweep_moe.py (its index sweep and its config sweep)
 AXES = {"decode": ("case", "variant"), "moe": ("batch", "series"), "router": ("M", "case"), "multigpu": ("x", "plot"),
-        "moe_index": ("batch", "case"), "moe_sweep": ("case", "variant"), "prologue": ("T", "series"),
-        "prefill": ("case", "variant"), "e2e_transformers": ("case", None)}
+        "route": ("M", "case"), "moe_index": ("batch", "case"), "moe_sweep": ("case", "variant"),
+        "prologue": ("T", "series"), "prefill": ("case", "variant"), "e2e_transformers": ("case", None)}
 
 
 def main(argv: list[str] | None = None) -> int:
