@@ -707,6 +707,9 @@ def test_host_cdiv_and_next_power_of_2_agree_with_tritons():
         p = next_power_of_2(n)
         assert p == triton.next_power_of_2(n), n
         assert p >= n and p & (p - 1) == 0 and (p == 1 or p // 2 < n), n
+    for n in (0, -1, -1024):  # no block of 0: refused, where Triton's gives 0 for 0 and the shift gave 2
+        with pytest.raises(ValueError, match="n must be >= 1"):
+            next_power_of_2(n)
     for a in values[::7] + [0]:
         for b in (1, 2, 3, 16, 64, 127, 128, 1000, 4096):
             assert cdiv(a, b) == triton.cdiv(a, b) == -(-a // b), (a, b)

@@ -72,7 +72,10 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (``n`` >= 1), as ``triton.next_power_of_2`` gives it, without its
-    ``constexpr_function`` wrapper's host cost (:func:`cdiv`)."""
+    ``constexpr_function`` wrapper's host cost (:func:`cdiv`). ``ValueError`` for ``n`` < 1 (Triton's gives 0 for 0,
+    and a block of 0 is no block: a launcher asking for one has a bug)."""
+    if n < 1:
+        raise ValueError(f"next_power_of_2: n must be >= 1, got {n}")
     return 1 << (n - 1).bit_length()
 
 

@@ -246,8 +246,9 @@ def quant_fp8_per_token_group(x: torch.Tensor, pdl: bool = False) -> tuple[torch
     check_tensor("x", x, dtypes=[torch.bfloat16, torch.float16, torch.float32], ndim=2, last_dim_contiguous=True)
     check_pdl(pdl, x.device, allow_none=False)
     t, h = x.shape
-    if h % 128:
-        raise ValueError(f"x's last dimension ({h}) must be a multiple of 128 for per-token-group-128 quantisation")
+    if h % 128 or h == 0:
+        raise ValueError(f"x's last dimension ({h}) must be a positive multiple of 128 for per-token-group-128 "
+                         "quantisation")
     q, s = group_quant_buffers(x)
     launch_group_quant(x, q, s, pdl)
     return q, s
