@@ -505,6 +505,23 @@ def test_route_logits_zeros_are_what_its_atomic_gemm_adds_into(device):
     _same_selection(evenflow.route(x, rw, 4, config=cfg), good, "after the poisoned call")
 
 
+def test_route_logits_view_follows_a_resplit_to_a_new_expert_count(device):
+    """``logits_buffer`` hands back its last view while M repeats (host time); a re-split to another N (auto_refresh
+    after the source was resized in place) must not get the old N's view: the selection is the new weight's."""
+    x, w = _inputs(3, 40, 256, device, seed=21)
+    rw = evenflow.RouterWeight(w, auto_refresh=True)
+    assert rw.logits_buffer(3) is rw.logits_buffer(3)  # the repeat is the same view
+    evenflow.route(x, rw, 4)
+    w2 = _inputs(1, 56, 256, device, seed=22)[1]
+    with torch.no_grad():
+        w.resize_(56, 256).copy_(w2)
+    ids, weights = evenflow.route(x, rw, 4)
+    assert rw.shape == (56, 256) and rw.logits_buffer(3).shape == (3, 56)
+    want = R.route_ref(R.router_logits_fp64(x, w2), 4)
+    assert torch.equal(ids.sort(-1).values, want[0].sort(-1).values)
+    assert torch.count_nonzero(rw._logits).item() == 0
+
+
 def test_route_checks_every_argument_before_its_gemm_launches(device, monkeypatch):
     import evenflow.router.gemm as G
 

@@ -57,6 +57,7 @@ from evenflow.router.dispatch import (
     device_facts,
     launch_shape,
     smem_limit,
+    split_red_chunk,
     splitk_red_chunk,
 )
 from evenflow.router.kernels import (
@@ -133,12 +134,14 @@ class RouterWeight:
             self.parts = parts
         self.w_hi, self.w_lo = self.parts[0], self.parts[1]
         self.w_lo2 = self.parts[2] if self.terms == 3 else None
+        self._shape = tuple(self.w_hi.shape)  # (N, K), read several times a call
+        self._logits_view = None  # logits_buffer's last view: N may have changed
         self._version = w._version
         self._ptr = w.data_ptr()
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.w_hi.shape)
+        return self._shape
 
     @property
     def device(self) -> torch.device:
@@ -216,10 +219,16 @@ class RouterWeight:
         ``zeros_kept`` (until a ``route`` call of this weight is captured in a CUDA graph) it holds zeros between
         ``route`` calls (the top-k kernel writes them back over what it read), which an eager atomic split-K GEMM adds
         into without a zeroing kernel: write nothing into it."""
+        last = self._logits_view  # the last call's view, reused: a slice and a view cost ~6 us of host a call
+        if last is not None and last.shape[0] == m and not torch.compiler.is_compiling():
+            return last
         n, _ = self.shape
         if self._logits.numel() < m * n:
             self._logits = torch.zeros(m * n, dtype=torch.float32, device=self.device)
-        return self._logits[: m * n].view(m, n)
+        view = self._logits[: m * n].view(m, n)
+        if not torch.compiler.is_compiling():
+            self._logits_view = view
+        return view
 
     def __repr__(self) -> str:
         n, k = self.shape
@@ -266,7 +275,7 @@ def _launch_split(x: torch.Tensor, w_hi: torch.Tensor, w_lo: torch.Tensor, w_lo2
         x.stride(0), w_hi.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SPLIT=split > 1,
         EVEN_K=(k % block_k == 0), NUM_TERMS=num_terms, DOT_F32=_runtime.dot_needs_fp32(),
-        RED_CHUNK=GemmConfig(block_m, block_n, block_k, num_warps=num_warps).red_chunk(split),
+        RED_CHUNK=split_red_chunk(block_m, block_n, num_warps, split),
         PREFETCH_W=(prefetch_w or preload_w) and not preload, W_FP32=w_fp32, RED_ATOMIC=atomic and split > 1,
         PRELOAD_W=preload, num_warps=num_warps, num_stages=num_stages, **_runtime.pdl_kwargs(pdl),
     )
