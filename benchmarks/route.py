@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         k, n, top_k, scoring, scaling = CASES[case]
         for m in H.progress(ms, f"route {case}"):
             ws, xs = router_bench.rotated_copies(m, n, k)
-            bias = torch.randn(n, device="cuda") * 0.1 if scoring == "sigmoid" else None
+            bias = torch.randn(n, device=ws[0].device) * 0.1 if scoring == "sigmoid" else None
             ref_ids, ref_w = R.route_ref(R.router_logits_fp64(xs[0], ws[0]), top_k, scoring, bias,
                                          routed_scaling=scaling)
             floor = H.floor_us(bytes_moved=route_bytes(m, n, k, top_k), ceilings=ceil, extra_us=ceil["launch_us"])

@@ -78,3 +78,44 @@ def test_the_scripts_calls_select_as_the_reference(bench, device, scoring):
         assert flips == 0 and err < 1e-5, impl
     logits = bench._calls("evenflow-gemm", ws, xs, bias, top_k, scoring, scaling)[1]()
     assert (logits.double() - R.router_logits_fp64(xs[1], ws[1])).abs().max() < 1e-4
+
+
+def test_a_whole_run_writes_checked_rows_and_floors(bench, monkeypatch, tmp_path):
+    """main() end to end at tiny shapes in the interpreter, the GPU-only timing and ceilings stood in for: every case,
+    M and impl gets a row, ours with no flip against fp64, the floor from the route's bytes plus the lowest launch
+    reading, and the speedups from the peer's row of the point."""
+    import json
+
+    from evenflow.bench import harness as H
+
+    monkeypatch.setattr(bench, "CASES", {"tiny-softmax": (64, 24, 4, "softmax", 1.0),
+                                         "tiny-sigmoid": (64, 40, 6, "sigmoid", 2.5)})
+    monkeypatch.setattr(bench.router_bench, "rotated_copies", lambda m, n, k: (
+        [torch.randn(n, k) * 0.02 for _ in range(2)], [torch.randn(m, k).to(torch.bfloat16) for _ in range(2)]))
+    ceil = {"copy_TBps": 2.0, "bf16_TFLOPs": 500.0, "launch_us": 0.9}
+    monkeypatch.setattr(H, "measure_ceilings", lambda: dict(ceil))
+    monkeypatch.setattr(H, "empty_launch_us", lambda pdl=False: 0.8)
+    times = {"evenflow": 2.0, "evenflow-gemm": 1.0, "torch-fp32": 5.0}
+    monkeypatch.setattr(H, "time_graph", lambda fns: times[bench._timing_impl])
+    monkeypatch.setattr(H, "time_eager", lambda fns: 10 * times[bench._timing_impl])
+    real_calls = bench._calls
+    monkeypatch.setattr(bench, "_timing_impl", None, raising=False)  # the impl whose calls were made last
+
+    def calls(impl, *a):
+        bench._timing_impl = impl
+        return real_calls(impl, *a)
+
+    monkeypatch.setattr(bench, "_calls", calls)
+    assert bench.main(["--ms", "1,3", "--out", str(tmp_path), "--no-plot"]) == 0
+    rows = json.loads((tmp_path / "route.json").read_text())["rows"]
+    assert len(rows) == 2 * 2 * 3 and not any("error" in r for r in rows)
+    for r in rows:
+        k, n, top_k = r["K"], r["N"], r["top_k"]
+        assert r["floor_us"] == pytest.approx(bench.route_bytes(r["M"], n, k, top_k) / 2.0e6 + 0.8, abs=1e-3)
+        if r["impl"] == "evenflow":
+            assert r["id_flips"] == 0 and r["max_abs_err"] < 1e-5
+            assert r["vs_torch"] == 2.5 and r["vs_torch_eager"] == 2.5
+        elif r["impl"] == "evenflow-gemm":
+            assert r["max_abs_err"] < 1e-4 and r["vs_torch"] == 5.0
+        else:
+            assert r["id_flips"] == 0 and "vs_torch" not in r
