@@ -56,6 +56,16 @@ def test_floor_bytes_and_speedups(bench):
     assert "vs_torch" not in rows[1] and "vs_torch" not in rows[2] and "vs_torch" not in rows[3]
 
 
+def test_every_case_is_one_route_takes(bench):
+    """No case is an error row on every run: each is within route's expert and top-k bounds (LongCat-Chat's 768
+    experts are not, which is why the router benchmark's fourth shape has no case here)."""
+    from evenflow.router import topk
+
+    for name, (_, n, top_k, scoring, scaling) in bench.CASES.items():
+        assert 1 <= n <= topk.MAX_EXPERTS and 1 <= top_k <= min(topk.MAX_TOP_K, n), name
+        assert scoring in ("softmax", "sigmoid") and scaling > 0, name
+
+
 def test_unknown_case_or_impl_is_refused_before_any_measuring(bench):
     with pytest.raises(SystemExit, match="--cases: unknown"):
         bench.main(["--cases", "nope"])

@@ -111,6 +111,7 @@ class RouterWeight:
         self._part = torch.empty(0, dtype=torch.float32, device=w.device)
         self._count = torch.zeros(0, dtype=torch.int32, device=w.device)
         self._logits = torch.zeros(0, dtype=torch.float32, device=w.device)  # route's (logits_buffer)
+        self._logits_view = self._logits.view(0, 0)  # logits_buffer's last view, handed back while its shape fits
         # route's eager calls keep the logits buffer all zero between calls until one is captured in a CUDA graph
         self.zeros_kept = True
         self._facts = device_facts(w.device)
@@ -135,7 +136,6 @@ class RouterWeight:
         self.w_hi, self.w_lo = self.parts[0], self.parts[1]
         self.w_lo2 = self.parts[2] if self.terms == 3 else None
         self._shape = tuple(self.w_hi.shape)  # (N, K), read several times a call
-        self._logits_view = None  # logits_buffer's last view: N may have changed
         self._version = w._version
         self._ptr = w.data_ptr()
 
@@ -219,14 +219,14 @@ class RouterWeight:
         ``zeros_kept`` (until a ``route`` call of this weight is captured in a CUDA graph) it holds zeros between
         ``route`` calls (the top-k kernel writes them back over what it read), which an eager atomic split-K GEMM adds
         into without a zeroing kernel: write nothing into it."""
-        last = self._logits_view  # the last call's view, reused: a slice and a view cost ~6 us of host a call
-        if last is not None and last.shape[0] == m and not torch.compiler.is_compiling():
-            return last
         n, _ = self.shape
+        compiling = torch.compiler.is_compiling()  # a traced call takes its view of the buffer itself
+        if self._logits_view.shape == (m, n) and not compiling:
+            return self._logits_view  # the last call's: no slice and view a call (round CO, host time)
         if self._logits.numel() < m * n:
             self._logits = torch.zeros(m * n, dtype=torch.float32, device=self.device)
         view = self._logits[: m * n].view(m, n)
-        if not torch.compiler.is_compiling():
+        if not compiling:
             self._logits_view = view
         return view
 
