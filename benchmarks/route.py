@@ -23,7 +23,8 @@ eager path's kept zeros, ``RouterWeight.zeros_kept``) and as a CUDA-graph replay
 
 Floor: the bytes a call must move (the fp32 weight, bf16 x, int32 ids and fp32 weights) at the run's copy bandwidth
 plus one empty kernel's launch in a graph: the router benchmark's floor with the ids and weights in place of the
-logits. ``vs_torch``: torch-fp32's time over the row's (graph and eager: ``vs_torch``, ``vs_torch_eager``).
+logits. The ``evenflow-gemm`` rows write the logits, so theirs is the router benchmark's floor itself. ``vs_torch``:
+torch-fp32's time over the row's (graph and eager: ``vs_torch``, ``vs_torch_eager``).
 
 The selection rules per case: Qwen3-30B-A3B top-8 softmax; DeepSeek-V3 top-8 sigmoid with a bias and scaling 2.5
 (its config's ``routed_scaling_factor``; its expert groups are not modelled); the K=4096 N=192 and LongCat-Lite shapes
@@ -148,12 +149,14 @@ def main(argv=None) -> int:
             bias = torch.randn(n, device=ws[0].device) * 0.1 if scoring == "sigmoid" else None
             ref_ids, ref_w = R.route_ref(R.router_logits_fp64(xs[0], ws[0]), top_k, scoring, bias,
                                          routed_scaling=scaling)
-            floor = H.floor_us(bytes_moved=route_bytes(m, n, k, top_k), ceilings=ceil, extra_us=ceil["launch_us"])
+            floors = {impl: H.floor_us(bytes_moved=router_bench._call_bytes(m, n, k) if impl == "evenflow-gemm"
+                                       else route_bytes(m, n, k, top_k), ceilings=ceil, extra_us=ceil["launch_us"])
+                      for impl in impls}  # the GEMM alone writes the [M, N] logits, not the ids and weights
             for impl in impls:
                 try:
                     fns = _calls(impl, ws, xs, bias, top_k, scoring, scaling)
                     out = fns[0]()
-                    fields = dict(floor_us=floor, M=m, K=k, N=n, top_k=top_k, scoring=scoring)
+                    fields = dict(floor_us=floors[impl], M=m, K=k, N=n, top_k=top_k, scoring=scoring)
                     if impl == "evenflow-gemm":
                         chk = H.check_output(out, R.router_logits_fp64(xs[0], ws[0]), f"{case} M={m} {impl}")
                         fields["max_abs_err"] = float(chk["max_abs_err"])

@@ -385,6 +385,34 @@ def test_auto_refresh_takes_a_new_shape_and_checks_against_it(device):
     assert ids.shape == (5, 3) and 0 <= int(ids.min()) and int(ids.max()) < 6
 
 
+def test_refresh_of_the_same_shape_writes_the_split_in_place(device):
+    """Round CP's review: a refresh allocated new parts, so a CUDA graph captured before it kept reading the old
+    parts' freed memory. A re-split of the same shape now writes the new split over the old parts (the tensors a
+    captured graph holds), equal to a fresh split of the new weight; a new shape gets new parts of that shape."""
+    for terms in (2, 3):
+        x, w = _inputs(3, 16, 32, device)
+        rw = evenflow.RouterWeight(w, terms=terms)
+        held = [p.data_ptr() for p in rw.parts] + [rw.w_hi.data_ptr()]
+        w.copy_(torch.randn_like(w) * 0.02)
+        rw.refresh()
+        assert [p.data_ptr() for p in rw.parts] + [rw.w_hi.data_ptr()] == held
+        for got, want in zip(rw.parts, split_weight(w, terms), strict=True):
+            assert torch.equal(got, want)
+        _check_gemm(evenflow.router_gemm(x, rw), x, rw, w, f"terms={terms} after an in-place refresh")
+        w.data = torch.randn(8, 32, device=device) * 0.02
+        rw.refresh()
+        assert rw.shape == (8, 32) and all(p.shape == (8, 32) for p in rw.parts)
+        for got, want in zip(rw.parts, split_weight(w, terms), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_terms_must_be_an_int_of_two_or_three(device):
+    w = torch.randn(8, 32, device=device)
+    for bad, err in ((2.0, TypeError), (True, TypeError), ("3", TypeError), (1, ValueError), (4, ValueError)):
+        with pytest.raises(err, match="terms must be"):
+            evenflow.RouterWeight(w, terms=bad)
+
+
 def test_refresh_checks_the_source_as_the_constructor_does(device):
     w = torch.randn(8, 32, device=device)
     rw = evenflow.RouterWeight(w)
@@ -793,3 +821,51 @@ def test_config_fields_of_the_wrong_type_are_refused_by_name():
     with pytest.raises(TypeError, match="config.path must be a str"):
         GemmConfig(path=1)
     assert GemmConfig(block_m=32, num_warps=8).block_m == 32
+
+
+# ----------------------------------------------------------------------------- cuBLAS fp32 under TF32
+
+_PRECISION_PROBE = """
+import torch
+from evenflow._runtime import cublas_fp32_is_reduced as reduced
+m = torch.backends.cuda.matmul
+seen = [reduced()]
+m.allow_tf32 = True; seen.append(reduced())
+m.allow_tf32 = False; seen.append(reduced())
+torch.set_float32_matmul_precision("high"); seen.append(reduced())
+torch.set_float32_matmul_precision("highest"); seen.append(reduced())
+if hasattr(m, "fp32_precision"):  # torch >= 2.9's API: reading the legacy flag raises once this one is used
+    m.fp32_precision = "tf32"; seen.append(reduced())
+    m.fp32_precision = "ieee"; seen.append(reduced())
+print(seen)
+"""
+
+
+def test_cublas_fp32_precision_is_read_through_either_api():
+    """``cublas_fp32_is_reduced`` (the guard of the ``torch-fp32`` path) follows PyTorch's matmul precision set by
+    the legacy flag, ``set_float32_matmul_precision`` and, where it exists, the per-backend ``fp32_precision`` (after
+    which the legacy getter raises). In a child process: the settings are process-wide."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", _PRECISION_PROBE], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = eval(r.stdout.strip().splitlines()[-1])
+    want = [False, True, False, True, False] + ([True, False] if len(seen) == 7 else [])
+    assert seen == want
+
+
+@pytest.mark.gpu
+def test_torch_fp32_path_refuses_tf32(monkeypatch):
+    """Round CP's review: the ``torch-fp32`` path's ``torch.mm`` runs at PyTorch's matmul precision, so a process
+    that allows TF32 got 10-bit-mantissa products from the "fp32-fidelity" router without a word. It now raises,
+    naming the setting; the other paths run as before (the guard's reading of the setting: the test above)."""
+    from evenflow import _runtime
+    x, w = _inputs(4, 24, 64, "cuda")
+    rw = evenflow.RouterWeight(w)
+    monkeypatch.setattr(_runtime, "cublas_fp32_is_reduced", lambda: True)
+    with pytest.raises(RuntimeError, match="torch-fp32.*TF32"):
+        evenflow.router_gemm(x, rw, config=GemmConfig(path="torch-fp32"))
+    _check_path(evenflow.router_gemm(x, rw, config=GemmConfig(path="torch-split2")), x, rw, w, "torch-split2",
+                "split2 under TF32")
+    monkeypatch.setattr(_runtime, "cublas_fp32_is_reduced", lambda: False)
+    _check_path(evenflow.router_gemm(x, rw, config=GemmConfig(path="torch-fp32")), x, rw, w, "torch-fp32", "fp32")

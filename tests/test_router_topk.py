@@ -93,12 +93,20 @@ def test_ties_go_to_the_lowest_expert_id(device, scoring):
     torch.testing.assert_close(w.cpu(), torch.full((2, k), 1.0 / k), rtol=0, atol=2e-7)
 
 
-def test_nan_logits_stay_in_range_and_show(device):
+@pytest.mark.parametrize("scoring,with_bias", [("softmax", False), ("sigmoid", False), ("sigmoid", True)])
+def test_nan_logits_stay_in_range_and_show(device, scoring, with_bias):
+    """A NaN logit is never selected and makes its row's weights NaN under both scorings (round CP's review: sigmoid
+    without a bias left the expert out and gave finite weights, in silence, as its reference did); other rows are
+    untouched, and the reference states the same rule."""
     logits = torch.randn(3, 16, device=device)
     logits[1, 5] = float("nan")
-    ids, w = evenflow.select_experts(logits, 4, "softmax")
-    assert ((ids >= 0) & (ids < 16)).all()
+    bias = torch.rand(16, device=device) * 0.1 if with_bias else None
+    ids, w = evenflow.select_experts(logits, 4, scoring, bias)
+    assert ((ids >= 0) & (ids < 16)).all() and (ids[1] != 5).all()
     assert torch.isnan(w[1]).all() and torch.isfinite(w[[0, 2]]).all()
+    ref_ids, ref_w = R.route_ref(logits.cpu(), 4, scoring, bias.cpu() if with_bias else None)
+    assert torch.isnan(ref_w[1]).all() and torch.isfinite(ref_w[[0, 2]]).all()
+    assert torch.equal(ids.cpu(), ref_ids)
 
 
 def test_nan_bias_shows_in_the_weights(device):
@@ -134,6 +142,17 @@ def test_outputs_that_share_memory_with_an_input_are_refused(device):
     logits = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match=r"out\[1\] \(weights\) overlaps logits in memory"):
         evenflow.select_experts(logits, 2, out=(ids, logits.view(-1)[:8].view(4, 2)))
+    # Round CP's review: an out= over the fp32 source weight would be written by a kernel, which no version counter
+    # sees, so the split would go stale in silence (the bf16 paths reading the old weight, the fp32 ones the new)
+    with pytest.raises(ValueError, match="out overlaps w in memory"):
+        evenflow.router_gemm(buf, rw, out=w.view(-1)[:4 * 32].view(4, 32))
+    with pytest.raises(ValueError, match=r"out\[1\] \(weights\) overlaps w in memory"):
+        evenflow.route(buf, rw, 2, out=(ids, w[0, :8].view(4, 2)))
+    with pytest.raises(ValueError, match=r"out\[0\] \(ids\) overlaps w in memory"):
+        evenflow.route(buf, rw, 2, out=(w[0, :8].view(torch.int32).view(4, 2), torch.empty(4, 2, device=device)))
+    with pytest.raises(ValueError, match="^w: the number of experts must be <= 512, got 513"):
+        evenflow.route(torch.zeros(1, 8, device=device, dtype=torch.bfloat16),
+                       evenflow.RouterWeight(torch.zeros(513, 8, device=device)), 2)
     for bad in (1e39, -1e39):
         with pytest.raises(ValueError, match="routed_scaling must be within fp32's range"):
             evenflow.route(buf, rw, 2, routed_scaling=bad)
@@ -248,7 +267,7 @@ def test_route_bad_inputs(device):
         evenflow.route(x, rw, 2, "sigmoid", torch.zeros(15, device=device))
     with pytest.raises(TypeError, match="bias must have dtype"):
         evenflow.route(x, rw, 2, "sigmoid", torch.zeros(16, device=device, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="experts"):
+    with pytest.raises(ValueError, match="^logits: the number of experts must be <= 512"):
         evenflow.select_experts(torch.zeros(2, 513, device=device), 2)
     with pytest.raises(TypeError, match="logits must have dtype"):
         evenflow.select_experts(torch.zeros(2, 8, device=device, dtype=torch.bfloat16), 2)

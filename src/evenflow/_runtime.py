@@ -118,6 +118,17 @@ def dot_needs_fp32() -> bool:
     return interpreting() and not emulating_gpu()
 
 
+def cublas_fp32_is_reduced() -> bool:
+    """Whether PyTorch lets cuBLAS run fp32 matmuls at reduced precision (TF32) now, by whichever of its two APIs
+    set it: the per-backend ``fp32_precision`` (torch >= 2.9; reading the legacy flag raises once it is used) or
+    ``allow_tf32`` / ``set_float32_matmul_precision``."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision not in ("ieee", "none")
+    return bool(matmul.allow_tf32)
+
+
 def fp8_cast_needs_rounding() -> bool:
     """The Triton 3.6 interpreter's cast to float8e4nv drops a binade on carry.
 

@@ -57,7 +57,8 @@ def route_ref(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: 
         key = scores + (bias.to(dtype) if bias is not None else 0.0)
     else:
         raise ValueError(scoring)
-    nan_row = torch.isnan(key).any(-1, keepdim=True) if bias is not None else None
+    # sigmoid: a NaN key (logit or bias) makes the row's weights NaN; softmax's sum does so by itself
+    nan_row = torch.isnan(key).any(-1, keepdim=True) if scoring == "sigmoid" else None
     key = torch.where(torch.isnan(key), torch.full_like(key, float("-inf")), key)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # stable: ties keep id order
     ids = order[:, :top_k]
@@ -66,6 +67,6 @@ def route_ref(logits: torch.Tensor, top_k: int, scoring: str = "softmax", bias: 
         denom = weights.sum(-1, keepdim=True)
         weights = weights / (denom + 1e-20 if scoring == "sigmoid" else denom)
     weights = weights * routed_scaling
-    if nan_row is not None:  # a NaN key from the bias (or a logit) makes the row's weights NaN
+    if nan_row is not None:
         weights = weights.masked_fill(nan_row, float("nan"))
     return ids.to(torch.int32), weights

@@ -26,11 +26,16 @@ was made with ``auto_refresh=True``. The check is a host-side integer compare (n
 sync); it is skipped while ``torch.compile`` traces. A re-split checks the source as the
 constructor does and may take a new shape (``w.data = ...``): every call checks its inputs
 against the fresh split. Writes that bypass the version counter cannot be seen: through
-``w.data`` (``param.data.copy_(...)``) or a NumPy view. Call ``refresh()`` after those (until
+``w.data`` (``param.data.copy_(...)``), a NumPy view, or a collective that writes into the tensor
+(``torch.distributed.broadcast`` / ``all_reduce``, as weight syncs between trainer and server do:
+they leave ``_version`` as it was). Call ``refresh()`` after those (until
 then the bf16 paths would read the old split and the fp32 paths the new weight; a table entry with launch
 ``pdl-preload`` reads the fp32 weight before waiting for the kernel ahead, so a call right after such a
 write needs ``refresh()`` first or ``prefetch_weights=False``: see ``router_gemm``). An inference
-tensor (made under ``torch.inference_mode``) has no version counter and is refused.
+tensor (made under ``torch.inference_mode``) has no version counter and is refused. A re-split of the
+same shape writes the new parts over the old ones in place, so a CUDA graph captured before it reads the
+new split on its next replay (a replay runs no host check: call ``refresh()`` after updating the weight);
+a new shape allocates new parts, and graphs captured before must be captured again.
 """
 from __future__ import annotations
 
@@ -79,8 +84,7 @@ def split_weight(w: torch.Tensor, terms: int = 2) -> tuple[torch.Tensor, ...]:
 
     Every step is exact in fp32 except the bf16 roundings (see module docstring).
     """
-    if terms not in (2, 3):
-        raise ValueError(f"terms must be 2 or 3, got {terms!r}")
+    check_int("terms", terms, 2, 3)
     w_hi = w.to(torch.bfloat16)
     r = (w - w_hi.float()) * LO_SCALE
     w_lo = r.to(torch.bfloat16)
@@ -103,9 +107,7 @@ class RouterWeight:
 
     def __init__(self, w: torch.Tensor, *, terms: int = 3, auto_refresh: bool = False):
         _check_source(w)
-        if terms not in (2, 3):
-            raise ValueError(f"terms must be 2 or 3, got {terms!r}")
-        self.terms = int(terms)
+        self.terms = check_int("terms", terms, 2, 3)
         self.auto_refresh = check_bool("auto_refresh", auto_refresh)
         self.source = w
         self._part = torch.empty(0, dtype=torch.float32, device=w.device)
@@ -132,6 +134,11 @@ class RouterWeight:
                     raise ValueError("w must be finite (NaN/Inf in a router weight)")
                 raise ValueError(f"w: entries up to {float(w.abs().max()):.4g} in magnitude; the split's high part is "
                                  f"bf16, whose largest finite value is {torch.finfo(torch.bfloat16).max:.4g}")
+            old = getattr(self, "parts", None)
+            if old is not None and all(o.shape == p.shape for o, p in zip(old, parts)):
+                for o, p in zip(old, parts):  # in place: graphs captured before keep reading live tensors
+                    o.copy_(p)
+                parts = old
             self.parts = parts
         self.w_hi, self.w_lo = self.parts[0], self.parts[1]
         self.w_lo2 = self.parts[2] if self.terms == 3 else None
@@ -162,7 +169,8 @@ class RouterWeight:
 
     def refresh(self) -> None:
         """Re-split from the (modified) source weight (checked as the constructor checks it; it may have a new
-        shape)."""
+        shape). The same shape: the parts are written in place (a CUDA graph captured before reads them on its
+        next replay); a new shape: new parts, and the graphs must be captured again."""
         w = self.source
         _check_source(w)
         if w.device != self.device:
@@ -509,7 +517,7 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
         out = torch.empty((m, n), dtype=torch.float32, device=x.device)
     elif not own_out:
         check_out("out", out, (m, n), torch.float32, x.device)
-        check_no_overlap("out", out, x=x)
+        check_no_overlap("out", out, x=x, w=w.source)  # a write into w would not bump its version counter
     check_pdl(pdl, w.device)
     check_pdl(prefetch_weights, w.device, name="prefetch_weights")
     if config is not None and not isinstance(config, GemmConfig):
@@ -548,6 +556,11 @@ def router_gemm_fresh(x: torch.Tensor, w: RouterWeight, out: torch.Tensor | None
             config.num_warps, config.num_stages, use_pdl, pf, config.reduce == "atomic", out_zeroed)
         return out
     if config.path == "torch-fp32":
+        if x.is_cuda and eager and _runtime.cublas_fp32_is_reduced():
+            raise RuntimeError(
+                "config.path 'torch-fp32' runs cuBLAS under PyTorch's matmul precision, which allows TF32 now "
+                "(torch.set_float32_matmul_precision / torch.backends.cuda.matmul.allow_tf32): its logits would "
+                "carry a 10-bit mantissa product; choose another path or set the precision to 'highest'")
         torch.mm(x.float(), w.source.detach().t(), out=out)  # a Parameter's autograd refuses out=
         return out
     if config.path == "torch-split2":

@@ -469,9 +469,9 @@ def route_topk_kernel(
         b_key = b_score
         if HAS_BIAS:
             b_key = b_key + tl.load(p_bias + o_e, mask=m_e, other=0.0)[None, :]
-            # a NaN key (a NaN bias entry, or logit) poisons the row's weights below: never selected, it would
-            # otherwise only leave its expert out
-            b_nan = tl.max(tl.where(m_e[None, :] & (b_key != b_key), 1, 0), axis=1)
+        # a NaN key (a NaN logit, or bias entry) poisons the row's weights below: never selected, it would otherwise
+        # only leave its expert out (softmax's sum carries a NaN logit into every weight by itself)
+        b_nan = tl.max(tl.where(m_e[None, :] & (b_key != b_key), 1, 0), axis=1)
     else:
         b_max = tl.max(tl.where(m_e[None, :], b_l, float("-inf")), axis=1)
         b_exp = tl.where(m_e[None, :], tl.exp(b_l - b_max[:, None]), 0.0)
@@ -500,7 +500,7 @@ def route_topk_kernel(
         else:
             b_ws = b_ws / b_total[:, None]
     b_ws = b_ws * routed_scaling
-    if HAS_BIAS:
+    if IS_SIGMOID:
         b_ws = tl.where(b_nan[:, None] > 0, float("nan"), b_ws)
     m_out = m_t[:, None] & (o_j[None, :] < TOP_K)
     o_out = o_t.to(tl.int64)[:, None] * TOP_K + o_j[None, :]

@@ -15,7 +15,7 @@ Rules (the reference in ``evenflow.reference.router`` implements the same ones):
 * Both multiply the weights by ``routed_scaling`` last.
 * Order: key descending; equal keys go to the lowest expert id first (torch.topk
   promises no order on ties, so this rule is ours, and tested exactly).
-* NaN logits are never selected (ids stay within [0, E)); they make the weights NaN. So does a NaN
+* NaN logits are never selected (ids stay within [0, E)); they make their row's weights NaN. So does a NaN
   in ``bias``: every weight of a row whose selection key is NaN somewhere is NaN (a NaN bias entry
   would otherwise leave its expert out in silence).
 """
@@ -107,10 +107,11 @@ def _check_outputs_apart(ids, weights, logits, bias, ids_name: str, weights_name
     check_no_overlap(weights_name, weights, logits=logits, bias=bias)
 
 
-def _check_route_args(e: int, top_k, scoring, bias, renormalize, routed_scaling, device) -> None:
+def _check_route_args(e: int, top_k, scoring, bias, renormalize, routed_scaling, device, experts_from: str) -> None:
+    """``experts_from``: the argument whose size gave ``e`` (named by the error where it is too large)."""
     check_choice("scoring", scoring, ("softmax", "sigmoid"))
     if e > MAX_EXPERTS:
-        raise ValueError(f"number of experts must be <= {MAX_EXPERTS}, got {e}")
+        raise ValueError(f"{experts_from}: the number of experts must be <= {MAX_EXPERTS}, got {e}")
     check_int("top_k", top_k, 1, min(MAX_TOP_K, e))
     if bias is not None:
         if scoring != "sigmoid":
@@ -127,7 +128,7 @@ def _check_selection(logits, top_k, scoring, bias, renormalize, routed_scaling) 
     t, e = logits.shape
     if e < 1:
         raise ValueError("logits must have at least one expert column")
-    _check_route_args(e, top_k, scoring, bias, renormalize, routed_scaling, logits.device)
+    _check_route_args(e, top_k, scoring, bias, renormalize, routed_scaling, logits.device, "logits")
     return t, e
 
 
@@ -182,11 +183,15 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     w.check_fresh()  # first: a re-split may change N, which the checks and the logits buffer read
     n, k = w.shape
-    _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device)  # before the GEMM launches
+    # before the GEMM launches
+    _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device, "w")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         _check_x(x, k, w.device, round_x_to_bf16)  # raises, naming x
     logits = w.logits_buffer(x.shape[0])
     ids, weights = _selection_outputs(out, x.shape[0], top_k, logits, bias)  # checked before the GEMM launches
+    if out is not None:  # a write into the weight would not bump its version counter: the split would go stale
+        check_no_overlap("out[1] (weights)", weights, w=w.source)
+        check_no_overlap("out[0] (ids)", ids, w=w.source)
     # Eager calls while the zeros are kept: no zeroing kernel ahead of an atomic GEMM, the top-k clears (one launch
     # fewer a call; round CN1, docs/perf-notes/router.md). A captured call launches round CM's kernels (the clear was
     # slower in CN1's graphs) and ends the kept zeros: its replays leave logits in the buffer. A compiled call zeroes
