@@ -55,6 +55,25 @@ def test_invalid_entry_is_ignored_loudly(tmp_path):
         assert _get(path, 4) is None
 
 
+def test_malformed_entry_is_ignored_loudly_at_load(tmp_path):
+    """Round CP's review: an entry of the wrong length (or a non-number) raised TypeError on every call on that GPU
+    from the table's load; it is now dropped with a warning naming it, and the rest of the table stands."""
+    a = MoEConfig(16, 64, 64, 64, 64)
+    path = _write(tmp_path, {"1": [16, 64, 64], "4": ["x"] * 5, "8": a.as_list()})
+    with pytest.warns(UserWarning, match=r"ignoring malformed tuned MoE entry .*\['1'\] = \[16, 64, 64\]"):
+        assert _get(path, 4) is None  # neither bad bucket is an entry: the heuristic decides
+    assert _get(path, 8) == a
+
+
+def test_check_config_caps_block_m_at_the_task_maps_tile():
+    """Round CP's review: a block_m over 256 passed check_config and then failed inside build_moe_index as
+    "block_m" (an internal argument's name), or, from a table, on every call; it is refused here, by name."""
+    for bm in (512, 1024):
+        with pytest.raises(ValueError, match=f"config.block_m must be <= 256, got {bm}"):
+            check_config(MoEConfig(bm, 64, 64, 64, 64), 256, 128, 0)
+    check_config(MoEConfig(256, 64, 64, 64, 64), 256, 128, 0)
+
+
 def test_check_config_names_bad_warps_and_stages():
     good = MoEConfig(16, 64, 64, 64, 64)
     for nw in (1, 2, 4, 8, 16):

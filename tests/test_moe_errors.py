@@ -154,6 +154,9 @@ def test_helper_checks(device):
         evenflow.build_moe_index(ids, 4, ep_rank=-1)
     with pytest.raises(ValueError, match="num_local_experts must be >= 1, got 0"):
         evenflow.build_moe_index(ids, 0)
+    for bad in ("no", 1, 1.0):  # round CP's review: any truthy value was taken as True
+        with pytest.raises(TypeError, match="multi_program must be a bool"):
+            evenflow.build_moe_index(ids, 4, multi_program=bad)
     for h in (100, 0):  # a width of 0 has no group: refused by name, not launched as an empty grid
         with pytest.raises(ValueError, match=rf"last dimension \({h}\) must be a positive multiple of 128"):
             evenflow.quant_fp8_per_token_group(torch.zeros(2, h, dtype=torch.bfloat16, device=device))

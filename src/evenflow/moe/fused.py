@@ -49,7 +49,7 @@ from evenflow.moe.quant import (
     group_quant_buffers,
     launch_group_quant,
 )
-from evenflow.moe.routing import MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
+from evenflow.moe.routing import MAX_BLOCK_M, MAX_EXPERTS, MAX_TOP_K, build_moe_index, max_tiles
 
 __all__ = ["fused_moe", "MoEConfig", "choose_config", "check_config", "tuned_config"]
 
@@ -386,8 +386,14 @@ def _load_tuned(path: str) -> _Table:
     for key, buckets in data.get("configs", {}).items():
         # null: tuned, and the heuristic was not beaten by the tuner's margin (or the bucket was
         # not measured): calls in this bucket take choose_config, not a smaller bucket's entry.
-        table[key] = sorted(((int(t), None if c is None else MoEConfig.from_list(c)) for t, c in buckets.items()),
-                            key=lambda tc: tc[0])
+        rows = []
+        for t, c in buckets.items():
+            try:
+                rows.append((int(t), None if c is None else MoEConfig.from_list(c)))
+            except (TypeError, ValueError) as e:  # a hand-edited entry: the heuristic there, not a failing call
+                warnings.warn(f"ignoring malformed tuned MoE entry {key!r}[{t!r}] = {c!r} in {path}: {e}",
+                              stacklevel=2)
+        table[key] = sorted(rows, key=lambda tc: tc[0])
     return table
 
 
@@ -457,6 +463,8 @@ def check_config(cfg: MoEConfig, hidden: int, inter: int, mode: int, fast_acc: b
         v = getattr(cfg, name)
         if v < 1 or v & (v - 1):
             raise ValueError(f"config.{name} must be a power of two, got {v}")
+    if cfg.block_m > MAX_BLOCK_M:  # the task map's tiles (build_moe_index) are at most this many rows
+        raise ValueError(f"config.block_m must be <= {MAX_BLOCK_M}, got {cfg.block_m}")
     if cfg.block_m < 16 or cfg.gu_block_n < MIN_GU_BLOCK_N or cfg.gu_block_k < 16 or cfg.down_block_n < 16 \
             or cfg.down_block_k < 16:
         raise ValueError(f"config tiles must be >= 16 (tl.dot), got {cfg}")

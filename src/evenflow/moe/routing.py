@@ -11,12 +11,13 @@ from typing import NamedTuple
 
 import torch
 
-from evenflow._checks import check_int, check_pdl, check_tensor
+from evenflow._checks import check_bool, check_int, check_pdl, check_tensor
 from evenflow._runtime import cdiv, next_power_of_2, pdl_kwargs
 from evenflow.moe.kernels import moe_index_hist_kernel, moe_index_kernel, moe_index_place_kernel
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
+MAX_BLOCK_M = 256  # rows of a tile of the task map (the index kernels' tile-end histograms)
 # Above this many pairs the index is built by two launches of one program per chunk of pairs
 # (per-chunk counts; per-chunk prefix + scatter + task-map share) instead of one program
 # walking every block in turn (docs/perf-notes/moe.md, round 5).
@@ -70,7 +71,7 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     check_tensor("topk_ids", topk_ids, dtypes=[torch.int32, torch.int64], ndim=2, contiguous=True)
     check_int("num_local_experts", num_local_experts, 1, MAX_EXPERTS)
     check_int("ep_rank", ep_rank, 0)
-    check_int("block_m", block_m, 16, 256)
+    check_int("block_m", block_m, 16, MAX_BLOCK_M)
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
     dev = topk_ids.device
@@ -97,6 +98,8 @@ def build_moe_index(topk_ids: torch.Tensor, num_local_experts: int, ep_rank: int
     e_first = ep_rank * num_local_experts
     if multi_program is None:
         multi_program = num_pairs > MULTI_PROGRAM_PAIRS
+    else:
+        check_bool("multi_program", multi_program)
     if not multi_program or num_pairs == 0:
         moe_index_kernel[(1,)](
             topk_ids, counts, offsets, sorted_pairs, tile_expert, tile_row, zero_buf,
