@@ -1310,3 +1310,44 @@ def test_plan_told_an_fp8_q_takes_four_warps_at_two_to_four_kv_heads_and_checks_
     # the told dtype's calls run, within the rule of the reference
     check(q8, qs8, k, v, pt, sl, 1, plan=told8, k_scale=1.0, v_scale=1.0, what="told fp8 q")
     check(q, qs, k, v, pt, sl, 1, plan=told16, k_scale=1.0, v_scale=1.0, what="told bf16 q")
+
+
+def test_plan_bound_counts_the_budget_roundings_and_an_items_tokens(device):
+    """Round CP's review: the plan's int32 bound left out the budget's roundings and an item's tokens, so legal plans
+    at a huge max_seq_len or min_tiles wrapped: ``prog_start`` negative (rows 55-62 of a 63-request batch never
+    written, a read before the plan's buffers) or ``n * TILE`` (an all-zero output where the static path attends).
+    Those plans are refused now, by the bound's message; the largest max_seq_len a small plan takes runs its update
+    and call over lengths that the page table clamps, bins in order and output equal to the static path's."""
+    from evenflow.attention.plan import MAX_SEQ_LEN
+    for b, kw in ((63, dict(num_programs=6, min_tiles=1)), (1, dict(num_programs=66, min_tiles=31_580_642)),
+                  (1, dict(num_programs=4, min_tiles=1, item_cost_max_tiles=None))):
+        with pytest.raises(ValueError, match="too large for the plan's int32 tile and token indices"):
+            evenflow.DecodePlan(b, MAX_SEQ_LEN, 1, device=device, **kw)
+    B = 3
+    for kw in (dict(num_programs=4, min_tiles=1), dict(num_programs=4, min_tiles=1, item_cost_max_tiles=None)):
+        def takes(n):
+            try:
+                evenflow.DecodePlan(B, n, 1, device=device, **kw)
+                return True
+            except ValueError:
+                return False
+        lo, hi = 1, MAX_SEQ_LEN  # the largest max_seq_len taken (the bound is monotone in it)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if takes(mid) else (lo, mid - 1)
+        assert lo > 2**28, f"{kw}: a plan of {B} requests refused past max_seq_len {lo}"
+        plan = evenflow.DecodePlan(B, lo, 1, device=device, **kw)
+        sl = torch.full((B,), lo, dtype=torch.int32, device=device)
+        plan.update(sl)
+        start = plan.as_dict()["prog_start"].cpu()
+        assert int(start.min()) >= 0 and bool((start[1:] >= start[:-1]).all()), start.tolist()
+        g = torch.Generator().manual_seed(5)
+        k, v = (torch.randn(2, 64, 1, 64, generator=g).to(torch.bfloat16).to(device) for _ in range(2))
+        pt = torch.zeros(B, 1, dtype=torch.int32, device=device)  # every length clamped to one page of 64
+        q = torch.randn(B, 1, 64, generator=g).to(torch.bfloat16).to(device)
+        out = poisoned((B, 1, 64), torch.bfloat16, device)
+        _, lse = evenflow.decode_attention(q, k, v, pt, sl, plan=plan, out=out, return_lse=True)
+        ref, ref_lse = evenflow.decode_attention(q, k, v, pt, sl, return_lse=True)
+        assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
+        assert_within_one_ulp(out, ref, f"{kw}: the plan's output against the static path's")
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=0)  # one chunk each: the same fp32 sums

@@ -131,8 +131,8 @@ def test_decode_plan_update_op_checks_its_buffers(device, monkeypatch):
     _refused(op, a, "num_kv_heads must be >= 1", num_kv_heads=0)
     _refused(op, a, "min_tiles must be >= 1", min_tiles=0)
     # DecodePlan's int32 bound on the tile indices (the plan refuses the same options)
-    _refused(op, a, "too large for int32 tile indices", max_seq_len=2**31 - 64, num_kv_heads=256)
-    with pytest.raises(ValueError, match="too large for int32 tile indices"):
+    _refused(op, a, "too large for the plan.s int32 tile and token indices", max_seq_len=2**31 - 64, num_kv_heads=256)
+    with pytest.raises(ValueError, match="too large for the plan.s int32 tile and token indices"):
         evenflow.DecodePlan(8, 2**31 - 64, 256, page_size=16, device=device, num_programs=6)
     # one request's own tile count: (len + 63) // 64 in int32 (round BX's audit: 2^31 - 1 wrapped negative)
     _refused(op, a, "max_seq_len must be <= 2147483584", max_seq_len=2**31 - 63)
@@ -162,6 +162,14 @@ def test_decode_attention_op_checks_its_tensors(device, monkeypatch, planned):
     _refused(op, a, "part_o must hold at least", part_o=a["part_o"].reshape(-1)[:1])
     _refused(op, a, "part_lse must be contiguous", part_lse=a["part_lse"].reshape(-1)[:1].expand(a["part_lse"].numel()))
     _refused(op, a, "sm_scale must be > 0", sm_scale=0.0)
+    # the launch options (round CP's review: block_n=32 made the loop step 0, num_warps=3 and num_stages=-1 ran; a
+    # float is refused by the schema itself, a bool taken as 0 or 1 and checked as that)
+    for name, bad, why in (("block_n", 32, r"one of \[0, 64, 128\]"),
+                           ("num_warps", 3, r"one of \[0, 2, 4, 8\]"), ("num_stages", -1, ">= 0"),
+                           ("max_regs", 16, "0 \\(no cap\\) or 24-255"),
+                           ("warp_split", 2, r"one of \[-1, 0, 1\]"), ("gluon_warps", 3, r"one of \[1, 2, 4\]"),
+                           ("pad", -1, ">= 0"), ("short_tiles", -1, ">= 0"), ("merge_chunks", 0, ">= 1")):
+        _refused(op, a, f"{name} must .*{why}", **{name: bad})
     if planned:
         _refused(op, a, "tiles must hold at least 4", tiles=a["tiles"][:1])
         _refused(op, a, "group_count must hold at least", group_count=a["group_count"][:1])

@@ -530,6 +530,13 @@ def test_plan_bad_arguments(device):
             (dict(min_tiles=0), ValueError, "min_tiles must be >= 1, got 0"),
             (dict(item_cost="1"), TypeError, "item_cost must be an int, got str"),
             (dict(max_registers=300), ValueError, "max_registers must be <= 255, got 300"),
+            # round CP's review: 4.0, 64.0 and False were taken (False as 0, which made a Triton-kernel plan)
+            (dict(max_registers=False), TypeError, "max_registers must be an int, got bool"),
+            (dict(max_registers=16), ValueError, r"max_registers must be 0 \(no cap\), 24-255 or None, got 16"),
+            (dict(num_warps=4.0), TypeError, "num_warps must be an int, got float"),
+            (dict(block_n=64.0), TypeError, "block_n must be an int, got float"),
+            (dict(page_size=64.0), TypeError, "page_size must be an int, got float"),
+            (dict(page_size=48), ValueError, r"page_size must be one of \[16, 32, 64, 128\], got 48"),
             (dict(align_items=1), TypeError, "align_items must be a bool, got 1"),
             (dict(kv_dtype=torch.float16), ValueError, "kv_dtype must be one of"),
             (dict(gluon=1), TypeError, "gluon must be a bool or None"),

@@ -62,6 +62,7 @@ from evenflow.attention.plan import (
     GLUON_FP8_MAX_ROWS,
     GLUON_FP8_PAGE_SIZES,
     GLUON_FP8_STAGES,
+    GLUON_FP8_WARP_COUNTS,
     GLUON_FP8_WG_ROWS,
     HEAD_DIMS,
     KV_DTYPES,
@@ -453,10 +454,25 @@ def _check_decode_op(a: dict) -> None:
             raise ValueError(f"{name} must hold at least {least[name]} entries for this launch, got {t.numel()}")
     for name in ("pdl", "prefetch", "fused", "gluon", "early", "trigger", "warpgroup_mma"):
         check_bool(name, a[name])
+    _check_launch_ints(a)
     if a["gluon"] and splits == 0:
         why = gluon_fp8_machine_refusal(dev) or gluon_fp8_call_refusal(q, k_cache, rows)
         if why is not None:
             raise ValueError(f"gluon=True: the Gluon fp8 kernel does not run this call: {why}")
+
+
+def _check_launch_ints(a: dict) -> None:
+    """The launch options of a direct call, each an int (a bool or float refused) within what the launchers pass
+    (round CP's review: ``block_n=32`` made the loop step 0, ``num_warps=3`` and ``num_stages=-1`` were taken)."""
+    for name, allowed in (("num_warps", (0, 2, 4, 8)), ("block_n", (0, TILE, 2 * TILE)), ("warp_split", (-1, 0, 1)),
+                          ("gluon_warps", GLUON_FP8_WARP_COUNTS)):
+        if check_int(name, a[name]) not in allowed:
+            raise ValueError(f"{name} must be one of {list(allowed)}, got {a[name]}")
+    check_int("num_stages", a["num_stages"], 0, 8)
+    if check_int("max_regs", a["max_regs"], 0, 255) and a["max_regs"] < 24:
+        raise ValueError(f"max_regs must be 0 (no cap) or 24-255, got {a['max_regs']}")
+    for name, least in (("pad", 0), ("short_tiles", 0), ("merge_chunks", 1)):
+        check_int(name, a[name], least)
 
 
 # Registered as a custom op (fake below) for torch.compile; eager calls launch directly,

@@ -319,13 +319,28 @@ def _plan_update_launch(seq_lens: torch.Tensor, tiles: torch.Tensor, req_end: to
     )
 
 
+# The most the budget's roundings (align_growth, align_longer_growth: each at most 2) grow a program's budget
+_BUDGET_GROWTH = 4
+
+
 def _check_tile_bound(max_batch: int, num_kv_heads: int, max_seq_len: int, item_cost: int, num_programs: int,
                       min_tiles: int) -> None:
-    """The plan's tile indices (and each program's budget on top of them) fit int32."""
-    max_tiles = max_batch * num_kv_heads * (math.ceil(max_seq_len / TILE) + item_cost)
-    if max_tiles + num_programs * (min_tiles + 1) >= 2**31:
-        raise ValueError(f"max_batch * num_kv_heads * max_seq_len too large for int32 tile indices "
-                         f"({max_tiles} tiles)")
+    """The plan's int32 indices cannot wrap: every bin's start (``num_programs`` budgets on top of the tiles) with
+    the budget grown by its roundings, and an item's tokens (``n * TILE`` in the kernels) with the item padded up to
+    twice its units. A rounding grows a budget of an item or less up to ``_BUDGET_GROWTH`` times and a larger one
+    by whole items (so by at most ``_BUDGET_GROWTH - 1`` items); a huge floor over short items is not grown (round
+    AZ's headroom rule, tested). Round CP's review: the bound left out both, so legal plans at a huge
+    ``max_seq_len`` wrapped ``prog_start`` negative (bins undrained, a read before the plan's buffers) or an item's
+    token count (an all-zero output where the static path attends)."""
+    item = math.ceil(max_seq_len / TILE) + item_cost
+    max_tiles = max_batch * num_kv_heads * item
+    budget = math.ceil(max_tiles / num_programs) + min_tiles + 1
+    grown = budget + (_BUDGET_GROWTH - 1) * min(budget, item)
+    if max_tiles + num_programs * grown >= 2**31 or 2 * item * TILE >= 2**31:
+        raise ValueError(f"max_batch ({max_batch}) * num_kv_heads ({num_kv_heads}) * max_seq_len ({max_seq_len}) "
+                         f"with min_tiles ({min_tiles}) over {num_programs} programs is too large for the plan's "
+                         f"int32 tile and token indices ({max_tiles} tiles of items up to {item}, a program's "
+                         f"budget up to {grown})")
 
 
 def _check_plan_update_op(a: dict) -> None:
@@ -519,7 +534,7 @@ class DecodePlan:
             raise ValueError(f"q_dtype must be one of {list(Q_DTYPES)} or None, got {q_dtype!r}")
         check_int("max_seq_len", max_seq_len, 1, MAX_SEQ_LEN)
         check_int("num_kv_heads", num_kv_heads, 1, 256)
-        if page_size not in (16, 32, 64, 128):
+        if check_int("page_size", page_size) not in (16, 32, 64, 128):
             raise ValueError(f"page_size must be one of [16, 32, 64, 128], got {page_size!r}")
         check_int("q_len", q_len, 1, 4)
         if num_q_heads is not None:
@@ -610,12 +625,14 @@ class DecodePlan:
         if min_tiles is None:
             min_tiles = DEFAULT_MIN_TILES
         check_int("min_tiles", min_tiles, 1)
-        if num_warps is not None and num_warps not in (2, 4, 8):
+        # ints (a float or bool refused: round CP's review found 4.0, 64.0 and False taken)
+        if num_warps is not None and check_int("num_warps", num_warps) not in (2, 4, 8):
             raise ValueError(f"num_warps must be one of [2, 4, 8] or None, got {num_warps!r}")
-        if block_n is not None and block_n not in (TILE, 2 * TILE):
+        if block_n is not None and check_int("block_n", block_n) not in (TILE, 2 * TILE):
             raise ValueError(f"block_n must be one of [{TILE}, {2 * TILE}] or None, got {block_n!r}")
-        if max_registers is not None and max_registers != 0:
-            check_int("max_registers", max_registers, 24, 255)
+        if max_registers is not None and check_int("max_registers", max_registers, 0, 255) \
+                and max_registers < 24:
+            raise ValueError(f"max_registers must be 0 (no cap), 24-255 or None, got {max_registers}")
         check_int("item_cost", item_cost, 0, MAX_ITEM_COST)
         if item_cost_max_tiles is not None:
             check_int("item_cost_max_tiles", item_cost_max_tiles, 1, _NO_COST_LIMIT - 1)
