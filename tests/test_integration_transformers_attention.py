@@ -319,6 +319,44 @@ def test_state_mistakes_raise_instead_of_mixing_batches(device):
         padding_mask(3, 7, 7, mask_function=bidirectional_mask_function, attention_mask=mask.bool())
 
 
+def test_a_sliding_window_is_refused_only_where_a_layer_slides(device):
+    """A config's sliding window under the cache's length is refused (evenflow's paged attention is full causal),
+    but only where some layer slides: round CP's review found a config whose ``layer_types`` are all full attention
+    (Mellum's: ``sliding_window`` 1024 by default) refused for a window none of its layers has."""
+    import copy
+    _, _, ev = models(device)
+    n = ev.config.num_hidden_layers
+    for types, refused in ((None, "sliding window 16 under max_cache_len 32"), (["full_attention"] * n, None),
+                           (["full_attention"] * (n - 1) + ["sliding_attention"], "layer types .*'sliding_attention'")):
+        cfg = copy.deepcopy(ev.config)
+        cfg.sliding_window, cfg.use_sliding_window = 16, True
+        cfg.layer_types = types
+        if refused:
+            with pytest.raises(TypeError, match=refused):
+                ev_tf.PagedCache(cfg, max_batch_size=1, max_cache_len=32, page_size=16, device=device)
+        else:
+            ev_tf.PagedCache(cfg, max_batch_size=1, max_cache_len=32, page_size=16, device=device)
+    cfg.layer_types, cfg.use_sliding_window = None, False  # the config's own switch off: no layer slides
+    ev_tf.PagedCache(cfg, max_batch_size=1, max_cache_len=32, page_size=16, device=device)
+
+
+def test_a_paged_cache_under_another_attention_raises(device):
+    """Round CP's review: a PagedCache's update stores nothing and hands back the forward's own K / V (evenflow's
+    attention stores and attends), so under the model's stock attention (no enable_attention) each decode step
+    attended to its new token alone, with no error, and the cache stayed empty. The next update after one whose
+    handle no evenflow attention took now raises, naming the fix; after enable_attention the same cache runs."""
+    _, _, ev = models(device)
+    assert ev.config.num_hidden_layers >= 2  # the second layer's update finds the first one's left out
+    cache = ev_tf.PagedCache(ev, max_batch_size=3, max_cache_len=32, page_size=16)
+    ids, mask = prompts(device)
+    with pytest.raises(RuntimeError, match="layer 0's cache.update was not followed by evenflow's paged attention"):
+        generate(ev, cache, ids, mask, new=2)
+    cache.reset()
+    ev_tf.enable_attention(ev)
+    _, logits = generate(ev, cache, ids, mask, new=2)
+    assert torch.isfinite(logits).all() and cache.seen == PROMPT + 1
+
+
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "unfused"])
 def test_beam_search_continues_each_beam_on_its_own_tokens(device, fuse):
     """Beam search (3 beams, 3 returned, two unequal prompts): along every returned sequence, the logits that chose

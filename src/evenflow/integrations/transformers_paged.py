@@ -458,6 +458,15 @@ def _layer_class():
                 raise TypeError("PagedCache: the attention module called cache.update without its forward's kwargs; "
                                 "evenflow's paged attention needs modules that pass kwargs=kwargs (transformers 5 "
                                 "models do)")
+            owner = self.owner
+            if owner.unattended is not None:  # the last update's handle was never taken by evenflow's attention
+                layer, owner.unattended = owner.unattended, None
+                raise RuntimeError(
+                    f"PagedCache: layer {layer}'s cache.update was not followed by evenflow's paged attention, which "
+                    "stores and attends over the pages (update itself stores nothing and hands back only this "
+                    "forward's K / V, so another attention would attend to the new tokens alone): set the model's "
+                    "attention to 'evenflow' (evenflow.integrations.transformers.enable_attention)")
+            owner.unattended = self.index
             kwargs[_HANDLE] = self
             return key_states, value_states
 
@@ -514,7 +523,9 @@ def _cache_class():
             if kv_dtype not in KV_DTYPES:
                 raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype}")
             window = getattr(cfg, "sliding_window", None)
-            if window is not None and getattr(cfg, "use_sliding_window", True) and window < max_cache_len:
+            types = getattr(cfg, "layer_types", None)  # where a config lists them, a window applies to its sliding
+            slides = types is None or "sliding_attention" in types  # layers only (round CP: Mellum's are all full)
+            if window is not None and getattr(cfg, "use_sliding_window", True) and slides and window < max_cache_len:
                 raise TypeError(f"model: sliding window {window} under max_cache_len {max_cache_len}: evenflow's "
                                 "paged attention computes full causal attention")
             if device is None:
@@ -527,6 +538,7 @@ def _cache_class():
             self.num_q_heads, self.num_kv_heads, self.head_dim, self.kv_dtype = hq, hkv, d, kv_dtype
             self.k_scale, self.v_scale = k_scale, v_scale
             self.seen = 0
+            self.unattended: int | None = None  # a layer whose update's handle no attention has taken yet
             ppr = math.ceil(max_cache_len / page_size)
             if max_tokens is None:
                 pages = max_batch_size * ppr
@@ -577,6 +589,7 @@ def _cache_class():
         def reset(self) -> None:
             """Empty every request (the pages are overwritten as the next batch writes them)."""
             self.seen = 0
+            self.unattended = None
             self.step.reset()
 
         def _rows(self, what: str, idx) -> None:
@@ -740,6 +753,8 @@ def __getattr__(name: str):
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
     """transformers' attention function ``"evenflow"``: returns ``(out [B, T, Hq, D], None)``."""
     layer = kwargs.get(_HANDLE)
+    if layer is not None:
+        layer.owner.unattended = None  # the handle taken: the next update finds no layer left out
     if layer is None:
         raise ValueError(f"{type(module).__name__}: attn_implementation 'evenflow' needs "
                          "cache=evenflow.integrations.transformers.PagedCache(...) (past_key_values= before "
