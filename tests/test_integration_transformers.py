@@ -108,6 +108,24 @@ def test_refuses_what_it_cannot_run(device):
     ev.model.layers[0].mlp.experts.is_transposed = True
     with pytest.raises(TypeError, match="is_transposed=False"):
         ev_tf.enable(ev)
+    ev.model.layers[0].mlp.experts.is_transposed = False
+
+
+def test_an_experts_module_the_interface_does_not_dispatch_is_refused(device):
+    """Round CP's review: an experts class not built with transformers' use_experts_implementation (Llama4's) keeps
+    its own forward whatever implementation is set, yet enable() counted it as moved to evenflow. A module whose
+    config does not end up on 'evenflow' is now refused by name; here one layer's experts hold a config of their own,
+    which set_experts_implementation does not reach, as such a module's forward would not read it."""
+    import copy
+
+    _, _, ev = models(device)
+    experts = ev.model.layers[-1].mlp.experts
+    experts.config = copy.deepcopy(experts.config)
+    with pytest.raises(TypeError, match=f"{type(experts).__name__}: runs its own forward, which transformers' "
+                                        "experts interface does not dispatch"):
+        ev_tf.enable(ev)
+    experts.config = ev.config
+    assert ev_tf.enable(ev)["experts"] == ev.config.num_hidden_layers
 
 
 def test_register_makes_the_name_known(device):

@@ -234,6 +234,15 @@ def enable(model: torch.nn.Module, *, routers: bool = True) -> dict:
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(f"model: {type(model).__name__} is not a transformers PreTrainedModel")
     model.set_experts_implementation(IMPLEMENTATION)
+    # Each experts module dispatches by its own config's implementation (transformers' experts interface); a class
+    # without that interface keeps its own forward whatever is set (round CP's review: Llama4's experts were counted
+    # as moved and never called evenflow)
+    stays = [m for m in experts
+             if getattr(getattr(m, "config", None), "_experts_implementation", None) != IMPLEMENTATION]
+    if stays:
+        raise TypeError(f"{type(stays[0]).__name__}: runs its own forward, which transformers' experts interface "
+                        "does not dispatch (its class is not built with use_experts_implementation): evenflow's "
+                        "fused MoE cannot take it")
     replaced = 0
     if routers:
         for m in model.modules():
