@@ -344,7 +344,8 @@ def test_refusals(monkeypatch):
     backend.init_forward_metadata(fb)
     q, k, v = torch.zeros(5, 8 * 64, dtype=BF16), torch.zeros(5, 2, 64, dtype=BF16), torch.zeros(5, 2, 64, dtype=BF16)
     for attr, value, match in (("sliding_window_size", 64, "sliding window"), ("logit_cap", 30.0, "logit capping"),
-                               ("is_cross_attention", True, "attention type")):
+                               ("is_cross_attention", True, "attention type"),
+                               ("xai_temperature_len", 1024, "xAI attention temperature")):
         layer = RadixAttention(8, 64, 0.125, 2, layer_id=0)
         setattr(layer, attr, value)
         with pytest.raises(NotImplementedError, match=match):

@@ -111,6 +111,21 @@ def test_refuses_what_it_cannot_run(device):
     ev.model.layers[0].mlp.experts.is_transposed = False
 
 
+def test_experts_without_a_gate_are_refused_by_name_at_the_call(device):
+    """Round CP's review: experts of the has_gate=False form (an up_proj, no gate_up_proj; NemotronH's) reaching the
+    implementation (register() and experts_implementation='evenflow' at load) raised a bare AttributeError; they are
+    refused by the layout check, by name."""
+    _, _, ev = models(device)
+    experts = ev.model.layers[0].mlp.experts
+    experts.has_gate = False
+    experts.up_proj = experts.gate_up_proj
+    del experts.gate_up_proj
+    x = torch.zeros(2, ev.config.hidden_size, dtype=torch.bfloat16, device=device)
+    ids, w = torch.zeros(2, 2, dtype=torch.int64, device=device), torch.ones(2, 2, device=device)
+    with torch.no_grad(), pytest.raises(TypeError, match="takes has_gate=True experts, this module has has_gate=False"):
+        ev_tf.experts_forward(experts, x, ids, w)
+
+
 def test_an_experts_module_the_interface_does_not_dispatch_is_refused(device):
     """Round CP's review: an experts class not built with transformers' use_experts_implementation (Llama4's) keeps
     its own forward whatever implementation is set, yet enable() counted it as moved to evenflow. A module whose

@@ -256,6 +256,9 @@ class EvenflowSGLangBackend(AttentionBackend):
              layer.attn_type != AttentionType.DECODER or layer.is_cross_attention),
             (f"a sliding window ({layer.sliding_window_size})", layer.sliding_window_size not in (None, -1)),
             (f"logit capping ({layer.logit_cap})", bool(layer.logit_cap)),
+            # Grok's position-dependent query temperature (SGLang's default -1: none)
+            (f"xAI attention temperature (xai_temperature_len {getattr(layer, 'xai_temperature_len', -1)})",
+             (getattr(layer, "xai_temperature_len", -1) or -1) > 0),
             (f"{layer.tp_q_head_num} q heads over {layer.tp_k_head_num} kv heads (a GQA group of 1-{MAX_GQA_GROUP})",
              layer.tp_q_head_num % layer.tp_k_head_num != 0
              or layer.tp_q_head_num // layer.tp_k_head_num > MAX_GQA_GROUP),

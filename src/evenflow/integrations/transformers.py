@@ -142,6 +142,8 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_
     """The ``evenflow`` experts implementation: ``sum_k w_k * expert_k(x)`` of each token through
     :func:`evenflow.fused_moe` (hidden states cast to bf16 and the result back to their dtype). evenflow's kernels
     have no backward: a call that autograd would record raises (run under ``torch.no_grad()`` / inference mode)."""
+    if not isinstance(getattr(module, "gate_up_proj", None), torch.Tensor):
+        _check_experts(module)  # refuses it by name (has_gate=False experts have up_proj), not an AttributeError
     refuse_autograd(module, (hidden_states, module.gate_up_proj))
     if getattr(module, "_is_expert_parallel", False):
         _refuse(module, "runs this rank's experts from global ids (evenflow.fused_moe's ep_rank); transformers' "
