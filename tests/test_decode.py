@@ -1351,3 +1351,33 @@ def test_plan_bound_counts_the_budget_roundings_and_an_items_tokens(device):
         assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
         assert_within_one_ulp(out, ref, f"{kw}: the plan's output against the static path's")
         torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=0)  # one chunk each: the same fp32 sums
+
+
+def test_out_and_lse_that_share_memory_with_an_input_are_refused(device):
+    """Round CP's review: decode and prefill took an ``out`` or ``lse`` over the KV cache, q or the page table, so the
+    kernels wrote what others read (a cache corrupted in silence). Each is refused naming both, and a separate buffer
+    still runs."""
+    from test_prefill import make_inputs as prefill_inputs
+
+    q, _, k, v, pt, sl = make_inputs([70, 5], 2, 2, 64, 16, 1, device=device)
+    rows, hq, d = q.shape
+    over_k = k.view(-1)[: rows * hq * d].view(rows, hq, d)
+    with pytest.raises(ValueError, match="out overlaps k_cache in memory"):
+        evenflow.decode_attention(q, k, v, pt, sl, out=over_k)
+    out = torch.empty(rows, hq, d, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="lse overlaps out in memory"):
+        evenflow.decode_attention(q, k, v, pt, sl, out=out, return_lse=True,
+                                  lse=out.view(-1).view(torch.float32)[: rows * hq].view(rows, hq))
+    with pytest.raises(ValueError, match="out overlaps q in memory"):
+        evenflow.decode_attention(q, k, v, pt, sl, out=q)
+    o = evenflow.decode_attention(q, k, v, pt, sl, out=out)
+    assert o is out and torch.isfinite(out.float()).all()
+    q, k, v, cu, pt, sl = prefill_inputs([3, 2], [5, 0], 4, 2, 64, 16, device=device)
+    T = q.shape[0]
+    with pytest.raises(ValueError, match="out overlaps v_cache in memory"):
+        evenflow.prefill_attention(q, k, v, cu, pt, sl, 3, out=v.view(-1)[: T * 4 * 64].view(T, 4, 64))
+    out = torch.empty(T, 4, 64, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="lse overlaps out in memory"):
+        evenflow.prefill_attention(q, k, v, cu, pt, sl, 3, out=out, return_lse=True,
+                                   lse=out.view(-1).view(torch.float32)[: T * 4].view(T, 4))
+    assert evenflow.prefill_attention(q, k, v, cu, pt, sl, 3, out=out) is out

@@ -125,7 +125,7 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + (last + 1) * t.element_size()
 
 
-def check_no_overlap(name: str, out: torch.Tensor, **inputs) -> None:
+def check_no_overlap(name: str, out: torch.Tensor, /, **inputs) -> None:
     """``out`` (a buffer a kernel writes while it reads ``inputs``) shares no bytes with any of them (None
     skipped): the kernels' programs would read what others have written. The test is by span (the bytes from a
     tensor's first element to its last), so two views that interleave without sharing an element are refused

@@ -50,6 +50,7 @@ from evenflow._checks import (
     check_bool,
     check_fp32_scale,
     check_int,
+    check_no_overlap,
     check_out,
     check_scaling,
     check_tensor,
@@ -673,11 +674,15 @@ def decode_attention(q, k_cache, v_cache, page_table, seq_lens, plan: DecodePlan
         out = torch.empty(B * q_len, Hq, D, dtype=torch.bfloat16, device=dev)
     else:
         check_out("out", out, [B * q_len, Hq, D], torch.bfloat16, dev)
+        # the kernels read these while they write out (round CP's review: an out over the cache was taken)
+        check_no_overlap("out", out, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens)
     if return_lse:
         if lse is None:
             lse = torch.empty(B * q_len, Hq, dtype=torch.float32, device=dev)
         else:
             check_out("lse", lse, [B * q_len, Hq], torch.float32, dev)
+            check_no_overlap("lse", lse, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
+                             seq_lens=seq_lens, out=out)
     P = k_cache.shape[1]
     rows = (Hq // Hkv) * q_len
     max_pages_len = page_table.shape[1] * P

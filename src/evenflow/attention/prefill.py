@@ -36,6 +36,7 @@ from evenflow._checks import (
     check_bool,
     check_cu_seqlens_values,
     check_int,
+    check_no_overlap,
     check_out,
     check_scaling,
     check_tensor,
@@ -183,11 +184,16 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, page_table, seq_lens, m
         out = torch.empty(T, Hq, D, dtype=torch.bfloat16, device=dev)
     else:
         check_out("out", out, [T, Hq, D], torch.bfloat16, dev)
+        # the kernels read these while they write out (round CP's review: an out over the cache was taken)
+        check_no_overlap("out", out, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table, seq_lens=seq_lens,
+                         cu_seqlens_q=cu_seqlens_q)
     if return_lse:
         if lse is None:
             lse = torch.empty(T, Hq, dtype=torch.float32, device=dev)
         else:
             check_out("lse", lse, [T, Hq], torch.float32, dev)
+            check_no_overlap("lse", lse, q=q, k_cache=k_cache, v_cache=v_cache, page_table=page_table,
+                             seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, out=out)
     if check_inputs and _runtime.host_sync_allowed(seq_lens):
         _check_values(k_cache, cu_seqlens_q, page_table, seq_lens, T)
         check_scale_tensors(ks_t, vs_t, sm_scale)
