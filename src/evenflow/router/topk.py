@@ -42,11 +42,12 @@ __all__ = ["route", "select_experts", "MAX_EXPERTS", "MAX_TOP_K"]
 
 MAX_EXPERTS = 512
 MAX_TOP_K = 16
-# The top-k kernel's tile, (rows, warps) a program; None: round CM's, 16 rows (fewer past 256 experts) on 4 warps.
-# One row a one-warp program keeps every reduction of the selection inside a warp (its sm_90 build at 192-384
-# experts: 1,072-2,952 instructions and one barrier, against 6,496-9,168 and 80-114 barriers; round CN,
-# docs/perf-notes/router.md); not yet measured on a GPU, so a module switch: ``TOPK_TILE = (1, 1)``.
-TOPK_TILE: tuple[int, int] | None = None
+# The top-k kernel's tile, (rows, warps) a program. None (the default): one row a one-warp program, which keeps every
+# reduction of the selection inside a warp (its sm_90 build at 192-384 experts: 1,072-2,952 instructions and one
+# barrier, against 6,496-9,168 and 80-114 barriers; round CN) and ran the top-k 1.5-4.2x faster than round CM's tile
+# at every measured point on an H200 (round CP, M = 1-4096, four router shapes; docs/perf-notes/router.md). "cm":
+# round CM's tile, 16 rows (fewer past 256 experts) on 4 warps, kept for A/B; or any (rows, warps).
+TOPK_TILE: tuple[int, int] | str | None = None
 
 
 def _capturing(device: torch.device) -> bool:
@@ -55,7 +56,11 @@ def _capturing(device: torch.device) -> bool:
 
 
 def _topk_tile(block_e: int) -> tuple[int, int]:
-    return TOPK_TILE if TOPK_TILE is not None else (max(1, min(16, 4096 // block_e)), 4)
+    if TOPK_TILE is None:
+        return 1, 1
+    if TOPK_TILE == "cm":
+        return max(1, min(16, 4096 // block_e)), 4
+    return TOPK_TILE
 
 
 def _launch_topk(logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
