@@ -58,6 +58,7 @@ from evenflow._checks import (
 )
 from evenflow.attention import kernels as K
 from evenflow.attention.plan import (
+    BLOCK_NS,
     DEFAULT_PROGRAMS_PER_SM,
     GLUON_FP8_HEAD_DIM,
     GLUON_FP8_MAX_ROWS,
@@ -70,7 +71,9 @@ from evenflow.attention.plan import (
     MAX_GQA_GROUP,
     Q_DTYPES,
     TILE,
+    TRITON_WARP_COUNTS,
     DecodePlan,
+    check_register_cap,
     gluon_fp8_shape_misses,
     programs_per_sm,
     static_splits,
@@ -465,13 +468,12 @@ def _check_decode_op(a: dict) -> None:
 def _check_launch_ints(a: dict) -> None:
     """The launch options of a direct call, each an int (a bool or float refused) within what the launchers pass
     (round CP's review: ``block_n=32`` made the loop step 0, ``num_warps=3`` and ``num_stages=-1`` were taken)."""
-    for name, allowed in (("num_warps", (0, 2, 4, 8)), ("block_n", (0, TILE, 2 * TILE)), ("warp_split", (-1, 0, 1)),
-                          ("gluon_warps", GLUON_FP8_WARP_COUNTS)):
+    for name, allowed in (("num_warps", (0, *TRITON_WARP_COUNTS)), ("block_n", (0, *BLOCK_NS)),
+                          ("warp_split", (-1, 0, 1)), ("gluon_warps", GLUON_FP8_WARP_COUNTS)):
         if check_int(name, a[name]) not in allowed:
             raise ValueError(f"{name} must be one of {list(allowed)}, got {a[name]}")
     check_int("num_stages", a["num_stages"], 0, 8)
-    if check_int("max_regs", a["max_regs"], 0, 255) and a["max_regs"] < 24:
-        raise ValueError(f"max_regs must be 0 (no cap) or 24-255, got {a['max_regs']}")
+    check_register_cap("max_regs", a["max_regs"])
     for name, least in (("pad", 0), ("short_tiles", 0), ("merge_chunks", 1)):
         check_int(name, a[name], least)
 

@@ -136,6 +136,21 @@ GLUON_FP8_WARPS = 2
 # KV-head count, and its warps' outputs [4, 16, 128] fp32 (32 KB) meet in K's ring, which then holds at least
 # GLUON_FP8_MMA4_SLOTS slots (unused ones padding a 3-slot ring).
 GLUON_FP8_WARP_COUNTS = (1, 2, 4)
+# The Triton decode kernel's launch options a plan may set (the decode op's direct calls also take 0: the launcher's
+# choice): warps a program, tokens a loop step, and a register cap a thread (0: none)
+TRITON_WARP_COUNTS = (2, 4, 8)
+BLOCK_NS = (TILE, 2 * TILE)
+MIN_REGISTER_CAP = 24
+
+
+def check_register_cap(name: str, v, none_allowed: bool = False) -> int:
+    """A register cap a thread: 0 (none) or MIN_REGISTER_CAP-255, an int (``none_allowed``: the message says None is
+    taken too, where the caller takes it)."""
+    if check_int(name, v, 0, 255) and v < MIN_REGISTER_CAP:
+        top = f"{MIN_REGISTER_CAP}-255"
+        choices = f"0 (no cap), {top} or None" if none_allowed else f"0 (no cap) or {top}"
+        raise ValueError(f"{name} must be {choices}, got {v}")
+    return v
 # A plan built for the Gluon kernel at one KV head takes four warps by default (``gluon_warps=None``, round AW): its
 # fp8-q calls of at most GLUON_FP8_WG_ROWS rows a KV head run the warpgroup form, its other calls the two-warp form
 # on the same bins (2 programs an SM, 3 ring slots, 16-tile read-ahead and 12-chunk merge: the two-warp default's
@@ -327,9 +342,10 @@ def _check_tile_bound(max_batch: int, num_kv_heads: int, max_seq_len: int, item_
                       min_tiles: int) -> None:
     """The plan's int32 indices cannot wrap: every bin's start (``num_programs`` budgets on top of the tiles) with
     the budget grown by its roundings, and an item's tokens (``n * TILE`` in the kernels) with the item padded up to
-    twice its units. A rounding grows a budget of an item or less up to ``_BUDGET_GROWTH`` times and a larger one
-    by whole items (so by at most ``_BUDGET_GROWTH - 1`` items); a huge floor over short items is not grown (round
-    AZ's headroom rule, tested). Round CP's review: the bound left out both, so legal plans at a huge
+    twice its units. The growth term is an assumed bound, not derived from the plan kernel: a budget of an item or
+    less grown up to ``_BUDGET_GROWTH`` times, a larger one by at most ``_BUDGET_GROWTH - 1`` items (the tests hold
+    it at the largest accepted ``max_seq_len`` and at round AZ's huge floors). Round CP's review: the bound left out
+    both, so legal plans at a huge
     ``max_seq_len`` wrapped ``prog_start`` negative (bins undrained, a read before the plan's buffers) or an item's
     token count (an all-zero output where the static path attends)."""
     item = math.ceil(max_seq_len / TILE) + item_cost
@@ -626,13 +642,12 @@ class DecodePlan:
             min_tiles = DEFAULT_MIN_TILES
         check_int("min_tiles", min_tiles, 1)
         # ints (a float or bool refused: round CP's review found 4.0, 64.0 and False taken)
-        if num_warps is not None and check_int("num_warps", num_warps) not in (2, 4, 8):
-            raise ValueError(f"num_warps must be one of [2, 4, 8] or None, got {num_warps!r}")
-        if block_n is not None and check_int("block_n", block_n) not in (TILE, 2 * TILE):
-            raise ValueError(f"block_n must be one of [{TILE}, {2 * TILE}] or None, got {block_n!r}")
-        if max_registers is not None and check_int("max_registers", max_registers, 0, 255) \
-                and max_registers < 24:
-            raise ValueError(f"max_registers must be 0 (no cap), 24-255 or None, got {max_registers}")
+        if num_warps is not None and check_int("num_warps", num_warps) not in TRITON_WARP_COUNTS:
+            raise ValueError(f"num_warps must be one of {list(TRITON_WARP_COUNTS)} or None, got {num_warps!r}")
+        if block_n is not None and check_int("block_n", block_n) not in BLOCK_NS:
+            raise ValueError(f"block_n must be one of {list(BLOCK_NS)} or None, got {block_n!r}")
+        if max_registers is not None:
+            check_register_cap("max_registers", max_registers, none_allowed=True)
         check_int("item_cost", item_cost, 0, MAX_ITEM_COST)
         if item_cost_max_tiles is not None:
             check_int("item_cost_max_tiles", item_cost_max_tiles, 1, _NO_COST_LIMIT - 1)

@@ -753,12 +753,11 @@ def __getattr__(name: str):
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
     """transformers' attention function ``"evenflow"``: returns ``(out [B, T, Hq, D], None)``."""
     layer = kwargs.get(_HANDLE)
-    if layer is not None:
-        layer.owner.unattended = None  # the handle taken: the next update finds no layer left out
     if layer is None:
         raise ValueError(f"{type(module).__name__}: attn_implementation 'evenflow' needs "
                          "cache=evenflow.integrations.transformers.PagedCache(...) (past_key_values= before "
                          "transformers 5.2x) and use_cache=True")
+    layer.owner.unattended = None  # the handle taken: the next update finds no layer left out
     if dropout:
         raise ValueError(f"{type(module).__name__}: dropout {dropout}: evenflow's paged attention is for inference")
     if kwargs.get("use_cache") is False:

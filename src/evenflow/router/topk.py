@@ -106,10 +106,11 @@ def _(logits, bias, ids, weights, top_k, is_sigmoid, renormalize, routed_scaling
     return None
 
 
-def _check_outputs_apart(ids, weights, logits, bias, ids_name: str, weights_name: str) -> None:
-    """The selection's two outputs share no bytes with each other or with its inputs."""
-    check_no_overlap(ids_name, ids, **{weights_name: weights, "logits": logits, "bias": bias})
-    check_no_overlap(weights_name, weights, logits=logits, bias=bias)
+def _check_outputs_apart(ids, weights, logits, bias, ids_name: str, weights_name: str, w=None) -> None:
+    """The selection's two outputs share no bytes with each other or with its inputs (and ``route``'s fp32 router
+    weight ``w``: a write into it would bump no version counter, so the split would go stale in silence)."""
+    check_no_overlap(ids_name, ids, **{weights_name: weights, "logits": logits, "bias": bias, "w": w})
+    check_no_overlap(weights_name, weights, logits=logits, bias=bias, w=w)
 
 
 def _check_route_args(e: int, top_k, scoring, bias, renormalize, routed_scaling, device, experts_from: str) -> None:
@@ -137,8 +138,8 @@ def _check_selection(logits, top_k, scoring, bias, renormalize, routed_scaling) 
     return t, e
 
 
-def _selection_outputs(out, t: int, top_k: int, logits: torch.Tensor, bias: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def _selection_outputs(out, t: int, top_k: int, logits: torch.Tensor, bias: torch.Tensor | None,
+                       w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, weights): ``out`` checked (a pair of int32 / fp32 ``[T, top_k]`` on the logits' device, apart from each
     other and from the inputs), or new tensors where it is None."""
     if out is None:
@@ -148,7 +149,7 @@ def _selection_outputs(out, t: int, top_k: int, logits: torch.Tensor, bias: torc
         raise TypeError("out must be a pair (ids, weights)")
     ids = check_out("out[0] (ids)", out[0], (t, top_k), torch.int32, logits.device)
     weights = check_out("out[1] (weights)", out[1], (t, top_k), torch.float32, logits.device)
-    _check_outputs_apart(ids, weights, logits, bias, "out[0] (ids)", "out[1] (weights)")
+    _check_outputs_apart(ids, weights, logits, bias, "out[0] (ids)", "out[1] (weights)", w)
     return ids, weights
 
 
@@ -188,15 +189,12 @@ def route(x: torch.Tensor, w: RouterWeight, top_k: int, scoring: str = "softmax"
         raise TypeError(f"w must be an evenflow.RouterWeight, got {type(w).__name__}")
     w.check_fresh()  # first: a re-split may change N, which the checks and the logits buffer read
     n, k = w.shape
-    # before the GEMM launches
-    _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device, "w")
+    _check_route_args(n, top_k, scoring, bias, renormalize, routed_scaling, w.device, "w")  # before the GEMM
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         _check_x(x, k, w.device, round_x_to_bf16)  # raises, naming x
     logits = w.logits_buffer(x.shape[0])
-    ids, weights = _selection_outputs(out, x.shape[0], top_k, logits, bias)  # checked before the GEMM launches
-    if out is not None:  # a write into the weight would not bump its version counter: the split would go stale
-        check_no_overlap("out[1] (weights)", weights, w=w.source)
-        check_no_overlap("out[0] (ids)", ids, w=w.source)
+    # checked before the GEMM launches
+    ids, weights = _selection_outputs(out, x.shape[0], top_k, logits, bias, w.source)
     # Eager calls while the zeros are kept: no zeroing kernel ahead of an atomic GEMM, the top-k clears (one launch
     # fewer a call; round CN1, docs/perf-notes/router.md). A captured call launches round CM's kernels (the clear was
     # slower in CN1's graphs) and ends the kept zeros: its replays leave logits in the buffer. A compiled call zeroes
